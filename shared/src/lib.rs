@@ -1,0 +1,1 @@
+//! bmoe-core: placeholder
