@@ -2,3 +2,4 @@
 //! forward pass per architecture, O_DIRECT flash lanes — behind the `bmoe-cli` binary.
 
 pub mod gguf;
+pub mod testdata;
