@@ -1,0 +1,68 @@
+//! Plain records that flow from the decode step to the telemetry writers: one routed
+//! expert (a route-trace row) and one flash read (an io-trace row). Both the engine and the
+//! simulator produce them through the same core code, which is what makes their traces
+//! comparable.
+
+/// Prefill (one batched step over the prompt) or decode (one token per step).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Phase {
+    Prefill = 0,
+    Decode = 1,
+}
+
+/// One routed expert of one token at one MoE layer (a `route_trace v1` row).
+#[derive(Clone, Debug, PartialEq)]
+pub struct RouteRecord {
+    pub turn: u32,
+    pub phase: Phase,
+    /// Absolute context position of the routed token.
+    pub step: i64,
+    /// MoE layer index.
+    pub layer: u32,
+    /// Rank in the router's order, 0 = top choice.
+    pub slot: u32,
+    pub expert: u32,
+    /// Final applied routing weight (NaN = unknown).
+    pub weight: f32,
+    /// 0 miss, 1 hit, 2 hit on a speculative prefetch's first touch.
+    pub residency: u8,
+    /// Flash bytes this routing read (0 unless it was the first miss of the expert).
+    pub expert_bytes: u64,
+    /// Discarded by cache-aware dropping.
+    pub dropped: bool,
+}
+
+/// One flash read (an `io_trace v1` row).
+#[derive(Clone, Debug, PartialEq)]
+pub struct IoRecord {
+    pub turn: u32,
+    pub phase: Phase,
+    pub step: i64,
+    pub layer: u32,
+    pub expert: u32,
+    /// 0 gate, 1 up, 2 down (or the index in a fused layout).
+    pub proj: u8,
+    pub lane: u32,
+    pub speculative: bool,
+    pub offset: u64,
+    pub req_bytes: u64,
+    pub read_bytes: u64,
+    pub latency_ns: u64,
+}
+
+/// Where the decode step sends per-routing and per-read records. Writers that are not
+/// enabled simply ignore them; `wants_*` lets the step skip building records nobody reads.
+pub trait RecordSink {
+    fn wants_routes(&self) -> bool {
+        false
+    }
+    fn wants_io(&self) -> bool {
+        false
+    }
+    fn route(&mut self, _r: &RouteRecord) {}
+    fn io(&mut self, _r: &IoRecord) {}
+}
+
+/// A sink that drops everything.
+pub struct NullSink;
+impl RecordSink for NullSink {}
