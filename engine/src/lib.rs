@@ -3,3 +3,4 @@
 
 pub mod gguf;
 pub mod testdata;
+pub mod tokenizer;
