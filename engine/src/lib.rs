@@ -1,6 +1,7 @@
 //! bmoe-engine: the real instantiation of bmoe-core — GGUF files, CPU kernels, our own
 //! forward pass per architecture, O_DIRECT flash lanes — behind the `bmoe-cli` binary.
 
+pub mod chat;
 pub mod gguf;
 pub mod testdata;
 pub mod tokenizer;
