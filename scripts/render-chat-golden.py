@@ -30,6 +30,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_TEMPLATES = os.path.join(ROOT, "..", "shared", "data", "templates")
 DEFAULT_OUT = os.path.join(ROOT, "engine", "tests", "golden", "chat")
+# Templates of our own, rendered beside the model templates: (stem, path).
+OWN_TEMPLATES = [("bmoe-builtin", os.path.join(ROOT, "engine", "assets", "chat_template.jinja"))]
 
 # Keep in step with engine/tests/chat.rs.
 FIXED_NOW = datetime.datetime(2025, 3, 14, 15, 9, 26)
@@ -107,11 +109,13 @@ def main():
     os.makedirs(out_dir, exist_ok=True)
     env = make_env()
     rows = []
-    for name in sorted(os.listdir(templates_dir)):
-        if not name.endswith(".jinja"):
-            continue
-        stem = name[: -len(".jinja")]
-        with open(os.path.join(templates_dir, name), encoding="utf-8") as f:
+    sources = [
+        (name[: -len(".jinja")], os.path.join(templates_dir, name))
+        for name in sorted(os.listdir(templates_dir))
+        if name.endswith(".jinja")
+    ] + OWN_TEMPLATES
+    for stem, template_path in sources:
+        with open(template_path, encoding="utf-8") as f:
             source = f.read()
         try:
             template = env.from_string(source)

@@ -5,3 +5,4 @@ pub mod chat;
 pub mod gguf;
 pub mod testdata;
 pub mod tokenizer;
+pub mod vocab;

@@ -7,6 +7,7 @@ use std::path::PathBuf;
 
 use bmoe_engine::chat::{ChatTemplate, CivilTime, Message, ThinkCtl};
 use bmoe_engine::testdata::shared_path;
+use bmoe_engine::vocab::BUILTIN_CHAT_TEMPLATE;
 
 // Keep in step with scripts/render-chat-golden.py.
 const FIXED_NOW: CivilTime = CivilTime {
@@ -57,9 +58,14 @@ fn golden_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden/chat")
 }
 
+/// A model template from `../shared`, or our own built-in one (`bmoe-builtin`).
 fn load_template(stem: &str) -> Option<ChatTemplate> {
-    let path = shared_path(&format!("data/templates/{stem}.jinja"))?;
-    let source = std::fs::read_to_string(&path).expect("read template");
+    let source = if stem == "bmoe-builtin" {
+        BUILTIN_CHAT_TEMPLATE.to_string()
+    } else {
+        let path = shared_path(&format!("data/templates/{stem}.jinja"))?;
+        std::fs::read_to_string(&path).expect("read template")
+    };
     Some(
         ChatTemplate::with_fixed_time(&source, BOS, EOS, FIXED_NOW)
             .unwrap_or_else(|e| panic!("{stem}: {e}")),
@@ -149,6 +155,7 @@ fn templates_render_like_transformers() {
 #[test]
 fn think_ctl_of_named_models() {
     let cases = [
+        ("bmoe-builtin", ThinkCtl::Template),
         ("Qwen-Qwen3-0.6B", ThinkCtl::Template),
         ("Qwen3.5-4B", ThinkCtl::Template),
         ("google-gemma-4-31B-it", ThinkCtl::Template),
@@ -171,6 +178,32 @@ fn think_ctl_of_named_models() {
         };
         assert_eq!(t.think_control(), expected, "{stem}");
     }
+}
+
+#[test]
+fn builtin_template_keeps_reasoning_of_the_last_turn_only() {
+    let t = load_template("bmoe-builtin").expect("built-in template");
+    let chat = vec![
+        Message::new("user", "Hi"),
+        Message::new("assistant", "Hello.").with_reasoning("Greet."),
+        Message::new("user", "Sum 1+1"),
+        Message::new("assistant", "2").with_reasoning("\nOne plus one.\n"),
+    ];
+    assert_eq!(
+        t.render(&chat, false, None).expect("render"),
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello.<|im_end|>\n\
+         <|im_start|>user\nSum 1+1<|im_end|>\n\
+         <|im_start|>assistant\n<think>\nOne plus one.\n</think>\n\n2<|im_end|>\n"
+    );
+    // Reasoning left inline in the content is split out the same way.
+    let inline = vec![
+        Message::new("user", "Sum 1+1"),
+        Message::new("assistant", "<think>\nOne plus one.\n</think>\n\n2"),
+    ];
+    assert!(t
+        .render(&inline, false, None)
+        .expect("render")
+        .ends_with("<|im_start|>assistant\n<think>\nOne plus one.\n</think>\n\n2<|im_end|>\n"));
 }
 
 #[test]

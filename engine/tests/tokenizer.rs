@@ -158,3 +158,240 @@ fn llama3_adds_bos_by_default() {
         .expect("encode");
     assert_eq!(ids[1], 128006);
 }
+
+mod builtin {
+    use bmoe_engine::chat::{ChatTemplate, Message, ThinkCtl};
+    use bmoe_engine::gguf::{GgufFile, GgufWriter};
+    use bmoe_engine::tokenizer::{StreamDecoder, Tokenizer};
+    use bmoe_engine::vocab::{builtin_vocab, train_builtin_vocab, vocab_from_file};
+
+    const ENGLISH: &str = "The engineer opened the cabinet, checked the cables one by one, and \
+        wrote in her notebook that the second machine had failed because its fan was blocked. \
+        Tomorrow she will replace the filter, restart the service, and measure the temperature \
+        again before lunch. \"Is it safe?\" asked the manager. \"Quite safe,\" she replied.\n";
+
+    fn temp_path(name: &str) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("bmoe-tok-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        dir.join(name)
+    }
+
+    #[test]
+    fn training_is_deterministic() {
+        let started = std::time::Instant::now();
+        let a = train_builtin_vocab().expect("train");
+        eprintln!(
+            "built-in vocab trained in {:.2} s",
+            started.elapsed().as_secs_f64()
+        );
+        let b = train_builtin_vocab().expect("train");
+        assert_eq!(a, b, "two trainings of the built-in vocabulary differ");
+        // A digest to compare across processes (and machines): FNV-1a over tokens and merges.
+        let mut digest: u64 = 0xcbf2_9ce4_8422_2325;
+        for key in ["tokenizer.ggml.tokens", "tokenizer.ggml.merges"] {
+            let items = a
+                .iter()
+                .find(|(k, _)| k == key)
+                .and_then(|(_, v)| v.as_str_array())
+                .expect("strings");
+            for item in items {
+                for b in item.bytes().chain([0u8]) {
+                    digest = (digest ^ b as u64).wrapping_mul(0x100_0000_01b3);
+                }
+            }
+        }
+        eprintln!("built-in vocab digest {digest:016x}");
+        let tokens = a
+            .iter()
+            .find(|(k, _)| k == "tokenizer.ggml.tokens")
+            .and_then(|(_, v)| v.as_str_array())
+            .expect("tokens");
+        assert_eq!(tokens.len(), 4096);
+        assert_eq!(
+            &tokens[4091..],
+            &[
+                "<|endoftext|>",
+                "<|im_start|>",
+                "<|im_end|>",
+                "<think>",
+                "</think>"
+            ]
+        );
+    }
+
+    #[test]
+    fn builtin_vocab_through_a_gguf_file_tokenizes_english() {
+        let kv = builtin_vocab().expect("builtin vocab");
+        let path = temp_path("builtin-vocab.gguf");
+        GgufWriter::write_file(&path, &kv, &[]).expect("write gguf");
+        let file = GgufFile::open(&path).expect("open gguf");
+        let tok = Tokenizer::from_gguf(&file).expect("tokenizer");
+        assert_eq!(tok.n_vocab(), 4096);
+        assert_eq!(tok.pre(), "qwen2");
+        assert!(!tok.add_bos());
+        assert_eq!(tok.eos(), tok.token_id("<|im_end|>"));
+        assert_eq!(tok.eot(), tok.token_id("<|im_end|>"));
+        assert!(tok.is_eog(tok.token_id("<|im_end|>").expect("im_end")));
+
+        let ids = tok.encode(ENGLISH, false).expect("encode");
+        assert_eq!(tok.decode(&ids), ENGLISH);
+        let words = ENGLISH.split_whitespace().count();
+        let per_word = ids.len() as f64 / words as f64;
+        eprintln!(
+            "built-in vocab: {} tokens for {words} words = {per_word:.2} tokens/word, {:.2} bytes/token",
+            ids.len(),
+            ENGLISH.len() as f64 / ids.len() as f64
+        );
+        // A 4k BPE trained on a 19th-century novel, on modern English it never saw: common
+        // words whole, rarer ones in two or three pieces. Raw bytes would be ~5.5 per word.
+        assert!(per_word < 2.0, "{per_word:.2} tokens per word");
+
+        let code =
+            "fn main() {\n    let x: Vec<u32> = (0..10).collect();\n    println!(\"{x:?}\");\n}\n";
+        let ids = tok.encode(code, false).expect("encode");
+        assert_eq!(tok.decode(&ids), code);
+        let odd = "Ünïcode ✓ 😀 日本語 tab\there\r\n";
+        let ids = tok.encode(odd, false).expect("encode");
+        let mut stream = StreamDecoder::new();
+        let streamed: String = ids.iter().map(|&i| stream.push(&tok, i)).collect();
+        assert_eq!(streamed, odd);
+
+        // The chat template renders, and its specials tokenize whole.
+        let template = file
+            .get("tokenizer.chat_template")
+            .and_then(|v| v.as_str())
+            .expect("chat template");
+        let chat = ChatTemplate::new(template, "<|endoftext|>", "<|im_end|>").expect("template");
+        let prompt = chat
+            .render(&[Message::new("user", "Hello there.")], true, Some(false))
+            .expect("render");
+        assert_eq!(
+            prompt,
+            "<|im_start|>user\nHello there.<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+        );
+        assert_eq!(chat.think_control(), ThinkCtl::Template);
+        let ids = tok.encode(&prompt, true).expect("encode");
+        for special in ["<|im_start|>", "<|im_end|>", "<think>", "</think>"] {
+            let id = tok.token_id(special).expect("special id");
+            assert!(ids.contains(&id), "{special} not matched whole");
+        }
+        assert_eq!(tok.decode(&ids), prompt);
+        std::fs::remove_file(&path).ok();
+    }
+
+    #[test]
+    fn vocab_from_gguf_copies_tokenizer_keys() {
+        let kv = builtin_vocab().expect("builtin vocab");
+        let path = temp_path("copy-source.gguf");
+        let mut with_other = kv.clone();
+        with_other.insert(
+            0,
+            (
+                "general.architecture".to_string(),
+                bmoe_engine::gguf::Value::String("qwen3moe".into()),
+            ),
+        );
+        GgufWriter::write_file(&path, &with_other, &[]).expect("write");
+        let copied = vocab_from_file(&path).expect("copy");
+        assert_eq!(
+            copied, kv,
+            "all tokenizer.* keys, in order, and nothing else"
+        );
+        std::fs::remove_file(&path).ok();
+    }
+
+    #[test]
+    fn vocab_from_real_gguf_builds_the_same_tokenizer() {
+        let Some(path) = bmoe_engine::testdata::shared_path("data/vocab/ggml-vocab-qwen35.gguf")
+        else {
+            return;
+        };
+        let kv = vocab_from_file(&path).expect("copy");
+        let from_kv = Tokenizer::from_metadata(&kv).expect("tokenizer from kv");
+        let from_file = Tokenizer::from_gguf(&GgufFile::open(&path).expect("open")).expect("tok");
+        let text = "Hello world, this is a test of 123 things.";
+        assert_eq!(
+            from_kv.encode(text, true).expect("encode"),
+            from_file.encode(text, true).expect("encode")
+        );
+    }
+
+    #[test]
+    fn vocab_from_tokenizer_json_matches_the_gguf_vocab() {
+        // Export the built-in vocabulary as a tokenizer.json and convert it back.
+        let kv = builtin_vocab().expect("builtin vocab");
+        let get = |k: &str| kv.iter().find(|(key, _)| key == k).map(|(_, v)| v.clone());
+        let tokens = get("tokenizer.ggml.tokens").expect("tokens");
+        let tokens = tokens.as_str_array().expect("strings");
+        let merges = get("tokenizer.ggml.merges").expect("merges");
+        let merges = merges.as_str_array().expect("strings");
+        let n_normal = tokens.len() - 5;
+        let vocab: serde_json::Map<String, serde_json::Value> = tokens[..n_normal]
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.to_string(), serde_json::json!(i)))
+            .collect();
+        let added: Vec<serde_json::Value> = tokens[n_normal..]
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                serde_json::json!({"id": n_normal + i, "content": t, "special": !t.contains("think"),
+                    "single_word": false, "lstrip": false, "rstrip": false, "normalized": false})
+            })
+            .collect();
+        let json = serde_json::json!({
+            "version": "1.0",
+            "added_tokens": added,
+            "normalizer": null,
+            "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"},
+                 "behavior": "Isolated", "invert": false},
+                {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false}
+            ]},
+            "post_processor": null,
+            "decoder": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false},
+            "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                "vocab": vocab, "merges": merges}
+        });
+        let dir = temp_path("json-vocab");
+        std::fs::create_dir_all(&dir).expect("dir");
+        let json_path = dir.join("tokenizer.json");
+        std::fs::write(&json_path, serde_json::to_string(&json).expect("json")).expect("write");
+        std::fs::write(
+            dir.join("tokenizer_config.json"),
+            r#"{"bos_token": null, "eos_token": "<|im_end|>", "add_bos_token": false}"#,
+        )
+        .expect("write config");
+
+        let converted = vocab_from_file(&json_path).expect("convert");
+        let conv = |k: &str| {
+            converted
+                .iter()
+                .find(|(key, _)| key == k)
+                .map(|(_, v)| v.clone())
+        };
+        assert_eq!(conv("tokenizer.ggml.pre"), get("tokenizer.ggml.pre"));
+        assert_eq!(conv("tokenizer.ggml.tokens"), get("tokenizer.ggml.tokens"));
+        assert_eq!(
+            conv("tokenizer.ggml.token_type"),
+            get("tokenizer.ggml.token_type")
+        );
+        assert_eq!(conv("tokenizer.ggml.merges"), get("tokenizer.ggml.merges"));
+        assert_eq!(
+            conv("tokenizer.ggml.eos_token_id"),
+            get("tokenizer.ggml.eos_token_id")
+        );
+
+        // And the tokenizer.json itself loads and agrees with the GGUF-built tokenizer.
+        let from_json = Tokenizer::from_json_file(&json_path).expect("from json");
+        let from_kv = Tokenizer::from_metadata(&kv).expect("from kv");
+        let text = "<|im_start|>user\nWho is Phileas Fogg?<|im_end|>\n<think>";
+        assert_eq!(
+            from_json.encode(text, true).expect("encode"),
+            from_kv.encode(text, true).expect("encode")
+        );
+        assert_eq!(from_json.eos(), from_kv.eos());
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}
