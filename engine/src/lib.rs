@@ -1,5 +1,10 @@
 //! bmoe-engine: the real instantiation of bmoe-core — GGUF files, CPU kernels, our own
 //! forward pass per architecture, O_DIRECT flash lanes — behind the `bmoe-cli` binary.
 
+pub mod arch;
+pub mod cli;
+pub mod gen;
 pub mod gguf;
+pub mod probe;
+pub mod sample;
 pub mod testdata;
