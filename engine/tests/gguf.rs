@@ -5,3 +5,5 @@
 mod common;
 #[path = "gguf/errors.rs"]
 mod errors;
+#[path = "gguf/roundtrip.rs"]
+mod roundtrip;
