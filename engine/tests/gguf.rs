@@ -7,3 +7,5 @@ mod common;
 mod errors;
 #[path = "gguf/roundtrip.rs"]
 mod roundtrip;
+#[path = "gguf/split.rs"]
+mod split;
