@@ -3,8 +3,11 @@
 
 #![allow(dead_code)]
 
-use bmoe_engine::gguf::{GgmlType, GgufError, Value, ValueType};
+use bmoe_engine::gguf::{GgmlType, GgufError, TensorSpec, Value, ValueType};
 use std::path::PathBuf;
+
+/// A model to write: metadata, then tensors with their bytes.
+pub type Model = (Vec<(String, Value)>, Vec<(TensorSpec, Vec<u8>)>);
 
 /// A tensor info as it will be encoded, offsets relative to the data section.
 #[derive(Clone, Debug)]

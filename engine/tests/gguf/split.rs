@@ -7,7 +7,7 @@ use bmoe_engine::gguf::{
 };
 use std::os::unix::fs::FileExt;
 
-fn model() -> (Vec<(String, Value)>, Vec<(TensorSpec, Vec<u8>)>) {
+fn model() -> Model {
     let meta = sample_metadata();
     let specs = [
         TensorSpec::new("token_embd.weight", &[64, 10], GgmlType::Q8_0),
