@@ -811,6 +811,21 @@ impl Tokenizer {
         self.eos
     }
 
+    /// The text of the BOS token (for a chat template's `bos_token`), empty when there is none.
+    pub fn bos_text(&self) -> String {
+        self.special_text(self.bos)
+    }
+
+    /// The text of the EOS token (for a chat template's `eos_token`), empty when there is none.
+    pub fn eos_text(&self) -> String {
+        self.special_text(self.eos)
+    }
+
+    fn special_text(&self, id: Option<u32>) -> String {
+        id.map(|id| String::from_utf8_lossy(&self.token_bytes(id)).into_owned())
+            .unwrap_or_default()
+    }
+
     /// End-of-turn id (`<|im_end|>` for Qwen, `<|eot_id|>` for Llama 3), if any.
     pub fn eot(&self) -> Option<u32> {
         self.eot
@@ -927,7 +942,7 @@ impl StreamDecoder {
     }
 
     /// End of stream: whatever is still held, with an incomplete character as U+FFFD.
-    pub fn finish(&mut self) -> String {
+    pub fn flush(&mut self) -> String {
         let out = String::from_utf8_lossy(&self.pending).into_owned();
         self.pending.clear();
         out
@@ -974,7 +989,7 @@ mod tests {
         let mut d = StreamDecoder::new();
         assert_eq!(d.push_bytes(&[b'a', 0xff, b'b']), "a\u{fffd}b");
         assert_eq!(d.push_bytes(&[0xf0, 0x9f]), "");
-        assert_eq!(d.finish(), "\u{fffd}");
+        assert_eq!(d.flush(), "\u{fffd}");
     }
 
     fn tiny_meta(pre: &str) -> Vec<(String, Value)> {

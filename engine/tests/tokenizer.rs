@@ -85,7 +85,7 @@ fn every_bpe_vocab_matches_llama_cpp_vectors() {
             for &id in &got {
                 streamed.push_str(&stream.push(&tok, id));
             }
-            streamed.push_str(&stream.finish());
+            streamed.push_str(&stream.flush());
             assert_eq!(
                 streamed,
                 back,
@@ -128,6 +128,7 @@ fn qwen_special_ids_and_chatml_prompt() {
     assert_eq!(tok.eot(), Some(151645), "<|im_end|> is Qwen's end of turn");
     assert!(tok.is_eog(151643) && tok.is_eog(151645) && !tok.is_eog(151644));
     assert!(!tok.add_bos());
+    assert_eq!(tok.bos_text(), "<|endoftext|>");
     let prompt = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n";
     let ids = tok.encode(prompt, true).expect("encode");
     assert_eq!(ids.first(), Some(&151644));
@@ -150,6 +151,8 @@ fn llama3_adds_bos_by_default() {
         "llama-bpe prepends BOS unless the file says otherwise"
     );
     assert_eq!(tok.bos(), Some(128000));
+    assert_eq!(tok.bos_text(), "<|begin_of_text|>");
+    assert_eq!(tok.eos_text(), "<|end_of_text|>");
     assert_eq!(tok.eot(), Some(128009), "<|eot_id|>");
     let ids = tok.encode("Hello world", false).expect("encode");
     assert_eq!(ids, vec![128000, 9906, 1917]);
