@@ -2,4 +2,5 @@
 //! forward pass per architecture, O_DIRECT flash lanes — behind the `bmoe-cli` binary.
 
 pub mod gguf;
+pub mod inspect;
 pub mod testdata;
