@@ -5,6 +5,8 @@
 mod common;
 #[path = "gguf/errors.rs"]
 mod errors;
+#[path = "gguf/inspect.rs"]
+mod inspect;
 #[path = "gguf/python.rs"]
 mod python;
 #[path = "gguf/roundtrip.rs"]

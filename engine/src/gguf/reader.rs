@@ -98,7 +98,7 @@ impl TensorInfo {
         let len = self.slice_bytes()?;
         Some(Extent {
             shard: self.shard,
-            offset: self.offset + index * len,
+            offset: index.checked_mul(len)?.checked_add(self.offset)?,
             len,
         })
     }

@@ -359,6 +359,28 @@ fn check_supported_names_tensor_and_type() {
 }
 
 #[test]
+fn empty_file_is_truncated_at_the_magic() {
+    let dir = scratch("empty");
+    let p = dir.join("bad.gguf");
+    std::fs::write(&p, b"").expect("write");
+    let e = GgufFile::open(&p).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            GgufError::Truncated {
+                needed: 4,
+                offset: 0,
+                file_len: 0,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    names(&e, "magic");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
 fn missing_file_is_an_open_error() {
     let e = GgufFile::open("/nonexistent/bad.gguf").unwrap_err();
     assert!(matches!(e, GgufError::Open { .. }), "{e}");
