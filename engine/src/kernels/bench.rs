@@ -287,6 +287,13 @@ mod tests {
         );
     }
 
+    /// A quick look at the in-L2 column while tuning a kernel.
+    #[test]
+    #[ignore]
+    fn bench_quick() {
+        println!("{}", run_bench(1, 8));
+    }
+
     /// The real measurement: `cargo test --release -p bmoe-engine --lib kernels::bench --
     /// --ignored --nocapture`.
     #[test]
