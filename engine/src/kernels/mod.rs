@@ -549,6 +549,11 @@ struct OutPtr(*mut f32);
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 impl OutPtr {
+    #[inline(always)]
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+
     /// # Safety
     /// `i` in bounds of the original slice and written by one task only.
     #[inline(always)]

@@ -5,15 +5,17 @@
 //! pool, spin briefly waiting for the next call (the next product usually follows within
 //! microseconds), then sleep on a condition variable so an idle engine costs no CPU.
 //!
-//! Protocol for one [`ThreadPool::run`]: the caller publishes the job, bumps `generation`, and
-//! takes tasks itself; tasks are handed out by an atomic counter. Every worker checks in once per
-//! generation (decrements `pending`) after its last use of the job, and `run` returns only when
-//! `pending` is zero, so the borrowed closure is never touched after `run` returns.
+//! Protocol for one [`ThreadPool::run`]: one atomic word holds (generation, task count, next
+//! task). The caller points `job` at the closure, publishes a new word, and takes tasks itself;
+//! anyone claims task `i` by a compare-and-swap of `next` from `i` to `i + 1` within the same
+//! word, and only then reads `job`. `run` returns when `done` reaches the task count. So a
+//! worker that wakes late (descheduled on a busy machine) never holds the caller up: it finds
+//! no task left and goes back to waiting, and a successful claim proves the job is still live
+//! (the caller cannot return before that claimed task completes).
 
 use std::any::Any;
-use std::cell::UnsafeCell;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -22,40 +24,51 @@ use std::time::{Duration, Instant};
 /// sleeps. Long enough to bridge the gap between consecutive products of one token.
 const SPIN: Duration = Duration::from_micros(200);
 
-type Task = dyn Fn(usize) + Sync;
+/// Tasks per round: the task count and the next index are 24-bit fields of the state word.
+const MAX_ROUND: usize = (1 << 24) - 1;
 
-fn noop(_: usize) {}
-const NOOP: &Task = &noop;
-
-#[derive(Copy, Clone)]
-struct Job {
-    /// Valid from the generation bump until every worker has checked in.
-    f: *const Task,
+/// The state word: generation (16 bits, wrapping) | task count (24) | next task (24).
+#[derive(Copy, Clone, PartialEq, Eq, Debug)]
+struct State {
+    generation: u16,
     n_tasks: usize,
+    next: usize,
+}
+
+impl State {
+    fn pack(self) -> u64 {
+        ((self.generation as u64) << 48) | ((self.n_tasks as u64) << 24) | self.next as u64
+    }
+    fn unpack(w: u64) -> State {
+        State {
+            generation: (w >> 48) as u16,
+            n_tasks: ((w >> 24) & MAX_ROUND as u64) as usize,
+            next: (w & MAX_ROUND as u64) as usize,
+        }
+    }
+}
+
+/// What a claimed task runs: the caller's closure and the index offset of this round. Lives on
+/// the caller's stack for the duration of one round.
+struct Job<'a> {
+    f: &'a (dyn Fn(usize) + Sync + 'a),
+    base: usize,
 }
 
 struct Shared {
-    /// Bumped once per job (and once at shutdown).
-    generation: AtomicU64,
-    /// Written only by the caller while no worker is between seeing a generation and checking in.
-    job: UnsafeCell<Job>,
-    next_task: AtomicUsize,
-    /// Workers that have not yet checked in for the current generation.
-    pending: AtomicUsize,
+    state: AtomicU64,
+    /// The current round's `Job` (type-erased); read only after a successful claim.
+    job: AtomicPtr<()>,
+    /// Tasks of the current round that have returned.
+    done: AtomicUsize,
     shutdown: AtomicBool,
     panic: Mutex<Option<Box<dyn Any + Send>>>,
     sleep_lock: Mutex<()>,
     wake: Condvar,
-    done: Condvar,
+    finished: Condvar,
     sleeping_workers: AtomicUsize,
     caller_sleeping: AtomicBool,
 }
-
-// SAFETY: `job` is the only non-Sync field; its accesses are ordered by `generation`
-// (release by the writer, acquire by readers) and `pending` (readers finish before the next
-// write), as described in the module docs.
-unsafe impl Sync for Shared {}
-unsafe impl Send for Shared {}
 
 fn lock(m: &Mutex<()>) -> MutexGuard<'_, ()> {
     // Nothing panics while holding these locks; recover the guard if it ever happened.
@@ -64,8 +77,8 @@ fn lock(m: &Mutex<()>) -> MutexGuard<'_, ()> {
 
 /// A fixed set of compute threads; the thread calling [`ThreadPool::run`] is one of them.
 ///
-/// `run` calls must not nest (a task must not call `run` on the same pool); concurrent calls
-/// from different threads are serialised.
+/// `run` calls must not nest (a task must not call `run` on the same pool: it would wait for
+/// itself); concurrent calls from different threads are serialised.
 pub struct ThreadPool {
     shared: Arc<Shared>,
     workers: Vec<JoinHandle<()>>,
@@ -79,18 +92,14 @@ impl ThreadPool {
     /// worker, the pool runs with the threads it got ([`ThreadPool::n_threads`] tells).
     pub fn new(n_threads: usize) -> Self {
         let shared = Arc::new(Shared {
-            generation: AtomicU64::new(0),
-            job: UnsafeCell::new(Job {
-                f: NOOP as *const Task,
-                n_tasks: 0,
-            }),
-            next_task: AtomicUsize::new(0),
-            pending: AtomicUsize::new(0),
+            state: AtomicU64::new(0),
+            job: AtomicPtr::new(std::ptr::null_mut()),
+            done: AtomicUsize::new(0),
             shutdown: AtomicBool::new(false),
             panic: Mutex::new(None),
             sleep_lock: Mutex::new(()),
             wake: Condvar::new(),
-            done: Condvar::new(),
+            finished: Condvar::new(),
             sleeping_workers: AtomicUsize::new(0),
             caller_sleeping: AtomicBool::new(false),
         });
@@ -120,10 +129,10 @@ impl ThreadPool {
     }
 
     /// Runs `f(i)` for every `i` in `0..n_tasks`, spread over the threads, and returns when all
-    /// calls have returned. Which thread runs which task is not fixed, so tasks must not depend
-    /// on it. No allocation and no thread creation. If a task panics, the panic is re-raised
-    /// here after every other task has finished.
-    pub fn run<'f>(&self, n_tasks: usize, f: &'f (dyn Fn(usize) + Sync + 'f)) {
+    /// calls have returned. Which thread runs which task is not fixed, so results must not
+    /// depend on it. No allocation and no thread creation. If a task panics, the other tasks
+    /// still run and the first panic is re-raised here.
+    pub fn run(&self, n_tasks: usize, f: &(dyn Fn(usize) + Sync)) {
         let _serial = lock(&self.run_lock);
         if self.workers.is_empty() || n_tasks <= 1 {
             for i in 0..n_tasks {
@@ -131,102 +140,124 @@ impl ThreadPool {
             }
             return;
         }
-        let s = &*self.shared;
-        // SAFETY: erases the borrow's lifetime; `run` does not return before every worker has
-        // checked in for this generation, after its last use of `f`.
-        let f_static: &'static Task =
-            unsafe { std::mem::transmute::<&'f (dyn Fn(usize) + Sync + 'f), &'static Task>(f) };
-        // SAFETY: all workers checked in for the previous generation (pending == 0), so none
-        // reads `job` until the generation bump below publishes it.
-        unsafe {
-            *s.job.get() = Job {
-                f: f_static as *const Task,
-                n_tasks,
-            }
-        };
-        s.next_task.store(0, Ordering::Relaxed);
-        s.pending.store(self.workers.len(), Ordering::Relaxed);
-        s.generation.fetch_add(1, Ordering::SeqCst);
-        if s.sleeping_workers.load(Ordering::SeqCst) > 0 {
-            let _g = lock(&s.sleep_lock);
-            s.wake.notify_all();
+        let mut base = 0;
+        while base < n_tasks {
+            let count = (n_tasks - base).min(MAX_ROUND);
+            self.round(&Job { f, base }, count);
+            base += count;
         }
-
-        let mine = catch_unwind(AssertUnwindSafe(|| take_tasks(s, f, n_tasks)));
-        self.wait_for_workers();
-
-        let theirs = s.panic.lock().unwrap_or_else(|e| e.into_inner()).take();
-        if let Err(p) = mine {
-            resume_unwind(p);
-        }
-        if let Some(p) = theirs {
+        let panicked = self
+            .shared
+            .panic
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(p) = panicked {
             resume_unwind(p);
         }
     }
 
-    fn wait_for_workers(&self) {
+    fn round(&self, job: &Job<'_>, count: usize) {
+        let s = &*self.shared;
+        s.done.store(0, Ordering::Relaxed);
+        s.job
+            .store(job as *const Job<'_> as *mut (), Ordering::Relaxed);
+        let old = State::unpack(s.state.load(Ordering::Relaxed));
+        let fresh = State {
+            generation: old.generation.wrapping_add(1),
+            n_tasks: count,
+            next: 0,
+        };
+        // Publishes `job` and `done` to whoever acquires this word.
+        s.state.store(fresh.pack(), Ordering::SeqCst);
+        if s.sleeping_workers.load(Ordering::SeqCst) > 0 {
+            let _g = lock(&s.sleep_lock);
+            s.wake.notify_all();
+        }
+        while claim_and_run(s, fresh.generation) {}
+        self.wait_done(count);
+    }
+
+    fn wait_done(&self, count: usize) {
         let s = &*self.shared;
         let start = Instant::now();
         let mut spins = 0u32;
-        while s.pending.load(Ordering::Acquire) != 0 {
+        while s.done.load(Ordering::Acquire) != count {
             std::hint::spin_loop();
             spins = spins.wrapping_add(1);
             if spins % 64 == 0 && start.elapsed() > SPIN {
                 let mut g = lock(&s.sleep_lock);
                 s.caller_sleeping.store(true, Ordering::SeqCst);
-                while s.pending.load(Ordering::SeqCst) != 0 {
-                    g = s.done.wait(g).unwrap_or_else(|e| e.into_inner());
+                while s.done.load(Ordering::SeqCst) != count {
+                    g = s.finished.wait(g).unwrap_or_else(|e| e.into_inner());
                 }
                 s.caller_sleeping.store(false, Ordering::SeqCst);
                 break;
             }
         }
-        // Pairs with the workers' release in `fetch_sub`, so their writes are visible.
         std::sync::atomic::fence(Ordering::Acquire);
     }
 }
 
-fn take_tasks(s: &Shared, f: &(dyn Fn(usize) + Sync + '_), n_tasks: usize) {
+/// Claims the next task of `generation` and runs it; false when none is left (or the
+/// generation is over).
+fn claim_and_run(s: &Shared, generation: u16) -> bool {
+    let mut word = s.state.load(Ordering::Acquire);
     loop {
-        let i = s.next_task.fetch_add(1, Ordering::Relaxed);
-        if i >= n_tasks {
-            break;
+        let st = State::unpack(word);
+        if st.generation != generation || st.next >= st.n_tasks {
+            return false;
         }
-        f(i);
+        let claimed = State {
+            next: st.next + 1,
+            ..st
+        };
+        match s.state.compare_exchange_weak(
+            word,
+            claimed.pack(),
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        ) {
+            Ok(_) => {
+                // SAFETY: the claim succeeded on this round's word, so the round is not over
+                // (it cannot end before this task reports done) and `job` points at the
+                // caller's live `Job`, published before the word.
+                let job = unsafe { &*(s.job.load(Ordering::Acquire) as *const Job<'_>) };
+                if let Err(p) = catch_unwind(AssertUnwindSafe(|| (job.f)(job.base + st.next))) {
+                    let mut slot = s.panic.lock().unwrap_or_else(|e| e.into_inner());
+                    slot.get_or_insert(p);
+                }
+                let finished = s.done.fetch_add(1, Ordering::SeqCst) + 1 == st.n_tasks;
+                if finished && s.caller_sleeping.load(Ordering::SeqCst) {
+                    let _g = lock(&s.sleep_lock);
+                    s.finished.notify_all();
+                }
+                return true;
+            }
+            Err(now) => word = now,
+        }
     }
 }
 
 fn worker_loop(s: &Shared) {
-    let mut seen = 0u64;
+    let mut seen = State::unpack(s.state.load(Ordering::Acquire)).generation;
     loop {
         seen = wait_for_generation(s, seen);
         if s.shutdown.load(Ordering::Acquire) {
             return;
         }
-        // SAFETY: the generation was published after `job` was written, and the caller does
-        // not write it again before this worker checks in below.
-        let job = unsafe { *s.job.get() };
-        // SAFETY: the closure outlives this generation (see `ThreadPool::run`).
-        let f = unsafe { &*job.f };
-        if let Err(p) = catch_unwind(AssertUnwindSafe(|| take_tasks(s, f, job.n_tasks))) {
-            let mut slot = s.panic.lock().unwrap_or_else(|e| e.into_inner());
-            slot.get_or_insert(p);
-        }
-        if s.pending.fetch_sub(1, Ordering::SeqCst) == 1 && s.caller_sleeping.load(Ordering::SeqCst)
-        {
-            let _g = lock(&s.sleep_lock);
-            s.done.notify_all();
-        }
+        while claim_and_run(s, seen) {}
     }
 }
 
-/// Waits until `generation` differs from `seen`; returns the new value.
-fn wait_for_generation(s: &Shared, seen: u64) -> u64 {
+/// Waits until the state's generation differs from `seen` (or shutdown); returns the new one.
+fn wait_for_generation(s: &Shared, seen: u16) -> u16 {
+    let current = || State::unpack(s.state.load(Ordering::SeqCst)).generation;
     let start = Instant::now();
     let mut spins = 0u32;
     loop {
-        let g = s.generation.load(Ordering::Acquire);
-        if g != seen {
+        let g = current();
+        if g != seen || s.shutdown.load(Ordering::Relaxed) {
             return g;
         }
         std::hint::spin_loop();
@@ -235,23 +266,22 @@ fn wait_for_generation(s: &Shared, seen: u64) -> u64 {
             break;
         }
     }
-    let mut g = lock(&s.sleep_lock);
+    let mut guard = lock(&s.sleep_lock);
     s.sleeping_workers.fetch_add(1, Ordering::SeqCst);
     loop {
-        let gen = s.generation.load(Ordering::SeqCst);
-        if gen != seen {
+        let g = current();
+        if g != seen || s.shutdown.load(Ordering::SeqCst) {
             s.sleeping_workers.fetch_sub(1, Ordering::SeqCst);
-            return gen;
+            return g;
         }
-        g = s.wake.wait(g).unwrap_or_else(|e| e.into_inner());
+        guard = s.wake.wait(guard).unwrap_or_else(|e| e.into_inner());
     }
 }
 
 impl Drop for ThreadPool {
     fn drop(&mut self) {
         let s = &*self.shared;
-        s.shutdown.store(true, Ordering::Release);
-        s.generation.fetch_add(1, Ordering::SeqCst);
+        s.shutdown.store(true, Ordering::SeqCst);
         {
             let _g = lock(&s.sleep_lock);
             s.wake.notify_all();
@@ -265,6 +295,16 @@ impl Drop for ThreadPool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn state_word_round_trips() {
+        let st = State {
+            generation: 0xBEEF,
+            n_tasks: MAX_ROUND,
+            next: 12345,
+        };
+        assert_eq!(State::unpack(st.pack()), st);
+    }
 
     #[test]
     fn every_task_runs_exactly_once() {

@@ -27,21 +27,33 @@ const _: () = assert!(std::mem::size_of::<BlockQ4K>() == 144);
 // SAFETY: byte arrays only: alignment 1, no padding, any bits valid.
 unsafe impl RawBlock for BlockQ4K {}
 
-/// The 8 scales and 8 minimums (6 bits each) of a Q4_K/Q5_K super-block. Sub-blocks 0–3 keep
-/// their low 6 bits in bytes 0–3 (scales) and 4–7 (mins); sub-blocks 4–7 keep their low 4 bits
-/// in the nibbles of bytes 8–11 and their top 2 bits in the top bits of bytes 0–3 (scales) and
-/// 4–7 (mins).
+/// The 8 scales then the 8 minimums (6 bits each) of a Q4_K/Q5_K super-block, as the 16 bytes
+/// of 4 little-endian words. Sub-blocks 0–3 keep their low 6 bits in bytes 0–3 (scales) and
+/// 4–7 (mins); sub-blocks 4–7 keep their low 4 bits in the nibbles of bytes 8–11 (scale low,
+/// min high) and their top 2 bits in the top bits of bytes 0–3 (scales) and 4–7 (mins).
+/// Word arithmetic decodes four sub-blocks per operation.
+#[inline(always)]
+pub(super) fn scale_words(s: &[u8; 12]) -> [u32; 4] {
+    const LOW6: u32 = 0x3f3f_3f3f;
+    const LOW4: u32 = 0x0f0f_0f0f;
+    const LOW2: u32 = 0x0303_0303;
+    let u0 = u32::from_le_bytes([s[0], s[1], s[2], s[3]]);
+    let u1 = u32::from_le_bytes([s[4], s[5], s[6], s[7]]);
+    let u2 = u32::from_le_bytes([s[8], s[9], s[10], s[11]]);
+    [
+        u0 & LOW6,
+        (u2 & LOW4) | (((u0 >> 6) & LOW2) << 4),
+        u1 & LOW6,
+        ((u2 >> 4) & LOW4) | (((u1 >> 6) & LOW2) << 4),
+    ]
+}
+
+/// The 8 scales and 8 minimums (see [`scale_words`]).
 #[inline(always)]
 pub(super) fn unpack_scales(s: &[u8; 12]) -> ([u8; 8], [u8; 8]) {
-    let mut sc = [0u8; 8];
-    let mut m = [0u8; 8];
-    for j in 0..4 {
-        sc[j] = s[j] & 63;
-        m[j] = s[j + 4] & 63;
-        sc[j + 4] = (s[j + 8] & 0x0F) | ((s[j] >> 6) << 4);
-        m[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
-    }
-    (sc, m)
+    let w = scale_words(s);
+    let b = |i: usize| (w[i / 4] >> (8 * (i % 4))) as u8;
+    (std::array::from_fn(b), std::array::from_fn(|i| b(8 + i)))
 }
 
 /// The inverse of [`unpack_scales`] (inputs ≤ 63).
@@ -202,13 +214,11 @@ pub(super) fn dot_scalar(w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_avx2(w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
-    use super::q8_k::x86::hsum_i32;
     use std::arch::x86_64::*;
     let m4 = _mm256_set1_epi8(0x0F);
-    let mut acc = 0f32;
+    let mut acc = _mm_setzero_ps();
     for (x, y) in w.iter().zip(a) {
-        let (sc, m) = unpack_scales(&x.scales);
-        let summ = mins_dot(&m, &y.bsums);
+        let (scales, mins) = unsafe { x86::scales_mins(&x.scales) };
         let mut sumi = _mm256_setzero_si256();
         for c in 0..4 {
             // SAFETY: 32-byte loads inside qs (128 bytes) and y.qs (256 bytes).
@@ -224,14 +234,92 @@ unsafe fn dot_avx2(w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
             // ≤ 2 · 15 · 127 per i16 lane: no saturation.
             let plo = _mm256_maddubs_epi16(lo, ylo);
             let phi = _mm256_maddubs_epi16(hi, yhi);
-            let slo = _mm256_madd_epi16(plo, _mm256_set1_epi16(sc[2 * c] as i16));
-            let shi = _mm256_madd_epi16(phi, _mm256_set1_epi16(sc[2 * c + 1] as i16));
-            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(slo, shi));
+            let (sc_lo, sc_hi) = unsafe {
+                (
+                    x86::scale_of(scales, 2 * c),
+                    x86::scale_of(scales, 2 * c + 1),
+                )
+            };
+            let s = _mm256_add_epi32(_mm256_madd_epi16(plo, sc_lo), _mm256_madd_epi16(phi, sc_hi));
+            sumi = _mm256_add_epi32(sumi, s);
         }
-        let sumi = unsafe { hsum_i32(sumi) };
-        acc += super_block_term(x.d, x.dmin, y.d, sumi, summ);
+        acc = unsafe { x86::finish(acc, sumi, mins, &y.bsums, x.d, x.dmin, y.d) };
     }
-    acc
+    _mm_cvtss_f32(acc)
+}
+
+/// AVX2 pieces shared by Q4_K and Q5_K.
+#[cfg(target_arch = "x86_64")]
+pub(super) mod x86 {
+    use super::scale_words;
+    use std::arch::x86_64::*;
+
+    /// `pshufb` masks: mask `k` fills every 16-bit lane with lane `k` (of each 128-bit half).
+    const SCALE_SHUFFLE: [[u8; 32]; 8] = {
+        let mut m = [[0u8; 32]; 8];
+        let mut k = 0;
+        while k < 8 {
+            let mut i = 0;
+            while i < 32 {
+                m[k][i] = (2 * k + i % 2) as u8;
+                i += 1;
+            }
+            k += 1;
+        }
+        m
+    };
+
+    /// The 8 scales as i16 (in both 128-bit halves) and the 8 minimums as i16.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    pub unsafe fn scales_mins(s: &[u8; 12]) -> (__m256i, __m128i) {
+        let w = scale_words(s);
+        // SAFETY: 16 bytes.
+        let v = unsafe { _mm_loadu_si128(w.as_ptr().cast()) };
+        let sc = _mm_cvtepu8_epi16(v);
+        let m = _mm_cvtepu8_epi16(_mm_srli_si128(v, 8));
+        (_mm256_broadcastsi128_si256(sc), m)
+    }
+
+    /// Sub-block `k`'s scale in every i16 lane.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    pub unsafe fn scale_of(scales: __m256i, k: usize) -> __m256i {
+        // SAFETY: k < 8 (callers index sub-blocks); 32-byte load.
+        let mask = unsafe { _mm256_loadu_si256(SCALE_SHUFFLE[k & 7].as_ptr().cast()) };
+        _mm256_shuffle_epi8(scales, mask)
+    }
+
+    /// The float step of one super-block on lane 0 of `acc`, exactly as the scalar
+    /// `acc += super_block_term(..)`: `summ` from the minimums and pair sums of `bsums`, both
+    /// integers reduced exactly, then `(d_a·d)·sumi − (d_a·dmin)·summ` and the add.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    pub unsafe fn finish(
+        acc: __m128,
+        sumi: __m256i,
+        mins: __m128i,
+        bsums: &[i16; 16],
+        d: [u8; 2],
+        dmin: [u8; 2],
+        d_a: f32,
+    ) -> __m128 {
+        // SAFETY: 16 i16 = 32 bytes.
+        let bs = unsafe { _mm256_loadu_si256(bsums.as_ptr().cast()) };
+        // Pair sums ≤ 2 · 16 · 127: no i16 overflow.
+        let pairs = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+        let summ4 = _mm_madd_epi16(mins, pairs);
+        let sumi4 = _mm_add_epi32(
+            _mm256_castsi256_si128(sumi),
+            _mm256_extracti128_si256(sumi, 1),
+        );
+        let h = _mm_hadd_epi32(sumi4, summ4);
+        let h = _mm_hadd_epi32(h, h); // [sumi, summ, sumi, summ]
+        let bits = u16::from_le_bytes(d) as i32 | ((u16::from_le_bytes(dmin) as i32) << 16);
+        let scales = _mm_mul_ps(_mm_set1_ps(d_a), _mm_cvtph_ps(_mm_cvtsi32_si128(bits)));
+        let p = _mm_mul_ps(scales, _mm_cvtepi32_ps(h)); // [dd·sumi, dm·summ, ..]
+        _mm_add_ss(acc, _mm_sub_ss(p, _mm_movehdup_ps(p)))
+    }
 }
 
 #[cfg(test)]
@@ -258,6 +346,29 @@ pub(super) mod tests {
     /// Root-mean-square of `v`.
     pub(crate) fn rms(v: &[f32]) -> f64 {
         (v.iter().map(|x| (*x as f64).powi(2)).sum::<f64>() / v.len() as f64).sqrt()
+    }
+
+    /// ggml's per-sub-block decoding (`get_scale_min_k4`), the reference for `scale_words`.
+    fn scale_min_ref(j: usize, q: &[u8; 12]) -> (u8, u8) {
+        if j < 4 {
+            (q[j] & 63, q[j + 4] & 63)
+        } else {
+            (
+                (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4),
+                (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+            )
+        }
+    }
+
+    #[test]
+    fn scale_decoding_matches_the_per_byte_form() {
+        for seed in 0..256u64 {
+            let b: [u8; 12] = bytes(seed, 12).try_into().unwrap();
+            let (sc, m) = unpack_scales(&b);
+            for j in 0..8 {
+                assert_eq!((sc[j], m[j]), scale_min_ref(j, &b), "seed={seed} j={j}");
+            }
+        }
     }
 
     #[test]

@@ -107,14 +107,13 @@ pub(super) fn dot_scalar(w: &[BlockQ5K], a: &[BlockQ8K]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_avx2(w: &[BlockQ5K], a: &[BlockQ8K]) -> f32 {
-    use super::q8_k::x86::hsum_i32;
+    use super::q4_k::x86;
     use std::arch::x86_64::*;
     let m4 = _mm256_set1_epi8(0x0F);
     let one = _mm256_set1_epi8(1);
-    let mut acc = 0f32;
+    let mut acc = _mm_setzero_ps();
     for (x, y) in w.iter().zip(a) {
-        let (sc, m) = unpack_scales(&x.scales);
-        let summ = mins_dot(&m, &y.bsums);
+        let (scales, mins) = unsafe { x86::scales_mins(&x.scales) };
         // SAFETY: qh is 32 bytes.
         let mut hbits = unsafe { _mm256_loadu_si256(x.qh.as_ptr().cast()) };
         let mut sumi = _mm256_setzero_si256();
@@ -136,15 +135,19 @@ unsafe fn dot_avx2(w: &[BlockQ5K], a: &[BlockQ8K]) -> f32 {
             // ≤ 2 · 31 · 127 per i16 lane: no saturation.
             let plo = _mm256_maddubs_epi16(lo, ylo);
             let phi = _mm256_maddubs_epi16(hi, yhi);
-            let slo = _mm256_madd_epi16(plo, _mm256_set1_epi16(sc[2 * c] as i16));
-            let shi = _mm256_madd_epi16(phi, _mm256_set1_epi16(sc[2 * c + 1] as i16));
-            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(slo, shi));
+            let (sc_lo, sc_hi) = unsafe {
+                (
+                    x86::scale_of(scales, 2 * c),
+                    x86::scale_of(scales, 2 * c + 1),
+                )
+            };
+            let s = _mm256_add_epi32(_mm256_madd_epi16(plo, sc_lo), _mm256_madd_epi16(phi, sc_hi));
+            sumi = _mm256_add_epi32(sumi, s);
             hbits = _mm256_srli_epi16(hbits, 2);
         }
-        let sumi = unsafe { hsum_i32(sumi) };
-        acc += super_block_term(x.d, x.dmin, y.d, sumi, summ);
+        acc = unsafe { x86::finish(acc, sumi, mins, &y.bsums, x.d, x.dmin, y.d) };
     }
-    acc
+    _mm_cvtss_f32(acc)
 }
 
 #[cfg(test)]

@@ -164,7 +164,7 @@ unsafe fn dot_avx2(w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
     use std::arch::x86_64::*;
     let m4 = _mm256_set1_epi8(0x0F);
     let m30 = _mm256_set1_epi8(0x30);
-    let mut acc = 0f32;
+    let mut acc = _mm_setzero_ps();
     for (x, y) in w.iter().zip(a) {
         // SAFETY: scales is 16 bytes, bsums 16 i16 (32 bytes).
         let (scales8, bsums) = unsafe {
@@ -173,8 +173,8 @@ unsafe fn dot_avx2(w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
                 _mm256_loadu_si256(y.bsums.as_ptr().cast()),
             )
         };
-        // 32 · Σ_j sc_j · bsum_j, the offset of q − 32.
-        let offset = unsafe { hsum_i32(_mm256_madd_epi16(_mm256_cvtepi8_epi16(scales8), bsums)) };
+        // Σ_j sc_j · bsum_j: 32 times it is the offset of q − 32.
+        let offset = _mm256_madd_epi16(_mm256_cvtepi8_epi16(scales8), bsums);
         let mut sumi = _mm256_setzero_si256();
         for h in 0..2 {
             // SAFETY: 32-byte loads inside ql (128), qh (64) and y.qs (256).
@@ -219,10 +219,13 @@ unsafe fn dot_avx2(w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
                 sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, sc));
             }
         }
-        let sumi = unsafe { hsum_i32(sumi) } - 32 * offset;
-        acc += super_block_term(x.d, y.d, sumi);
+        let sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32(offset, 5));
+        let sumi = _mm_cvtsi32_ss(_mm_setzero_ps(), unsafe { hsum_i32(sumi) });
+        let d = _mm_cvtph_ps(_mm_cvtsi32_si128(u16::from_le_bytes(x.d) as i32));
+        let t = _mm_mul_ss(_mm_mul_ss(d, _mm_set_ss(y.d)), sumi);
+        acc = _mm_add_ss(acc, t);
     }
-    acc
+    _mm_cvtss_f32(acc)
 }
 
 #[cfg(test)]
