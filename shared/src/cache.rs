@@ -214,6 +214,11 @@ impl ExpertCache {
         self.pinned_bytes
     }
 
+    /// Keys the cache was built for (the layout's `n_keys`).
+    pub fn n_keys(&self) -> u32 {
+        self.flags.len() as u32
+    }
+
     /// Resident entries.
     pub fn resident_count(&self) -> u32 {
         self.resident_count

@@ -10,9 +10,13 @@ pub mod backend;
 pub mod cache;
 pub mod clock;
 pub mod flash;
+pub mod handoff;
 pub mod layout;
 pub mod policy;
 pub mod records;
+pub mod step;
+mod streamer;
+pub mod testing;
 
 pub use backend::{Backend, BackendStage, ExpertUse, LayerId, Routing, RoutingError, SlotId};
 pub use cache::{Admission, CacheCounters, CacheError, ExpertCache, Lookup};
@@ -20,3 +24,7 @@ pub use clock::{Clock, Nanos};
 pub use flash::{Flash, FlashError, ReadDone, ReadId, ReadRequest, ReadTag};
 pub use layout::{ExpertKey, ExpertLayout, LayoutError, MoeLayerLayout, ProjExtent};
 pub use policy::EvictionPolicy;
+pub use step::{
+    Engine, HookContext, HookError, RouterHook, StepError, StepInput, StepStats, StreamConfig,
+    TopKOverride,
+};
