@@ -584,6 +584,29 @@ mod tests {
     }
 
     #[test]
+    fn a_pinned_entry_at_the_lru_tail_is_skipped() {
+        let mut c = ExpertCache::new(&layout(), 30, 2, Box::new(Lru::new())).unwrap();
+        let mut ev = Vec::new();
+        for e in 0..3 {
+            c.lookup(key(0, e)).unwrap();
+            c.admit(key(0, e), &mut ev).unwrap();
+            c.unpin(key(0, e)).unwrap();
+        }
+        // Pin 0 (now most recent), then touch 1 and 2 without keeping them pinned: 0 drifts to
+        // the LRU tail while still pinned.
+        assert_eq!(c.lookup(key(0, 0)).unwrap(), Lookup::Hit);
+        for e in [1, 2] {
+            assert_eq!(c.lookup(key(0, e)).unwrap(), Lookup::Hit);
+            c.unpin(key(0, e)).unwrap();
+        }
+        c.lookup(key(1, 0)).unwrap();
+        assert_eq!(c.admit(key(1, 0), &mut ev).unwrap(), Admission::Admitted);
+        assert_eq!(ev, vec![key(0, 1)], "the pinned tail entry was skipped");
+        assert!(c.contains(key(0, 0)));
+        c.audit().unwrap();
+    }
+
+    #[test]
     fn shrinking_evicts_unpinned_by_policy() {
         let mut c = ExpertCache::new(&layout(), 40, 2, Box::new(Lru::new())).unwrap();
         let mut ev = Vec::new();

@@ -859,6 +859,56 @@ mod cache_properties {
             prop_assert_eq!(c.inserts, c.misses);
         }
 
+        /// Free-form operation sequences (pins held across other lookups, so a pinned entry
+        /// can drift to the policy's tail): a pinned key is never evicted, the budget holds.
+        #[test]
+        fn random_operations_never_evict_a_pinned_entry(
+            layout in layout_strategy(),
+            extra in 0u64..200,
+            ops in proptest::collection::vec((0u8..3, any::<u16>(), any::<u16>()), 1..300),
+        ) {
+            let k = layout.n_expert_used();
+            let budget = layout.layer_demand_bytes(k) + extra;
+            let mut cache = ExpertCache::new(&layout, budget, k, Box::new(Lru::new())).unwrap();
+            let mut pins: BTreeMap<ExpertKey, u32> = BTreeMap::new();
+            let mut evicted = Vec::new();
+            for (op, l, e) in ops {
+                let m = l % layout.n_moe_layers();
+                let key = ExpertKey { layer: m, expert: e % layout.layer(m).unwrap().n_expert as u16 };
+                match op {
+                    0 => {
+                        if cache.lookup(key).unwrap() == Lookup::Hit {
+                            *pins.entry(key).or_default() += 1;
+                        }
+                    }
+                    1 => {
+                        if !cache.contains(key) {
+                            evicted.clear();
+                            if cache.admit(key, &mut evicted).unwrap() == Admission::Admitted {
+                                *pins.entry(key).or_default() += 1;
+                            }
+                            for v in &evicted {
+                                prop_assert!(!pins.contains_key(v), "evicted pinned {:?}", v);
+                            }
+                        }
+                    }
+                    _ => {
+                        // Unpin the pinned key nearest `key` in order, if any.
+                        let target = pins.range(key..).next().or_else(|| pins.iter().next()).map(|(k, _)| *k);
+                        if let Some(t) = target {
+                            cache.unpin(t).unwrap();
+                            let n = pins.get_mut(&t).unwrap();
+                            *n -= 1;
+                            if *n == 0 { pins.remove(&t); }
+                        }
+                    }
+                }
+                prop_assert!(cache.resident_bytes() <= budget);
+                for p in pins.keys() { prop_assert!(cache.is_pinned(*p)); }
+            }
+            cache.audit().unwrap();
+        }
+
         /// Through the whole step: random routings (including wide prefill batches), random
         /// budgets, cache on or off, serial or overlap. The scripted backend fails the step if
         /// it ever computes on bytes that are not the expert's (which an evicted pinned entry
