@@ -3,4 +3,6 @@
 //! and a compute `Backend`, so the engine (real flash, real kernels) and the simulator
 //! (virtual clock, modelled flash) run the very same code.
 
+pub mod config;
+pub mod flags;
 pub mod records;
