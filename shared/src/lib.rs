@@ -6,3 +6,4 @@
 pub mod config;
 pub mod flags;
 pub mod records;
+pub mod telemetry;
