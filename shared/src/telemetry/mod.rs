@@ -9,9 +9,12 @@
 
 pub mod csv;
 pub mod fmt;
+pub mod progress;
+pub mod run;
 pub mod summary;
 
 pub use csv::{MetricsCsv, TokenRecord};
+pub use run::RunTelemetry;
 pub use summary::{PredictReport, PredictorStats, RunCounters, RunSummary};
 
 /// A file in one of the telemetry formats that could not be read. Names the format, and the
