@@ -9,7 +9,9 @@
 
 pub mod csv;
 pub mod fmt;
+pub mod io_trace;
 pub mod progress;
+pub mod route_trace;
 pub mod run;
 pub mod summary;
 
