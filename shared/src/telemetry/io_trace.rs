@@ -211,3 +211,20 @@ pub fn parse_io_trace(text: &str) -> Result<Vec<IoRecord>, ParseError> {
     }
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn extra_columns_and_comments_are_ignored() {
+        let text = "# io_trace v1\n# a comment\nturn,phase,step,layer,expert,proj,lane,spec,offset,req_bytes,read_bytes,latency_ns,extra\n\
+                    0,1,-1,2,3,1,0,1,4096,100,4096,5000,x\n";
+        let rows = parse_io_trace(text).expect("parses");
+        assert_eq!(rows.len(), 1);
+        assert_eq!(
+            (rows[0].step, rows[0].speculative, rows[0].read_bytes),
+            (-1, true, 4096)
+        );
+    }
+}

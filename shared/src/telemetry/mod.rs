@@ -11,6 +11,7 @@ pub mod csv;
 pub mod fmt;
 pub mod io_trace;
 pub mod progress;
+pub mod report;
 pub mod route_trace;
 pub mod run;
 pub mod summary;

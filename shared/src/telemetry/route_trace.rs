@@ -872,3 +872,81 @@ fn build_cells(
         cell_lines,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn weights() {
+        assert_eq!(parse_weight("0.5"), Ok(0.5));
+        assert!(parse_weight("NaN").is_ok_and(f32::is_nan));
+        assert_eq!(
+            parse_weight("1.00001"),
+            Ok(1.00001),
+            "rounding slack above 1"
+        );
+        assert!(parse_weight("1.01").is_err());
+        assert!(parse_weight("-0.1").is_err());
+        assert!(parse_weight("inf").is_err());
+        assert!(parse_weight("").is_err());
+    }
+
+    #[test]
+    fn projection_extents() {
+        assert_eq!(
+            parse_proj("0:4096:128,1:0:64"),
+            Ok(vec![
+                ProjExtent {
+                    shard: 0,
+                    offset: 4096,
+                    stride: 128
+                },
+                ProjExtent {
+                    shard: 1,
+                    offset: 0,
+                    stride: 64
+                },
+            ])
+        );
+        assert!(parse_proj("0:4096").is_err());
+        assert!(parse_proj("0:4096:128:1").is_err());
+        assert!(parse_proj("0:x:128").is_err());
+    }
+
+    #[test]
+    fn writer_refuses_undeclared_layers() {
+        let p = RoutePreamble {
+            model: "m".into(),
+            arch: "a".into(),
+            n_layer: 2,
+            n_expert: 4,
+            n_expert_used: 1,
+            layers: vec![TraceLayer {
+                layer: 1,
+                expert_bytes: 8,
+                dense_bytes: 4,
+                proj: vec![],
+            }],
+            notes: vec![],
+            extra: vec![],
+        };
+        let mut w = RouteTraceWriter::new(Vec::new(), &p).expect("vec");
+        let r = RouteRecord {
+            turn: 0,
+            phase: Phase::Decode,
+            step: 0,
+            layer: 1,
+            slot: 0,
+            expert: 0,
+            weight: 1.0,
+            residency: 0,
+            expert_bytes: 8,
+            dropped: false,
+        };
+        assert!(w.write(&r).is_err(), "MoE layer 1 is not declared");
+        w.route(&r);
+        assert!(!w.wants_routes(), "the sink stops after its first error");
+        assert!(w.finish().is_err(), "and reports it");
+    }
+}
