@@ -850,7 +850,9 @@ fn report_baseline_and_speculation() {
     golden("report_baseline.txt", &out);
     assert!(out.contains("Expert streaming is OFF on a MoE model (qwen3moe)"));
     assert!(out.contains("add --moe-stream"));
-    assert!(out.contains("mode: mmap (qwen3moe is not a MoE architecture this build streams)"));
+    assert!(out.contains(
+        "mode: mmap (qwen3moe is not a MoE architecture this build streams; --list-archs"
+    ));
     let baseline_part = out.split("generation:").nth(1).expect("first report");
     assert!(
         !baseline_part.contains("\nmoe-"),

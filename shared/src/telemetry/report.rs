@@ -126,7 +126,7 @@ pub fn mode_line(cfg: &RunConfig, arch_streamable: bool) -> String {
         } else {
             cfg.arch.as_str()
         };
-        format!("mode: mmap ({arch} is not a MoE architecture this build streams)")
+        format!("mode: mmap ({arch} is not a MoE architecture this build streams; --list-archs lists the supported ones)")
     }
 }
 
@@ -393,7 +393,7 @@ mod tests {
         assert!(mode_line(&cfg, true).contains("add --moe-stream"));
         assert_eq!(
             mode_line(&cfg, false),
-            "mode: mmap (qwen3moe is not a MoE architecture this build streams)"
+            "mode: mmap (qwen3moe is not a MoE architecture this build streams; --list-archs lists the supported ones)"
         );
         cfg.moe_stream = true;
         cfg.cache_auto = true;
