@@ -11,6 +11,7 @@ use super::fmt::mib;
 pub struct TokenTotals {
     /// Rows seen: generated tokens.
     pub tokens: u64,
+    // The rest are sums of the `TokenRecord` columns of the same name.
     pub wall_ms: f64,
     pub io_ms: f64,
     pub compute_ms: f64,
@@ -259,21 +260,27 @@ impl RunSummary {
     pub fn io_s(&self) -> f64 {
         self.totals.io_ms / 1e3
     }
+    /// Mean compute residual per token (s).
     pub fn compute_s_per_token(&self) -> f64 {
         self.per_token(self.totals.compute_ms / 1e3)
     }
+    /// Mean read time per token (s): blocked time in serial, lane busy time under overlap.
     pub fn io_s_per_token(&self) -> f64 {
         self.per_token(self.io_s())
     }
+    /// Mean overlap stall per token (s); 0 in serial.
     pub fn stall_s_per_token(&self) -> f64 {
         self.per_token(self.totals.stall_ms / 1e3)
     }
+    /// Mean cache-management time per token (s).
     pub fn mgmt_s_per_token(&self) -> f64 {
         self.per_token(self.totals.mgmt_ms / 1e3)
     }
+    /// Mean major page faults per token.
     pub fn majflt_per_token(&self) -> f64 {
         self.per_token(self.totals.majflt as f64)
     }
+    /// Mean process CPU time per token (s), all threads.
     pub fn cpu_s_per_token(&self) -> f64 {
         self.per_token(self.totals.cpu_ms / 1e3)
     }
@@ -281,21 +288,27 @@ impl RunSummary {
     pub fn loop_overhead_s_per_token(&self) -> f64 {
         self.per_token((self.totals.loop_overhead_ms + self.counters.loop_overhead_tail_ms) / 1e3)
     }
+    /// Mean drafting time per token (s), outside the decode.
     pub fn mtp_draft_s_per_token(&self) -> f64 {
         self.per_token(self.totals.mtp_draft_ms / 1e3)
     }
+    /// Mean overlap drain wait per token (s), part of compute.
     pub fn drain_s_per_token(&self) -> f64 {
         self.per_token(self.totals.drain_ms / 1e3)
     }
+    /// Mean route-ahead adoption wait per token (s), part of mgmt.
     pub fn adopt_s_per_token(&self) -> f64 {
         self.per_token(self.totals.adopt_ms / 1e3)
     }
+    /// Mean route-ahead read-issue time per token (ms).
     pub fn ra_issue_ms_per_token(&self) -> f64 {
         self.per_token(self.totals.ra_issue_ms)
     }
+    /// Mean route-ahead watchdog time per token (ms).
     pub fn ra_wd_ms_per_token(&self) -> f64 {
         self.per_token(self.totals.ra_wd_ms)
     }
+    /// Mean route-ahead prediction CPU per token (ms, worker side).
     pub fn ra_gemv_ms_per_token(&self) -> f64 {
         self.per_token(self.counters.ra_gemv_ns as f64 / 1e6)
     }
@@ -332,18 +345,23 @@ impl RunSummary {
             0.0
         }
     }
+    /// Cache bytes resident at the end, MiB.
     pub fn cache_resident_mib(&self) -> f64 {
         mib(self.counters.cache_resident_bytes)
     }
+    /// Cache budget in effect, MiB.
     pub fn cache_budget_mib(&self) -> f64 {
         mib(self.counters.cache_budget_bytes)
     }
+    /// Speculatively read bytes, MiB.
     pub fn spec_read_mib(&self) -> f64 {
         mib(self.counters.spec_read_bytes)
     }
+    /// Mean routed expert bytes per decode token, MiB.
     pub fn token_demand_mib(&self) -> f64 {
         self.counters.token_demand_bytes / (1u64 << 20) as f64
     }
+    /// The widest layer's routed bytes, MiB.
     pub fn layer_demand_mib(&self) -> f64 {
         mib(self.counters.layer_demand_bytes)
     }
