@@ -14,10 +14,12 @@ pub mod progress;
 pub mod report;
 pub mod route_trace;
 pub mod run;
+pub mod sinks;
 pub mod summary;
 
 pub use csv::{MetricsCsv, TokenRecord};
 pub use run::RunTelemetry;
+pub use sinks::TraceTee;
 pub use summary::{PredictReport, PredictorStats, RunCounters, RunSummary};
 
 /// A file in one of the telemetry formats that could not be read. Names the format, and the
