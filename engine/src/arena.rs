@@ -88,7 +88,12 @@ impl Arena {
                 s += region_for(l);
             }
             max_slot = max_slot.max(s);
-            geoms.push(LayerGeom { slot_bytes: s, proj_off, proj_len: lens.clone(), base: off });
+            geoms.push(LayerGeom {
+                slot_bytes: s,
+                proj_off,
+                proj_len: lens.clone(),
+                base: off,
+            });
             off += s * *n_expert as u64;
         }
         let staging_base = off;
@@ -107,9 +112,15 @@ impl Arena {
             )
         };
         if p == libc::MAP_FAILED {
-            return Err(ArenaError::Reserve { bytes: len, source: std::io::Error::last_os_error() });
+            return Err(ArenaError::Reserve {
+                bytes: len,
+                source: std::io::Error::last_os_error(),
+            });
         }
-        let ptr = NonNull::new(p as *mut u8).ok_or(ArenaError::Reserve { bytes: len, source: std::io::Error::other("null mapping") })?;
+        let ptr = NonNull::new(p as *mut u8).ok_or(ArenaError::Reserve {
+            bytes: len,
+            source: std::io::Error::other("null mapping"),
+        })?;
         Ok(Arena {
             ptr,
             len,
@@ -124,7 +135,9 @@ impl Arena {
     /// Arena offset of a slot: canonical (layer, expert) or staging index.
     fn slot_base(&self, layer: usize, slot: SlotAddr) -> u64 {
         match slot {
-            SlotAddr::Canonical(e) => self.layers[layer].base + e as u64 * self.layers[layer].slot_bytes,
+            SlotAddr::Canonical(e) => {
+                self.layers[layer].base + e as u64 * self.layers[layer].slot_bytes
+            }
             SlotAddr::Staging(i) => self.staging_base + i as u64 * self.staging_slot,
         }
     }
@@ -142,8 +155,16 @@ impl Arena {
     /// # Safety
     /// The caller guarantees the read into this slot has completed and no read into it is in
     /// flight (the core's pinning and the handoff guarantee this).
-    pub unsafe fn proj_bytes(&self, layer: usize, slot: SlotAddr, p: usize, extent: &Extent) -> &[u8] {
-        let start = self.window_dest(layer, slot, p).add((extent.offset % ALIGN) as usize);
+    pub unsafe fn proj_bytes(
+        &self,
+        layer: usize,
+        slot: SlotAddr,
+        p: usize,
+        extent: &Extent,
+    ) -> &[u8] {
+        let start = self
+            .window_dest(layer, slot, p)
+            .add((extent.offset % ALIGN) as usize);
         std::slice::from_raw_parts(start, self.layers[layer].proj_len[p] as usize)
     }
 
@@ -154,7 +175,11 @@ impl Arena {
         // SAFETY: the range is page aligned and inside our mapping; MADV_DONTNEED on a
         // private anonymous mapping only drops the pages (they read back as zeros).
         unsafe {
-            libc::madvise(self.ptr.as_ptr().add(off as usize) as *mut libc::c_void, len as usize, libc::MADV_DONTNEED);
+            libc::madvise(
+                self.ptr.as_ptr().add(off as usize) as *mut libc::c_void,
+                len as usize,
+                libc::MADV_DONTNEED,
+            );
         }
     }
 
@@ -194,7 +219,11 @@ mod tests {
 
     #[test]
     fn windows_are_aligned_and_cover_the_extent() {
-        let e = Extent { shard: 0, offset: 5000, len: 10000 };
+        let e = Extent {
+            shard: 0,
+            offset: 5000,
+            len: 10000,
+        };
         let (lo, n) = e.window();
         assert_eq!(lo % ALIGN, 0);
         assert_eq!(n % ALIGN, 0);
@@ -211,6 +240,9 @@ mod tests {
         unsafe { *a.window_dest(1, SlotAddr::Canonical(1), 0) = 7 };
         a.release(1, 1);
         assert_eq!(unsafe { *a.window_dest(1, SlotAddr::Canonical(1), 0) }, 0);
-        assert_eq!(a.window_dest(0, SlotAddr::Canonical(0), 0) as usize % ALIGN as usize, 0);
+        assert_eq!(
+            a.window_dest(0, SlotAddr::Canonical(0), 0) as usize % ALIGN as usize,
+            0
+        );
     }
 }

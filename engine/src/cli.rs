@@ -82,7 +82,10 @@ pub struct RunArgs {
 }
 
 fn default_threads() -> u32 {
-    std::thread::available_parallelism().map(|n| n.get() as u32).unwrap_or(4).min(4)
+    std::thread::available_parallelism()
+        .map(|n| n.get() as u32)
+        .unwrap_or(4)
+        .min(4)
 }
 
 #[derive(Args, Debug)]
@@ -168,7 +171,8 @@ pub struct BenchArgs {
 }
 
 pub fn gen(a: GenArgs) -> Result<()> {
-    let preset = Preset::from_name(&a.preset).ok_or_else(|| anyhow!("unknown preset {}", a.preset))?;
+    let preset =
+        Preset::from_name(&a.preset).ok_or_else(|| anyhow!("unknown preset {}", a.preset))?;
     let mut shape = preset.shape();
     macro_rules! ov {
         ($f:ident, $v:expr) => {
@@ -188,22 +192,35 @@ pub fn gen(a: GenArgs) -> Result<()> {
     ov!(n_ctx_train, a.ctx);
     shape.tie_output |= a.tie_output;
     let mut types = match &a.ty {
-        Some(t) => TypeScheme::from_name(t).ok_or_else(|| anyhow!("--type {t}: expected one of f32, f16, bf16, q8_0, q4_0, q4_k, q5_k, q6_k, q4_k_m"))?,
+        Some(t) => TypeScheme::from_name(t).ok_or_else(|| {
+            anyhow!(
+                "--type {t}: expected one of f32, f16, bf16, q8_0, q4_0, q4_k, q5_k, q6_k, q4_k_m"
+            )
+        })?,
         None => preset.default_types(),
     };
     if let Some(t) = &a.experts_type {
-        let e = TypeScheme::from_name(t).ok_or_else(|| anyhow!("--experts-type {t}: expected one of f32, f16, bf16, q8_0, q4_0, q4_k, q5_k, q6_k"))?;
+        let e = TypeScheme::from_name(t).ok_or_else(|| {
+            anyhow!(
+                "--experts-type {t}: expected one of f32, f16, bf16, q8_0, q4_0, q4_k, q5_k, q6_k"
+            )
+        })?;
         types.experts = e.experts;
         types.experts_down_more = e.experts_down_more;
     }
     let mut vocab = match &a.vocab {
         None => crate::vocab::builtin_vocab().context("building the built-in vocabulary")?,
-        Some(p) => crate::vocab::vocab_from_file(p).with_context(|| format!("reading vocabulary {}", p.display()))?,
+        Some(p) => crate::vocab::vocab_from_file(p)
+            .with_context(|| format!("reading vocabulary {}", p.display()))?,
     };
     if let Some(t) = &a.template {
-        let text = std::fs::read_to_string(t).with_context(|| format!("reading chat template {}", t.display()))?;
+        let text = std::fs::read_to_string(t)
+            .with_context(|| format!("reading chat template {}", t.display()))?;
         vocab.retain(|(k, _)| k != "tokenizer.chat_template");
-        vocab.push(("tokenizer.chat_template".into(), crate::gguf::Value::String(text)));
+        vocab.push((
+            "tokenizer.chat_template".into(),
+            crate::gguf::Value::String(text),
+        ));
     }
     let opts = GenOptions {
         preset,
@@ -216,12 +233,18 @@ pub fn gen(a: GenArgs) -> Result<()> {
         vocab,
         threads: a.threads.max(1) as usize,
     };
-    let bar = if a.quiet { None } else { Some(indicatif::ProgressBar::new(0)) };
+    let bar = if a.quiet {
+        None
+    } else {
+        Some(indicatif::ProgressBar::new(0))
+    };
     if let Some(b) = &bar {
         b.set_style(
-            indicatif::ProgressStyle::with_template("{spinner} gen {bytes}/{total_bytes} [{bar:30}] {bytes_per_sec} eta {eta}")
-                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
-                .progress_chars("=> "),
+            indicatif::ProgressStyle::with_template(
+                "{spinner} gen {bytes}/{total_bytes} [{bar:30}] {bytes_per_sec} eta {eta}",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+            .progress_chars("=> "),
         );
     }
     let t0 = std::time::Instant::now();
@@ -254,7 +277,10 @@ pub fn gen(a: GenArgs) -> Result<()> {
 pub fn inspect(a: InspectArgs) -> Result<()> {
     let f = GgufFile::open(&a.model)?;
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&crate::inspect::inspect_json(&f))?);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&crate::inspect::inspect_json(&f))?
+        );
     } else {
         print!("{}", crate::inspect::inspect(&f));
     }
@@ -279,9 +305,18 @@ pub fn generate(args: &RunArgs, model: &std::path::Path) -> Result<i32> {
         let tpl = file
             .get("tokenizer.chat_template")
             .and_then(|v| v.as_str())
-            .ok_or_else(|| anyhow!("--chatml: {} has no tokenizer.chat_template", model.display()))?;
+            .ok_or_else(|| {
+                anyhow!(
+                    "--chatml: {} has no tokenizer.chat_template",
+                    model.display()
+                )
+            })?;
         let ct = crate::chat::ChatTemplate::new(tpl, &tok.bos_text(), &tok.eos_text())?;
-        let msgs = [crate::chat::Message { role: "user".into(), content: args.prompt.clone(), reasoning_content: None }];
+        let msgs = [crate::chat::Message {
+            role: "user".into(),
+            content: args.prompt.clone(),
+            reasoning_content: None,
+        }];
         ct.render(&msgs, true, Some(!args.no_think))?
     } else {
         args.prompt.clone()
@@ -292,17 +327,28 @@ pub fn generate(args: &RunArgs, model: &std::path::Path) -> Result<i32> {
     }
     let n_ctx = args.ctx as usize;
     if tokens.len() + args.n_predict as usize > n_ctx {
-        bail!("prompt of {} tokens plus -n {} exceeds the context size {} (-c)", tokens.len(), args.n_predict, n_ctx);
+        bail!(
+            "prompt of {} tokens plus -n {} exceeds the context size {} (-c)",
+            tokens.len(),
+            args.n_predict,
+            n_ctx
+        );
     }
     let mut st = m.new_state(n_ctx);
     let load_s = t_load.elapsed().as_secs_f64();
     let mut logits_out = match &args.logits_out {
-        Some(p) => Some(std::io::BufWriter::new(std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?)),
+        Some(p) => Some(std::io::BufWriter::new(
+            std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?,
+        )),
         None => None,
     };
     let n_prompt = tokens.len();
     let positions: Vec<u32> = (0..n_prompt as u32).collect();
-    let out_rows: Vec<u32> = if logits_out.is_some() { (0..n_prompt as u32).collect() } else { vec![n_prompt as u32 - 1] };
+    let out_rows: Vec<u32> = if logits_out.is_some() {
+        (0..n_prompt as u32).collect()
+    } else {
+        vec![n_prompt as u32 - 1]
+    };
     let t_prefill = std::time::Instant::now();
     m.forward_resident(&mut st, &tokens, &positions, &out_rows)?;
     let prefill_s = t_prefill.elapsed().as_secs_f64();
@@ -311,7 +357,12 @@ pub fn generate(args: &RunArgs, model: &std::path::Path) -> Result<i32> {
             w.write_all(&v.to_le_bytes())?;
         }
     }
-    let mut sampler = crate::sample::Sampler::new(crate::sample::SamplerConfig { temp: args.temp, top_k: args.top_k, top_p: args.top_p, seed: args.seed });
+    let mut sampler = crate::sample::Sampler::new(crate::sample::SamplerConfig {
+        temp: args.temp,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        seed: args.seed,
+    });
     let nv = hp.n_vocab;
     let last = &st.logits[st.logits.len() - nv..];
     let mut next = sampler.sample(last);
@@ -363,9 +414,18 @@ pub fn generate(args: &RunArgs, model: &std::path::Path) -> Result<i32> {
     let n_dec = generated.len().saturating_sub(1).max(1);
     let s_tok = decode_s / n_dec as f64;
     eprintln!("mode: resident (mmap), experts not streamed: a baseline, not a streaming measurement (pass --moe-stream to stream experts)");
-    eprintln!("generation: {} tokens, {:.4} s/token ({:.2} tok/s)", generated.len(), s_tok, if s_tok > 0.0 { 1.0 / s_tok } else { 0.0 });
+    eprintln!(
+        "generation: {} tokens, {:.4} s/token ({:.2} tok/s)",
+        generated.len(),
+        s_tok,
+        if s_tok > 0.0 { 1.0 / s_tok } else { 0.0 }
+    );
     let cpu = (ru1.cpu_s - ru0.cpu_s) / n_dec as f64;
-    let occ = if s_tok > 0.0 { 100.0 * cpu / (s_tok * args.threads as f64) } else { 0.0 };
+    let occ = if s_tok > 0.0 {
+        100.0 * cpu / (s_tok * args.threads as f64)
+    } else {
+        0.0
+    };
     eprintln!(
         "compute: {:.0}% CPU occupancy ({:.4} cpu-s/token over {} threads), {:.1} major faults/token",
         occ,
@@ -373,6 +433,9 @@ pub fn generate(args: &RunArgs, model: &std::path::Path) -> Result<i32> {
         args.threads,
         (ru1.majflt - ru0.majflt) as f64 / n_dec as f64
     );
-    eprintln!("load: {:.2} s, prefill: {} tokens in {:.3} s", load_s, n_prompt, prefill_s);
+    eprintln!(
+        "load: {:.2} s, prefill: {} tokens in {:.3} s",
+        load_s, n_prompt, prefill_s
+    );
     Ok(0)
 }

@@ -88,7 +88,17 @@ impl Preset {
         };
         match self {
             Preset::Tiny => base,
-            Preset::Small => ModelShape { n_layer: 12, n_expert: 64, n_expert_used: 8, d_model: 1024, n_ff_exp: 512, n_head: 16, n_head_kv: 4, head_dim: 64, ..base },
+            Preset::Small => ModelShape {
+                n_layer: 12,
+                n_expert: 64,
+                n_expert_used: 8,
+                d_model: 1024,
+                n_ff_exp: 512,
+                n_head: 16,
+                n_head_kv: 4,
+                head_dim: 64,
+                ..base
+            },
             Preset::Qwen3_30bA3bShape => ModelShape {
                 n_layer: 48,
                 n_expert: 128,
@@ -106,7 +116,10 @@ impl Preset {
 
     pub fn default_types(self) -> TypeScheme {
         match self {
-            Preset::Tiny => TypeScheme { experts: GgmlType::Q8_0, ..TypeScheme::uniform(GgmlType::F32) },
+            Preset::Tiny => TypeScheme {
+                experts: GgmlType::Q8_0,
+                ..TypeScheme::uniform(GgmlType::F32)
+            },
             Preset::Small | Preset::Qwen3_30bA3bShape => TypeScheme::q4_k_m(),
         }
     }
@@ -129,7 +142,16 @@ pub struct TypeScheme {
 
 impl TypeScheme {
     pub fn uniform(t: GgmlType) -> TypeScheme {
-        TypeScheme { embd: t, output: t, attn_q: t, attn_kv: t, attn_output: t, experts: t, experts_down_more: t, label: t.name() }
+        TypeScheme {
+            embd: t,
+            output: t,
+            attn_q: t,
+            attn_kv: t,
+            attn_output: t,
+            experts: t,
+            experts_down_more: t,
+            label: t.name(),
+        }
     }
 
     /// The mix `llama-quantize` writes for Q4_K_M on a MoE model.
@@ -210,7 +232,10 @@ pub enum GenError {
     #[error("gen: {0}")]
     Invalid(String),
     #[error("gen: quantizing tensor '{tensor}': {source}")]
-    Kernel { tensor: String, source: kernels::KernelError },
+    Kernel {
+        tensor: String,
+        source: kernels::KernelError,
+    },
 }
 
 /// The two halves of the residual stream (see the module doc).
@@ -224,12 +249,24 @@ enum Half {
 #[derive(Copy, Clone, Debug)]
 enum Fill {
     /// Uniform with standard deviation `std`, over the dims in `lo..hi` (zeros elsewhere).
-    Rand { std: f32, lo: u32, hi: u32 },
+    Rand {
+        std: f32,
+        lo: u32,
+        hi: u32,
+    },
     /// Rows (output dims) in one half of the residual stream are random with `std`, the
     /// rest zero: which half a matrix may write is what keeps context and token apart.
-    RandRows { std: f32, half: Half, split: u32 },
+    RandRows {
+        std: f32,
+        half: Half,
+        split: u32,
+    },
     /// Router rows: token dims scaled by `tok`, context dims by `ctx`.
-    Router { tok: f32, ctx: f32, split: u32 },
+    Router {
+        tok: f32,
+        ctx: f32,
+        split: u32,
+    },
     Const(f32),
 }
 
@@ -259,24 +296,42 @@ fn use_more_bits(i: u32, n: u32) -> bool {
 /// A type that can hold rows of `n` elements: `want` if its block divides `n`, else Q8_0,
 /// else F16 (llama-quantize falls back the same way for K-quants on odd widths).
 fn fit_type(want: GgmlType, n: u64) -> GgmlType {
-    [want, GgmlType::Q8_0, GgmlType::F16].into_iter().find(|t| n % t.block_size() == 0).unwrap_or(GgmlType::F32)
+    [want, GgmlType::Q8_0, GgmlType::F16]
+        .into_iter()
+        .find(|t| n % t.block_size() == 0)
+        .unwrap_or(GgmlType::F32)
 }
 
 impl GenOptions {
     fn validate(&self) -> Result<(), GenError> {
         let s = &self.shape;
         let bad = |m: String| Err(GenError::Invalid(m));
-        if s.n_layer == 0 || s.n_expert == 0 || s.d_model == 0 || s.n_ff_exp == 0 || s.n_head == 0 || s.head_dim == 0 {
+        if s.n_layer == 0
+            || s.n_expert == 0
+            || s.d_model == 0
+            || s.n_ff_exp == 0
+            || s.n_head == 0
+            || s.head_dim == 0
+        {
             return bad(format!("every dimension must be positive: {s:?}"));
         }
         if s.n_expert_used == 0 || s.n_expert_used > s.n_expert {
-            return bad(format!("--top-k {} must be in 1..={} (the expert count)", s.n_expert_used, s.n_expert));
+            return bad(format!(
+                "--top-k {} must be in 1..={} (the expert count)",
+                s.n_expert_used, s.n_expert
+            ));
         }
         if s.n_head_kv == 0 || s.n_head % s.n_head_kv != 0 {
-            return bad(format!("--heads {} must be a multiple of --kv-heads {}", s.n_head, s.n_head_kv));
+            return bad(format!(
+                "--heads {} must be a multiple of --kv-heads {}",
+                s.n_head, s.n_head_kv
+            ));
         }
         if s.head_dim % 2 != 0 {
-            return bad(format!("--head-dim {} must be even (rotary pairs)", s.head_dim));
+            return bad(format!(
+                "--head-dim {} must be even (rotary pairs)",
+                s.head_dim
+            ));
         }
         if s.d_model % 32 != 0 || s.n_ff_exp % 32 != 0 || (s.n_head * s.head_dim) % 32 != 0 {
             return bad("d_model, expert FFN and heads x head_dim must be multiples of 32 (the smallest quant block)".into());
@@ -285,7 +340,10 @@ impl GenOptions {
             return bad("at most 4096 layers and 65535 experts".into());
         }
         if !(0.0..=1.0).contains(&self.routing_context) {
-            return bad(format!("--routing-context {} must be in [0, 1]", self.routing_context));
+            return bad(format!(
+                "--routing-context {} must be in [0, 1]",
+                self.routing_context
+            ));
         }
         Ok(())
     }
@@ -306,14 +364,27 @@ impl GenOptions {
         let k = |n: &str| format!("{a}.{n}");
         let mut m: Vec<(String, Value)> = vec![
             ("general.architecture".into(), Value::String(a.into())),
-            ("general.name".into(), Value::String(format!("bmoe synthetic {} (seed {})", self.preset.name(), self.seed))),
-            ("general.file_type".into(), Value::U32(self.types.file_type())),
+            (
+                "general.name".into(),
+                Value::String(format!(
+                    "bmoe synthetic {} (seed {})",
+                    self.preset.name(),
+                    self.seed
+                )),
+            ),
+            (
+                "general.file_type".into(),
+                Value::U32(self.types.file_type()),
+            ),
             ("general.quantization_version".into(), Value::U32(2)),
             ("general.alignment".into(), Value::U32(32)),
             (k("context_length"), Value::U32(s.n_ctx_train)),
             (k("embedding_length"), Value::U32(s.d_model)),
             (k("block_count"), Value::U32(s.n_layer)),
-            (k("feed_forward_length"), Value::U32(s.n_ff_exp * s.n_expert_used)),
+            (
+                k("feed_forward_length"),
+                Value::U32(s.n_ff_exp * s.n_expert_used),
+            ),
             (k("attention.head_count"), Value::U32(s.n_head)),
             (k("attention.head_count_kv"), Value::U32(s.n_head_kv)),
             (k("attention.key_length"), Value::U32(s.head_dim)),
@@ -323,11 +394,20 @@ impl GenOptions {
             (k("expert_count"), Value::U32(s.n_expert)),
             (k("expert_used_count"), Value::U32(s.n_expert_used)),
             (k("expert_feed_forward_length"), Value::U32(s.n_ff_exp)),
-            ("bmoe.gen.preset".into(), Value::String(self.preset.name().into())),
+            (
+                "bmoe.gen.preset".into(),
+                Value::String(self.preset.name().into()),
+            ),
             ("bmoe.gen.seed".into(), Value::U64(self.seed)),
-            ("bmoe.gen.routing_context".into(), Value::F32(self.routing_context)),
+            (
+                "bmoe.gen.routing_context".into(),
+                Value::F32(self.routing_context),
+            ),
             ("bmoe.gen.router_gain".into(), Value::F32(self.router_gain)),
-            ("bmoe.gen.attn_sharpness".into(), Value::F32(self.attn_sharpness)),
+            (
+                "bmoe.gen.attn_sharpness".into(),
+                Value::F32(self.attn_sharpness),
+            ),
         ];
         for (key, v) in &self.vocab {
             if !key.starts_with("tokenizer.") {
@@ -335,7 +415,9 @@ impl GenOptions {
             }
             if let Value::Array(t, items) = v {
                 if items.iter().any(|x| x.value_type() != *t) {
-                    return Err(GenError::Invalid(format!("vocabulary key {key}: mixed array element types")));
+                    return Err(GenError::Invalid(format!(
+                        "vocabulary key {key}: mixed array element types"
+                    )));
                 }
             }
             m.push((key.clone(), v.clone()));
@@ -343,7 +425,10 @@ impl GenOptions {
         Ok(m)
     }
 
-    fn plan(&self, fallbacks: &mut Vec<(String, GgmlType, GgmlType)>) -> Result<Vec<Planned>, GenError> {
+    fn plan(
+        &self,
+        fallbacks: &mut Vec<(String, GgmlType, GgmlType)>,
+    ) -> Result<Vec<Planned>, GenError> {
         let s = &self.shape;
         let d = s.d_model as u64;
         let nv = self.n_vocab()?;
@@ -354,43 +439,175 @@ impl GenOptions {
         let ne = s.n_expert as u64;
         let inv = |n: u64| 1.0 / (n as f32).sqrt();
         let mut out = Vec::new();
-        let mut push = |name: String, dims: &[u64], want: GgmlType, fill: Fill, fallbacks: &mut Vec<_>| {
-            let ty = fit_type(want, dims[0]);
-            if ty != want {
-                fallbacks.push((name.clone(), want, ty));
-            }
-            out.push(Planned { spec: TensorSpec::new(name, dims, ty), fill });
-        };
+        let mut push =
+            |name: String, dims: &[u64], want: GgmlType, fill: Fill, fallbacks: &mut Vec<_>| {
+                let ty = fit_type(want, dims[0]);
+                if ty != want {
+                    fallbacks.push((name.clone(), want, ty));
+                }
+                out.push(Planned {
+                    spec: TensorSpec::new(name, dims, ty),
+                    fill,
+                });
+            };
         let t = &self.types;
-        push("token_embd.weight".into(), &[d, nv], t.embd, Fill::Rand { std: 1.0, lo: 0, hi: split }, fallbacks);
+        push(
+            "token_embd.weight".into(),
+            &[d, nv],
+            t.embd,
+            Fill::Rand {
+                std: 1.0,
+                lo: 0,
+                hi: split,
+            },
+            fallbacks,
+        );
         for i in 0..s.n_layer {
             let b = |n: &str| format!("blk.{i}.{n}.weight");
-            push(b("attn_norm"), &[d], GgmlType::F32, Fill::Const(1.0), fallbacks);
-            push(b("attn_q"), &[d, q_dim], t.attn_q, Fill::Rand { std: inv(d), lo: 0, hi: s.d_model }, fallbacks);
-            push(b("attn_k"), &[d, kv_dim], t.attn_kv, Fill::Rand { std: inv(d), lo: 0, hi: s.d_model }, fallbacks);
-            push(b("attn_v"), &[d, kv_dim], t.attn_kv, Fill::Rand { std: inv(d), lo: 0, hi: s.d_model }, fallbacks);
-            push(b("attn_q_norm"), &[s.head_dim as u64], GgmlType::F32, Fill::Const(self.attn_sharpness), fallbacks);
-            push(b("attn_k_norm"), &[s.head_dim as u64], GgmlType::F32, Fill::Const(self.attn_sharpness), fallbacks);
+            push(
+                b("attn_norm"),
+                &[d],
+                GgmlType::F32,
+                Fill::Const(1.0),
+                fallbacks,
+            );
+            push(
+                b("attn_q"),
+                &[d, q_dim],
+                t.attn_q,
+                Fill::Rand {
+                    std: inv(d),
+                    lo: 0,
+                    hi: s.d_model,
+                },
+                fallbacks,
+            );
+            push(
+                b("attn_k"),
+                &[d, kv_dim],
+                t.attn_kv,
+                Fill::Rand {
+                    std: inv(d),
+                    lo: 0,
+                    hi: s.d_model,
+                },
+                fallbacks,
+            );
+            push(
+                b("attn_v"),
+                &[d, kv_dim],
+                t.attn_kv,
+                Fill::Rand {
+                    std: inv(d),
+                    lo: 0,
+                    hi: s.d_model,
+                },
+                fallbacks,
+            );
+            push(
+                b("attn_q_norm"),
+                &[s.head_dim as u64],
+                GgmlType::F32,
+                Fill::Const(self.attn_sharpness),
+                fallbacks,
+            );
+            push(
+                b("attn_k_norm"),
+                &[s.head_dim as u64],
+                GgmlType::F32,
+                Fill::Const(self.attn_sharpness),
+                fallbacks,
+            );
             // Attention writes only the context half of the residual stream.
-            push(b("attn_output"), &[q_dim, d], t.attn_output, Fill::RandRows { std: inv(q_dim), half: Half::Context, split }, fallbacks);
-            push(b("ffn_norm"), &[d], GgmlType::F32, Fill::Const(1.0), fallbacks);
+            push(
+                b("attn_output"),
+                &[q_dim, d],
+                t.attn_output,
+                Fill::RandRows {
+                    std: inv(q_dim),
+                    half: Half::Context,
+                    split,
+                },
+                fallbacks,
+            );
+            push(
+                b("ffn_norm"),
+                &[d],
+                GgmlType::F32,
+                Fill::Const(1.0),
+                fallbacks,
+            );
             let r = self.routing_context;
             push(
                 b("ffn_gate_inp"),
                 &[d, ne],
                 GgmlType::F32,
-                Fill::Router { tok: (1.0 - r) * self.router_gain * inv(split as u64), ctx: r * self.router_gain * inv((s.d_model - split) as u64) * 4.0, split },
+                Fill::Router {
+                    tok: (1.0 - r) * self.router_gain * inv(split as u64),
+                    ctx: r * self.router_gain * inv((s.d_model - split) as u64) * 4.0,
+                    split,
+                },
                 fallbacks,
             );
-            push(b("ffn_gate_exps"), &[d, ff, ne], t.experts, Fill::Rand { std: inv(d), lo: 0, hi: s.d_model }, fallbacks);
-            push(b("ffn_up_exps"), &[d, ff, ne], t.experts, Fill::Rand { std: inv(d), lo: 0, hi: s.d_model }, fallbacks);
-            let down_t = if use_more_bits(i, s.n_layer) { t.experts_down_more } else { t.experts };
+            push(
+                b("ffn_gate_exps"),
+                &[d, ff, ne],
+                t.experts,
+                Fill::Rand {
+                    std: inv(d),
+                    lo: 0,
+                    hi: s.d_model,
+                },
+                fallbacks,
+            );
+            push(
+                b("ffn_up_exps"),
+                &[d, ff, ne],
+                t.experts,
+                Fill::Rand {
+                    std: inv(d),
+                    lo: 0,
+                    hi: s.d_model,
+                },
+                fallbacks,
+            );
+            let down_t = if use_more_bits(i, s.n_layer) {
+                t.experts_down_more
+            } else {
+                t.experts
+            };
             // Experts write only the token half, so the context half stays a pure running mean.
-            push(b("ffn_down_exps"), &[ff, d, ne], down_t, Fill::RandRows { std: inv(ff), half: Half::Token, split }, fallbacks);
+            push(
+                b("ffn_down_exps"),
+                &[ff, d, ne],
+                down_t,
+                Fill::RandRows {
+                    std: inv(ff),
+                    half: Half::Token,
+                    split,
+                },
+                fallbacks,
+            );
         }
-        push("output_norm.weight".into(), &[d], GgmlType::F32, Fill::Const(1.0), fallbacks);
+        push(
+            "output_norm.weight".into(),
+            &[d],
+            GgmlType::F32,
+            Fill::Const(1.0),
+            fallbacks,
+        );
         if !s.tie_output {
-            push("output.weight".into(), &[d, nv], t.output, Fill::Rand { std: inv(d), lo: 0, hi: s.d_model }, fallbacks);
+            push(
+                "output.weight".into(),
+                &[d, nv],
+                t.output,
+                Fill::Rand {
+                    std: inv(d),
+                    lo: 0,
+                    hi: s.d_model,
+                },
+                fallbacks,
+            );
         }
         Ok(out)
     }
@@ -399,10 +616,20 @@ impl GenOptions {
 /// Rows generated per RNG stream: fixed, so the output never depends on the thread count.
 const CHUNK_ROWS: u64 = 64;
 
-fn fill_chunk(p: &Planned, seed: u64, chunk: u64, rows: std::ops::Range<u64>, out: &mut [u8]) -> Result<(), GenError> {
+fn fill_chunk(
+    p: &Planned,
+    seed: u64,
+    chunk: u64,
+    rows: std::ops::Range<u64>,
+    out: &mut [u8],
+) -> Result<(), GenError> {
     let ne0 = p.spec.dims[0] as usize;
     let row_bytes = p.spec.ty.row_bytes(ne0 as u64).unwrap_or(0) as usize;
-    let mut rng = ChaCha8Rng::seed_from_u64(fnv1a(&[&seed.to_le_bytes(), p.spec.name.as_bytes(), &chunk.to_le_bytes()]));
+    let mut rng = ChaCha8Rng::seed_from_u64(fnv1a(&[
+        &seed.to_le_bytes(),
+        p.spec.name.as_bytes(),
+        &chunk.to_le_bytes(),
+    ]));
     let mut row = vec![0f32; ne0];
     // Uniform on [-√3, √3] has unit variance and zero mean.
     let sqrt3 = 3f32.sqrt();
@@ -411,14 +638,22 @@ fn fill_chunk(p: &Planned, seed: u64, chunk: u64, rows: std::ops::Range<u64>, ou
             Fill::Const(c) => row.iter_mut().for_each(|x| *x = c),
             Fill::Rand { std, lo, hi } => {
                 for (j, x) in row.iter_mut().enumerate() {
-                    *x = if (j as u32) >= lo && (j as u32) < hi { std * sqrt3 * rng.gen_range(-1.0f32..1.0) } else { 0.0 };
+                    *x = if (j as u32) >= lo && (j as u32) < hi {
+                        std * sqrt3 * rng.gen_range(-1.0f32..1.0)
+                    } else {
+                        0.0
+                    };
                 }
             }
             Fill::RandRows { std, half, split } => {
                 let out_dim = (r % (p.spec.dims[1])) as u32;
                 let live = (out_dim < split) == (half == Half::Token);
                 for x in row.iter_mut() {
-                    *x = if live { std * sqrt3 * rng.gen_range(-1.0f32..1.0) } else { 0.0 };
+                    *x = if live {
+                        std * sqrt3 * rng.gen_range(-1.0f32..1.0)
+                    } else {
+                        0.0
+                    };
                 }
             }
             Fill::Router { tok, ctx, split } => {
@@ -428,8 +663,15 @@ fn fill_chunk(p: &Planned, seed: u64, chunk: u64, rows: std::ops::Range<u64>, ou
                 }
             }
         }
-        kernels::quantize_row(p.spec.ty, &row, &mut out[i * row_bytes..(i + 1) * row_bytes])
-            .map_err(|e| GenError::Kernel { tensor: p.spec.name.clone(), source: e })?;
+        kernels::quantize_row(
+            p.spec.ty,
+            &row,
+            &mut out[i * row_bytes..(i + 1) * row_bytes],
+        )
+        .map_err(|e| GenError::Kernel {
+            tensor: p.spec.name.clone(),
+            source: e,
+        })?;
     }
     Ok(())
 }
@@ -441,7 +683,10 @@ fn tensor_bytes(p: &Planned, seed: u64, threads: usize) -> Result<Vec<u8>, GenEr
     let n_chunks = n_rows.div_ceil(CHUNK_ROWS);
     let next = AtomicUsize::new(0);
     let chunks: Vec<&mut [u8]> = data.chunks_mut(row_bytes * CHUNK_ROWS as usize).collect();
-    let slots: Vec<std::sync::Mutex<Option<&mut [u8]>>> = chunks.into_iter().map(|c| std::sync::Mutex::new(Some(c))).collect();
+    let slots: Vec<std::sync::Mutex<Option<&mut [u8]>>> = chunks
+        .into_iter()
+        .map(|c| std::sync::Mutex::new(Some(c)))
+        .collect();
     let result: Result<(), GenError> = std::thread::scope(|sc| {
         let workers: Vec<_> = (0..threads.max(1).min(n_chunks as usize))
             .map(|_| {
@@ -451,7 +696,10 @@ fn tensor_bytes(p: &Planned, seed: u64, threads: usize) -> Result<Vec<u8>, GenEr
                         if c as u64 >= n_chunks {
                             return Ok(());
                         }
-                        let buf = slots[c].lock().map_err(|_| GenError::Invalid("worker poisoned".into()))?.take();
+                        let buf = slots[c]
+                            .lock()
+                            .map_err(|_| GenError::Invalid("worker poisoned".into()))?
+                            .take();
                         if let Some(buf) = buf {
                             let lo = c as u64 * CHUNK_ROWS;
                             let hi = (lo + CHUNK_ROWS).min(n_rows);
@@ -462,7 +710,8 @@ fn tensor_bytes(p: &Planned, seed: u64, threads: usize) -> Result<Vec<u8>, GenEr
             })
             .collect();
         for w in workers {
-            w.join().map_err(|_| GenError::Invalid("generator thread panicked".into()))??;
+            w.join()
+                .map_err(|_| GenError::Invalid("generator thread panicked".into()))??;
         }
         Ok(())
     });
@@ -471,7 +720,11 @@ fn tensor_bytes(p: &Planned, seed: u64, threads: usize) -> Result<Vec<u8>, GenEr
 }
 
 /// Write the model to `path`. `progress(done_bytes, total_bytes)` is called after each tensor.
-pub fn generate(opts: &GenOptions, path: &Path, mut progress: impl FnMut(u64, u64)) -> Result<GenReport, GenError> {
+pub fn generate(
+    opts: &GenOptions,
+    path: &Path,
+    mut progress: impl FnMut(u64, u64),
+) -> Result<GenReport, GenError> {
     opts.validate()?;
     let mut fallbacks = Vec::new();
     let plan = opts.plan(&mut fallbacks)?;
@@ -486,7 +739,12 @@ pub fn generate(opts: &GenOptions, path: &Path, mut progress: impl FnMut(u64, u6
         progress(done, total);
     }
     let bytes = w.finish()?;
-    Ok(GenReport { bytes, n_tensors: plan.len(), n_vocab: opts.n_vocab()? as usize, fallbacks })
+    Ok(GenReport {
+        bytes,
+        n_tensors: plan.len(),
+        n_vocab: opts.n_vocab()? as usize,
+        fallbacks,
+    })
 }
 
 #[cfg(test)]

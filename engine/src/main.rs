@@ -43,7 +43,9 @@ fn run(cli: Cli) -> Result<i32> {
         return Ok(0);
     }
     let Some(model) = cli.run.model.clone() else {
-        bail!("no model given: pass -m MODEL.gguf (or a subcommand: gen, inspect, bench; see --help)");
+        bail!(
+            "no model given: pass -m MODEL.gguf (or a subcommand: gen, inspect, bench; see --help)"
+        );
     };
     cli::generate(&cli.run, &model)
 }

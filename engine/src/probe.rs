@@ -18,5 +18,10 @@ pub fn rusage() -> Rusage {
         return Rusage::default();
     }
     let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
-    Rusage { cpu_s: tv(ru.ru_utime) + tv(ru.ru_stime), majflt: ru.ru_majflt as u64, minflt: ru.ru_minflt as u64, maxrss_kib: ru.ru_maxrss as u64 }
+    Rusage {
+        cpu_s: tv(ru.ru_utime) + tv(ru.ru_stime),
+        majflt: ru.ru_majflt as u64,
+        minflt: ru.ru_minflt as u64,
+        maxrss_kib: ru.ru_maxrss as u64,
+    }
 }

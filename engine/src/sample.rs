@@ -16,7 +16,12 @@ pub struct SamplerConfig {
 
 impl Default for SamplerConfig {
     fn default() -> Self {
-        SamplerConfig { temp: 0.0, top_k: 40, top_p: 0.95, seed: 0 }
+        SamplerConfig {
+            temp: 0.0,
+            top_k: 40,
+            top_p: 0.95,
+            seed: 0,
+        }
     }
 }
 
@@ -42,7 +47,11 @@ pub fn argmax(logits: &[f32]) -> u32 {
 impl Sampler {
     pub fn new(cfg: SamplerConfig) -> Sampler {
         let rng = ChaCha20Rng::seed_from_u64(cfg.seed);
-        Sampler { cfg, rng, cand: Vec::new() }
+        Sampler {
+            cfg,
+            rng,
+            cand: Vec::new(),
+        }
     }
 
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
@@ -51,7 +60,13 @@ impl Sampler {
         }
         let c = &mut self.cand;
         c.clear();
-        c.extend(logits.iter().enumerate().filter(|(_, v)| v.is_finite()).map(|(i, &v)| (v, i as u32)));
+        c.extend(
+            logits
+                .iter()
+                .enumerate()
+                .filter(|(_, v)| v.is_finite())
+                .map(|(i, &v)| (v, i as u32)),
+        );
         if c.is_empty() {
             return argmax(logits);
         }
@@ -60,7 +75,10 @@ impl Sampler {
             c.truncate(self.cfg.top_k.max(1));
         }
         let mx = c[0].0;
-        let mut probs: Vec<f64> = c.iter().map(|&(v, _)| (((v - mx) / self.cfg.temp) as f64).exp()).collect();
+        let mut probs: Vec<f64> = c
+            .iter()
+            .map(|&(v, _)| (((v - mx) / self.cfg.temp) as f64).exp())
+            .collect();
         let sum: f64 = probs.iter().sum();
         probs.iter_mut().for_each(|p| *p /= sum);
         if self.cfg.top_p < 1.0 {
@@ -103,7 +121,12 @@ mod tests {
     fn seeded_sampling_is_reproducible_and_varies_with_seed() {
         let logits: Vec<f32> = (0..100).map(|i| ((i * 37 % 11) as f32) * 0.3).collect();
         let run = |seed| {
-            let mut s = Sampler::new(SamplerConfig { temp: 1.0, top_k: 40, top_p: 0.95, seed });
+            let mut s = Sampler::new(SamplerConfig {
+                temp: 1.0,
+                top_k: 40,
+                top_p: 0.95,
+                seed,
+            });
             (0..50).map(|_| s.sample(&logits)).collect::<Vec<_>>()
         };
         assert_eq!(run(1), run(1));
@@ -113,7 +136,12 @@ mod tests {
     #[test]
     fn top_k_one_is_greedy() {
         let logits = [0.1, 2.0, 1.0];
-        let mut s = Sampler::new(SamplerConfig { temp: 5.0, top_k: 1, top_p: 1.0, seed: 3 });
+        let mut s = Sampler::new(SamplerConfig {
+            temp: 5.0,
+            top_k: 1,
+            top_p: 1.0,
+            seed: 3,
+        });
         for _ in 0..20 {
             assert_eq!(s.sample(&logits), 1);
         }

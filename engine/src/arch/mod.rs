@@ -11,13 +11,25 @@ pub const SUPPORTED: &[(&str, &str)] = &[("qwen3moe", "Qwen3 MoE (Qwen3-30B-A3B,
 #[derive(Debug, thiserror::Error)]
 pub enum ArchError {
     #[error("{file}: architecture '{arch}' is not one this build runs (supported: {supported}); see --list-archs")]
-    Unsupported { file: String, arch: String, supported: String },
+    Unsupported {
+        file: String,
+        arch: String,
+        supported: String,
+    },
     #[error("{file}: architecture '{arch}' is not a mixture-of-experts model; bmoe streams MoE experts only")]
     NotMoe { file: String, arch: String },
     #[error("{file}: metadata key '{key}' {what}")]
-    Key { file: String, key: String, what: String },
+    Key {
+        file: String,
+        key: String,
+        what: String,
+    },
     #[error("{file}: tensor '{tensor}' {what}")]
-    Tensor { file: String, tensor: String, what: String },
+    Tensor {
+        file: String,
+        tensor: String,
+        what: String,
+    },
     #[error(transparent)]
     Gguf(#[from] crate::gguf::GgufError),
 }

@@ -32,20 +32,35 @@ pub struct HParams {
 }
 
 fn key_err(f: &GgufFile, key: &str, what: impl Into<String>) -> ArchError {
-    ArchError::Key { file: f.path().display().to_string(), key: key.into(), what: what.into() }
+    ArchError::Key {
+        file: f.path().display().to_string(),
+        key: key.into(),
+        what: what.into(),
+    }
 }
 
 fn req_u(f: &GgufFile, key: &str) -> Result<usize, ArchError> {
-    let v = f.get(key).ok_or_else(|| key_err(f, key, "is missing (required for qwen3moe)"))?;
+    let v = f
+        .get(key)
+        .ok_or_else(|| key_err(f, key, "is missing (required for qwen3moe)"))?;
     // Some files store per-layer arrays for counts; all entries must agree for us.
     if let Some(arr) = v.as_array() {
-        let first = arr.first().and_then(|x| x.as_u64()).ok_or_else(|| key_err(f, key, "is an empty or non-integer array"))?;
+        let first = arr
+            .first()
+            .and_then(|x| x.as_u64())
+            .ok_or_else(|| key_err(f, key, "is an empty or non-integer array"))?;
         if arr.iter().any(|x| x.as_u64() != Some(first)) {
-            return Err(key_err(f, key, "varies per layer, which this build does not support"));
+            return Err(key_err(
+                f,
+                key,
+                "varies per layer, which this build does not support",
+            ));
         }
         return Ok(first as usize);
     }
-    let n = v.as_u64().ok_or_else(|| key_err(f, key, format!("is {v}, expected a non-negative integer")))?;
+    let n = v
+        .as_u64()
+        .ok_or_else(|| key_err(f, key, format!("is {v}, expected a non-negative integer")))?;
     usize::try_from(n).map_err(|_| key_err(f, key, "does not fit this machine's usize"))
 }
 
@@ -59,7 +74,10 @@ fn opt_u(f: &GgufFile, key: &str) -> Result<Option<usize>, ArchError> {
 fn opt_f(f: &GgufFile, key: &str, default: f32) -> Result<f32, ArchError> {
     match f.get(key) {
         None => Ok(default),
-        Some(v) => v.as_f64().map(|x| x as f32).ok_or_else(|| key_err(f, key, format!("is {v}, expected a number"))),
+        Some(v) => v
+            .as_f64()
+            .map(|x| x as f32)
+            .ok_or_else(|| key_err(f, key, format!("is {v}, expected a number"))),
     }
 }
 
@@ -74,17 +92,32 @@ impl HParams {
         let n_expert_used = req_u(f, &k("expert_used_count"))?;
         let rms_eps = f
             .get(&k("attention.layer_norm_rms_epsilon"))
-            .ok_or_else(|| key_err(f, &k("attention.layer_norm_rms_epsilon"), "is missing (required for qwen3moe)"))?
+            .ok_or_else(|| {
+                key_err(
+                    f,
+                    &k("attention.layer_norm_rms_epsilon"),
+                    "is missing (required for qwen3moe)",
+                )
+            })?
             .as_f64()
-            .ok_or_else(|| key_err(f, &k("attention.layer_norm_rms_epsilon"), "is not a number"))? as f32;
+            .ok_or_else(|| key_err(f, &k("attention.layer_norm_rms_epsilon"), "is not a number"))?
+            as f32;
         let n_head_kv = opt_u(f, &k("attention.head_count_kv"))?.unwrap_or(n_head);
         if n_head == 0 || d_model == 0 || n_layer == 0 {
-            return Err(key_err(f, &k("attention.head_count"), "block_count, embedding_length and head_count must be positive"));
+            return Err(key_err(
+                f,
+                &k("attention.head_count"),
+                "block_count, embedding_length and head_count must be positive",
+            ));
         }
         let head_dim = opt_u(f, &k("attention.key_length"))?.unwrap_or(d_model / n_head);
         let v_dim = opt_u(f, &k("attention.value_length"))?.unwrap_or(head_dim);
         if v_dim != head_dim {
-            return Err(key_err(f, &k("attention.value_length"), format!("{v_dim} differs from key_length {head_dim}; unsupported")));
+            return Err(key_err(
+                f,
+                &k("attention.value_length"),
+                format!("{v_dim} differs from key_length {head_dim}; unsupported"),
+            ));
         }
         let n_ff_exp = match opt_u(f, &k("expert_feed_forward_length"))? {
             Some(n) => n,
@@ -103,29 +136,68 @@ impl HParams {
             }
         }
         if n_expert == 0 {
-            return Err(ArchError::NotMoe { file: f.path().display().to_string(), arch: ARCH.into() });
+            return Err(ArchError::NotMoe {
+                file: f.path().display().to_string(),
+                arch: ARCH.into(),
+            });
         }
         if n_expert_used == 0 || n_expert_used > n_expert {
-            return Err(key_err(f, &k("expert_used_count"), format!("{n_expert_used}, expected 1..={n_expert}")));
+            return Err(key_err(
+                f,
+                &k("expert_used_count"),
+                format!("{n_expert_used}, expected 1..={n_expert}"),
+            ));
         }
         if n_head_kv == 0 || n_head % n_head_kv != 0 {
-            return Err(key_err(f, &k("attention.head_count_kv"), format!("{n_head_kv} must divide head_count {n_head}")));
+            return Err(key_err(
+                f,
+                &k("attention.head_count_kv"),
+                format!("{n_head_kv} must divide head_count {n_head}"),
+            ));
         }
         if head_dim % 2 != 0 {
-            return Err(key_err(f, &k("attention.key_length"), format!("{head_dim} must be even for rotary embedding")));
+            return Err(key_err(
+                f,
+                &k("attention.key_length"),
+                format!("{head_dim} must be even for rotary embedding"),
+            ));
         }
-        let embd = f.tensor("token_embd.weight").ok_or_else(|| ArchError::Tensor {
-            file: f.path().display().to_string(),
-            tensor: "token_embd.weight".into(),
-            what: "is missing".into(),
-        })?;
+        let embd = f
+            .tensor("token_embd.weight")
+            .ok_or_else(|| ArchError::Tensor {
+                file: f.path().display().to_string(),
+                tensor: "token_embd.weight".into(),
+                what: "is missing".into(),
+            })?;
         let n_vocab = embd.dims.get(1).copied().unwrap_or(0) as usize;
-        Ok(HParams { n_layer, n_expert, n_expert_used, d_model, n_ff_exp, n_head, n_head_kv, head_dim, n_ctx_train, rope_base, rms_eps, n_vocab })
+        Ok(HParams {
+            n_layer,
+            n_expert,
+            n_expert_used,
+            d_model,
+            n_ff_exp,
+            n_head,
+            n_head_kv,
+            head_dim,
+            n_ctx_train,
+            rope_base,
+            rms_eps,
+            n_vocab,
+        })
     }
 }
 
 /// Weight types the kernels can multiply.
-const MATMUL_TYPES: &[GgmlType] = &[GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K];
+const MATMUL_TYPES: &[GgmlType] = &[
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q8_0,
+    GgmlType::Q4_0,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+];
 
 /// A 2-D weight matrix view: `rows` rows of `cols` elements, GGUF row-major.
 #[derive(Copy, Clone, Debug)]
@@ -148,7 +220,13 @@ impl Mat {
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
     fn from_slice(ty: GgmlType, rows: usize, cols: usize, s: &[u8]) -> Mat {
-        Mat { ty, rows, cols, ptr: s.as_ptr(), len: s.len() }
+        Mat {
+            ty,
+            rows,
+            cols,
+            ptr: s.as_ptr(),
+            len: s.len(),
+        }
     }
     pub fn row_bytes(&self) -> usize {
         self.ty.row_bytes(self.cols as u64).unwrap_or(0) as usize
@@ -192,13 +270,21 @@ pub struct Weights {
 }
 
 fn tensor<'a>(f: &'a GgufFile, name: &str) -> Result<&'a TensorInfo, ArchError> {
-    f.tensor(name).ok_or_else(|| ArchError::Tensor { file: f.path().display().to_string(), tensor: name.into(), what: "is missing".into() })
+    f.tensor(name).ok_or_else(|| ArchError::Tensor {
+        file: f.path().display().to_string(),
+        tensor: name.into(),
+        what: "is missing".into(),
+    })
 }
 
 fn check_dims(f: &GgufFile, t: &TensorInfo, want: &[usize]) -> Result<(), ArchError> {
     let got: Vec<usize> = t.dims.iter().map(|&d| d as usize).collect();
     if got != want {
-        return Err(ArchError::Tensor { file: f.path().display().to_string(), tensor: t.name.clone(), what: format!("has shape {got:?}, expected {want:?}") });
+        return Err(ArchError::Tensor {
+            file: f.path().display().to_string(),
+            tensor: t.name.clone(),
+            what: format!("has shape {got:?}, expected {want:?}"),
+        });
     }
     Ok(())
 }
@@ -208,7 +294,15 @@ fn check_type(f: &GgufFile, t: &TensorInfo, allowed: &[GgmlType]) -> Result<(), 
         return Err(ArchError::Tensor {
             file: f.path().display().to_string(),
             tensor: t.name.clone(),
-            what: format!("has type {}, which this build has no kernel for (supported: {})", t.ty, allowed.iter().map(|t| t.name()).collect::<Vec<_>>().join(", ")),
+            what: format!(
+                "has type {}, which this build has no kernel for (supported: {})",
+                t.ty,
+                allowed
+                    .iter()
+                    .map(|t| t.name())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
         });
     }
     Ok(())
@@ -226,16 +320,30 @@ fn vector(f: &GgufFile, name: &str, n: usize) -> Result<Vec<f32>, ArchError> {
     check_dims(f, t, &[n])?;
     check_type(f, t, &[GgmlType::F32, GgmlType::F16, GgmlType::BF16])?;
     let mut out = vec![0f32; n];
-    kernels::dequantize_row(t.ty, f.tensor_data(t), &mut out)
-        .map_err(|e| ArchError::Tensor { file: f.path().display().to_string(), tensor: name.into(), what: e.to_string() })?;
+    kernels::dequantize_row(t.ty, f.tensor_data(t), &mut out).map_err(|e| ArchError::Tensor {
+        file: f.path().display().to_string(),
+        tensor: name.into(),
+        what: e.to_string(),
+    })?;
     Ok(out)
 }
 
-fn experts(f: &GgufFile, name: &str, cols: usize, rows: usize, n_expert: usize) -> Result<ExpertTensor, ArchError> {
+fn experts(
+    f: &GgufFile,
+    name: &str,
+    cols: usize,
+    rows: usize,
+    n_expert: usize,
+) -> Result<ExpertTensor, ArchError> {
     let t = tensor(f, name)?;
     check_dims(f, t, &[cols, rows, n_expert])?;
     check_type(f, t, MATMUL_TYPES)?;
-    Ok(ExpertTensor { info: t.clone(), stride: t.n_bytes / n_expert as u64, rows, cols })
+    Ok(ExpertTensor {
+        info: t.clone(),
+        stride: t.n_bytes / n_expert as u64,
+        rows,
+        cols,
+    })
 }
 
 impl Weights {
@@ -248,7 +356,11 @@ impl Weights {
                 return Err(ArchError::Unsupported {
                     file: f.path().display().to_string(),
                     arch: other.into(),
-                    supported: super::SUPPORTED.iter().map(|s| s.0).collect::<Vec<_>>().join(", "),
+                    supported: super::SUPPORTED
+                        .iter()
+                        .map(|s| s.0)
+                        .collect::<Vec<_>>()
+                        .join(", "),
                 })
             }
             None => return Err(key_err(f, "general.architecture", "is missing")),
@@ -258,7 +370,11 @@ impl Weights {
         let qd = hp.n_head * hp.head_dim;
         let kvd = hp.n_head_kv * hp.head_dim;
         let embd = mat(f, "token_embd.weight", d, hp.n_vocab)?;
-        let output = if f.tensor("output.weight").is_some() { mat(f, "output.weight", d, hp.n_vocab)? } else { embd };
+        let output = if f.tensor("output.weight").is_some() {
+            mat(f, "output.weight", d, hp.n_vocab)?
+        } else {
+            embd
+        };
         let output_norm = vector(f, "output_norm.weight", d)?;
         let mut layers = Vec::with_capacity(hp.n_layer);
         for i in 0..hp.n_layer {
@@ -280,7 +396,14 @@ impl Weights {
                 ],
             });
         }
-        Ok(Weights { hp, embd, output, output_norm, layers, _file: file })
+        Ok(Weights {
+            hp,
+            embd,
+            output,
+            output_norm,
+            layers,
+            _file: file,
+        })
     }
 
     /// The resident bytes of expert `e`'s projection `p` (0 gate, 1 up, 2 down), from the map.
@@ -381,12 +504,19 @@ pub struct Qwen3Moe {
 }
 
 fn kerr(e: kernels::KernelError) -> ArchError {
-    ArchError::Tensor { file: String::new(), tensor: String::new(), what: format!("kernel: {e}") }
+    ArchError::Tensor {
+        file: String::new(),
+        tensor: String::new(),
+        what: format!("kernel: {e}"),
+    }
 }
 
 impl Qwen3Moe {
     pub fn new(w: Weights, threads: usize) -> Qwen3Moe {
-        Qwen3Moe { w, pool: ThreadPool::new(threads.max(1)) }
+        Qwen3Moe {
+            w,
+            pool: ThreadPool::new(threads.max(1)),
+        }
     }
 
     pub fn hp(&self) -> &HParams {
@@ -423,30 +553,67 @@ impl Qwen3Moe {
         }
     }
 
-    fn matmul_rows(&self, m: &Mat, input: &[f32], n: usize, acts: &mut Vec<ActBuf>, out: &mut [f32]) -> Result<(), ArchError> {
+    fn matmul_rows(
+        &self,
+        m: &Mat,
+        input: &[f32],
+        n: usize,
+        acts: &mut Vec<ActBuf>,
+        out: &mut [f32],
+    ) -> Result<(), ArchError> {
         let cols = m.cols;
         while acts.len() < n {
             acts.push(ActBuf::new());
         }
         for r in 0..n {
-            acts[r].prepare(m.ty, &input[r * cols..(r + 1) * cols]).map_err(kerr)?;
+            acts[r]
+                .prepare(m.ty, &input[r * cols..(r + 1) * cols])
+                .map_err(kerr)?;
         }
         if n == 1 {
-            kernels::matvec(&self.pool, m.ty, m.bytes(), m.rows, cols, &acts[0], &mut out[..m.rows]).map_err(kerr)
+            kernels::matvec(
+                &self.pool,
+                m.ty,
+                m.bytes(),
+                m.rows,
+                cols,
+                &acts[0],
+                &mut out[..m.rows],
+            )
+            .map_err(kerr)
         } else {
-            kernels::matmul(&self.pool, m.ty, m.bytes(), m.rows, cols, &acts[..n], &mut out[..n * m.rows]).map_err(kerr)
+            kernels::matmul(
+                &self.pool,
+                m.ty,
+                m.bytes(),
+                m.rows,
+                cols,
+                &acts[..n],
+                &mut out[..n * m.rows],
+            )
+            .map_err(kerr)
         }
     }
 
     /// Start a batch: embed `tokens` at `positions`; `out_rows` are the rows whose logits
     /// `head` will produce (the last row for generation; all rows for `--logits-out`).
-    pub fn begin(&self, st: &mut State, tokens: &[u32], positions: &[u32], out_rows: &[u32]) -> Result<(), ArchError> {
+    pub fn begin(
+        &self,
+        st: &mut State,
+        tokens: &[u32],
+        positions: &[u32],
+        out_rows: &[u32],
+    ) -> Result<(), ArchError> {
         let hp = &self.w.hp;
         let d = hp.d_model;
         let n = tokens.len();
         if let Some(&p) = positions.iter().max() {
             if p as usize >= st.n_ctx {
-                return Err(ArchError::Key { file: String::new(), key: "n_ctx".into(), what: format!("position {p} is past the context size {}", st.n_ctx) });
+                return Err(ArchError::Key {
+                    file: String::new(),
+                    key: "n_ctx".into(),
+                    what: format!("position {p} is past the context size {}", st.n_ctx),
+                });
             }
         }
         st.n_rows = n;
@@ -458,10 +625,15 @@ impl Qwen3Moe {
         let rb = self.w.embd.row_bytes();
         for (r, &t) in tokens.iter().enumerate() {
             if t as usize >= hp.n_vocab {
-                return Err(ArchError::Key { file: String::new(), key: "token".into(), what: format!("id {t} is outside the vocabulary of {}", hp.n_vocab) });
+                return Err(ArchError::Key {
+                    file: String::new(),
+                    key: "token".into(),
+                    what: format!("id {t} is outside the vocabulary of {}", hp.n_vocab),
+                });
             }
             let src = &self.w.embd.bytes()[t as usize * rb..(t as usize + 1) * rb];
-            kernels::dequantize_row(self.w.embd.ty, src, &mut st.x[r * d..(r + 1) * d]).map_err(kerr)?;
+            kernels::dequantize_row(self.w.embd.ty, src, &mut st.x[r * d..(r + 1) * d])
+                .map_err(kerr)?;
         }
         Ok(())
     }
@@ -475,7 +647,12 @@ impl Qwen3Moe {
         let n = st.n_rows;
         st.h.resize(n * d, 0.0);
         for r in 0..n {
-            rmsnorm(&st.x[r * d..(r + 1) * d], &lw.attn_norm, hp.rms_eps, &mut st.h[r * d..(r + 1) * d]);
+            rmsnorm(
+                &st.x[r * d..(r + 1) * d],
+                &lw.attn_norm,
+                hp.rms_eps,
+                &mut st.h[r * d..(r + 1) * d],
+            );
         }
         st.q.resize(n * qd, 0.0);
         st.k.resize(n * kvd, 0.0);
@@ -524,7 +701,9 @@ impl Qwen3Moe {
             let lo = t * per;
             let hi = ((t + 1) * per).min(n_tasks);
             // SAFETY: thread t owns scores[t*max_pos..] and the att slices of tasks lo..hi.
-            let scores = unsafe { std::slice::from_raw_parts_mut(scores_all.get().add(t * max_pos), max_pos) };
+            let scores = unsafe {
+                std::slice::from_raw_parts_mut(scores_all.get().add(t * max_pos), max_pos)
+            };
             for task in lo..hi {
                 let (r, hh) = (task / nh, task % nh);
                 let pos = positions[r] as usize;
@@ -543,7 +722,8 @@ impl Qwen3Moe {
                     sum += *sc as f64;
                 }
                 let inv = (1.0 / sum) as f32;
-                let out = unsafe { std::slice::from_raw_parts_mut(att.get().add(r * qd + hh * hd), hd) };
+                let out =
+                    unsafe { std::slice::from_raw_parts_mut(att.get().add(r * qd + hh * hd), hd) };
                 out.iter_mut().for_each(|o| *o = 0.0);
                 for (p, &sc) in scores.iter().enumerate().take(pos + 1) {
                     let w = sc * inv;
@@ -576,7 +756,12 @@ impl Qwen3Moe {
         st.h.resize(m * d, 0.0);
         for (i, &r) in st.ffn_rows.iter().enumerate() {
             let r = r as usize;
-            rmsnorm(&st.x[r * d..(r + 1) * d], &lw.ffn_norm, hp.rms_eps, &mut st.h[i * d..(i + 1) * d]);
+            rmsnorm(
+                &st.x[r * d..(r + 1) * d],
+                &lw.ffn_norm,
+                hp.rms_eps,
+                &mut st.h[i * d..(i + 1) * d],
+            );
         }
         let k = hp.n_expert_used;
         st.moe.resize(m * k * d, 0.0);
@@ -615,7 +800,10 @@ impl Qwen3Moe {
             }
             let inv = (1.0 / sum) as f32;
             p.iter_mut().for_each(|v| *v *= inv);
-            order.iter_mut().enumerate().for_each(|(i, o)| *o = i as u32);
+            order
+                .iter_mut()
+                .enumerate()
+                .for_each(|(i, o)| *o = i as u32);
             // Descending by probability; ties by the lower id, so the order is total.
             order.sort_by(|&a, &b| p[b as usize].total_cmp(&p[a as usize]).then(a.cmp(&b)));
             let top = &order[..k];
@@ -631,7 +819,13 @@ impl Qwen3Moe {
 
     /// One expert for the FFN rows routed to it. `uses` = (FFN row index, rank, weight);
     /// `proj` = the expert's gate, up and down bytes, wherever they live (map or arena).
-    pub fn expert(&self, st: &mut State, layer: usize, proj: [&[u8]; 3], uses: &[(u32, u16, f32)]) -> Result<(), ArchError> {
+    pub fn expert(
+        &self,
+        st: &mut State,
+        layer: usize,
+        proj: [&[u8]; 3],
+        uses: &[(u32, u16, f32)],
+    ) -> Result<(), ArchError> {
         let hp = &self.w.hp;
         let lw = &self.w.layers[layer];
         let (d, ff, k) = (hp.d_model, hp.n_ff_exp, hp.n_expert_used);
@@ -642,7 +836,11 @@ impl Qwen3Moe {
         let [g, u, dn] = &lw.exps;
         for (p, x) in proj.iter().zip(&lw.exps) {
             if p.len() as u64 != x.stride {
-                return Err(ArchError::Tensor { file: String::new(), tensor: x.info.name.clone(), what: format!("expert slice of {} bytes, expected {}", p.len(), x.stride) });
+                return Err(ArchError::Tensor {
+                    file: String::new(),
+                    tensor: x.info.name.clone(),
+                    what: format!("expert slice of {} bytes, expected {}", p.len(), x.stride),
+                });
             }
         }
         st.tmp.resize(n * d, 0.0);
@@ -655,29 +853,60 @@ impl Qwen3Moe {
         st.down.resize(n * d, 0.0);
         let mut acts = std::mem::take(&mut st.acts);
         let mut act2 = std::mem::take(&mut st.act2);
-        let run = |ty: GgmlType, w: &[u8], rows: usize, cols: usize, input: &[f32], acts: &mut Vec<ActBuf>, out: &mut [f32], pool: &ThreadPool| -> Result<(), ArchError> {
+        let run = |ty: GgmlType,
+                   w: &[u8],
+                   rows: usize,
+                   cols: usize,
+                   input: &[f32],
+                   acts: &mut Vec<ActBuf>,
+                   out: &mut [f32],
+                   pool: &ThreadPool|
+         -> Result<(), ArchError> {
             while acts.len() < n {
                 acts.push(ActBuf::new());
             }
             for r in 0..n {
-                acts[r].prepare(ty, &input[r * cols..(r + 1) * cols]).map_err(kerr)?;
+                acts[r]
+                    .prepare(ty, &input[r * cols..(r + 1) * cols])
+                    .map_err(kerr)?;
             }
             if n == 1 {
                 kernels::matvec(pool, ty, w, rows, cols, &acts[0], &mut out[..rows]).map_err(kerr)
             } else {
-                kernels::matmul(pool, ty, w, rows, cols, &acts[..n], &mut out[..n * rows]).map_err(kerr)
+                kernels::matmul(pool, ty, w, rows, cols, &acts[..n], &mut out[..n * rows])
+                    .map_err(kerr)
             }
         };
         let tmp = std::mem::take(&mut st.tmp);
         // gate and up share the activation only when their types share a dot format; prepare per type.
-        run(g.info.ty, proj[0], ff, d, &tmp, &mut acts, &mut st.gate, &self.pool)?;
-        run(u.info.ty, proj[1], ff, d, &tmp, &mut acts, &mut st.up, &self.pool)?;
+        run(
+            g.info.ty,
+            proj[0],
+            ff,
+            d,
+            &tmp,
+            &mut acts,
+            &mut st.gate,
+            &self.pool,
+        )?;
+        run(
+            u.info.ty, proj[1], ff, d, &tmp, &mut acts, &mut st.up, &self.pool,
+        )?;
         st.tmp = tmp;
         for (a, &b) in st.gate.iter_mut().zip(&st.up) {
             *a = silu(*a) * b;
         }
         let gate = std::mem::take(&mut st.gate);
-        run(dn.info.ty, proj[2], d, ff, &gate, &mut act2, &mut st.down, &self.pool)?;
+        run(
+            dn.info.ty,
+            proj[2],
+            d,
+            ff,
+            &gate,
+            &mut act2,
+            &mut st.down,
+            &self.pool,
+        )?;
         st.gate = gate;
         st.acts = acts;
         st.act2 = act2;
@@ -716,7 +945,10 @@ impl Qwen3Moe {
             }
             if let Some(a) = acc {
                 let r = row as usize;
-                for (x, &y) in st.x[r * d..(r + 1) * d].iter_mut().zip(&st.moe[a * d..(a + 1) * d]) {
+                for (x, &y) in st.x[r * d..(r + 1) * d]
+                    .iter_mut()
+                    .zip(&st.moe[a * d..(a + 1) * d])
+                {
                     *x += y;
                 }
             }
@@ -734,7 +966,12 @@ impl Qwen3Moe {
         st.h.resize(m * d, 0.0);
         for (i, &r) in st.out_rows.iter().enumerate() {
             let r = r as usize;
-            rmsnorm(&st.x[r * d..(r + 1) * d], &self.w.output_norm, hp.rms_eps, &mut st.h[i * d..(i + 1) * d]);
+            rmsnorm(
+                &st.x[r * d..(r + 1) * d],
+                &self.w.output_norm,
+                hp.rms_eps,
+                &mut st.h[i * d..(i + 1) * d],
+            );
         }
         st.logits.resize(m * hp.n_vocab, 0.0);
         let mut acts = std::mem::take(&mut st.acts);
@@ -748,7 +985,13 @@ impl Qwen3Moe {
     }
 
     /// The whole batch with every expert read from the memory map: the resident baseline.
-    pub fn forward_resident(&self, st: &mut State, tokens: &[u32], positions: &[u32], out_rows: &[u32]) -> Result<(), ArchError> {
+    pub fn forward_resident(
+        &self,
+        st: &mut State,
+        tokens: &[u32],
+        positions: &[u32],
+        out_rows: &[u32],
+    ) -> Result<(), ArchError> {
         self.begin(st, tokens, positions, out_rows)?;
         let mut ro = RouteOut::default();
         let mut uses: Vec<(u32, u16, f32)> = Vec::new();
@@ -772,7 +1015,11 @@ impl Qwen3Moe {
                         uses.push(((i / ro.k) as u32, (i % ro.k) as u16, w));
                     }
                 }
-                let proj = [self.w.resident_expert(layer, e as usize, 0), self.w.resident_expert(layer, e as usize, 1), self.w.resident_expert(layer, e as usize, 2)];
+                let proj = [
+                    self.w.resident_expert(layer, e as usize, 0),
+                    self.w.resident_expert(layer, e as usize, 1),
+                    self.w.resident_expert(layer, e as usize, 2),
+                ];
                 self.expert(st, layer, proj, &uses)?;
             }
             self.finish_layer(st, layer)?;
