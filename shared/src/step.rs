@@ -385,6 +385,7 @@ impl<C: Clock, F: Flash, B: Backend> Engine<C, F, B> {
                 turn: input.turn,
                 phase: input.phase,
                 positions: input.positions,
+                layer_moe: moe,
             };
             streamer.run_layer(&mut io, layer, routing)?;
         }
