@@ -9,13 +9,16 @@
 pub mod backend;
 pub mod cache;
 pub mod clock;
+pub mod config;
 pub mod flash;
+pub mod flags;
 pub mod handoff;
 pub mod layout;
 pub mod policy;
 pub mod records;
 pub mod step;
 mod streamer;
+pub mod telemetry;
 pub mod testing;
 
 pub use backend::{Backend, BackendStage, ExpertUse, LayerId, Routing, RoutingError, SlotId};

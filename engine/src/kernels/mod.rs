@@ -1,0 +1,977 @@
+//! CPU kernels: per-format dequantize / quantize / dot products, and the multi-threaded matrix ·
+//! vector products the forward pass is built from.
+//!
+//! Why this shape: decode is bound by how fast weight bytes stream through the cores, so each
+//! weight format is dotted directly against an activation that was prepared once per vector in
+//! the format llama.cpp's CPU backend uses for it (Q8_0 blocks for Q4_0/Q8_0 weights, Q8_K
+//! blocks for K-quants, f16 for F16, bf16 for BF16, f32 for F32). That keeps our numbers close
+//! to llama.cpp's, and keeps the inner loops in integers.
+//!
+//! Determinism contract (the forward pass and the byte-identity gates rely on it):
+//! - Every format fixes one summation order. Quantized formats sum exactly in integers inside a
+//!   block, then apply the float scale once per block in a fixed order; float formats sum into a
+//!   fixed set of lanes (32 for F32/F16/BF16, 8 for Q8_0/Q4_0 block totals) reduced by one fixed
+//!   tree. The scalar reference and every SIMD path follow the same order, so they agree bit for
+//!   bit (the tests check it), whatever the CPU.
+//! - A row's result depends only on that row and the activation: [`matvec`] gives each row to
+//!   exactly one thread, so any thread count gives identical bits, and [`matmul`] gives exactly
+//!   the bits of [`matvec`] on each token.
+//!
+//! The SIMD level is detected once ([`simd_level`]) and cached. Each format lives in its own file
+//! with a `#[repr(C)]` block struct, the scalar reference beside the SIMD code, and its tests.
+
+// `is_multiple_of` is newer than the workspace's rust-version (1.85).
+#![allow(clippy::manual_is_multiple_of)]
+
+pub mod bench;
+mod bf16;
+mod fp16;
+mod fp32;
+mod pool;
+mod q4_0;
+mod q4_k;
+mod q5_k;
+mod q6_k;
+mod q8_0;
+mod q8_k;
+
+pub use pool::ThreadPool;
+
+use crate::gguf::GgmlType;
+use std::ops::Range;
+use std::sync::OnceLock;
+
+use q8_0::BlockQ8_0;
+use q8_k::BlockQ8K;
+
+/// Everything a kernel call can reject. Kernels never panic on bad lengths or types.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KernelError {
+    /// The operation has no kernel for this tensor type.
+    #[error("{op} is not supported for {ty} tensors")]
+    Unsupported { ty: GgmlType, op: &'static str },
+    /// A buffer has the wrong length for the shape it was given with.
+    #[error("{what} has length {actual} for {ty}, expected {expected}")]
+    Length {
+        ty: GgmlType,
+        what: &'static str,
+        expected: usize,
+        actual: usize,
+    },
+    /// A row length that is not a whole number of the type's blocks.
+    #[error("a {ty} row of {n_cols} values is not a whole number of {block_size}-value blocks")]
+    Blocks {
+        ty: GgmlType,
+        n_cols: usize,
+        block_size: usize,
+    },
+    /// The activation was prepared for another format or another row length.
+    #[error(
+        "activation prepared as {prepared} with {prepared_cols} columns cannot be used with \
+         {ty} weights of {n_cols} columns (prepare it for {ty})"
+    )]
+    Activation {
+        ty: GgmlType,
+        prepared: &'static str,
+        prepared_cols: usize,
+        n_cols: usize,
+    },
+    /// A row range outside the matrix.
+    #[error("rows {start}..{end} are outside a {ty} matrix of {n_rows} rows")]
+    Rows {
+        ty: GgmlType,
+        start: usize,
+        end: usize,
+        n_rows: usize,
+    },
+}
+
+/// The instruction-set level the kernels run at, detected once per process.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum SimdLevel {
+    /// Portable Rust; the reference every other level matches bit for bit.
+    Scalar,
+    /// x86-64 AVX2 + FMA + F16C.
+    Avx2,
+    /// x86-64 AVX-512 F/BW/VL + VNNI (on top of AVX2). Formats without a dedicated AVX-512
+    /// path use their AVX2 code at this level.
+    Avx512,
+}
+
+impl SimdLevel {
+    /// Lower-case name, as printed by the benchmark.
+    pub fn name(self) -> &'static str {
+        match self {
+            SimdLevel::Scalar => "scalar",
+            SimdLevel::Avx2 => "avx2",
+            SimdLevel::Avx512 => "avx512",
+        }
+    }
+
+    /// Every level this CPU can run, lowest first (always starts with `Scalar`).
+    pub fn available() -> Vec<SimdLevel> {
+        let top = simd_level();
+        [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512]
+            .into_iter()
+            .filter(|l| *l <= top)
+            .collect()
+    }
+}
+
+/// The best level this CPU supports, detected on first use and cached.
+pub fn simd_level() -> SimdLevel {
+    static LEVEL: OnceLock<SimdLevel> = OnceLock::new();
+    *LEVEL.get_or_init(detect_level)
+}
+
+fn detect_level() -> SimdLevel {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let avx2 = is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c");
+        let avx512 = avx2
+            && is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl")
+            && is_x86_feature_detected!("avx512vnni");
+        if avx512 {
+            return SimdLevel::Avx512;
+        }
+        if avx2 {
+            return SimdLevel::Avx2;
+        }
+    }
+    SimdLevel::Scalar
+}
+
+/// The representation an activation vector takes for dot products with one weight type.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum ActFormat {
+    F32,
+    F16,
+    Bf16,
+    /// Blocks of 32 int8 with an f16 scale (for Q4_0 and Q8_0 weights).
+    Q8_0,
+    /// Blocks of 256 int8 with an f32 scale and 16 int16 sums (for K-quant weights).
+    Q8K,
+}
+
+impl ActFormat {
+    /// The format activations take against weights of type `ty`, or `None` when there is no
+    /// dot kernel for `ty`.
+    pub fn for_weights(ty: GgmlType) -> Option<ActFormat> {
+        match ty {
+            GgmlType::F32 => Some(ActFormat::F32),
+            GgmlType::F16 => Some(ActFormat::F16),
+            GgmlType::BF16 => Some(ActFormat::Bf16),
+            GgmlType::Q8_0 | GgmlType::Q4_0 => Some(ActFormat::Q8_0),
+            GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => Some(ActFormat::Q8K),
+            _ => None,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            ActFormat::F32 => "F32",
+            ActFormat::F16 => "F16",
+            ActFormat::Bf16 => "BF16",
+            ActFormat::Q8_0 => "Q8_0",
+            ActFormat::Q8K => "Q8_K",
+        }
+    }
+}
+
+/// True when [`dot_rows`], [`matvec`] and [`matmul`] accept weights of type `ty`.
+pub fn supports_dot(ty: GgmlType) -> bool {
+    ActFormat::for_weights(ty).is_some()
+}
+
+/// True when [`quantize_row`] and [`dequantize_row`] accept type `ty` (every dot type, plus
+/// Q8_K, the activation format of the K-quants).
+pub fn supports_quantize(ty: GgmlType) -> bool {
+    supports_dot(ty) || ty == GgmlType::Q8_K
+}
+
+/// Bytes of a row of `n_cols` values of type `ty`, checking that the row is whole blocks.
+fn row_bytes_of(ty: GgmlType, n_cols: usize) -> Result<usize, KernelError> {
+    let block_size = ty.block_size() as usize;
+    let bytes = ty.row_bytes(n_cols as u64).ok_or(KernelError::Blocks {
+        ty,
+        n_cols,
+        block_size,
+    })?;
+    usize::try_from(bytes).map_err(|_| KernelError::Blocks {
+        ty,
+        n_cols,
+        block_size,
+    })
+}
+
+/// Quantizes (or converts) one row of f32 values to type `ty`.
+///
+/// `src.len()` must be a whole number of `ty` blocks and `dst.len()` exactly the row's bytes
+/// (`ty.row_bytes(src.len())`). Deterministic: the same input gives the same bytes on every
+/// machine and SIMD level (quantizers are scalar). K-quants use a min-max quantizer per
+/// sub-block with 6-bit (Q4_K/Q5_K) or 8-bit (Q6_K) scales; it is correct but not as tuned as
+/// llama.cpp's search, so synthetic models are slightly noisier than `llama-quantize` output.
+pub fn quantize_row(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<(), KernelError> {
+    if !supports_quantize(ty) {
+        return Err(KernelError::Unsupported { ty, op: "quantize" });
+    }
+    let row_bytes = row_bytes_of(ty, src.len())?;
+    if dst.len() != row_bytes {
+        return Err(KernelError::Length {
+            ty,
+            what: "quantize destination (bytes)",
+            expected: row_bytes,
+            actual: dst.len(),
+        });
+    }
+    match ty {
+        GgmlType::F32 => fp32::quantize(src, dst),
+        GgmlType::F16 => fp16::quantize(src, dst),
+        GgmlType::BF16 => bf16::quantize(src, dst),
+        GgmlType::Q8_0 => q8_0::quantize(src, blocks_mut(dst)),
+        GgmlType::Q4_0 => q4_0::quantize(src, blocks_mut(dst)),
+        GgmlType::Q4_K => q4_k::quantize(src, blocks_mut(dst)),
+        GgmlType::Q5_K => q5_k::quantize(src, blocks_mut(dst)),
+        GgmlType::Q6_K => q6_k::quantize(src, blocks_mut(dst)),
+        GgmlType::Q8_K => q8_k::quantize_bytes(src, dst),
+        _ => unreachable_unsupported(),
+    }
+    Ok(())
+}
+
+/// Expands one row of type `ty` to f32.
+///
+/// `dst.len()` must be a whole number of blocks and `src.len()` exactly its row bytes.
+pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), KernelError> {
+    if !supports_quantize(ty) {
+        return Err(KernelError::Unsupported {
+            ty,
+            op: "dequantize",
+        });
+    }
+    let row_bytes = row_bytes_of(ty, dst.len())?;
+    if src.len() != row_bytes {
+        return Err(KernelError::Length {
+            ty,
+            what: "dequantize source (bytes)",
+            expected: row_bytes,
+            actual: src.len(),
+        });
+    }
+    match ty {
+        GgmlType::F32 => fp32::dequantize(src, dst),
+        GgmlType::F16 => fp16::dequantize(src, dst),
+        GgmlType::BF16 => bf16::dequantize(src, dst),
+        GgmlType::Q8_0 => q8_0::dequantize(blocks(src), dst),
+        GgmlType::Q4_0 => q4_0::dequantize(blocks(src), dst),
+        GgmlType::Q4_K => q4_k::dequantize(blocks(src), dst),
+        GgmlType::Q5_K => q5_k::dequantize(blocks(src), dst),
+        GgmlType::Q6_K => q6_k::dequantize(blocks(src), dst),
+        GgmlType::Q8_K => q8_k::dequantize_bytes(src, dst),
+        _ => unreachable_unsupported(),
+    }
+    Ok(())
+}
+
+/// Only reached if the `supports_*` tables and the dispatch matches disagree, which the tests
+/// rule out; doing nothing keeps it panic-free.
+#[inline]
+fn unreachable_unsupported() {
+    debug_assert!(false, "kernel dispatch out of sync with supports_*");
+}
+
+/// An activation vector prepared for dot products with weights of one type (see
+/// [`ActFormat::for_weights`]).
+///
+/// Reusable: [`ActBuf::prepare`] keeps its buffers, so once they have grown to the largest row
+/// used it never allocates again. A buffer prepared for one weight type serves every type with
+/// the same [`ActFormat`] (Q4_0 and Q8_0; Q4_K, Q5_K and Q6_K).
+#[derive(Default, Clone, Debug)]
+pub struct ActBuf {
+    format: Option<ActFormat>,
+    n_cols: usize,
+    f32s: Vec<f32>,
+    u16s: Vec<u16>,
+    q8_0: Vec<BlockQ8_0>,
+    q8_k: Vec<BlockQ8K>,
+}
+
+impl ActBuf {
+    /// An empty buffer (prepared for nothing; any dot with it is an error until `prepare`).
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Converts `x` for dot products with `ty` weights. `x.len()` is the weight rows' column
+    /// count and must be a whole number of the activation format's blocks (32 for Q8_0, 256 for
+    /// Q8_K). Deterministic (scalar code), so every SIMD level sees the same activation.
+    pub fn prepare(&mut self, ty: GgmlType, x: &[f32]) -> Result<(), KernelError> {
+        let format =
+            ActFormat::for_weights(ty).ok_or(KernelError::Unsupported { ty, op: "dot" })?;
+        // Mark unprepared until the conversion succeeded.
+        self.format = None;
+        self.n_cols = 0;
+        match format {
+            ActFormat::F32 => {
+                self.f32s.clear();
+                self.f32s.extend_from_slice(x);
+            }
+            ActFormat::F16 => {
+                self.u16s.clear();
+                self.u16s
+                    .extend(x.iter().map(|v| half::f16::from_f32(*v).to_bits()));
+            }
+            ActFormat::Bf16 => {
+                self.u16s.clear();
+                self.u16s
+                    .extend(x.iter().map(|v| half::bf16::from_f32(*v).to_bits()));
+            }
+            ActFormat::Q8_0 => {
+                check_blocks(ty, x.len(), q8_0::QK)?;
+                self.q8_0.resize(x.len() / q8_0::QK, BlockQ8_0::ZERO);
+                q8_0::quantize(x, &mut self.q8_0);
+            }
+            ActFormat::Q8K => {
+                check_blocks(ty, x.len(), q8_k::QK_K)?;
+                self.q8_k.resize(x.len() / q8_k::QK_K, BlockQ8K::ZERO);
+                q8_k::quantize(x, &mut self.q8_k);
+            }
+        }
+        self.format = Some(format);
+        self.n_cols = x.len();
+        Ok(())
+    }
+
+    /// The format of the last successful `prepare`, if any.
+    pub fn format(&self) -> Option<ActFormat> {
+        self.format
+    }
+
+    /// The number of values of the last successful `prepare`.
+    pub fn n_cols(&self) -> usize {
+        self.n_cols
+    }
+
+    fn check_for(&self, ty: GgmlType, n_cols: usize) -> Result<(), KernelError> {
+        let want = ActFormat::for_weights(ty).ok_or(KernelError::Unsupported { ty, op: "dot" })?;
+        if self.format != Some(want) || self.n_cols != n_cols {
+            return Err(KernelError::Activation {
+                ty,
+                prepared: self.format.map(ActFormat::name).unwrap_or("nothing"),
+                prepared_cols: self.n_cols,
+                n_cols,
+            });
+        }
+        Ok(())
+    }
+}
+
+fn check_blocks(ty: GgmlType, n_cols: usize, block_size: usize) -> Result<(), KernelError> {
+    if n_cols % block_size != 0 {
+        return Err(KernelError::Blocks {
+            ty,
+            n_cols,
+            block_size,
+        });
+    }
+    Ok(())
+}
+
+/// Marker for the block structs that may be viewed in place over raw bytes: `#[repr(C)]`,
+/// alignment 1, no padding, every bit pattern valid.
+///
+/// # Safety
+/// Implementors must satisfy exactly that.
+unsafe trait RawBlock: Copy {}
+
+/// Views whole blocks over `bytes` (callers check the length is a multiple first).
+fn blocks<B: RawBlock>(bytes: &[u8]) -> &[B] {
+    const { assert!(std::mem::align_of::<B>() == 1) };
+    let n = bytes.len() / std::mem::size_of::<B>();
+    // SAFETY: B has alignment 1, no padding and no invalid bit patterns (RawBlock), and the
+    // n blocks lie inside `bytes`.
+    unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast::<B>(), n) }
+}
+
+fn blocks_mut<B: RawBlock>(bytes: &mut [u8]) -> &mut [B] {
+    const { assert!(std::mem::align_of::<B>() == 1) };
+    let n = bytes.len() / std::mem::size_of::<B>();
+    // SAFETY: as in `blocks`, and the borrow is unique.
+    unsafe { std::slice::from_raw_parts_mut(bytes.as_mut_ptr().cast::<B>(), n) }
+}
+
+#[inline(always)]
+fn f16_to_f32(bits: [u8; 2]) -> f32 {
+    half::f16::from_bits(u16::from_le_bytes(bits)).to_f32()
+}
+
+#[inline(always)]
+fn f32_to_f16(v: f32) -> [u8; 2] {
+    half::f16::from_f32(v).to_bits().to_le_bytes()
+}
+
+/// Round to nearest, ties to even (llama.cpp's `nearest_int`).
+#[inline(always)]
+fn nearest_int(v: f32) -> i32 {
+    v.round_ties_even() as i32
+}
+
+/// The fixed reduction of 8 lanes: the same tree a 256-bit horizontal add performs
+/// (halves, then quarters, then pairs).
+#[inline(always)]
+fn reduce8(l: &[f32; 8]) -> f32 {
+    let a = [l[0] + l[4], l[1] + l[5], l[2] + l[6], l[3] + l[7]];
+    let b = [a[0] + a[2], a[1] + a[3]];
+    b[0] + b[1]
+}
+
+/// The fixed reduction of 32 lanes: fold halves until one lane is left.
+#[inline(always)]
+fn reduce32(l: &[f32; 32]) -> f32 {
+    let mut v = *l;
+    let mut width = 16;
+    while width > 0 {
+        for k in 0..width {
+            v[k] += v[k + width];
+        }
+        width /= 2;
+    }
+    v[0]
+}
+
+/// Dot product of one weight row (exactly its row bytes) with a checked activation.
+#[inline]
+fn dot_row(ty: GgmlType, level: SimdLevel, w_row: &[u8], act: &ActBuf) -> f32 {
+    match ty {
+        GgmlType::F32 => fp32::dot(level, w_row, &act.f32s),
+        GgmlType::F16 => fp16::dot(level, w_row, &act.u16s),
+        GgmlType::BF16 => bf16::dot(level, w_row, &act.u16s),
+        GgmlType::Q8_0 => q8_0::dot(level, blocks(w_row), &act.q8_0),
+        GgmlType::Q4_0 => q4_0::dot(level, blocks(w_row), &act.q8_0),
+        GgmlType::Q4_K => q4_k::dot(level, blocks(w_row), &act.q8_k),
+        GgmlType::Q5_K => q5_k::dot(level, blocks(w_row), &act.q8_k),
+        GgmlType::Q6_K => q6_k::dot(level, blocks(w_row), &act.q8_k),
+        _ => {
+            unreachable_unsupported();
+            0.0
+        }
+    }
+}
+
+/// Checks a weight matrix's type and length; returns its row bytes.
+fn check_matrix(
+    ty: GgmlType,
+    w_len: usize,
+    n_rows: usize,
+    n_cols: usize,
+) -> Result<usize, KernelError> {
+    if !supports_dot(ty) {
+        return Err(KernelError::Unsupported { ty, op: "dot" });
+    }
+    let row_bytes = row_bytes_of(ty, n_cols)?;
+    let expected = row_bytes.checked_mul(n_rows).ok_or(KernelError::Length {
+        ty,
+        what: "weights (bytes)",
+        expected: usize::MAX,
+        actual: w_len,
+    })?;
+    if w_len != expected {
+        return Err(KernelError::Length {
+            ty,
+            what: "weights (bytes)",
+            expected,
+            actual: w_len,
+        });
+    }
+    Ok(row_bytes)
+}
+
+/// `out[r - rows.start] = dot(row r of w, act)` for `r` in `rows`, on the calling thread.
+///
+/// `w` is a whole row-major matrix of `ty` rows of `n_cols` values (its length a multiple of
+/// the row bytes), `rows` must lie inside it, `act` must be prepared for `ty` with `n_cols`
+/// values, and `out.len() == rows.len()`. Gives exactly the bits [`matvec`] gives for those
+/// rows.
+pub fn dot_rows(
+    ty: GgmlType,
+    w: &[u8],
+    n_cols: usize,
+    rows: Range<usize>,
+    act: &ActBuf,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    if !supports_dot(ty) {
+        return Err(KernelError::Unsupported { ty, op: "dot" });
+    }
+    let row_bytes = row_bytes_of(ty, n_cols)?;
+    let n_rows = w.len().checked_div(row_bytes).unwrap_or(0);
+    if row_bytes == 0 || w.len() % row_bytes != 0 {
+        return Err(KernelError::Length {
+            ty,
+            what: "weights (bytes, a multiple of the row bytes)",
+            expected: n_rows * row_bytes,
+            actual: w.len(),
+        });
+    }
+    if rows.start > rows.end || rows.end > n_rows {
+        return Err(KernelError::Rows {
+            ty,
+            start: rows.start,
+            end: rows.end,
+            n_rows,
+        });
+    }
+    if out.len() != rows.len() {
+        return Err(KernelError::Length {
+            ty,
+            what: "output",
+            expected: rows.len(),
+            actual: out.len(),
+        });
+    }
+    act.check_for(ty, n_cols)?;
+    let level = simd_level();
+    for (o, r) in out.iter_mut().zip(rows) {
+        *o = dot_row(ty, level, &w[r * row_bytes..(r + 1) * row_bytes], act);
+    }
+    Ok(())
+}
+
+/// A raw output pointer shared by the tasks of one call; each task writes disjoint elements.
+#[derive(Copy, Clone)]
+struct OutPtr(*mut f32);
+// SAFETY: tasks write disjoint indices, and `ThreadPool::run` returns only when all are done,
+// so the pointer never outlives the borrow it came from nor aliases another writer.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+impl OutPtr {
+    #[inline(always)]
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+
+    /// # Safety
+    /// `i` in bounds of the original slice and written by one task only.
+    #[inline(always)]
+    unsafe fn write(self, i: usize, v: f32) {
+        unsafe { *self.0.add(i) = v }
+    }
+}
+
+/// Below this many weight bytes a product runs on the caller alone: waking workers costs more.
+const PARALLEL_MIN_BYTES: usize = 64 * 1024;
+
+/// Rows per task: several tasks per thread so a descheduled thread's work is picked up by the
+/// others, but each task long enough (≥ 32 KiB of weights) that the hardware prefetcher streams.
+fn rows_per_task(n_rows: usize, row_bytes: usize, n_threads: usize) -> usize {
+    if n_threads <= 1 || n_rows * row_bytes < PARALLEL_MIN_BYTES {
+        return n_rows.max(1);
+    }
+    let by_balance = n_rows.div_ceil(n_threads * 4);
+    let by_size = (32 * 1024usize).div_ceil(row_bytes.max(1));
+    by_balance.max(by_size).max(1)
+}
+
+/// `out = W · act`: `W` is `n_rows` × `n_cols` of type `ty` (GGUF row-major rows, `w.len()`
+/// exactly `n_rows` row bytes), `act` prepared for `ty` with `n_cols` values,
+/// `out.len() == n_rows`.
+///
+/// Rows are split across the pool's threads; each row is computed by exactly one thread with
+/// the same code, so the result is bit-identical for any thread count (and equal to
+/// [`dot_rows`]).
+pub fn matvec(
+    pool: &ThreadPool,
+    ty: GgmlType,
+    w: &[u8],
+    n_rows: usize,
+    n_cols: usize,
+    act: &ActBuf,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    matvec_at(pool, simd_level(), ty, w, n_rows, n_cols, act, out)
+}
+
+/// [`matvec`] at a given SIMD level (for the benchmark and tests; `level` must be available).
+#[allow(clippy::too_many_arguments)]
+fn matvec_at(
+    pool: &ThreadPool,
+    level: SimdLevel,
+    ty: GgmlType,
+    w: &[u8],
+    n_rows: usize,
+    n_cols: usize,
+    act: &ActBuf,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    let row_bytes = check_matrix(ty, w.len(), n_rows, n_cols)?;
+    if out.len() != n_rows {
+        return Err(KernelError::Length {
+            ty,
+            what: "output",
+            expected: n_rows,
+            actual: out.len(),
+        });
+    }
+    act.check_for(ty, n_cols)?;
+    let level = level.min(simd_level());
+    let chunk = rows_per_task(n_rows, row_bytes, pool.n_threads());
+    let n_tasks = n_rows.div_ceil(chunk);
+    let out_ptr = OutPtr(out.as_mut_ptr());
+    pool.run(n_tasks, &|task| {
+        let start = task * chunk;
+        let end = (start + chunk).min(n_rows);
+        for r in start..end {
+            let v = dot_row(ty, level, &w[r * row_bytes..(r + 1) * row_bytes], act);
+            // SAFETY: r < n_rows == out.len(), and row r belongs to this task only.
+            unsafe { out_ptr.write(r, v) };
+        }
+    });
+    Ok(())
+}
+
+/// Prefill: `out[t * n_rows + r] = dot(row r of W, acts[t])` for every token `t` (token-major,
+/// `out.len() == acts.len() * n_rows`). Every `acts[t]` must be prepared for `ty` with `n_cols`
+/// values.
+///
+/// Each (token, row) value has exactly the bits [`matvec`] gives for that token: the same row
+/// kernel computes it. Speed comes from order: a task takes a band of rows small enough to stay
+/// in cache and runs every token over it, so each weight byte comes from memory once.
+pub fn matmul(
+    pool: &ThreadPool,
+    ty: GgmlType,
+    w: &[u8],
+    n_rows: usize,
+    n_cols: usize,
+    acts: &[ActBuf],
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    let row_bytes = check_matrix(ty, w.len(), n_rows, n_cols)?;
+    let expected = acts.len().saturating_mul(n_rows);
+    if out.len() != expected {
+        return Err(KernelError::Length {
+            ty,
+            what: "output (tokens x rows)",
+            expected,
+            actual: out.len(),
+        });
+    }
+    for act in acts {
+        act.check_for(ty, n_cols)?;
+    }
+    let level = simd_level();
+    // A band of rows of at most ~128 KiB stays in L2 while all tokens pass over it.
+    let band = (128 * 1024usize).div_ceil(row_bytes.max(1)).clamp(1, 64);
+    let chunk = rows_per_task(n_rows, row_bytes * acts.len().max(1), pool.n_threads())
+        .min(band)
+        .max(1);
+    let n_tasks = n_rows.div_ceil(chunk);
+    let out_ptr = OutPtr(out.as_mut_ptr());
+    pool.run(n_tasks, &|task| {
+        let start = task * chunk;
+        let end = (start + chunk).min(n_rows);
+        for (t, act) in acts.iter().enumerate() {
+            for r in start..end {
+                let v = dot_row(ty, level, &w[r * row_bytes..(r + 1) * row_bytes], act);
+                // SAFETY: t * n_rows + r < out.len(), and (t, r) belongs to this task only.
+                unsafe { out_ptr.write(t * n_rows + r, v) };
+            }
+        }
+    });
+    Ok(())
+}
+
+#[cfg(test)]
+pub(crate) mod testutil {
+    //! Seeded random data shared by the format tests.
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    /// `n` values, roughly Gaussian (sum of uniforms), scaled by `scale`, plus a few outliers
+    /// like real weights and activations have.
+    pub fn values(seed: u64, n: usize, scale: f32) -> Vec<f32> {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        (0..n)
+            .map(|_| {
+                let g: f32 = (0..4).map(|_| rng.gen_range(-1.0f32..1.0)).sum::<f32>() * 0.866;
+                let v = g * scale;
+                if rng.gen_range(0..64) == 0 {
+                    v * 6.0
+                } else {
+                    v
+                }
+            })
+            .collect()
+    }
+
+    /// Random bytes (weights straight from a file we do not trust).
+    pub fn bytes(seed: u64, n: usize) -> Vec<u8> {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        (0..n).map(|_| rng.gen()).collect()
+    }
+
+    /// f64 dot product, the reference.
+    pub fn dot_f64(a: &[f32], b: &[f32]) -> f64 {
+        a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum()
+    }
+
+    /// Checks a kernel's dot against the f64 dot of the dequantized weights and dequantized
+    /// activation: they differ only by f32 rounding — a few dozen roundings of terms no larger
+    /// than a few Σ|w·a| — so 1e-4 · Σ|w·a| is generous, yet far below the error any wrong bit
+    /// layout would make.
+    pub fn assert_matches_dequantized(got: f32, w: &[f32], a: &[f32], what: &str) {
+        let want = dot_f64(w, a);
+        let bound = 1e-4 * abs_dot_f64(w, a);
+        let err = (got as f64 - want).abs();
+        assert!(
+            err <= bound,
+            "{what}: kernel {got} vs dequantized {want} (bound {bound})"
+        );
+    }
+
+    /// Σ|a·b| in f64, the scale of a dot product's rounding error.
+    pub fn abs_dot_f64(a: &[f32], b: &[f32]) -> f64 {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (*x as f64 * *y as f64).abs())
+            .sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::testutil::*;
+    use super::*;
+
+    /// The weight types the kernels take, with a column count that exercises tails.
+    fn dot_types() -> Vec<(GgmlType, usize)> {
+        vec![
+            (GgmlType::F32, 333),
+            (GgmlType::F16, 333),
+            (GgmlType::BF16, 333),
+            (GgmlType::Q8_0, 32 * 19),
+            (GgmlType::Q4_0, 32 * 19),
+            (GgmlType::Q4_K, 256 * 3),
+            (GgmlType::Q5_K, 256 * 3),
+            (GgmlType::Q6_K, 256 * 3),
+        ]
+    }
+
+    fn quantized_matrix(ty: GgmlType, n_rows: usize, n_cols: usize, seed: u64) -> Vec<u8> {
+        let row_bytes = ty.row_bytes(n_cols as u64).unwrap_or(0) as usize;
+        let mut w = vec![0u8; n_rows * row_bytes];
+        for r in 0..n_rows {
+            let src = values(seed + r as u64, n_cols, 0.05);
+            quantize_row(ty, &src, &mut w[r * row_bytes..(r + 1) * row_bytes]).unwrap();
+        }
+        w
+    }
+
+    #[test]
+    fn supports_tables_match_dispatch() {
+        for ty in GgmlType::all() {
+            let mut buf = ActBuf::new();
+            let x = vec![0.5f32; 256];
+            assert_eq!(buf.prepare(ty, &x).is_ok(), supports_dot(ty), "{ty}");
+            let row_bytes = ty.row_bytes(256).unwrap_or(0) as usize;
+            let mut dst = vec![0u8; row_bytes];
+            assert_eq!(
+                quantize_row(ty, &x, &mut dst).is_ok(),
+                supports_quantize(ty),
+                "{ty}"
+            );
+            let mut back = vec![0f32; 256];
+            assert_eq!(
+                dequantize_row(ty, &dst, &mut back).is_ok(),
+                supports_quantize(ty),
+                "{ty}"
+            );
+        }
+    }
+
+    #[test]
+    fn matvec_is_bit_identical_for_any_thread_count() {
+        let pools: Vec<ThreadPool> = (1..=3).map(ThreadPool::new).collect();
+        for (i, (ty, n_cols)) in dot_types().into_iter().enumerate() {
+            // Odd row counts, and one large enough to be split across tasks.
+            for n_rows in [1usize, 7, 301] {
+                let seed = 1000 + i as u64 * 10 + n_rows as u64;
+                let w = quantized_matrix(ty, n_rows, n_cols, seed);
+                let mut act = ActBuf::new();
+                act.prepare(ty, &values(seed + 99, n_cols, 1.0)).unwrap();
+                let mut reference = vec![0f32; n_rows];
+                dot_rows(ty, &w, n_cols, 0..n_rows, &act, &mut reference).unwrap();
+                for pool in &pools {
+                    let mut out = vec![f32::NAN; n_rows];
+                    matvec(pool, ty, &w, n_rows, n_cols, &act, &mut out).unwrap();
+                    let same = out
+                        .iter()
+                        .zip(&reference)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(
+                        same,
+                        "{ty} n_rows={n_rows} threads={} seed={seed}",
+                        pool.n_threads()
+                    );
+                }
+                // A sub-range of rows gives the same bits as the whole.
+                if n_rows > 3 {
+                    let mut part = vec![0f32; 3];
+                    dot_rows(ty, &w, n_cols, 2..5, &act, &mut part).unwrap();
+                    assert_eq!(&part[..], &reference[2..5], "{ty}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn matmul_rows_equal_matvec_bits() {
+        let pool = ThreadPool::new(2);
+        for (i, (ty, n_cols)) in dot_types().into_iter().enumerate() {
+            let n_rows = 131;
+            let seed = 5000 + i as u64;
+            let w = quantized_matrix(ty, n_rows, n_cols, seed);
+            let n_tokens = 5;
+            let acts: Vec<ActBuf> = (0..n_tokens)
+                .map(|t| {
+                    let mut a = ActBuf::new();
+                    a.prepare(ty, &values(seed * 7 + t, n_cols, 1.0)).unwrap();
+                    a
+                })
+                .collect();
+            let mut out = vec![f32::NAN; n_tokens as usize * n_rows];
+            matmul(&pool, ty, &w, n_rows, n_cols, &acts, &mut out).unwrap();
+            for (t, act) in acts.iter().enumerate() {
+                let mut one = vec![0f32; n_rows];
+                matvec(&pool, ty, &w, n_rows, n_cols, act, &mut one).unwrap();
+                let row = &out[t * n_rows..(t + 1) * n_rows];
+                assert!(
+                    row.iter()
+                        .zip(&one)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{ty} token {t} seed={seed}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn bad_shapes_are_errors_not_panics() {
+        let pool = ThreadPool::new(2);
+        let ty = GgmlType::Q4_K;
+        let w = quantized_matrix(ty, 4, 256, 1);
+        let mut act = ActBuf::new();
+        act.prepare(ty, &values(2, 256, 1.0)).unwrap();
+        let mut out = vec![0f32; 4];
+        // Weights one byte short.
+        assert!(matches!(
+            matvec(&pool, ty, &w[1..], 4, 256, &act, &mut out),
+            Err(KernelError::Length { .. })
+        ));
+        // Output too short.
+        assert!(matches!(
+            matvec(&pool, ty, &w, 4, 256, &act, &mut out[..3]),
+            Err(KernelError::Length { .. })
+        ));
+        // Columns not whole blocks.
+        assert!(matches!(
+            matvec(&pool, ty, &w, 4, 200, &act, &mut out),
+            Err(KernelError::Blocks { .. })
+        ));
+        // Activation for another format, or another length.
+        let mut act_q8 = ActBuf::new();
+        act_q8
+            .prepare(GgmlType::Q8_0, &values(2, 256, 1.0))
+            .unwrap();
+        assert!(matches!(
+            matvec(&pool, ty, &w, 4, 256, &act_q8, &mut out),
+            Err(KernelError::Activation { .. })
+        ));
+        assert!(matches!(
+            matvec(&pool, ty, &w, 4, 256, &ActBuf::new(), &mut out),
+            Err(KernelError::Activation { .. })
+        ));
+        // Rows out of range.
+        assert!(matches!(
+            dot_rows(ty, &w, 256, 3..5, &act, &mut out[..2]),
+            Err(KernelError::Rows { .. })
+        ));
+        // Matmul output of the wrong size.
+        assert!(matches!(
+            matmul(&pool, ty, &w, 4, 256, &[act.clone()], &mut out[..3]),
+            Err(KernelError::Length { .. })
+        ));
+        // Unsupported types.
+        assert!(matches!(
+            matvec(&pool, GgmlType::Q2_K, &w, 4, 256, &act, &mut out),
+            Err(KernelError::Unsupported { .. })
+        ));
+        assert!(matches!(
+            ActBuf::new().prepare(GgmlType::IQ2_XS, &[0.0; 256]),
+            Err(KernelError::Unsupported { .. })
+        ));
+        assert!(matches!(
+            act.prepare(GgmlType::Q4_K, &[0.0; 100]),
+            Err(KernelError::Blocks { .. })
+        ));
+        // A failed prepare leaves the buffer unusable rather than stale.
+        assert!(act.format().is_none());
+        let mut q = vec![0u8; 144];
+        assert!(matches!(
+            quantize_row(GgmlType::Q4_K, &[0.0; 256], &mut q[..143]),
+            Err(KernelError::Length { .. })
+        ));
+        assert!(matches!(
+            dequantize_row(GgmlType::Q4_K, &q, &mut [0.0; 255]),
+            Err(KernelError::Blocks { .. })
+        ));
+        assert!(matches!(
+            quantize_row(GgmlType::IQ4_XS, &[0.0; 256], &mut q),
+            Err(KernelError::Unsupported { .. })
+        ));
+    }
+
+    #[test]
+    fn random_weight_bytes_do_not_panic() {
+        // Weights straight from an untrusted file: any bytes must give some number, no panic,
+        // and the same number at every SIMD level.
+        for (ty, n_cols) in dot_types() {
+            let row_bytes = ty.row_bytes(n_cols as u64).unwrap() as usize;
+            let w = bytes(77, 3 * row_bytes);
+            let mut act = ActBuf::new();
+            act.prepare(ty, &values(78, n_cols, 1.0)).unwrap();
+            let mut back = vec![0f32; n_cols];
+            dequantize_row(ty, &w[..row_bytes], &mut back).unwrap();
+            for r in 0..3 {
+                let row = &w[r * row_bytes..(r + 1) * row_bytes];
+                let results: Vec<f32> = SimdLevel::available()
+                    .into_iter()
+                    .map(|l| dot_row(ty, l, row, &act))
+                    .collect();
+                for v in &results[1..] {
+                    assert!(
+                        v.to_bits() == results[0].to_bits() || (v.is_nan() && results[0].is_nan()),
+                        "{ty}: {results:?}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn reductions_follow_their_trees() {
+        let l8: [f32; 8] = [1e8, 1.0, -1e8, 1.0, 3.0, 0.5, 0.25, 0.125];
+        assert_eq!(
+            reduce8(&l8),
+            ((1e8f32 + 3.0) + (-1e8 + 0.25)) + ((1.0 + 0.5) + (1.0 + 0.125))
+        );
+        let mut l32 = [0f32; 32];
+        for (i, v) in l32.iter_mut().enumerate() {
+            *v = i as f32;
+        }
+        assert_eq!(reduce32(&l32), 496.0);
+    }
+}

@@ -1,0 +1,213 @@
+//! Q4_0: blocks of 32 4-bit values with an f16 scale, value = d · (q − 8). Dotted against Q8_0
+//! activations.
+//!
+//! Summation order: identical to Q8_0 (exact i32 block sums of (q − 8) · a, block `b` adds
+//! `(d_w · d_a) · sum` to lane `b % 8`, lanes folded by [`super::reduce8`]); the AVX2 path
+//! matches the scalar bits.
+
+use super::q8_0::{block_term, BlockQ8_0};
+use super::{f16_to_f32, f32_to_f16, reduce8, RawBlock, SimdLevel};
+
+const QK: usize = 32;
+
+/// One Q4_0 block as stored in GGUF: byte `j` holds value `j` (low nibble) and `j + 16` (high).
+#[repr(C)]
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct BlockQ4_0 {
+    d: [u8; 2],
+    qs: [u8; QK / 2],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ4_0>() == 18);
+// SAFETY: byte arrays only: alignment 1, no padding, any bits valid.
+unsafe impl RawBlock for BlockQ4_0 {}
+
+/// llama.cpp's reference quantizer: the value of largest magnitude maps to −8.
+pub(super) fn quantize(src: &[f32], dst: &mut [BlockQ4_0]) {
+    for (x, b) in src.chunks_exact(QK).zip(dst.iter_mut()) {
+        let mut amax = 0f32;
+        let mut max = 0f32;
+        for v in x {
+            if v.abs() > amax {
+                amax = v.abs();
+                max = *v;
+            }
+        }
+        let d = max / -8.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        b.d = f32_to_f16(d);
+        for j in 0..QK / 2 {
+            // x·id lies in [-8, 8]; +8.5 then truncation rounds to the nearest level.
+            let lo = ((x[j] * id + 8.5) as i32).clamp(0, 15) as u8;
+            let hi = ((x[j + QK / 2] * id + 8.5) as i32).clamp(0, 15) as u8;
+            b.qs[j] = lo | (hi << 4);
+        }
+    }
+}
+
+pub(super) fn dequantize(src: &[BlockQ4_0], dst: &mut [f32]) {
+    for (b, y) in src.iter().zip(dst.chunks_exact_mut(QK)) {
+        let d = f16_to_f32(b.d);
+        for j in 0..QK / 2 {
+            y[j] = ((b.qs[j] & 0x0F) as i32 - 8) as f32 * d;
+            y[j + QK / 2] = ((b.qs[j] >> 4) as i32 - 8) as f32 * d;
+        }
+    }
+}
+
+/// Dot of a row of Q4_0 weight blocks with Q8_0 activation blocks.
+pub(super) fn dot(level: SimdLevel, w: &[BlockQ4_0], a: &[BlockQ8_0]) -> f32 {
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        SimdLevel::Avx2 | SimdLevel::Avx512 => {
+            // SAFETY: the level is only reported when AVX2/FMA/F16C are present.
+            unsafe { dot_avx2(w, a) }
+        }
+        _ => dot_scalar(w, a),
+    }
+}
+
+#[inline(always)]
+fn block_sum(x: &BlockQ4_0, y: &BlockQ8_0) -> i32 {
+    let mut s = 0i32;
+    for j in 0..QK / 2 {
+        s += ((x.qs[j] & 0x0F) as i32 - 8) * y.qs[j] as i32;
+        s += ((x.qs[j] >> 4) as i32 - 8) * y.qs[j + QK / 2] as i32;
+    }
+    s
+}
+
+pub(super) fn dot_scalar(w: &[BlockQ4_0], a: &[BlockQ8_0]) -> f32 {
+    let mut lanes = [0f32; 8];
+    for (b, (x, y)) in w.iter().zip(a).enumerate() {
+        lanes[b % 8] += block_term(x.d, y.d, block_sum(x, y));
+    }
+    reduce8(&lanes)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_avx2(w: &[BlockQ4_0], a: &[BlockQ8_0]) -> f32 {
+    use super::q8_0::x86;
+    use std::arch::x86_64::*;
+    let n = w.len().min(a.len());
+    let full = n / 8 * 8;
+    let m4 = _mm_set1_epi8(0x0F);
+    let eight = _mm256_set1_epi8(8);
+    let mut acc = _mm256_setzero_ps();
+    let mut b = 0;
+    while b < full {
+        let mut sums = [_mm256_setzero_si256(); 8];
+        let mut dw = [0u16; 8];
+        let mut da = [0u16; 8];
+        for k in 0..8 {
+            let (x, y) = (&w[b + k], &a[b + k]);
+            // SAFETY: qs is 16 bytes (weights) / 32 bytes (activations); unaligned loads.
+            let packed = unsafe { _mm_loadu_si128(x.qs.as_ptr().cast()) };
+            let lo = _mm_and_si128(packed, m4);
+            let hi = _mm_and_si128(_mm_srli_epi16(packed, 4), m4);
+            let q = _mm256_sub_epi8(_mm256_set_m128i(hi, lo), eight);
+            let yv = unsafe { _mm256_loadu_si256(y.qs.as_ptr().cast()) };
+            sums[k] = unsafe { x86::mul_sum_i8(q, yv) };
+            dw[k] = u16::from_le_bytes(x.d);
+            da[k] = u16::from_le_bytes(y.d);
+        }
+        let s = unsafe { x86::hsum_8x8(&sums) };
+        // SAFETY: 8 u16 = 16 bytes each.
+        let d = unsafe {
+            _mm256_mul_ps(
+                _mm256_cvtph_ps(_mm_loadu_si128(dw.as_ptr().cast())),
+                _mm256_cvtph_ps(_mm_loadu_si128(da.as_ptr().cast())),
+            )
+        };
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(d, _mm256_cvtepi32_ps(s)));
+        b += 8;
+    }
+    let mut lanes = [0f32; 8];
+    // SAFETY: 8 floats.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
+    for b in full..n {
+        lanes[b % 8] += block_term(w[b].d, a[b].d, block_sum(&w[b], &a[b]));
+    }
+    reduce8(&lanes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::q8_0::tests::{act_error_bound, quantized as q8};
+    use super::super::testutil::*;
+    use super::*;
+
+    fn quantized(x: &[f32]) -> Vec<BlockQ4_0> {
+        let mut b = vec![
+            BlockQ4_0 {
+                d: [0; 2],
+                qs: [0; 16]
+            };
+            x.len() / QK
+        ];
+        quantize(x, &mut b);
+        b
+    }
+
+    #[test]
+    fn simd_matches_scalar_bits() {
+        for (seed, nb) in [(1u64, 1usize), (2, 7), (3, 8), (4, 19), (5, 128)] {
+            let w = quantized(&values(seed, nb * QK, 0.1));
+            let a = q8(&values(seed + 50, nb * QK, 1.0));
+            let s = dot_scalar(&w, &a);
+            for level in SimdLevel::available() {
+                assert_eq!(
+                    dot(level, &w, &a).to_bits(),
+                    s.to_bits(),
+                    "{level:?} seed={seed}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn scalar_matches_dequantized_and_f32_reference() {
+        for seed in [31u64, 32, 33] {
+            let n = 4096;
+            let wq = quantized(&values(seed, n, 0.1));
+            let mut w = vec![0f32; n];
+            dequantize(&wq, &mut w);
+            let a = values(seed + 7, n, 1.0);
+            let aq = q8(&a);
+            let mut a_deq = vec![0f32; n];
+            super::super::q8_0::dequantize(&aq, &mut a_deq);
+            let got = dot_scalar(&wq, &aq);
+            assert_matches_dequantized(got, &w, &a_deq, &format!("seed={seed}"));
+            // Against the unquantized activation: the activation's rounding error.
+            let got = got as f64;
+            let bound = act_error_bound(&w, &a, QK, (1.0 / 254.0 + 2f64.powi(-11)) * 1.001)
+                + abs_dot_f64(&w, &a) * 64.0 * f32::EPSILON as f64;
+            let err = (got - dot_f64(&w, &a)).abs();
+            assert!(err <= bound, "seed={seed} err={err} bound={bound}");
+        }
+    }
+
+    #[test]
+    fn round_trip_error_within_one_step() {
+        let x = values(9, 32 * 64, 1.0);
+        let mut back = vec![0f32; x.len()];
+        dequantize(&quantized(&x), &mut back);
+        for (xb, yb) in x.chunks(QK).zip(back.chunks(QK)) {
+            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+            // Step = amax/8. Half a step for most values; the value opposite the extreme
+            // clips from +8 to +7, a whole step. Plus the f16 scale's rounding.
+            for (p, q) in xb.iter().zip(yb) {
+                assert!((p - q).abs() <= amax / 8.0 * 1.001 + amax * 2f32.powi(-10));
+            }
+        }
+        // Root-mean-square error is about step/√12 for uniform rounding.
+        let rms = |v: &[f32]| (v.iter().map(|x| x * x).sum::<f32>() / v.len() as f32).sqrt();
+        let diff: Vec<f32> = x.iter().zip(&back).map(|(p, q)| p - q).collect();
+        assert!(
+            rms(&diff) < 0.12 * rms(&x),
+            "rmse {} rms {}",
+            rms(&diff),
+            rms(&x)
+        );
+    }
+}

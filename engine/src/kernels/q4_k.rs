@@ -1,0 +1,445 @@
+//! Q4_K: super-blocks of 256 4-bit values in 8 sub-blocks of 32, each with a 6-bit scale and a
+//! 6-bit minimum, under f16 super-scales: value = d · sc_j · q − dmin · m_j. The expert format
+//! of Q4_K_M files. Dotted against Q8_K activations.
+//!
+//! Layout (144 bytes): `d`, `dmin` (f16), `scales[12]` (8 scales and 8 minimums, 6 bits each,
+//! packed as [`unpack_scales`] reads them), `qs[128]`: each 32-byte chunk `c` holds values
+//! `64c .. 64c + 32` in its low nibbles and `64c + 32 .. 64c + 64` in its high nibbles.
+//!
+//! Summation order (shared by every path): per super-block, `sumi = Σ_j sc_j · Σ q·a` and
+//! `summ = Σ_j m_j · (bsum_2j + bsum_2j+1)` exactly in i32; then
+//! `acc += (d_a·d)·sumi − (d_a·dmin)·summ` in that order, super-blocks in row order. SIMD only
+//! computes the integers, so it matches the scalar bits.
+
+use super::q8_k::{BlockQ8K, QK_K};
+use super::{f16_to_f32, f32_to_f16, nearest_int, RawBlock, SimdLevel};
+
+/// One Q4_K super-block as stored in GGUF.
+#[repr(C)]
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct BlockQ4K {
+    d: [u8; 2],
+    dmin: [u8; 2],
+    scales: [u8; 12],
+    qs: [u8; QK_K / 2],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ4K>() == 144);
+// SAFETY: byte arrays only: alignment 1, no padding, any bits valid.
+unsafe impl RawBlock for BlockQ4K {}
+
+/// The 8 scales then the 8 minimums (6 bits each) of a Q4_K/Q5_K super-block, as the 16 bytes
+/// of 4 little-endian words. Sub-blocks 0–3 keep their low 6 bits in bytes 0–3 (scales) and
+/// 4–7 (mins); sub-blocks 4–7 keep their low 4 bits in the nibbles of bytes 8–11 (scale low,
+/// min high) and their top 2 bits in the top bits of bytes 0–3 (scales) and 4–7 (mins).
+/// Word arithmetic decodes four sub-blocks per operation.
+#[inline(always)]
+pub(super) fn scale_words(s: &[u8; 12]) -> [u32; 4] {
+    const LOW6: u32 = 0x3f3f_3f3f;
+    const LOW4: u32 = 0x0f0f_0f0f;
+    const LOW2: u32 = 0x0303_0303;
+    let u0 = u32::from_le_bytes([s[0], s[1], s[2], s[3]]);
+    let u1 = u32::from_le_bytes([s[4], s[5], s[6], s[7]]);
+    let u2 = u32::from_le_bytes([s[8], s[9], s[10], s[11]]);
+    [
+        u0 & LOW6,
+        (u2 & LOW4) | (((u0 >> 6) & LOW2) << 4),
+        u1 & LOW6,
+        ((u2 >> 4) & LOW4) | (((u1 >> 6) & LOW2) << 4),
+    ]
+}
+
+/// The 8 scales and 8 minimums (see [`scale_words`]).
+#[inline(always)]
+pub(super) fn unpack_scales(s: &[u8; 12]) -> ([u8; 8], [u8; 8]) {
+    let w = scale_words(s);
+    let b = |i: usize| (w[i / 4] >> (8 * (i % 4))) as u8;
+    (std::array::from_fn(b), std::array::from_fn(|i| b(8 + i)))
+}
+
+/// The inverse of [`unpack_scales`] (inputs ≤ 63).
+pub(super) fn pack_scales(sc: &[u8; 8], m: &[u8; 8]) -> [u8; 12] {
+    let mut s = [0u8; 12];
+    for j in 0..4 {
+        s[j] = (sc[j] & 63) | ((sc[j + 4] >> 4) << 6);
+        s[j + 4] = (m[j] & 63) | ((m[j + 4] >> 4) << 6);
+        s[j + 8] = (sc[j + 4] & 0x0F) | ((m[j + 4] & 0x0F) << 4);
+    }
+    s
+}
+
+/// A super-block quantized with 6-bit sub-block scales and minimums (shared by Q4_K and Q5_K).
+pub(super) struct KQuant {
+    pub d: [u8; 2],
+    pub dmin: [u8; 2],
+    pub scales: [u8; 12],
+    /// Levels 0..=nmax, one per value.
+    pub levels: [u8; QK_K],
+}
+
+/// Min-max quantizer: per sub-block of 32, the range [min(0, lo), hi] is split into `nmax`
+/// steps; scales and minimums are then quantized to 6 bits under f16 super-scales, and the
+/// levels recomputed with the stored (rounded) scales so dequantization sees what we chose.
+pub(super) fn quantize_super_block(x: &[f32], nmax: u8) -> KQuant {
+    let mut scale = [0f32; 8];
+    let mut min = [0f32; 8];
+    for (j, sub) in x.chunks_exact(32).enumerate() {
+        let lo = sub.iter().fold(0f32, |a, v| a.min(*v));
+        let hi = sub.iter().fold(f32::NEG_INFINITY, |a, v| a.max(*v));
+        scale[j] = if hi > lo {
+            (hi - lo) / nmax as f32
+        } else {
+            0.0
+        };
+        min[j] = -lo;
+    }
+    let max_scale = scale.iter().fold(0f32, |a, v| a.max(*v));
+    let max_min = min.iter().fold(0f32, |a, v| a.max(*v));
+    let inv_scale = if max_scale > 0.0 {
+        63.0 / max_scale
+    } else {
+        0.0
+    };
+    let inv_min = if max_min > 0.0 { 63.0 / max_min } else { 0.0 };
+    let mut ls = [0u8; 8];
+    let mut lm = [0u8; 8];
+    for j in 0..8 {
+        ls[j] = nearest_int(inv_scale * scale[j]).clamp(0, 63) as u8;
+        lm[j] = nearest_int(inv_min * min[j]).clamp(0, 63) as u8;
+    }
+    let d = f32_to_f16(max_scale / 63.0);
+    let dmin = f32_to_f16(max_min / 63.0);
+    let (d_f, dmin_f) = (f16_to_f32(d), f16_to_f32(dmin));
+    let mut levels = [0u8; QK_K];
+    for (j, (sub, out)) in x
+        .chunks_exact(32)
+        .zip(levels.chunks_exact_mut(32))
+        .enumerate()
+    {
+        let dl = d_f * ls[j] as f32;
+        let dm = dmin_f * lm[j] as f32;
+        if dl > 0.0 {
+            for (l, v) in out.iter_mut().zip(sub) {
+                *l = nearest_int((v + dm) / dl).clamp(0, nmax as i32) as u8;
+            }
+        }
+    }
+    KQuant {
+        d,
+        dmin,
+        scales: pack_scales(&ls, &lm),
+        levels,
+    }
+}
+
+pub(super) fn quantize(src: &[f32], dst: &mut [BlockQ4K]) {
+    for (x, b) in src.chunks_exact(QK_K).zip(dst.iter_mut()) {
+        let k = quantize_super_block(x, 15);
+        b.d = k.d;
+        b.dmin = k.dmin;
+        b.scales = k.scales;
+        for c in 0..4 {
+            for l in 0..32 {
+                b.qs[32 * c + l] = k.levels[64 * c + l] | (k.levels[64 * c + 32 + l] << 4);
+            }
+        }
+    }
+}
+
+pub(super) fn dequantize(src: &[BlockQ4K], dst: &mut [f32]) {
+    for (b, y) in src.iter().zip(dst.chunks_exact_mut(QK_K)) {
+        let d = f16_to_f32(b.d);
+        let dmin = f16_to_f32(b.dmin);
+        let (sc, m) = unpack_scales(&b.scales);
+        for c in 0..4 {
+            let (d1, m1) = (d * sc[2 * c] as f32, dmin * m[2 * c] as f32);
+            let (d2, m2) = (d * sc[2 * c + 1] as f32, dmin * m[2 * c + 1] as f32);
+            for l in 0..32 {
+                let q = b.qs[32 * c + l];
+                y[64 * c + l] = d1 * (q & 0x0F) as f32 - m1;
+                y[64 * c + 32 + l] = d2 * (q >> 4) as f32 - m2;
+            }
+        }
+    }
+}
+
+/// `Σ_j m_j · (bsum_2j + bsum_2j+1)`: the minimums' share of a super-block dot (Q4_K, Q5_K).
+#[inline(always)]
+pub(super) fn mins_dot(m: &[u8; 8], bsums: &[i16; 16]) -> i32 {
+    let mut s = 0i32;
+    for j in 0..8 {
+        s += m[j] as i32 * (bsums[2 * j] as i32 + bsums[2 * j + 1] as i32);
+    }
+    s
+}
+
+/// The float step of one super-block, shared by every path (Q4_K, Q5_K).
+#[inline(always)]
+pub(super) fn super_block_term(d: [u8; 2], dmin: [u8; 2], d_a: f32, sumi: i32, summ: i32) -> f32 {
+    let dd = d_a * f16_to_f32(d);
+    let dm = d_a * f16_to_f32(dmin);
+    dd * sumi as f32 - dm * summ as f32
+}
+
+/// Dot of a row of Q4_K super-blocks with Q8_K activation blocks.
+pub(super) fn dot(level: SimdLevel, w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        SimdLevel::Avx2 | SimdLevel::Avx512 => {
+            // SAFETY: the level is only reported when AVX2/FMA/F16C are present.
+            unsafe { dot_avx2(w, a) }
+        }
+        _ => dot_scalar(w, a),
+    }
+}
+
+pub(super) fn dot_scalar(w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
+    let mut acc = 0f32;
+    for (x, y) in w.iter().zip(a) {
+        let (sc, m) = unpack_scales(&x.scales);
+        let mut sumi = 0i32;
+        for c in 0..4 {
+            let (mut lo, mut hi) = (0i32, 0i32);
+            for l in 0..32 {
+                let q = x.qs[32 * c + l];
+                lo += (q & 0x0F) as i32 * y.qs[64 * c + l] as i32;
+                hi += (q >> 4) as i32 * y.qs[64 * c + 32 + l] as i32;
+            }
+            sumi += sc[2 * c] as i32 * lo + sc[2 * c + 1] as i32 * hi;
+        }
+        acc += super_block_term(x.d, x.dmin, y.d, sumi, mins_dot(&m, &y.bsums));
+    }
+    acc
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_avx2(w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
+    use std::arch::x86_64::*;
+    let m4 = _mm256_set1_epi8(0x0F);
+    let mut acc = _mm_setzero_ps();
+    for (x, y) in w.iter().zip(a) {
+        let (scales, mins) = unsafe { x86::scales_mins(&x.scales) };
+        let mut sumi = _mm256_setzero_si256();
+        for c in 0..4 {
+            // SAFETY: 32-byte loads inside qs (128 bytes) and y.qs (256 bytes).
+            let (q, ylo, yhi) = unsafe {
+                (
+                    _mm256_loadu_si256(x.qs.as_ptr().add(32 * c).cast()),
+                    _mm256_loadu_si256(y.qs.as_ptr().add(64 * c).cast()),
+                    _mm256_loadu_si256(y.qs.as_ptr().add(64 * c + 32).cast()),
+                )
+            };
+            let lo = _mm256_and_si256(q, m4);
+            let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+            // ≤ 2 · 15 · 127 per i16 lane: no saturation.
+            let plo = _mm256_maddubs_epi16(lo, ylo);
+            let phi = _mm256_maddubs_epi16(hi, yhi);
+            let (sc_lo, sc_hi) = unsafe {
+                (
+                    x86::scale_of(scales, 2 * c),
+                    x86::scale_of(scales, 2 * c + 1),
+                )
+            };
+            let s = _mm256_add_epi32(_mm256_madd_epi16(plo, sc_lo), _mm256_madd_epi16(phi, sc_hi));
+            sumi = _mm256_add_epi32(sumi, s);
+        }
+        acc = unsafe { x86::finish(acc, sumi, mins, &y.bsums, x.d, x.dmin, y.d) };
+    }
+    _mm_cvtss_f32(acc)
+}
+
+/// AVX2 pieces shared by Q4_K and Q5_K.
+#[cfg(target_arch = "x86_64")]
+pub(super) mod x86 {
+    use super::scale_words;
+    use std::arch::x86_64::*;
+
+    /// `pshufb` masks: mask `k` fills every 16-bit lane with lane `k` (of each 128-bit half).
+    const SCALE_SHUFFLE: [[u8; 32]; 8] = {
+        let mut m = [[0u8; 32]; 8];
+        let mut k = 0;
+        while k < 8 {
+            let mut i = 0;
+            while i < 32 {
+                m[k][i] = (2 * k + i % 2) as u8;
+                i += 1;
+            }
+            k += 1;
+        }
+        m
+    };
+
+    /// The 8 scales as i16 (in both 128-bit halves) and the 8 minimums as i16.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    pub unsafe fn scales_mins(s: &[u8; 12]) -> (__m256i, __m128i) {
+        let w = scale_words(s);
+        // SAFETY: 16 bytes.
+        let v = unsafe { _mm_loadu_si128(w.as_ptr().cast()) };
+        let sc = _mm_cvtepu8_epi16(v);
+        let m = _mm_cvtepu8_epi16(_mm_srli_si128(v, 8));
+        (_mm256_broadcastsi128_si256(sc), m)
+    }
+
+    /// Sub-block `k`'s scale in every i16 lane.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    pub unsafe fn scale_of(scales: __m256i, k: usize) -> __m256i {
+        // SAFETY: k < 8 (callers index sub-blocks); 32-byte load.
+        let mask = unsafe { _mm256_loadu_si256(SCALE_SHUFFLE[k & 7].as_ptr().cast()) };
+        _mm256_shuffle_epi8(scales, mask)
+    }
+
+    /// The float step of one super-block on lane 0 of `acc`, exactly as the scalar
+    /// `acc += super_block_term(..)`: `summ` from the minimums and pair sums of `bsums`, both
+    /// integers reduced exactly, then `(d_a·d)·sumi − (d_a·dmin)·summ` and the add.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    pub unsafe fn finish(
+        acc: __m128,
+        sumi: __m256i,
+        mins: __m128i,
+        bsums: &[i16; 16],
+        d: [u8; 2],
+        dmin: [u8; 2],
+        d_a: f32,
+    ) -> __m128 {
+        // SAFETY: 16 i16 = 32 bytes.
+        let bs = unsafe { _mm256_loadu_si256(bsums.as_ptr().cast()) };
+        // Pair sums ≤ 2 · 16 · 127: no i16 overflow.
+        let pairs = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+        let summ4 = _mm_madd_epi16(mins, pairs);
+        let sumi4 = _mm_add_epi32(
+            _mm256_castsi256_si128(sumi),
+            _mm256_extracti128_si256(sumi, 1),
+        );
+        let h = _mm_hadd_epi32(sumi4, summ4);
+        let h = _mm_hadd_epi32(h, h); // [sumi, summ, sumi, summ]
+        let bits = u16::from_le_bytes(d) as i32 | ((u16::from_le_bytes(dmin) as i32) << 16);
+        let scales = _mm_mul_ps(_mm_set1_ps(d_a), _mm_cvtph_ps(_mm_cvtsi32_si128(bits)));
+        let p = _mm_mul_ps(scales, _mm_cvtepi32_ps(h)); // [dd·sumi, dm·summ, ..]
+        _mm_add_ss(acc, _mm_sub_ss(p, _mm_movehdup_ps(p)))
+    }
+}
+
+#[cfg(test)]
+pub(super) mod tests {
+    use super::super::q8_0::tests::act_error_bound;
+    use super::super::q8_k::tests::quantized as q8k;
+    use super::super::testutil::*;
+    use super::*;
+
+    fn quantized(x: &[f32]) -> Vec<BlockQ4K> {
+        let mut b = vec![
+            BlockQ4K {
+                d: [0; 2],
+                dmin: [0; 2],
+                scales: [0; 12],
+                qs: [0; 128]
+            };
+            x.len() / QK_K
+        ];
+        quantize(x, &mut b);
+        b
+    }
+
+    /// Root-mean-square of `v`.
+    pub(crate) fn rms(v: &[f32]) -> f64 {
+        (v.iter().map(|x| (*x as f64).powi(2)).sum::<f64>() / v.len() as f64).sqrt()
+    }
+
+    /// ggml's per-sub-block decoding (`get_scale_min_k4`), the reference for `scale_words`.
+    fn scale_min_ref(j: usize, q: &[u8; 12]) -> (u8, u8) {
+        if j < 4 {
+            (q[j] & 63, q[j + 4] & 63)
+        } else {
+            (
+                (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4),
+                (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+            )
+        }
+    }
+
+    #[test]
+    fn scale_decoding_matches_the_per_byte_form() {
+        for seed in 0..256u64 {
+            let b: [u8; 12] = bytes(seed, 12).try_into().unwrap();
+            let (sc, m) = unpack_scales(&b);
+            for j in 0..8 {
+                assert_eq!((sc[j], m[j]), scale_min_ref(j, &b), "seed={seed} j={j}");
+            }
+        }
+    }
+
+    #[test]
+    fn scale_packing_round_trips() {
+        for seed in 0..64u64 {
+            let b = bytes(seed, 16);
+            let sc: [u8; 8] = std::array::from_fn(|i| b[i] & 63);
+            let m: [u8; 8] = std::array::from_fn(|i| b[8 + i] & 63);
+            assert_eq!(unpack_scales(&pack_scales(&sc, &m)), (sc, m), "seed={seed}");
+        }
+    }
+
+    #[test]
+    fn simd_matches_scalar_bits() {
+        for (seed, nb) in [(1u64, 1usize), (2, 3), (3, 16)] {
+            let w = quantized(&values(seed, nb * QK_K, 0.1));
+            let a = q8k(&values(seed + 50, nb * QK_K, 1.0));
+            let s = dot_scalar(&w, &a);
+            for level in SimdLevel::available() {
+                assert_eq!(
+                    dot(level, &w, &a).to_bits(),
+                    s.to_bits(),
+                    "{level:?} seed={seed}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn scalar_matches_dequantized_and_f32_reference() {
+        for seed in [41u64, 42, 43] {
+            let n = 4096;
+            let wq = quantized(&values(seed, n, 0.1));
+            let mut w = vec![0f32; n];
+            dequantize(&wq, &mut w);
+            let a = values(seed + 7, n, 1.0);
+            let aq = q8k(&a);
+            let mut a_deq = vec![0f32; n];
+            super::super::q8_k::dequantize(&aq, &mut a_deq);
+            let got = dot_scalar(&wq, &aq);
+            assert_matches_dequantized(got, &w, &a_deq, &format!("seed={seed}"));
+            // Against the unquantized activation: the activation's rounding error.
+            let got = got as f64;
+            // Activation error per value ≤ amax/254 (Q8_K keeps an f32 scale), plus float
+            // rounding of the super-block terms (i32 sums above 2^24 round when converted).
+            let bound = act_error_bound(&w, &a, QK_K, 1.0001 / 254.0)
+                + abs_dot_f64(&w, &a) * 64.0 * f32::EPSILON as f64;
+            let err = (got - dot_f64(&w, &a)).abs();
+            assert!(err <= bound, "seed={seed} err={err} bound={bound}");
+        }
+    }
+
+    #[test]
+    fn round_trip_error_within_budget() {
+        let x = values(9, QK_K * 64, 1.0);
+        let mut back = vec![0f32; x.len()];
+        dequantize(&quantized(&x), &mut back);
+        let diff: Vec<f32> = x.iter().zip(&back).map(|(p, q)| p - q).collect();
+        // 16 levels over each sub-block's range: uniform rounding gives range/15/√12 ≈ 0.08σ
+        // for these values; the 6-bit scales and the min-max (not searched) fit add some.
+        let rel = rms(&diff) / rms(&x);
+        assert!(rel < 0.11, "relative rmse {rel}");
+        // All-equal and all-zero blocks survive.
+        let mut flat = vec![0f32; QK_K];
+        dequantize(&quantized(&[0.0; QK_K]), &mut flat);
+        assert!(flat.iter().all(|v| *v == 0.0));
+        dequantize(&quantized(&[-0.5; QK_K]), &mut flat);
+        assert!(
+            flat.iter().all(|v| (v + 0.5).abs() < 1e-3),
+            "{:?}",
+            &flat[..4]
+        );
+    }
+}

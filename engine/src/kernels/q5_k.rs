@@ -1,0 +1,224 @@
+//! Q5_K: like Q4_K with a fifth bit per value (levels 0..=31): value = d · sc_j · q − dmin · m_j.
+//! Used for attention output in Q4_K_M files. Dotted against Q8_K activations.
+//!
+//! Layout (176 bytes): `d`, `dmin` (f16), `scales[12]` (as Q4_K), `qh[32]`, `qs[128]`. Chunk `c`
+//! of `qs` holds the low 4 bits of values `64c .. 64c + 32` (low nibbles) and `64c + 32 ..
+//! 64c + 64` (high nibbles); the fifth bit of value `64c + l` is bit `2c` of `qh[l]`, of value
+//! `64c + 32 + l` bit `2c + 1`.
+//!
+//! Summation order: exactly as Q4_K (exact i32 `sumi`, `summ`, then one float step per
+//! super-block); SIMD only computes the integers, so it matches the scalar bits.
+
+use super::q4_k::{mins_dot, quantize_super_block, super_block_term, unpack_scales};
+use super::q8_k::{BlockQ8K, QK_K};
+use super::{f16_to_f32, RawBlock, SimdLevel};
+
+/// One Q5_K super-block as stored in GGUF.
+#[repr(C)]
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct BlockQ5K {
+    d: [u8; 2],
+    dmin: [u8; 2],
+    scales: [u8; 12],
+    qh: [u8; QK_K / 8],
+    qs: [u8; QK_K / 2],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ5K>() == 176);
+// SAFETY: byte arrays only: alignment 1, no padding, any bits valid.
+unsafe impl RawBlock for BlockQ5K {}
+
+pub(super) fn quantize(src: &[f32], dst: &mut [BlockQ5K]) {
+    for (x, b) in src.chunks_exact(QK_K).zip(dst.iter_mut()) {
+        let k = quantize_super_block(x, 31);
+        b.d = k.d;
+        b.dmin = k.dmin;
+        b.scales = k.scales;
+        b.qh = [0; QK_K / 8];
+        for c in 0..4 {
+            for l in 0..32 {
+                let lo = k.levels[64 * c + l];
+                let hi = k.levels[64 * c + 32 + l];
+                b.qs[32 * c + l] = (lo & 0x0F) | ((hi & 0x0F) << 4);
+                b.qh[l] |= ((lo >> 4) << (2 * c)) | ((hi >> 4) << (2 * c + 1));
+            }
+        }
+    }
+}
+
+/// The 5-bit levels of chunk `c`: (value `64c + l`, value `64c + 32 + l`).
+#[inline(always)]
+fn levels(b: &BlockQ5K, c: usize, l: usize) -> (u8, u8) {
+    let q = b.qs[32 * c + l];
+    let h = b.qh[l];
+    (
+        (q & 0x0F) | (((h >> (2 * c)) & 1) << 4),
+        (q >> 4) | (((h >> (2 * c + 1)) & 1) << 4),
+    )
+}
+
+pub(super) fn dequantize(src: &[BlockQ5K], dst: &mut [f32]) {
+    for (b, y) in src.iter().zip(dst.chunks_exact_mut(QK_K)) {
+        let d = f16_to_f32(b.d);
+        let dmin = f16_to_f32(b.dmin);
+        let (sc, m) = unpack_scales(&b.scales);
+        for c in 0..4 {
+            let (d1, m1) = (d * sc[2 * c] as f32, dmin * m[2 * c] as f32);
+            let (d2, m2) = (d * sc[2 * c + 1] as f32, dmin * m[2 * c + 1] as f32);
+            for l in 0..32 {
+                let (lo, hi) = levels(b, c, l);
+                y[64 * c + l] = d1 * lo as f32 - m1;
+                y[64 * c + 32 + l] = d2 * hi as f32 - m2;
+            }
+        }
+    }
+}
+
+/// Dot of a row of Q5_K super-blocks with Q8_K activation blocks.
+pub(super) fn dot(level: SimdLevel, w: &[BlockQ5K], a: &[BlockQ8K]) -> f32 {
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        SimdLevel::Avx2 | SimdLevel::Avx512 => {
+            // SAFETY: the level is only reported when AVX2/FMA/F16C are present.
+            unsafe { dot_avx2(w, a) }
+        }
+        _ => dot_scalar(w, a),
+    }
+}
+
+pub(super) fn dot_scalar(w: &[BlockQ5K], a: &[BlockQ8K]) -> f32 {
+    let mut acc = 0f32;
+    for (x, y) in w.iter().zip(a) {
+        let (sc, m) = unpack_scales(&x.scales);
+        let mut sumi = 0i32;
+        for c in 0..4 {
+            let (mut lo, mut hi) = (0i32, 0i32);
+            for l in 0..32 {
+                let (ql, qh) = levels(x, c, l);
+                lo += ql as i32 * y.qs[64 * c + l] as i32;
+                hi += qh as i32 * y.qs[64 * c + 32 + l] as i32;
+            }
+            sumi += sc[2 * c] as i32 * lo + sc[2 * c + 1] as i32 * hi;
+        }
+        acc += super_block_term(x.d, x.dmin, y.d, sumi, mins_dot(&m, &y.bsums));
+    }
+    acc
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_avx2(w: &[BlockQ5K], a: &[BlockQ8K]) -> f32 {
+    use super::q4_k::x86;
+    use std::arch::x86_64::*;
+    let m4 = _mm256_set1_epi8(0x0F);
+    let one = _mm256_set1_epi8(1);
+    let mut acc = _mm_setzero_ps();
+    for (x, y) in w.iter().zip(a) {
+        let (scales, mins) = unsafe { x86::scales_mins(&x.scales) };
+        // SAFETY: qh is 32 bytes.
+        let mut hbits = unsafe { _mm256_loadu_si256(x.qh.as_ptr().cast()) };
+        let mut sumi = _mm256_setzero_si256();
+        for c in 0..4 {
+            // SAFETY: 32-byte loads inside qs (128 bytes) and y.qs (256 bytes).
+            let (q, ylo, yhi) = unsafe {
+                (
+                    _mm256_loadu_si256(x.qs.as_ptr().add(32 * c).cast()),
+                    _mm256_loadu_si256(y.qs.as_ptr().add(64 * c).cast()),
+                    _mm256_loadu_si256(y.qs.as_ptr().add(64 * c + 32).cast()),
+                )
+            };
+            // hbits has been shifted right by 2c: bit 0 / bit 1 of each byte are this
+            // chunk's fifth bits (16-bit shifts carry across bytes, the masks drop that).
+            let h_lo = _mm256_slli_epi16(_mm256_and_si256(hbits, one), 4);
+            let h_hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 1), one), 4);
+            let lo = _mm256_or_si256(_mm256_and_si256(q, m4), h_lo);
+            let hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), m4), h_hi);
+            // ≤ 2 · 31 · 127 per i16 lane: no saturation.
+            let plo = _mm256_maddubs_epi16(lo, ylo);
+            let phi = _mm256_maddubs_epi16(hi, yhi);
+            let (sc_lo, sc_hi) = unsafe {
+                (
+                    x86::scale_of(scales, 2 * c),
+                    x86::scale_of(scales, 2 * c + 1),
+                )
+            };
+            let s = _mm256_add_epi32(_mm256_madd_epi16(plo, sc_lo), _mm256_madd_epi16(phi, sc_hi));
+            sumi = _mm256_add_epi32(sumi, s);
+            hbits = _mm256_srli_epi16(hbits, 2);
+        }
+        acc = unsafe { x86::finish(acc, sumi, mins, &y.bsums, x.d, x.dmin, y.d) };
+    }
+    _mm_cvtss_f32(acc)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::q4_k::tests::rms;
+    use super::super::q8_0::tests::act_error_bound;
+    use super::super::q8_k::tests::quantized as q8k;
+    use super::super::testutil::*;
+    use super::*;
+
+    fn quantized(x: &[f32]) -> Vec<BlockQ5K> {
+        let mut b = vec![
+            BlockQ5K {
+                d: [0; 2],
+                dmin: [0; 2],
+                scales: [0; 12],
+                qh: [0; 32],
+                qs: [0; 128]
+            };
+            x.len() / QK_K
+        ];
+        quantize(x, &mut b);
+        b
+    }
+
+    #[test]
+    fn simd_matches_scalar_bits() {
+        for (seed, nb) in [(1u64, 1usize), (2, 3), (3, 16)] {
+            let w = quantized(&values(seed, nb * QK_K, 0.1));
+            let a = q8k(&values(seed + 50, nb * QK_K, 1.0));
+            let s = dot_scalar(&w, &a);
+            for level in SimdLevel::available() {
+                assert_eq!(
+                    dot(level, &w, &a).to_bits(),
+                    s.to_bits(),
+                    "{level:?} seed={seed}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn scalar_matches_dequantized_and_f32_reference() {
+        for seed in [51u64, 52, 53] {
+            let n = 4096;
+            let wq = quantized(&values(seed, n, 0.1));
+            let mut w = vec![0f32; n];
+            dequantize(&wq, &mut w);
+            let a = values(seed + 7, n, 1.0);
+            let aq = q8k(&a);
+            let mut a_deq = vec![0f32; n];
+            super::super::q8_k::dequantize(&aq, &mut a_deq);
+            let got = dot_scalar(&wq, &aq);
+            assert_matches_dequantized(got, &w, &a_deq, &format!("seed={seed}"));
+            // Against the unquantized activation: the activation's rounding error.
+            let got = got as f64;
+            let bound = act_error_bound(&w, &a, QK_K, 1.0001 / 254.0)
+                + abs_dot_f64(&w, &a) * 64.0 * f32::EPSILON as f64;
+            let err = (got - dot_f64(&w, &a)).abs();
+            assert!(err <= bound, "seed={seed} err={err} bound={bound}");
+        }
+    }
+
+    #[test]
+    fn round_trip_error_within_budget() {
+        let x = values(9, QK_K * 64, 1.0);
+        let mut back = vec![0f32; x.len()];
+        dequantize(&quantized(&x), &mut back);
+        let diff: Vec<f32> = x.iter().zip(&back).map(|(p, q)| p - q).collect();
+        // 32 levels: half Q4_K's step, so about half its error.
+        let rel = rms(&diff) / rms(&x);
+        assert!(rel < 0.055, "relative rmse {rel}");
+    }
+}

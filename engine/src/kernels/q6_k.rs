@@ -1,0 +1,304 @@
+//! Q6_K: super-blocks of 256 6-bit values in 16 runs of 16, each with a signed 8-bit scale,
+//! under an f16 super-scale: value = d · sc_j · (q − 32). The token embedding and some
+//! ffn_down tensors of Q4_K_M files. Dotted against Q8_K activations.
+//!
+//! Layout (210 bytes): `ql[128]` (low 4 bits), `qh[64]` (high 2 bits), `scales[16]` (i8), `d`
+//! (f16). Each half `h` of 128 values uses `ql[64h..]` and `qh[32h..]`: for `l < 32`, value
+//! `l` is `ql[l] & 15` with bits 0–1 of `qh[l]`; `l + 32` is `ql[l + 32] & 15` with bits 2–3;
+//! `l + 64` is `ql[l] >> 4` with bits 4–5; `l + 96` is `ql[l + 32] >> 4` with bits 6–7. Value
+//! `i` of the super-block uses `scales[i / 16]`.
+//!
+//! Summation order (shared by every path): `sumi = Σ_j sc_j · Σ (q − 32)·a` exactly in i32,
+//! then `acc += (d · d_a) · sumi`, super-blocks in row order. The AVX2 path computes the same
+//! integer as `Σ_j sc_j · Σ q·a − 32 · Σ_j sc_j · bsum_j`, so it matches the scalar bits.
+
+use super::q8_k::{BlockQ8K, QK_K};
+use super::{f16_to_f32, f32_to_f16, nearest_int, RawBlock, SimdLevel};
+
+/// One Q6_K super-block as stored in GGUF.
+#[repr(C)]
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct BlockQ6K {
+    ql: [u8; QK_K / 2],
+    qh: [u8; QK_K / 4],
+    scales: [i8; QK_K / 16],
+    d: [u8; 2],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ6K>() == 210);
+// SAFETY: byte arrays only: alignment 1, no padding, any bits valid.
+unsafe impl RawBlock for BlockQ6K {}
+
+/// Absmax quantizer: per run of 16 the value of largest magnitude maps to −32; the 16 scales
+/// are quantized to i8 under an f16 super-scale, and the levels recomputed with the stored
+/// scales.
+pub(super) fn quantize(src: &[f32], dst: &mut [BlockQ6K]) {
+    for (x, b) in src.chunks_exact(QK_K).zip(dst.iter_mut()) {
+        let mut scale = [0f32; 16];
+        for (s, run) in scale.iter_mut().zip(x.chunks_exact(16)) {
+            let max = run
+                .iter()
+                .fold(0f32, |m, v| if v.abs() > m.abs() { *v } else { m });
+            *s = max / -32.0;
+        }
+        let max_scale = scale
+            .iter()
+            .fold(0f32, |m, v| if v.abs() > m.abs() { *v } else { m });
+        let iscale = if max_scale != 0.0 {
+            -128.0 / max_scale
+        } else {
+            0.0
+        };
+        let d = f32_to_f16(if iscale != 0.0 { 1.0 / iscale } else { 0.0 });
+        let d_f = f16_to_f32(d);
+        let mut levels = [32u8; QK_K];
+        for (j, s) in scale.iter().enumerate() {
+            let sc = nearest_int(iscale * s).clamp(-128, 127) as i8;
+            b.scales[j] = sc;
+            let dl = d_f * sc as f32;
+            if dl != 0.0 {
+                for i in 16 * j..16 * j + 16 {
+                    levels[i] = (nearest_int(x[i] / dl).clamp(-32, 31) + 32) as u8;
+                }
+            }
+        }
+        b.d = d;
+        for h in 0..2 {
+            let lv = &levels[128 * h..128 * h + 128];
+            for l in 0..32 {
+                b.ql[64 * h + l] = (lv[l] & 0x0F) | ((lv[l + 64] & 0x0F) << 4);
+                b.ql[64 * h + l + 32] = (lv[l + 32] & 0x0F) | ((lv[l + 96] & 0x0F) << 4);
+                b.qh[32 * h + l] = (lv[l] >> 4)
+                    | ((lv[l + 32] >> 4) << 2)
+                    | ((lv[l + 64] >> 4) << 4)
+                    | ((lv[l + 96] >> 4) << 6);
+            }
+        }
+    }
+}
+
+/// The four levels (0..=63) sharing `ql[64h + l]`, `ql[64h + l + 32]` and `qh[32h + l]`: values
+/// `l`, `l + 32`, `l + 64`, `l + 96` of half `h`.
+#[inline(always)]
+fn levels(b: &BlockQ6K, h: usize, l: usize) -> [u8; 4] {
+    let a = b.ql[64 * h + l];
+    let c = b.ql[64 * h + l + 32];
+    let q = b.qh[32 * h + l];
+    [
+        (a & 0x0F) | ((q & 3) << 4),
+        (c & 0x0F) | (((q >> 2) & 3) << 4),
+        (a >> 4) | (((q >> 4) & 3) << 4),
+        (c >> 4) | (((q >> 6) & 3) << 4),
+    ]
+}
+
+pub(super) fn dequantize(src: &[BlockQ6K], dst: &mut [f32]) {
+    for (b, y) in src.iter().zip(dst.chunks_exact_mut(QK_K)) {
+        let d = f16_to_f32(b.d);
+        for h in 0..2 {
+            for l in 0..32 {
+                for (t, q) in levels(b, h, l).into_iter().enumerate() {
+                    let i = 128 * h + 32 * t + l;
+                    y[i] = d * b.scales[i / 16] as f32 * (q as i32 - 32) as f32;
+                }
+            }
+        }
+    }
+}
+
+/// The float step of one super-block, shared by every path.
+#[inline(always)]
+fn super_block_term(d: [u8; 2], d_a: f32, sumi: i32) -> f32 {
+    (f16_to_f32(d) * d_a) * sumi as f32
+}
+
+/// Dot of a row of Q6_K super-blocks with Q8_K activation blocks.
+pub(super) fn dot(level: SimdLevel, w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        SimdLevel::Avx2 | SimdLevel::Avx512 => {
+            // SAFETY: the level is only reported when AVX2/FMA/F16C are present.
+            unsafe { dot_avx2(w, a) }
+        }
+        _ => dot_scalar(w, a),
+    }
+}
+
+pub(super) fn dot_scalar(w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
+    let mut acc = 0f32;
+    for (x, y) in w.iter().zip(a) {
+        let mut runs = [0i32; 16];
+        for h in 0..2 {
+            for l in 0..32 {
+                for (t, q) in levels(x, h, l).into_iter().enumerate() {
+                    let i = 128 * h + 32 * t + l;
+                    runs[i / 16] += (q as i32 - 32) * y.qs[i] as i32;
+                }
+            }
+        }
+        let sumi: i32 = runs.iter().zip(&x.scales).map(|(r, s)| r * *s as i32).sum();
+        acc += super_block_term(x.d, y.d, sumi);
+    }
+    acc
+}
+
+/// `pshufb` masks: pair `p` broadcasts scale byte `2p` to bytes 0–7 and `2p + 1` to 8–15.
+#[cfg(target_arch = "x86_64")]
+const SCALE_SHUFFLE: [[u8; 16]; 8] = {
+    let mut m = [[0u8; 16]; 8];
+    let mut p = 0;
+    while p < 8 {
+        let mut i = 0;
+        while i < 16 {
+            m[p][i] = (2 * p + i / 8) as u8;
+            i += 1;
+        }
+        p += 1;
+    }
+    m
+};
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_avx2(w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
+    use super::q8_k::x86::hsum_i32;
+    use std::arch::x86_64::*;
+    let m4 = _mm256_set1_epi8(0x0F);
+    let m30 = _mm256_set1_epi8(0x30);
+    let mut acc = _mm_setzero_ps();
+    for (x, y) in w.iter().zip(a) {
+        // SAFETY: scales is 16 bytes, bsums 16 i16 (32 bytes).
+        let (scales8, bsums) = unsafe {
+            (
+                _mm_loadu_si128(x.scales.as_ptr().cast()),
+                _mm256_loadu_si256(y.bsums.as_ptr().cast()),
+            )
+        };
+        // Σ_j sc_j · bsum_j: 32 times it is the offset of q − 32.
+        let offset = _mm256_madd_epi16(_mm256_cvtepi8_epi16(scales8), bsums);
+        let mut sumi = _mm256_setzero_si256();
+        for h in 0..2 {
+            // SAFETY: 32-byte loads inside ql (128), qh (64) and y.qs (256).
+            let (ql0, ql1, qh) = unsafe {
+                (
+                    _mm256_loadu_si256(x.ql.as_ptr().add(64 * h).cast()),
+                    _mm256_loadu_si256(x.ql.as_ptr().add(64 * h + 32).cast()),
+                    _mm256_loadu_si256(x.qh.as_ptr().add(32 * h).cast()),
+                )
+            };
+            // Bits 2t..2t+2 of each qh byte move to bits 4–5 (16-bit shifts; the mask keeps
+            // only bits that came from the same byte).
+            let q = [
+                _mm256_or_si256(
+                    _mm256_and_si256(ql0, m4),
+                    _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30),
+                ),
+                _mm256_or_si256(
+                    _mm256_and_si256(ql1, m4),
+                    _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30),
+                ),
+                _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                    _mm256_and_si256(qh, m30),
+                ),
+                _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                    _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30),
+                ),
+            ];
+            for (t, qt) in q.into_iter().enumerate() {
+                // SAFETY: in bounds as above; the mask table has 8 entries, 4h + t < 8.
+                let (yv, mask) = unsafe {
+                    (
+                        _mm256_loadu_si256(y.qs.as_ptr().add(128 * h + 32 * t).cast()),
+                        _mm_loadu_si128(SCALE_SHUFFLE[4 * h + t].as_ptr().cast()),
+                    )
+                };
+                let sc = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales8, mask));
+                // ≤ 2 · 63 · 127 per i16 lane: no saturation.
+                let p = _mm256_maddubs_epi16(qt, yv);
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, sc));
+            }
+        }
+        let sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32(offset, 5));
+        let sumi = _mm_cvtsi32_ss(_mm_setzero_ps(), unsafe { hsum_i32(sumi) });
+        let d = _mm_cvtph_ps(_mm_cvtsi32_si128(u16::from_le_bytes(x.d) as i32));
+        let t = _mm_mul_ss(_mm_mul_ss(d, _mm_set_ss(y.d)), sumi);
+        acc = _mm_add_ss(acc, t);
+    }
+    _mm_cvtss_f32(acc)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::q4_k::tests::rms;
+    use super::super::q8_0::tests::act_error_bound;
+    use super::super::q8_k::tests::quantized as q8k;
+    use super::super::testutil::*;
+    use super::*;
+
+    fn quantized(x: &[f32]) -> Vec<BlockQ6K> {
+        let mut b = vec![
+            BlockQ6K {
+                ql: [0; 128],
+                qh: [0; 64],
+                scales: [0; 16],
+                d: [0; 2]
+            };
+            x.len() / QK_K
+        ];
+        quantize(x, &mut b);
+        b
+    }
+
+    #[test]
+    fn simd_matches_scalar_bits() {
+        for (seed, nb) in [(1u64, 1usize), (2, 3), (3, 16)] {
+            let w = quantized(&values(seed, nb * QK_K, 0.1));
+            let a = q8k(&values(seed + 50, nb * QK_K, 1.0));
+            let s = dot_scalar(&w, &a);
+            for level in SimdLevel::available() {
+                assert_eq!(
+                    dot(level, &w, &a).to_bits(),
+                    s.to_bits(),
+                    "{level:?} seed={seed}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn scalar_matches_dequantized_and_f32_reference() {
+        for seed in [61u64, 62, 63] {
+            let n = 4096;
+            let wq = quantized(&values(seed, n, 0.1));
+            let mut w = vec![0f32; n];
+            dequantize(&wq, &mut w);
+            let a = values(seed + 7, n, 1.0);
+            let aq = q8k(&a);
+            let mut a_deq = vec![0f32; n];
+            super::super::q8_k::dequantize(&aq, &mut a_deq);
+            let got = dot_scalar(&wq, &aq);
+            assert_matches_dequantized(got, &w, &a_deq, &format!("seed={seed}"));
+            // Against the unquantized activation: the activation's rounding error.
+            let got = got as f64;
+            let bound = act_error_bound(&w, &a, QK_K, 1.0001 / 254.0)
+                + abs_dot_f64(&w, &a) * 64.0 * f32::EPSILON as f64;
+            let err = (got - dot_f64(&w, &a)).abs();
+            assert!(err <= bound, "seed={seed} err={err} bound={bound}");
+        }
+    }
+
+    #[test]
+    fn round_trip_error_within_budget() {
+        let x = values(9, QK_K * 64, 1.0);
+        let mut back = vec![0f32; x.len()];
+        dequantize(&quantized(&x), &mut back);
+        let diff: Vec<f32> = x.iter().zip(&back).map(|(p, q)| p - q).collect();
+        // 64 levels over ±amax of each run of 16: step amax/32, rmse ≈ step/√12.
+        let rel = rms(&diff) / rms(&x);
+        assert!(rel < 0.04, "relative rmse {rel}");
+        let mut flat = vec![1f32; QK_K];
+        dequantize(&quantized(&[0.0; QK_K]), &mut flat);
+        assert!(flat.iter().all(|v| *v == 0.0));
+    }
+}

@@ -1,0 +1,154 @@
+//! Q8_K: the activation format for K-quant weights — blocks of 256 int8 with an f32 scale and
+//! the 16 sums of each run of 16 values (so a K-quant dot can subtract its minimums or offsets
+//! with 16 multiplies instead of 256).
+//!
+//! Only ever produced by us (for activations), never read from a weight file; the GGUF byte
+//! form (`quantize_row` / `dequantize_row` with `GgmlType::Q8_K`) is little-endian
+//! `d: f32, qs: [i8; 256], bsums: [i16; 16]`, 292 bytes.
+
+use super::nearest_int;
+
+/// Values per super-block (all K-quants).
+pub(super) const QK_K: usize = 256;
+
+/// One Q8_K block.
+#[repr(C)]
+#[derive(Copy, Clone, Debug, PartialEq)]
+pub struct BlockQ8K {
+    pub(super) d: f32,
+    pub(super) qs: [i8; QK_K],
+    /// `bsums[j]` = Σ qs[16j .. 16j + 16].
+    pub(super) bsums: [i16; QK_K / 16],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ8K>() == 292);
+
+const BYTES: usize = 292;
+
+impl BlockQ8K {
+    pub(super) const ZERO: BlockQ8K = BlockQ8K {
+        d: 0.0,
+        qs: [0; QK_K],
+        bsums: [0; QK_K / 16],
+    };
+}
+
+/// llama.cpp's reference quantizer: the value of largest magnitude maps to ∓127 (the scale
+/// takes its sign), values round to nearest, ties to even.
+pub(super) fn quantize(src: &[f32], dst: &mut [BlockQ8K]) {
+    for (x, b) in src.chunks_exact(QK_K).zip(dst.iter_mut()) {
+        let mut amax = 0f32;
+        let mut max = 0f32;
+        for v in x {
+            if v.abs() > amax {
+                amax = v.abs();
+                max = *v;
+            }
+        }
+        if amax == 0.0 {
+            *b = BlockQ8K::ZERO;
+            continue;
+        }
+        let iscale = -127.0 / max;
+        for (q, v) in b.qs.iter_mut().zip(x) {
+            *q = nearest_int(iscale * v).clamp(-127, 127) as i8;
+        }
+        for (s, run) in b.bsums.iter_mut().zip(b.qs.chunks_exact(16)) {
+            *s = run.iter().map(|q| *q as i16).sum();
+        }
+        b.d = 1.0 / iscale;
+    }
+}
+
+#[cfg(test)]
+pub(super) fn dequantize(src: &[BlockQ8K], dst: &mut [f32]) {
+    for (b, y) in src.iter().zip(dst.chunks_exact_mut(QK_K)) {
+        for (o, q) in y.iter_mut().zip(&b.qs) {
+            *o = b.d * *q as f32;
+        }
+    }
+}
+
+pub(super) fn quantize_bytes(src: &[f32], dst: &mut [u8]) {
+    let mut block = [BlockQ8K::ZERO];
+    for (x, out) in src.chunks_exact(QK_K).zip(dst.chunks_exact_mut(BYTES)) {
+        quantize(x, &mut block);
+        let b = &block[0];
+        out[..4].copy_from_slice(&b.d.to_le_bytes());
+        for (o, q) in out[4..4 + QK_K].iter_mut().zip(&b.qs) {
+            *o = *q as u8;
+        }
+        for (o, s) in out[4 + QK_K..].chunks_exact_mut(2).zip(&b.bsums) {
+            o.copy_from_slice(&s.to_le_bytes());
+        }
+    }
+}
+
+pub(super) fn dequantize_bytes(src: &[u8], dst: &mut [f32]) {
+    for (b, y) in src.chunks_exact(BYTES).zip(dst.chunks_exact_mut(QK_K)) {
+        let d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        for (o, q) in y.iter_mut().zip(&b[4..4 + QK_K]) {
+            *o = d * (*q as i8) as f32;
+        }
+    }
+}
+
+/// AVX2 building blocks shared by the K-quant dots.
+#[cfg(target_arch = "x86_64")]
+pub(super) mod x86 {
+    use std::arch::x86_64::*;
+
+    /// The sum of the 8 i32 lanes (exact, wrapping like the scalar code never needs to).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    pub unsafe fn hsum_i32(v: __m256i) -> i32 {
+        let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
+        _mm_cvtsi128_si32(s)
+    }
+}
+
+#[cfg(test)]
+pub(super) mod tests {
+    use super::super::testutil::*;
+    use super::*;
+
+    pub(crate) fn quantized(x: &[f32]) -> Vec<BlockQ8K> {
+        let mut b = vec![BlockQ8K::ZERO; x.len() / QK_K];
+        quantize(x, &mut b);
+        b
+    }
+
+    #[test]
+    fn round_trip_within_half_a_step_and_bsums_match() {
+        let x = values(4, QK_K * 16, 1.0);
+        let q = quantized(&x);
+        let mut back = vec![0f32; x.len()];
+        dequantize(&q, &mut back);
+        for (xb, yb) in x.chunks(QK_K).zip(back.chunks(QK_K)) {
+            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+            for (p, r) in xb.iter().zip(yb) {
+                assert!((p - r).abs() <= amax / 254.0 * 1.0001, "{p} {r}");
+            }
+        }
+        for b in &q {
+            for (j, s) in b.bsums.iter().enumerate() {
+                let want: i32 = b.qs[16 * j..16 * j + 16].iter().map(|v| *v as i32).sum();
+                assert_eq!(*s as i32, want);
+            }
+        }
+        assert_eq!(quantized(&[0.0; QK_K])[0], BlockQ8K::ZERO);
+    }
+
+    #[test]
+    fn byte_form_round_trips() {
+        let x = values(5, QK_K * 2, 1.0);
+        let mut bytes = vec![0u8; 2 * BYTES];
+        quantize_bytes(&x, &mut bytes);
+        let mut a = vec![0f32; x.len()];
+        let mut b = vec![0f32; x.len()];
+        dequantize_bytes(&bytes, &mut a);
+        dequantize(&quantized(&x), &mut b);
+        assert_eq!(a, b);
+    }
+}
