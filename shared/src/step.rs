@@ -25,6 +25,8 @@ pub struct StreamConfig {
     /// `--load-all`: read every expert of every MoE layer every step (a check: its output
     /// must equal the selective run's). Unrouted experts are read but not computed. With the
     /// cache on they are looked up like routed ones, so only non-resident ones are read.
+    /// Under `--overlap`, waiting for those unneeded reads at the end of a layer counts as
+    /// stall (the layer cannot finish before they land).
     pub load_all: bool,
     /// Split a projection extent into reads of at most this many bytes (0 = one read per
     /// extent), so a single missed expert can use more than three lanes.
@@ -385,6 +387,7 @@ impl<C: Clock, F: Flash, B: Backend> Engine<C, F, B> {
                 turn: input.turn,
                 phase: input.phase,
                 positions: input.positions,
+                layer_moe: moe,
             };
             streamer.run_layer(&mut io, layer, routing)?;
         }

@@ -51,11 +51,16 @@ struct Entry {
     bytes_traced: bool,
 }
 
+/// A submitted read, as much of its request as completion needs (kept small: this is
+/// written once per read on the replay hot path).
 #[derive(Copy, Clone, Debug)]
 struct InFlight {
     id: ReadId,
+    offset: u64,
+    len: u64,
     entry: u32,
-    req: ReadRequest,
+    shard: u16,
+    proj: u8,
     delivered: bool,
 }
 
@@ -72,6 +77,8 @@ pub(crate) struct LayerIo<'a, C, F, B> {
     pub turn: u32,
     pub phase: Phase,
     pub positions: &'a [u32],
+    /// The MoE layer being streamed (set by `run_layer`).
+    pub layer_moe: u16,
 }
 
 /// Reusable per-layer scratch. No allocation once capacities have grown.
@@ -113,6 +120,7 @@ impl Streamer {
         layer: LayerId,
         routing: &Routing,
     ) -> Result<(), StepError> {
+        io.layer_moe = layer.moe;
         let result = self.run_layer_inner(io, layer, routing);
         if result.is_err() {
             for f in self.inflight.iter_mut().filter(|f| !f.delivered) {
@@ -455,8 +463,11 @@ impl Streamer {
                     let id = io.flash.submit(req);
                     self.inflight.push(InFlight {
                         id,
+                        offset: req.offset,
+                        len,
                         entry: i as u32,
-                        req,
+                        shard: p.shard,
+                        proj: proj as u8,
                         delivered: false,
                     });
                     self.outstanding += 1;
@@ -487,17 +498,19 @@ impl Streamer {
             self.oldest += 1;
         }
         let f = self.inflight[fi];
-        let done = outcome.map_err(|source| StepError::Flash {
-            tag: f.req.tag,
-            source,
-        })?;
-        if done.id != id || done.req_bytes != f.req.len || done.read_bytes < done.req_bytes {
+        let tag = ReadTag {
+            layer: io.layer_moe,
+            expert: self.entries[f.entry as usize].expert,
+            proj: f.proj,
+        };
+        let done = outcome.map_err(|source| StepError::Flash { tag, source })?;
+        if done.id != id || done.req_bytes != f.len || done.read_bytes < done.req_bytes {
             return Err(StepError::Flash {
-                tag: f.req.tag,
+                tag,
                 source: FlashError::Short {
-                    shard: f.req.shard,
-                    offset: f.req.offset,
-                    expected: f.req.len,
+                    shard: f.shard,
+                    offset: f.offset,
+                    expected: f.len,
                     got: done.req_bytes.min(done.read_bytes),
                 },
             });
@@ -511,12 +524,13 @@ impl Streamer {
                 turn: io.turn,
                 phase: io.phase,
                 step: io.positions.last().map_or(-1, |&p| i64::from(p)),
-                layer: u32::from(f.req.tag.layer),
-                expert: u32::from(f.req.tag.expert),
-                proj: f.req.tag.proj,
+                layer: u32::from(tag.layer),
+                expert: u32::from(tag.expert),
+                proj: tag.proj,
                 lane: done.lane,
-                speculative: f.req.speculative,
-                offset: f.req.offset,
+                // Demand reads only, until prefetch lands.
+                speculative: false,
+                offset: f.offset,
                 req_bytes: done.req_bytes,
                 read_bytes: done.read_bytes,
                 latency_ns: (done.end - done.start).0,
