@@ -25,3 +25,32 @@ pub fn rusage() -> Rusage {
         maxrss_kib: ru.ru_maxrss as u64,
     }
 }
+
+// TEMPORARY until the lanes branch lands its probes.
+#[derive(Copy, Clone, Debug, Default)]
+pub struct ProcStatus {
+    pub rss_mib: f64,
+    pub rss_anon_mib: f64,
+    pub rss_file_mib: f64,
+    pub swap_mib: f64,
+}
+#[derive(Copy, Clone, Debug, Default)]
+pub struct MemInfo {
+    pub mem_available_mib: f64,
+    pub mem_free_mib: f64,
+    pub swap_free_mib: f64,
+}
+#[derive(Copy, Clone, Debug, Default)]
+pub struct CgroupMem {
+    pub limit_bytes: Option<u64>,
+    pub usage_bytes: u64,
+}
+pub fn proc_status() -> ProcStatus {
+    ProcStatus::default()
+}
+pub fn meminfo() -> MemInfo {
+    MemInfo::default()
+}
+pub fn cgroup_memory() -> Option<CgroupMem> {
+    None
+}
