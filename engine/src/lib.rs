@@ -5,6 +5,7 @@ pub mod arch;
 pub mod arena;
 pub mod chat;
 pub mod cli;
+pub mod dense;
 pub mod flash;
 pub mod gen;
 pub mod gguf;

@@ -104,8 +104,33 @@ fn create(p: &Path) -> Result<BufWriter<File>> {
     ))
 }
 
-/// Everything `generate` needs resolved before the first token.
+/// What a generation produced, for callers that run it in-process (the gates).
+#[derive(Clone, Debug, Default)]
+pub struct Outcome {
+    /// 0 on success; non-zero when a step failed (the output is not trustworthy).
+    pub code: i32,
+    /// Generated token ids (the end-of-generation token included when one was sampled).
+    pub tokens: Vec<u32>,
+    /// The answer text (reasoning excluded).
+    pub text: String,
+    pub summary: Option<bmoe_core::telemetry::summary::RunSummary>,
+}
+
+/// Run a generation printing to the process's stdout/stderr; returns the exit code.
 pub fn generate(args: &RunArgs, model_path: &Path) -> Result<i32> {
+    let stdout = std::io::stdout();
+    let stderr = std::io::stderr();
+    Ok(generate_with(args, model_path, &mut stdout.lock(), &mut stderr.lock())?.code)
+}
+
+/// Run a generation writing the answer (or progress lines) to `out` and diagnostics and the
+/// report to `err` (the report goes to `out` under `--progress`).
+pub fn generate_with(
+    args: &RunArgs,
+    model_path: &Path,
+    out: &mut dyn Write,
+    err: &mut dyn Write,
+) -> Result<Outcome> {
     let t_load = Instant::now();
     let mut cfg = RunConfig {
         engine_version: env!("CARGO_PKG_VERSION").to_string(),
@@ -126,7 +151,13 @@ pub fn generate(args: &RunArgs, model_path: &Path) -> Result<i32> {
 
     let file = Arc::new(GgufFile::open(model_path)?);
     cfg.arch = file.architecture().unwrap_or("").to_string();
-    let weights = Weights::load(file.clone())?;
+    let mut weights = Weights::load(file.clone())?;
+    // The resident baseline is plain mmap by definition; streaming applies --dense-weights.
+    if cfg.moe_stream {
+        weights.apply_dense_mode(cfg.dense_weights.into())?;
+    } else {
+        cfg.dense_weights = bmoe_core::config::DenseWeights::Mmap;
+    }
     let hp = weights.hp.clone();
     cfg.n_layer = hp.n_layer as u32;
     cfg.n_expert = hp.n_expert as u32;
@@ -172,7 +203,7 @@ pub fn generate(args: &RunArgs, model_path: &Path) -> Result<i32> {
         let clock = MonotonicClock::new();
         let flash = LaneFlash::open(&paths, cfg.io_threads, cfg.o_direct, arena.clone(), clock)?;
         for w in flash.warnings() {
-            eprintln!("bmoe: warning: {w}");
+            writeln!(err, "bmoe: warning: {w}")?;
         }
         cfg.o_direct = flash.o_direct_achieved();
         let model = Qwen3Moe::new(weights, args.threads as usize);
@@ -203,10 +234,10 @@ pub fn generate(args: &RunArgs, model_path: &Path) -> Result<i32> {
         Runner::Resident { model, state }
     };
     if let Some(w) = cfg.cache_cycle_warning() {
-        eprintln!("bmoe: warning: {w}");
+        writeln!(err, "bmoe: warning: {w}")?;
     }
     for w in cfg.load_warnings() {
-        eprintln!("bmoe: warning: {w}");
+        writeln!(err, "bmoe: warning: {w}")?;
     }
 
     let prompt = if args.chatml {
@@ -291,8 +322,6 @@ pub fn generate(args: &RunArgs, model_path: &Path) -> Result<i32> {
     }
     telemetry.begin_generation();
     let progress = args.telemetry.progress;
-    let stdout = std::io::stdout();
-    let mut out = stdout.lock();
     let mut logits_out = args.logits_out.as_deref().map(create).transpose()?;
     let all_logits = logits_out.is_some();
 
@@ -325,7 +354,7 @@ pub fn generate(args: &RunArgs, model_path: &Path) -> Result<i32> {
     };
     let st = match st {
         Ok(s) => s,
-        Err(e) => return fail(progress, e, &mut out),
+        Err(e) => return fail(progress, e, out, err),
     };
     let prefill_s = t_prefill.elapsed().as_secs_f64();
     let m1 = mem_picture();
@@ -414,7 +443,7 @@ pub fn generate(args: &RunArgs, model_path: &Path) -> Result<i32> {
             &reasoning,
             &text,
             if progress {
-                Some(&mut out as &mut dyn Write)
+                Some(&mut *out as &mut dyn Write)
             } else {
                 None
             },
@@ -477,9 +506,9 @@ pub fn generate(args: &RunArgs, model_path: &Path) -> Result<i32> {
         arch_streamable: true,
     };
     if progress {
-        write_report(&mut out, &cfg, &summary, &ctx)?;
+        write_report(out, &cfg, &summary, &ctx)?;
     } else {
-        write_report(&mut std::io::stderr().lock(), &cfg, &summary, &ctx)?;
+        write_report(err, &cfg, &summary, &ctx)?;
     }
     if let Some(mut w) = csv {
         w.flush()?;
@@ -504,22 +533,36 @@ pub fn generate(args: &RunArgs, model_path: &Path) -> Result<i32> {
         )?;
     }
     if let Some(e) = failed {
-        return fail(progress, e, &mut out);
+        return fail(progress, e, out, err);
     }
-    Ok(0)
+    out.flush()?;
+    Ok(Outcome {
+        code: 0,
+        tokens: generated,
+        text,
+        summary: Some(summary),
+    })
 }
 
 /// A failed step: the output is not trustworthy. Say so loudly and exit non-zero.
-fn fail(progress: bool, e: anyhow::Error, out: &mut dyn Write) -> Result<i32> {
+fn fail(
+    progress: bool,
+    e: anyhow::Error,
+    out: &mut dyn Write,
+    err: &mut dyn Write,
+) -> Result<Outcome> {
     let _ = out.flush();
-    eprintln!("bmoe: FAILED: {e:#}");
-    eprintln!("moe-stream: generation stopped by a failed read or step — this run's output is not trustworthy");
+    writeln!(err, "bmoe: FAILED: {e:#}")?;
+    writeln!(err, "moe-stream: generation stopped by a failed read or step - this run's output is not trustworthy")?;
     if progress {
-        let _ = writeln!(
+        writeln!(
             out,
             "BMOE_ERROR {}",
             serde_json::json!({"id": 0, "fatal": true, "msg": format!("{e:#}")})
-        );
+        )?;
     }
-    Ok(3)
+    Ok(Outcome {
+        code: 3,
+        ..Outcome::default()
+    })
 }
