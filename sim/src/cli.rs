@@ -1,0 +1,330 @@
+//! The `bmoe-sim` command line. `run` is the whole program behind a testable signature
+//! (arguments, environment and the two output streams in, exit code out), so the gates can run
+//! it in-process and compare its bytes.
+//!
+//! The streaming, cache and telemetry flags are the core's `StreamArgs` / `TelemetryArgs`,
+//! flattened exactly as `bmoe-cli` flattens them, and turned into the same `RunConfig` and
+//! judged by the same `validate()`; so a flag means the same thing in both binaries.
+//!
+//! Exit codes: 0 success; 1 an error (bad input, a refused configuration), or for `diff` a
+//! comparison outside its tolerances; 2 a usage error (clap's code for a bad flag or value).
+
+use crate::error::SimError;
+use crate::plan::{layout_from_preamble, ReplayPlan};
+use crate::profile::{DeviceProfile, DEFAULT_PROFILE};
+use crate::replay::{self, ReplayOutputs, ReplaySetup};
+use bmoe_core::config::{auto_cache_budget, RunConfig, MIB};
+use bmoe_core::flags::{
+    apply_env_fallbacks, parse_decimal_strict, parse_u64_strict, StreamArgs, TelemetryArgs,
+};
+use bmoe_core::telemetry::io_trace::IoTraceWriter;
+use bmoe_core::telemetry::report::{write_report, ReportContext};
+use bmoe_core::telemetry::route_trace::{RouteTrace, RouteTraceWriter};
+use bmoe_core::{records::RecordSink, ExpertLayout};
+use clap::{Args, Parser, Subcommand};
+use std::ffi::OsString;
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "bmoe-sim",
+    version,
+    about = "Replay MoE route traces through the bmoe core on a modelled device",
+    long_about = "Replay MoE route traces through the very same core bmoe-cli runs (expert cache, \
+policies, streamer, telemetry), on a virtual clock with a modelled flash device and compute model. \
+Hits, misses, evictions and read bytes are exact; times are modelled from a device profile.\n\n\
+  bmoe-sim replay --trace T.csv --cache-mb 4000 --csv sim.csv\n\
+  bmoe-sim sweep --trace T.csv --out sweep\n\
+  bmoe-sim diff sim.csv measured.csv\n\
+  bmoe-sim calibrate --csv run.csv --trace run.route.csv --out profile.json"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub cmd: Cmd,
+}
+
+/// The subcommands.
+#[derive(Subcommand, Debug)]
+pub enum Cmd {
+    /// Replay a route trace and write the same CSV, traces and report lines as bmoe-cli
+    Replay(ReplayArgs),
+}
+
+/// Flags of `bmoe-sim replay`.
+#[derive(Args, Debug, Clone)]
+pub struct ReplayArgs {
+    /// The route trace to replay (route_trace v1, from bmoe-cli --route-trace or another system)
+    #[arg(long, value_name = "PATH")]
+    pub trace: PathBuf,
+    /// Device profile: a built-in name (origin-12gb-phone, ufs40-phone, laptop-nvme,
+    /// this-machine) or a JSON file [default: origin-12gb-phone]
+    #[arg(long, value_name = "NAME|PATH")]
+    pub profile: Option<String>,
+    /// Seed of the flash and compute jitter streams (only matters when the profile has jitter)
+    #[arg(long, value_name = "N", default_value_t = 0, value_parser = parse_u64_strict)]
+    pub seed: u64,
+    /// Override the profile's flash and compute jitter, in [0, 1)
+    #[arg(long, value_name = "F", value_parser = parse_decimal_strict)]
+    pub jitter: Option<f32>,
+    #[command(flatten)]
+    pub stream: StreamArgs,
+    #[command(flatten)]
+    pub telemetry: TelemetryArgs,
+}
+
+/// Run `bmoe-sim` with `args` (program name first) and environment `env`, writing to `out`
+/// and `err`. Returns the exit code.
+pub fn run<I, T>(args: I, env: &[(String, String)], out: &mut dyn Write, err: &mut dyn Write) -> i32
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    let cli = match Cli::try_parse_from(args) {
+        Ok(c) => c,
+        Err(e) => {
+            let code = match e.kind() {
+                clap::error::ErrorKind::DisplayHelp | clap::error::ErrorKind::DisplayVersion => 0,
+                _ => 2,
+            };
+            let text = e.render().to_string();
+            let _ = if code == 0 {
+                out.write_all(text.as_bytes())
+            } else {
+                err.write_all(text.as_bytes())
+            };
+            return code;
+        }
+    };
+    let result = match cli.cmd {
+        Cmd::Replay(a) => cmd_replay(a, env, out, err),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            let _ = writeln!(err, "bmoe-sim: error: {e}");
+            1
+        }
+    }
+}
+
+/// Read and check a route trace.
+pub fn load_trace(path: &Path) -> Result<RouteTrace, SimError> {
+    let text = std::fs::read_to_string(path).map_err(|e| SimError::io(path, e))?;
+    RouteTrace::parse(&text).map_err(|source| SimError::Parse {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// A trace ready to replay: parsed, planned, its layout built, and the run configured.
+pub struct Prepared {
+    pub trace: Arc<RouteTrace>,
+    pub plan: Arc<ReplayPlan>,
+    pub layout: ExpertLayout,
+    pub cfg: RunConfig,
+    pub profile: DeviceProfile,
+}
+
+/// Policies the core has flags for but no implementation yet: refused rather than ignored,
+/// so a replay never claims to have modelled what it did not.
+fn refuse_unmodelled(cfg: &RunConfig) -> Result<(), SimError> {
+    let why = "bmoe-core has no implementation of it yet, so neither the engine nor the simulator runs it";
+    let checks: [(bool, &'static str); 6] = [
+        (cfg.prefetch > 0, "--prefetch"),
+        (cfg.predict_prefetch, "--predict-prefetch"),
+        (cfg.predict_log, "--predict-log"),
+        (cfg.route_ahead > 0, "--route-ahead"),
+        (cfg.drop_cold_frac > 0.0, "--drop-cold-experts"),
+        (cfg.substitute_lambda > 0.0, "--expert-substitute"),
+    ];
+    for (set, flag) in checks {
+        if set {
+            return Err(SimError::Unsupported { flag, why });
+        }
+    }
+    Ok(())
+}
+
+/// Resolve a run configuration for `trace` the way `bmoe-cli` resolves one for a model:
+/// flags (with their environment fallbacks) into a `RunConfig`, `validate()`, the model facts
+/// from the trace preamble, `validate_model()`, the cache cycle and the budget (`auto` from
+/// the profile's `mem_available_mib`). The simulator always streams: `--moe-stream` is
+/// implied.
+pub fn prepare(
+    trace_path: &Path,
+    profile_spec: Option<&str>,
+    jitter: Option<f32>,
+    stream: &StreamArgs,
+    telemetry: &TelemetryArgs,
+    seed: u64,
+    env: &[(String, String)],
+) -> Result<Prepared, SimError> {
+    let mut stream = stream.clone();
+    let mut telemetry = telemetry.clone();
+    apply_env_fallbacks(
+        env.iter().map(|(k, v)| (k.as_str(), v.as_str())),
+        &mut stream,
+        &mut telemetry,
+    )
+    .map_err(|e| SimError::invalid("environment", e.to_string()))?;
+    stream.moe_stream = true;
+    let mut cfg = RunConfig {
+        engine_version: env!("CARGO_PKG_VERSION").to_string(),
+        ..RunConfig::default()
+    };
+    stream.apply(&mut cfg);
+    telemetry.apply(&mut cfg);
+    cfg.seed = seed;
+    cfg.validate()?;
+    refuse_unmodelled(&cfg)?;
+
+    let mut profile = DeviceProfile::load(profile_spec.unwrap_or(DEFAULT_PROFILE))?;
+    if let Some(j) = jitter {
+        profile.flash.jitter = f64::from(j);
+        profile.compute.jitter = f64::from(j);
+        profile.validate()?;
+    }
+    cfg.threads = profile.threads;
+
+    let trace = load_trace(trace_path)?;
+    let layout = layout_from_preamble(&trace.preamble)?;
+    let plan = ReplayPlan::new(&trace)?;
+    let p = &trace.preamble;
+    cfg.model = p.model.clone();
+    cfg.arch = p.arch.clone();
+    cfg.n_layer = p.n_layer;
+    cfg.n_expert = p.n_expert;
+    cfg.n_expert_used = if cfg.n_expert_used_override > 0 {
+        cfg.n_expert_used_override.min(p.n_expert_used)
+    } else {
+        p.n_expert_used
+    };
+    cfg.validate_model()?;
+    let k = cfg.n_expert_used as u16;
+    cfg.cache_cycle_mb = layout.cache_cycle_bytes(k).div_ceil(MIB);
+    let budget = if cfg.cache_auto {
+        auto_cache_budget(
+            Some(profile.mem_available_mib.saturating_mul(MIB)),
+            None,
+            None,
+            cfg.cache_floor_mb.saturating_mul(MIB),
+            cfg.cache_ceil_mb.saturating_mul(MIB),
+            layout.total_expert_bytes(),
+        )
+    } else {
+        cfg.cache_mb.saturating_mul(MIB)
+    };
+    cfg.resolve_cache_budget(budget);
+    Ok(Prepared {
+        trace: Arc::new(trace),
+        plan: Arc::new(plan),
+        layout,
+        cfg,
+        profile,
+    })
+}
+
+fn create(path: &Path) -> Result<BufWriter<File>, SimError> {
+    File::create(path)
+        .map(BufWriter::new)
+        .map_err(|e| SimError::io(path, e))
+}
+
+fn cmd_replay(
+    a: ReplayArgs,
+    env: &[(String, String)],
+    out: &mut dyn Write,
+    err: &mut dyn Write,
+) -> Result<i32, SimError> {
+    let p = prepare(
+        &a.trace,
+        a.profile.as_deref(),
+        a.jitter,
+        &a.stream,
+        &a.telemetry,
+        a.seed,
+        env,
+    )?;
+    for w in p.cfg.load_warnings() {
+        writeln!(err, "bmoe-sim: warning: {w}").map_err(|e| SimError::io("stderr", e))?;
+    }
+    let policy = bmoe_core::policy::by_name(p.cfg.eviction.name()).ok_or_else(|| {
+        SimError::invalid(
+            "--eviction",
+            format!("no policy named {}", p.cfg.eviction.name()),
+        )
+    })?;
+    let mut csv = a.telemetry.csv.as_deref().map(create).transpose()?;
+    let mut route = match &a.telemetry.route_trace {
+        Some(path) => {
+            let mut pre = p.trace.preamble.clone();
+            pre.n_expert_used = p.cfg.n_expert_used;
+            Some(RouteTraceWriter::new(create(path)?, &pre).map_err(|e| SimError::io(path, e))?)
+        }
+        None => None,
+    };
+    let mut io = match &a.telemetry.io_trace {
+        Some(path) => Some(IoTraceWriter::new(create(path)?).map_err(|e| SimError::io(path, e))?),
+        None => None,
+    };
+    let progress = a.telemetry.progress;
+    let result = replay::run(
+        ReplaySetup {
+            trace: p.trace.clone(),
+            plan: p.plan.clone(),
+            layout: &p.layout,
+            cfg: &p.cfg,
+            budget_bytes: p.cfg.cache_budget_mb.saturating_mul(MIB),
+            policy,
+            profile: &p.profile,
+            seed: a.seed,
+        },
+        ReplayOutputs {
+            csv: csv.as_mut().map(|w| w as &mut dyn Write),
+            progress: if progress { Some(&mut *out) } else { None },
+            route: route.as_mut().map(|w| w as &mut dyn RecordSink),
+            io: io.as_mut().map(|w| w as &mut dyn RecordSink),
+        },
+    )?;
+    if let (Some(mut w), Some(path)) = (csv, &a.telemetry.csv) {
+        w.flush().map_err(|e| SimError::io(path, e))?;
+    }
+    if let (Some(w), Some(path)) = (route, &a.telemetry.route_trace) {
+        w.finish()
+            .and_then(|mut f| f.flush())
+            .map_err(|e| SimError::io(path, e))?;
+    }
+    if let (Some(w), Some(path)) = (io, &a.telemetry.io_trace) {
+        w.finish()
+            .and_then(|mut f| f.flush())
+            .map_err(|e| SimError::io(path, e))?;
+    }
+    let ctx = ReportContext {
+        progress,
+        answer: "",
+        arch_streamable: true,
+    };
+    let w = |e| SimError::io("stdout", e);
+    write_report(out, &p.cfg, &result.summary, &ctx).map_err(w)?;
+    let c = result.cache;
+    writeln!(
+        out,
+        "sim: profile={} seed={} steps={} lookups={} hits={} misses={} evictions={} rereads={} read_bytes={} virtual_s={}",
+        p.profile.name,
+        a.seed,
+        p.plan.steps.len(),
+        c.hits + c.misses,
+        c.hits,
+        c.misses,
+        c.evictions,
+        c.rereads,
+        result.read_bytes,
+        bmoe_core::telemetry::fmt::fixed(result.end.as_secs_f64(), 6)
+    )
+    .map_err(w)?;
+    out.flush().map_err(w)?;
+    Ok(0)
+}
