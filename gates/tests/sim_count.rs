@@ -3,7 +3,8 @@
 //! independent count of `scripts/sim-check.py` — a stdlib-only Python script with its own
 //! trace reader and its own cache, sharing no code with bmoe. Both the full-timing replay
 //! (the core's `Engine` on the virtual clock, through the binary's own entry point) and the
-//! cache-only path are checked, for global LRU (the core's policy) and for the Belady bound.
+//! cache-only path are checked, for global LRU (the core's policy) and for the Belady bound
+//! (`bmoe_sim::belady`, an analysis policy the script re-implements on its own).
 //!
 //! Skips with a message when `python3` or `../shared` is missing; fails instead under
 //! `CI=true`.
@@ -105,15 +106,17 @@ fn get(kv: &[(String, String)], key: &str) -> u64 {
 }
 
 #[test]
-fn mixtral_lru_counts_agree_with_the_independent_python_count() {
+fn mixtral_lru_and_belady_counts_agree_with_the_independent_python_count() {
     let Some(trace_path) = shared_path("traces/mixtral-8x7b-humaneval.route.csv") else {
         return;
     };
     let Some(py) = python3() else {
         return;
     };
-    let expected = python_counts(py, &trace_path, "lru");
-    assert_eq!(expected.len(), 3);
+    let all = python_counts(py, &trace_path, "lru,belady");
+    assert_eq!(all.len(), 6);
+    let (expected, belady): (Vec<Count>, Vec<Count>) =
+        all.into_iter().partition(|c| c.policy == "lru");
 
     let trace = bmoe_sim::cli::load_trace(&trace_path).expect("trace");
     let layout = layout_from_preamble(&trace.preamble).expect("layout");
@@ -169,6 +172,34 @@ fn mixtral_lru_counts_agree_with_the_independent_python_count() {
     }
     let at4 = expected[1].hits as f64 / expected[1].lookups as f64;
     assert!((0.55..0.60).contains(&at4), "LRU hit rate at 4/layer {at4}");
+
+    // The Belady bound: the cache-only evaluator and a full-timing replay under the
+    // clairvoyant policy both count what the script counts, and the bound beats LRU at every
+    // budget (README: about 0.82 at 4 per layer).
+    let trace = std::sync::Arc::new(trace);
+    for (want, lru) in belady.iter().zip(&expected) {
+        let (policy, desync) = bmoe_sim::belady::Clairvoyant::new(&seq, &layout);
+        let fast = bmoe_sim::cache_only::run(&layout, &seq, want.budget_bytes, 2, Box::new(policy))
+            .expect("belady cache-only");
+        desync.check().expect("belady followed the sequence");
+        let (policy, desync) = bmoe_sim::belady::Clairvoyant::new(&seq, &layout);
+        let full = full_replay_with(&trace, want.budget_bytes, false, Box::new(policy));
+        desync.check().expect("belady followed the replay");
+        for got in [fast.counters, full] {
+            assert_eq!(
+                (got.hits, got.misses, got.evictions, got.rereads),
+                (want.hits, want.misses, want.evictions, want.rereads),
+                "belady at {} bytes",
+                want.budget_bytes
+            );
+        }
+        assert!(want.hits > lru.hits, "the bound must beat LRU");
+    }
+    let b4 = belady[1].hits as f64 / belady[1].lookups as f64;
+    assert!(
+        (0.80..0.84).contains(&b4),
+        "Belady hit rate at 4/layer {b4}"
+    );
 }
 
 /// The full-timing replay of `trace` at `budget_bytes` under global LRU, serial or overlap.
@@ -176,6 +207,21 @@ fn full_replay_counts(
     trace: &std::sync::Arc<bmoe_core::telemetry::route_trace::RouteTrace>,
     budget_bytes: u64,
     overlap: bool,
+) -> bmoe_core::CacheCounters {
+    full_replay_with(
+        trace,
+        budget_bytes,
+        overlap,
+        bmoe_core::policy::by_name("lru").expect("lru"),
+    )
+}
+
+/// The full-timing replay of `trace` at `budget_bytes` under `policy`.
+fn full_replay_with(
+    trace: &std::sync::Arc<bmoe_core::telemetry::route_trace::RouteTrace>,
+    budget_bytes: u64,
+    overlap: bool,
+    policy: Box<dyn bmoe_core::policy::EvictionPolicy>,
 ) -> bmoe_core::CacheCounters {
     let layout = layout_from_preamble(&trace.preamble).expect("layout");
     let plan = std::sync::Arc::new(ReplayPlan::new(trace).expect("plan"));
@@ -193,7 +239,7 @@ fn full_replay_counts(
             layout: &layout,
             cfg: &cfg,
             budget_bytes,
-            policy: bmoe_core::policy::by_name("lru").expect("lru"),
+            policy,
             profile: &profile,
             seed: 0,
         },

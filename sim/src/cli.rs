@@ -15,7 +15,8 @@ use crate::profile::{DeviceProfile, DEFAULT_PROFILE};
 use crate::replay::{self, ReplayOutputs, ReplaySetup};
 use bmoe_core::config::{auto_cache_budget, RunConfig, MIB};
 use bmoe_core::flags::{
-    apply_env_fallbacks, parse_decimal_strict, parse_u64_strict, StreamArgs, TelemetryArgs,
+    apply_env_fallbacks, parse_decimal_strict, parse_u32_strict, parse_u64_strict, StreamArgs,
+    TelemetryArgs,
 };
 use bmoe_core::telemetry::io_trace::IoTraceWriter;
 use bmoe_core::telemetry::report::{write_report, ReportContext};
@@ -51,6 +52,66 @@ pub struct Cli {
 pub enum Cmd {
     /// Replay a route trace and write the same CSV, traces and report lines as bmoe-cli
     Replay(ReplayArgs),
+    /// Replay a trace over a grid of budgets x policies (with the Belady bound) x lanes x overlap
+    Sweep(SweepArgs),
+    /// Measure replay speed: routings per second per core, cache-only and full timing
+    Bench(BenchArgs),
+}
+
+/// Flags of `bmoe-sim sweep`.
+#[derive(Args, Debug, Clone)]
+pub struct SweepArgs {
+    /// The route trace to replay
+    #[arg(long, value_name = "PATH")]
+    pub trace: PathBuf,
+    /// Device profile: a built-in name or a JSON file [default: origin-12gb-phone]
+    #[arg(long, value_name = "NAME|PATH")]
+    pub profile: Option<String>,
+    /// Seed of the jitter streams
+    #[arg(long, value_name = "N", default_value_t = 0, value_parser = parse_u64_strict)]
+    pub seed: u64,
+    /// Override the profile's flash and compute jitter, in [0, 1)
+    #[arg(long, value_name = "F", value_parser = parse_decimal_strict)]
+    pub jitter: Option<f32>,
+    /// Budgets as experts per MoE layer (N x layers x expert bytes) [default: top-k up to the
+    /// whole layer]
+    #[arg(long, value_name = "N,...", value_delimiter = ',', value_parser = parse_u32_strict)]
+    pub experts_per_layer: Vec<u32>,
+    /// Budgets in MiB (instead of --experts-per-layer)
+    #[arg(long, value_name = "MIB,...", value_delimiter = ',', value_parser = parse_u64_strict, conflicts_with = "experts_per_layer")]
+    pub budgets_mb: Vec<u64>,
+    /// Eviction policies: the core's (lru) and belady, the clairvoyant bound [default: all]
+    #[arg(long, value_name = "NAME,...", value_delimiter = ',')]
+    pub policies: Vec<String>,
+    /// I/O lane counts
+    #[arg(long, value_name = "N,...", value_delimiter = ',', value_parser = parse_u32_strict, default_value = "1,4")]
+    pub lanes: Vec<u32>,
+    /// Overlap settings to sweep: off, on or both
+    #[arg(long, value_name = "off|on|both", default_value = "both", value_parser = ["off", "on", "both"])]
+    pub overlap: String,
+    /// Worker threads
+    #[arg(long, value_name = "N", default_value_t = 2, value_parser = parse_u32_strict)]
+    pub jobs: u32,
+    /// Directory for sweep.csv, hit_rate.svg and tok_s.svg
+    #[arg(long, value_name = "DIR", default_value = "sweep")]
+    pub out: PathBuf,
+}
+
+/// Flags of `bmoe-sim bench`.
+#[derive(Args, Debug, Clone)]
+pub struct BenchArgs {
+    /// The route trace to replay
+    #[arg(long, value_name = "PATH")]
+    pub trace: PathBuf,
+    /// Replay the trace this many times back to back (one long trace; the cache stays warm)
+    #[arg(long, value_name = "N", default_value_t = 20, value_parser = parse_u32_strict)]
+    pub repeat: u32,
+    /// Cache budget as experts per MoE layer
+    #[arg(long, value_name = "N", default_value_t = 4, value_parser = parse_u32_strict)]
+    pub experts_per_layer: u32,
+    /// Device profile for the full-timing path
+    #[arg(long, value_name = "NAME|PATH")]
+    pub profile: Option<String>,
 }
 
 /// Flags of `bmoe-sim replay`.
@@ -100,6 +161,8 @@ where
     };
     let result = match cli.cmd {
         Cmd::Replay(a) => cmd_replay(a, env, out, err),
+        Cmd::Sweep(a) => cmd_sweep(a, env, out),
+        Cmd::Bench(a) => cmd_bench(a, out),
     };
     match result {
         Ok(code) => code,
@@ -326,5 +389,237 @@ fn cmd_replay(
     )
     .map_err(w)?;
     out.flush().map_err(w)?;
+    Ok(0)
+}
+
+/// The shared flags at their defaults (what a sweep starts every cell from).
+fn default_flags() -> Result<(StreamArgs, TelemetryArgs), SimError> {
+    #[derive(Parser)]
+    struct Defaults {
+        #[command(flatten)]
+        stream: StreamArgs,
+        #[command(flatten)]
+        telemetry: TelemetryArgs,
+    }
+    let d = Defaults::try_parse_from(["bmoe-sim"])
+        .map_err(|e| SimError::invalid("default flags", e.to_string()))?;
+    Ok((d.stream, d.telemetry))
+}
+
+fn write_file(path: &Path, text: &str) -> Result<(), SimError> {
+    std::fs::write(path, text).map_err(|e| SimError::io(path, e))
+}
+
+fn cmd_sweep(a: SweepArgs, env: &[(String, String)], out: &mut dyn Write) -> Result<i32, SimError> {
+    use crate::sweep;
+    let (stream, telemetry) = default_flags()?;
+    let p = prepare(
+        &a.trace,
+        a.profile.as_deref(),
+        a.jitter,
+        &stream,
+        &telemetry,
+        a.seed,
+        env,
+    )?;
+    let per_expert_layer = u64::from(p.layout.n_moe_layers()) * p.layout.max_expert_bytes();
+    let budgets: Vec<u64> = if !a.budgets_mb.is_empty() {
+        a.budgets_mb.iter().map(|m| m.saturating_mul(MIB)).collect()
+    } else {
+        let n = if a.experts_per_layer.is_empty() {
+            sweep::default_experts_per_layer(p.cfg.n_expert_used, p.cfg.n_expert)
+        } else {
+            a.experts_per_layer.clone()
+        };
+        n.iter()
+            .map(|&n| u64::from(n).saturating_mul(per_expert_layer))
+            .collect()
+    };
+    let policies = if a.policies.is_empty() {
+        sweep::default_policies()
+    } else {
+        a.policies.clone()
+    };
+    for name in &policies {
+        if name != sweep::BELADY && bmoe_core::policy::by_name(name).is_none() {
+            return Err(SimError::invalid(
+                "--policies",
+                format!(
+                    "no policy named {name} (known: {}, {})",
+                    bmoe_core::policy::POLICY_NAMES.join(", "),
+                    sweep::BELADY
+                ),
+            ));
+        }
+    }
+    let overlap = match a.overlap.as_str() {
+        "off" => vec![false],
+        "on" => vec![true],
+        _ => vec![false, true],
+    };
+    let grid = sweep::Grid {
+        budgets,
+        policies,
+        lanes: a.lanes.clone(),
+        overlap,
+    };
+    let n_cells = grid.cells().len() as u64;
+    let bar = indicatif::ProgressBar::new(n_cells);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "sweep {bar:40.cyan/blue} {pos}/{len} cells [{elapsed_precise} < {eta_precise}]",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let rows = sweep::run(
+        &sweep::SweepInput {
+            trace: p.trace.clone(),
+            plan: p.plan.clone(),
+            layout: &p.layout,
+            cfg: &p.cfg,
+            profile: &p.profile,
+            seed: a.seed,
+        },
+        &grid,
+        a.jobs as usize,
+        &|| bar.inc(1),
+    )?;
+    bar.finish_and_clear();
+    std::fs::create_dir_all(&a.out).map_err(|e| SimError::io(&a.out, e))?;
+    let mut table = Vec::new();
+    sweep::write_table(&mut table, &rows).map_err(|e| SimError::io("sweep table", e))?;
+    let table = String::from_utf8_lossy(&table).into_owned();
+    write_file(&a.out.join("sweep.csv"), &table)?;
+    let name = a.trace.file_name().map_or_else(
+        || a.trace.display().to_string(),
+        |n| n.to_string_lossy().into_owned(),
+    );
+    let (hit_svg, tps_svg) = sweep::charts(&rows, &name);
+    write_file(&a.out.join("hit_rate.svg"), &hit_svg)?;
+    write_file(&a.out.join("tok_s.svg"), &tps_svg)?;
+    let w = |e| SimError::io("stdout", e);
+    writeln!(
+        out,
+        "{:>10} {:>6} {:>8} {:>5} {:>7} {:>8} {:>8} {:>10}",
+        "budget_MiB", "per_l", "policy", "lanes", "overlap", "hit", "tok/s", "read_MiB"
+    )
+    .map_err(w)?;
+    for r in &rows {
+        writeln!(
+            out,
+            "{:>10.0} {:>6.2} {:>8} {:>5} {:>7} {:>7.2}% {:>8.3} {:>10.0}",
+            r.budget_bytes as f64 / MIB as f64,
+            r.experts_per_layer,
+            r.policy,
+            r.lanes,
+            if r.overlap { "on" } else { "off" },
+            100.0 * r.hit_rate(),
+            r.tok_s,
+            r.read_bytes as f64 / MIB as f64
+        )
+        .map_err(w)?;
+    }
+    writeln!(
+        out,
+        "sweep: {} cells, profile {}, wrote {}/sweep.csv, hit_rate.svg, tok_s.svg",
+        rows.len(),
+        p.profile.name,
+        a.out.display()
+    )
+    .map_err(w)?;
+    Ok(0)
+}
+
+fn cmd_bench(a: BenchArgs, out: &mut dyn Write) -> Result<i32, SimError> {
+    use crate::plan::AccessSeq;
+    use std::time::Instant;
+    let (stream, telemetry) = default_flags()?;
+    let p = prepare(
+        &a.trace,
+        a.profile.as_deref(),
+        None,
+        &stream,
+        &telemetry,
+        0,
+        &[],
+    )?;
+    let k = p.cfg.n_expert_used as u16;
+    let budget = u64::from(a.experts_per_layer)
+        * u64::from(p.layout.n_moe_layers())
+        * p.layout.max_expert_bytes();
+    let one = AccessSeq::new(&p.trace, &p.plan, 0);
+    let repeat = a.repeat.max(1) as usize;
+    let mut long = AccessSeq::default();
+    for _ in 0..repeat {
+        let base = long.keys.len() as u32;
+        long.keys.extend_from_slice(&one.keys);
+        long.group_end
+            .extend(one.group_end.iter().map(|e| e + base));
+        long.routings += one.routings;
+    }
+    let w = |e| SimError::io("stdout", e);
+    writeln!(
+        out,
+        "bench: {} ({} routings) x {repeat} = {} routings, budget {} experts/layer ({:.0} MiB), one thread",
+        a.trace.display(),
+        one.routings,
+        long.routings,
+        a.experts_per_layer,
+        budget as f64 / MIB as f64
+    )
+    .map_err(w)?;
+    for policy in ["lru", crate::sweep::BELADY] {
+        let mut best = f64::INFINITY;
+        let mut hits = 0;
+        for _ in 0..3 {
+            let (pol, _): (Box<dyn bmoe_core::policy::EvictionPolicy>, _) = if policy == "lru" {
+                (Box::new(bmoe_core::policy::Lru::new()), None)
+            } else {
+                let (c, d) = crate::belady::Clairvoyant::new(&long, &p.layout);
+                (Box::new(c), Some(d))
+            };
+            let t = Instant::now();
+            let r = crate::cache_only::run(&p.layout, &long, budget, k, pol)?;
+            best = best.min(t.elapsed().as_secs_f64());
+            hits = r.counters.hits;
+        }
+        writeln!(
+            out,
+            "cache-only  {policy:>6}: {:.2} M routings/s ({:.3} s best of 3, hit {:.1}%)",
+            long.routings as f64 / best / 1e6,
+            best,
+            100.0 * hits as f64 / long.keys.len().max(1) as f64
+        )
+        .map_err(w)?;
+    }
+    for overlap in [false, true] {
+        let mut cfg = p.cfg.clone();
+        cfg.overlap = overlap;
+        let t = Instant::now();
+        for _ in 0..repeat {
+            replay::run(
+                ReplaySetup {
+                    trace: p.trace.clone(),
+                    plan: p.plan.clone(),
+                    layout: &p.layout,
+                    cfg: &cfg,
+                    budget_bytes: budget,
+                    policy: Box::new(bmoe_core::policy::Lru::new()),
+                    profile: &p.profile,
+                    seed: 0,
+                },
+                ReplayOutputs::default(),
+            )?;
+        }
+        let s = t.elapsed().as_secs_f64();
+        writeln!(
+            out,
+            "full timing    lru {}: {:.2} M routings/s ({:.3} s)",
+            if overlap { "overlap" } else { "serial " },
+            long.routings as f64 / s / 1e6,
+            s
+        )
+        .map_err(w)?;
+    }
     Ok(0)
 }

@@ -7,6 +7,7 @@
 //! the times are modelled. Beside replay: sweeps over budgets, policies, lanes and overlap
 //! (with the clairvoyant Belady bound), a sim-vs-measured diff, and profile calibration.
 
+pub mod belady;
 pub mod cache_only;
 pub mod cli;
 pub mod clock;
@@ -16,6 +17,8 @@ pub mod flash;
 pub mod plan;
 pub mod profile;
 pub mod replay;
+pub mod svg;
+pub mod sweep;
 
 pub use clock::VirtualClock;
 pub use compute::{ComputeParams, TraceBackend};
