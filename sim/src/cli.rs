@@ -56,6 +56,43 @@ pub enum Cmd {
     Sweep(SweepArgs),
     /// Measure replay speed: routings per second per core, cache-only and full timing
     Bench(BenchArgs),
+    /// Compare a simulated CSV with a measured one: counts exactly, times within tolerances
+    Diff(DiffArgs),
+}
+
+/// Flags of `bmoe-sim diff`.
+#[derive(Args, Debug, Clone)]
+pub struct DiffArgs {
+    /// The simulated run's `--csv` (bmoe-sim replay)
+    #[arg(value_name = "SIM.csv")]
+    pub sim: PathBuf,
+    /// The measured run's `--csv` (bmoe-cli)
+    #[arg(value_name = "MEASURED.csv")]
+    pub measured: PathBuf,
+    /// Also draw both per-token wall and I/O series into this SVG
+    #[arg(long, value_name = "PATH")]
+    pub svg: Option<PathBuf>,
+    /// Judge only what must be equal (rows, read_bytes, cache_hit_pct, summary counts)
+    #[arg(long)]
+    pub exact_only: bool,
+    /// Tolerance on decode tok/s (relative)
+    #[arg(long, value_name = "F", default_value_t = 0.15, value_parser = parse_decimal_strict)]
+    pub tol_tok_s: f32,
+    /// Tolerance on the per-token wall time's median (relative)
+    #[arg(long, value_name = "F", default_value_t = 0.15, value_parser = parse_decimal_strict)]
+    pub tol_wall_p50: f32,
+    /// Tolerance on the per-token wall time's 90th percentile (relative)
+    #[arg(long, value_name = "F", default_value_t = 0.25, value_parser = parse_decimal_strict)]
+    pub tol_wall_p90: f32,
+    /// Tolerance on the per-token wall time's mean absolute percentage error
+    #[arg(long, value_name = "F", default_value_t = 0.2, value_parser = parse_decimal_strict)]
+    pub tol_wall_mape: f32,
+    /// Tolerance on the per-token io_ms MAPE
+    #[arg(long, value_name = "F", default_value_t = 0.3, value_parser = parse_decimal_strict)]
+    pub tol_io_mape: f32,
+    /// Tolerance on the per-token stall_ms MAPE
+    #[arg(long, value_name = "F", default_value_t = 0.5, value_parser = parse_decimal_strict)]
+    pub tol_stall_mape: f32,
 }
 
 /// Flags of `bmoe-sim sweep`.
@@ -163,6 +200,7 @@ where
         Cmd::Replay(a) => cmd_replay(a, env, out, err),
         Cmd::Sweep(a) => cmd_sweep(a, env, out),
         Cmd::Bench(a) => cmd_bench(a, out),
+        Cmd::Diff(a) => cmd_diff(a, out, err),
     };
     match result {
         Ok(code) => code,
@@ -622,4 +660,64 @@ fn cmd_bench(a: BenchArgs, out: &mut dyn Write) -> Result<i32, SimError> {
         .map_err(w)?;
     }
     Ok(0)
+}
+
+fn load_metrics(path: &Path) -> Result<bmoe_core::telemetry::MetricsCsv, SimError> {
+    let text = std::fs::read_to_string(path).map_err(|e| SimError::io(path, e))?;
+    bmoe_core::telemetry::MetricsCsv::parse(&text).map_err(|source| SimError::Parse {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+fn cmd_diff(a: DiffArgs, out: &mut dyn Write, err: &mut dyn Write) -> Result<i32, SimError> {
+    use crate::diff;
+    let loaded = load_metrics(&a.sim).and_then(|s| Ok((s, load_metrics(&a.measured)?)));
+    let (sim, measured) = match loaded {
+        Ok(pair) => pair,
+        Err(e) => {
+            writeln!(err, "bmoe-sim: diff: cannot compare: {e}")
+                .map_err(|e| SimError::io("stderr", e))?;
+            return Ok(2);
+        }
+    };
+    let tol = diff::Tolerances {
+        tok_s: f64::from(a.tol_tok_s),
+        wall_p50: f64::from(a.tol_wall_p50),
+        wall_p90: f64::from(a.tol_wall_p90),
+        wall_mape: f64::from(a.tol_wall_mape),
+        io_mape: f64::from(a.tol_io_mape),
+        stall_mape: f64::from(a.tol_stall_mape),
+        ..diff::Tolerances::default()
+    };
+    let report = diff::compare(&sim, &measured, &tol, a.exact_only);
+    let w = |e| SimError::io("stdout", e);
+    writeln!(
+        out,
+        "diff: sim {} vs measured {}",
+        a.sim.display(),
+        a.measured.display()
+    )
+    .map_err(w)?;
+    out.write_all(report.text().as_bytes()).map_err(w)?;
+    if let Some(path) = &a.svg {
+        let title = format!(
+            "per-token time: {} vs {}",
+            a.sim
+                .file_name()
+                .map_or(String::new(), |n| n.to_string_lossy().into_owned()),
+            a.measured
+                .file_name()
+                .map_or(String::new(), |n| n.to_string_lossy().into_owned())
+        );
+        write_file(path, &diff::overlay_svg(&sim, &measured, &title))?;
+    }
+    let failures = report.failures();
+    if failures > 0 {
+        writeln!(out, "diff: {failures} metric(s) outside their tolerance").map_err(w)?;
+        Ok(1)
+    } else {
+        writeln!(out, "diff: every judged metric within tolerance").map_err(w)?;
+        Ok(0)
+    }
 }

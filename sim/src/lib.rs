@@ -12,6 +12,7 @@ pub mod cache_only;
 pub mod cli;
 pub mod clock;
 pub mod compute;
+pub mod diff;
 pub mod error;
 pub mod flash;
 pub mod plan;
