@@ -58,6 +58,32 @@ pub enum Cmd {
     Bench(BenchArgs),
     /// Compare a simulated CSV with a measured one: counts exactly, times within tolerances
     Diff(DiffArgs),
+    /// Fit a device profile to a measured bmoe-cli run
+    Calibrate(CalibrateArgs),
+}
+
+/// Flags of `bmoe-sim calibrate`.
+#[derive(Args, Debug, Clone)]
+pub struct CalibrateArgs {
+    /// The measured run's `--csv`
+    #[arg(long, value_name = "RUN.csv")]
+    pub csv: PathBuf,
+    /// The run's `--io-trace` (the reads as measured)
+    #[arg(long, value_name = "IO.csv")]
+    pub io_trace: Option<PathBuf>,
+    /// The run's `--route-trace` (what each token read and computed; without it compute is a
+    /// fixed time per token)
+    #[arg(long, value_name = "ROUTE.csv")]
+    pub trace: Option<PathBuf>,
+    /// Where to write the profile (JSON)
+    #[arg(long, value_name = "PROFILE.json")]
+    pub out: PathBuf,
+    /// The profile's name
+    #[arg(long, value_name = "NAME", default_value = "calibrated")]
+    pub name: String,
+    /// Profile whose unfitted fields (alignment) the result keeps
+    #[arg(long, value_name = "NAME|PATH", default_value = "this-machine")]
+    pub base: String,
 }
 
 /// Flags of `bmoe-sim diff`.
@@ -201,6 +227,7 @@ where
         Cmd::Sweep(a) => cmd_sweep(a, env, out),
         Cmd::Bench(a) => cmd_bench(a, out),
         Cmd::Diff(a) => cmd_diff(a, out, err),
+        Cmd::Calibrate(a) => cmd_calibrate(a, out),
     };
     match result {
         Ok(code) => code,
@@ -388,6 +415,7 @@ fn cmd_replay(
             progress: if progress { Some(&mut *out) } else { None },
             route: route.as_mut().map(|w| w as &mut dyn RecordSink),
             io: io.as_mut().map(|w| w as &mut dyn RecordSink),
+            decode_stats: None,
         },
     )?;
     if let (Some(mut w), Some(path)) = (csv, &a.telemetry.csv) {
@@ -431,7 +459,7 @@ fn cmd_replay(
 }
 
 /// The shared flags at their defaults (what a sweep starts every cell from).
-fn default_flags() -> Result<(StreamArgs, TelemetryArgs), SimError> {
+pub fn default_flags() -> Result<(StreamArgs, TelemetryArgs), SimError> {
     #[derive(Parser)]
     struct Defaults {
         #[command(flatten)]
@@ -720,4 +748,53 @@ fn cmd_diff(a: DiffArgs, out: &mut dyn Write, err: &mut dyn Write) -> Result<i32
         writeln!(out, "diff: every judged metric within tolerance").map_err(w)?;
         Ok(0)
     }
+}
+
+fn cmd_calibrate(a: CalibrateArgs, out: &mut dyn Write) -> Result<i32, SimError> {
+    let csv = load_metrics(&a.csv)?;
+    let base = DeviceProfile::load(&a.base)?;
+    let prepared = match &a.trace {
+        Some(t) => {
+            let (stream, telemetry) = default_flags()?;
+            Some(prepare(
+                t,
+                Some(&a.base),
+                None,
+                &stream,
+                &telemetry,
+                0,
+                &[],
+            )?)
+        }
+        None => None,
+    };
+    let io = match &a.io_trace {
+        Some(path) => {
+            let text = std::fs::read_to_string(path).map_err(|e| SimError::io(path, e))?;
+            Some(
+                bmoe_core::telemetry::io_trace::parse_io_trace(&text).map_err(|source| {
+                    SimError::Parse {
+                        path: path.clone(),
+                        source,
+                    }
+                })?,
+            )
+        }
+        None => None,
+    };
+    let c = crate::calibrate::calibrate(
+        &csv,
+        &a.csv.display().to_string(),
+        prepared.as_ref(),
+        io.as_deref(),
+        &base,
+        &a.name,
+    )?;
+    write_file(&a.out, &c.profile.to_json())?;
+    let w = |e| SimError::io("stdout", e);
+    for n in &c.notes {
+        writeln!(out, "calibrate: {n}").map_err(w)?;
+    }
+    writeln!(out, "calibrate: wrote {}", a.out.display()).map_err(w)?;
+    Ok(0)
 }

@@ -9,6 +9,7 @@
 
 pub mod belady;
 pub mod cache_only;
+pub mod calibrate;
 pub mod cli;
 pub mod clock;
 pub mod compute;

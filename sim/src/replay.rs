@@ -54,6 +54,8 @@ pub struct ReplayOutputs<'a> {
     /// `--route-trace` / `--io-trace` sinks.
     pub route: Option<&'a mut dyn RecordSink>,
     pub io: Option<&'a mut dyn RecordSink>,
+    /// Every decode step's `StepStats`, in order (for calibration).
+    pub decode_stats: Option<&'a mut Vec<StepStats>>,
 }
 
 /// What a replay did and cost.
@@ -204,6 +206,7 @@ pub fn run(setup: ReplaySetup<'_>, out: ReplayOutputs<'_>) -> Result<ReplayResul
         mut progress,
         mut route,
         mut io,
+        mut decode_stats,
     } = out;
     let k = cfg.n_expert_used as u16;
     let clock = VirtualClock::new();
@@ -283,6 +286,9 @@ pub fn run(setup: ReplaySetup<'_>, out: ReplayOutputs<'_>) -> Result<ReplayResul
             decode_steps += 1;
             decode_wall += st.wall;
             let rec = ledger.token(&st, &mem, gap.as_ms_f64());
+            if let Some(v) = decode_stats.as_deref_mut() {
+                v.push(st.clone());
+            }
             telemetry
                 .token(
                     &rec,
