@@ -1,6 +1,16 @@
 //! bmoe-engine: the real instantiation of bmoe-core — GGUF files, CPU kernels, our own
 //! forward pass per architecture, O_DIRECT flash lanes — behind the `bmoe-cli` binary.
 
+pub mod arch;
+pub mod arena;
+pub mod chat;
+pub mod cli;
+pub mod gen;
 pub mod gguf;
+pub mod inspect;
 pub mod kernels;
+pub mod probe;
+pub mod sample;
 pub mod testdata;
+pub mod tokenizer;
+pub mod vocab;

@@ -1,1 +1,51 @@
-fn main() {}
+//! `bmoe-cli`: run a MoE model from a GGUF file (`bmoe-cli -m MODEL -p PROMPT -n N`), or
+//! one of the tools beside it: `gen` (write a synthetic model), `inspect` (describe a file),
+//! `bench` (kernel and memory bandwidth).
+
+use anyhow::{bail, Result};
+use bmoe_engine::cli::{self, Cli, Cmd};
+use clap::Parser;
+
+fn main() {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            // Unknown flag: exit 1; bad value: exit 2 (features.md §14).
+            let code = match e.kind() {
+                clap::error::ErrorKind::DisplayHelp | clap::error::ErrorKind::DisplayVersion => 0,
+                clap::error::ErrorKind::UnknownArgument => 1,
+                _ => 2,
+            };
+            let _ = e.print();
+            std::process::exit(code);
+        }
+    };
+    let r: Result<i32> = match cli.cmd {
+        Some(Cmd::Gen(a)) => cli::gen(a).map(|_| 0),
+        Some(Cmd::Inspect(a)) => cli::inspect(a).map(|_| 0),
+        Some(Cmd::Bench(a)) => cli::bench(a).map(|_| 0),
+        None => run(cli),
+    };
+    match r {
+        Ok(code) => std::process::exit(code),
+        Err(e) => {
+            eprintln!("bmoe: error: {e:#}");
+            std::process::exit(1);
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<i32> {
+    if cli.run.list_archs {
+        for (a, what) in bmoe_engine::arch::SUPPORTED {
+            println!("{a}\t{what}");
+        }
+        return Ok(0);
+    }
+    let Some(model) = cli.run.model.clone() else {
+        bail!(
+            "no model given: pass -m MODEL.gguf (or a subcommand: gen, inspect, bench; see --help)"
+        );
+    };
+    cli::generate(&cli.run, &model)
+}

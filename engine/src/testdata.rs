@@ -22,9 +22,18 @@ pub fn shared_path(rel: &str) -> Option<PathBuf> {
     if p.exists() {
         return Some(p);
     }
-    if std::env::var("CI").map(|v| v == "true" || v == "1").unwrap_or(false) {
-        panic!("CI=true but the shared test data {} is missing", p.display());
+    if std::env::var("CI")
+        .map(|v| v == "true" || v == "1")
+        .unwrap_or(false)
+    {
+        panic!(
+            "CI=true but the shared test data {} is missing",
+            p.display()
+        );
     }
-    eprintln!("skipping: shared test data {} not found (it lives in ../shared beside the project)", p.display());
+    eprintln!(
+        "skipping: shared test data {} not found (it lives in ../shared beside the project)",
+        p.display()
+    );
     None
 }

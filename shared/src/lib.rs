@@ -2,5 +2,33 @@
 //! prefetch, streamer, decode step and telemetry — generic over a `Clock`, a `Flash` device
 //! and a compute `Backend`, so the engine (real flash, real kernels) and the simulator
 //! (virtual clock, modelled flash) run the very same code.
+//!
+//! Nothing in this crate reads ambient time, sleeps, opens files or draws unseeded random
+//! numbers: time comes from `Clock`, bytes from `Flash`, compute from `Backend`.
 
+pub mod backend;
+pub mod cache;
+pub mod clock;
+pub mod config;
+pub mod flags;
+pub mod flash;
+pub mod handoff;
+pub mod layout;
+pub mod ledger;
+pub mod policy;
 pub mod records;
+pub mod step;
+mod streamer;
+pub mod telemetry;
+pub mod testing;
+
+pub use backend::{Backend, BackendStage, ExpertUse, LayerId, Routing, RoutingError, SlotId};
+pub use cache::{Admission, CacheCounters, CacheError, ExpertCache, Lookup};
+pub use clock::{Clock, Nanos};
+pub use flash::{Flash, FlashError, ReadDone, ReadId, ReadRequest, ReadTag};
+pub use layout::{ExpertKey, ExpertLayout, LayoutError, MoeLayerLayout, ProjExtent};
+pub use policy::EvictionPolicy;
+pub use step::{
+    Engine, HookContext, HookError, RouterHook, StepError, StepInput, StepStats, StreamConfig,
+    TopKOverride,
+};

@@ -10,10 +10,10 @@ mod types;
 mod value;
 mod writer;
 
-pub use reader::{GgufFile, TensorInfo};
+pub use reader::{split_path, Extent, GgufFile, TensorInfo};
 pub use types::GgmlType;
 pub use value::{Value, ValueType};
-pub use writer::{GgufWriter, TensorSpec};
+pub use writer::{plan_split, GgufSplitWriter, GgufWriter, TensorSpec};
 
 use std::path::PathBuf;
 
@@ -21,6 +21,18 @@ use std::path::PathBuf;
 pub const GGUF_MAGIC: u32 = 0x4655_4747;
 /// Alignment used when `general.alignment` is absent.
 pub const DEFAULT_ALIGNMENT: u64 = 32;
+/// Largest `general.alignment` accepted (1 MiB); real files use 32.
+pub const MAX_ALIGNMENT: u64 = 1 << 20;
+/// Split-model keys, as llama.cpp's `gguf-split` writes them: the shard's 0-based index (u16),
+/// the number of shards (u16) and the model's total tensor count over all shards (i32).
+pub const KEY_SPLIT_NO: &str = "split.no";
+/// See [`KEY_SPLIT_NO`].
+pub const KEY_SPLIT_COUNT: &str = "split.count";
+/// See [`KEY_SPLIT_NO`].
+pub const KEY_SPLIT_TENSORS_COUNT: &str = "split.tensors.count";
+/// Most shards a split model may have (the `-of-NNNNN` field has five digits, and the count
+/// is a u16 in the file).
+pub const MAX_SHARDS: u32 = 65_535;
 
 /// Every way a GGUF file can be wrong. Each variant names the file and the field at fault.
 #[derive(Debug, thiserror::Error)]
@@ -42,6 +54,15 @@ pub enum GgufError {
         needed: u64,
         file_len: u64,
     },
+    /// A count, length or offset read from the file points past its end. Distinct from
+    /// [`GgufError::Truncated`]: here the file may be whole and the value is wrong.
+    #[error("{file}: {field} = {value} reaches beyond the file: {expected}")]
+    OutOfBounds {
+        file: PathBuf,
+        field: String,
+        value: u64,
+        expected: String,
+    },
     #[error("{file}: {field}: {what}")]
     Invalid {
         file: PathBuf,
@@ -55,6 +76,7 @@ pub enum GgufError {
         ty: String,
         what: String,
     },
+    /// `index` is 1-based, as in the shard's file name.
     #[error("{file}: split model: shard {index} of {count} is missing (expected at {expected})")]
     MissingShard {
         file: PathBuf,
@@ -70,6 +92,22 @@ pub enum GgufError {
 }
 
 impl GgufError {
+    /// The field the error is about (`"magic"`, `"metadata 'general.alignment'"`,
+    /// `"tensor 'blk.0.ffn_up_exps.weight' offset"`, ...), where the variant has one.
+    pub fn field(&self) -> Option<&str> {
+        match self {
+            GgufError::Truncated { field, .. }
+            | GgufError::OutOfBounds { field, .. }
+            | GgufError::Invalid { field, .. } => Some(field),
+            GgufError::BadMagic { .. } => Some("magic"),
+            GgufError::BadVersion { .. } => Some("version"),
+            GgufError::MissingShard { .. } => Some(KEY_SPLIT_COUNT),
+            GgufError::UnsupportedType { .. }
+            | GgufError::Open { .. }
+            | GgufError::Write { .. } => None,
+        }
+    }
+
     pub(crate) fn invalid(
         file: &std::path::Path,
         field: impl Into<String>,

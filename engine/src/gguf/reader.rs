@@ -1,8 +1,13 @@
-//! Reading GGUF v2/v3 files through a memory map, with every length and offset checked
-//! against the file before use. A split model (`name-00001-of-0000N.gguf`) opens from its
-//! first shard and is presented as one model whose tensors know their shard.
+//! Reading GGUF v2/v3 files through a memory map (or from bytes in memory), with every
+//! count, length and offset checked against the file before it sizes an allocation or
+//! indexes a slice. A split model (`name-00001-of-0000N.gguf`) opens from any of its shards
+//! and is presented as one model whose tensors know their shard, so the streamer can `pread`
+//! any expert's slice of a stacked `*_exps` tensor from the right file.
 
-use super::{GgmlType, GgufError, Value, ValueType, DEFAULT_ALIGNMENT, GGUF_MAGIC};
+use super::{
+    GgmlType, GgufError, Value, ValueType, DEFAULT_ALIGNMENT, GGUF_MAGIC, KEY_SPLIT_COUNT,
+    KEY_SPLIT_NO, KEY_SPLIT_TENSORS_COUNT, MAX_ALIGNMENT, MAX_SHARDS,
+};
 use memmap2::Mmap;
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
@@ -12,12 +17,26 @@ use std::path::{Path, PathBuf};
 const MAX_ARRAY_DEPTH: u32 = 8;
 /// Most dimensions a tensor may have (ggml's GGML_MAX_DIMS).
 const MAX_DIMS: u32 = 4;
+/// Items reserved up front for a list whose length the file claims. Past this a list grows
+/// only as items actually parse (each consumes file bytes), so a lying count cannot make us
+/// allocate more than a small multiple of the file's size.
+const PREALLOC_ITEMS: u64 = 4096;
+
+/// Where a run of bytes lives: which shard, the absolute offset in it, and the length.
+/// This is what a `pread` needs.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Extent {
+    pub shard: u16,
+    pub offset: u64,
+    pub len: u64,
+}
 
 /// One tensor as the file describes it, located so its bytes can be `pread` directly.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TensorInfo {
     pub name: String,
-    /// Dimensions in GGUF order: `dims[0]` is the contiguous row length (`ne0`).
+    /// Dimensions in GGUF order: `dims[0]` is the contiguous row length (`ne0`). Never empty
+    /// for a tensor read from a file.
     pub dims: Vec<u64>,
     pub ty: GgmlType,
     /// Which file of a split model holds the bytes (0 for a single file).
@@ -29,29 +48,93 @@ pub struct TensorInfo {
 }
 
 impl TensorInfo {
+    /// Product of the dimensions (checked against overflow when the file was read).
     pub fn n_elements(&self) -> u64 {
         self.dims.iter().product()
     }
     /// Bytes of one row (`dims[0]` elements).
     pub fn row_bytes(&self) -> u64 {
-        self.ty.row_bytes(self.dims[0]).unwrap_or(0)
+        self.dims
+            .first()
+            .and_then(|&n| self.ty.row_bytes(n))
+            .unwrap_or(0)
     }
     /// Number of rows (product of all dims but the first).
     pub fn n_rows(&self) -> u64 {
-        self.dims[1..].iter().product()
+        self.dims.iter().skip(1).product()
+    }
+    /// The whole tensor's bytes.
+    pub fn extent(&self) -> Extent {
+        Extent {
+            shard: self.shard,
+            offset: self.offset,
+            len: self.n_bytes,
+        }
+    }
+    /// Number of slices along the outermost dimension: `n_expert` for a stacked
+    /// `{n_in, n_out, n_expert}` expert tensor. `None` for a 1-D tensor, which has no
+    /// whole-row slices.
+    pub fn n_slices(&self) -> Option<u64> {
+        if self.dims.len() < 2 {
+            return None;
+        }
+        self.dims.last().copied()
+    }
+    /// Bytes of one outermost slice (one expert of a stacked tensor): whole rows, so no
+    /// quantization block straddles two slices.
+    pub fn slice_bytes(&self) -> Option<u64> {
+        let n = self.n_slices()?;
+        if n == 0 {
+            return None;
+        }
+        Some(self.n_bytes / n)
+    }
+    /// The bytes of slice `index` along the outermost dimension (expert `index` of a stacked
+    /// `*_exps` tensor), or `None` when `index` is out of range or the tensor is 1-D.
+    pub fn slice_extent(&self, index: u64) -> Option<Extent> {
+        if index >= self.n_slices()? {
+            return None;
+        }
+        let len = self.slice_bytes()?;
+        Some(Extent {
+            shard: self.shard,
+            offset: index.checked_mul(len)?.checked_add(self.offset)?,
+            len,
+        })
+    }
+}
+
+/// A shard's bytes: memory-mapped from a file, or owned (parsing from memory).
+enum Bytes {
+    Map(Mmap),
+    Owned(Vec<u8>),
+}
+
+impl std::ops::Deref for Bytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Bytes::Map(m) => m,
+            Bytes::Owned(v) => v,
+        }
     }
 }
 
 struct Shard {
     path: PathBuf,
-    map: Mmap,
+    bytes: Bytes,
+    alignment: u64,
+    data_start: u64,
 }
 
 /// An opened GGUF model (one file, or every shard of a split set).
+///
+/// Invariants once constructed: every tensor's bytes lie inside its shard, start at a
+/// multiple of that shard's alignment, and overlap no other tensor; tensor names are unique
+/// over all shards; metadata keys are unique.
 pub struct GgufFile {
     shards: Vec<Shard>,
     version: u32,
-    alignment: u64,
     metadata: Vec<(String, Value)>,
     index: HashMap<String, usize>,
     tensors: Vec<TensorInfo>,
@@ -68,14 +151,28 @@ impl std::fmt::Debug for GgufFile {
     }
 }
 
+/// A tensor info as read, before it is located in the file.
+struct RawTensor {
+    name: String,
+    dims: Vec<u64>,
+    ty: GgmlType,
+    /// Offset relative to the data section.
+    rel: u64,
+}
+
 /// The parsed header of one file.
 struct Parsed {
     version: u32,
     alignment: u64,
     metadata: Vec<(String, Value)>,
-    /// (name, dims, type, relative offset)
-    tensors: Vec<(String, Vec<u64>, GgmlType, u64)>,
+    tensors: Vec<RawTensor>,
     data_start: u64,
+}
+
+impl Parsed {
+    fn get(&self, key: &str) -> Option<&Value> {
+        self.metadata.iter().find(|(k, _)| k == key).map(|(_, v)| v)
+    }
 }
 
 /// A bounds-checked cursor over one file's bytes.
@@ -88,8 +185,7 @@ struct Cursor<'a> {
 impl<'a> Cursor<'a> {
     fn take(&mut self, n: u64, field: &dyn Fn() -> String) -> Result<&'a [u8], GgufError> {
         let len = self.buf.len() as u64;
-        let end = self.pos.checked_add(n).filter(|&e| e <= len);
-        match end {
+        match self.pos.checked_add(n).filter(|&e| e <= len) {
             Some(end) => {
                 let s = &self.buf[self.pos as usize..end as usize];
                 self.pos = end;
@@ -104,30 +200,36 @@ impl<'a> Cursor<'a> {
             }),
         }
     }
+    fn array<const N: usize>(&mut self, field: &dyn Fn() -> String) -> Result<[u8; N], GgufError> {
+        let s = self.take(N as u64, field)?;
+        let mut out = [0u8; N];
+        out.copy_from_slice(s);
+        Ok(out)
+    }
     fn remaining(&self) -> u64 {
         self.buf.len() as u64 - self.pos
     }
     fn u32(&mut self, field: &dyn Fn() -> String) -> Result<u32, GgufError> {
-        Ok(u32::from_le_bytes(
-            self.take(4, field)?.try_into().expect("4 bytes"),
-        ))
+        Ok(u32::from_le_bytes(self.array(field)?))
     }
     fn u64(&mut self, field: &dyn Fn() -> String) -> Result<u64, GgufError> {
-        Ok(u64::from_le_bytes(
-            self.take(8, field)?.try_into().expect("8 bytes"),
-        ))
+        Ok(u64::from_le_bytes(self.array(field)?))
     }
+    /// A length-prefixed UTF-8 string; the length is checked against the bytes left.
     fn string(&mut self, field: &dyn Fn() -> String) -> Result<String, GgufError> {
-        let n = self.u64(&|| format!("{} (string length)", field()))?;
+        let len_field = || format!("{} (string length)", field());
+        let n = self.u64(&len_field)?;
         if n > self.remaining() {
-            return Err(GgufError::invalid(
-                self.file,
-                field(),
-                format!(
-                    "string length {n} runs past the end of the file ({} bytes left)",
-                    self.remaining()
+            return Err(GgufError::OutOfBounds {
+                file: self.file.to_path_buf(),
+                field: len_field(),
+                value: n,
+                expected: format!(
+                    "at most {} bytes are left after offset {}",
+                    self.remaining(),
+                    self.pos
                 ),
-            ));
+            });
         }
         let bytes = self.take(n, field)?;
         String::from_utf8(bytes.to_vec())
@@ -140,22 +242,18 @@ impl<'a> Cursor<'a> {
         depth: u32,
     ) -> Result<Value, GgufError> {
         Ok(match ty {
-            ValueType::U8 => Value::U8(self.take(1, field)?[0]),
-            ValueType::I8 => Value::I8(self.take(1, field)?[0] as i8),
-            ValueType::U16 => Value::U16(u16::from_le_bytes(
-                self.take(2, field)?.try_into().expect("2"),
-            )),
-            ValueType::I16 => Value::I16(i16::from_le_bytes(
-                self.take(2, field)?.try_into().expect("2"),
-            )),
+            ValueType::U8 => Value::U8(u8::from_le_bytes(self.array(field)?)),
+            ValueType::I8 => Value::I8(i8::from_le_bytes(self.array(field)?)),
+            ValueType::U16 => Value::U16(u16::from_le_bytes(self.array(field)?)),
+            ValueType::I16 => Value::I16(i16::from_le_bytes(self.array(field)?)),
             ValueType::U32 => Value::U32(self.u32(field)?),
-            ValueType::I32 => Value::I32(self.u32(field)? as i32),
-            ValueType::F32 => Value::F32(f32::from_bits(self.u32(field)?)),
+            ValueType::I32 => Value::I32(i32::from_le_bytes(self.array(field)?)),
+            ValueType::F32 => Value::F32(f32::from_le_bytes(self.array(field)?)),
             ValueType::U64 => Value::U64(self.u64(field)?),
-            ValueType::I64 => Value::I64(self.u64(field)? as i64),
-            ValueType::F64 => Value::F64(f64::from_bits(self.u64(field)?)),
+            ValueType::I64 => Value::I64(i64::from_le_bytes(self.array(field)?)),
+            ValueType::F64 => Value::F64(f64::from_le_bytes(self.array(field)?)),
             ValueType::Bool => {
-                let b = self.take(1, field)?[0];
+                let [b] = self.array(field)?;
                 if b > 1 {
                     return Err(GgufError::invalid(
                         self.file,
@@ -174,27 +272,31 @@ impl<'a> Cursor<'a> {
                         format!("arrays nested deeper than {MAX_ARRAY_DEPTH} levels"),
                     ));
                 }
-                let et_id = self.u32(&|| format!("{} (array element type)", field()))?;
+                let type_field = || format!("{} (array element type)", field());
+                let et_id = self.u32(&type_field)?;
                 let et = ValueType::from_id(et_id).ok_or_else(|| {
                     GgufError::invalid(
                         self.file,
-                        field(),
-                        format!("unknown array element type {et_id}, expected 0..=12"),
+                        type_field(),
+                        format!("unknown value type {et_id}, expected 0..=12"),
                     )
                 })?;
-                let n = self.u64(&|| format!("{} (array length)", field()))?;
+                let len_field = || format!("{} (array length)", field());
+                let n = self.u64(&len_field)?;
                 let max = self.remaining() / et.min_encoded_bytes();
                 if n > max {
-                    return Err(GgufError::invalid(
-                        self.file,
-                        field(),
-                        format!(
-                            "array of {n} {et:?} values cannot fit in the {} bytes left in the file",
-                            self.remaining()
+                    return Err(GgufError::OutOfBounds {
+                        file: self.file.to_path_buf(),
+                        field: len_field(),
+                        value: n,
+                        expected: format!(
+                            "at most {max} {et:?} values fit in the {} bytes left after offset {}",
+                            self.remaining(),
+                            self.pos
                         ),
-                    ));
+                    });
                 }
-                let mut items = Vec::with_capacity(n as usize);
+                let mut items = Vec::with_capacity(n.min(PREALLOC_ITEMS) as usize);
                 for i in 0..n {
                     items.push(self.value(et, &|| format!("{}[{i}]", field()), depth + 1)?);
                 }
@@ -204,6 +306,7 @@ impl<'a> Cursor<'a> {
     }
 }
 
+/// Parse the header, metadata and tensor table of one file. Tensors are not located yet.
 fn parse(file: &Path, buf: &[u8]) -> Result<Parsed, GgufError> {
     let mut c = Cursor { buf, pos: 0, file };
     let magic = c.u32(&|| "magic".into())?;
@@ -222,34 +325,41 @@ fn parse(file: &Path, buf: &[u8]) -> Result<Parsed, GgufError> {
     }
     let n_tensors = c.u64(&|| "tensor_count".into())?;
     let n_kv = c.u64(&|| "metadata_kv_count".into())?;
-    // Each KV needs at least a key length, a type and a 1-byte value; each tensor info at
-    // least a name length, dim count, one dim, type and offset.
-    if n_kv > c.remaining() / 13 {
-        return Err(GgufError::invalid(
-            file,
-            "metadata_kv_count",
-            format!("{n_kv} entries cannot fit in a file of {} bytes", buf.len()),
-        ));
-    }
-    if n_tensors > c.remaining() / 32 {
-        return Err(GgufError::invalid(
-            file,
-            "tensor_count",
-            format!(
-                "{n_tensors} tensors cannot fit in a file of {} bytes",
-                buf.len()
+    // Each KV needs at least a key length, a type and a 1-byte value (13 bytes); each tensor
+    // info at least a name length, dim count, one dim, type and offset (32 bytes).
+    let left = c.remaining();
+    if n_kv > left / 13 {
+        return Err(GgufError::OutOfBounds {
+            file: file.to_path_buf(),
+            field: "metadata_kv_count".into(),
+            value: n_kv,
+            expected: format!(
+                "at most {} entries of 13+ bytes fit in the {left} bytes after the header",
+                left / 13
             ),
-        ));
+        });
     }
-    let mut metadata = Vec::with_capacity(n_kv as usize);
+    if n_tensors > left / 32 {
+        return Err(GgufError::OutOfBounds {
+            file: file.to_path_buf(),
+            field: "tensor_count".into(),
+            value: n_tensors,
+            expected: format!(
+                "at most {} tensor infos of 32+ bytes fit in the {left} bytes after the header",
+                left / 32
+            ),
+        });
+    }
+    let mut metadata = Vec::with_capacity(n_kv.min(PREALLOC_ITEMS) as usize);
     let mut seen = HashSet::new();
     for i in 0..n_kv {
-        let key = c.string(&|| format!("metadata[{i}].key"))?;
-        let tid = c.u32(&|| format!("metadata '{key}' type"))?;
+        let key = c.string(&|| format!("metadata[{i}] key"))?;
+        let type_field = || format!("metadata '{key}' type");
+        let tid = c.u32(&type_field)?;
         let ty = ValueType::from_id(tid).ok_or_else(|| {
             GgufError::invalid(
                 file,
-                format!("metadata '{key}'"),
+                type_field(),
                 format!("unknown value type {tid}, expected 0..=12"),
             )
         })?;
@@ -258,48 +368,44 @@ fn parse(file: &Path, buf: &[u8]) -> Result<Parsed, GgufError> {
             return Err(GgufError::invalid(
                 file,
                 format!("metadata '{key}'"),
-                "key appears twice",
+                format!("key appears twice (again as entry {i}), expected unique keys"),
             ));
         }
         metadata.push((key, v));
     }
     let alignment = match metadata.iter().find(|(k, _)| k == "general.alignment") {
         None => DEFAULT_ALIGNMENT,
+        // llama.cpp and gguf-py both insist on u32 here.
+        Some((_, Value::U32(a))) if a.is_power_of_two() && u64::from(*a) <= MAX_ALIGNMENT => {
+            u64::from(*a)
+        }
         Some((_, v)) => {
-            let a = v.as_u64().unwrap_or(0);
-            if a == 0 || !a.is_power_of_two() || a > 1 << 20 {
-                return Err(GgufError::invalid(
-                    file,
-                    "general.alignment",
-                    format!("{v} is not a power of two in 1..=1048576"),
-                ));
-            }
-            a
+            return Err(GgufError::invalid(
+                file,
+                "metadata 'general.alignment'",
+                format!(
+                    "{v} of type {:?}, expected a U32 power of two in 1..={MAX_ALIGNMENT}",
+                    v.value_type()
+                ),
+            ))
         }
     };
-    let mut tensors = Vec::with_capacity(n_tensors as usize);
+    let mut tensors = Vec::with_capacity(n_tensors.min(PREALLOC_ITEMS) as usize);
     let mut names = HashSet::new();
     for i in 0..n_tensors {
-        let name = c.string(&|| format!("tensor_info[{i}].name"))?;
-        let nd = c.u32(&|| format!("tensor '{name}' n_dims"))?;
+        let name = c.string(&|| format!("tensor_info[{i}] name"))?;
+        let nd_field = || format!("tensor '{name}' n_dims");
+        let nd = c.u32(&nd_field)?;
         if nd == 0 || nd > MAX_DIMS {
             return Err(GgufError::invalid(
                 file,
-                format!("tensor '{name}' n_dims"),
+                nd_field(),
                 format!("{nd}, expected 1..={MAX_DIMS}"),
             ));
         }
         let mut dims = Vec::with_capacity(nd as usize);
         for d in 0..nd {
-            let v = c.u64(&|| format!("tensor '{name}' dims[{d}]"))?;
-            if v == 0 {
-                return Err(GgufError::invalid(
-                    file,
-                    format!("tensor '{name}' dims[{d}]"),
-                    "dimension is 0",
-                ));
-            }
-            dims.push(v);
+            dims.push(c.u64(&|| format!("tensor '{name}' dims[{d}]"))?);
         }
         let tid = c.u32(&|| format!("tensor '{name}' type"))?;
         let ty = GgmlType::from_id(tid).ok_or_else(|| GgufError::UnsupportedType {
@@ -308,16 +414,22 @@ fn parse(file: &Path, buf: &[u8]) -> Result<Parsed, GgufError> {
             ty: format!("id {tid}"),
             what: "is not a ggml type this build knows".into(),
         })?;
-        let off = c.u64(&|| format!("tensor '{name}' offset"))?;
+        let rel = c.u64(&|| format!("tensor '{name}' offset"))?;
         if !names.insert(name.clone()) {
             return Err(GgufError::invalid(
                 file,
                 format!("tensor '{name}'"),
-                "name appears twice",
+                format!("name appears twice (again as tensor_info[{i}]), expected unique names"),
             ));
         }
-        tensors.push((name, dims, ty, off));
+        tensors.push(RawTensor {
+            name,
+            dims,
+            ty,
+            rel,
+        });
     }
+    // Cannot overflow: pos <= file length and alignment <= 1 MiB.
     let data_start = c.pos.div_ceil(alignment) * alignment;
     Ok(Parsed {
         version,
@@ -326,6 +438,27 @@ fn parse(file: &Path, buf: &[u8]) -> Result<Parsed, GgufError> {
         tensors,
         data_start,
     })
+}
+
+/// Bytes of a tensor of `dims` and `ty`, or the reason it has none.
+fn tensor_bytes(dims: &[u64], ty: GgmlType) -> Result<u64, String> {
+    let n_el = dims
+        .iter()
+        .try_fold(1u64, |a, &d| a.checked_mul(d))
+        .filter(|&n| n <= i64::MAX as u64)
+        .ok_or_else(|| {
+            format!("dimensions {dims:?} overflow when multiplied, expected a product below 2^63")
+        })?;
+    let row_len = dims.first().copied().unwrap_or(1);
+    if row_len % ty.block_size() != 0 {
+        return Err(format!(
+            "row length dims[0] = {row_len} is not a multiple of {ty}'s block size {}",
+            ty.block_size()
+        ));
+    }
+    (n_el / ty.block_size())
+        .checked_mul(ty.type_size())
+        .ok_or_else(|| format!("byte size of dimensions {dims:?} of {ty} overflows"))
 }
 
 fn map_file(path: &Path) -> Result<Mmap, GgufError> {
@@ -341,180 +474,255 @@ fn map_file(path: &Path) -> Result<Mmap, GgufError> {
     })
 }
 
-/// `name-00001-of-00003.gguf` → (prefix "name", count 3), if the path follows the pattern.
-fn split_pattern(path: &Path) -> Option<(String, u32)> {
+/// `dir/name-00002-of-00003.gguf` → (`dir/name`, shard number 2, count 3), if the path
+/// follows llama.cpp's split naming (`%s-%05d-of-%05d.gguf`, shard numbers from 1).
+fn split_pattern(path: &Path) -> Option<(PathBuf, u32, u32)> {
     let stem = path.file_name()?.to_str()?.strip_suffix(".gguf")?;
     let (head, count) = stem.rsplit_once("-of-")?;
-    let (prefix, _no) = head.rsplit_once('-')?;
-    Some((prefix.to_string(), count.parse().ok()?))
+    let (prefix, no) = head.rsplit_once('-')?;
+    if count.len() != 5 || no.len() != 5 {
+        return None;
+    }
+    Some((
+        path.with_file_name(prefix),
+        no.parse().ok()?,
+        count.parse().ok()?,
+    ))
 }
 
-fn shard_path(first: &Path, prefix: &str, index: u32, count: u32) -> PathBuf {
-    let name = format!("{prefix}-{index:05}-of-{count:05}.gguf");
-    first.with_file_name(name)
+/// The split keys of one shard: (`split.no`, `split.count`), or `None` when the file is not
+/// part of a split model. Types are checked as llama.cpp's loader checks them.
+fn split_keys(file: &Path, p: &Parsed) -> Result<Option<(u32, u32)>, GgufError> {
+    let count = match p.get(KEY_SPLIT_COUNT) {
+        None => return Ok(None),
+        Some(Value::U16(n)) if *n >= 1 => u32::from(*n),
+        Some(v) => {
+            return Err(GgufError::invalid(
+                file,
+                format!("metadata '{KEY_SPLIT_COUNT}'"),
+                format!(
+                    "{v} of type {:?}, expected a U16 in 1..={MAX_SHARDS}",
+                    v.value_type()
+                ),
+            ))
+        }
+    };
+    let no = match p.get(KEY_SPLIT_NO) {
+        Some(Value::U16(n)) if u32::from(*n) < count => u32::from(*n),
+        None if count == 1 => 0,
+        v => {
+            return Err(GgufError::invalid(
+                file,
+                format!("metadata '{KEY_SPLIT_NO}'"),
+                format!(
+                    "{}, expected a U16 shard index below split.count {count}",
+                    v.map(|v| format!("{v} of type {:?}", v.value_type()))
+                        .unwrap_or_else(|| "missing".into())
+                ),
+            ))
+        }
+    };
+    Ok(Some((no, count)))
 }
 
 impl GgufFile {
-    /// Open a model. A split model opens from any shard path following the
-    /// `-0000k-of-0000N.gguf` pattern, or from its first shard; every shard must be present.
+    /// Open a model. A split model opens from any of its shards (named
+    /// `name-0000k-of-0000N.gguf`); every shard must be present, or the error is
+    /// [`GgufError::MissingShard`].
     pub fn open(path: impl AsRef<Path>) -> Result<GgufFile, GgufError> {
         let path = path.as_ref();
         let map = map_file(path)?;
         let parsed = parse(path, &map)?;
-        let get = |k: &str| parsed.metadata.iter().find(|(n, _)| n == k).map(|(_, v)| v);
-        let split_count = get("split.count").and_then(|v| v.as_u64()).unwrap_or(1);
-        let mut shards = vec![(path.to_path_buf(), map, parsed)];
-        if split_count > 1 {
-            if split_count > 4096 {
-                return Err(GgufError::invalid(
-                    path,
-                    "split.count",
-                    format!("{split_count}, expected at most 4096"),
-                ));
-            }
-            let count = split_count as u32;
-            let (prefix, named_count) = split_pattern(path).ok_or_else(|| {
-                GgufError::invalid(path, "split.count", format!("{count} shards, but the file name does not follow name-0000k-of-{count:05}.gguf"))
-            })?;
-            if named_count != count {
-                return Err(GgufError::invalid(
-                    path,
-                    "split.count",
-                    format!("{count}, but the file name says {named_count}"),
-                ));
-            }
-            let first_no = shards[0]
-                .2
-                .metadata
-                .iter()
-                .find(|(k, _)| k == "split.no")
-                .and_then(|(_, v)| v.as_u64())
-                .unwrap_or(0);
-            let mut all = Vec::with_capacity(count as usize);
-            for i in 0..count {
-                if i as u64 == first_no {
-                    all.push(None);
-                    continue;
+        let (no, count) = split_keys(path, &parsed)?.unwrap_or((0, 1));
+        if count == 1 {
+            return Self::assemble(vec![(path.to_path_buf(), Bytes::Map(map), parsed)]);
+        }
+        let (prefix, named_no, named_count) = split_pattern(path).ok_or_else(|| {
+            GgufError::invalid(
+                path,
+                format!("metadata '{KEY_SPLIT_COUNT}'"),
+                format!(
+                    "{count} shards, but the file name does not follow name-{:05}-of-{count:05}.gguf",
+                    no + 1
+                ),
+            )
+        })?;
+        if named_count != count || named_no != no + 1 {
+            return Err(GgufError::invalid(
+                path,
+                format!("metadata '{KEY_SPLIT_NO}'"),
+                format!(
+                    "shard {} of {count} by its keys, but the file name says shard {named_no} of {named_count}",
+                    no + 1
+                ),
+            ));
+        }
+        let mut first = Some((path.to_path_buf(), Bytes::Map(map), parsed));
+        let mut shards = Vec::with_capacity(count as usize);
+        for i in 0..count {
+            if i == no {
+                if let Some(f) = first.take() {
+                    shards.push(f);
                 }
-                let p = shard_path(path, &prefix, i + 1, count);
-                if !p.exists() {
-                    return Err(GgufError::MissingShard {
-                        file: path.to_path_buf(),
-                        index: i + 1,
-                        count,
-                        expected: p,
-                    });
-                }
-                let m = map_file(&p)?;
-                let pr = parse(&p, &m)?;
-                let no = pr
-                    .metadata
-                    .iter()
-                    .find(|(k, _)| k == "split.no")
-                    .and_then(|(_, v)| v.as_u64());
-                if no != Some(i as u64) {
-                    return Err(GgufError::invalid(
-                        &p,
-                        "split.no",
-                        format!("{no:?}, expected {i}"),
-                    ));
-                }
-                all.push(Some((p, m, pr)));
+                continue;
             }
-            let first = shards.pop().expect("first shard");
-            if first_no >= count as u64 {
-                return Err(GgufError::invalid(
-                    path,
-                    "split.no",
-                    format!("{first_no}, expected below split.count {count}"),
-                ));
+            let p = split_path(&prefix, i, count);
+            if !p.exists() {
+                return Err(GgufError::MissingShard {
+                    file: path.to_path_buf(),
+                    index: i + 1,
+                    count,
+                    expected: p,
+                });
             }
-            all[first_no as usize] = Some(first);
-            shards = all
-                .into_iter()
-                .map(|s| s.expect("every shard filled"))
-                .collect();
+            let m = map_file(&p)?;
+            let pr = parse(&p, &m)?;
+            shards.push((p, Bytes::Map(m), pr));
         }
         Self::assemble(shards)
     }
 
-    fn assemble(shards: Vec<(PathBuf, Mmap, Parsed)>) -> Result<GgufFile, GgufError> {
-        let version = shards[0].2.version;
-        let alignment = shards[0].2.alignment;
+    /// Parse a single GGUF file held in memory (`name` is used in error messages). A shard
+    /// of a split model fails with [`GgufError::MissingShard`]: use
+    /// [`GgufFile::from_shard_bytes`].
+    pub fn from_bytes(name: impl Into<PathBuf>, bytes: Vec<u8>) -> Result<GgufFile, GgufError> {
+        Self::from_shard_bytes(vec![(name.into(), bytes)])
+    }
+
+    /// Parse a model held in memory as shards given in shard order, each with the name used
+    /// in error messages.
+    pub fn from_shard_bytes(shards: Vec<(PathBuf, Vec<u8>)>) -> Result<GgufFile, GgufError> {
+        let mut out = Vec::with_capacity(shards.len());
+        for (name, bytes) in shards {
+            let parsed = parse(&name, &bytes)?;
+            out.push((name, Bytes::Owned(bytes), parsed));
+        }
+        Self::assemble(out)
+    }
+
+    /// Check the shards against each other and locate every tensor. `shards` is in shard
+    /// order; the metadata of the first is the model's.
+    fn assemble(shards: Vec<(PathBuf, Bytes, Parsed)>) -> Result<GgufFile, GgufError> {
+        let Some((first_path, _, first)) = shards.first() else {
+            return Err(GgufError::invalid(
+                Path::new("<none>"),
+                "shards",
+                "no file given, expected at least one",
+            ));
+        };
+        let first_path = first_path.clone();
+        let (_, count) = split_keys(&first_path, first)?.unwrap_or((0, 1));
+        let version = first.version;
+        let declared_tensors = first.get(KEY_SPLIT_TENSORS_COUNT).cloned();
+        if (shards.len() as u64) < u64::from(count) {
+            let index = shards.len() as u32;
+            let prefix = match split_pattern(&first_path) {
+                Some((prefix, _, _)) => prefix,
+                None => first_path.with_extension(""),
+            };
+            let expected = split_path(&prefix, index, count);
+            return Err(GgufError::MissingShard {
+                file: first_path,
+                index: index + 1,
+                count,
+                expected,
+            });
+        }
+        if shards.len() as u64 > u64::from(count) {
+            return Err(GgufError::invalid(
+                &first_path,
+                format!("metadata '{KEY_SPLIT_COUNT}'"),
+                format!("{count}, but {} shards were given", shards.len()),
+            ));
+        }
         let mut metadata = Vec::new();
-        let mut tensors = Vec::new();
+        let mut tensors: Vec<TensorInfo> = Vec::new();
         let mut tensor_index = HashMap::new();
         let mut out_shards = Vec::with_capacity(shards.len());
-        for (si, (path, map, parsed)) in shards.into_iter().enumerate() {
-            if si == 0 {
-                metadata = parsed.metadata;
-            }
-            let file_len = map.len() as u64;
-            let mut spans: Vec<(u64, u64, usize)> = Vec::with_capacity(parsed.tensors.len());
-            for (name, dims, ty, rel) in parsed.tensors {
-                let field = format!("tensor '{name}'");
-                let n_el = dims
-                    .iter()
-                    .try_fold(1u64, |a, &d| a.checked_mul(d))
-                    .ok_or_else(|| {
-                        GgufError::invalid(
-                            &path,
-                            &field,
-                            format!("dimensions {dims:?} overflow when multiplied"),
-                        )
-                    })?;
-                if dims[0] % ty.block_size() != 0 {
+        for (si, (path, bytes, parsed)) in shards.into_iter().enumerate() {
+            if count > 1 {
+                let (no, c) = split_keys(&path, &parsed)?.ok_or_else(|| {
+                    GgufError::invalid(
+                        &path,
+                        format!("metadata '{KEY_SPLIT_COUNT}'"),
+                        format!("missing, expected {count} as in the first shard"),
+                    )
+                })?;
+                if c != count {
                     return Err(GgufError::invalid(
                         &path,
-                        &field,
-                        format!(
-                            "row length {} is not a multiple of {}'s block size {}",
-                            dims[0],
-                            ty,
-                            ty.block_size()
-                        ),
+                        format!("metadata '{KEY_SPLIT_COUNT}'"),
+                        format!("{c}, expected {count} as in the first shard"),
                     ));
                 }
-                let n_bytes = (n_el / ty.block_size())
-                    .checked_mul(ty.type_size())
-                    .ok_or_else(|| {
-                        GgufError::invalid(
-                            &path,
-                            &field,
-                            format!("byte size of dimensions {dims:?} overflows"),
-                        )
-                    })?;
-                if rel % alignment != 0 {
+                if no as usize != si {
+                    return Err(GgufError::invalid(
+                        &path,
+                        format!("metadata '{KEY_SPLIT_NO}'"),
+                        format!("{no}, expected {si} for shard {} of {count}", si + 1),
+                    ));
+                }
+            }
+            let file_len = bytes.len() as u64;
+            let mut spans: Vec<(u64, u64, usize)> = Vec::with_capacity(parsed.tensors.len());
+            for RawTensor {
+                name,
+                dims,
+                ty,
+                rel,
+            } in parsed.tensors
+            {
+                let field = format!("tensor '{name}'");
+                let n_bytes = tensor_bytes(&dims, ty)
+                    .map_err(|what| GgufError::invalid(&path, format!("{field} dims"), what))?;
+                if rel % parsed.alignment != 0 {
                     return Err(GgufError::invalid(
                         &path,
                         format!("{field} offset"),
-                        format!("{rel} is not a multiple of the alignment {alignment}"),
+                        format!(
+                            "{rel} is not a multiple of the alignment {}",
+                            parsed.alignment
+                        ),
                     ));
                 }
-                let offset = parsed
-                    .data_start
-                    .checked_add(rel)
-                    .filter(|o| *o <= file_len);
-                let end = offset
-                    .and_then(|o| o.checked_add(n_bytes))
-                    .filter(|e| *e <= file_len);
-                let (offset, _end) = match (offset, end) {
-                    (Some(o), Some(e)) => (o, e),
-                    _ => {
-                        return Err(GgufError::Truncated {
-                            file: path.clone(),
-                            field: format!("{field} data"),
-                            offset: parsed.data_start.saturating_add(rel),
-                            needed: n_bytes,
-                            file_len,
-                        })
-                    }
-                };
+                let data_len = file_len.saturating_sub(parsed.data_start);
+                if rel > data_len {
+                    return Err(GgufError::OutOfBounds {
+                        file: path.clone(),
+                        field: format!("{field} offset"),
+                        value: rel,
+                        expected: format!(
+                            "at most {data_len}, the data section's length (it starts at {} in a file of {file_len} bytes)",
+                            parsed.data_start
+                        ),
+                    });
+                }
+                if n_bytes > data_len {
+                    return Err(GgufError::OutOfBounds {
+                        file: path.clone(),
+                        field: format!("{field} size"),
+                        value: n_bytes,
+                        expected: format!(
+                            "at most {data_len} bytes, the data section's length (dims {dims:?} of {ty})"
+                        ),
+                    });
+                }
+                // Both terms are at most file_len, so neither sum can overflow.
+                let offset = parsed.data_start + rel;
+                if offset + n_bytes > file_len {
+                    return Err(GgufError::Truncated {
+                        file: path.clone(),
+                        field: format!("{field} data"),
+                        offset,
+                        needed: n_bytes,
+                        file_len,
+                    });
+                }
                 if tensor_index.contains_key(&name) {
                     return Err(GgufError::invalid(
                         &path,
                         &field,
-                        "name appears in two shards",
+                        "name appears in two shards, expected unique names",
                     ));
                 }
                 spans.push((offset, n_bytes, tensors.len()));
@@ -534,10 +742,11 @@ impl GgufFile {
                 if a.0 + a.1 > b.0 {
                     return Err(GgufError::invalid(
                         &path,
-                        format!("tensor '{}'", tensors[b.2].name),
+                        format!("tensor '{}' offset", tensors[b.2].name),
                         format!(
-                            "data at offset {} overlaps tensor '{}' ({}..{})",
+                            "data at {}..{} overlaps tensor '{}' at {}..{}, expected disjoint tensors",
                             b.0,
+                            b.0 + b.1,
                             tensors[a.2].name,
                             a.0,
                             a.0 + a.1
@@ -545,7 +754,29 @@ impl GgufFile {
                     ));
                 }
             }
-            out_shards.push(Shard { path, map });
+            if si == 0 {
+                metadata = parsed.metadata;
+            }
+            out_shards.push(Shard {
+                path,
+                bytes,
+                alignment: parsed.alignment,
+                data_start: parsed.data_start,
+            });
+        }
+        if let Some(v) = declared_tensors {
+            if v.as_u64() != Some(tensors.len() as u64) || !matches!(v, Value::I32(_)) {
+                return Err(GgufError::invalid(
+                    &first_path,
+                    format!("metadata '{KEY_SPLIT_TENSORS_COUNT}'"),
+                    format!(
+                        "{v} of type {:?}, expected I32 {} (the tensors found in {} shard(s))",
+                        v.value_type(),
+                        tensors.len(),
+                        out_shards.len()
+                    ),
+                ));
+            }
         }
         let index = metadata
             .iter()
@@ -555,7 +786,6 @@ impl GgufFile {
         Ok(GgufFile {
             shards: out_shards,
             version,
-            alignment,
             metadata,
             index,
             tensors,
@@ -571,11 +801,26 @@ impl GgufFile {
     pub fn shard_paths(&self) -> Vec<&Path> {
         self.shards.iter().map(|s| s.path.as_path()).collect()
     }
+    /// Number of shards (1 for a single file).
+    pub fn shard_count(&self) -> usize {
+        self.shards.len()
+    }
+    /// GGUF version of the first shard (2 or 3).
     pub fn version(&self) -> u32 {
         self.version
     }
+    /// Alignment of the first shard's data (`general.alignment`, default 32).
     pub fn alignment(&self) -> u64 {
-        self.alignment
+        self.shards[0].alignment
+    }
+    /// Alignment of one shard's data (shards other than the first usually carry no
+    /// `general.alignment` and use 32). `None` for a shard index out of range.
+    pub fn shard_alignment(&self, shard: usize) -> Option<u64> {
+        self.shards.get(shard).map(|s| s.alignment)
+    }
+    /// Absolute offset where one shard's data section starts.
+    pub fn shard_data_start(&self, shard: usize) -> Option<u64> {
+        self.shards.get(shard).map(|s| s.data_start)
     }
     /// All metadata in file order (of the first shard).
     pub fn metadata(&self) -> &[(String, Value)] {
@@ -584,27 +829,138 @@ impl GgufFile {
     pub fn get(&self, key: &str) -> Option<&Value> {
         self.index.get(key).map(|&i| &self.metadata[i].1)
     }
+    /// A metadata value as a non-negative integer of any width.
+    pub fn get_u64(&self, key: &str) -> Option<u64> {
+        self.get(key).and_then(Value::as_u64)
+    }
+    /// A metadata value as a string.
+    pub fn get_str(&self, key: &str) -> Option<&str> {
+        self.get(key).and_then(Value::as_str)
+    }
     /// `general.architecture`, if present.
     pub fn architecture(&self) -> Option<&str> {
-        self.get("general.architecture").and_then(|v| v.as_str())
+        self.get_str("general.architecture")
     }
+    /// Every tensor, shard by shard, each in file order.
     pub fn tensors(&self) -> &[TensorInfo] {
         &self.tensors
     }
     pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
         self.tensor_index.get(name).map(|&i| &self.tensors[i])
     }
-    /// The tensor's bytes, from the memory map.
+    /// The tensor's bytes, from the memory map. Empty for a `TensorInfo` that does not
+    /// belong to this file.
     pub fn tensor_data(&self, t: &TensorInfo) -> &[u8] {
-        let m = &self.shards[t.shard as usize].map;
-        &m[t.offset as usize..(t.offset + t.n_bytes) as usize]
+        self.extent_data(t.extent())
     }
-    /// The memory map of one shard (for residency probes and madvise).
+    /// The bytes of an extent (a tensor, or one expert's slice of one), or empty when the
+    /// extent is not inside the file.
+    pub fn extent_data(&self, e: Extent) -> &[u8] {
+        let Some(s) = self.shards.get(e.shard as usize) else {
+            return &[];
+        };
+        let end = e.offset.checked_add(e.len);
+        match end {
+            Some(end) if end <= s.bytes.len() as u64 => &s.bytes[e.offset as usize..end as usize],
+            _ => &[],
+        }
+    }
+    /// The bytes of one shard (the memory map, for residency probes and madvise).
     pub fn shard_map(&self, shard: usize) -> &[u8] {
-        &self.shards[shard].map
+        self.shards.get(shard).map(|s| &s.bytes[..]).unwrap_or(&[])
     }
     /// Total bytes of every shard.
     pub fn file_bytes(&self) -> u64 {
-        self.shards.iter().map(|s| s.map.len() as u64).sum()
+        self.shards.iter().map(|s| s.bytes.len() as u64).sum()
+    }
+
+    /// `Ok` when `tensor`'s type is in `supported`; otherwise [`GgufError::UnsupportedType`]
+    /// naming the tensor, its type and what is supported. The forward pass calls this at
+    /// load for every weight it will compute with.
+    pub fn check_supported(
+        &self,
+        tensor: &TensorInfo,
+        supported: &[GgmlType],
+    ) -> Result<(), GgufError> {
+        if supported.contains(&tensor.ty) {
+            return Ok(());
+        }
+        let file = self
+            .shards
+            .get(tensor.shard as usize)
+            .map(|s| s.path.clone())
+            .unwrap_or_else(|| self.path().to_path_buf());
+        let list: Vec<&str> = supported.iter().map(|t| t.name()).collect();
+        Err(GgufError::UnsupportedType {
+            file,
+            tensor: tensor.name.clone(),
+            ty: tensor.ty.name().into(),
+            what: format!(
+                "has no kernel in this build (supported here: {})",
+                if list.is_empty() {
+                    "none".to_string()
+                } else {
+                    list.join(", ")
+                }
+            ),
+        })
+    }
+}
+
+/// The path of shard `index` (0-based) of a `count`-shard model whose prefix is `prefix`:
+/// `prefix-{index+1:05}-of-{count:05}.gguf`, as llama.cpp names them.
+pub fn split_path(prefix: &Path, index: u32, count: u32) -> PathBuf {
+    let mut name = prefix.as_os_str().to_os_string();
+    name.push(format!("-{:05}-of-{count:05}.gguf", index + 1));
+    PathBuf::from(name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_names_follow_llama_cpp() {
+        let p = split_path(Path::new("/m/qwen"), 1, 3);
+        assert_eq!(p, Path::new("/m/qwen-00002-of-00003.gguf"));
+        assert_eq!(split_pattern(&p), Some((PathBuf::from("/m/qwen"), 2, 3)));
+        assert_eq!(split_pattern(Path::new("/m/qwen-2-of-3.gguf")), None);
+        assert_eq!(split_pattern(Path::new("/m/qwen.gguf")), None);
+    }
+
+    #[test]
+    fn slices_are_whole_experts() {
+        let t = TensorInfo {
+            name: "blk.0.ffn_up_exps.weight".into(),
+            dims: vec![256, 8, 4],
+            ty: GgmlType::Q4_K,
+            shard: 1,
+            offset: 1024,
+            n_bytes: 144 * 8 * 4,
+        };
+        assert_eq!(t.n_slices(), Some(4));
+        assert_eq!(t.slice_bytes(), Some(144 * 8));
+        assert_eq!(
+            t.slice_extent(3),
+            Some(Extent {
+                shard: 1,
+                offset: 1024 + 3 * 144 * 8,
+                len: 144 * 8
+            })
+        );
+        assert_eq!(t.slice_extent(4), None);
+        let v = TensorInfo {
+            dims: vec![256],
+            ..t
+        };
+        assert_eq!(v.slice_extent(0), None);
+    }
+
+    #[test]
+    fn tensor_bytes_rejects_bad_shapes() {
+        assert_eq!(tensor_bytes(&[64, 3], GgmlType::Q8_0), Ok(2 * 34 * 3));
+        assert!(tensor_bytes(&[33], GgmlType::Q8_0).is_err());
+        assert!(tensor_bytes(&[1 << 32, 1 << 32], GgmlType::F32).is_err());
+        assert_eq!(tensor_bytes(&[0, 5], GgmlType::F32), Ok(0));
     }
 }

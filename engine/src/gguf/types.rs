@@ -42,9 +42,13 @@ pub enum GgmlType {
     TQ1_0,
     TQ2_0,
     MXFP4,
+    NVFP4,
+    Q1_0,
 }
 
-/// (type, ggml id, name, elements per block, bytes per block)
+/// (type, ggml id, name, elements per block, bytes per block), as ggml's `type_traits`
+/// (block size, `sizeof(block_*)`). Q8_1 is 36 bytes (f16 d and s, 32 i8); gguf-py still
+/// says 40, but Q8_1 only ever exists as an activation format, never in a file.
 const TABLE: &[(GgmlType, u32, &str, u64, u64)] = &[
     (GgmlType::F32, 0, "F32", 1, 4),
     (GgmlType::F16, 1, "F16", 1, 2),
@@ -78,6 +82,8 @@ const TABLE: &[(GgmlType, u32, &str, u64, u64)] = &[
     (GgmlType::TQ1_0, 34, "TQ1_0", 256, 54),
     (GgmlType::TQ2_0, 35, "TQ2_0", 256, 66),
     (GgmlType::MXFP4, 39, "MXFP4", 32, 17),
+    (GgmlType::NVFP4, 40, "NVFP4", 64, 36),
+    (GgmlType::Q1_0, 41, "Q1_0", 128, 18),
 ];
 
 impl GgmlType {
@@ -121,11 +127,23 @@ impl GgmlType {
 
     /// Bytes of one row of `n` elements, or `None` when `n` is not a whole number of blocks
     /// or the size overflows.
+    #[allow(clippy::manual_is_multiple_of)] // is_multiple_of needs Rust 1.87; we support 1.85
     pub fn row_bytes(self, n: u64) -> Option<u64> {
         if n % self.block_size() != 0 {
             return None;
         }
         (n / self.block_size()).checked_mul(self.type_size())
+    }
+
+    /// Bytes of `n` elements laid out as rows of `row_len` (the tensor's `dims[0]`), or
+    /// `None` when `row_len` is not a whole number of blocks, `n` not a whole number of rows,
+    /// or the size overflows.
+    #[allow(clippy::manual_is_multiple_of)] // is_multiple_of needs Rust 1.87; we support 1.85
+    pub fn bytes_for(self, row_len: u64, n: u64) -> Option<u64> {
+        if row_len == 0 || n % row_len != 0 {
+            return None;
+        }
+        self.row_bytes(row_len)?.checked_mul(n / row_len)
     }
 
     /// Every known type.
@@ -159,5 +177,34 @@ mod tests {
         assert_eq!(GgmlType::Q8_0.row_bytes(256), Some(8 * 34));
         assert_eq!(GgmlType::Q8_0.row_bytes(100), None);
         assert_eq!(GgmlType::F32.row_bytes(3), Some(12));
+        assert_eq!(GgmlType::Q4_K.bytes_for(256, 512), Some(288));
+        assert_eq!(GgmlType::Q4_K.bytes_for(256, 300), None);
+        assert_eq!(GgmlType::Q4_K.bytes_for(0, 0), None);
+    }
+
+    /// Block geometry of every type the issue names, from ggml's `type_traits`.
+    #[test]
+    fn named_types_have_ggml_geometry() {
+        let expected: &[(&str, u64, u64)] = &[
+            ("F32", 1, 4),
+            ("F16", 1, 2),
+            ("BF16", 1, 2),
+            ("Q8_0", 32, 34),
+            ("Q4_0", 32, 18),
+            ("Q4_1", 32, 20),
+            ("Q5_0", 32, 22),
+            ("Q5_1", 32, 24),
+            ("Q2_K", 256, 84),
+            ("Q3_K", 256, 110),
+            ("Q4_K", 256, 144),
+            ("Q5_K", 256, 176),
+            ("Q6_K", 256, 210),
+            ("Q8_K", 256, 292),
+            ("MXFP4", 32, 17),
+        ];
+        for &(name, block, size) in expected {
+            let t = GgmlType::from_name(name).expect(name);
+            assert_eq!((t.block_size(), t.type_size()), (block, size), "{name}");
+        }
     }
 }

@@ -21,6 +21,7 @@ pub enum ValueType {
 }
 
 impl ValueType {
+    /// The type for its GGUF id, or `None` for an unknown id.
     pub fn from_id(id: u32) -> Option<ValueType> {
         use ValueType::*;
         Some(match id {
@@ -157,6 +158,52 @@ impl Value {
     /// A string array as `&str`s, or `None` if this is not an array of strings.
     pub fn as_str_array(&self) -> Option<Vec<&str>> {
         self.as_array()?.iter().map(|v| v.as_str()).collect()
+    }
+
+    /// Append the value's GGUF encoding, without its own type tag: scalars little-endian,
+    /// a string as u64 length + UTF-8 bytes, an array as element type (u32) + length (u64)
+    /// + the elements. Used by the writer, and to hash a value exactly as it is stored.
+    pub fn encode_into(&self, buf: &mut Vec<u8>) {
+        match self {
+            Value::U8(x) => buf.push(*x),
+            Value::I8(x) => buf.extend_from_slice(&x.to_le_bytes()),
+            Value::U16(x) => buf.extend_from_slice(&x.to_le_bytes()),
+            Value::I16(x) => buf.extend_from_slice(&x.to_le_bytes()),
+            Value::U32(x) => buf.extend_from_slice(&x.to_le_bytes()),
+            Value::I32(x) => buf.extend_from_slice(&x.to_le_bytes()),
+            Value::F32(x) => buf.extend_from_slice(&x.to_le_bytes()),
+            Value::Bool(x) => buf.push(u8::from(*x)),
+            Value::String(s) => Self::encode_str(buf, s),
+            Value::Array(t, items) => {
+                buf.extend_from_slice(&(*t as u32).to_le_bytes());
+                buf.extend_from_slice(&(items.len() as u64).to_le_bytes());
+                for it in items {
+                    it.encode_into(buf);
+                }
+            }
+            Value::U64(x) => buf.extend_from_slice(&x.to_le_bytes()),
+            Value::I64(x) => buf.extend_from_slice(&x.to_le_bytes()),
+            Value::F64(x) => buf.extend_from_slice(&x.to_le_bytes()),
+        }
+    }
+
+    /// A GGUF string: u64 length, then the bytes.
+    pub(crate) fn encode_str(buf: &mut Vec<u8>, s: &str) {
+        buf.extend_from_slice(&(s.len() as u64).to_le_bytes());
+        buf.extend_from_slice(s.as_bytes());
+    }
+
+    /// Equality that compares floats by their bits, so NaN equals the same NaN (what a
+    /// byte-exact round trip promises).
+    pub fn bits_eq(&self, other: &Value) -> bool {
+        match (self, other) {
+            (Value::F32(a), Value::F32(b)) => a.to_bits() == b.to_bits(),
+            (Value::F64(a), Value::F64(b)) => a.to_bits() == b.to_bits(),
+            (Value::Array(ta, a), Value::Array(tb, b)) => {
+                ta == tb && a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.bits_eq(y))
+            }
+            _ => self == other,
+        }
     }
 
     /// Build a string array.

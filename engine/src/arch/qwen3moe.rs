@@ -1,0 +1,1029 @@
+//! `qwen3moe`: hyper-parameters from GGUF metadata (checked once, the missing key named),
+//! tensor names verbatim, and the layer forward split into a dense step, a router step and
+//! an expert step, so the shared core can stream experts in between.
+//!
+//! Math (see `../shared/spec/qwen3moe-gguf.md`): RMSNorm; GQA attention with per-head q/k
+//! RMSNorm and NeoX rotary embedding; router softmax over all experts → top-k →
+//! renormalise; SiLU-gated experts over stacked `ffn_{gate,up,down}_exps`; weighted sum in
+//! top-k order; final norm; output head (tied to `token_embd` when `output.weight` is absent).
+
+use super::ArchError;
+use crate::gguf::{GgmlType, GgufFile, TensorInfo};
+use crate::kernels::{self, ActBuf, ThreadPool};
+use std::sync::Arc;
+
+pub const ARCH: &str = "qwen3moe";
+
+/// Hyper-parameters, read and checked once at load.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HParams {
+    pub n_layer: usize,
+    pub n_expert: usize,
+    pub n_expert_used: usize,
+    pub d_model: usize,
+    pub n_ff_exp: usize,
+    pub n_head: usize,
+    pub n_head_kv: usize,
+    pub head_dim: usize,
+    pub n_ctx_train: usize,
+    pub rope_base: f32,
+    pub rms_eps: f32,
+    pub n_vocab: usize,
+}
+
+fn key_err(f: &GgufFile, key: &str, what: impl Into<String>) -> ArchError {
+    ArchError::Key {
+        file: f.path().display().to_string(),
+        key: key.into(),
+        what: what.into(),
+    }
+}
+
+fn req_u(f: &GgufFile, key: &str) -> Result<usize, ArchError> {
+    let v = f
+        .get(key)
+        .ok_or_else(|| key_err(f, key, "is missing (required for qwen3moe)"))?;
+    // Some files store per-layer arrays for counts; all entries must agree for us.
+    if let Some(arr) = v.as_array() {
+        let first = arr
+            .first()
+            .and_then(|x| x.as_u64())
+            .ok_or_else(|| key_err(f, key, "is an empty or non-integer array"))?;
+        if arr.iter().any(|x| x.as_u64() != Some(first)) {
+            return Err(key_err(
+                f,
+                key,
+                "varies per layer, which this build does not support",
+            ));
+        }
+        return Ok(first as usize);
+    }
+    let n = v
+        .as_u64()
+        .ok_or_else(|| key_err(f, key, format!("is {v}, expected a non-negative integer")))?;
+    usize::try_from(n).map_err(|_| key_err(f, key, "does not fit this machine's usize"))
+}
+
+fn opt_u(f: &GgufFile, key: &str) -> Result<Option<usize>, ArchError> {
+    if f.get(key).is_none() {
+        return Ok(None);
+    }
+    req_u(f, key).map(Some)
+}
+
+fn opt_f(f: &GgufFile, key: &str, default: f32) -> Result<f32, ArchError> {
+    match f.get(key) {
+        None => Ok(default),
+        Some(v) => v
+            .as_f64()
+            .map(|x| x as f32)
+            .ok_or_else(|| key_err(f, key, format!("is {v}, expected a number"))),
+    }
+}
+
+impl HParams {
+    pub fn from_gguf(f: &GgufFile) -> Result<HParams, ArchError> {
+        let k = |n: &str| format!("{ARCH}.{n}");
+        let n_layer = req_u(f, &k("block_count"))?;
+        let d_model = req_u(f, &k("embedding_length"))?;
+        let n_head = req_u(f, &k("attention.head_count"))?;
+        let n_ctx_train = req_u(f, &k("context_length"))?;
+        let n_expert = req_u(f, &k("expert_count"))?;
+        let n_expert_used = req_u(f, &k("expert_used_count"))?;
+        let rms_eps = f
+            .get(&k("attention.layer_norm_rms_epsilon"))
+            .ok_or_else(|| {
+                key_err(
+                    f,
+                    &k("attention.layer_norm_rms_epsilon"),
+                    "is missing (required for qwen3moe)",
+                )
+            })?
+            .as_f64()
+            .ok_or_else(|| key_err(f, &k("attention.layer_norm_rms_epsilon"), "is not a number"))?
+            as f32;
+        let n_head_kv = opt_u(f, &k("attention.head_count_kv"))?.unwrap_or(n_head);
+        if n_head == 0 || d_model == 0 || n_layer == 0 {
+            return Err(key_err(
+                f,
+                &k("attention.head_count"),
+                "block_count, embedding_length and head_count must be positive",
+            ));
+        }
+        let head_dim = opt_u(f, &k("attention.key_length"))?.unwrap_or(d_model / n_head);
+        let v_dim = opt_u(f, &k("attention.value_length"))?.unwrap_or(head_dim);
+        if v_dim != head_dim {
+            return Err(key_err(
+                f,
+                &k("attention.value_length"),
+                format!("{v_dim} differs from key_length {head_dim}; unsupported"),
+            ));
+        }
+        let n_ff_exp = match opt_u(f, &k("expert_feed_forward_length"))? {
+            Some(n) => n,
+            None => {
+                let ff = req_u(f, &k("feed_forward_length"))?;
+                if n_expert_used == 0 {
+                    return Err(key_err(f, &k("expert_used_count"), "is 0"));
+                }
+                ff / n_expert_used
+            }
+        };
+        let rope_base = opt_f(f, &k("rope.freq_base"), 10_000.0)?;
+        if let Some(rd) = opt_u(f, &k("rope.dimension_count"))? {
+            if rd != head_dim {
+                return Err(key_err(f, &k("rope.dimension_count"), format!("{rd} differs from the head dim {head_dim}; partial rotary is not supported")));
+            }
+        }
+        if n_expert == 0 {
+            return Err(ArchError::NotMoe {
+                file: f.path().display().to_string(),
+                arch: ARCH.into(),
+            });
+        }
+        if n_expert_used == 0 || n_expert_used > n_expert {
+            return Err(key_err(
+                f,
+                &k("expert_used_count"),
+                format!("{n_expert_used}, expected 1..={n_expert}"),
+            ));
+        }
+        if n_head_kv == 0 || n_head % n_head_kv != 0 {
+            return Err(key_err(
+                f,
+                &k("attention.head_count_kv"),
+                format!("{n_head_kv} must divide head_count {n_head}"),
+            ));
+        }
+        if head_dim % 2 != 0 {
+            return Err(key_err(
+                f,
+                &k("attention.key_length"),
+                format!("{head_dim} must be even for rotary embedding"),
+            ));
+        }
+        let embd = f
+            .tensor("token_embd.weight")
+            .ok_or_else(|| ArchError::Tensor {
+                file: f.path().display().to_string(),
+                tensor: "token_embd.weight".into(),
+                what: "is missing".into(),
+            })?;
+        let n_vocab = embd.dims.get(1).copied().unwrap_or(0) as usize;
+        Ok(HParams {
+            n_layer,
+            n_expert,
+            n_expert_used,
+            d_model,
+            n_ff_exp,
+            n_head,
+            n_head_kv,
+            head_dim,
+            n_ctx_train,
+            rope_base,
+            rms_eps,
+            n_vocab,
+        })
+    }
+}
+
+/// Weight types the kernels can multiply.
+const MATMUL_TYPES: &[GgmlType] = &[
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q8_0,
+    GgmlType::Q4_0,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+];
+
+/// A 2-D weight matrix view: `rows` rows of `cols` elements, GGUF row-major.
+#[derive(Copy, Clone, Debug)]
+pub struct Mat {
+    pub ty: GgmlType,
+    pub rows: usize,
+    pub cols: usize,
+    ptr: *const u8,
+    len: usize,
+}
+
+// SAFETY: a `Mat` points into memory owned by the `Weights` that made it (the model's
+// memory map or its anonymous dense buffers), which is immutable for the model's life.
+unsafe impl Send for Mat {}
+unsafe impl Sync for Mat {}
+
+impl Mat {
+    pub fn bytes(&self) -> &[u8] {
+        // SAFETY: see the Send/Sync note; ptr/len come from a live slice of the owner.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+    fn from_slice(ty: GgmlType, rows: usize, cols: usize, s: &[u8]) -> Mat {
+        Mat {
+            ty,
+            rows,
+            cols,
+            ptr: s.as_ptr(),
+            len: s.len(),
+        }
+    }
+    pub fn row_bytes(&self) -> usize {
+        self.ty.row_bytes(self.cols as u64).unwrap_or(0) as usize
+    }
+}
+
+/// Where one expert's three projections are, inside a stacked tensor.
+#[derive(Clone, Debug)]
+pub struct ExpertTensor {
+    pub info: TensorInfo,
+    /// Bytes per expert.
+    pub stride: u64,
+    /// Rows per expert and their length.
+    pub rows: usize,
+    pub cols: usize,
+}
+
+pub struct LayerWeights {
+    pub attn_norm: Vec<f32>,
+    pub q: Mat,
+    pub k: Mat,
+    pub v: Mat,
+    pub o: Mat,
+    pub q_norm: Vec<f32>,
+    pub k_norm: Vec<f32>,
+    pub ffn_norm: Vec<f32>,
+    pub router: Mat,
+    /// gate, up, down
+    pub exps: [ExpertTensor; 3],
+}
+
+/// The dense (always resident) weights plus the location of every expert.
+pub struct Weights {
+    pub hp: HParams,
+    pub embd: Mat,
+    pub output: Mat,
+    pub output_norm: Vec<f32>,
+    pub layers: Vec<LayerWeights>,
+    /// Keeps the memory map (and any anonymous copies) alive behind every `Mat`.
+    _file: Arc<GgufFile>,
+}
+
+fn tensor<'a>(f: &'a GgufFile, name: &str) -> Result<&'a TensorInfo, ArchError> {
+    f.tensor(name).ok_or_else(|| ArchError::Tensor {
+        file: f.path().display().to_string(),
+        tensor: name.into(),
+        what: "is missing".into(),
+    })
+}
+
+fn check_dims(f: &GgufFile, t: &TensorInfo, want: &[usize]) -> Result<(), ArchError> {
+    let got: Vec<usize> = t.dims.iter().map(|&d| d as usize).collect();
+    if got != want {
+        return Err(ArchError::Tensor {
+            file: f.path().display().to_string(),
+            tensor: t.name.clone(),
+            what: format!("has shape {got:?}, expected {want:?}"),
+        });
+    }
+    Ok(())
+}
+
+fn check_type(f: &GgufFile, t: &TensorInfo, allowed: &[GgmlType]) -> Result<(), ArchError> {
+    if !allowed.contains(&t.ty) {
+        return Err(ArchError::Tensor {
+            file: f.path().display().to_string(),
+            tensor: t.name.clone(),
+            what: format!(
+                "has type {}, which this build has no kernel for (supported: {})",
+                t.ty,
+                allowed
+                    .iter()
+                    .map(|t| t.name())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        });
+    }
+    Ok(())
+}
+
+fn mat(f: &GgufFile, name: &str, cols: usize, rows: usize) -> Result<Mat, ArchError> {
+    let t = tensor(f, name)?;
+    check_dims(f, t, &[cols, rows])?;
+    check_type(f, t, MATMUL_TYPES)?;
+    Ok(Mat::from_slice(t.ty, rows, cols, f.tensor_data(t)))
+}
+
+fn vector(f: &GgufFile, name: &str, n: usize) -> Result<Vec<f32>, ArchError> {
+    let t = tensor(f, name)?;
+    check_dims(f, t, &[n])?;
+    check_type(f, t, &[GgmlType::F32, GgmlType::F16, GgmlType::BF16])?;
+    let mut out = vec![0f32; n];
+    kernels::dequantize_row(t.ty, f.tensor_data(t), &mut out).map_err(|e| ArchError::Tensor {
+        file: f.path().display().to_string(),
+        tensor: name.into(),
+        what: e.to_string(),
+    })?;
+    Ok(out)
+}
+
+fn experts(
+    f: &GgufFile,
+    name: &str,
+    cols: usize,
+    rows: usize,
+    n_expert: usize,
+) -> Result<ExpertTensor, ArchError> {
+    let t = tensor(f, name)?;
+    check_dims(f, t, &[cols, rows, n_expert])?;
+    check_type(f, t, MATMUL_TYPES)?;
+    Ok(ExpertTensor {
+        info: t.clone(),
+        stride: t.n_bytes / n_expert as u64,
+        rows,
+        cols,
+    })
+}
+
+impl Weights {
+    /// Check every tensor's presence, shape and type, and map the dense ones.
+    pub fn load(file: Arc<GgufFile>) -> Result<Weights, ArchError> {
+        let f = &*file;
+        match f.architecture() {
+            Some(ARCH) => {}
+            Some(other) => {
+                return Err(ArchError::Unsupported {
+                    file: f.path().display().to_string(),
+                    arch: other.into(),
+                    supported: super::SUPPORTED
+                        .iter()
+                        .map(|s| s.0)
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                })
+            }
+            None => return Err(key_err(f, "general.architecture", "is missing")),
+        }
+        let hp = HParams::from_gguf(f)?;
+        let d = hp.d_model;
+        let qd = hp.n_head * hp.head_dim;
+        let kvd = hp.n_head_kv * hp.head_dim;
+        let embd = mat(f, "token_embd.weight", d, hp.n_vocab)?;
+        let output = if f.tensor("output.weight").is_some() {
+            mat(f, "output.weight", d, hp.n_vocab)?
+        } else {
+            embd
+        };
+        let output_norm = vector(f, "output_norm.weight", d)?;
+        let mut layers = Vec::with_capacity(hp.n_layer);
+        for i in 0..hp.n_layer {
+            let n = |s: &str| format!("blk.{i}.{s}.weight");
+            layers.push(LayerWeights {
+                attn_norm: vector(f, &n("attn_norm"), d)?,
+                q: mat(f, &n("attn_q"), d, qd)?,
+                k: mat(f, &n("attn_k"), d, kvd)?,
+                v: mat(f, &n("attn_v"), d, kvd)?,
+                o: mat(f, &n("attn_output"), qd, d)?,
+                q_norm: vector(f, &n("attn_q_norm"), hp.head_dim)?,
+                k_norm: vector(f, &n("attn_k_norm"), hp.head_dim)?,
+                ffn_norm: vector(f, &n("ffn_norm"), d)?,
+                router: mat(f, &n("ffn_gate_inp"), d, hp.n_expert)?,
+                exps: [
+                    experts(f, &n("ffn_gate_exps"), d, hp.n_ff_exp, hp.n_expert)?,
+                    experts(f, &n("ffn_up_exps"), d, hp.n_ff_exp, hp.n_expert)?,
+                    experts(f, &n("ffn_down_exps"), hp.n_ff_exp, d, hp.n_expert)?,
+                ],
+            });
+        }
+        Ok(Weights {
+            hp,
+            embd,
+            output,
+            output_norm,
+            layers,
+            _file: file,
+        })
+    }
+
+    /// The resident bytes of expert `e`'s projection `p` (0 gate, 1 up, 2 down), from the map.
+    pub fn resident_expert(&self, layer: usize, e: usize, p: usize) -> &[u8] {
+        let x = &self.layers[layer].exps[p];
+        let data = self._file.tensor_data(&x.info);
+        let s = x.stride as usize;
+        &data[e * s..(e + 1) * s]
+    }
+
+    pub fn file(&self) -> &Arc<GgufFile> {
+        &self._file
+    }
+}
+
+/// The router's choice for one row of the batch.
+#[derive(Clone, Debug, Default)]
+pub struct RouteOut {
+    /// Rows of the batch this layer routes (all, or the output rows at the last layer).
+    pub rows: Vec<u32>,
+    pub k: usize,
+    /// `rows.len() × k` expert ids, rank order.
+    pub ids: Vec<u32>,
+    /// `rows.len() × k` final weights (renormalised).
+    pub weights: Vec<f32>,
+    /// `rows.len() × n_expert` router probabilities (softmax over all experts).
+    pub probs: Vec<f32>,
+}
+
+/// Per-session mutable state: KV cache and scratch buffers, sized once.
+pub struct State {
+    pub n_ctx: usize,
+    k_cache: Vec<f32>,
+    v_cache: Vec<f32>,
+    /// Batch rows in flight.
+    n_rows: usize,
+    positions: Vec<u32>,
+    x: Vec<f32>,
+    h: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    att: Vec<f32>,
+    tmp: Vec<f32>,
+    /// Rows the FFN runs for at the current layer.
+    ffn_rows: Vec<u32>,
+    /// `n_rows × k × d` per-rank expert outputs, already weighted.
+    moe: Vec<f32>,
+    moe_filled: Vec<bool>,
+    acts: Vec<ActBuf>,
+    act2: Vec<ActBuf>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    down: Vec<f32>,
+    scores: Vec<f32>,
+    /// Rows whose logits are wanted at the end of the batch.
+    out_rows: Vec<u32>,
+    pub logits: Vec<f32>,
+}
+
+struct SendPtr<T>(*mut T);
+unsafe impl<T> Send for SendPtr<T> {}
+unsafe impl<T> Sync for SendPtr<T> {}
+impl<T> SendPtr<T> {
+    fn get(&self) -> *mut T {
+        self.0
+    }
+}
+
+fn rmsnorm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let ss: f64 = x.iter().map(|&v| (v as f64) * (v as f64)).sum();
+    let scale = 1.0 / ((ss / x.len() as f64) as f32 + eps).sqrt();
+    for ((o, &v), &g) in out.iter_mut().zip(x).zip(w) {
+        *o = v * scale * g;
+    }
+}
+
+fn rope_neox(v: &mut [f32], pos: u32, base: f32) {
+    let hd = v.len();
+    let half = hd / 2;
+    for i in 0..half {
+        let theta = pos as f32 * base.powf(-2.0 * i as f32 / hd as f32);
+        let (s, c) = theta.sin_cos();
+        let (a, b) = (v[i], v[i + half]);
+        v[i] = a * c - b * s;
+        v[i + half] = a * s + b * c;
+    }
+}
+
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// The model bound to a compute pool: the forward pass in steps.
+pub struct Qwen3Moe {
+    pub w: Weights,
+    pub pool: ThreadPool,
+}
+
+fn kerr(e: kernels::KernelError) -> ArchError {
+    ArchError::Tensor {
+        file: String::new(),
+        tensor: String::new(),
+        what: format!("kernel: {e}"),
+    }
+}
+
+impl Qwen3Moe {
+    pub fn new(w: Weights, threads: usize) -> Qwen3Moe {
+        Qwen3Moe {
+            w,
+            pool: ThreadPool::new(threads.max(1)),
+        }
+    }
+
+    pub fn hp(&self) -> &HParams {
+        &self.w.hp
+    }
+
+    pub fn new_state(&self, n_ctx: usize) -> State {
+        let hp = &self.w.hp;
+        let kvd = hp.n_head_kv * hp.head_dim;
+        State {
+            n_ctx,
+            k_cache: vec![0.0; hp.n_layer * n_ctx * kvd],
+            v_cache: vec![0.0; hp.n_layer * n_ctx * kvd],
+            n_rows: 0,
+            positions: Vec::new(),
+            x: Vec::new(),
+            h: Vec::new(),
+            q: Vec::new(),
+            k: Vec::new(),
+            v: Vec::new(),
+            att: Vec::new(),
+            tmp: Vec::new(),
+            ffn_rows: Vec::new(),
+            moe: Vec::new(),
+            moe_filled: Vec::new(),
+            acts: Vec::new(),
+            act2: Vec::new(),
+            gate: Vec::new(),
+            up: Vec::new(),
+            down: Vec::new(),
+            scores: Vec::new(),
+            out_rows: Vec::new(),
+            logits: Vec::new(),
+        }
+    }
+
+    fn matmul_rows(
+        &self,
+        m: &Mat,
+        input: &[f32],
+        n: usize,
+        acts: &mut Vec<ActBuf>,
+        out: &mut [f32],
+    ) -> Result<(), ArchError> {
+        let cols = m.cols;
+        while acts.len() < n {
+            acts.push(ActBuf::new());
+        }
+        for r in 0..n {
+            acts[r]
+                .prepare(m.ty, &input[r * cols..(r + 1) * cols])
+                .map_err(kerr)?;
+        }
+        if n == 1 {
+            kernels::matvec(
+                &self.pool,
+                m.ty,
+                m.bytes(),
+                m.rows,
+                cols,
+                &acts[0],
+                &mut out[..m.rows],
+            )
+            .map_err(kerr)
+        } else {
+            kernels::matmul(
+                &self.pool,
+                m.ty,
+                m.bytes(),
+                m.rows,
+                cols,
+                &acts[..n],
+                &mut out[..n * m.rows],
+            )
+            .map_err(kerr)
+        }
+    }
+
+    /// Start a batch: embed `tokens` at `positions`; `out_rows` are the rows whose logits
+    /// `head` will produce (the last row for generation; all rows for `--logits-out`).
+    pub fn begin(
+        &self,
+        st: &mut State,
+        tokens: &[u32],
+        positions: &[u32],
+        out_rows: &[u32],
+    ) -> Result<(), ArchError> {
+        let hp = &self.w.hp;
+        let d = hp.d_model;
+        let n = tokens.len();
+        if let Some(&p) = positions.iter().max() {
+            if p as usize >= st.n_ctx {
+                return Err(ArchError::Key {
+                    file: String::new(),
+                    key: "n_ctx".into(),
+                    what: format!("position {p} is past the context size {}", st.n_ctx),
+                });
+            }
+        }
+        st.n_rows = n;
+        st.positions.clear();
+        st.positions.extend_from_slice(positions);
+        st.out_rows.clear();
+        st.out_rows.extend_from_slice(out_rows);
+        st.x.resize(n * d, 0.0);
+        let rb = self.w.embd.row_bytes();
+        for (r, &t) in tokens.iter().enumerate() {
+            if t as usize >= hp.n_vocab {
+                return Err(ArchError::Key {
+                    file: String::new(),
+                    key: "token".into(),
+                    what: format!("id {t} is outside the vocabulary of {}", hp.n_vocab),
+                });
+            }
+            let src = &self.w.embd.bytes()[t as usize * rb..(t as usize + 1) * rb];
+            kernels::dequantize_row(self.w.embd.ty, src, &mut st.x[r * d..(r + 1) * d])
+                .map_err(kerr)?;
+        }
+        Ok(())
+    }
+
+    /// Attention for every row, then the FFN norm of the rows the FFN will run for.
+    pub fn dense(&self, st: &mut State, layer: usize) -> Result<(), ArchError> {
+        let hp = &self.w.hp;
+        let lw = &self.w.layers[layer];
+        let (d, hd, nh, nkv) = (hp.d_model, hp.head_dim, hp.n_head, hp.n_head_kv);
+        let (qd, kvd) = (nh * hd, nkv * hd);
+        let n = st.n_rows;
+        st.h.resize(n * d, 0.0);
+        for r in 0..n {
+            rmsnorm(
+                &st.x[r * d..(r + 1) * d],
+                &lw.attn_norm,
+                hp.rms_eps,
+                &mut st.h[r * d..(r + 1) * d],
+            );
+        }
+        st.q.resize(n * qd, 0.0);
+        st.k.resize(n * kvd, 0.0);
+        st.v.resize(n * kvd, 0.0);
+        let mut acts = std::mem::take(&mut st.acts);
+        let h = std::mem::take(&mut st.h);
+        self.matmul_rows(&lw.q, &h, n, &mut acts, &mut st.q)?;
+        self.matmul_rows(&lw.k, &h, n, &mut acts, &mut st.k)?;
+        self.matmul_rows(&lw.v, &h, n, &mut acts, &mut st.v)?;
+        st.h = h;
+        let mut tmp = vec![0f32; hd];
+        for r in 0..n {
+            let pos = st.positions[r];
+            for hh in 0..nh {
+                let s = &mut st.q[r * qd + hh * hd..r * qd + (hh + 1) * hd];
+                rmsnorm(s, &lw.q_norm, hp.rms_eps, &mut tmp);
+                s.copy_from_slice(&tmp);
+                rope_neox(s, pos, hp.rope_base);
+            }
+            for hh in 0..nkv {
+                let s = &mut st.k[r * kvd + hh * hd..r * kvd + (hh + 1) * hd];
+                rmsnorm(s, &lw.k_norm, hp.rms_eps, &mut tmp);
+                s.copy_from_slice(&tmp);
+                rope_neox(s, pos, hp.rope_base);
+            }
+            let base = (layer * st.n_ctx + pos as usize) * kvd;
+            st.k_cache[base..base + kvd].copy_from_slice(&st.k[r * kvd..(r + 1) * kvd]);
+            st.v_cache[base..base + kvd].copy_from_slice(&st.v[r * kvd..(r + 1) * kvd]);
+        }
+        // Attention, parallel over (row, head); each task writes its own output slice.
+        st.att.resize(n * qd, 0.0);
+        let max_pos = st.positions.iter().copied().max().unwrap_or(0) as usize + 1;
+        let n_threads = self.pool.n_threads();
+        st.scores.resize(n_threads.max(1) * max_pos, 0.0);
+        let scale = 1.0 / (hd as f32).sqrt();
+        let group = nh / nkv;
+        let kc = &st.k_cache[layer * st.n_ctx * kvd..(layer + 1) * st.n_ctx * kvd];
+        let vc = &st.v_cache[layer * st.n_ctx * kvd..(layer + 1) * st.n_ctx * kvd];
+        let q = &st.q;
+        let positions = &st.positions;
+        let att = SendPtr(st.att.as_mut_ptr());
+        let scores_all = SendPtr(st.scores.as_mut_ptr());
+        let n_tasks = n * nh;
+        let per = n_tasks.div_ceil(n_threads.max(1));
+        self.pool.run(n_threads.max(1), &|t| {
+            let lo = t * per;
+            let hi = ((t + 1) * per).min(n_tasks);
+            // SAFETY: thread t owns scores[t*max_pos..] and the att slices of tasks lo..hi.
+            let scores = unsafe {
+                std::slice::from_raw_parts_mut(scores_all.get().add(t * max_pos), max_pos)
+            };
+            for task in lo..hi {
+                let (r, hh) = (task / nh, task % nh);
+                let pos = positions[r] as usize;
+                let qv = &q[r * qd + hh * hd..r * qd + (hh + 1) * hd];
+                let kh = hh / group;
+                let mut mx = f32::NEG_INFINITY;
+                for (p, sc) in scores.iter_mut().enumerate().take(pos + 1) {
+                    let kv = &kc[p * kvd + kh * hd..p * kvd + (kh + 1) * hd];
+                    let s: f32 = qv.iter().zip(kv).map(|(a, b)| a * b).sum::<f32>() * scale;
+                    *sc = s;
+                    mx = mx.max(s);
+                }
+                let mut sum = 0f64;
+                for sc in scores.iter_mut().take(pos + 1) {
+                    *sc = (*sc - mx).exp();
+                    sum += *sc as f64;
+                }
+                let inv = (1.0 / sum) as f32;
+                let out =
+                    unsafe { std::slice::from_raw_parts_mut(att.get().add(r * qd + hh * hd), hd) };
+                out.iter_mut().for_each(|o| *o = 0.0);
+                for (p, &sc) in scores.iter().enumerate().take(pos + 1) {
+                    let w = sc * inv;
+                    let vv = &vc[p * kvd + kh * hd..p * kvd + (kh + 1) * hd];
+                    for (o, &x) in out.iter_mut().zip(vv) {
+                        *o += w * x;
+                    }
+                }
+            }
+        });
+        st.tmp.resize(n * d, 0.0);
+        let att_v = std::mem::take(&mut st.att);
+        let mut tmp = std::mem::take(&mut st.tmp);
+        self.matmul_rows(&lw.o, &att_v, n, &mut acts, &mut tmp)?;
+        st.att = att_v;
+        for (x, o) in st.x.iter_mut().zip(&tmp) {
+            *x += *o;
+        }
+        st.tmp = tmp;
+        st.acts = acts;
+        // The FFN runs for every row, except at the last layer where only the rows whose
+        // logits are wanted matter (as llama.cpp gathers `inp_out_ids`).
+        st.ffn_rows.clear();
+        if layer + 1 == hp.n_layer {
+            st.ffn_rows.extend_from_slice(&st.out_rows);
+        } else {
+            st.ffn_rows.extend(0..n as u32);
+        }
+        let m = st.ffn_rows.len();
+        st.h.resize(m * d, 0.0);
+        for (i, &r) in st.ffn_rows.iter().enumerate() {
+            let r = r as usize;
+            rmsnorm(
+                &st.x[r * d..(r + 1) * d],
+                &lw.ffn_norm,
+                hp.rms_eps,
+                &mut st.h[i * d..(i + 1) * d],
+            );
+        }
+        let k = hp.n_expert_used;
+        st.moe.resize(m * k * d, 0.0);
+        st.moe_filled.clear();
+        st.moe_filled.resize(m * k, false);
+        Ok(())
+    }
+
+    /// The router: softmax over all experts, top-k, renormalise. Rows of `out` are indices
+    /// into the FFN rows of this layer (see [`RouteOut::rows`]).
+    pub fn route(&self, st: &mut State, layer: usize, out: &mut RouteOut) -> Result<(), ArchError> {
+        let hp = &self.w.hp;
+        let lw = &self.w.layers[layer];
+        let m = st.ffn_rows.len();
+        let ne = hp.n_expert;
+        let k = hp.n_expert_used;
+        out.rows.clear();
+        out.rows.extend_from_slice(&st.ffn_rows);
+        out.k = k;
+        out.probs.resize(m * ne, 0.0);
+        let mut acts = std::mem::take(&mut st.acts);
+        let h = std::mem::take(&mut st.h);
+        self.matmul_rows(&lw.router, &h, m, &mut acts, &mut out.probs)?;
+        st.h = h;
+        st.acts = acts;
+        out.ids.resize(m * k, 0);
+        out.weights.resize(m * k, 0.0);
+        let mut order: Vec<u32> = (0..ne as u32).collect();
+        for r in 0..m {
+            let p = &mut out.probs[r * ne..(r + 1) * ne];
+            let mx = p.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0f64;
+            for v in p.iter_mut() {
+                *v = (*v - mx).exp();
+                sum += *v as f64;
+            }
+            let inv = (1.0 / sum) as f32;
+            p.iter_mut().for_each(|v| *v *= inv);
+            order
+                .iter_mut()
+                .enumerate()
+                .for_each(|(i, o)| *o = i as u32);
+            // Descending by probability; ties by the lower id, so the order is total.
+            order.sort_by(|&a, &b| p[b as usize].total_cmp(&p[a as usize]).then(a.cmp(&b)));
+            let top = &order[..k];
+            let s: f32 = top.iter().map(|&e| p[e as usize]).sum();
+            let s = s.max(6.103_515_6e-5);
+            for (j, &e) in top.iter().enumerate() {
+                out.ids[r * k + j] = e;
+                out.weights[r * k + j] = p[e as usize] / s;
+            }
+        }
+        Ok(())
+    }
+
+    /// One expert for the FFN rows routed to it. `uses` = (FFN row index, rank, weight);
+    /// `proj` = the expert's gate, up and down bytes, wherever they live (map or arena).
+    pub fn expert(
+        &self,
+        st: &mut State,
+        layer: usize,
+        proj: [&[u8]; 3],
+        uses: &[(u32, u16, f32)],
+    ) -> Result<(), ArchError> {
+        let hp = &self.w.hp;
+        let lw = &self.w.layers[layer];
+        let (d, ff, k) = (hp.d_model, hp.n_ff_exp, hp.n_expert_used);
+        let n = uses.len();
+        if n == 0 {
+            return Ok(());
+        }
+        let [g, u, dn] = &lw.exps;
+        for (p, x) in proj.iter().zip(&lw.exps) {
+            if p.len() as u64 != x.stride {
+                return Err(ArchError::Tensor {
+                    file: String::new(),
+                    tensor: x.info.name.clone(),
+                    what: format!("expert slice of {} bytes, expected {}", p.len(), x.stride),
+                });
+            }
+        }
+        st.tmp.resize(n * d, 0.0);
+        for (i, &(row, _, _)) in uses.iter().enumerate() {
+            let r = row as usize;
+            st.tmp[i * d..(i + 1) * d].copy_from_slice(&st.h[r * d..(r + 1) * d]);
+        }
+        st.gate.resize(n * ff, 0.0);
+        st.up.resize(n * ff, 0.0);
+        st.down.resize(n * d, 0.0);
+        let mut acts = std::mem::take(&mut st.acts);
+        let mut act2 = std::mem::take(&mut st.act2);
+        let run = |ty: GgmlType,
+                   w: &[u8],
+                   rows: usize,
+                   cols: usize,
+                   input: &[f32],
+                   acts: &mut Vec<ActBuf>,
+                   out: &mut [f32],
+                   pool: &ThreadPool|
+         -> Result<(), ArchError> {
+            while acts.len() < n {
+                acts.push(ActBuf::new());
+            }
+            for r in 0..n {
+                acts[r]
+                    .prepare(ty, &input[r * cols..(r + 1) * cols])
+                    .map_err(kerr)?;
+            }
+            if n == 1 {
+                kernels::matvec(pool, ty, w, rows, cols, &acts[0], &mut out[..rows]).map_err(kerr)
+            } else {
+                kernels::matmul(pool, ty, w, rows, cols, &acts[..n], &mut out[..n * rows])
+                    .map_err(kerr)
+            }
+        };
+        let tmp = std::mem::take(&mut st.tmp);
+        // gate and up share the activation only when their types share a dot format; prepare per type.
+        run(
+            g.info.ty,
+            proj[0],
+            ff,
+            d,
+            &tmp,
+            &mut acts,
+            &mut st.gate,
+            &self.pool,
+        )?;
+        run(
+            u.info.ty, proj[1], ff, d, &tmp, &mut acts, &mut st.up, &self.pool,
+        )?;
+        st.tmp = tmp;
+        for (a, &b) in st.gate.iter_mut().zip(&st.up) {
+            *a = silu(*a) * b;
+        }
+        let gate = std::mem::take(&mut st.gate);
+        run(
+            dn.info.ty,
+            proj[2],
+            d,
+            ff,
+            &gate,
+            &mut act2,
+            &mut st.down,
+            &self.pool,
+        )?;
+        st.gate = gate;
+        st.acts = acts;
+        st.act2 = act2;
+        for (i, &(row, rank, w)) in uses.iter().enumerate() {
+            let slot = row as usize * k + rank as usize;
+            let dst = &mut st.moe[slot * d..(slot + 1) * d];
+            for (o, &y) in dst.iter_mut().zip(&st.down[i * d..(i + 1) * d]) {
+                *o = y * w;
+            }
+            st.moe_filled[slot] = true;
+        }
+        Ok(())
+    }
+
+    /// Sum the weighted expert outputs in rank order into the residual stream.
+    pub fn finish_layer(&self, st: &mut State, _layer: usize) -> Result<(), ArchError> {
+        let hp = &self.w.hp;
+        let (d, k) = (hp.d_model, hp.n_expert_used);
+        for (i, &row) in st.ffn_rows.iter().enumerate() {
+            let base = i * k;
+            // Ranks never computed (dropped by a policy) contribute nothing.
+            let mut acc: Option<usize> = None;
+            for j in 0..k {
+                if !st.moe_filled[base + j] {
+                    continue;
+                }
+                match acc {
+                    None => acc = Some(base + j),
+                    Some(a) => {
+                        let (lo, hi) = st.moe.split_at_mut((base + j) * d);
+                        for (x, &y) in lo[a * d..(a + 1) * d].iter_mut().zip(&hi[..d]) {
+                            *x += y;
+                        }
+                    }
+                }
+            }
+            if let Some(a) = acc {
+                let r = row as usize;
+                for (x, &y) in st.x[r * d..(r + 1) * d]
+                    .iter_mut()
+                    .zip(&st.moe[a * d..(a + 1) * d])
+                {
+                    *x += y;
+                }
+            }
+        }
+        // After the last layer only the output rows remain meaningful.
+        Ok(())
+    }
+
+    /// Final norm and output head for the output rows; logits land in `st.logits`
+    /// (`out_rows.len() × n_vocab`).
+    pub fn head(&self, st: &mut State) -> Result<(), ArchError> {
+        let hp = &self.w.hp;
+        let d = hp.d_model;
+        let m = st.out_rows.len();
+        st.h.resize(m * d, 0.0);
+        for (i, &r) in st.out_rows.iter().enumerate() {
+            let r = r as usize;
+            rmsnorm(
+                &st.x[r * d..(r + 1) * d],
+                &self.w.output_norm,
+                hp.rms_eps,
+                &mut st.h[i * d..(i + 1) * d],
+            );
+        }
+        st.logits.resize(m * hp.n_vocab, 0.0);
+        let mut acts = std::mem::take(&mut st.acts);
+        let h = std::mem::take(&mut st.h);
+        let mut logits = std::mem::take(&mut st.logits);
+        self.matmul_rows(&self.w.output, &h, m, &mut acts, &mut logits)?;
+        st.logits = logits;
+        st.h = h;
+        st.acts = acts;
+        Ok(())
+    }
+
+    /// The whole batch with every expert read from the memory map: the resident baseline.
+    pub fn forward_resident(
+        &self,
+        st: &mut State,
+        tokens: &[u32],
+        positions: &[u32],
+        out_rows: &[u32],
+    ) -> Result<(), ArchError> {
+        self.begin(st, tokens, positions, out_rows)?;
+        let mut ro = RouteOut::default();
+        let mut uses: Vec<(u32, u16, f32)> = Vec::new();
+        let mut order: Vec<u32> = Vec::new();
+        for layer in 0..self.w.hp.n_layer {
+            self.dense(st, layer)?;
+            self.route(st, layer, &mut ro)?;
+            // Experts in order of first use (row-major, rank order).
+            order.clear();
+            let mut seen = vec![false; self.w.hp.n_expert];
+            for &e in &ro.ids {
+                if !seen[e as usize] {
+                    seen[e as usize] = true;
+                    order.push(e);
+                }
+            }
+            for &e in &order {
+                uses.clear();
+                for (i, (&id, &w)) in ro.ids.iter().zip(&ro.weights).enumerate() {
+                    if id == e {
+                        uses.push(((i / ro.k) as u32, (i % ro.k) as u16, w));
+                    }
+                }
+                let proj = [
+                    self.w.resident_expert(layer, e as usize, 0),
+                    self.w.resident_expert(layer, e as usize, 1),
+                    self.w.resident_expert(layer, e as usize, 2),
+                ];
+                self.expert(st, layer, proj, &uses)?;
+            }
+            self.finish_layer(st, layer)?;
+        }
+        self.head(st)
+    }
+}

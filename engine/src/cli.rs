@@ -1,0 +1,441 @@
+//! The `bmoe-cli` command line: argument structures and the commands behind them.
+
+use crate::arch::qwen3moe::{Qwen3Moe, Weights};
+use crate::gen::{self, GenOptions, Preset, TypeScheme};
+use crate::gguf::GgufFile;
+use anyhow::{anyhow, bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "bmoe-cli",
+    version,
+    about = "Run Mixture-of-Experts GGUF models bigger than RAM by streaming routed experts from flash",
+    long_about = "Run Mixture-of-Experts GGUF models bigger than RAM by streaming each token's routed experts \
+from flash into a fixed-budget expert cache.\n\nRun a model:  bmoe-cli -m MODEL.gguf -p \"PROMPT\" -n 64\n\
+Tools:        bmoe-cli gen | inspect | bench  (see bmoe-cli <tool> --help)",
+    args_conflicts_with_subcommands = true
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub cmd: Option<Cmd>,
+    #[command(flatten)]
+    pub run: RunArgs,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Cmd {
+    /// Write a synthetic qwen3moe model with deterministic random weights
+    Gen(GenArgs),
+    /// Describe a GGUF file: hyper-parameters, tensors, per-expert bytes
+    Inspect(InspectArgs),
+    /// Measure kernel throughput against memory bandwidth, side by side
+    Bench(BenchArgs),
+}
+
+/// Flags of a generation run.
+#[derive(Args, Debug, Clone)]
+pub struct RunArgs {
+    /// The GGUF model (the first shard of a split set)
+    #[arg(short = 'm', long = "model", value_name = "PATH")]
+    pub model: Option<PathBuf>,
+    /// Prompt text
+    #[arg(short = 'p', long = "prompt", default_value = "")]
+    pub prompt: String,
+    /// Tokens to generate
+    #[arg(short = 'n', long = "n-predict", default_value_t = 128, value_parser = clap::value_parser!(u32).range(1..))]
+    pub n_predict: u32,
+    /// Compute threads
+    #[arg(short = 't', long = "threads", default_value_t = default_threads(), value_parser = clap::value_parser!(u32).range(1..=256))]
+    pub threads: u32,
+    /// Context size in tokens (prompt + generation)
+    #[arg(short = 'c', long = "ctx-size", default_value_t = 2048, value_parser = clap::value_parser!(u32).range(1..))]
+    pub ctx: u32,
+    /// Apply the model's chat template to the prompt (as one user message)
+    #[arg(long)]
+    pub chatml: bool,
+    /// Ask the template to disable reasoning (where it supports it)
+    #[arg(long = "no-think")]
+    pub no_think: bool,
+    /// Sampling temperature; 0 = greedy (deterministic)
+    #[arg(long, default_value_t = 0.0)]
+    pub temp: f32,
+    /// Top-k cutoff when sampling
+    #[arg(long = "top-k", default_value_t = 40)]
+    pub top_k: usize,
+    /// Top-p cutoff when sampling
+    #[arg(long = "top-p", default_value_t = 0.95)]
+    pub top_p: f32,
+    /// Sampling seed (reproducible per seed)
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Write the logits of every prompt position and generated step (raw little-endian f32,
+    /// one row of n_vocab per position) plus PATH.json naming the token ids
+    #[arg(long = "logits-out", value_name = "PATH")]
+    pub logits_out: Option<PathBuf>,
+    /// Print the architectures this build runs and exit
+    #[arg(long = "list-archs")]
+    pub list_archs: bool,
+}
+
+fn default_threads() -> u32 {
+    std::thread::available_parallelism()
+        .map(|n| n.get() as u32)
+        .unwrap_or(4)
+        .min(4)
+}
+
+#[derive(Args, Debug)]
+pub struct GenArgs {
+    /// Preset shape: tiny (tests), small (benchmarks), qwen3-30b-a3b-shape (full size)
+    #[arg(long, default_value = "tiny", value_parser = clap::builder::PossibleValuesParser::new(Preset::NAMES))]
+    pub preset: String,
+    /// Seed of the weights
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Output file
+    #[arg(long, short = 'o', value_name = "FILE")]
+    pub out: PathBuf,
+    /// Weight type: f32, f16, bf16, q8_0, q4_0, q4_k, q5_k, q6_k, or q4_k_m (the mix llama-quantize writes)
+    #[arg(long = "type", value_name = "T")]
+    pub ty: Option<String>,
+    /// Override the expert weight type only
+    #[arg(long = "experts-type", value_name = "T")]
+    pub experts_type: Option<String>,
+    #[arg(long)]
+    pub layers: Option<u32>,
+    #[arg(long)]
+    pub experts: Option<u32>,
+    /// Experts used per token
+    #[arg(long = "top-k")]
+    pub top_k: Option<u32>,
+    #[arg(long = "d-model")]
+    pub d_model: Option<u32>,
+    #[arg(long = "expert-ffn")]
+    pub expert_ffn: Option<u32>,
+    #[arg(long)]
+    pub heads: Option<u32>,
+    #[arg(long = "kv-heads")]
+    pub kv_heads: Option<u32>,
+    #[arg(long = "head-dim")]
+    pub head_dim: Option<u32>,
+    /// Trained context length recorded in the file
+    #[arg(long = "ctx")]
+    pub ctx: Option<u32>,
+    /// Tie the output head to the token embedding (no output.weight)
+    #[arg(long = "tie-output")]
+    pub tie_output: bool,
+    /// Routing realism: router mix of context (slowly drifting) vs token identity, in [0,1]
+    #[arg(long = "routing-context", default_value_t = 0.5)]
+    pub routing_context: f32,
+    /// Router logit gain (higher = sharper routing)
+    #[arg(long = "router-gain", default_value_t = 6.0)]
+    pub router_gain: f32,
+    /// q/k norm weight: small = near-uniform attention (a running context mean)
+    #[arg(long = "attn-sharpness", default_value_t = 0.5)]
+    pub attn_sharpness: f32,
+    /// Tokenizer vocabulary: a GGUF file with tokenizer.* keys, or a tokenizer.json (default: built in)
+    #[arg(long, value_name = "FILE")]
+    pub vocab: Option<PathBuf>,
+    /// Chat template file (jinja) replacing the vocabulary's
+    #[arg(long, value_name = "FILE")]
+    pub template: Option<PathBuf>,
+    /// Generator threads
+    #[arg(long, default_value_t = default_threads())]
+    pub threads: u32,
+    /// Never show a progress bar
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct InspectArgs {
+    /// The GGUF file
+    pub model: PathBuf,
+    /// Print JSON instead of text
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// Compute threads (the benchmark runs 1 and this many)
+    #[arg(short = 't', long = "threads", default_value_t = default_threads())]
+    pub threads: u32,
+    /// Matrix size per format in MiB (should exceed the last-level cache)
+    #[arg(long = "size-mib", default_value_t = 256)]
+    pub size_mib: usize,
+}
+
+pub fn gen(a: GenArgs) -> Result<()> {
+    let preset =
+        Preset::from_name(&a.preset).ok_or_else(|| anyhow!("unknown preset {}", a.preset))?;
+    let mut shape = preset.shape();
+    macro_rules! ov {
+        ($f:ident, $v:expr) => {
+            if let Some(v) = $v {
+                shape.$f = v;
+            }
+        };
+    }
+    ov!(n_layer, a.layers);
+    ov!(n_expert, a.experts);
+    ov!(n_expert_used, a.top_k);
+    ov!(d_model, a.d_model);
+    ov!(n_ff_exp, a.expert_ffn);
+    ov!(n_head, a.heads);
+    ov!(n_head_kv, a.kv_heads);
+    ov!(head_dim, a.head_dim);
+    ov!(n_ctx_train, a.ctx);
+    shape.tie_output |= a.tie_output;
+    let mut types = match &a.ty {
+        Some(t) => TypeScheme::from_name(t).ok_or_else(|| {
+            anyhow!(
+                "--type {t}: expected one of f32, f16, bf16, q8_0, q4_0, q4_k, q5_k, q6_k, q4_k_m"
+            )
+        })?,
+        None => preset.default_types(),
+    };
+    if let Some(t) = &a.experts_type {
+        let e = TypeScheme::from_name(t).ok_or_else(|| {
+            anyhow!(
+                "--experts-type {t}: expected one of f32, f16, bf16, q8_0, q4_0, q4_k, q5_k, q6_k"
+            )
+        })?;
+        types.experts = e.experts;
+        types.experts_down_more = e.experts_down_more;
+    }
+    let mut vocab = match &a.vocab {
+        None => crate::vocab::builtin_vocab().context("building the built-in vocabulary")?,
+        Some(p) => crate::vocab::vocab_from_file(p)
+            .with_context(|| format!("reading vocabulary {}", p.display()))?,
+    };
+    if let Some(t) = &a.template {
+        let text = std::fs::read_to_string(t)
+            .with_context(|| format!("reading chat template {}", t.display()))?;
+        vocab.retain(|(k, _)| k != "tokenizer.chat_template");
+        vocab.push((
+            "tokenizer.chat_template".into(),
+            crate::gguf::Value::String(text),
+        ));
+    }
+    let opts = GenOptions {
+        preset,
+        shape,
+        types,
+        seed: a.seed,
+        routing_context: a.routing_context,
+        router_gain: a.router_gain,
+        attn_sharpness: a.attn_sharpness,
+        vocab,
+        threads: a.threads.max(1) as usize,
+    };
+    let bar = if a.quiet {
+        None
+    } else {
+        Some(indicatif::ProgressBar::new(0))
+    };
+    if let Some(b) = &bar {
+        b.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{spinner} gen {bytes}/{total_bytes} [{bar:30}] {bytes_per_sec} eta {eta}",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+            .progress_chars("=> "),
+        );
+    }
+    let t0 = std::time::Instant::now();
+    let rep = gen::generate(&opts, &a.out, |done, total| {
+        if let Some(b) = &bar {
+            b.set_length(total);
+            b.set_position(done);
+        }
+    })
+    .with_context(|| format!("writing {}", a.out.display()))?;
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    for (t, want, got) in &rep.fallbacks {
+        eprintln!("bmoe: note: {t}: row length does not fit {want} blocks, stored as {got}");
+    }
+    eprintln!(
+        "bmoe: wrote {} ({:.1} MiB, {} tensors, vocab {}, preset {}, types {}) in {:.1} s",
+        a.out.display(),
+        rep.bytes as f64 / 1048576.0,
+        rep.n_tensors,
+        rep.n_vocab,
+        preset.name(),
+        opts.types.label,
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+pub fn inspect(a: InspectArgs) -> Result<()> {
+    let f = GgufFile::open(&a.model)?;
+    if a.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&crate::inspect::inspect_json(&f))?
+        );
+    } else {
+        print!("{}", crate::inspect::inspect(&f));
+    }
+    Ok(())
+}
+
+pub fn bench(a: BenchArgs) -> Result<()> {
+    let rep = crate::kernels::bench::run_bench(a.threads.max(1) as usize, a.size_mib);
+    println!("{rep}");
+    Ok(())
+}
+
+/// Load the model, tokenize, prefill, decode, print.
+pub fn generate(args: &RunArgs, model: &std::path::Path) -> Result<i32> {
+    let t_load = std::time::Instant::now();
+    let file = Arc::new(GgufFile::open(model)?);
+    let weights = Weights::load(file.clone())?;
+    let m = Qwen3Moe::new(weights, args.threads as usize);
+    let tok = crate::tokenizer::Tokenizer::from_gguf(&file)?;
+    let hp = m.hp().clone();
+    let prompt = if args.chatml {
+        let tpl = file
+            .get("tokenizer.chat_template")
+            .and_then(|v| v.as_str())
+            .ok_or_else(|| {
+                anyhow!(
+                    "--chatml: {} has no tokenizer.chat_template",
+                    model.display()
+                )
+            })?;
+        let ct = crate::chat::ChatTemplate::new(tpl, &tok.bos_text(), &tok.eos_text())?;
+        let msgs = [crate::chat::Message {
+            role: "user".into(),
+            content: args.prompt.clone(),
+            reasoning_content: None,
+        }];
+        ct.render(&msgs, true, Some(!args.no_think))?
+    } else {
+        args.prompt.clone()
+    };
+    let mut tokens = tok.encode(&prompt, args.chatml)?;
+    if tokens.is_empty() {
+        bail!("the prompt is empty after tokenization: pass -p TEXT");
+    }
+    let n_ctx = args.ctx as usize;
+    if tokens.len() + args.n_predict as usize > n_ctx {
+        bail!(
+            "prompt of {} tokens plus -n {} exceeds the context size {} (-c)",
+            tokens.len(),
+            args.n_predict,
+            n_ctx
+        );
+    }
+    let mut st = m.new_state(n_ctx);
+    let load_s = t_load.elapsed().as_secs_f64();
+    let mut logits_out = match &args.logits_out {
+        Some(p) => Some(std::io::BufWriter::new(
+            std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?,
+        )),
+        None => None,
+    };
+    let n_prompt = tokens.len();
+    let positions: Vec<u32> = (0..n_prompt as u32).collect();
+    let out_rows: Vec<u32> = if logits_out.is_some() {
+        (0..n_prompt as u32).collect()
+    } else {
+        vec![n_prompt as u32 - 1]
+    };
+    let t_prefill = std::time::Instant::now();
+    m.forward_resident(&mut st, &tokens, &positions, &out_rows)?;
+    let prefill_s = t_prefill.elapsed().as_secs_f64();
+    if let Some(w) = logits_out.as_mut() {
+        for v in &st.logits {
+            w.write_all(&v.to_le_bytes())?;
+        }
+    }
+    let mut sampler = crate::sample::Sampler::new(crate::sample::SamplerConfig {
+        temp: args.temp,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        seed: args.seed,
+    });
+    let nv = hp.n_vocab;
+    let last = &st.logits[st.logits.len() - nv..];
+    let mut next = sampler.sample(last);
+    let mut dec = crate::tokenizer::StreamDecoder::new();
+    let mut out = std::io::stdout().lock();
+    let mut generated = Vec::new();
+    let t_gen = std::time::Instant::now();
+    let mut decode_s = 0.0;
+    let ru0 = crate::probe::rusage();
+    for i in 0..args.n_predict as usize {
+        generated.push(next);
+        if tok.is_eog(next) {
+            break;
+        }
+        let piece = dec.push(&tok, next);
+        out.write_all(piece.as_bytes())?;
+        out.flush()?;
+        if i + 1 == args.n_predict as usize {
+            break;
+        }
+        let pos = tokens.len() as u32;
+        tokens.push(next);
+        let t = std::time::Instant::now();
+        m.forward_resident(&mut st, &[next], &[pos], &[0])?;
+        decode_s += t.elapsed().as_secs_f64();
+        if let Some(w) = logits_out.as_mut() {
+            for v in &st.logits {
+                w.write_all(&v.to_le_bytes())?;
+            }
+        }
+        next = sampler.sample(&st.logits[..nv]);
+    }
+    let tail = dec.flush();
+    out.write_all(tail.as_bytes())?;
+    writeln!(out)?;
+    let _ = t_gen;
+    let ru1 = crate::probe::rusage();
+    if let (Some(w), Some(p)) = (logits_out.as_mut(), &args.logits_out) {
+        w.flush()?;
+        let mut ids: Vec<u32> = tokens[..n_prompt].to_vec();
+        ids.extend(generated.iter().take(generated.len().saturating_sub(1)));
+        let side = serde_json::json!({
+            "n_vocab": nv, "n_prompt": n_prompt, "rows": ids.len(), "dtype": "f32le",
+            "token_ids": ids, "note": "row i holds the logits after feeding token_ids[..=i]"
+        });
+        let sp = PathBuf::from(format!("{}.json", p.display()));
+        std::fs::write(&sp, serde_json::to_string_pretty(&side)?)?;
+    }
+    let n_dec = generated.len().saturating_sub(1).max(1);
+    let s_tok = decode_s / n_dec as f64;
+    eprintln!("mode: resident (mmap), experts not streamed: a baseline, not a streaming measurement (pass --moe-stream to stream experts)");
+    eprintln!(
+        "generation: {} tokens, {:.4} s/token ({:.2} tok/s)",
+        generated.len(),
+        s_tok,
+        if s_tok > 0.0 { 1.0 / s_tok } else { 0.0 }
+    );
+    let cpu = (ru1.cpu_s - ru0.cpu_s) / n_dec as f64;
+    let occ = if s_tok > 0.0 {
+        100.0 * cpu / (s_tok * args.threads as f64)
+    } else {
+        0.0
+    };
+    eprintln!(
+        "compute: {:.0}% CPU occupancy ({:.4} cpu-s/token over {} threads), {:.1} major faults/token",
+        occ,
+        cpu,
+        args.threads,
+        (ru1.majflt - ru0.majflt) as f64 / n_dec as f64
+    );
+    eprintln!(
+        "load: {:.2} s, prefill: {} tokens in {:.3} s",
+        load_s, n_prompt, prefill_s
+    );
+    Ok(0)
+}

@@ -1,0 +1,766 @@
+//! The synthetic model generator behind `bmoe-cli gen`: complete, loadable `qwen3moe` GGUF
+//! files with deterministic random weights, a real tokenizer and chat template, so tests and
+//! benchmarks make the models they need and no model file is ever committed.
+//!
+//! ## Routing realism
+//! Random weights route uniformly at random: consecutive tokens would share ~k/n of their
+//! experts, far below the ~35–40 % previous-token reuse real models show, and every cache
+//! policy would look alike. The generator therefore gives the hidden state two halves:
+//! *token* dimensions (written by the token embedding and by the experts) and *context*
+//! dimensions (written only by attention, whose near-uniform weights make it a running mean
+//! of the context, so it drifts slowly from token to token). The router reads both, mixed by
+//! `routing_context` R ∈ [0, 1]: R = 0 routes on token identity alone, R = 1 on context alone.
+//! Intermediate values give the reuse and LRU hit-rate curves of real models; see
+//! `docs/models.md` for measured statistics.
+
+use crate::gguf::{GgmlType, GgufError, GgufWriter, TensorSpec, Value};
+use crate::kernels;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// Model dimensions of a `qwen3moe` file.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelShape {
+    pub n_layer: u32,
+    pub n_expert: u32,
+    pub n_expert_used: u32,
+    pub d_model: u32,
+    pub n_ff_exp: u32,
+    pub n_head: u32,
+    pub n_head_kv: u32,
+    pub head_dim: u32,
+    pub n_ctx_train: u32,
+    pub rope_base: f32,
+    pub rms_eps: f32,
+    /// Omit `output.weight`: the head reuses `token_embd`.
+    pub tie_output: bool,
+}
+
+/// Named starting points; every dimension can be overridden.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Preset {
+    /// 4 layers, 16 experts, top-4, d_model 256, expert FFN 384, Q8_0 experts (~20 MiB of
+    /// experts: a 2 MiB cache evicts every token, a 32 MiB one holds every expert).
+    Tiny,
+    /// 12 layers, 64 experts, top-8, d_model 1024, expert FFN 512, Q4_K_M: hundreds of MiB.
+    Small,
+    /// The full shape of Qwen3-30B-A3B: 48 layers, 128 experts, top-8, d_model 2048,
+    /// expert FFN 768, GQA 32/4 heads of 128; ~17 GB at Q4_K_M.
+    Qwen3_30bA3bShape,
+}
+
+impl Preset {
+    pub const NAMES: &'static [&'static str] = &["tiny", "small", "qwen3-30b-a3b-shape"];
+
+    pub fn from_name(s: &str) -> Option<Preset> {
+        match s {
+            "tiny" => Some(Preset::Tiny),
+            "small" => Some(Preset::Small),
+            "qwen3-30b-a3b-shape" | "qwen3-30b-a3b" => Some(Preset::Qwen3_30bA3bShape),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Preset::Tiny => "tiny",
+            Preset::Small => "small",
+            Preset::Qwen3_30bA3bShape => "qwen3-30b-a3b-shape",
+        }
+    }
+
+    pub fn shape(self) -> ModelShape {
+        let base = ModelShape {
+            n_layer: 4,
+            n_expert: 16,
+            n_expert_used: 4,
+            d_model: 256,
+            n_ff_exp: 384,
+            n_head: 4,
+            n_head_kv: 2,
+            head_dim: 64,
+            n_ctx_train: 4096,
+            rope_base: 1_000_000.0,
+            rms_eps: 1e-6,
+            tie_output: false,
+        };
+        match self {
+            Preset::Tiny => base,
+            Preset::Small => ModelShape {
+                n_layer: 12,
+                n_expert: 64,
+                n_expert_used: 8,
+                d_model: 1024,
+                n_ff_exp: 512,
+                n_head: 16,
+                n_head_kv: 4,
+                head_dim: 64,
+                ..base
+            },
+            Preset::Qwen3_30bA3bShape => ModelShape {
+                n_layer: 48,
+                n_expert: 128,
+                n_expert_used: 8,
+                d_model: 2048,
+                n_ff_exp: 768,
+                n_head: 32,
+                n_head_kv: 4,
+                head_dim: 128,
+                n_ctx_train: 40960,
+                ..base
+            },
+        }
+    }
+
+    pub fn default_types(self) -> TypeScheme {
+        match self {
+            Preset::Tiny => TypeScheme {
+                experts: GgmlType::Q8_0,
+                ..TypeScheme::uniform(GgmlType::F32)
+            },
+            Preset::Small | Preset::Qwen3_30bA3bShape => TypeScheme::q4_k_m(),
+        }
+    }
+}
+
+/// Weight type per tensor class.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TypeScheme {
+    pub embd: GgmlType,
+    pub output: GgmlType,
+    pub attn_q: GgmlType,
+    pub attn_kv: GgmlType,
+    pub attn_output: GgmlType,
+    pub experts: GgmlType,
+    /// ffn_down_exps type for the layers llama-quantize gives "more bits" (Q4_K_M: Q6_K).
+    pub experts_down_more: GgmlType,
+    /// Name recorded in the file (`general.file_type` follows it).
+    pub label: &'static str,
+}
+
+impl TypeScheme {
+    pub fn uniform(t: GgmlType) -> TypeScheme {
+        TypeScheme {
+            embd: t,
+            output: t,
+            attn_q: t,
+            attn_kv: t,
+            attn_output: t,
+            experts: t,
+            experts_down_more: t,
+            label: t.name(),
+        }
+    }
+
+    /// The mix `llama-quantize` writes for Q4_K_M on a MoE model.
+    pub fn q4_k_m() -> TypeScheme {
+        TypeScheme {
+            embd: GgmlType::Q6_K,
+            output: GgmlType::Q6_K,
+            attn_q: GgmlType::Q4_K,
+            attn_kv: GgmlType::Q8_0,
+            attn_output: GgmlType::Q5_K,
+            experts: GgmlType::Q4_K,
+            experts_down_more: GgmlType::Q6_K,
+            label: "Q4_K_M",
+        }
+    }
+
+    /// Parse `--type`: f32, f16, bf16, q8_0, q4_0, q4_k, q5_k, q6_k or q4_k_m.
+    pub fn from_name(s: &str) -> Option<TypeScheme> {
+        if s.eq_ignore_ascii_case("q4_k_m") {
+            return Some(TypeScheme::q4_k_m());
+        }
+        let t = GgmlType::from_name(s)?;
+        kernels::supports_quantize(t).then(|| TypeScheme::uniform(t))
+    }
+
+    fn file_type(&self) -> u32 {
+        // llama_ftype numbering.
+        match self.label {
+            "Q4_K_M" => 15,
+            _ => match self.experts {
+                GgmlType::F32 => 0,
+                GgmlType::F16 => 1,
+                GgmlType::Q4_0 => 2,
+                GgmlType::Q8_0 => 7,
+                GgmlType::Q4_K => 14,
+                GgmlType::Q5_K => 16,
+                GgmlType::Q6_K => 18,
+                GgmlType::BF16 => 32,
+                _ => 0,
+            },
+        }
+    }
+}
+
+/// Everything `gen` needs besides the output path.
+#[derive(Clone, Debug)]
+pub struct GenOptions {
+    pub preset: Preset,
+    pub shape: ModelShape,
+    pub types: TypeScheme,
+    pub seed: u64,
+    /// Router mix of context vs token identity, in [0, 1].
+    pub routing_context: f32,
+    /// Gain of the router logits (sharpness of the routing softmax).
+    pub router_gain: f32,
+    /// q/k norm weight: small values make attention near-uniform (a running context mean).
+    pub attn_sharpness: f32,
+    /// Tokenizer metadata (`tokenizer.*` keys, chat template included).
+    pub vocab: Vec<(String, Value)>,
+    /// Worker threads for weight generation.
+    pub threads: usize,
+}
+
+/// What was written.
+#[derive(Clone, Debug)]
+pub struct GenReport {
+    pub bytes: u64,
+    pub n_tensors: usize,
+    pub n_vocab: usize,
+    /// Tensors whose requested type could not hold their row length, and the type used.
+    pub fallbacks: Vec<(String, GgmlType, GgmlType)>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum GenError {
+    #[error(transparent)]
+    Gguf(#[from] GgufError),
+    #[error("gen: {0}")]
+    Invalid(String),
+    #[error("gen: quantizing tensor '{tensor}': {source}")]
+    Kernel {
+        tensor: String,
+        source: kernels::KernelError,
+    },
+}
+
+/// The two halves of the residual stream (see the module doc).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum Half {
+    Token,
+    Context,
+}
+
+/// How each tensor's rows are drawn.
+#[derive(Copy, Clone, Debug)]
+enum Fill {
+    /// Uniform with standard deviation `std`, over the dims in `lo..hi` (zeros elsewhere).
+    Rand {
+        std: f32,
+        lo: u32,
+        hi: u32,
+    },
+    /// Rows (output dims) in one half of the residual stream are random with `std`, the
+    /// rest zero: which half a matrix may write is what keeps context and token apart.
+    RandRows {
+        std: f32,
+        half: Half,
+        split: u32,
+    },
+    /// Router rows: token dims scaled by `tok`, context dims by `ctx`.
+    Router {
+        tok: f32,
+        ctx: f32,
+        split: u32,
+    },
+    Const(f32),
+}
+
+struct Planned {
+    spec: TensorSpec,
+    fill: Fill,
+}
+
+fn fnv1a(parts: &[&[u8]]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for p in parts {
+        for b in *p {
+            h ^= *b as u64;
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        h ^= 0xff;
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+/// Whether llama-quantize's Q4_K_M gives layer `i` of `n` the larger ffn_down type.
+fn use_more_bits(i: u32, n: u32) -> bool {
+    i < n / 8 || i >= 7 * n / 8 || (i >= n / 8 && (i - n / 8) % 3 == 2)
+}
+
+/// A type that can hold rows of `n` elements: `want` if its block divides `n`, else Q8_0,
+/// else F16 (llama-quantize falls back the same way for K-quants on odd widths).
+fn fit_type(want: GgmlType, n: u64) -> GgmlType {
+    [want, GgmlType::Q8_0, GgmlType::F16]
+        .into_iter()
+        .find(|t| n % t.block_size() == 0)
+        .unwrap_or(GgmlType::F32)
+}
+
+impl GenOptions {
+    fn validate(&self) -> Result<(), GenError> {
+        let s = &self.shape;
+        let bad = |m: String| Err(GenError::Invalid(m));
+        if s.n_layer == 0
+            || s.n_expert == 0
+            || s.d_model == 0
+            || s.n_ff_exp == 0
+            || s.n_head == 0
+            || s.head_dim == 0
+        {
+            return bad(format!("every dimension must be positive: {s:?}"));
+        }
+        if s.n_expert_used == 0 || s.n_expert_used > s.n_expert {
+            return bad(format!(
+                "--top-k {} must be in 1..={} (the expert count)",
+                s.n_expert_used, s.n_expert
+            ));
+        }
+        if s.n_head_kv == 0 || s.n_head % s.n_head_kv != 0 {
+            return bad(format!(
+                "--heads {} must be a multiple of --kv-heads {}",
+                s.n_head, s.n_head_kv
+            ));
+        }
+        if s.head_dim % 2 != 0 {
+            return bad(format!(
+                "--head-dim {} must be even (rotary pairs)",
+                s.head_dim
+            ));
+        }
+        if s.d_model % 32 != 0 || s.n_ff_exp % 32 != 0 || (s.n_head * s.head_dim) % 32 != 0 {
+            return bad("d_model, expert FFN and heads x head_dim must be multiples of 32 (the smallest quant block)".into());
+        }
+        if s.n_layer > 4096 || s.n_expert > 65535 {
+            return bad("at most 4096 layers and 65535 experts".into());
+        }
+        if !(0.0..=1.0).contains(&self.routing_context) {
+            return bad(format!(
+                "--routing-context {} must be in [0, 1]",
+                self.routing_context
+            ));
+        }
+        Ok(())
+    }
+
+    fn n_vocab(&self) -> Result<u64, GenError> {
+        self.vocab
+            .iter()
+            .find(|(k, _)| k == "tokenizer.ggml.tokens")
+            .and_then(|(_, v)| v.as_array())
+            .map(|a| a.len() as u64)
+            .filter(|&n| n > 0)
+            .ok_or_else(|| GenError::Invalid("the vocabulary has no tokenizer.ggml.tokens".into()))
+    }
+
+    fn metadata(&self) -> Result<Vec<(String, Value)>, GenError> {
+        let s = &self.shape;
+        let a = "qwen3moe";
+        let k = |n: &str| format!("{a}.{n}");
+        let mut m: Vec<(String, Value)> = vec![
+            ("general.architecture".into(), Value::String(a.into())),
+            (
+                "general.name".into(),
+                Value::String(format!(
+                    "bmoe synthetic {} (seed {})",
+                    self.preset.name(),
+                    self.seed
+                )),
+            ),
+            (
+                "general.file_type".into(),
+                Value::U32(self.types.file_type()),
+            ),
+            ("general.quantization_version".into(), Value::U32(2)),
+            ("general.alignment".into(), Value::U32(32)),
+            (k("context_length"), Value::U32(s.n_ctx_train)),
+            (k("embedding_length"), Value::U32(s.d_model)),
+            (k("block_count"), Value::U32(s.n_layer)),
+            (
+                k("feed_forward_length"),
+                Value::U32(s.n_ff_exp * s.n_expert_used),
+            ),
+            (k("attention.head_count"), Value::U32(s.n_head)),
+            (k("attention.head_count_kv"), Value::U32(s.n_head_kv)),
+            (k("attention.key_length"), Value::U32(s.head_dim)),
+            (k("attention.value_length"), Value::U32(s.head_dim)),
+            (k("rope.freq_base"), Value::F32(s.rope_base)),
+            (k("attention.layer_norm_rms_epsilon"), Value::F32(s.rms_eps)),
+            (k("expert_count"), Value::U32(s.n_expert)),
+            (k("expert_used_count"), Value::U32(s.n_expert_used)),
+            (k("expert_feed_forward_length"), Value::U32(s.n_ff_exp)),
+            (
+                "bmoe.gen.preset".into(),
+                Value::String(self.preset.name().into()),
+            ),
+            ("bmoe.gen.seed".into(), Value::U64(self.seed)),
+            (
+                "bmoe.gen.routing_context".into(),
+                Value::F32(self.routing_context),
+            ),
+            ("bmoe.gen.router_gain".into(), Value::F32(self.router_gain)),
+            (
+                "bmoe.gen.attn_sharpness".into(),
+                Value::F32(self.attn_sharpness),
+            ),
+        ];
+        for (key, v) in &self.vocab {
+            if !key.starts_with("tokenizer.") {
+                continue;
+            }
+            if let Value::Array(t, items) = v {
+                if items.iter().any(|x| x.value_type() != *t) {
+                    return Err(GenError::Invalid(format!(
+                        "vocabulary key {key}: mixed array element types"
+                    )));
+                }
+            }
+            m.push((key.clone(), v.clone()));
+        }
+        Ok(m)
+    }
+
+    fn plan(
+        &self,
+        fallbacks: &mut Vec<(String, GgmlType, GgmlType)>,
+    ) -> Result<Vec<Planned>, GenError> {
+        let s = &self.shape;
+        let d = s.d_model as u64;
+        let nv = self.n_vocab()?;
+        let split = s.d_model / 2;
+        let q_dim = (s.n_head * s.head_dim) as u64;
+        let kv_dim = (s.n_head_kv * s.head_dim) as u64;
+        let ff = s.n_ff_exp as u64;
+        let ne = s.n_expert as u64;
+        let inv = |n: u64| 1.0 / (n as f32).sqrt();
+        let mut out = Vec::new();
+        let mut push =
+            |name: String, dims: &[u64], want: GgmlType, fill: Fill, fallbacks: &mut Vec<_>| {
+                let ty = fit_type(want, dims[0]);
+                if ty != want {
+                    fallbacks.push((name.clone(), want, ty));
+                }
+                out.push(Planned {
+                    spec: TensorSpec::new(name, dims, ty),
+                    fill,
+                });
+            };
+        let t = &self.types;
+        push(
+            "token_embd.weight".into(),
+            &[d, nv],
+            t.embd,
+            Fill::Rand {
+                std: 1.0,
+                lo: 0,
+                hi: split,
+            },
+            fallbacks,
+        );
+        for i in 0..s.n_layer {
+            let b = |n: &str| format!("blk.{i}.{n}.weight");
+            push(
+                b("attn_norm"),
+                &[d],
+                GgmlType::F32,
+                Fill::Const(1.0),
+                fallbacks,
+            );
+            push(
+                b("attn_q"),
+                &[d, q_dim],
+                t.attn_q,
+                Fill::Rand {
+                    std: inv(d),
+                    lo: 0,
+                    hi: s.d_model,
+                },
+                fallbacks,
+            );
+            push(
+                b("attn_k"),
+                &[d, kv_dim],
+                t.attn_kv,
+                Fill::Rand {
+                    std: inv(d),
+                    lo: 0,
+                    hi: s.d_model,
+                },
+                fallbacks,
+            );
+            push(
+                b("attn_v"),
+                &[d, kv_dim],
+                t.attn_kv,
+                Fill::Rand {
+                    std: inv(d),
+                    lo: 0,
+                    hi: s.d_model,
+                },
+                fallbacks,
+            );
+            push(
+                b("attn_q_norm"),
+                &[s.head_dim as u64],
+                GgmlType::F32,
+                Fill::Const(self.attn_sharpness),
+                fallbacks,
+            );
+            push(
+                b("attn_k_norm"),
+                &[s.head_dim as u64],
+                GgmlType::F32,
+                Fill::Const(self.attn_sharpness),
+                fallbacks,
+            );
+            // Attention writes only the context half of the residual stream.
+            push(
+                b("attn_output"),
+                &[q_dim, d],
+                t.attn_output,
+                Fill::RandRows {
+                    std: inv(q_dim),
+                    half: Half::Context,
+                    split,
+                },
+                fallbacks,
+            );
+            push(
+                b("ffn_norm"),
+                &[d],
+                GgmlType::F32,
+                Fill::Const(1.0),
+                fallbacks,
+            );
+            let r = self.routing_context;
+            push(
+                b("ffn_gate_inp"),
+                &[d, ne],
+                GgmlType::F32,
+                Fill::Router {
+                    tok: (1.0 - r) * self.router_gain * inv(split as u64),
+                    ctx: r * self.router_gain * inv((s.d_model - split) as u64) * 4.0,
+                    split,
+                },
+                fallbacks,
+            );
+            push(
+                b("ffn_gate_exps"),
+                &[d, ff, ne],
+                t.experts,
+                Fill::Rand {
+                    std: inv(d),
+                    lo: 0,
+                    hi: s.d_model,
+                },
+                fallbacks,
+            );
+            push(
+                b("ffn_up_exps"),
+                &[d, ff, ne],
+                t.experts,
+                Fill::Rand {
+                    std: inv(d),
+                    lo: 0,
+                    hi: s.d_model,
+                },
+                fallbacks,
+            );
+            let down_t = if use_more_bits(i, s.n_layer) {
+                t.experts_down_more
+            } else {
+                t.experts
+            };
+            // Experts write only the token half, so the context half stays a pure running mean.
+            push(
+                b("ffn_down_exps"),
+                &[ff, d, ne],
+                down_t,
+                Fill::RandRows {
+                    std: inv(ff),
+                    half: Half::Token,
+                    split,
+                },
+                fallbacks,
+            );
+        }
+        push(
+            "output_norm.weight".into(),
+            &[d],
+            GgmlType::F32,
+            Fill::Const(1.0),
+            fallbacks,
+        );
+        if !s.tie_output {
+            push(
+                "output.weight".into(),
+                &[d, nv],
+                t.output,
+                Fill::Rand {
+                    std: inv(d),
+                    lo: 0,
+                    hi: s.d_model,
+                },
+                fallbacks,
+            );
+        }
+        Ok(out)
+    }
+}
+
+/// Rows generated per RNG stream: fixed, so the output never depends on the thread count.
+const CHUNK_ROWS: u64 = 64;
+
+fn fill_chunk(
+    p: &Planned,
+    seed: u64,
+    chunk: u64,
+    rows: std::ops::Range<u64>,
+    out: &mut [u8],
+) -> Result<(), GenError> {
+    let ne0 = p.spec.dims[0] as usize;
+    let row_bytes = p.spec.ty.row_bytes(ne0 as u64).unwrap_or(0) as usize;
+    let mut rng = ChaCha8Rng::seed_from_u64(fnv1a(&[
+        &seed.to_le_bytes(),
+        p.spec.name.as_bytes(),
+        &chunk.to_le_bytes(),
+    ]));
+    let mut row = vec![0f32; ne0];
+    // Uniform on [-√3, √3] has unit variance and zero mean.
+    let sqrt3 = 3f32.sqrt();
+    for (i, r) in rows.enumerate() {
+        match p.fill {
+            Fill::Const(c) => row.iter_mut().for_each(|x| *x = c),
+            Fill::Rand { std, lo, hi } => {
+                for (j, x) in row.iter_mut().enumerate() {
+                    *x = if (j as u32) >= lo && (j as u32) < hi {
+                        std * sqrt3 * rng.gen_range(-1.0f32..1.0)
+                    } else {
+                        0.0
+                    };
+                }
+            }
+            Fill::RandRows { std, half, split } => {
+                let out_dim = (r % (p.spec.dims[1])) as u32;
+                let live = (out_dim < split) == (half == Half::Token);
+                for x in row.iter_mut() {
+                    *x = if live {
+                        std * sqrt3 * rng.gen_range(-1.0f32..1.0)
+                    } else {
+                        0.0
+                    };
+                }
+            }
+            Fill::Router { tok, ctx, split } => {
+                for (j, x) in row.iter_mut().enumerate() {
+                    let g = if (j as u32) < split { tok } else { ctx };
+                    *x = g * sqrt3 * rng.gen_range(-1.0f32..1.0);
+                }
+            }
+        }
+        kernels::quantize_row(
+            p.spec.ty,
+            &row,
+            &mut out[i * row_bytes..(i + 1) * row_bytes],
+        )
+        .map_err(|e| GenError::Kernel {
+            tensor: p.spec.name.clone(),
+            source: e,
+        })?;
+    }
+    Ok(())
+}
+
+fn tensor_bytes(p: &Planned, seed: u64, threads: usize) -> Result<Vec<u8>, GenError> {
+    let n_rows: u64 = p.spec.dims[1..].iter().product();
+    let row_bytes = p.spec.ty.row_bytes(p.spec.dims[0]).unwrap_or(0) as usize;
+    let mut data = vec![0u8; row_bytes * n_rows as usize];
+    let n_chunks = n_rows.div_ceil(CHUNK_ROWS);
+    let next = AtomicUsize::new(0);
+    let chunks: Vec<&mut [u8]> = data.chunks_mut(row_bytes * CHUNK_ROWS as usize).collect();
+    let slots: Vec<std::sync::Mutex<Option<&mut [u8]>>> = chunks
+        .into_iter()
+        .map(|c| std::sync::Mutex::new(Some(c)))
+        .collect();
+    let result: Result<(), GenError> = std::thread::scope(|sc| {
+        let workers: Vec<_> = (0..threads.max(1).min(n_chunks as usize))
+            .map(|_| {
+                sc.spawn(|| -> Result<(), GenError> {
+                    loop {
+                        let c = next.fetch_add(1, Ordering::Relaxed);
+                        if c as u64 >= n_chunks {
+                            return Ok(());
+                        }
+                        let buf = slots[c]
+                            .lock()
+                            .map_err(|_| GenError::Invalid("worker poisoned".into()))?
+                            .take();
+                        if let Some(buf) = buf {
+                            let lo = c as u64 * CHUNK_ROWS;
+                            let hi = (lo + CHUNK_ROWS).min(n_rows);
+                            fill_chunk(p, seed, c as u64, lo..hi, buf)?;
+                        }
+                    }
+                })
+            })
+            .collect();
+        for w in workers {
+            w.join()
+                .map_err(|_| GenError::Invalid("generator thread panicked".into()))??;
+        }
+        Ok(())
+    });
+    result?;
+    Ok(data)
+}
+
+/// Write the model to `path`. `progress(done_bytes, total_bytes)` is called after each tensor.
+pub fn generate(
+    opts: &GenOptions,
+    path: &Path,
+    mut progress: impl FnMut(u64, u64),
+) -> Result<GenReport, GenError> {
+    opts.validate()?;
+    let mut fallbacks = Vec::new();
+    let plan = opts.plan(&mut fallbacks)?;
+    let meta = opts.metadata()?;
+    let total: u64 = plan.iter().map(|p| p.spec.n_bytes().unwrap_or(0)).sum();
+    let mut w = GgufWriter::create(path, &meta, plan.iter().map(|p| p.spec.clone()).collect())?;
+    let mut done = 0;
+    for p in &plan {
+        let data = tensor_bytes(p, opts.seed, opts.threads)?;
+        w.write_tensor(&data)?;
+        done += data.len() as u64;
+        progress(done, total);
+    }
+    let bytes = w.finish()?;
+    Ok(GenReport {
+        bytes,
+        n_tensors: plan.len(),
+        n_vocab: opts.n_vocab()? as usize,
+        fallbacks,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn more_bits_covers_about_half_of_48_layers() {
+        let n = (0..48).filter(|&i| use_more_bits(i, 48)).count();
+        assert!((20..=28).contains(&n), "{n}");
+    }
+
+    #[test]
+    fn fit_type_falls_back_on_odd_widths() {
+        assert_eq!(fit_type(GgmlType::Q4_K, 384), GgmlType::Q8_0);
+        assert_eq!(fit_type(GgmlType::Q4_K, 512), GgmlType::Q4_K);
+        assert_eq!(fit_type(GgmlType::Q8_0, 48), GgmlType::F16);
+    }
+}

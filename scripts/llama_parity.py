@@ -1,0 +1,117 @@
+#!/usr/bin/env python3
+"""Independent references for bmoe's parity checks, through the PyPI packages
+`llama-cpp-python` (llama.cpp compiled by pip) and `gguf`.
+
+  llama_parity.py logits MODEL IDS_JSON OUT_F32   teacher-forced logits of the token ids in
+                                                  IDS_JSON["token_ids"], one row per position
+                                                  (KV cache f32, flash attention off)
+  llama_parity.py quantize IN OUT TYPE            llama.cpp's own quantizer (llama-quantize),
+                                                  TYPE in f16, q8_0, q4_0, q4_k_m, q6_k
+  llama_parity.py rewrite IN OUT                  copy a GGUF through the gguf package's writer
+                                                  (another tool's file layout, same weights)
+  llama_parity.py compare A.f32 B.f32 N_VOCAB     per-position cosine and top-1 agreement, as JSON
+
+Only the standard library plus those packages and numpy.
+"""
+import json
+import sys
+
+
+def cmd_logits(model, ids_json, out):
+    import llama_cpp
+    import numpy as np
+
+    ids = json.load(open(ids_json))["token_ids"]
+    llm = llama_cpp.Llama(
+        model_path=model,
+        n_ctx=max(64, len(ids) + 8),
+        n_batch=max(64, len(ids) + 8),
+        n_ubatch=max(64, len(ids) + 8),
+        n_threads=2,
+        logits_all=True,
+        verbose=False,
+        type_k=0,  # GGML_TYPE_F32
+        type_v=0,
+        flash_attn=False,
+    )
+    llm.eval(ids)
+    scores = np.asarray(llm.scores[: len(ids)], dtype=np.float32)
+    scores.tofile(out)
+    print(json.dumps({"rows": int(scores.shape[0]), "n_vocab": int(scores.shape[1])}))
+
+
+FTYPES = {
+    "f16": "LLAMA_FTYPE_MOSTLY_F16",
+    "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0",
+    "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
+    "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M",
+    "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K",
+}
+
+
+def cmd_quantize(inp, out, ty):
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, FTYPES[ty])
+    params.nthread = 2
+    rc = llama_cpp.llama_model_quantize(inp.encode(), out.encode(), params)
+    if rc != 0:
+        sys.exit(f"llama_model_quantize failed with {rc}")
+
+
+def cmd_rewrite(inp, out):
+    import gguf
+
+    r = gguf.GGUFReader(inp)
+    arch = r.fields["general.architecture"]
+    arch = bytes(arch.parts[arch.data[0]]).decode()
+    w = gguf.GGUFWriter(out, arch)
+    for name, field in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        vt = field.types[0]
+        if vt == gguf.GGUFValueType.ARRAY:
+            et = field.types[1]
+            if et == gguf.GGUFValueType.STRING:
+                val = [bytes(field.parts[i]).decode("utf-8") for i in field.data]
+            else:
+                val = [field.parts[i].tolist()[0] for i in field.data]
+            w.add_key_value(name, val, vt, sub_type=et)
+        elif vt == gguf.GGUFValueType.STRING:
+            w.add_key_value(name, bytes(field.parts[field.data[0]]).decode("utf-8"), vt)
+        else:
+            w.add_key_value(name, field.parts[field.data[0]].tolist()[0], vt)
+    for t in r.tensors:
+        w.add_tensor(t.name, t.data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def cmd_compare(a, b, n_vocab):
+    import numpy as np
+
+    n_vocab = int(n_vocab)
+    x = np.fromfile(a, dtype=np.float32).reshape(-1, n_vocab)
+    y = np.fromfile(b, dtype=np.float32).reshape(-1, n_vocab)
+    n = min(len(x), len(y))
+    x, y = x[:n].astype(np.float64), y[:n].astype(np.float64)
+    cos = (x * y).sum(1) / (np.linalg.norm(x, axis=1) * np.linalg.norm(y, axis=1))
+    top = x.argmax(1) == y.argmax(1)
+    print(json.dumps({"rows": n, "cos_min": float(cos.min()), "cos_mean": float(cos.mean()),
+                      "top1_agree": float(top.mean()), "cos": [float(c) for c in cos],
+                      "top1": [bool(t) for t in top]}))
+
+
+def main():
+    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
+        print(__doc__)
+        return
+    cmd, args = sys.argv[1], sys.argv[2:]
+    {"logits": cmd_logits, "quantize": cmd_quantize, "rewrite": cmd_rewrite, "compare": cmd_compare}[cmd](*args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Run every test of the workspace, installing the Python references the tests compare
+# against (the PyPI gguf reader, jinja2 for chat-template goldens, llama-cpp-python for
+# logit parity). pip compiles llama-cpp-python once (~5 minutes on 2 cores) and caches
+# the wheel.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if ! python3 -c "import gguf, jinja2, numpy, llama_cpp" 2>/dev/null; then
+  echo "test.sh: installing Python test references (first run compiles llama-cpp-python, ~5 min)" >&2
+  python3 -m pip install -q --disable-pip-version-check -r scripts/requirements-test.txt
+fi
+if cargo nextest --version >/dev/null 2>&1; then
+  exec cargo nextest run --workspace --no-fail-fast "$@"
+else
+  exec cargo test --workspace --no-fail-fast "$@"
+fi

@@ -1,0 +1,456 @@
+//! The compute side of a decode step, as the core sees it: the `Backend` trait, the
+//! `Routing` the router writes into, and the slot names the core uses for expert memory.
+//!
+//! The engine implements `Backend` with real kernels over GGUF tensors; the simulator replays
+//! a route trace and charges modelled time to its clock. The decode step (`step.rs`) is the
+//! only caller, in a fixed order, so *what happens when* is written once.
+
+use crate::layout::ExpertKey;
+use thiserror::Error;
+
+/// Where an expert's bytes live while a layer computes. The core decides slots; the engine
+/// maps them to memory; the simulator has no memory at all.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum SlotId {
+    /// A cached expert: the engine's arena reserves one address range per (layer, expert)
+    /// (per projection, native GGUF layout) and commits its pages lazily. Valid from the read
+    /// that fills it until `Backend::release` of the same slot.
+    Canonical(ExpertKey),
+    /// Cache off: expert `e`'s place in the shared staging buffers (one per projection, each
+    /// `max n_expert` experts wide), reused by every layer. The number is the expert id within
+    /// the current layer. Valid from the read that fills it until the layer's `finish_layer`
+    /// returns; the next layer's reads may overwrite it.
+    Staging(u16),
+}
+
+/// A model layer that has routed experts: its model layer number and its MoE index.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct LayerId {
+    /// Model layer (`blk.N`).
+    pub model: u32,
+    /// MoE layer index (what `ExpertKey::layer`, traces and the cache use).
+    pub moe: u16,
+}
+
+/// One routing of a batch row to an expert, as handed to `Backend::expert`.
+#[derive(Copy, Clone, Debug, PartialEq)]
+pub struct ExpertUse {
+    /// Row of this layer's `Routing` (not necessarily the batch row: see `Routing::batch_row`).
+    pub row: u32,
+    /// Rank in the router's order (0 = top choice): the slot `finish_layer` sums it into.
+    pub rank: u16,
+    /// Final applied weight.
+    pub weight: f32,
+}
+
+/// Why a routing was refused. A router that breaks these is a bug in the backend, and the
+/// step stops rather than read or compute something arbitrary.
+#[derive(Debug, Clone, PartialEq, Error)]
+pub enum RoutingError {
+    #[error("routing row has {ids} expert ids but {weights} weights")]
+    LengthMismatch { ids: usize, weights: usize },
+    #[error("routing row is {got} experts wide; earlier rows of this layer are {expected} wide")]
+    WidthMismatch { expected: usize, got: usize },
+    #[error("routing row is {width} experts wide; expected 1..=65535")]
+    BadWidth { width: usize },
+    #[error("routing row carries {got} router probabilities; the layer has {n_expert} experts")]
+    ProbsLength { n_expert: u32, got: usize },
+    #[error("either every routing row of a layer carries router probabilities or none does")]
+    ProbsMixed,
+    #[error("routing row for batch row {batch_row}, but the batch has {n_tokens} tokens")]
+    RowOutOfBatch { batch_row: u32, n_tokens: u32 },
+    #[error("layer {layer} row {row} rank {rank}: expert {expert} is out of range (n_expert={n_expert})")]
+    ExpertOutOfRange {
+        layer: u16,
+        row: u32,
+        rank: u16,
+        expert: u16,
+        n_expert: u32,
+    },
+    #[error("layer {layer} row {row}: expert {expert} is routed twice")]
+    DuplicateExpert { layer: u16, row: u32, expert: u16 },
+    #[error("routing has {rows} rows; at most 2^32-1 are supported")]
+    TooManyRows { rows: usize },
+}
+
+/// One layer's routing for a batch, in the router's rank order.
+///
+/// Flat, reusable arrays: the step owns one `Routing`, clears it before every `route` call
+/// and the backend appends rows, so no step allocates once capacities have grown. Row `r`
+/// holds `k` (expert id, final weight) pairs, rank 0 first, plus an optional full
+/// probability vector (`n_expert` wide) for hooks that re-rank, and a per-entry `dropped`
+/// flag set by cache-aware dropping (a dropped entry is neither read nor computed, but is
+/// still traced).
+///
+/// Rows need not cover the whole batch: before the final layer a forward pass may gather only
+/// the tokens whose logits are wanted (llama.cpp routes only the last prompt token at the last
+/// layer of a prefill). Each row therefore names its `batch_row`, and the backend decides.
+#[derive(Clone, Debug, Default)]
+pub struct Routing {
+    n_expert: u32,
+    n_tokens: u32,
+    k: usize,
+    batch_rows: Vec<u32>,
+    ids: Vec<u16>,
+    weights: Vec<f32>,
+    dropped: Vec<bool>,
+    probs: Vec<f32>,
+    has_probs: Option<bool>,
+}
+
+impl Routing {
+    /// An empty routing.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Forget all rows and prepare for a layer with `n_expert` experts and a batch of
+    /// `n_tokens` tokens. Keeps capacity. Called by the step before `Backend::route`.
+    pub fn reset(&mut self, n_expert: u32, n_tokens: u32) {
+        self.n_expert = n_expert;
+        self.n_tokens = n_tokens;
+        self.k = 0;
+        self.batch_rows.clear();
+        self.ids.clear();
+        self.weights.clear();
+        self.dropped.clear();
+        self.probs.clear();
+        self.has_probs = None;
+    }
+
+    /// Append the routing of batch row `batch_row`: expert ids and final weights in rank
+    /// order. Every row of a layer has the same width. Ids are range-checked by the step
+    /// after the router hooks ran (`validate`).
+    pub fn push_row(
+        &mut self,
+        batch_row: u32,
+        ids: &[u16],
+        weights: &[f32],
+    ) -> Result<(), RoutingError> {
+        self.push_common(batch_row, ids, weights, false)?;
+        Ok(())
+    }
+
+    /// `push_row` plus the router's full probability vector (`n_expert` wide) for this row.
+    pub fn push_row_with_probs(
+        &mut self,
+        batch_row: u32,
+        ids: &[u16],
+        weights: &[f32],
+        probs: &[f32],
+    ) -> Result<(), RoutingError> {
+        if probs.len() != self.n_expert as usize {
+            return Err(RoutingError::ProbsLength {
+                n_expert: self.n_expert,
+                got: probs.len(),
+            });
+        }
+        self.push_common(batch_row, ids, weights, true)?;
+        self.probs.extend_from_slice(probs);
+        Ok(())
+    }
+
+    fn push_common(
+        &mut self,
+        batch_row: u32,
+        ids: &[u16],
+        weights: &[f32],
+        with_probs: bool,
+    ) -> Result<(), RoutingError> {
+        if ids.len() != weights.len() {
+            return Err(RoutingError::LengthMismatch {
+                ids: ids.len(),
+                weights: weights.len(),
+            });
+        }
+        if ids.is_empty() || ids.len() > u16::MAX as usize {
+            return Err(RoutingError::BadWidth { width: ids.len() });
+        }
+        if !self.batch_rows.is_empty() && ids.len() != self.k {
+            return Err(RoutingError::WidthMismatch {
+                expected: self.k,
+                got: ids.len(),
+            });
+        }
+        if self.has_probs.is_some_and(|h| h != with_probs) {
+            return Err(RoutingError::ProbsMixed);
+        }
+        if batch_row >= self.n_tokens {
+            return Err(RoutingError::RowOutOfBatch {
+                batch_row,
+                n_tokens: self.n_tokens,
+            });
+        }
+        if self.batch_rows.len() >= u32::MAX as usize {
+            return Err(RoutingError::TooManyRows {
+                rows: self.batch_rows.len() + 1,
+            });
+        }
+        // Every check passed: only now change state, so a refused row leaves no trace.
+        self.k = ids.len();
+        self.has_probs = Some(with_probs);
+        self.batch_rows.push(batch_row);
+        self.ids.extend_from_slice(ids);
+        self.weights.extend_from_slice(weights);
+        self.dropped.extend(std::iter::repeat_n(false, ids.len()));
+        Ok(())
+    }
+
+    /// Check every id against `n_expert` and for duplicates within a row. The step calls this
+    /// after the hooks, so a hook that rewrites ids is held to the same rules as the router.
+    pub fn validate(&self, layer: u16) -> Result<(), RoutingError> {
+        for r in 0..self.n_rows() {
+            let ids = self.ids(r);
+            for (rank, &e) in ids.iter().enumerate() {
+                if u32::from(e) >= self.n_expert {
+                    return Err(RoutingError::ExpertOutOfRange {
+                        layer,
+                        row: r,
+                        rank: rank as u16,
+                        expert: e,
+                        n_expert: self.n_expert,
+                    });
+                }
+                if ids[..rank].contains(&e) {
+                    return Err(RoutingError::DuplicateExpert {
+                        layer,
+                        row: r,
+                        expert: e,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Experts in the layer this routing was reset for.
+    pub fn n_expert(&self) -> u32 {
+        self.n_expert
+    }
+
+    /// Rows routed at this layer.
+    pub fn n_rows(&self) -> u32 {
+        self.batch_rows.len() as u32
+    }
+
+    /// Experts per row (0 before the first row).
+    pub fn k(&self) -> usize {
+        self.k
+    }
+
+    /// The batch row (index into the step's tokens/positions) that routing row `row` routes.
+    pub fn batch_row(&self, row: u32) -> u32 {
+        self.batch_rows[row as usize]
+    }
+
+    /// Expert ids of `row`, rank order.
+    pub fn ids(&self, row: u32) -> &[u16] {
+        let s = row as usize * self.k;
+        &self.ids[s..s + self.k]
+    }
+
+    /// Mutable expert ids of `row` (for hooks that re-route; checked again by `validate`).
+    pub fn ids_mut(&mut self, row: u32) -> &mut [u16] {
+        let s = row as usize * self.k;
+        &mut self.ids[s..s + self.k]
+    }
+
+    /// Final weights of `row`, rank order.
+    pub fn weights(&self, row: u32) -> &[f32] {
+        let s = row as usize * self.k;
+        &self.weights[s..s + self.k]
+    }
+
+    /// Mutable final weights of `row`.
+    pub fn weights_mut(&mut self, row: u32) -> &mut [f32] {
+        let s = row as usize * self.k;
+        &mut self.weights[s..s + self.k]
+    }
+
+    /// Dropped flags of `row`, rank order.
+    pub fn dropped(&self, row: u32) -> &[bool] {
+        let s = row as usize * self.k;
+        &self.dropped[s..s + self.k]
+    }
+
+    /// Mark rank `rank` of `row` dropped: it will be traced with its router weight and
+    /// residency but neither read nor computed.
+    pub fn drop_entry(&mut self, row: u32, rank: usize) {
+        self.dropped[row as usize * self.k + rank] = true;
+    }
+
+    /// The router's full probabilities for `row`, when the backend supplied them.
+    pub fn probs(&self, row: u32) -> Option<&[f32]> {
+        if self.has_probs != Some(true) {
+            return None;
+        }
+        let n = self.n_expert as usize;
+        let s = row as usize * n;
+        Some(&self.probs[s..s + n])
+    }
+
+    /// Keep only the first `k` ranks of every row (no-op when `k` is 0 or not narrower).
+    /// Weights are left as they were; renormalising is the caller's decision.
+    pub fn truncate_k(&mut self, k: usize) {
+        if k == 0 || k >= self.k {
+            return;
+        }
+        let old = self.k;
+        for r in 0..self.batch_rows.len() {
+            for j in 0..k {
+                self.ids[r * k + j] = self.ids[r * old + j];
+                self.weights[r * k + j] = self.weights[r * old + j];
+                self.dropped[r * k + j] = self.dropped[r * old + j];
+            }
+        }
+        let n = self.batch_rows.len() * k;
+        self.ids.truncate(n);
+        self.weights.truncate(n);
+        self.dropped.truncate(n);
+        self.k = k;
+    }
+}
+
+/// Which backend call failed (for error messages).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum BackendStage {
+    Begin,
+    Dense,
+    Route,
+    Expert,
+    FinishLayer,
+    Head,
+    Release,
+}
+
+impl std::fmt::Display for BackendStage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            BackendStage::Begin => "begin",
+            BackendStage::Dense => "dense",
+            BackendStage::Route => "route",
+            BackendStage::Expert => "expert",
+            BackendStage::FinishLayer => "finish_layer",
+            BackendStage::Head => "head",
+            BackendStage::Release => "release",
+        })
+    }
+}
+
+/// The compute side of one step over a batch of tokens.
+///
+/// Call order, per step (the decode step is the only caller):
+/// `begin`, then for every model layer `dense`; for a MoE layer additionally `route`, any
+/// number of `expert` calls (each routed expert exactly once, in an order that may differ
+/// between serial and overlap runs), then `finish_layer`; finally `head`. `release` may be
+/// called between any two of these (the cache evicted an expert).
+///
+/// Contract:
+/// - `expert` is called only after every byte of the slot has landed (the core waited for
+///   its reads). The backend may read the slot's bytes until the layer's `finish_layer`
+///   returns or until `release` of that slot, whichever comes first; if it deferred work on
+///   the slot it must finish that work before `release` returns.
+/// - `finish_layer` sums the per-(row, rank) outputs **in rank order**, so the order of
+///   `expert` calls (completion order under overlap) can never change the result's bytes.
+/// - Any error stops the step; the engine that owns this backend refuses further steps
+///   (STYLE 12: a failed step means the output is untrustworthy).
+pub trait Backend {
+    /// The backend's error type; boxed into `StepError::Backend`.
+    type Error: std::error::Error + Send + Sync + 'static;
+
+    /// Start a step over `tokens` at context positions `positions` (same length, ≥ 1).
+    fn begin(&mut self, tokens: &[u32], positions: &[u32]) -> Result<(), Self::Error>;
+
+    /// Everything of model layer `layer` that is not routed experts: norms, attention, shared
+    /// experts, and (for a dense layer) its FFN.
+    fn dense(&mut self, layer: u32) -> Result<(), Self::Error>;
+
+    /// Route the MoE layer: push one row per routed batch row into `routing` (already reset
+    /// for this layer and batch) with the top-k ids and final weights in rank order.
+    fn route(&mut self, layer: LayerId, routing: &mut Routing) -> Result<(), Self::Error>;
+
+    /// Compute expert `expert` of `layer`, whose bytes are in `slot`, for the routing rows in
+    /// `uses` (sorted by row, then rank), weighting each output by its weight.
+    fn expert(
+        &mut self,
+        layer: LayerId,
+        expert: u16,
+        slot: SlotId,
+        uses: &[ExpertUse],
+    ) -> Result<(), Self::Error>;
+
+    /// Combine the layer's expert outputs (in rank order) into the residual stream.
+    fn finish_layer(&mut self, layer: LayerId) -> Result<(), Self::Error>;
+
+    /// Final norm and output head for the batch's last row.
+    fn head(&mut self) -> Result<(), Self::Error>;
+
+    /// The cache evicted `slot`: free its memory (the engine `madvise(MADV_DONTNEED)`s it).
+    /// The slot's bytes are never read again until a new read fills it.
+    fn release(&mut self, slot: SlotId) -> Result<(), Self::Error>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_are_flat_and_truncation_keeps_rank_order() {
+        let mut r = Routing::new();
+        r.reset(8, 3);
+        r.push_row(0, &[5, 1, 7], &[0.5, 0.3, 0.2]).unwrap();
+        r.push_row(2, &[2, 3, 4], &[0.6, 0.3, 0.1]).unwrap();
+        r.drop_entry(1, 1);
+        assert_eq!(r.n_rows(), 2);
+        assert_eq!(r.batch_row(1), 2);
+        r.truncate_k(2);
+        assert_eq!(r.k(), 2);
+        assert_eq!(r.ids(0), &[5, 1]);
+        assert_eq!(r.ids(1), &[2, 3]);
+        assert_eq!(r.weights(1), &[0.6, 0.3]);
+        assert_eq!(r.dropped(1), &[false, true]);
+        assert!(r.probs(0).is_none());
+        assert_eq!(r.validate(0), Ok(()));
+    }
+
+    #[test]
+    fn malformed_rows_are_refused() {
+        let mut r = Routing::new();
+        r.reset(4, 1);
+        assert!(matches!(
+            r.push_row(0, &[1, 2], &[1.0]),
+            Err(RoutingError::LengthMismatch { .. })
+        ));
+        assert!(matches!(
+            r.push_row(1, &[1], &[1.0]),
+            Err(RoutingError::RowOutOfBatch { .. })
+        ));
+        r.push_row(0, &[1, 1], &[0.5, 0.5]).unwrap();
+        assert!(matches!(
+            r.validate(3),
+            Err(RoutingError::DuplicateExpert {
+                layer: 3,
+                expert: 1,
+                ..
+            })
+        ));
+        assert!(matches!(
+            r.push_row(0, &[1], &[1.0]),
+            Err(RoutingError::WidthMismatch { .. })
+        ));
+        r.reset(4, 1);
+        r.push_row(0, &[4], &[1.0]).unwrap();
+        assert!(matches!(
+            r.validate(0),
+            Err(RoutingError::ExpertOutOfRange { expert: 4, .. })
+        ));
+        r.reset(4, 2);
+        r.push_row_with_probs(0, &[1], &[1.0], &[0.1, 0.7, 0.1, 0.1])
+            .unwrap();
+        assert!(matches!(
+            r.push_row(1, &[2], &[1.0]),
+            Err(RoutingError::ProbsMixed)
+        ));
+        assert_eq!(r.probs(0).unwrap()[1], 0.7);
+    }
+}

@@ -1,0 +1,641 @@
+//! The expert cache: which (layer, expert) pairs are resident, within a byte budget.
+//!
+//! One implementation serves the engine and the simulator, which is what makes a replayed
+//! trace reproduce the engine's hits, misses, evictions and bytes exactly. The hot path is
+//! dense arrays indexed by the layout's key index (`layer_base + expert`) and a policy with an
+//! intrusive list: no hashing, no allocation after construction.
+
+use crate::layout::{ExpertKey, ExpertLayout};
+use crate::policy::EvictionPolicy;
+use thiserror::Error;
+
+/// Why the cache refused something.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum CacheError {
+    #[error("cache budget {budget_bytes} bytes is below one layer's routed experts ({layer_demand_bytes} bytes at top-k {k}, the layer_demand floor); use 0 (cache off) or at least the floor")]
+    BudgetBelowLayerDemand {
+        budget_bytes: u64,
+        layer_demand_bytes: u64,
+        k: u16,
+    },
+    #[error("cannot resize to {budget_bytes} bytes: {pinned_bytes} bytes are pinned")]
+    BudgetBelowPinned {
+        budget_bytes: u64,
+        pinned_bytes: u64,
+    },
+    #[error("the cache is off (budget 0): nothing can be admitted")]
+    Off,
+    #[error("expert {expert} of MoE layer {layer} is not in the layout")]
+    UnknownKey { layer: u16, expert: u16 },
+    #[error("expert {expert} of MoE layer {layer} is already resident")]
+    AlreadyResident { layer: u16, expert: u16 },
+    #[error("expert {expert} of MoE layer {layer} is not pinned")]
+    NotPinned { layer: u16, expert: u16 },
+    #[error("cache invariant broken: {what}")]
+    Corrupt { what: String },
+}
+
+/// Cumulative cache counters. `hits + misses` = lookups.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct CacheCounters {
+    /// Lookups that found the expert resident.
+    pub hits: u64,
+    /// Lookups that did not (each is read exactly once by the streamer).
+    pub misses: u64,
+    /// Experts evicted to make room.
+    pub evictions: u64,
+    /// Misses on an expert the cache had held before (churn: bytes read twice).
+    pub rereads: u64,
+    /// Experts admitted.
+    pub inserts: u64,
+}
+
+impl CacheCounters {
+    /// `self - earlier`, field by field (saturating).
+    pub fn since(self, earlier: CacheCounters) -> CacheCounters {
+        CacheCounters {
+            hits: self.hits.saturating_sub(earlier.hits),
+            misses: self.misses.saturating_sub(earlier.misses),
+            evictions: self.evictions.saturating_sub(earlier.evictions),
+            rereads: self.rereads.saturating_sub(earlier.rereads),
+            inserts: self.inserts.saturating_sub(earlier.inserts),
+        }
+    }
+}
+
+/// Outcome of `ExpertCache::lookup`.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Lookup {
+    /// Resident; now pinned (one more pin).
+    Hit,
+    /// Not resident. `reread` when the cache had held it before.
+    Miss { reread: bool },
+}
+
+/// Outcome of `ExpertCache::admit`.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Admission {
+    /// Resident and pinned; the caller must fill it with a read before anyone computes on it.
+    Admitted,
+    /// Even after evicting every unpinned entry it would not fit: the pinned entries fill the
+    /// budget. Nothing was evicted. The caller finishes and unpins its current work first.
+    NoRoom,
+}
+
+const RESIDENT: u8 = 1;
+const EVER_HELD: u8 = 2;
+
+/// The expert cache.
+///
+/// Guarantees (tested with proptest in `tests/core.rs`):
+/// - **never over budget**: `resident_bytes() <= budget_bytes()` after every call;
+/// - **a pinned entry is never evicted** (nor discarded by a resize);
+/// - counters: `hits + misses` equals the number of `lookup` calls; `inserts` the number of
+///   successful `admit` calls; `evictions` the number of entries removed to make room.
+///
+/// **Admission rule.** For one layer's set of routed experts, the streamer calls `lookup` on
+/// every one of them *before* it `admit`s any miss: each hit is found and pinned first, so a
+/// routing's misses can never evict that same routing's hits (which would turn a hit into a
+/// second read in the same step). A miss that does not fit beside the pinned entries gets
+/// `NoRoom` without evicting anything; the streamer then computes and unpins what it holds and
+/// admits the rest in a further wave (only a prefill batch whose union of experts exceeds the
+/// budget can need this; a budget at or above `layer_demand` never needs it in decode).
+///
+/// **Floor.** A budget greater than 0 but below `ExpertLayout::layer_demand_bytes(k)` is
+/// refused: the cache could not stage one token's routed experts of the widest layer. Budget 0
+/// means the cache is off: `lookup` always misses (and counts it), `admit` is refused, and the
+/// streamer reads every routed expert into `Staging` slots.
+pub struct ExpertCache {
+    budget_bytes: u64,
+    k: u16,
+    layer_demand_bytes: u64,
+    // Invariant: resident_bytes = Σ entry bytes over RESIDENT keys <= budget_bytes.
+    resident_bytes: u64,
+    // Invariant: pinned_bytes = Σ entry bytes over RESIDENT keys with pins > 0.
+    pinned_bytes: u64,
+    resident_count: u32,
+    // Per MoE layer.
+    key_base: Vec<u32>,
+    n_expert: Vec<u32>,
+    entry_bytes: Vec<u64>,
+    // Per dense key index.
+    key_layer: Vec<u16>,
+    flags: Vec<u8>,
+    // Invariant: pins[i] > 0 only if RESIDENT.
+    pins: Vec<u32>,
+    policy: Box<dyn EvictionPolicy>,
+    counters: CacheCounters,
+}
+
+impl std::fmt::Debug for ExpertCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExpertCache")
+            .field("budget_bytes", &self.budget_bytes)
+            .field("resident_bytes", &self.resident_bytes)
+            .field("pinned_bytes", &self.pinned_bytes)
+            .field("policy", &self.policy.name())
+            .field("counters", &self.counters)
+            .finish()
+    }
+}
+
+impl ExpertCache {
+    /// A cache over `layout` holding at most `budget_bytes` (0 = off), sized for an applied
+    /// top-k of `k` (the `--n-expert-used` override, or the model's), evicting by `policy`.
+    pub fn new(
+        layout: &ExpertLayout,
+        budget_bytes: u64,
+        k: u16,
+        mut policy: Box<dyn EvictionPolicy>,
+    ) -> Result<Self, CacheError> {
+        let layer_demand_bytes = layout.layer_demand_bytes(k.max(1));
+        if budget_bytes > 0 && budget_bytes < layer_demand_bytes {
+            return Err(CacheError::BudgetBelowLayerDemand {
+                budget_bytes,
+                layer_demand_bytes,
+                k,
+            });
+        }
+        let n_keys = layout.n_keys() as usize;
+        let mut key_base = Vec::with_capacity(layout.layers().len());
+        let mut key_layer = Vec::with_capacity(n_keys);
+        for (m, l) in layout.layers().iter().enumerate() {
+            key_base.push(key_layer.len() as u32);
+            key_layer.extend(std::iter::repeat_n(m as u16, l.n_expert as usize));
+        }
+        policy.init(layout);
+        Ok(ExpertCache {
+            budget_bytes,
+            k,
+            layer_demand_bytes,
+            resident_bytes: 0,
+            pinned_bytes: 0,
+            resident_count: 0,
+            key_base,
+            n_expert: layout.layers().iter().map(|l| l.n_expert).collect(),
+            entry_bytes: (0..layout.n_moe_layers())
+                .map(|m| layout.expert_bytes(m))
+                .collect(),
+            key_layer,
+            flags: vec![0; n_keys],
+            pins: vec![0; n_keys],
+            policy,
+            counters: CacheCounters::default(),
+        })
+    }
+
+    /// True when the budget is 0 (every routed expert streams every step).
+    pub fn is_off(&self) -> bool {
+        self.budget_bytes == 0
+    }
+
+    /// The budget in bytes (0 = off).
+    pub fn budget_bytes(&self) -> u64 {
+        self.budget_bytes
+    }
+
+    /// The top-k the budget was checked against.
+    pub fn k(&self) -> u16 {
+        self.k
+    }
+
+    /// The floor the budget was checked against (`layer_demand_bytes(k)`).
+    pub fn layer_demand_bytes(&self) -> u64 {
+        self.layer_demand_bytes
+    }
+
+    /// Bytes of all resident entries.
+    pub fn resident_bytes(&self) -> u64 {
+        self.resident_bytes
+    }
+
+    /// Bytes of resident entries that are pinned.
+    pub fn pinned_bytes(&self) -> u64 {
+        self.pinned_bytes
+    }
+
+    /// Keys the cache was built for (the layout's `n_keys`).
+    pub fn n_keys(&self) -> u32 {
+        self.flags.len() as u32
+    }
+
+    /// Resident entries.
+    pub fn resident_count(&self) -> u32 {
+        self.resident_count
+    }
+
+    /// Cumulative counters.
+    pub fn counters(&self) -> CacheCounters {
+        self.counters
+    }
+
+    /// The policy's name.
+    pub fn policy_name(&self) -> &'static str {
+        self.policy.name()
+    }
+
+    #[inline]
+    fn index(&self, key: ExpertKey) -> Result<usize, CacheError> {
+        match self.n_expert.get(key.layer as usize) {
+            Some(&n) if u32::from(key.expert) < n => {
+                Ok((self.key_base[key.layer as usize] + u32::from(key.expert)) as usize)
+            }
+            _ => Err(CacheError::UnknownKey {
+                layer: key.layer,
+                expert: key.expert,
+            }),
+        }
+    }
+
+    fn key_at(&self, index: usize) -> ExpertKey {
+        let layer = self.key_layer[index];
+        ExpertKey {
+            layer,
+            expert: (index as u32 - self.key_base[layer as usize]) as u16,
+        }
+    }
+
+    /// Whether `key` is resident (a hook's residency question; changes nothing).
+    #[inline]
+    pub fn contains(&self, key: ExpertKey) -> bool {
+        self.index(key).is_ok_and(|i| self.flags[i] & RESIDENT != 0)
+    }
+
+    /// Whether `key` is resident and pinned.
+    pub fn is_pinned(&self, key: ExpertKey) -> bool {
+        self.index(key).is_ok_and(|i| self.pins[i] > 0)
+    }
+
+    /// Look `key` up: a hit pins it and tells the policy; a miss is counted (and counted as a
+    /// re-read when the cache had held `key` before). See the admission rule above.
+    #[inline]
+    pub fn lookup(&mut self, key: ExpertKey) -> Result<Lookup, CacheError> {
+        let i = self.index(key)?;
+        if self.flags[i] & RESIDENT != 0 {
+            self.pin_index(i);
+            self.policy.on_hit(i as u32);
+            self.counters.hits += 1;
+            Ok(Lookup::Hit)
+        } else {
+            let reread = self.flags[i] & EVER_HELD != 0;
+            self.counters.misses += 1;
+            if reread {
+                self.counters.rereads += 1;
+            }
+            Ok(Lookup::Miss { reread })
+        }
+    }
+
+    #[inline]
+    fn pin_index(&mut self, i: usize) {
+        if self.pins[i] == 0 {
+            self.pinned_bytes += self.entry_bytes[self.key_layer[i] as usize];
+        }
+        self.pins[i] += 1;
+    }
+
+    /// Make `key` resident and pinned, evicting unpinned entries by policy until it fits.
+    /// Evicted keys are appended to `evicted`; the caller must `Backend::release` each.
+    /// Returns `NoRoom` (evicting nothing) when the pinned entries leave no room for it.
+    pub fn admit(
+        &mut self,
+        key: ExpertKey,
+        evicted: &mut Vec<ExpertKey>,
+    ) -> Result<Admission, CacheError> {
+        if self.is_off() {
+            return Err(CacheError::Off);
+        }
+        let i = self.index(key)?;
+        if self.flags[i] & RESIDENT != 0 {
+            return Err(CacheError::AlreadyResident {
+                layer: key.layer,
+                expert: key.expert,
+            });
+        }
+        let bytes = self.entry_bytes[key.layer as usize];
+        // Evicting every unpinned entry would leave exactly pinned_bytes resident: if the new
+        // entry does not fit beside those, refuse before evicting anything.
+        if self.pinned_bytes.saturating_add(bytes) > self.budget_bytes {
+            return Ok(Admission::NoRoom);
+        }
+        while self.resident_bytes + bytes > self.budget_bytes {
+            let pins = &self.pins;
+            let victim = self
+                .policy
+                .victim(&|v| pins.get(v as usize).is_some_and(|&p| p == 0));
+            let Some(v) = victim.map(|v| v as usize) else {
+                return Err(CacheError::Corrupt {
+                    what: format!(
+                        "policy {} found no victim with {} bytes resident, {} pinned",
+                        self.policy.name(),
+                        self.resident_bytes,
+                        self.pinned_bytes
+                    ),
+                });
+            };
+            if v >= self.flags.len() || self.flags[v] & RESIDENT == 0 || self.pins[v] > 0 {
+                return Err(CacheError::Corrupt {
+                    what: format!(
+                        "policy {} named victim {v}, which is not an evictable resident entry",
+                        self.policy.name()
+                    ),
+                });
+            }
+            self.remove_index(v);
+            self.counters.evictions += 1;
+            evicted.push(self.key_at(v));
+        }
+        self.flags[i] |= RESIDENT | EVER_HELD;
+        self.resident_bytes += bytes;
+        self.resident_count += 1;
+        self.pin_index(i);
+        self.policy.on_insert(i as u32);
+        self.counters.inserts += 1;
+        Ok(Admission::Admitted)
+    }
+
+    fn remove_index(&mut self, i: usize) {
+        let bytes = self.entry_bytes[self.key_layer[i] as usize];
+        if self.pins[i] > 0 {
+            self.pinned_bytes -= bytes;
+            self.pins[i] = 0;
+        }
+        self.flags[i] &= !RESIDENT;
+        self.resident_bytes -= bytes;
+        self.resident_count -= 1;
+        self.policy.on_remove(i as u32);
+    }
+
+    /// Drop one pin of `key` (taken by a hit `lookup` or an `admit`).
+    pub fn unpin(&mut self, key: ExpertKey) -> Result<(), CacheError> {
+        let i = self.index(key)?;
+        if self.pins[i] == 0 {
+            return Err(CacheError::NotPinned {
+                layer: key.layer,
+                expert: key.expert,
+            });
+        }
+        self.pins[i] -= 1;
+        if self.pins[i] == 0 {
+            self.pinned_bytes -= self.entry_bytes[key.layer as usize];
+        }
+        Ok(())
+    }
+
+    /// Remove `key` even if pinned (its bytes are untrustworthy, e.g. its read failed).
+    /// Returns whether it was resident. Not counted as an eviction.
+    pub fn discard(&mut self, key: ExpertKey) -> Result<bool, CacheError> {
+        let i = self.index(key)?;
+        if self.flags[i] & RESIDENT == 0 {
+            return Ok(false);
+        }
+        self.remove_index(i);
+        Ok(true)
+    }
+
+    /// Change the budget (between generations), evicting unpinned entries by policy until the
+    /// resident set fits. The same floor as `new` applies; a cache cannot be turned on or off.
+    pub fn set_budget(
+        &mut self,
+        budget_bytes: u64,
+        evicted: &mut Vec<ExpertKey>,
+    ) -> Result<(), CacheError> {
+        if self.is_off() {
+            return Err(CacheError::Off);
+        }
+        if budget_bytes < self.layer_demand_bytes {
+            return Err(CacheError::BudgetBelowLayerDemand {
+                budget_bytes,
+                layer_demand_bytes: self.layer_demand_bytes,
+                k: self.k,
+            });
+        }
+        if budget_bytes < self.pinned_bytes {
+            return Err(CacheError::BudgetBelowPinned {
+                budget_bytes,
+                pinned_bytes: self.pinned_bytes,
+            });
+        }
+        while self.resident_bytes > budget_bytes {
+            let pins = &self.pins;
+            let Some(v) = self
+                .policy
+                .victim(&|v| pins.get(v as usize).is_some_and(|&p| p == 0))
+            else {
+                return Err(CacheError::Corrupt {
+                    what: "no victim while shrinking".into(),
+                });
+            };
+            let v = v as usize;
+            if v >= self.flags.len() || self.flags[v] & RESIDENT == 0 || self.pins[v] > 0 {
+                return Err(CacheError::Corrupt {
+                    what: format!("victim {v} is not an evictable resident entry"),
+                });
+            }
+            self.remove_index(v);
+            self.counters.evictions += 1;
+            evicted.push(self.key_at(v));
+        }
+        self.budget_bytes = budget_bytes;
+        Ok(())
+    }
+
+    /// Resident keys in dense-index order (deterministic; for tests and reports).
+    pub fn resident_keys(&self) -> Vec<ExpertKey> {
+        (0..self.flags.len())
+            .filter(|&i| self.flags[i] & RESIDENT != 0)
+            .map(|i| self.key_at(i))
+            .collect()
+    }
+
+    /// Recompute the byte and pin accounting from scratch and check every invariant.
+    pub fn audit(&self) -> Result<(), CacheError> {
+        let mut resident = 0u64;
+        let mut pinned = 0u64;
+        let mut count = 0u32;
+        for i in 0..self.flags.len() {
+            let bytes = self.entry_bytes[self.key_layer[i] as usize];
+            if self.flags[i] & RESIDENT != 0 {
+                resident += bytes;
+                count += 1;
+                if self.pins[i] > 0 {
+                    pinned += bytes;
+                }
+            } else if self.pins[i] > 0 {
+                return Err(CacheError::Corrupt {
+                    what: format!("key {:?} pinned but not resident", self.key_at(i)),
+                });
+            }
+        }
+        let problem = if resident != self.resident_bytes {
+            Some(format!(
+                "resident_bytes {} but entries sum to {resident}",
+                self.resident_bytes
+            ))
+        } else if pinned != self.pinned_bytes {
+            Some(format!(
+                "pinned_bytes {} but pinned entries sum to {pinned}",
+                self.pinned_bytes
+            ))
+        } else if count != self.resident_count {
+            Some(format!(
+                "resident_count {} but {count} entries are resident",
+                self.resident_count
+            ))
+        } else if resident > self.budget_bytes && !self.is_off() {
+            Some(format!(
+                "{resident} bytes resident over a budget of {}",
+                self.budget_bytes
+            ))
+        } else if self.is_off() && resident > 0 {
+            Some("cache is off but holds entries".into())
+        } else {
+            None
+        };
+        match problem {
+            Some(what) => Err(CacheError::Corrupt { what }),
+            None => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::{MoeLayerLayout, ProjExtent};
+    use crate::policy::Lru;
+
+    fn layout() -> ExpertLayout {
+        let l = |m| MoeLayerLayout {
+            model_layer: m,
+            n_expert: 4,
+            projections: vec![ProjExtent {
+                shard: 0,
+                base_offset: 0,
+                stride_bytes: 10,
+            }],
+            dense_bytes: 0,
+        };
+        ExpertLayout::new(2, vec![l(0), l(1)], 2).unwrap()
+    }
+
+    fn key(layer: u16, expert: u16) -> ExpertKey {
+        ExpertKey { layer, expert }
+    }
+
+    #[test]
+    fn budget_below_layer_demand_is_refused_naming_the_floor() {
+        let err = ExpertCache::new(&layout(), 19, 2, Box::new(Lru::new())).unwrap_err();
+        assert_eq!(
+            err,
+            CacheError::BudgetBelowLayerDemand {
+                budget_bytes: 19,
+                layer_demand_bytes: 20,
+                k: 2
+            }
+        );
+        assert!(err.to_string().contains("layer_demand"));
+        assert!(ExpertCache::new(&layout(), 20, 2, Box::new(Lru::new())).is_ok());
+        assert!(ExpertCache::new(&layout(), 0, 2, Box::new(Lru::new()))
+            .unwrap()
+            .is_off());
+    }
+
+    #[test]
+    fn hits_are_pinned_before_misses_evict() {
+        let mut c = ExpertCache::new(&layout(), 30, 2, Box::new(Lru::new())).unwrap();
+        let mut ev = Vec::new();
+        for e in 0..3 {
+            assert_eq!(c.lookup(key(0, e)).unwrap(), Lookup::Miss { reread: false });
+            assert_eq!(c.admit(key(0, e), &mut ev).unwrap(), Admission::Admitted);
+            c.unpin(key(0, e)).unwrap();
+        }
+        assert!(ev.is_empty());
+        // Routing {0, 3}: 0 is the LRU entry, but it is a hit and pinned before 3 is admitted,
+        // so 3 evicts 1 instead.
+        assert_eq!(c.lookup(key(0, 0)).unwrap(), Lookup::Hit);
+        assert_eq!(c.lookup(key(0, 3)).unwrap(), Lookup::Miss { reread: false });
+        assert_eq!(c.admit(key(0, 3), &mut ev).unwrap(), Admission::Admitted);
+        assert_eq!(ev, vec![key(0, 1)]);
+        assert_eq!(c.resident_keys(), vec![key(0, 0), key(0, 2), key(0, 3)]);
+        // Three pinned entries fill the budget: the next miss gets NoRoom and evicts nothing.
+        assert_eq!(c.lookup(key(0, 2)).unwrap(), Lookup::Hit);
+        ev.clear();
+        assert_eq!(c.admit(key(1, 0), &mut ev).unwrap(), Admission::NoRoom);
+        assert!(ev.is_empty());
+        for e in [0, 2, 3] {
+            c.unpin(key(0, e)).unwrap();
+        }
+        assert_eq!(c.lookup(key(0, 1)).unwrap(), Lookup::Miss { reread: true });
+        let n = c.counters();
+        assert_eq!(
+            (n.hits, n.misses, n.evictions, n.rereads, n.inserts),
+            (2, 5, 1, 1, 4)
+        );
+        c.audit().unwrap();
+        assert!(matches!(
+            c.unpin(key(0, 0)),
+            Err(CacheError::NotPinned { .. })
+        ));
+        assert!(matches!(
+            c.lookup(key(2, 0)),
+            Err(CacheError::UnknownKey { .. })
+        ));
+    }
+
+    #[test]
+    fn a_pinned_entry_at_the_lru_tail_is_skipped() {
+        let mut c = ExpertCache::new(&layout(), 30, 2, Box::new(Lru::new())).unwrap();
+        let mut ev = Vec::new();
+        for e in 0..3 {
+            c.lookup(key(0, e)).unwrap();
+            c.admit(key(0, e), &mut ev).unwrap();
+            c.unpin(key(0, e)).unwrap();
+        }
+        // Pin 0 (now most recent), then touch 1 and 2 without keeping them pinned: 0 drifts to
+        // the LRU tail while still pinned.
+        assert_eq!(c.lookup(key(0, 0)).unwrap(), Lookup::Hit);
+        for e in [1, 2] {
+            assert_eq!(c.lookup(key(0, e)).unwrap(), Lookup::Hit);
+            c.unpin(key(0, e)).unwrap();
+        }
+        c.lookup(key(1, 0)).unwrap();
+        assert_eq!(c.admit(key(1, 0), &mut ev).unwrap(), Admission::Admitted);
+        assert_eq!(ev, vec![key(0, 1)], "the pinned tail entry was skipped");
+        assert!(c.contains(key(0, 0)));
+        c.audit().unwrap();
+    }
+
+    #[test]
+    fn shrinking_evicts_unpinned_by_policy() {
+        let mut c = ExpertCache::new(&layout(), 40, 2, Box::new(Lru::new())).unwrap();
+        let mut ev = Vec::new();
+        for e in 0..4 {
+            c.lookup(key(1, e)).unwrap();
+            c.admit(key(1, e), &mut ev).unwrap();
+        }
+        for e in 1..4 {
+            c.unpin(key(1, e)).unwrap();
+        }
+        c.set_budget(20, &mut ev).unwrap();
+        // Expert 0 is pinned, so the two oldest unpinned ones went.
+        assert_eq!(ev, vec![key(1, 1), key(1, 2)]);
+        assert_eq!(c.resident_bytes(), 20);
+        assert!(c.is_pinned(key(1, 0)));
+        assert!(matches!(
+            c.set_budget(10, &mut ev),
+            Err(CacheError::BudgetBelowLayerDemand { .. })
+        ));
+        assert!(c.discard(key(1, 0)).unwrap());
+        assert_eq!(c.pinned_bytes(), 0);
+        c.audit().unwrap();
+    }
+
+    #[test]
+    fn off_cache_counts_misses_and_admits_nothing() {
+        let mut c = ExpertCache::new(&layout(), 0, 2, Box::new(Lru::new())).unwrap();
+        assert_eq!(c.lookup(key(0, 0)).unwrap(), Lookup::Miss { reread: false });
+        assert_eq!(c.admit(key(0, 0), &mut Vec::new()), Err(CacheError::Off));
+        assert_eq!(c.counters().misses, 1);
+    }
+}

@@ -1,0 +1,946 @@
+//! The resolved configuration of one run, its validation, and the pure sizing formulas.
+//!
+//! Exists so that every rule about which knobs combine lives in one place that both
+//! `bmoe-cli` and `bmoe-sim` call: the engine and the simulator must refuse the same
+//! configurations with the same words, and the `# bmoe_metrics v2` preamble must describe a run
+//! from the same fields whoever produced it. Nothing here reads the environment, a file or a
+//! clock: the binaries probe memory (`/proc/meminfo`, the cgroup files) and pass numbers in.
+
+use std::fmt;
+use std::str::FromStr;
+
+/// Bytes in one MiB (2^20); every `_mb` / `_mib` quantity in bmoe is in these units.
+pub const MIB: u64 = 1 << 20;
+/// Smallest cache budget accepted without `--force-cache` (MiB). Below it a cache cannot hold
+/// one token's routed working set on the models this was measured on, and thrashes.
+pub const CACHE_MIN_MB: u64 = 1500;
+/// Default `--cache-floor-mb`: RAM that `--cache-mb auto` leaves free (MiB).
+pub const CACHE_FLOOR_DEFAULT_MB: u64 = 1536;
+/// Most read lanes `--io-threads` accepts.
+pub const IO_THREADS_MAX: u32 = 8;
+/// Default `--io-threads`.
+pub const IO_THREADS_DEFAULT: u32 = 4;
+/// Deepest `--prefetch` horizon (layers).
+pub const PREFETCH_MAX: u32 = 8;
+/// Largest `--predict-spec-max` (predicted misses read per layer).
+pub const PREDICT_SPEC_MAX_LIMIT: u32 = 8;
+/// Default `--predict-spec-max`.
+pub const PREDICT_SPEC_MAX_DEFAULT: u32 = 2;
+/// Deepest `--route-ahead` horizon (layers); beyond it the staleness has no measured meaning.
+pub const ROUTE_AHEAD_MAX: u32 = 8;
+/// Largest `--draft` (tokens drafted per speculative step).
+pub const DRAFT_MAX_LIMIT: u32 = 8;
+/// Largest `--ngram-max-match`.
+pub const NGRAM_MATCH_LIMIT: u32 = 64;
+/// Top-k at or below which `--drop-cold-experts` is warned about. An evidence boundary, not a
+/// physical one: the policy was measured at top-k 8 only.
+pub const DROP_LOW_TOPK_WARN: u32 = 4;
+
+/// How the dense (non-expert) weights are held in RAM (`--dense-weights`).
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum DenseWeights {
+    /// Leave them on the model's mmap: the baseline.
+    Mmap,
+    /// mmap plus one sequential buffered sweep at load.
+    Warm,
+    /// Read into anonymous buffers with O_DIRECT; reclaim then goes to swap/zram, not flash.
+    #[default]
+    Anon,
+}
+
+impl DenseWeights {
+    /// The spelling used by the flag and the CSV preamble.
+    pub fn name(self) -> &'static str {
+        match self {
+            DenseWeights::Mmap => "mmap",
+            DenseWeights::Warm => "warm",
+            DenseWeights::Anon => "anon",
+        }
+    }
+}
+
+impl fmt::Display for DenseWeights {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for DenseWeights {
+    type Err = UnknownName;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "mmap" => Ok(DenseWeights::Mmap),
+            "warm" => Ok(DenseWeights::Warm),
+            "anon" => Ok(DenseWeights::Anon),
+            _ => Err(UnknownName {
+                what: "dense-weights mode",
+                name: s.to_string(),
+                expected: "mmap|warm|anon",
+            }),
+        }
+    }
+}
+
+/// Which expert the cache evicts when it is over budget (`--eviction`). The original engine
+/// had global LRU only; policies bmoe adds are new variants here, named in the preamble's
+/// `eviction=` key.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum EvictionPolicy {
+    /// The globally least recently used (layer, expert).
+    #[default]
+    Lru,
+}
+
+impl EvictionPolicy {
+    /// The spelling used by the flag and the CSV preamble.
+    pub fn name(self) -> &'static str {
+        match self {
+            EvictionPolicy::Lru => "lru",
+        }
+    }
+}
+
+impl fmt::Display for EvictionPolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for EvictionPolicy {
+    type Err = UnknownName;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "lru" => Ok(EvictionPolicy::Lru),
+            _ => Err(UnknownName {
+                what: "eviction policy",
+                name: s.to_string(),
+                expected: "lru",
+            }),
+        }
+    }
+}
+
+/// Where speculative draft tokens come from (`--mtp` / `--ngram`).
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub enum SpecMode {
+    #[default]
+    Off,
+    Mtp,
+    Ngram,
+}
+
+impl SpecMode {
+    /// The spelling used by the CSV preamble's `spec=` key.
+    pub fn name(self) -> &'static str {
+        match self {
+            SpecMode::Off => "off",
+            SpecMode::Mtp => "mtp",
+            SpecMode::Ngram => "ngram",
+        }
+    }
+}
+
+impl fmt::Display for SpecMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A name that is not one of an enum's spellings.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown {what} '{name}' (expected {expected})")]
+pub struct UnknownName {
+    pub what: &'static str,
+    pub name: String,
+    pub expected: &'static str,
+}
+
+/// A configuration `validate()` refuses. Every message starts with `config error:` and names
+/// the flag and the rule it broke; the binaries print it and exit 1.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ConfigError {
+    /// A value outside its accepted range.
+    #[error("config error: {flag} {value} is out of range: {rule}")]
+    OutOfRange {
+        flag: &'static str,
+        value: String,
+        rule: String,
+    },
+    /// A flag that only works together with another setting.
+    #[error("config error: {flag} requires {needs}: {why}")]
+    Requires {
+        flag: &'static str,
+        needs: &'static str,
+        why: &'static str,
+    },
+    /// Two flags that cannot be combined.
+    #[error("config error: {flag} excludes {other}: {why}")]
+    Excludes {
+        flag: &'static str,
+        other: &'static str,
+        why: &'static str,
+    },
+}
+
+/// The resolved configuration of one run: every knob the decode step, the telemetry and the
+/// `# bmoe_metrics v2` preamble need, as values rather than as typed flags.
+///
+/// Built in two stages. From flags (before the model is loaded) the model facts are empty and
+/// `cache_budget_mb` is 0; `validate()` judges this stage. After the model is loaded the engine
+/// (or the simulator, from a trace preamble) fills the model facts, the effective top-k, the
+/// cache cycle and the resolved budget (`resolve_cache_budget`), and `validate_model()` checks
+/// what needed the model. The preamble prints the second stage.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunConfig {
+    /// Version of the build that produced the run (`bmoe-cli --version`); `unknown` if unset.
+    pub engine_version: String,
+
+    // --- model facts (filled at load) ---
+    /// The model file name (or path) as the user named it.
+    pub model: String,
+    /// GGUF `general.architecture`.
+    pub arch: String,
+    /// Transformer layers in the model.
+    pub n_layer: u32,
+    /// Experts per MoE layer; 0 on a dense model.
+    pub n_expert: u32,
+    /// Effective routing width after any `--n-expert-used` override; 0 before load or on a
+    /// dense model.
+    pub n_expert_used: u32,
+    /// `--n-expert-used`: top-k override, 0 = the model's own.
+    pub n_expert_used_override: u32,
+
+    // --- run ---
+    /// `-n`: tokens to generate.
+    pub n_predict: u32,
+    /// `-t`: compute threads.
+    pub threads: u32,
+    /// `-c`: context size in tokens.
+    pub n_ctx: u32,
+    /// `--ubatch`: widest graph in tokens, 0 = as wide as the context.
+    pub n_ubatch: u32,
+    /// `--chatml`: the prompt is rendered through the chat template.
+    pub chatml: bool,
+
+    // --- streaming and cache ---
+    /// `--moe-stream`: routed experts are read from flash instead of the mmap.
+    pub moe_stream: bool,
+    /// The fixed budget asked for (MiB), 0 = no fixed budget (off, or auto).
+    pub cache_mb: u64,
+    /// `--cache-mb auto`: size the budget at load from free memory.
+    pub cache_auto: bool,
+    /// The budget the streamer settled on (MiB): `cache_mb` when fixed, the auto formula's
+    /// result under auto, 0 with the cache off. What the preamble prints as `cache_mb=`.
+    pub cache_budget_mb: u64,
+    /// `--cache-floor-mb`: RAM auto-sizing leaves free (MiB).
+    pub cache_floor_mb: u64,
+    /// `--cache-ceil-mb`: upper bound on the auto budget (MiB), 0 = none.
+    pub cache_ceil_mb: u64,
+    /// One token's worst-case routed bytes at the effective top-k (MiB), priced at load.
+    pub cache_cycle_mb: u64,
+    /// `--force-cache`: accept a budget in 1..CACHE_MIN_MB.
+    pub force_cache: bool,
+    /// `--load-all`: read every expert every token (debug).
+    pub load_all: bool,
+    /// `--io-threads`: read lanes.
+    pub io_threads: u32,
+    /// Whether the expert reads bypass the page cache, as the open **achieved** it (not as
+    /// asked): `--no-odirect` asks for buffered reads, and a platform may refuse O_DIRECT.
+    pub o_direct: bool,
+    /// `--overlap`: compute each expert as soon as its own read lands.
+    pub overlap: bool,
+    /// Two-wave publish (an original-engine knob kept for the preamble; no bmoe flag sets it).
+    pub io_two_wave: bool,
+    /// `--prefetch K`: temporal prefetch horizon in layers, 0 = off.
+    pub prefetch: u32,
+    /// `--route-ahead N`: commit the routing predicted N layers early, 0 = off.
+    pub route_ahead: u32,
+    /// `--predict-prefetch`: stale-gate speculative prefetch.
+    pub predict_prefetch: bool,
+    /// `--predict-log`: the prediction probe (an instrumented run).
+    pub predict_log: bool,
+    /// `--predict-spec-max`: predicted misses read per layer.
+    pub predict_spec_max: u32,
+    /// Speculation integrated synchronously (tests only; no bmoe flag sets it yet).
+    pub prefetch_sync: bool,
+    /// `--dense-weights`.
+    pub dense_weights: DenseWeights,
+    /// `--eviction`.
+    pub eviction: EvictionPolicy,
+    /// `--drop-cold-experts F`: drop a missed expert weighted below F/top-k, 0 = off.
+    pub drop_cold_frac: f32,
+    /// Rescale the survivors of a drop to the routing's original mass (`--drop-no-renorm` off).
+    pub drop_renorm: bool,
+    /// `--drop-in-prefill`: also drop during prefill.
+    pub drop_prefill: bool,
+    /// `--expert-substitute L`: residency margin for re-ranking, 0 = off.
+    pub substitute_lambda: f32,
+
+    // --- sampling ---
+    /// `--temp`: > 0 samples, otherwise greedy.
+    pub temp: f32,
+    /// `--top-k` sampling cutoff.
+    pub top_k: u32,
+    /// `--top-p` sampling cutoff.
+    pub top_p: f32,
+    /// `--seed`, resolved (a random seed is drawn by the binary and recorded here).
+    pub seed: u64,
+
+    // --- diagnostics ---
+    /// Per-layer compute trace granularity; 0 = no compute trace.
+    pub compute_trace_layers: u32,
+    /// `--route-trace` was given.
+    pub route_trace: bool,
+    /// `--io-trace` was given.
+    pub io_trace: bool,
+
+    // --- speculation ---
+    /// Draft source.
+    pub spec: SpecMode,
+    /// `--draft`: tokens drafted per step.
+    pub spec_draft_max: u32,
+    /// `--mtp-p-min`: MTP confidence floor.
+    pub mtp_p_min: f32,
+    /// `--ngram-min-match`.
+    pub ngram_min_match: u32,
+    /// `--ngram-max-match`.
+    pub ngram_max_match: u32,
+}
+
+impl Default for RunConfig {
+    /// The defaults of `bmoe-cli`'s flag list (features.md §14).
+    fn default() -> Self {
+        RunConfig {
+            engine_version: "unknown".to_string(),
+            model: String::new(),
+            arch: String::new(),
+            n_layer: 0,
+            n_expert: 0,
+            n_expert_used: 0,
+            n_expert_used_override: 0,
+            n_predict: 128,
+            threads: 4,
+            n_ctx: 2048,
+            n_ubatch: 0,
+            chatml: false,
+            moe_stream: false,
+            cache_mb: 0,
+            cache_auto: false,
+            cache_budget_mb: 0,
+            cache_floor_mb: CACHE_FLOOR_DEFAULT_MB,
+            cache_ceil_mb: 0,
+            cache_cycle_mb: 0,
+            force_cache: false,
+            load_all: false,
+            io_threads: IO_THREADS_DEFAULT,
+            o_direct: true,
+            overlap: false,
+            io_two_wave: false,
+            prefetch: 0,
+            route_ahead: 0,
+            predict_prefetch: false,
+            predict_log: false,
+            predict_spec_max: PREDICT_SPEC_MAX_DEFAULT,
+            prefetch_sync: false,
+            dense_weights: DenseWeights::Anon,
+            eviction: EvictionPolicy::Lru,
+            drop_cold_frac: 0.0,
+            drop_renorm: true,
+            drop_prefill: false,
+            substitute_lambda: 0.0,
+            temp: 0.0,
+            top_k: 40,
+            top_p: 0.95,
+            seed: 0,
+            compute_trace_layers: 0,
+            route_trace: false,
+            io_trace: false,
+            spec: SpecMode::Off,
+            spec_draft_max: 3,
+            mtp_p_min: 0.0,
+            ngram_min_match: 3,
+            ngram_max_match: 12,
+        }
+    }
+}
+
+fn requires(flag: &'static str, needs: &'static str, why: &'static str) -> ConfigError {
+    ConfigError::Requires { flag, needs, why }
+}
+
+fn excludes(flag: &'static str, other: &'static str, why: &'static str) -> ConfigError {
+    ConfigError::Excludes { flag, other, why }
+}
+
+fn out_of_range(
+    flag: &'static str,
+    value: impl fmt::Display,
+    rule: impl Into<String>,
+) -> ConfigError {
+    ConfigError::OutOfRange {
+        flag,
+        value: value.to_string(),
+        rule: rule.into(),
+    }
+}
+
+const STREAMING: &str = "--moe-stream";
+const THE_CACHE: &str = "the expert cache (--cache-mb N or auto)";
+
+impl RunConfig {
+    /// Whether an expert cache is in use: a fixed budget or auto-sizing, under streaming.
+    pub fn cache_on(&self) -> bool {
+        self.moe_stream && (self.cache_mb > 0 || self.cache_auto)
+    }
+
+    /// Checks every rule that needs only the flags (features.md §1–§8, §14). Returns the first
+    /// broken rule; the message names the flag and the rule.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.n_predict == 0 {
+            return Err(out_of_range("-n/--n-predict", 0, "must be > 0"));
+        }
+        if self.threads == 0 {
+            return Err(out_of_range("-t/--threads", 0, "must be > 0"));
+        }
+        if self.n_ctx == 0 {
+            return Err(out_of_range("-c/--ctx-size", 0, "must be > 0"));
+        }
+        if self.n_ubatch > self.n_ctx {
+            return Err(out_of_range(
+                "--ubatch",
+                self.n_ubatch,
+                format!(
+                    "must be <= the context size {} (0 = as wide as the context): a wider graph \
+                     would be reserved for a batch that cannot occur",
+                    self.n_ctx
+                ),
+            ));
+        }
+        self.validate_sampling()?;
+        self.validate_spec()?;
+        self.validate_needs_streaming()?;
+        if self.moe_stream {
+            self.validate_streaming()?;
+        }
+        Ok(())
+    }
+
+    fn validate_sampling(&self) -> Result<(), ConfigError> {
+        if !(self.temp.is_finite() && self.temp >= 0.0) {
+            return Err(out_of_range(
+                "--temp",
+                self.temp,
+                "must be a finite number >= 0",
+            ));
+        }
+        // The other sampling knobs are inert under greedy decoding, so they are judged only
+        // when sampling is on.
+        if self.temp > 0.0 && !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(out_of_range("--top-p", self.top_p, "must be in (0, 1]"));
+        }
+        Ok(())
+    }
+
+    fn validate_spec(&self) -> Result<(), ConfigError> {
+        if self.spec == SpecMode::Off {
+            return Ok(());
+        }
+        let flag = match self.spec {
+            SpecMode::Mtp => "--mtp",
+            _ => "--ngram",
+        };
+        if self.temp > 0.0 {
+            return Err(excludes(
+                flag,
+                "--temp > 0",
+                "verification is token-identical to single-token decode only under argmax",
+            ));
+        }
+        if !(1..=DRAFT_MAX_LIMIT).contains(&self.spec_draft_max) {
+            return Err(out_of_range(
+                "--draft",
+                self.spec_draft_max,
+                format!("must be in [1, {DRAFT_MAX_LIMIT}]"),
+            ));
+        }
+        if self.spec == SpecMode::Mtp && !(self.mtp_p_min >= 0.0 && self.mtp_p_min <= 1.0) {
+            return Err(out_of_range(
+                "--mtp-p-min",
+                self.mtp_p_min,
+                "must be in [0, 1]",
+            ));
+        }
+        if self.spec == SpecMode::Ngram {
+            if self.mtp_p_min != 0.0 {
+                return Err(excludes(
+                    "--mtp-p-min",
+                    "--ngram",
+                    "the n-gram source has no probabilities; its confidence gate is --ngram-min-match",
+                ));
+            }
+            if !(1..=NGRAM_MATCH_LIMIT).contains(&self.ngram_max_match) {
+                return Err(out_of_range(
+                    "--ngram-max-match",
+                    self.ngram_max_match,
+                    format!("must be in [1, {NGRAM_MATCH_LIMIT}]"),
+                ));
+            }
+            if !(1..=self.ngram_max_match).contains(&self.ngram_min_match) {
+                return Err(out_of_range(
+                    "--ngram-min-match",
+                    self.ngram_min_match,
+                    format!(
+                        "must be in [1, --ngram-max-match={}]: a floor above the longest suffix \
+                         considered would never draft",
+                        self.ngram_max_match
+                    ),
+                ));
+            }
+        }
+        if self.n_ubatch > 0 && self.n_ubatch < self.spec_draft_max + 1 {
+            return Err(out_of_range(
+                "--ubatch",
+                self.n_ubatch,
+                format!(
+                    "is narrower than the verify batch ({} positions): raise --ubatch or lower --draft",
+                    self.spec_draft_max + 1
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Knobs that attach to the streaming path and mean nothing without it. A cache budget
+    /// without streaming is not refused: `BMOE_CACHE_MB` may be exported for every run, and a
+    /// baseline simply has no cache (`cache_on()` is false).
+    fn validate_needs_streaming(&self) -> Result<(), ConfigError> {
+        if self.moe_stream {
+            return Ok(());
+        }
+        let why_stream =
+            "it acts on the streamer's own reads, which a run without streaming does not make";
+        let checks: [(bool, &'static str, &'static str); 12] = [
+            (self.overlap, "--overlap", why_stream),
+            (self.io_two_wave, "--io-two-wave", why_stream),
+            (
+                self.predict_log,
+                "--predict-log",
+                "the probe rides on the routing the streamer isolates",
+            ),
+            (self.predict_prefetch, "--predict-prefetch", why_stream),
+            (
+                self.route_ahead > 0,
+                "--route-ahead",
+                "it commits routings at the nodes the streamer isolates; off the streaming path there is nothing to commit to",
+            ),
+            (self.prefetch > 0, "--prefetch", why_stream),
+            (self.prefetch_sync, "--prefetch-sync", why_stream),
+            (
+                self.drop_cold_frac > 0.0,
+                "--drop-cold-experts",
+                "dropping consults the expert cache, which only exists under streaming",
+            ),
+            (
+                self.substitute_lambda > 0.0,
+                "--expert-substitute",
+                "substitution prefers resident experts, and residency only exists under streaming",
+            ),
+            (self.load_all, "--load-all", why_stream),
+            (
+                self.route_trace,
+                "--route-trace",
+                "without streaming there is no routing to observe",
+            ),
+            (
+                self.io_trace,
+                "--io-trace",
+                "without streaming the engine issues no expert reads",
+            ),
+        ];
+        for (set, flag, why) in checks {
+            if set {
+                return Err(requires(flag, STREAMING, why));
+            }
+        }
+        Ok(())
+    }
+
+    fn validate_streaming(&self) -> Result<(), ConfigError> {
+        if !(1..=IO_THREADS_MAX).contains(&self.io_threads) {
+            return Err(out_of_range(
+                "--io-threads",
+                self.io_threads,
+                format!("must be in [1, {IO_THREADS_MAX}]"),
+            ));
+        }
+        if self.cache_auto && self.cache_mb > 0 {
+            return Err(excludes(
+                "--cache-mb auto",
+                "a numeric --cache-mb",
+                "choose auto-sizing or a fixed budget, not both",
+            ));
+        }
+        if self.cache_mb > 0 && self.cache_mb < CACHE_MIN_MB && !self.force_cache {
+            return Err(out_of_range(
+                "--cache-mb",
+                self.cache_mb,
+                format!(
+                    "1-{} MiB is the pathological band: a cache smaller than one token's routed \
+                     working set thrashes and is slower than no cache. Use 0 (off), a value >= {}, \
+                     or add --force-cache",
+                    CACHE_MIN_MB - 1,
+                    CACHE_MIN_MB
+                ),
+            ));
+        }
+        if self.prefetch > PREFETCH_MAX {
+            return Err(out_of_range(
+                "--prefetch",
+                self.prefetch,
+                format!("must be in [0, {PREFETCH_MAX}]"),
+            ));
+        }
+        if self.predict_spec_max > PREDICT_SPEC_MAX_LIMIT {
+            return Err(out_of_range(
+                "--predict-spec-max",
+                self.predict_spec_max,
+                format!(
+                    "must be in [0, {PREDICT_SPEC_MAX_LIMIT}] (0 = retention only, no speculation)"
+                ),
+            ));
+        }
+        if self.route_ahead > ROUTE_AHEAD_MAX {
+            return Err(out_of_range(
+                "--route-ahead",
+                self.route_ahead,
+                format!("must be in [0, {ROUTE_AHEAD_MAX}] (0 = off)"),
+            ));
+        }
+        // Written as negated inclusive ranges so NaN (every comparison false) is refused too.
+        if !(self.drop_cold_frac >= 0.0 && self.drop_cold_frac <= 1.0) {
+            return Err(out_of_range(
+                "--drop-cold-experts",
+                self.drop_cold_frac,
+                "must be in [0, 1] (0 = off): above 1.0 the threshold can exceed the largest \
+                 weight of a routing and empty it; 1.0 is the uniform share 1/top-k",
+            ));
+        }
+        if !(self.substitute_lambda >= 0.0 && self.substitute_lambda <= 1.0) {
+            return Err(out_of_range(
+                "--expert-substitute",
+                self.substitute_lambda,
+                "must be in [0, 1] (0 = off): at 1.0 a resident expert already outranks every \
+                 non-resident one",
+            ));
+        }
+        let cache_on = self.cache_on();
+        let why_slots =
+            "speculative reads land in cache slots, which do not exist with the cache off";
+        if self.prefetch > 0 && !cache_on {
+            return Err(requires("--prefetch", THE_CACHE, why_slots));
+        }
+        if self.predict_prefetch && !cache_on {
+            return Err(requires("--predict-prefetch", THE_CACHE, why_slots));
+        }
+        if self.predict_prefetch && self.prefetch > 0 {
+            return Err(excludes(
+                "--predict-prefetch",
+                "--prefetch",
+                "they are two predictors for the same speculative lanes; both would double the \
+                 speculated bytes for one future",
+            ));
+        }
+        if self.route_ahead > 0 && (self.predict_log || self.predict_prefetch || self.prefetch > 0)
+        {
+            return Err(excludes(
+                "--route-ahead",
+                "--predict-log, --predict-prefetch and --prefetch",
+                "the probe would grade a predictor against a routing rewritten from it, and a \
+                 speculative prefetch would bet lanes on a future route-ahead has already fixed",
+            ));
+        }
+        if self.route_ahead > 0 && self.spec != SpecMode::Off {
+            return Err(excludes(
+                "--route-ahead",
+                "--mtp/--ngram",
+                "a verify decode is several positions wide, so route-ahead would commit nothing \
+                 while still paying for its predictions",
+            ));
+        }
+        if self.drop_cold_frac > 0.0 && !cache_on {
+            return Err(requires(
+                "--drop-cold-experts",
+                THE_CACHE,
+                "with the cache off every expert is a miss, so the policy degenerates into an \
+                 unconditional weight cut (what --n-expert-used already does)",
+            ));
+        }
+        if self.substitute_lambda > 0.0 && !cache_on {
+            return Err(requires(
+                "--expert-substitute",
+                THE_CACHE,
+                "with the cache off nothing is resident, so there is nothing to prefer",
+            ));
+        }
+        if self.io_two_wave && !self.overlap {
+            return Err(requires(
+                "--io-two-wave",
+                "--overlap",
+                "without overlap reads are drained synchronously and no lane idles on the publish",
+            ));
+        }
+        if self.io_two_wave && !cache_on {
+            return Err(requires(
+                "--io-two-wave",
+                THE_CACHE,
+                "the wave split moves cache page commits off the publish path",
+            ));
+        }
+        if self.prefetch_sync && !cache_on {
+            return Err(requires("--prefetch-sync", THE_CACHE, why_slots));
+        }
+        Ok(())
+    }
+
+    /// Checks what needs the loaded model: the top-k override against the expert count. Call it
+    /// once `n_expert` is filled.
+    pub fn validate_model(&self) -> Result<(), ConfigError> {
+        if self.n_expert > 0 && self.n_expert_used_override > self.n_expert {
+            return Err(out_of_range(
+                "--n-expert-used",
+                self.n_expert_used_override,
+                format!(
+                    "must be <= the model's {} experts per layer (0 = the model's own top-k)",
+                    self.n_expert
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Fixes `cache_budget_mb`: the fixed budget, the given auto-sized budget (bytes, from
+    /// `auto_cache_budget`) under auto, or 0 when the cache is off.
+    pub fn resolve_cache_budget(&mut self, auto_budget_bytes: u64) {
+        self.cache_budget_mb = if !self.cache_on() {
+            0
+        } else if self.cache_auto {
+            auto_budget_bytes / MIB
+        } else {
+            self.cache_mb
+        };
+    }
+
+    /// The once-at-load warning for a budget below one token's worst-case cycle, or `None`.
+    pub fn cache_cycle_warning(&self) -> Option<String> {
+        if self.cache_budget_mb > 0
+            && self.cache_cycle_mb > 0
+            && self.cache_budget_mb < self.cache_cycle_mb
+        {
+            Some(format!(
+                "bmoe: WARNING expert cache {} MiB is below this model's worst-case token cycle of {} MiB \
+                 at top-k {} — no entry can survive to the next token, so expect a hit rate near zero.",
+                self.cache_budget_mb, self.cache_cycle_mb, self.n_expert_used
+            ))
+        } else {
+            None
+        }
+    }
+
+    /// Every once-at-load warning that applies to the resolved configuration, in print order.
+    pub fn load_warnings(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        if self.moe_stream {
+            if let Some(w) = drop_low_topk_warning(self.drop_cold_frac, self.n_expert_used) {
+                out.push(w);
+            }
+        }
+        if let Some(w) = self.cache_cycle_warning() {
+            out.push(w);
+        }
+        out
+    }
+}
+
+/// The warning printed once at load when `--drop-cold-experts F` is armed on a routing of
+/// `DROP_LOW_TOPK_WARN` experts or fewer (expert-dropping.md), or `None`. One line; the
+/// document wraps it for reading. `top_k` is the effective routing width.
+pub fn drop_low_topk_warning(drop_cold_frac: f32, top_k: u32) -> Option<String> {
+    if drop_cold_frac > 0.0 && top_k > 0 && top_k <= DROP_LOW_TOPK_WARN {
+        let threshold_pct = 100.0 * f64::from(drop_cold_frac) / f64::from(top_k);
+        Some(format!(
+            "bmoe: WARNING drop-cold-experts={:.2} with top-k {} — the threshold is {:.1}% of the \
+             routing here, against 12.5% at the top-k 8 this was measured on. Expect it to discard \
+             much more, and check output quality on your own task.",
+            drop_cold_frac, top_k, threshold_pct
+        ))
+    } else {
+        None
+    }
+}
+
+/// The `--cache-mb auto` budget in bytes (cache-sizing.md, plus the process's cgroup):
+///
+/// `clamp(min(MemAvailable, cgroup_limit − cgroup_usage) − floor, 1500 MiB, total_expert_bytes)`,
+/// then `min(·, ceil)` when `ceil_bytes > 0`.
+///
+/// Unknown inputs are `None` (no `/proc/meminfo`, no cgroup limit — `max` — or an unreadable
+/// usage, taken as 0). When neither memory figure is known the budget is the 1500 MiB minimum.
+/// When the whole expert set is smaller than 1500 MiB the budget is the whole set: a cache
+/// larger than everything it could hold buys nothing. A dense model (`total_expert_bytes` 0)
+/// gets 0.
+pub fn auto_cache_budget(
+    mem_available_bytes: Option<u64>,
+    cgroup_limit_bytes: Option<u64>,
+    cgroup_usage_bytes: Option<u64>,
+    floor_bytes: u64,
+    ceil_bytes: u64,
+    total_expert_bytes: u64,
+) -> u64 {
+    let cgroup_headroom =
+        cgroup_limit_bytes.map(|limit| limit.saturating_sub(cgroup_usage_bytes.unwrap_or(0)));
+    let available = match (mem_available_bytes, cgroup_headroom) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (Some(a), None) | (None, Some(a)) => Some(a),
+        (None, None) => None,
+    };
+    let min_bytes = CACHE_MIN_MB * MIB;
+    let wanted = match available {
+        Some(a) => a.saturating_sub(floor_bytes).max(min_bytes),
+        None => min_bytes,
+    };
+    let budget = wanted.min(total_expert_bytes);
+    if ceil_bytes > 0 {
+        budget.min(ceil_bytes)
+    } else {
+        budget
+    }
+}
+
+/// One token's worst-case routed bytes: `Σ_layers expert_bytes(layer) × min(top_k, n_expert)`
+/// (cache-sizing.md's cycle guard), with `per_layer_expert_bytes[l]` the bytes of one expert of
+/// MoE layer `l` (every projection). An upper bound on the measured `token_demand_MiB`.
+pub fn cache_cycle_bytes(per_layer_expert_bytes: &[u64], top_k: u32, n_expert: u32) -> u64 {
+    let k = u64::from(top_k.min(n_expert));
+    per_layer_expert_bytes
+        .iter()
+        .fold(0u64, |acc, &b| acc.saturating_add(b.saturating_mul(k)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn streaming() -> RunConfig {
+        RunConfig {
+            moe_stream: true,
+            ..RunConfig::default()
+        }
+    }
+
+    #[test]
+    fn defaults_validate() {
+        assert_eq!(RunConfig::default().validate(), Ok(()));
+        assert_eq!(streaming().validate(), Ok(()));
+    }
+
+    #[test]
+    fn auto_budget_formula() {
+        let gib = 1024 * MIB;
+        // 8 GiB available, floor 1536 MiB -> 6.5 GiB, well inside [1500 MiB, 20 GiB].
+        assert_eq!(
+            auto_cache_budget(Some(8 * gib), None, None, 1536 * MIB, 0, 20 * gib),
+            8 * gib - 1536 * MIB
+        );
+        // The cgroup headroom is tighter than MemAvailable.
+        assert_eq!(
+            auto_cache_budget(
+                Some(8 * gib),
+                Some(6 * gib),
+                Some(gib),
+                1536 * MIB,
+                0,
+                20 * gib
+            ),
+            5 * gib - 1536 * MIB
+        );
+        // Below the floor: the minimum.
+        assert_eq!(
+            auto_cache_budget(Some(gib), None, None, 1536 * MIB, 0, 20 * gib),
+            1500 * MIB
+        );
+        // Unknown memory: the minimum.
+        assert_eq!(
+            auto_cache_budget(None, None, None, 1536 * MIB, 0, 20 * gib),
+            1500 * MIB
+        );
+        // The whole expert set is smaller than the minimum: the whole set.
+        assert_eq!(
+            auto_cache_budget(Some(8 * gib), None, None, 0, 0, 300 * MIB),
+            300 * MIB
+        );
+        // Ceiling applies last.
+        assert_eq!(
+            auto_cache_budget(Some(8 * gib), None, None, 1536 * MIB, 3000 * MIB, 20 * gib),
+            3000 * MIB
+        );
+        // Dense model.
+        assert_eq!(auto_cache_budget(Some(8 * gib), None, None, 0, 0, 0), 0);
+        // Usage above the limit leaves no headroom: the minimum.
+        assert_eq!(
+            auto_cache_budget(Some(8 * gib), Some(gib), Some(2 * gib), 0, 0, 20 * gib),
+            1500 * MIB
+        );
+    }
+
+    #[test]
+    fn cycle_bytes() {
+        assert_eq!(cache_cycle_bytes(&[10, 20, 30], 4, 8), 240);
+        assert_eq!(cache_cycle_bytes(&[10, 20, 30], 16, 8), 480);
+        assert_eq!(cache_cycle_bytes(&[], 4, 8), 0);
+    }
+
+    #[test]
+    fn drop_warning_text() {
+        let w = drop_low_topk_warning(0.75, 2);
+        assert_eq!(
+            w.as_deref(),
+            Some(
+                "bmoe: WARNING drop-cold-experts=0.75 with top-k 2 — the threshold is 37.5% of the routing \
+                 here, against 12.5% at the top-k 8 this was measured on. Expect it to discard much more, \
+                 and check output quality on your own task."
+            )
+        );
+        assert!(drop_low_topk_warning(0.75, 4).is_some());
+        assert!(drop_low_topk_warning(0.75, 5).is_none());
+        assert!(drop_low_topk_warning(0.0, 2).is_none());
+        assert!(drop_low_topk_warning(0.75, 0).is_none());
+    }
+
+    #[test]
+    fn resolve_budget() {
+        let mut c = streaming();
+        c.cache_auto = true;
+        c.resolve_cache_budget(3000 * MIB + 5);
+        assert_eq!(c.cache_budget_mb, 3000);
+        c.cache_auto = false;
+        c.cache_mb = 2000;
+        c.resolve_cache_budget(3000 * MIB);
+        assert_eq!(c.cache_budget_mb, 2000);
+        c.moe_stream = false;
+        c.resolve_cache_budget(3000 * MIB);
+        assert_eq!(c.cache_budget_mb, 0);
+    }
+
+    #[test]
+    fn cycle_warning() {
+        let mut c = streaming();
+        c.cache_mb = 1500;
+        c.cache_budget_mb = 1500;
+        c.cache_cycle_mb = 1815;
+        c.n_expert_used = 4;
+        let w = c.cache_cycle_warning().unwrap_or_default();
+        assert!(w.contains("expert cache 1500 MiB is below this model's worst-case token cycle of 1815 MiB at top-k 4"));
+        c.cache_budget_mb = 2000;
+        assert!(c.cache_cycle_warning().is_none());
+    }
+}

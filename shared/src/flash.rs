@@ -1,0 +1,165 @@
+//! Where expert bytes come from: a small, completion-shaped I/O trait.
+//!
+//! The streamer submits reads and later waits for (or polls) their completions, so the same
+//! code drives O_DIRECT lanes in the engine, a modelled device in the simulator (which
+//! completes a read at its modelled time by advancing its virtual clock), and the in-memory
+//! and fault-injecting devices in `testing`. Destinations are cache slots, not pointers: the
+//! engine maps a slot to memory, the simulator has none.
+
+use crate::backend::SlotId;
+use crate::clock::Nanos;
+use thiserror::Error;
+
+/// What a read serves, for the io trace and error messages.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ReadTag {
+    /// MoE layer index.
+    pub layer: u16,
+    pub expert: u16,
+    /// Projection index in `MoeLayerLayout::projections` (0 gate, 1 up, 2 down for qwen3moe).
+    pub proj: u8,
+}
+
+/// One read: `len` bytes at `offset` of file `shard`, landing in projection `tag.proj` of
+/// slot `dest` at byte `dest_offset` of that projection's slice for this expert.
+///
+/// The core guarantees: `len > 0`; the extent lies inside the layout (checked against shard
+/// lengths by the engine at load); `lane < Flash::lanes()`; no two in-flight reads overlap
+/// the same destination bytes; a destination is not read by compute until this read's
+/// completion has been delivered.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ReadRequest {
+    pub shard: u16,
+    pub offset: u64,
+    pub len: u64,
+    pub dest: SlotId,
+    pub dest_offset: u64,
+    /// The I/O lane the core chose (round-robin over `lanes()`).
+    pub lane: u32,
+    /// A prefetch the core may cancel; demand reads are never speculative.
+    pub speculative: bool,
+    pub tag: ReadTag,
+}
+
+/// A submitted read's handle, unique for the lifetime of the device.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ReadId(pub u64);
+
+impl std::fmt::Display for ReadId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "#{}", self.0)
+    }
+}
+
+/// A successful read's completion.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct ReadDone {
+    pub id: ReadId,
+    pub lane: u32,
+    /// Bytes the request asked for (its `len`).
+    pub req_bytes: u64,
+    /// Bytes actually pulled from the device: the aligned window under O_DIRECT, so
+    /// `read_bytes >= req_bytes`. Effective bandwidth is judged against this.
+    pub read_bytes: u64,
+    /// When `submit` was called, when the lane started the read, when its bytes landed —
+    /// all on the device's clock (the same clock the core reads).
+    pub submit: Nanos,
+    pub start: Nanos,
+    pub end: Nanos,
+}
+
+/// Why a read failed. Errors are sticky and loud (STYLE 12): the step that sees one stops,
+/// and its engine refuses further steps — the output can no longer be trusted.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum FlashError {
+    #[error("read of {len} bytes at offset {offset} of shard {shard} failed: {message}")]
+    Io {
+        shard: u16,
+        offset: u64,
+        len: u64,
+        message: String,
+    },
+    #[error(
+        "short read at offset {offset} of shard {shard}: expected {expected} bytes, got {got}"
+    )]
+    Short {
+        shard: u16,
+        offset: u64,
+        expected: u64,
+        got: u64,
+    },
+    #[error("read {id} was cancelled")]
+    Cancelled { id: ReadId },
+    #[error("read {id} is unknown or its completion was already delivered")]
+    UnknownRead { id: ReadId },
+    #[error("read {id} asked for lane {lane}, but the device has {lanes} lanes")]
+    BadLane { id: ReadId, lane: u32, lanes: u32 },
+    #[error("flash device is closed: {reason}")]
+    Closed { reason: String },
+}
+
+/// A flash device with `lanes()` parallel read lanes.
+///
+/// Every submitted read's outcome is delivered **exactly once**, by `wait(id)` or by `poll()`,
+/// whichever asks first; a later `wait` on the same id returns `UnknownRead`. A read's bytes
+/// are in its destination before its completion is delivered (the happens-before edge the
+/// compute side relies on; see `handoff`).
+pub trait Flash {
+    /// Number of lanes; `ReadRequest::lane` must be below it. At least 1.
+    fn lanes(&self) -> u32;
+
+    /// Queue a read on its lane. Never blocks. A request the device cannot accept (bad lane,
+    /// out of range) is reported through its completion, not here.
+    fn submit(&mut self, read: ReadRequest) -> ReadId;
+
+    /// Block until read `id` is done and return its outcome. The engine blocks on its lane;
+    /// the simulator advances its virtual clock to the modelled completion time.
+    fn wait(&mut self, id: ReadId) -> Result<ReadDone, FlashError>;
+
+    /// An outcome that is already in (on the simulator: whose modelled completion time is not
+    /// after the clock's now), earliest first where the device knows the order; `None` when
+    /// nothing is ready. Never blocks. The id is returned beside the outcome so a failed
+    /// read is attributable (and not waited for again).
+    fn poll(&mut self) -> Option<(ReadId, Result<ReadDone, FlashError>)>;
+
+    /// Cancel a speculative read that has not started: returns true when it never will (its
+    /// completion is then never delivered); false when it already started or finished (its
+    /// outcome is still delivered as usual). Demand reads are never cancelled by the core.
+    fn cancel(&mut self, id: ReadId) -> bool;
+}
+
+impl<F: Flash + ?Sized> Flash for &mut F {
+    fn lanes(&self) -> u32 {
+        (**self).lanes()
+    }
+    fn submit(&mut self, read: ReadRequest) -> ReadId {
+        (**self).submit(read)
+    }
+    fn wait(&mut self, id: ReadId) -> Result<ReadDone, FlashError> {
+        (**self).wait(id)
+    }
+    fn poll(&mut self) -> Option<(ReadId, Result<ReadDone, FlashError>)> {
+        (**self).poll()
+    }
+    fn cancel(&mut self, id: ReadId) -> bool {
+        (**self).cancel(id)
+    }
+}
+
+impl<F: Flash + ?Sized> Flash for Box<F> {
+    fn lanes(&self) -> u32 {
+        (**self).lanes()
+    }
+    fn submit(&mut self, read: ReadRequest) -> ReadId {
+        (**self).submit(read)
+    }
+    fn wait(&mut self, id: ReadId) -> Result<ReadDone, FlashError> {
+        (**self).wait(id)
+    }
+    fn poll(&mut self) -> Option<(ReadId, Result<ReadDone, FlashError>)> {
+        (**self).poll()
+    }
+    fn cancel(&mut self, id: ReadId) -> bool {
+        (**self).cancel(id)
+    }
+}

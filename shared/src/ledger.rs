@@ -1,0 +1,213 @@
+//! The generation ledger: turns each step's `StepStats` (and the memory picture the host
+//! supplies) into the contract's per-token `TokenRecord`, and the run's cumulative figures
+//! into the `RunCounters` the end-of-run report and `BMOE_DONE` are printed from.
+//!
+//! Written once so the engine and the simulator report identically: a simulated CSV and a
+//! measured one differ only in what was measured, never in how it was accounted.
+
+use crate::cache::ExpertCache;
+use crate::step::StepStats;
+use crate::telemetry::csv::TokenRecord;
+use crate::telemetry::summary::{PrefillCounters, RunCounters};
+
+const MIB: f64 = 1048576.0;
+
+/// The process memory and CPU picture at the end of a token. The engine fills it from
+/// `getrusage`, `/proc` and `mincore`; the simulator leaves the defaults (unmeasured).
+#[derive(Copy, Clone, Debug, PartialEq)]
+pub struct MemPicture {
+    /// Cumulative major faults and CPU time of the process (the ledger takes deltas).
+    pub majflt_total: u64,
+    pub cpu_ms_total: f64,
+    /// Sampled dense residency, −1 when unmeasured.
+    pub dense_resident_frac: f64,
+    pub rss_mib: f64,
+    pub rss_anon_mib: f64,
+    pub rss_file_mib: f64,
+    pub swap_mib: f64,
+    pub mem_available_mib: f64,
+    pub mem_free_mib: f64,
+    pub swap_free_mib: f64,
+    /// Bytes per page, to convert faults to MiB.
+    pub page_bytes: u64,
+}
+
+impl Default for MemPicture {
+    fn default() -> Self {
+        MemPicture {
+            majflt_total: 0,
+            cpu_ms_total: 0.0,
+            dense_resident_frac: -1.0,
+            rss_mib: 0.0,
+            rss_anon_mib: 0.0,
+            rss_file_mib: 0.0,
+            swap_mib: 0.0,
+            mem_available_mib: 0.0,
+            mem_free_mib: 0.0,
+            swap_free_mib: 0.0,
+            page_bytes: 4096,
+        }
+    }
+}
+
+/// Per-generation accounting.
+#[derive(Clone, Debug)]
+pub struct Ledger {
+    overlap: bool,
+    cache_on: bool,
+    cache_budget_bytes: u64,
+    turn: u32,
+    steps: u32,
+    step: u32,
+    hits: u64,
+    misses: u64,
+    evictions: u64,
+    rereads: u64,
+    experts_routed: u64,
+    experts_dropped: u64,
+    decode_routed_bytes: u64,
+    decode_tokens: u64,
+    io_errors: u64,
+    prefill: PrefillCounters,
+    last_mem: Option<MemPicture>,
+}
+
+impl Ledger {
+    /// A ledger for one generation of `steps` tokens.
+    pub fn new(overlap: bool, cache_budget_bytes: u64, turn: u32, steps: u32) -> Ledger {
+        Ledger {
+            overlap,
+            cache_on: cache_budget_bytes > 0,
+            cache_budget_bytes,
+            turn,
+            steps,
+            step: 0,
+            hits: 0,
+            misses: 0,
+            evictions: 0,
+            rereads: 0,
+            experts_routed: 0,
+            experts_dropped: 0,
+            decode_routed_bytes: 0,
+            decode_tokens: 0,
+            io_errors: 0,
+            prefill: PrefillCounters::default(),
+            last_mem: None,
+        }
+    }
+
+    fn add_cache(&mut self, s: &StepStats) {
+        self.hits += s.hits;
+        self.misses += s.misses;
+        self.evictions += s.evictions;
+        self.rereads += s.rereads;
+    }
+
+    /// Account the prompt's step. `mem_before`/`mem_after` bracket it for its CPU time.
+    pub fn prefill(&mut self, s: &StepStats, mem_before: &MemPicture, mem_after: &MemPicture) {
+        self.add_cache(s);
+        self.prefill.cpu_s += (mem_after.cpu_ms_total - mem_before.cpu_ms_total).max(0.0) / 1000.0;
+        self.prefill.read_bytes += s.read_bytes;
+        self.prefill.io_s += s.io.as_secs_f64();
+        self.prefill.stall_s += s.stall.as_secs_f64();
+        self.prefill.mgmt_s += s.mgmt.as_secs_f64();
+        self.last_mem = Some(*mem_after);
+    }
+
+    /// Cumulative hit rate in percent, −1 with the cache off.
+    pub fn cache_hit_pct(&self) -> f64 {
+        if !self.cache_on {
+            return -1.0;
+        }
+        let n = self.hits + self.misses;
+        if n == 0 {
+            0.0
+        } else {
+            100.0 * self.hits as f64 / n as f64
+        }
+    }
+
+    /// Account one decode step and build its row. `loop_overhead_ms` is the wall time
+    /// between the previous decode and this one (sampling, detokenizing, sinks).
+    pub fn token(&mut self, s: &StepStats, mem: &MemPicture, loop_overhead_ms: f64) -> TokenRecord {
+        self.add_cache(s);
+        self.step += 1;
+        self.experts_routed += s.experts_routed;
+        self.experts_dropped += s.experts_dropped;
+        self.decode_routed_bytes += s.routed_bytes;
+        self.decode_tokens += 1;
+        let prev = self.last_mem.unwrap_or(*mem);
+        let majflt = mem.majflt_total.saturating_sub(prev.majflt_total);
+        let mut r = TokenRecord {
+            step: self.step,
+            steps: self.steps,
+            wall_ms: s.wall.as_ms_f64(),
+            io_ms: s.io.as_ms_f64(),
+            read_bytes: s.read_bytes,
+            cache_hit_pct: self.cache_hit_pct(),
+            stall_ms: s.stall.as_ms_f64(),
+            mgmt_ms: s.mgmt.as_ms_f64(),
+            majflt,
+            cpu_ms: (mem.cpu_ms_total - prev.cpu_ms_total).max(0.0),
+            dense_resident_frac: mem.dense_resident_frac,
+            turn: self.turn,
+            majflt_mib: majflt as f64 * mem.page_bytes as f64 / MIB,
+            cache_budget_mib: self.cache_budget_bytes as f64 / MIB,
+            rss_mib: mem.rss_mib,
+            rss_anon_mib: mem.rss_anon_mib,
+            rss_file_mib: mem.rss_file_mib,
+            swap_mib: mem.swap_mib,
+            mem_available_mib: mem.mem_available_mib,
+            mem_free_mib: mem.mem_free_mib,
+            swap_free_mib: mem.swap_free_mib,
+            loop_overhead_ms,
+            mtp_batch: 1,
+            ..TokenRecord::default()
+        };
+        r.set_compute_residual(self.overlap);
+        self.last_mem = Some(*mem);
+        r
+    }
+
+    /// A read failed: the run's output is not trustworthy (reported in the summary).
+    pub fn io_error(&mut self) {
+        self.io_errors += 1;
+    }
+
+    /// The run's counters for the report, given the cache as it ends the generation.
+    #[allow(clippy::too_many_arguments)]
+    pub fn counters(
+        &self,
+        cache: &ExpertCache,
+        layer_demand_bytes: u64,
+        n_prompt: u64,
+        n_past: u64,
+        load_s: f64,
+        prefill_s: f64,
+        loop_overhead_tail_ms: f64,
+    ) -> RunCounters {
+        RunCounters {
+            n_prompt,
+            n_past,
+            load_s,
+            prefill_s,
+            cache_hit_pct: self.cache_hit_pct(),
+            cache_resident_bytes: cache.resident_bytes(),
+            cache_budget_bytes: cache.budget_bytes(),
+            evictions: self.evictions,
+            rereads: self.rereads,
+            token_demand_bytes: if self.decode_tokens > 0 {
+                self.decode_routed_bytes as f64 / self.decode_tokens as f64
+            } else {
+                0.0
+            },
+            layer_demand_bytes,
+            experts_routed: self.experts_routed,
+            experts_dropped: self.experts_dropped,
+            prefill: self.prefill.clone(),
+            loop_overhead_tail_ms,
+            io_errors: self.io_errors,
+            ..RunCounters::default()
+        }
+    }
+}

@@ -1,0 +1,557 @@
+//! The decode step: the only caller of `Clock`, `Flash` and `Backend`, in a fixed order,
+//! single-threaded and deterministic.
+//!
+//! One `Engine::step` runs one batch through the model — the whole prompt for prefill, one
+//! token for decode — layer by layer: `dense` → `route` → router hooks → streamer (cache,
+//! reads, expert compute) → `finish_layer`, then `head`. It returns the step's `StepStats`
+//! and feeds route and io records to a `RecordSink`. The engine and the simulator both run
+//! this code; they differ only in the three leaves.
+
+use crate::backend::{Backend, BackendStage, LayerId, Routing, RoutingError, SlotId};
+use crate::cache::{CacheError, ExpertCache};
+use crate::clock::{Clock, Nanos};
+use crate::flash::{Flash, FlashError, ReadId, ReadTag};
+use crate::layout::{ExpertKey, ExpertLayout};
+use crate::records::{Phase, RecordSink};
+use crate::streamer::{LayerIo, Streamer};
+use thiserror::Error;
+
+/// How the streamer reads and computes.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct StreamConfig {
+    /// `--overlap`: compute each expert as soon as its own reads are in, instead of after all
+    /// of the layer's reads.
+    pub overlap: bool,
+    /// `--load-all`: read every expert of every MoE layer every step (a check: its output
+    /// must equal the selective run's). Unrouted experts are read but not computed. With the
+    /// cache on they are looked up like routed ones, so only non-resident ones are read.
+    /// Under `--overlap`, waiting for those unneeded reads at the end of a layer counts as
+    /// stall (the layer cannot finish before they land).
+    pub load_all: bool,
+    /// Split a projection extent into reads of at most this many bytes (0 = one read per
+    /// extent), so a single missed expert can use more than three lanes.
+    pub max_read_bytes: u64,
+}
+
+/// One step's batch.
+#[derive(Copy, Clone, Debug)]
+pub struct StepInput<'a> {
+    /// Session turn (0 for a one-shot run).
+    pub turn: u32,
+    pub phase: Phase,
+    /// Token ids, one per batch row.
+    pub tokens: &'a [u32],
+    /// Absolute context position of each token.
+    pub positions: &'a [u32],
+}
+
+/// What one step cost and did. Times come from the engine's `Clock`.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StepStats {
+    /// Tokens in the batch.
+    pub tokens: u32,
+    /// The whole step, `begin` to `head`.
+    pub wall: Nanos,
+    /// Serial: wall time from submitting a layer's reads to the last one landing, summed over
+    /// layers (a subset of `wall`). Overlap: summed per-read lane busy time (`lane_busy`),
+    /// which can exceed `wall`.
+    pub io: Nanos,
+    /// Σ (end − start) over every read, in both modes.
+    pub lane_busy: Nanos,
+    /// Overlap only (0 in serial): wall time the step waited for a read with nothing else to
+    /// compute — the union of stalled intervals.
+    pub stall: Nanos,
+    /// Cache management: lookups, admissions and evictions, `Backend::release`, unpinning.
+    pub mgmt: Nanos,
+    /// Reads completed.
+    pub reads: u64,
+    /// Bytes pulled from flash (aligned windows, from `ReadDone::read_bytes`).
+    pub read_bytes: u64,
+    /// Bytes the reads asked for.
+    pub req_bytes: u64,
+    pub hits: u64,
+    pub misses: u64,
+    pub evictions: u64,
+    pub rereads: u64,
+    pub inserts: u64,
+    /// Routings (row × rank) over all MoE layers, dropped ones included.
+    pub experts_routed: u64,
+    /// Routings discarded by a dropping hook.
+    pub experts_dropped: u64,
+    /// Σ over MoE layers of (distinct non-dropped routed experts × expert bytes): the
+    /// measured `token_demand` of a decode step.
+    pub routed_bytes: u64,
+    /// The same per MoE layer (`layer_demand` is the widest).
+    pub layer_routed_bytes: Vec<u64>,
+    /// Layers that needed more than one admission wave (their union exceeded the budget).
+    pub extra_waves: u32,
+}
+
+/// A router hook failed.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error("{message}")]
+pub struct HookError {
+    pub message: String,
+}
+
+/// Why a step failed. Every variant except `BadInput` poisons the engine: the failed step may
+/// have left the backend and cache half-way, so later steps return `Poisoned` (STYLE 12).
+#[derive(Debug, Error)]
+pub enum StepError {
+    #[error(
+        "step input has {tokens} tokens and {positions} positions; need the same number, 1..2^32"
+    )]
+    BadInput { tokens: usize, positions: usize },
+    #[error("flash read for MoE layer {} expert {} projection {} failed: {source}", .tag.layer, .tag.expert, .tag.proj)]
+    Flash {
+        tag: ReadTag,
+        #[source]
+        source: FlashError,
+    },
+    #[error("flash delivered a completion for read {id}, which this step did not submit or already received")]
+    UnexpectedCompletion { id: ReadId },
+    #[error("backend {stage} failed at model layer {layer}: {source}")]
+    Backend {
+        stage: BackendStage,
+        layer: u32,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    #[error("routing of MoE layer {layer}: {source}")]
+    Routing {
+        layer: u16,
+        #[source]
+        source: RoutingError,
+    },
+    #[error("router hook {hook} failed at MoE layer {layer}: {source}")]
+    Hook {
+        hook: &'static str,
+        layer: u16,
+        #[source]
+        source: HookError,
+    },
+    #[error(transparent)]
+    Cache(#[from] CacheError),
+    #[error("flash device has no lanes")]
+    NoLanes,
+    #[error("the cache was built for {cache_keys} experts but the layout has {layout_keys}")]
+    CacheLayoutMismatch { cache_keys: u32, layout_keys: u32 },
+    #[error("an earlier step failed ({first}); its output is untrustworthy and this engine refuses further steps")]
+    Poisoned { first: String },
+}
+
+/// What a router hook may look at.
+pub struct HookContext<'a> {
+    pub layer: LayerId,
+    pub phase: Phase,
+    /// The batch's positions (`Routing::batch_row` indexes them).
+    pub positions: &'a [u32],
+    /// Residency, for cache-aware hooks (dropping, substitution). Read-only.
+    pub cache: &'a ExpertCache,
+    pub layout: &'a ExpertLayout,
+}
+
+/// Edits a layer's routing after the router and before anything reads it: the seam for
+/// `--n-expert-used`, `--expert-substitute`, `--drop-cold-experts` and `--route-ahead`.
+/// Hooks run in the order they were added; the step re-validates the routing after them.
+pub trait RouterHook: Send {
+    /// Name for errors and reports.
+    fn name(&self) -> &'static str;
+    /// Edit `routing` in place (ids, weights, `drop_entry`, `truncate_k`).
+    fn apply(&mut self, cx: &HookContext<'_>, routing: &mut Routing) -> Result<(), HookError>;
+}
+
+/// `--n-expert-used k`: keep the first `k` ranks of every routing. With `renormalize` (the
+/// architectures that divide the selected weights by their sum: qwen3moe, gemma4, gpt-oss's
+/// softmax over the selected) the kept weights are renormalised, so the result is what the
+/// router itself would give at top-k `k`: from the full probabilities when the backend
+/// supplied them (`w_j = p_j / max(Σ kept p, 6.1035e-5)`, qwen3moe's exact formula), else
+/// from the weights (`w_j / Σ kept w`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct TopKOverride {
+    pub k: u16,
+    pub renormalize: bool,
+}
+
+/// qwen3moe's floor on the renormalisation denominator.
+const RENORM_MIN_SUM: f32 = 6.103_515_6e-5;
+
+impl RouterHook for TopKOverride {
+    fn name(&self) -> &'static str {
+        "n-expert-used"
+    }
+
+    fn apply(&mut self, _cx: &HookContext<'_>, routing: &mut Routing) -> Result<(), HookError> {
+        let k = self.k as usize;
+        if k == 0 || k >= routing.k() {
+            return Ok(());
+        }
+        if self.renormalize {
+            for r in 0..routing.n_rows() {
+                let sum_probs = routing.probs(r).map(|p| {
+                    routing.ids(r)[..k]
+                        .iter()
+                        .map(|&e| p.get(e as usize).copied().unwrap_or(0.0))
+                        .sum::<f32>()
+                });
+                match sum_probs {
+                    Some(sum) => {
+                        let denom = sum.max(RENORM_MIN_SUM);
+                        for j in 0..k {
+                            let e = routing.ids(r)[j] as usize;
+                            let p = routing.probs(r).and_then(|p| p.get(e).copied());
+                            routing.weights_mut(r)[j] = p.unwrap_or(0.0) / denom;
+                        }
+                    }
+                    None => {
+                        let w = routing.weights_mut(r);
+                        let sum: f32 = w[..k].iter().sum();
+                        if sum > 0.0 && sum.is_finite() {
+                            for x in &mut w[..k] {
+                                *x /= sum;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        routing.truncate_k(k);
+        Ok(())
+    }
+}
+
+/// The decode step over a clock, a flash device and a backend.
+pub struct Engine<C: Clock, F: Flash, B: Backend> {
+    clock: C,
+    flash: F,
+    backend: B,
+    layout: ExpertLayout,
+    cache: ExpertCache,
+    config: StreamConfig,
+    hooks: Vec<Box<dyn RouterHook>>,
+    routing: Routing,
+    streamer: Streamer,
+    failed: Option<String>,
+}
+
+impl<C: Clock, F: Flash, B: Backend> Engine<C, F, B> {
+    /// Assemble a step engine. `cache` must have been built over `layout` (budget 0 = off).
+    pub fn new(
+        clock: C,
+        flash: F,
+        backend: B,
+        layout: ExpertLayout,
+        cache: ExpertCache,
+        config: StreamConfig,
+    ) -> Result<Self, StepError> {
+        if flash.lanes() == 0 {
+            return Err(StepError::NoLanes);
+        }
+        if cache.n_keys() != layout.n_keys() {
+            return Err(StepError::CacheLayoutMismatch {
+                cache_keys: cache.n_keys(),
+                layout_keys: layout.n_keys(),
+            });
+        }
+        let streamer = Streamer::new(&layout);
+        Ok(Engine {
+            clock,
+            flash,
+            backend,
+            layout,
+            cache,
+            config,
+            hooks: Vec::new(),
+            routing: Routing::new(),
+            streamer,
+            failed: None,
+        })
+    }
+
+    /// Append a router hook (hooks run in the order added).
+    pub fn add_hook(&mut self, hook: Box<dyn RouterHook>) {
+        self.hooks.push(hook);
+    }
+
+    /// Run one batch through the model. See the module documentation for the order of calls.
+    /// On any error the engine is poisoned: this and every later call return an error.
+    pub fn step(
+        &mut self,
+        input: &StepInput<'_>,
+        sink: &mut dyn RecordSink,
+    ) -> Result<StepStats, StepError> {
+        if let Some(first) = &self.failed {
+            return Err(StepError::Poisoned {
+                first: first.clone(),
+            });
+        }
+        if input.tokens.is_empty()
+            || input.tokens.len() != input.positions.len()
+            || input.tokens.len() > u32::MAX as usize
+        {
+            return Err(StepError::BadInput {
+                tokens: input.tokens.len(),
+                positions: input.positions.len(),
+            });
+        }
+        let mut stats = StepStats {
+            tokens: input.tokens.len() as u32,
+            layer_routed_bytes: vec![0; self.layout.n_moe_layers() as usize],
+            ..Default::default()
+        };
+        let before = self.cache.counters();
+        let start = self.clock.now();
+        if let Err(e) = self.run(input, sink, &mut stats) {
+            self.failed = Some(e.to_string());
+            return Err(e);
+        }
+        stats.wall = self.clock.now() - start;
+        if self.config.overlap {
+            stats.io = stats.lane_busy;
+        }
+        let delta = self.cache.counters().since(before);
+        stats.hits = delta.hits;
+        stats.misses = delta.misses;
+        stats.evictions = delta.evictions;
+        stats.rereads = delta.rereads;
+        stats.inserts = delta.inserts;
+        Ok(stats)
+    }
+
+    fn run(
+        &mut self,
+        input: &StepInput<'_>,
+        sink: &mut dyn RecordSink,
+        stats: &mut StepStats,
+    ) -> Result<(), StepError> {
+        let Engine {
+            clock,
+            flash,
+            backend,
+            layout,
+            cache,
+            config,
+            hooks,
+            routing,
+            streamer,
+            ..
+        } = self;
+        let n_tokens = input.tokens.len() as u32;
+        backend
+            .begin(input.tokens, input.positions)
+            .map_err(be(BackendStage::Begin, 0))?;
+        for model_layer in 0..layout.n_model_layers() {
+            backend
+                .dense(model_layer)
+                .map_err(be(BackendStage::Dense, model_layer))?;
+            let Some(moe) = layout.moe_index(model_layer) else {
+                continue;
+            };
+            let layer = LayerId {
+                model: model_layer,
+                moe,
+            };
+            let n_expert = layout.layer(moe).map_or(0, |l| l.n_expert);
+            routing.reset(n_expert, n_tokens);
+            backend
+                .route(layer, routing)
+                .map_err(be(BackendStage::Route, model_layer))?;
+            if !hooks.is_empty() {
+                let cx = HookContext {
+                    layer,
+                    phase: input.phase,
+                    positions: input.positions,
+                    cache,
+                    layout,
+                };
+                for hook in hooks.iter_mut() {
+                    hook.apply(&cx, routing).map_err(|source| StepError::Hook {
+                        hook: hook.name(),
+                        layer: moe,
+                        source,
+                    })?;
+                }
+            }
+            routing
+                .validate(moe)
+                .map_err(|source| StepError::Routing { layer: moe, source })?;
+            let mut io = LayerIo {
+                clock: &*clock,
+                flash: &mut *flash,
+                backend: &mut *backend,
+                cache: &mut *cache,
+                layout: &*layout,
+                config: &*config,
+                sink: &mut *sink,
+                stats: &mut *stats,
+                turn: input.turn,
+                phase: input.phase,
+                positions: input.positions,
+                layer_moe: moe,
+            };
+            streamer.run_layer(&mut io, layer, routing)?;
+        }
+        backend
+            .head()
+            .map_err(be(BackendStage::Head, layout.n_model_layers()))?;
+        Ok(())
+    }
+
+    /// Change the cache budget between steps, releasing what it evicts. Same floor as at
+    /// construction; a cache cannot be turned on or off this way.
+    pub fn set_cache_budget(&mut self, budget_bytes: u64) -> Result<(), StepError> {
+        if let Some(first) = &self.failed {
+            return Err(StepError::Poisoned {
+                first: first.clone(),
+            });
+        }
+        let mut evicted: Vec<ExpertKey> = Vec::new();
+        let result = self.cache.set_budget(budget_bytes, &mut evicted);
+        for key in evicted {
+            let model = self.layout.layer(key.layer).map_or(0, |l| l.model_layer);
+            if let Err(e) = self
+                .backend
+                .release(SlotId::Canonical(key))
+                .map_err(be(BackendStage::Release, model))
+            {
+                self.failed = Some(e.to_string());
+                return Err(e);
+            }
+        }
+        result.map_err(StepError::from)
+    }
+
+    /// The clock.
+    pub fn clock(&self) -> &C {
+        &self.clock
+    }
+    /// The flash device.
+    pub fn flash(&self) -> &F {
+        &self.flash
+    }
+    /// The flash device, mutably (between steps).
+    pub fn flash_mut(&mut self) -> &mut F {
+        &mut self.flash
+    }
+    /// The backend.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+    /// The backend, mutably (between steps: logits, KV management).
+    pub fn backend_mut(&mut self) -> &mut B {
+        &mut self.backend
+    }
+    /// The expert cache.
+    pub fn cache(&self) -> &ExpertCache {
+        &self.cache
+    }
+    /// The expert layout.
+    pub fn layout(&self) -> &ExpertLayout {
+        &self.layout
+    }
+    /// The stream configuration.
+    pub fn config(&self) -> &StreamConfig {
+        &self.config
+    }
+    /// The first failure, once the engine is poisoned.
+    pub fn failure(&self) -> Option<&str> {
+        self.failed.as_deref()
+    }
+    /// Take the engine apart.
+    pub fn into_parts(self) -> (C, F, B, ExpertCache) {
+        (self.clock, self.flash, self.backend, self.cache)
+    }
+}
+
+/// Map a backend error into `StepError::Backend` for `stage` at model layer `layer`.
+pub(crate) fn be<E: std::error::Error + Send + Sync + 'static>(
+    stage: BackendStage,
+    layer: u32,
+) -> impl FnOnce(E) -> StepError {
+    move |e| StepError::Backend {
+        stage,
+        layer,
+        source: Box::new(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::{MoeLayerLayout, ProjExtent};
+    use crate::policy::Lru;
+
+    fn cx_parts() -> (ExpertLayout, ExpertCache) {
+        let layout = ExpertLayout::new(
+            1,
+            vec![MoeLayerLayout {
+                model_layer: 0,
+                n_expert: 4,
+                projections: vec![ProjExtent {
+                    shard: 0,
+                    base_offset: 0,
+                    stride_bytes: 1,
+                }],
+                dense_bytes: 0,
+            }],
+            3,
+        )
+        .unwrap();
+        let cache = ExpertCache::new(&layout, 0, 3, Box::new(Lru::new())).unwrap();
+        (layout, cache)
+    }
+
+    #[test]
+    fn top_k_override_renormalises_from_probs_like_qwen3moe() {
+        let (layout, cache) = cx_parts();
+        let cx = HookContext {
+            layer: LayerId { model: 0, moe: 0 },
+            phase: Phase::Decode,
+            positions: &[0],
+            cache: &cache,
+            layout: &layout,
+        };
+        let probs = [0.1f32, 0.4, 0.3, 0.2];
+        let mut r = Routing::new();
+        r.reset(4, 1);
+        // Top-3 of probs, renormalised over the three.
+        r.push_row_with_probs(0, &[1, 2, 3], &[0.4 / 0.9, 0.3 / 0.9, 0.2 / 0.9], &probs)
+            .unwrap();
+        let mut hook = TopKOverride {
+            k: 2,
+            renormalize: true,
+        };
+        hook.apply(&cx, &mut r).unwrap();
+        assert_eq!(r.k(), 2);
+        assert_eq!(r.ids(0), &[1, 2]);
+        let denom = 0.4f32 + 0.3f32;
+        assert_eq!(r.weights(0), &[0.4 / denom, 0.3 / denom]);
+
+        // Without probabilities: the kept weights are divided by their sum.
+        let mut r = Routing::new();
+        r.reset(4, 1);
+        r.push_row(0, &[1, 2, 3], &[0.5, 0.3, 0.2]).unwrap();
+        hook.apply(&cx, &mut r).unwrap();
+        assert_eq!(r.weights(0), &[0.5 / 0.8, 0.3 / 0.8]);
+
+        // Without renormalisation the weights stay as the router gave them.
+        let mut r = Routing::new();
+        r.reset(4, 1);
+        r.push_row(0, &[1, 2, 3], &[0.5, 0.3, 0.2]).unwrap();
+        TopKOverride {
+            k: 1,
+            renormalize: false,
+        }
+        .apply(&cx, &mut r)
+        .unwrap();
+        assert_eq!((r.ids(0), r.weights(0)), (&[1u16][..], &[0.5f32][..]));
+
+        // A k at or above the routing's width changes nothing.
+        let mut r = Routing::new();
+        r.reset(4, 1);
+        r.push_row(0, &[1, 2], &[0.6, 0.4]).unwrap();
+        hook.k = 8;
+        hook.apply(&cx, &mut r).unwrap();
+        assert_eq!(r.weights(0), &[0.6, 0.4]);
+    }
+}

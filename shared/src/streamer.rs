@@ -1,0 +1,630 @@
+//! The streamer: one MoE layer's routed experts, from routing to computed outputs.
+//!
+//! Given the layer's (hooked) routing it takes the union of the batch's routed experts (each
+//! read at most once), looks every one up in the cache (hits pinned first: the admission
+//! rule), admits the misses (evicting by policy, releasing what was evicted), issues one read
+//! per projection extent round-robin over the flash lanes, and hands each expert to the
+//! backend once its bytes have landed — after all of the layer's reads (serial) or as soon as
+//! its own reads complete (`--overlap`). It owns the time split the telemetry reports: `io`,
+//! `stall` and `mgmt`, all measured with the injected `Clock`.
+//!
+//! Speculative prefetch (a later issue) plugs in here: after a wave's demand reads are
+//! submitted, a predictor may submit `speculative: true` reads for later layers on idle
+//! lanes; demand reads pre-empt them (`Flash::cancel` on those not started), and a completion
+//! the streamer did not submit must then be routed to the prefetcher instead of being refused
+//! as `StepError::UnexpectedCompletion` as it is today.
+
+use crate::backend::{Backend, BackendStage, ExpertUse, LayerId, Routing, SlotId};
+use crate::cache::{Admission, ExpertCache, Lookup};
+use crate::clock::Clock;
+use crate::flash::{Flash, FlashError, ReadDone, ReadId, ReadRequest, ReadTag};
+use crate::layout::{ExpertKey, ExpertLayout};
+use crate::records::{IoRecord, Phase, RecordSink, RouteRecord};
+use crate::step::{be, StepError, StepStats, StreamConfig};
+use std::collections::VecDeque;
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum EntryState {
+    /// A miss not yet admitted (a later wave).
+    Waiting,
+    /// Admitted; reads outstanding.
+    Reading,
+    /// Bytes resident; not yet computed.
+    Ready,
+    /// Computed (or needed no compute).
+    Done,
+}
+
+/// One expert of the layer's union.
+#[derive(Copy, Clone, Debug)]
+struct Entry {
+    expert: u16,
+    slot: SlotId,
+    hit: bool,
+    state: EntryState,
+    /// This expert's uses are `uses[uses_start .. uses_start + uses_len]`, sorted by
+    /// (row, rank). Zero uses: read only because of `--load-all`.
+    uses_start: u32,
+    uses_len: u32,
+    fill: u32,
+    pending_reads: u32,
+    bytes_traced: bool,
+}
+
+/// A submitted read, as much of its request as completion needs (kept small: this is
+/// written once per read on the replay hot path).
+#[derive(Copy, Clone, Debug)]
+struct InFlight {
+    id: ReadId,
+    offset: u64,
+    len: u64,
+    entry: u32,
+    shard: u16,
+    proj: u8,
+    delivered: bool,
+}
+
+/// Everything the streamer touches while it runs one layer, borrowed from the engine.
+pub(crate) struct LayerIo<'a, C, F, B> {
+    pub clock: &'a C,
+    pub flash: &'a mut F,
+    pub backend: &'a mut B,
+    pub cache: &'a mut ExpertCache,
+    pub layout: &'a ExpertLayout,
+    pub config: &'a StreamConfig,
+    pub sink: &'a mut dyn RecordSink,
+    pub stats: &'a mut StepStats,
+    pub turn: u32,
+    pub phase: Phase,
+    pub positions: &'a [u32],
+    /// The MoE layer being streamed (set by `run_layer`).
+    pub layer_moe: u16,
+}
+
+/// Reusable per-layer scratch. No allocation once capacities have grown.
+#[derive(Debug, Default)]
+pub(crate) struct Streamer {
+    /// Per expert id: `epoch` when it joined this layer's union.
+    stamp: Vec<u32>,
+    /// Per expert id: its position in `entries` (valid when stamped this epoch).
+    pos_of: Vec<u32>,
+    epoch: u32,
+    entries: Vec<Entry>,
+    uses: Vec<ExpertUse>,
+    misses: Vec<u32>,
+    /// Entries pinned by the current wave, unpinned when it is over.
+    wave: Vec<u32>,
+    ready: VecDeque<u32>,
+    inflight: Vec<InFlight>,
+    oldest: usize,
+    outstanding: usize,
+    evicted: Vec<ExpertKey>,
+    lane_cursor: u32,
+}
+
+impl Streamer {
+    pub(crate) fn new(layout: &ExpertLayout) -> Self {
+        let n = layout.max_n_expert() as usize;
+        Streamer {
+            stamp: vec![0; n],
+            pos_of: vec![0; n],
+            ..Default::default()
+        }
+    }
+
+    /// Run one MoE layer. On error, every read still in flight is waited for (outcome
+    /// ignored) before returning, so no read lands in a slot after the step has given up.
+    pub(crate) fn run_layer<C: Clock, F: Flash, B: Backend>(
+        &mut self,
+        io: &mut LayerIo<'_, C, F, B>,
+        layer: LayerId,
+        routing: &Routing,
+    ) -> Result<(), StepError> {
+        io.layer_moe = layer.moe;
+        let result = self.run_layer_inner(io, layer, routing);
+        if result.is_err() {
+            for f in self.inflight.iter_mut().filter(|f| !f.delivered) {
+                f.delivered = true;
+                let _ = io.flash.wait(f.id);
+            }
+            self.outstanding = 0;
+        }
+        result
+    }
+
+    fn begin_layer(&mut self) {
+        self.epoch = self.epoch.wrapping_add(1);
+        if self.epoch == 0 {
+            self.stamp.fill(0);
+            self.epoch = 1;
+        }
+        self.entries.clear();
+        self.uses.clear();
+        self.misses.clear();
+        self.wave.clear();
+        self.ready.clear();
+        self.inflight.clear();
+        self.oldest = 0;
+        self.outstanding = 0;
+        self.evicted.clear();
+        self.lane_cursor = 0;
+    }
+
+    /// Add expert `e` to the union if it is not there yet; its position.
+    #[inline]
+    fn join(&mut self, e: u16) -> usize {
+        let ei = e as usize;
+        if self.stamp[ei] == self.epoch {
+            return self.pos_of[ei] as usize;
+        }
+        self.stamp[ei] = self.epoch;
+        let p = self.entries.len();
+        self.pos_of[ei] = p as u32;
+        self.entries.push(Entry {
+            expert: e,
+            slot: SlotId::Staging(e),
+            hit: false,
+            state: EntryState::Waiting,
+            uses_start: 0,
+            uses_len: 0,
+            fill: 0,
+            pending_reads: 0,
+            bytes_traced: false,
+        });
+        p
+    }
+
+    fn run_layer_inner<C: Clock, F: Flash, B: Backend>(
+        &mut self,
+        io: &mut LayerIo<'_, C, F, B>,
+        layer: LayerId,
+        routing: &Routing,
+    ) -> Result<(), StepError> {
+        self.begin_layer();
+        let moe = layer.moe;
+        let k = routing.k();
+        let expert_bytes = io.layout.expert_bytes(moe);
+
+        // Union of the routed experts in first-use order (row-major, rank order within a
+        // row): the fixed order serial compute uses.
+        for r in 0..routing.n_rows() {
+            let ids = routing.ids(r);
+            let dropped = routing.dropped(r);
+            io.stats.experts_routed += k as u64;
+            for rank in 0..k {
+                if dropped[rank] {
+                    io.stats.experts_dropped += 1;
+                    continue;
+                }
+                let p = self.join(ids[rank]);
+                self.entries[p].uses_len += 1;
+            }
+        }
+        let routed_bytes = self.entries.len() as u64 * expert_bytes;
+        io.stats.routed_bytes += routed_bytes;
+        if let Some(b) = io.stats.layer_routed_bytes.get_mut(moe as usize) {
+            *b += routed_bytes;
+        }
+        if io.config.load_all {
+            for e in 0..routing.n_expert() {
+                self.join(e as u16);
+            }
+        }
+
+        // Group the uses by expert (counting sort; rows ascending, so sorted by row, rank).
+        let mut total = 0u32;
+        for en in &mut self.entries {
+            en.uses_start = total;
+            total += en.uses_len;
+        }
+        self.uses.resize(
+            total as usize,
+            ExpertUse {
+                row: 0,
+                rank: 0,
+                weight: 0.0,
+            },
+        );
+        for r in 0..routing.n_rows() {
+            let ids = routing.ids(r);
+            let weights = routing.weights(r);
+            let dropped = routing.dropped(r);
+            for rank in 0..k {
+                if dropped[rank] {
+                    continue;
+                }
+                let en = &mut self.entries[self.pos_of[ids[rank] as usize] as usize];
+                self.uses[(en.uses_start + en.fill) as usize] = ExpertUse {
+                    row: r,
+                    rank: rank as u16,
+                    weight: weights[rank],
+                };
+                en.fill += 1;
+            }
+        }
+
+        // Lookups: every hit is found and pinned before any miss is admitted.
+        let t = io.clock.now();
+        let cache_off = io.cache.is_off();
+        for (i, en) in self.entries.iter_mut().enumerate() {
+            let key = ExpertKey {
+                layer: moe,
+                expert: en.expert,
+            };
+            let lookup = io.cache.lookup(key)?;
+            if cache_off {
+                en.slot = SlotId::Staging(en.expert);
+                self.misses.push(i as u32);
+            } else {
+                en.slot = SlotId::Canonical(key);
+                if lookup == Lookup::Hit {
+                    en.hit = true;
+                    en.state = EntryState::Ready;
+                } else {
+                    self.misses.push(i as u32);
+                }
+            }
+        }
+        io.stats.mgmt += io.clock.now() - t;
+
+        if io.sink.wants_routes() {
+            self.trace_routes(io, moe, routing, expert_bytes);
+        }
+
+        let mut first_wave = true;
+        let mut next_miss = 0usize;
+        loop {
+            self.wave.clear();
+            if first_wave {
+                for (i, en) in self.entries.iter().enumerate() {
+                    if en.hit {
+                        self.wave.push(i as u32);
+                    }
+                }
+            }
+            let wave_misses_start = self.wave.len();
+            let t = io.clock.now();
+            while next_miss < self.misses.len() {
+                let i = self.misses[next_miss] as usize;
+                if !cache_off {
+                    let key = ExpertKey {
+                        layer: moe,
+                        expert: self.entries[i].expert,
+                    };
+                    if io.cache.admit(key, &mut self.evicted)? == Admission::NoRoom {
+                        break;
+                    }
+                    for evicted in self.evicted.drain(..) {
+                        io.backend
+                            .release(SlotId::Canonical(evicted))
+                            .map_err(be(BackendStage::Release, layer.model))?;
+                    }
+                }
+                self.entries[i].state = EntryState::Reading;
+                self.wave.push(i as u32);
+                next_miss += 1;
+            }
+            io.stats.mgmt += io.clock.now() - t;
+            if self.wave.is_empty() {
+                // Unreachable while budget >= layer_demand >= one expert: after a wave has
+                // unpinned everything, the next miss always fits. Refuse rather than spin.
+                return Err(StepError::Cache(crate::cache::CacheError::Corrupt {
+                    what: format!(
+                        "MoE layer {moe}: a miss fits nowhere even with nothing pinned (budget {} bytes, expert {} bytes)",
+                        io.cache.budget_bytes(),
+                        expert_bytes
+                    ),
+                }));
+            }
+
+            self.inflight.clear();
+            self.oldest = 0;
+            if io.config.overlap {
+                self.submit_reads(io, moe, wave_misses_start);
+                self.compute_overlap(io, layer)?;
+            } else {
+                let t = io.clock.now();
+                self.submit_reads(io, moe, wave_misses_start);
+                self.wait_all_in_issue_order(io)?;
+                io.stats.io += io.clock.now() - t;
+                self.compute_ready_in_order(io, layer)?;
+            }
+            first_wave = false;
+            if next_miss >= self.misses.len() {
+                break;
+            }
+            // More misses than fit beside this wave's pins (a wide prefill batch on a small
+            // budget): the wave's experts are computed, so unpin them and admit the rest.
+            io.stats.extra_waves += 1;
+            let t = io.clock.now();
+            self.unpin_wave(io, moe)?;
+            io.stats.mgmt += io.clock.now() - t;
+        }
+
+        io.backend
+            .finish_layer(layer)
+            .map_err(be(BackendStage::FinishLayer, layer.model))?;
+        let t = io.clock.now();
+        self.unpin_wave(io, moe)?;
+        io.stats.mgmt += io.clock.now() - t;
+        Ok(())
+    }
+
+    fn unpin_wave<C, F, B>(
+        &mut self,
+        io: &mut LayerIo<'_, C, F, B>,
+        moe: u16,
+    ) -> Result<(), StepError> {
+        if io.cache.is_off() {
+            return Ok(());
+        }
+        for &i in &self.wave {
+            io.cache.unpin(ExpertKey {
+                layer: moe,
+                expert: self.entries[i as usize].expert,
+            })?;
+        }
+        Ok(())
+    }
+
+    fn trace_routes<C, F, B>(
+        &mut self,
+        io: &mut LayerIo<'_, C, F, B>,
+        moe: u16,
+        routing: &Routing,
+        expert_bytes: u64,
+    ) {
+        for r in 0..routing.n_rows() {
+            let ids = routing.ids(r);
+            let weights = routing.weights(r);
+            let dropped = routing.dropped(r);
+            let step = io
+                .positions
+                .get(routing.batch_row(r) as usize)
+                .map_or(-1, |&p| i64::from(p));
+            for rank in 0..routing.k() {
+                let e = ids[rank];
+                let (residency, bytes) = if dropped[rank] {
+                    // Dropped: the residency it faced, and no bytes (never read).
+                    let key = ExpertKey {
+                        layer: moe,
+                        expert: e,
+                    };
+                    (u8::from(io.cache.contains(key)), 0)
+                } else {
+                    let en = &mut self.entries[self.pos_of[e as usize] as usize];
+                    if en.hit {
+                        (1, 0)
+                    } else if !en.bytes_traced {
+                        // Per read, not per routing: only the first routing of a missed
+                        // expert in the batch carries its bytes.
+                        en.bytes_traced = true;
+                        (0, expert_bytes)
+                    } else {
+                        (0, 0)
+                    }
+                };
+                io.sink.route(&RouteRecord {
+                    turn: io.turn,
+                    phase: io.phase,
+                    step,
+                    layer: u32::from(moe),
+                    slot: rank as u32,
+                    expert: u32::from(e),
+                    weight: weights[rank],
+                    residency,
+                    expert_bytes: bytes,
+                    dropped: dropped[rank],
+                });
+            }
+        }
+    }
+
+    /// One read per projection extent (split at `max_read_bytes` when set) for every entry of
+    /// the wave from `from`, lanes round-robin in issue order.
+    fn submit_reads<C, F: Flash, B>(
+        &mut self,
+        io: &mut LayerIo<'_, C, F, B>,
+        moe: u16,
+        from: usize,
+    ) {
+        let lanes = io.flash.lanes().max(1);
+        let Some(layer_layout) = io.layout.layer(moe) else {
+            return;
+        };
+        for w in from..self.wave.len() {
+            let i = self.wave[w] as usize;
+            let expert = self.entries[i].expert;
+            let slot = self.entries[i].slot;
+            for (proj, p) in layer_layout.projections.iter().enumerate() {
+                let base = p.base_offset + u64::from(expert) * p.stride_bytes;
+                let chunk = match io.config.max_read_bytes {
+                    0 => p.stride_bytes,
+                    m => m,
+                };
+                let mut done = 0u64;
+                while done < p.stride_bytes {
+                    let len = chunk.min(p.stride_bytes - done);
+                    let req = ReadRequest {
+                        shard: p.shard,
+                        offset: base + done,
+                        len,
+                        dest: slot,
+                        dest_offset: done,
+                        lane: self.lane_cursor,
+                        speculative: false,
+                        tag: ReadTag {
+                            layer: moe,
+                            expert,
+                            proj: proj as u8,
+                        },
+                    };
+                    self.lane_cursor = (self.lane_cursor + 1) % lanes;
+                    let id = io.flash.submit(req);
+                    self.inflight.push(InFlight {
+                        id,
+                        offset: req.offset,
+                        len,
+                        entry: i as u32,
+                        shard: p.shard,
+                        proj: proj as u8,
+                        delivered: false,
+                    });
+                    self.outstanding += 1;
+                    self.entries[i].pending_reads += 1;
+                    done += len;
+                }
+            }
+        }
+    }
+
+    /// Account one delivered outcome. A failed or short read is an error (sticky, loud).
+    fn complete<C, F, B>(
+        &mut self,
+        io: &mut LayerIo<'_, C, F, B>,
+        id: ReadId,
+        outcome: Result<ReadDone, FlashError>,
+    ) -> Result<(), StepError> {
+        let Some(fi) = self.inflight[self.oldest..]
+            .iter()
+            .position(|f| f.id == id && !f.delivered)
+            .map(|p| p + self.oldest)
+        else {
+            return Err(StepError::UnexpectedCompletion { id });
+        };
+        self.inflight[fi].delivered = true;
+        self.outstanding -= 1;
+        while self.oldest < self.inflight.len() && self.inflight[self.oldest].delivered {
+            self.oldest += 1;
+        }
+        let f = self.inflight[fi];
+        let tag = ReadTag {
+            layer: io.layer_moe,
+            expert: self.entries[f.entry as usize].expert,
+            proj: f.proj,
+        };
+        let done = outcome.map_err(|source| StepError::Flash { tag, source })?;
+        if done.id != id || done.req_bytes != f.len || done.read_bytes < done.req_bytes {
+            return Err(StepError::Flash {
+                tag,
+                source: FlashError::Short {
+                    shard: f.shard,
+                    offset: f.offset,
+                    expected: f.len,
+                    got: done.req_bytes.min(done.read_bytes),
+                },
+            });
+        }
+        io.stats.reads += 1;
+        io.stats.read_bytes += done.read_bytes;
+        io.stats.req_bytes += done.req_bytes;
+        io.stats.lane_busy += done.end - done.start;
+        if io.sink.wants_io() {
+            io.sink.io(&IoRecord {
+                turn: io.turn,
+                phase: io.phase,
+                step: io.positions.last().map_or(-1, |&p| i64::from(p)),
+                layer: u32::from(tag.layer),
+                expert: u32::from(tag.expert),
+                proj: tag.proj,
+                lane: done.lane,
+                // Demand reads only, until prefetch lands.
+                speculative: false,
+                offset: f.offset,
+                req_bytes: done.req_bytes,
+                read_bytes: done.read_bytes,
+                latency_ns: (done.end - done.start).0,
+            });
+        }
+        let en = &mut self.entries[f.entry as usize];
+        en.pending_reads -= 1;
+        if en.pending_reads == 0 {
+            en.state = EntryState::Ready;
+            self.ready.push_back(f.entry);
+        }
+        Ok(())
+    }
+
+    fn wait_all_in_issue_order<C, F: Flash, B>(
+        &mut self,
+        io: &mut LayerIo<'_, C, F, B>,
+    ) -> Result<(), StepError> {
+        for fi in 0..self.inflight.len() {
+            if self.inflight[fi].delivered {
+                continue;
+            }
+            let id = self.inflight[fi].id;
+            let outcome = io.flash.wait(id);
+            self.complete(io, id, outcome)?;
+        }
+        self.ready.clear();
+        Ok(())
+    }
+
+    fn compute<C, F, B: Backend>(
+        &mut self,
+        io: &mut LayerIo<'_, C, F, B>,
+        layer: LayerId,
+        i: usize,
+    ) -> Result<(), StepError> {
+        let en = self.entries[i];
+        if en.uses_len > 0 {
+            let uses = &self.uses[en.uses_start as usize..(en.uses_start + en.uses_len) as usize];
+            io.backend
+                .expert(layer, en.expert, en.slot, uses)
+                .map_err(be(BackendStage::Expert, layer.model))?;
+        }
+        self.entries[i].state = EntryState::Done;
+        Ok(())
+    }
+
+    /// Serial: every expert whose bytes are in, in the fixed first-use order.
+    fn compute_ready_in_order<C, F, B: Backend>(
+        &mut self,
+        io: &mut LayerIo<'_, C, F, B>,
+        layer: LayerId,
+    ) -> Result<(), StepError> {
+        for i in 0..self.entries.len() {
+            if self.entries[i].state == EntryState::Ready {
+                self.compute(io, layer, i)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Overlap: resident experts first (first-use order), then each missed expert as soon as
+    /// its own reads are in. Whenever nothing is computable the loop waits for the oldest
+    /// outstanding read; each such wait is a stalled interval. The core loop is the only
+    /// thread that waits on reads (compute threads run inside `Backend::expert`, which is
+    /// only called on landed bytes), so the stalled intervals never overlap and their sum is
+    /// exactly the contract's union of stalled intervals.
+    fn compute_overlap<C: Clock, F: Flash, B: Backend>(
+        &mut self,
+        io: &mut LayerIo<'_, C, F, B>,
+        layer: LayerId,
+    ) -> Result<(), StepError> {
+        for i in 0..self.entries.len() {
+            if self.entries[i].hit && self.entries[i].state == EntryState::Ready {
+                self.compute(io, layer, i)?;
+            }
+        }
+        loop {
+            while let Some((id, outcome)) = io.flash.poll() {
+                self.complete(io, id, outcome)?;
+            }
+            if let Some(i) = self.ready.pop_front() {
+                self.compute(io, layer, i as usize)?;
+                continue;
+            }
+            if self.outstanding == 0 {
+                break;
+            }
+            let id = self.inflight[self.oldest].id;
+            let t = io.clock.now();
+            let outcome = io.flash.wait(id);
+            io.stats.stall += io.clock.now() - t;
+            self.complete(io, id, outcome)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,436 @@
+//! The end-of-run text report (`generation:`, `compute:`, `mode:`, `moe-*:` lines), as
+//! functions of the resolved `RunConfig` and the generation's `RunSummary`.
+//!
+//! One place prints these lines for the engine and the simulator, with one precision per
+//! field, so a sim report and a measured report can be read — and diffed — side by side. Each
+//! line builder returns `None` when its line does not apply; `write_report` prints them in the
+//! contract's order.
+
+use std::io::{self, Write};
+
+use super::fmt::{fixed, pct};
+use super::summary::{PredictReport, PredictorStats, RunSummary};
+use crate::config::{RunConfig, SpecMode};
+
+/// What the report needs beyond the configuration and the summary.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReportContext<'a> {
+    /// `--progress`: print the `=== answer ===` / `=== perf ===` banners around the answer.
+    /// Without it the answer was streamed inline and only the summary lines are printed.
+    pub progress: bool,
+    /// The full generated answer (printed only with `progress`).
+    pub answer: &'a str,
+    /// Whether the model's architecture is one this build can stream (decides the wording of
+    /// the baseline `mode:` line).
+    pub arch_streamable: bool,
+}
+
+/// `generation: <n> tokens, <s> s/token (<t> tok/s)`.
+pub fn generation_line(s: &RunSummary) -> String {
+    format!(
+        "generation: {} tokens, {} s/token ({} tok/s)",
+        s.tokens(),
+        fixed(s.s_per_token(), 3),
+        fixed(s.tokens_per_s(), 3)
+    )
+}
+
+/// `compute: <pct>% CPU occupancy (...)`, or `None` when the platform measured neither CPU
+/// time nor faults.
+pub fn compute_line(cfg: &RunConfig, s: &RunSummary) -> Option<String> {
+    let cpu = s.cpu_s_per_token();
+    let majflt = s.majflt_per_token();
+    if cpu <= 0.0 && majflt <= 0.0 {
+        return None;
+    }
+    let spt = s.s_per_token();
+    let occupancy = if spt > 0.0 && cfg.threads > 0 {
+        cpu / (spt * f64::from(cfg.threads))
+    } else {
+        0.0
+    };
+    Some(format!(
+        "compute: {}% CPU occupancy ({} cpu-s/token over {} threads), {} major faults/token",
+        fixed(occupancy * 100.0, 1),
+        fixed(cpu, 4),
+        cfg.threads,
+        fixed(majflt, 2)
+    ))
+}
+
+/// The `mtp:` / `ngram:` lines (acceptance, cost, and for n-gram coverage), or none.
+pub fn speculation_lines(cfg: &RunConfig, s: &RunSummary) -> Vec<String> {
+    let c = &s.counters;
+    if cfg.spec == SpecMode::Off || c.mtp_decodes == 0 {
+        return Vec::new();
+    }
+    let src = cfg.spec.name();
+    let mut out = vec![format!(
+        "{src}: {}/{} drafts accepted ({}%), {} tokens per verify decode ({} decodes for {} tokens)",
+        c.mtp_accepted,
+        c.mtp_drafted,
+        fixed(pct(c.mtp_accepted, c.mtp_drafted), 1),
+        fixed(s.tokens() as f64 / c.mtp_decodes as f64, 2),
+        c.mtp_decodes,
+        s.tokens()
+    )];
+    let with_drafting = s.s_per_token() + s.mtp_draft_s_per_token();
+    let effective = if with_drafting > 0.0 {
+        1.0 / with_drafting
+    } else {
+        0.0
+    };
+    out.push(format!(
+        "{src}: drafting costs {} s/token on top of decode → {} tok/s effective (vs {} reported)",
+        fixed(s.mtp_draft_s_per_token(), 4),
+        fixed(effective, 2),
+        fixed(s.tokens_per_s(), 2)
+    ));
+    if cfg.spec == SpecMode::Ngram {
+        out.push(format!(
+            "ngram: drafted on {} of {} steps ({}%); the rest decoded plainly",
+            c.drafted_steps,
+            c.mtp_decodes,
+            fixed(pct(c.drafted_steps, c.mtp_decodes), 1)
+        ));
+    }
+    out
+}
+
+/// `mode:` — printed on every run. Streaming names the cache (`auto`, `<n> MiB`, `off`), the
+/// dense mode and overlap; a run without streaming says it is a baseline and, on an
+/// architecture this build streams, names the flag.
+pub fn mode_line(cfg: &RunConfig, arch_streamable: bool) -> String {
+    if cfg.moe_stream {
+        let cache = if cfg.cache_auto {
+            "cache auto".to_string()
+        } else if cfg.cache_mb > 0 {
+            format!("cache {} MiB", cfg.cache_mb)
+        } else {
+            "cache off".to_string()
+        };
+        format!(
+            "mode: expert streaming, {cache}, dense {}{}",
+            cfg.dense_weights.name(),
+            if cfg.overlap { ", overlap" } else { "" }
+        )
+    } else if arch_streamable {
+        format!(
+            "mode: mmap. Expert streaming is OFF on a MoE model ({}), so this run is a baseline, not \
+             this engine: add --moe-stream --overlap to stream the routed experts from flash.",
+            cfg.arch
+        )
+    } else {
+        let arch = if cfg.arch.is_empty() {
+            "the model"
+        } else {
+            cfg.arch.as_str()
+        };
+        format!("mode: mmap ({arch} is not a MoE architecture this build streams; --list-archs lists the supported ones)")
+    }
+}
+
+/// The `moe-stream:` line (with `stall_s/tok=` under overlap), plus a failure line when reads
+/// failed. Empty without streaming.
+pub fn stream_lines(cfg: &RunConfig, s: &RunSummary) -> Vec<String> {
+    if !cfg.moe_stream {
+        return Vec::new();
+    }
+    let n = s.tokens();
+    let read_per_token = if n > 0 { s.read_mib() / n as f64 } else { 0.0 };
+    let mut line = format!(
+        "moe-stream: read {} MiB ({} MiB/token), decode {} s/token (compute {} + cache mgmt {} + flash I/O {} s/token, {} MiB/s)",
+        fixed(s.read_mib(), 1),
+        fixed(read_per_token, 2),
+        fixed(s.s_per_token(), 3),
+        fixed(s.compute_s_per_token(), 3),
+        fixed(s.mgmt_s_per_token(), 3),
+        fixed(s.io_s_per_token(), 3),
+        fixed(s.read_mib_per_s(), 0)
+    );
+    if cfg.overlap {
+        line.push_str(&format!(
+            ", stall_s/tok={}",
+            fixed(s.stall_s_per_token(), 3)
+        ));
+    }
+    let mut out = vec![line];
+    if s.counters.io_errors > 0 {
+        out.push(format!(
+            "moe-stream: {} FAILED reads — this run's output is not trustworthy",
+            s.counters.io_errors
+        ));
+    }
+    out
+}
+
+/// The `moe-cache:` lines: hit rate and residency (plus the budget when auto chose it), then
+/// the churn line when anything was evicted or re-read. Empty when no cache was active.
+pub fn cache_lines(cfg: &RunConfig, s: &RunSummary) -> Vec<String> {
+    let hit = s.cache_hit_pct();
+    if !cfg.moe_stream || hit < 0.0 {
+        return Vec::new();
+    }
+    let mut out = vec![if cfg.cache_auto {
+        format!(
+            "moe-cache: {}% hit, resident {} MiB, budget {} MiB (auto)",
+            fixed(hit, 1),
+            fixed(s.cache_resident_mib(), 1),
+            fixed(s.cache_budget_mib(), 0)
+        )
+    } else {
+        format!(
+            "moe-cache: {}% hit, resident {} MiB",
+            fixed(hit, 1),
+            fixed(s.cache_resident_mib(), 1)
+        )
+    }];
+    let c = &s.counters;
+    if c.evictions > 0 || c.rereads > 0 {
+        let per_token = if s.tokens() > 0 {
+            c.rereads as f64 / s.tokens() as f64
+        } else {
+            0.0
+        };
+        out.push(format!(
+            "moe-cache: {} evictions, {} re-reads ({}/token) — bytes the cache had already paid for once",
+            c.evictions,
+            c.rereads,
+            fixed(per_token, 1)
+        ));
+    }
+    out
+}
+
+/// `moe-prefetch:` with the predictor tag, when any speculative predictor was on.
+pub fn prefetch_line(cfg: &RunConfig, s: &RunSummary) -> Option<String> {
+    if !cfg.moe_stream || !(cfg.prefetch > 0 || cfg.predict_prefetch || cfg.route_ahead > 0) {
+        return None;
+    }
+    let c = &s.counters;
+    let tag = if cfg.route_ahead > 0 {
+        " [route-ahead]"
+    } else if cfg.predict_prefetch {
+        " [stale-gate]"
+    } else {
+        ""
+    };
+    Some(format!(
+        "moe-prefetch: {} MiB speculative, {}/{} experts useful ({}%){tag}",
+        fixed(s.spec_read_mib(), 1),
+        c.spec_useful,
+        c.spec_experts,
+        fixed(pct(c.spec_useful, c.spec_experts), 0)
+    ))
+}
+
+/// `moe-drop:` when `--drop-cold-experts` was armed.
+pub fn drop_line(cfg: &RunConfig, s: &RunSummary) -> Option<String> {
+    if !cfg.moe_stream || cfg.drop_cold_frac <= 0.0 {
+        return None;
+    }
+    let c = &s.counters;
+    Some(format!(
+        "moe-drop: {}/{} routed experts dropped ({}%), threshold {} x uniform",
+        c.experts_dropped,
+        c.experts_routed,
+        fixed(pct(c.experts_dropped, c.experts_routed), 1),
+        fixed(f64::from(cfg.drop_cold_frac), 2)
+    ))
+}
+
+/// `moe-substitute:` when `--expert-substitute` was armed.
+pub fn substitute_line(cfg: &RunConfig, s: &RunSummary) -> Option<String> {
+    if !cfg.moe_stream || cfg.substitute_lambda <= 0.0 {
+        return None;
+    }
+    let c = &s.counters;
+    Some(format!(
+        "moe-substitute: {}/{} reranked slots went to a resident expert ({}%), margin {} x score range",
+        c.experts_substituted,
+        c.experts_reranked,
+        fixed(pct(c.experts_substituted, c.experts_reranked), 1),
+        fixed(f64::from(cfg.substitute_lambda), 2)
+    ))
+}
+
+/// The `moe-route-ahead:` lines (commitment and agreement; prediction CPU when it ran).
+pub fn route_ahead_lines(cfg: &RunConfig, s: &RunSummary) -> Vec<String> {
+    if !cfg.moe_stream || cfg.route_ahead == 0 {
+        return Vec::new();
+    }
+    let c = &s.counters;
+    let mut out = vec![format!(
+        "moe-route-ahead: {} layers early — {} routings committed, {} passed through; committed selection agreed with the router on {}% of slots",
+        cfg.route_ahead,
+        c.ra_committed,
+        c.ra_passthrough,
+        fixed(s.ra_agree_pct(), 1)
+    )];
+    if c.ra_gemv_jobs > 0 {
+        out.push(format!(
+            "moe-route-ahead: prediction {} ms/token of worker CPU ({} GEMVs, {} ms each) + {} ms/token issuing the reads + {} ms/token watchdog, both on the eval thread",
+            fixed(s.ra_gemv_ms_per_token(), 1),
+            c.ra_gemv_jobs,
+            fixed(c.ra_gemv_ns as f64 / 1e6 / c.ra_gemv_jobs as f64, 3),
+            fixed(s.ra_issue_ms_per_token(), 1),
+            fixed(s.ra_wd_ms_per_token(), 1)
+        ));
+    }
+    out
+}
+
+fn predictor_pct(p: &PredictorStats) -> String {
+    if p.rows == 0 {
+        format!("{:>6}", "-")
+    } else {
+        format!("{:>6}", fixed(100.0 * p.hit_frac(), 1))
+    }
+}
+
+/// The `moe-predict:` lines and per-layer table for `--predict-log`. A predictor with no
+/// routings at a layer prints `-`, never `0.0`.
+pub fn predict_lines(cfg: &RunConfig, s: &RunSummary) -> Vec<String> {
+    let Some(p) = s
+        .counters
+        .predict
+        .as_ref()
+        .filter(|_| cfg.moe_stream && cfg.predict_log)
+    else {
+        return Vec::new();
+    };
+    predict_report_lines(p)
+}
+
+fn predict_report_lines(p: &PredictReport) -> Vec<String> {
+    let f = |x: f64| fixed(100.0 * x, 1);
+    let mut out = vec![format!(
+        "moe-predict: stale-gate {}% of routed slots ({}% whole routings) | prev-token {}% ({}%) | fresh-gate control {}% ({}%)",
+        f(p.stale.hit_frac()),
+        f(p.stale.exact_frac()),
+        f(p.prev.hit_frac()),
+        f(p.prev.exact_frac()),
+        f(p.ctrl.hit_frac()),
+        f(p.ctrl.exact_frac())
+    )];
+    if p.stale2.rows > 0 {
+        out.push(format!(
+            "moe-predict: stale-2 (two layers early) {}% of routed slots ({}% whole routings)",
+            f(p.stale2.hit_frac()),
+            f(p.stale2.exact_frac())
+        ));
+    }
+    out.push(format!(
+        "moe-predict: scored — stale-gate {} routings/{} slots, prev-token {}/{}, control {}/{}; {} routings the stale-gate could not rank",
+        p.stale.rows, p.stale.slots, p.prev.rows, p.prev.slots, p.ctrl.rows, p.ctrl.slots, p.unscored
+    ));
+    if p.ctrl.rows > 0 && p.ctrl.hit_frac() < 0.999 {
+        out.push(
+            "moe-predict: the control is below 100%, so this model's expert selection is not raw-logit\n             \
+             ranking (an added selection bias, or group-limited routing). The stale-gate\n             \
+             figure understates the method by about the control's own gap."
+                .to_string(),
+        );
+    }
+    if !p.by_layer.is_empty() {
+        out.push("  layer   stale    prev   ctrl   routings".to_string());
+        for (layer, [stale, prev, ctrl]) in p.by_layer.iter().enumerate() {
+            if stale.rows == 0 && prev.rows == 0 && ctrl.rows == 0 {
+                continue;
+            }
+            out.push(format!(
+                "  {layer:>5}  {}  {} {}     {:>6}",
+                predictor_pct(stale),
+                predictor_pct(prev),
+                predictor_pct(ctrl),
+                stale.rows
+            ));
+        }
+    }
+    out
+}
+
+/// Writes the whole end-of-run report: the banners and answer (progress mode only), then every
+/// line that applies, in the contract's order.
+pub fn write_report(
+    w: &mut dyn Write,
+    cfg: &RunConfig,
+    s: &RunSummary,
+    ctx: &ReportContext<'_>,
+) -> io::Result<()> {
+    if ctx.progress {
+        writeln!(w, "=== answer ===")?;
+        writeln!(w, "{}", ctx.answer)?;
+        writeln!(w, "=== perf ===")?;
+    }
+    let mut lines = vec![generation_line(s)];
+    lines.extend(compute_line(cfg, s));
+    lines.extend(speculation_lines(cfg, s));
+    lines.push(mode_line(cfg, ctx.arch_streamable));
+    lines.extend(stream_lines(cfg, s));
+    lines.extend(cache_lines(cfg, s));
+    lines.extend(prefetch_line(cfg, s));
+    lines.extend(drop_line(cfg, s));
+    lines.extend(substitute_line(cfg, s));
+    lines.extend(route_ahead_lines(cfg, s));
+    lines.extend(predict_lines(cfg, s));
+    for line in lines {
+        writeln!(w, "{line}")?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mode_line_variants() {
+        let mut cfg = RunConfig {
+            arch: "qwen3moe".to_string(),
+            ..RunConfig::default()
+        };
+        assert!(mode_line(&cfg, true).contains("add --moe-stream"));
+        assert_eq!(
+            mode_line(&cfg, false),
+            "mode: mmap (qwen3moe is not a MoE architecture this build streams; --list-archs lists the supported ones)"
+        );
+        cfg.moe_stream = true;
+        cfg.cache_auto = true;
+        assert_eq!(
+            mode_line(&cfg, true),
+            "mode: expert streaming, cache auto, dense anon"
+        );
+        cfg.cache_auto = false;
+        cfg.cache_mb = 3000;
+        cfg.overlap = true;
+        assert_eq!(
+            mode_line(&cfg, true),
+            "mode: expert streaming, cache 3000 MiB, dense anon, overlap"
+        );
+        cfg.cache_mb = 0;
+        cfg.overlap = false;
+        cfg.dense_weights = crate::config::DenseWeights::Mmap;
+        assert_eq!(
+            mode_line(&cfg, true),
+            "mode: expert streaming, cache off, dense mmap"
+        );
+    }
+
+    #[test]
+    fn no_cache_no_cache_lines() {
+        let cfg = RunConfig {
+            moe_stream: true,
+            ..RunConfig::default()
+        };
+        let s = RunSummary::default();
+        assert!(
+            cache_lines(&cfg, &s).is_empty(),
+            "hit rate -1 means no cache"
+        );
+        assert!(
+            compute_line(&cfg, &s).is_none(),
+            "unmeasured CPU omits the line"
+        );
+    }
+}
