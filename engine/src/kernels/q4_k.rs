@@ -184,7 +184,7 @@ pub(super) fn super_block_term(d: [u8; 2], dmin: [u8; 2], d_a: f32, sumi: i32, s
 pub(super) fn dot(level: SimdLevel, w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
     match level {
         #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx2 | SimdLevel::Avx512 => {
+        SimdLevel::Avx2 => {
             // SAFETY: the level is only reported when AVX2/FMA/F16C are present.
             unsafe { dot_avx2(w, a) }
         }

@@ -77,7 +77,7 @@ pub(super) fn dequantize(src: &[BlockQ5K], dst: &mut [f32]) {
 pub(super) fn dot(level: SimdLevel, w: &[BlockQ5K], a: &[BlockQ8K]) -> f32 {
     match level {
         #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx2 | SimdLevel::Avx512 => {
+        SimdLevel::Avx2 => {
             // SAFETY: the level is only reported when AVX2/FMA/F16C are present.
             unsafe { dot_avx2(w, a) }
         }

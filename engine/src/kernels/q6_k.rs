@@ -115,7 +115,7 @@ fn super_block_term(d: [u8; 2], d_a: f32, sumi: i32) -> f32 {
 pub(super) fn dot(level: SimdLevel, w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
     match level {
         #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx2 | SimdLevel::Avx512 => {
+        SimdLevel::Avx2 => {
             // SAFETY: the level is only reported when AVX2/FMA/F16C are present.
             unsafe { dot_avx2(w, a) }
         }
