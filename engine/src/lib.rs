@@ -5,6 +5,7 @@ pub mod arch;
 pub mod arena;
 pub mod chat;
 pub mod cli;
+pub mod flash;
 pub mod gen;
 pub mod gguf;
 pub mod inspect;
