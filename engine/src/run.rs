@@ -71,6 +71,13 @@ impl Runner {
         }
     }
 
+    fn dense_ranges(&self) -> Vec<(*const u8, usize)> {
+        match self {
+            Runner::Resident { model, .. } => model.w.dense_ranges(),
+            Runner::Streamed(e) => e.backend().model.w.dense_ranges(),
+        }
+    }
+
     fn cache(&self) -> Option<&ExpertCache> {
         match self {
             Runner::Resident { .. } => None,
@@ -79,14 +86,14 @@ impl Runner {
     }
 }
 
-fn mem_picture() -> MemPicture {
+fn mem_picture(dense: &mut crate::probe::DenseResidency) -> MemPicture {
     let ru = crate::probe::rusage();
     let ps = crate::probe::proc_status();
     let mi = crate::probe::meminfo();
     MemPicture {
         majflt_total: ru.majflt,
         cpu_ms_total: ru.cpu_s * 1000.0,
-        dense_resident_frac: -1.0,
+        dense_resident_frac: dense.sample(),
         rss_mib: ps.rss_mib,
         rss_anon_mib: ps.rss_anon_mib,
         rss_file_mib: ps.rss_file_mib,
@@ -94,7 +101,7 @@ fn mem_picture() -> MemPicture {
         mem_available_mib: mi.mem_available_mib,
         mem_free_mib: mi.mem_free_mib,
         swap_free_mib: mi.swap_free_mib,
-        page_bytes: 4096,
+        page_bytes: crate::probe::page_size_bytes(),
     }
 }
 
@@ -334,7 +341,9 @@ pub fn generate_with(
         0,
         args.n_predict,
     );
-    let m0 = mem_picture();
+    // Dense residency by mincore, throttled: at most every 16 tokens and 250 ms.
+    let mut dense = crate::probe::DenseResidency::new(&runner.dense_ranges(), 16, 250);
+    let m0 = mem_picture(&mut dense);
     let t_prefill = Instant::now();
     let st = {
         let mut tee = TraceTee {
@@ -357,7 +366,7 @@ pub fn generate_with(
         Err(e) => return fail(progress, e, out, err),
     };
     let prefill_s = t_prefill.elapsed().as_secs_f64();
-    let m1 = mem_picture();
+    let m1 = mem_picture(&mut dense);
     ledger.prefill(&st, &m0, &m1);
     let nv = hp.n_vocab;
     if let Some(w) = logits_out.as_mut() {
@@ -437,7 +446,7 @@ pub fn generate_with(
             }
         };
         t_prev_end = Instant::now();
-        let rec = ledger.token(&s, &mem_picture(), loop_ms);
+        let rec = ledger.token(&s, &mem_picture(&mut dense), loop_ms);
         telemetry.token(
             &rec,
             &reasoning,

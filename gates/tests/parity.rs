@@ -10,10 +10,15 @@ use bmoe_gates::{model, run, scratch_dir};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const PROMPT: &str = "Phileas Fogg rose, and the cache of experts answered: streaming is the plan for tonight.";
+const PROMPT: &str =
+    "Phileas Fogg rose, and the cache of experts answered: streaming is the plan for tonight.";
 
 fn python_ready() -> bool {
-    let ok = Command::new("python3").args(["-c", "import llama_cpp, gguf, numpy"]).output().map(|o| o.status.success()).unwrap_or(false);
+    let ok = Command::new("python3")
+        .args(["-c", "import llama_cpp, gguf, numpy"])
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
     if !ok {
         if std::env::var("CI").map(|v| v == "true").unwrap_or(false) {
             panic!("CI=true but python3 with llama_cpp, gguf and numpy is missing (scripts/test.sh installs them)");
@@ -24,12 +29,22 @@ fn python_ready() -> bool {
 }
 
 fn script() -> PathBuf {
-    bmoe_engine::testdata::project_root().join("scripts").join("llama_parity.py")
+    bmoe_engine::testdata::project_root()
+        .join("scripts")
+        .join("llama_parity.py")
 }
 
 fn py(args: &[&str]) -> String {
-    let o = Command::new("python3").arg(script()).args(args).output().expect("run python3");
-    assert!(o.status.success(), "llama_parity.py {args:?} failed:\n{}", String::from_utf8_lossy(&o.stderr));
+    let o = Command::new("python3")
+        .arg(script())
+        .args(args)
+        .output()
+        .expect("run python3");
+    assert!(
+        o.status.success(),
+        "llama_parity.py {args:?} failed:\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
@@ -42,23 +57,60 @@ struct Parity {
 fn compare(m: &Path, tag: &str) -> Parity {
     let dir = scratch_dir("parity");
     let ours = dir.join(format!("{tag}-{}.ours.f32", std::process::id()));
-    let r = run(m, &["-p", PROMPT, "-n", "8", "--logits-out", ours.to_str().unwrap()]);
+    let r = run(
+        m,
+        &[
+            "-p",
+            PROMPT,
+            "-n",
+            "8",
+            "--logits-out",
+            ours.to_str().unwrap(),
+        ],
+    );
     assert_eq!(r.code, 0, "{}", r.stderr);
     let ids = format!("{}.json", ours.display());
     let refp = dir.join(format!("{tag}-{}.ref.f32", std::process::id()));
     py(&["logits", m.to_str().unwrap(), &ids, refp.to_str().unwrap()]);
-    let side: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&ids).unwrap()).unwrap();
+    let side: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&ids).unwrap()).unwrap();
     let nv = side["n_vocab"].as_u64().unwrap().to_string();
-    let out = py(&["compare", ours.to_str().unwrap(), refp.to_str().unwrap(), &nv]);
+    let out = py(&[
+        "compare",
+        ours.to_str().unwrap(),
+        refp.to_str().unwrap(),
+        &nv,
+    ]);
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-    let p = Parity { rows: v["rows"].as_u64().unwrap() as usize, cos_min: v["cos_min"].as_f64().unwrap(), top1: v["top1_agree"].as_f64().unwrap() };
-    eprintln!("parity {tag}: {} positions, cos_min {:.6}, top-1 agreement {:.1}%", p.rows, p.cos_min, 100.0 * p.top1);
+    let p = Parity {
+        rows: v["rows"].as_u64().unwrap() as usize,
+        cos_min: v["cos_min"].as_f64().unwrap(),
+        top1: v["top1_agree"].as_f64().unwrap(),
+    };
+    eprintln!(
+        "parity {tag}: {} positions, cos_min {:.6}, top-1 agreement {:.1}%",
+        p.rows,
+        p.cos_min,
+        100.0 * p.top1
+    );
     p
 }
 
 fn gen(tag: &str, ty: &str) -> PathBuf {
     // Expert FFN 512 so K-quants apply to every expert projection.
-    model(tag, &["--preset", "tiny", "--seed", "11", "--expert-ffn", "512", "--type", ty])
+    model(
+        tag,
+        &[
+            "--preset",
+            "tiny",
+            "--seed",
+            "11",
+            "--expert-ffn",
+            "512",
+            "--type",
+            ty,
+        ],
+    )
 }
 
 fn assert_f32(p: &Parity) {
@@ -116,7 +168,8 @@ fn llama_quantize_files_match_llama_cpp() {
     if python_ready() {
         let src = gen("par-f32-q", "f32");
         for ty in ["q8_0", "q4_k_m", "f16"] {
-            let out = scratch_dir("parity").join(format!("llama-quantize-{ty}-{}.gguf", std::process::id()));
+            let out = scratch_dir("parity")
+                .join(format!("llama-quantize-{ty}-{}.gguf", std::process::id()));
             py(&["quantize", src.to_str().unwrap(), out.to_str().unwrap(), ty]);
             assert_quant(&compare(&out, &format!("llama-quantize-{ty}")));
         }
