@@ -129,9 +129,11 @@ pub struct GenArgs {
     /// Tie the output head to the token embedding (no output.weight)
     #[arg(long = "tie-output")]
     pub tie_output: bool,
-    /// Routing realism: router mix of context (slowly drifting) vs token identity, in [0,1]
-    #[arg(long = "routing-context", default_value_t = 0.5)]
-    pub routing_context: f32,
+    /// Routing realism: router mix of context (slowly drifting) vs token identity, in [0,1].
+    /// Default per preset, calibrated to ~35-40% previous-token reuse on English text
+    /// (tiny 0.5, small 0.4, qwen3-30b-a3b-shape 0.63; see docs/models.md); 0 = random routing
+    #[arg(long = "routing-context")]
+    pub routing_context: Option<f32>,
     /// Router logit gain (higher = sharper routing)
     #[arg(long = "router-gain", default_value_t = 6.0)]
     pub router_gain: f32,
@@ -228,7 +230,9 @@ pub fn gen(a: GenArgs) -> Result<()> {
         shape,
         types,
         seed: a.seed,
-        routing_context: a.routing_context,
+        routing_context: a
+            .routing_context
+            .unwrap_or(preset.default_routing_context()),
         router_gain: a.router_gain,
         attn_sharpness: a.attn_sharpness,
         vocab,
