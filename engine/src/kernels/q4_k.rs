@@ -11,7 +11,7 @@
 //! `acc += (d_a·d)·sumi − (d_a·dmin)·summ` in that order, super-blocks in row order. SIMD only
 //! computes the integers, so it matches the scalar bits.
 
-use super::q8_k::{BlockQ8K, QK_K};
+use super::q8_k::{BlockQ8K, GROUP, QK_K};
 use super::{f16_to_f32, f32_to_f16, nearest_int, RawBlock, SimdLevel};
 
 /// One Q4_K super-block as stored in GGUF.
@@ -192,6 +192,19 @@ pub(super) fn dot(level: SimdLevel, w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
     }
 }
 
+/// Dots of one row with [`GROUP`] activations at once (prefill): the weights are unpacked once
+/// for all of them. Each result has exactly the bits [`dot`] gives for that activation.
+pub(super) fn dot_group(level: SimdLevel, w: &[BlockQ4K], a: [&[BlockQ8K]; GROUP]) -> [f32; GROUP] {
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        SimdLevel::Avx2 => {
+            // SAFETY: the level is only reported when AVX2/FMA/F16C are present.
+            unsafe { dot_n_avx2(w, a) }
+        }
+        _ => a.map(|a| dot_scalar(w, a)),
+    }
+}
+
 pub(super) fn dot_scalar(w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
     let mut acc = 0f32;
     for (x, y) in w.iter().zip(a) {
@@ -214,38 +227,56 @@ pub(super) fn dot_scalar(w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_avx2(w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
+    let [v] = unsafe { dot_n_avx2::<1>(w, [a]) };
+    v
+}
+
+/// `N` dots of one row at once: per chunk the nibbles and scales are prepared once and
+/// multiplied into each activation's own exact integer sum; each activation then gets its own
+/// float steps, the same for any `N`, so the bits never depend on the grouping.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn dot_n_avx2<const N: usize>(w: &[BlockQ4K], a: [&[BlockQ8K]; N]) -> [f32; N] {
     use std::arch::x86_64::*;
+    let n = a.iter().fold(w.len(), |n, a| n.min(a.len()));
     let m4 = _mm256_set1_epi8(0x0F);
-    let mut acc = _mm_setzero_ps();
-    for (x, y) in w.iter().zip(a) {
+    let mut acc = [_mm_setzero_ps(); N];
+    for (i, x) in w[..n].iter().enumerate() {
         let (scales, mins) = unsafe { x86::scales_mins(&x.scales) };
-        let mut sumi = _mm256_setzero_si256();
+        let mut sumi = [_mm256_setzero_si256(); N];
         for c in 0..4 {
-            // SAFETY: 32-byte loads inside qs (128 bytes) and y.qs (256 bytes).
-            let (q, ylo, yhi) = unsafe {
-                (
-                    _mm256_loadu_si256(x.qs.as_ptr().add(32 * c).cast()),
-                    _mm256_loadu_si256(y.qs.as_ptr().add(64 * c).cast()),
-                    _mm256_loadu_si256(y.qs.as_ptr().add(64 * c + 32).cast()),
-                )
-            };
+            // SAFETY: 32-byte load inside qs (128 bytes).
+            let q = unsafe { _mm256_loadu_si256(x.qs.as_ptr().add(32 * c).cast()) };
             let lo = _mm256_and_si256(q, m4);
             let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-            // ≤ 2 · 15 · 127 per i16 lane: no saturation.
-            let plo = _mm256_maddubs_epi16(lo, ylo);
-            let phi = _mm256_maddubs_epi16(hi, yhi);
             let (sc_lo, sc_hi) = unsafe {
                 (
                     x86::scale_of(scales, 2 * c),
                     x86::scale_of(scales, 2 * c + 1),
                 )
             };
-            let s = _mm256_add_epi32(_mm256_madd_epi16(plo, sc_lo), _mm256_madd_epi16(phi, sc_hi));
-            sumi = _mm256_add_epi32(sumi, s);
+            for (t, s) in sumi.iter_mut().enumerate() {
+                let y = &a[t][i];
+                // SAFETY: 32-byte loads inside y.qs (256 bytes).
+                let (ylo, yhi) = unsafe {
+                    (
+                        _mm256_loadu_si256(y.qs.as_ptr().add(64 * c).cast()),
+                        _mm256_loadu_si256(y.qs.as_ptr().add(64 * c + 32).cast()),
+                    )
+                };
+                // ≤ 2 · 15 · 127 per i16 lane: no saturation.
+                let plo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, ylo), sc_lo);
+                let phi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, yhi), sc_hi);
+                *s = _mm256_add_epi32(*s, _mm256_add_epi32(plo, phi));
+            }
         }
-        acc = unsafe { x86::finish(acc, sumi, mins, &y.bsums, x.d, x.dmin, y.d) };
+        for t in 0..N {
+            let y = &a[t][i];
+            acc[t] = unsafe { x86::finish(acc[t], sumi[t], mins, &y.bsums, x.d, x.dmin, y.d) };
+        }
     }
-    _mm_cvtss_f32(acc)
+    acc.map(|v| _mm_cvtss_f32(v))
 }
 
 /// AVX2 pieces shared by Q4_K and Q5_K.
@@ -392,6 +423,26 @@ pub(super) mod tests {
                     dot(level, &w, &a).to_bits(),
                     s.to_bits(),
                     "{level:?} seed={seed}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn group_dot_matches_single_dots_bits() {
+        let nb = 5;
+        let w = quantized(&values(70, nb * QK_K, 0.1));
+        let acts: Vec<Vec<BlockQ8K>> = (0..GROUP as u64)
+            .map(|t| q8k(&values(71 + t, nb * QK_K, 1.0)))
+            .collect();
+        let group: [&[BlockQ8K]; GROUP] = std::array::from_fn(|t| acts[t].as_slice());
+        for level in SimdLevel::available() {
+            let got = dot_group(level, &w, group);
+            for t in 0..GROUP {
+                assert_eq!(
+                    got[t].to_bits(),
+                    dot(level, &w, &acts[t]).to_bits(),
+                    "{level:?} t={t}"
                 );
             }
         }
