@@ -24,6 +24,16 @@ pub struct BlockQ4K {
     qs: [u8; QK_K / 2],
 }
 const _: () = assert!(std::mem::size_of::<BlockQ4K>() == 144);
+
+impl BlockQ4K {
+    /// `d`, `dmin` and `scales`: the first 16 bytes.
+    #[cfg(target_arch = "x86_64")]
+    fn head(&self) -> &[u8; 16] {
+        // SAFETY: repr(C) with alignment 1; the block is 144 bytes, so its first 16 bytes are
+        // in bounds and any bits are valid for u8.
+        unsafe { &*(self as *const Self).cast::<[u8; 16]>() }
+    }
+}
 // SAFETY: byte arrays only: alignment 1, no padding, any bits valid.
 unsafe impl RawBlock for BlockQ4K {}
 
@@ -243,7 +253,7 @@ unsafe fn dot_n_avx2<const N: usize>(w: &[BlockQ4K], a: [&[BlockQ8K]; N]) -> [f3
     let m4 = _mm256_set1_epi8(0x0F);
     let mut acc = [_mm_setzero_ps(); N];
     for (i, x) in w[..n].iter().enumerate() {
-        let (scales, mins) = unsafe { x86::scales_mins(&x.scales) };
+        let (scales, mins) = unsafe { x86::scales_mins(x.head()) };
         let mut sumi = [_mm256_setzero_si256(); N];
         for c in 0..4 {
             // SAFETY: 32-byte load inside qs (128 bytes).
@@ -282,7 +292,6 @@ unsafe fn dot_n_avx2<const N: usize>(w: &[BlockQ4K], a: [&[BlockQ8K]; N]) -> [f3
 /// AVX2 pieces shared by Q4_K and Q5_K.
 #[cfg(target_arch = "x86_64")]
 pub(super) mod x86 {
-    use super::scale_words;
     use std::arch::x86_64::*;
 
     /// `pshufb` masks: mask `k` fills every 16-bit lane with lane `k` (of each 128-bit half).
@@ -300,15 +309,28 @@ pub(super) mod x86 {
         m
     };
 
-    /// The 8 scales as i16 (in both 128-bit halves) and the 8 minimums as i16.
+    /// The 8 scales as i16 (in both 128-bit halves) and the 8 minimums as i16, from the first
+    /// 16 bytes of a Q4_K/Q5_K block (`d`, `dmin`, `scales`): [`scale_words`] done on the
+    /// three scale words in one register.
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    pub unsafe fn scales_mins(s: &[u8; 12]) -> (__m256i, __m128i) {
-        let w = scale_words(s);
-        // SAFETY: 16 bytes.
-        let v = unsafe { _mm_loadu_si128(w.as_ptr().cast()) };
-        let sc = _mm_cvtepu8_epi16(v);
-        let m = _mm_cvtepu8_epi16(_mm_srli_si128(v, 8));
+    pub unsafe fn scales_mins(head: &[u8; 16]) -> (__m256i, __m128i) {
+        // SAFETY: 16 bytes. Lanes: [d | dmin, u0, u1, u2].
+        let v = unsafe { _mm_loadu_si128(head.as_ptr().cast()) };
+        let a = _mm_shuffle_epi32(v, 0b11_10_11_01); // [u0, u2, u1, u2]
+        let b = _mm_shuffle_epi32(v, 0b10_10_01_01); // [u0, u0, u1, u1]
+        let low = _mm_and_si128(
+            _mm_srlv_epi32(a, _mm_setr_epi32(0, 0, 0, 4)),
+            _mm_setr_epi32(0x3f3f_3f3f, 0x0f0f_0f0f, 0x3f3f_3f3f, 0x0f0f_0f0f),
+        );
+        // Top two bits of the first eight 6-bit fields, moved to bits 4-5 of lanes 1 and 3.
+        let high = _mm_and_si128(
+            _mm_srli_epi32(b, 2),
+            _mm_setr_epi32(0, 0x3030_3030, 0, 0x3030_3030),
+        );
+        let words = _mm_or_si128(low, high); // [sc 0-3, sc 4-7, m 0-3, m 4-7]
+        let sc = _mm_cvtepu8_epi16(words);
+        let m = _mm_cvtepu8_epi16(_mm_srli_si128(words, 8));
         (_mm256_broadcastsi128_si256(sc), m)
     }
 
@@ -398,6 +420,31 @@ pub(super) mod tests {
             let (sc, m) = unpack_scales(&b);
             for j in 0..8 {
                 assert_eq!((sc[j], m[j]), scale_min_ref(j, &b), "seed={seed} j={j}");
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn vector_scale_decoding_matches_scalar() {
+        if super::super::simd_level() < SimdLevel::Avx2 {
+            return;
+        }
+        use std::arch::x86_64::*;
+        for seed in 0..256u64 {
+            let head: [u8; 16] = bytes(seed, 16).try_into().unwrap();
+            let (sc, m) = unpack_scales(head[4..].try_into().unwrap());
+            let (mut got_sc, mut got_m) = ([0i16; 16], [0i16; 8]);
+            // SAFETY: AVX2 is present (checked above); stores fit the arrays.
+            unsafe {
+                let (s, mm) = x86::scales_mins(&head);
+                _mm256_storeu_si256(got_sc.as_mut_ptr().cast(), s);
+                _mm_storeu_si128(got_m.as_mut_ptr().cast(), mm);
+            }
+            for j in 0..8 {
+                assert_eq!(got_sc[j], sc[j] as i16, "seed={seed}");
+                assert_eq!(got_sc[j + 8], sc[j] as i16, "seed={seed}");
+                assert_eq!(got_m[j], m[j] as i16, "seed={seed}");
             }
         }
     }

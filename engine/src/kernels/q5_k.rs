@@ -24,6 +24,16 @@ pub struct BlockQ5K {
     qs: [u8; QK_K / 2],
 }
 const _: () = assert!(std::mem::size_of::<BlockQ5K>() == 176);
+
+impl BlockQ5K {
+    /// `d`, `dmin` and `scales`: the first 16 bytes.
+    #[cfg(target_arch = "x86_64")]
+    fn head(&self) -> &[u8; 16] {
+        // SAFETY: repr(C) with alignment 1; the block is 176 bytes, so its first 16 bytes are
+        // in bounds and any bits are valid for u8.
+        unsafe { &*(self as *const Self).cast::<[u8; 16]>() }
+    }
+}
 // SAFETY: byte arrays only: alignment 1, no padding, any bits valid.
 unsafe impl RawBlock for BlockQ5K {}
 
@@ -124,7 +134,7 @@ unsafe fn dot_n_avx2<const N: usize>(w: &[BlockQ5K], a: [&[BlockQ8K]; N]) -> [f3
     let one = _mm256_set1_epi8(1);
     let mut acc = [_mm_setzero_ps(); N];
     for (i, x) in w[..n].iter().enumerate() {
-        let (scales, mins) = unsafe { x86::scales_mins(&x.scales) };
+        let (scales, mins) = unsafe { x86::scales_mins(x.head()) };
         // SAFETY: qh is 32 bytes.
         let mut hbits = unsafe { _mm256_loadu_si256(x.qh.as_ptr().cast()) };
         let mut sumi = [_mm256_setzero_si256(); N];
