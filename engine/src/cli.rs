@@ -1,13 +1,10 @@
 //! The `bmoe-cli` command line: argument structures and the commands behind them.
 
-use crate::arch::qwen3moe::{Qwen3Moe, Weights};
 use crate::gen::{self, GenOptions, Preset, TypeScheme};
 use crate::gguf::GgufFile;
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{anyhow, Context, Result};
 use clap::{Args, Parser, Subcommand};
-use std::io::Write;
 use std::path::PathBuf;
-use std::sync::Arc;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -79,6 +76,10 @@ pub struct RunArgs {
     /// Print the architectures this build runs and exit
     #[arg(long = "list-archs")]
     pub list_archs: bool,
+    #[command(flatten)]
+    pub stream: bmoe_core::flags::StreamArgs,
+    #[command(flatten)]
+    pub telemetry: bmoe_core::flags::TelemetryArgs,
 }
 
 fn default_threads() -> u32 {
@@ -291,151 +292,4 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     let rep = crate::kernels::bench::run_bench(a.threads.max(1) as usize, a.size_mib);
     println!("{rep}");
     Ok(())
-}
-
-/// Load the model, tokenize, prefill, decode, print.
-pub fn generate(args: &RunArgs, model: &std::path::Path) -> Result<i32> {
-    let t_load = std::time::Instant::now();
-    let file = Arc::new(GgufFile::open(model)?);
-    let weights = Weights::load(file.clone())?;
-    let m = Qwen3Moe::new(weights, args.threads as usize);
-    let tok = crate::tokenizer::Tokenizer::from_gguf(&file)?;
-    let hp = m.hp().clone();
-    let prompt = if args.chatml {
-        let tpl = file
-            .get("tokenizer.chat_template")
-            .and_then(|v| v.as_str())
-            .ok_or_else(|| {
-                anyhow!(
-                    "--chatml: {} has no tokenizer.chat_template",
-                    model.display()
-                )
-            })?;
-        let ct = crate::chat::ChatTemplate::new(tpl, &tok.bos_text(), &tok.eos_text())?;
-        let msgs = [crate::chat::Message {
-            role: "user".into(),
-            content: args.prompt.clone(),
-            reasoning_content: None,
-        }];
-        ct.render(&msgs, true, Some(!args.no_think))?
-    } else {
-        args.prompt.clone()
-    };
-    let mut tokens = tok.encode(&prompt, args.chatml)?;
-    if tokens.is_empty() {
-        bail!("the prompt is empty after tokenization: pass -p TEXT");
-    }
-    let n_ctx = args.ctx as usize;
-    if tokens.len() + args.n_predict as usize > n_ctx {
-        bail!(
-            "prompt of {} tokens plus -n {} exceeds the context size {} (-c)",
-            tokens.len(),
-            args.n_predict,
-            n_ctx
-        );
-    }
-    let mut st = m.new_state(n_ctx);
-    let load_s = t_load.elapsed().as_secs_f64();
-    let mut logits_out = match &args.logits_out {
-        Some(p) => Some(std::io::BufWriter::new(
-            std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?,
-        )),
-        None => None,
-    };
-    let n_prompt = tokens.len();
-    let positions: Vec<u32> = (0..n_prompt as u32).collect();
-    let out_rows: Vec<u32> = if logits_out.is_some() {
-        (0..n_prompt as u32).collect()
-    } else {
-        vec![n_prompt as u32 - 1]
-    };
-    let t_prefill = std::time::Instant::now();
-    m.forward_resident(&mut st, &tokens, &positions, &out_rows)?;
-    let prefill_s = t_prefill.elapsed().as_secs_f64();
-    if let Some(w) = logits_out.as_mut() {
-        for v in &st.logits {
-            w.write_all(&v.to_le_bytes())?;
-        }
-    }
-    let mut sampler = crate::sample::Sampler::new(crate::sample::SamplerConfig {
-        temp: args.temp,
-        top_k: args.top_k,
-        top_p: args.top_p,
-        seed: args.seed,
-    });
-    let nv = hp.n_vocab;
-    let last = &st.logits[st.logits.len() - nv..];
-    let mut next = sampler.sample(last);
-    let mut dec = crate::tokenizer::StreamDecoder::new();
-    let mut out = std::io::stdout().lock();
-    let mut generated = Vec::new();
-    let t_gen = std::time::Instant::now();
-    let mut decode_s = 0.0;
-    let ru0 = crate::probe::rusage();
-    for i in 0..args.n_predict as usize {
-        generated.push(next);
-        if tok.is_eog(next) {
-            break;
-        }
-        let piece = dec.push(&tok, next);
-        out.write_all(piece.as_bytes())?;
-        out.flush()?;
-        if i + 1 == args.n_predict as usize {
-            break;
-        }
-        let pos = tokens.len() as u32;
-        tokens.push(next);
-        let t = std::time::Instant::now();
-        m.forward_resident(&mut st, &[next], &[pos], &[0])?;
-        decode_s += t.elapsed().as_secs_f64();
-        if let Some(w) = logits_out.as_mut() {
-            for v in &st.logits {
-                w.write_all(&v.to_le_bytes())?;
-            }
-        }
-        next = sampler.sample(&st.logits[..nv]);
-    }
-    let tail = dec.flush();
-    out.write_all(tail.as_bytes())?;
-    writeln!(out)?;
-    let _ = t_gen;
-    let ru1 = crate::probe::rusage();
-    if let (Some(w), Some(p)) = (logits_out.as_mut(), &args.logits_out) {
-        w.flush()?;
-        let mut ids: Vec<u32> = tokens[..n_prompt].to_vec();
-        ids.extend(generated.iter().take(generated.len().saturating_sub(1)));
-        let side = serde_json::json!({
-            "n_vocab": nv, "n_prompt": n_prompt, "rows": ids.len(), "dtype": "f32le",
-            "token_ids": ids, "note": "row i holds the logits after feeding token_ids[..=i]"
-        });
-        let sp = PathBuf::from(format!("{}.json", p.display()));
-        std::fs::write(&sp, serde_json::to_string_pretty(&side)?)?;
-    }
-    let n_dec = generated.len().saturating_sub(1).max(1);
-    let s_tok = decode_s / n_dec as f64;
-    eprintln!("mode: resident (mmap), experts not streamed: a baseline, not a streaming measurement (pass --moe-stream to stream experts)");
-    eprintln!(
-        "generation: {} tokens, {:.4} s/token ({:.2} tok/s)",
-        generated.len(),
-        s_tok,
-        if s_tok > 0.0 { 1.0 / s_tok } else { 0.0 }
-    );
-    let cpu = (ru1.cpu_s - ru0.cpu_s) / n_dec as f64;
-    let occ = if s_tok > 0.0 {
-        100.0 * cpu / (s_tok * args.threads as f64)
-    } else {
-        0.0
-    };
-    eprintln!(
-        "compute: {:.0}% CPU occupancy ({:.4} cpu-s/token over {} threads), {:.1} major faults/token",
-        occ,
-        cpu,
-        args.threads,
-        (ru1.majflt - ru0.majflt) as f64 / n_dec as f64
-    );
-    eprintln!(
-        "load: {:.2} s, prefill: {} tokens in {:.3} s",
-        load_s, n_prompt, prefill_s
-    );
-    Ok(0)
 }

@@ -118,6 +118,8 @@ impl Preset {
         match self {
             Preset::Tiny => TypeScheme {
                 experts: GgmlType::Q8_0,
+                experts_down_more: GgmlType::Q8_0,
+                label: "F32 dense + Q8_0 experts",
                 ..TypeScheme::uniform(GgmlType::F32)
             },
             Preset::Small | Preset::Qwen3_30bA3bShape => TypeScheme::q4_k_m(),
@@ -181,6 +183,7 @@ impl TypeScheme {
         // llama_ftype numbering.
         match self.label {
             "Q4_K_M" => 15,
+            "F32 dense + Q8_0 experts" => 7,
             _ => match self.experts {
                 GgmlType::F32 => 0,
                 GgmlType::F16 => 1,

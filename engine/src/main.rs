@@ -47,5 +47,14 @@ fn run(cli: Cli) -> Result<i32> {
             "no model given: pass -m MODEL.gguf (or a subcommand: gen, inspect, bench; see --help)"
         );
     };
-    cli::generate(&cli.run, &model)
+    let mut run = cli.run.clone();
+    // Environment fallbacks (BMOE_CACHE_MB, ...): a flag the user typed always wins.
+    for (k, v) in bmoe_core::flags::apply_env_fallbacks(
+        std::env::vars(),
+        &mut run.stream,
+        &mut run.telemetry,
+    )? {
+        eprintln!("bmoe: {k}={v} (from the environment)");
+    }
+    bmoe_engine::run::generate(&run, &model)
 }

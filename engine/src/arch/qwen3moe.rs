@@ -207,6 +207,9 @@ pub struct Mat {
     pub cols: usize,
     ptr: *const u8,
     len: usize,
+    /// Where the bytes are in the file (for `--dense-weights anon` and residency probes).
+    pub shard: u16,
+    pub file_offset: u64,
 }
 
 // SAFETY: a `Mat` points into memory owned by the `Weights` that made it (the model's
@@ -219,14 +222,20 @@ impl Mat {
         // SAFETY: see the Send/Sync note; ptr/len come from a live slice of the owner.
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
-    fn from_slice(ty: GgmlType, rows: usize, cols: usize, s: &[u8]) -> Mat {
+    fn from_tensor(t: &TensorInfo, rows: usize, cols: usize, s: &[u8]) -> Mat {
         Mat {
-            ty,
+            ty: t.ty,
             rows,
             cols,
             ptr: s.as_ptr(),
             len: s.len(),
+            shard: t.shard,
+            file_offset: t.offset,
         }
+    }
+    /// The address range of the bytes (for residency probes).
+    pub fn range(&self) -> (*const u8, usize) {
+        (self.ptr, self.len)
     }
     pub fn row_bytes(&self) -> usize {
         self.ty.row_bytes(self.cols as u64).unwrap_or(0) as usize
@@ -267,6 +276,8 @@ pub struct Weights {
     pub layers: Vec<LayerWeights>,
     /// Keeps the memory map (and any anonymous copies) alive behind every `Mat`.
     _file: Arc<GgufFile>,
+    /// Anonymous copies of the dense matrices under `--dense-weights anon`.
+    anon: Vec<crate::dense::AnonBuf>,
 }
 
 fn tensor<'a>(f: &'a GgufFile, name: &str) -> Result<&'a TensorInfo, ArchError> {
@@ -312,7 +323,7 @@ fn mat(f: &GgufFile, name: &str, cols: usize, rows: usize) -> Result<Mat, ArchEr
     let t = tensor(f, name)?;
     check_dims(f, t, &[cols, rows])?;
     check_type(f, t, MATMUL_TYPES)?;
-    Ok(Mat::from_slice(t.ty, rows, cols, f.tensor_data(t)))
+    Ok(Mat::from_tensor(t, rows, cols, f.tensor_data(t)))
 }
 
 fn vector(f: &GgufFile, name: &str, n: usize) -> Result<Vec<f32>, ArchError> {
@@ -403,6 +414,7 @@ impl Weights {
             output_norm,
             layers,
             _file: file,
+            anon: Vec::new(),
         })
     }
 
@@ -412,6 +424,82 @@ impl Weights {
         let data = self._file.tensor_data(&x.info);
         let s = x.stride as usize;
         &data[e * s..(e + 1) * s]
+    }
+
+    /// Every dense matrix, mutably (embedding, head, attention, routers).
+    fn dense_mats_mut(&mut self) -> Vec<&mut Mat> {
+        let tied = self.output.ptr == self.embd.ptr;
+        let mut v: Vec<&mut Mat> = vec![&mut self.embd];
+        if !tied {
+            v.push(&mut self.output);
+        }
+        for l in &mut self.layers {
+            v.extend([&mut l.q, &mut l.k, &mut l.v, &mut l.o, &mut l.router]);
+        }
+        v
+    }
+
+    /// Address ranges of the dense matrices as they are now (map or anonymous copies).
+    pub fn dense_ranges(&self) -> Vec<(*const u8, usize)> {
+        let mut v = vec![self.embd.range(), self.output.range()];
+        for l in &self.layers {
+            v.extend([
+                l.q.range(),
+                l.k.range(),
+                l.v.range(),
+                l.o.range(),
+                l.router.range(),
+            ]);
+        }
+        v
+    }
+
+    /// Apply a `--dense-weights` policy: `mmap` keeps the map; `warm` reads the dense bytes
+    /// once, sequentially, so the first tokens do not fault them in one page at a time;
+    /// `anon` copies them (O_DIRECT where the filesystem allows) into anonymous memory and
+    /// drops the map's pages, so under pressure the kernel swaps them (zram) instead of
+    /// re-reading flash. Returns the bytes affected.
+    pub fn apply_dense_mode(&mut self, mode: crate::dense::DenseMode) -> Result<u64, ArchError> {
+        use crate::dense::DenseMode;
+        let file = self._file.clone();
+        let paths: Vec<std::path::PathBuf> =
+            file.shard_paths().iter().map(|p| p.to_path_buf()).collect();
+        let mut total = 0u64;
+        match mode {
+            DenseMode::Mmap => {}
+            DenseMode::Warm => {
+                for m in self.dense_mats_mut() {
+                    total += crate::dense::warm(m.bytes()) as u64;
+                }
+            }
+            DenseMode::Anon => {
+                let mut bufs = Vec::new();
+                for m in self.dense_mats_mut() {
+                    let path = &paths[m.shard as usize];
+                    let buf =
+                        crate::dense::AnonBuf::read(path, m.file_offset, m.len).map_err(|e| {
+                            ArchError::Tensor {
+                                file: path.display().to_string(),
+                                tensor: format!("dense bytes at offset {}", m.file_offset),
+                                what: format!("--dense-weights anon: {e}"),
+                            }
+                        })?;
+                    let old = m.bytes();
+                    crate::dense::drop_map_pages(old);
+                    m.ptr = buf.data().as_ptr();
+                    total += m.len as u64;
+                    bufs.push(buf);
+                }
+                // A tied head shares the embedding's copy.
+                if self.output.file_offset == self.embd.file_offset
+                    && self.output.shard == self.embd.shard
+                {
+                    self.output.ptr = self.embd.ptr;
+                }
+                self.anon = bufs;
+            }
+        }
+        Ok(total)
     }
 
     pub fn file(&self) -> &Arc<GgufFile> {

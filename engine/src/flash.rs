@@ -1,0 +1,830 @@
+//! The engine's flash device: N I/O lane threads reading expert extents from the model's
+//! shard files straight into the expert arena, with O_DIRECT when the filesystem allows it.
+//!
+//! Why lanes: one `pread` at a time leaves a flash device mostly idle, and a fixed pool of
+//! threads each with its own file descriptor per shard is the simplest way to keep several
+//! requests in flight without io_uring. Why O_DIRECT: streamed experts must not also sit in
+//! the page cache — that would double their memory and let the kernel, not the cache's
+//! byte budget, decide what stays resident.
+//!
+//! The core talks to this through `bmoe_core::Flash`; the threads talk to the core through
+//! `bmoe_core::handoff` (one `LaneQueue` per lane, one `Completions` board), whose
+//! happens-before edges are the ones the loom model checks: a lane writes the slot, *then*
+//! publishes; the core reads the slot only after taking the outcome.
+//!
+//! Placement (see `docs/flash.md`): a projection's bytes start at
+//! `arena.window_dest(layer, slot, proj) + extent_offset % 4096`, so the destination address
+//! is congruent to the file offset modulo 4096 and the aligned O_DIRECT window of any piece of
+//! the extent lands on a page boundary. Buffered reads put the same bytes at the same address.
+
+use crate::arena::{Arena, SlotAddr, ALIGN};
+use bmoe_core::backend::SlotId;
+use bmoe_core::clock::{Clock, Nanos};
+use bmoe_core::flash::{Flash, FlashError, ReadDone, ReadId, ReadRequest};
+use bmoe_core::handoff::{Completions, HandoffError, LaneQueue};
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::thread::JoinHandle;
+use std::time::Instant;
+use thiserror::Error;
+
+/// Most lanes a device may have: beyond this a phone's flash gains nothing and the threads
+/// only compete with compute for cores.
+pub const MAX_LANES: u32 = 8;
+
+/// Bytes compared at each end of a shard by the verify read at open.
+const VERIFY_BYTES: u64 = 64 * 1024;
+
+static ORIGIN: OnceLock<Instant> = OnceLock::new();
+
+/// The engine's `Clock`: nanoseconds since a process-wide origin (the first time any
+/// `MonotonicClock` was made), from the OS monotonic clock. Every copy reads the same
+/// timeline, so lane timestamps and the core's readings are directly comparable.
+#[derive(Copy, Clone, Debug)]
+pub struct MonotonicClock {
+    origin: Instant,
+}
+
+impl MonotonicClock {
+    /// A clock on the process-wide timeline.
+    pub fn new() -> Self {
+        MonotonicClock {
+            origin: *ORIGIN.get_or_init(Instant::now),
+        }
+    }
+}
+
+impl Default for MonotonicClock {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Clock for MonotonicClock {
+    fn now(&self) -> Nanos {
+        // u64 nanoseconds last 584 years; saturate rather than wrap past that.
+        Nanos(u64::try_from(self.origin.elapsed().as_nanos()).unwrap_or(u64::MAX))
+    }
+}
+
+/// Why a `LaneFlash` (or the raw benchmark) could not start.
+#[derive(Debug, Error)]
+pub enum FlashOpenError {
+    #[error("flash: no shard files given")]
+    NoShards,
+    #[error("flash: {lanes} I/O lanes requested; expected 1..={MAX_LANES}")]
+    BadLanes { lanes: u32 },
+    #[error("flash: cannot open shard {shard} ({path}): {source}")]
+    Open {
+        shard: usize,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("flash: cannot stat shard {shard} ({path}): {source}")]
+    Stat {
+        shard: usize,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("flash: cannot start I/O lane {lane}: {source}")]
+    Spawn { lane: u32, source: std::io::Error },
+    #[error("flash benchmark: {what} must be positive (got {got})")]
+    BadBenchArgument { what: &'static str, got: u64 },
+    #[error("flash benchmark: read at offset {offset} of {path} failed: {source}")]
+    BenchRead {
+        path: PathBuf,
+        offset: u64,
+        source: std::io::Error,
+    },
+}
+
+/// How one shard is read by every lane.
+#[derive(Copy, Clone, Debug)]
+struct ShardInfo {
+    len_bytes: u64,
+    direct: bool,
+}
+
+/// A destination address in the arena, handed from the core thread to a lane.
+#[derive(Copy, Clone, Debug)]
+struct DestPtr(*mut u8);
+// SAFETY: the pointer targets the arena, which the lanes keep alive through their `Arc`;
+// which thread writes which bytes when is the handoff's contract (see the module docs).
+unsafe impl Send for DestPtr {}
+
+/// A read queued on a lane: everything resolved on the core thread, so the lane only does I/O.
+struct Job {
+    id: u64,
+    req: ReadRequest,
+    /// Where file byte `req.offset` lands.
+    target: DestPtr,
+    submit: Nanos,
+}
+
+type Outcome = Result<ReadDone, FlashError>;
+
+/// State shared by the core-side handle and the lane threads.
+struct Shared {
+    queues: Vec<LaneQueue<Job>>,
+    board: Completions<Outcome>,
+    /// Set when a lane thread panicked: the device is then closed for good.
+    broken: AtomicBool,
+    broken_reason: Mutex<String>,
+}
+
+/// `bmoe_core::Flash` over real files: `lanes` threads, each with its own descriptor per
+/// shard, reading into the expert arena.
+///
+/// Contract beyond the trait's: a read is served into the arena slot its `ReadRequest::dest`
+/// names (see the module docs for the placement); `ReadDone::read_bytes` is the aligned
+/// window for an O_DIRECT shard and `len` for a buffered one; a read that cannot be placed
+/// (unknown shard, past the file's end, outside its slot) fails through its completion as
+/// `FlashError::Io`, never by writing elsewhere. Dropping the device discards queued reads,
+/// lets in-progress ones finish and joins the threads.
+pub struct LaneFlash {
+    shared: Arc<Shared>,
+    threads: Vec<JoinHandle<()>>,
+    shards: Arc<Vec<ShardInfo>>,
+    arena: Arc<Arena>,
+    clock: MonotonicClock,
+    next_id: u64,
+    warnings: Vec<String>,
+}
+
+impl std::fmt::Debug for LaneFlash {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LaneFlash")
+            .field("lanes", &self.shared.queues.len())
+            .field("shards", &self.shards)
+            .field("next_id", &self.next_id)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A 4096-aligned heap buffer, for O_DIRECT reads outside the arena (verify, benchmark).
+struct AlignedBuf {
+    ptr: std::ptr::NonNull<u8>,
+    layout: std::alloc::Layout,
+}
+
+impl AlignedBuf {
+    fn new(len: usize) -> Option<AlignedBuf> {
+        let layout = std::alloc::Layout::from_size_align(len.max(1), ALIGN as usize).ok()?;
+        // SAFETY: the layout has a non-zero size.
+        let p = unsafe { std::alloc::alloc_zeroed(layout) };
+        Some(AlignedBuf {
+            ptr: std::ptr::NonNull::new(p)?,
+            layout,
+        })
+    }
+    fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+    fn as_slice(&self) -> &[u8] {
+        // SAFETY: zero-initialised allocation of `layout.size()` bytes that we own.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.layout.size()) }
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+    }
+}
+
+/// `pread` into raw memory until `want` bytes arrived or the file ended, retrying on EINTR.
+/// With `direct`, a partial read that is not page aligned can only be the end of the file
+/// (O_DIRECT transfers whole blocks otherwise), and the next aligned pread would be refused,
+/// so it ends the loop. Returns the bytes read.
+///
+/// # Safety
+/// `dest .. dest + want` must be writable memory that nothing else reads during the call.
+unsafe fn pread_full(
+    file: &File,
+    dest: *mut u8,
+    offset: u64,
+    want: u64,
+    direct: bool,
+) -> std::io::Result<u64> {
+    let mut got = 0u64;
+    while got < want {
+        let pos = libc::off_t::try_from(offset + got)
+            .map_err(|_| std::io::Error::from_raw_os_error(libc::EOVERFLOW))?;
+        let n = libc::pread(
+            file.as_raw_fd(),
+            dest.add(got as usize) as *mut libc::c_void,
+            (want - got) as usize,
+            pos,
+        );
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if n == 0 {
+            break;
+        }
+        got += n as u64;
+        if direct && got & (ALIGN - 1) != 0 {
+            break;
+        }
+    }
+    Ok(got)
+}
+
+fn open_shard(path: &Path, direct: bool) -> std::io::Result<File> {
+    let mut o = OpenOptions::new();
+    o.read(true);
+    if direct {
+        o.custom_flags(libc::O_DIRECT);
+    }
+    o.open(path)
+}
+
+/// Read `[offset, offset+len)` through an O_DIRECT descriptor and through a buffered one and
+/// compare; `Err(reason)` when the direct read fails or mis-serves.
+fn verify_direct(direct: &File, buffered: &File, offset: u64, len: u64) -> Result<(), String> {
+    let lo = offset / ALIGN * ALIGN;
+    let hi = (offset + len).div_ceil(ALIGN) * ALIGN;
+    let mut dbuf = AlignedBuf::new((hi - lo) as usize).ok_or("cannot allocate a buffer")?;
+    let mut bbuf = vec![0u8; len as usize];
+    // SAFETY: both buffers are ours and at least as long as the reads.
+    let dgot = unsafe { pread_full(direct, dbuf.as_mut_ptr(), lo, hi - lo, true) }
+        .map_err(|e| format!("O_DIRECT read failed: {e}"))?;
+    let bgot = unsafe { pread_full(buffered, bbuf.as_mut_ptr(), offset, len, false) }
+        .map_err(|e| format!("buffered read failed: {e}"))?;
+    let skip = (offset - lo) as usize;
+    if bgot != len || dgot < (offset + len - lo) {
+        return Err(format!(
+            "O_DIRECT read {dgot} bytes of a {}-byte window, buffered {bgot} of {len}",
+            hi - lo
+        ));
+    }
+    if dbuf.as_slice()[skip..skip + len as usize] != bbuf[..] {
+        return Err("O_DIRECT read returned different bytes than a buffered read".into());
+    }
+    Ok(())
+}
+
+/// Decide one shard's mode: O_DIRECT if asked and the filesystem both accepts the flag and
+/// serves a verify read of the file's head and tail correctly; buffered otherwise (with the
+/// reason as a warning).
+fn probe_shard(
+    shard: usize,
+    path: &Path,
+    want_direct: bool,
+    warnings: &mut Vec<String>,
+) -> Result<ShardInfo, FlashOpenError> {
+    let buffered = open_shard(path, false).map_err(|source| FlashOpenError::Open {
+        shard,
+        path: path.to_owned(),
+        source,
+    })?;
+    let len_bytes = buffered
+        .metadata()
+        .map_err(|source| FlashOpenError::Stat {
+            shard,
+            path: path.to_owned(),
+            source,
+        })?
+        .len();
+    if !want_direct {
+        return Ok(ShardInfo {
+            len_bytes,
+            direct: false,
+        });
+    }
+    let fallback = |reason: String, warnings: &mut Vec<String>| {
+        warnings.push(format!(
+            "flash: shard {shard} ({}): O_DIRECT unavailable ({reason}); reading it buffered \
+             through the page cache",
+            path.display()
+        ));
+        ShardInfo {
+            len_bytes,
+            direct: false,
+        }
+    };
+    let direct = match open_shard(path, true) {
+        Ok(f) => f,
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+            return Ok(fallback(format!("open refused: {e}"), warnings));
+        }
+        Err(source) => {
+            return Err(FlashOpenError::Open {
+                shard,
+                path: path.to_owned(),
+                source,
+            })
+        }
+    };
+    let head = len_bytes.min(VERIFY_BYTES);
+    // The tail check exercises the short O_DIRECT read at end of file.
+    let tail_off = len_bytes.saturating_sub(VERIFY_BYTES);
+    let checks = [(0, head), (tail_off, len_bytes - tail_off)];
+    for (off, len) in checks {
+        if len == 0 {
+            continue;
+        }
+        if let Err(reason) = verify_direct(&direct, &buffered, off, len) {
+            return Ok(fallback(format!("verify read: {reason}"), warnings));
+        }
+    }
+    Ok(ShardInfo {
+        len_bytes,
+        direct: true,
+    })
+}
+
+/// Marks the device broken if a lane thread unwinds, so waiters get `Closed` instead of
+/// blocking for an outcome that will never be published.
+struct PanicGuard {
+    shared: Arc<Shared>,
+    lane: u32,
+}
+
+impl Drop for PanicGuard {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            if let Ok(mut r) = self.shared.broken_reason.lock() {
+                *r = format!("I/O lane {} panicked", self.lane);
+            }
+            self.shared.broken.store(true, Ordering::SeqCst);
+            for q in &self.shared.queues {
+                q.close();
+            }
+            self.shared.board.close();
+        }
+    }
+}
+
+fn lane_main(
+    lane: u32,
+    shared: Arc<Shared>,
+    files: Vec<File>,
+    shards: Arc<Vec<ShardInfo>>,
+    _arena: Arc<Arena>,
+    clock: MonotonicClock,
+) {
+    let _guard = PanicGuard {
+        shared: shared.clone(),
+        lane,
+    };
+    while let Some(job) = shared.queues[lane as usize].pop() {
+        let start = clock.now();
+        let outcome = serve(&job, &files, &shards);
+        let end = clock.now();
+        let outcome = outcome.map(|read_bytes| ReadDone {
+            id: ReadId(job.id),
+            lane,
+            req_bytes: job.req.len,
+            read_bytes,
+            submit: job.submit,
+            start,
+            end,
+        });
+        shared.board.publish(job.id, outcome);
+    }
+}
+
+/// Do one read; `Ok(read_bytes)`.
+fn serve(job: &Job, files: &[File], shards: &[ShardInfo]) -> Result<u64, FlashError> {
+    let r = &job.req;
+    let shard = r.shard as usize;
+    // Checked at submit; a second look costs nothing and keeps indexing panic-free.
+    let (Some(file), Some(info)) = (files.get(shard), shards.get(shard)) else {
+        return Err(io_error(r, format!("no shard {shard}")));
+    };
+    if info.direct {
+        let lo = r.offset / ALIGN * ALIGN;
+        let hi = (r.offset + r.len).div_ceil(ALIGN) * ALIGN;
+        let need = r.offset + r.len - lo;
+        // SAFETY: submit checked that `target - (offset - lo) .. + (hi - lo)` lies inside the
+        // destination slot, which no other read's requested bytes overlap and compute does
+        // not read until this completion is delivered. Neighbouring pieces of the same
+        // extent may rewrite the shared boundary page with the same file bytes.
+        let dest = unsafe { job.target.0.sub((r.offset - lo) as usize) };
+        let got = unsafe { pread_full(file, dest, lo, hi - lo, true) }
+            .map_err(|e| io_error(r, e.to_string()))?;
+        if got < need {
+            return Err(FlashError::Short {
+                shard: r.shard,
+                offset: r.offset,
+                expected: r.len,
+                got: got.saturating_sub(r.offset - lo),
+            });
+        }
+        Ok(hi - lo)
+    } else {
+        // SAFETY: as above, for exactly the requested bytes.
+        let got = unsafe { pread_full(file, job.target.0, r.offset, r.len, false) }
+            .map_err(|e| io_error(r, e.to_string()))?;
+        if got < r.len {
+            return Err(FlashError::Short {
+                shard: r.shard,
+                offset: r.offset,
+                expected: r.len,
+                got,
+            });
+        }
+        Ok(r.len)
+    }
+}
+
+fn io_error(r: &ReadRequest, message: String) -> FlashError {
+    FlashError::Io {
+        shard: r.shard,
+        offset: r.offset,
+        len: r.len,
+        message,
+    }
+}
+
+impl LaneFlash {
+    /// Open `shard_paths` for `lanes` lane threads (1..=`MAX_LANES`), each with its own
+    /// descriptor per shard, O_DIRECT when `o_direct` and the filesystem allows it (see
+    /// `warnings()` and `o_direct_achieved()`), reading into `arena` and timestamping with
+    /// `clock`.
+    pub fn open(
+        shard_paths: &[PathBuf],
+        lanes: u32,
+        o_direct: bool,
+        arena: Arc<Arena>,
+        clock: MonotonicClock,
+    ) -> Result<LaneFlash, FlashOpenError> {
+        if shard_paths.is_empty() {
+            return Err(FlashOpenError::NoShards);
+        }
+        if !(1..=MAX_LANES).contains(&lanes) {
+            return Err(FlashOpenError::BadLanes { lanes });
+        }
+        let mut warnings = Vec::new();
+        let mut infos = Vec::with_capacity(shard_paths.len());
+        for (i, p) in shard_paths.iter().enumerate() {
+            infos.push(probe_shard(i, p, o_direct, &mut warnings)?);
+        }
+        let shards = Arc::new(infos);
+        // Open every descriptor before starting any thread, so a failure leaves nothing
+        // running.
+        let mut lane_files = Vec::with_capacity(lanes as usize);
+        for _ in 0..lanes {
+            let mut files = Vec::with_capacity(shard_paths.len());
+            for (i, (p, info)) in shard_paths.iter().zip(shards.iter()).enumerate() {
+                files.push(
+                    open_shard(p, info.direct).map_err(|source| FlashOpenError::Open {
+                        shard: i,
+                        path: p.clone(),
+                        source,
+                    })?,
+                );
+            }
+            lane_files.push(files);
+        }
+        let shared = Arc::new(Shared {
+            queues: (0..lanes).map(|_| LaneQueue::new()).collect(),
+            board: Completions::new(),
+            broken: AtomicBool::new(false),
+            broken_reason: Mutex::new(String::new()),
+        });
+        let mut dev = LaneFlash {
+            shared: shared.clone(),
+            threads: Vec::with_capacity(lanes as usize),
+            shards: shards.clone(),
+            arena: arena.clone(),
+            clock,
+            next_id: 0,
+            warnings,
+        };
+        for (lane, files) in (0..lanes).zip(lane_files) {
+            let (sh, si, ar) = (shared.clone(), shards.clone(), arena.clone());
+            let t = std::thread::Builder::new()
+                .name(format!("bmoe-io-{lane}"))
+                .spawn(move || lane_main(lane, sh, files, si, ar, clock))
+                .map_err(|source| FlashOpenError::Spawn { lane, source })?;
+            // On a spawn error `dev` drops here, closing and joining the lanes started so far.
+            dev.threads.push(t);
+        }
+        Ok(dev)
+    }
+
+    /// Why some shard is read buffered although O_DIRECT was asked for (one line each).
+    pub fn warnings(&self) -> &[String] {
+        &self.warnings
+    }
+
+    /// True when every shard is read with O_DIRECT.
+    pub fn o_direct_achieved(&self) -> bool {
+        self.shards.iter().all(|s| s.direct)
+    }
+
+    /// The clock the lanes timestamp with.
+    pub fn clock(&self) -> MonotonicClock {
+        self.clock
+    }
+
+    /// Where file byte `req.offset` lands, after checking that the whole window the read will
+    /// write lies inside its destination slot and the file holds the extent.
+    fn resolve(&self, req: &ReadRequest) -> Result<*mut u8, String> {
+        let info = self
+            .shards
+            .get(req.shard as usize)
+            .ok_or_else(|| format!("no shard {} (device has {})", req.shard, self.shards.len()))?;
+        let end = req
+            .offset
+            .checked_add(req.len)
+            .ok_or("offset + len overflows")?;
+        if req.len == 0 || end > info.len_bytes {
+            return Err(format!(
+                "extent [{}, {end}) is empty or past the shard's end ({} bytes)",
+                req.offset, info.len_bytes
+            ));
+        }
+        // The extent this piece belongs to starts `dest_offset` bytes earlier in the file.
+        let extent_offset = req
+            .offset
+            .checked_sub(req.dest_offset)
+            .ok_or("dest_offset exceeds offset")?;
+        let layer = req.tag.layer as usize;
+        let proj = req.tag.proj as usize;
+        let arena = &self.arena;
+        let slot = match req.dest {
+            SlotId::Canonical(key) => {
+                if key.layer != req.tag.layer || key.expert != req.tag.expert {
+                    return Err(format!(
+                        "slot {:?} does not match tag layer {} expert {}",
+                        key, req.tag.layer, req.tag.expert
+                    ));
+                }
+                SlotAddr::Canonical(u32::from(key.expert))
+            }
+            SlotId::Staging(e) => SlotAddr::Staging(u32::from(e)),
+        };
+        // The arena indexes its tables without bounds checks of its own (it trusts the
+        // layout it was built from); a request naming a layer or projection it does not have
+        // must fail this read, not the process.
+        let lookup = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let limit = match slot {
+                SlotAddr::Canonical(e) => arena.n_expert(layer) > e,
+                SlotAddr::Staging(e) => arena.n_staging() > e,
+            };
+            (
+                limit,
+                arena.window_dest(layer, slot, 0),
+                arena.window_dest(layer, slot, proj),
+                arena.slot_bytes(layer),
+            )
+        }));
+        let Ok((in_range, slot_start, region, slot_bytes)) = lookup else {
+            return Err(format!("the arena has no layer {layer} projection {proj}"));
+        };
+        if !in_range {
+            return Err(format!("slot {:?} is outside the arena", req.dest));
+        }
+        let data_start = extent_offset % ALIGN + req.dest_offset;
+        let window_lo = if info.direct {
+            data_start - req.offset % ALIGN
+        } else {
+            data_start
+        };
+        let window_len = if info.direct {
+            end.div_ceil(ALIGN) * ALIGN - req.offset / ALIGN * ALIGN
+        } else {
+            req.len
+        };
+        let region_off = region as u64 - slot_start as u64;
+        if region_off + window_lo + window_len > slot_bytes {
+            return Err(format!(
+                "read window of {window_len} bytes at {} in projection {proj} overruns the \
+                 {slot_bytes}-byte slot",
+                window_lo
+            ));
+        }
+        // SAFETY: inside the slot, checked just above.
+        Ok(unsafe { region.add(data_start as usize) })
+    }
+
+    fn closed_reason(&self) -> String {
+        self.shared
+            .broken_reason
+            .lock()
+            .map(|r| r.clone())
+            .unwrap_or_default()
+    }
+}
+
+impl Flash for LaneFlash {
+    fn lanes(&self) -> u32 {
+        self.shared.queues.len() as u32
+    }
+
+    fn submit(&mut self, read: ReadRequest) -> ReadId {
+        let submit = self.clock.now();
+        let id = self.next_id;
+        self.next_id += 1;
+        self.shared.board.expect(id);
+        let lanes = self.lanes();
+        if read.lane >= lanes {
+            self.shared.board.publish(
+                id,
+                Err(FlashError::BadLane {
+                    id: ReadId(id),
+                    lane: read.lane,
+                    lanes,
+                }),
+            );
+            return ReadId(id);
+        }
+        let target = match self.resolve(&read) {
+            Ok(t) => t,
+            Err(message) => {
+                self.shared.board.publish(id, Err(io_error(&read, message)));
+                return ReadId(id);
+            }
+        };
+        let job = Job {
+            id,
+            req: read,
+            target: DestPtr(target),
+            submit,
+        };
+        if self.shared.queues[read.lane as usize].push(job).is_err() {
+            let reason = self.closed_reason();
+            self.shared
+                .board
+                .publish(id, Err(FlashError::Closed { reason }));
+        }
+        ReadId(id)
+    }
+
+    fn wait(&mut self, id: ReadId) -> Result<ReadDone, FlashError> {
+        match self.shared.board.wait(id.0) {
+            Ok(outcome) => outcome,
+            Err(HandoffError::UnknownRead { .. }) => Err(FlashError::UnknownRead { id }),
+            Err(HandoffError::Closed) => Err(FlashError::Closed {
+                reason: self.closed_reason(),
+            }),
+        }
+    }
+
+    fn poll(&mut self) -> Option<(ReadId, Result<ReadDone, FlashError>)> {
+        self.shared
+            .board
+            .try_take()
+            .map(|(id, outcome)| (ReadId(id), outcome))
+    }
+
+    fn cancel(&mut self, id: ReadId) -> bool {
+        // Only speculative reads are cancellable; removing under the queue's lock means the
+        // lane either popped it already (false) or never will (true).
+        let removed = self
+            .shared
+            .queues
+            .iter()
+            .find_map(|q| q.remove_first(|j| j.id == id.0 && j.req.speculative));
+        removed.is_some() && self.shared.board.forget(id.0)
+    }
+}
+
+impl Drop for LaneFlash {
+    fn drop(&mut self) {
+        // Queued reads are discarded (nobody will take their outcome); reads in progress
+        // finish into the arena, which the lanes keep alive until they exit.
+        for q in &self.shared.queues {
+            while q.remove_first(|_| true).is_some() {}
+            q.close();
+        }
+        for t in self.threads.drain(..) {
+            // A lane that panicked already marked the device broken; nothing more to report
+            // from a destructor.
+            let _ = t.join();
+        }
+        self.shared.board.close();
+    }
+}
+
+/// Raw read bandwidth of `path` in MiB/s: `lanes` threads, each with its own descriptor,
+/// issuing `request_bytes` preads (rounded up to 4096 under O_DIRECT) over the file in
+/// round-robin order, wrapping around, until `total_bytes` were read. The baseline the
+/// streaming benchmark's achieved MiB/s is judged against. Buffered mode measures the page
+/// cache after the first pass, so compare like with like.
+pub fn raw_read_bench(
+    path: &Path,
+    request_bytes: u64,
+    lanes: u32,
+    o_direct: bool,
+    total_bytes: u64,
+) -> Result<f64, FlashOpenError> {
+    if !(1..=MAX_LANES).contains(&lanes) {
+        return Err(FlashOpenError::BadLanes { lanes });
+    }
+    for (what, got) in [
+        ("request_bytes", request_bytes),
+        ("total_bytes", total_bytes),
+    ] {
+        if got == 0 {
+            return Err(FlashOpenError::BadBenchArgument { what, got });
+        }
+    }
+    let open_err = |source| FlashOpenError::Open {
+        shard: 0,
+        path: path.to_owned(),
+        source,
+    };
+    let file_len = open_shard(path, false)
+        .and_then(|f| f.metadata())
+        .map_err(open_err)?
+        .len();
+    let req = if o_direct {
+        request_bytes.div_ceil(ALIGN) * ALIGN
+    } else {
+        request_bytes
+    };
+    let n_slots = file_len / req;
+    if n_slots == 0 {
+        return Err(FlashOpenError::BadBenchArgument {
+            what: "file length / request_bytes",
+            got: 0,
+        });
+    }
+    let n_requests = total_bytes.div_ceil(req);
+    let mut files = Vec::with_capacity(lanes as usize);
+    for _ in 0..lanes {
+        files.push(open_shard(path, o_direct).map_err(open_err)?);
+    }
+    let t0 = Instant::now();
+    let results: Vec<Result<u64, FlashOpenError>> = std::thread::scope(|s| {
+        let handles: Vec<_> = files
+            .iter()
+            .enumerate()
+            .map(|(lane, file)| {
+                s.spawn(move || {
+                    let mut buf =
+                        AlignedBuf::new(req as usize).ok_or(FlashOpenError::BadBenchArgument {
+                            what: "request_bytes (allocation)",
+                            got: req,
+                        })?;
+                    let mut bytes = 0u64;
+                    let mut i = lane as u64;
+                    while i < n_requests {
+                        let offset = (i % n_slots) * req;
+                        // SAFETY: `buf` is ours and `req` bytes long.
+                        let got =
+                            unsafe { pread_full(file, buf.as_mut_ptr(), offset, req, o_direct) }
+                                .map_err(|source| FlashOpenError::BenchRead {
+                                    path: path.to_owned(),
+                                    offset,
+                                    source,
+                                })?;
+                        bytes += got;
+                        i += u64::from(lanes);
+                    }
+                    Ok(bytes)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or(Err(FlashOpenError::BadBenchArgument {
+                    what: "lane (panicked)",
+                    got: 0,
+                }))
+            })
+            .collect()
+    });
+    let secs = t0.elapsed().as_secs_f64();
+    let mut bytes = 0u64;
+    for r in results {
+        bytes += r?;
+    }
+    Ok(bytes as f64 / (1024.0 * 1024.0) / secs.max(1e-9))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn monotonic_clock_is_shared_and_nondecreasing() {
+        let a = MonotonicClock::new();
+        let t1 = a.now();
+        let b = MonotonicClock::new();
+        let t2 = b.now();
+        let t3 = a.now();
+        assert!(t1 <= t2 && t2 <= t3);
+    }
+
+    #[test]
+    fn aligned_buffers_are_aligned() {
+        let mut b = AlignedBuf::new(10_000).unwrap();
+        assert_eq!(b.as_mut_ptr() as usize % ALIGN as usize, 0);
+        assert!(b.as_slice().iter().all(|&x| x == 0));
+    }
+}

@@ -1,0 +1,577 @@
+//! One generation: configuration resolved and validated, the model loaded (resident, or
+//! streamed through the core's decode step over O_DIRECT lanes), the prompt prefilled, tokens
+//! decoded and sampled, and every token reported through the core's telemetry (progress
+//! lines, CSV, route/io traces, end-of-run report).
+
+use crate::arch::qwen3moe::{Qwen3Moe, State, Weights};
+use crate::cli::RunArgs;
+use crate::flash::{LaneFlash, MonotonicClock};
+use crate::gguf::GgufFile;
+use crate::stream::{arena_for, layout_of, EngineBackend};
+use anyhow::{anyhow, bail, Context, Result};
+use bmoe_core::config::{auto_cache_budget, RunConfig, MIB};
+use bmoe_core::ledger::{Ledger, MemPicture};
+use bmoe_core::records::{Phase, RecordSink};
+use bmoe_core::telemetry::io_trace::IoTraceWriter;
+use bmoe_core::telemetry::report::{write_report, ReportContext};
+use bmoe_core::telemetry::route_trace::{RoutePreamble, RouteTraceWriter, TraceLayer};
+use bmoe_core::telemetry::run::RunTelemetry;
+use bmoe_core::telemetry::sinks::TraceTee;
+use bmoe_core::{Engine, ExpertCache, StepInput, StepStats, StreamConfig, TopKOverride};
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+type Streamed = Engine<MonotonicClock, LaneFlash, EngineBackend>;
+
+/// The model, resident (every expert read from the memory map) or streamed by the core.
+pub enum Runner {
+    Resident { model: Qwen3Moe, state: State },
+    Streamed(Box<Streamed>),
+}
+
+impl Runner {
+    /// Run one batch. `all_logits` asks for every row's logits (for `--logits-out`).
+    pub fn step(
+        &mut self,
+        input: &StepInput<'_>,
+        all_logits: bool,
+        sink: &mut dyn RecordSink,
+    ) -> Result<StepStats> {
+        match self {
+            Runner::Resident { model, state } => {
+                let t = Instant::now();
+                let n = input.tokens.len() as u32;
+                let rows: Vec<u32> = if all_logits {
+                    (0..n).collect()
+                } else {
+                    vec![n - 1]
+                };
+                model.forward_resident(state, input.tokens, input.positions, &rows)?;
+                Ok(StepStats {
+                    tokens: n,
+                    wall: bmoe_core::Nanos(t.elapsed().as_nanos() as u64),
+                    ..Default::default()
+                })
+            }
+            Runner::Streamed(e) => {
+                e.backend_mut().all_logits = all_logits;
+                Ok(e.step(input, sink)?)
+            }
+        }
+    }
+
+    /// Logits of the last batch's output rows (`rows × n_vocab`).
+    pub fn logits(&self) -> &[f32] {
+        match self {
+            Runner::Resident { state, .. } => &state.logits,
+            Runner::Streamed(e) => &e.backend().state.logits,
+        }
+    }
+
+    fn dense_ranges(&self) -> Vec<(*const u8, usize)> {
+        match self {
+            Runner::Resident { model, .. } => model.w.dense_ranges(),
+            Runner::Streamed(e) => e.backend().model.w.dense_ranges(),
+        }
+    }
+
+    fn cache(&self) -> Option<&ExpertCache> {
+        match self {
+            Runner::Resident { .. } => None,
+            Runner::Streamed(e) => Some(e.cache()),
+        }
+    }
+}
+
+fn mem_picture(dense: &mut crate::probe::DenseResidency) -> MemPicture {
+    let ru = crate::probe::rusage();
+    let ps = crate::probe::proc_status();
+    let mi = crate::probe::meminfo();
+    MemPicture {
+        majflt_total: ru.majflt,
+        cpu_ms_total: ru.cpu_s * 1000.0,
+        dense_resident_frac: dense.sample(),
+        rss_mib: ps.rss_mib,
+        rss_anon_mib: ps.rss_anon_mib,
+        rss_file_mib: ps.rss_file_mib,
+        swap_mib: ps.swap_mib,
+        mem_available_mib: mi.mem_available_mib,
+        mem_free_mib: mi.mem_free_mib,
+        swap_free_mib: mi.swap_free_mib,
+        page_bytes: crate::probe::page_size_bytes(),
+    }
+}
+
+fn create(p: &Path) -> Result<BufWriter<File>> {
+    Ok(BufWriter::new(
+        File::create(p).with_context(|| format!("creating {}", p.display()))?,
+    ))
+}
+
+/// What a generation produced, for callers that run it in-process (the gates).
+#[derive(Clone, Debug, Default)]
+pub struct Outcome {
+    /// 0 on success; non-zero when a step failed (the output is not trustworthy).
+    pub code: i32,
+    /// Generated token ids (the end-of-generation token included when one was sampled).
+    pub tokens: Vec<u32>,
+    /// The answer text (reasoning excluded).
+    pub text: String,
+    pub summary: Option<bmoe_core::telemetry::summary::RunSummary>,
+}
+
+/// Run a generation printing to the process's stdout/stderr; returns the exit code.
+pub fn generate(args: &RunArgs, model_path: &Path) -> Result<i32> {
+    let stdout = std::io::stdout();
+    let stderr = std::io::stderr();
+    Ok(generate_with(args, model_path, &mut stdout.lock(), &mut stderr.lock())?.code)
+}
+
+/// Run a generation writing the answer (or progress lines) to `out` and diagnostics and the
+/// report to `err` (the report goes to `out` under `--progress`).
+pub fn generate_with(
+    args: &RunArgs,
+    model_path: &Path,
+    out: &mut dyn Write,
+    err: &mut dyn Write,
+) -> Result<Outcome> {
+    let t_load = Instant::now();
+    let mut cfg = RunConfig {
+        engine_version: env!("CARGO_PKG_VERSION").to_string(),
+        ..RunConfig::default()
+    };
+    cfg.model = model_path.display().to_string();
+    cfg.n_predict = args.n_predict;
+    cfg.threads = args.threads;
+    cfg.n_ctx = args.ctx;
+    cfg.chatml = args.chatml;
+    cfg.temp = args.temp;
+    cfg.top_k = args.top_k as u32;
+    cfg.top_p = args.top_p;
+    cfg.seed = args.seed;
+    args.stream.apply(&mut cfg);
+    args.telemetry.apply(&mut cfg);
+    cfg.validate()?;
+
+    let file = Arc::new(GgufFile::open(model_path)?);
+    cfg.arch = file.architecture().unwrap_or("").to_string();
+    let mut weights = Weights::load(file.clone())?;
+    // The resident baseline is plain mmap by definition; streaming applies --dense-weights.
+    if cfg.moe_stream {
+        weights.apply_dense_mode(cfg.dense_weights.into())?;
+    } else {
+        cfg.dense_weights = bmoe_core::config::DenseWeights::Mmap;
+    }
+    let hp = weights.hp.clone();
+    cfg.n_layer = hp.n_layer as u32;
+    cfg.n_expert = hp.n_expert as u32;
+    cfg.n_expert_used = if cfg.n_expert_used_override > 0 {
+        cfg.n_expert_used_override
+    } else {
+        hp.n_expert_used as u32
+    };
+    cfg.validate_model()?;
+    let k = cfg.n_expert_used as u16;
+    let tok = crate::tokenizer::Tokenizer::from_gguf(&file)?;
+
+    let mut runner = if cfg.moe_stream {
+        let layout = layout_of(&weights)?;
+        let shard_lens: Vec<u64> = file
+            .shard_paths()
+            .iter()
+            .map(|p| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0))
+            .collect();
+        layout.check_shards(&shard_lens)?;
+        cfg.cache_cycle_mb = layout.cache_cycle_bytes(k).div_ceil(MIB);
+        let budget = if cfg.cache_auto {
+            let mi = crate::probe::meminfo();
+            let cg = crate::probe::cgroup_memory();
+            auto_cache_budget(
+                (mi.mem_available_mib > 0.0).then_some((mi.mem_available_mib * MIB as f64) as u64),
+                cg.as_ref().and_then(|c| c.limit_bytes),
+                cg.as_ref().map(|c| c.usage_bytes),
+                cfg.cache_floor_mb * MIB,
+                cfg.cache_ceil_mb * MIB,
+                layout.total_expert_bytes(),
+            )
+        } else {
+            cfg.cache_mb * MIB
+        };
+        cfg.resolve_cache_budget(budget);
+        let policy = bmoe_core::policy::by_name(cfg.eviction.name())
+            .ok_or_else(|| anyhow!("unknown eviction policy {}", cfg.eviction.name()))?;
+        let cache = ExpertCache::new(&layout, budget, k, policy)?;
+        let arena = Arc::new(arena_for(&layout)?);
+        let paths: Vec<std::path::PathBuf> =
+            file.shard_paths().iter().map(|p| p.to_path_buf()).collect();
+        let clock = MonotonicClock::new();
+        let flash = LaneFlash::open(&paths, cfg.io_threads, cfg.o_direct, arena.clone(), clock)?;
+        for w in flash.warnings() {
+            writeln!(err, "bmoe: warning: {w}")?;
+        }
+        cfg.o_direct = flash.o_direct_achieved();
+        let model = Qwen3Moe::new(weights, args.threads as usize);
+        let state = model.new_state(args.ctx as usize);
+        let backend = EngineBackend::new(model, state, arena, layout.clone());
+        let mut e = Engine::new(
+            clock,
+            flash,
+            backend,
+            layout,
+            cache,
+            StreamConfig {
+                overlap: cfg.overlap,
+                load_all: cfg.load_all,
+                max_read_bytes: 0,
+            },
+        )?;
+        if cfg.n_expert_used_override > 0 && cfg.n_expert_used_override < hp.n_expert_used as u32 {
+            e.add_hook(Box::new(TopKOverride {
+                k,
+                renormalize: true,
+            }));
+        }
+        Runner::Streamed(Box::new(e))
+    } else {
+        let model = Qwen3Moe::new(weights, args.threads as usize);
+        let state = model.new_state(args.ctx as usize);
+        Runner::Resident { model, state }
+    };
+    if let Some(w) = cfg.cache_cycle_warning() {
+        writeln!(err, "bmoe: warning: {w}")?;
+    }
+    for w in cfg.load_warnings() {
+        writeln!(err, "bmoe: warning: {w}")?;
+    }
+
+    let prompt = if args.chatml {
+        let tpl = file
+            .get("tokenizer.chat_template")
+            .and_then(|v| v.as_str())
+            .ok_or_else(|| {
+                anyhow!(
+                    "--chatml: {} has no tokenizer.chat_template",
+                    model_path.display()
+                )
+            })?;
+        let ct = crate::chat::ChatTemplate::new(tpl, &tok.bos_text(), &tok.eos_text())?;
+        ct.render(
+            &[crate::chat::Message::new("user", args.prompt.clone())],
+            true,
+            Some(!args.no_think),
+        )?
+    } else {
+        args.prompt.clone()
+    };
+    let mut tokens = tok.encode(&prompt, args.chatml)?;
+    if tokens.is_empty() {
+        bail!("the prompt is empty after tokenization: pass -p TEXT");
+    }
+    let n_ctx = args.ctx as usize;
+    if tokens.len() + args.n_predict as usize > n_ctx {
+        bail!(
+            "prompt of {} tokens plus -n {} exceeds the context size {} (-c {})",
+            tokens.len(),
+            args.n_predict,
+            n_ctx,
+            n_ctx
+        );
+    }
+    let load_s = t_load.elapsed().as_secs_f64();
+
+    // Sinks.
+    let mut csv = args.telemetry.csv.as_deref().map(create).transpose()?;
+    let mut route = match (&args.telemetry.route_trace, &runner) {
+        (Some(p), Runner::Streamed(e)) => {
+            let layers = e
+                .layout()
+                .layers()
+                .iter()
+                .map(|l| TraceLayer {
+                    layer: l.model_layer,
+                    expert_bytes: l.projections.iter().map(|p| p.stride_bytes).sum(),
+                    dense_bytes: l.dense_bytes,
+                    proj: l
+                        .projections
+                        .iter()
+                        .map(|p| bmoe_core::telemetry::route_trace::ProjExtent {
+                            shard: p.shard as u32,
+                            offset: p.base_offset,
+                            stride: p.stride_bytes,
+                        })
+                        .collect(),
+                })
+                .collect();
+            let pre = RoutePreamble {
+                model: cfg.model.clone(),
+                arch: cfg.arch.clone(),
+                n_layer: cfg.n_layer,
+                n_expert: cfg.n_expert,
+                n_expert_used: cfg.n_expert_used,
+                layers,
+                notes: Vec::new(),
+                extra: Vec::new(),
+            };
+            Some(RouteTraceWriter::new(create(p)?, &pre)?)
+        }
+        _ => None,
+    };
+    let mut io = match &args.telemetry.io_trace {
+        Some(p) => Some(IoTraceWriter::new(create(p)?)?),
+        None => None,
+    };
+    let mut telemetry = RunTelemetry::new();
+    if let Some(w) = csv.as_mut() {
+        telemetry.write_csv_preamble(&cfg, w)?;
+    }
+    telemetry.begin_generation();
+    let progress = args.telemetry.progress;
+    let mut logits_out = args.logits_out.as_deref().map(create).transpose()?;
+    let all_logits = logits_out.is_some();
+
+    // Prefill.
+    let n_prompt = tokens.len();
+    let positions: Vec<u32> = (0..n_prompt as u32).collect();
+    let mut ledger = Ledger::new(
+        cfg.overlap,
+        runner.cache().map(|c| c.budget_bytes()).unwrap_or(0),
+        0,
+        args.n_predict,
+    );
+    // Dense residency by mincore, throttled: at most every 16 tokens and 250 ms.
+    let mut dense = crate::probe::DenseResidency::new(&runner.dense_ranges(), 16, 250);
+    let m0 = mem_picture(&mut dense);
+    let t_prefill = Instant::now();
+    let st = {
+        let mut tee = TraceTee {
+            route: route.as_mut().map(|r| r as &mut dyn RecordSink),
+            io: io.as_mut().map(|r| r as &mut dyn RecordSink),
+        };
+        runner.step(
+            &StepInput {
+                turn: 0,
+                phase: Phase::Prefill,
+                tokens: &tokens,
+                positions: &positions,
+            },
+            all_logits,
+            &mut tee,
+        )
+    };
+    let st = match st {
+        Ok(s) => s,
+        Err(e) => return fail(progress, e, out, err),
+    };
+    let prefill_s = t_prefill.elapsed().as_secs_f64();
+    let m1 = mem_picture(&mut dense);
+    ledger.prefill(&st, &m0, &m1);
+    let nv = hp.n_vocab;
+    if let Some(w) = logits_out.as_mut() {
+        for v in runner.logits() {
+            w.write_all(&v.to_le_bytes())?;
+        }
+    }
+
+    let mut sampler = crate::sample::Sampler::new(crate::sample::SamplerConfig {
+        temp: args.temp,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        seed: args.seed,
+    });
+    let last = runner.logits();
+    let mut next = sampler.sample(&last[last.len() - nv..]);
+    let mut dec = crate::tokenizer::StreamDecoder::new();
+    let mut split =
+        crate::chat::ReasoningSplitter::for_prompt(if args.chatml { &prompt } else { "" });
+    let (mut reasoning, mut text) = (String::new(), String::new());
+    let mut generated: Vec<u32> = Vec::new();
+    let mut t_prev_end = Instant::now();
+    let mut failed = None;
+    for i in 0..args.n_predict as usize {
+        generated.push(next);
+        let eog = tok.is_eog(next);
+        if !eog {
+            let piece = dec.push(&tok, next);
+            let d = if args.chatml {
+                split.push(&piece)
+            } else {
+                crate::chat::Delta {
+                    text: piece,
+                    ..Default::default()
+                }
+            };
+            if d.reset {
+                reasoning = d.reasoning.clone();
+                text = d.text.clone();
+            } else {
+                reasoning.push_str(&d.reasoning);
+                text.push_str(&d.text);
+            }
+            if !progress {
+                out.write_all(d.text.as_bytes())?;
+                out.flush()?;
+            }
+        }
+        if eog || i + 1 == args.n_predict as usize {
+            break;
+        }
+        let pos = tokens.len() as u32;
+        tokens.push(next);
+        let loop_ms = t_prev_end.elapsed().as_secs_f64() * 1000.0;
+        let r = {
+            let mut tee = TraceTee {
+                route: route.as_mut().map(|r| r as &mut dyn RecordSink),
+                io: io.as_mut().map(|r| r as &mut dyn RecordSink),
+            };
+            runner.step(
+                &StepInput {
+                    turn: 0,
+                    phase: Phase::Decode,
+                    tokens: &[next],
+                    positions: &[pos],
+                },
+                all_logits,
+                &mut tee,
+            )
+        };
+        let s = match r {
+            Ok(s) => s,
+            Err(e) => {
+                ledger.io_error();
+                failed = Some(e);
+                break;
+            }
+        };
+        t_prev_end = Instant::now();
+        let rec = ledger.token(&s, &mem_picture(&mut dense), loop_ms);
+        telemetry.token(
+            &rec,
+            &reasoning,
+            &text,
+            if progress {
+                Some(&mut *out as &mut dyn Write)
+            } else {
+                None
+            },
+            csv.as_mut().map(|w| w as &mut dyn Write),
+        )?;
+        if let Some(w) = logits_out.as_mut() {
+            for v in runner.logits() {
+                w.write_all(&v.to_le_bytes())?;
+            }
+        }
+        next = sampler.sample(&runner.logits()[runner.logits().len() - nv..]);
+    }
+    let tail = dec.flush();
+    if !tail.is_empty() {
+        let d = if args.chatml {
+            split.push(&tail)
+        } else {
+            crate::chat::Delta {
+                text: tail,
+                ..Default::default()
+            }
+        };
+        text.push_str(&d.text);
+        reasoning.push_str(&d.reasoning);
+        if !progress {
+            out.write_all(d.text.as_bytes())?;
+        }
+    }
+    if !progress {
+        writeln!(out)?;
+    }
+    let tail_ms = t_prev_end.elapsed().as_secs_f64() * 1000.0;
+    let layer_demand = match &runner {
+        Runner::Streamed(e) => e.layout().layer_demand_bytes(k),
+        _ => 0,
+    };
+    let counters = match runner.cache() {
+        Some(c) => ledger.counters(
+            c,
+            layer_demand,
+            n_prompt as u64,
+            tokens.len() as u64,
+            load_s,
+            prefill_s,
+            tail_ms,
+        ),
+        None => bmoe_core::telemetry::summary::RunCounters {
+            n_prompt: n_prompt as u64,
+            load_s,
+            prefill_s,
+            cache_hit_pct: -1.0,
+            loop_overhead_tail_ms: tail_ms,
+            ..Default::default()
+        },
+    };
+    let summary = telemetry.finish(counters, csv.as_mut().map(|w| w as &mut dyn Write))?;
+    let ctx = ReportContext {
+        progress,
+        answer: &text,
+        arch_streamable: true,
+    };
+    if progress {
+        write_report(out, &cfg, &summary, &ctx)?;
+    } else {
+        write_report(err, &cfg, &summary, &ctx)?;
+    }
+    if let Some(mut w) = csv {
+        w.flush()?;
+    }
+    if let Some(r) = route.take() {
+        r.finish()?;
+    }
+    if let Some(w) = io.take() {
+        w.finish()?.flush()?;
+    }
+    if let (Some(mut w), Some(p)) = (logits_out, &args.logits_out) {
+        w.flush()?;
+        let mut ids: Vec<u32> = tokens[..n_prompt].to_vec();
+        ids.extend(generated.iter().take(generated.len().saturating_sub(1)));
+        let side = serde_json::json!({
+            "n_vocab": nv, "n_prompt": n_prompt, "rows": ids.len(), "dtype": "f32le",
+            "token_ids": ids, "note": "row i holds the logits after feeding token_ids[..=i]"
+        });
+        std::fs::write(
+            format!("{}.json", p.display()),
+            serde_json::to_string_pretty(&side)?,
+        )?;
+    }
+    if let Some(e) = failed {
+        return fail(progress, e, out, err);
+    }
+    out.flush()?;
+    Ok(Outcome {
+        code: 0,
+        tokens: generated,
+        text,
+        summary: Some(summary),
+    })
+}
+
+/// A failed step: the output is not trustworthy. Say so loudly and exit non-zero.
+fn fail(
+    progress: bool,
+    e: anyhow::Error,
+    out: &mut dyn Write,
+    err: &mut dyn Write,
+) -> Result<Outcome> {
+    let _ = out.flush();
+    writeln!(err, "bmoe: FAILED: {e:#}")?;
+    writeln!(err, "moe-stream: generation stopped by a failed read or step - this run's output is not trustworthy")?;
+    if progress {
+        writeln!(
+            out,
+            "BMOE_ERROR {}",
+            serde_json::json!({"id": 0, "fatal": true, "msg": format!("{e:#}")})
+        )?;
+    }
+    Ok(Outcome {
+        code: 3,
+        ..Outcome::default()
+    })
+}

@@ -1,0 +1,212 @@
+//! The engine's instantiation of the core: the qwen3moe forward pass as a `bmoe_core::Backend`
+//! whose experts live in the arena (filled by the O_DIRECT lanes), and the expert layout read
+//! from the GGUF file.
+//!
+//! The backend runs exactly the arithmetic of the resident run — same kernels, same order,
+//! same bytes (the arena holds the file's bytes verbatim) — which is why a streamed run's
+//! output is byte-identical to the resident one for every lossless setting.
+
+use crate::arch::qwen3moe::{Qwen3Moe, RouteOut, State, Weights};
+use crate::arch::ArchError;
+use crate::arena::{Arena, ArenaError, Extent, SlotAddr};
+use bmoe_core::{
+    Backend, ExpertLayout, ExpertUse, LayerId, LayoutError, MoeLayerLayout, ProjExtent, Routing,
+    SlotId,
+};
+use std::sync::Arc;
+
+/// Errors of the streamed backend.
+#[derive(Debug, thiserror::Error)]
+pub enum StreamError {
+    #[error(transparent)]
+    Arch(#[from] ArchError),
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    #[error(transparent)]
+    Arena(#[from] ArenaError),
+    #[error("router output: {0}")]
+    Routing(#[from] bmoe_core::RoutingError),
+}
+
+/// The expert layout of a loaded qwen3moe model: per layer the (shard, offset, stride) of the
+/// stacked gate, up and down tensors, and the layer's dense bytes.
+pub fn layout_of(w: &Weights) -> Result<ExpertLayout, StreamError> {
+    let hp = &w.hp;
+    let mut layers = Vec::with_capacity(hp.n_layer);
+    for (i, lw) in w.layers.iter().enumerate() {
+        let projections = lw
+            .exps
+            .iter()
+            .map(|x| ProjExtent {
+                shard: x.info.shard,
+                base_offset: x.info.offset,
+                stride_bytes: x.stride,
+            })
+            .collect();
+        let dense = [&lw.q, &lw.k, &lw.v, &lw.o, &lw.router]
+            .iter()
+            .map(|m| m.bytes().len() as u64)
+            .sum::<u64>()
+            + 4 * (lw.attn_norm.len() + lw.ffn_norm.len() + lw.q_norm.len() + lw.k_norm.len())
+                as u64;
+        layers.push(MoeLayerLayout {
+            model_layer: i as u32,
+            n_expert: hp.n_expert as u32,
+            projections,
+            dense_bytes: dense,
+        });
+    }
+    Ok(ExpertLayout::new(
+        hp.n_layer as u32,
+        layers,
+        hp.n_expert_used as u16,
+    )?)
+}
+
+/// The arena for a layout: one canonical slot per (layer, expert), plus staging slots for
+/// the cache-off mode (one per expert id, since `SlotId::Staging(e)` names the expert).
+pub fn arena_for(layout: &ExpertLayout) -> Result<Arena, StreamError> {
+    let layers: Vec<(u32, Vec<u64>)> = layout
+        .layers()
+        .iter()
+        .map(|l| {
+            (
+                l.n_expert,
+                l.projections.iter().map(|p| p.stride_bytes).collect(),
+            )
+        })
+        .collect();
+    Ok(Arena::new(&layers, layout.max_n_expert())?)
+}
+
+/// The forward pass with its experts in the arena.
+pub struct EngineBackend {
+    pub model: Qwen3Moe,
+    pub state: State,
+    arena: Arc<Arena>,
+    layout: ExpertLayout,
+    ro: RouteOut,
+    ids: Vec<u16>,
+    uses: Vec<(u32, u16, f32)>,
+    /// Produce logits for every row of the next batch (for `--logits-out`), not just the last.
+    pub all_logits: bool,
+}
+
+impl EngineBackend {
+    pub fn new(
+        model: Qwen3Moe,
+        state: State,
+        arena: Arc<Arena>,
+        layout: ExpertLayout,
+    ) -> EngineBackend {
+        EngineBackend {
+            model,
+            state,
+            arena,
+            layout,
+            ro: RouteOut::default(),
+            ids: Vec::new(),
+            uses: Vec::new(),
+            all_logits: false,
+        }
+    }
+
+    fn extent(&self, layer: u16, expert: u16, p: usize) -> Extent {
+        let pe = &self.layout.layers()[layer as usize].projections[p];
+        Extent {
+            shard: pe.shard,
+            offset: pe.base_offset + expert as u64 * pe.stride_bytes,
+            len: pe.stride_bytes,
+        }
+    }
+}
+
+impl Backend for EngineBackend {
+    type Error = StreamError;
+
+    fn begin(&mut self, tokens: &[u32], positions: &[u32]) -> Result<(), StreamError> {
+        let n = tokens.len() as u32;
+        let rows: Vec<u32> = if self.all_logits {
+            (0..n).collect()
+        } else {
+            vec![n - 1]
+        };
+        Ok(self
+            .model
+            .begin(&mut self.state, tokens, positions, &rows)?)
+    }
+
+    fn dense(&mut self, layer: u32) -> Result<(), StreamError> {
+        Ok(self.model.dense(&mut self.state, layer as usize)?)
+    }
+
+    fn route(&mut self, layer: LayerId, routing: &mut Routing) -> Result<(), StreamError> {
+        self.model
+            .route(&mut self.state, layer.model as usize, &mut self.ro)?;
+        let k = self.ro.k;
+        let ne = self.model.hp().n_expert;
+        for (i, &row) in self.ro.rows.iter().enumerate() {
+            self.ids.clear();
+            self.ids
+                .extend(self.ro.ids[i * k..(i + 1) * k].iter().map(|&e| e as u16));
+            routing.push_row_with_probs(
+                row,
+                &self.ids,
+                &self.ro.weights[i * k..(i + 1) * k],
+                &self.ro.probs[i * ne..(i + 1) * ne],
+            )?;
+        }
+        Ok(())
+    }
+
+    fn expert(
+        &mut self,
+        layer: LayerId,
+        expert: u16,
+        slot: SlotId,
+        uses: &[ExpertUse],
+    ) -> Result<(), StreamError> {
+        let addr = match slot {
+            SlotId::Canonical(key) => SlotAddr::Canonical(key.expert as u32),
+            SlotId::Staging(e) => SlotAddr::Staging(e as u32),
+        };
+        let l = layer.moe as usize;
+        let ex = [
+            self.extent(layer.moe, expert, 0),
+            self.extent(layer.moe, expert, 1),
+            self.extent(layer.moe, expert, 2),
+        ];
+        // SAFETY: the core calls `expert` only after every read into this slot completed, and
+        // no read into it is issued until `finish_layer` (staging) or `release` (canonical).
+        let proj = unsafe {
+            [
+                self.arena.proj_bytes(l, addr, 0, &ex[0]),
+                self.arena.proj_bytes(l, addr, 1, &ex[1]),
+                self.arena.proj_bytes(l, addr, 2, &ex[2]),
+            ]
+        };
+        self.uses.clear();
+        self.uses
+            .extend(uses.iter().map(|u| (u.row, u.rank, u.weight)));
+        Ok(self
+            .model
+            .expert(&mut self.state, layer.model as usize, proj, &self.uses)?)
+    }
+
+    fn finish_layer(&mut self, layer: LayerId) -> Result<(), StreamError> {
+        Ok(self
+            .model
+            .finish_layer(&mut self.state, layer.model as usize)?)
+    }
+
+    fn head(&mut self) -> Result<(), StreamError> {
+        Ok(self.model.head(&mut self.state)?)
+    }
+
+    fn release(&mut self, slot: SlotId) -> Result<(), StreamError> {
+        if let SlotId::Canonical(key) = slot {
+            self.arena.release(key.layer as usize, key.expert as u32);
+        }
+        Ok(())
+    }
+}
