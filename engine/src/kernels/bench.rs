@@ -53,6 +53,8 @@ pub struct BenchReport {
     /// Mean time of one decode-sized product (a 768 x 2048 Q4_K expert projection, 864 KiB,
     /// cache-resident), so per-call overhead shows: compare across thread counts.
     pub expert_matvec_us: f64,
+    /// The same matrix times 16 activations with [`super::matmul`] (prefill), per token.
+    pub expert_matmul_us_per_token: f64,
     pub formats: Vec<FormatResult>,
 }
 
@@ -77,7 +79,7 @@ pub fn run_bench(threads: usize, size_mib: usize) -> BenchReport {
     // Written through before timing: untouched pages would all read the kernel's zero page.
     let mut buf: Vec<u8> = (0..size_bytes).map(|i| (i * 131 % 251) as u8).collect();
     let (read_gbps, copy_gbps) = memory_bandwidth(&pool, &mut buf);
-    let expert_matvec_us = expert_matvec_us(&pool);
+    let (expert_matvec_us, expert_matmul_us_per_token) = expert_products_us(&pool);
 
     let mut formats = Vec::new();
     for ty in FORMATS {
@@ -141,37 +143,52 @@ pub fn run_bench(threads: usize, size_mib: usize) -> BenchReport {
         read_gbps,
         copy_gbps,
         expert_matvec_us,
+        expert_matmul_us_per_token,
         formats,
     }
 }
 
-fn expert_matvec_us(pool: &ThreadPool) -> f64 {
-    const RUNS: usize = 2000;
+/// (one matvec, one 16-token matmul per token), in microseconds, on an expert-sized Q4_K
+/// matrix that stays in cache.
+fn expert_products_us(pool: &ThreadPool) -> (f64, f64) {
+    const RUNS: usize = 1000;
+    const TOKENS: usize = 16;
     let (ty, n_rows, n_cols) = (GgmlType::Q4_K, 768, 2048);
     let row_bytes = ty.row_bytes(n_cols as u64).map_or(0, |b| b as usize);
     let mut w = vec![0u8; n_rows * row_bytes];
     fill_weights_cols(ty, &mut w, row_bytes, n_cols);
-    let mut act = ActBuf::new();
-    let x: Vec<f32> = (0..n_cols)
-        .map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0)
-        .collect();
-    let mut out = vec![0f32; n_rows];
-    if act.prepare(ty, &x).is_err() {
-        return f64::NAN;
-    }
-    let level = super::simd_level();
-    let mut run = || {
-        if matvec_at(pool, level, ty, &w, n_rows, n_cols, &act, &mut out).is_err() {
-            out[0] = f32::NAN;
+    let mut acts = vec![ActBuf::new(); TOKENS];
+    for (t, act) in acts.iter_mut().enumerate() {
+        let x: Vec<f32> = (0..n_cols)
+            .map(|i| ((i * 37 + t * 11) % 101) as f32 / 50.0 - 1.0)
+            .collect();
+        if act.prepare(ty, &x).is_err() {
+            return (f64::NAN, f64::NAN);
         }
-        std::hint::black_box(&out);
-    };
-    run();
-    let t = Instant::now();
-    for _ in 0..RUNS {
-        run();
     }
-    t.elapsed().as_secs_f64() * 1e6 / RUNS as f64
+    let mut out = vec![0f32; n_rows * TOKENS];
+    let mut time = |f: &mut dyn FnMut(&mut [f32]) -> bool, runs: usize| {
+        f(&mut out);
+        let t = Instant::now();
+        for _ in 0..runs {
+            if !f(&mut out) {
+                return f64::NAN;
+            }
+            std::hint::black_box(&out);
+        }
+        t.elapsed().as_secs_f64() * 1e6 / runs as f64
+    };
+    let matvec_us = time(
+        &mut |out| {
+            super::matvec(pool, ty, &w, n_rows, n_cols, &acts[0], &mut out[..n_rows]).is_ok()
+        },
+        RUNS,
+    );
+    let matmul_us = time(
+        &mut |out| super::matmul(pool, ty, &w, n_rows, n_cols, &acts, out).is_ok(),
+        RUNS / TOKENS,
+    );
+    (matvec_us, matmul_us / TOKENS as f64)
 }
 
 /// The SIMD levels worth timing: every vector level (side by side, to show whether a wider
@@ -325,8 +342,9 @@ impl fmt::Display for BenchReport {
         )?;
         writeln!(
             f,
-            "expert-sized product (Q4_K 768x2048, in cache): {:.1} us",
-            self.expert_matvec_us
+            "expert-sized product (Q4_K 768x2048, in cache): matvec {:.1} us, \
+             16-token matmul {:.1} us per token",
+            self.expert_matvec_us, self.expert_matmul_us_per_token
         )?;
         writeln!(
             f,
@@ -358,7 +376,12 @@ mod tests {
     fn small_run_reports_every_format_and_level() {
         let r = run_bench(2, 2);
         assert_eq!(r.formats.len(), FORMATS.len() * bench_levels().len());
-        assert!(r.read_gbps > 0.0 && r.copy_gbps > 0.0 && r.expert_matvec_us > 0.0);
+        assert!(
+            r.read_gbps > 0.0
+                && r.copy_gbps > 0.0
+                && r.expert_matvec_us > 0.0
+                && r.expert_matmul_us_per_token > 0.0
+        );
         for f in &r.formats {
             assert!(f.gbps.is_finite() && f.gbps > 0.0, "{f:?}");
             assert!(f.cached_gbps.is_finite() && f.cached_gbps > 0.0, "{f:?}");
