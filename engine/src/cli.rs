@@ -76,6 +76,10 @@ pub struct RunArgs {
     /// Print the architectures this build runs and exit
     #[arg(long = "list-archs")]
     pub list_archs: bool,
+    /// Test hook: spoil the Nth flash read (0-based) with an injected fault, `eio:N` or
+    /// `short:N`, to check that a failed read stops the run loudly. Not for normal use.
+    #[arg(long = "inject-read-fault", value_name = "KIND:N", hide = true)]
+    pub inject_read_fault: Option<String>,
     #[command(flatten)]
     pub stream: bmoe_core::flags::StreamArgs,
     #[command(flatten)]

@@ -17,6 +17,7 @@ use bmoe_core::telemetry::report::{write_report, ReportContext};
 use bmoe_core::telemetry::route_trace::{RoutePreamble, RouteTraceWriter, TraceLayer};
 use bmoe_core::telemetry::run::RunTelemetry;
 use bmoe_core::telemetry::sinks::TraceTee;
+use bmoe_core::testing::{Fault, FaultyFlash};
 use bmoe_core::{Engine, ExpertCache, StepInput, StepStats, StreamConfig, TopKOverride};
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -24,7 +25,25 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
-type Streamed = Engine<MonotonicClock, LaneFlash, EngineBackend>;
+/// The engine's device: the O_DIRECT lanes, behind the core's fault injector (which spoils
+/// nothing unless `--inject-read-fault` asks it to).
+type Device = FaultyFlash<LaneFlash>;
+type Streamed = Engine<MonotonicClock, Device, EngineBackend>;
+
+fn parse_fault(s: &str) -> Result<(u64, Fault)> {
+    let (kind, n) = s
+        .split_once(':')
+        .ok_or_else(|| anyhow!("--inject-read-fault {s}: expected eio:N or short:N"))?;
+    let n: u64 = n
+        .parse()
+        .map_err(|_| anyhow!("--inject-read-fault {s}: N must be a read number"))?;
+    let f = match kind {
+        "eio" => Fault::Eio,
+        "short" => Fault::Short { got: 1 },
+        _ => bail!("--inject-read-fault {s}: kind must be eio or short"),
+    };
+    Ok((n, f))
+}
 
 /// The model, resident (every expert read from the memory map) or streamed by the core.
 pub enum Runner {
@@ -213,6 +232,11 @@ pub fn generate_with(
             writeln!(err, "bmoe: warning: {w}")?;
         }
         cfg.o_direct = flash.o_direct_achieved();
+        let (nth, fault) = match &args.inject_read_fault {
+            Some(f) => parse_fault(f)?,
+            None => (u64::MAX, Fault::Eio),
+        };
+        let flash = FaultyFlash::new(flash, nth, fault);
         let model = Qwen3Moe::new(weights, args.threads as usize);
         let state = model.new_state(args.ctx as usize);
         let backend = EngineBackend::new(model, state, arena, layout.clone());
@@ -561,7 +585,7 @@ fn fail(
     err: &mut dyn Write,
 ) -> Result<Outcome> {
     let _ = out.flush();
-    writeln!(err, "bmoe: FAILED: {e:#}")?;
+    writeln!(err, "bmoe: FAILED: {e}")?;
     writeln!(err, "moe-stream: generation stopped by a failed read or step - this run's output is not trustworthy")?;
     if progress {
         writeln!(

@@ -177,3 +177,43 @@ fn budget_below_layer_demand_is_refused_with_the_floor_named() {
     let msg = format!("{err:#}");
     assert!(msg.contains("layer_demand"), "{msg}");
 }
+
+#[test]
+fn failed_reads_stop_the_run_loudly_with_a_nonzero_exit() {
+    for (fault, serial) in [
+        ("eio:40", true),
+        ("short:40", true),
+        ("eio:3", false),
+        ("short:90", false),
+    ] {
+        let mut a = vec![
+            "-p",
+            PROMPT,
+            "-n",
+            "16",
+            "--moe-stream",
+            "--cache-mb",
+            "0",
+            "--inject-read-fault",
+            fault,
+        ];
+        if !serial {
+            a.push("--overlap");
+        }
+        let r = run(&tiny(), &a);
+        assert_ne!(
+            r.code, 0,
+            "{fault}: a failed read must give a non-zero exit"
+        );
+        assert!(r.stderr.contains("FAILED"), "{fault}: {}", r.stderr);
+        assert!(
+            r.stderr.contains("not trustworthy"),
+            "{fault}: {}",
+            r.stderr
+        );
+        assert!(
+            r.outcome.tokens.len() < 16,
+            "{fault}: the run must stop, not finish"
+        );
+    }
+}
