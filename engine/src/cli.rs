@@ -175,6 +175,22 @@ pub struct BenchArgs {
     /// Matrix size per format in MiB (should exceed the last-level cache)
     #[arg(long = "size-mib", default_value_t = 256)]
     pub size_mib: usize,
+    /// Instead of the kernels: raw read bandwidth of this file (the ceiling streaming is
+    /// judged against), with the request size and lane counts below
+    #[arg(long = "io-file", value_name = "PATH")]
+    pub io_file: Option<PathBuf>,
+    /// Request size for --io-file, KiB
+    #[arg(long = "io-request-kib", default_value_t = 1024)]
+    pub io_request_kib: u64,
+    /// Lane counts for --io-file, comma separated
+    #[arg(long = "io-lanes", default_value = "1,2,4")]
+    pub io_lanes: String,
+    /// Bytes read per setting for --io-file, MiB
+    #[arg(long = "io-total-mib", default_value_t = 1024)]
+    pub io_total_mib: u64,
+    /// Buffered reads instead of O_DIRECT for --io-file
+    #[arg(long = "no-odirect")]
+    pub no_odirect: bool,
 }
 
 pub fn gen(a: GenArgs) -> Result<()> {
@@ -297,6 +313,15 @@ pub fn inspect(a: InspectArgs) -> Result<()> {
 }
 
 pub fn bench(a: BenchArgs) -> Result<()> {
+    if let Some(path) = &a.io_file {
+        println!("raw {} reads of {} KiB from {}", if a.no_odirect { "buffered" } else { "O_DIRECT" }, a.io_request_kib, path.display());
+        for lanes in a.io_lanes.split(',') {
+            let lanes: u32 = lanes.trim().parse().map_err(|_| anyhow!("--io-lanes: {lanes} is not a number"))?;
+            let mib_s = crate::flash::raw_read_bench(path, a.io_request_kib * 1024, lanes, !a.no_odirect, a.io_total_mib << 20)?;
+            println!("  {lanes} lanes: {mib_s:.0} MiB/s");
+        }
+        return Ok(());
+    }
     let rep = crate::kernels::bench::run_bench(a.threads.max(1) as usize, a.size_mib);
     println!("{rep}");
     Ok(())
