@@ -1,0 +1,800 @@
+//! The `bmoe-sim` command line. `run` is the whole program behind a testable signature
+//! (arguments, environment and the two output streams in, exit code out), so the gates can run
+//! it in-process and compare its bytes.
+//!
+//! The streaming, cache and telemetry flags are the core's `StreamArgs` / `TelemetryArgs`,
+//! flattened exactly as `bmoe-cli` flattens them, and turned into the same `RunConfig` and
+//! judged by the same `validate()`; so a flag means the same thing in both binaries.
+//!
+//! Exit codes: 0 success; 1 an error (bad input, a refused configuration), or for `diff` a
+//! comparison outside its tolerances; 2 a usage error (clap's code for a bad flag or value).
+
+use crate::error::SimError;
+use crate::plan::{layout_from_preamble, ReplayPlan};
+use crate::profile::{DeviceProfile, DEFAULT_PROFILE};
+use crate::replay::{self, ReplayOutputs, ReplaySetup};
+use bmoe_core::config::{auto_cache_budget, RunConfig, MIB};
+use bmoe_core::flags::{
+    apply_env_fallbacks, parse_decimal_strict, parse_u32_strict, parse_u64_strict, StreamArgs,
+    TelemetryArgs,
+};
+use bmoe_core::telemetry::io_trace::IoTraceWriter;
+use bmoe_core::telemetry::report::{write_report, ReportContext};
+use bmoe_core::telemetry::route_trace::{RouteTrace, RouteTraceWriter};
+use bmoe_core::{records::RecordSink, ExpertLayout};
+use clap::{Args, Parser, Subcommand};
+use std::ffi::OsString;
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "bmoe-sim",
+    version,
+    about = "Replay MoE route traces through the bmoe core on a modelled device",
+    long_about = "Replay MoE route traces through the very same core bmoe-cli runs (expert cache, \
+policies, streamer, telemetry), on a virtual clock with a modelled flash device and compute model. \
+Hits, misses, evictions and read bytes are exact; times are modelled from a device profile.\n\n\
+  bmoe-sim replay --trace T.csv --cache-mb 4000 --csv sim.csv\n\
+  bmoe-sim sweep --trace T.csv --out sweep\n\
+  bmoe-sim diff sim.csv measured.csv\n\
+  bmoe-sim calibrate --csv run.csv --trace run.route.csv --out profile.json"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub cmd: Cmd,
+}
+
+/// The subcommands.
+#[derive(Subcommand, Debug)]
+pub enum Cmd {
+    /// Replay a route trace and write the same CSV, traces and report lines as bmoe-cli
+    Replay(ReplayArgs),
+    /// Replay a trace over a grid of budgets x policies (with the Belady bound) x lanes x overlap
+    Sweep(SweepArgs),
+    /// Measure replay speed: routings per second per core, cache-only and full timing
+    Bench(BenchArgs),
+    /// Compare a simulated CSV with a measured one: counts exactly, times within tolerances
+    Diff(DiffArgs),
+    /// Fit a device profile to a measured bmoe-cli run
+    Calibrate(CalibrateArgs),
+}
+
+/// Flags of `bmoe-sim calibrate`.
+#[derive(Args, Debug, Clone)]
+pub struct CalibrateArgs {
+    /// The measured run's `--csv`
+    #[arg(long, value_name = "RUN.csv")]
+    pub csv: PathBuf,
+    /// The run's `--io-trace` (the reads as measured)
+    #[arg(long, value_name = "IO.csv")]
+    pub io_trace: Option<PathBuf>,
+    /// The run's `--route-trace` (what each token read and computed; without it compute is a
+    /// fixed time per token)
+    #[arg(long, value_name = "ROUTE.csv")]
+    pub trace: Option<PathBuf>,
+    /// Where to write the profile (JSON)
+    #[arg(long, value_name = "PROFILE.json")]
+    pub out: PathBuf,
+    /// The profile's name
+    #[arg(long, value_name = "NAME", default_value = "calibrated")]
+    pub name: String,
+    /// Profile whose unfitted fields (alignment) the result keeps
+    #[arg(long, value_name = "NAME|PATH", default_value = "this-machine")]
+    pub base: String,
+}
+
+/// Flags of `bmoe-sim diff`.
+#[derive(Args, Debug, Clone)]
+pub struct DiffArgs {
+    /// The simulated run's `--csv` (bmoe-sim replay)
+    #[arg(value_name = "SIM.csv")]
+    pub sim: PathBuf,
+    /// The measured run's `--csv` (bmoe-cli)
+    #[arg(value_name = "MEASURED.csv")]
+    pub measured: PathBuf,
+    /// Also draw both per-token wall and I/O series into this SVG
+    #[arg(long, value_name = "PATH")]
+    pub svg: Option<PathBuf>,
+    /// Judge only what must be equal (rows, read_bytes, cache_hit_pct, summary counts)
+    #[arg(long)]
+    pub exact_only: bool,
+    /// Tolerance on decode tok/s (relative)
+    #[arg(long, value_name = "F", default_value_t = 0.15, value_parser = parse_decimal_strict)]
+    pub tol_tok_s: f32,
+    /// Tolerance on the per-token wall time's median (relative)
+    #[arg(long, value_name = "F", default_value_t = 0.15, value_parser = parse_decimal_strict)]
+    pub tol_wall_p50: f32,
+    /// Tolerance on the per-token wall time's 90th percentile (relative)
+    #[arg(long, value_name = "F", default_value_t = 0.25, value_parser = parse_decimal_strict)]
+    pub tol_wall_p90: f32,
+    /// Tolerance on the per-token wall time's mean absolute percentage error
+    #[arg(long, value_name = "F", default_value_t = 0.2, value_parser = parse_decimal_strict)]
+    pub tol_wall_mape: f32,
+    /// Tolerance on the per-token io_ms MAPE
+    #[arg(long, value_name = "F", default_value_t = 0.3, value_parser = parse_decimal_strict)]
+    pub tol_io_mape: f32,
+    /// Tolerance on the per-token stall_ms MAPE
+    #[arg(long, value_name = "F", default_value_t = 0.5, value_parser = parse_decimal_strict)]
+    pub tol_stall_mape: f32,
+}
+
+/// Flags of `bmoe-sim sweep`.
+#[derive(Args, Debug, Clone)]
+pub struct SweepArgs {
+    /// The route trace to replay
+    #[arg(long, value_name = "PATH")]
+    pub trace: PathBuf,
+    /// Device profile: a built-in name or a JSON file [default: origin-12gb-phone]
+    #[arg(long, value_name = "NAME|PATH")]
+    pub profile: Option<String>,
+    /// Seed of the jitter streams
+    #[arg(long, value_name = "N", default_value_t = 0, value_parser = parse_u64_strict)]
+    pub seed: u64,
+    /// Override the profile's flash and compute jitter, in [0, 1)
+    #[arg(long, value_name = "F", value_parser = parse_decimal_strict)]
+    pub jitter: Option<f32>,
+    /// Budgets as experts per MoE layer (N x layers x expert bytes) [default: top-k up to the
+    /// whole layer]
+    #[arg(long, value_name = "N,...", value_delimiter = ',', value_parser = parse_u32_strict)]
+    pub experts_per_layer: Vec<u32>,
+    /// Budgets in MiB (instead of --experts-per-layer)
+    #[arg(long, value_name = "MIB,...", value_delimiter = ',', value_parser = parse_u64_strict, conflicts_with = "experts_per_layer")]
+    pub budgets_mb: Vec<u64>,
+    /// Eviction policies: the core's (lru) and belady, the clairvoyant bound [default: all]
+    #[arg(long, value_name = "NAME,...", value_delimiter = ',')]
+    pub policies: Vec<String>,
+    /// I/O lane counts
+    #[arg(long, value_name = "N,...", value_delimiter = ',', value_parser = parse_u32_strict, default_value = "1,4")]
+    pub lanes: Vec<u32>,
+    /// Overlap settings to sweep: off, on or both
+    #[arg(long, value_name = "off|on|both", default_value = "both", value_parser = ["off", "on", "both"])]
+    pub overlap: String,
+    /// Worker threads
+    #[arg(long, value_name = "N", default_value_t = 2, value_parser = parse_u32_strict)]
+    pub jobs: u32,
+    /// Directory for sweep.csv, hit_rate.svg and tok_s.svg
+    #[arg(long, value_name = "DIR", default_value = "sweep")]
+    pub out: PathBuf,
+}
+
+/// Flags of `bmoe-sim bench`.
+#[derive(Args, Debug, Clone)]
+pub struct BenchArgs {
+    /// The route trace to replay
+    #[arg(long, value_name = "PATH")]
+    pub trace: PathBuf,
+    /// Replay the trace this many times back to back (one long trace; the cache stays warm)
+    #[arg(long, value_name = "N", default_value_t = 20, value_parser = parse_u32_strict)]
+    pub repeat: u32,
+    /// Cache budget as experts per MoE layer
+    #[arg(long, value_name = "N", default_value_t = 4, value_parser = parse_u32_strict)]
+    pub experts_per_layer: u32,
+    /// Device profile for the full-timing path
+    #[arg(long, value_name = "NAME|PATH")]
+    pub profile: Option<String>,
+}
+
+/// Flags of `bmoe-sim replay`.
+#[derive(Args, Debug, Clone)]
+pub struct ReplayArgs {
+    /// The route trace to replay (route_trace v1, from bmoe-cli --route-trace or another system)
+    #[arg(long, value_name = "PATH")]
+    pub trace: PathBuf,
+    /// Device profile: a built-in name (origin-12gb-phone, ufs40-phone, laptop-nvme,
+    /// this-machine) or a JSON file [default: origin-12gb-phone]
+    #[arg(long, value_name = "NAME|PATH")]
+    pub profile: Option<String>,
+    /// Seed of the flash and compute jitter streams (only matters when the profile has jitter)
+    #[arg(long, value_name = "N", default_value_t = 0, value_parser = parse_u64_strict)]
+    pub seed: u64,
+    /// Override the profile's flash and compute jitter, in [0, 1)
+    #[arg(long, value_name = "F", value_parser = parse_decimal_strict)]
+    pub jitter: Option<f32>,
+    #[command(flatten)]
+    pub stream: StreamArgs,
+    #[command(flatten)]
+    pub telemetry: TelemetryArgs,
+}
+
+/// Run `bmoe-sim` with `args` (program name first) and environment `env`, writing to `out`
+/// and `err`. Returns the exit code.
+pub fn run<I, T>(args: I, env: &[(String, String)], out: &mut dyn Write, err: &mut dyn Write) -> i32
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    let cli = match Cli::try_parse_from(args) {
+        Ok(c) => c,
+        Err(e) => {
+            let code = match e.kind() {
+                clap::error::ErrorKind::DisplayHelp | clap::error::ErrorKind::DisplayVersion => 0,
+                _ => 2,
+            };
+            let text = e.render().to_string();
+            let _ = if code == 0 {
+                out.write_all(text.as_bytes())
+            } else {
+                err.write_all(text.as_bytes())
+            };
+            return code;
+        }
+    };
+    let result = match cli.cmd {
+        Cmd::Replay(a) => cmd_replay(a, env, out, err),
+        Cmd::Sweep(a) => cmd_sweep(a, env, out),
+        Cmd::Bench(a) => cmd_bench(a, out),
+        Cmd::Diff(a) => cmd_diff(a, out, err),
+        Cmd::Calibrate(a) => cmd_calibrate(a, out),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            let _ = writeln!(err, "bmoe-sim: error: {e}");
+            1
+        }
+    }
+}
+
+/// Read and check a route trace.
+pub fn load_trace(path: &Path) -> Result<RouteTrace, SimError> {
+    let text = std::fs::read_to_string(path).map_err(|e| SimError::io(path, e))?;
+    RouteTrace::parse(&text).map_err(|source| SimError::Parse {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// A trace ready to replay: parsed, planned, its layout built, and the run configured.
+pub struct Prepared {
+    pub trace: Arc<RouteTrace>,
+    pub plan: Arc<ReplayPlan>,
+    pub layout: ExpertLayout,
+    pub cfg: RunConfig,
+    pub profile: DeviceProfile,
+}
+
+/// Policies the core has flags for but no implementation yet: refused rather than ignored,
+/// so a replay never claims to have modelled what it did not.
+fn refuse_unmodelled(cfg: &RunConfig) -> Result<(), SimError> {
+    let why = "bmoe-core has no implementation of it yet, so neither the engine nor the simulator runs it";
+    let checks: [(bool, &'static str); 6] = [
+        (cfg.prefetch > 0, "--prefetch"),
+        (cfg.predict_prefetch, "--predict-prefetch"),
+        (cfg.predict_log, "--predict-log"),
+        (cfg.route_ahead > 0, "--route-ahead"),
+        (cfg.drop_cold_frac > 0.0, "--drop-cold-experts"),
+        (cfg.substitute_lambda > 0.0, "--expert-substitute"),
+    ];
+    for (set, flag) in checks {
+        if set {
+            return Err(SimError::Unsupported { flag, why });
+        }
+    }
+    Ok(())
+}
+
+/// Resolve a run configuration for `trace` the way `bmoe-cli` resolves one for a model:
+/// flags (with their environment fallbacks) into a `RunConfig`, `validate()`, the model facts
+/// from the trace preamble, `validate_model()`, the cache cycle and the budget (`auto` from
+/// the profile's `mem_available_mib`). The simulator always streams: `--moe-stream` is
+/// implied.
+pub fn prepare(
+    trace_path: &Path,
+    profile_spec: Option<&str>,
+    jitter: Option<f32>,
+    stream: &StreamArgs,
+    telemetry: &TelemetryArgs,
+    seed: u64,
+    env: &[(String, String)],
+) -> Result<Prepared, SimError> {
+    let mut stream = stream.clone();
+    let mut telemetry = telemetry.clone();
+    apply_env_fallbacks(
+        env.iter().map(|(k, v)| (k.as_str(), v.as_str())),
+        &mut stream,
+        &mut telemetry,
+    )
+    .map_err(|e| SimError::invalid("environment", e.to_string()))?;
+    stream.moe_stream = true;
+    let mut cfg = RunConfig {
+        engine_version: env!("CARGO_PKG_VERSION").to_string(),
+        ..RunConfig::default()
+    };
+    stream.apply(&mut cfg);
+    telemetry.apply(&mut cfg);
+    cfg.seed = seed;
+    cfg.validate()?;
+    refuse_unmodelled(&cfg)?;
+
+    let mut profile = DeviceProfile::load(profile_spec.unwrap_or(DEFAULT_PROFILE))?;
+    if let Some(j) = jitter {
+        profile.flash.jitter = f64::from(j);
+        profile.compute.jitter = f64::from(j);
+        profile.validate()?;
+    }
+    cfg.threads = profile.threads;
+
+    let trace = load_trace(trace_path)?;
+    let layout = layout_from_preamble(&trace.preamble)?;
+    let plan = ReplayPlan::new(&trace)?;
+    let p = &trace.preamble;
+    cfg.model = p.model.clone();
+    cfg.arch = p.arch.clone();
+    cfg.n_layer = p.n_layer;
+    cfg.n_expert = p.n_expert;
+    cfg.n_expert_used = if cfg.n_expert_used_override > 0 {
+        cfg.n_expert_used_override.min(p.n_expert_used)
+    } else {
+        p.n_expert_used
+    };
+    cfg.validate_model()?;
+    let k = cfg.n_expert_used as u16;
+    cfg.cache_cycle_mb = layout.cache_cycle_bytes(k).div_ceil(MIB);
+    let budget = if cfg.cache_auto {
+        auto_cache_budget(
+            Some(profile.mem_available_mib.saturating_mul(MIB)),
+            None,
+            None,
+            cfg.cache_floor_mb.saturating_mul(MIB),
+            cfg.cache_ceil_mb.saturating_mul(MIB),
+            layout.total_expert_bytes(),
+        )
+    } else {
+        cfg.cache_mb.saturating_mul(MIB)
+    };
+    cfg.resolve_cache_budget(budget);
+    Ok(Prepared {
+        trace: Arc::new(trace),
+        plan: Arc::new(plan),
+        layout,
+        cfg,
+        profile,
+    })
+}
+
+fn create(path: &Path) -> Result<BufWriter<File>, SimError> {
+    File::create(path)
+        .map(BufWriter::new)
+        .map_err(|e| SimError::io(path, e))
+}
+
+fn cmd_replay(
+    a: ReplayArgs,
+    env: &[(String, String)],
+    out: &mut dyn Write,
+    err: &mut dyn Write,
+) -> Result<i32, SimError> {
+    let p = prepare(
+        &a.trace,
+        a.profile.as_deref(),
+        a.jitter,
+        &a.stream,
+        &a.telemetry,
+        a.seed,
+        env,
+    )?;
+    for w in p.cfg.load_warnings() {
+        writeln!(err, "bmoe-sim: warning: {w}").map_err(|e| SimError::io("stderr", e))?;
+    }
+    let policy = bmoe_core::policy::by_name(p.cfg.eviction.name()).ok_or_else(|| {
+        SimError::invalid(
+            "--eviction",
+            format!("no policy named {}", p.cfg.eviction.name()),
+        )
+    })?;
+    let mut csv = a.telemetry.csv.as_deref().map(create).transpose()?;
+    let mut route = match &a.telemetry.route_trace {
+        Some(path) => {
+            let mut pre = p.trace.preamble.clone();
+            pre.n_expert_used = p.cfg.n_expert_used;
+            Some(RouteTraceWriter::new(create(path)?, &pre).map_err(|e| SimError::io(path, e))?)
+        }
+        None => None,
+    };
+    let mut io = match &a.telemetry.io_trace {
+        Some(path) => Some(IoTraceWriter::new(create(path)?).map_err(|e| SimError::io(path, e))?),
+        None => None,
+    };
+    let progress = a.telemetry.progress;
+    let result = replay::run(
+        ReplaySetup {
+            trace: p.trace.clone(),
+            plan: p.plan.clone(),
+            layout: &p.layout,
+            cfg: &p.cfg,
+            budget_bytes: p.cfg.cache_budget_mb.saturating_mul(MIB),
+            policy,
+            profile: &p.profile,
+            seed: a.seed,
+        },
+        ReplayOutputs {
+            csv: csv.as_mut().map(|w| w as &mut dyn Write),
+            progress: if progress { Some(&mut *out) } else { None },
+            route: route.as_mut().map(|w| w as &mut dyn RecordSink),
+            io: io.as_mut().map(|w| w as &mut dyn RecordSink),
+            decode_stats: None,
+        },
+    )?;
+    if let (Some(mut w), Some(path)) = (csv, &a.telemetry.csv) {
+        w.flush().map_err(|e| SimError::io(path, e))?;
+    }
+    if let (Some(w), Some(path)) = (route, &a.telemetry.route_trace) {
+        w.finish()
+            .and_then(|mut f| f.flush())
+            .map_err(|e| SimError::io(path, e))?;
+    }
+    if let (Some(w), Some(path)) = (io, &a.telemetry.io_trace) {
+        w.finish()
+            .and_then(|mut f| f.flush())
+            .map_err(|e| SimError::io(path, e))?;
+    }
+    let ctx = ReportContext {
+        progress,
+        answer: "",
+        arch_streamable: true,
+    };
+    let w = |e| SimError::io("stdout", e);
+    write_report(out, &p.cfg, &result.summary, &ctx).map_err(w)?;
+    let c = result.cache;
+    writeln!(
+        out,
+        "sim: profile={} seed={} steps={} lookups={} hits={} misses={} evictions={} rereads={} read_bytes={} virtual_s={}",
+        p.profile.name,
+        a.seed,
+        p.plan.steps.len(),
+        c.hits + c.misses,
+        c.hits,
+        c.misses,
+        c.evictions,
+        c.rereads,
+        result.read_bytes,
+        bmoe_core::telemetry::fmt::fixed(result.end.as_secs_f64(), 6)
+    )
+    .map_err(w)?;
+    out.flush().map_err(w)?;
+    Ok(0)
+}
+
+/// The shared flags at their defaults (what a sweep starts every cell from).
+pub fn default_flags() -> Result<(StreamArgs, TelemetryArgs), SimError> {
+    #[derive(Parser)]
+    struct Defaults {
+        #[command(flatten)]
+        stream: StreamArgs,
+        #[command(flatten)]
+        telemetry: TelemetryArgs,
+    }
+    let d = Defaults::try_parse_from(["bmoe-sim"])
+        .map_err(|e| SimError::invalid("default flags", e.to_string()))?;
+    Ok((d.stream, d.telemetry))
+}
+
+fn write_file(path: &Path, text: &str) -> Result<(), SimError> {
+    std::fs::write(path, text).map_err(|e| SimError::io(path, e))
+}
+
+fn cmd_sweep(a: SweepArgs, env: &[(String, String)], out: &mut dyn Write) -> Result<i32, SimError> {
+    use crate::sweep;
+    let (stream, telemetry) = default_flags()?;
+    let p = prepare(
+        &a.trace,
+        a.profile.as_deref(),
+        a.jitter,
+        &stream,
+        &telemetry,
+        a.seed,
+        env,
+    )?;
+    let per_expert_layer = u64::from(p.layout.n_moe_layers()) * p.layout.max_expert_bytes();
+    let budgets: Vec<u64> = if !a.budgets_mb.is_empty() {
+        a.budgets_mb.iter().map(|m| m.saturating_mul(MIB)).collect()
+    } else {
+        let n = if a.experts_per_layer.is_empty() {
+            sweep::default_experts_per_layer(p.cfg.n_expert_used, p.cfg.n_expert)
+        } else {
+            a.experts_per_layer.clone()
+        };
+        n.iter()
+            .map(|&n| u64::from(n).saturating_mul(per_expert_layer))
+            .collect()
+    };
+    let policies = if a.policies.is_empty() {
+        sweep::default_policies()
+    } else {
+        a.policies.clone()
+    };
+    for name in &policies {
+        if name != sweep::BELADY && bmoe_core::policy::by_name(name).is_none() {
+            return Err(SimError::invalid(
+                "--policies",
+                format!(
+                    "no policy named {name} (known: {}, {})",
+                    bmoe_core::policy::POLICY_NAMES.join(", "),
+                    sweep::BELADY
+                ),
+            ));
+        }
+    }
+    let overlap = match a.overlap.as_str() {
+        "off" => vec![false],
+        "on" => vec![true],
+        _ => vec![false, true],
+    };
+    let grid = sweep::Grid {
+        budgets,
+        policies,
+        lanes: a.lanes.clone(),
+        overlap,
+    };
+    let n_cells = grid.cells().len() as u64;
+    let bar = indicatif::ProgressBar::new(n_cells);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "sweep {bar:40.cyan/blue} {pos}/{len} cells [{elapsed_precise} < {eta_precise}]",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let rows = sweep::run(
+        &sweep::SweepInput {
+            trace: p.trace.clone(),
+            plan: p.plan.clone(),
+            layout: &p.layout,
+            cfg: &p.cfg,
+            profile: &p.profile,
+            seed: a.seed,
+        },
+        &grid,
+        a.jobs as usize,
+        &|| bar.inc(1),
+    )?;
+    bar.finish_and_clear();
+    std::fs::create_dir_all(&a.out).map_err(|e| SimError::io(&a.out, e))?;
+    let mut table = Vec::new();
+    sweep::write_table(&mut table, &rows).map_err(|e| SimError::io("sweep table", e))?;
+    let table = String::from_utf8_lossy(&table).into_owned();
+    write_file(&a.out.join("sweep.csv"), &table)?;
+    let name = a.trace.file_name().map_or_else(
+        || a.trace.display().to_string(),
+        |n| n.to_string_lossy().into_owned(),
+    );
+    let (hit_svg, tps_svg) = sweep::charts(&rows, &name);
+    write_file(&a.out.join("hit_rate.svg"), &hit_svg)?;
+    write_file(&a.out.join("tok_s.svg"), &tps_svg)?;
+    let w = |e| SimError::io("stdout", e);
+    writeln!(
+        out,
+        "{:>10} {:>6} {:>8} {:>5} {:>7} {:>8} {:>8} {:>10}",
+        "budget_MiB", "per_l", "policy", "lanes", "overlap", "hit", "tok/s", "read_MiB"
+    )
+    .map_err(w)?;
+    for r in &rows {
+        writeln!(
+            out,
+            "{:>10.0} {:>6.2} {:>8} {:>5} {:>7} {:>7.2}% {:>8.3} {:>10.0}",
+            r.budget_bytes as f64 / MIB as f64,
+            r.experts_per_layer,
+            r.policy,
+            r.lanes,
+            if r.overlap { "on" } else { "off" },
+            100.0 * r.hit_rate(),
+            r.tok_s,
+            r.read_bytes as f64 / MIB as f64
+        )
+        .map_err(w)?;
+    }
+    writeln!(
+        out,
+        "sweep: {} cells, profile {}, wrote {}/sweep.csv, hit_rate.svg, tok_s.svg",
+        rows.len(),
+        p.profile.name,
+        a.out.display()
+    )
+    .map_err(w)?;
+    Ok(0)
+}
+
+fn cmd_bench(a: BenchArgs, out: &mut dyn Write) -> Result<i32, SimError> {
+    use crate::plan::AccessSeq;
+    use std::time::Instant;
+    let (stream, telemetry) = default_flags()?;
+    let p = prepare(
+        &a.trace,
+        a.profile.as_deref(),
+        None,
+        &stream,
+        &telemetry,
+        0,
+        &[],
+    )?;
+    let k = p.cfg.n_expert_used as u16;
+    let budget = u64::from(a.experts_per_layer)
+        * u64::from(p.layout.n_moe_layers())
+        * p.layout.max_expert_bytes();
+    let one = AccessSeq::new(&p.trace, &p.plan, 0);
+    let repeat = a.repeat.max(1) as usize;
+    let mut long = AccessSeq::default();
+    for _ in 0..repeat {
+        let base = long.keys.len() as u32;
+        long.keys.extend_from_slice(&one.keys);
+        long.group_end
+            .extend(one.group_end.iter().map(|e| e + base));
+        long.routings += one.routings;
+    }
+    let w = |e| SimError::io("stdout", e);
+    writeln!(
+        out,
+        "bench: {} ({} routings) x {repeat} = {} routings, budget {} experts/layer ({:.0} MiB), one thread",
+        a.trace.display(),
+        one.routings,
+        long.routings,
+        a.experts_per_layer,
+        budget as f64 / MIB as f64
+    )
+    .map_err(w)?;
+    for policy in ["lru", crate::sweep::BELADY] {
+        let mut best = f64::INFINITY;
+        let mut hits = 0;
+        for _ in 0..3 {
+            let (pol, _): (Box<dyn bmoe_core::policy::EvictionPolicy>, _) = if policy == "lru" {
+                (Box::new(bmoe_core::policy::Lru::new()), None)
+            } else {
+                let (c, d) = crate::belady::Clairvoyant::new(&long, &p.layout);
+                (Box::new(c), Some(d))
+            };
+            let t = Instant::now();
+            let r = crate::cache_only::run(&p.layout, &long, budget, k, pol)?;
+            best = best.min(t.elapsed().as_secs_f64());
+            hits = r.counters.hits;
+        }
+        writeln!(
+            out,
+            "cache-only  {policy:>6}: {:.2} M routings/s ({:.3} s best of 3, hit {:.1}%)",
+            long.routings as f64 / best / 1e6,
+            best,
+            100.0 * hits as f64 / long.keys.len().max(1) as f64
+        )
+        .map_err(w)?;
+    }
+    for overlap in [false, true] {
+        let mut cfg = p.cfg.clone();
+        cfg.overlap = overlap;
+        let t = Instant::now();
+        for _ in 0..repeat {
+            replay::run(
+                ReplaySetup {
+                    trace: p.trace.clone(),
+                    plan: p.plan.clone(),
+                    layout: &p.layout,
+                    cfg: &cfg,
+                    budget_bytes: budget,
+                    policy: Box::new(bmoe_core::policy::Lru::new()),
+                    profile: &p.profile,
+                    seed: 0,
+                },
+                ReplayOutputs::default(),
+            )?;
+        }
+        let s = t.elapsed().as_secs_f64();
+        writeln!(
+            out,
+            "full timing    lru {}: {:.2} M routings/s ({:.3} s)",
+            if overlap { "overlap" } else { "serial " },
+            long.routings as f64 / s / 1e6,
+            s
+        )
+        .map_err(w)?;
+    }
+    Ok(0)
+}
+
+fn load_metrics(path: &Path) -> Result<bmoe_core::telemetry::MetricsCsv, SimError> {
+    let text = std::fs::read_to_string(path).map_err(|e| SimError::io(path, e))?;
+    bmoe_core::telemetry::MetricsCsv::parse(&text).map_err(|source| SimError::Parse {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+fn cmd_diff(a: DiffArgs, out: &mut dyn Write, err: &mut dyn Write) -> Result<i32, SimError> {
+    use crate::diff;
+    let loaded = load_metrics(&a.sim).and_then(|s| Ok((s, load_metrics(&a.measured)?)));
+    let (sim, measured) = match loaded {
+        Ok(pair) => pair,
+        Err(e) => {
+            writeln!(err, "bmoe-sim: diff: cannot compare: {e}")
+                .map_err(|e| SimError::io("stderr", e))?;
+            return Ok(2);
+        }
+    };
+    let tol = diff::Tolerances {
+        tok_s: f64::from(a.tol_tok_s),
+        wall_p50: f64::from(a.tol_wall_p50),
+        wall_p90: f64::from(a.tol_wall_p90),
+        wall_mape: f64::from(a.tol_wall_mape),
+        io_mape: f64::from(a.tol_io_mape),
+        stall_mape: f64::from(a.tol_stall_mape),
+        ..diff::Tolerances::default()
+    };
+    let report = diff::compare(&sim, &measured, &tol, a.exact_only);
+    let w = |e| SimError::io("stdout", e);
+    writeln!(
+        out,
+        "diff: sim {} vs measured {}",
+        a.sim.display(),
+        a.measured.display()
+    )
+    .map_err(w)?;
+    out.write_all(report.text().as_bytes()).map_err(w)?;
+    if let Some(path) = &a.svg {
+        let title = format!(
+            "per-token time: {} vs {}",
+            a.sim
+                .file_name()
+                .map_or(String::new(), |n| n.to_string_lossy().into_owned()),
+            a.measured
+                .file_name()
+                .map_or(String::new(), |n| n.to_string_lossy().into_owned())
+        );
+        write_file(path, &diff::overlay_svg(&sim, &measured, &title))?;
+    }
+    let failures = report.failures();
+    if failures > 0 {
+        writeln!(out, "diff: {failures} metric(s) outside their tolerance").map_err(w)?;
+        Ok(1)
+    } else {
+        writeln!(out, "diff: every judged metric within tolerance").map_err(w)?;
+        Ok(0)
+    }
+}
+
+fn cmd_calibrate(a: CalibrateArgs, out: &mut dyn Write) -> Result<i32, SimError> {
+    let csv = load_metrics(&a.csv)?;
+    let base = DeviceProfile::load(&a.base)?;
+    let prepared = match &a.trace {
+        Some(t) => {
+            let (stream, telemetry) = default_flags()?;
+            Some(prepare(
+                t,
+                Some(&a.base),
+                None,
+                &stream,
+                &telemetry,
+                0,
+                &[],
+            )?)
+        }
+        None => None,
+    };
+    let io = match &a.io_trace {
+        Some(path) => {
+            let text = std::fs::read_to_string(path).map_err(|e| SimError::io(path, e))?;
+            Some(
+                bmoe_core::telemetry::io_trace::parse_io_trace(&text).map_err(|source| {
+                    SimError::Parse {
+                        path: path.clone(),
+                        source,
+                    }
+                })?,
+            )
+        }
+        None => None,
+    };
+    let c = crate::calibrate::calibrate(
+        &csv,
+        &a.csv.display().to_string(),
+        prepared.as_ref(),
+        io.as_deref(),
+        &base,
+        &a.name,
+    )?;
+    write_file(&a.out, &c.profile.to_json())?;
+    let w = |e| SimError::io("stdout", e);
+    for n in &c.notes {
+        writeln!(out, "calibrate: {n}").map_err(w)?;
+    }
+    writeln!(out, "calibrate: wrote {}", a.out.display()).map_err(w)?;
+    Ok(0)
+}

@@ -1,0 +1,406 @@
+//! The compute model: the simulator's implementation of the core's `Backend`.
+//!
+//! Routing comes from the route trace (the ids and weights each (step, layer) cell recorded,
+//! prefill cells with many tokens included, and the last layer's single prefill row); time
+//! comes from a small model charged to the virtual clock:
+//!
+//! - `dense(layer)`: `layer_fixed_us + dense_bytes(layer) / dense_mib_per_s`;
+//! - `expert(...)`: `expert_fixed_us + expert_bytes(layer) / expert_mib_per_s`;
+//! - `head()`: `head_ms` (the final norm and output head, plus any other fixed per-step cost);
+//! - a batch of n rows costs `1 + (n − 1)·batch_row_factor` times one row (dense: the step's
+//!   tokens; an expert: the rows routed to it);
+//! - `release(slot)`: `release_us + release_us_per_mib × expert MiB` per eviction — the
+//!   cache-management cost of churn (freeing a slot's pages and committing the next one's),
+//!   which is what makes churn-heavy policies lose on device;
+//! - `loop_gap()`: `loop_overhead_ms` between two decode steps (sampling, detokenisation).
+//!
+//! Each charge is scaled by `1 + jitter·u`, `u` uniform in [-1, 1], from a seeded
+//! `rand_chacha` stream of its own. Dense bytes of a layer the trace does not list (a dense
+//! layer such as DeepSeek's layer 0) are the mean of the listed layers'.
+
+use crate::clock::VirtualClock;
+use crate::error::SimError;
+use crate::plan::ReplayPlan;
+use bmoe_core::telemetry::route_trace::RouteTrace;
+use bmoe_core::{Backend, ExpertLayout, ExpertUse, LayerId, Nanos, Routing, RoutingError, SlotId};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+use std::sync::Arc;
+use thiserror::Error;
+
+/// The `rand_chacha` stream the compute model draws its jitter from.
+pub const COMPUTE_JITTER_STREAM: u64 = 2;
+
+const MIB_F: f64 = (1u64 << 20) as f64;
+
+/// Timing parameters of the compute side (one `compute` object of a device profile).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ComputeParams {
+    /// Rate at which a layer's dense weights are processed for one token, MiB/s; 0 = no
+    /// per-byte cost.
+    pub dense_mib_per_s: f64,
+    /// Rate at which one expert's weights are processed for one row, MiB/s; 0 = no per-byte
+    /// cost.
+    pub expert_mib_per_s: f64,
+    /// Fixed cost of every model layer per step, microseconds.
+    #[serde(default)]
+    pub layer_fixed_us: f64,
+    /// Fixed cost of every expert computed, microseconds.
+    #[serde(default)]
+    pub expert_fixed_us: f64,
+    /// Final norm and output head (and other fixed per-step cost), milliseconds.
+    #[serde(default)]
+    pub head_ms: f64,
+    /// Each extra row of a batch costs this fraction of the first row (0 = batching is free,
+    /// 1 = rows cost the same as separate steps).
+    #[serde(default = "one")]
+    pub batch_row_factor: f64,
+    /// Cache-management cost of one eviction (`Backend::release`), microseconds.
+    #[serde(default)]
+    pub release_us: f64,
+    /// Cache-management cost of one eviction per MiB of the evicted expert (freeing and
+    /// re-committing its pages), microseconds.
+    #[serde(default)]
+    pub release_us_per_mib: f64,
+    /// Time between two decode steps (sampling, detokenisation), milliseconds.
+    #[serde(default)]
+    pub loop_overhead_ms: f64,
+    /// Relative jitter in [0, 1): 0 = none.
+    #[serde(default)]
+    pub jitter: f64,
+}
+
+fn one() -> f64 {
+    1.0
+}
+
+impl ComputeParams {
+    /// Check every field: finite and non-negative, `batch_row_factor` in [0, 1], jitter in
+    /// [0, 1).
+    pub fn validate(&self, profile: &str) -> Result<(), SimError> {
+        let fields = [
+            ("dense_mib_per_s", self.dense_mib_per_s),
+            ("expert_mib_per_s", self.expert_mib_per_s),
+            ("layer_fixed_us", self.layer_fixed_us),
+            ("expert_fixed_us", self.expert_fixed_us),
+            ("head_ms", self.head_ms),
+            ("batch_row_factor", self.batch_row_factor),
+            ("release_us", self.release_us),
+            ("release_us_per_mib", self.release_us_per_mib),
+            ("loop_overhead_ms", self.loop_overhead_ms),
+            ("jitter", self.jitter),
+        ];
+        for (name, v) in fields {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(SimError::Profile {
+                    name: profile.to_string(),
+                    reason: format!("compute.{name}={v} must be a finite number >= 0"),
+                });
+            }
+        }
+        if self.batch_row_factor > 1.0 {
+            return Err(SimError::Profile {
+                name: profile.to_string(),
+                reason: format!(
+                    "compute.batch_row_factor={} must be in [0, 1]",
+                    self.batch_row_factor
+                ),
+            });
+        }
+        if self.jitter >= 1.0 {
+            return Err(SimError::Profile {
+                name: profile.to_string(),
+                reason: format!("compute.jitter={} must be in [0, 1)", self.jitter),
+            });
+        }
+        Ok(())
+    }
+
+    /// Modelled time of one dense layer over `bytes` of dense weights for one row.
+    pub fn dense_ns(&self, bytes: u64) -> f64 {
+        self.layer_fixed_us * 1e3 + per_byte_ns(bytes, self.dense_mib_per_s)
+    }
+
+    /// Modelled time of one expert of `bytes` for one row.
+    pub fn expert_ns(&self, bytes: u64) -> f64 {
+        self.expert_fixed_us * 1e3 + per_byte_ns(bytes, self.expert_mib_per_s)
+    }
+
+    /// Modelled management time of evicting an expert of `bytes`.
+    pub fn release_ns(&self, bytes: u64) -> f64 {
+        (self.release_us + self.release_us_per_mib * bytes as f64 / MIB_F) * 1e3
+    }
+
+    /// Cost multiplier of a batch of `rows` rows.
+    pub fn batch_factor(&self, rows: usize) -> f64 {
+        1.0 + rows.saturating_sub(1) as f64 * self.batch_row_factor
+    }
+}
+
+fn per_byte_ns(bytes: u64, mib_per_s: f64) -> f64 {
+    if mib_per_s > 0.0 {
+        bytes as f64 / (mib_per_s * MIB_F) * 1e9
+    } else {
+        0.0
+    }
+}
+
+/// Why the trace backend refused a call: each is a broken replay contract.
+#[derive(Debug, Clone, PartialEq, Error)]
+pub enum TraceBackendError {
+    #[error("no step is set: call set_step before Engine::step")]
+    NoStep,
+    #[error("step {step} is not in the replay plan ({steps} steps)")]
+    StepOutOfPlan { step: usize, steps: usize },
+    #[error("routing from the trace: {0}")]
+    Routing(#[from] RoutingError),
+}
+
+/// Replays a route trace's routings and charges the compute model to the virtual clock.
+pub struct TraceBackend {
+    clock: VirtualClock,
+    params: ComputeParams,
+    rng: ChaCha8Rng,
+    /// Per model layer.
+    dense_bytes: Vec<u64>,
+    /// Per MoE layer.
+    expert_bytes: Vec<u64>,
+    trace: Arc<RouteTrace>,
+    plan: Arc<ReplayPlan>,
+    step: Option<usize>,
+    n_tokens: usize,
+    ids: Vec<u16>,
+    weights: Vec<f32>,
+    busy: Nanos,
+}
+
+impl TraceBackend {
+    /// A backend replaying `plan` (built from `trace`) over `layout`, charging `params` to
+    /// `clock`, with jitter drawn from `seed`.
+    pub fn new(
+        clock: VirtualClock,
+        params: &ComputeParams,
+        layout: &ExpertLayout,
+        trace: Arc<RouteTrace>,
+        plan: Arc<ReplayPlan>,
+        seed: u64,
+    ) -> Self {
+        let listed: Vec<u64> = layout.layers().iter().map(|l| l.dense_bytes).collect();
+        let mean = if listed.is_empty() {
+            0
+        } else {
+            listed.iter().sum::<u64>() / listed.len() as u64
+        };
+        let dense_bytes = (0..layout.n_model_layers())
+            .map(|m| {
+                layout
+                    .moe_index(m)
+                    .and_then(|i| layout.layer(i))
+                    .map_or(mean, |l| l.dense_bytes)
+            })
+            .collect();
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        rng.set_stream(COMPUTE_JITTER_STREAM);
+        TraceBackend {
+            clock,
+            params: params.clone(),
+            rng,
+            dense_bytes,
+            expert_bytes: (0..layout.n_moe_layers())
+                .map(|m| layout.expert_bytes(m))
+                .collect(),
+            trace,
+            plan,
+            step: None,
+            n_tokens: 0,
+            ids: Vec::new(),
+            weights: Vec::new(),
+            busy: Nanos::ZERO,
+        }
+    }
+
+    /// Route the next `Engine::step` from plan step `index`.
+    pub fn set_step(&mut self, index: usize) -> Result<(), TraceBackendError> {
+        if index >= self.plan.steps.len() {
+            return Err(TraceBackendError::StepOutOfPlan {
+                step: index,
+                steps: self.plan.steps.len(),
+            });
+        }
+        self.step = Some(index);
+        Ok(())
+    }
+
+    /// Charge the between-steps overhead to the clock and return it.
+    pub fn loop_gap(&mut self) -> Nanos {
+        let ns = self.params.loop_overhead_ms * 1e6;
+        self.charge_ns(ns)
+    }
+
+    /// Modelled compute time charged so far (loop gaps excluded).
+    pub fn busy(&self) -> Nanos {
+        self.busy
+    }
+
+    fn charge_ns(&mut self, ns: f64) -> Nanos {
+        if ns <= 0.0 {
+            return Nanos::ZERO;
+        }
+        let factor = if self.params.jitter > 0.0 {
+            1.0 + self.params.jitter * (self.rng.gen::<f64>() * 2.0 - 1.0)
+        } else {
+            1.0
+        };
+        let d = Nanos((ns * factor).round() as u64);
+        self.clock.advance(d);
+        d
+    }
+
+    fn charge_busy(&mut self, ns: f64) {
+        let d = self.charge_ns(ns);
+        self.busy += d;
+    }
+}
+
+impl Backend for TraceBackend {
+    type Error = TraceBackendError;
+
+    fn begin(&mut self, tokens: &[u32], _positions: &[u32]) -> Result<(), Self::Error> {
+        if self.step.is_none() {
+            return Err(TraceBackendError::NoStep);
+        }
+        self.n_tokens = tokens.len();
+        Ok(())
+    }
+
+    fn dense(&mut self, layer: u32) -> Result<(), Self::Error> {
+        let bytes = self.dense_bytes.get(layer as usize).copied().unwrap_or(0);
+        let ns = self.params.dense_ns(bytes) * self.params.batch_factor(self.n_tokens);
+        self.charge_busy(ns);
+        Ok(())
+    }
+
+    fn route(&mut self, layer: LayerId, routing: &mut Routing) -> Result<(), Self::Error> {
+        let index = self.step.ok_or(TraceBackendError::NoStep)?;
+        let step = &self.plan.steps[index];
+        for row in step.layer_rows(layer.moe) {
+            let Some(cell) = self.trace.cells.get(row.cell as usize) else {
+                continue;
+            };
+            self.ids.clear();
+            self.weights.clear();
+            for s in self.trace.cell_slots(cell) {
+                // The trace reader checked expert < n_expert <= u16::MAX.
+                self.ids.push(s.expert as u16);
+                self.weights.push(s.weight);
+            }
+            routing.push_row(row.batch_row, &self.ids, &self.weights)?;
+        }
+        Ok(())
+    }
+
+    fn expert(
+        &mut self,
+        layer: LayerId,
+        _expert: u16,
+        _slot: SlotId,
+        uses: &[ExpertUse],
+    ) -> Result<(), Self::Error> {
+        let bytes = self
+            .expert_bytes
+            .get(layer.moe as usize)
+            .copied()
+            .unwrap_or(0);
+        let ns = self.params.expert_ns(bytes) * self.params.batch_factor(uses.len());
+        self.charge_busy(ns);
+        Ok(())
+    }
+
+    fn finish_layer(&mut self, _layer: LayerId) -> Result<(), Self::Error> {
+        Ok(())
+    }
+
+    fn head(&mut self) -> Result<(), Self::Error> {
+        let ns = self.params.head_ms * 1e6;
+        self.charge_busy(ns);
+        Ok(())
+    }
+
+    fn release(&mut self, slot: SlotId) -> Result<(), Self::Error> {
+        let bytes = match slot {
+            SlotId::Canonical(key) => self
+                .expert_bytes
+                .get(key.layer as usize)
+                .copied()
+                .unwrap_or(0),
+            SlotId::Staging(_) => 0,
+        };
+        let ns = self.params.release_ns(bytes);
+        self.charge_busy(ns);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params() -> ComputeParams {
+        ComputeParams {
+            dense_mib_per_s: 1024.0,
+            expert_mib_per_s: 2048.0,
+            layer_fixed_us: 10.0,
+            expert_fixed_us: 5.0,
+            head_ms: 1.0,
+            batch_row_factor: 0.25,
+            release_us: 300.0,
+            release_us_per_mib: 100.0,
+            loop_overhead_ms: 2.0,
+            jitter: 0.0,
+        }
+    }
+
+    #[test]
+    fn formulas() {
+        let p = params();
+        // 1 MiB at 1 GiB/s = 1/1024 s.
+        assert!((p.dense_ns(1 << 20) - (10_000.0 + 1e9 / 1024.0)).abs() < 1e-6);
+        assert!((p.expert_ns(1 << 20) - (5_000.0 + 1e9 / 2048.0)).abs() < 1e-6);
+        assert_eq!(p.batch_factor(1), 1.0);
+        assert_eq!(p.batch_factor(5), 2.0);
+        assert_eq!(p.batch_factor(0), 1.0);
+        let free = ComputeParams {
+            dense_mib_per_s: 0.0,
+            ..p
+        };
+        assert_eq!(free.dense_ns(1 << 30), 10_000.0);
+        assert!((params().release_ns(2 << 20) - 500_000.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn params_are_checked() {
+        assert!(params().validate("p").is_ok());
+        for bad in [
+            ComputeParams {
+                head_ms: -1.0,
+                ..params()
+            },
+            ComputeParams {
+                batch_row_factor: 1.5,
+                ..params()
+            },
+            ComputeParams {
+                jitter: 1.0,
+                ..params()
+            },
+            ComputeParams {
+                expert_mib_per_s: f64::INFINITY,
+                ..params()
+            },
+        ] {
+            assert!(bad.validate("p").is_err(), "{bad:?}");
+        }
+    }
+}

@@ -1,0 +1,658 @@
+//! The flash model: the simulator's implementation of the core's `Flash` trait.
+//!
+//! A device with N lanes, each a FIFO queue. A read occupies its lane from the moment it
+//! reaches the head of the queue until its bytes have landed: first a fixed per-request
+//! latency (command and queueing overhead, no bandwidth used), then a transfer of its aligned
+//! window (`read_bytes`: the O_DIRECT window `[floor(offset), ceil(offset + len))` to
+//! `align_bytes`, exactly as the engine's lanes read). Transfers in progress share the device:
+//! each moves at `min(lane rate, device rate / transfers in progress)` — a fluid
+//! (processor-sharing) model, so one lane alone gets its full rate and many lanes together
+//! saturate the device ceiling. Optional jitter scales each read's latency and transfer work by
+//! `1 + jitter·u`, `u` uniform in [-1, 1], drawn from a seeded `rand_chacha` stream in
+//! submission order.
+//!
+//! The model is evaluated lazily: its own time trails the virtual clock and catches up (event
+//! by event) whenever the core calls in, and `wait` advances the clock to the awaited read's
+//! completion. Completions are ordered by (time, submission sequence), so ties depend only on
+//! the inputs, and the same inputs and seed always give the same times.
+
+use crate::clock::VirtualClock;
+use crate::error::SimError;
+use bmoe_core::{Clock, Flash, FlashError, Nanos, ReadDone, ReadId, ReadRequest};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
+
+/// The `rand_chacha` stream the flash model draws its jitter from (the compute model uses
+/// another), so turning one model's jitter on never changes the other's draws.
+pub const FLASH_JITTER_STREAM: u64 = 1;
+
+/// Timing parameters of a flash device (one `flash` object of a device profile).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FlashParams {
+    /// Fixed time per request before its bytes move, microseconds.
+    pub read_latency_us: f64,
+    /// One lane's transfer rate, MiB/s.
+    pub lane_mib_per_s: f64,
+    /// The device's rate shared by every lane, MiB/s.
+    pub device_mib_per_s: f64,
+    /// O_DIRECT alignment of the window a read pulls (the engine uses 4096); applied when the
+    /// run reads with O_DIRECT, 1 byte otherwise.
+    pub align_bytes: u64,
+    /// Relative jitter in [0, 1): 0 = none.
+    #[serde(default)]
+    pub jitter: f64,
+}
+
+impl FlashParams {
+    /// Check every field is usable: positive finite rates, a non-negative finite latency, a
+    /// power-of-two alignment, jitter in [0, 1).
+    pub fn validate(&self, profile: &str) -> Result<(), SimError> {
+        let bad = |reason: String| SimError::Profile {
+            name: profile.to_string(),
+            reason,
+        };
+        if !(self.read_latency_us.is_finite() && self.read_latency_us >= 0.0) {
+            return Err(bad(format!(
+                "flash.read_latency_us={} must be a finite number >= 0",
+                self.read_latency_us
+            )));
+        }
+        for (name, v) in [
+            ("lane_mib_per_s", self.lane_mib_per_s),
+            ("device_mib_per_s", self.device_mib_per_s),
+        ] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(bad(format!("flash.{name}={v} must be a finite number > 0")));
+            }
+        }
+        if self.align_bytes == 0 || !self.align_bytes.is_power_of_two() {
+            return Err(bad(format!(
+                "flash.align_bytes={} must be a power of two (1 = no alignment)",
+                self.align_bytes
+            )));
+        }
+        if !(self.jitter.is_finite() && (0.0..1.0).contains(&self.jitter)) {
+            return Err(bad(format!(
+                "flash.jitter={} must be in [0, 1)",
+                self.jitter
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The aligned window a read of `len` bytes at `offset` pulls: `[floor(offset), ceil(offset +
+/// len))` to `align` bytes.
+pub fn aligned_window_bytes(offset: u64, len: u64, align: u64) -> u64 {
+    let a = align.max(1);
+    let lo = offset / a * a;
+    let hi = offset.saturating_add(len).div_ceil(a).saturating_mul(a);
+    hi - lo
+}
+
+const MIB_F: f64 = (1u64 << 20) as f64;
+
+#[derive(Clone, Debug)]
+enum Status {
+    /// Waiting behind another read of its lane.
+    Queued,
+    /// At the head of its lane, in its fixed latency until the given time.
+    Latency { until: u64 },
+    /// Moving bytes; `remaining` transfer work in bytes.
+    Transfer { remaining: f64 },
+    /// Bytes landed at `end`, completion not yet delivered.
+    Done { end: u64 },
+    /// Refused at submission (bad lane); delivered as an error.
+    Failed { error: FlashError },
+    /// Completion delivered, or cancelled: the id is spent.
+    Spent,
+}
+
+#[derive(Clone, Debug)]
+struct Read {
+    req: ReadRequest,
+    submit: u64,
+    start: u64,
+    read_bytes: u64,
+    latency_ns: u64,
+    work_bytes: f64,
+    status: Status,
+}
+
+/// A modelled flash device on a virtual clock. See the module documentation.
+#[derive(Debug)]
+pub struct FlashModel {
+    clock: VirtualClock,
+    lanes: u32,
+    latency_ns: f64,
+    /// Bytes per nanosecond.
+    lane_rate: f64,
+    device_rate: f64,
+    align_bytes: u64,
+    jitter: f64,
+    rng: ChaCha8Rng,
+    /// The model's own time: every event up to it has been processed.
+    t: u64,
+    next_id: u64,
+    /// Id of `reads[0]`.
+    base_id: u64,
+    reads: VecDeque<Read>,
+    /// Per lane: ids in arrival order; the head is the one being served.
+    queues: Vec<VecDeque<u64>>,
+    /// Completions not yet delivered (lazily pruned), earliest (end, id) first.
+    completed: BinaryHeap<Reverse<(u64, u64)>>,
+    /// Σ read_bytes over every completed read.
+    bytes_read: u64,
+}
+
+impl FlashModel {
+    /// A device with `lanes` lanes (at least 1) timed by `params` on `clock`. With
+    /// `o_direct` false the alignment is 1 (buffered reads pull exactly what was asked).
+    /// `seed` seeds the jitter stream.
+    pub fn new(
+        clock: VirtualClock,
+        params: &FlashParams,
+        lanes: u32,
+        o_direct: bool,
+        seed: u64,
+    ) -> Self {
+        let lanes = lanes.max(1);
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        rng.set_stream(FLASH_JITTER_STREAM);
+        FlashModel {
+            clock,
+            lanes,
+            latency_ns: params.read_latency_us * 1e3,
+            lane_rate: params.lane_mib_per_s * MIB_F / 1e9,
+            device_rate: params.device_mib_per_s * MIB_F / 1e9,
+            align_bytes: if o_direct {
+                params.align_bytes.max(1)
+            } else {
+                1
+            },
+            jitter: params.jitter,
+            rng,
+            t: 0,
+            next_id: 0,
+            base_id: 0,
+            reads: VecDeque::new(),
+            queues: vec![VecDeque::new(); lanes as usize],
+            completed: BinaryHeap::new(),
+            bytes_read: 0,
+        }
+    }
+
+    /// Σ `read_bytes` of every read completed so far.
+    pub fn bytes_read(&self) -> u64 {
+        self.bytes_read
+    }
+
+    /// Reads submitted and not yet delivered or cancelled.
+    pub fn in_flight(&self) -> usize {
+        self.reads
+            .iter()
+            .filter(|r| !matches!(r.status, Status::Spent))
+            .count()
+    }
+
+    fn read_mut(&mut self, id: u64) -> Option<&mut Read> {
+        let i = id.checked_sub(self.base_id)?;
+        self.reads.get_mut(usize::try_from(i).ok()?)
+    }
+
+    fn read(&self, id: u64) -> Option<&Read> {
+        let i = id.checked_sub(self.base_id)?;
+        self.reads.get(usize::try_from(i).ok()?)
+    }
+
+    fn jitter_factor(&mut self) -> f64 {
+        if self.jitter == 0.0 {
+            1.0
+        } else {
+            let u: f64 = self.rng.gen::<f64>() * 2.0 - 1.0;
+            1.0 + self.jitter * u
+        }
+    }
+
+    /// Put `id` at work on its lane at time `t` (it just reached the head).
+    fn start(&mut self, id: u64, t: u64) {
+        if let Some(r) = self.read_mut(id) {
+            r.start = t;
+            r.status = Status::Latency {
+                until: t.saturating_add(r.latency_ns),
+            };
+        }
+    }
+
+    /// The read at `id` finished at `t`: record it, free its lane, start the next one.
+    fn finish(&mut self, lane: usize, id: u64, t: u64) {
+        let mut bytes = 0;
+        if let Some(r) = self.read_mut(id) {
+            r.status = Status::Done { end: t };
+            bytes = r.read_bytes;
+        }
+        self.bytes_read += bytes;
+        self.completed.push(Reverse((t, id)));
+        self.queues[lane].pop_front();
+        if let Some(&next) = self.queues[lane].front() {
+            self.start(next, t);
+        }
+    }
+
+    /// Process events until the model's time reaches `limit`, or (when `target` is given)
+    /// until that read has completed, whichever comes first. `limit = u64::MAX` runs until
+    /// the target completes or nothing is active.
+    fn run(&mut self, limit: u64, target: Option<u64>) {
+        loop {
+            if let Some(id) = target {
+                if !self.read(id).is_some_and(|r| {
+                    matches!(
+                        r.status,
+                        Status::Queued | Status::Latency { .. } | Status::Transfer { .. }
+                    )
+                }) {
+                    return;
+                }
+            }
+            let mut transfers = 0u32;
+            let mut next = u64::MAX;
+            for q in &self.queues {
+                let Some(&id) = q.front() else { continue };
+                match self.read(id).map(|r| &r.status) {
+                    Some(Status::Latency { until }) => next = next.min(*until),
+                    Some(Status::Transfer { .. }) => transfers += 1,
+                    _ => {}
+                }
+            }
+            let rate = if transfers == 0 {
+                self.lane_rate
+            } else {
+                self.lane_rate.min(self.device_rate / f64::from(transfers))
+            };
+            for q in &self.queues {
+                let Some(&id) = q.front() else { continue };
+                if let Some(Status::Transfer { remaining }) = self.read(id).map(|r| &r.status) {
+                    let dt = (remaining / rate).ceil().max(0.0);
+                    let finish = if dt >= u64::MAX as f64 {
+                        u64::MAX
+                    } else {
+                        self.t.saturating_add(dt as u64)
+                    };
+                    next = next.min(finish);
+                }
+            }
+            if next == u64::MAX || next > limit {
+                // Nothing happens before the limit: move the transfers along and stop.
+                if limit != u64::MAX && limit > self.t {
+                    let dt = (limit - self.t) as f64;
+                    self.progress(dt * rate);
+                    self.t = limit;
+                }
+                return;
+            }
+            let dt_ns = next - self.t;
+            let moved = dt_ns as f64 * rate;
+            self.t = next;
+            for lane in 0..self.queues.len() {
+                let Some(&id) = self.queues[lane].front() else {
+                    continue;
+                };
+                let t = self.t;
+                let Some(r) = self.read_mut(id) else { continue };
+                match r.status {
+                    Status::Latency { until } if until <= t => {
+                        if r.work_bytes <= 0.0 {
+                            self.finish(lane, id, t);
+                        } else {
+                            r.status = Status::Transfer {
+                                remaining: r.work_bytes,
+                            };
+                        }
+                    }
+                    Status::Transfer { remaining } => {
+                        // The same arithmetic that chose `next`: this read ends now iff its
+                        // own finish time was `next`.
+                        let finish_dt = (remaining / rate).ceil().max(0.0);
+                        let left = remaining - moved;
+                        if finish_dt <= dt_ns as f64 || left <= 1e-6 {
+                            self.finish(lane, id, t);
+                        } else {
+                            r.status = Status::Transfer { remaining: left };
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+
+    /// Move every transfer in progress along by `bytes`.
+    fn progress(&mut self, bytes: f64) {
+        for lane in 0..self.queues.len() {
+            let Some(&id) = self.queues[lane].front() else {
+                continue;
+            };
+            if let Some(r) = self.read_mut(id) {
+                if let Status::Transfer { remaining } = r.status {
+                    r.status = Status::Transfer {
+                        remaining: (remaining - bytes).max(1e-6),
+                    };
+                }
+            }
+        }
+    }
+
+    /// Catch the model up with the virtual clock.
+    fn sync(&mut self) {
+        let now = self.clock.now().0;
+        if now > self.t {
+            self.run(now, None);
+        }
+    }
+
+    fn deliver(&mut self, id: u64) -> Result<ReadDone, FlashError> {
+        let Some(r) = self.read_mut(id) else {
+            return Err(FlashError::UnknownRead { id: ReadId(id) });
+        };
+        let status = std::mem::replace(&mut r.status, Status::Spent);
+        let outcome = match status {
+            Status::Done { end } => Ok(ReadDone {
+                id: ReadId(id),
+                lane: r.req.lane,
+                req_bytes: r.req.len,
+                read_bytes: r.read_bytes,
+                submit: Nanos(r.submit),
+                start: Nanos(r.start),
+                end: Nanos(end),
+            }),
+            Status::Failed { error } => Err(error),
+            other => {
+                r.status = other;
+                return Err(FlashError::UnknownRead { id: ReadId(id) });
+            }
+        };
+        while self
+            .reads
+            .front()
+            .is_some_and(|r| matches!(r.status, Status::Spent))
+        {
+            self.reads.pop_front();
+            self.base_id += 1;
+        }
+        outcome
+    }
+}
+
+impl Flash for FlashModel {
+    fn lanes(&self) -> u32 {
+        self.lanes
+    }
+
+    fn submit(&mut self, read: ReadRequest) -> ReadId {
+        self.sync();
+        let id = self.next_id;
+        self.next_id += 1;
+        let now = self.t.max(self.clock.now().0);
+        let read_bytes = aligned_window_bytes(read.offset, read.len, self.align_bytes);
+        let factor = self.jitter_factor();
+        let status = if read.lane >= self.lanes {
+            Status::Failed {
+                error: FlashError::BadLane {
+                    id: ReadId(id),
+                    lane: read.lane,
+                    lanes: self.lanes,
+                },
+            }
+        } else {
+            Status::Queued
+        };
+        let failed = matches!(status, Status::Failed { .. });
+        self.reads.push_back(Read {
+            req: read,
+            submit: now,
+            start: now,
+            read_bytes,
+            latency_ns: (self.latency_ns * factor).round() as u64,
+            work_bytes: read_bytes as f64 * factor,
+            status,
+        });
+        if failed {
+            self.completed.push(Reverse((now, id)));
+        } else {
+            let lane = read.lane as usize;
+            self.queues[lane].push_back(id);
+            if self.queues[lane].len() == 1 {
+                self.start(id, now);
+            }
+        }
+        ReadId(id)
+    }
+
+    fn wait(&mut self, id: ReadId) -> Result<ReadDone, FlashError> {
+        self.sync();
+        match self.read(id.0).map(|r| &r.status) {
+            None | Some(Status::Spent) => return Err(FlashError::UnknownRead { id }),
+            Some(Status::Queued | Status::Latency { .. } | Status::Transfer { .. }) => {
+                self.run(u64::MAX, Some(id.0));
+            }
+            Some(Status::Done { .. } | Status::Failed { .. }) => {}
+        }
+        if let Some(Status::Done { end }) = self.read(id.0).map(|r| &r.status) {
+            self.clock.advance_to(Nanos(*end));
+        }
+        self.deliver(id.0)
+    }
+
+    fn poll(&mut self) -> Option<(ReadId, Result<ReadDone, FlashError>)> {
+        self.sync();
+        let now = self.clock.now().0;
+        while let Some(&Reverse((end, id))) = self.completed.peek() {
+            let pending = self
+                .read(id)
+                .is_some_and(|r| matches!(r.status, Status::Done { .. } | Status::Failed { .. }));
+            if !pending {
+                self.completed.pop();
+                continue;
+            }
+            if end > now {
+                return None;
+            }
+            self.completed.pop();
+            return Some((ReadId(id), self.deliver(id)));
+        }
+        None
+    }
+
+    fn cancel(&mut self, id: ReadId) -> bool {
+        self.sync();
+        let Some(r) = self.read(id.0) else {
+            return false;
+        };
+        if !matches!(r.status, Status::Queued) {
+            return false;
+        }
+        let lane = r.req.lane as usize;
+        if let Some(q) = self.queues.get_mut(lane) {
+            q.retain(|&x| x != id.0);
+        }
+        if let Some(r) = self.read_mut(id.0) {
+            r.status = Status::Spent;
+        }
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bmoe_core::{ExpertKey, ReadTag, SlotId};
+
+    fn params(latency_us: f64, lane: f64, device: f64) -> FlashParams {
+        FlashParams {
+            read_latency_us: latency_us,
+            lane_mib_per_s: lane,
+            device_mib_per_s: device,
+            align_bytes: 4096,
+            jitter: 0.0,
+        }
+    }
+
+    fn req(lane: u32, offset: u64, len: u64) -> ReadRequest {
+        ReadRequest {
+            shard: 0,
+            offset,
+            len,
+            dest: SlotId::Canonical(ExpertKey {
+                layer: 0,
+                expert: 0,
+            }),
+            dest_offset: 0,
+            lane,
+            speculative: false,
+            tag: ReadTag {
+                layer: 0,
+                expert: 0,
+                proj: 0,
+            },
+        }
+    }
+
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn alignment_windows_match_the_engine() {
+        assert_eq!(aligned_window_bytes(0, 4096, 4096), 4096);
+        assert_eq!(aligned_window_bytes(1, 4096, 4096), 8192);
+        assert_eq!(aligned_window_bytes(4095, 2, 4096), 8192);
+        assert_eq!(aligned_window_bytes(100, 10, 1), 10);
+    }
+
+    #[test]
+    fn one_read_takes_latency_plus_bytes_over_the_lane_rate() {
+        let clock = VirtualClock::new();
+        // 1000 MiB/s per lane: 1 MiB per ms.
+        let mut f = FlashModel::new(clock.clone(), &params(100.0, 1000.0, 4000.0), 2, true, 0);
+        let id = f.submit(req(0, 0, MIB));
+        let d = f.wait(id).expect("done");
+        assert_eq!(d.read_bytes, MIB);
+        assert_eq!(d.start, Nanos(0));
+        // 100 us + 1 ms (rounded up to the ns).
+        assert!((d.end.0 as i64 - 1_100_000).abs() <= 1, "{:?}", d.end);
+        assert_eq!(
+            clock.now(),
+            d.end,
+            "wait advances the clock to the completion"
+        );
+        assert!(f.wait(id).is_err(), "a completion is delivered once");
+    }
+
+    #[test]
+    fn lanes_share_the_device_ceiling() {
+        let clock = VirtualClock::new();
+        // Each lane could do 1 MiB/ms, the device only 1 MiB/ms in total.
+        let mut f = FlashModel::new(clock.clone(), &params(0.0, 1000.0, 1000.0), 2, true, 0);
+        let a = f.submit(req(0, 0, MIB));
+        let b = f.submit(req(1, MIB, MIB));
+        let da = f.wait(a).expect("a");
+        let db = f.wait(b).expect("b");
+        // Both share 1 MiB/ms: each finishes after 2 ms.
+        assert!((da.end.0 as i64 - 2_000_000).abs() <= 2, "{:?}", da.end);
+        assert!((db.end.0 as i64 - 2_000_000).abs() <= 2, "{:?}", db.end);
+        // Same lane: FIFO, the second starts when the first ends.
+        let c = f.submit(req(0, 0, MIB));
+        let d = f.submit(req(0, MIB, MIB));
+        let dd = f.wait(d).expect("d");
+        let dc = f.wait(c).expect("c");
+        assert_eq!(dd.start, dc.end);
+        assert!(((dd.end.0 - dc.end.0) as i64 - 1_000_000).abs() <= 2);
+    }
+
+    #[test]
+    fn unequal_sizes_free_bandwidth_when_the_short_read_ends() {
+        let clock = VirtualClock::new();
+        let mut f = FlashModel::new(clock.clone(), &params(0.0, 1000.0, 1000.0), 2, true, 0);
+        let small = f.submit(req(0, 0, MIB));
+        let big = f.submit(req(1, 0, 3 * MIB));
+        // Shared: 0.5 MiB/ms each until the small one ends at 2 ms (big has 2 MiB left),
+        // then the big one alone at 1 MiB/ms: 4 ms.
+        let db = f.wait(big).expect("big");
+        assert!((db.end.0 as i64 - 4_000_000).abs() <= 3, "{:?}", db.end);
+        let ds = f.wait(small).expect("small");
+        assert!((ds.end.0 as i64 - 2_000_000).abs() <= 3, "{:?}", ds.end);
+    }
+
+    #[test]
+    fn poll_delivers_in_time_then_sequence_order_and_only_what_is_done() {
+        let clock = VirtualClock::new();
+        let mut f = FlashModel::new(clock.clone(), &params(10.0, 1024.0, 8192.0), 4, true, 0);
+        let ids: Vec<ReadId> = (0..4).map(|l| f.submit(req(l, 0, 4096))).collect();
+        assert!(f.poll().is_none(), "nothing is done at t=0");
+        clock.advance(Nanos::from_ms(1));
+        let order: Vec<ReadId> = std::iter::from_fn(|| f.poll().map(|(id, _)| id)).collect();
+        assert_eq!(
+            order, ids,
+            "equal completion times are delivered by sequence"
+        );
+        assert_eq!(f.in_flight(), 0);
+    }
+
+    #[test]
+    fn bad_lanes_fail_through_the_completion_and_cancel_spares_queued_reads() {
+        let clock = VirtualClock::new();
+        let mut f = FlashModel::new(clock.clone(), &params(0.0, 1024.0, 1024.0), 1, false, 0);
+        let bad = f.submit(req(3, 0, 10));
+        assert!(matches!(
+            f.wait(bad),
+            Err(FlashError::BadLane { lane: 3, .. })
+        ));
+        let a = f.submit(req(0, 0, MIB));
+        let b = f.submit(req(0, 0, MIB));
+        assert!(!f.cancel(a), "a read at the head of its lane has started");
+        assert!(f.cancel(b));
+        assert!(f.wait(b).is_err());
+        let da = f.wait(a).expect("a");
+        assert_eq!(da.read_bytes, MIB, "buffered: no alignment");
+    }
+
+    #[test]
+    fn jitter_is_seeded_and_bounded() {
+        let run = |seed: u64, jitter: f64| {
+            let clock = VirtualClock::new();
+            let mut p = params(50.0, 1000.0, 1000.0);
+            p.jitter = jitter;
+            let mut f = FlashModel::new(clock, &p, 1, true, seed);
+            (0..20)
+                .map(|i| {
+                    let id = f.submit(req(0, i * MIB, MIB));
+                    let d = f.wait(id).expect("read");
+                    (d.end - d.start).0
+                })
+                .collect::<Vec<u64>>()
+        };
+        assert_eq!(run(7, 0.2), run(7, 0.2));
+        assert_ne!(run(7, 0.2), run(8, 0.2));
+        assert_eq!(run(7, 0.0), run(8, 0.0));
+        for d in run(9, 0.2) {
+            let nominal = 1_050_000.0;
+            assert!((d as f64) >= nominal * 0.8 - 2.0 && (d as f64) <= nominal * 1.2 + 2.0);
+        }
+    }
+
+    #[test]
+    fn params_are_checked() {
+        assert!(params(1.0, 1.0, 1.0).validate("p").is_ok());
+        assert!(params(-1.0, 1.0, 1.0).validate("p").is_err());
+        assert!(params(1.0, 0.0, 1.0).validate("p").is_err());
+        assert!(params(1.0, 1.0, f64::NAN).validate("p").is_err());
+        let mut p = params(1.0, 1.0, 1.0);
+        p.align_bytes = 3000;
+        assert!(p.validate("p").is_err());
+        p.align_bytes = 4096;
+        p.jitter = 1.0;
+        assert!(p.validate("p").is_err());
+    }
+}

@@ -1,0 +1,30 @@
+//! bmoe-sim: the bmoe core on a virtual clock.
+//!
+//! The simulator supplies only the three leaves the core is generic over — a virtual `Clock`,
+//! a modelled `Flash` device and a trace-driven compute `Backend` — and runs the very same
+//! `bmoe_core::Engine` (cache, policies, streamer, telemetry) over a recorded route trace. So a
+//! replay reproduces an engine run's hits, misses, evictions and read bytes exactly, and only
+//! the times are modelled. Beside replay: sweeps over budgets, policies, lanes and overlap
+//! (with the clairvoyant Belady bound), a sim-vs-measured diff, and profile calibration.
+
+pub mod belady;
+pub mod cache_only;
+pub mod calibrate;
+pub mod cli;
+pub mod clock;
+pub mod compute;
+pub mod diff;
+pub mod error;
+pub mod flash;
+pub mod plan;
+pub mod profile;
+pub mod replay;
+pub mod svg;
+pub mod sweep;
+
+pub use clock::VirtualClock;
+pub use compute::{ComputeParams, TraceBackend};
+pub use error::SimError;
+pub use flash::{FlashModel, FlashParams};
+pub use plan::{AccessSeq, ReplayPlan};
+pub use profile::DeviceProfile;

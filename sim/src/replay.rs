@@ -1,0 +1,346 @@
+//! The full-timing replay: a route trace run through `bmoe_core::Engine` on the virtual clock,
+//! the flash model and the trace backend, reported through the core's telemetry exactly as
+//! `bmoe-cli` reports a measured run (same ledger, same CSV writer, same report lines).
+//!
+//! Each turn of the trace is one generation: its prefill (one batched step), then its decode
+//! steps, with a modelled loop overhead before every decode step and after the last. The
+//! cache persists across turns — a session keeps it warm — while the per-generation figures
+//! (the CSV `# summary` trailer, the ledger's hit rate) restart with each turn, as the core's
+//! `Ledger` defines them. The end-of-run report covers the whole replay.
+
+use crate::clock::VirtualClock;
+use crate::compute::TraceBackend;
+use crate::error::SimError;
+use crate::flash::FlashModel;
+use crate::plan::ReplayPlan;
+use crate::profile::DeviceProfile;
+use bmoe_core::config::RunConfig;
+use bmoe_core::ledger::{Ledger, MemPicture};
+use bmoe_core::policy::EvictionPolicy;
+use bmoe_core::records::{Phase, RecordSink};
+use bmoe_core::telemetry::route_trace::RouteTrace;
+use bmoe_core::telemetry::run::RunTelemetry;
+use bmoe_core::telemetry::summary::{RunCounters, RunSummary, TokenTotals};
+use bmoe_core::{
+    CacheCounters, Clock, Engine, ExpertCache, ExpertLayout, Nanos, StepInput, StepStats,
+    StreamConfig, TopKOverride,
+};
+use std::io::Write;
+use std::sync::Arc;
+
+/// Everything a replay needs besides its outputs.
+pub struct ReplaySetup<'a> {
+    pub trace: Arc<RouteTrace>,
+    pub plan: Arc<ReplayPlan>,
+    pub layout: &'a ExpertLayout,
+    /// The resolved configuration (model facts filled, `validate` passed).
+    pub cfg: &'a RunConfig,
+    /// The cache budget in bytes (0 = off). The CLI passes `cache_budget_mb` × MiB; sweeps
+    /// may pass any byte count.
+    pub budget_bytes: u64,
+    pub policy: Box<dyn EvictionPolicy>,
+    pub profile: &'a DeviceProfile,
+    /// Seeds the flash and compute jitter streams.
+    pub seed: u64,
+}
+
+/// Where a replay writes. Every output is optional.
+#[derive(Default)]
+pub struct ReplayOutputs<'a> {
+    /// `--csv`: the `# bmoe_metrics v2` file.
+    pub csv: Option<&'a mut dyn Write>,
+    /// `--progress`: `BMOE_LOAD` / `BMOE_PROGRESS` lines.
+    pub progress: Option<&'a mut dyn Write>,
+    /// `--route-trace` / `--io-trace` sinks.
+    pub route: Option<&'a mut dyn RecordSink>,
+    pub io: Option<&'a mut dyn RecordSink>,
+    /// Every decode step's `StepStats`, in order (for calibration).
+    pub decode_stats: Option<&'a mut Vec<StepStats>>,
+}
+
+/// What a replay did and cost.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ReplayResult {
+    /// The cache's counters over the whole replay (prefill included).
+    pub cache: CacheCounters,
+    /// Σ read bytes (aligned windows) over every step.
+    pub read_bytes: u64,
+    /// Decode steps replayed.
+    pub decode_steps: u64,
+    /// Σ decode wall time.
+    pub decode_wall: Nanos,
+    /// The whole replay as one summary (what the report prints).
+    pub summary: RunSummary,
+    /// One summary per turn (what each CSV `# summary` trailer says).
+    pub turns: Vec<RunSummary>,
+    /// Virtual time at the end.
+    pub end: Nanos,
+}
+
+impl ReplayResult {
+    /// Decode tokens per second of modelled decode time.
+    pub fn tokens_per_s(&self) -> f64 {
+        self.summary.tokens_per_s()
+    }
+
+    /// Hit fraction of every lookup (prefill included), 0 with none.
+    pub fn hit_rate(&self) -> f64 {
+        let n = self.cache.hits + self.cache.misses;
+        if n == 0 {
+            0.0
+        } else {
+            self.cache.hits as f64 / n as f64
+        }
+    }
+}
+
+fn add_totals(into: &mut TokenTotals, t: &TokenTotals) {
+    into.tokens += t.tokens;
+    into.wall_ms += t.wall_ms;
+    into.io_ms += t.io_ms;
+    into.compute_ms += t.compute_ms;
+    into.stall_ms += t.stall_ms;
+    into.mgmt_ms += t.mgmt_ms;
+    into.read_bytes += t.read_bytes;
+    into.majflt += t.majflt;
+    into.cpu_ms += t.cpu_ms;
+    into.loop_overhead_ms += t.loop_overhead_ms;
+    into.mtp_draft_ms += t.mtp_draft_ms;
+    into.drain_ms += t.drain_ms;
+    into.adopt_ms += t.adopt_ms;
+    into.ra_issue_ms += t.ra_issue_ms;
+    into.ra_wd_ms += t.ra_wd_ms;
+    if t.tokens > 0 {
+        into.last_cache_hit_pct = t.last_cache_hit_pct;
+    }
+}
+
+/// Sums of the per-turn counters: counts add, the demand figures are token-weighted (token
+/// demand) or the widest (layer demand), and the cache's state is the last turn's.
+fn add_counters(into: &mut RunCounters, c: &RunCounters, tokens_before: u64, tokens: u64) {
+    let total = tokens_before + tokens;
+    if total > 0 {
+        into.token_demand_bytes = (into.token_demand_bytes * tokens_before as f64
+            + c.token_demand_bytes * tokens as f64)
+            / total as f64;
+    }
+    into.n_prompt += c.n_prompt;
+    into.n_past = c.n_past;
+    into.prefill_s += c.prefill_s;
+    into.cache_resident_bytes = c.cache_resident_bytes;
+    into.cache_budget_bytes = c.cache_budget_bytes;
+    into.evictions += c.evictions;
+    into.rereads += c.rereads;
+    into.layer_demand_bytes = into.layer_demand_bytes.max(c.layer_demand_bytes);
+    into.experts_routed += c.experts_routed;
+    into.experts_dropped += c.experts_dropped;
+    into.prefill.cpu_s += c.prefill.cpu_s;
+    into.prefill.read_bytes += c.prefill.read_bytes;
+    into.prefill.io_s += c.prefill.io_s;
+    into.prefill.stall_s += c.prefill.stall_s;
+    into.prefill.mgmt_s += c.prefill.mgmt_s;
+    into.loop_overhead_tail_ms += c.loop_overhead_tail_ms;
+    into.io_errors += c.io_errors;
+}
+
+fn reborrow_w<'s>(o: &'s mut Option<&mut dyn Write>) -> Option<&'s mut dyn Write> {
+    match o {
+        Some(w) => Some(&mut **w),
+        None => None,
+    }
+}
+
+fn reborrow_s<'s>(o: &'s mut Option<&mut dyn RecordSink>) -> Option<&'s mut dyn RecordSink> {
+    match o {
+        Some(w) => Some(&mut **w),
+        None => None,
+    }
+}
+
+/// Run plan step `index` through the engine, feeding the trace sinks.
+fn run_step(
+    engine: &mut Engine<VirtualClock, FlashModel, TraceBackend>,
+    plan: &ReplayPlan,
+    index: usize,
+    tokens: &mut Vec<u32>,
+    route: &mut Option<&mut dyn RecordSink>,
+    io: &mut Option<&mut dyn RecordSink>,
+) -> Result<StepStats, SimError> {
+    let s = &plan.steps[index];
+    engine
+        .backend_mut()
+        .set_step(index)
+        .map_err(|e| SimError::invalid("replay plan", e.to_string()))?;
+    tokens.clear();
+    tokens.resize(s.positions.len(), 0);
+    let mut tee = bmoe_core::telemetry::TraceTee {
+        route: reborrow_s(route),
+        io: reborrow_s(io),
+    };
+    let stats = engine.step(
+        &StepInput {
+            turn: s.turn,
+            phase: s.phase,
+            tokens,
+            positions: &s.positions,
+        },
+        &mut tee,
+    )?;
+    Ok(stats)
+}
+
+/// Run the replay. The CSV preamble is written from `setup.cfg`, one `# summary` per turn.
+pub fn run(setup: ReplaySetup<'_>, out: ReplayOutputs<'_>) -> Result<ReplayResult, SimError> {
+    let ReplaySetup {
+        trace,
+        plan,
+        layout,
+        cfg,
+        budget_bytes,
+        policy,
+        profile,
+        seed,
+    } = setup;
+    let ReplayOutputs {
+        mut csv,
+        mut progress,
+        mut route,
+        mut io,
+        mut decode_stats,
+    } = out;
+    let k = cfg.n_expert_used as u16;
+    let clock = VirtualClock::new();
+    let flash = FlashModel::new(
+        clock.clone(),
+        &profile.flash,
+        cfg.io_threads,
+        cfg.o_direct,
+        seed,
+    );
+    let backend = TraceBackend::new(
+        clock.clone(),
+        &profile.compute,
+        layout,
+        trace.clone(),
+        plan.clone(),
+        seed,
+    );
+    let cache = ExpertCache::new(layout, budget_bytes, k, policy)?;
+    let mut engine = Engine::new(
+        clock.clone(),
+        flash,
+        backend,
+        layout.clone(),
+        cache,
+        StreamConfig {
+            overlap: cfg.overlap,
+            load_all: cfg.load_all,
+            max_read_bytes: 0,
+        },
+    )?;
+    let trace_k = u16::try_from(trace.preamble.n_expert_used).unwrap_or(u16::MAX);
+    if cfg.n_expert_used_override > 0 && k < trace_k {
+        engine.add_hook(Box::new(TopKOverride {
+            k,
+            renormalize: true,
+        }));
+    }
+
+    let mut telemetry = RunTelemetry::new();
+    if let Some(w) = reborrow_w(&mut csv) {
+        telemetry
+            .write_csv_preamble(cfg, w)
+            .map_err(|e| SimError::io("--csv", e))?;
+    }
+    let layer_demand = layout.layer_demand_bytes(k);
+    let mem = MemPicture::default();
+    let mut whole = RunSummary::default();
+    whole.counters.cache_hit_pct = f64::NAN;
+    let mut turns = Vec::with_capacity(plan.turns.len());
+    let mut read_bytes = 0u64;
+    let mut decode_steps = 0u64;
+    let mut decode_wall = Nanos::ZERO;
+    let mut tokens: Vec<u32> = Vec::new();
+
+    for turn in &plan.turns {
+        telemetry.begin_generation();
+        let n_decode = turn.decode.len() as u32;
+        // The engine's first token comes from the prefill's logits, so a generation with a
+        // prefill targets one token more than it decodes.
+        let steps = n_decode + u32::from(turn.prefill.is_some());
+        let mut ledger = Ledger::new(cfg.overlap, engine.cache().budget_bytes(), turn.turn, steps);
+        let mut n_prompt = 0u64;
+        let mut prefill_s = 0.0;
+        if let Some(p) = turn.prefill {
+            let st = run_step(&mut engine, &plan, p, &mut tokens, &mut route, &mut io)?;
+            read_bytes += st.read_bytes;
+            n_prompt = u64::from(st.tokens);
+            prefill_s = st.wall.as_secs_f64();
+            ledger.prefill(&st, &mem, &mem);
+        }
+        for index in turn.decode.clone() {
+            let gap = engine.backend_mut().loop_gap();
+            let st = run_step(&mut engine, &plan, index, &mut tokens, &mut route, &mut io)?;
+            debug_assert_eq!(plan.steps[index].phase, Phase::Decode);
+            read_bytes += st.read_bytes;
+            decode_steps += 1;
+            decode_wall += st.wall;
+            let rec = ledger.token(&st, &mem, gap.as_ms_f64());
+            if let Some(v) = decode_stats.as_deref_mut() {
+                v.push(st.clone());
+            }
+            telemetry
+                .token(
+                    &rec,
+                    "",
+                    "",
+                    reborrow_w(&mut progress),
+                    reborrow_w(&mut csv),
+                )
+                .map_err(|e| SimError::io("--csv/--progress", e))?;
+        }
+        let tail = engine.backend_mut().loop_gap();
+        let counters = ledger.counters(
+            engine.cache(),
+            layer_demand,
+            n_prompt,
+            n_prompt + u64::from(n_decode),
+            0.0,
+            prefill_s,
+            tail.as_ms_f64(),
+        );
+        let tokens_before = whole.totals.tokens;
+        let summary = telemetry
+            .finish(counters.clone(), reborrow_w(&mut csv))
+            .map_err(|e| SimError::io("--csv", e))?;
+        add_totals(&mut whole.totals, &summary.totals);
+        add_counters(
+            &mut whole.counters,
+            &counters,
+            tokens_before,
+            summary.totals.tokens,
+        );
+        turns.push(summary);
+    }
+    let cache = engine.cache().counters();
+    // The whole replay's hit rate: every lookup of the session's cache.
+    whole.counters.cache_hit_pct = if engine.cache().is_off() {
+        -1.0
+    } else {
+        let n = cache.hits + cache.misses;
+        if n == 0 {
+            0.0
+        } else {
+            100.0 * cache.hits as f64 / n as f64
+        }
+    };
+    Ok(ReplayResult {
+        cache,
+        read_bytes,
+        decode_steps,
+        decode_wall,
+        summary: whole,
+        turns,
+        end: clock.now(),
+    })
+}
