@@ -76,6 +76,10 @@ pub struct RunArgs {
     /// Print the architectures this build runs and exit
     #[arg(long = "list-archs")]
     pub list_archs: bool,
+    /// Test hook: spoil the Nth flash read (0-based) with an injected fault, `eio:N` or
+    /// `short:N`, to check that a failed read stops the run loudly. Not for normal use.
+    #[arg(long = "inject-read-fault", value_name = "KIND:N", hide = true)]
+    pub inject_read_fault: Option<String>,
     #[command(flatten)]
     pub stream: bmoe_core::flags::StreamArgs,
     #[command(flatten)]
@@ -129,9 +133,11 @@ pub struct GenArgs {
     /// Tie the output head to the token embedding (no output.weight)
     #[arg(long = "tie-output")]
     pub tie_output: bool,
-    /// Routing realism: router mix of context (slowly drifting) vs token identity, in [0,1]
-    #[arg(long = "routing-context", default_value_t = 0.5)]
-    pub routing_context: f32,
+    /// Routing realism: router mix of context (slowly drifting) vs token identity, in [0,1].
+    /// Default per preset, calibrated to ~35-40% previous-token reuse on English text
+    /// (tiny 0.5, small 0.4, qwen3-30b-a3b-shape 0.63; see docs/models.md); 0 = random routing
+    #[arg(long = "routing-context")]
+    pub routing_context: Option<f32>,
     /// Router logit gain (higher = sharper routing)
     #[arg(long = "router-gain", default_value_t = 6.0)]
     pub router_gain: f32,
@@ -169,6 +175,22 @@ pub struct BenchArgs {
     /// Matrix size per format in MiB (should exceed the last-level cache)
     #[arg(long = "size-mib", default_value_t = 256)]
     pub size_mib: usize,
+    /// Instead of the kernels: raw read bandwidth of this file (the ceiling streaming is
+    /// judged against), with the request size and lane counts below
+    #[arg(long = "io-file", value_name = "PATH")]
+    pub io_file: Option<PathBuf>,
+    /// Request size for --io-file, KiB
+    #[arg(long = "io-request-kib", default_value_t = 1024)]
+    pub io_request_kib: u64,
+    /// Lane counts for --io-file, comma separated
+    #[arg(long = "io-lanes", default_value = "1,2,4")]
+    pub io_lanes: String,
+    /// Bytes read per setting for --io-file, MiB
+    #[arg(long = "io-total-mib", default_value_t = 1024)]
+    pub io_total_mib: u64,
+    /// Buffered reads instead of O_DIRECT for --io-file
+    #[arg(long = "no-odirect")]
+    pub no_odirect: bool,
 }
 
 pub fn gen(a: GenArgs) -> Result<()> {
@@ -228,7 +250,9 @@ pub fn gen(a: GenArgs) -> Result<()> {
         shape,
         types,
         seed: a.seed,
-        routing_context: a.routing_context,
+        routing_context: a
+            .routing_context
+            .unwrap_or(preset.default_routing_context()),
         router_gain: a.router_gain,
         attn_sharpness: a.attn_sharpness,
         vocab,
@@ -289,6 +313,15 @@ pub fn inspect(a: InspectArgs) -> Result<()> {
 }
 
 pub fn bench(a: BenchArgs) -> Result<()> {
+    if let Some(path) = &a.io_file {
+        println!("raw {} reads of {} KiB from {}", if a.no_odirect { "buffered" } else { "O_DIRECT" }, a.io_request_kib, path.display());
+        for lanes in a.io_lanes.split(',') {
+            let lanes: u32 = lanes.trim().parse().map_err(|_| anyhow!("--io-lanes: {lanes} is not a number"))?;
+            let mib_s = crate::flash::raw_read_bench(path, a.io_request_kib * 1024, lanes, !a.no_odirect, a.io_total_mib << 20)?;
+            println!("  {lanes} lanes: {mib_s:.0} MiB/s");
+        }
+        return Ok(());
+    }
     let rep = crate::kernels::bench::run_bench(a.threads.max(1) as usize, a.size_mib);
     println!("{rep}");
     Ok(())

@@ -232,7 +232,7 @@ unsafe fn pread_full(
             break;
         }
         got += n as u64;
-        if direct && got % ALIGN != 0 {
+        if direct && got & (ALIGN - 1) != 0 {
             break;
         }
     }

@@ -17,6 +17,7 @@ use bmoe_core::telemetry::report::{write_report, ReportContext};
 use bmoe_core::telemetry::route_trace::{RoutePreamble, RouteTraceWriter, TraceLayer};
 use bmoe_core::telemetry::run::RunTelemetry;
 use bmoe_core::telemetry::sinks::TraceTee;
+use bmoe_core::testing::{Fault, FaultyFlash};
 use bmoe_core::{Engine, ExpertCache, StepInput, StepStats, StreamConfig, TopKOverride};
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -24,7 +25,25 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
-type Streamed = Engine<MonotonicClock, LaneFlash, EngineBackend>;
+/// The engine's device: the O_DIRECT lanes, behind the core's fault injector (which spoils
+/// nothing unless `--inject-read-fault` asks it to).
+type Device = FaultyFlash<LaneFlash>;
+type Streamed = Engine<MonotonicClock, Device, EngineBackend>;
+
+fn parse_fault(s: &str) -> Result<(u64, Fault)> {
+    let (kind, n) = s
+        .split_once(':')
+        .ok_or_else(|| anyhow!("--inject-read-fault {s}: expected eio:N or short:N"))?;
+    let n: u64 = n
+        .parse()
+        .map_err(|_| anyhow!("--inject-read-fault {s}: N must be a read number"))?;
+    let f = match kind {
+        "eio" => Fault::Eio,
+        "short" => Fault::Short { got: 1 },
+        _ => bail!("--inject-read-fault {s}: kind must be eio or short"),
+    };
+    Ok((n, f))
+}
 
 /// The model, resident (every expert read from the memory map) or streamed by the core.
 pub enum Runner {
@@ -71,6 +90,13 @@ impl Runner {
         }
     }
 
+    fn dense_ranges(&self) -> Vec<(*const u8, usize)> {
+        match self {
+            Runner::Resident { model, .. } => model.w.dense_ranges(),
+            Runner::Streamed(e) => e.backend().model.w.dense_ranges(),
+        }
+    }
+
     fn cache(&self) -> Option<&ExpertCache> {
         match self {
             Runner::Resident { .. } => None,
@@ -79,14 +105,14 @@ impl Runner {
     }
 }
 
-fn mem_picture() -> MemPicture {
+fn mem_picture(dense: &mut crate::probe::DenseResidency) -> MemPicture {
     let ru = crate::probe::rusage();
     let ps = crate::probe::proc_status();
     let mi = crate::probe::meminfo();
     MemPicture {
         majflt_total: ru.majflt,
         cpu_ms_total: ru.cpu_s * 1000.0,
-        dense_resident_frac: -1.0,
+        dense_resident_frac: dense.sample(),
         rss_mib: ps.rss_mib,
         rss_anon_mib: ps.rss_anon_mib,
         rss_file_mib: ps.rss_file_mib,
@@ -94,7 +120,7 @@ fn mem_picture() -> MemPicture {
         mem_available_mib: mi.mem_available_mib,
         mem_free_mib: mi.mem_free_mib,
         swap_free_mib: mi.swap_free_mib,
-        page_bytes: 4096,
+        page_bytes: crate::probe::page_size_bytes(),
     }
 }
 
@@ -206,6 +232,11 @@ pub fn generate_with(
             writeln!(err, "bmoe: warning: {w}")?;
         }
         cfg.o_direct = flash.o_direct_achieved();
+        let (nth, fault) = match &args.inject_read_fault {
+            Some(f) => parse_fault(f)?,
+            None => (u64::MAX, Fault::Eio),
+        };
+        let flash = FaultyFlash::new(flash, nth, fault);
         let model = Qwen3Moe::new(weights, args.threads as usize);
         let state = model.new_state(args.ctx as usize);
         let backend = EngineBackend::new(model, state, arena, layout.clone());
@@ -334,7 +365,9 @@ pub fn generate_with(
         0,
         args.n_predict,
     );
-    let m0 = mem_picture();
+    // Dense residency by mincore, throttled: at most every 16 tokens and 250 ms.
+    let mut dense = crate::probe::DenseResidency::new(&runner.dense_ranges(), 16, 250);
+    let m0 = mem_picture(&mut dense);
     let t_prefill = Instant::now();
     let st = {
         let mut tee = TraceTee {
@@ -357,7 +390,7 @@ pub fn generate_with(
         Err(e) => return fail(progress, e, out, err),
     };
     let prefill_s = t_prefill.elapsed().as_secs_f64();
-    let m1 = mem_picture();
+    let m1 = mem_picture(&mut dense);
     ledger.prefill(&st, &m0, &m1);
     let nv = hp.n_vocab;
     if let Some(w) = logits_out.as_mut() {
@@ -437,7 +470,7 @@ pub fn generate_with(
             }
         };
         t_prev_end = Instant::now();
-        let rec = ledger.token(&s, &mem_picture(), loop_ms);
+        let rec = ledger.token(&s, &mem_picture(&mut dense), loop_ms);
         telemetry.token(
             &rec,
             &reasoning,
@@ -552,7 +585,7 @@ fn fail(
     err: &mut dyn Write,
 ) -> Result<Outcome> {
     let _ = out.flush();
-    writeln!(err, "bmoe: FAILED: {e:#}")?;
+    writeln!(err, "bmoe: FAILED: {e}")?;
     writeln!(err, "moe-stream: generation stopped by a failed read or step - this run's output is not trustworthy")?;
     if progress {
         writeln!(

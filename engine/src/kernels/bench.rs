@@ -50,6 +50,11 @@ pub struct BenchReport {
     pub read_gbps: f64,
     /// STREAM-style copy, bytes read plus bytes written per second, GB/s.
     pub copy_gbps: f64,
+    /// Mean time of one decode-sized product (a 768 x 2048 Q4_K expert projection, 864 KiB,
+    /// cache-resident), so per-call overhead shows: compare across thread counts.
+    pub expert_matvec_us: f64,
+    /// The same matrix times 16 activations with [`super::matmul`] (prefill), per token.
+    pub expert_matmul_us_per_token: f64,
     pub formats: Vec<FormatResult>,
 }
 
@@ -74,6 +79,7 @@ pub fn run_bench(threads: usize, size_mib: usize) -> BenchReport {
     // Written through before timing: untouched pages would all read the kernel's zero page.
     let mut buf: Vec<u8> = (0..size_bytes).map(|i| (i * 131 % 251) as u8).collect();
     let (read_gbps, copy_gbps) = memory_bandwidth(&pool, &mut buf);
+    let (expert_matvec_us, expert_matmul_us_per_token) = expert_products_us(&pool);
 
     let mut formats = Vec::new();
     for ty in FORMATS {
@@ -95,7 +101,7 @@ pub fn run_bench(threads: usize, size_mib: usize) -> BenchReport {
             continue;
         }
         let mut out = vec![0f32; n_rows];
-        for level in SimdLevel::available() {
+        for level in bench_levels() {
             let best_s = best_of(|| {
                 // Shapes were built to fit; an error here would be a bug, and shows as NaN.
                 if matvec_at(&pool, level, ty, w, n_rows, N_COLS, &act, &mut out).is_err() {
@@ -136,16 +142,78 @@ pub fn run_bench(threads: usize, size_mib: usize) -> BenchReport {
         level: super::simd_level(),
         read_gbps,
         copy_gbps,
+        expert_matvec_us,
+        expert_matmul_us_per_token,
         formats,
+    }
+}
+
+/// (one matvec, one 16-token matmul per token), in microseconds, on an expert-sized Q4_K
+/// matrix that stays in cache.
+fn expert_products_us(pool: &ThreadPool) -> (f64, f64) {
+    const RUNS: usize = 1000;
+    const TOKENS: usize = 16;
+    let (ty, n_rows, n_cols) = (GgmlType::Q4_K, 768, 2048);
+    let row_bytes = ty.row_bytes(n_cols as u64).map_or(0, |b| b as usize);
+    let mut w = vec![0u8; n_rows * row_bytes];
+    fill_weights_cols(ty, &mut w, row_bytes, n_cols);
+    let mut acts = vec![ActBuf::new(); TOKENS];
+    for (t, act) in acts.iter_mut().enumerate() {
+        let x: Vec<f32> = (0..n_cols)
+            .map(|i| ((i * 37 + t * 11) % 101) as f32 / 50.0 - 1.0)
+            .collect();
+        if act.prepare(ty, &x).is_err() {
+            return (f64::NAN, f64::NAN);
+        }
+    }
+    let mut out = vec![0f32; n_rows * TOKENS];
+    let mut time = |f: &mut dyn FnMut(&mut [f32]) -> bool, runs: usize| {
+        f(&mut out);
+        let t = Instant::now();
+        for _ in 0..runs {
+            if !f(&mut out) {
+                return f64::NAN;
+            }
+            std::hint::black_box(&out);
+        }
+        t.elapsed().as_secs_f64() * 1e6 / runs as f64
+    };
+    let matvec_us = time(
+        &mut |out| {
+            super::matvec(pool, ty, &w, n_rows, n_cols, &acts[0], &mut out[..n_rows]).is_ok()
+        },
+        RUNS,
+    );
+    let matmul_us = time(
+        &mut |out| super::matmul(pool, ty, &w, n_rows, n_cols, &acts, out).is_ok(),
+        RUNS / TOKENS,
+    );
+    (matvec_us, matmul_us / TOKENS as f64)
+}
+
+/// The SIMD levels worth timing: every vector level (side by side, to show whether a wider
+/// one pays), or scalar when there is none.
+fn bench_levels() -> Vec<SimdLevel> {
+    let all = SimdLevel::available();
+    if all.len() > 1 {
+        all.into_iter()
+            .filter(|l| *l != SimdLevel::Scalar)
+            .collect()
+    } else {
+        all
     }
 }
 
 /// Fills `w` with realistic rows of `ty`: 64 quantized random rows, repeated.
 fn fill_weights(ty: GgmlType, w: &mut [u8], row_bytes: usize) {
+    fill_weights_cols(ty, w, row_bytes, N_COLS)
+}
+
+fn fill_weights_cols(ty: GgmlType, w: &mut [u8], row_bytes: usize, n_cols: usize) {
     const DISTINCT: usize = 64;
     let mut rows = vec![0u8; DISTINCT * row_bytes];
     let mut state = 0x9E37_79B9_7F4A_7C15u64;
-    let mut src = vec![0f32; N_COLS];
+    let mut src = vec![0f32; n_cols];
     for r in 0..DISTINCT {
         for v in src.iter_mut() {
             // xorshift: deterministic, cheap, roughly uniform in [-0.05, 0.05).
@@ -154,7 +222,7 @@ fn fill_weights(ty: GgmlType, w: &mut [u8], row_bytes: usize) {
             state ^= state << 17;
             *v = ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.1;
         }
-        // Cannot fail: N_COLS is a whole number of blocks of every benchmarked format.
+        // Cannot fail: the column counts used are whole numbers of blocks of every format.
         let _ = quantize_row(ty, &src, &mut rows[r * row_bytes..(r + 1) * row_bytes]);
     }
     for (i, row) in w.chunks_exact_mut(row_bytes).enumerate() {
@@ -213,8 +281,14 @@ fn memory_bandwidth(pool: &ThreadPool, buf: &mut [u8]) -> (f64, f64) {
     (read_gbps, copy_gbps)
 }
 
-/// Wrapping sum of the buffer as u64 words (vectorizes; the value only defeats elision).
+/// Wrapping sum of the buffer as u64 words; the value only defeats elision. Vector loads
+/// where the CPU has them, so the loop is bound by memory, not by the adds.
 fn sum_words(b: &[u8]) -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    if super::simd_level() >= SimdLevel::Avx2 {
+        // SAFETY: AVX2 is present.
+        return unsafe { sum_words_avx2(b) };
+    }
     let mut lanes = [0u64; 8];
     let mut words = b.chunks_exact(64);
     for w in &mut words {
@@ -225,6 +299,30 @@ fn sum_words(b: &[u8]) -> u64 {
         }
     }
     let tail: u64 = words.remainder().iter().map(|v| *v as u64).sum();
+    lanes.iter().fold(tail, |a, v| a.wrapping_add(*v))
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn sum_words_avx2(b: &[u8]) -> u64 {
+    use std::arch::x86_64::*;
+    let mut acc = [_mm256_setzero_si256(); 4];
+    let mut blocks = b.chunks_exact(128);
+    for blk in &mut blocks {
+        for (k, a) in acc.iter_mut().enumerate() {
+            // SAFETY: 32 bytes at 32k inside the 128-byte block.
+            let v = unsafe { _mm256_loadu_si256(blk.as_ptr().add(32 * k).cast()) };
+            *a = _mm256_add_epi64(*a, v);
+        }
+    }
+    let mut lanes = [0u64; 4];
+    let total = _mm256_add_epi64(
+        _mm256_add_epi64(acc[0], acc[1]),
+        _mm256_add_epi64(acc[2], acc[3]),
+    );
+    // SAFETY: 4 u64.
+    unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), total) };
+    let tail: u64 = blocks.remainder().iter().map(|v| *v as u64).sum();
     lanes.iter().fold(tail, |a, v| a.wrapping_add(*v))
 }
 
@@ -241,6 +339,12 @@ impl fmt::Display for BenchReport {
             f,
             "memory: read {:.1} GB/s, copy {:.1} GB/s (read + written)",
             self.read_gbps, self.copy_gbps
+        )?;
+        writeln!(
+            f,
+            "expert-sized product (Q4_K 768x2048, in cache): matvec {:.1} us, \
+             16-token matmul {:.1} us per token",
+            self.expert_matvec_us, self.expert_matmul_us_per_token
         )?;
         writeln!(
             f,
@@ -271,11 +375,13 @@ mod tests {
     #[test]
     fn small_run_reports_every_format_and_level() {
         let r = run_bench(2, 2);
-        assert_eq!(
-            r.formats.len(),
-            FORMATS.len() * SimdLevel::available().len()
+        assert_eq!(r.formats.len(), FORMATS.len() * bench_levels().len());
+        assert!(
+            r.read_gbps > 0.0
+                && r.copy_gbps > 0.0
+                && r.expert_matvec_us > 0.0
+                && r.expert_matmul_us_per_token > 0.0
         );
-        assert!(r.read_gbps > 0.0 && r.copy_gbps > 0.0);
         for f in &r.formats {
             assert!(f.gbps.is_finite() && f.gbps > 0.0, "{f:?}");
             assert!(f.cached_gbps.is_finite() && f.cached_gbps > 0.0, "{f:?}");

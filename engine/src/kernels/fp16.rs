@@ -36,7 +36,7 @@ fn weight(w: &[u8], i: usize) -> f32 {
 pub(super) fn dot(level: SimdLevel, w: &[u8], a: &[u16]) -> f32 {
     match level {
         #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx2 | SimdLevel::Avx512 => {
+        SimdLevel::Avx2 => {
             // SAFETY: the level is only reported when AVX2/FMA/F16C are present.
             unsafe { dot_avx2(w, a) }
         }

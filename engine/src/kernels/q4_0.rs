@@ -58,7 +58,7 @@ pub(super) fn dequantize(src: &[BlockQ4_0], dst: &mut [f32]) {
 pub(super) fn dot(level: SimdLevel, w: &[BlockQ4_0], a: &[BlockQ8_0]) -> f32 {
     match level {
         #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx2 | SimdLevel::Avx512 => {
+        SimdLevel::Avx2 => {
             // SAFETY: the level is only reported when AVX2/FMA/F16C are present.
             unsafe { dot_avx2(w, a) }
         }

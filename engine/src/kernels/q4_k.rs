@@ -11,7 +11,7 @@
 //! `acc += (d_a·d)·sumi − (d_a·dmin)·summ` in that order, super-blocks in row order. SIMD only
 //! computes the integers, so it matches the scalar bits.
 
-use super::q8_k::{BlockQ8K, QK_K};
+use super::q8_k::{BlockQ8K, GROUP, QK_K};
 use super::{f16_to_f32, f32_to_f16, nearest_int, RawBlock, SimdLevel};
 
 /// One Q4_K super-block as stored in GGUF.
@@ -24,6 +24,16 @@ pub struct BlockQ4K {
     qs: [u8; QK_K / 2],
 }
 const _: () = assert!(std::mem::size_of::<BlockQ4K>() == 144);
+
+impl BlockQ4K {
+    /// `d`, `dmin` and `scales`: the first 16 bytes.
+    #[cfg(target_arch = "x86_64")]
+    fn head(&self) -> &[u8; 16] {
+        // SAFETY: repr(C) with alignment 1; the block is 144 bytes, so its first 16 bytes are
+        // in bounds and any bits are valid for u8.
+        unsafe { &*(self as *const Self).cast::<[u8; 16]>() }
+    }
+}
 // SAFETY: byte arrays only: alignment 1, no padding, any bits valid.
 unsafe impl RawBlock for BlockQ4K {}
 
@@ -184,11 +194,24 @@ pub(super) fn super_block_term(d: [u8; 2], dmin: [u8; 2], d_a: f32, sumi: i32, s
 pub(super) fn dot(level: SimdLevel, w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
     match level {
         #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx2 | SimdLevel::Avx512 => {
+        SimdLevel::Avx2 => {
             // SAFETY: the level is only reported when AVX2/FMA/F16C are present.
             unsafe { dot_avx2(w, a) }
         }
         _ => dot_scalar(w, a),
+    }
+}
+
+/// Dots of one row with [`GROUP`] activations at once (prefill): the weights are unpacked once
+/// for all of them. Each result has exactly the bits [`dot`] gives for that activation.
+pub(super) fn dot_group(level: SimdLevel, w: &[BlockQ4K], a: [&[BlockQ8K]; GROUP]) -> [f32; GROUP] {
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        SimdLevel::Avx2 => {
+            // SAFETY: the level is only reported when AVX2/FMA/F16C are present.
+            unsafe { dot_n_avx2(w, a) }
+        }
+        _ => a.map(|a| dot_scalar(w, a)),
     }
 }
 
@@ -214,44 +237,61 @@ pub(super) fn dot_scalar(w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_avx2(w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
+    let [v] = unsafe { dot_n_avx2::<1>(w, [a]) };
+    v
+}
+
+/// `N` dots of one row at once: per chunk the nibbles and scales are prepared once and
+/// multiplied into each activation's own exact integer sum; each activation then gets its own
+/// float steps, the same for any `N`, so the bits never depend on the grouping.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn dot_n_avx2<const N: usize>(w: &[BlockQ4K], a: [&[BlockQ8K]; N]) -> [f32; N] {
     use std::arch::x86_64::*;
+    let n = a.iter().fold(w.len(), |n, a| n.min(a.len()));
     let m4 = _mm256_set1_epi8(0x0F);
-    let mut acc = _mm_setzero_ps();
-    for (x, y) in w.iter().zip(a) {
-        let (scales, mins) = unsafe { x86::scales_mins(&x.scales) };
-        let mut sumi = _mm256_setzero_si256();
+    let mut acc = [_mm_setzero_ps(); N];
+    for (i, x) in w[..n].iter().enumerate() {
+        let (scales, mins) = unsafe { x86::scales_mins(x.head()) };
+        let mut sumi = [_mm256_setzero_si256(); N];
         for c in 0..4 {
-            // SAFETY: 32-byte loads inside qs (128 bytes) and y.qs (256 bytes).
-            let (q, ylo, yhi) = unsafe {
-                (
-                    _mm256_loadu_si256(x.qs.as_ptr().add(32 * c).cast()),
-                    _mm256_loadu_si256(y.qs.as_ptr().add(64 * c).cast()),
-                    _mm256_loadu_si256(y.qs.as_ptr().add(64 * c + 32).cast()),
-                )
-            };
+            // SAFETY: 32-byte load inside qs (128 bytes).
+            let q = unsafe { _mm256_loadu_si256(x.qs.as_ptr().add(32 * c).cast()) };
             let lo = _mm256_and_si256(q, m4);
             let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-            // ≤ 2 · 15 · 127 per i16 lane: no saturation.
-            let plo = _mm256_maddubs_epi16(lo, ylo);
-            let phi = _mm256_maddubs_epi16(hi, yhi);
             let (sc_lo, sc_hi) = unsafe {
                 (
                     x86::scale_of(scales, 2 * c),
                     x86::scale_of(scales, 2 * c + 1),
                 )
             };
-            let s = _mm256_add_epi32(_mm256_madd_epi16(plo, sc_lo), _mm256_madd_epi16(phi, sc_hi));
-            sumi = _mm256_add_epi32(sumi, s);
+            for (t, s) in sumi.iter_mut().enumerate() {
+                let y = &a[t][i];
+                // SAFETY: 32-byte loads inside y.qs (256 bytes).
+                let (ylo, yhi) = unsafe {
+                    (
+                        _mm256_loadu_si256(y.qs.as_ptr().add(64 * c).cast()),
+                        _mm256_loadu_si256(y.qs.as_ptr().add(64 * c + 32).cast()),
+                    )
+                };
+                // ≤ 2 · 15 · 127 per i16 lane: no saturation.
+                let plo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, ylo), sc_lo);
+                let phi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, yhi), sc_hi);
+                *s = _mm256_add_epi32(*s, _mm256_add_epi32(plo, phi));
+            }
         }
-        acc = unsafe { x86::finish(acc, sumi, mins, &y.bsums, x.d, x.dmin, y.d) };
+        for t in 0..N {
+            let y = &a[t][i];
+            acc[t] = unsafe { x86::finish(acc[t], sumi[t], mins, &y.bsums, x.d, x.dmin, y.d) };
+        }
     }
-    _mm_cvtss_f32(acc)
+    acc.map(|v| _mm_cvtss_f32(v))
 }
 
 /// AVX2 pieces shared by Q4_K and Q5_K.
 #[cfg(target_arch = "x86_64")]
 pub(super) mod x86 {
-    use super::scale_words;
     use std::arch::x86_64::*;
 
     /// `pshufb` masks: mask `k` fills every 16-bit lane with lane `k` (of each 128-bit half).
@@ -269,15 +309,28 @@ pub(super) mod x86 {
         m
     };
 
-    /// The 8 scales as i16 (in both 128-bit halves) and the 8 minimums as i16.
+    /// The 8 scales as i16 (in both 128-bit halves) and the 8 minimums as i16, from the first
+    /// 16 bytes of a Q4_K/Q5_K block (`d`, `dmin`, `scales`): [`scale_words`] done on the
+    /// three scale words in one register.
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    pub unsafe fn scales_mins(s: &[u8; 12]) -> (__m256i, __m128i) {
-        let w = scale_words(s);
-        // SAFETY: 16 bytes.
-        let v = unsafe { _mm_loadu_si128(w.as_ptr().cast()) };
-        let sc = _mm_cvtepu8_epi16(v);
-        let m = _mm_cvtepu8_epi16(_mm_srli_si128(v, 8));
+    pub unsafe fn scales_mins(head: &[u8; 16]) -> (__m256i, __m128i) {
+        // SAFETY: 16 bytes. Lanes: [d | dmin, u0, u1, u2].
+        let v = unsafe { _mm_loadu_si128(head.as_ptr().cast()) };
+        let a = _mm_shuffle_epi32(v, 0b11_10_11_01); // [u0, u2, u1, u2]
+        let b = _mm_shuffle_epi32(v, 0b10_10_01_01); // [u0, u0, u1, u1]
+        let low = _mm_and_si128(
+            _mm_srlv_epi32(a, _mm_setr_epi32(0, 0, 0, 4)),
+            _mm_setr_epi32(0x3f3f_3f3f, 0x0f0f_0f0f, 0x3f3f_3f3f, 0x0f0f_0f0f),
+        );
+        // Top two bits of the first eight 6-bit fields, moved to bits 4-5 of lanes 1 and 3.
+        let high = _mm_and_si128(
+            _mm_srli_epi32(b, 2),
+            _mm_setr_epi32(0, 0x3030_3030, 0, 0x3030_3030),
+        );
+        let words = _mm_or_si128(low, high); // [sc 0-3, sc 4-7, m 0-3, m 4-7]
+        let sc = _mm_cvtepu8_epi16(words);
+        let m = _mm_cvtepu8_epi16(_mm_srli_si128(words, 8));
         (_mm256_broadcastsi128_si256(sc), m)
     }
 
@@ -371,6 +424,31 @@ pub(super) mod tests {
         }
     }
 
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn vector_scale_decoding_matches_scalar() {
+        if super::super::simd_level() < SimdLevel::Avx2 {
+            return;
+        }
+        use std::arch::x86_64::*;
+        for seed in 0..256u64 {
+            let head: [u8; 16] = bytes(seed, 16).try_into().unwrap();
+            let (sc, m) = unpack_scales(head[4..].try_into().unwrap());
+            let (mut got_sc, mut got_m) = ([0i16; 16], [0i16; 8]);
+            // SAFETY: AVX2 is present (checked above); stores fit the arrays.
+            unsafe {
+                let (s, mm) = x86::scales_mins(&head);
+                _mm256_storeu_si256(got_sc.as_mut_ptr().cast(), s);
+                _mm_storeu_si128(got_m.as_mut_ptr().cast(), mm);
+            }
+            for j in 0..8 {
+                assert_eq!(got_sc[j], sc[j] as i16, "seed={seed}");
+                assert_eq!(got_sc[j + 8], sc[j] as i16, "seed={seed}");
+                assert_eq!(got_m[j], m[j] as i16, "seed={seed}");
+            }
+        }
+    }
+
     #[test]
     fn scale_packing_round_trips() {
         for seed in 0..64u64 {
@@ -392,6 +470,26 @@ pub(super) mod tests {
                     dot(level, &w, &a).to_bits(),
                     s.to_bits(),
                     "{level:?} seed={seed}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn group_dot_matches_single_dots_bits() {
+        let nb = 5;
+        let w = quantized(&values(70, nb * QK_K, 0.1));
+        let acts: Vec<Vec<BlockQ8K>> = (0..GROUP as u64)
+            .map(|t| q8k(&values(71 + t, nb * QK_K, 1.0)))
+            .collect();
+        let group: [&[BlockQ8K]; GROUP] = std::array::from_fn(|t| acts[t].as_slice());
+        for level in SimdLevel::available() {
+            let got = dot_group(level, &w, group);
+            for t in 0..GROUP {
+                assert_eq!(
+                    got[t].to_bits(),
+                    dot(level, &w, &acts[t]).to_bits(),
+                    "{level:?} t={t}"
                 );
             }
         }

@@ -10,7 +10,7 @@
 //! super-block); SIMD only computes the integers, so it matches the scalar bits.
 
 use super::q4_k::{mins_dot, quantize_super_block, super_block_term, unpack_scales};
-use super::q8_k::{BlockQ8K, QK_K};
+use super::q8_k::{BlockQ8K, GROUP, QK_K};
 use super::{f16_to_f32, RawBlock, SimdLevel};
 
 /// One Q5_K super-block as stored in GGUF.
@@ -24,6 +24,16 @@ pub struct BlockQ5K {
     qs: [u8; QK_K / 2],
 }
 const _: () = assert!(std::mem::size_of::<BlockQ5K>() == 176);
+
+impl BlockQ5K {
+    /// `d`, `dmin` and `scales`: the first 16 bytes.
+    #[cfg(target_arch = "x86_64")]
+    fn head(&self) -> &[u8; 16] {
+        // SAFETY: repr(C) with alignment 1; the block is 176 bytes, so its first 16 bytes are
+        // in bounds and any bits are valid for u8.
+        unsafe { &*(self as *const Self).cast::<[u8; 16]>() }
+    }
+}
 // SAFETY: byte arrays only: alignment 1, no padding, any bits valid.
 unsafe impl RawBlock for BlockQ5K {}
 
@@ -77,7 +87,7 @@ pub(super) fn dequantize(src: &[BlockQ5K], dst: &mut [f32]) {
 pub(super) fn dot(level: SimdLevel, w: &[BlockQ5K], a: &[BlockQ8K]) -> f32 {
     match level {
         #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx2 | SimdLevel::Avx512 => {
+        SimdLevel::Avx2 => {
             // SAFETY: the level is only reported when AVX2/FMA/F16C are present.
             unsafe { dot_avx2(w, a) }
         }
@@ -107,47 +117,77 @@ pub(super) fn dot_scalar(w: &[BlockQ5K], a: &[BlockQ8K]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_avx2(w: &[BlockQ5K], a: &[BlockQ8K]) -> f32 {
+    let [v] = unsafe { dot_n_avx2::<1>(w, [a]) };
+    v
+}
+
+/// `N` dots of one row at once (see Q4_K's `dot_n_avx2`): the 5-bit values and scales are
+/// built once per chunk; each activation keeps its own exact sum and float steps.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn dot_n_avx2<const N: usize>(w: &[BlockQ5K], a: [&[BlockQ8K]; N]) -> [f32; N] {
     use super::q4_k::x86;
     use std::arch::x86_64::*;
+    let n = a.iter().fold(w.len(), |n, a| n.min(a.len()));
     let m4 = _mm256_set1_epi8(0x0F);
     let one = _mm256_set1_epi8(1);
-    let mut acc = _mm_setzero_ps();
-    for (x, y) in w.iter().zip(a) {
-        let (scales, mins) = unsafe { x86::scales_mins(&x.scales) };
+    let mut acc = [_mm_setzero_ps(); N];
+    for (i, x) in w[..n].iter().enumerate() {
+        let (scales, mins) = unsafe { x86::scales_mins(x.head()) };
         // SAFETY: qh is 32 bytes.
         let mut hbits = unsafe { _mm256_loadu_si256(x.qh.as_ptr().cast()) };
-        let mut sumi = _mm256_setzero_si256();
+        let mut sumi = [_mm256_setzero_si256(); N];
         for c in 0..4 {
-            // SAFETY: 32-byte loads inside qs (128 bytes) and y.qs (256 bytes).
-            let (q, ylo, yhi) = unsafe {
-                (
-                    _mm256_loadu_si256(x.qs.as_ptr().add(32 * c).cast()),
-                    _mm256_loadu_si256(y.qs.as_ptr().add(64 * c).cast()),
-                    _mm256_loadu_si256(y.qs.as_ptr().add(64 * c + 32).cast()),
-                )
-            };
+            // SAFETY: 32-byte load inside qs (128 bytes).
+            let q = unsafe { _mm256_loadu_si256(x.qs.as_ptr().add(32 * c).cast()) };
             // hbits has been shifted right by 2c: bit 0 / bit 1 of each byte are this
             // chunk's fifth bits (16-bit shifts carry across bytes, the masks drop that).
             let h_lo = _mm256_slli_epi16(_mm256_and_si256(hbits, one), 4);
             let h_hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 1), one), 4);
             let lo = _mm256_or_si256(_mm256_and_si256(q, m4), h_lo);
             let hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), m4), h_hi);
-            // ≤ 2 · 31 · 127 per i16 lane: no saturation.
-            let plo = _mm256_maddubs_epi16(lo, ylo);
-            let phi = _mm256_maddubs_epi16(hi, yhi);
             let (sc_lo, sc_hi) = unsafe {
                 (
                     x86::scale_of(scales, 2 * c),
                     x86::scale_of(scales, 2 * c + 1),
                 )
             };
-            let s = _mm256_add_epi32(_mm256_madd_epi16(plo, sc_lo), _mm256_madd_epi16(phi, sc_hi));
-            sumi = _mm256_add_epi32(sumi, s);
+            for (t, s) in sumi.iter_mut().enumerate() {
+                let y = &a[t][i];
+                // SAFETY: 32-byte loads inside y.qs (256 bytes).
+                let (ylo, yhi) = unsafe {
+                    (
+                        _mm256_loadu_si256(y.qs.as_ptr().add(64 * c).cast()),
+                        _mm256_loadu_si256(y.qs.as_ptr().add(64 * c + 32).cast()),
+                    )
+                };
+                // ≤ 2 · 31 · 127 per i16 lane: no saturation.
+                let plo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, ylo), sc_lo);
+                let phi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, yhi), sc_hi);
+                *s = _mm256_add_epi32(*s, _mm256_add_epi32(plo, phi));
+            }
             hbits = _mm256_srli_epi16(hbits, 2);
         }
-        acc = unsafe { x86::finish(acc, sumi, mins, &y.bsums, x.d, x.dmin, y.d) };
+        for t in 0..N {
+            let y = &a[t][i];
+            acc[t] = unsafe { x86::finish(acc[t], sumi[t], mins, &y.bsums, x.d, x.dmin, y.d) };
+        }
     }
-    _mm_cvtss_f32(acc)
+    acc.map(|v| _mm_cvtss_f32(v))
+}
+
+/// Dots of one row with [`GROUP`] activations at once (prefill); each result has exactly the
+/// bits [`dot`] gives for that activation.
+pub(super) fn dot_group(level: SimdLevel, w: &[BlockQ5K], a: [&[BlockQ8K]; GROUP]) -> [f32; GROUP] {
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        SimdLevel::Avx2 => {
+            // SAFETY: the level is only reported when AVX2/FMA/F16C are present.
+            unsafe { dot_n_avx2(w, a) }
+        }
+        _ => a.map(|a| dot_scalar(w, a)),
+    }
 }
 
 #[cfg(test)]
@@ -184,6 +224,26 @@ mod tests {
                     dot(level, &w, &a).to_bits(),
                     s.to_bits(),
                     "{level:?} seed={seed}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn group_dot_matches_single_dots_bits() {
+        let nb = 5;
+        let w = quantized(&values(70, nb * QK_K, 0.1));
+        let acts: Vec<Vec<BlockQ8K>> = (0..GROUP as u64)
+            .map(|t| q8k(&values(71 + t, nb * QK_K, 1.0)))
+            .collect();
+        let group: [&[BlockQ8K]; GROUP] = std::array::from_fn(|t| acts[t].as_slice());
+        for level in SimdLevel::available() {
+            let got = dot_group(level, &w, group);
+            for t in 0..GROUP {
+                assert_eq!(
+                    got[t].to_bits(),
+                    dot(level, &w, &acts[t]).to_bits(),
+                    "{level:?} t={t}"
                 );
             }
         }

@@ -12,7 +12,7 @@
 //! then `acc += (d · d_a) · sumi`, super-blocks in row order. The AVX2 path computes the same
 //! integer as `Σ_j sc_j · Σ q·a − 32 · Σ_j sc_j · bsum_j`, so it matches the scalar bits.
 
-use super::q8_k::{BlockQ8K, QK_K};
+use super::q8_k::{BlockQ8K, GROUP, QK_K};
 use super::{f16_to_f32, f32_to_f16, nearest_int, RawBlock, SimdLevel};
 
 /// One Q6_K super-block as stored in GGUF.
@@ -115,7 +115,7 @@ fn super_block_term(d: [u8; 2], d_a: f32, sumi: i32) -> f32 {
 pub(super) fn dot(level: SimdLevel, w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
     match level {
         #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx2 | SimdLevel::Avx512 => {
+        SimdLevel::Avx2 => {
             // SAFETY: the level is only reported when AVX2/FMA/F16C are present.
             unsafe { dot_avx2(w, a) }
         }
@@ -228,6 +228,98 @@ unsafe fn dot_avx2(w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
     _mm_cvtss_f32(acc)
 }
 
+/// `N` dots of one row at once: the 6-bit values and scale vectors are built once per group of
+/// 32; each activation keeps its own exact sum and the float steps of [`dot_avx2`] (kept
+/// separate because the single dot is faster with fewer live registers; the tests check the
+/// two agree bit for bit).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn dot_n_avx2<const N: usize>(w: &[BlockQ6K], a: [&[BlockQ8K]; N]) -> [f32; N] {
+    use super::q8_k::x86::hsum_i32;
+    use std::arch::x86_64::*;
+    let n = a.iter().fold(w.len(), |n, a| n.min(a.len()));
+    let m4 = _mm256_set1_epi8(0x0F);
+    let m30 = _mm256_set1_epi8(0x30);
+    let mut acc = [_mm_setzero_ps(); N];
+    for (i, x) in w[..n].iter().enumerate() {
+        // SAFETY: scales is 16 bytes.
+        let scales8 = unsafe { _mm_loadu_si128(x.scales.as_ptr().cast()) };
+        let scales16 = _mm256_cvtepi8_epi16(scales8);
+        let mut sumi = [_mm256_setzero_si256(); N];
+        for h in 0..2 {
+            // SAFETY: 32-byte loads inside ql (128) and qh (64).
+            let (ql0, ql1, qh) = unsafe {
+                (
+                    _mm256_loadu_si256(x.ql.as_ptr().add(64 * h).cast()),
+                    _mm256_loadu_si256(x.ql.as_ptr().add(64 * h + 32).cast()),
+                    _mm256_loadu_si256(x.qh.as_ptr().add(32 * h).cast()),
+                )
+            };
+            // Bits 2t..2t+2 of each qh byte move to bits 4–5 (16-bit shifts; the mask keeps
+            // only bits that came from the same byte).
+            let q = [
+                _mm256_or_si256(
+                    _mm256_and_si256(ql0, m4),
+                    _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30),
+                ),
+                _mm256_or_si256(
+                    _mm256_and_si256(ql1, m4),
+                    _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30),
+                ),
+                _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                    _mm256_and_si256(qh, m30),
+                ),
+                _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                    _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30),
+                ),
+            ];
+            for (k, qk) in q.into_iter().enumerate() {
+                // SAFETY: the mask table has 8 entries, 4h + k < 8.
+                let mask = unsafe { _mm_loadu_si128(SCALE_SHUFFLE[4 * h + k].as_ptr().cast()) };
+                let sc = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales8, mask));
+                for (t, s) in sumi.iter_mut().enumerate() {
+                    // SAFETY: 32-byte load inside y.qs (256 bytes).
+                    let yv = unsafe {
+                        _mm256_loadu_si256(a[t][i].qs.as_ptr().add(128 * h + 32 * k).cast())
+                    };
+                    // ≤ 2 · 63 · 127 per i16 lane: no saturation.
+                    let p = _mm256_maddubs_epi16(qk, yv);
+                    *s = _mm256_add_epi32(*s, _mm256_madd_epi16(p, sc));
+                }
+            }
+        }
+        let d = _mm_cvtph_ps(_mm_cvtsi32_si128(u16::from_le_bytes(x.d) as i32));
+        for t in 0..N {
+            let y = &a[t][i];
+            // SAFETY: bsums is 16 i16 (32 bytes).
+            let bsums = unsafe { _mm256_loadu_si256(y.bsums.as_ptr().cast()) };
+            // Σ_j sc_j · bsum_j: 32 times it is the offset of q − 32.
+            let offset = _mm256_madd_epi16(scales16, bsums);
+            let s = _mm256_sub_epi32(sumi[t], _mm256_slli_epi32(offset, 5));
+            let s = _mm_cvtsi32_ss(_mm_setzero_ps(), unsafe { hsum_i32(s) });
+            let term = _mm_mul_ss(_mm_mul_ss(d, _mm_set_ss(y.d)), s);
+            acc[t] = _mm_add_ss(acc[t], term);
+        }
+    }
+    acc.map(|v| _mm_cvtss_f32(v))
+}
+
+/// Dots of one row with [`GROUP`] activations at once (prefill); each result has exactly the
+/// bits [`dot`] gives for that activation.
+pub(super) fn dot_group(level: SimdLevel, w: &[BlockQ6K], a: [&[BlockQ8K]; GROUP]) -> [f32; GROUP] {
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        SimdLevel::Avx2 => {
+            // SAFETY: the level is only reported when AVX2/FMA/F16C are present.
+            unsafe { dot_n_avx2(w, a) }
+        }
+        _ => a.map(|a| dot_scalar(w, a)),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::q4_k::tests::rms;
@@ -261,6 +353,26 @@ mod tests {
                     dot(level, &w, &a).to_bits(),
                     s.to_bits(),
                     "{level:?} seed={seed}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn group_dot_matches_single_dots_bits() {
+        let nb = 5;
+        let w = quantized(&values(70, nb * QK_K, 0.1));
+        let acts: Vec<Vec<BlockQ8K>> = (0..GROUP as u64)
+            .map(|t| q8k(&values(71 + t, nb * QK_K, 1.0)))
+            .collect();
+        let group: [&[BlockQ8K]; GROUP] = std::array::from_fn(|t| acts[t].as_slice());
+        for level in SimdLevel::available() {
+            let got = dot_group(level, &w, group);
+            for t in 0..GROUP {
+                assert_eq!(
+                    got[t].to_bits(),
+                    dot(level, &w, &acts[t]).to_bits(),
+                    "{level:?} t={t}"
                 );
             }
         }

@@ -62,7 +62,7 @@ pub(super) fn block_term(d_w: [u8; 2], d_a: [u8; 2], sum: i32) -> f32 {
 pub(super) fn dot(level: SimdLevel, w: &[BlockQ8_0], a: &[BlockQ8_0]) -> f32 {
     match level {
         #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx2 | SimdLevel::Avx512 => {
+        SimdLevel::Avx2 => {
             // SAFETY: the level is only reported when AVX2/FMA/F16C are present.
             unsafe { dot_avx2(w, a) }
         }

@@ -11,6 +11,10 @@ use super::nearest_int;
 /// Values per super-block (all K-quants).
 pub(super) const QK_K: usize = 256;
 
+/// Activations per K-quant `dot_group` call (prefill: one unpacking of each weight block serves
+/// this many tokens).
+pub(super) const GROUP: usize = 4;
+
 /// One Q8_K block.
 #[repr(C)]
 #[derive(Copy, Clone, Debug, PartialEq)]

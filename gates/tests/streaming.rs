@@ -1,0 +1,219 @@
+//! Byte-identity gates of expert streaming (features.md §1, §2): every lossless setting must
+//! produce exactly the resident run's greedy output.
+//!
+//! G1 resident == streamed, cache off. G2 cache off == cache on at budgets that evict every
+//! token and that hold everything. G3 selective == --load-all. G4 --overlap == serial with 1
+//! and 4 lanes. G6 every dense mode == resident.
+
+use bmoe_gates::{run, tiny};
+
+const PROMPT: &str = "The cache of experts keeps what the router asked for";
+const N: &str = "64";
+
+fn resident() -> (Vec<u32>, String) {
+    let r = run(&tiny(), &["-p", PROMPT, "-n", N]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(
+        r.stderr.contains("mode: mmap"),
+        "baseline must say it is not streaming: {}",
+        r.stderr
+    );
+    assert_eq!(r.outcome.tokens.len(), 64, "64 greedy tokens");
+    (r.outcome.tokens, r.stdout)
+}
+
+fn streamed(args: &[&str]) -> bmoe_gates::Run {
+    let mut a = vec!["-p", PROMPT, "-n", N, "--moe-stream"];
+    a.extend_from_slice(args);
+    let r = run(&tiny(), &a);
+    assert_eq!(r.code, 0, "{args:?}: {}", r.stderr);
+    assert!(r.stderr.contains("mode: expert streaming"), "{}", r.stderr);
+    r
+}
+
+fn assert_same(args: &[&str]) {
+    let (tokens, text) = resident();
+    let r = streamed(args);
+    assert_eq!(
+        r.outcome.tokens, tokens,
+        "token ids differ from the resident run with {args:?}"
+    );
+    assert_eq!(
+        r.stdout, text,
+        "text differs from the resident run with {args:?}"
+    );
+}
+
+fn summary_value(stderr: &str, prefix: &str) -> String {
+    stderr
+        .lines()
+        .find(|l| l.starts_with(prefix))
+        .unwrap_or_else(|| panic!("no {prefix} line in {stderr}"))
+        .to_string()
+}
+
+#[test]
+fn g1_resident_equals_streamed_cache_off() {
+    assert_same(&["--cache-mb", "0"]);
+}
+
+#[test]
+fn g2_cache_off_equals_cache_on_evicting_and_holding() {
+    // 2 MiB holds ~6 of the 64 experts: every token evicts (the cycle cliff: 0 % hit).
+    let r = streamed(&["--cache-mb", "2", "--force-cache"]);
+    let (tokens, _) = resident();
+    assert_eq!(r.outcome.tokens, tokens);
+    let s = r.outcome.summary.expect("summary");
+    assert!(
+        s.counters.evictions > 100,
+        "a 2 MiB cache must evict constantly: {}",
+        s.counters.evictions
+    );
+    // 32 MiB holds every expert: hits must dominate.
+    let r = streamed(&["--cache-mb", "32", "--force-cache"]);
+    assert_eq!(r.outcome.tokens, tokens);
+    let s = r.outcome.summary.expect("summary");
+    assert_eq!(s.counters.evictions, 0);
+    assert!(
+        s.counters.cache_hit_pct > 50.0,
+        "{}",
+        s.counters.cache_hit_pct
+    );
+    // A budget between the two.
+    assert_same(&["--cache-mb", "8", "--force-cache"]);
+}
+
+#[test]
+fn g3_selective_equals_load_all() {
+    let sel = streamed(&["--cache-mb", "0"]);
+    let all = streamed(&["--cache-mb", "0", "--load-all"]);
+    assert_eq!(sel.outcome.tokens, all.outcome.tokens);
+    let rb = |r: &bmoe_gates::Run| {
+        r.outcome
+            .summary
+            .as_ref()
+            .expect("summary")
+            .totals
+            .read_bytes
+    };
+    assert!(
+        rb(&all) > 2 * rb(&sel),
+        "load-all must read the whole bank: {} vs {}",
+        rb(&all),
+        rb(&sel)
+    );
+}
+
+#[test]
+fn g4_overlap_equals_serial_one_and_four_lanes() {
+    for lanes in ["1", "4"] {
+        assert_same(&["--cache-mb", "0", "--overlap", "--io-threads", lanes]);
+        assert_same(&[
+            "--cache-mb",
+            "2",
+            "--force-cache",
+            "--overlap",
+            "--io-threads",
+            lanes,
+        ]);
+    }
+    let r = streamed(&["--cache-mb", "0", "--overlap", "--io-threads", "4"]);
+    assert!(
+        summary_value(&r.stderr, "moe-stream:").contains("stall_s/tok="),
+        "{}",
+        r.stderr
+    );
+}
+
+#[test]
+fn g6_every_dense_mode_equals_resident() {
+    for mode in ["mmap", "warm", "anon"] {
+        assert_same(&["--cache-mb", "8", "--force-cache", "--dense-weights", mode]);
+        let r = streamed(&["--cache-mb", "0", "--dense-weights", mode]);
+        assert!(r.stderr.contains(&format!("dense {mode}")), "{}", r.stderr);
+    }
+}
+
+#[test]
+fn g7_anon_with_buffered_expert_reads() {
+    assert_same(&[
+        "--cache-mb",
+        "8",
+        "--force-cache",
+        "--dense-weights",
+        "anon",
+        "--no-odirect",
+    ]);
+}
+
+#[test]
+fn streaming_is_deterministic_across_thread_counts() {
+    let a = streamed(&["--cache-mb", "2", "--force-cache", "-t", "1"]);
+    let b = streamed(&["--cache-mb", "2", "--force-cache", "-t", "2"]);
+    assert_eq!(a.outcome.tokens, b.outcome.tokens);
+}
+
+#[test]
+fn budget_below_layer_demand_is_refused_with_the_floor_named() {
+    let mut argv = vec![
+        "-p",
+        PROMPT,
+        "-n",
+        "4",
+        "--moe-stream",
+        "--cache-mb",
+        "1",
+        "--force-cache",
+    ];
+    let cli = <bmoe_engine::cli::Cli as clap::Parser>::try_parse_from(
+        std::iter::once("bmoe-cli")
+            .chain(["-m", tiny().to_str().unwrap()])
+            .chain(argv.drain(..)),
+    )
+    .unwrap();
+    let (mut o, mut e) = (Vec::new(), Vec::new());
+    let err = bmoe_engine::run::generate_with(&cli.run, &tiny(), &mut o, &mut e)
+        .expect_err("1 MiB is below the floor");
+    let msg = format!("{err:#}");
+    assert!(msg.contains("layer_demand"), "{msg}");
+}
+
+#[test]
+fn failed_reads_stop_the_run_loudly_with_a_nonzero_exit() {
+    for (fault, serial) in [
+        ("eio:40", true),
+        ("short:40", true),
+        ("eio:3", false),
+        ("short:90", false),
+    ] {
+        let mut a = vec![
+            "-p",
+            PROMPT,
+            "-n",
+            "16",
+            "--moe-stream",
+            "--cache-mb",
+            "0",
+            "--inject-read-fault",
+            fault,
+        ];
+        if !serial {
+            a.push("--overlap");
+        }
+        let r = run(&tiny(), &a);
+        assert_ne!(
+            r.code, 0,
+            "{fault}: a failed read must give a non-zero exit"
+        );
+        assert!(r.stderr.contains("FAILED"), "{fault}: {}", r.stderr);
+        assert!(
+            r.stderr.contains("not trustworthy"),
+            "{fault}: {}",
+            r.stderr
+        );
+        assert!(
+            r.outcome.tokens.len() < 16,
+            "{fault}: the run must stop, not finish"
+        );
+    }
+}
