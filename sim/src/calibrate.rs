@@ -351,6 +351,20 @@ pub fn calibrate(
             base.name
         )),
     }
+    if let (Some(io), 1) = (io, cfg.io_threads) {
+        // One lane shares nothing: each read's own latency is request cost + bytes / lane rate.
+        let per_read: Vec<(f64, f64, f64)> = io
+            .iter()
+            .map(|r| (1.0, r.read_bytes as f64, r.latency_ns as f64 / 1e6))
+            .collect();
+        if let Some((l, x)) = fit2(&per_read).filter(|&(l, x)| l >= 0.0 && x > 0.0) {
+            notes.push(format!(
+                "flash: per-read fit (one lane, nothing shared): {:.1} us per request + bytes at {:.0} MiB/s (the profile keeps the per-token fit above; this one separates request cost from rate)",
+                l * 1e3,
+                1e3 / (x * MIB_F)
+            ));
+        }
+    }
     if let Some(io) = io {
         let mut lat: Vec<f64> = io.iter().map(|r| r.latency_ns as f64 / 1e3).collect();
         lat.sort_by(f64::total_cmp);

@@ -51,6 +51,7 @@ pub struct Cli {
 #[derive(Subcommand, Debug)]
 pub enum Cmd {
     /// Replay a route trace and write the same CSV, traces and report lines as bmoe-cli
+    /// (the simulator always streams: --moe-stream is implied)
     Replay(ReplayArgs),
     /// Replay a trace over a grid of budgets x policies (with the Belady bound) x lanes x overlap
     Sweep(SweepArgs),
@@ -377,7 +378,8 @@ fn cmd_replay(
         env,
     )?;
     for w in p.cfg.load_warnings() {
-        writeln!(err, "bmoe-sim: warning: {w}").map_err(|e| SimError::io("stderr", e))?;
+        // The core's warnings carry their own "bmoe: WARNING" prefix.
+        writeln!(err, "{w}").map_err(|e| SimError::io("stderr", e))?;
     }
     let policy = bmoe_core::policy::by_name(p.cfg.eviction.name()).ok_or_else(|| {
         SimError::invalid(
