@@ -287,3 +287,73 @@ fn the_cache_only_path_counts_what_the_full_replay_counts_on_both_real_traces() 
         }
     }
 }
+
+#[test]
+fn the_sweep_table_carries_the_independent_counts_and_its_plots() {
+    let Some(trace_path) = shared_path("traces/mixtral-8x7b-humaneval.route.csv") else {
+        return;
+    };
+    let Some(py) = python3() else {
+        return;
+    };
+    let expected = python_counts(py, &trace_path, "lru,belady");
+    let out_dir = std::env::temp_dir().join(format!("bmoe-gate-sweep-{}", std::process::id()));
+    let argv: Vec<String> = [
+        "bmoe-sim",
+        "sweep",
+        "--trace",
+        &trace_path.display().to_string(),
+        "--experts-per-layer",
+        "2,4,6",
+        "--lanes",
+        "1,4",
+        "--overlap",
+        "both",
+        "--jobs",
+        "2",
+        "--out",
+        &out_dir.display().to_string(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    let code = bmoe_sim::cli::run(argv, &[], &mut out, &mut err);
+    assert_eq!(code, 0, "{}", String::from_utf8_lossy(&err));
+    let table = std::fs::read_to_string(out_dir.join("sweep.csv")).expect("sweep.csv");
+    let mut lines = table.lines();
+    let header: Vec<&str> = lines.next().expect("header").split(',').collect();
+    let col = |name: &str| header.iter().position(|h| *h == name).expect(name);
+    let rows: Vec<Vec<String>> = lines
+        .map(|l| l.split(',').map(str::to_string).collect())
+        .collect();
+    assert_eq!(
+        rows.len(),
+        3 * 2 * 2 * 2,
+        "budgets x policies x lanes x overlap"
+    );
+    for row in &rows {
+        let policy = &row[col("policy")];
+        let budget: u64 = row[col("budget_bytes")].parse().expect("budget");
+        let want = expected
+            .iter()
+            .find(|c| &c.policy == policy && c.budget_bytes == budget)
+            .unwrap_or_else(|| panic!("no independent count for {policy} at {budget}"));
+        let n = |name: &str| -> u64 { row[col(name)].parse().expect(name) };
+        assert_eq!(
+            (n("hits"), n("misses"), n("evictions"), n("rereads")),
+            (want.hits, want.misses, want.evictions, want.rereads),
+            "sweep row {row:?}"
+        );
+        let tok_s: f64 = row[col("tok_s")].parse().expect("tok_s");
+        assert!(tok_s > 0.0);
+    }
+    for plot in ["hit_rate.svg", "tok_s.svg"] {
+        let svg = std::fs::read_to_string(out_dir.join(plot)).expect(plot);
+        assert!(
+            svg.starts_with("<svg") && svg.contains("<polyline"),
+            "{plot}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&out_dir);
+}
