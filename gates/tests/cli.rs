@@ -16,9 +16,29 @@ fn try_run(model: &std::path::Path, args: &[&str]) -> Result<bmoe_engine::run::O
 
 #[test]
 fn greedy_output_is_identical_across_runs_and_thread_counts() {
-    let base = run(&tiny(), &["-p", "Determinism is tested, not hoped for", "-n", "48", "-t", "1"]);
+    let base = run(
+        &tiny(),
+        &[
+            "-p",
+            "Determinism is tested, not hoped for",
+            "-n",
+            "48",
+            "-t",
+            "1",
+        ],
+    );
     for t in ["1", "2", "3"] {
-        let r = run(&tiny(), &["-p", "Determinism is tested, not hoped for", "-n", "48", "-t", t]);
+        let r = run(
+            &tiny(),
+            &[
+                "-p",
+                "Determinism is tested, not hoped for",
+                "-n",
+                "48",
+                "-t",
+                t,
+            ],
+        );
         assert_eq!(r.outcome.tokens, base.outcome.tokens, "-t {t}");
         assert_eq!(r.stdout, base.stdout, "-t {t}");
     }
@@ -27,7 +47,15 @@ fn greedy_output_is_identical_across_runs_and_thread_counts() {
 #[test]
 fn a_non_moe_architecture_is_refused_by_name() {
     let p = scratch_dir("cli").join(format!("llama-{}.gguf", std::process::id()));
-    GgufWriter::write_file(&p, &[("general.architecture".to_string(), Value::String("llama".into()))], &[]).unwrap();
+    GgufWriter::write_file(
+        &p,
+        &[(
+            "general.architecture".to_string(),
+            Value::String("llama".into()),
+        )],
+        &[],
+    )
+    .unwrap();
     let e = try_run(&p, &["-p", "hi", "-n", "2"]).expect_err("llama is not supported");
     assert!(e.contains("'llama'") && e.contains("qwen3moe"), "{e}");
 }
@@ -45,18 +73,30 @@ fn a_truncated_model_is_a_clear_error() {
     let p = scratch_dir("cli").join(format!("trunc-{}.gguf", std::process::id()));
     std::fs::write(&p, &src[..src.len() / 2]).unwrap();
     let e = try_run(&p, &["-p", "hi", "-n", "2"]).expect_err("truncated file");
-    assert!(e.contains(p.to_str().unwrap()), "the message must name the file: {e}");
+    assert!(
+        e.contains(p.to_str().unwrap()),
+        "the message must name the file: {e}"
+    );
 }
 
 #[test]
 fn invalid_flag_combinations_are_config_errors() {
     for (args, needle) in [
         (vec!["-p", "x", "--overlap"], "--overlap"),
-        (vec!["-p", "x", "--moe-stream", "--cache-mb", "100"], "--force-cache"),
-        (vec!["-p", "x", "--moe-stream", "--io-threads", "9"], "--io-threads"),
+        (
+            vec!["-p", "x", "--moe-stream", "--cache-mb", "100"],
+            "--force-cache",
+        ),
+        (
+            vec!["-p", "x", "--moe-stream", "--io-threads", "9"],
+            "--io-threads",
+        ),
     ] {
         let e = try_run(&tiny(), &args).expect_err("must be refused");
-        assert!(e.contains("config error") && e.contains(needle), "{args:?}: {e}");
+        assert!(
+            e.contains("config error") && e.contains(needle),
+            "{args:?}: {e}"
+        );
     }
 }
 
