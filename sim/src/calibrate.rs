@@ -125,22 +125,56 @@ impl RecordSink for IoCollector {
     }
 }
 
-/// Per decode token, in file order: (reads per MoE layer, bytes per MoE layer).
-fn per_token_reads(io: &[IoRecord]) -> Vec<BTreeMap<u32, (u64, u64)>> {
-    let mut out: Vec<BTreeMap<u32, (u64, u64)>> = Vec::new();
-    let mut key: Option<(u32, i64)> = None;
+/// Reads per MoE layer and their bytes, for each decode token keyed by (turn, position).
+type TokenReads = BTreeMap<(u32, i64), BTreeMap<u32, (u64, u64)>>;
+
+fn reads_by_token(io: &[IoRecord]) -> TokenReads {
+    let mut out = TokenReads::new();
     for r in io.iter().filter(|r| r.phase == Phase::Decode) {
-        if key != Some((r.turn, r.step)) {
-            key = Some((r.turn, r.step));
-            out.push(BTreeMap::new());
-        }
-        if let Some(m) = out.last_mut() {
-            let e = m.entry(r.layer).or_insert((0, 0));
-            e.0 += 1;
-            e.1 += r.read_bytes;
-        }
+        let e = out
+            .entry((r.turn, r.step))
+            .or_default()
+            .entry(r.layer)
+            .or_insert((0, 0));
+        e.0 += 1;
+        e.1 += r.read_bytes;
     }
     out
+}
+
+/// (turn, position) of every CSV row: from the replay plan when there is one, else from the
+/// rows themselves (decode token `step` of a turn sits at position `n_prompt + step - 1`, the
+/// turn's `n_prompt` from its `# summary` trailer).
+fn row_keys(csv: &MetricsCsv, prepared: Option<&Prepared>) -> Vec<(u32, i64)> {
+    if let Some(p) = prepared {
+        return p
+            .plan
+            .turns
+            .iter()
+            .flat_map(|t| t.decode.clone())
+            .map(|i| {
+                let s = &p.plan.steps[i];
+                (s.turn, s.positions.first().map_or(-1, |&x| i64::from(x)))
+            })
+            .collect();
+    }
+    let mut turn_index: BTreeMap<u32, usize> = BTreeMap::new();
+    for r in &csv.rows {
+        let next = turn_index.len();
+        turn_index.entry(r.turn).or_insert(next);
+    }
+    csv.rows
+        .iter()
+        .map(|r| {
+            let n_prompt = turn_index
+                .get(&r.turn)
+                .and_then(|&i| csv.summaries.get(i))
+                .and_then(|s| s.get("n_prompt"))
+                .and_then(|v| v.parse::<i64>().ok())
+                .unwrap_or(0);
+            (r.turn, n_prompt + i64::from(r.step) - 1)
+        })
+        .collect()
 }
 
 /// Fit a profile. `prepared` is the route trace (with a configuration and the base profile
@@ -234,15 +268,23 @@ pub fn calibrate(
     }
 
     // Flash.
-    let reads = match io {
+    let by_token = match io {
         Some(io) => {
             notes.push(format!(
                 "flash: reads per token from the measured io trace ({} reads)",
                 io.len()
             ));
-            per_token_reads(io)
+            Some(reads_by_token(io))
         }
-        None if prepared.is_some() => per_token_reads(&sim_io.0),
+        None if prepared.is_some() => Some(reads_by_token(&sim_io.0)),
+        None => None,
+    };
+    let empty = BTreeMap::new();
+    let reads: Vec<&BTreeMap<u32, (u64, u64)>> = match &by_token {
+        Some(m) => row_keys(csv, prepared)
+            .iter()
+            .map(|k| m.get(k).unwrap_or(&empty))
+            .collect(),
         None => Vec::new(),
     };
     let lanes = f64::from(cfg.io_threads.max(1));
@@ -263,9 +305,19 @@ pub fn calibrate(
     } else {
         Vec::new()
     };
+    let mut how = if flash_rows.is_empty() {
+        "rate only: no per-token reads"
+    } else if cfg.overlap {
+        "overlap: io_ms is lane busy time"
+    } else {
+        "serial: io_ms is blocked time"
+    };
     let (latency_ms, ms_per_byte) = match fit2(&flash_rows) {
         Some((l, x)) if l >= 0.0 && x > 0.0 => (l, Some(x)),
         _ => {
+            if !flash_rows.is_empty() {
+                how = "the latency fit came out negative: latency 0, rate through the origin";
+            }
             let through: Vec<(f64, f64)> = if flash_rows.is_empty() {
                 rows.iter()
                     .map(|r| (r.read_bytes as f64, r.io_ms))
@@ -291,13 +343,7 @@ pub fn calibrate(
                 } else {
                     flash_rows.len()
                 },
-                if flash_rows.is_empty() {
-                    "rate only: no per-token reads"
-                } else if cfg.overlap {
-                    "overlap: io_ms is lane busy time"
-                } else {
-                    "serial: io_ms is blocked time"
-                }
+                how
             ));
         }
         None => notes.push(format!(

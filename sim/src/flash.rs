@@ -642,6 +642,65 @@ mod tests {
         }
     }
 
+    proptest::proptest! {
+        /// Whatever is submitted, in whatever order it is waited for or polled: each read is
+        /// delivered once, `submit <= start <= end`, a lane serves its reads one after another
+        /// in submission order, a read never beats its latency plus its bytes at the lane
+        /// rate, and the device never moves bytes faster than its ceiling.
+        #[test]
+        fn timing_invariants(
+            reads in proptest::collection::vec((0u32..3, 1u64..3_000_000, 0u64..2_000_000), 1..40),
+            gaps in proptest::collection::vec(0u64..400_000, 40),
+            poll_first in proptest::bool::ANY,
+        ) {
+            let clock = VirtualClock::new();
+            let p = params(20.0, 700.0, 1000.0);
+            let mut f = FlashModel::new(clock.clone(), &p, 3, true, 1);
+            let mut ids = Vec::new();
+            for (i, &(lane, len, off)) in reads.iter().enumerate() {
+                clock.advance(Nanos(gaps[i]));
+                ids.push((f.submit(req(lane, off, len)), lane, len, off));
+            }
+            let mut done = Vec::new();
+            if poll_first {
+                clock.advance(Nanos::from_ms(50));
+                while let Some((id, d)) = f.poll() {
+                    done.push((id, d.expect("read")));
+                }
+            }
+            for &(id, ..) in &ids {
+                if !done.iter().any(|(x, _)| *x == id) {
+                    done.push((id, f.wait(id).expect("read")));
+                }
+            }
+            proptest::prop_assert_eq!(done.len(), ids.len());
+            proptest::prop_assert_eq!(f.in_flight(), 0);
+            let lane_ns_per_byte = 1e9 / (700.0 * MIB as f64);
+            let mut bytes = 0u64;
+            let (mut first, mut last) = (u64::MAX, 0u64);
+            for &(id, lane, len, off) in &ids {
+                let d = done.iter().find(|(x, _)| *x == id).map(|(_, d)| *d).expect("delivered");
+                proptest::prop_assert!(d.submit <= d.start && d.start <= d.end);
+                proptest::prop_assert_eq!(d.read_bytes, aligned_window_bytes(off, len, 4096));
+                let floor = 20_000.0 + d.read_bytes as f64 * lane_ns_per_byte;
+                proptest::prop_assert!((d.end - d.start).0 as f64 >= floor - 2.0);
+                // FIFO per lane: a later read of the same lane starts after this one ends.
+                for &(other, other_lane, ..) in &ids {
+                    if other_lane == lane && other > id {
+                        let o = done.iter().find(|(x, _)| *x == other).map(|(_, d)| *d).expect("o");
+                        proptest::prop_assert!(o.start >= d.end);
+                    }
+                }
+                bytes += d.read_bytes;
+                first = first.min(d.start.0);
+                last = last.max(d.end.0);
+            }
+            // Ceiling: all bytes took at least bytes / device rate.
+            let ceiling_ns = bytes as f64 * 1e9 / (1000.0 * MIB as f64);
+            proptest::prop_assert!((last - first) as f64 >= ceiling_ns - 2.0 * ids.len() as f64);
+        }
+    }
+
     #[test]
     fn params_are_checked() {
         assert!(params(1.0, 1.0, 1.0).validate("p").is_ok());
