@@ -10,6 +10,8 @@
   llama_parity.py rewrite IN OUT                  copy a GGUF through the gguf package's writer
                                                   (another tool's file layout, same weights)
   llama_parity.py compare A.f32 B.f32 N_VOCAB     per-position cosine and top-1 agreement, as JSON
+                                                  (strict, and up to a near-tie of 0.5 % of the
+                                                  reference's logit range)
 
 Only the standard library plus those packages and numpy.
 """
@@ -90,6 +92,9 @@ def cmd_rewrite(inp, out):
     w.close()
 
 
+TIE = 0.005
+
+
 def cmd_compare(a, b, n_vocab):
     import numpy as np
 
@@ -99,10 +104,19 @@ def cmd_compare(a, b, n_vocab):
     n = min(len(x), len(y))
     x, y = x[:n].astype(np.float64), y[:n].astype(np.float64)
     cos = (x * y).sum(1) / (np.linalg.norm(x, axis=1) * np.linalg.norm(y, axis=1))
-    top = x.argmax(1) == y.argmax(1)
+    a, b = x.argmax(1), y.argmax(1)
+    top = a == b
+    # A near-tie: the reference ranks our top-1 within TIE of its own best, as a fraction of its
+    # logit range. On random-weight models the top two logits are often that close, and a
+    # one-ulp difference anywhere upstream decides between them (llama.cpp's own one-token and
+    # batched paths disagree there too).
+    rows = np.arange(n)
+    gap = (y[rows, b] - y[rows, a]) / (y.max(1) - y.min(1))
+    tie = top | (gap <= TIE)
     print(json.dumps({"rows": n, "cos_min": float(cos.min()), "cos_mean": float(cos.mean()),
-                      "top1_agree": float(top.mean()), "cos": [float(c) for c in cos],
-                      "top1": [bool(t) for t in top]}))
+                      "top1_agree": float(top.mean()), "top1_tie_agree": float(tie.mean()),
+                      "tie_margin": TIE, "cos": [float(c) for c in cos],
+                      "top1": [bool(t) for t in top], "top1_tie": [bool(t) for t in tie]}))
 
 
 def main():

@@ -314,10 +314,24 @@ pub fn inspect(a: InspectArgs) -> Result<()> {
 
 pub fn bench(a: BenchArgs) -> Result<()> {
     if let Some(path) = &a.io_file {
-        println!("raw {} reads of {} KiB from {}", if a.no_odirect { "buffered" } else { "O_DIRECT" }, a.io_request_kib, path.display());
+        println!(
+            "raw {} reads of {} KiB from {}",
+            if a.no_odirect { "buffered" } else { "O_DIRECT" },
+            a.io_request_kib,
+            path.display()
+        );
         for lanes in a.io_lanes.split(',') {
-            let lanes: u32 = lanes.trim().parse().map_err(|_| anyhow!("--io-lanes: {lanes} is not a number"))?;
-            let mib_s = crate::flash::raw_read_bench(path, a.io_request_kib * 1024, lanes, !a.no_odirect, a.io_total_mib << 20)?;
+            let lanes: u32 = lanes
+                .trim()
+                .parse()
+                .map_err(|_| anyhow!("--io-lanes: {lanes} is not a number"))?;
+            let mib_s = crate::flash::raw_read_bench(
+                path,
+                a.io_request_kib * 1024,
+                lanes,
+                !a.no_odirect,
+                a.io_total_mib << 20,
+            )?;
             println!("  {lanes} lanes: {mib_s:.0} MiB/s");
         }
         return Ok(());

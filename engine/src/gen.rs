@@ -303,7 +303,7 @@ fn fnv1a(parts: &[&[u8]]) -> u64 {
 
 /// Whether llama-quantize's Q4_K_M gives layer `i` of `n` the larger ffn_down type.
 fn use_more_bits(i: u32, n: u32) -> bool {
-    i < n / 8 || i >= 7 * n / 8 || (i >= n / 8 && (i - n / 8) % 3 == 2)
+    i < n / 8 || i >= 7 * n / 8 || (i - n / 8) % 3 == 2
 }
 
 /// A type that can hold rows of `n` elements: `want` if its block divides `n`, else Q8_0,
@@ -311,7 +311,7 @@ fn use_more_bits(i: u32, n: u32) -> bool {
 fn fit_type(want: GgmlType, n: u64) -> GgmlType {
     [want, GgmlType::Q8_0, GgmlType::F16]
         .into_iter()
-        .find(|t| n % t.block_size() == 0)
+        .find(|t| n.is_multiple_of(t.block_size()))
         .unwrap_or(GgmlType::F32)
 }
 
@@ -334,19 +334,22 @@ impl GenOptions {
                 s.n_expert_used, s.n_expert
             ));
         }
-        if s.n_head_kv == 0 || s.n_head % s.n_head_kv != 0 {
+        if s.n_head_kv == 0 || !s.n_head.is_multiple_of(s.n_head_kv) {
             return bad(format!(
                 "--heads {} must be a multiple of --kv-heads {}",
                 s.n_head, s.n_head_kv
             ));
         }
-        if s.head_dim % 2 != 0 {
+        if !s.head_dim.is_multiple_of(2) {
             return bad(format!(
                 "--head-dim {} must be even (rotary pairs)",
                 s.head_dim
             ));
         }
-        if s.d_model % 32 != 0 || s.n_ff_exp % 32 != 0 || (s.n_head * s.head_dim) % 32 != 0 {
+        if !s.d_model.is_multiple_of(32)
+            || !s.n_ff_exp.is_multiple_of(32)
+            || !(s.n_head * s.head_dim).is_multiple_of(32)
+        {
             return bad("d_model, expert FFN and heads x head_dim must be multiples of 32 (the smallest quant block)".into());
         }
         if s.n_layer > 4096 || s.n_expert > 65535 {

@@ -46,6 +46,7 @@ fn parse_fault(s: &str) -> Result<(u64, Fault)> {
 }
 
 /// The model, resident (every expert read from the memory map) or streamed by the core.
+#[allow(clippy::large_enum_variant)] // one per run; boxing the state buys nothing
 pub enum Runner {
     Resident { model: Qwen3Moe, state: State },
     Streamed(Box<Streamed>),

@@ -562,7 +562,8 @@ impl<T> SendPtr<T> {
 }
 
 fn rmsnorm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
-    let ss: f64 = x.iter().map(|&v| (v as f64) * (v as f64)).sum();
+    // Square in f32, then widen, as llama.cpp does: the bits of the norm follow its order.
+    let ss: f64 = x.iter().map(|&v| (v * v) as f64).sum();
     let scale = 1.0 / ((ss / x.len() as f64) as f32 + eps).sqrt();
     for ((o, &v), &g) in out.iter_mut().zip(x).zip(w) {
         *o = v * scale * g;

@@ -10,9 +10,14 @@
 //! Determinism contract (the forward pass and the byte-identity gates rely on it):
 //! - Every format fixes one summation order. Quantized formats sum exactly in integers inside a
 //!   block, then apply the float scale once per block in a fixed order; float formats sum into a
-//!   fixed set of lanes (32 for F32/F16/BF16, 8 for Q8_0/Q4_0 block totals) reduced by one fixed
-//!   tree. The scalar reference and every SIMD path follow the same order, so they agree bit for
-//!   bit (the tests check it), whatever the CPU.
+//!   fixed set of lanes (32 for F32/F16/BF16) reduced by one fixed tree. The scalar reference
+//!   and every SIMD path follow the same order, so they agree bit for bit (the tests check it),
+//!   whatever the CPU.
+//! - Where we know it, that order (and the activation quantizer) is the one llama.cpp's x86 CPU
+//!   backend uses on one token (Q8_0: 8 fused lanes; Q4_0: one fused chain over blocks; Q4_K:
+//!   two fused chains over super-blocks; Q8_0 activations rounded as its AVX code does), so our
+//!   logits can equal its bit for bit. Any one-ulp difference is otherwise amplified by the next
+//!   activation quantization or router top-k into visible logit differences.
 //! - A row's result depends only on that row and the activation: [`matvec`] gives each row to
 //!   exactly one thread, so any thread count gives identical bits, and [`matmul`] gives exactly
 //!   the bits of [`matvec`] on each token.
@@ -325,7 +330,7 @@ impl ActBuf {
             ActFormat::Q8_0 => {
                 check_blocks(ty, x.len(), q8_0::QK)?;
                 self.q8_0.resize(x.len() / q8_0::QK, BlockQ8_0::ZERO);
-                q8_0::quantize(x, &mut self.q8_0);
+                q8_0::quantize_activations(x, &mut self.q8_0);
             }
             ActFormat::Q8K => {
                 check_blocks(ty, x.len(), q8_k::QK_K)?;
@@ -770,6 +775,35 @@ pub(crate) mod testutil {
             .zip(b)
             .map(|(x, y)| (*x as f64 * *y as f64).abs())
             .sum()
+    }
+
+    /// One weight row, the f32 activation llama.cpp multiplied it with, and llama.cpp's result.
+    pub struct LlamaRow {
+        pub row: Vec<u8>,
+        pub act: Vec<f32>,
+        pub expected: f32,
+    }
+
+    /// Parses a `testdata/llama_rows_*.bin` file (layout in `testdata/make_llama_rows.py`):
+    /// rows and results recorded from llama.cpp's CPU backend (llama-cpp-python 0.3.36 on an
+    /// x86-64 AVX-512 machine) where bmoe's previous summation order gave other bits.
+    pub fn llama_rows(b: &[u8]) -> Vec<LlamaRow> {
+        let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap()) as usize;
+        let f32_at = |o: usize| f32::from_le_bytes(b[o..o + 4].try_into().unwrap());
+        let mut o = 4;
+        (0..u32_at(0))
+            .map(|_| {
+                let (n_cols, n_bytes) = (u32_at(o), u32_at(o + 4));
+                o += 8;
+                let row = b[o..o + n_bytes].to_vec();
+                o += n_bytes;
+                let act = (0..n_cols).map(|i| f32_at(o + 4 * i)).collect();
+                o += 4 * n_cols;
+                let expected = f32_at(o);
+                o += 4;
+                LlamaRow { row, act, expected }
+            })
+            .collect()
     }
 }
 

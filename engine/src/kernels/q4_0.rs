@@ -1,12 +1,17 @@
 //! Q4_0: blocks of 32 4-bit values with an f16 scale, value = d · (q − 8). Dotted against Q8_0
 //! activations.
 //!
-//! Summation order: identical to Q8_0 (exact i32 block sums of (q − 8) · a, block `b` adds
-//! `(d_w · d_a) · sum` to lane `b % 8`, lanes folded by [`super::reduce8`]); the AVX2 path
-//! matches the scalar bits.
+//! Summation order: exact i32 block sums of (q − 8) · a, then one accumulator updated with one
+//! fused multiply-add per block in row order, `acc = fma(sum, d_w·d_a, acc)`; the AVX2 path
+//! computes the block sums eight at a time and keeps that chain, so it matches the scalar bits.
+//!
+//! That is the order of llama.cpp's x86 CPU backend for Q4_0 on every path it takes (the
+//! repacked `q4_0_8x8` gemm and gemv for 2-D weights, and MUL_MAT_ID over experts), so our rows
+//! agree with its bit for bit when the activations do: a one-ulp difference can otherwise move
+//! a later activation across a Q8 rounding boundary and grow into a visible logit difference.
 
-use super::q8_0::{block_term, BlockQ8_0};
-use super::{f16_to_f32, f32_to_f16, reduce8, RawBlock, SimdLevel};
+use super::q8_0::BlockQ8_0;
+use super::{f16_to_f32, f32_to_f16, RawBlock, SimdLevel};
 
 const QK: usize = 32;
 
@@ -76,12 +81,16 @@ fn block_sum(x: &BlockQ4_0, y: &BlockQ8_0) -> i32 {
     s
 }
 
+/// One block's step of the accumulator: its exact sum times `d_w·d_a`, fused into `acc`.
+#[inline(always)]
+fn accumulate(acc: f32, d_w: [u8; 2], d_a: [u8; 2], sum: i32) -> f32 {
+    (sum as f32).mul_add(f16_to_f32(d_w) * f16_to_f32(d_a), acc)
+}
+
 pub(super) fn dot_scalar(w: &[BlockQ4_0], a: &[BlockQ8_0]) -> f32 {
-    let mut lanes = [0f32; 8];
-    for (b, (x, y)) in w.iter().zip(a).enumerate() {
-        lanes[b % 8] += block_term(x.d, y.d, block_sum(x, y));
-    }
-    reduce8(&lanes)
+    w.iter().zip(a).fold(0f32, |acc, (x, y)| {
+        accumulate(acc, x.d, y.d, block_sum(x, y))
+    })
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -93,7 +102,7 @@ unsafe fn dot_avx2(w: &[BlockQ4_0], a: &[BlockQ8_0]) -> f32 {
     let full = n / 8 * 8;
     let m4 = _mm_set1_epi8(0x0F);
     let eight = _mm256_set1_epi8(8);
-    let mut acc = _mm256_setzero_ps();
+    let mut acc = _mm_setzero_ps();
     let mut b = 0;
     while b < full {
         let mut sums = [_mm256_setzero_si256(); 8];
@@ -119,16 +128,30 @@ unsafe fn dot_avx2(w: &[BlockQ4_0], a: &[BlockQ8_0]) -> f32 {
                 _mm256_cvtph_ps(_mm_loadu_si128(da.as_ptr().cast())),
             )
         };
-        acc = _mm256_add_ps(acc, _mm256_mul_ps(d, _mm256_cvtepi32_ps(s)));
+        // The chain itself stays sequential (that is the order being matched); the lane
+        // shuffles are off its critical path.
+        let (p, d) = (_mm256_cvtepi32_ps(s), d);
+        for half in [
+            (_mm256_castps256_ps128(p), _mm256_castps256_ps128(d)),
+            (_mm256_extractf128_ps(p, 1), _mm256_extractf128_ps(d, 1)),
+        ] {
+            let (ph, dh) = half;
+            acc = _mm_fmadd_ss(ph, dh, acc);
+            acc = _mm_fmadd_ss(_mm_movehdup_ps(ph), _mm_movehdup_ps(dh), acc);
+            acc = _mm_fmadd_ss(_mm_movehl_ps(ph, ph), _mm_movehl_ps(dh, dh), acc);
+            acc = _mm_fmadd_ss(
+                _mm_shuffle_ps(ph, ph, 0b11),
+                _mm_shuffle_ps(dh, dh, 0b11),
+                acc,
+            );
+        }
         b += 8;
     }
-    let mut lanes = [0f32; 8];
-    // SAFETY: 8 floats.
-    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
+    let mut acc = _mm_cvtss_f32(acc);
     for b in full..n {
-        lanes[b % 8] += block_term(w[b].d, a[b].d, block_sum(&w[b], &a[b]));
+        acc = accumulate(acc, w[b].d, a[b].d, block_sum(&w[b], &a[b]));
     }
-    reduce8(&lanes)
+    acc
 }
 
 #[cfg(test)]
@@ -160,6 +183,29 @@ mod tests {
                     dot(level, &w, &a).to_bits(),
                     s.to_bits(),
                     "{level:?} seed={seed}"
+                );
+            }
+        }
+    }
+
+    /// `attn_output` rows and the results llama.cpp computed for them, from f32 activations
+    /// (so the Q8_0 activation quantizer is covered too): our order must give its bits at every
+    /// SIMD level. The previous order (8 lanes of block terms) misses all four.
+    #[test]
+    fn matches_llama_cpp_rows_bit_for_bit() {
+        let cases = llama_rows(include_bytes!("testdata/llama_rows_q4_0.bin"));
+        assert_eq!(cases.len(), 4);
+        for (i, case) in cases.iter().enumerate() {
+            let mut act = super::super::ActBuf::new();
+            act.prepare(crate::gguf::GgmlType::Q4_0, &case.act).unwrap();
+            let w: &[BlockQ4_0] = super::super::blocks(&case.row);
+            for level in SimdLevel::available() {
+                let got = dot(level, w, &act.q8_0);
+                assert_eq!(
+                    got.to_bits(),
+                    case.expected.to_bits(),
+                    "case {i} {level:?}: {got} vs llama.cpp {}",
+                    case.expected
                 );
             }
         }

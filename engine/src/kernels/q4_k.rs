@@ -7,9 +7,19 @@
 //! `64c .. 64c + 32` in its low nibbles and `64c + 32 .. 64c + 64` in its high nibbles.
 //!
 //! Summation order (shared by every path): per super-block, `sumi = Σ_j sc_j · Σ q·a` and
-//! `summ = Σ_j m_j · (bsum_2j + bsum_2j+1)` exactly in i32; then
-//! `acc += (d_a·d)·sumi − (d_a·dmin)·summ` in that order, super-blocks in row order. SIMD only
-//! computes the integers, so it matches the scalar bits.
+//! `summ = Σ_j m_j · (bsum_2j + bsum_2j+1)` exactly in i32; then two accumulators, each one
+//! fused multiply-add per super-block in row order, `acc_d = fma(sumi, d·d_a, acc_d)` and
+//! `acc_m = fma(summ, dmin·d_a, acc_m)`, and the result `acc_d − acc_m`. SIMD only computes the
+//! integers, so it matches the scalar bits.
+//!
+//! That float order is llama.cpp's x86 CPU backend's for a Q4_K row dotted with one token: its
+//! repacked `q4_K_8x8` gemv (2-D weights in decode, and the rows left over after a prompt's
+//! groups of 4) and its MUL_MAT_ID over expert tensors. Matching it bit for bit matters more
+//! than it looks: a one-ulp difference in a matmul output can move an activation across a Q8_K
+//! rounding boundary or a router near-tie, and the model amplifies that into a visible logit
+//! difference (see `llama_cpp_orders` in the tests). llama.cpp's 4-row prompt gemm accumulates
+//! per pair of sub-blocks instead; no single order can match both, and ours must not depend on
+//! the batch, so we take the one-token order.
 
 use super::q8_k::{BlockQ8K, GROUP, QK_K};
 use super::{f16_to_f32, f32_to_f16, nearest_int, RawBlock, SimdLevel};
@@ -182,7 +192,7 @@ pub(super) fn mins_dot(m: &[u8; 8], bsums: &[i16; 16]) -> i32 {
     s
 }
 
-/// The float step of one super-block, shared by every path (Q4_K, Q5_K).
+/// Q5_K's float step of one super-block, shared by its paths (Q4_K uses `accumulate`).
 #[inline(always)]
 pub(super) fn super_block_term(d: [u8; 2], dmin: [u8; 2], d_a: f32, sumi: i32, summ: i32) -> f32 {
     let dd = d_a * f16_to_f32(d);
@@ -215,8 +225,16 @@ pub(super) fn dot_group(level: SimdLevel, w: &[BlockQ4K], a: [&[BlockQ8K]; GROUP
     }
 }
 
+/// One super-block's step of the two accumulators (see the module header): exact integers in,
+/// one fused multiply-add each.
+#[inline(always)]
+fn accumulate(acc: &mut [f32; 2], d: [u8; 2], dmin: [u8; 2], d_a: f32, sumi: i32, summ: i32) {
+    acc[0] = (sumi as f32).mul_add(f16_to_f32(d) * d_a, acc[0]);
+    acc[1] = (summ as f32).mul_add(f16_to_f32(dmin) * d_a, acc[1]);
+}
+
 pub(super) fn dot_scalar(w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
-    let mut acc = 0f32;
+    let mut acc = [0f32; 2];
     for (x, y) in w.iter().zip(a) {
         let (sc, m) = unpack_scales(&x.scales);
         let mut sumi = 0i32;
@@ -229,9 +247,9 @@ pub(super) fn dot_scalar(w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
             }
             sumi += sc[2 * c] as i32 * lo + sc[2 * c + 1] as i32 * hi;
         }
-        acc += super_block_term(x.d, x.dmin, y.d, sumi, mins_dot(&m, &y.bsums));
+        accumulate(&mut acc, x.d, x.dmin, y.d, sumi, mins_dot(&m, &y.bsums));
     }
-    acc
+    acc[0] - acc[1]
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -283,10 +301,10 @@ unsafe fn dot_n_avx2<const N: usize>(w: &[BlockQ4K], a: [&[BlockQ8K]; N]) -> [f3
         }
         for t in 0..N {
             let y = &a[t][i];
-            acc[t] = unsafe { x86::finish(acc[t], sumi[t], mins, &y.bsums, x.d, x.dmin, y.d) };
+            acc[t] = unsafe { x86::accumulate(acc[t], sumi[t], mins, &y.bsums, x.d, x.dmin, y.d) };
         }
     }
-    acc.map(|v| _mm_cvtss_f32(v))
+    acc.map(|acc| _mm_cvtss_f32(_mm_sub_ss(acc, _mm_movehdup_ps(acc))))
 }
 
 /// AVX2 pieces shared by Q4_K and Q5_K.
@@ -343,7 +361,7 @@ pub(super) mod x86 {
         _mm256_shuffle_epi8(scales, mask)
     }
 
-    /// The float step of one super-block on lane 0 of `acc`, exactly as the scalar
+    /// Q5_K's float step of one super-block on lane 0 of `acc`, exactly as the scalar
     /// `acc += super_block_term(..)`: `summ` from the minimums and pair sums of `bsums`, both
     /// integers reduced exactly, then `(d_a·d)·sumi − (d_a·dmin)·summ` and the add.
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -372,6 +390,37 @@ pub(super) mod x86 {
         let scales = _mm_mul_ps(_mm_set1_ps(d_a), _mm_cvtph_ps(_mm_cvtsi32_si128(bits)));
         let p = _mm_mul_ps(scales, _mm_cvtepi32_ps(h)); // [dd·sumi, dm·summ, ..]
         _mm_add_ss(acc, _mm_sub_ss(p, _mm_movehdup_ps(p)))
+    }
+
+    /// Q4_K's step of its two accumulators, lanes 0 (`acc_d`) and 1 (`acc_m`) of `acc`, exactly
+    /// as the scalar `accumulate`: the integers `sumi` and `summ` reduced exactly, then one
+    /// fused multiply-add per lane.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    pub unsafe fn accumulate(
+        acc: __m128,
+        sumi: __m256i,
+        mins: __m128i,
+        bsums: &[i16; 16],
+        d: [u8; 2],
+        dmin: [u8; 2],
+        d_a: f32,
+    ) -> __m128 {
+        // SAFETY: 16 i16 = 32 bytes.
+        let bs = unsafe { _mm256_loadu_si256(bsums.as_ptr().cast()) };
+        // Pair sums ≤ 2 · 16 · 127: no i16 overflow.
+        let pairs = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+        let summ4 = _mm_madd_epi16(mins, pairs);
+        let sumi4 = _mm_add_epi32(
+            _mm256_castsi256_si128(sumi),
+            _mm256_extracti128_si256(sumi, 1),
+        );
+        let h = _mm_hadd_epi32(sumi4, summ4);
+        let h = _mm_hadd_epi32(h, h); // [sumi, summ, sumi, summ]
+        let bits = u16::from_le_bytes(d) as i32 | ((u16::from_le_bytes(dmin) as i32) << 16);
+        // [d·d_a, dmin·d_a, 0, 0]
+        let scales = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)), _mm_set1_ps(d_a));
+        _mm_fmadd_ps(_mm_cvtepi32_ps(h), scales, acc)
     }
 }
 
@@ -470,6 +519,29 @@ pub(super) mod tests {
                     dot(level, &w, &a).to_bits(),
                     s.to_bits(),
                     "{level:?} seed={seed}"
+                );
+            }
+        }
+    }
+
+    /// Rows of an expert `ffn_down` (two super-blocks) and the results llama.cpp computed for
+    /// them: our order must give its bits at every SIMD level. The previous order
+    /// (`acc += d·sumi − dmin·summ` per super-block) misses all four.
+    #[test]
+    fn matches_llama_cpp_rows_bit_for_bit() {
+        let cases = llama_rows(include_bytes!("testdata/llama_rows_q4_k.bin"));
+        assert_eq!(cases.len(), 4);
+        for (i, case) in cases.iter().enumerate() {
+            let mut act = super::super::ActBuf::new();
+            act.prepare(crate::gguf::GgmlType::Q4_K, &case.act).unwrap();
+            let w: &[BlockQ4K] = super::super::blocks(&case.row);
+            for level in SimdLevel::available() {
+                let got = dot(level, w, &act.q8_k);
+                assert_eq!(
+                    got.to_bits(),
+                    case.expected.to_bits(),
+                    "case {i} {level:?}: {got} vs llama.cpp {}",
+                    case.expected
                 );
             }
         }

@@ -1,12 +1,19 @@
 //! Q8_0: blocks of 32 int8 with an f16 scale. A weight format (attention K/V in Q4_K_M files)
 //! and the activation format for Q4_0 and Q8_0 weights.
 //!
-//! Summation order (shared by every path): a block's products are summed exactly in i32; block
-//! `b` adds `(d_w · d_a) · sum` to lane `b % 8` (product rounded, then the add); the 8 lanes are
-//! folded by [`super::reduce8`]. The AVX2 path computes 8 blocks' integer sums at once and
-//! applies the same float operations lane-wise, so it matches the scalar bits.
+//! Summation order (shared by every path): each block's products are summed exactly in i32 in
+//! 8 lanes of 4 consecutive values (lane `k` holds values `4k .. 4k + 4`); each lane keeps one
+//! float accumulator updated with one fused multiply-add per block,
+//! `lane_k = fma(d_w·d_a, sum_k, lane_k)`; the 8 lanes are folded by [`super::reduce8`]. The
+//! AVX2 path is exactly those 8 lanes, so it matches the scalar bits.
+//!
+//! That is the order of llama.cpp's x86 CPU backend for Q8_0 weights on every path it takes
+//! (`ggml_vec_dot_q8_0_q8_0`, the llamafile gemm, MUL_MAT_ID), and [`quantize_activations`] is
+//! its x86 activation quantizer, so our rows agree with its bit for bit when the inputs do: a
+//! one-ulp difference can otherwise move a later activation across a rounding boundary and grow
+//! into a visible logit difference.
 
-use super::{f16_to_f32, f32_to_f16, reduce8, RawBlock, SimdLevel};
+use super::{f16_to_f32, f32_to_f16, nearest_int, reduce8, RawBlock, SimdLevel};
 
 /// Values per block.
 pub(super) const QK: usize = 32;
@@ -30,7 +37,25 @@ impl BlockQ8_0 {
     };
 }
 
-/// llama.cpp's reference quantizer: scale = absmax / 127, values rounded half away from zero.
+/// Activations as llama.cpp's x86 CPU backend quantizes them for Q4_0/Q8_0 weights
+/// (`quantize_row_q8_0` with AVX/AVX2, and its 4-row repack form): scale `d = absmax / 127`
+/// stored as f16, values `x · (127 / absmax)` rounded to nearest, ties to even. This differs
+/// from the reference [`quantize`] (which rounds `x · (1 / d)` half away from zero) on values
+/// within an ulp of a half step, and exact half steps are common in real activations.
+pub(super) fn quantize_activations(src: &[f32], dst: &mut [BlockQ8_0]) {
+    for (x, b) in src.chunks_exact(QK).zip(dst.iter_mut()) {
+        let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+        for (q, v) in b.qs.iter_mut().zip(x) {
+            // |v · id| ≤ 127 (up to rounding of `id`, which the round brings back to 127).
+            *q = nearest_int(v * id).clamp(-127, 127) as i8;
+        }
+        b.d = f32_to_f16(amax / 127.0);
+    }
+}
+
+/// llama.cpp's reference quantizer (`quantize_row_q8_0_ref`, what `llama-quantize` writes):
+/// scale = absmax / 127, values rounded half away from zero. For weights.
 pub(super) fn quantize(src: &[f32], dst: &mut [BlockQ8_0]) {
     for (x, b) in src.chunks_exact(QK).zip(dst.iter_mut()) {
         let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
@@ -52,10 +77,14 @@ pub(super) fn dequantize(src: &[BlockQ8_0], dst: &mut [f32]) {
     }
 }
 
-/// The float term of one block, given its exact integer sum; shared by every path.
+/// One block's step of the 8 lane accumulators: the lanes' exact sums fused with the block's
+/// `d_w·d_a`; shared by every path.
 #[inline(always)]
-pub(super) fn block_term(d_w: [u8; 2], d_a: [u8; 2], sum: i32) -> f32 {
-    (f16_to_f32(d_w) * f16_to_f32(d_a)) * sum as f32
+fn accumulate(lanes: &mut [f32; 8], d_w: [u8; 2], d_a: [u8; 2], sums: &[i32; 8]) {
+    let d = f16_to_f32(d_w) * f16_to_f32(d_a);
+    for (l, s) in lanes.iter_mut().zip(sums) {
+        *l = d.mul_add(*s as f32, *l);
+    }
 }
 
 /// Dot of a row of Q8_0 weight blocks with Q8_0 activation blocks.
@@ -70,18 +99,20 @@ pub(super) fn dot(level: SimdLevel, w: &[BlockQ8_0], a: &[BlockQ8_0]) -> f32 {
     }
 }
 
+/// A block's exact products summed in 8 lanes of 4 consecutive values.
 #[inline(always)]
-fn block_sum(x: &BlockQ8_0, y: &BlockQ8_0) -> i32 {
-    x.qs.iter()
-        .zip(&y.qs)
-        .map(|(p, q)| *p as i32 * *q as i32)
-        .sum()
+fn lane_sums(x: &BlockQ8_0, y: &BlockQ8_0) -> [i32; 8] {
+    std::array::from_fn(|k| {
+        (4 * k..4 * k + 4)
+            .map(|i| x.qs[i] as i32 * y.qs[i] as i32)
+            .sum()
+    })
 }
 
 pub(super) fn dot_scalar(w: &[BlockQ8_0], a: &[BlockQ8_0]) -> f32 {
     let mut lanes = [0f32; 8];
-    for (b, (x, y)) in w.iter().zip(a).enumerate() {
-        lanes[b % 8] += block_term(x.d, y.d, block_sum(x, y));
+    for (x, y) in w.iter().zip(a) {
+        accumulate(&mut lanes, x.d, y.d, &lane_sums(x, y));
     }
     reduce8(&lanes)
 }
@@ -90,40 +121,19 @@ pub(super) fn dot_scalar(w: &[BlockQ8_0], a: &[BlockQ8_0]) -> f32 {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_avx2(w: &[BlockQ8_0], a: &[BlockQ8_0]) -> f32 {
     use std::arch::x86_64::*;
-    let n = w.len().min(a.len());
-    let full = n / 8 * 8;
     let mut acc = _mm256_setzero_ps();
-    let mut b = 0;
-    while b < full {
-        let mut sums = [_mm256_setzero_si256(); 8];
-        let mut dw = [0u16; 8];
-        let mut da = [0u16; 8];
-        for k in 0..8 {
-            let (x, y) = (&w[b + k], &a[b + k]);
-            // SAFETY: each qs is 32 bytes; unaligned loads.
-            let xv = unsafe { _mm256_loadu_si256(x.qs.as_ptr().cast()) };
-            let yv = unsafe { _mm256_loadu_si256(y.qs.as_ptr().cast()) };
-            sums[k] = unsafe { x86::mul_sum_i8(xv, yv) };
-            dw[k] = u16::from_le_bytes(x.d);
-            da[k] = u16::from_le_bytes(y.d);
-        }
-        let s = unsafe { x86::hsum_8x8(&sums) };
-        // SAFETY: 8 u16 = 16 bytes each.
-        let d = unsafe {
-            _mm256_mul_ps(
-                _mm256_cvtph_ps(_mm_loadu_si128(dw.as_ptr().cast())),
-                _mm256_cvtph_ps(_mm_loadu_si128(da.as_ptr().cast())),
-            )
-        };
-        acc = _mm256_add_ps(acc, _mm256_mul_ps(d, _mm256_cvtepi32_ps(s)));
-        b += 8;
+    for (x, y) in w.iter().zip(a) {
+        // SAFETY: each qs is 32 bytes; unaligned loads.
+        let xv = unsafe { _mm256_loadu_si256(x.qs.as_ptr().cast()) };
+        let yv = unsafe { _mm256_loadu_si256(y.qs.as_ptr().cast()) };
+        // Lane k: values 4k..4k+4 (maddubs pairs, then madd pairs, all within 128-bit halves).
+        let s = unsafe { x86::mul_sum_i8(xv, yv) };
+        let d = f16_to_f32(x.d) * f16_to_f32(y.d);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(s), acc);
     }
     let mut lanes = [0f32; 8];
     // SAFETY: 8 floats.
     unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
-    for b in full..n {
-        lanes[b % 8] += block_term(w[b].d, a[b].d, block_sum(&w[b], &a[b]));
-    }
     reduce8(&lanes)
 }
 
@@ -202,6 +212,88 @@ pub(super) mod tests {
                 );
             }
         }
+    }
+
+    /// `attn_output` rows and the results llama.cpp computed for them from f32 activations: our
+    /// activation quantizer and order must give its bits at every SIMD level. The previous
+    /// order (8 lanes of block terms) misses all four.
+    #[test]
+    fn matches_llama_cpp_rows_bit_for_bit() {
+        let cases = llama_rows(include_bytes!("testdata/llama_rows_q8_0.bin"));
+        assert_eq!(cases.len(), 4);
+        for (i, case) in cases.iter().enumerate() {
+            let mut act = super::super::ActBuf::new();
+            act.prepare(crate::gguf::GgmlType::Q8_0, &case.act).unwrap();
+            let w: &[BlockQ8_0] = super::super::blocks(&case.row);
+            for level in SimdLevel::available() {
+                let got = dot(level, w, &act.q8_0);
+                assert_eq!(
+                    got.to_bits(),
+                    case.expected.to_bits(),
+                    "case {i} {level:?}: {got} vs llama.cpp {}",
+                    case.expected
+                );
+            }
+        }
+    }
+
+    /// Exact half steps (absmax 127 makes the multiplier exactly 1) round to even in the
+    /// activation quantizer, as llama.cpp's x86 `quantize_row_q8_0` does, and away from zero
+    /// in the weight quantizer, as its `quantize_row_q8_0_ref` does.
+    #[test]
+    fn activation_halves_round_to_even() {
+        let mut x = [0f32; QK];
+        x[..6].copy_from_slice(&[127.0, 2.5, -2.5, 3.5, 0.5, -126.5]);
+        let mut act = [BlockQ8_0::ZERO];
+        quantize_activations(&x, &mut act);
+        assert_eq!(act[0].qs[..6], [127, 2, -2, 4, 0, -126]);
+        assert_eq!(f16_to_f32(act[0].d), 1.0);
+        let mut w = [BlockQ8_0::ZERO];
+        quantize(&x, &mut w);
+        assert_eq!(w[0].qs[..6], [127, 3, -3, 4, 1, -127]);
+    }
+
+    /// The activation multiplier is `127 / absmax`, not `1 / (absmax / 127)`: find an absmax
+    /// where the two floats differ and a value they round to different levels, and check which
+    /// one the quantizer took.
+    #[test]
+    fn activation_multiplier_is_127_over_absmax() {
+        let mut found = false;
+        for k in 0..100_000u32 {
+            let amax = 1.0f32 + k as f32 * f32::EPSILON;
+            let (id_x86, id_ref) = (127.0 / amax, 1.0 / (amax / 127.0));
+            if id_x86 == id_ref {
+                continue;
+            }
+            // A value just below a half step under one multiplier and on it under the other.
+            for level in 1..127 {
+                let v = (level as f32 + 0.5) / id_x86;
+                for v in [
+                    v,
+                    f32::from_bits(v.to_bits() + 1),
+                    f32::from_bits(v.to_bits() - 1),
+                ] {
+                    let (a, b) = (
+                        (v * id_x86).round_ties_even(),
+                        (v * id_ref).round_ties_even(),
+                    );
+                    if a == b || v.abs() > amax {
+                        continue;
+                    }
+                    let mut x = [0f32; QK];
+                    x[0] = amax;
+                    x[1] = v;
+                    let mut act = [BlockQ8_0::ZERO];
+                    quantize_activations(&x, &mut act);
+                    assert_eq!(act[0].qs[1] as f32, a, "amax {amax} v {v}");
+                    found = true;
+                }
+            }
+            if found {
+                return;
+            }
+        }
+        panic!("no distinguishing case found");
     }
 
     #[test]
