@@ -11,7 +11,11 @@ fn sim(args: &[String]) -> (i32, String, String) {
     argv.extend(args.iter().cloned());
     let (mut out, mut err) = (Vec::new(), Vec::new());
     let code = bmoe_sim::cli::run(argv, &[], &mut out, &mut err);
-    (code, String::from_utf8_lossy(&out).into_owned(), String::from_utf8_lossy(&err).into_owned())
+    (
+        code,
+        String::from_utf8_lossy(&out).into_owned(),
+        String::from_utf8_lossy(&err).into_owned(),
+    )
 }
 
 #[test]
@@ -23,25 +27,55 @@ fn every_recorded_trace_replays_exactly() {
         .filter(|p| p.to_string_lossy().ends_with(".route.csv"))
         .collect();
     traces.sort();
-    assert!(traces.len() >= 2, "traces/ should hold the recorded traces of MANIFEST.md");
+    assert!(
+        traces.len() >= 2,
+        "traces/ should hold the recorded traces of MANIFEST.md"
+    );
     let out = bmoe_gates::scratch_dir("sim-traces");
     for t in traces {
         let measured = PathBuf::from(t.to_string_lossy().replace(".route.csv", ".csv"));
         let text = std::fs::read_to_string(&measured).expect("each trace has its measured CSV");
         let csv = MetricsCsv::parse(&text).expect("measured CSV parses");
-        let get = |k: &str| csv.preamble.get(k).unwrap_or_else(|| panic!("{}: preamble lacks {k}", measured.display())).to_string();
-        let mut args: Vec<String> = vec!["replay".into(), "--trace".into(), t.display().to_string(), "--moe-stream".into(), "--cache-mb".into(), get("cache_mb"), "--io-threads".into(), get("io_threads")];
+        let get = |k: &str| {
+            csv.preamble
+                .get(k)
+                .unwrap_or_else(|| panic!("{}: preamble lacks {k}", measured.display()))
+                .to_string()
+        };
+        let mut args: Vec<String> = vec![
+            "replay".into(),
+            "--trace".into(),
+            t.display().to_string(),
+            "--moe-stream".into(),
+            "--cache-mb".into(),
+            get("cache_mb"),
+            "--io-threads".into(),
+            get("io_threads"),
+        ];
         if get("force_cache") == "1" {
             args.push("--force-cache".into());
         }
         if get("overlap") == "1" {
             args.push("--overlap".into());
         }
-        let sim_csv = out.join(format!("{}.sim.csv", t.file_name().unwrap().to_string_lossy()));
+        let sim_csv = out.join(format!(
+            "{}.sim.csv",
+            t.file_name().unwrap().to_string_lossy()
+        ));
         args.extend(["--csv".into(), sim_csv.display().to_string()]);
         let (code, _, err) = sim(&args);
         assert_eq!(code, 0, "replay of {} failed: {err}", t.display());
-        let (code, out_text, err) = sim(&["diff".into(), "--exact-only".into(), sim_csv.display().to_string(), measured.display().to_string()]);
-        assert_eq!(code, 0, "{}: replay differs from the measured run:\n{out_text}\n{err}", t.display());
+        let (code, out_text, err) = sim(&[
+            "diff".into(),
+            "--exact-only".into(),
+            sim_csv.display().to_string(),
+            measured.display().to_string(),
+        ]);
+        assert_eq!(
+            code,
+            0,
+            "{}: replay differs from the measured run:\n{out_text}\n{err}",
+            t.display()
+        );
     }
 }
