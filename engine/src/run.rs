@@ -261,7 +261,10 @@ pub fn generate_with(
         }
         Runner::Streamed(Box::new(e))
     } else {
-        let model = Qwen3Moe::new(weights, args.threads as usize);
+        let mut model = Qwen3Moe::new(weights, args.threads as usize);
+        if cfg.n_expert_used_override > 0 {
+            model.set_top_k(cfg.n_expert_used_override as usize);
+        }
         let state = model.new_state(args.ctx as usize);
         Runner::Resident { model, state }
     };

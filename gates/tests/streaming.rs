@@ -217,3 +217,32 @@ fn failed_reads_stop_the_run_loudly_with_a_nonzero_exit() {
         );
     }
 }
+
+#[test]
+fn n_expert_used_is_the_same_narrowing_resident_and_streamed() {
+    let res = run(&tiny(), &["-p", PROMPT, "-n", "32", "--n-expert-used", "2"]);
+    assert_eq!(res.code, 0, "{}", res.stderr);
+    let full = run(&tiny(), &["-p", PROMPT, "-n", "32"]);
+    assert_ne!(
+        res.outcome.tokens, full.outcome.tokens,
+        "top-2 of 4 must change a random model's output"
+    );
+    for extra in [
+        &["--cache-mb", "0"][..],
+        &["--cache-mb", "2", "--force-cache", "--overlap"][..],
+    ] {
+        let mut a = vec![
+            "-p",
+            PROMPT,
+            "-n",
+            "32",
+            "--n-expert-used",
+            "2",
+            "--moe-stream",
+        ];
+        a.extend_from_slice(extra);
+        let s = run(&tiny(), &a);
+        assert_eq!(s.code, 0, "{}", s.stderr);
+        assert_eq!(s.outcome.tokens, res.outcome.tokens, "{extra:?}");
+    }
+}

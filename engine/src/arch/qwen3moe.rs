@@ -590,6 +590,10 @@ fn silu(x: f32) -> f32 {
 pub struct Qwen3Moe {
     pub w: Weights,
     pub pool: ThreadPool,
+    /// Experts the router keeps per token: the model's `expert_used_count`, or a smaller
+    /// `--n-expert-used` in the resident run (streamed runs narrow the routing in the core's
+    /// router hook instead, with the same renormalisation, so both give the same bits).
+    top_k: usize,
 }
 
 fn kerr(e: kernels::KernelError) -> ArchError {
@@ -602,10 +606,17 @@ fn kerr(e: kernels::KernelError) -> ArchError {
 
 impl Qwen3Moe {
     pub fn new(w: Weights, threads: usize) -> Qwen3Moe {
+        let top_k = w.hp.n_expert_used;
         Qwen3Moe {
             w,
             pool: ThreadPool::new(threads.max(1)),
+            top_k,
         }
+    }
+
+    /// Keep only the top `k` experts per token (1..=the model's `expert_used_count`).
+    pub fn set_top_k(&mut self, k: usize) {
+        self.top_k = k.clamp(1, self.w.hp.n_expert_used);
     }
 
     pub fn hp(&self) -> &HParams {
@@ -866,7 +877,7 @@ impl Qwen3Moe {
         let lw = &self.w.layers[layer];
         let m = st.ffn_rows.len();
         let ne = hp.n_expert;
-        let k = hp.n_expert_used;
+        let k = self.top_k;
         out.rows.clear();
         out.rows.extend_from_slice(&st.ffn_rows);
         out.k = k;
