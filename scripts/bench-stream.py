@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+"""Streaming benchmark under a memory cap (issue 4), side by side in one invocation.
+
+  sudo python3 scripts/bench-stream.py MODEL [--limit-gib 8] [-n 24] [-c 512] [--bin target/release/bmoe-cli]
+
+Each run executes inside a cgroup v1 memory limit with the page cache dropped first. For every
+configuration it prints tok/s, the speed-up over plain mmap under the same limit, MiB/token read,
+hit rate, the process's peak RSS against dense + cache budget, and — for serial runs — the
+achieved flash MiB/s against a raw O_DIRECT read of the same request size and lane count taken
+right after it, and the per-token time against max(compute floor, missed bytes / raw flash
+bandwidth). stdlib only; needs root (cgroup, drop_caches).
+"""
+import argparse
+import os
+import re
+import subprocess
+import sys
+
+CG = "/sys/fs/cgroup/memory/bmoe-bench"
+PROMPT = "The expert cache keeps what the router asked for, and the streamer reads the rest from flash."
+
+
+def drop_caches():
+    subprocess.run(["sync"], check=True)
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+def in_cgroup(cmd):
+    drop_caches()
+    script = f"echo $$ > {CG}/cgroup.procs; exec /usr/bin/time -f 'PEAK_RSS_KIB %M' \"$@\""
+    return subprocess.run(["sh", "-c", script, "sh"] + cmd, capture_output=True, text=True)
+
+
+def grab(pat, text, cast=float, default=None):
+    m = re.search(pat, text)
+    return cast(m.group(1)) if m else default
+
+
+def raw(bin_, model, lanes, kib):
+    drop_caches()
+    out = subprocess.run([bin_, "bench", "--io-file", model, "--io-request-kib", str(kib), "--io-lanes", str(lanes),
+                          "--io-total-mib", "1024"], capture_output=True, text=True, check=True).stdout
+    return grab(r"lanes: ([0-9.]+) MiB/s", out)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model")
+    ap.add_argument("--limit-gib", type=int, default=8)
+    ap.add_argument("-n", type=int, default=24)
+    ap.add_argument("-c", type=int, default=512)
+    ap.add_argument("--bin", default="target/release/bmoe-cli")
+    ap.add_argument("--request-kib", type=int, default=1024, help="raw read size (≈ one expert projection)")
+    a = ap.parse_args()
+    os.makedirs(CG, exist_ok=True)
+    with open(f"{CG}/memory.limit_in_bytes", "w") as f:
+        f.write(str(a.limit_gib << 30))
+    insp = subprocess.run([a.bin, "inspect", a.model], capture_output=True, text=True, check=True).stdout
+    dense_mib = grab(r"dense \(resident\):\s+\d+ B \(([0-9.]+) MiB\)", insp)
+    base = [a.bin, "-m", a.model, "-p", PROMPT, "-n", str(a.n), "-c", str(a.c)]
+    configs = [
+        ("mmap baseline", [], None),
+        ("cache off, serial, 1 lane", ["--moe-stream", "--cache-mb", "0", "--io-threads", "1"], 1),
+        ("cache off, serial, 2 lanes", ["--moe-stream", "--cache-mb", "0", "--io-threads", "2"], 2),
+        ("cache off, serial, 4 lanes", ["--moe-stream", "--cache-mb", "0", "--io-threads", "4"], 4),
+        ("cache off, overlap, 4 lanes", ["--moe-stream", "--cache-mb", "0", "--overlap"], None),
+        ("cache auto, overlap, 4 lanes", ["--moe-stream", "--overlap"], None),
+        ("cache 2000, serial, 4 lanes", ["--moe-stream", "--cache-mb", "2000"], 4),
+        ("cache 4000, serial, 2 lanes", ["--moe-stream", "--cache-mb", "4000", "--io-threads", "2"], 2),
+        ("cache 4000, serial, 4 lanes", ["--moe-stream", "--cache-mb", "4000"], 4),
+        ("cache 4000, overlap, 2 lanes", ["--moe-stream", "--cache-mb", "4000", "--overlap", "--io-threads", "2"], None),
+        ("cache 4000, overlap, 4 lanes", ["--moe-stream", "--cache-mb", "4000", "--overlap"], None),
+    ]
+    print(f"model {a.model} (dense {dense_mib} MiB), cgroup limit {a.limit_gib} GiB, -n {a.n} -c {a.c}, "
+          f"page cache dropped before each run")
+    mmap_tps = None
+    for name, flags, raw_lanes in configs:
+        r = in_cgroup(base + flags)
+        err = r.stderr
+        if r.returncode != 0:
+            print(f"{name:32s} FAILED: {err.strip().splitlines()[-1] if err.strip() else r.returncode}")
+            continue
+        s_tok = grab(r"generation: \d+ tokens, ([0-9.]+) s/token", err)
+        tps = 1.0 / s_tok if s_tok else 0.0
+        mmap_tps = mmap_tps or tps
+        rss = grab(r"PEAK_RSS_KIB (\d+)", err, int, 0) / 1024.0
+        mib_tok = grab(r"\(([0-9.]+) MiB/token\)", err, float, 0.0)
+        compute = grab(r"compute ([0-9.]+) \+ cache mgmt", err, float, 0.0)
+        io = grab(r"flash I/O ([0-9.]+) s/token", err, float, 0.0)
+        hit = grab(r"moe-cache: ([0-9.]+)% hit", err, float, None)
+        m = re.search(r"--cache-mb (\d+)", " ".join(flags))
+        budget = float(m.group(1)) if m else grab(r"budget ([0-9.]+) MiB", err, float, 0.0)
+        line = f"{name:32s} {tps:6.2f} tok/s ({tps / mmap_tps:4.2f}x mmap)"
+        if "--moe-stream" in flags:
+            line += f" | {mib_tok:7.1f} MiB/tok" + (f" hit {hit:4.1f}%" if hit is not None else "")
+            line += f" | peak RSS {rss:6.0f} MiB"
+            if budget:
+                line += f" = {rss / (dense_mib + budget):.2f} x (dense + budget)"
+        else:
+            line += f" | peak RSS {rss:6.0f} MiB"
+        if raw_lanes and io > 0:
+            achieved = mib_tok / io
+            ceiling = raw(a.bin, a.model, raw_lanes, a.request_kib)
+            floor = max(compute, mib_tok / ceiling)
+            line += (f" | flash {achieved:5.0f} MiB/s vs raw {ceiling:5.0f} ({achieved / ceiling:.2f})"
+                     f" | s/tok {s_tok:.3f} vs floor {floor:.3f} ({s_tok / floor:.2f})")
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
