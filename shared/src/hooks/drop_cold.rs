@@ -3,10 +3,13 @@
 //! override). Spends quality only where it buys a flash read.
 //!
 //! The top-weighted expert of a row is pinned, so a routing is never emptied even if the
-//! `F ≤ 1` bound were lifted. A dropped slot's weight is zeroed and the slot is flagged
-//! (`Routing::drop_entry`): the streamer neither reads nor computes it, and the backend sums
-//! only the ranks it computed, so no repointing is needed. With `renormalize` the survivors
-//! are scaled back to the row's original mass.
+//! `F ≤ 1` bound were lifted. A dropped slot is flagged (`Routing::drop_entry`): the streamer
+//! neither reads it nor hands it to the backend, which sums only the ranks it computed, so its
+//! effective weight is zero and no repointing is needed (our engine owns its graph; there is
+//! no `mul_mat_id` reading an uncommitted slot). The slot keeps the router's weight in the
+//! `Routing` so the route trace records what the router produced (expert-dropping.md: `weight`
+//! stays as the router produced it, `dropped` says what the policy did). With `renormalize`
+//! the survivors are scaled back to the row's original mass.
 
 use crate::backend::Routing;
 use crate::layout::ExpertKey;
@@ -49,7 +52,6 @@ impl DropCold {
                 let cold = !is_resident(routing.ids(r)[rank]);
                 if Some(rank) != top && cold && w < threshold {
                     routing.drop_entry(r, rank);
-                    routing.weights_mut(r)[rank] = 0.0;
                     n_dropped += 1;
                     any = true;
                 } else {
@@ -126,8 +128,9 @@ mod tests {
         let n = hook.drop_rows(&mut r, &|e| e == 5);
         assert_eq!(n, 1);
         assert_eq!(r.dropped(0), &[false, false, true, false]);
-        assert_eq!(r.weights(0)[2], 0.0);
-        let sum: f32 = r.weights(0).iter().sum();
+        // The dropped slot keeps its router weight (for the trace); the survivors carry the mass.
+        assert_eq!(r.weights(0)[2], 0.1);
+        let sum: f32 = r.weights(0)[..2].iter().sum::<f32>() + r.weights(0)[3];
         assert!((sum - 1.0).abs() < 1e-6, "{sum}");
         assert!((r.weights(0)[0] - 0.4 / 0.9).abs() < 1e-6);
 
@@ -139,7 +142,7 @@ mod tests {
         let mut r = row(&[1, 2, 3, 5], &[0.4, 0.3, 0.1, 0.2]);
         hook.drop_rows(&mut r, &|_| false);
         assert_eq!(r.dropped(0), &[false, false, true, true]);
-        assert_eq!(r.weights(0), &[0.4, 0.3, 0.0, 0.0]);
+        assert_eq!(r.weights(0), &[0.4, 0.3, 0.1, 0.2]);
     }
 
     #[test]
