@@ -208,3 +208,36 @@ fn eviction_policies_change_reads_never_output() {
         );
     }
 }
+
+#[test]
+fn drop_in_prefill_arms_the_prompt_too() {
+    let trace = scratch_dir("policies").join(format!("prefill-{}.route.tsv", std::process::id()));
+    let path = trace.to_str().expect("utf-8 path");
+    streamed(&[
+        "--drop-cold-experts",
+        "1.0",
+        "--drop-in-prefill",
+        "--route-trace",
+        path,
+    ]);
+    let text = std::fs::read_to_string(&trace).expect("route trace written");
+    let _ = std::fs::remove_file(&trace);
+    let t = RouteTrace::parse(&text).expect("route trace parses");
+    let prefill_dropped = t
+        .cells
+        .iter()
+        .filter(|c| c.phase == Phase::Prefill)
+        .flat_map(|c| t.cell_slots(c))
+        .filter(|s| s.dropped)
+        .count();
+    assert!(
+        prefill_dropped > 0,
+        "--drop-in-prefill on a cold cache dropped nothing in the prompt"
+    );
+    for cell in &t.cells {
+        assert!(
+            t.cell_slots(cell).iter().any(|s| !s.dropped),
+            "a routing was emptied"
+        );
+    }
+}
