@@ -60,10 +60,9 @@ impl DropCold {
             }
             if any && self.renormalize && kept > 0.0 && kept.is_finite() {
                 let scale = original / kept;
-                let dropped: Vec<bool> = routing.dropped(r).to_vec();
-                for (w, d) in routing.weights_mut(r).iter_mut().zip(dropped) {
-                    if !d {
-                        *w *= scale;
+                for rank in 0..k {
+                    if !routing.dropped(r)[rank] {
+                        routing.weights_mut(r)[rank] *= scale;
                     }
                 }
             }
