@@ -18,7 +18,7 @@ use bmoe_core::telemetry::route_trace::{RoutePreamble, RouteTraceWriter, TraceLa
 use bmoe_core::telemetry::run::RunTelemetry;
 use bmoe_core::telemetry::sinks::TraceTee;
 use bmoe_core::testing::{Fault, FaultyFlash};
-use bmoe_core::{Engine, ExpertCache, StepInput, StepStats, StreamConfig, TopKOverride};
+use bmoe_core::{Engine, ExpertCache, StepInput, StepStats, StreamConfig};
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::Path;
@@ -253,11 +253,9 @@ pub fn generate_with(
                 max_read_bytes: 0,
             },
         )?;
-        if cfg.n_expert_used_override > 0 && cfg.n_expert_used_override < hp.n_expert_used as u32 {
-            e.add_hook(Box::new(TopKOverride {
-                k,
-                renormalize: true,
-            }));
+        // Top-k override, substitution, dropping, in that order (qwen3moe renormalises).
+        for hook in bmoe_core::hooks::router_hooks(&cfg, hp.n_expert_used as u32, true) {
+            e.add_hook(hook);
         }
         Runner::Streamed(Box::new(e))
     } else {
@@ -268,11 +266,9 @@ pub fn generate_with(
         let state = model.new_state(args.ctx as usize);
         Runner::Resident { model, state }
     };
-    if let Some(w) = cfg.cache_cycle_warning() {
-        writeln!(err, "bmoe: warning: {w}")?;
-    }
+    // The drop-at-narrow-top-k and cache-cycle warnings, once, each already a full line.
     for w in cfg.load_warnings() {
-        writeln!(err, "bmoe: warning: {w}")?;
+        writeln!(err, "{w}")?;
     }
 
     let prompt = if args.chatml {

@@ -89,6 +89,13 @@ pub enum EvictionPolicy {
     /// The globally least recently used (layer, expert).
     #[default]
     Lru,
+    /// The least frequently used, ties to the least recent (`policy::Lfu`).
+    Lfu,
+    /// LRFU, decayed frequency: a frequency/recency hybrid (`policy::Lrfu`).
+    Lfru,
+    /// Per-layer partitions with LFU inside (`policy::LayerLfu`).
+    #[value(name = "layer-lfu")]
+    LayerLfu,
 }
 
 impl EvictionPolicy {
@@ -96,6 +103,9 @@ impl EvictionPolicy {
     pub fn name(self) -> &'static str {
         match self {
             EvictionPolicy::Lru => "lru",
+            EvictionPolicy::Lfu => "lfu",
+            EvictionPolicy::Lfru => "lfru",
+            EvictionPolicy::LayerLfu => "layer-lfu",
         }
     }
 }
@@ -111,10 +121,13 @@ impl FromStr for EvictionPolicy {
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s {
             "lru" => Ok(EvictionPolicy::Lru),
+            "lfu" => Ok(EvictionPolicy::Lfu),
+            "lfru" => Ok(EvictionPolicy::Lfru),
+            "layer-lfu" => Ok(EvictionPolicy::LayerLfu),
             _ => Err(UnknownName {
                 what: "eviction policy",
                 name: s.to_string(),
-                expected: "lru",
+                expected: "lru|lfu|lfru|layer-lfu",
             }),
         }
     }

@@ -148,7 +148,10 @@ pub struct StreamArgs {
 
     /// Cache eviction policy.
     ///
-    /// lru evicts the globally least recently used (layer, expert).
+    /// lru evicts the globally least recently used (layer, expert); lfu the least frequently
+    /// used (ties to the least recent); lfru by decayed frequency (LRFU, a frequency/recency
+    /// hybrid); layer-lfu splits the cache evenly between layers with LFU inside each.
+    /// Policies change what is read, never what is computed.
     #[arg(long, value_name = "POLICY", value_enum, default_value_t = EvictionPolicy::Lru)]
     pub eviction: EvictionPolicy,
 

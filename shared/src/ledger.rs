@@ -65,6 +65,8 @@ pub struct Ledger {
     rereads: u64,
     experts_routed: u64,
     experts_dropped: u64,
+    experts_reranked: u64,
+    experts_substituted: u64,
     decode_routed_bytes: u64,
     decode_tokens: u64,
     io_errors: u64,
@@ -88,6 +90,8 @@ impl Ledger {
             rereads: 0,
             experts_routed: 0,
             experts_dropped: 0,
+            experts_reranked: 0,
+            experts_substituted: 0,
             decode_routed_bytes: 0,
             decode_tokens: 0,
             io_errors: 0,
@@ -134,6 +138,8 @@ impl Ledger {
         self.step += 1;
         self.experts_routed += s.experts_routed;
         self.experts_dropped += s.experts_dropped;
+        self.experts_reranked += s.experts_reranked;
+        self.experts_substituted += s.experts_substituted;
         self.decode_routed_bytes += s.routed_bytes;
         self.decode_tokens += 1;
         let prev = self.last_mem.unwrap_or(*mem);
@@ -204,6 +210,8 @@ impl Ledger {
             layer_demand_bytes,
             experts_routed: self.experts_routed,
             experts_dropped: self.experts_dropped,
+            experts_reranked: self.experts_reranked,
+            experts_substituted: self.experts_substituted,
             prefill: self.prefill.clone(),
             loop_overhead_tail_ms,
             io_errors: self.io_errors,

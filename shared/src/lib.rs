@@ -13,6 +13,7 @@ pub mod config;
 pub mod flags;
 pub mod flash;
 pub mod handoff;
+pub mod hooks;
 pub mod layout;
 pub mod ledger;
 pub mod policy;
@@ -29,6 +30,6 @@ pub use flash::{Flash, FlashError, ReadDone, ReadId, ReadRequest, ReadTag};
 pub use layout::{ExpertKey, ExpertLayout, LayoutError, MoeLayerLayout, ProjExtent};
 pub use policy::EvictionPolicy;
 pub use step::{
-    Engine, HookContext, HookError, RouterHook, StepError, StepInput, StepStats, StreamConfig,
-    TopKOverride,
+    Engine, HookContext, HookCounts, HookError, RouterHook, StepError, StepInput, StepStats,
+    StreamConfig, TopKOverride,
 };

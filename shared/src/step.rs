@@ -78,6 +78,10 @@ pub struct StepStats {
     pub experts_routed: u64,
     /// Routings discarded by a dropping hook.
     pub experts_dropped: u64,
+    /// Routing slots a re-ranking hook examined (`--expert-substitute`).
+    pub experts_reranked: u64,
+    /// Slots a re-ranking hook moved to a different (resident) expert.
+    pub experts_substituted: u64,
     /// Σ over MoE layers of (distinct non-dropped routed experts × expert bytes): the
     /// measured `token_demand` of a decode step.
     pub routed_bytes: u64,
@@ -159,6 +163,21 @@ pub trait RouterHook: Send {
     fn name(&self) -> &'static str;
     /// Edit `routing` in place (ids, weights, `drop_entry`, `truncate_k`).
     fn apply(&mut self, cx: &HookContext<'_>, routing: &mut Routing) -> Result<(), HookError>;
+    /// What the hook did since the last call, for the step's counters; resets them. Hooks
+    /// that count nothing keep the default. (Drops are counted from `Routing::dropped` by the
+    /// streamer, so a dropping hook need not report them.)
+    fn take_counts(&mut self) -> HookCounts {
+        HookCounts::default()
+    }
+}
+
+/// Per-hook counts a step adds to its `StepStats`.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct HookCounts {
+    /// Routing slots examined by a re-ranking hook.
+    pub reranked: u64,
+    /// Slots moved to a different expert.
+    pub substituted: u64,
 }
 
 /// `--n-expert-used k`: keep the first `k` ranks of every routing. With `renormalize` (the
@@ -370,6 +389,9 @@ impl<C: Clock, F: Flash, B: Backend> Engine<C, F, B> {
                         layer: moe,
                         source,
                     })?;
+                    let counts = hook.take_counts();
+                    stats.experts_reranked += counts.reranked;
+                    stats.experts_substituted += counts.substituted;
                 }
             }
             routing

@@ -5,8 +5,14 @@
 //! a new policy (LFU, hybrid, layer-aware) be one short file, tried in the simulator on recorded
 //! traces and then run on device unchanged.
 
+pub mod layer_lfu;
+pub mod lfu;
+pub mod lrfu;
 pub mod lru;
 
+pub use layer_lfu::LayerLfu;
+pub use lfu::Lfu;
+pub use lrfu::Lrfu;
 pub use lru::Lru;
 
 use crate::layout::ExpertLayout;
@@ -43,9 +49,46 @@ pub trait EvictionPolicy: Send {
 pub fn by_name(name: &str) -> Option<Box<dyn EvictionPolicy>> {
     match name {
         "lru" => Some(Box::new(Lru::new())),
+        "lfu" => Some(Box::new(Lfu::new())),
+        "lfru" => Some(Box::new(Lrfu::new())),
+        "layer-lfu" => Some(Box::new(LayerLfu::new())),
         _ => None,
     }
 }
 
 /// Names `by_name` accepts.
-pub const POLICY_NAMES: &[&str] = &["lru"];
+pub const POLICY_NAMES: &[&str] = &["lru", "lfu", "lfru", "layer-lfu"];
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::layout::{MoeLayerLayout, ProjExtent};
+
+    /// `n_layers` MoE layers of `n_expert` one-byte experts.
+    pub(crate) fn layout(n_layers: u32, n_expert: u32) -> ExpertLayout {
+        let layers = (0..n_layers)
+            .map(|l| MoeLayerLayout {
+                model_layer: l,
+                n_expert,
+                projections: vec![ProjExtent {
+                    shard: 0,
+                    base_offset: u64::from(l * n_expert),
+                    stride_bytes: 1,
+                }],
+                dense_bytes: 0,
+            })
+            .collect();
+        ExpertLayout::new(n_layers, layers, 1).expect("test layout")
+    }
+
+    #[test]
+    fn every_name_builds_a_policy_that_reports_it() {
+        for name in POLICY_NAMES {
+            let p = by_name(name).expect("known name");
+            assert_eq!(p.name(), *name);
+            let parsed: crate::config::EvictionPolicy = name.parse().expect("config parses it");
+            assert_eq!(parsed.name(), *name);
+        }
+        assert!(by_name("fifo").is_none());
+    }
+}
