@@ -251,6 +251,7 @@ pub fn generate_with(
                 overlap: cfg.overlap,
                 load_all: cfg.load_all,
                 max_read_bytes: 0,
+                prefetch: cfg.prefetch,
             },
         )?;
         if cfg.n_expert_used_override > 0 && cfg.n_expert_used_override < hp.n_expert_used as u32 {

@@ -16,6 +16,7 @@ pub mod handoff;
 pub mod layout;
 pub mod ledger;
 pub mod policy;
+mod prefetch;
 pub mod records;
 pub mod step;
 mod streamer;
