@@ -141,6 +141,8 @@ struct Case {
     latency_ns: u64,
     expert_ns: u64,
     fault: Option<u64>,
+    seed: u64,
+    max_read_bytes: u64,
 }
 
 impl Default for Case {
@@ -154,6 +156,8 @@ impl Default for Case {
             latency_ns: 2_000,
             expert_ns: 1_500,
             fault: None,
+            seed: 5,
+            max_read_bytes: 0,
         }
     }
 }
@@ -177,9 +181,15 @@ fn rig(c: &Case) -> (Rig, ExpertLayout, Shared) {
         expert: Nanos(c.expert_ns),
         ..Default::default()
     };
-    let mut backend =
-        ScriptBackend::new(layout.clone(), shards, K as usize, 5, clock.clone(), costs)
-            .with_store(store);
+    let mut backend = ScriptBackend::new(
+        layout.clone(),
+        shards,
+        K as usize,
+        c.seed,
+        clock.clone(),
+        costs,
+    )
+    .with_store(store);
     let route: Option<RouteFn> = match c.routes {
         Routes::Seeded => None,
         Routes::Repeat => Some(Box::new(|layer, _pos, k, n| {
@@ -211,6 +221,7 @@ fn rig(c: &Case) -> (Rig, ExpertLayout, Shared) {
     let config = StreamConfig {
         overlap: c.overlap,
         prefetch: c.prefetch,
+        max_read_bytes: c.max_read_bytes,
         ..Default::default()
     };
     let e = Engine::new(clock, flash, backend, layout.clone(), cache, config).unwrap();
@@ -531,4 +542,28 @@ fn a_failed_speculative_read_is_fatal_only_when_needed() {
         }
         other => panic!("expected the needed speculative read's failure, got {other:?}"),
     }
+}
+
+#[test]
+fn a_sweep_of_seeds_budgets_horizons_and_lanes_never_changes_the_output() {
+    let mut issued = 0;
+    for seed in 0..24u64 {
+        let pick = |salt: u64, n: u64| bmoe_core::testing::splitmix64(seed ^ salt) % n;
+        let c = Case {
+            seed,
+            prefetch: 1 + pick(1, 4) as u32,
+            overlap: pick(2, 2) == 1,
+            budget_experts: u64::from(K) + pick(3, 10),
+            lanes: 1 + pick(4, 3) as u32,
+            latency_ns: 500 + 1_000 * pick(5, 8),
+            expert_ns: 200 + 500 * pick(6, 6),
+            max_read_bytes: 16 * pick(7, 3),
+            ..Default::default()
+        };
+        let ran = run(&c, 12).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+        let base = run(&Case { prefetch: 0, ..c }, 12).unwrap();
+        assert_eq!(ran.states, base.states, "seed {seed}");
+        issued += total(&ran, |s| s.spec_issued);
+    }
+    assert!(issued > 0);
 }
