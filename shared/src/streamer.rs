@@ -58,8 +58,8 @@ struct Entry {
     adopted: bool,
 }
 
-/// A submitted read, as much of its request as completion needs (kept small: this is
-/// written once per read on the replay hot path).
+/// A submitted read of this layer: its own demand read, or a speculative one it adopted
+/// (`req.speculative`). Written once per read on the replay hot path.
 #[derive(Copy, Clone, Debug)]
 struct InFlight {
     id: ReadId,
