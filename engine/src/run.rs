@@ -251,6 +251,7 @@ pub fn generate_with(
                 overlap: cfg.overlap,
                 load_all: cfg.load_all,
                 max_read_bytes: 0,
+                prefetch: cfg.prefetch,
             },
         )?;
         // Top-k override, substitution, dropping, in that order (qwen3moe renormalises).

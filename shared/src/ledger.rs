@@ -70,6 +70,9 @@ pub struct Ledger {
     decode_routed_bytes: u64,
     decode_tokens: u64,
     io_errors: u64,
+    spec_read_bytes: u64,
+    spec_experts: u64,
+    spec_useful: u64,
     prefill: PrefillCounters,
     last_mem: Option<MemPicture>,
 }
@@ -95,6 +98,9 @@ impl Ledger {
             decode_routed_bytes: 0,
             decode_tokens: 0,
             io_errors: 0,
+            spec_read_bytes: 0,
+            spec_experts: 0,
+            spec_useful: 0,
             prefill: PrefillCounters::default(),
             last_mem: None,
         }
@@ -105,6 +111,9 @@ impl Ledger {
         self.misses += s.misses;
         self.evictions += s.evictions;
         self.rereads += s.rereads;
+        self.spec_read_bytes += s.spec_read_bytes;
+        self.spec_experts += s.spec_experts;
+        self.spec_useful += s.spec_useful;
     }
 
     /// Account the prompt's step. `mem_before`/`mem_after` bracket it for its CPU time.
@@ -215,6 +224,9 @@ impl Ledger {
             prefill: self.prefill.clone(),
             loop_overhead_tail_ms,
             io_errors: self.io_errors,
+            spec_read_bytes: self.spec_read_bytes,
+            spec_experts: self.spec_experts,
+            spec_useful: self.spec_useful,
             ..RunCounters::default()
         }
     }

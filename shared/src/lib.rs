@@ -17,6 +17,7 @@ pub mod hooks;
 pub mod layout;
 pub mod ledger;
 pub mod policy;
+mod prefetch;
 pub mod records;
 pub mod step;
 mod streamer;

@@ -31,6 +31,9 @@ pub struct StreamConfig {
     /// Split a projection extent into reads of at most this many bytes (0 = one read per
     /// extent), so a single missed expert can use more than three lanes.
     pub max_read_bytes: u64,
+    /// `--prefetch K`: during each decode layer, read ahead the experts the previous token
+    /// routed at the next `K` MoE layers (0 = off; needs the cache). See `prefetch`.
+    pub prefetch: u32,
 }
 
 /// One step's batch.
@@ -89,6 +92,23 @@ pub struct StepStats {
     pub layer_routed_bytes: Vec<u64>,
     /// Layers that needed more than one admission wave (their union exceeded the budget).
     pub extra_waves: u32,
+    /// `--prefetch`: speculative reads completed (included in `reads`).
+    pub spec_reads: u64,
+    /// Bytes those pulled from flash (included in `read_bytes`).
+    pub spec_read_bytes: u64,
+    /// Experts admitted speculatively (their reads submitted).
+    pub spec_issued: u64,
+    /// Speculative experts whose every read landed (fully read ahead).
+    pub spec_experts: u64,
+    /// Routings whose lookup hit a speculatively admitted expert on its first touch.
+    pub spec_useful: u64,
+    /// Speculative reads cancelled before they started (including ones pulled back so
+    /// demand could pass, which are resubmitted).
+    pub spec_cancelled: u64,
+    /// Speculative experts given up (not needed and incomplete, failed, or displaced by demand).
+    pub spec_dropped: u64,
+    /// Speculative reads that failed where no layer needed them (dropped, not fatal).
+    pub spec_failed: u64,
 }
 
 /// A router hook failed.

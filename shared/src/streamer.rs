@@ -8,18 +8,21 @@
 //! its own reads complete (`--overlap`). It owns the time split the telemetry reports: `io`,
 //! `stall` and `mgmt`, all measured with the injected `Clock`.
 //!
-//! Speculative prefetch (a later issue) plugs in here: after a wave's demand reads are
-//! submitted, a predictor may submit `speculative: true` reads for later layers on idle
-//! lanes; demand reads pre-empt them (`Flash::cancel` on those not started), and a completion
-//! the streamer did not submit must then be routed to the prefetcher instead of being refused
-//! as `StepError::UnexpectedCompletion` as it is today.
+//! Speculative prefetch (`--prefetch K`, `prefetch.rs`) plugs in at three points of a layer:
+//! before the lookups (settle this layer's speculative entries, adopt the reads of needed ones,
+//! pull back queued reads for later layers), in admission (a miss with no room beside
+//! speculative pins gives up the farthest speculation first) and after the demand reads are
+//! submitted (resubmit what was pulled back, read ahead the next layers). A completion the
+//! layer did not submit is handed to the prefetcher; one neither knows is refused as
+//! `StepError::UnexpectedCompletion`.
 
 use crate::backend::{Backend, BackendStage, ExpertUse, LayerId, Routing, SlotId};
 use crate::cache::{Admission, ExpertCache, Lookup};
 use crate::clock::Clock;
-use crate::flash::{Flash, FlashError, ReadDone, ReadId, ReadRequest, ReadTag};
+use crate::flash::{Flash, FlashError, ReadDone, ReadId, ReadRequest};
 use crate::layout::{ExpertKey, ExpertLayout};
-use crate::records::{IoRecord, Phase, RecordSink, RouteRecord};
+use crate::prefetch::{account_read, checked, expert_reads, Adopted, Prefetcher};
+use crate::records::{Phase, RecordSink, RouteRecord};
 use crate::step::{be, StepError, StepStats, StreamConfig};
 use std::collections::VecDeque;
 
@@ -49,18 +52,19 @@ struct Entry {
     fill: u32,
     pending_reads: u32,
     bytes_traced: bool,
+    /// A hit on a speculative admission's first touch (route-trace residency 2).
+    spec_touch: bool,
+    /// Its reads were speculative ones this layer adopted.
+    adopted: bool,
 }
 
-/// A submitted read, as much of its request as completion needs (kept small: this is
-/// written once per read on the replay hot path).
+/// A submitted read of this layer: its own demand read, or a speculative one it adopted
+/// (`req.speculative`). Written once per read on the replay hot path.
 #[derive(Copy, Clone, Debug)]
 struct InFlight {
     id: ReadId,
-    offset: u64,
-    len: u64,
+    req: ReadRequest,
     entry: u32,
-    shard: u16,
-    proj: u8,
     delivered: bool,
 }
 
@@ -100,6 +104,9 @@ pub(crate) struct Streamer {
     outstanding: usize,
     evicted: Vec<ExpertKey>,
     lane_cursor: u32,
+    /// `--prefetch`: made on the first layer that runs with a horizon and the cache on.
+    prefetch: Option<Prefetcher>,
+    adopt: Vec<Adopted>,
 }
 
 impl Streamer {
@@ -128,6 +135,9 @@ impl Streamer {
                 let _ = io.flash.wait(f.id);
             }
             self.outstanding = 0;
+            if let Some(pf) = self.prefetch.as_mut() {
+                pf.abort(io.flash);
+            }
         }
         result
     }
@@ -170,6 +180,8 @@ impl Streamer {
             fill: 0,
             pending_reads: 0,
             bytes_traced: false,
+            spec_touch: false,
+            adopted: false,
         });
         p
     }
@@ -243,9 +255,26 @@ impl Streamer {
             }
         }
 
+        let cache_off = io.cache.is_off();
+        if self.prefetch.is_none() && io.config.prefetch > 0 && !cache_off {
+            self.prefetch = Some(Prefetcher::new(
+                io.config.prefetch,
+                io.layout.n_moe_layers(),
+                io.layout.n_keys(),
+            ));
+        }
+        self.adopt.clear();
+        if let Some(pf) = self.prefetch.as_mut() {
+            let (stamp, epoch) = (&self.stamp, self.epoch);
+            // Everything in the union is looked up (and read if missing), so it is needed.
+            let needed = |e: u16| stamp.get(e as usize) == Some(&epoch);
+            let decode = io.phase == Phase::Decode;
+            pf.begin_layer(io, moe, decode, needed, &mut self.adopt)?;
+            pf.record(moe, routing);
+        }
+
         // Lookups: every hit is found and pinned before any miss is admitted.
         let t = io.clock.now();
-        let cache_off = io.cache.is_off();
         for (i, en) in self.entries.iter_mut().enumerate() {
             let key = ExpertKey {
                 layer: moe,
@@ -260,10 +289,26 @@ impl Streamer {
                 if lookup == Lookup::Hit {
                     en.hit = true;
                     en.state = EntryState::Ready;
+                    if let (Some(pf), Some(index)) =
+                        (self.prefetch.as_mut(), io.layout.key_index(key))
+                    {
+                        if pf.touch(index) {
+                            en.spec_touch = true;
+                            io.stats.spec_useful += 1;
+                        }
+                    }
                 } else {
                     self.misses.push(i as u32);
                 }
             }
+        }
+        // Needed speculative reads still in flight become this layer's own.
+        for a in &self.adopt {
+            let i = self.pos_of[a.req.tag.expert as usize] as usize;
+            let en = &mut self.entries[i];
+            en.state = EntryState::Reading;
+            en.adopted = true;
+            en.pending_reads += 1;
         }
         io.stats.mgmt += io.clock.now() - t;
 
@@ -292,7 +337,18 @@ impl Streamer {
                         expert: self.entries[i].expert,
                     };
                     if io.cache.admit(key, &mut self.evicted)? == Admission::NoRoom {
+                        // Demand first: give up speculation that holds the room, then retry.
+                        if let Some(pf) = self.prefetch.as_mut() {
+                            if pf.abandon_farthest(io)? {
+                                continue;
+                            }
+                        }
                         break;
+                    }
+                    if let (Some(pf), Some(index)) =
+                        (self.prefetch.as_mut(), io.layout.key_index(key))
+                    {
+                        pf.forget(index);
                     }
                     for evicted in self.evicted.drain(..) {
                         io.backend
@@ -319,12 +375,26 @@ impl Streamer {
 
             self.inflight.clear();
             self.oldest = 0;
+            if first_wave {
+                // Adopted reads were issued before anything of this layer: oldest first.
+                for a in &self.adopt {
+                    self.inflight.push(InFlight {
+                        id: a.id,
+                        req: a.req,
+                        entry: self.pos_of[a.req.tag.expert as usize],
+                        delivered: false,
+                    });
+                    self.outstanding += 1;
+                }
+            }
             if io.config.overlap {
                 self.submit_reads(io, moe, wave_misses_start);
+                self.issue_prefetch(io, moe, first_wave)?;
                 self.compute_overlap(io, layer)?;
             } else {
                 let t = io.clock.now();
                 self.submit_reads(io, moe, wave_misses_start);
+                self.issue_prefetch(io, moe, first_wave)?;
                 self.wait_all_in_issue_order(io)?;
                 io.stats.io += io.clock.now() - t;
                 self.compute_ready_in_order(io, layer)?;
@@ -394,7 +464,12 @@ impl Streamer {
                 } else {
                     let en = &mut self.entries[self.pos_of[e as usize] as usize];
                     if en.hit {
-                        (1, 0)
+                        if en.spec_touch && !en.bytes_traced {
+                            en.bytes_traced = true;
+                            (2, 0)
+                        } else {
+                            (1, 0)
+                        }
                     } else if !en.bytes_traced {
                         // Per read, not per routing: only the first routing of a missed
                         // expert in the batch carries its bytes.
@@ -429,56 +504,63 @@ impl Streamer {
         from: usize,
     ) {
         let lanes = io.flash.lanes().max(1);
-        let Some(layer_layout) = io.layout.layer(moe) else {
+        let layout = io.layout;
+        let Some(layer_layout) = layout.layer(moe) else {
             return;
         };
         for w in from..self.wave.len() {
             let i = self.wave[w] as usize;
-            let expert = self.entries[i].expert;
-            let slot = self.entries[i].slot;
-            for (proj, p) in layer_layout.projections.iter().enumerate() {
-                let base = p.base_offset + u64::from(expert) * p.stride_bytes;
-                let chunk = match io.config.max_read_bytes {
-                    0 => p.stride_bytes,
-                    m => m,
-                };
-                let mut done = 0u64;
-                while done < p.stride_bytes {
-                    let len = chunk.min(p.stride_bytes - done);
-                    let req = ReadRequest {
-                        shard: p.shard,
-                        offset: base + done,
-                        len,
-                        dest: slot,
-                        dest_offset: done,
-                        lane: self.lane_cursor,
-                        speculative: false,
-                        tag: ReadTag {
-                            layer: moe,
-                            expert,
-                            proj: proj as u8,
-                        },
-                    };
-                    self.lane_cursor = (self.lane_cursor + 1) % lanes;
+            let (expert, slot) = (self.entries[i].expert, self.entries[i].slot);
+            let inflight = &mut self.inflight;
+            let mut n = 0u32;
+            expert_reads(
+                layer_layout,
+                moe,
+                expert,
+                slot,
+                io.config.max_read_bytes,
+                false,
+                lanes,
+                &mut self.lane_cursor,
+                |req| {
                     let id = io.flash.submit(req);
-                    self.inflight.push(InFlight {
+                    inflight.push(InFlight {
                         id,
-                        offset: req.offset,
-                        len,
+                        req,
                         entry: i as u32,
-                        shard: p.shard,
-                        proj: proj as u8,
                         delivered: false,
                     });
-                    self.outstanding += 1;
-                    self.entries[i].pending_reads += 1;
-                    done += len;
-                }
-            }
+                    n += 1;
+                },
+            );
+            self.outstanding += n as usize;
+            self.entries[i].pending_reads += n;
         }
     }
 
-    /// Account one delivered outcome. A failed or short read is an error (sticky, loud).
+    /// `--prefetch`: after the first wave's demand reads are submitted, resubmit speculative
+    /// reads pulled back for them and read ahead the next layers (decode only).
+    fn issue_prefetch<C: Clock, F: Flash, B: Backend>(
+        &mut self,
+        io: &mut LayerIo<'_, C, F, B>,
+        moe: u16,
+        first_wave: bool,
+    ) -> Result<(), StepError> {
+        if !first_wave {
+            return Ok(());
+        }
+        let Some(pf) = self.prefetch.as_mut() else {
+            return Ok(());
+        };
+        if io.phase == Phase::Decode {
+            pf.issue(io, moe, &mut self.lane_cursor)?;
+        }
+        Ok(())
+    }
+
+    /// Account one delivered outcome. A failed or short read of this layer (its own, or a
+    /// speculative one it adopted) is an error (sticky, loud); any other speculative outcome
+    /// goes to the prefetcher.
     fn complete<C, F, B>(
         &mut self,
         io: &mut LayerIo<'_, C, F, B>,
@@ -490,6 +572,11 @@ impl Streamer {
             .position(|f| f.id == id && !f.delivered)
             .map(|p| p + self.oldest)
         else {
+            if let Some(pf) = self.prefetch.as_mut() {
+                if pf.on_complete(io, id, outcome) {
+                    return Ok(());
+                }
+            }
             return Err(StepError::UnexpectedCompletion { id });
         };
         self.inflight[fi].delivered = true;
@@ -498,48 +585,18 @@ impl Streamer {
             self.oldest += 1;
         }
         let f = self.inflight[fi];
-        let tag = ReadTag {
-            layer: io.layer_moe,
-            expert: self.entries[f.entry as usize].expert,
-            proj: f.proj,
-        };
-        let done = outcome.map_err(|source| StepError::Flash { tag, source })?;
-        if done.id != id || done.req_bytes != f.len || done.read_bytes < done.req_bytes {
-            return Err(StepError::Flash {
-                tag,
-                source: FlashError::Short {
-                    shard: f.shard,
-                    offset: f.offset,
-                    expected: f.len,
-                    got: done.req_bytes.min(done.read_bytes),
-                },
-            });
-        }
-        io.stats.reads += 1;
-        io.stats.read_bytes += done.read_bytes;
-        io.stats.req_bytes += done.req_bytes;
-        io.stats.lane_busy += done.end - done.start;
-        if io.sink.wants_io() {
-            io.sink.io(&IoRecord {
-                turn: io.turn,
-                phase: io.phase,
-                step: io.positions.last().map_or(-1, |&p| i64::from(p)),
-                layer: u32::from(tag.layer),
-                expert: u32::from(tag.expert),
-                proj: tag.proj,
-                lane: done.lane,
-                // Demand reads only, until prefetch lands.
-                speculative: false,
-                offset: f.offset,
-                req_bytes: done.req_bytes,
-                read_bytes: done.read_bytes,
-                latency_ns: (done.end - done.start).0,
-            });
-        }
+        let done = checked(&f.req, id, outcome).map_err(|source| StepError::Flash {
+            tag: f.req.tag,
+            source,
+        })?;
+        account_read(io, &f.req, &done);
         let en = &mut self.entries[f.entry as usize];
         en.pending_reads -= 1;
         if en.pending_reads == 0 {
             en.state = EntryState::Ready;
+            if en.adopted {
+                io.stats.spec_experts += 1;
+            }
             self.ready.push_back(f.entry);
         }
         Ok(())

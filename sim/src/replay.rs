@@ -236,6 +236,7 @@ pub fn run(setup: ReplaySetup<'_>, out: ReplayOutputs<'_>) -> Result<ReplayResul
             overlap: cfg.overlap,
             load_all: cfg.load_all,
             max_read_bytes: 0,
+            prefetch: cfg.prefetch,
         },
     )?;
     let trace_k = u16::try_from(trace.preamble.n_expert_used).unwrap_or(u16::MAX);
