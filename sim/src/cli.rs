@@ -261,14 +261,17 @@ pub struct Prepared {
 /// so a replay never claims to have modelled what it did not.
 fn refuse_unmodelled(cfg: &RunConfig) -> Result<(), SimError> {
     let why = "bmoe-core has no implementation of it yet, so neither the engine nor the simulator runs it";
-    let checks: [(bool, &'static str); 6] = [
-        (cfg.prefetch > 0, "--prefetch"),
+    let checks: [(bool, &'static str); 3] = [
         (cfg.predict_prefetch, "--predict-prefetch"),
         (cfg.predict_log, "--predict-log"),
         (cfg.route_ahead > 0, "--route-ahead"),
-        (cfg.drop_cold_frac > 0.0, "--drop-cold-experts"),
-        (cfg.substitute_lambda > 0.0, "--expert-substitute"),
     ];
+    if cfg.substitute_lambda > 0.0 {
+        return Err(SimError::Unsupported {
+            flag: "--expert-substitute",
+            why: "substitution re-ranks the router's full probabilities, which a route trace does not carry",
+        });
+    }
     for (set, flag) in checks {
         if set {
             return Err(SimError::Unsupported { flag, why });

@@ -23,7 +23,7 @@ use bmoe_core::telemetry::run::RunTelemetry;
 use bmoe_core::telemetry::summary::{RunCounters, RunSummary, TokenTotals};
 use bmoe_core::{
     CacheCounters, Clock, Engine, ExpertCache, ExpertLayout, Nanos, StepInput, StepStats,
-    StreamConfig, TopKOverride,
+    StreamConfig,
 };
 use std::io::Write;
 use std::sync::Arc;
@@ -131,6 +131,11 @@ fn add_counters(into: &mut RunCounters, c: &RunCounters, tokens_before: u64, tok
     into.cache_budget_bytes = c.cache_budget_bytes;
     into.evictions += c.evictions;
     into.rereads += c.rereads;
+    into.spec_read_bytes += c.spec_read_bytes;
+    into.spec_experts += c.spec_experts;
+    into.spec_useful += c.spec_useful;
+    into.experts_reranked += c.experts_reranked;
+    into.experts_substituted += c.experts_substituted;
     into.layer_demand_bytes = into.layer_demand_bytes.max(c.layer_demand_bytes);
     into.experts_routed += c.experts_routed;
     into.experts_dropped += c.experts_dropped;
@@ -239,12 +244,10 @@ pub fn run(setup: ReplaySetup<'_>, out: ReplayOutputs<'_>) -> Result<ReplayResul
             prefetch: cfg.prefetch,
         },
     )?;
-    let trace_k = u16::try_from(trace.preamble.n_expert_used).unwrap_or(u16::MAX);
-    if cfg.n_expert_used_override > 0 && k < trace_k {
-        engine.add_hook(Box::new(TopKOverride {
-            k,
-            renormalize: true,
-        }));
+    // The same router hooks, in the same order, as bmoe-cli installs (top-k override,
+    // substitution, cache-aware dropping).
+    for hook in bmoe_core::hooks::router_hooks(cfg, trace.preamble.n_expert_used, true) {
+        engine.add_hook(hook);
     }
 
     let mut telemetry = RunTelemetry::new();
