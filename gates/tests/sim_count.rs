@@ -305,6 +305,8 @@ fn the_sweep_table_carries_the_independent_counts_and_its_plots() {
         &trace_path.display().to_string(),
         "--experts-per-layer",
         "2,4,6",
+        "--policies",
+        "lru,belady",
         "--lanes",
         "1,4",
         "--overlap",
