@@ -459,6 +459,40 @@ fn dot_row(ty: GgmlType, level: SimdLevel, w_row: &[u8], act: &ActBuf) -> f32 {
     }
 }
 
+/// `put(r, dot(row r of w, act))` for every `r` in `rows` (`w` the whole matrix of
+/// `row_bytes`-byte rows): the bits of [`dot_row`] for each row, through a multi-row kernel
+/// where the type has one.
+#[inline]
+fn dot_row_span(
+    ty: GgmlType,
+    level: SimdLevel,
+    w: &[u8],
+    row_bytes: usize,
+    rows: Range<usize>,
+    act: &ActBuf,
+    mut put: impl FnMut(usize, f32),
+) {
+    let mut r = rows.start;
+    if ty == GgmlType::Q4_0 && level > SimdLevel::Scalar {
+        while r + 8 <= rows.end {
+            let band = &w[r * row_bytes..(r + 8) * row_bytes];
+            for (k, v) in q4_0::dot8(level, band, row_bytes, &act.q8_0)
+                .into_iter()
+                .enumerate()
+            {
+                put(r + k, v);
+            }
+            r += 8;
+        }
+    }
+    for r in r..rows.end {
+        put(
+            r,
+            dot_row(ty, level, &w[r * row_bytes..(r + 1) * row_bytes], act),
+        );
+    }
+}
+
 /// True for the types with a multi-token kernel ([`dot_row_group`]).
 fn has_group_kernel(ty: GgmlType) -> bool {
     matches!(ty, GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K)
@@ -557,9 +591,10 @@ pub fn dot_rows(
     }
     act.check_for(ty, n_cols)?;
     let level = simd_level();
-    for (o, r) in out.iter_mut().zip(rows) {
-        *o = dot_row(ty, level, &w[r * row_bytes..(r + 1) * row_bytes], act);
-    }
+    let first = rows.start;
+    dot_row_span(ty, level, w, row_bytes, rows, act, |r, v| {
+        out[r - first] = v
+    });
     Ok(())
 }
 
@@ -646,11 +681,10 @@ fn matvec_at(
     pool.run(n_tasks, &|task| {
         let start = task * chunk;
         let end = (start + chunk).min(n_rows);
-        for r in start..end {
-            let v = dot_row(ty, level, &w[r * row_bytes..(r + 1) * row_bytes], act);
+        dot_row_span(ty, level, w, row_bytes, start..end, act, |r, v| {
             // SAFETY: r < n_rows == out.len(), and row r belongs to this task only.
             unsafe { out_ptr.write(r, v) };
-        }
+        });
     });
     Ok(())
 }
@@ -711,11 +745,10 @@ pub fn matmul(
             t += GROUP;
         }
         for (t, act) in acts.iter().enumerate().skip(t) {
-            for r in start..end {
-                let v = dot_row(ty, level, &w[r * row_bytes..(r + 1) * row_bytes], act);
+            dot_row_span(ty, level, w, row_bytes, start..end, act, |r, v| {
                 // SAFETY: t * n_rows + r < out.len(), and (t, r) belongs to this task only.
                 unsafe { out_ptr.write(t * n_rows + r, v) };
-            }
+            });
         }
     });
     Ok(())

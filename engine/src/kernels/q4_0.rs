@@ -9,6 +9,13 @@
 //! repacked `q4_0_8x8` gemm and gemv for 2-D weights, and MUL_MAT_ID over experts), so our rows
 //! agree with its bit for bit when the activations do: a one-ulp difference can otherwise move
 //! a later activation across a Q8 rounding boundary and grow into a visible logit difference.
+//!
+//! That chain is one FMA per block in series, so one row at a time is latency-bound far below
+//! memory bandwidth. [`dot8`] therefore runs 8 rows at once: lane `r` of one vector accumulator
+//! is row `r`'s chain, so each block is still exactly one FMA per row in block order (the same
+//! bits as [`dot`]), while the integer work is shared where it can be (the activation block is
+//! loaded once for all rows, `Σ (q − 8)·a` is computed as `Σ q·a − 8·Σ a` with the second term
+//! once per block, and the 8 rows' block sums come out of one horizontal-add tree).
 
 use super::q8_0::BlockQ8_0;
 use super::{f16_to_f32, f32_to_f16, RawBlock, SimdLevel};
@@ -68,6 +75,23 @@ pub(super) fn dot(level: SimdLevel, w: &[BlockQ4_0], a: &[BlockQ8_0]) -> f32 {
             unsafe { dot_avx2(w, a) }
         }
         _ => dot_scalar(w, a),
+    }
+}
+
+/// Dots of 8 consecutive rows with `a`: `w` holds (at least) 8 rows of `row_bytes` bytes each,
+/// whole Q4_0 blocks. Result `r` has exactly the bits of [`dot`] on row `r`.
+pub(super) fn dot8(level: SimdLevel, w: &[u8], row_bytes: usize, a: &[BlockQ8_0]) -> [f32; 8] {
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        SimdLevel::Avx2 if w.len() >= 8 * row_bytes => {
+            // SAFETY: the level is only reported when AVX2/FMA/F16C are present, and `w`
+            // holds the 8 rows the kernel reads.
+            unsafe { dot8_avx2(w, row_bytes, a) }
+        }
+        _ => std::array::from_fn(|r| {
+            let row = w.get(r * row_bytes..(r + 1) * row_bytes).unwrap_or(&[]);
+            dot(level, super::blocks(row), a)
+        }),
     }
 }
 
@@ -154,6 +178,89 @@ unsafe fn dot_avx2(w: &[BlockQ4_0], a: &[BlockQ8_0]) -> f32 {
     acc
 }
 
+/// 8 rows at once (see the file header). The rows' blocks are paired in 256-bit vectors, row
+/// `k` in the low half and row `k + 4` in the high half, which makes the add tree's lanes come
+/// out in row order.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot8_avx2(w: &[u8], row_bytes: usize, a: &[BlockQ8_0]) -> [f32; 8] {
+    use std::arch::x86_64::*;
+    const BLOCK_BYTES: usize = std::mem::size_of::<BlockQ4_0>();
+    let n = (row_bytes / BLOCK_BYTES).min(a.len());
+    debug_assert!(w.len() >= 8 * row_bytes);
+    let base = w.as_ptr();
+    let m4 = _mm256_set1_epi8(0x0F);
+    let ones = _mm256_set1_epi16(1);
+    let eight = _mm256_set1_epi8(8);
+    let mut acc = _mm256_setzero_ps();
+    for (b, y) in a.iter().enumerate().take(n) {
+        // SAFETY (all loads below): the activation block has 32 bytes of qs; weight block `b`
+        // of row `r` spans bytes r·row_bytes + b·18 .. + 18, inside `w` since b < n and r < 8.
+        let (ylo, yhi, yall) = unsafe {
+            let yp = y.qs.as_ptr();
+            (
+                _mm256_broadcastsi128_si256(_mm_loadu_si128(yp.cast())),
+                _mm256_broadcastsi128_si256(_mm_loadu_si128(yp.add(16).cast())),
+                _mm256_loadu_si256(yp.cast()),
+            )
+        };
+        // 8 · Σ a over the block, in every lane (exact: |8·a| sums stay far inside i16/i32).
+        let c = _mm256_madd_epi16(_mm256_maddubs_epi16(eight, yall), ones);
+        let c = _mm256_add_epi32(c, _mm256_permute2x128_si256(c, c, 1));
+        let c = _mm256_hadd_epi32(c, c);
+        let c = _mm256_hadd_epi32(c, c);
+        let off = b * BLOCK_BYTES;
+        // Eight interleaved slow streams, two to a 4 KiB page, defeat the hardware
+        // prefetcher; the next 8 rows (contiguous, 8·row_bytes = n·144 bytes when the rows are
+        // whole blocks) are fetched into L2 evenly over this group's blocks instead. A hint:
+        // it never faults, even past the end of `w`.
+        for line in 0..3 {
+            let p = base.wrapping_add(8 * row_bytes + b * 8 * BLOCK_BYTES + line * 64);
+            _mm_prefetch::<_MM_HINT_T1>(p.cast());
+        }
+        let mut sums = [_mm256_setzero_si256(); 4];
+        let mut heads = [_mm256_setzero_si256(); 4];
+        for k in 0..4 {
+            let (q, h) = unsafe {
+                let p0 = base.add(k * row_bytes + off);
+                let p1 = base.add((k + 4) * row_bytes + off);
+                (
+                    _mm256_set_m128i(
+                        _mm_loadu_si128(p1.add(2).cast()),
+                        _mm_loadu_si128(p0.add(2).cast()),
+                    ),
+                    _mm256_set_m128i(_mm_loadu_si128(p1.cast()), _mm_loadu_si128(p0.cast())),
+                )
+            };
+            let lo = _mm256_and_si256(q, m4);
+            let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+            // Unsigned nibbles (0..=15) times signed activations: each pair ≤ 2·15·128 and
+            // the two halves' sum ≤ 7680, so no saturation.
+            let s16 =
+                _mm256_add_epi16(_mm256_maddubs_epi16(lo, ylo), _mm256_maddubs_epi16(hi, yhi));
+            sums[k] = _mm256_madd_epi16(s16, ones);
+            heads[k] = h;
+        }
+        // Lane r = Σ q·a of row r, then minus 8·Σ a: the exact block sum of (q − 8)·a.
+        let t = _mm256_hadd_epi32(
+            _mm256_hadd_epi32(sums[0], sums[1]),
+            _mm256_hadd_epi32(sums[2], sums[3]),
+        );
+        let s = _mm256_sub_epi32(t, c);
+        // The rows' f16 scales sit in the first 2 bytes of each half of `heads`.
+        let d01 = _mm256_unpacklo_epi16(heads[0], heads[1]);
+        let d23 = _mm256_unpacklo_epi16(heads[2], heads[3]);
+        let d = _mm256_permute4x64_epi64(_mm256_unpacklo_epi32(d01, d23), 0b00_00_10_00);
+        let d_w = _mm256_cvtph_ps(_mm256_castsi256_si128(d));
+        let d_a = _mm256_cvtph_ps(_mm_set1_epi16(u16::from_le_bytes(y.d) as i16));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d_w, d_a), acc);
+    }
+    let mut out = [0f32; 8];
+    // SAFETY: 8 f32 = 32 bytes.
+    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), acc) };
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::q8_0::tests::{act_error_bound, quantized as q8};
@@ -184,6 +291,84 @@ mod tests {
                     s.to_bits(),
                     "{level:?} seed={seed}"
                 );
+            }
+        }
+    }
+
+    /// A matrix of `nb`-block rows (row bytes `row_bytes`, whole blocks), as bytes.
+    fn matrix(seed: u64, n_rows: usize, nb: usize) -> Vec<u8> {
+        let mut m = Vec::new();
+        for r in 0..n_rows {
+            let row = quantized(&values(seed + r as u64, nb * QK, 0.1 + r as f32 * 0.03));
+            for b in &row {
+                m.extend_from_slice(&b.d);
+                m.extend_from_slice(&b.qs);
+            }
+        }
+        m
+    }
+
+    #[test]
+    fn dot8_matches_dot_bits_per_row() {
+        for (seed, nb) in [(11u64, 1usize), (12, 3), (13, 8), (14, 19), (15, 128)] {
+            let row_bytes = nb * 18;
+            // Random bytes too: extreme nibbles and scales (inf/NaN f16 included).
+            let mut m = matrix(seed, 8, nb);
+            let raw = bytes(seed + 99, 8 * row_bytes);
+            m.extend_from_slice(&raw);
+            let a = q8(&values(seed + 50, nb * QK, 1.0));
+            for base in [0, 8] {
+                let w = &m[base * row_bytes..(base + 8) * row_bytes];
+                for level in SimdLevel::available() {
+                    let got = dot8(level, w, row_bytes, &a);
+                    for (r, g) in got.iter().enumerate() {
+                        let row: &[BlockQ4_0] =
+                            super::super::blocks(&w[r * row_bytes..(r + 1) * row_bytes]);
+                        let want = dot_scalar(row, &a);
+                        // NaN payloads (from NaN scales in the random rows) are not pinned.
+                        assert!(
+                            g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()),
+                            "{level:?} seed={seed} nb={nb} base={base} row={r}: {g} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// The llama.cpp rows again, eight at a time (each case in two row slots).
+    #[test]
+    fn dot8_matches_llama_cpp_rows_bit_for_bit() {
+        let cases = llama_rows(include_bytes!("testdata/llama_rows_q4_0.bin"));
+        for (i, case) in cases.iter().enumerate() {
+            let mut act = super::super::ActBuf::new();
+            act.prepare(crate::gguf::GgmlType::Q4_0, &case.act).unwrap();
+            let row_bytes = case.row.len();
+            // This case's row in slots i and i + 4, the other cases' rows (same width) elsewhere.
+            let mut m = Vec::new();
+            for slot in 0..8 {
+                let c = &cases[if slot % 4 == i % 4 {
+                    i
+                } else {
+                    slot % cases.len()
+                }];
+                if c.row.len() == row_bytes {
+                    m.extend_from_slice(&c.row);
+                } else {
+                    m.extend_from_slice(&case.row);
+                }
+            }
+            for level in SimdLevel::available() {
+                let got = dot8(level, &m, row_bytes, &act.q8_0);
+                for slot in [i % 4, i % 4 + 4] {
+                    assert_eq!(
+                        got[slot].to_bits(),
+                        case.expected.to_bits(),
+                        "case {i} slot {slot} {level:?}: {} vs llama.cpp {}",
+                        got[slot],
+                        case.expected
+                    );
+                }
             }
         }
     }
