@@ -219,39 +219,37 @@ unsafe fn dot8_avx2(w: &[u8], row_bytes: usize, a: &[BlockQ8_0]) -> [f32; 8] {
             _mm_prefetch::<_MM_HINT_T1>(p.cast());
         }
         let mut sums = [_mm256_setzero_si256(); 4];
-        let mut heads = [_mm256_setzero_si256(); 4];
         for k in 0..4 {
-            let (q, h) = unsafe {
+            let q = unsafe {
                 let p0 = base.add(k * row_bytes + off);
                 let p1 = base.add((k + 4) * row_bytes + off);
-                (
-                    _mm256_set_m128i(
-                        _mm_loadu_si128(p1.add(2).cast()),
-                        _mm_loadu_si128(p0.add(2).cast()),
-                    ),
-                    _mm256_set_m128i(_mm_loadu_si128(p1.cast()), _mm_loadu_si128(p0.cast())),
+                _mm256_set_m128i(
+                    _mm_loadu_si128(p1.add(2).cast()),
+                    _mm_loadu_si128(p0.add(2).cast()),
                 )
             };
             let lo = _mm256_and_si256(q, m4);
             let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
             // Unsigned nibbles (0..=15) times signed activations: each pair ≤ 2·15·128 and
-            // the two halves' sum ≤ 7680, so no saturation.
-            let s16 =
+            // the two halves' sum ≤ 7680 in magnitude, so no saturation.
+            sums[k] =
                 _mm256_add_epi16(_mm256_maddubs_epi16(lo, ylo), _mm256_maddubs_epi16(hi, yhi));
-            sums[k] = _mm256_madd_epi16(s16, ones);
-            heads[k] = h;
         }
-        // Lane r = Σ q·a of row r, then minus 8·Σ a: the exact block sum of (q − 8)·a.
-        let t = _mm256_hadd_epi32(
-            _mm256_hadd_epi32(sums[0], sums[1]),
-            _mm256_hadd_epi32(sums[2], sums[3]),
+        // Two 16-bit pairwise adds (≤ 4 · 7680 < 2^15, exact), then pairs widened to i32:
+        // lane r = Σ q·a of row r; minus 8·Σ a it is the exact block sum of (q − 8)·a.
+        let t = _mm256_madd_epi16(
+            _mm256_hadd_epi16(
+                _mm256_hadd_epi16(sums[0], sums[1]),
+                _mm256_hadd_epi16(sums[2], sums[3]),
+            ),
+            ones,
         );
         let s = _mm256_sub_epi32(t, c);
-        // The rows' f16 scales sit in the first 2 bytes of each half of `heads`.
-        let d01 = _mm256_unpacklo_epi16(heads[0], heads[1]);
-        let d23 = _mm256_unpacklo_epi16(heads[2], heads[3]);
-        let d = _mm256_permute4x64_epi64(_mm256_unpacklo_epi32(d01, d23), 0b00_00_10_00);
-        let d_w = _mm256_cvtph_ps(_mm256_castsi256_si128(d));
+        // The rows' f16 scales, row r in lane r.
+        // SAFETY: the first 2 bytes of block b of row r < 8, inside `w` as above.
+        let dw = |r: usize| unsafe { base.add(r * row_bytes + off).cast::<i16>().read_unaligned() };
+        let d = _mm_setr_epi16(dw(0), dw(1), dw(2), dw(3), dw(4), dw(5), dw(6), dw(7));
+        let d_w = _mm256_cvtph_ps(d);
         let d_a = _mm256_cvtph_ps(_mm_set1_epi16(u16::from_le_bytes(y.d) as i16));
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d_w, d_a), acc);
     }
