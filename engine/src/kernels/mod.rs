@@ -294,6 +294,8 @@ pub struct ActBuf {
     f32s: Vec<f32>,
     u16s: Vec<u16>,
     q8_0: Vec<BlockQ8_0>,
+    /// Per Q8_0 block, the sum of its 32 quants (the Q4_0 kernel's `Σ (q − 8)·a = Σ q·a − 8·Σ a`).
+    q8_0_sums: Vec<i32>,
     q8_k: Vec<BlockQ8K>,
 }
 
@@ -331,6 +333,12 @@ impl ActBuf {
                 check_blocks(ty, x.len(), q8_0::QK)?;
                 self.q8_0.resize(x.len() / q8_0::QK, BlockQ8_0::ZERO);
                 q8_0::quantize_activations(x, &mut self.q8_0);
+                self.q8_0_sums.clear();
+                self.q8_0_sums.extend(
+                    self.q8_0
+                        .iter()
+                        .map(|b| b.qs.iter().map(|&v| v as i32).sum::<i32>()),
+                );
             }
             ActFormat::Q8K => {
                 check_blocks(ty, x.len(), q8_k::QK_K)?;
@@ -476,7 +484,7 @@ fn dot_row_span(
     if ty == GgmlType::Q4_0 && level > SimdLevel::Scalar {
         while r + 8 <= rows.end {
             let band = &w[r * row_bytes..(r + 8) * row_bytes];
-            for (k, v) in q4_0::dot8(level, band, row_bytes, &act.q8_0)
+            for (k, v) in q4_0::dot8(level, band, row_bytes, &act.q8_0, &act.q8_0_sums)
                 .into_iter()
                 .enumerate()
             {

@@ -15,7 +15,7 @@
 //! is row `r`'s chain, so each block is still exactly one FMA per row in block order (the same
 //! bits as [`dot`]), while the integer work is shared where it can be (the activation block is
 //! loaded once for all rows, `Σ (q − 8)·a` is computed as `Σ q·a − 8·Σ a` with the second term
-//! once per block, and the 8 rows' block sums come out of one horizontal-add tree).
+//! prepared once per activation (`ActBuf`), and the 8 rows' block sums come out of one add tree).
 
 use super::q8_0::BlockQ8_0;
 use super::{f16_to_f32, f32_to_f16, RawBlock, SimdLevel};
@@ -79,14 +79,21 @@ pub(super) fn dot(level: SimdLevel, w: &[BlockQ4_0], a: &[BlockQ8_0]) -> f32 {
 }
 
 /// Dots of 8 consecutive rows with `a`: `w` holds (at least) 8 rows of `row_bytes` bytes each,
-/// whole Q4_0 blocks. Result `r` has exactly the bits of [`dot`] on row `r`.
-pub(super) fn dot8(level: SimdLevel, w: &[u8], row_bytes: usize, a: &[BlockQ8_0]) -> [f32; 8] {
+/// whole Q4_0 blocks; `a_sums[b]` is the sum of `a[b]`'s quants. Result `r` has exactly the bits
+/// of [`dot`] on row `r`.
+pub(super) fn dot8(
+    level: SimdLevel,
+    w: &[u8],
+    row_bytes: usize,
+    a: &[BlockQ8_0],
+    a_sums: &[i32],
+) -> [f32; 8] {
     match level {
         #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx2 if w.len() >= 8 * row_bytes => {
+        SimdLevel::Avx2 if w.len() >= 8 * row_bytes && a_sums.len() >= a.len() => {
             // SAFETY: the level is only reported when AVX2/FMA/F16C are present, and `w`
             // holds the 8 rows the kernel reads.
-            unsafe { dot8_avx2(w, row_bytes, a) }
+            unsafe { dot8_avx2(w, row_bytes, a, a_sums) }
         }
         _ => std::array::from_fn(|r| {
             let row = w.get(r * row_bytes..(r + 1) * row_bytes).unwrap_or(&[]);
@@ -183,7 +190,7 @@ unsafe fn dot_avx2(w: &[BlockQ4_0], a: &[BlockQ8_0]) -> f32 {
 /// out in row order.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot8_avx2(w: &[u8], row_bytes: usize, a: &[BlockQ8_0]) -> [f32; 8] {
+unsafe fn dot8_avx2(w: &[u8], row_bytes: usize, a: &[BlockQ8_0], a_sums: &[i32]) -> [f32; 8] {
     use std::arch::x86_64::*;
     const BLOCK_BYTES: usize = std::mem::size_of::<BlockQ4_0>();
     let n = (row_bytes / BLOCK_BYTES).min(a.len());
@@ -191,24 +198,19 @@ unsafe fn dot8_avx2(w: &[u8], row_bytes: usize, a: &[BlockQ8_0]) -> [f32; 8] {
     let base = w.as_ptr();
     let m4 = _mm256_set1_epi8(0x0F);
     let ones = _mm256_set1_epi16(1);
-    let eight = _mm256_set1_epi8(8);
     let mut acc = _mm256_setzero_ps();
-    for (b, y) in a.iter().enumerate().take(n) {
+    for (b, (y, &y_sum)) in a.iter().zip(a_sums).enumerate().take(n) {
         // SAFETY (all loads below): the activation block has 32 bytes of qs; weight block `b`
         // of row `r` spans bytes r·row_bytes + b·18 .. + 18, inside `w` since b < n and r < 8.
-        let (ylo, yhi, yall) = unsafe {
+        let (ylo, yhi) = unsafe {
             let yp = y.qs.as_ptr();
             (
                 _mm256_broadcastsi128_si256(_mm_loadu_si128(yp.cast())),
                 _mm256_broadcastsi128_si256(_mm_loadu_si128(yp.add(16).cast())),
-                _mm256_loadu_si256(yp.cast()),
             )
         };
-        // 8 · Σ a over the block, in every lane (exact: |8·a| sums stay far inside i16/i32).
-        let c = _mm256_madd_epi16(_mm256_maddubs_epi16(eight, yall), ones);
-        let c = _mm256_add_epi32(c, _mm256_permute2x128_si256(c, c, 1));
-        let c = _mm256_hadd_epi32(c, c);
-        let c = _mm256_hadd_epi32(c, c);
+        // 8 · Σ a over the block (|Σ a| ≤ 32 · 128: exact).
+        let c = _mm256_set1_epi32(8 * y_sum);
         let off = b * BLOCK_BYTES;
         // Eight interleaved slow streams, two to a 4 KiB page, defeat the hardware
         // prefetcher; the next 8 rows (contiguous, 8·row_bytes = n·144 bytes when the rows are
@@ -219,7 +221,7 @@ unsafe fn dot8_avx2(w: &[u8], row_bytes: usize, a: &[BlockQ8_0]) -> [f32; 8] {
             _mm_prefetch::<_MM_HINT_T1>(p.cast());
         }
         let mut sums = [_mm256_setzero_si256(); 4];
-        for k in 0..4 {
+        for (k, sum) in sums.iter_mut().enumerate() {
             let q = unsafe {
                 let p0 = base.add(k * row_bytes + off);
                 let p1 = base.add((k + 4) * row_bytes + off);
@@ -232,8 +234,7 @@ unsafe fn dot8_avx2(w: &[u8], row_bytes: usize, a: &[BlockQ8_0]) -> [f32; 8] {
             let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
             // Unsigned nibbles (0..=15) times signed activations: each pair ≤ 2·15·128 and
             // the two halves' sum ≤ 7680 in magnitude, so no saturation.
-            sums[k] =
-                _mm256_add_epi16(_mm256_maddubs_epi16(lo, ylo), _mm256_maddubs_epi16(hi, yhi));
+            *sum = _mm256_add_epi16(_mm256_maddubs_epi16(lo, ylo), _mm256_maddubs_epi16(hi, yhi));
         }
         // Two 16-bit pairwise adds (≤ 4 · 7680 < 2^15, exact), then pairs widened to i32:
         // lane r = Σ q·a of row r; minus 8·Σ a it is the exact block sum of (q − 8)·a.
@@ -306,6 +307,12 @@ mod tests {
         m
     }
 
+    fn sums_of(a: &[BlockQ8_0]) -> Vec<i32> {
+        a.iter()
+            .map(|b| b.qs.iter().map(|&v| v as i32).sum())
+            .collect()
+    }
+
     #[test]
     fn dot8_matches_dot_bits_per_row() {
         for (seed, nb) in [(11u64, 1usize), (12, 3), (13, 8), (14, 19), (15, 128)] {
@@ -318,7 +325,7 @@ mod tests {
             for base in [0, 8] {
                 let w = &m[base * row_bytes..(base + 8) * row_bytes];
                 for level in SimdLevel::available() {
-                    let got = dot8(level, w, row_bytes, &a);
+                    let got = dot8(level, w, row_bytes, &a, &sums_of(&a));
                     for (r, g) in got.iter().enumerate() {
                         let row: &[BlockQ4_0] =
                             super::super::blocks(&w[r * row_bytes..(r + 1) * row_bytes]);
@@ -357,7 +364,7 @@ mod tests {
                 }
             }
             for level in SimdLevel::available() {
-                let got = dot8(level, &m, row_bytes, &act.q8_0);
+                let got = dot8(level, &m, row_bytes, &act.q8_0, &act.q8_0_sums);
                 for slot in [i % 4, i % 4 + 4] {
                     assert_eq!(
                         got[slot].to_bits(),
