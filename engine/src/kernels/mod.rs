@@ -911,6 +911,13 @@ mod tests {
                 act.prepare(ty, &values(seed + 99, n_cols, 1.0)).unwrap();
                 let mut reference = vec![0f32; n_rows];
                 dot_rows(ty, &w, n_cols, 0..n_rows, &act, &mut reference).unwrap();
+                // Multi-row kernels (Q4_0's 8 rows) give each row the one-row kernel's bits.
+                let row_bytes = w.len() / n_rows;
+                for (r, v) in reference.iter().enumerate() {
+                    let row = &w[r * row_bytes..(r + 1) * row_bytes];
+                    let one = dot_row(ty, simd_level(), row, &act);
+                    assert_eq!(one.to_bits(), v.to_bits(), "{ty} n_rows={n_rows} row {r}");
+                }
                 for pool in &pools {
                     let mut out = vec![f32::NAN; n_rows];
                     matvec(pool, ty, &w, n_rows, n_cols, &act, &mut out).unwrap();
