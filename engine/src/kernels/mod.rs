@@ -294,6 +294,8 @@ pub struct ActBuf {
     f32s: Vec<f32>,
     u16s: Vec<u16>,
     q8_0: Vec<BlockQ8_0>,
+    /// Per Q8_0 block, the sum of its 32 quants (the Q4_0 kernel's `Σ (q − 8)·a = Σ q·a − 8·Σ a`).
+    q8_0_sums: Vec<i32>,
     q8_k: Vec<BlockQ8K>,
 }
 
@@ -331,6 +333,12 @@ impl ActBuf {
                 check_blocks(ty, x.len(), q8_0::QK)?;
                 self.q8_0.resize(x.len() / q8_0::QK, BlockQ8_0::ZERO);
                 q8_0::quantize_activations(x, &mut self.q8_0);
+                self.q8_0_sums.clear();
+                self.q8_0_sums.extend(
+                    self.q8_0
+                        .iter()
+                        .map(|b| b.qs.iter().map(|&v| v as i32).sum::<i32>()),
+                );
             }
             ActFormat::Q8K => {
                 check_blocks(ty, x.len(), q8_k::QK_K)?;
@@ -459,6 +467,40 @@ fn dot_row(ty: GgmlType, level: SimdLevel, w_row: &[u8], act: &ActBuf) -> f32 {
     }
 }
 
+/// `put(r, dot(row r of w, act))` for every `r` in `rows` (`w` the whole matrix of
+/// `row_bytes`-byte rows): the bits of [`dot_row`] for each row, through a multi-row kernel
+/// where the type has one.
+#[inline]
+fn dot_row_span(
+    ty: GgmlType,
+    level: SimdLevel,
+    w: &[u8],
+    row_bytes: usize,
+    rows: Range<usize>,
+    act: &ActBuf,
+    mut put: impl FnMut(usize, f32),
+) {
+    let mut r = rows.start;
+    if ty == GgmlType::Q4_0 && level > SimdLevel::Scalar {
+        while r + 8 <= rows.end {
+            let band = &w[r * row_bytes..(r + 8) * row_bytes];
+            for (k, v) in q4_0::dot8(level, band, row_bytes, &act.q8_0, &act.q8_0_sums)
+                .into_iter()
+                .enumerate()
+            {
+                put(r + k, v);
+            }
+            r += 8;
+        }
+    }
+    for r in r..rows.end {
+        put(
+            r,
+            dot_row(ty, level, &w[r * row_bytes..(r + 1) * row_bytes], act),
+        );
+    }
+}
+
 /// True for the types with a multi-token kernel ([`dot_row_group`]).
 fn has_group_kernel(ty: GgmlType) -> bool {
     matches!(ty, GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K)
@@ -557,9 +599,10 @@ pub fn dot_rows(
     }
     act.check_for(ty, n_cols)?;
     let level = simd_level();
-    for (o, r) in out.iter_mut().zip(rows) {
-        *o = dot_row(ty, level, &w[r * row_bytes..(r + 1) * row_bytes], act);
-    }
+    let first = rows.start;
+    dot_row_span(ty, level, w, row_bytes, rows, act, |r, v| {
+        out[r - first] = v
+    });
     Ok(())
 }
 
@@ -646,11 +689,10 @@ fn matvec_at(
     pool.run(n_tasks, &|task| {
         let start = task * chunk;
         let end = (start + chunk).min(n_rows);
-        for r in start..end {
-            let v = dot_row(ty, level, &w[r * row_bytes..(r + 1) * row_bytes], act);
+        dot_row_span(ty, level, w, row_bytes, start..end, act, |r, v| {
             // SAFETY: r < n_rows == out.len(), and row r belongs to this task only.
             unsafe { out_ptr.write(r, v) };
-        }
+        });
     });
     Ok(())
 }
@@ -711,11 +753,10 @@ pub fn matmul(
             t += GROUP;
         }
         for (t, act) in acts.iter().enumerate().skip(t) {
-            for r in start..end {
-                let v = dot_row(ty, level, &w[r * row_bytes..(r + 1) * row_bytes], act);
+            dot_row_span(ty, level, w, row_bytes, start..end, act, |r, v| {
                 // SAFETY: t * n_rows + r < out.len(), and (t, r) belongs to this task only.
                 unsafe { out_ptr.write(t * n_rows + r, v) };
-            }
+            });
         }
     });
     Ok(())
@@ -870,6 +911,13 @@ mod tests {
                 act.prepare(ty, &values(seed + 99, n_cols, 1.0)).unwrap();
                 let mut reference = vec![0f32; n_rows];
                 dot_rows(ty, &w, n_cols, 0..n_rows, &act, &mut reference).unwrap();
+                // Multi-row kernels (Q4_0's 8 rows) give each row the one-row kernel's bits.
+                let row_bytes = w.len() / n_rows;
+                for (r, v) in reference.iter().enumerate() {
+                    let row = &w[r * row_bytes..(r + 1) * row_bytes];
+                    let one = dot_row(ty, simd_level(), row, &act);
+                    assert_eq!(one.to_bits(), v.to_bits(), "{ty} n_rows={n_rows} row {r}");
+                }
                 for pool in &pools {
                     let mut out = vec![f32::NAN; n_rows];
                     matvec(pool, ty, &w, n_rows, n_cols, &act, &mut out).unwrap();

@@ -9,6 +9,13 @@
 //! repacked `q4_0_8x8` gemm and gemv for 2-D weights, and MUL_MAT_ID over experts), so our rows
 //! agree with its bit for bit when the activations do: a one-ulp difference can otherwise move
 //! a later activation across a Q8 rounding boundary and grow into a visible logit difference.
+//!
+//! That chain is one FMA per block in series, so one row at a time is latency-bound far below
+//! memory bandwidth. [`dot8`] therefore runs 8 rows at once: lane `r` of one vector accumulator
+//! is row `r`'s chain, so each block is still exactly one FMA per row in block order (the same
+//! bits as [`dot`]), while the integer work is shared where it can be (the activation block is
+//! loaded once for all rows, `Σ (q − 8)·a` is computed as `Σ q·a − 8·Σ a` with the second term
+//! prepared once per activation (`ActBuf`), and the 8 rows' block sums come out of one add tree).
 
 use super::q8_0::BlockQ8_0;
 use super::{f16_to_f32, f32_to_f16, RawBlock, SimdLevel};
@@ -68,6 +75,30 @@ pub(super) fn dot(level: SimdLevel, w: &[BlockQ4_0], a: &[BlockQ8_0]) -> f32 {
             unsafe { dot_avx2(w, a) }
         }
         _ => dot_scalar(w, a),
+    }
+}
+
+/// Dots of 8 consecutive rows with `a`: `w` holds (at least) 8 rows of `row_bytes` bytes each,
+/// whole Q4_0 blocks; `a_sums[b]` is the sum of `a[b]`'s quants. Result `r` has exactly the bits
+/// of [`dot`] on row `r`.
+pub(super) fn dot8(
+    level: SimdLevel,
+    w: &[u8],
+    row_bytes: usize,
+    a: &[BlockQ8_0],
+    a_sums: &[i32],
+) -> [f32; 8] {
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        SimdLevel::Avx2 if w.len() >= 8 * row_bytes && a_sums.len() >= a.len() => {
+            // SAFETY: the level is only reported when AVX2/FMA/F16C are present, and `w`
+            // holds the 8 rows the kernel reads.
+            unsafe { dot8_avx2(w, row_bytes, a, a_sums) }
+        }
+        _ => std::array::from_fn(|r| {
+            let row = w.get(r * row_bytes..(r + 1) * row_bytes).unwrap_or(&[]);
+            dot(level, super::blocks(row), a)
+        }),
     }
 }
 
@@ -154,6 +185,81 @@ unsafe fn dot_avx2(w: &[BlockQ4_0], a: &[BlockQ8_0]) -> f32 {
     acc
 }
 
+/// 8 rows at once (see the file header). The rows' blocks are paired in 256-bit vectors, row
+/// `k` in the low half and row `k + 4` in the high half, which makes the add tree's lanes come
+/// out in row order.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot8_avx2(w: &[u8], row_bytes: usize, a: &[BlockQ8_0], a_sums: &[i32]) -> [f32; 8] {
+    use std::arch::x86_64::*;
+    const BLOCK_BYTES: usize = std::mem::size_of::<BlockQ4_0>();
+    let n = (row_bytes / BLOCK_BYTES).min(a.len());
+    debug_assert!(w.len() >= 8 * row_bytes);
+    let base = w.as_ptr();
+    let m4 = _mm256_set1_epi8(0x0F);
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = _mm256_setzero_ps();
+    for (b, (y, &y_sum)) in a.iter().zip(a_sums).enumerate().take(n) {
+        // SAFETY (all loads below): the activation block has 32 bytes of qs; weight block `b`
+        // of row `r` spans bytes r·row_bytes + b·18 .. + 18, inside `w` since b < n and r < 8.
+        let (ylo, yhi) = unsafe {
+            let yp = y.qs.as_ptr();
+            (
+                _mm256_broadcastsi128_si256(_mm_loadu_si128(yp.cast())),
+                _mm256_broadcastsi128_si256(_mm_loadu_si128(yp.add(16).cast())),
+            )
+        };
+        // 8 · Σ a over the block (|Σ a| ≤ 32 · 128: exact).
+        let c = _mm256_set1_epi32(8 * y_sum);
+        let off = b * BLOCK_BYTES;
+        // Eight interleaved slow streams, two to a 4 KiB page, defeat the hardware
+        // prefetcher; the next 8 rows (contiguous, 8·row_bytes = n·144 bytes when the rows are
+        // whole blocks) are fetched into L2 evenly over this group's blocks instead. A hint:
+        // it never faults, even past the end of `w`.
+        for line in 0..3 {
+            let p = base.wrapping_add(8 * row_bytes + b * 8 * BLOCK_BYTES + line * 64);
+            _mm_prefetch::<_MM_HINT_T1>(p.cast());
+        }
+        let mut sums = [_mm256_setzero_si256(); 4];
+        for (k, sum) in sums.iter_mut().enumerate() {
+            let q = unsafe {
+                let p0 = base.add(k * row_bytes + off);
+                let p1 = base.add((k + 4) * row_bytes + off);
+                _mm256_set_m128i(
+                    _mm_loadu_si128(p1.add(2).cast()),
+                    _mm_loadu_si128(p0.add(2).cast()),
+                )
+            };
+            let lo = _mm256_and_si256(q, m4);
+            let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+            // Unsigned nibbles (0..=15) times signed activations: each pair ≤ 2·15·128 and
+            // the two halves' sum ≤ 7680 in magnitude, so no saturation.
+            *sum = _mm256_add_epi16(_mm256_maddubs_epi16(lo, ylo), _mm256_maddubs_epi16(hi, yhi));
+        }
+        // Two 16-bit pairwise adds (≤ 4 · 7680 < 2^15, exact), then pairs widened to i32:
+        // lane r = Σ q·a of row r; minus 8·Σ a it is the exact block sum of (q − 8)·a.
+        let t = _mm256_madd_epi16(
+            _mm256_hadd_epi16(
+                _mm256_hadd_epi16(sums[0], sums[1]),
+                _mm256_hadd_epi16(sums[2], sums[3]),
+            ),
+            ones,
+        );
+        let s = _mm256_sub_epi32(t, c);
+        // The rows' f16 scales, row r in lane r.
+        // SAFETY: the first 2 bytes of block b of row r < 8, inside `w` as above.
+        let dw = |r: usize| unsafe { base.add(r * row_bytes + off).cast::<i16>().read_unaligned() };
+        let d = _mm_setr_epi16(dw(0), dw(1), dw(2), dw(3), dw(4), dw(5), dw(6), dw(7));
+        let d_w = _mm256_cvtph_ps(d);
+        let d_a = _mm256_cvtph_ps(_mm_set1_epi16(u16::from_le_bytes(y.d) as i16));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d_w, d_a), acc);
+    }
+    let mut out = [0f32; 8];
+    // SAFETY: 8 f32 = 32 bytes.
+    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), acc) };
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::q8_0::tests::{act_error_bound, quantized as q8};
@@ -184,6 +290,90 @@ mod tests {
                     s.to_bits(),
                     "{level:?} seed={seed}"
                 );
+            }
+        }
+    }
+
+    /// A matrix of `nb`-block rows (row bytes `row_bytes`, whole blocks), as bytes.
+    fn matrix(seed: u64, n_rows: usize, nb: usize) -> Vec<u8> {
+        let mut m = Vec::new();
+        for r in 0..n_rows {
+            let row = quantized(&values(seed + r as u64, nb * QK, 0.1 + r as f32 * 0.03));
+            for b in &row {
+                m.extend_from_slice(&b.d);
+                m.extend_from_slice(&b.qs);
+            }
+        }
+        m
+    }
+
+    fn sums_of(a: &[BlockQ8_0]) -> Vec<i32> {
+        a.iter()
+            .map(|b| b.qs.iter().map(|&v| v as i32).sum())
+            .collect()
+    }
+
+    #[test]
+    fn dot8_matches_dot_bits_per_row() {
+        for (seed, nb) in [(11u64, 1usize), (12, 3), (13, 8), (14, 19), (15, 128)] {
+            let row_bytes = nb * 18;
+            // Random bytes too: extreme nibbles and scales (inf/NaN f16 included).
+            let mut m = matrix(seed, 8, nb);
+            let raw = bytes(seed + 99, 8 * row_bytes);
+            m.extend_from_slice(&raw);
+            let a = q8(&values(seed + 50, nb * QK, 1.0));
+            for base in [0, 8] {
+                let w = &m[base * row_bytes..(base + 8) * row_bytes];
+                for level in SimdLevel::available() {
+                    let got = dot8(level, w, row_bytes, &a, &sums_of(&a));
+                    for (r, g) in got.iter().enumerate() {
+                        let row: &[BlockQ4_0] =
+                            super::super::blocks(&w[r * row_bytes..(r + 1) * row_bytes]);
+                        let want = dot_scalar(row, &a);
+                        // NaN payloads (from NaN scales in the random rows) are not pinned.
+                        assert!(
+                            g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()),
+                            "{level:?} seed={seed} nb={nb} base={base} row={r}: {g} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// The llama.cpp rows again, eight at a time (each case in two row slots).
+    #[test]
+    fn dot8_matches_llama_cpp_rows_bit_for_bit() {
+        let cases = llama_rows(include_bytes!("testdata/llama_rows_q4_0.bin"));
+        for (i, case) in cases.iter().enumerate() {
+            let mut act = super::super::ActBuf::new();
+            act.prepare(crate::gguf::GgmlType::Q4_0, &case.act).unwrap();
+            let row_bytes = case.row.len();
+            // This case's row in slots i and i + 4, the other cases' rows (same width) elsewhere.
+            let mut m = Vec::new();
+            for slot in 0..8 {
+                let c = &cases[if slot % 4 == i % 4 {
+                    i
+                } else {
+                    slot % cases.len()
+                }];
+                if c.row.len() == row_bytes {
+                    m.extend_from_slice(&c.row);
+                } else {
+                    m.extend_from_slice(&case.row);
+                }
+            }
+            for level in SimdLevel::available() {
+                let got = dot8(level, &m, row_bytes, &act.q8_0, &act.q8_0_sums);
+                for slot in [i % 4, i % 4 + 4] {
+                    assert_eq!(
+                        got[slot].to_bits(),
+                        case.expected.to_bits(),
+                        "case {i} slot {slot} {level:?}: {} vs llama.cpp {}",
+                        got[slot],
+                        case.expected
+                    );
+                }
             }
         }
     }
