@@ -9,7 +9,7 @@
 
 use super::ArchError;
 use crate::gguf::{GgmlType, GgufFile, TensorInfo};
-use crate::kernels::{self, ActBuf, ThreadPool};
+use crate::kernels::{self, ActBuf, ActFormat, ThreadPool};
 use std::sync::Arc;
 
 pub const ARCH: &str = "qwen3moe";
@@ -604,6 +604,43 @@ fn kerr(e: kernels::KernelError) -> ArchError {
     }
 }
 
+/// Quantize `n` input rows of `cols` values for dot products with weights of type `ty`.
+fn prepare_acts(
+    ty: GgmlType,
+    input: &[f32],
+    n: usize,
+    cols: usize,
+    acts: &mut Vec<ActBuf>,
+) -> Result<(), ArchError> {
+    while acts.len() < n {
+        acts.push(ActBuf::new());
+    }
+    for (r, act) in acts.iter_mut().take(n).enumerate() {
+        act.prepare(ty, &input[r * cols..(r + 1) * cols])
+            .map_err(kerr)?;
+    }
+    Ok(())
+}
+
+/// `out` (token-major, `acts.len() × rows`) = W · act for each prepared activation: one
+/// matvec for a single token, one batched matmul (same bits per row) otherwise.
+fn mul_prepared(
+    pool: &ThreadPool,
+    ty: GgmlType,
+    w: &[u8],
+    rows: usize,
+    cols: usize,
+    acts: &[ActBuf],
+    out: &mut [f32],
+) -> Result<(), ArchError> {
+    let n = acts.len();
+    if n == 1 {
+        kernels::matvec(pool, ty, w, rows, cols, &acts[0], &mut out[..rows]).map_err(kerr)
+    } else {
+        kernels::matmul(pool, ty, w, rows, cols, acts, &mut out[..n * rows]).map_err(kerr)
+    }
+}
+
 impl Qwen3Moe {
     pub fn new(w: Weights, threads: usize) -> Qwen3Moe {
         let top_k = w.hp.n_expert_used;
@@ -661,38 +698,8 @@ impl Qwen3Moe {
         acts: &mut Vec<ActBuf>,
         out: &mut [f32],
     ) -> Result<(), ArchError> {
-        let cols = m.cols;
-        while acts.len() < n {
-            acts.push(ActBuf::new());
-        }
-        for r in 0..n {
-            acts[r]
-                .prepare(m.ty, &input[r * cols..(r + 1) * cols])
-                .map_err(kerr)?;
-        }
-        if n == 1 {
-            kernels::matvec(
-                &self.pool,
-                m.ty,
-                m.bytes(),
-                m.rows,
-                cols,
-                &acts[0],
-                &mut out[..m.rows],
-            )
-            .map_err(kerr)
-        } else {
-            kernels::matmul(
-                &self.pool,
-                m.ty,
-                m.bytes(),
-                m.rows,
-                cols,
-                &acts[..n],
-                &mut out[..n * m.rows],
-            )
-            .map_err(kerr)
-        }
+        prepare_acts(m.ty, input, n, m.cols, acts)?;
+        mul_prepared(&self.pool, m.ty, m.bytes(), m.rows, m.cols, &acts[..n], out)
     }
 
     /// Start a batch: embed `tokens` at `positions`; `out_rows` are the rows whose logits
@@ -953,61 +960,45 @@ impl Qwen3Moe {
         st.down.resize(n * d, 0.0);
         let mut acts = std::mem::take(&mut st.acts);
         let mut act2 = std::mem::take(&mut st.act2);
-        let run = |ty: GgmlType,
-                   w: &[u8],
-                   rows: usize,
-                   cols: usize,
-                   input: &[f32],
-                   acts: &mut Vec<ActBuf>,
-                   out: &mut [f32],
-                   pool: &ThreadPool|
-         -> Result<(), ArchError> {
-            while acts.len() < n {
-                acts.push(ActBuf::new());
-            }
-            for r in 0..n {
-                acts[r]
-                    .prepare(ty, &input[r * cols..(r + 1) * cols])
-                    .map_err(kerr)?;
-            }
-            if n == 1 {
-                kernels::matvec(pool, ty, w, rows, cols, &acts[0], &mut out[..rows]).map_err(kerr)
-            } else {
-                kernels::matmul(pool, ty, w, rows, cols, &acts[..n], &mut out[..n * rows])
-                    .map_err(kerr)
-            }
-        };
         let tmp = std::mem::take(&mut st.tmp);
-        // gate and up share the activation only when their types share a dot format; prepare per type.
-        run(
+        // gate and up read the same input: quantize it once when their types share an
+        // activation format (the bits are the same either way).
+        prepare_acts(g.info.ty, &tmp, n, d, &mut acts)?;
+        mul_prepared(
+            &self.pool,
             g.info.ty,
             proj[0],
             ff,
             d,
-            &tmp,
-            &mut acts,
+            &acts[..n],
             &mut st.gate,
-            &self.pool,
         )?;
-        run(
-            u.info.ty, proj[1], ff, d, &tmp, &mut acts, &mut st.up, &self.pool,
+        if ActFormat::for_weights(u.info.ty) != ActFormat::for_weights(g.info.ty) {
+            prepare_acts(u.info.ty, &tmp, n, d, &mut acts)?;
+        }
+        mul_prepared(
+            &self.pool,
+            u.info.ty,
+            proj[1],
+            ff,
+            d,
+            &acts[..n],
+            &mut st.up,
         )?;
         st.tmp = tmp;
         for (a, &b) in st.gate.iter_mut().zip(&st.up) {
             *a = silu(*a) * b;
         }
-        let gate = std::mem::take(&mut st.gate);
-        run(
+        prepare_acts(dn.info.ty, &st.gate, n, ff, &mut act2)?;
+        mul_prepared(
+            &self.pool,
             dn.info.ty,
             proj[2],
             d,
             ff,
-            &gate,
-            &mut act2,
+            &act2[..n],
             &mut st.down,
-            &self.pool,
         )?;
-        st.gate = gate;
         st.acts = acts;
         st.act2 = act2;
         for (i, &(row, rank, w)) in uses.iter().enumerate() {
