@@ -84,6 +84,8 @@ fn write_trace(path: &Path) {
                     residency: 0,
                     expert_bytes: 64_000,
                     dropped: false,
+                    preds: Default::default(),
+                    router_expert: None,
                 })
                 .expect("row");
             }

@@ -388,6 +388,43 @@ pub trait Backend {
     /// The cache evicted `slot`: free its memory (the engine `madvise(MADV_DONTNEED)`s it).
     /// The slot's bytes are never read again until a new read fills it.
     fn release(&mut self, slot: SlotId) -> Result<(), Self::Error>;
+
+    /// Expert prediction (`--predict-log`, `--predict-prefetch`, `--route-ahead`): apply MoE
+    /// layer `target`'s router to the router input of MoE layer `from` (`from.moe <=
+    /// target.moe`) for the batch's last row, and write the top-`k` experts with their
+    /// weights (softmax over the selected `k`, renormalised as the architecture does) into
+    /// `out`, rank order. Called only between `route(from)` and `finish_layer(from)`. With
+    /// `from == target` it must reproduce the router's own choice (the control).
+    ///
+    /// `Ok(false)` when the backend cannot predict this pair (the default: no prediction).
+    /// The engine computes it; the simulator replays what a recorded run predicted.
+    fn predict(
+        &mut self,
+        from: LayerId,
+        target: LayerId,
+        k: usize,
+        out: &mut Prediction,
+    ) -> Result<bool, Self::Error> {
+        let _ = (from, target, k);
+        out.clear();
+        Ok(false)
+    }
+}
+
+/// A predicted routing of one layer for one batch row: expert ids in rank order and their
+/// weights. Reused across calls (no allocation once grown).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Prediction {
+    pub ids: Vec<u16>,
+    pub weights: Vec<f32>,
+}
+
+impl Prediction {
+    /// Forget the ids and weights (keeps capacity).
+    pub fn clear(&mut self) {
+        self.ids.clear();
+        self.weights.clear();
+    }
 }
 
 #[cfg(test)]

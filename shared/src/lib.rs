@@ -24,7 +24,9 @@ mod streamer;
 pub mod telemetry;
 pub mod testing;
 
-pub use backend::{Backend, BackendStage, ExpertUse, LayerId, Routing, RoutingError, SlotId};
+pub use backend::{
+    Backend, BackendStage, ExpertUse, LayerId, Prediction, Routing, RoutingError, SlotId,
+};
 pub use cache::{Admission, CacheCounters, CacheError, ExpertCache, Lookup};
 pub use clock::{Clock, Nanos};
 pub use flash::{Flash, FlashError, ReadDone, ReadId, ReadRequest, ReadTag};

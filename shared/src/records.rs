@@ -30,7 +30,20 @@ pub struct RouteRecord {
     pub expert_bytes: u64,
     /// Discarded by cache-aware dropping.
     pub dropped: bool,
+    /// Stale-gate predictions for this slot, recorded so the simulator can replay predictors
+    /// that need hidden states (`pred<h>` / `pred<h>_weight` route-trace columns):
+    /// `preds[h-1]` is the (expert, weight) this layer's router ranked at this slot when applied
+    /// to the router input `h` MoE layers earlier; `None` where nothing was predicted (layer < h,
+    /// prefill, the first decode token). All `None` when the run recorded no predictions.
+    pub preds: [Option<(u16, f32)>; PRED_HORIZON_MAX],
+    /// `--route-ahead`: the expert the router itself chose at this slot, when the routing in
+    /// `expert` was committed from a prediction (`router_expert` column). `None` for a routing
+    /// the router chose (passed through, or route-ahead off).
+    pub router_expert: Option<u32>,
 }
+
+/// Widest prediction horizon a route trace records (= the `--route-ahead` maximum).
+pub const PRED_HORIZON_MAX: usize = 8;
 
 /// One flash read (an `io_trace v1` row).
 #[derive(Clone, Debug, PartialEq)]

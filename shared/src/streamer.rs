@@ -490,6 +490,8 @@ impl Streamer {
                     residency,
                     expert_bytes: bytes,
                     dropped: dropped[rank],
+                    preds: Default::default(),
+                    router_expert: None,
                 });
             }
         }

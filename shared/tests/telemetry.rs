@@ -919,6 +919,8 @@ fn route_records() -> Vec<RouteRecord> {
                     0
                 },
                 dropped: dropped[slot],
+                preds: Default::default(),
+                router_expert: None,
             });
         }
     };

@@ -624,6 +624,8 @@ impl RouteTrace {
                     residency: s.residency,
                     expert_bytes: s.expert_bytes,
                     dropped: s.dropped,
+                    preds: Default::default(),
+                    router_expert: None,
                 })
         })
     }
@@ -943,6 +945,8 @@ mod tests {
             residency: 0,
             expert_bytes: 8,
             dropped: false,
+            preds: Default::default(),
+            router_expert: None,
         };
         assert!(w.write(&r).is_err(), "MoE layer 1 is not declared");
         w.route(&r);
