@@ -258,6 +258,9 @@ pub fn generate_with(
         for hook in bmoe_core::hooks::router_hooks(&cfg, hp.n_expert_used as u32, true) {
             e.add_hook(hook);
         }
+        // --predict-log, --predict-prefetch, --route-ahead (committed before the hooks above
+        // run), --prefetch-sync.
+        e.set_predictors(bmoe_core::PredictConfig::from_run_config(&cfg));
         Runner::Streamed(Box::new(e))
     } else {
         let mut model = Qwen3Moe::new(weights, args.threads as usize);

@@ -10,8 +10,8 @@ use crate::arch::qwen3moe::{Qwen3Moe, RouteOut, State, Weights};
 use crate::arch::ArchError;
 use crate::arena::{Arena, ArenaError, Extent, SlotAddr};
 use bmoe_core::{
-    Backend, ExpertLayout, ExpertUse, LayerId, LayoutError, MoeLayerLayout, ProjExtent, Routing,
-    SlotId,
+    Backend, ExpertLayout, ExpertUse, LayerId, LayoutError, MoeLayerLayout, Prediction, ProjExtent,
+    Routing, SlotId,
 };
 use std::sync::Arc;
 
@@ -87,6 +87,7 @@ pub struct EngineBackend {
     layout: ExpertLayout,
     ro: RouteOut,
     ids: Vec<u16>,
+    pred_ids: Vec<u32>,
     uses: Vec<(u32, u16, f32)>,
     /// Produce logits for every row of the next batch (for `--logits-out`), not just the last.
     pub all_logits: bool,
@@ -106,6 +107,7 @@ impl EngineBackend {
             layout,
             ro: RouteOut::default(),
             ids: Vec::new(),
+            pred_ids: Vec::new(),
             uses: Vec::new(),
             all_logits: false,
         }
@@ -201,6 +203,32 @@ impl Backend for EngineBackend {
 
     fn head(&mut self) -> Result<(), StreamError> {
         Ok(self.model.head(&mut self.state)?)
+    }
+
+    /// `target`'s router (f32 GEMV on the router matrix, the same path `route` takes) on the
+    /// router input `route(from)` kept for the batch's last row; see `Qwen3Moe::predict`.
+    fn predict(
+        &mut self,
+        from: LayerId,
+        target: LayerId,
+        k: usize,
+        out: &mut Prediction,
+    ) -> Result<bool, StreamError> {
+        out.clear();
+        let ok = self.model.predict(
+            &mut self.state,
+            from.model as usize,
+            target.model as usize,
+            k,
+            &mut self.pred_ids,
+            &mut out.weights,
+        )?;
+        if !ok {
+            out.clear();
+            return Ok(false);
+        }
+        out.ids.extend(self.pred_ids.iter().map(|&e| e as u16));
+        Ok(true)
     }
 
     fn release(&mut self, slot: SlotId) -> Result<(), StreamError> {

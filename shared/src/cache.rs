@@ -286,6 +286,19 @@ impl ExpertCache {
         }
     }
 
+    /// A predictor expects `key` to be routed soon (`--predict-prefetch` retention,
+    /// route-ahead's resident committed experts): tell the policy as a hit would, without a
+    /// pin and without counting a lookup. False (and nothing done) when `key` is not resident.
+    pub fn retain(&mut self, key: ExpertKey) -> bool {
+        match self.index(key) {
+            Ok(i) if self.flags[i] & RESIDENT != 0 => {
+                self.policy.on_hit(i as u32);
+                true
+            }
+            _ => false,
+        }
+    }
+
     #[inline]
     fn pin_index(&mut self, i: usize) {
         if self.pins[i] == 0 {

@@ -163,6 +163,12 @@ pub struct StreamArgs {
     #[arg(long, value_name = "K", value_parser = parse_u32_strict)]
     pub prefetch: Option<u32>,
 
+    /// For tests: integrate speculation on the eval thread — every speculative read
+    /// (--prefetch, --predict-prefetch, --route-ahead) is waited for right where it is issued,
+    /// with no lane running beside compute. Needs the cache; output-neutral.
+    #[arg(long)]
+    pub prefetch_sync: bool,
+
     /// Score three expert predictors against the real routing and report them
     /// [default: off; env BMOE_PREDICT_LOG].
     ///
@@ -287,6 +293,7 @@ impl StreamArgs {
         cfg.n_expert_used_override = self.n_expert_used.unwrap_or(0);
         cfg.eviction = self.eviction;
         cfg.prefetch = self.prefetch.unwrap_or(0);
+        cfg.prefetch_sync = self.prefetch_sync;
         cfg.predict_log = self.predict_log;
         cfg.predict_prefetch = self.predict_prefetch;
         cfg.predict_spec_max = self.predict_spec_max;

@@ -6,8 +6,10 @@
 //! measured one differ only in what was measured, never in how it was accounted.
 
 use crate::cache::ExpertCache;
+use crate::predict::accumulate;
 use crate::step::StepStats;
 use crate::telemetry::csv::TokenRecord;
+use crate::telemetry::summary::PredictReport;
 use crate::telemetry::summary::{PrefillCounters, RunCounters};
 
 const MIB: f64 = 1048576.0;
@@ -73,6 +75,14 @@ pub struct Ledger {
     spec_read_bytes: u64,
     spec_experts: u64,
     spec_useful: u64,
+    /// `--predict-log`: the probe's results over the decode steps (None until one reported).
+    predict: Option<PredictReport>,
+    ra_committed: u64,
+    ra_passthrough: u64,
+    ra_slots: u64,
+    ra_agreed_slots: u64,
+    ra_gemv_ns: u64,
+    ra_gemv_jobs: u64,
     prefill: PrefillCounters,
     last_mem: Option<MemPicture>,
 }
@@ -101,6 +111,13 @@ impl Ledger {
             spec_read_bytes: 0,
             spec_experts: 0,
             spec_useful: 0,
+            predict: None,
+            ra_committed: 0,
+            ra_passthrough: 0,
+            ra_slots: 0,
+            ra_agreed_slots: 0,
+            ra_gemv_ns: 0,
+            ra_gemv_jobs: 0,
             prefill: PrefillCounters::default(),
             last_mem: None,
         }
@@ -114,6 +131,15 @@ impl Ledger {
         self.spec_read_bytes += s.spec_read_bytes;
         self.spec_experts += s.spec_experts;
         self.spec_useful += s.spec_useful;
+        if let Some(p) = &s.predict {
+            accumulate(self.predict.get_or_insert_with(PredictReport::default), p);
+        }
+        self.ra_committed += s.ra_committed;
+        self.ra_passthrough += s.ra_passthrough;
+        self.ra_slots += s.ra_slots;
+        self.ra_agreed_slots += s.ra_agreed_slots;
+        self.ra_gemv_ns += s.ra_gemv_ns;
+        self.ra_gemv_jobs += s.ra_gemv_jobs;
     }
 
     /// Account the prompt's step. `mem_before`/`mem_after` bracket it for its CPU time.
@@ -227,6 +253,13 @@ impl Ledger {
             spec_read_bytes: self.spec_read_bytes,
             spec_experts: self.spec_experts,
             spec_useful: self.spec_useful,
+            predict: self.predict.clone(),
+            ra_committed: self.ra_committed,
+            ra_passthrough: self.ra_passthrough,
+            ra_slots: self.ra_slots,
+            ra_agreed_slots: self.ra_agreed_slots,
+            ra_gemv_ns: self.ra_gemv_ns,
+            ra_gemv_jobs: self.ra_gemv_jobs,
             ..RunCounters::default()
         }
     }

@@ -17,6 +17,7 @@ pub mod hooks;
 pub mod layout;
 pub mod ledger;
 pub mod policy;
+pub mod predict;
 mod prefetch;
 pub mod records;
 pub mod step;
@@ -32,6 +33,7 @@ pub use clock::{Clock, Nanos};
 pub use flash::{Flash, FlashError, ReadDone, ReadId, ReadRequest, ReadTag};
 pub use layout::{ExpertKey, ExpertLayout, LayoutError, MoeLayerLayout, ProjExtent};
 pub use policy::EvictionPolicy;
+pub use predict::PredictConfig;
 pub use step::{
     Engine, HookContext, HookCounts, HookError, RouterHook, StepError, StepInput, StepStats,
     StreamConfig, TopKOverride,

@@ -1,5 +1,9 @@
-//! `--prefetch K`: previous-token temporal prefetch (features.md §4), driven by the streamer.
+//! Speculative prefetch, driven by the streamer: `--prefetch K` (previous-token temporal
+//! prefetch, features.md §4) and the predicted candidates of `predict.rs` — `--predict-prefetch`
+//! (stale-gate, capped per layer, retention only at cap 0) and route-ahead's early reads of the
+//! committed routing (no cap, never cancelled). One machinery, several candidate sources.
 //!
+//! `--prefetch K` in detail:
 //! While layer `l` of a decode token computes, the streamer asks this module to read ahead the
 //! experts the **previous** token routed at layers `l+1 … l+K` that are not resident (for the
 //! first decode token: the last prompt token's routing). Speculation is written so that it can
@@ -155,6 +159,9 @@ struct SpecEntry {
     cancelled: bool,
     /// The first failure among its reads.
     failed: Option<(ReadTag, FlashError)>,
+    /// Route-ahead's committed routing: its reads are never cancelled (not pulled back for
+    /// demand, not given up while queued); a layer that does not need it waits for them.
+    committed: bool,
 }
 
 impl SpecEntry {
@@ -188,6 +195,19 @@ pub(crate) struct Prefetcher {
     untouched: Vec<bool>,
     entries: Vec<SpecEntry>,
     evicted: Vec<ExpertKey>,
+    /// Per MoE layer: predicted misses admitted for it this step (the `--predict-spec-max` cap).
+    issued_for: Vec<u32>,
+}
+
+/// What one speculation attempt did.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum Speculated {
+    /// Resident or already speculated: nothing read.
+    Present,
+    /// Admitted and its reads submitted.
+    Issued,
+    /// The cache has no room beside its pins: stop speculating this layer.
+    NoRoom,
 }
 
 impl Prefetcher {
@@ -198,6 +218,7 @@ impl Prefetcher {
             untouched: vec![false; n_keys as usize],
             entries: Vec::new(),
             evicted: Vec::new(),
+            issued_for: vec![0; n_moe_layers as usize],
         }
     }
 
@@ -375,9 +396,13 @@ impl Prefetcher {
                 return Err(StepError::UnexpectedCompletion { id });
             }
         }
+        if let Some(n) = self.issued_for.get_mut(moe as usize) {
+            *n = 0;
+        }
         let mut ei = 0;
         while ei < self.entries.len() {
             let key = self.entries[ei].key;
+            let committed = self.entries[ei].committed;
             let mine = decode && key.layer == moe;
             if mine && needed(key.expert) {
                 if let Some((tag, source)) = self.entries[ei].failed.clone() {
@@ -401,16 +426,21 @@ impl Prefetcher {
                 continue;
             }
             if key.layer > moe && decode {
-                let t = io.clock.now();
-                self.cancel_entry(io, ei, true);
-                io.stats.mgmt += io.clock.now() - t;
+                if !committed {
+                    let t = io.clock.now();
+                    self.cancel_entry(io, ei, true);
+                    io.stats.mgmt += io.clock.now() - t;
+                }
                 ei += 1;
                 continue;
             }
-            // Not needed: pull back what has not started, wait for what has.
-            let t = io.clock.now();
-            self.cancel_entry(io, ei, false);
-            io.stats.mgmt += io.clock.now() - t;
+            // Not needed: pull back what has not started (committed reads are never
+            // cancelled), wait for what has.
+            if !committed {
+                let t = io.clock.now();
+                self.cancel_entry(io, ei, false);
+                io.stats.mgmt += io.clock.now() - t;
+            }
             if self.entries[ei].live() > 0 {
                 let waited = self.wait_entry(io, ei);
                 Self::charge_wait(io, waited);
@@ -432,13 +462,17 @@ impl Prefetcher {
         &mut self,
         io: &mut LayerIo<'_, C, F, B>,
     ) -> Result<bool, StepError> {
-        let Some(ei) = (0..self.entries.len()).max_by_key(|&i| (self.entries[i].key.layer, i))
+        // Uncommitted speculation goes first; a committed entry is waited for, not cancelled.
+        let Some(ei) = (0..self.entries.len())
+            .max_by_key(|&i| (!self.entries[i].committed, self.entries[i].key.layer, i))
         else {
             return Ok(false);
         };
-        let t = io.clock.now();
-        self.cancel_entry(io, ei, false);
-        io.stats.mgmt += io.clock.now() - t;
+        if !self.entries[ei].committed {
+            let t = io.clock.now();
+            self.cancel_entry(io, ei, false);
+            io.stats.mgmt += io.clock.now() - t;
+        }
         if self.entries[ei].live() > 0 {
             let waited = self.wait_entry(io, ei);
             Self::charge_wait(io, waited);
@@ -469,71 +503,131 @@ impl Prefetcher {
                 r.state = ReadState::Live;
             }
         }
-        if self.horizon == 0 || io.cache.is_off() {
+        if io.cache.is_off() {
             return Ok(());
         }
-        let lanes = io.flash.lanes().max(1);
         let last = io.layout.n_moe_layers();
-        let end = (u32::from(moe) + 1 + u32::from(self.horizon)).min(u32::from(last)) as u16;
-        for target in moe.saturating_add(1)..end {
-            let Some(layer) = io.layout.layer(target) else {
+        if self.horizon > 0 {
+            let end = (u32::from(moe) + 1 + u32::from(self.horizon)).min(u32::from(last)) as u16;
+            for target in moe.saturating_add(1)..end {
+                for j in 0..self.prev[target as usize].len() {
+                    let expert = self.prev[target as usize][j];
+                    if self.speculate(io, target, expert, false, lane_cursor)? == Speculated::NoRoom
+                    {
+                        return Ok(());
+                    }
+                }
+            }
+        }
+        // Predicted candidates (`predict.rs`): residents are retained (touched in the policy),
+        // misses read up to the target's cap.
+        let spec = io.spec;
+        for st in spec {
+            if st.target >= last || st.target <= moe {
                 continue;
-            };
-            let model = layer.model_layer;
-            for j in 0..self.prev[target as usize].len() {
-                let expert = self.prev[target as usize][j];
+            }
+            for &expert in &st.experts {
                 let key = ExpertKey {
-                    layer: target,
+                    layer: st.target,
                     expert,
                 };
-                // Resident already, or speculated already: nothing to read.
                 if io.cache.contains(key) {
+                    io.cache.retain(key);
                     continue;
                 }
-                let Some(index) = io.layout.key_index(key) else {
+                let issued = self
+                    .issued_for
+                    .get(st.target as usize)
+                    .copied()
+                    .unwrap_or(0);
+                if issued >= st.cap {
                     continue;
-                };
-                let t = io.clock.now();
-                let admission = io.cache.admit(key, &mut self.evicted)?;
-                for evicted in self.evicted.drain(..) {
-                    io.backend
-                        .release(SlotId::Canonical(evicted))
-                        .map_err(be(BackendStage::Release, model))?;
                 }
-                io.stats.mgmt += io.clock.now() - t;
-                if admission == Admission::NoRoom {
-                    return Ok(());
+                match self.speculate(io, st.target, expert, st.committed, lane_cursor)? {
+                    Speculated::NoRoom => return Ok(()),
+                    Speculated::Issued => {
+                        if let Some(n) = self.issued_for.get_mut(st.target as usize) {
+                            *n += 1;
+                        }
+                    }
+                    Speculated::Present => {}
                 }
-                self.untouched[index as usize] = true;
-                let mut reads = Vec::with_capacity(layer.projections.len());
-                expert_reads(
-                    layer,
-                    target,
-                    expert,
-                    SlotId::Canonical(key),
-                    io.config.max_read_bytes,
-                    true,
-                    lanes,
-                    lane_cursor,
-                    |req| {
-                        let id = io.flash.submit(req);
-                        reads.push(SpecRead {
-                            id,
-                            req,
-                            state: ReadState::Live,
-                        });
-                    },
-                );
-                io.stats.spec_issued += 1;
-                self.entries.push(SpecEntry {
-                    key,
-                    reads,
-                    cancelled: false,
-                    failed: None,
-                });
             }
         }
         Ok(())
+    }
+
+    /// Admit `expert` of MoE layer `target` speculatively and submit its reads (the demand
+    /// reads' exact split). Under `--prefetch-sync` the reads are waited for right here, on the
+    /// eval thread, so no lane runs concurrently with compute.
+    fn speculate<C: Clock, F: Flash, B: Backend>(
+        &mut self,
+        io: &mut LayerIo<'_, C, F, B>,
+        target: u16,
+        expert: u16,
+        committed: bool,
+        lane_cursor: &mut u32,
+    ) -> Result<Speculated, StepError> {
+        let Some(layer) = io.layout.layer(target) else {
+            return Ok(Speculated::Present);
+        };
+        let key = ExpertKey {
+            layer: target,
+            expert,
+        };
+        // Resident already, or speculated already: nothing to read.
+        if io.cache.contains(key) {
+            return Ok(Speculated::Present);
+        }
+        let Some(index) = io.layout.key_index(key) else {
+            return Ok(Speculated::Present);
+        };
+        let model = layer.model_layer;
+        let t = io.clock.now();
+        let admission = io.cache.admit(key, &mut self.evicted)?;
+        for evicted in self.evicted.drain(..) {
+            io.backend
+                .release(SlotId::Canonical(evicted))
+                .map_err(be(BackendStage::Release, model))?;
+        }
+        io.stats.mgmt += io.clock.now() - t;
+        if admission == Admission::NoRoom {
+            return Ok(Speculated::NoRoom);
+        }
+        self.untouched[index as usize] = true;
+        let lanes = io.flash.lanes().max(1);
+        let mut reads = Vec::with_capacity(layer.projections.len());
+        expert_reads(
+            layer,
+            target,
+            expert,
+            SlotId::Canonical(key),
+            io.config.max_read_bytes,
+            true,
+            lanes,
+            lane_cursor,
+            |req| {
+                let id = io.flash.submit(req);
+                reads.push(SpecRead {
+                    id,
+                    req,
+                    state: ReadState::Live,
+                });
+            },
+        );
+        io.stats.spec_issued += 1;
+        self.entries.push(SpecEntry {
+            key,
+            reads,
+            cancelled: false,
+            failed: None,
+            committed,
+        });
+        if io.predict.sync {
+            let waited = self.wait_entry(io, self.entries.len() - 1);
+            Self::charge_wait(io, waited);
+        }
+        Ok(Speculated::Issued)
     }
 
     /// The step failed: wait for every read still in flight (outcomes ignored) so nothing lands

@@ -12,8 +12,10 @@ use crate::cache::{CacheError, ExpertCache};
 use crate::clock::{Clock, Nanos};
 use crate::flash::{Flash, FlashError, ReadId, ReadTag};
 use crate::layout::{ExpertKey, ExpertLayout};
+use crate::predict::{PredictConfig, Predictors};
 use crate::records::{Phase, RecordSink};
 use crate::streamer::{LayerIo, Streamer};
+use crate::telemetry::summary::PredictReport;
 use thiserror::Error;
 
 /// How the streamer reads and computes.
@@ -109,6 +111,21 @@ pub struct StepStats {
     pub spec_dropped: u64,
     /// Speculative reads that failed where no layer needed them (dropped, not fatal).
     pub spec_failed: u64,
+    /// `--predict-log`: this step's probe results (`None` when the probe is off or the step
+    /// was not a single-row decode step).
+    pub predict: Option<PredictReport>,
+    /// `--route-ahead`: decode routings whose selection was replaced by the prediction.
+    pub ra_committed: u64,
+    /// Decode routings that kept the router's choice (layers < N, the first decode token, no
+    /// prediction or no router probabilities to weight it).
+    pub ra_passthrough: u64,
+    /// Committed slots, and how many of them the router also chose.
+    pub ra_slots: u64,
+    pub ra_agreed_slots: u64,
+    /// Time in the route-ahead predictions (`Backend::predict` at horizon N), by the `Clock`,
+    /// and how many there were.
+    pub ra_gemv_ns: u64,
+    pub ra_gemv_jobs: u64,
 }
 
 /// A router hook failed.
@@ -270,6 +287,7 @@ pub struct Engine<C: Clock, F: Flash, B: Backend> {
     hooks: Vec<Box<dyn RouterHook>>,
     routing: Routing,
     streamer: Streamer,
+    predictors: Predictors,
     failed: Option<String>,
 }
 
@@ -293,6 +311,7 @@ impl<C: Clock, F: Flash, B: Backend> Engine<C, F, B> {
             });
         }
         let streamer = Streamer::new(&layout);
+        let predictors = Predictors::new(PredictConfig::default(), layout.n_moe_layers());
         Ok(Engine {
             clock,
             flash,
@@ -303,8 +322,21 @@ impl<C: Clock, F: Flash, B: Backend> Engine<C, F, B> {
             hooks: Vec::new(),
             routing: Routing::new(),
             streamer,
+            predictors,
             failed: None,
         })
+    }
+
+    /// Arm the expert predictors (`--predict-log`, `--predict-prefetch`, `--route-ahead`,
+    /// `--prefetch-sync`; see `predict.rs`). Call before the first step; the engine and the
+    /// simulator both call it with `PredictConfig::from_run_config`.
+    pub fn set_predictors(&mut self, cfg: PredictConfig) {
+        self.predictors = Predictors::new(cfg, self.layout.n_moe_layers());
+    }
+
+    /// The armed predictors.
+    pub fn predict_config(&self) -> &PredictConfig {
+        &self.predictors.cfg
     }
 
     /// Append a router hook (hooks run in the order added).
@@ -373,9 +405,12 @@ impl<C: Clock, F: Flash, B: Backend> Engine<C, F, B> {
             hooks,
             routing,
             streamer,
+            predictors,
             ..
         } = self;
         let n_tokens = input.tokens.len() as u32;
+        predictors.begin_step(input.phase, input.tokens.len());
+        let wants_routes = sink.wants_routes();
         backend
             .begin(input.tokens, input.positions)
             .map_err(be(BackendStage::Begin, 0))?;
@@ -395,6 +430,12 @@ impl<C: Clock, F: Flash, B: Backend> Engine<C, F, B> {
             backend
                 .route(layer, routing)
                 .map_err(be(BackendStage::Route, model_layer))?;
+            if predictors.cfg.predicts() {
+                predictors.after_route(&*clock, &mut *backend, layout, layer, routing, stats)?;
+                // Route-ahead first: every other hook, the trace and the loader see the
+                // committed routing (see hooks/route_ahead.rs).
+                predictors.commit(layer, routing, stats);
+            }
             if !hooks.is_empty() {
                 let cx = HookContext {
                     layer,
@@ -417,6 +458,10 @@ impl<C: Clock, F: Flash, B: Backend> Engine<C, F, B> {
             routing
                 .validate(moe)
                 .map_err(|source| StepError::Routing { layer: moe, source })?;
+            if predictors.cfg.predicts() {
+                predictors.score(layer, routing);
+                predictors.plan(layer, routing.k(), wants_routes);
+            }
             let mut io = LayerIo {
                 clock: &*clock,
                 flash: &mut *flash,
@@ -430,9 +475,18 @@ impl<C: Clock, F: Flash, B: Backend> Engine<C, F, B> {
                 phase: input.phase,
                 positions: input.positions,
                 layer_moe: moe,
+                predict: &predictors.cfg,
+                spec: &predictors.spec,
+                trace_preds: &predictors.trace,
+                router_ids: if predictors.committed {
+                    &predictors.router_ids
+                } else {
+                    &[]
+                },
             };
             streamer.run_layer(&mut io, layer, routing)?;
         }
+        predictors.end_step(stats);
         backend
             .head()
             .map_err(be(BackendStage::Head, layout.n_model_layers()))?;

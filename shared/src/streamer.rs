@@ -21,8 +21,9 @@ use crate::cache::{Admission, ExpertCache, Lookup};
 use crate::clock::Clock;
 use crate::flash::{Flash, FlashError, ReadDone, ReadId, ReadRequest};
 use crate::layout::{ExpertKey, ExpertLayout};
+use crate::predict::{PredictConfig, SpecTarget};
 use crate::prefetch::{account_read, checked, expert_reads, Adopted, Prefetcher};
-use crate::records::{Phase, RecordSink, RouteRecord};
+use crate::records::{Phase, RecordSink, RouteRecord, PRED_HORIZON_MAX};
 use crate::step::{be, StepError, StepStats, StreamConfig};
 use std::collections::VecDeque;
 
@@ -83,6 +84,16 @@ pub(crate) struct LayerIo<'a, C, F, B> {
     pub positions: &'a [u32],
     /// The MoE layer being streamed (set by `run_layer`).
     pub layer_moe: u16,
+    /// The armed predictors (`--prefetch-sync` rides here too).
+    pub predict: &'a PredictConfig,
+    /// This layer's predicted speculation (`--predict-prefetch`, route-ahead's early reads).
+    pub spec: &'a [SpecTarget],
+    /// Per routing slot of the batch's last row (decode): the predictions recorded in the
+    /// route trace (`RouteRecord::preds`). Empty when none were made.
+    pub trace_preds: &'a [[Option<(u16, f32)>; PRED_HORIZON_MAX]],
+    /// Route-ahead committed this layer's last row: the router's own ids per slot
+    /// (`RouteRecord::router_expert`). Empty otherwise.
+    pub router_ids: &'a [u16],
 }
 
 /// Reusable per-layer scratch. No allocation once capacities have grown.
@@ -256,7 +267,10 @@ impl Streamer {
         }
 
         let cache_off = io.cache.is_off();
-        if self.prefetch.is_none() && io.config.prefetch > 0 && !cache_off {
+        if self.prefetch.is_none()
+            && (io.config.prefetch > 0 || io.predict.speculates())
+            && !cache_off
+        {
             self.prefetch = Some(Prefetcher::new(
                 io.config.prefetch,
                 io.layout.n_moe_layers(),
@@ -444,6 +458,7 @@ impl Streamer {
         routing: &Routing,
         expert_bytes: u64,
     ) {
+        let last_row = io.positions.len().saturating_sub(1) as u32;
         for r in 0..routing.n_rows() {
             let ids = routing.ids(r);
             let weights = routing.weights(r);
@@ -452,6 +467,7 @@ impl Streamer {
                 .positions
                 .get(routing.batch_row(r) as usize)
                 .map_or(-1, |&p| i64::from(p));
+            let predicted = io.phase == Phase::Decode && routing.batch_row(r) == last_row;
             for rank in 0..routing.k() {
                 let e = ids[rank];
                 let (residency, bytes) = if dropped[rank] {
@@ -490,8 +506,16 @@ impl Streamer {
                     residency,
                     expert_bytes: bytes,
                     dropped: dropped[rank],
-                    preds: Default::default(),
-                    router_expert: None,
+                    preds: if predicted {
+                        io.trace_preds.get(rank).copied().unwrap_or_default()
+                    } else {
+                        Default::default()
+                    },
+                    router_expert: if predicted {
+                        io.router_ids.get(rank).map(|&e| u32::from(e))
+                    } else {
+                        None
+                    },
                 });
             }
         }

@@ -547,6 +547,13 @@ pub struct State {
     up: Vec<f32>,
     down: Vec<f32>,
     scores: Vec<f32>,
+    /// Expert prediction: the router input (FFN-normed hidden state) of the batch's last
+    /// routed row at the MoE layer routed last (`pred_layer`), kept until the next `route`.
+    pred_h: Vec<f32>,
+    pred_layer: Option<usize>,
+    pred_acts: Vec<ActBuf>,
+    pred_probs: Vec<f32>,
+    pred_order: Vec<u32>,
     /// Rows whose logits are wanted at the end of the batch.
     out_rows: Vec<u32>,
     pub logits: Vec<f32>,
@@ -584,6 +591,38 @@ fn rope_neox(v: &mut [f32], pos: u32, base: f32) {
 
 fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
+}
+
+/// qwen3moe's expert selection for one row: `p` (router logits on entry) becomes the softmax
+/// over all experts; the top `k` by probability (ties to the lower id) go to `ids` in rank
+/// order with weights `p_j / max(Σ top-k p, 6.1035e-5)`. `order` is scratch (`p.len()` wide).
+/// The router and the predictor both call this, so a prediction is the router's arithmetic.
+fn select_top_k(
+    p: &mut [f32],
+    k: usize,
+    order: &mut Vec<u32>,
+    ids: &mut [u32],
+    weights: &mut [f32],
+) {
+    let mx = p.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0f64;
+    for v in p.iter_mut() {
+        *v = (*v - mx).exp();
+        sum += *v as f64;
+    }
+    let inv = (1.0 / sum) as f32;
+    p.iter_mut().for_each(|v| *v *= inv);
+    order.clear();
+    order.extend(0..p.len() as u32);
+    // Descending by probability; ties by the lower id, so the order is total.
+    order.sort_by(|&a, &b| p[b as usize].total_cmp(&p[a as usize]).then(a.cmp(&b)));
+    let top = &order[..k];
+    let s: f32 = top.iter().map(|&e| p[e as usize]).sum();
+    let s = s.max(6.103_515_6e-5);
+    for (j, &e) in top.iter().enumerate() {
+        ids[j] = e;
+        weights[j] = p[e as usize] / s;
+    }
 }
 
 /// The model bound to a compute pool: the forward pass in steps.
@@ -685,6 +724,11 @@ impl Qwen3Moe {
             up: Vec::new(),
             down: Vec::new(),
             scores: Vec::new(),
+            pred_h: Vec::new(),
+            pred_layer: None,
+            pred_acts: Vec::new(),
+            pred_probs: Vec::new(),
+            pred_order: Vec::new(),
             out_rows: Vec::new(),
             logits: Vec::new(),
         }
@@ -724,6 +768,7 @@ impl Qwen3Moe {
             }
         }
         st.n_rows = n;
+        st.pred_layer = None;
         st.positions.clear();
         st.positions.extend_from_slice(positions);
         st.out_rows.clear();
@@ -883,7 +928,7 @@ impl Qwen3Moe {
         let hp = &self.w.hp;
         let lw = &self.w.layers[layer];
         let m = st.ffn_rows.len();
-        let ne = hp.n_expert;
+        let (ne, d) = (hp.n_expert, hp.d_model);
         let k = self.top_k;
         out.rows.clear();
         out.rows.extend_from_slice(&st.ffn_rows);
@@ -898,30 +943,65 @@ impl Qwen3Moe {
         out.weights.resize(m * k, 0.0);
         let mut order: Vec<u32> = (0..ne as u32).collect();
         for r in 0..m {
-            let p = &mut out.probs[r * ne..(r + 1) * ne];
-            let mx = p.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0f64;
-            for v in p.iter_mut() {
-                *v = (*v - mx).exp();
-                sum += *v as f64;
-            }
-            let inv = (1.0 / sum) as f32;
-            p.iter_mut().for_each(|v| *v *= inv);
-            order
-                .iter_mut()
-                .enumerate()
-                .for_each(|(i, o)| *o = i as u32);
-            // Descending by probability; ties by the lower id, so the order is total.
-            order.sort_by(|&a, &b| p[b as usize].total_cmp(&p[a as usize]).then(a.cmp(&b)));
-            let top = &order[..k];
-            let s: f32 = top.iter().map(|&e| p[e as usize]).sum();
-            let s = s.max(6.103_515_6e-5);
-            for (j, &e) in top.iter().enumerate() {
-                out.ids[r * k + j] = e;
-                out.weights[r * k + j] = p[e as usize] / s;
-            }
+            select_top_k(
+                &mut out.probs[r * ne..(r + 1) * ne],
+                k,
+                &mut order,
+                &mut out.ids[r * k..(r + 1) * k],
+                &mut out.weights[r * k..(r + 1) * k],
+            );
+        }
+        // Keep the last row's router input for `predict` (a later layer's router applied to it).
+        st.pred_h.clear();
+        if m > 0 {
+            st.pred_h.extend_from_slice(&st.h[(m - 1) * d..m * d]);
+            st.pred_layer = Some(layer);
+        } else {
+            st.pred_layer = None;
         }
         Ok(())
+    }
+
+    /// Expert prediction: layer `target`'s router applied to the router input of layer `from`
+    /// (the last row `route(from)` routed), top-`k` ids and renormalised weights written to
+    /// `ids` / `weights` — the very arithmetic of `route` (same GEMV path, same selection), so
+    /// `from == target` reproduces the router bit for bit. `Ok(false)` when `from` is not the
+    /// layer routed last in this batch, `target` is out of range, or `k` is not in
+    /// `1..=n_expert`.
+    pub fn predict(
+        &self,
+        st: &mut State,
+        from: usize,
+        target: usize,
+        k: usize,
+        ids: &mut Vec<u32>,
+        weights: &mut Vec<f32>,
+    ) -> Result<bool, ArchError> {
+        let hp = &self.w.hp;
+        let ne = hp.n_expert;
+        ids.clear();
+        weights.clear();
+        if st.pred_layer != Some(from) || target >= self.w.layers.len() || k == 0 || k > ne {
+            return Ok(false);
+        }
+        let lw = &self.w.layers[target];
+        st.pred_probs.resize(ne, 0.0);
+        let mut probs = std::mem::take(&mut st.pred_probs);
+        let mut acts = std::mem::take(&mut st.pred_acts);
+        let r = self.matmul_rows(&lw.router, &st.pred_h, 1, &mut acts, &mut probs);
+        st.pred_acts = acts;
+        if let Err(e) = r {
+            st.pred_probs = probs;
+            return Err(e);
+        }
+        ids.resize(k, 0);
+        weights.resize(k, 0.0);
+        let mut order = std::mem::take(&mut st.pred_order);
+        order.resize(ne, 0);
+        select_top_k(&mut probs, k, &mut order, ids, weights);
+        st.pred_order = order;
+        st.pred_probs = probs;
+        Ok(true)
     }
 
     /// One expert for the FFN rows routed to it. `uses` = (FFN row index, rank, weight);
