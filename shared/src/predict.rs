@@ -440,3 +440,70 @@ pub fn accumulate(into: &mut PredictReport, from: &PredictReport) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn drop_aware_keeps_the_top_one_and_what_would_not_be_dropped() {
+        let p = Prediction {
+            ids: vec![7, 3, 9, 1],
+            weights: vec![0.5, 0.3, 0.15, 0.05],
+        };
+        // No threshold: the applied width's prefix.
+        assert_eq!(drop_aware(&p, 4, 0.0), vec![7, 3, 9, 1]);
+        assert_eq!(drop_aware(&p, 2, 0.0), vec![7, 3]);
+        // F = 0.5 at k = 4: threshold 0.125, so 0.05 goes.
+        assert_eq!(drop_aware(&p, 4, 0.5), vec![7, 3, 9]);
+        // At k = 2 the weights renormalise over the two (0.625, 0.375) vs 0.5 / 2.
+        assert_eq!(drop_aware(&p, 2, 1.0), vec![7]);
+        // The top one survives any threshold.
+        let flat = Prediction {
+            ids: vec![2, 4],
+            weights: vec![0.01, 0.99],
+        };
+        assert_eq!(drop_aware(&flat, 2, 1.0), vec![2, 4]);
+    }
+
+    #[test]
+    fn horizons_follow_the_armed_predictors() {
+        let log = PredictConfig {
+            log: true,
+            ..Default::default()
+        };
+        assert!((0..=2).all(|h| log.wants(h)) && !log.wants(3));
+        let pf = PredictConfig {
+            prefetch: true,
+            ..Default::default()
+        };
+        assert!(!pf.wants(0) && pf.wants(1) && pf.wants(2) && !pf.wants(3));
+        let ra = PredictConfig {
+            route_ahead: 3,
+            ..Default::default()
+        };
+        assert!(!ra.wants(0) && !ra.wants(1) && ra.wants(3) && ra.speculates());
+        assert!(!PredictConfig::default().predicts());
+    }
+
+    #[test]
+    fn reports_accumulate_per_predictor_and_layer() {
+        let step = PredictReport {
+            stale: PredictorStats {
+                rows: 1,
+                slots: 4,
+                hit_slots: 3,
+                exact_rows: 0,
+            },
+            unscored: 2,
+            by_layer: vec![[PredictorStats::default(); 3]; 2],
+            ..Default::default()
+        };
+        let mut run = PredictReport::default();
+        accumulate(&mut run, &step);
+        accumulate(&mut run, &step);
+        assert_eq!(run.stale.hit_slots, 6);
+        assert_eq!(run.unscored, 4);
+        assert_eq!(run.by_layer.len(), 2);
+    }
+}

@@ -6,7 +6,7 @@
 //! Everything here is deterministic: no ambient time, no unseeded randomness, no dependence
 //! on `HashMap` iteration order.
 
-use crate::backend::{Backend, ExpertUse, LayerId, Routing, RoutingError, SlotId};
+use crate::backend::{Backend, ExpertUse, LayerId, Prediction, Routing, RoutingError, SlotId};
 use crate::clock::{Clock, Nanos};
 use crate::flash::{Flash, FlashError, ReadDone, ReadId, ReadRequest};
 use crate::layout::{ExpertKey, ExpertLayout, LayoutError, MoeLayerLayout, ProjExtent};
@@ -553,6 +553,10 @@ pub struct ScriptCosts {
 /// Routing function: `(layer, position, k, n_expert) -> k distinct expert ids, rank order`.
 pub type RouteFn = Box<dyn FnMut(LayerId, u32, usize, u32) -> Vec<u16> + Send>;
 
+/// Scripted prediction: `(from, target, position of the last row, k, n_expert) -> the
+/// predicted ids in rank order`, or `None` for no prediction.
+pub type PredictFn = Box<dyn FnMut(LayerId, LayerId, u32, usize, u32) -> Option<Vec<u16>> + Send>;
+
 /// A deterministic backend for tests: routes by a seeded skewed draw (or a supplied
 /// function), checks that every expert it computes sees exactly its bytes from the shards,
 /// that each routed expert is computed once per layer with the uses the routing implies, and
@@ -565,6 +569,9 @@ pub struct ScriptBackend {
     clock: ManualClock,
     costs: ScriptCosts,
     route_fn: RouteFn,
+    predict_fn: Option<PredictFn>,
+    /// Per `predict` call: (from, target).
+    pub predictions: Vec<(LayerId, LayerId)>,
     k: usize,
     /// Route only the last batch row at the last MoE layer (llama.cpp's prefill gather).
     pub last_layer_last_row_only: bool,
@@ -611,6 +618,8 @@ impl ScriptBackend {
             clock,
             costs,
             route_fn,
+            predict_fn: None,
+            predictions: Vec::new(),
             k,
             last_layer_last_row_only: false,
             log: Vec::new(),
@@ -630,6 +639,12 @@ impl ScriptBackend {
     /// Route with `f` instead of the seeded draw.
     pub fn with_routes(mut self, f: RouteFn) -> Self {
         self.route_fn = f;
+        self
+    }
+    /// Answer `Backend::predict` with `f` (weights: the same descending shape `route` gives).
+    /// Without it the backend predicts nothing (the trait's default).
+    pub fn with_predict(mut self, f: PredictFn) -> Self {
+        self.predict_fn = Some(f);
         self
     }
     /// Fail the `n`-th `expert` call (0-based, counted over the backend's life).
@@ -805,6 +820,30 @@ impl Backend for ScriptBackend {
         self.clock.advance(self.costs.head);
         self.log.push(Call::Head);
         Ok(())
+    }
+
+    fn predict(
+        &mut self,
+        from: LayerId,
+        target: LayerId,
+        k: usize,
+        out: &mut Prediction,
+    ) -> Result<bool, ScriptError> {
+        out.clear();
+        let Some(f) = self.predict_fn.as_mut() else {
+            return Ok(false);
+        };
+        self.predictions.push((from, target));
+        let n_expert = self.layout.layer(target.moe).map_or(0, |l| l.n_expert);
+        let pos = self.positions.last().copied().unwrap_or(0);
+        let Some(ids) = f(from, target, pos, k, n_expert) else {
+            return Ok(false);
+        };
+        let raw: Vec<f32> = (0..ids.len()).map(|j| 1.0 / (j as f32 + 1.5)).collect();
+        let sum: f32 = raw.iter().sum();
+        out.weights.extend(raw.iter().map(|w| w / sum));
+        out.ids.extend_from_slice(&ids);
+        Ok(true)
     }
 
     fn release(&mut self, slot: SlotId) -> Result<(), ScriptError> {
