@@ -246,3 +246,59 @@ fn g5c_prefetch_sync_is_byte_identical_and_prefetches() {
         }
     }
 }
+
+/// The engine's `predict` is the router's arithmetic: from == target reproduces the routing bit
+/// for bit (ids, weights), a later target ranks a different layer's experts, and a `from` that
+/// is not the layer routed last is declined.
+#[test]
+fn engine_predict_reproduces_the_router_for_the_control() {
+    use bmoe_engine::arch::qwen3moe::{Qwen3Moe, RouteOut, Weights};
+    use bmoe_engine::gguf::GgufFile;
+    use std::sync::Arc;
+
+    let file = Arc::new(GgufFile::open(tiny()).expect("open tiny"));
+    let model = Qwen3Moe::new(Weights::load(file).expect("load tiny"), 1);
+    let n_layer = model.hp().n_layer;
+    let k = model.hp().n_expert_used;
+    let mut st = model.new_state(64);
+    let mut ro = RouteOut::default();
+    let (mut ids, mut weights) = (Vec::new(), Vec::new());
+    // A 3-token prefill and then one decode row: the kept input is the batch's last row.
+    for (tokens, positions) in [(&[11u32, 12, 13][..], &[0u32, 1, 2][..]), (&[14], &[3])] {
+        let last = tokens.len() as u32 - 1;
+        model.begin(&mut st, tokens, positions, &[last]).unwrap();
+        for l in 0..n_layer {
+            model.dense(&mut st, l).unwrap();
+            assert!(
+                !model
+                    .predict(&mut st, l, l, k, &mut ids, &mut weights)
+                    .unwrap(),
+                "layer {l} is not routed yet"
+            );
+            model.route(&mut st, l, &mut ro).unwrap();
+            let r = ro.rows.len() - 1;
+            assert!(model
+                .predict(&mut st, l, l, k, &mut ids, &mut weights)
+                .unwrap());
+            assert_eq!(ids, ro.ids[r * k..(r + 1) * k], "layer {l} control ids");
+            let bits = |w: &[f32]| w.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&weights),
+                bits(&ro.weights[r * k..(r + 1) * k]),
+                "layer {l} control weights"
+            );
+            if l + 1 < n_layer {
+                assert!(model
+                    .predict(&mut st, l, l + 1, k, &mut ids, &mut weights)
+                    .unwrap());
+                assert_eq!(ids.len(), k);
+                let sum: f32 = weights.iter().sum();
+                assert!((sum - 1.0).abs() < 1e-4, "renormalised: {sum}");
+            }
+            assert!(!model
+                .predict(&mut st, l, n_layer, k, &mut ids, &mut weights)
+                .unwrap());
+            model.finish_layer(&mut st, l).unwrap();
+        }
+    }
+}
