@@ -320,3 +320,34 @@ fn route_ahead_without_router_probabilities_passes_through() {
         ran.predictions.len() as u64
     );
 }
+
+#[test]
+fn route_ahead_early_reads_are_never_cancelled() {
+    for overlap in [false, true] {
+        let base = run(
+            rig(Predictor::None, PredictConfig::default(), overlap, 10),
+            16,
+        );
+        for predictor in [Predictor::Perfect, Predictor::Wrong] {
+            let cfg = PredictConfig {
+                route_ahead: 1,
+                ..Default::default()
+            };
+            let ran = run(rig(predictor, cfg, overlap, 10), 16);
+            let what = format!("{predictor:?} overlap {overlap}");
+            // The scripted router gives no probabilities: every routing passes through, so the
+            // output is the baseline's and only the early reads differ.
+            assert_eq!(ran.states, base.states, "{what}");
+            assert!(total(&ran, |s| s.spec_issued) > 0, "{what}: no early reads");
+            assert_eq!(total(&ran, |s| s.spec_cancelled), 0, "{what}: cancelled");
+            if predictor == Predictor::Perfect {
+                assert_eq!(
+                    total(&ran, |s| s.spec_dropped),
+                    0,
+                    "{what}: a right guess is never given up"
+                );
+                assert!(total(&ran, |s| s.spec_useful) > 0, "{what}");
+            }
+        }
+    }
+}
