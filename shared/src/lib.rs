@@ -33,6 +33,6 @@ pub use flash::{Flash, FlashError, ReadDone, ReadId, ReadRequest, ReadTag};
 pub use layout::{ExpertKey, ExpertLayout, LayoutError, MoeLayerLayout, ProjExtent};
 pub use policy::EvictionPolicy;
 pub use step::{
-    Engine, HookContext, HookCounts, HookError, RouterHook, StepError, StepInput, StepStats,
-    StreamConfig, TopKOverride,
+    Engine, HookContext, HookCounts, HookError, ReadSplit, RouterHook, StepError, StepInput,
+    StepStats, StreamConfig, TopKOverride,
 };

@@ -72,6 +72,12 @@ pub fn run_config_from_csv(csv: &MetricsCsv) -> Result<RunConfig, SimError> {
     cfg.overlap = num("overlap")? == Some(1.0);
     cfg.load_all = num("load_all")? == Some(1.0);
     cfg.o_direct = num("o_direct")? != Some(0.0);
+    // Runs recorded before `--read-split` existed read every extent whole.
+    cfg.read_split = match p.get("read_split") {
+        None => bmoe_core::ReadSplit::Whole,
+        Some(s) => bmoe_core::ReadSplit::parse(s)
+            .map_err(|e| SimError::invalid("--csv preamble", format!("read_split: {e}")))?,
+    };
     if let Some(t) = num("io_threads")? {
         cfg.io_threads = t as u32;
     }
@@ -269,6 +275,7 @@ pub fn calibrate(
         run_cfg.overlap = cfg.overlap;
         run_cfg.io_threads = cfg.io_threads;
         run_cfg.o_direct = cfg.o_direct;
+        run_cfg.read_split = cfg.read_split;
         run_cfg.load_all = cfg.load_all;
         run_cfg.cache_budget_mb = cfg.cache_budget_mb;
         replay::run(
