@@ -1,35 +1,28 @@
 #!/usr/bin/env python3
 """Streaming benchmark under a memory cap (issue 4), side by side in one invocation.
 
-  sudo python3 scripts/bench-stream.py MODEL [--limit-gib 8] [-n 24] [-c 512] [--bin target/release/bmoe-cli]
+  sudo python3 scripts/bench-stream.py MODEL [--limit-gib 8] [-n 64] [-c 512] [--only SUBSTR]
+                                             [--bin target/release/bmoe-cli]
 
 Each run executes inside a cgroup v1 memory limit with the page cache dropped first. For every
 configuration it prints tok/s, the speed-up over plain mmap under the same limit, MiB/token read,
 hit rate, the process's peak RSS against dense + cache budget, and — for serial runs — the
-achieved flash MiB/s against a raw O_DIRECT read of the same request size and lane count taken
-right after it, and the per-token time against max(compute floor, missed bytes / raw flash
-bandwidth). stdlib only; needs root (cgroup, drop_caches).
+achieved flash MiB/s against a raw O_DIRECT read of the same request size (the mean decode
+request of the run's own --io-trace) and lane count taken right after it, and the per-token time
+against max(compute floor, missed bytes / raw flash bandwidth). stdlib only; needs root (cgroup,
+drop_caches).
 """
 import argparse
+import csv
 import os
+import tempfile
 import re
 import subprocess
 import sys
 
-CG = "/sys/fs/cgroup/memory/bmoe-bench"
+from benchlib import drop_caches, in_cgroup, set_limit
+
 PROMPT = "The expert cache keeps what the router asked for, and the streamer reads the rest from flash."
-
-
-def drop_caches():
-    subprocess.run(["sync"], check=True)
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
-
-
-def in_cgroup(cmd):
-    drop_caches()
-    script = f"echo $$ > {CG}/cgroup.procs; exec /usr/bin/time -f 'PEAK_RSS_KIB %M' \"$@\""
-    return subprocess.run(["sh", "-c", script, "sh"] + cmd, capture_output=True, text=True)
 
 
 def grab(pat, text, cast=float, default=None):
@@ -44,18 +37,29 @@ def raw(bin_, model, lanes, kib):
     return grab(r"lanes: ([0-9.]+) MiB/s", out)
 
 
+def mean_request_kib(io_trace):
+    """Mean req_bytes of the decode reads in an io_trace v1 file, in KiB (None when none)."""
+    try:
+        with open(io_trace) as f:
+            rows = [r for r in csv.DictReader(line for line in f if not line.startswith("#"))
+                    if r.get("phase") == "1"]
+    except OSError:
+        return None
+    if not rows:
+        return None
+    return sum(int(r["req_bytes"]) for r in rows) / len(rows) / 1024.0
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
     ap.add_argument("--limit-gib", type=int, default=8)
-    ap.add_argument("-n", type=int, default=24)
+    ap.add_argument("-n", type=int, default=64)
     ap.add_argument("-c", type=int, default=512)
     ap.add_argument("--bin", default="target/release/bmoe-cli")
-    ap.add_argument("--request-kib", type=int, default=1024, help="raw read size (≈ one expert projection)")
+    ap.add_argument("--only", default=None, help="run only configurations whose name contains this")
     a = ap.parse_args()
-    os.makedirs(CG, exist_ok=True)
-    with open(f"{CG}/memory.limit_in_bytes", "w") as f:
-        f.write(str(a.limit_gib << 30))
+    set_limit(a.limit_gib)
     insp = subprocess.run([a.bin, "inspect", a.model], capture_output=True, text=True, check=True).stdout
     dense_mib = grab(r"dense \(resident\):\s+\d+ B \(([0-9.]+) MiB\)", insp)
     base = [a.bin, "-m", a.model, "-p", PROMPT, "-n", str(a.n), "-c", str(a.c)]
@@ -67,16 +71,28 @@ def main():
         ("cache off, overlap, 4 lanes", ["--moe-stream", "--cache-mb", "0", "--overlap"], None),
         ("cache auto, overlap, 4 lanes", ["--moe-stream", "--overlap"], None),
         ("cache 2000, serial, 4 lanes", ["--moe-stream", "--cache-mb", "2000"], 4),
+        ("cache 4000, serial, 1 lane", ["--moe-stream", "--cache-mb", "4000", "--io-threads", "1"], 1),
         ("cache 4000, serial, 2 lanes", ["--moe-stream", "--cache-mb", "4000", "--io-threads", "2"], 2),
         ("cache 4000, serial, 4 lanes", ["--moe-stream", "--cache-mb", "4000"], 4),
+        ("cache 4000, serial, 4 lanes, split off", ["--moe-stream", "--cache-mb", "4000", "--read-split", "off"], 4),
         ("cache 4000, overlap, 2 lanes", ["--moe-stream", "--cache-mb", "4000", "--overlap", "--io-threads", "2"], None),
         ("cache 4000, overlap, 4 lanes", ["--moe-stream", "--cache-mb", "4000", "--overlap"], None),
+        ("cache 4000, overlap, 4 lanes, route-ahead 2",
+         ["--moe-stream", "--cache-mb", "4000", "--overlap", "--route-ahead", "2"], None),
     ]
+    if a.only:
+        configs = [c for c in configs if a.only in c[0] or c[0] == "mmap baseline"]
+    tmp = tempfile.mkdtemp(prefix="bmoe-bench-")
     print(f"model {a.model} (dense {dense_mib} MiB), cgroup limit {a.limit_gib} GiB, -n {a.n} -c {a.c}, "
           f"page cache dropped before each run")
     mmap_tps = None
     for name, flags, raw_lanes in configs:
-        r = in_cgroup(base + flags)
+        io_trace = os.path.join(tmp, "io.csv")
+        if os.path.exists(io_trace):
+            os.remove(io_trace)
+        if raw_lanes:
+            flags = flags + ["--io-trace", io_trace]
+        r = in_cgroup(base + flags, peak_rss=True)
         err = r.stderr
         if r.returncode != 0:
             print(f"{name:32s} FAILED: {err.strip().splitlines()[-1] if err.strip() else r.returncode}")
@@ -101,9 +117,12 @@ def main():
             line += f" | peak RSS {rss:6.0f} MiB"
         if raw_lanes and io > 0:
             achieved = mib_tok / io
-            ceiling = raw(a.bin, a.model, raw_lanes, a.request_kib)
+            kib = max(4, round(mean_request_kib(io_trace) or 1024))
+            ceiling = raw(a.bin, a.model, raw_lanes, kib)
             floor = max(compute, mib_tok / ceiling)
-            line += (f" | flash {achieved:5.0f} MiB/s vs raw {ceiling:5.0f} ({achieved / ceiling:.2f})"
+            mib_raw = raw(a.bin, a.model, raw_lanes, 1024)
+            line += (f" | flash {achieved:5.0f} MiB/s vs raw {ceiling:5.0f} at {kib} KiB ({achieved / ceiling:.2f};"
+                     f" raw at 1 MiB {mib_raw:5.0f})"
                      f" | s/tok {s_tok:.3f} vs floor {floor:.3f} ({s_tok / floor:.2f})")
         print(line, flush=True)
 

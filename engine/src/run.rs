@@ -250,7 +250,7 @@ pub fn generate_with(
             StreamConfig {
                 overlap: cfg.overlap,
                 load_all: cfg.load_all,
-                max_read_bytes: 0,
+                read_split: cfg.read_split,
                 prefetch: cfg.prefetch,
             },
         )?;

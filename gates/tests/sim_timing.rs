@@ -1,14 +1,15 @@
-//! Sim-vs-measured timing gate (issue 5): the engine runs a tiny synthetic model twice in one
-//! configuration (to measure this machine's run-to-run noise) and once in another; the
-//! simulator is calibrated on the other run, replays the first configuration's trace (other
-//! prompt, other budget), and `bmoe-sim diff` must put the simulated decode tok/s and
-//! per-token wall-time median within tolerance of the measured run.
+//! Sim-vs-measured timing gate (issue 5): the engine runs a tiny synthetic model in a
+//! calibration configuration and, interleaved with it, three times in another configuration
+//! (other prompt, other budget); the simulator is calibrated on the first calibration run,
+//! replays the other configuration's route trace, and `bmoe-sim diff` must put the simulated
+//! decode tok/s within 10 % and the per-token wall-time median within 15 % of the median
+//! measured run — the issue's targets.
 //!
-//! Tolerance: the issue asks for 10 % (tok/s) and 15 % (p50) above this machine's noise. The
-//! model meets that in quiet runs (−4.0 % / +3.9 % measured) but not under contention (−19.7 % /
-//! +28.1 %), so the gate holds 40 % or three times the run-to-run noise measured in this very
-//! test, whichever is larger, and prints every figure so CI logs show what was achieved. Tighten
-//! it as the model improves.
+//! The tolerance must sit above this machine's run-to-run noise, or the gate flakes: the test
+//! measures that noise itself (the spread of the identical runs) and holds
+//! max(target, 1.5 × noise), printing every figure so CI logs show what was achieved and when
+//! noise, not the model, set the bar. `.config/nextest.toml` runs this test alone (it takes
+//! every test thread), so other tests do not contend for the two cores while it times.
 
 use bmoe_core::telemetry::MetricsCsv;
 use bmoe_gates::{run, scratch_dir, tiny};
@@ -39,9 +40,23 @@ fn speed(csv: &Path) -> (f64, f64) {
     (tok_s, w[w.len() / 2])
 }
 
-fn rel(a: f64, b: f64) -> f64 {
-    (a - b).abs() / ((a + b) / 2.0)
+/// The middle of three values.
+fn median3(mut v: [f64; 3]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[1]
 }
+
+/// (max − min) ÷ median: the spread of identical runs.
+fn spread(v: [f64; 3]) -> f64 {
+    let (lo, hi) = v
+        .iter()
+        .fold((f64::MAX, f64::MIN), |(l, h), &x| (l.min(x), h.max(x)));
+    (hi - lo) / median3(v)
+}
+
+/// Targets from the issue.
+const TARGET_TOK_S: f64 = 0.10;
+const TARGET_P50: f64 = 0.15;
 
 #[test]
 fn simulated_times_track_a_measured_run_within_the_machine_noise() {
@@ -51,17 +66,16 @@ fn simulated_times_track_a_measured_run_within_the_machine_noise() {
             .display()
             .to_string()
     };
-    // Interleaved: calibration config, measured config, calibration config again, measured
-    // config again — so the noise estimate spans the same minutes as the calibration.
     let (cal_csv, cal_io, cal_route) = (p("cal.csv"), p("cal.io.csv"), p("cal.route.csv"));
-    let cal2_csv = p("cal2.csv");
-    let (m1, m2, route) = (p("m1.csv"), p("m2.csv"), p("m.route.csv"));
+    let route = p("m.route.csv");
     let cal = |csv: &str, extra: &[&str]| {
         let mut a = vec![
             "-p",
             P_CAL,
             "-n",
-            "64",
+            "96",
+            "-t",
+            "2",
             "--moe-stream",
             "--cache-mb",
             "4",
@@ -80,7 +94,9 @@ fn simulated_times_track_a_measured_run_within_the_machine_noise() {
                 "-p",
                 P_RUN,
                 "-n",
-                "64",
+                "96",
+                "-t",
+                "2",
                 "--moe-stream",
                 "--cache-mb",
                 "8",
@@ -93,33 +109,53 @@ fn simulated_times_track_a_measured_run_within_the_machine_noise() {
         );
         assert_eq!(r.code, 0, "{}", r.stderr);
     };
-    cal(
-        &cal_csv,
-        &["--io-trace", &cal_io, "--route-trace", &cal_route],
-    );
-    meas(&m1);
-    cal(&cal2_csv, &[]);
-    meas(&m2);
-    let ((t1, p1), (t2, p2)) = (speed(Path::new(&m1)), speed(Path::new(&m2)));
-    let ((c1, q1), (c2, q2)) = (speed(Path::new(&cal_csv)), speed(Path::new(&cal2_csv)));
-    let noise_t = f64::max(rel(t1, t2), rel(c1, c2));
-    let noise_p = f64::max(rel(p1, p2), rel(q1, q2));
-    // The issue's targets are 10 % and 15 %; the model does not meet them reliably on this
-    // shared machine yet (docs/simulator.md), so the gate holds what it achieves — 40 %, or three
-    // times the noise measured in this run — and prints the error against the target.
-    let tol_t = f64::max(0.40, 3.0 * noise_t);
-    let tol_p = f64::max(0.40, 3.0 * noise_p);
+    // A warm-up run (page cache, allocator, CPU frequency), then interleaved: calibration,
+    // measured, calibration, measured, calibration, measured — so the noise estimate spans the
+    // same minutes as the calibration.
+    meas(&p("warmup.csv"));
+    let cals = [cal_csv.clone(), p("cal2.csv"), p("cal3.csv")];
+    let meas_csv = [p("m1.csv"), p("m2.csv"), p("m3.csv")];
+    for i in 0..3 {
+        if i == 0 {
+            cal(
+                &cals[0],
+                &["--io-trace", &cal_io, "--route-trace", &cal_route],
+            );
+        } else {
+            cal(&cals[i], &[]);
+        }
+        meas(&meas_csv[i]);
+    }
+    let ms = meas_csv.clone().map(|c| speed(Path::new(&c)));
+    let cs = cals.clone().map(|c| speed(Path::new(&c)));
+    let noise_t = f64::max(spread(ms.map(|x| x.0)), spread(cs.map(|x| x.0)));
+    let noise_p = f64::max(spread(ms.map(|x| x.1)), spread(cs.map(|x| x.1)));
+    let tol_t = f64::max(TARGET_TOK_S, 1.5 * noise_t);
+    let tol_p = f64::max(TARGET_P50, 1.5 * noise_p);
     eprintln!(
-        "run-to-run noise of identical engine runs: measured config tok/s {t1:.1} vs {t2:.1}, p50 {p1:.3} vs {p2:.3} ms; \
-         calibration config tok/s {c1:.1} vs {c2:.1}, p50 {q1:.3} vs {q2:.3} ms; noise {:.1}% (tok/s), {:.1}% (p50)",
+        "identical engine runs: measured config tok/s {:.1} {:.1} {:.1}, p50 {:.3} {:.3} {:.3} ms; \
+         calibration config tok/s {:.1} {:.1} {:.1}; run-to-run noise (max-min)/median {:.1}% (tok/s), {:.1}% (p50)",
+        ms[0].0, ms[1].0, ms[2].0, ms[0].1, ms[1].1, ms[2].1, cs[0].0, cs[1].0, cs[2].0,
         100.0 * noise_t,
         100.0 * noise_p
     );
     eprintln!(
-        "gate tolerances: tok/s {:.1}%, p50 {:.1}%",
+        "gate tolerances: tok/s {:.1}% (target {:.0}%), p50 {:.1}% (target {:.0}%){}",
         100.0 * tol_t,
-        100.0 * tol_p
+        100.0 * TARGET_TOK_S,
+        100.0 * tol_p,
+        100.0 * TARGET_P50,
+        if tol_t > TARGET_TOK_S || tol_p > TARGET_P50 {
+            " — widened: this run's noise was above what the targets allow"
+        } else {
+            ""
+        }
     );
+    // The measured run the simulation is judged against: the one with the median tok/s.
+    let mid = median3(ms.map(|x| x.0));
+    let pick = (0..3).find(|&i| ms[i].0 == mid).unwrap_or(0);
+    let measured = meas_csv[pick].clone();
+    let (t1, p1) = ms[pick];
 
     let prof = p("profile.json");
     let (code, _, err) = sim(&[
@@ -150,9 +186,8 @@ fn simulated_times_track_a_measured_run_within_the_machine_noise() {
     ]);
     assert_eq!(code, 0, "replay: {err}");
     let (ts, ps) = speed(Path::new(&sim_csv));
-    // Judge against the faster of the two measured runs' neighbour: the first one (as CI logs it).
     eprintln!(
-        "simulated tok/s {ts:.1} (error {:+.1}%), p50 {ps:.3} ms (error {:+.1}%)",
+        "simulated tok/s {ts:.1} (error {:+.1}%), p50 {ps:.3} ms (error {:+.1}%) against the median measured run",
         100.0 * (ts / t1 - 1.0),
         100.0 * (ps / p1 - 1.0)
     );
@@ -160,7 +195,7 @@ fn simulated_times_track_a_measured_run_within_the_machine_noise() {
     let (code, out, err) = sim(&[
         "diff".into(),
         sim_csv,
-        m1,
+        measured,
         "--tol-tok-s".into(),
         format!("{tol_t}"),
         "--tol-wall-p50".into(),

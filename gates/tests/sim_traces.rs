@@ -58,6 +58,9 @@ fn every_recorded_trace_replays_exactly() {
         if get("overlap") == "1" {
             args.push("--overlap".into());
         }
+        // Traces recorded before `--read-split` existed read every extent whole.
+        let split = csv.preamble.get("read_split").unwrap_or("off").to_string();
+        args.extend(["--read-split".into(), split]);
         let sim_csv = out.join(format!(
             "{}.sim.csv",
             t.file_name().unwrap().to_string_lossy()

@@ -280,6 +280,8 @@ pub struct RunConfig {
     pub dense_weights: DenseWeights,
     /// `--eviction`.
     pub eviction: EvictionPolicy,
+    /// `--read-split`: how an expert's projection extents are cut into reads.
+    pub read_split: crate::step::ReadSplit,
     /// `--drop-cold-experts F`: drop a missed expert weighted below F/top-k, 0 = off.
     pub drop_cold_frac: f32,
     /// Rescale the survivors of a drop to the routing's original mass (`--drop-no-renorm` off).
@@ -357,6 +359,7 @@ impl Default for RunConfig {
             prefetch_sync: false,
             dense_weights: DenseWeights::Anon,
             eviction: EvictionPolicy::Lru,
+            read_split: crate::step::ReadSplit::Lanes,
             drop_cold_frac: 0.0,
             drop_renorm: true,
             drop_prefill: false,

@@ -12,6 +12,8 @@
 
 use std::path::PathBuf;
 
+use crate::step::ReadSplit;
+
 use crate::config::{
     DenseWeights, EvictionPolicy, RunConfig, CACHE_FLOOR_DEFAULT_MB, CACHE_MIN_MB,
     IO_THREADS_DEFAULT, IO_THREADS_MAX, PREDICT_SPEC_MAX_DEFAULT,
@@ -22,6 +24,11 @@ use crate::config::{
 pub enum CacheMbArg {
     Auto,
     Mb(u64),
+}
+
+/// `--read-split`: `lanes`, `off`, or a whole number of KiB.
+pub fn parse_read_split(s: &str) -> Result<ReadSplit, String> {
+    ReadSplit::parse(s)
 }
 
 /// Parses `auto` or a strict non-negative integer (MiB).
@@ -115,6 +122,16 @@ pub struct StreamArgs {
     /// what the open achieved, which a platform may downgrade.
     #[arg(long)]
     pub no_odirect: bool,
+
+    /// How an expert's projection extents are cut into reads: lanes, off, or a size in KiB
+    /// [default: lanes].
+    ///
+    /// `lanes` cuts every extent into one piece per lane (4 KiB multiples, at least 64 KiB),
+    /// so a single missed expert keeps every lane busy and the lanes finish together; `off`
+    /// reads each extent whole (at most three lanes busy per expert); a number caps every
+    /// read at that many KiB. Output-neutral; the CSV preamble records it (`read_split=`).
+    #[arg(long, value_name = "lanes|off|KIB", default_value = "lanes", value_parser = parse_read_split)]
+    pub read_split: ReadSplit,
 
     /// Compute each expert as soon as its own read lands, hiding reads behind compute
     /// [default: off; env BMOE_OVERLAP].
@@ -288,6 +305,7 @@ impl StreamArgs {
         cfg.io_threads = self.io_threads.unwrap_or(IO_THREADS_DEFAULT);
         cfg.o_direct = !self.no_odirect;
         cfg.overlap = self.overlap;
+        cfg.read_split = self.read_split;
         cfg.load_all = self.load_all;
         cfg.dense_weights = self.dense_weights;
         cfg.n_expert_used_override = self.n_expert_used.unwrap_or(0);

@@ -35,6 +35,6 @@ pub use layout::{ExpertKey, ExpertLayout, LayoutError, MoeLayerLayout, ProjExten
 pub use policy::EvictionPolicy;
 pub use predict::PredictConfig;
 pub use step::{
-    Engine, HookContext, HookCounts, HookError, RouterHook, StepError, StepInput, StepStats,
-    StreamConfig, TopKOverride,
+    Engine, HookContext, HookCounts, HookError, ReadSplit, RouterHook, StepError, StepInput,
+    StepStats, StreamConfig, TopKOverride,
 };

@@ -36,11 +36,12 @@ use crate::clock::{Clock, Nanos};
 use crate::flash::{Flash, FlashError, ReadDone, ReadId, ReadRequest, ReadTag};
 use crate::layout::{ExpertKey, MoeLayerLayout};
 use crate::records::IoRecord;
+use crate::step::ReadSplit;
 use crate::step::{be, StepError};
 use crate::streamer::LayerIo;
 
-/// Every read of one expert: one per projection extent, split at `max_read_bytes` (0 = whole
-/// extents), lanes round-robin from `lane_cursor`. Demand and speculation both use this, which
+/// Every read of one expert: each projection extent cut as `split` says, lanes round-robin
+/// from `lane_cursor`. Demand and speculation both use this, which
 /// is what makes a speculative read equal to the demand read.
 #[allow(clippy::too_many_arguments)] // a hot-path helper; a parameter struct buys nothing
 pub(crate) fn expert_reads(
@@ -48,7 +49,7 @@ pub(crate) fn expert_reads(
     moe: u16,
     expert: u16,
     slot: SlotId,
-    max_read_bytes: u64,
+    split: ReadSplit,
     speculative: bool,
     lanes: u32,
     lane_cursor: &mut u32,
@@ -56,10 +57,7 @@ pub(crate) fn expert_reads(
 ) {
     for (proj, p) in layer.projections.iter().enumerate() {
         let base = p.base_offset + u64::from(expert) * p.stride_bytes;
-        let chunk = match max_read_bytes {
-            0 => p.stride_bytes,
-            m => m,
-        };
+        let chunk = split.piece_bytes(p.stride_bytes, lanes);
         let mut done = 0u64;
         while done < p.stride_bytes {
             let len = chunk.min(p.stride_bytes - done);
@@ -602,7 +600,7 @@ impl Prefetcher {
             target,
             expert,
             SlotId::Canonical(key),
-            io.config.max_read_bytes,
+            io.config.read_split,
             true,
             lanes,
             lane_cursor,

@@ -30,12 +30,74 @@ pub struct StreamConfig {
     /// Under `--overlap`, waiting for those unneeded reads at the end of a layer counts as
     /// stall (the layer cannot finish before they land).
     pub load_all: bool,
-    /// Split a projection extent into reads of at most this many bytes (0 = one read per
-    /// extent), so a single missed expert can use more than three lanes.
-    pub max_read_bytes: u64,
+    /// How a projection extent is cut into reads (`--read-split`).
+    pub read_split: ReadSplit,
     /// `--prefetch K`: during each decode layer, read ahead the experts the previous token
     /// routed at the next `K` MoE layers (0 = off; needs the cache). See `prefetch`.
     pub prefetch: u32,
+}
+
+/// How the streamer cuts an expert's projection extents into reads (`--read-split`). Demand
+/// and speculative reads of an expert are always cut the same way.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub enum ReadSplit {
+    /// One read per projection extent. With three projections a single missed expert keeps at
+    /// most three lanes busy, and the lanes finish at different times (the projections differ
+    /// in size).
+    #[default]
+    Whole,
+    /// Pieces of at most this many bytes (> 0).
+    MaxBytes(u64),
+    /// Each extent in as many equal pieces as there are lanes (4 KiB multiples, none smaller
+    /// than `SPLIT_MIN_BYTES`): with lanes round-robin every lane reads one piece of every
+    /// projection, so one missed expert keeps every lane busy and the lanes finish together.
+    Lanes,
+}
+
+/// Smallest piece `ReadSplit::Lanes` cuts: below this a request's fixed cost outweighs what a
+/// further lane adds.
+pub const SPLIT_MIN_BYTES: u64 = 64 * 1024;
+
+impl ReadSplit {
+    /// Size of the pieces an extent of `extent_bytes` is read in with `lanes` lanes (the last
+    /// piece may be shorter). Never 0 for a non-empty extent.
+    pub fn piece_bytes(self, extent_bytes: u64, lanes: u32) -> u64 {
+        match self {
+            ReadSplit::Whole => extent_bytes,
+            ReadSplit::MaxBytes(m) => m.max(1),
+            ReadSplit::Lanes => {
+                let lanes = u64::from(lanes.max(1));
+                let even = extent_bytes.div_ceil(lanes).div_ceil(4096) * 4096;
+                even.max(SPLIT_MIN_BYTES)
+            }
+        }
+        .max(1)
+    }
+
+    /// The `--read-split` / CSV preamble spelling: `off`, `lanes` or a size in KiB.
+    pub fn name(self) -> String {
+        match self {
+            ReadSplit::Whole => "off".to_string(),
+            ReadSplit::Lanes => "lanes".to_string(),
+            ReadSplit::MaxBytes(b) => format!("{}", b.div_ceil(1024)),
+        }
+    }
+
+    /// Parse the `--read-split` spelling (`off`, `lanes`, or a whole number of KiB ≥ 4).
+    pub fn parse(s: &str) -> Result<ReadSplit, String> {
+        match s {
+            "off" => Ok(ReadSplit::Whole),
+            "lanes" => Ok(ReadSplit::Lanes),
+            n => match n.parse::<u64>() {
+                Ok(k) if (4..=1 << 30).contains(&k) && n.bytes().all(|b| b.is_ascii_digit()) => {
+                    Ok(ReadSplit::MaxBytes(k * 1024))
+                }
+                _ => Err(format!(
+                    "'{s}' is not off, lanes, or a whole number of KiB in [4, 2^30]"
+                )),
+            },
+        }
+    }
 }
 
 /// One step's batch.
@@ -595,6 +657,27 @@ mod tests {
         .unwrap();
         let cache = ExpertCache::new(&layout, 0, 3, Box::new(Lru::new())).unwrap();
         (layout, cache)
+    }
+
+    #[test]
+    fn read_split_pieces() {
+        // A Q4_K_M 30B-shape gate extent (884,736 B) over 4 lanes: 4 pieces of 221,184 B.
+        assert_eq!(ReadSplit::Lanes.piece_bytes(884_736, 4), 221_184);
+        assert_eq!(884_736u64.div_ceil(221_184), 4);
+        // Down (1,290,240 B) over 4 lanes: 322,560 rounded up to a 4 KiB multiple.
+        assert_eq!(ReadSplit::Lanes.piece_bytes(1_290_240, 4), 323_584);
+        assert_eq!(1_290_240u64.div_ceil(323_584), 4);
+        // Small extents are not cut below 64 KiB; one lane reads whole extents.
+        assert_eq!(ReadSplit::Lanes.piece_bytes(100_000, 8), SPLIT_MIN_BYTES);
+        assert_eq!(ReadSplit::Lanes.piece_bytes(884_736, 1), 884_736);
+        assert_eq!(ReadSplit::Whole.piece_bytes(884_736, 4), 884_736);
+        assert_eq!(ReadSplit::MaxBytes(4096).piece_bytes(884_736, 4), 4096);
+        for s in ["off", "lanes", "256"] {
+            assert_eq!(ReadSplit::parse(s).unwrap().name(), s);
+        }
+        for bad in ["", "0", "3", "4x", "-8", "lane", "1.5"] {
+            assert!(ReadSplit::parse(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

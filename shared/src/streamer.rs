@@ -521,7 +521,7 @@ impl Streamer {
         }
     }
 
-    /// One read per projection extent (split at `max_read_bytes` when set) for every entry of
+    /// The reads of every projection extent (cut as `read_split` says) for every entry of
     /// the wave from `from`, lanes round-robin in issue order.
     fn submit_reads<C, F: Flash, B>(
         &mut self,
@@ -544,7 +544,7 @@ impl Streamer {
                 moe,
                 expert,
                 slot,
-                io.config.max_read_bytes,
+                io.config.read_split,
                 false,
                 lanes,
                 &mut self.lane_cursor,

@@ -663,7 +663,7 @@ fn same_inputs_give_identical_stats_and_records() {
     let s = Scenario {
         config: StreamConfig {
             overlap: true,
-            max_read_bytes: 16,
+            read_split: bmoe_core::ReadSplit::MaxBytes(16),
             ..Default::default()
         },
         timing: MemTiming {

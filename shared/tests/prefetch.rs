@@ -221,7 +221,11 @@ fn rig(c: &Case) -> (Rig, ExpertLayout, Shared) {
     let config = StreamConfig {
         overlap: c.overlap,
         prefetch: c.prefetch,
-        max_read_bytes: c.max_read_bytes,
+        read_split: if c.max_read_bytes == 0 {
+            bmoe_core::ReadSplit::Whole
+        } else {
+            bmoe_core::ReadSplit::MaxBytes(c.max_read_bytes)
+        },
         ..Default::default()
     };
     let e = Engine::new(clock, flash, backend, layout.clone(), cache, config).unwrap();

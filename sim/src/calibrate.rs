@@ -72,6 +72,12 @@ pub fn run_config_from_csv(csv: &MetricsCsv) -> Result<RunConfig, SimError> {
     cfg.overlap = num("overlap")? == Some(1.0);
     cfg.load_all = num("load_all")? == Some(1.0);
     cfg.o_direct = num("o_direct")? != Some(0.0);
+    // Runs recorded before `--read-split` existed read every extent whole.
+    cfg.read_split = match p.get("read_split") {
+        None => bmoe_core::ReadSplit::Whole,
+        Some(s) => bmoe_core::ReadSplit::parse(s)
+            .map_err(|e| SimError::invalid("--csv preamble", format!("read_split: {e}")))?,
+    };
     if let Some(t) = num("io_threads")? {
         cfg.io_threads = t as u32;
     }
@@ -84,8 +90,55 @@ pub fn run_config_from_csv(csv: &MetricsCsv) -> Result<RunConfig, SimError> {
     Ok(cfg)
 }
 
-/// Least squares `y ≈ a·x1 + b·x2` (no intercept): `(a, b)`, or `None` when singular.
+/// Robust `y ≈ a·x1 + b·x2`: least squares, then once more without the tokens whose residual
+/// is an outlier (above 3 × the residuals' scaled median absolute deviation). One preempted
+/// read or descheduled token in a calibration run would otherwise pull the whole fit; the
+/// replay models the typical token, and the noise stays in the measured run it is compared to.
 fn fit2(rows: &[(f64, f64, f64)]) -> Option<(f64, f64)> {
+    let (a, b) = fit2_ls(rows)?;
+    let kept = without_outliers(rows, |&(x1, x2, y)| y - a * x1 - b * x2);
+    if kept.len() == rows.len() || kept.len() < 8 {
+        return Some((a, b));
+    }
+    fit2_ls(&kept).or(Some((a, b)))
+}
+
+/// Robust `y ≈ b·x` through the origin (outliers dropped as in `fit2`).
+fn fit1(rows: &[(f64, f64)]) -> Option<f64> {
+    let b = fit1_ls(rows)?;
+    let kept = without_outliers(rows, |&(x, y)| y - b * x);
+    if kept.len() == rows.len() || kept.len() < 8 {
+        return Some(b);
+    }
+    fit1_ls(&kept).or(Some(b))
+}
+
+/// The rows whose residual is within 3 × 1.4826 × MAD of the median residual (all rows when
+/// there are fewer than 8 or the residuals do not spread).
+fn without_outliers<T: Copy>(rows: &[T], resid: impl Fn(&T) -> f64) -> Vec<T> {
+    if rows.len() < 8 {
+        return rows.to_vec();
+    }
+    let r: Vec<f64> = rows.iter().map(&resid).collect();
+    let med = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let m = med(&mut r.clone());
+    let mad = med(&mut r.iter().map(|x| (x - m).abs()).collect());
+    if mad <= 0.0 || !mad.is_finite() {
+        return rows.to_vec();
+    }
+    let bound = 3.0 * 1.4826 * mad;
+    rows.iter()
+        .zip(&r)
+        .filter(|(_, &x)| (x - m).abs() <= bound)
+        .map(|(row, _)| *row)
+        .collect()
+}
+
+/// Least squares `y ≈ a·x1 + b·x2` (no intercept): `(a, b)`, or `None` when singular.
+fn fit2_ls(rows: &[(f64, f64, f64)]) -> Option<(f64, f64)> {
     let (mut s11, mut s12, mut s22, mut s1y, mut s2y) = (0.0, 0.0, 0.0, 0.0, 0.0);
     for &(x1, x2, y) in rows {
         s11 += x1 * x1;
@@ -102,7 +155,7 @@ fn fit2(rows: &[(f64, f64, f64)]) -> Option<(f64, f64)> {
 }
 
 /// Least squares `y ≈ b·x` through the origin.
-fn fit1(rows: &[(f64, f64)]) -> Option<f64> {
+fn fit1_ls(rows: &[(f64, f64)]) -> Option<f64> {
     let (sxx, sxy) = rows
         .iter()
         .fold((0.0, 0.0), |(a, b), &(x, y)| (a + x * x, b + x * y));
@@ -222,6 +275,7 @@ pub fn calibrate(
         run_cfg.overlap = cfg.overlap;
         run_cfg.io_threads = cfg.io_threads;
         run_cfg.o_direct = cfg.o_direct;
+        run_cfg.read_split = cfg.read_split;
         run_cfg.load_all = cfg.load_all;
         run_cfg.cache_budget_mb = cfg.cache_budget_mb;
         replay::run(
@@ -577,6 +631,29 @@ mod tests {
         );
         assert_eq!(fit1(&[(2.0, 4.0), (1.0, 2.0)]), Some(2.0));
         assert_eq!(fit1(&[]), None);
+    }
+
+    #[test]
+    fn one_stalled_token_does_not_pull_the_fit() {
+        // y = 1·x1 + 0.25·x2 with small noise, and one token 10× slower (a preempted read).
+        let mut rows: Vec<(f64, f64, f64)> = (0..40)
+            .map(|i| {
+                let (a, b) = (1.0 + (i % 4) as f64, 4.0 + (i % 7) as f64);
+                let wobble = if i % 2 == 0 { 0.01 } else { -0.01 };
+                (a, b, a + 0.25 * b + wobble)
+            })
+            .collect();
+        let clean = fit2(&rows).expect("fit");
+        rows[17].2 *= 10.0;
+        let plain = fit2_ls(&rows).expect("fit");
+        let robust = fit2(&rows).expect("fit");
+        assert!((robust.0 - clean.0).abs() < 0.01 && (robust.1 - clean.1).abs() < 0.01);
+        assert!((plain.0 - clean.0).abs() > 0.05 || (plain.1 - clean.1).abs() > 0.05);
+        let line: Vec<(f64, f64)> = (1..30).map(|i| (i as f64, 2.0 * i as f64)).collect();
+        let mut spiked = line.clone();
+        spiked[3].1 = 500.0;
+        assert!((fit1(&spiked).unwrap() - 2.0).abs() < 1e-9);
+        assert!((fit1_ls(&spiked).unwrap() - 2.0).abs() > 0.1);
     }
 
     /// A synthetic trace: 2 MoE layers of 16 experts (3 projections each), top-4, a prefill of

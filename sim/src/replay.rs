@@ -240,7 +240,7 @@ pub fn run(setup: ReplaySetup<'_>, out: ReplayOutputs<'_>) -> Result<ReplayResul
         StreamConfig {
             overlap: cfg.overlap,
             load_all: cfg.load_all,
-            max_read_bytes: 0,
+            read_split: cfg.read_split,
             prefetch: cfg.prefetch,
         },
     )?;

@@ -231,7 +231,7 @@ pub fn write_preamble(w: &mut dyn Write, cfg: &RunConfig) -> io::Result<()> {
         "# moe_stream={} cache_mb={} cache_auto={} cache_floor_mb={} cache_ceil_mb={} cache_cycle_mb={} \
          force_cache={} load_all={} io_threads={} o_direct={} overlap={} io_two_wave={} prefetch={} \
          route_ahead={} predict_prefetch={} predict_log={} predict_spec_max={} prefetch_sync={} \
-         dense_weights={} drop_cold_frac={} drop_renorm={} drop_prefill={} substitute_lambda={} eviction={}",
+         dense_weights={} drop_cold_frac={} drop_renorm={} drop_prefill={} substitute_lambda={} eviction={} read_split={}",
         bit(cfg.moe_stream),
         cfg.cache_budget_mb,
         bit(cfg.cache_auto),
@@ -255,7 +255,8 @@ pub fn write_preamble(w: &mut dyn Write, cfg: &RunConfig) -> io::Result<()> {
         bit(cfg.drop_renorm),
         bit(cfg.drop_prefill),
         g4(f64::from(cfg.substitute_lambda)),
-        cfg.eviction.name()
+        cfg.eviction.name(),
+        cfg.read_split.name()
     )?;
     writeln!(
         w,
