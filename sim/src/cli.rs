@@ -11,6 +11,7 @@
 
 use crate::error::SimError;
 use crate::plan::{layout_from_preamble, ReplayPlan};
+use crate::predictions::{self, PredictorReplay, RecordedPredictions};
 use crate::profile::{DeviceProfile, DEFAULT_PROFILE};
 use crate::replay::{self, ReplayOutputs, ReplaySetup};
 use bmoe_core::config::{auto_cache_budget, RunConfig, MIB};
@@ -20,7 +21,7 @@ use bmoe_core::flags::{
 };
 use bmoe_core::telemetry::io_trace::IoTraceWriter;
 use bmoe_core::telemetry::report::{write_report, ReportContext};
-use bmoe_core::telemetry::route_trace::{RouteTrace, RouteTraceWriter};
+use bmoe_core::telemetry::route_trace::{PredColumns, RouteTrace, RouteTraceWriter};
 use bmoe_core::{records::RecordSink, ExpertLayout};
 use clap::{Args, Parser, Subcommand};
 use std::ffi::OsString;
@@ -255,27 +256,21 @@ pub struct Prepared {
     pub layout: ExpertLayout,
     pub cfg: RunConfig,
     pub profile: DeviceProfile,
+    /// The prediction columns a `--route-trace` of this replay declares.
+    pub pred_columns: PredColumns,
+    /// Approximations the replay makes (printed to stderr by `replay`).
+    pub warnings: Vec<String>,
 }
 
-/// Policies the core has flags for but no implementation yet: refused rather than ignored,
-/// so a replay never claims to have modelled what it did not.
+/// Flags a route trace can never carry what they need for: refused rather than ignored, so a
+/// replay never claims to have modelled what it did not. (The predictor flags are judged
+/// against what the trace recorded, in `predictions::resolve`.)
 fn refuse_unmodelled(cfg: &RunConfig) -> Result<(), SimError> {
-    let why = "bmoe-core has no implementation of it yet, so neither the engine nor the simulator runs it";
-    let checks: [(bool, &'static str); 3] = [
-        (cfg.predict_prefetch, "--predict-prefetch"),
-        (cfg.predict_log, "--predict-log"),
-        (cfg.route_ahead > 0, "--route-ahead"),
-    ];
     if cfg.substitute_lambda > 0.0 {
         return Err(SimError::Unsupported {
             flag: "--expert-substitute",
             why: "substitution re-ranks the router's full probabilities, which a route trace does not carry",
         });
-    }
-    for (set, flag) in checks {
-        if set {
-            return Err(SimError::Unsupported { flag, why });
-        }
     }
     Ok(())
 }
@@ -321,7 +316,11 @@ pub fn prepare(
     }
     cfg.threads = profile.threads;
 
-    let trace = load_trace(trace_path)?;
+    let PredictorReplay {
+        trace,
+        columns: pred_columns,
+        warnings,
+    } = predictions::resolve(&cfg, load_trace(trace_path)?)?;
     let layout = layout_from_preamble(&trace.preamble)?;
     let plan = ReplayPlan::new(&trace)?;
     let p = &trace.preamble;
@@ -356,6 +355,8 @@ pub fn prepare(
         layout,
         cfg,
         profile,
+        pred_columns,
+        warnings,
     })
 }
 
@@ -380,8 +381,8 @@ fn cmd_replay(
         a.seed,
         env,
     )?;
-    for w in p.cfg.load_warnings() {
-        // The core's warnings carry their own "bmoe: WARNING" prefix.
+    for w in p.cfg.load_warnings().iter().chain(&p.warnings) {
+        // The core's warnings carry their own "bmoe: WARNING" prefix, ours "bmoe-sim: WARNING".
         writeln!(err, "{w}").map_err(|e| SimError::io("stderr", e))?;
     }
     let policy = bmoe_core::policy::by_name(p.cfg.eviction.name()).ok_or_else(|| {
@@ -395,7 +396,10 @@ fn cmd_replay(
         Some(path) => {
             let mut pre = p.trace.preamble.clone();
             pre.n_expert_used = p.cfg.n_expert_used;
-            Some(RouteTraceWriter::new(create(path)?, &pre).map_err(|e| SimError::io(path, e))?)
+            Some(
+                RouteTraceWriter::with_predictions(create(path)?, &pre, p.pred_columns)
+                    .map_err(|e| SimError::io(path, e))?,
+            )
         }
         None => None,
     };
@@ -404,6 +408,9 @@ fn cmd_replay(
         None => None,
     };
     let progress = a.telemetry.progress;
+    let mut stamped = route
+        .as_mut()
+        .map(|w| RecordedPredictions::new(&p.trace, w as &mut dyn RecordSink));
     let result = replay::run(
         ReplaySetup {
             trace: p.trace.clone(),
@@ -418,7 +425,7 @@ fn cmd_replay(
         ReplayOutputs {
             csv: csv.as_mut().map(|w| w as &mut dyn Write),
             progress: if progress { Some(&mut *out) } else { None },
-            route: route.as_mut().map(|w| w as &mut dyn RecordSink),
+            route: stamped.as_mut().map(|w| w as &mut dyn RecordSink),
             io: io.as_mut().map(|w| w as &mut dyn RecordSink),
             decode_stats: None,
         },
