@@ -18,16 +18,25 @@ use bmoe_core::telemetry::route_trace::{PredColumns, RouteTrace};
 /// Horizons `--predict-log` records and scores (the stale-gate line and the stale-2 line).
 pub const PREDICT_LOG_HORIZONS: u8 = 2;
 
-/// The command that records the prediction columns a flag needs.
-fn record_hint(horizons: u8) -> String {
-    if horizons <= PREDICT_LOG_HORIZONS {
+/// The command that records the stale-gate predictions (`pred1..pred2`).
+fn record_hint() -> String {
+    format!(
+        "bmoe-cli ... --route-trace T.csv --predict-log (records pred1..pred{PREDICT_LOG_HORIZONS})"
+    )
+}
+
+/// The commands that record what `--route-ahead n` replays.
+fn route_ahead_hint(n: u8) -> String {
+    let exact = format!(
+        "bmoe-cli ... --route-trace T.csv --route-ahead {n} (the committed routing itself)"
+    );
+    if n <= PREDICT_LOG_HORIZONS {
         format!(
-            "bmoe-cli ... --route-trace T.csv --predict-log (records pred1..pred{PREDICT_LOG_HORIZONS})"
+            "{exact}, or {} from which the committed routing is approximated",
+            record_hint()
         )
     } else {
-        format!(
-            "bmoe-cli ... --route-trace T.csv --route-ahead {horizons} (records pred{horizons} and the committed routing)"
-        )
+        exact
     }
 }
 
@@ -70,7 +79,7 @@ pub fn resolve(cfg: &RunConfig, trace: RouteTrace) -> Result<PredictorReplay, Si
                  {} prediction horizon(s), pred1..pred{PREDICT_LOG_HORIZONS} are needed",
                 recorded.horizons
             ),
-            record_with: record_hint(PREDICT_LOG_HORIZONS),
+            record_with: record_hint(),
         });
     }
     if cfg.predict_prefetch {
@@ -81,7 +90,7 @@ pub fn resolve(cfg: &RunConfig, trace: RouteTrace) -> Result<PredictorReplay, Si
                          layer's hidden state, which the simulator does not have, and this trace \
                          records no predictions (no pred1 column)"
                     .into(),
-                record_with: record_hint(PREDICT_LOG_HORIZONS),
+                record_with: record_hint(),
             });
         }
         if recorded.horizons < 2 {
@@ -136,10 +145,7 @@ pub fn resolve(cfg: &RunConfig, trace: RouteTrace) -> Result<PredictorReplay, Si
                  from are not the ones a run at that depth would have made",
                 m = recorded.route_ahead
             ),
-            record_with: format!(
-                "{} (or a trace without --route-ahead that records pred{n})",
-                record_hint(n8)
-            ),
+            record_with: route_ahead_hint(n8),
         });
     }
     match trace.commit_predictions(n8) {
@@ -164,7 +170,7 @@ pub fn resolve(cfg: &RunConfig, trace: RouteTrace) -> Result<PredictorReplay, Si
                  prediction horizon(s) and no route-ahead routing",
                 recorded.horizons
             ),
-            record_with: record_hint(n8),
+            record_with: route_ahead_hint(n8),
         }),
     }
 }
