@@ -16,7 +16,7 @@ use bmoe_core::records::{Phase, RecordSink, RouteRecord, PRED_HORIZON_MAX};
 use bmoe_core::telemetry::route_trace::{PredColumns, RouteTrace};
 
 /// Horizons `--predict-log` records and scores (the stale-gate line and the stale-2 line).
-pub const PREDICT_LOG_HORIZONS: u8 = 2;
+pub const PREDICT_LOG_HORIZONS: u8 = bmoe_core::telemetry::route_trace::STALE_GATE_HORIZONS;
 
 /// The command that records the stale-gate predictions (`pred1..pred2`).
 fn record_hint() -> String {

@@ -47,6 +47,10 @@ pub const ROUTER_EXPERT_COLUMN: &str = "router_expert";
 /// The model-line key naming the `--route-ahead` depth a trace was recorded with.
 pub const ROUTE_AHEAD_KEY: &str = "route_ahead";
 
+/// Horizons the stale-gate predictors record (`--predict-log` scores one and two layers
+/// early; `--predict-prefetch` reads up to two layers ahead).
+pub const STALE_GATE_HORIZONS: u8 = 2;
+
 /// The optional prediction columns a run writes, decided when the writer is built.
 ///
 /// `horizons = H` appends `pred1,pred1_weight,…,predH,predH_weight` after `dropped`;
@@ -68,6 +72,24 @@ impl PredColumns {
         horizons: 0,
         route_ahead: 0,
     };
+
+    /// The columns a run with `cfg`'s predictor flags records: `--predict-log` and
+    /// `--predict-prefetch` the stale-gate horizons 1–2, `--route-ahead N` horizons up to `N`
+    /// and the `router_expert` column (depths clamped to `PRED_HORIZON_MAX`, which
+    /// `validate()` already enforces).
+    pub fn for_config(cfg: &crate::config::RunConfig) -> PredColumns {
+        let max = PRED_HORIZON_MAX as u32;
+        let route_ahead = cfg.route_ahead.min(max) as u8; // <= PRED_HORIZON_MAX
+        let stale_gate = if cfg.predict_log || cfg.predict_prefetch {
+            STALE_GATE_HORIZONS
+        } else {
+            0
+        };
+        PredColumns {
+            horizons: stale_gate.max(route_ahead),
+            route_ahead,
+        }
+    }
 
     /// The appended column names, in order.
     pub fn column_names(&self) -> Vec<String> {
@@ -1561,6 +1583,41 @@ mod tests {
             // Writing what was read reproduces the bytes.
             assert_eq!(write_trace(trace.pred_columns(), &back), text);
         }
+    }
+
+    #[test]
+    fn columns_follow_the_run_flags() {
+        use crate::config::RunConfig;
+        let cfg = |predict_log, predict_prefetch, route_ahead| RunConfig {
+            predict_log,
+            predict_prefetch,
+            route_ahead,
+            ..RunConfig::default()
+        };
+        assert_eq!(
+            PredColumns::for_config(&cfg(false, false, 0)),
+            PredColumns::NONE
+        );
+        let stale = PredColumns {
+            horizons: 2,
+            route_ahead: 0,
+        };
+        assert_eq!(PredColumns::for_config(&cfg(true, false, 0)), stale);
+        assert_eq!(PredColumns::for_config(&cfg(false, true, 0)), stale);
+        assert_eq!(
+            PredColumns::for_config(&cfg(false, false, 3)),
+            PredColumns {
+                horizons: 3,
+                route_ahead: 3
+            }
+        );
+        assert_eq!(
+            PredColumns::for_config(&cfg(false, false, 1)),
+            PredColumns {
+                horizons: 1,
+                route_ahead: 1
+            }
+        );
     }
 
     #[test]
