@@ -499,3 +499,128 @@ fn engine_predictor_runs_replay_exactly() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+fn sim_hits(stdout: &str) -> u64 {
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("sim: "))
+        .unwrap_or_else(|| panic!("no sim: line in {stdout}"));
+    line.split_whitespace()
+        .find_map(|kv| kv.strip_prefix("hits="))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no hits= in {line}"))
+}
+
+#[test]
+fn sweep_compares_predictors_with_the_counts_replay_gives() {
+    let dir = scratch("sweep");
+    let trace = dir.join("pred.route.csv");
+    write_trace(
+        &trace,
+        PredColumns {
+            horizons: 2,
+            route_ahead: 0,
+        },
+    );
+    let out_dir = dir.join("sweep");
+    let (t, o) = (s(&trace), s(&out_dir));
+    let (code, stdout, err) = sim(&[
+        "sweep",
+        "--trace",
+        &t,
+        "--budgets-mb",
+        "1",
+        "--policies",
+        "lru,belady",
+        "--lanes",
+        "2",
+        "--overlap",
+        "off",
+        "--predictors",
+        "none,prefetch:1,predict-prefetch,route-ahead:2",
+        "--out",
+        &o,
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        stdout.contains("sweep: route-ahead:2: bmoe-sim: WARNING: --route-ahead 2 replayed"),
+        "{stdout}"
+    );
+    let table = std::fs::read_to_string(out_dir.join("sweep.csv")).expect("sweep.csv");
+    let mut lines = table.lines();
+    let header: Vec<&str> = lines.next().expect("header").split(',').collect();
+    let col = |name: &str| header.iter().position(|h| *h == name).expect(name);
+    let rows: Vec<Vec<&str>> = lines.map(|l| l.split(',').collect()).collect();
+    let cells: Vec<(&str, &str)> = rows
+        .iter()
+        .map(|r| (r[col("predictor")], r[col("policy")]))
+        .collect();
+    assert_eq!(
+        cells,
+        vec![
+            ("none", "lru"),
+            ("none", "belady"),
+            ("prefetch:1", "lru"),
+            ("predict-prefetch", "lru"),
+            ("route-ahead:2", "lru"),
+        ],
+        "one grid per predictor; Belady only without one"
+    );
+    // Each predictor's row has the counts a replay with its flag gives.
+    assert_eq!(rows[0][col("budget_bytes")], (1u64 << 20).to_string());
+    for (row, flags) in rows.iter().zip([
+        vec![],
+        vec![],
+        vec!["--prefetch", "1"],
+        vec!["--predict-prefetch"],
+        vec!["--route-ahead", "2"],
+    ]) {
+        if row[col("policy")] == "belady" {
+            continue;
+        }
+        let mut args = vec![
+            "replay",
+            "--trace",
+            &t,
+            "--cache-mb",
+            "1",
+            "--force-cache",
+            "--io-threads",
+            "2",
+        ];
+        args.extend_from_slice(&flags);
+        let (code, stdout, err) = sim(&args);
+        assert_eq!(code, 0, "{flags:?}: {err}");
+        assert_eq!(
+            row[col("hits")].parse::<u64>().expect("hits"),
+            sim_hits(&stdout),
+            "{flags:?}"
+        );
+    }
+    assert_ne!(
+        rows[0][col("hits")],
+        rows[4][col("hits")],
+        "route-ahead replays another routing"
+    );
+    // A predictor the trace cannot support stops the sweep, naming the recording flag.
+    let plain = dir.join("plain.route.csv");
+    write_trace(&plain, PredColumns::NONE);
+    let p = s(&plain);
+    let (code, _, err) = sim(&[
+        "sweep",
+        "--trace",
+        &p,
+        "--experts-per-layer",
+        "6",
+        "--predictors",
+        "none,predict-prefetch",
+        "--out",
+        &o,
+    ]);
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("--predict-prefetch cannot be replayed"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -154,6 +154,16 @@ pub struct SweepArgs {
     /// Overlap settings to sweep: off, on or both
     #[arg(long, value_name = "off|on|both", default_value = "both", value_parser = ["off", "on", "both"])]
     pub overlap: String,
+    /// Expert predictors to compare: none, prefetch:<K> (previous token), predict-prefetch
+    /// (stale gate; the trace must record pred1), route-ahead:<N> (the trace must be recorded
+    /// with --route-ahead N or record pred<N>). Belady runs only with none
+    #[arg(
+        long,
+        value_name = "NAME,...",
+        value_delimiter = ',',
+        default_value = "none"
+    )]
+    pub predictors: Vec<String>,
     /// Worker threads
     #[arg(long, value_name = "N", default_value_t = 2, value_parser = parse_u32_strict)]
     pub jobs: u32,
@@ -535,13 +545,48 @@ fn cmd_sweep(a: SweepArgs, env: &[(String, String)], out: &mut dyn Write) -> Res
         "on" => vec![true],
         _ => vec![false, true],
     };
-    let grid = sweep::Grid {
-        budgets,
-        policies,
-        lanes: a.lanes.clone(),
-        overlap,
-    };
-    let n_cells = grid.cells().len() as u64;
+    let predictors = a
+        .predictors
+        .iter()
+        .map(|name| sweep::Predictor::parse(name))
+        .collect::<Result<Vec<_>, _>>()?;
+    // Each predictor replays its own routing (route-ahead from pred<N> commits it), checked
+    // against what the trace recorded before any cell runs.
+    let w = |e| SimError::io("stdout", e);
+    let mut cases = Vec::with_capacity(predictors.len());
+    for predictor in &predictors {
+        let mut cfg = p.cfg.clone();
+        predictor.apply(&mut cfg);
+        let replay = predictions::resolve(&cfg, (*p.trace).clone())?;
+        for warning in &replay.warnings {
+            writeln!(out, "sweep: {}: {warning}", predictor.name()).map_err(w)?;
+        }
+        let plan = if replay.trace == *p.trace {
+            p.plan.clone()
+        } else {
+            Arc::new(ReplayPlan::new(&replay.trace)?)
+        };
+        let policies: Vec<String> = if *predictor == sweep::Predictor::None {
+            policies.clone()
+        } else {
+            policies
+                .iter()
+                .filter(|name| *name != sweep::BELADY)
+                .cloned()
+                .collect()
+        };
+        cases.push((*predictor, cfg, Arc::new(replay.trace), plan, policies));
+    }
+    let grids: Vec<sweep::Grid> = cases
+        .iter()
+        .map(|(_, _, _, _, policies)| sweep::Grid {
+            budgets: budgets.clone(),
+            policies: policies.clone(),
+            lanes: a.lanes.clone(),
+            overlap: overlap.clone(),
+        })
+        .collect();
+    let n_cells: u64 = grids.iter().map(|g| g.cells().len() as u64).sum();
     let bar = indicatif::ProgressBar::new(n_cells);
     bar.set_style(
         indicatif::ProgressStyle::with_template(
@@ -549,19 +594,23 @@ fn cmd_sweep(a: SweepArgs, env: &[(String, String)], out: &mut dyn Write) -> Res
         )
         .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
-    let rows = sweep::run(
-        &sweep::SweepInput {
-            trace: p.trace.clone(),
-            plan: p.plan.clone(),
-            layout: &p.layout,
-            cfg: &p.cfg,
-            profile: &p.profile,
-            seed: a.seed,
-        },
-        &grid,
-        a.jobs as usize,
-        &|| bar.inc(1),
-    )?;
+    let mut rows = Vec::new();
+    for ((predictor, cfg, trace, plan, _), grid) in cases.iter().zip(&grids) {
+        rows.extend(sweep::run(
+            &sweep::SweepInput {
+                trace: trace.clone(),
+                plan: plan.clone(),
+                layout: &p.layout,
+                cfg,
+                profile: &p.profile,
+                seed: a.seed,
+                predictor: *predictor,
+            },
+            grid,
+            a.jobs as usize,
+            &|| bar.inc(1),
+        )?);
+    }
     bar.finish_and_clear();
     std::fs::create_dir_all(&a.out).map_err(|e| SimError::io(&a.out, e))?;
     let mut table = Vec::new();
@@ -575,20 +624,28 @@ fn cmd_sweep(a: SweepArgs, env: &[(String, String)], out: &mut dyn Write) -> Res
     let (hit_svg, tps_svg) = sweep::charts(&rows, &name);
     write_file(&a.out.join("hit_rate.svg"), &hit_svg)?;
     write_file(&a.out.join("tok_s.svg"), &tps_svg)?;
-    let w = |e| SimError::io("stdout", e);
     writeln!(
         out,
-        "{:>10} {:>6} {:>8} {:>5} {:>7} {:>8} {:>8} {:>10}",
-        "budget_MiB", "per_l", "policy", "lanes", "overlap", "hit", "tok/s", "read_MiB"
+        "{:>10} {:>6} {:>8} {:>16} {:>5} {:>7} {:>8} {:>8} {:>10}",
+        "budget_MiB",
+        "per_l",
+        "policy",
+        "predictor",
+        "lanes",
+        "overlap",
+        "hit",
+        "tok/s",
+        "read_MiB"
     )
     .map_err(w)?;
     for r in &rows {
         writeln!(
             out,
-            "{:>10.0} {:>6.2} {:>8} {:>5} {:>7} {:>7.2}% {:>8.3} {:>10.0}",
+            "{:>10.0} {:>6.2} {:>8} {:>16} {:>5} {:>7} {:>7.2}% {:>8.3} {:>10.0}",
             r.budget_bytes as f64 / MIB as f64,
             r.experts_per_layer,
             r.policy,
+            r.predictor,
             r.lanes,
             if r.overlap { "on" } else { "off" },
             100.0 * r.hit_rate(),
