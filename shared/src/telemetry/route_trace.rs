@@ -1912,4 +1912,86 @@ mod tests {
         );
         assert!(!trace.cell_pred(&cell, 2, &mut p), "no pred2 column");
     }
+
+    mod round_trip {
+        use super::*;
+        use proptest::prelude::*;
+
+        /// Weights exact at 6 decimals (multiples of 1/64), or nan.
+        fn weight(code: u8) -> f32 {
+            if code == 64 {
+                f32::NAN
+            } else {
+                f32::from(code) / 64.0
+            }
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(64))]
+
+            /// Any records within the declared columns come back from writer → reader →
+            /// `records()` unchanged, and re-writing them reproduces the bytes.
+            #[test]
+            fn writer_then_reader_is_identity(
+                horizons in 0u8..=3,
+                route_ahead in 0u8..=2,
+                steps in 2usize..6,
+                seed in any::<u64>(),
+            ) {
+                let columns = PredColumns { horizons, route_ahead };
+                let k = 2usize;
+                let mut records = Vec::new();
+                let mut x = seed;
+                let mut next = |m: u64| {
+                    x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    (x >> 33) % m
+                };
+                for step in 0..steps as i64 {
+                    for layer in 0..3u32 {
+                        let first = (step as u32 + layer) % 8;
+                        let experts = [first, (first + 1 + next(6) as u32) % 8];
+                        let pred_sets: Vec<Option<[u16; 2]>> = (0..horizons)
+                            .map(|_| {
+                                (next(3) > 0).then(|| {
+                                    let a = next(8) as u16;
+                                    [a, (a + 1 + next(7) as u16) % 8]
+                                })
+                            })
+                            .collect();
+                        let committed = route_ahead > 0 && next(2) == 1;
+                        let router = [(first + 3) % 8, (first + 5) % 8];
+                        let nan_cell = next(5) == 0;
+                        for slot in 0..k {
+                            let mut preds = [None; PRED_HORIZON_MAX];
+                            for (h, set) in pred_sets.iter().enumerate() {
+                                if let Some(ids) = set {
+                                    preds[h] = Some((ids[slot], weight(next(65) as u8)));
+                                }
+                            }
+                            records.push(RouteRecord {
+                                turn: 0,
+                                phase: Phase::Decode,
+                                step,
+                                layer,
+                                slot: slot as u32,
+                                expert: experts[slot],
+                                weight: if nan_cell { f32::NAN } else { weight(next(64) as u8) },
+                                residency: 1,
+                                expert_bytes: 0,
+                                dropped: false,
+                                preds,
+                                router_expert: committed.then_some(router[slot]),
+                            });
+                        }
+                    }
+                }
+                let text = write_trace(columns, &records);
+                let trace = RouteTrace::parse(&text).map_err(|e| TestCaseError::fail(e.to_string()))?;
+                prop_assert_eq!(trace.pred_columns(), columns);
+                let back: Vec<RouteRecord> = trace.records().collect();
+                prop_assert_eq!(format!("{back:?}"), format!("{records:?}"));
+                prop_assert_eq!(write_trace(columns, &back), text);
+            }
+        }
+    }
 }
