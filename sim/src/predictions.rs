@@ -11,6 +11,7 @@
 //! horizon-`N` predictions (`RouteTrace::commit_predictions`).
 
 use crate::error::SimError;
+use crate::plan::PlanStep;
 use bmoe_core::config::RunConfig;
 use bmoe_core::records::{Phase, RecordSink, RouteRecord, PRED_HORIZON_MAX};
 use bmoe_core::telemetry::route_trace::{PredColumns, RouteTrace};
@@ -173,6 +174,60 @@ pub fn resolve(cfg: &RunConfig, trace: RouteTrace) -> Result<PredictorReplay, Si
             record_with: route_ahead_hint(n8),
         }),
     }
+}
+
+/// What `--route-ahead` did in one replayed decode step, read from the trace: the routings it
+/// committed (cells with `router_expert`), those it passed through (every other routing of
+/// the step), the committed slots and how many of them the router also chose.
+///
+/// The replay needs this because the core's commit re-weights the prediction with the
+/// router's full probabilities, which no trace carries, so in a replay it passes every routing
+/// through — while the routing `TraceBackend::route` feeds is already the committed one. The
+/// step's route-ahead counters are therefore taken from the trace.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct RouteAheadTally {
+    pub committed: u64,
+    pub passthrough: u64,
+    pub slots: u64,
+    pub agreed_slots: u64,
+}
+
+/// The `RouteAheadTally` of plan step `step` (a decode step) at routing width `k` (the
+/// applied `--n-expert-used`; a narrower width commits the prediction's first `k` and is
+/// compared with the router's first `k`). One routing per MoE layer: the step's last row.
+pub fn route_ahead_tally(trace: &RouteTrace, step: &PlanStep, k: usize) -> RouteAheadTally {
+    let mut t = RouteAheadTally::default();
+    for moe in 0..trace.preamble.layers.len() {
+        // layers.len() <= n_layer <= u16::MAX (checked by the reader).
+        let rows = step.layer_rows(moe as u16);
+        let Some(row) = rows.iter().max_by_key(|r| r.batch_row) else {
+            continue;
+        };
+        let Some(cell) = trace.cells.get(row.cell as usize) else {
+            continue;
+        };
+        if !trace.is_committed(cell) {
+            t.passthrough += 1;
+            continue;
+        }
+        let width = k.min(usize::from(cell_width(trace, cell)));
+        t.committed += 1;
+        t.slots += width as u64;
+        let committed = &trace.cell_slots(cell)[..width];
+        let router: Vec<u32> = (0..width)
+            .filter_map(|slot| trace.slot_router_expert(cell, slot))
+            .collect();
+        t.agreed_slots += committed
+            .iter()
+            .filter(|s| router.contains(&s.expert))
+            .count() as u64;
+    }
+    t
+}
+
+fn cell_width(trace: &RouteTrace, cell: &bmoe_core::telemetry::route_trace::RouteCell) -> u16 {
+    // A cell has n_expert_used <= u16::MAX slots (checked by the reader).
+    trace.cell_slots(cell).len() as u16
 }
 
 fn phase_code(p: Phase) -> u8 {
@@ -440,6 +495,59 @@ pub(crate) mod tests {
             RouteTrace::parse(&text).expect("parses"),
         );
         assert!(e.contains("no route_ahead=<N> key"), "{e}");
+    }
+
+    #[test]
+    fn route_ahead_counts_come_from_the_trace() {
+        let ra1 = synthetic(PredColumns {
+            horizons: 0,
+            route_ahead: 1,
+        });
+        let plan = crate::plan::ReplayPlan::new(&ra1).expect("plan");
+        let decode: Vec<&PlanStep> = plan
+            .steps
+            .iter()
+            .filter(|s| s.phase == Phase::Decode)
+            .collect();
+        assert_eq!(decode.len(), DECODE.count());
+        // The first decode token passes every layer through.
+        assert_eq!(
+            route_ahead_tally(&ra1, decode[0], 2),
+            RouteAheadTally {
+                committed: 0,
+                passthrough: 3,
+                slots: 0,
+                agreed_slots: 0
+            }
+        );
+        let mut total = RouteAheadTally::default();
+        for step in &decode[1..] {
+            let t = route_ahead_tally(&ra1, step, 2);
+            // Layer 0 passes through; layers 1 and 2 commit.
+            assert_eq!((t.committed, t.passthrough, t.slots), (2, 1, 4));
+            total.agreed_slots += t.agreed_slots;
+        }
+        // Recount agreement from the generator: pred_ids vs router_ids.
+        let expected: u64 = DECODE
+            .skip(1)
+            .flat_map(|step| (1..3u32).map(move |layer| (step, layer)))
+            .map(|(step, layer)| {
+                let router = router_ids(step, layer);
+                pred_ids(step, layer, 1)
+                    .iter()
+                    .filter(|&&e| router.contains(&u32::from(e)))
+                    .count() as u64
+            })
+            .sum();
+        assert_eq!(total.agreed_slots, expected);
+        // Width 1: the first slot only.
+        let t = route_ahead_tally(&ra1, decode[1], 1);
+        assert_eq!((t.committed, t.slots), (2, 2));
+        // A trace that committed nothing passes everything through.
+        let plain = synthetic(PredColumns::NONE);
+        let plan = crate::plan::ReplayPlan::new(&plain).expect("plan");
+        let step = plan.steps.last().expect("a step");
+        assert_eq!(route_ahead_tally(&plain, step, 2).passthrough, 3);
     }
 
     #[derive(Default)]
