@@ -440,23 +440,45 @@ fn an_engine_predict_log_trace_replays_predict_prefetch() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// The report lines a predictor adds, without their timing line (`moe-route-ahead:`'s second
+/// line is CPU time, which the simulator does not model).
+fn predictor_lines(stdout: &str) -> Vec<&str> {
+    stdout
+        .lines()
+        .filter(|l| {
+            l.starts_with("moe-predict:")
+                || l.starts_with("moe-prefetch:")
+                || l.starts_with("moe-cache:")
+                || (l.starts_with("moe-route-ahead:") && l.contains("committed"))
+        })
+        .collect()
+}
+
 /// The exactness promise for predictors: an engine run with the predictor on, replayed with
-/// the same flags, gives the same hits, misses and bytes.
+/// the same flags, gives the same hits, misses, bytes, route trace and predictor report
+/// lines. `--prefetch-sync` makes speculation independent of timing (each speculative read is
+/// waited for where it is issued), as the engine's own predictor gates do.
 #[test]
 #[ignore = "needs the pred branch"]
 fn engine_predictor_runs_replay_exactly() {
     let dir = scratch("engine-exact");
     let model = bmoe_gates::tiny();
     for (tag, flags) in [
-        ("pp", vec!["--predict-prefetch"]),
-        ("ra1", vec!["--route-ahead", "1"]),
+        ("log", vec!["--predict-log"]),
+        ("pp", vec!["--predict-prefetch", "--prefetch-sync"]),
+        ("ra1", vec!["--route-ahead", "1", "--prefetch-sync"]),
+        (
+            "ra2",
+            vec!["--route-ahead", "2", "--prefetch-sync", "--overlap"],
+        ),
     ] {
-        let (trace, csv, sim_csv) = (
+        let (trace, csv, sim_csv, sim_trace) = (
             dir.join(format!("{tag}.route.csv")),
             dir.join(format!("{tag}.csv")),
             dir.join(format!("{tag}.sim.csv")),
+            dir.join(format!("{tag}.sim.route.csv")),
         );
-        let (t, c, sc) = (s(&trace), s(&csv), s(&sim_csv));
+        let (t, c, sc, st) = (s(&trace), s(&csv), s(&sim_csv), s(&sim_trace));
         let mut e = vec![
             "--cache-mb",
             "2",
@@ -467,7 +489,7 @@ fn engine_predictor_runs_replay_exactly() {
             &c,
         ];
         e.extend_from_slice(&flags);
-        engine(&model, &e);
+        let measured = engine(&model, &e);
         let mut args = vec![
             "replay",
             "--trace",
@@ -479,10 +501,30 @@ fn engine_predictor_runs_replay_exactly() {
             "--force-cache",
             "--csv",
             &sc,
+            "--route-trace",
+            &st,
         ];
         args.extend_from_slice(&flags);
-        let (code, _, err) = sim(&args);
+        let (code, out, err) = sim(&args);
         assert_eq!(code, 0, "{tag}: {err}");
+        assert!(
+            std::fs::read_to_string(&trace).expect("engine trace")
+                == std::fs::read_to_string(&sim_trace).expect("sim trace"),
+            "{tag}: the replayed route trace (routing, residency, bytes, predictions) is the engine's"
+        );
+        // The engine prints its report where the CLI does (stderr or stdout); the sim on stdout.
+        let report = format!("{}{}", measured.stdout, measured.stderr);
+        let (want, got) = (predictor_lines(&report), predictor_lines(&out));
+        let marker = match tag {
+            "log" => "moe-predict:",
+            "pp" => "moe-prefetch:",
+            _ => "moe-route-ahead:",
+        };
+        assert!(
+            want.iter().any(|l| l.starts_with(marker)),
+            "{tag}: no {marker} line in {report}"
+        );
+        assert_eq!(want, got, "{tag}: predictor report lines");
         for key in [
             "read_MiB",
             "cache_hit_pct",
