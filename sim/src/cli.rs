@@ -11,6 +11,7 @@
 
 use crate::error::SimError;
 use crate::plan::{layout_from_preamble, ReplayPlan};
+use crate::predictions::{self, PredictorReplay, RecordedPredictions};
 use crate::profile::{DeviceProfile, DEFAULT_PROFILE};
 use crate::replay::{self, ReplayOutputs, ReplaySetup};
 use bmoe_core::config::{auto_cache_budget, RunConfig, MIB};
@@ -20,7 +21,7 @@ use bmoe_core::flags::{
 };
 use bmoe_core::telemetry::io_trace::IoTraceWriter;
 use bmoe_core::telemetry::report::{write_report, ReportContext};
-use bmoe_core::telemetry::route_trace::{RouteTrace, RouteTraceWriter};
+use bmoe_core::telemetry::route_trace::{PredColumns, RouteTrace, RouteTraceWriter};
 use bmoe_core::{records::RecordSink, ExpertLayout};
 use clap::{Args, Parser, Subcommand};
 use std::ffi::OsString;
@@ -153,6 +154,16 @@ pub struct SweepArgs {
     /// Overlap settings to sweep: off, on or both
     #[arg(long, value_name = "off|on|both", default_value = "both", value_parser = ["off", "on", "both"])]
     pub overlap: String,
+    /// Expert predictors to compare: none, prefetch:<K> (previous token), predict-prefetch
+    /// (stale gate; the trace must record pred1), route-ahead:<N> (the trace must be recorded
+    /// with --route-ahead N or record pred<N>). Belady runs only with none
+    #[arg(
+        long,
+        value_name = "NAME,...",
+        value_delimiter = ',',
+        default_value = "none"
+    )]
+    pub predictors: Vec<String>,
     /// Worker threads
     #[arg(long, value_name = "N", default_value_t = 2, value_parser = parse_u32_strict)]
     pub jobs: u32,
@@ -255,27 +266,21 @@ pub struct Prepared {
     pub layout: ExpertLayout,
     pub cfg: RunConfig,
     pub profile: DeviceProfile,
+    /// The prediction columns a `--route-trace` of this replay declares.
+    pub pred_columns: PredColumns,
+    /// Approximations the replay makes (printed to stderr by `replay`).
+    pub warnings: Vec<String>,
 }
 
-/// Policies the core has flags for but no implementation yet: refused rather than ignored,
-/// so a replay never claims to have modelled what it did not.
+/// Flags a route trace can never carry what they need for: refused rather than ignored, so a
+/// replay never claims to have modelled what it did not. (The predictor flags are judged
+/// against what the trace recorded, in `predictions::resolve`.)
 fn refuse_unmodelled(cfg: &RunConfig) -> Result<(), SimError> {
-    let why = "bmoe-core has no implementation of it yet, so neither the engine nor the simulator runs it";
-    let checks: [(bool, &'static str); 3] = [
-        (cfg.predict_prefetch, "--predict-prefetch"),
-        (cfg.predict_log, "--predict-log"),
-        (cfg.route_ahead > 0, "--route-ahead"),
-    ];
     if cfg.substitute_lambda > 0.0 {
         return Err(SimError::Unsupported {
             flag: "--expert-substitute",
             why: "substitution re-ranks the router's full probabilities, which a route trace does not carry",
         });
-    }
-    for (set, flag) in checks {
-        if set {
-            return Err(SimError::Unsupported { flag, why });
-        }
     }
     Ok(())
 }
@@ -321,7 +326,11 @@ pub fn prepare(
     }
     cfg.threads = profile.threads;
 
-    let trace = load_trace(trace_path)?;
+    let PredictorReplay {
+        trace,
+        columns: pred_columns,
+        warnings,
+    } = predictions::resolve(&cfg, load_trace(trace_path)?)?;
     let layout = layout_from_preamble(&trace.preamble)?;
     let plan = ReplayPlan::new(&trace)?;
     let p = &trace.preamble;
@@ -356,6 +365,8 @@ pub fn prepare(
         layout,
         cfg,
         profile,
+        pred_columns,
+        warnings,
     })
 }
 
@@ -380,8 +391,8 @@ fn cmd_replay(
         a.seed,
         env,
     )?;
-    for w in p.cfg.load_warnings() {
-        // The core's warnings carry their own "bmoe: WARNING" prefix.
+    for w in p.cfg.load_warnings().iter().chain(&p.warnings) {
+        // The core's warnings carry their own "bmoe: WARNING" prefix, ours "bmoe-sim: WARNING".
         writeln!(err, "{w}").map_err(|e| SimError::io("stderr", e))?;
     }
     let policy = bmoe_core::policy::by_name(p.cfg.eviction.name()).ok_or_else(|| {
@@ -395,7 +406,10 @@ fn cmd_replay(
         Some(path) => {
             let mut pre = p.trace.preamble.clone();
             pre.n_expert_used = p.cfg.n_expert_used;
-            Some(RouteTraceWriter::new(create(path)?, &pre).map_err(|e| SimError::io(path, e))?)
+            Some(
+                RouteTraceWriter::with_predictions(create(path)?, &pre, p.pred_columns)
+                    .map_err(|e| SimError::io(path, e))?,
+            )
         }
         None => None,
     };
@@ -404,6 +418,9 @@ fn cmd_replay(
         None => None,
     };
     let progress = a.telemetry.progress;
+    let mut stamped = route
+        .as_mut()
+        .map(|w| RecordedPredictions::new(&p.trace, w as &mut dyn RecordSink));
     let result = replay::run(
         ReplaySetup {
             trace: p.trace.clone(),
@@ -418,7 +435,7 @@ fn cmd_replay(
         ReplayOutputs {
             csv: csv.as_mut().map(|w| w as &mut dyn Write),
             progress: if progress { Some(&mut *out) } else { None },
-            route: route.as_mut().map(|w| w as &mut dyn RecordSink),
+            route: stamped.as_mut().map(|w| w as &mut dyn RecordSink),
             io: io.as_mut().map(|w| w as &mut dyn RecordSink),
             decode_stats: None,
         },
@@ -528,13 +545,48 @@ fn cmd_sweep(a: SweepArgs, env: &[(String, String)], out: &mut dyn Write) -> Res
         "on" => vec![true],
         _ => vec![false, true],
     };
-    let grid = sweep::Grid {
-        budgets,
-        policies,
-        lanes: a.lanes.clone(),
-        overlap,
-    };
-    let n_cells = grid.cells().len() as u64;
+    let predictors = a
+        .predictors
+        .iter()
+        .map(|name| sweep::Predictor::parse(name))
+        .collect::<Result<Vec<_>, _>>()?;
+    // Each predictor replays its own routing (route-ahead from pred<N> commits it), checked
+    // against what the trace recorded before any cell runs.
+    let w = |e| SimError::io("stdout", e);
+    let mut cases = Vec::with_capacity(predictors.len());
+    for predictor in &predictors {
+        let mut cfg = p.cfg.clone();
+        predictor.apply(&mut cfg);
+        let replay = predictions::resolve(&cfg, (*p.trace).clone())?;
+        for warning in &replay.warnings {
+            writeln!(out, "sweep: {}: {warning}", predictor.name()).map_err(w)?;
+        }
+        let plan = if replay.trace == *p.trace {
+            p.plan.clone()
+        } else {
+            Arc::new(ReplayPlan::new(&replay.trace)?)
+        };
+        let policies: Vec<String> = if *predictor == sweep::Predictor::None {
+            policies.clone()
+        } else {
+            policies
+                .iter()
+                .filter(|name| *name != sweep::BELADY)
+                .cloned()
+                .collect()
+        };
+        cases.push((*predictor, cfg, Arc::new(replay.trace), plan, policies));
+    }
+    let grids: Vec<sweep::Grid> = cases
+        .iter()
+        .map(|(_, _, _, _, policies)| sweep::Grid {
+            budgets: budgets.clone(),
+            policies: policies.clone(),
+            lanes: a.lanes.clone(),
+            overlap: overlap.clone(),
+        })
+        .collect();
+    let n_cells: u64 = grids.iter().map(|g| g.cells().len() as u64).sum();
     let bar = indicatif::ProgressBar::new(n_cells);
     bar.set_style(
         indicatif::ProgressStyle::with_template(
@@ -542,19 +594,23 @@ fn cmd_sweep(a: SweepArgs, env: &[(String, String)], out: &mut dyn Write) -> Res
         )
         .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
-    let rows = sweep::run(
-        &sweep::SweepInput {
-            trace: p.trace.clone(),
-            plan: p.plan.clone(),
-            layout: &p.layout,
-            cfg: &p.cfg,
-            profile: &p.profile,
-            seed: a.seed,
-        },
-        &grid,
-        a.jobs as usize,
-        &|| bar.inc(1),
-    )?;
+    let mut rows = Vec::new();
+    for ((predictor, cfg, trace, plan, _), grid) in cases.iter().zip(&grids) {
+        rows.extend(sweep::run(
+            &sweep::SweepInput {
+                trace: trace.clone(),
+                plan: plan.clone(),
+                layout: &p.layout,
+                cfg,
+                profile: &p.profile,
+                seed: a.seed,
+                predictor: *predictor,
+            },
+            grid,
+            a.jobs as usize,
+            &|| bar.inc(1),
+        )?);
+    }
     bar.finish_and_clear();
     std::fs::create_dir_all(&a.out).map_err(|e| SimError::io(&a.out, e))?;
     let mut table = Vec::new();
@@ -568,20 +624,28 @@ fn cmd_sweep(a: SweepArgs, env: &[(String, String)], out: &mut dyn Write) -> Res
     let (hit_svg, tps_svg) = sweep::charts(&rows, &name);
     write_file(&a.out.join("hit_rate.svg"), &hit_svg)?;
     write_file(&a.out.join("tok_s.svg"), &tps_svg)?;
-    let w = |e| SimError::io("stdout", e);
     writeln!(
         out,
-        "{:>10} {:>6} {:>8} {:>5} {:>7} {:>8} {:>8} {:>10}",
-        "budget_MiB", "per_l", "policy", "lanes", "overlap", "hit", "tok/s", "read_MiB"
+        "{:>10} {:>6} {:>8} {:>16} {:>5} {:>7} {:>8} {:>8} {:>10}",
+        "budget_MiB",
+        "per_l",
+        "policy",
+        "predictor",
+        "lanes",
+        "overlap",
+        "hit",
+        "tok/s",
+        "read_MiB"
     )
     .map_err(w)?;
     for r in &rows {
         writeln!(
             out,
-            "{:>10.0} {:>6.2} {:>8} {:>5} {:>7} {:>7.2}% {:>8.3} {:>10.0}",
+            "{:>10.0} {:>6.2} {:>8} {:>16} {:>5} {:>7} {:>7.2}% {:>8.3} {:>10.0}",
             r.budget_bytes as f64 / MIB as f64,
             r.experts_per_layer,
             r.policy,
+            r.predictor,
             r.lanes,
             if r.overlap { "on" } else { "off" },
             100.0 * r.hit_rate(),

@@ -14,6 +14,12 @@
 //!   which is what makes churn-heavy policies lose on device;
 //! - `loop_gap()`: `loop_overhead_ms` between two decode steps (sampling, detokenisation).
 //!
+//! Predictions (`Backend::predict`) are replayed from the trace's `pred<h>` columns (or, for
+//! a `--route-ahead` trace, its committed routing) and cost no modelled time: the engine's
+//! prediction GEMVs are not measured separately in a run this model is calibrated from, so
+//! their cost is **not modelled** (it stays inside whatever the calibration attributes to
+//! dense compute).
+//!
 //! Each charge is scaled by `1 + jitter·u`, `u` uniform in [-1, 1], from a seeded
 //! `rand_chacha` stream of its own. Dense bytes of a layer the trace does not list (a dense
 //! layer such as DeepSeek's layer 0) are the mean of the listed layers'.
@@ -22,7 +28,9 @@ use crate::clock::VirtualClock;
 use crate::error::SimError;
 use crate::plan::ReplayPlan;
 use bmoe_core::telemetry::route_trace::RouteTrace;
-use bmoe_core::{Backend, ExpertLayout, ExpertUse, LayerId, Nanos, Routing, RoutingError, SlotId};
+use bmoe_core::{
+    Backend, ExpertLayout, ExpertUse, LayerId, Nanos, Prediction, Routing, RoutingError, SlotId,
+};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
@@ -328,6 +336,69 @@ impl Backend for TraceBackend {
         Ok(())
     }
 
+    /// Replays what the recorded run predicted for the batch's last row at `target` in this
+    /// step: horizon `h = target.moe − from.moe`. `h = 0` (the control) is the trace's own
+    /// routing of `target` (the committed one in a route-ahead trace); `h > 0` the cell's
+    /// `pred<h>` columns, or — in a trace recorded with `--route-ahead h` — the committed
+    /// routing of a committed cell. `Ok(false)` where nothing was recorded, for `from` after
+    /// `target`, or when `k` is wider than what was recorded; a narrower `k` (top-k override)
+    /// keeps the first `k` in rank order with their weights renormalised to sum to 1, which
+    /// is the softmax over those `k` for proportional weights. Charges no time.
+    fn predict(
+        &mut self,
+        from: LayerId,
+        target: LayerId,
+        k: usize,
+        out: &mut Prediction,
+    ) -> Result<bool, Self::Error> {
+        out.clear();
+        let index = self.step.ok_or(TraceBackendError::NoStep)?;
+        if from.moe > target.moe || k == 0 {
+            return Ok(false);
+        }
+        let step = &self.plan.steps[index];
+        let Some(row) = step
+            .layer_rows(target.moe)
+            .iter()
+            .max_by_key(|r| r.batch_row)
+        else {
+            return Ok(false);
+        };
+        let Some(cell) = self.trace.cells.get(row.cell as usize) else {
+            return Ok(false);
+        };
+        let horizon = usize::from(target.moe - from.moe);
+        let recorded_route_ahead = usize::from(self.trace.pred_columns().route_ahead);
+        let use_routing = horizon == 0
+            || (horizon == recorded_route_ahead
+                && self.trace.is_committed(cell)
+                && !self.trace.has_pred(cell, horizon));
+        if use_routing {
+            for s in self.trace.cell_slots(cell) {
+                // The trace reader checked expert < n_expert <= u16::MAX.
+                out.ids.push(s.expert as u16);
+                out.weights.push(s.weight);
+            }
+        } else if !self.trace.cell_pred(cell, horizon, out) {
+            return Ok(false);
+        }
+        if out.ids.len() < k {
+            out.clear();
+            return Ok(false);
+        }
+        if out.ids.len() > k {
+            out.ids.truncate(k);
+            out.weights.truncate(k);
+            let sum: f32 = out.weights.iter().sum();
+            if sum > 0.0 && sum.is_finite() {
+                for w in &mut out.weights {
+                    *w /= sum;
+                }
+            }
+        }
+        Ok(true)
+    }
+
     fn release(&mut self, slot: SlotId) -> Result<(), Self::Error> {
         let bytes = match slot {
             SlotId::Canonical(key) => self
@@ -401,6 +472,120 @@ mod tests {
             },
         ] {
             assert!(bad.validate("p").is_err(), "{bad:?}");
+        }
+    }
+
+    mod predict {
+        use super::*;
+        use crate::plan::layout_from_preamble;
+        use crate::predictions::tests::{pred_ids, router_ids, synthetic, DECODE};
+        use bmoe_core::telemetry::route_trace::PredColumns;
+        use bmoe_core::Clock;
+
+        fn backend(columns: PredColumns) -> TraceBackend {
+            let trace = synthetic(columns);
+            let layout = layout_from_preamble(&trace.preamble).expect("layout");
+            let plan = ReplayPlan::new(&trace).expect("plan");
+            TraceBackend::new(
+                VirtualClock::new(),
+                &params(),
+                &layout,
+                Arc::new(trace),
+                Arc::new(plan),
+                0,
+            )
+        }
+
+        /// The plan index of decode step `step` (the prefill is one plan step).
+        fn plan_index(step: i64) -> usize {
+            1 + (step - DECODE.start) as usize
+        }
+
+        fn layer(moe: u16) -> LayerId {
+            LayerId {
+                model: u32::from(moe),
+                moe,
+            }
+        }
+
+        fn ask(b: &mut TraceBackend, from: u16, target: u16, k: usize) -> Option<Prediction> {
+            let mut p = Prediction::default();
+            let found = b
+                .predict(layer(from), layer(target), k, &mut p)
+                .expect("predict");
+            assert_eq!(
+                found,
+                !p.ids.is_empty(),
+                "Ok(false) leaves the prediction empty"
+            );
+            found.then_some(p)
+        }
+
+        #[test]
+        fn replays_the_recorded_horizons_and_the_control() {
+            let mut b = backend(PredColumns {
+                horizons: 2,
+                route_ahead: 0,
+            });
+            let mut p = Prediction::default();
+            assert_eq!(
+                b.predict(layer(0), layer(1), 2, &mut p),
+                Err(TraceBackendError::NoStep)
+            );
+            let step = DECODE.start + 2;
+            b.set_step(plan_index(step)).expect("step");
+            let clock_before = b.clock.now();
+            for (from, target, h) in [(1, 2, 1u8), (0, 1, 1), (0, 2, 2)] {
+                let p = ask(&mut b, from, target, 2).expect("recorded");
+                assert_eq!(p.ids, pred_ids(step, u32::from(target), h).to_vec());
+                assert_eq!(p.weights, vec![0.625, 0.375]);
+            }
+            assert_eq!(
+                b.clock.now(),
+                clock_before,
+                "predictions cost no modelled time"
+            );
+            // The control is the trace's own routing.
+            let p = ask(&mut b, 2, 2, 2).expect("control");
+            let router: Vec<u16> = router_ids(step, 2).iter().map(|&e| e as u16).collect();
+            assert_eq!(p.ids, router);
+            assert_eq!(p.weights, vec![0.75, 0.25]);
+            // Narrower than recorded (top-k override): the first k, renormalised.
+            let p = ask(&mut b, 1, 2, 1).expect("k=1");
+            assert_eq!(p.ids, vec![pred_ids(step, 2, 1)[0]]);
+            assert_eq!(p.weights, vec![1.0]);
+            // Nothing to replay: wider than recorded, backwards, the first decode token.
+            assert!(ask(&mut b, 1, 2, 3).is_none());
+            assert!(ask(&mut b, 2, 1, 2).is_none());
+            b.set_step(plan_index(DECODE.start)).expect("first decode");
+            assert!(ask(&mut b, 1, 2, 2).is_none(), "first decode token");
+            assert!(ask(&mut b, 2, 2, 2).is_some(), "the control always");
+        }
+
+        #[test]
+        fn without_pred_columns_only_the_control_is_known() {
+            let mut b = backend(PredColumns::NONE);
+            b.set_step(plan_index(DECODE.start + 2)).expect("step");
+            assert!(ask(&mut b, 1, 2, 2).is_none());
+            assert!(ask(&mut b, 1, 1, 2).is_some());
+        }
+
+        #[test]
+        fn a_route_ahead_trace_predicts_its_committed_routing() {
+            let mut b = backend(PredColumns {
+                horizons: 0,
+                route_ahead: 1,
+            });
+            let step = DECODE.start + 3;
+            b.set_step(plan_index(step)).expect("step");
+            let p = ask(&mut b, 1, 2, 2).expect("committed");
+            assert_eq!(p.ids, pred_ids(step, 2, 1).to_vec());
+            assert!(ask(&mut b, 0, 2, 2).is_none(), "horizon 2 was not recorded");
+            b.set_step(plan_index(DECODE.start)).expect("first decode");
+            assert!(
+                ask(&mut b, 1, 2, 2).is_none(),
+                "passed through: nothing committed"
+            );
         }
     }
 }

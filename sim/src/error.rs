@@ -41,6 +41,13 @@ pub enum SimError {
         flag: &'static str,
         why: &'static str,
     },
+    /// A predictor flag the trace did not record what it needs for.
+    #[error("{flag} cannot be replayed from this trace: {reason}. Record a trace that can with: {record_with}")]
+    NeedsRecording {
+        flag: String,
+        reason: String,
+        record_with: String,
+    },
     #[error("{what}: {reason}")]
     Invalid { what: String, reason: String },
     #[error("clairvoyant policy lost track of the access sequence: {reason}")]

@@ -17,6 +17,7 @@ pub mod diff;
 pub mod error;
 pub mod flash;
 pub mod plan;
+pub mod predictions;
 pub mod profile;
 pub mod replay;
 pub mod svg;

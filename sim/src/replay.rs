@@ -20,7 +20,9 @@ use bmoe_core::policy::EvictionPolicy;
 use bmoe_core::records::{Phase, RecordSink};
 use bmoe_core::telemetry::route_trace::RouteTrace;
 use bmoe_core::telemetry::run::RunTelemetry;
-use bmoe_core::telemetry::summary::{RunCounters, RunSummary, TokenTotals};
+use bmoe_core::telemetry::summary::{
+    PredictReport, PredictorStats, RunCounters, RunSummary, TokenTotals,
+};
 use bmoe_core::{
     CacheCounters, Clock, Engine, ExpertCache, ExpertLayout, Nanos, StepInput, StepStats,
     StreamConfig,
@@ -146,6 +148,42 @@ fn add_counters(into: &mut RunCounters, c: &RunCounters, tokens_before: u64, tok
     into.prefill.mgmt_s += c.prefill.mgmt_s;
     into.loop_overhead_tail_ms += c.loop_overhead_tail_ms;
     into.io_errors += c.io_errors;
+    into.ra_committed += c.ra_committed;
+    into.ra_passthrough += c.ra_passthrough;
+    into.ra_slots += c.ra_slots;
+    into.ra_agreed_slots += c.ra_agreed_slots;
+    into.ra_gemv_ns += c.ra_gemv_ns;
+    into.ra_gemv_jobs += c.ra_gemv_jobs;
+    add_predict(&mut into.predict, c.predict.as_ref());
+}
+
+fn add_stats(into: &mut PredictorStats, s: &PredictorStats) {
+    into.rows += s.rows;
+    into.slots += s.slots;
+    into.hit_slots += s.hit_slots;
+    into.exact_rows += s.exact_rows;
+}
+
+/// The `--predict-log` probe over several turns: every score adds, per layer too.
+fn add_predict(into: &mut Option<PredictReport>, r: Option<&PredictReport>) {
+    let Some(r) = r else {
+        return;
+    };
+    let into = into.get_or_insert_with(PredictReport::default);
+    add_stats(&mut into.stale, &r.stale);
+    add_stats(&mut into.stale2, &r.stale2);
+    add_stats(&mut into.prev, &r.prev);
+    add_stats(&mut into.ctrl, &r.ctrl);
+    into.unscored += r.unscored;
+    if into.by_layer.len() < r.by_layer.len() {
+        into.by_layer
+            .resize(r.by_layer.len(), [PredictorStats::default(); 3]);
+    }
+    for (mine, theirs) in into.by_layer.iter_mut().zip(&r.by_layer) {
+        for (a, b) in mine.iter_mut().zip(theirs) {
+            add_stats(a, b);
+        }
+    }
 }
 
 fn reborrow_w<'s>(o: &'s mut Option<&mut dyn Write>) -> Option<&'s mut dyn Write> {
@@ -347,4 +385,62 @@ pub fn run(setup: ReplaySetup<'_>, out: ReplayOutputs<'_>) -> Result<ReplayResul
         turns,
         end: clock.now(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stats(n: u64) -> PredictorStats {
+        PredictorStats {
+            rows: n,
+            slots: 2 * n,
+            hit_slots: n,
+            exact_rows: n,
+        }
+    }
+
+    #[test]
+    fn turns_add_their_predictor_counters() {
+        let turn = RunCounters {
+            ra_committed: 3,
+            ra_passthrough: 1,
+            ra_slots: 12,
+            ra_agreed_slots: 10,
+            ra_gemv_ns: 7,
+            ra_gemv_jobs: 3,
+            predict: Some(PredictReport {
+                stale: stats(4),
+                stale2: stats(2),
+                prev: stats(4),
+                ctrl: stats(6),
+                unscored: 5,
+                by_layer: vec![[stats(1), stats(2), stats(3)]],
+            }),
+            ..RunCounters::default()
+        };
+        let mut whole = RunCounters::default();
+        add_counters(&mut whole, &turn, 0, 10);
+        add_counters(&mut whole, &turn, 10, 10);
+        assert_eq!(
+            (
+                whole.ra_committed,
+                whole.ra_passthrough,
+                whole.ra_slots,
+                whole.ra_agreed_slots,
+                whole.ra_gemv_ns,
+                whole.ra_gemv_jobs
+            ),
+            (6, 2, 24, 20, 14, 6)
+        );
+        let p = whole.predict.expect("probe");
+        assert_eq!(p.stale, stats(8));
+        assert_eq!(p.stale2, stats(4));
+        assert_eq!(p.ctrl, stats(12));
+        assert_eq!(p.unscored, 10);
+        assert_eq!(p.by_layer, vec![[stats(2), stats(4), stats(6)]]);
+        let mut none = RunCounters::default();
+        add_counters(&mut none, &RunCounters::default(), 0, 1);
+        assert_eq!(none.predict, None, "no probe, no report");
+    }
 }

@@ -3,6 +3,11 @@
 //! Every budget also gets the Belady (clairvoyant) bound (`belady.rs`) as a policy, so each
 //! table row and plot shows how far a policy is from the best any policy could do.
 //!
+//! A predictor axis (`Predictor`: none, previous-token `--prefetch K`, `--predict-prefetch`,
+//! `--route-ahead N`) runs the grid once per predictor, each from the routing that predictor
+//! replays (`predictions::resolve`); the Belady bound runs only without a predictor, since
+//! speculative admissions are outside the demand sequence it is clairvoyant over.
+//!
 //! Outputs: a CSV table (one row per cell, grid order whatever order the threads finished
 //! in) and two SVG plots: hit rate vs budget (per policy) and predicted tok/s vs budget (per
 //! policy, lanes and overlap).
@@ -51,6 +56,64 @@ pub fn default_experts_per_layer(k: u32, n_expert: u32) -> Vec<u32> {
     v
 }
 
+/// An expert predictor a sweep compares, by its flag.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Predictor {
+    /// No prediction.
+    None,
+    /// `--prefetch K`: previous-token speculative prefetch.
+    Prefetch(u32),
+    /// `--predict-prefetch`: stale-gate speculative prefetch (needs `pred1` in the trace).
+    PredictPrefetch,
+    /// `--route-ahead N` (needs a route-ahead-N trace or `pred<N>`).
+    RouteAhead(u32),
+}
+
+impl Predictor {
+    /// Parse `none`, `prefetch:K`, `predict-prefetch` or `route-ahead:N`.
+    pub fn parse(s: &str) -> Result<Predictor, SimError> {
+        let bad = || {
+            SimError::invalid(
+                "--predictors",
+                format!("'{s}' is not none, prefetch:<K>, predict-prefetch or route-ahead:<N>"),
+            )
+        };
+        let number = |v: &str| -> Result<u32, SimError> {
+            v.parse::<u32>().ok().filter(|&n| n > 0).ok_or_else(bad)
+        };
+        match s.split_once(':') {
+            None if s == "none" => Ok(Predictor::None),
+            None if s == "predict-prefetch" => Ok(Predictor::PredictPrefetch),
+            Some(("prefetch", k)) => Ok(Predictor::Prefetch(number(k)?)),
+            Some(("route-ahead", n)) => Ok(Predictor::RouteAhead(number(n)?)),
+            _ => Err(bad()),
+        }
+    }
+
+    /// The name `parse` reads back (the table's `predictor` column).
+    pub fn name(&self) -> String {
+        match self {
+            Predictor::None => "none".into(),
+            Predictor::Prefetch(k) => format!("prefetch:{k}"),
+            Predictor::PredictPrefetch => "predict-prefetch".into(),
+            Predictor::RouteAhead(n) => format!("route-ahead:{n}"),
+        }
+    }
+
+    /// Set this predictor's flag on `cfg` (and clear the others).
+    pub fn apply(&self, cfg: &mut RunConfig) {
+        cfg.prefetch = 0;
+        cfg.predict_prefetch = false;
+        cfg.route_ahead = 0;
+        match *self {
+            Predictor::None => {}
+            Predictor::Prefetch(k) => cfg.prefetch = k,
+            Predictor::PredictPrefetch => cfg.predict_prefetch = true,
+            Predictor::RouteAhead(n) => cfg.route_ahead = n,
+        }
+    }
+}
+
 /// The grid.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Grid {
@@ -81,6 +144,8 @@ impl Grid {
 /// One cell's result.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Row {
+    /// The predictor (`Predictor::name`).
+    pub predictor: String,
     pub budget_bytes: u64,
     /// The budget in experts per MoE layer (budget / (layers × largest expert)).
     pub experts_per_layer: f64,
@@ -116,10 +181,12 @@ pub struct SweepInput<'a> {
     pub trace: Arc<RouteTrace>,
     pub plan: Arc<ReplayPlan>,
     pub layout: &'a ExpertLayout,
-    /// The resolved configuration every cell starts from.
+    /// The resolved configuration every cell starts from (its predictor flag set).
     pub cfg: &'a RunConfig,
     pub profile: &'a DeviceProfile,
     pub seed: u64,
+    /// The predictor the cells run with (the rows' `predictor`).
+    pub predictor: Predictor,
 }
 
 fn make_policy(
@@ -169,6 +236,7 @@ fn run_cell(
     let s = &r.summary;
     let per_expert = u64::from(input.layout.n_moe_layers()) * input.layout.max_expert_bytes();
     Ok(Row {
+        predictor: input.predictor.name(),
         budget_bytes: *budget,
         experts_per_layer: *budget as f64 / per_expert.max(1) as f64,
         policy: policy_name.clone(),
@@ -231,7 +299,7 @@ pub fn run(
 }
 
 /// Column names of the sweep table.
-pub const TABLE_COLUMNS: [&str; 18] = [
+pub const TABLE_COLUMNS: [&str; 19] = [
     "budget_mib",
     "experts_per_layer",
     "policy",
@@ -250,6 +318,7 @@ pub const TABLE_COLUMNS: [&str; 18] = [
     "stall_s_per_tok",
     "mgmt_s_per_tok",
     "budget_bytes",
+    "predictor",
 ];
 
 /// Write the table as CSV.
@@ -258,7 +327,7 @@ pub fn write_table(w: &mut dyn Write, rows: &[Row]) -> std::io::Result<()> {
     for r in rows {
         writeln!(
             w,
-            "{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
+            "{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
             fixed(r.budget_bytes as f64 / MIB as f64, 1),
             fixed(r.experts_per_layer, 2),
             r.policy,
@@ -276,7 +345,8 @@ pub fn write_table(w: &mut dyn Write, rows: &[Row]) -> std::io::Result<()> {
             fixed(r.io_s_per_tok, 4),
             fixed(r.stall_s_per_tok, 4),
             fixed(r.mgmt_s_per_tok, 4),
-            r.budget_bytes
+            r.budget_bytes,
+            r.predictor
         )?;
     }
     Ok(())
@@ -291,11 +361,16 @@ pub fn charts(rows: &[Row], trace_name: &str) -> (String, String) {
     let first = rows.first().map(|r| (r.lanes, r.overlap));
     for r in rows {
         let x = r.budget_bytes as f64 / MIB as f64;
+        let policy = if r.predictor == "none" {
+            r.policy.clone()
+        } else {
+            format!("{} {}", r.policy, r.predictor)
+        };
         if Some((r.lanes, r.overlap)) == first {
-            match hit.iter_mut().find(|s| s.name == r.policy) {
+            match hit.iter_mut().find(|s| s.name == policy) {
                 Some(s) => s.points.push((x, r.hit_rate())),
                 None => hit.push(Series {
-                    name: r.policy.clone(),
+                    name: policy.clone(),
                     points: vec![(x, r.hit_rate())],
                     dots: true,
                 }),
@@ -303,7 +378,7 @@ pub fn charts(rows: &[Row], trace_name: &str) -> (String, String) {
         }
         let name = format!(
             "{} {} lane{}{}",
-            r.policy,
+            policy,
             r.lanes,
             if r.lanes == 1 { "" } else { "s" },
             if r.overlap { " overlap" } else { "" }
@@ -349,6 +424,41 @@ mod tests {
             vec![8, 12, 16, 24, 32, 48, 64, 128]
         );
         assert!(default_policies().ends_with(&[BELADY.to_string()]));
+    }
+
+    #[test]
+    fn predictor_names_round_trip() {
+        for p in [
+            Predictor::None,
+            Predictor::Prefetch(2),
+            Predictor::PredictPrefetch,
+            Predictor::RouteAhead(3),
+        ] {
+            assert_eq!(Predictor::parse(&p.name()).expect("parses"), p);
+            let mut cfg = RunConfig {
+                prefetch: 9,
+                predict_prefetch: true,
+                route_ahead: 9,
+                ..RunConfig::default()
+            };
+            p.apply(&mut cfg);
+            let set = [cfg.prefetch > 0, cfg.predict_prefetch, cfg.route_ahead > 0];
+            assert_eq!(
+                set.iter().filter(|&&b| b).count(),
+                usize::from(p != Predictor::None),
+                "{p:?} sets only its own flag"
+            );
+        }
+        for bad in [
+            "",
+            "prefetch",
+            "prefetch:0",
+            "route-ahead:x",
+            "stale",
+            "none:1",
+        ] {
+            assert!(Predictor::parse(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

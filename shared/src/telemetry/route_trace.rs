@@ -6,12 +6,21 @@
 //! aligned read bytes. The reader is defensive because traces also come from other systems
 //! (`../shared/traces`): it reads columns by name, ignores unknown ones, and rejects — naming
 //! the line — anything a replay could silently get wrong.
+//!
+//! Predictions (`--predict-log`, `--route-ahead`) travel as appended, optional columns so the
+//! simulator can replay predictors that need hidden states it does not have: `pred<h>` /
+//! `pred<h>_weight` for `h = 1..=H` (what this layer's router ranked at this slot from the
+//! router input `h` MoE layers earlier; empty = not predicted) and `router_expert` (the
+//! router's own choice where `--route-ahead` committed a predicted routing; empty = the
+//! routing is the router's). The run declares them at construction (`PredColumns`); a trace
+//! without them reads exactly as before.
 
 use std::io::{self, Write};
 
 use super::fmt::{kv_token, parse_key_values};
 use super::ParseError;
-use crate::records::{Phase, RecordSink, RouteRecord};
+use crate::backend::Prediction;
+use crate::records::{Phase, RecordSink, RouteRecord, PRED_HORIZON_MAX};
 
 /// The first line of every route trace.
 pub const ROUTE_MAGIC: &str = "# route_trace v1";
@@ -33,6 +42,68 @@ const FORMAT: &str = "route_trace";
 pub const MAX_TRACE_INDEX: u32 = u16::MAX as u32;
 /// Slack for float rounding above a routing weight of 1.
 const WEIGHT_MAX: f32 = 1.0 + 1e-4;
+/// The column holding the router's own choice under `--route-ahead`.
+pub const ROUTER_EXPERT_COLUMN: &str = "router_expert";
+/// The model-line key naming the `--route-ahead` depth a trace was recorded with.
+pub const ROUTE_AHEAD_KEY: &str = "route_ahead";
+
+/// Horizons the stale-gate predictors record (`--predict-log` scores one and two layers
+/// early; `--predict-prefetch` reads up to two layers ahead).
+pub const STALE_GATE_HORIZONS: u8 = 2;
+
+/// The optional prediction columns a run writes, decided when the writer is built.
+///
+/// `horizons = H` appends `pred1,pred1_weight,…,predH,predH_weight` after `dropped`;
+/// `route_ahead = N > 0` appends `router_expert` after them and `route_ahead=N` to the model
+/// line. `PredColumns::NONE` writes the trace exactly as before predictions existed.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct PredColumns {
+    /// Widest prediction horizon recorded, `0..=PRED_HORIZON_MAX` (`--predict-log`
+    /// records 2; `--route-ahead N` records at least `N` when it records its predictions).
+    pub horizons: u8,
+    /// `--route-ahead` depth the run committed routings at, `0..=PRED_HORIZON_MAX`; 0 = off
+    /// (no `router_expert` column).
+    pub route_ahead: u8,
+}
+
+impl PredColumns {
+    /// No prediction columns.
+    pub const NONE: PredColumns = PredColumns {
+        horizons: 0,
+        route_ahead: 0,
+    };
+
+    /// The columns a run with `cfg`'s predictor flags records: `--predict-log` and
+    /// `--predict-prefetch` the stale-gate horizons 1–2, `--route-ahead N` horizons up to `N`
+    /// and the `router_expert` column (depths clamped to `PRED_HORIZON_MAX`, which
+    /// `validate()` already enforces).
+    pub fn for_config(cfg: &crate::config::RunConfig) -> PredColumns {
+        let max = PRED_HORIZON_MAX as u32;
+        let route_ahead = cfg.route_ahead.min(max) as u8; // <= PRED_HORIZON_MAX
+        let stale_gate = if cfg.predict_log || cfg.predict_prefetch {
+            STALE_GATE_HORIZONS
+        } else {
+            0
+        };
+        PredColumns {
+            horizons: stale_gate.max(route_ahead),
+            route_ahead,
+        }
+    }
+
+    /// The appended column names, in order.
+    pub fn column_names(&self) -> Vec<String> {
+        let mut names = Vec::new();
+        for h in 1..=self.horizons {
+            names.push(format!("pred{h}"));
+            names.push(format!("pred{h}_weight"));
+        }
+        if self.route_ahead > 0 {
+            names.push(ROUTER_EXPERT_COLUMN.to_string());
+        }
+        names
+    }
+}
 
 /// One projection's extent in the model file: expert `e` occupies
 /// `offset + e·stride .. offset + (e+1)·stride` of shard `shard`.
@@ -98,12 +169,40 @@ fn phase_name(p: Phase) -> &'static str {
 pub struct RouteTraceWriter<W: Write> {
     w: W,
     layer_ids: Vec<u32>,
+    n_expert: u32,
+    columns: PredColumns,
     error: Option<io::Error>,
 }
 
+fn invalid_input(reason: String) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidInput, reason)
+}
+
+fn format_weight(w: f32) -> String {
+    if w.is_nan() {
+        "nan".to_string()
+    } else {
+        super::fmt::fixed(f64::from(w), 6)
+    }
+}
+
 impl<W: Write> RouteTraceWriter<W> {
-    /// Writes the preamble and the header row.
-    pub fn new(mut w: W, p: &RoutePreamble) -> io::Result<Self> {
+    /// Writes the preamble and the header row, without prediction columns.
+    pub fn new(w: W, p: &RoutePreamble) -> io::Result<Self> {
+        Self::with_predictions(w, p, PredColumns::NONE)
+    }
+
+    /// Writes the preamble and the header row with the prediction columns `columns` declares.
+    /// `InvalidInput` when a horizon or the route-ahead depth exceeds `PRED_HORIZON_MAX`.
+    /// A `route_ahead` key in `p.extra` is not copied: `columns` is authoritative.
+    pub fn with_predictions(mut w: W, p: &RoutePreamble, columns: PredColumns) -> io::Result<Self> {
+        if usize::from(columns.horizons) > PRED_HORIZON_MAX
+            || usize::from(columns.route_ahead) > PRED_HORIZON_MAX
+        {
+            return Err(invalid_input(format!(
+                "route trace prediction columns {columns:?}: horizons and route_ahead must be at most {PRED_HORIZON_MAX}"
+            )));
+        }
         writeln!(w, "{ROUTE_MAGIC}")?;
         write!(
             w,
@@ -114,8 +213,11 @@ impl<W: Write> RouteTraceWriter<W> {
             p.n_expert,
             p.n_expert_used
         )?;
-        for (k, v) in &p.extra {
+        for (k, v) in p.extra.iter().filter(|(k, _)| k != ROUTE_AHEAD_KEY) {
             write!(w, " {}={}", kv_token(k), kv_token(v))?;
+        }
+        if columns.route_ahead > 0 {
+            write!(w, " {ROUTE_AHEAD_KEY}={}", columns.route_ahead)?;
         }
         writeln!(w)?;
         for note in &p.notes {
@@ -137,17 +239,64 @@ impl<W: Write> RouteTraceWriter<W> {
             }
             writeln!(w)?;
         }
-        writeln!(w, "{}", ROUTE_COLUMNS.join(","))?;
+        let mut header = ROUTE_COLUMNS.join(",");
+        for name in columns.column_names() {
+            header.push(',');
+            header.push_str(&name);
+        }
+        writeln!(w, "{header}")?;
         Ok(RouteTraceWriter {
             w,
             layer_ids: p.layers.iter().map(|l| l.layer).collect(),
+            n_expert: p.n_expert,
+            columns,
             error: None,
         })
     }
 
+    /// The prediction columns this writer declared.
+    pub fn columns(&self) -> PredColumns {
+        self.columns
+    }
+
     /// Writes one row. `r.layer` is the MoE layer index; the row carries that layer's id from
-    /// the preamble. A record for a layer the preamble does not declare is an error.
+    /// the preamble. `InvalidInput` (nothing written) for a record of a layer the preamble does
+    /// not declare, a prediction beyond the declared horizon, a `router_expert` without the
+    /// declared column, or a predicted / router expert id not below `n_expert`.
     pub fn write(&mut self, r: &RouteRecord) -> io::Result<()> {
+        let horizons = usize::from(self.columns.horizons);
+        for (i, p) in r.preds.iter().enumerate() {
+            let Some((id, _)) = p else { continue };
+            if i >= horizons {
+                return Err(invalid_input(format!(
+                    "route record (step {}, MoE layer {}, slot {}) has a horizon-{} prediction but the trace declares {horizons} prediction horizon(s)",
+                    r.step,
+                    r.layer,
+                    r.slot,
+                    i + 1
+                )));
+            }
+            if u32::from(*id) >= self.n_expert {
+                return Err(invalid_input(format!(
+                    "route record (step {}, MoE layer {}, slot {}): predicted expert {id} is not below n_expert={}",
+                    r.step, r.layer, r.slot, self.n_expert
+                )));
+            }
+        }
+        if let Some(id) = r.router_expert {
+            if self.columns.route_ahead == 0 {
+                return Err(invalid_input(format!(
+                    "route record (step {}, MoE layer {}, slot {}) carries router_expert but the trace declares no route-ahead column",
+                    r.step, r.layer, r.slot
+                )));
+            }
+            if id >= self.n_expert {
+                return Err(invalid_input(format!(
+                    "route record (step {}, MoE layer {}, slot {}): router_expert {id} is not below n_expert={}",
+                    r.step, r.layer, r.slot, self.n_expert
+                )));
+            }
+        }
         let id = self
             .layer_ids
             .get(r.layer as usize)
@@ -162,14 +311,25 @@ impl<W: Write> RouteTraceWriter<W> {
                     ),
                 )
             })?;
-        let weight = if r.weight.is_nan() {
-            "nan".to_string()
-        } else {
-            super::fmt::fixed(f64::from(r.weight), 6)
-        };
+        let weight = format_weight(r.weight);
+        let mut tail = String::new();
+        for p in &r.preds[..horizons] {
+            match p {
+                Some((id, w)) => {
+                    tail.push_str(&format!(",{id},{}", format_weight(*w)));
+                }
+                None => tail.push_str(",,"),
+            }
+        }
+        if self.columns.route_ahead > 0 {
+            tail.push(',');
+            if let Some(id) = r.router_expert {
+                tail.push_str(&id.to_string());
+            }
+        }
         writeln!(
             self.w,
-            "{},{},{},{},{},{},{},{},{},{}",
+            "{},{},{},{},{},{},{},{},{},{}{}",
             r.turn,
             phase_code(r.phase),
             r.step,
@@ -179,7 +339,8 @@ impl<W: Write> RouteTraceWriter<W> {
             weight,
             r.residency,
             r.expert_bytes,
-            u8::from(r.dropped)
+            u8::from(r.dropped),
+            tail
         )
     }
 
@@ -249,6 +410,15 @@ pub struct RouteTrace {
     slots: Vec<RouteSlot>,
     /// The first file line of each cell, for cross-row error messages.
     cell_lines: Vec<u32>,
+    /// Which prediction columns the file had (`route_ahead` from the model line's key).
+    pred_columns: PredColumns,
+    /// Whether the file had the `router_expert` column.
+    has_router_expert_column: bool,
+    /// Per slot (parallel to `slots`), `pred_columns.horizons` entries: horizon `h` at
+    /// `slot_index · H + h − 1`.
+    preds: Vec<Option<(u16, f32)>>,
+    /// Per slot (parallel to `slots`) when the file had `router_expert`; empty otherwise.
+    router_experts: Vec<Option<u16>>,
 }
 
 struct Entry {
@@ -259,6 +429,8 @@ struct Entry {
     slot: u16,
     line: u32,
     value: RouteSlot,
+    preds: [Option<(u16, f32)>; PRED_HORIZON_MAX],
+    router_expert: Option<u16>,
 }
 
 impl Entry {
@@ -278,6 +450,9 @@ struct Columns {
     residency: usize,
     expert_bytes: usize,
     dropped: Option<usize>,
+    /// `(pred<h>, pred<h>_weight)` for `h = 1..=H`.
+    preds: Vec<(usize, usize)>,
+    router_expert: Option<usize>,
     count: usize,
 }
 
@@ -417,6 +592,22 @@ impl RouteTrace {
                 extra.push((k.clone(), v.clone()));
             }
         }
+        // `route_ahead=N` (the depth a `--route-ahead` run committed at) is structured, not
+        // an opaque extra key.
+        let mut route_ahead = 0u8;
+        if let Some(i) = extra.iter().position(|(k, _)| k == ROUTE_AHEAD_KEY) {
+            let (_, v) = extra.remove(i);
+            route_ahead = v
+                .parse::<u8>()
+                .ok()
+                .filter(|&n| (1..=PRED_HORIZON_MAX).contains(&usize::from(n)))
+                .ok_or_else(|| {
+                    at(
+                        model_no,
+                        format!("{ROUTE_AHEAD_KEY}={v} is not in [1, {PRED_HORIZON_MAX}]"),
+                    )
+                })?;
+        }
 
         // Layers.
         if layer_lines.is_empty() {
@@ -546,6 +737,25 @@ impl RouteTrace {
                     ),
                 ));
             }
+            let mut preds = [None; PRED_HORIZON_MAX];
+            for (h, &(id_col, weight_col)) in columns.preds.iter().enumerate() {
+                preds[h] = parse_pred(fields[id_col], fields[weight_col], h + 1, n_expert)
+                    .map_err(|reason| at(n, reason))?;
+            }
+            let router_expert = match columns.router_expert {
+                None => None,
+                Some(i) if fields[i].is_empty() => None,
+                Some(i) => {
+                    let id: u32 = parse_int(fields[i], ROUTER_EXPERT_COLUMN, n)?;
+                    if id >= n_expert {
+                        return Err(at(
+                            n,
+                            format!("column {ROUTER_EXPERT_COLUMN}: expert {id} is not below n_expert={n_expert}"),
+                        ));
+                    }
+                    Some(id as u16) // id < n_expert <= u16::MAX
+                }
+            };
             entries.push(Entry {
                 turn,
                 phase: phase_raw,
@@ -560,6 +770,8 @@ impl RouteTrace {
                     expert_bytes,
                     dropped,
                 },
+                preds,
+                router_expert,
             });
         }
 
@@ -573,7 +785,20 @@ impl RouteTrace {
             notes,
             extra,
         };
-        let trace = build_cells(preamble, columns.dropped.is_some(), entries)?;
+        let pred_columns = PredColumns {
+            // columns.preds.len() <= PRED_HORIZON_MAX (checked in parse_header).
+            horizons: columns.preds.len() as u8,
+            route_ahead,
+        };
+        let trace = build_cells(
+            preamble,
+            FileColumns {
+                dropped: columns.dropped.is_some(),
+                preds: pred_columns,
+                router_expert: columns.router_expert.is_some(),
+            },
+            entries,
+        )?;
         trace.check_layer_token_counts()?;
         trace.check_not_constant()?;
         Ok(trace)
@@ -607,7 +832,8 @@ impl RouteTrace {
         })
     }
 
-    /// Every row as a `RouteRecord` (with `layer` the MoE layer index), in cell order.
+    /// Every row as a `RouteRecord` (with `layer` the MoE layer index), in cell order, with
+    /// its recorded predictions and router choice.
     pub fn records(&self) -> impl Iterator<Item = RouteRecord> + '_ {
         self.cells.iter().flat_map(move |c| {
             self.cell_slots(c)
@@ -624,10 +850,139 @@ impl RouteTrace {
                     residency: s.residency,
                     expert_bytes: s.expert_bytes,
                     dropped: s.dropped,
-                    preds: Default::default(),
-                    router_expert: None,
+                    preds: self.slot_preds(c, slot),
+                    router_expert: self.slot_router_expert(c, slot),
                 })
         })
+    }
+
+    /// The prediction columns the file had (`route_ahead` is the model line's
+    /// `route_ahead=N`, 0 when absent).
+    pub fn pred_columns(&self) -> PredColumns {
+        self.pred_columns
+    }
+
+    /// Whether the file had the `router_expert` column.
+    pub fn has_router_expert_column(&self) -> bool {
+        self.has_router_expert_column
+    }
+
+    /// The recorded prediction at `slot` of `cell` for `horizon` (1-based): `None` where
+    /// nothing was predicted, the horizon is 0 or beyond the file's columns, or the slot is
+    /// out of the cell.
+    pub fn slot_pred(&self, cell: &RouteCell, slot: usize, horizon: usize) -> Option<(u16, f32)> {
+        let h_max = usize::from(self.pred_columns.horizons);
+        if horizon == 0 || horizon > h_max || slot >= usize::from(cell.n_slots) {
+            return None;
+        }
+        let index = (cell.first_slot as usize + slot) * h_max + horizon - 1;
+        self.preds.get(index).copied().flatten()
+    }
+
+    fn slot_preds(&self, cell: &RouteCell, slot: usize) -> [Option<(u16, f32)>; PRED_HORIZON_MAX] {
+        let mut out = [None; PRED_HORIZON_MAX];
+        for (h, p) in out.iter_mut().enumerate() {
+            *p = self.slot_pred(cell, slot, h + 1);
+        }
+        out
+    }
+
+    /// Whether `cell` carries a prediction at `horizon` (1-based; then every slot does).
+    pub fn has_pred(&self, cell: &RouteCell, horizon: usize) -> bool {
+        self.slot_pred(cell, 0, horizon).is_some()
+    }
+
+    /// Fill `out` with the recorded horizon-`horizon` prediction of `cell` (ids and weights
+    /// in the router's rank order). False, with `out` cleared, where nothing was predicted.
+    pub fn cell_pred(&self, cell: &RouteCell, horizon: usize, out: &mut Prediction) -> bool {
+        out.clear();
+        if !self.has_pred(cell, horizon) {
+            return false;
+        }
+        for slot in 0..usize::from(cell.n_slots) {
+            if let Some((id, w)) = self.slot_pred(cell, slot, horizon) {
+                out.ids.push(id);
+                out.weights.push(w);
+            }
+        }
+        true
+    }
+
+    /// The router's own choice at `slot` of `cell` where `--route-ahead` committed the
+    /// routing (the `expert` column then holds the committed id); `None` for a routing the
+    /// router chose.
+    pub fn slot_router_expert(&self, cell: &RouteCell, slot: usize) -> Option<u32> {
+        if slot >= usize::from(cell.n_slots) {
+            return None;
+        }
+        self.router_experts
+            .get(cell.first_slot as usize + slot)
+            .copied()
+            .flatten()
+            .map(u32::from)
+    }
+
+    /// Whether `--route-ahead` committed `cell`'s routing from a prediction.
+    pub fn is_committed(&self, cell: &RouteCell) -> bool {
+        self.slot_router_expert(cell, 0).is_some()
+    }
+
+    /// Whether any cell carries a prediction at `horizon` (1-based).
+    pub fn any_pred(&self, horizon: usize) -> bool {
+        self.cells.iter().any(|c| self.has_pred(c, horizon))
+    }
+
+    /// The trace as a `--route-ahead n` run would have routed it, approximated from the
+    /// recorded horizon-`n` predictions: in every cell that carries one, the committed routing
+    /// is the prediction's ids in its rank order, each with the router's recorded weight where
+    /// the router also chose that id and `nan` where it did not (the router's weight of an id
+    /// outside its top-k is not in the trace); `router_expert` holds the router's choice.
+    /// Cells without a prediction keep the router's routing (passed through). A slot whose id
+    /// changed loses its residency facts (`residency` 0, no bytes, not dropped): they belonged
+    /// to another expert. `None` when the file has no `pred<n>` column or `n` is 0.
+    ///
+    /// This is an approximation: in a real `--route-ahead` run the hidden states after the
+    /// first committed layer differ, so later routings and predictions would differ too.
+    pub fn commit_predictions(&self, n: u8) -> Option<RouteTrace> {
+        let horizon = usize::from(n);
+        if n == 0 || n > self.pred_columns.horizons {
+            return None;
+        }
+        let mut out = self.clone();
+        out.pred_columns.route_ahead = n;
+        out.has_router_expert_column = true;
+        out.router_experts = vec![None; self.slots.len()];
+        for cell in &self.cells {
+            if !self.has_pred(cell, horizon) {
+                continue;
+            }
+            let router = self.cell_slots(cell);
+            for slot in 0..usize::from(cell.n_slots) {
+                let Some((id, _)) = self.slot_pred(cell, slot, horizon) else {
+                    continue;
+                };
+                let index = cell.first_slot as usize + slot;
+                let original = router[slot];
+                let weight = router
+                    .iter()
+                    .find(|s| s.expert == u32::from(id))
+                    .map_or(f32::NAN, |s| s.weight);
+                out.slots[index] = if original.expert == u32::from(id) {
+                    RouteSlot { weight, ..original }
+                } else {
+                    RouteSlot {
+                        expert: u32::from(id),
+                        weight,
+                        residency: 0,
+                        expert_bytes: 0,
+                        dropped: false,
+                    }
+                };
+                // The reader checked expert < n_expert <= u16::MAX.
+                out.router_experts[index] = Some(original.expert as u16);
+            }
+        }
+        Some(out)
     }
 
     /// Number of rows (routed slots).
@@ -724,6 +1079,59 @@ fn parse_header(header: &str, line: usize) -> Result<Columns, ParseError> {
             .position(|n| *n == name)
             .ok_or_else(|| at(line, format!("header lacks the required column {name}")))
     };
+    // Prediction columns: `pred<h>` and `pred<h>_weight` in pairs, horizons 1..=H without
+    // gaps, H <= PRED_HORIZON_MAX. Other unknown columns are ignored, as the contract says.
+    let mut horizons: Vec<usize> = Vec::new();
+    for name in &names {
+        let Some(rest) = name.strip_prefix("pred") else {
+            continue;
+        };
+        let (digits, is_weight) = match rest.strip_suffix("_weight") {
+            Some(d) => (d, true),
+            None => (rest, false),
+        };
+        if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+            continue;
+        }
+        let h: usize = digits.parse().unwrap_or(usize::MAX);
+        if h == 0 || h > PRED_HORIZON_MAX || digits != h.to_string() {
+            return Err(at(
+                line,
+                format!("column {name}: prediction horizons are pred1..pred{PRED_HORIZON_MAX}"),
+            ));
+        }
+        let partner = if is_weight {
+            format!("pred{h}")
+        } else {
+            format!("pred{h}_weight")
+        };
+        if !names.contains(&partner.as_str()) {
+            return Err(at(
+                line,
+                format!("column {name} has no partner column {partner}"),
+            ));
+        }
+        if !is_weight {
+            horizons.push(h);
+        }
+    }
+    horizons.sort_unstable();
+    let mut preds = Vec::with_capacity(horizons.len());
+    for (i, &h) in horizons.iter().enumerate() {
+        if h != i + 1 {
+            return Err(at(
+                line,
+                format!(
+                    "column pred{h} without pred{}: prediction horizons must run 1..=H without gaps",
+                    i + 1
+                ),
+            ));
+        }
+        preds.push((
+            find(&format!("pred{h}"))?,
+            find(&format!("pred{h}_weight"))?,
+        ));
+    }
     Ok(Columns {
         turn: find("turn")?,
         phase: find("phase")?,
@@ -735,8 +1143,44 @@ fn parse_header(header: &str, line: usize) -> Result<Columns, ParseError> {
         residency: find("residency")?,
         expert_bytes: find("expert_bytes")?,
         dropped: names.iter().position(|n| *n == "dropped"),
+        preds,
+        router_expert: names.iter().position(|n| *n == ROUTER_EXPERT_COLUMN),
         count: names.len(),
     })
+}
+
+/// One `pred<h>` / `pred<h>_weight` field pair: both empty = not predicted.
+fn parse_pred(
+    id: &str,
+    weight: &str,
+    horizon: usize,
+    n_expert: u32,
+) -> Result<Option<(u16, f32)>, String> {
+    match (id.is_empty(), weight.is_empty()) {
+        (true, true) => return Ok(None),
+        (false, true) => {
+            return Err(format!(
+                "column pred{horizon}_weight is empty but pred{horizon} is {id}"
+            ))
+        }
+        (true, false) => {
+            return Err(format!(
+                "column pred{horizon} is empty but pred{horizon}_weight is {weight}"
+            ))
+        }
+        (false, false) => {}
+    }
+    let expert: u32 = id
+        .parse()
+        .map_err(|_| format!("column pred{horizon}: '{id}' is not a valid integer"))?;
+    if expert >= n_expert {
+        return Err(format!(
+            "column pred{horizon}: expert {expert} is not below n_expert={n_expert}"
+        ));
+    }
+    let w =
+        parse_weight(weight).map_err(|reason| format!("column pred{horizon}_weight: {reason}"))?;
+    Ok(Some((expert as u16, w))) // expert < n_expert <= u16::MAX
 }
 
 fn parse_weight(field: &str) -> Result<f32, String> {
@@ -779,16 +1223,26 @@ fn parse_proj(v: &str) -> Result<Vec<ProjExtent>, String> {
         .collect()
 }
 
+/// Which optional columns the file had.
+struct FileColumns {
+    dropped: bool,
+    preds: PredColumns,
+    router_expert: bool,
+}
+
 fn build_cells(
     preamble: RoutePreamble,
-    has_dropped_column: bool,
+    file: FileColumns,
     mut entries: Vec<Entry>,
 ) -> Result<RouteTrace, ParseError> {
+    let horizons = usize::from(file.preds.horizons);
     entries.sort_unstable_by_key(|e| (e.turn, e.phase, e.step, e.moe_layer, e.slot, e.line));
     let k = preamble.n_expert_used as usize;
     let mut cells = Vec::with_capacity(entries.len() / k.max(1));
     let mut cell_lines = Vec::with_capacity(entries.len() / k.max(1));
     let mut slots = Vec::with_capacity(entries.len());
+    let mut preds = Vec::with_capacity(entries.len() * horizons);
+    let mut router_experts = Vec::new();
     let mut start = 0;
     while start < entries.len() {
         let key = entries[start].cell_key();
@@ -840,8 +1294,12 @@ fn build_cells(
                 ));
             }
         }
+        check_cell_predictions(group, horizons, &describe)?;
+        let committed = group.iter().any(|e| e.router_expert.is_some());
         let nan_count = group.iter().filter(|e| e.value.weight.is_nan()).count();
-        if nan_count != 0 && nan_count != group.len() {
+        // A committed route-ahead routing may know only some weights: the router's weight of
+        // an expert it did not choose is not always available (`commit_predictions`).
+        if nan_count != 0 && nan_count != group.len() && !committed {
             return Err(at(
                 first_line,
                 format!(
@@ -864,15 +1322,74 @@ fn build_cells(
         });
         cell_lines.push(first_line as u32);
         slots.extend(group.iter().map(|e| e.value));
+        for e in group {
+            preds.extend_from_slice(&e.preds[..horizons]);
+        }
+        if file.router_expert {
+            router_experts.extend(group.iter().map(|e| e.router_expert));
+        }
         start = end;
     }
     Ok(RouteTrace {
         preamble,
-        has_dropped_column,
+        has_dropped_column: file.dropped,
         cells,
         slots,
         cell_lines,
+        pred_columns: file.preds,
+        has_router_expert_column: file.router_expert,
+        preds,
+        router_experts,
     })
+}
+
+/// Within one routing, each prediction horizon and the router's own choice are known for
+/// every slot or for none (a prediction is a whole top-k), and name no expert twice.
+fn check_cell_predictions(
+    group: &[Entry],
+    horizons: usize,
+    describe: &dyn Fn() -> String,
+) -> Result<(), ParseError> {
+    let check = |what: &str, ids: &[(u32, Option<u16>)]| -> Result<(), ParseError> {
+        let known = ids.iter().filter(|(_, id)| id.is_some()).count();
+        if known != 0 && known != ids.len() {
+            let line = ids
+                .iter()
+                .find(|(_, id)| id.is_none())
+                .map_or(0, |(l, _)| *l as usize);
+            return Err(at(
+                line,
+                format!(
+                    "{} has {what} on {known} of its {} slots: it is known for the whole routing or for none",
+                    describe(),
+                    ids.len()
+                ),
+            ));
+        }
+        for (i, (line, id)) in ids.iter().enumerate() {
+            if let Some(id) = id {
+                if let Some((first, _)) = ids[..i].iter().find(|(_, other)| other == &Some(*id)) {
+                    return Err(at(
+                        *line as usize,
+                        format!(
+                            "{} has expert {id} twice in {what} (also on line {first})",
+                            describe()
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    };
+    let mut ids: Vec<(u32, Option<u16>)> = Vec::with_capacity(group.len());
+    for h in 0..horizons {
+        ids.clear();
+        ids.extend(group.iter().map(|e| (e.line, e.preds[h].map(|(id, _)| id))));
+        check(&format!("pred{}", h + 1), &ids)?;
+    }
+    ids.clear();
+    ids.extend(group.iter().map(|e| (e.line, e.router_expert)));
+    check(ROUTER_EXPERT_COLUMN, &ids)
 }
 
 #[cfg(test)]
@@ -952,5 +1469,529 @@ mod tests {
         w.route(&r);
         assert!(!w.wants_routes(), "the sink stops after its first error");
         assert!(w.finish().is_err(), "and reports it");
+    }
+
+    fn pred_preamble() -> RoutePreamble {
+        RoutePreamble {
+            model: "m".into(),
+            arch: "a".into(),
+            n_layer: 3,
+            n_expert: 8,
+            n_expert_used: 2,
+            layers: (0..3)
+                .map(|layer| TraceLayer {
+                    layer,
+                    expert_bytes: 8,
+                    dense_bytes: 4,
+                    proj: vec![],
+                })
+                .collect(),
+            notes: vec![],
+            extra: vec![("ctx".into(), "64".into())],
+        }
+    }
+
+    /// Three decode steps x three layers x two slots; predictions where the engine makes
+    /// them (layer >= h, not the first decode token), weights exact at 6 decimals.
+    fn pred_records(columns: PredColumns) -> Vec<RouteRecord> {
+        let mut out = Vec::new();
+        for step in 10..13i64 {
+            for layer in 0..3u32 {
+                let base = (step as u32 * 3 + layer) % 8;
+                let experts = [base, (base + 1 + layer) % 8];
+                for slot in 0..2u32 {
+                    let mut preds = [None; PRED_HORIZON_MAX];
+                    for h in 1..=usize::from(columns.horizons) {
+                        if layer as usize >= h && step > 10 {
+                            let p0 = ((experts[0] + h as u32) % 8) as u16;
+                            let p1 = ((experts[1] + 3 + h as u32) % 8) as u16;
+                            let ids = if p0 == p1 {
+                                [p0, (p1 + 1) % 8]
+                            } else {
+                                [p0, p1]
+                            };
+                            let w = [0.625, 0.375];
+                            preds[h - 1] = Some((ids[slot as usize], w[slot as usize]));
+                        }
+                    }
+                    let committed = columns.route_ahead > 0
+                        && layer >= u32::from(columns.route_ahead)
+                        && step > 10;
+                    out.push(RouteRecord {
+                        turn: 0,
+                        phase: Phase::Decode,
+                        step,
+                        layer,
+                        slot,
+                        expert: experts[slot as usize],
+                        weight: if slot == 0 { 0.75 } else { 0.25 },
+                        residency: 1,
+                        expert_bytes: 0,
+                        dropped: false,
+                        preds,
+                        router_expert: committed.then_some((experts[slot as usize] + 4) % 8),
+                    });
+                }
+            }
+        }
+        out
+    }
+
+    fn write_trace(columns: PredColumns, records: &[RouteRecord]) -> String {
+        let mut w =
+            RouteTraceWriter::with_predictions(Vec::new(), &pred_preamble(), columns).expect("vec");
+        for r in records {
+            w.write(r).expect("declared columns");
+        }
+        String::from_utf8(w.finish().expect("vec")).expect("utf8")
+    }
+
+    #[test]
+    fn prediction_columns_round_trip() {
+        for columns in [
+            PredColumns::NONE,
+            PredColumns {
+                horizons: 2,
+                route_ahead: 0,
+            },
+            PredColumns {
+                horizons: 2,
+                route_ahead: 2,
+            },
+            PredColumns {
+                horizons: 0,
+                route_ahead: 1,
+            },
+        ] {
+            let records = pred_records(columns);
+            let text = write_trace(columns, &records);
+            let header = text
+                .lines()
+                .find(|l| l.starts_with("turn,"))
+                .expect("header");
+            let mut expected = ROUTE_COLUMNS.join(",");
+            for name in columns.column_names() {
+                expected = format!("{expected},{name}");
+            }
+            assert_eq!(header, expected);
+            let trace = RouteTrace::parse(&text).unwrap_or_else(|e| panic!("{columns:?}: {e}"));
+            assert_eq!(trace.pred_columns(), columns);
+            assert_eq!(trace.has_router_expert_column(), columns.route_ahead > 0);
+            assert_eq!(trace.preamble.extra, vec![("ctx".into(), "64".into())]);
+            let back: Vec<RouteRecord> = trace.records().collect();
+            assert_eq!(back, records, "{columns:?}");
+            // Writing what was read reproduces the bytes.
+            assert_eq!(write_trace(trace.pred_columns(), &back), text);
+        }
+    }
+
+    #[test]
+    fn columns_follow_the_run_flags() {
+        use crate::config::RunConfig;
+        let cfg = |predict_log, predict_prefetch, route_ahead| RunConfig {
+            predict_log,
+            predict_prefetch,
+            route_ahead,
+            ..RunConfig::default()
+        };
+        assert_eq!(
+            PredColumns::for_config(&cfg(false, false, 0)),
+            PredColumns::NONE
+        );
+        let stale = PredColumns {
+            horizons: 2,
+            route_ahead: 0,
+        };
+        assert_eq!(PredColumns::for_config(&cfg(true, false, 0)), stale);
+        assert_eq!(PredColumns::for_config(&cfg(false, true, 0)), stale);
+        assert_eq!(
+            PredColumns::for_config(&cfg(false, false, 3)),
+            PredColumns {
+                horizons: 3,
+                route_ahead: 3
+            }
+        );
+        assert_eq!(
+            PredColumns::for_config(&cfg(false, false, 1)),
+            PredColumns {
+                horizons: 1,
+                route_ahead: 1
+            }
+        );
+    }
+
+    #[test]
+    fn no_prediction_columns_write_exactly_as_before() {
+        let records = pred_records(PredColumns::NONE);
+        let mut w = RouteTraceWriter::new(Vec::new(), &pred_preamble()).expect("vec");
+        for r in &records {
+            w.write(r).expect("row");
+        }
+        let text = String::from_utf8(w.finish().expect("vec")).expect("utf8");
+        assert!(text.contains(
+            "\nturn,phase,step,layer,slot,expert,weight,residency,expert_bytes,dropped\n"
+        ));
+        assert!(
+            text.contains("\n1,1,10,0,0,6,0.750000,1,0,0\n") || text.contains(",0.750000,1,0,0\n")
+        );
+        assert!(!text.contains("route_ahead"));
+        let t = RouteTrace::parse(&text).expect("parses");
+        assert_eq!(t.pred_columns(), PredColumns::NONE);
+        assert!(!t.any_pred(1));
+        let c = t.cells[3];
+        assert_eq!(t.slot_pred(&c, 0, 1), None);
+        assert_eq!(t.slot_router_expert(&c, 0), None);
+    }
+
+    #[test]
+    fn writer_refuses_predictions_it_did_not_declare() {
+        let mut records = pred_records(PredColumns {
+            horizons: 2,
+            route_ahead: 1,
+        });
+        let one = PredColumns {
+            horizons: 1,
+            route_ahead: 0,
+        };
+        let mut w =
+            RouteTraceWriter::with_predictions(Vec::new(), &pred_preamble(), one).expect("vec");
+        let horizon2 = records
+            .iter()
+            .find(|r| r.preds[1].is_some())
+            .expect("a horizon-2 prediction")
+            .clone();
+        let e = w
+            .write(&horizon2)
+            .expect_err("horizon 2 beyond the declared 1");
+        assert!(e.to_string().contains("horizon-2"), "{e}");
+        let committed = records
+            .iter()
+            .find(|r| r.router_expert.is_some())
+            .expect("a committed slot")
+            .clone();
+        let committed = RouteRecord {
+            preds: [None; PRED_HORIZON_MAX],
+            ..committed
+        };
+        let e = w.write(&committed).expect_err("no router_expert column");
+        assert!(e.to_string().contains("router_expert"), "{e}");
+        records[0].preds[0] = Some((8, 0.5));
+        let e = w.write(&records[0]).expect_err("expert 8 of 8");
+        assert!(e.to_string().contains("not below n_expert"), "{e}");
+        assert!(RouteTraceWriter::with_predictions(
+            Vec::new(),
+            &pred_preamble(),
+            PredColumns {
+                horizons: PRED_HORIZON_MAX as u8 + 1,
+                route_ahead: 0
+            }
+        )
+        .is_err());
+    }
+
+    /// Replace `from` by `to` in the text and expect a parse error naming `needle` (and the
+    /// line when `line` is set).
+    fn expect_reject(text: &str, from: &str, to: &str, needle: &str, line: Option<usize>) {
+        assert!(text.contains(from), "fixture lacks {from:?}");
+        let bad = text.replacen(from, to, 1);
+        let e = RouteTrace::parse(&bad).expect_err(needle);
+        let msg = e.to_string();
+        assert!(msg.contains(needle), "{needle:?} not in {msg}");
+        if let Some(l) = line {
+            assert_eq!(e.line(), Some(l), "{msg}");
+        }
+    }
+
+    #[test]
+    fn reader_rejects_malformed_prediction_columns() {
+        let columns = PredColumns {
+            horizons: 2,
+            route_ahead: 1,
+        };
+        let text = write_trace(columns, &pred_records(columns));
+        let header = text
+            .lines()
+            .find(|l| l.starts_with("turn,"))
+            .expect("header")
+            .to_string();
+        let header_line = text.lines().position(|l| l == header).expect("line") + 1;
+        // Column-level faults name the header line and the column.
+        expect_reject(
+            &text,
+            ",pred2_weight,",
+            ",pred2_w,",
+            "pred2 has no partner column pred2_weight",
+            Some(header_line),
+        );
+        expect_reject(
+            &text,
+            ",pred1,pred1_weight,",
+            ",pred3,pred3_weight,",
+            "without pred1: prediction horizons must run 1..=H without gaps",
+            Some(header_line),
+        );
+        expect_reject(
+            &text,
+            ",pred1,",
+            ",pred01,",
+            "column pred01",
+            Some(header_line),
+        );
+        expect_reject(
+            &text,
+            ",pred1,pred1_weight,",
+            ",pred9,pred9_weight,",
+            "pred1..pred8",
+            Some(header_line),
+        );
+        // Field-level faults name the row's line and the column. Rows of step 11, layer 2
+        // carry both horizons and the router's choice; find the first one.
+        let row = text
+            .lines()
+            .position(|l| l.starts_with("0,1,11,2,0,"))
+            .expect("row")
+            + 1;
+        let line = text.lines().nth(row - 1).expect("row").to_string();
+        let fields: Vec<&str> = line.split(',').collect();
+        let with = |i: usize, v: &str| {
+            let mut f = fields.clone();
+            f[i] = v;
+            f.join(",")
+        };
+        // Layout: 10 base columns, pred1 (10), pred1_weight (11), pred2 (12), pred2_weight
+        // (13), router_expert (14).
+        expect_reject(
+            &text,
+            &line,
+            &with(11, ""),
+            "pred1_weight is empty",
+            Some(row),
+        );
+        expect_reject(&text, &line, &with(12, ""), "pred2 is empty", Some(row));
+        expect_reject(
+            &text,
+            &line,
+            &with(10, "8"),
+            "column pred1: expert 8 is not below n_expert=8",
+            Some(row),
+        );
+        expect_reject(&text, &line, &with(10, "x"), "column pred1: 'x'", Some(row));
+        expect_reject(
+            &text,
+            &line,
+            &with(13, "1.5"),
+            "column pred2_weight: weight 1.5 is above 1",
+            Some(row),
+        );
+        expect_reject(
+            &text,
+            &line,
+            &with(14, "9"),
+            "column router_expert: expert 9",
+            Some(row),
+        );
+        // Cell-level faults: a prediction or router choice on only some slots, or twice.
+        let both_empty = {
+            let mut f = fields.clone();
+            f[10] = "";
+            f[11] = "";
+            f.join(",")
+        };
+        expect_reject(
+            &text,
+            &line,
+            &both_empty,
+            "pred1 on 1 of its 2 slots",
+            Some(row),
+        );
+        expect_reject(
+            &text,
+            &line,
+            &with(14, ""),
+            "router_expert on 1 of its 2 slots",
+            Some(row),
+        );
+        let next = text.lines().nth(row).expect("slot 1").to_string();
+        let dup: Vec<&str> = next.split(',').collect();
+        let mut dup_fields = dup.clone();
+        dup_fields[10] = fields[10];
+        expect_reject(
+            &text,
+            &next,
+            &dup_fields.join(","),
+            "twice in pred1",
+            Some(row + 1),
+        );
+        // NaN prediction weights are "unknown", not an error.
+        RouteTrace::parse(&text.replacen(&line, &with(11, "nan"), 1)).expect("nan weight");
+        // route_ahead must be a depth.
+        expect_reject(
+            &text,
+            "route_ahead=1",
+            "route_ahead=9",
+            "route_ahead=9 is not in [1, 8]",
+            Some(2),
+        );
+    }
+
+    #[test]
+    fn committing_predictions_rewrites_the_routing() {
+        let columns = PredColumns {
+            horizons: 2,
+            route_ahead: 0,
+        };
+        let trace =
+            RouteTrace::parse(&write_trace(columns, &pred_records(columns))).expect("parses");
+        assert!(trace.commit_predictions(0).is_none());
+        assert!(trace.commit_predictions(3).is_none(), "no pred3 column");
+        let committed = trace.commit_predictions(2).expect("pred2");
+        assert_eq!(committed.pred_columns().route_ahead, 2);
+        assert!(committed.has_router_expert_column());
+        let mut n_committed = 0;
+        for (cell, orig) in committed.cells.iter().zip(&trace.cells) {
+            let router: Vec<u32> = trace.cell_slots(orig).iter().map(|s| s.expert).collect();
+            let slots = committed.cell_slots(cell);
+            if !trace.has_pred(orig, 2) {
+                assert!(!committed.is_committed(cell));
+                assert_eq!(slots, trace.cell_slots(orig), "passed through");
+                continue;
+            }
+            n_committed += 1;
+            assert!(committed.is_committed(cell));
+            for (slot, s) in slots.iter().enumerate() {
+                let (id, _) = trace.slot_pred(orig, slot, 2).expect("predicted");
+                assert_eq!(s.expert, u32::from(id));
+                assert_eq!(committed.slot_router_expert(cell, slot), Some(router[slot]));
+                match router.iter().position(|&r| r == s.expert) {
+                    Some(i) => assert_eq!(s.weight, trace.cell_slots(orig)[i].weight),
+                    None => assert!(s.weight.is_nan(), "router did not choose {}", s.expert),
+                }
+            }
+        }
+        // Steps 11 and 12 at layer 2.
+        assert_eq!(n_committed, 2);
+        // The committed trace is a trace: writing and reading it gives it back.
+        let records: Vec<RouteRecord> = committed.records().collect();
+        let text = write_trace(committed.pred_columns(), &records);
+        let back = RouteTrace::parse(&text).expect("committed trace parses");
+        // (Debug strings: the committed routing carries nan weights, and nan != nan.)
+        assert_eq!(
+            format!("{:?}", back.records().collect::<Vec<_>>()),
+            format!("{records:?}")
+        );
+    }
+
+    #[test]
+    fn cell_prediction_in_rank_order() {
+        let columns = PredColumns {
+            horizons: 1,
+            route_ahead: 0,
+        };
+        let trace =
+            RouteTrace::parse(&write_trace(columns, &pred_records(columns))).expect("parses");
+        let mut p = Prediction::default();
+        let first = trace.cells[0];
+        assert!(
+            !trace.cell_pred(&first, 1, &mut p),
+            "first token: nothing predicted"
+        );
+        assert!(p.ids.is_empty());
+        let cell = *trace
+            .cells
+            .iter()
+            .find(|c| trace.has_pred(c, 1))
+            .expect("a prediction");
+        assert!(trace.cell_pred(&cell, 1, &mut p));
+        assert_eq!(p.weights, vec![0.625, 0.375]);
+        assert_eq!(
+            p.ids,
+            vec![
+                trace.slot_pred(&cell, 0, 1).expect("slot 0").0,
+                trace.slot_pred(&cell, 1, 1).expect("slot 1").0
+            ]
+        );
+        assert!(!trace.cell_pred(&cell, 2, &mut p), "no pred2 column");
+    }
+
+    mod round_trip {
+        use super::*;
+        use proptest::prelude::*;
+
+        /// Weights exact at 6 decimals (multiples of 1/64), or nan.
+        fn weight(code: u8) -> f32 {
+            if code == 64 {
+                f32::NAN
+            } else {
+                f32::from(code) / 64.0
+            }
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(64))]
+
+            /// Any records within the declared columns come back from writer → reader →
+            /// `records()` unchanged, and re-writing them reproduces the bytes.
+            #[test]
+            fn writer_then_reader_is_identity(
+                horizons in 0u8..=3,
+                route_ahead in 0u8..=2,
+                steps in 2usize..6,
+                seed in any::<u64>(),
+            ) {
+                let columns = PredColumns { horizons, route_ahead };
+                let k = 2usize;
+                let mut records = Vec::new();
+                let mut x = seed;
+                let mut next = |m: u64| {
+                    x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    (x >> 33) % m
+                };
+                for step in 0..steps as i64 {
+                    for layer in 0..3u32 {
+                        let first = (step as u32 + layer) % 8;
+                        let experts = [first, (first + 1 + next(6) as u32) % 8];
+                        let pred_sets: Vec<Option<[u16; 2]>> = (0..horizons)
+                            .map(|_| {
+                                (next(3) > 0).then(|| {
+                                    let a = next(8) as u16;
+                                    [a, (a + 1 + next(7) as u16) % 8]
+                                })
+                            })
+                            .collect();
+                        let committed = route_ahead > 0 && next(2) == 1;
+                        let router = [(first + 3) % 8, (first + 5) % 8];
+                        let nan_cell = next(5) == 0;
+                        for slot in 0..k {
+                            let mut preds = [None; PRED_HORIZON_MAX];
+                            for (h, set) in pred_sets.iter().enumerate() {
+                                if let Some(ids) = set {
+                                    preds[h] = Some((ids[slot], weight(next(65) as u8)));
+                                }
+                            }
+                            records.push(RouteRecord {
+                                turn: 0,
+                                phase: Phase::Decode,
+                                step,
+                                layer,
+                                slot: slot as u32,
+                                expert: experts[slot],
+                                weight: if nan_cell { f32::NAN } else { weight(next(64) as u8) },
+                                residency: 1,
+                                expert_bytes: 0,
+                                dropped: false,
+                                preds,
+                                router_expert: committed.then_some(router[slot]),
+                            });
+                        }
+                    }
+                }
+                let text = write_trace(columns, &records);
+                let trace = RouteTrace::parse(&text).map_err(|e| TestCaseError::fail(e.to_string()))?;
+                prop_assert_eq!(trace.pred_columns(), columns);
+                let back: Vec<RouteRecord> = trace.records().collect();
+                prop_assert_eq!(format!("{back:?}"), format!("{records:?}"));
+                prop_assert_eq!(write_trace(columns, &back), text);
+            }
+        }
     }
 }
