@@ -343,7 +343,11 @@ pub fn generate_with(
                 notes: Vec::new(),
                 extra: Vec::new(),
             };
-            Some(RouteTraceWriter::new(create(p)?, &pre)?)
+            Some(RouteTraceWriter::with_predictions(
+                create(p)?,
+                &pre,
+                bmoe_core::telemetry::route_trace::PredColumns::for_config(&cfg),
+            )?)
         }
         _ => None,
     };

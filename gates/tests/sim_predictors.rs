@@ -386,7 +386,6 @@ fn summary_u64(csv: &Path, key: &str) -> u64 {
 }
 
 #[test]
-#[ignore = "needs the pred branch"]
 fn an_engine_predict_log_trace_replays_predict_prefetch() {
     let dir = scratch("engine-log");
     let model = bmoe_gates::tiny();
@@ -459,7 +458,6 @@ fn predictor_lines(stdout: &str) -> Vec<&str> {
 /// lines. `--prefetch-sync` makes speculation independent of timing (each speculative read is
 /// waited for where it is issued), as the engine's own predictor gates do.
 #[test]
-#[ignore = "needs the pred branch"]
 fn engine_predictor_runs_replay_exactly() {
     let dir = scratch("engine-exact");
     let model = bmoe_gates::tiny();

@@ -208,6 +208,7 @@ fn run_step(
     tokens: &mut Vec<u32>,
     route: &mut Option<&mut dyn RecordSink>,
     io: &mut Option<&mut dyn RecordSink>,
+    route_ahead: Option<(&RouteTrace, usize)>,
 ) -> Result<StepStats, SimError> {
     let s = &plan.steps[index];
     engine
@@ -220,7 +221,7 @@ fn run_step(
         route: reborrow_s(route),
         io: reborrow_s(io),
     };
-    let stats = engine.step(
+    let mut stats = engine.step(
         &StepInput {
             turn: s.turn,
             phase: s.phase,
@@ -229,6 +230,17 @@ fn run_step(
         },
         &mut tee,
     )?;
+    // The routing fed is already the committed one, and the core cannot re-commit it without
+    // the router's probabilities: route-ahead's counters come from the trace.
+    if let Some((trace, k)) = route_ahead {
+        if s.phase == Phase::Decode {
+            let t = crate::predictions::route_ahead_tally(trace, s, k);
+            stats.ra_committed = t.committed;
+            stats.ra_passthrough = t.passthrough;
+            stats.ra_slots = t.slots;
+            stats.ra_agreed_slots = t.agreed_slots;
+        }
+    }
     Ok(stats)
 }
 
@@ -287,6 +299,8 @@ pub fn run(setup: ReplaySetup<'_>, out: ReplayOutputs<'_>) -> Result<ReplayResul
     for hook in bmoe_core::hooks::router_hooks(cfg, trace.preamble.n_expert_used, true) {
         engine.add_hook(hook);
     }
+    engine.set_predictors(bmoe_core::PredictConfig::from_run_config(cfg));
+    let ra = (cfg.route_ahead > 0).then_some((&*trace, usize::from(k)));
 
     let mut telemetry = RunTelemetry::new();
     if let Some(w) = reborrow_w(&mut csv) {
@@ -314,7 +328,7 @@ pub fn run(setup: ReplaySetup<'_>, out: ReplayOutputs<'_>) -> Result<ReplayResul
         let mut n_prompt = 0u64;
         let mut prefill_s = 0.0;
         if let Some(p) = turn.prefill {
-            let st = run_step(&mut engine, &plan, p, &mut tokens, &mut route, &mut io)?;
+            let st = run_step(&mut engine, &plan, p, &mut tokens, &mut route, &mut io, ra)?;
             read_bytes += st.read_bytes;
             n_prompt = u64::from(st.tokens);
             prefill_s = st.wall.as_secs_f64();
@@ -322,7 +336,15 @@ pub fn run(setup: ReplaySetup<'_>, out: ReplayOutputs<'_>) -> Result<ReplayResul
         }
         for index in turn.decode.clone() {
             let gap = engine.backend_mut().loop_gap();
-            let st = run_step(&mut engine, &plan, index, &mut tokens, &mut route, &mut io)?;
+            let st = run_step(
+                &mut engine,
+                &plan,
+                index,
+                &mut tokens,
+                &mut route,
+                &mut io,
+                ra,
+            )?;
             debug_assert_eq!(plan.steps[index].phase, Phase::Decode);
             read_bytes += st.read_bytes;
             decode_steps += 1;
