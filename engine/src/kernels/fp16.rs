@@ -87,56 +87,26 @@ unsafe fn dot_avx2(w: &[u8], a: &[u16]) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::super::testutil::*;
-    use super::super::{ActBuf, GgmlType};
     use super::*;
+    use crate::gguf::GgmlType;
 
-    fn act_bits(a: &[f32]) -> Vec<u16> {
-        let mut buf = ActBuf::new();
-        buf.prepare(GgmlType::F16, a).unwrap();
-        buf.u16s.clone()
-    }
+    dot_kernel!(F16, F16, Vec<u16>, |x| act_u16(GgmlType::F16, x), bytes);
 
     #[test]
     fn simd_matches_scalar_bits() {
-        for (seed, n) in [(1u64, 1usize), (2, 31), (3, 32), (4, 333), (5, 4096)] {
-            let mut wb = vec![0u8; n * SIZE];
-            quantize(&values(seed, n, 0.1), &mut wb);
-            let a = act_bits(&values(seed + 100, n, 1.0));
-            let s = dot_scalar(&wb, &a);
-            for level in SimdLevel::available() {
-                assert_eq!(
-                    dot(level, &wb, &a).to_bits(),
-                    s.to_bits(),
-                    "{level:?} n={n}"
-                );
-            }
-        }
+        check_simd_matches_scalar::<F16>(&[(1, 1), (2, 31), (3, 32), (4, 333), (5, 4096)], 100);
     }
 
     #[test]
     fn scalar_is_close_to_f32_reference() {
-        let n = 4096;
-        let mut wb = vec![0u8; n * SIZE];
-        quantize(&values(11, n, 0.1), &mut wb);
-        let mut w = vec![0f32; n];
-        dequantize(&wb, &mut w);
-        let a = values(12, n, 1.0);
-        let got = dot_scalar(&wb, &act_bits(&a)) as f64;
-        // Budget: the activation's f16 rounding (2^-11 relative) plus f32 adds along a chain
-        // of n/32 + 5.
-        let rel = 2f64.powi(-11) + ((n / 32 + 6) as f64) * f32::EPSILON as f64;
-        let bound = abs_dot_f64(&w, &a) * rel;
-        assert!((got - dot_f64(&w, &a)).abs() <= bound, "seed 11/12");
+        // The activation's fp16 rounding is 2^-11 relative.
+        check_float_scalar_against_reference::<F16>(2f64.powi(-11));
     }
 
     #[test]
     fn round_trip_within_half_an_f16_ulp() {
         let v = values(3, 1000, 1.0);
-        let mut b = vec![0u8; 2000];
-        quantize(&v, &mut b);
-        let mut back = vec![0f32; 1000];
-        dequantize(&b, &mut back);
-        for (x, y) in v.iter().zip(&back) {
+        for (x, y) in v.iter().zip(&round_trip(GgmlType::F16, &v)) {
             assert!(
                 (x - y).abs() <= x.abs() * 2f32.powi(-11) + 2f32.powi(-25),
                 "{x} {y}"

@@ -39,6 +39,8 @@ mod q5_k;
 mod q6_k;
 mod q8_0;
 mod q8_k;
+#[cfg(test)]
+mod testutil;
 
 pub use pool::ThreadPool;
 
@@ -763,92 +765,6 @@ pub fn matmul(
 }
 
 #[cfg(test)]
-pub(crate) mod testutil {
-    //! Seeded random data shared by the format tests.
-    use rand::{Rng, SeedableRng};
-    use rand_chacha::ChaCha8Rng;
-
-    /// `n` values, roughly Gaussian (sum of uniforms), scaled by `scale`, plus a few outliers
-    /// like real weights and activations have.
-    pub fn values(seed: u64, n: usize, scale: f32) -> Vec<f32> {
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        (0..n)
-            .map(|_| {
-                let g: f32 = (0..4).map(|_| rng.gen_range(-1.0f32..1.0)).sum::<f32>() * 0.866;
-                let v = g * scale;
-                if rng.gen_range(0..64) == 0 {
-                    v * 6.0
-                } else {
-                    v
-                }
-            })
-            .collect()
-    }
-
-    /// Random bytes (weights straight from a file we do not trust).
-    pub fn bytes(seed: u64, n: usize) -> Vec<u8> {
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        (0..n).map(|_| rng.gen()).collect()
-    }
-
-    /// f64 dot product, the reference.
-    pub fn dot_f64(a: &[f32], b: &[f32]) -> f64 {
-        a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum()
-    }
-
-    /// Checks a kernel's dot against the f64 dot of the dequantized weights and dequantized
-    /// activation: they differ only by f32 rounding — a few dozen roundings of terms no larger
-    /// than a few Σ|w·a| — so 1e-4 · Σ|w·a| is generous, yet far below the error any wrong bit
-    /// layout would make.
-    pub fn assert_matches_dequantized(got: f32, w: &[f32], a: &[f32], what: &str) {
-        let want = dot_f64(w, a);
-        let bound = 1e-4 * abs_dot_f64(w, a);
-        let err = (got as f64 - want).abs();
-        assert!(
-            err <= bound,
-            "{what}: kernel {got} vs dequantized {want} (bound {bound})"
-        );
-    }
-
-    /// Σ|a·b| in f64, the scale of a dot product's rounding error.
-    pub fn abs_dot_f64(a: &[f32], b: &[f32]) -> f64 {
-        a.iter()
-            .zip(b)
-            .map(|(x, y)| (*x as f64 * *y as f64).abs())
-            .sum()
-    }
-
-    /// One weight row, the f32 activation llama.cpp multiplied it with, and llama.cpp's result.
-    pub struct LlamaRow {
-        pub row: Vec<u8>,
-        pub act: Vec<f32>,
-        pub expected: f32,
-    }
-
-    /// Parses a `testdata/llama_rows_*.bin` file (layout in `testdata/make_llama_rows.py`):
-    /// rows and results recorded from llama.cpp's CPU backend (llama-cpp-python 0.3.36 on an
-    /// x86-64 AVX-512 machine) where bmoe's previous summation order gave other bits.
-    pub fn llama_rows(b: &[u8]) -> Vec<LlamaRow> {
-        let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap()) as usize;
-        let f32_at = |o: usize| f32::from_le_bytes(b[o..o + 4].try_into().unwrap());
-        let mut o = 4;
-        (0..u32_at(0))
-            .map(|_| {
-                let (n_cols, n_bytes) = (u32_at(o), u32_at(o + 4));
-                o += 8;
-                let row = b[o..o + n_bytes].to_vec();
-                o += n_bytes;
-                let act = (0..n_cols).map(|i| f32_at(o + 4 * i)).collect();
-                o += 4 * n_cols;
-                let expected = f32_at(o);
-                o += 4;
-                LlamaRow { row, act, expected }
-            })
-            .collect()
-    }
-}
-
-#[cfg(test)]
 mod tests {
     use super::testutil::*;
     use super::*;
@@ -868,13 +784,9 @@ mod tests {
     }
 
     fn quantized_matrix(ty: GgmlType, n_rows: usize, n_cols: usize, seed: u64) -> Vec<u8> {
-        let row_bytes = ty.row_bytes(n_cols as u64).unwrap_or(0) as usize;
-        let mut w = vec![0u8; n_rows * row_bytes];
-        for r in 0..n_rows {
-            let src = values(seed + r as u64, n_cols, 0.05);
-            quantize_row(ty, &src, &mut w[r * row_bytes..(r + 1) * row_bytes]).unwrap();
-        }
-        w
+        (0..n_rows)
+            .flat_map(|r| quantized_bytes(ty, &values(seed + r as u64, n_cols, 0.05)))
+            .collect()
     }
 
     #[test]

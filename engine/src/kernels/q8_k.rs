@@ -113,20 +113,14 @@ pub(super) mod x86 {
 }
 
 #[cfg(test)]
-pub(super) mod tests {
+mod tests {
     use super::super::testutil::*;
     use super::*;
-
-    pub(crate) fn quantized(x: &[f32]) -> Vec<BlockQ8K> {
-        let mut b = vec![BlockQ8K::ZERO; x.len() / QK_K];
-        quantize(x, &mut b);
-        b
-    }
 
     #[test]
     fn round_trip_within_half_a_step_and_bsums_match() {
         let x = values(4, QK_K * 16, 1.0);
-        let q = quantized(&x);
+        let q = q8_k_blocks(&x);
         let mut back = vec![0f32; x.len()];
         dequantize(&q, &mut back);
         for (xb, yb) in x.chunks(QK_K).zip(back.chunks(QK_K)) {
@@ -141,7 +135,7 @@ pub(super) mod tests {
                 assert_eq!(*s as i32, want);
             }
         }
-        assert_eq!(quantized(&[0.0; QK_K])[0], BlockQ8K::ZERO);
+        assert_eq!(q8_k_blocks(&[0.0; QK_K])[0], BlockQ8K::ZERO);
     }
 
     #[test]
@@ -152,7 +146,7 @@ pub(super) mod tests {
         let mut a = vec![0f32; x.len()];
         let mut b = vec![0f32; x.len()];
         dequantize_bytes(&bytes, &mut a);
-        dequantize(&quantized(&x), &mut b);
+        dequantize(&q8_k_blocks(&x), &mut b);
         assert_eq!(a, b);
     }
 }
