@@ -34,14 +34,7 @@ fn weight(w: &[u8], i: usize) -> f32 {
 
 /// Dot of a row of f16 weights (`w`, little-endian bytes) with f16 activations `a` (bits).
 pub(super) fn dot(level: SimdLevel, w: &[u8], a: &[u16]) -> f32 {
-    match level {
-        #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx2 => {
-            // SAFETY: the level is only reported when AVX2/FMA/F16C are present.
-            unsafe { dot_avx2(w, a) }
-        }
-        _ => dot_scalar(w, a),
-    }
+    simd_dispatch!(level, dot_avx2(w, a), dot_scalar(w, a))
 }
 
 pub(super) fn dot_scalar(w: &[u8], a: &[u16]) -> f32 {

@@ -28,6 +28,23 @@
 // `is_multiple_of` is newer than the workspace's rust-version (1.85).
 #![allow(clippy::manual_is_multiple_of)]
 
+/// The SIMD dispatch of every format's entry points, with its safety argument in one place:
+/// `simd_dispatch!(level, avx2_call, scalar_expr)` evaluates `avx2_call` (a call of an
+/// `avx2,fma,f16c` function) at [`SimdLevel::Avx2`] and `scalar_expr` at every other level.
+/// A macro, not a function, so each call site compiles to the plain `match` it replaces.
+macro_rules! simd_dispatch {
+    ($level:expr, $avx2:expr, $scalar:expr) => {
+        match $level {
+            #[cfg(target_arch = "x86_64")]
+            $crate::kernels::SimdLevel::Avx2 => {
+                // SAFETY: the level is only reported when AVX2/FMA/F16C are present.
+                unsafe { $avx2 }
+            }
+            _ => $scalar,
+        }
+    };
+}
+
 pub mod bench;
 mod bf16;
 mod fp16;
@@ -207,6 +224,31 @@ fn row_bytes_of(ty: GgmlType, n_cols: usize) -> Result<usize, KernelError> {
     })
 }
 
+/// Checks a [`quantize_row`] / [`dequantize_row`] call (`op`): `ty` has a quantizer,
+/// `n_values` is a whole number of its blocks, and the byte side (`what`) is exactly that
+/// row's bytes.
+fn check_row(
+    ty: GgmlType,
+    op: &'static str,
+    what: &'static str,
+    n_values: usize,
+    n_bytes: usize,
+) -> Result<(), KernelError> {
+    if !supports_quantize(ty) {
+        return Err(KernelError::Unsupported { ty, op });
+    }
+    let row_bytes = row_bytes_of(ty, n_values)?;
+    if n_bytes != row_bytes {
+        return Err(KernelError::Length {
+            ty,
+            what,
+            expected: row_bytes,
+            actual: n_bytes,
+        });
+    }
+    Ok(())
+}
+
 /// Quantizes (or converts) one row of f32 values to type `ty`.
 ///
 /// `src.len()` must be a whole number of `ty` blocks and `dst.len()` exactly the row's bytes
@@ -215,18 +257,13 @@ fn row_bytes_of(ty: GgmlType, n_cols: usize) -> Result<usize, KernelError> {
 /// sub-block with 6-bit (Q4_K/Q5_K) or 8-bit (Q6_K) scales; it is correct but not as tuned as
 /// llama.cpp's search, so synthetic models are slightly noisier than `llama-quantize` output.
 pub fn quantize_row(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<(), KernelError> {
-    if !supports_quantize(ty) {
-        return Err(KernelError::Unsupported { ty, op: "quantize" });
-    }
-    let row_bytes = row_bytes_of(ty, src.len())?;
-    if dst.len() != row_bytes {
-        return Err(KernelError::Length {
-            ty,
-            what: "quantize destination (bytes)",
-            expected: row_bytes,
-            actual: dst.len(),
-        });
-    }
+    check_row(
+        ty,
+        "quantize",
+        "quantize destination (bytes)",
+        src.len(),
+        dst.len(),
+    )?;
     match ty {
         GgmlType::F32 => fp32::quantize(src, dst),
         GgmlType::F16 => fp16::quantize(src, dst),
@@ -246,21 +283,13 @@ pub fn quantize_row(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<(), Ker
 ///
 /// `dst.len()` must be a whole number of blocks and `src.len()` exactly its row bytes.
 pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), KernelError> {
-    if !supports_quantize(ty) {
-        return Err(KernelError::Unsupported {
-            ty,
-            op: "dequantize",
-        });
-    }
-    let row_bytes = row_bytes_of(ty, dst.len())?;
-    if src.len() != row_bytes {
-        return Err(KernelError::Length {
-            ty,
-            what: "dequantize source (bytes)",
-            expected: row_bytes,
-            actual: src.len(),
-        });
-    }
+    check_row(
+        ty,
+        "dequantize",
+        "dequantize source (bytes)",
+        dst.len(),
+        src.len(),
+    )?;
     match ty {
         GgmlType::F32 => fp32::dequantize(src, dst),
         GgmlType::F16 => fp16::dequantize(src, dst),
@@ -419,6 +448,21 @@ fn f16_to_f32(bits: [u8; 2]) -> f32 {
 #[inline(always)]
 fn f32_to_f16(v: f32) -> [u8; 2] {
     half::f16::from_f32(v).to_bits().to_le_bytes()
+}
+
+/// The value of largest magnitude in `x` (the first on ties; 0 when every value is 0 or NaN),
+/// which the absmax quantizers map to their most negative level.
+#[inline(always)]
+fn max_by_magnitude(x: &[f32]) -> f32 {
+    let mut amax = 0f32;
+    let mut max = 0f32;
+    for v in x {
+        if v.abs() > amax {
+            amax = v.abs();
+            max = *v;
+        }
+    }
+    max
 }
 
 /// Round to nearest, ties to even (llama.cpp's `nearest_int`).

@@ -18,7 +18,7 @@
 //! prepared once per activation (`ActBuf`), and the 8 rows' block sums come out of one add tree).
 
 use super::q8_0::BlockQ8_0;
-use super::{f16_to_f32, f32_to_f16, RawBlock, SimdLevel};
+use super::{f16_to_f32, f32_to_f16, max_by_magnitude, RawBlock, SimdLevel};
 
 const QK: usize = 32;
 
@@ -36,15 +36,7 @@ unsafe impl RawBlock for BlockQ4_0 {}
 /// llama.cpp's reference quantizer: the value of largest magnitude maps to −8.
 pub(super) fn quantize(src: &[f32], dst: &mut [BlockQ4_0]) {
     for (x, b) in src.chunks_exact(QK).zip(dst.iter_mut()) {
-        let mut amax = 0f32;
-        let mut max = 0f32;
-        for v in x {
-            if v.abs() > amax {
-                amax = v.abs();
-                max = *v;
-            }
-        }
-        let d = max / -8.0;
+        let d = max_by_magnitude(x) / -8.0;
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };
         b.d = f32_to_f16(d);
         for j in 0..QK / 2 {
@@ -68,14 +60,7 @@ pub(super) fn dequantize(src: &[BlockQ4_0], dst: &mut [f32]) {
 
 /// Dot of a row of Q4_0 weight blocks with Q8_0 activation blocks.
 pub(super) fn dot(level: SimdLevel, w: &[BlockQ4_0], a: &[BlockQ8_0]) -> f32 {
-    match level {
-        #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx2 => {
-            // SAFETY: the level is only reported when AVX2/FMA/F16C are present.
-            unsafe { dot_avx2(w, a) }
-        }
-        _ => dot_scalar(w, a),
-    }
+    simd_dispatch!(level, dot_avx2(w, a), dot_scalar(w, a))
 }
 
 /// Dots of 8 consecutive rows with `a`: `w` holds (at least) 8 rows of `row_bytes` bytes each,

@@ -202,27 +202,13 @@ pub(super) fn super_block_term(d: [u8; 2], dmin: [u8; 2], d_a: f32, sumi: i32, s
 
 /// Dot of a row of Q4_K super-blocks with Q8_K activation blocks.
 pub(super) fn dot(level: SimdLevel, w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
-    match level {
-        #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx2 => {
-            // SAFETY: the level is only reported when AVX2/FMA/F16C are present.
-            unsafe { dot_avx2(w, a) }
-        }
-        _ => dot_scalar(w, a),
-    }
+    simd_dispatch!(level, dot_avx2(w, a), dot_scalar(w, a))
 }
 
 /// Dots of one row with [`GROUP`] activations at once (prefill): the weights are unpacked once
 /// for all of them. Each result has exactly the bits [`dot`] gives for that activation.
 pub(super) fn dot_group(level: SimdLevel, w: &[BlockQ4K], a: [&[BlockQ8K]; GROUP]) -> [f32; GROUP] {
-    match level {
-        #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx2 => {
-            // SAFETY: the level is only reported when AVX2/FMA/F16C are present.
-            unsafe { dot_n_avx2(w, a) }
-        }
-        _ => a.map(|a| dot_scalar(w, a)),
-    }
+    simd_dispatch!(level, dot_n_avx2(w, a), a.map(|a| dot_scalar(w, a)))
 }
 
 /// One super-block's step of the two accumulators (see the module header): exact integers in,
@@ -361,6 +347,33 @@ pub(super) mod x86 {
         _mm256_shuffle_epi8(scales, mask)
     }
 
+    /// `[sumi, summ, sumi, summ]`, exact in i32: the total of the 8 lanes of `sumi`, and
+    /// `summ` from the minimums (`mins`, from [`scales_mins`]) and the pair sums of `bsums`.
+    /// The integer half of [`finish`] and [`accumulate`].
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn totals(sumi: __m256i, mins: __m128i, bsums: &[i16; 16]) -> __m128i {
+        // SAFETY: 16 i16 = 32 bytes.
+        let bs = unsafe { _mm256_loadu_si256(bsums.as_ptr().cast()) };
+        // Pair sums ≤ 2 · 16 · 127: no i16 overflow.
+        let pairs = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+        let summ4 = _mm_madd_epi16(mins, pairs);
+        let sumi4 = _mm_add_epi32(
+            _mm256_castsi256_si128(sumi),
+            _mm256_extracti128_si256(sumi, 1),
+        );
+        let h = _mm_hadd_epi32(sumi4, summ4);
+        _mm_hadd_epi32(h, h)
+    }
+
+    /// `[d, dmin, 0, 0]` widened from f16 (exact).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn super_scales(d: [u8; 2], dmin: [u8; 2]) -> __m128 {
+        let bits = u16::from_le_bytes(d) as i32 | ((u16::from_le_bytes(dmin) as i32) << 16);
+        _mm_cvtph_ps(_mm_cvtsi32_si128(bits))
+    }
+
     /// Q5_K's float step of one super-block on lane 0 of `acc`, exactly as the scalar
     /// `acc += super_block_term(..)`: `summ` from the minimums and pair sums of `bsums`, both
     /// integers reduced exactly, then `(d_a·d)·sumi − (d_a·dmin)·summ` and the add.
@@ -375,19 +388,8 @@ pub(super) mod x86 {
         dmin: [u8; 2],
         d_a: f32,
     ) -> __m128 {
-        // SAFETY: 16 i16 = 32 bytes.
-        let bs = unsafe { _mm256_loadu_si256(bsums.as_ptr().cast()) };
-        // Pair sums ≤ 2 · 16 · 127: no i16 overflow.
-        let pairs = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
-        let summ4 = _mm_madd_epi16(mins, pairs);
-        let sumi4 = _mm_add_epi32(
-            _mm256_castsi256_si128(sumi),
-            _mm256_extracti128_si256(sumi, 1),
-        );
-        let h = _mm_hadd_epi32(sumi4, summ4);
-        let h = _mm_hadd_epi32(h, h); // [sumi, summ, sumi, summ]
-        let bits = u16::from_le_bytes(d) as i32 | ((u16::from_le_bytes(dmin) as i32) << 16);
-        let scales = _mm_mul_ps(_mm_set1_ps(d_a), _mm_cvtph_ps(_mm_cvtsi32_si128(bits)));
+        let h = unsafe { totals(sumi, mins, bsums) };
+        let scales = _mm_mul_ps(_mm_set1_ps(d_a), unsafe { super_scales(d, dmin) });
         let p = _mm_mul_ps(scales, _mm_cvtepi32_ps(h)); // [dd·sumi, dm·summ, ..]
         _mm_add_ss(acc, _mm_sub_ss(p, _mm_movehdup_ps(p)))
     }
@@ -406,20 +408,9 @@ pub(super) mod x86 {
         dmin: [u8; 2],
         d_a: f32,
     ) -> __m128 {
-        // SAFETY: 16 i16 = 32 bytes.
-        let bs = unsafe { _mm256_loadu_si256(bsums.as_ptr().cast()) };
-        // Pair sums ≤ 2 · 16 · 127: no i16 overflow.
-        let pairs = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
-        let summ4 = _mm_madd_epi16(mins, pairs);
-        let sumi4 = _mm_add_epi32(
-            _mm256_castsi256_si128(sumi),
-            _mm256_extracti128_si256(sumi, 1),
-        );
-        let h = _mm_hadd_epi32(sumi4, summ4);
-        let h = _mm_hadd_epi32(h, h); // [sumi, summ, sumi, summ]
-        let bits = u16::from_le_bytes(d) as i32 | ((u16::from_le_bytes(dmin) as i32) << 16);
+        let h = unsafe { totals(sumi, mins, bsums) };
         // [d·d_a, dmin·d_a, 0, 0]
-        let scales = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)), _mm_set1_ps(d_a));
+        let scales = _mm_mul_ps(unsafe { super_scales(d, dmin) }, _mm_set1_ps(d_a));
         _mm_fmadd_ps(_mm_cvtepi32_ps(h), scales, acc)
     }
 }

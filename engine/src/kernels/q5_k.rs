@@ -85,14 +85,7 @@ pub(super) fn dequantize(src: &[BlockQ5K], dst: &mut [f32]) {
 
 /// Dot of a row of Q5_K super-blocks with Q8_K activation blocks.
 pub(super) fn dot(level: SimdLevel, w: &[BlockQ5K], a: &[BlockQ8K]) -> f32 {
-    match level {
-        #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx2 => {
-            // SAFETY: the level is only reported when AVX2/FMA/F16C are present.
-            unsafe { dot_avx2(w, a) }
-        }
-        _ => dot_scalar(w, a),
-    }
+    simd_dispatch!(level, dot_avx2(w, a), dot_scalar(w, a))
 }
 
 pub(super) fn dot_scalar(w: &[BlockQ5K], a: &[BlockQ8K]) -> f32 {
@@ -180,14 +173,7 @@ unsafe fn dot_n_avx2<const N: usize>(w: &[BlockQ5K], a: [&[BlockQ8K]; N]) -> [f3
 /// Dots of one row with [`GROUP`] activations at once (prefill); each result has exactly the
 /// bits [`dot`] gives for that activation.
 pub(super) fn dot_group(level: SimdLevel, w: &[BlockQ5K], a: [&[BlockQ8K]; GROUP]) -> [f32; GROUP] {
-    match level {
-        #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx2 => {
-            // SAFETY: the level is only reported when AVX2/FMA/F16C are present.
-            unsafe { dot_n_avx2(w, a) }
-        }
-        _ => a.map(|a| dot_scalar(w, a)),
-    }
+    simd_dispatch!(level, dot_n_avx2(w, a), a.map(|a| dot_scalar(w, a)))
 }
 
 #[cfg(test)]

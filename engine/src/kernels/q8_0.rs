@@ -89,14 +89,7 @@ fn accumulate(lanes: &mut [f32; 8], d_w: [u8; 2], d_a: [u8; 2], sums: &[i32; 8])
 
 /// Dot of a row of Q8_0 weight blocks with Q8_0 activation blocks.
 pub(super) fn dot(level: SimdLevel, w: &[BlockQ8_0], a: &[BlockQ8_0]) -> f32 {
-    match level {
-        #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx2 => {
-            // SAFETY: the level is only reported when AVX2/FMA/F16C are present.
-            unsafe { dot_avx2(w, a) }
-        }
-        _ => dot_scalar(w, a),
-    }
+    simd_dispatch!(level, dot_avx2(w, a), dot_scalar(w, a))
 }
 
 /// A block's exact products summed in 8 lanes of 4 consecutive values.

@@ -6,7 +6,7 @@
 //! form (`quantize_row` / `dequantize_row` with `GgmlType::Q8_K`) is little-endian
 //! `d: f32, qs: [i8; 256], bsums: [i16; 16]`, 292 bytes.
 
-use super::nearest_int;
+use super::{max_by_magnitude, nearest_int};
 
 /// Values per super-block (all K-quants).
 pub(super) const QK_K: usize = 256;
@@ -40,15 +40,9 @@ impl BlockQ8K {
 /// takes its sign), values round to nearest, ties to even.
 pub(super) fn quantize(src: &[f32], dst: &mut [BlockQ8K]) {
     for (x, b) in src.chunks_exact(QK_K).zip(dst.iter_mut()) {
-        let mut amax = 0f32;
-        let mut max = 0f32;
-        for v in x {
-            if v.abs() > amax {
-                amax = v.abs();
-                max = *v;
-            }
-        }
-        if amax == 0.0 {
+        let max = max_by_magnitude(x);
+        // |max| is the absmax; only 0 when every value is.
+        if max == 0.0 {
             *b = BlockQ8K::ZERO;
             continue;
         }
