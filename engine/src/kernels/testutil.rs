@@ -199,7 +199,13 @@ pub trait GroupDotKernel: DotKernel<Act = Vec<BlockQ8K>> {
 /// with weight rows viewed as the module's blocks (`blocks`) or taken as bytes (`bytes`, the
 /// float formats). `$act` makes the activation from f32 values.
 macro_rules! dot_kernel {
-    ($name:ident, $ty:ident, $act_ty:ty, $act:expr, bytes) => {
+    ($name:ident, $ty:ident, $act_ty:ty, $act:expr, bytes $(, $group:ident)?) => {
+        dot_kernel!(@ $name, $ty, $act_ty, $act, $crate::kernels::testutil::as_bytes $(, $group)?);
+    };
+    ($name:ident, $ty:ident, $act_ty:ty, $act:expr, blocks $(, $group:ident)?) => {
+        dot_kernel!(@ $name, $ty, $act_ty, $act, $crate::kernels::blocks $(, $group)?);
+    };
+    (@ $name:ident, $ty:ident, $act_ty:ty, $act:expr, $view:path) => {
         struct $name;
         impl DotKernel for $name {
             const TY: GgmlType = GgmlType::$ty;
@@ -208,39 +214,28 @@ macro_rules! dot_kernel {
                 ($act)(x)
             }
             fn dot(level: SimdLevel, w: &[u8], a: &$act_ty) -> f32 {
-                dot(level, w, a)
+                dot(level, $view(w), a)
             }
             fn dot_scalar(w: &[u8], a: &$act_ty) -> f32 {
-                dot_scalar(w, a)
+                dot_scalar($view(w), a)
             }
         }
     };
-    ($name:ident, $ty:ident, $act_ty:ty, $act:expr, blocks) => {
-        struct $name;
-        impl DotKernel for $name {
-            const TY: GgmlType = GgmlType::$ty;
-            type Act = $act_ty;
-            fn act(x: &[f32]) -> $act_ty {
-                ($act)(x)
-            }
-            fn dot(level: SimdLevel, w: &[u8], a: &$act_ty) -> f32 {
-                dot(level, super::super::blocks(w), a)
-            }
-            fn dot_scalar(w: &[u8], a: &$act_ty) -> f32 {
-                dot_scalar(super::super::blocks(w), a)
-            }
-        }
-    };
-    ($name:ident, $ty:ident, $act_ty:ty, $act:expr, blocks, group) => {
-        dot_kernel!($name, $ty, $act_ty, $act, blocks);
+    (@ $name:ident, $ty:ident, $act_ty:ty, $act:expr, $view:path, group) => {
+        dot_kernel!(@ $name, $ty, $act_ty, $act, $view);
         impl GroupDotKernel for $name {
             fn dot_group(level: SimdLevel, w: &[u8], a: [&[BlockQ8K]; GROUP]) -> [f32; GROUP] {
-                dot_group(level, super::super::blocks(w), a)
+                dot_group(level, $view(w), a)
             }
         }
     };
 }
 pub(crate) use dot_kernel;
+
+/// Weight rows taken as they are (the float formats' kernels read bytes).
+pub fn as_bytes(w: &[u8]) -> &[u8] {
+    w
+}
 
 /// SIMD vs scalar: for each `(seed, n_blocks)`, weights from `values(seed, .., 0.1)` and the
 /// activation from `values(seed + act_seed_offset, .., 1.0)`; every available level must give
