@@ -47,6 +47,7 @@ macro_rules! simd_dispatch {
 
 pub mod bench;
 mod bf16;
+mod float_dot;
 mod fp16;
 mod fp32;
 mod pool;
