@@ -2,11 +2,12 @@
 //! the weight's type before the dot).
 //!
 //! Both operands are converted to f32 exactly; the product of two f16 values is exact in f32
-//! (11 × 11 significant bits), so only the adds round. Summation order as for F32: product `i`
-//! into lane `i % 32`, lanes folded by [`super::reduce32`]; the AVX2 path (F16C conversion,
-//! 4 × 8 lanes) gives exactly the scalar bits.
+//! (11 × 11 significant bits), so only the adds round. Summation order as for F32 (one shared loop,
+//! [`super::float_dot`]): product `i` into lane `i % 32`, lanes folded by [`super::reduce32`]; the
+//! AVX2 path (F16C conversion, 4 × 8 lanes) gives exactly the scalar bits.
 
-use super::{reduce32, SimdLevel};
+use super::float_dot::{self, FloatFormat};
+use super::SimdLevel;
 
 const SIZE: usize = 2;
 
@@ -27,116 +28,82 @@ fn to_f32(bits: u16) -> f32 {
     half::f16::from_bits(bits).to_f32()
 }
 
-#[inline(always)]
-fn weight(w: &[u8], i: usize) -> f32 {
-    to_f32(u16::from_le_bytes([w[SIZE * i], w[SIZE * i + 1]]))
+/// F16 as the shared float dot reads it.
+struct F16;
+
+impl FloatFormat for F16 {
+    type Act = u16;
+    const SIZE: usize = SIZE;
+
+    #[inline(always)]
+    fn act(a: u16) -> f32 {
+        to_f32(a)
+    }
+
+    #[inline(always)]
+    fn weight(w: &[u8], i: usize) -> f32 {
+        to_f32(u16::from_le_bytes([w[SIZE * i], w[SIZE * i + 1]]))
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    type Raw8 = std::arch::x86_64::__m128i;
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn load_weights8(w: *const u8, i: usize) -> Self::Raw8 {
+        // SAFETY: the caller keeps the 8 values inside the row (unaligned load).
+        unsafe { std::arch::x86_64::_mm_loadu_si128(w.cast::<u16>().add(i).cast()) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn load_acts8(a: *const Self::Act, i: usize) -> Self::Raw8 {
+        // SAFETY: the caller keeps the 8 values inside the vector (unaligned load).
+        unsafe { std::arch::x86_64::_mm_loadu_si128(a.add(i).cast()) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn widen8(v: Self::Raw8) -> std::arch::x86_64::__m256 {
+        std::arch::x86_64::_mm256_cvtph_ps(v)
+    }
 }
 
 /// Dot of a row of f16 weights (`w`, little-endian bytes) with f16 activations `a` (bits).
 pub(super) fn dot(level: SimdLevel, w: &[u8], a: &[u16]) -> f32 {
-    match level {
-        #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx2 => {
-            // SAFETY: the level is only reported when AVX2/FMA/F16C are present.
-            unsafe { dot_avx2(w, a) }
-        }
-        _ => dot_scalar(w, a),
-    }
-}
-
-pub(super) fn dot_scalar(w: &[u8], a: &[u16]) -> f32 {
-    let n = a.len().min(w.len() / SIZE);
-    let mut lanes = [0f32; 32];
-    for i in 0..n {
-        lanes[i % 32] += weight(w, i) * to_f32(a[i]);
-    }
-    reduce32(&lanes)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_avx2(w: &[u8], a: &[u16]) -> f32 {
-    use std::arch::x86_64::*;
-    let n = a.len().min(w.len() / SIZE);
-    let full = n / 32 * 32;
-    let wp = w.as_ptr().cast::<u16>();
-    let ap = a.as_ptr();
-    let mut acc = [_mm256_setzero_ps(); 4];
-    let mut i = 0;
-    while i < full {
-        for (k, acc_k) in acc.iter_mut().enumerate() {
-            // SAFETY: i + 8k + 8 <= full <= n, inside both slices; unaligned loads.
-            let x = unsafe { _mm_loadu_si128(wp.add(i + 8 * k).cast()) };
-            let y = unsafe { _mm_loadu_si128(ap.add(i + 8 * k).cast()) };
-            let p = _mm256_mul_ps(_mm256_cvtph_ps(x), _mm256_cvtph_ps(y));
-            *acc_k = _mm256_add_ps(*acc_k, p);
-        }
-        i += 32;
-    }
-    let mut lanes = [0f32; 32];
-    for (k, acc_k) in acc.iter().enumerate() {
-        // SAFETY: lanes has room for 8 floats at 8k.
-        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr().add(8 * k), *acc_k) };
-    }
-    for i in full..n {
-        lanes[i % 32] += weight(w, i) * to_f32(a[i]);
-    }
-    reduce32(&lanes)
+    float_dot::dot::<F16>(level, w, a)
 }
 
 #[cfg(test)]
 mod tests {
     use super::super::testutil::*;
-    use super::super::{ActBuf, GgmlType};
     use super::*;
+    use crate::gguf::GgmlType;
 
-    fn act_bits(a: &[f32]) -> Vec<u16> {
-        let mut buf = ActBuf::new();
-        buf.prepare(GgmlType::F16, a).unwrap();
-        buf.u16s.clone()
+    fn dot_scalar(w: &[u8], a: &[u16]) -> f32 {
+        float_dot::dot_scalar::<super::F16>(w, a)
     }
+
+    dot_kernel!(F16, F16, Vec<u16>, |x| act_u16(GgmlType::F16, x), bytes);
 
     #[test]
     fn simd_matches_scalar_bits() {
-        for (seed, n) in [(1u64, 1usize), (2, 31), (3, 32), (4, 333), (5, 4096)] {
-            let mut wb = vec![0u8; n * SIZE];
-            quantize(&values(seed, n, 0.1), &mut wb);
-            let a = act_bits(&values(seed + 100, n, 1.0));
-            let s = dot_scalar(&wb, &a);
-            for level in SimdLevel::available() {
-                assert_eq!(
-                    dot(level, &wb, &a).to_bits(),
-                    s.to_bits(),
-                    "{level:?} n={n}"
-                );
-            }
-        }
+        check_simd_matches_scalar::<F16>(&[(1, 1), (2, 31), (3, 32), (4, 333), (5, 4096)], 100);
     }
 
     #[test]
     fn scalar_is_close_to_f32_reference() {
-        let n = 4096;
-        let mut wb = vec![0u8; n * SIZE];
-        quantize(&values(11, n, 0.1), &mut wb);
-        let mut w = vec![0f32; n];
-        dequantize(&wb, &mut w);
-        let a = values(12, n, 1.0);
-        let got = dot_scalar(&wb, &act_bits(&a)) as f64;
-        // Budget: the activation's f16 rounding (2^-11 relative) plus f32 adds along a chain
-        // of n/32 + 5.
-        let rel = 2f64.powi(-11) + ((n / 32 + 6) as f64) * f32::EPSILON as f64;
-        let bound = abs_dot_f64(&w, &a) * rel;
-        assert!((got - dot_f64(&w, &a)).abs() <= bound, "seed 11/12");
+        // The activation's fp16 rounding is 2^-11 relative.
+        check_float_scalar_against_reference::<F16>(2f64.powi(-11));
     }
 
     #[test]
     fn round_trip_within_half_an_f16_ulp() {
         let v = values(3, 1000, 1.0);
-        let mut b = vec![0u8; 2000];
-        quantize(&v, &mut b);
-        let mut back = vec![0f32; 1000];
-        dequantize(&b, &mut back);
-        for (x, y) in v.iter().zip(&back) {
+        for (x, y) in v.iter().zip(&round_trip(GgmlType::F16, &v)) {
             assert!(
                 (x - y).abs() <= x.abs() * 2f32.powi(-11) + 2f32.powi(-25),
                 "{x} {y}"

@@ -1,10 +1,12 @@
 //! F32 weights against f32 activations (norm weights, routers, small dense tensors).
 //!
-//! Summation order (shared by every path): product `i` is added to lane `i % 32`; the 32 lanes
-//! are folded by [`super::reduce32`]. Products are rounded before the add (no FMA), so the AVX2
-//! path (4 × 8 lanes) gives exactly the scalar bits.
+//! Summation order (shared by every path, and by F16 and BF16: [`super::float_dot`]): product
+//! `i` is added to lane `i % 32`; the 32 lanes are folded by [`super::reduce32`]. Products are
+//! rounded before the add (no FMA), so the AVX2 path (4 × 8 lanes) gives exactly the scalar
+//! bits.
 
-use super::{reduce32, SimdLevel};
+use super::float_dot::{self, FloatFormat};
+use super::SimdLevel;
 
 /// Bytes of one value.
 const SIZE: usize = 4;
@@ -21,110 +23,86 @@ pub(super) fn dequantize(src: &[u8], dst: &mut [f32]) {
     }
 }
 
-#[inline(always)]
-fn weight(w: &[u8], i: usize) -> f32 {
-    f32::from_le_bytes([
-        w[SIZE * i],
-        w[SIZE * i + 1],
-        w[SIZE * i + 2],
-        w[SIZE * i + 3],
-    ])
+/// F32 as the shared float dot reads it.
+struct F32;
+
+impl FloatFormat for F32 {
+    type Act = f32;
+    const SIZE: usize = SIZE;
+
+    #[inline(always)]
+    fn act(a: f32) -> f32 {
+        a
+    }
+
+    #[inline(always)]
+    fn weight(w: &[u8], i: usize) -> f32 {
+        f32::from_le_bytes([
+            w[SIZE * i],
+            w[SIZE * i + 1],
+            w[SIZE * i + 2],
+            w[SIZE * i + 3],
+        ])
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    type Raw8 = std::arch::x86_64::__m256;
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn load_weights8(w: *const u8, i: usize) -> Self::Raw8 {
+        // SAFETY: the caller keeps the 8 values inside the row (unaligned load).
+        unsafe { std::arch::x86_64::_mm256_loadu_ps(w.cast::<f32>().add(i)) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn load_acts8(a: *const Self::Act, i: usize) -> Self::Raw8 {
+        // SAFETY: the caller keeps the 8 values inside the vector (unaligned load).
+        unsafe { std::arch::x86_64::_mm256_loadu_ps(a.add(i)) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn widen8(v: Self::Raw8) -> std::arch::x86_64::__m256 {
+        v
+    }
 }
 
 /// Dot of a row of `a.len()` f32 weights (`w`, little-endian bytes) with `a`.
 pub(super) fn dot(level: SimdLevel, w: &[u8], a: &[f32]) -> f32 {
-    match level {
-        #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx2 => {
-            // SAFETY: the level is only reported when AVX2/FMA/F16C are present.
-            unsafe { dot_avx2(w, a) }
-        }
-        _ => dot_scalar(w, a),
-    }
-}
-
-pub(super) fn dot_scalar(w: &[u8], a: &[f32]) -> f32 {
-    let n = a.len().min(w.len() / SIZE);
-    let mut lanes = [0f32; 32];
-    for i in 0..n {
-        lanes[i % 32] += weight(w, i) * a[i];
-    }
-    reduce32(&lanes)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_avx2(w: &[u8], a: &[f32]) -> f32 {
-    use std::arch::x86_64::*;
-    let n = a.len().min(w.len() / SIZE);
-    let full = n / 32 * 32;
-    let wp = w.as_ptr().cast::<f32>();
-    let ap = a.as_ptr();
-    let mut acc = [_mm256_setzero_ps(); 4];
-    let mut i = 0;
-    while i < full {
-        for (k, acc_k) in acc.iter_mut().enumerate() {
-            // SAFETY: i + 8k + 8 <= full <= n, inside both slices; unaligned loads.
-            let x = unsafe { _mm256_loadu_ps(wp.add(i + 8 * k)) };
-            let y = unsafe { _mm256_loadu_ps(ap.add(i + 8 * k)) };
-            *acc_k = _mm256_add_ps(*acc_k, _mm256_mul_ps(x, y));
-        }
-        i += 32;
-    }
-    let mut lanes = [0f32; 32];
-    for (k, acc_k) in acc.iter().enumerate() {
-        // SAFETY: lanes has room for 8 floats at 8k.
-        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr().add(8 * k), *acc_k) };
-    }
-    for i in full..n {
-        lanes[i % 32] += weight(w, i) * a[i];
-    }
-    reduce32(&lanes)
+    float_dot::dot::<F32>(level, w, a)
 }
 
 #[cfg(test)]
 mod tests {
     use super::super::testutil::*;
     use super::*;
+    use crate::gguf::GgmlType;
+
+    fn dot_scalar(w: &[u8], a: &[f32]) -> f32 {
+        float_dot::dot_scalar::<super::F32>(w, a)
+    }
+
+    dot_kernel!(F32, F32, Vec<f32>, |x: &[f32]| x.to_vec(), bytes);
 
     #[test]
     fn simd_matches_scalar_bits() {
-        for (seed, n) in [(1u64, 1usize), (2, 31), (3, 32), (4, 333), (5, 4096)] {
-            let w = values(seed, n, 0.1);
-            let mut wb = vec![0u8; n * SIZE];
-            quantize(&w, &mut wb);
-            let a = values(seed + 100, n, 1.0);
-            let s = dot_scalar(&wb, &a);
-            for level in SimdLevel::available() {
-                assert_eq!(
-                    dot(level, &wb, &a).to_bits(),
-                    s.to_bits(),
-                    "{level:?} n={n}"
-                );
-            }
-        }
+        check_simd_matches_scalar::<F32>(&[(1, 1), (2, 31), (3, 32), (4, 333), (5, 4096)], 100);
     }
 
     #[test]
     fn scalar_is_close_to_f64_reference() {
-        let n = 4096;
-        let w = values(11, n, 0.1);
-        let a = values(12, n, 1.0);
-        let mut wb = vec![0u8; n * SIZE];
-        quantize(&w, &mut wb);
-        let got = dot_scalar(&wb, &a) as f64;
-        // Budget: one rounding per product and per add along a chain of n/32 + 5 adds.
-        let bound = abs_dot_f64(&w, &a) * ((n / 32 + 6) as f64) * f32::EPSILON as f64;
-        assert!((got - dot_f64(&w, &a)).abs() <= bound, "seed 11/12");
+        // Products and adds round in f32; the activation is exact.
+        check_float_scalar_against_reference::<F32>(0.0);
     }
 
     #[test]
     fn round_trip_is_exact() {
         let v = values(3, 100, 1.0);
-        let mut b = vec![0u8; 400];
-        quantize(&v, &mut b);
-        let mut back = vec![0f32; 100];
-        dequantize(&b, &mut back);
-        assert_eq!(v, back);
+        assert_eq!(round_trip(GgmlType::F32, &v), v);
     }
 }

@@ -28,8 +28,26 @@
 // `is_multiple_of` is newer than the workspace's rust-version (1.85).
 #![allow(clippy::manual_is_multiple_of)]
 
+/// The SIMD dispatch of every format's entry points, with its safety argument in one place:
+/// `simd_dispatch!(level, avx2_call, scalar_expr)` evaluates `avx2_call` (a call of an
+/// `avx2,fma,f16c` function) at [`SimdLevel::Avx2`] and `scalar_expr` at every other level.
+/// A macro, not a function, so each call site compiles to the plain `match` it replaces.
+macro_rules! simd_dispatch {
+    ($level:expr, $avx2:expr, $scalar:expr) => {
+        match $level {
+            #[cfg(target_arch = "x86_64")]
+            $crate::kernels::SimdLevel::Avx2 => {
+                // SAFETY: the level is only reported when AVX2/FMA/F16C are present.
+                unsafe { $avx2 }
+            }
+            _ => $scalar,
+        }
+    };
+}
+
 pub mod bench;
 mod bf16;
+mod float_dot;
 mod fp16;
 mod fp32;
 mod pool;
@@ -39,6 +57,8 @@ mod q5_k;
 mod q6_k;
 mod q8_0;
 mod q8_k;
+#[cfg(test)]
+mod testutil;
 
 pub use pool::ThreadPool;
 
@@ -205,6 +225,31 @@ fn row_bytes_of(ty: GgmlType, n_cols: usize) -> Result<usize, KernelError> {
     })
 }
 
+/// Checks a [`quantize_row`] / [`dequantize_row`] call (`op`): `ty` has a quantizer,
+/// `n_values` is a whole number of its blocks, and the byte side (`what`) is exactly that
+/// row's bytes.
+fn check_row(
+    ty: GgmlType,
+    op: &'static str,
+    what: &'static str,
+    n_values: usize,
+    n_bytes: usize,
+) -> Result<(), KernelError> {
+    if !supports_quantize(ty) {
+        return Err(KernelError::Unsupported { ty, op });
+    }
+    let row_bytes = row_bytes_of(ty, n_values)?;
+    if n_bytes != row_bytes {
+        return Err(KernelError::Length {
+            ty,
+            what,
+            expected: row_bytes,
+            actual: n_bytes,
+        });
+    }
+    Ok(())
+}
+
 /// Quantizes (or converts) one row of f32 values to type `ty`.
 ///
 /// `src.len()` must be a whole number of `ty` blocks and `dst.len()` exactly the row's bytes
@@ -213,18 +258,13 @@ fn row_bytes_of(ty: GgmlType, n_cols: usize) -> Result<usize, KernelError> {
 /// sub-block with 6-bit (Q4_K/Q5_K) or 8-bit (Q6_K) scales; it is correct but not as tuned as
 /// llama.cpp's search, so synthetic models are slightly noisier than `llama-quantize` output.
 pub fn quantize_row(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<(), KernelError> {
-    if !supports_quantize(ty) {
-        return Err(KernelError::Unsupported { ty, op: "quantize" });
-    }
-    let row_bytes = row_bytes_of(ty, src.len())?;
-    if dst.len() != row_bytes {
-        return Err(KernelError::Length {
-            ty,
-            what: "quantize destination (bytes)",
-            expected: row_bytes,
-            actual: dst.len(),
-        });
-    }
+    check_row(
+        ty,
+        "quantize",
+        "quantize destination (bytes)",
+        src.len(),
+        dst.len(),
+    )?;
     match ty {
         GgmlType::F32 => fp32::quantize(src, dst),
         GgmlType::F16 => fp16::quantize(src, dst),
@@ -244,21 +284,13 @@ pub fn quantize_row(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<(), Ker
 ///
 /// `dst.len()` must be a whole number of blocks and `src.len()` exactly its row bytes.
 pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), KernelError> {
-    if !supports_quantize(ty) {
-        return Err(KernelError::Unsupported {
-            ty,
-            op: "dequantize",
-        });
-    }
-    let row_bytes = row_bytes_of(ty, dst.len())?;
-    if src.len() != row_bytes {
-        return Err(KernelError::Length {
-            ty,
-            what: "dequantize source (bytes)",
-            expected: row_bytes,
-            actual: src.len(),
-        });
-    }
+    check_row(
+        ty,
+        "dequantize",
+        "dequantize source (bytes)",
+        dst.len(),
+        src.len(),
+    )?;
     match ty {
         GgmlType::F32 => fp32::dequantize(src, dst),
         GgmlType::F16 => fp16::dequantize(src, dst),
@@ -417,6 +449,21 @@ fn f16_to_f32(bits: [u8; 2]) -> f32 {
 #[inline(always)]
 fn f32_to_f16(v: f32) -> [u8; 2] {
     half::f16::from_f32(v).to_bits().to_le_bytes()
+}
+
+/// The value of largest magnitude in `x` (the first on ties; 0 when every value is 0 or NaN),
+/// which the absmax quantizers map to their most negative level.
+#[inline(always)]
+fn max_by_magnitude(x: &[f32]) -> f32 {
+    let mut amax = 0f32;
+    let mut max = 0f32;
+    for v in x {
+        if v.abs() > amax {
+            amax = v.abs();
+            max = *v;
+        }
+    }
+    max
 }
 
 /// Round to nearest, ties to even (llama.cpp's `nearest_int`).
@@ -763,92 +810,6 @@ pub fn matmul(
 }
 
 #[cfg(test)]
-pub(crate) mod testutil {
-    //! Seeded random data shared by the format tests.
-    use rand::{Rng, SeedableRng};
-    use rand_chacha::ChaCha8Rng;
-
-    /// `n` values, roughly Gaussian (sum of uniforms), scaled by `scale`, plus a few outliers
-    /// like real weights and activations have.
-    pub fn values(seed: u64, n: usize, scale: f32) -> Vec<f32> {
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        (0..n)
-            .map(|_| {
-                let g: f32 = (0..4).map(|_| rng.gen_range(-1.0f32..1.0)).sum::<f32>() * 0.866;
-                let v = g * scale;
-                if rng.gen_range(0..64) == 0 {
-                    v * 6.0
-                } else {
-                    v
-                }
-            })
-            .collect()
-    }
-
-    /// Random bytes (weights straight from a file we do not trust).
-    pub fn bytes(seed: u64, n: usize) -> Vec<u8> {
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        (0..n).map(|_| rng.gen()).collect()
-    }
-
-    /// f64 dot product, the reference.
-    pub fn dot_f64(a: &[f32], b: &[f32]) -> f64 {
-        a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum()
-    }
-
-    /// Checks a kernel's dot against the f64 dot of the dequantized weights and dequantized
-    /// activation: they differ only by f32 rounding — a few dozen roundings of terms no larger
-    /// than a few Σ|w·a| — so 1e-4 · Σ|w·a| is generous, yet far below the error any wrong bit
-    /// layout would make.
-    pub fn assert_matches_dequantized(got: f32, w: &[f32], a: &[f32], what: &str) {
-        let want = dot_f64(w, a);
-        let bound = 1e-4 * abs_dot_f64(w, a);
-        let err = (got as f64 - want).abs();
-        assert!(
-            err <= bound,
-            "{what}: kernel {got} vs dequantized {want} (bound {bound})"
-        );
-    }
-
-    /// Σ|a·b| in f64, the scale of a dot product's rounding error.
-    pub fn abs_dot_f64(a: &[f32], b: &[f32]) -> f64 {
-        a.iter()
-            .zip(b)
-            .map(|(x, y)| (*x as f64 * *y as f64).abs())
-            .sum()
-    }
-
-    /// One weight row, the f32 activation llama.cpp multiplied it with, and llama.cpp's result.
-    pub struct LlamaRow {
-        pub row: Vec<u8>,
-        pub act: Vec<f32>,
-        pub expected: f32,
-    }
-
-    /// Parses a `testdata/llama_rows_*.bin` file (layout in `testdata/make_llama_rows.py`):
-    /// rows and results recorded from llama.cpp's CPU backend (llama-cpp-python 0.3.36 on an
-    /// x86-64 AVX-512 machine) where bmoe's previous summation order gave other bits.
-    pub fn llama_rows(b: &[u8]) -> Vec<LlamaRow> {
-        let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap()) as usize;
-        let f32_at = |o: usize| f32::from_le_bytes(b[o..o + 4].try_into().unwrap());
-        let mut o = 4;
-        (0..u32_at(0))
-            .map(|_| {
-                let (n_cols, n_bytes) = (u32_at(o), u32_at(o + 4));
-                o += 8;
-                let row = b[o..o + n_bytes].to_vec();
-                o += n_bytes;
-                let act = (0..n_cols).map(|i| f32_at(o + 4 * i)).collect();
-                o += 4 * n_cols;
-                let expected = f32_at(o);
-                o += 4;
-                LlamaRow { row, act, expected }
-            })
-            .collect()
-    }
-}
-
-#[cfg(test)]
 mod tests {
     use super::testutil::*;
     use super::*;
@@ -868,13 +829,9 @@ mod tests {
     }
 
     fn quantized_matrix(ty: GgmlType, n_rows: usize, n_cols: usize, seed: u64) -> Vec<u8> {
-        let row_bytes = ty.row_bytes(n_cols as u64).unwrap_or(0) as usize;
-        let mut w = vec![0u8; n_rows * row_bytes];
-        for r in 0..n_rows {
-            let src = values(seed + r as u64, n_cols, 0.05);
-            quantize_row(ty, &src, &mut w[r * row_bytes..(r + 1) * row_bytes]).unwrap();
-        }
-        w
+        (0..n_rows)
+            .flat_map(|r| quantized_bytes(ty, &values(seed + r as u64, n_cols, 0.05)))
+            .collect()
     }
 
     #[test]

@@ -18,7 +18,7 @@
 //! prepared once per activation (`ActBuf`), and the 8 rows' block sums come out of one add tree).
 
 use super::q8_0::BlockQ8_0;
-use super::{f16_to_f32, f32_to_f16, RawBlock, SimdLevel};
+use super::{f16_to_f32, f32_to_f16, max_by_magnitude, RawBlock, SimdLevel};
 
 const QK: usize = 32;
 
@@ -36,15 +36,7 @@ unsafe impl RawBlock for BlockQ4_0 {}
 /// llama.cpp's reference quantizer: the value of largest magnitude maps to −8.
 pub(super) fn quantize(src: &[f32], dst: &mut [BlockQ4_0]) {
     for (x, b) in src.chunks_exact(QK).zip(dst.iter_mut()) {
-        let mut amax = 0f32;
-        let mut max = 0f32;
-        for v in x {
-            if v.abs() > amax {
-                amax = v.abs();
-                max = *v;
-            }
-        }
-        let d = max / -8.0;
+        let d = max_by_magnitude(x) / -8.0;
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };
         b.d = f32_to_f16(d);
         for j in 0..QK / 2 {
@@ -68,14 +60,7 @@ pub(super) fn dequantize(src: &[BlockQ4_0], dst: &mut [f32]) {
 
 /// Dot of a row of Q4_0 weight blocks with Q8_0 activation blocks.
 pub(super) fn dot(level: SimdLevel, w: &[BlockQ4_0], a: &[BlockQ8_0]) -> f32 {
-    match level {
-        #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx2 => {
-            // SAFETY: the level is only reported when AVX2/FMA/F16C are present.
-            unsafe { dot_avx2(w, a) }
-        }
-        _ => dot_scalar(w, a),
-    }
+    simd_dispatch!(level, dot_avx2(w, a), dot_scalar(w, a))
 }
 
 /// Dots of 8 consecutive rows with `a`: `w` holds (at least) 8 rows of `row_bytes` bytes each,
@@ -262,49 +247,25 @@ unsafe fn dot8_avx2(w: &[u8], row_bytes: usize, a: &[BlockQ8_0], a_sums: &[i32])
 
 #[cfg(test)]
 mod tests {
-    use super::super::q8_0::tests::{act_error_bound, quantized as q8};
     use super::super::testutil::*;
     use super::*;
+    use crate::gguf::GgmlType;
 
-    fn quantized(x: &[f32]) -> Vec<BlockQ4_0> {
-        let mut b = vec![
-            BlockQ4_0 {
-                d: [0; 2],
-                qs: [0; 16]
-            };
-            x.len() / QK
-        ];
-        quantize(x, &mut b);
-        b
-    }
+    dot_kernel!(Q4_0, Q4_0, Vec<BlockQ8_0>, q8_0_blocks, blocks);
 
     #[test]
     fn simd_matches_scalar_bits() {
-        for (seed, nb) in [(1u64, 1usize), (2, 7), (3, 8), (4, 19), (5, 128)] {
-            let w = quantized(&values(seed, nb * QK, 0.1));
-            let a = q8(&values(seed + 50, nb * QK, 1.0));
-            let s = dot_scalar(&w, &a);
-            for level in SimdLevel::available() {
-                assert_eq!(
-                    dot(level, &w, &a).to_bits(),
-                    s.to_bits(),
-                    "{level:?} seed={seed}"
-                );
-            }
-        }
+        check_simd_matches_scalar::<Q4_0>(&[(1, 1), (2, 7), (3, 8), (4, 19), (5, 128)], 50);
     }
 
     /// A matrix of `nb`-block rows (row bytes `row_bytes`, whole blocks), as bytes.
     fn matrix(seed: u64, n_rows: usize, nb: usize) -> Vec<u8> {
-        let mut m = Vec::new();
-        for r in 0..n_rows {
-            let row = quantized(&values(seed + r as u64, nb * QK, 0.1 + r as f32 * 0.03));
-            for b in &row {
-                m.extend_from_slice(&b.d);
-                m.extend_from_slice(&b.qs);
-            }
-        }
-        m
+        (0..n_rows)
+            .flat_map(|r| {
+                let x = values(seed + r as u64, nb * QK, 0.1 + r as f32 * 0.03);
+                quantized_bytes(GgmlType::Q4_0, &x)
+            })
+            .collect()
     }
 
     fn sums_of(a: &[BlockQ8_0]) -> Vec<i32> {
@@ -321,7 +282,7 @@ mod tests {
             let mut m = matrix(seed, 8, nb);
             let raw = bytes(seed + 99, 8 * row_bytes);
             m.extend_from_slice(&raw);
-            let a = q8(&values(seed + 50, nb * QK, 1.0));
+            let a = q8_0_blocks(&values(seed + 50, nb * QK, 1.0));
             for base in [0, 8] {
                 let w = &m[base * row_bytes..(base + 8) * row_bytes];
                 for level in SimdLevel::available() {
@@ -347,7 +308,7 @@ mod tests {
         let cases = llama_rows(include_bytes!("testdata/llama_rows_q4_0.bin"));
         for (i, case) in cases.iter().enumerate() {
             let mut act = super::super::ActBuf::new();
-            act.prepare(crate::gguf::GgmlType::Q4_0, &case.act).unwrap();
+            act.prepare(GgmlType::Q4_0, &case.act).unwrap();
             let row_bytes = case.row.len();
             // This case's row in slots i and i + 4, the other cases' rows (same width) elsewhere.
             let mut m = Vec::new();
@@ -383,51 +344,22 @@ mod tests {
     /// SIMD level. The previous order (8 lanes of block terms) misses all four.
     #[test]
     fn matches_llama_cpp_rows_bit_for_bit() {
-        let cases = llama_rows(include_bytes!("testdata/llama_rows_q4_0.bin"));
-        assert_eq!(cases.len(), 4);
-        for (i, case) in cases.iter().enumerate() {
-            let mut act = super::super::ActBuf::new();
-            act.prepare(crate::gguf::GgmlType::Q4_0, &case.act).unwrap();
-            let w: &[BlockQ4_0] = super::super::blocks(&case.row);
-            for level in SimdLevel::available() {
-                let got = dot(level, w, &act.q8_0);
-                assert_eq!(
-                    got.to_bits(),
-                    case.expected.to_bits(),
-                    "case {i} {level:?}: {got} vs llama.cpp {}",
-                    case.expected
-                );
-            }
-        }
+        check_llama_rows(
+            GgmlType::Q4_0,
+            include_bytes!("testdata/llama_rows_q4_0.bin"),
+            4,
+        );
     }
 
     #[test]
     fn scalar_matches_dequantized_and_f32_reference() {
-        for seed in [31u64, 32, 33] {
-            let n = 4096;
-            let wq = quantized(&values(seed, n, 0.1));
-            let mut w = vec![0f32; n];
-            dequantize(&wq, &mut w);
-            let a = values(seed + 7, n, 1.0);
-            let aq = q8(&a);
-            let mut a_deq = vec![0f32; n];
-            super::super::q8_0::dequantize(&aq, &mut a_deq);
-            let got = dot_scalar(&wq, &aq);
-            assert_matches_dequantized(got, &w, &a_deq, &format!("seed={seed}"));
-            // Against the unquantized activation: the activation's rounding error.
-            let got = got as f64;
-            let bound = act_error_bound(&w, &a, QK, (1.0 / 254.0 + 2f64.powi(-11)) * 1.001)
-                + abs_dot_f64(&w, &a) * 64.0 * f32::EPSILON as f64;
-            let err = (got - dot_f64(&w, &a)).abs();
-            assert!(err <= bound, "seed={seed} err={err} bound={bound}");
-        }
+        check_scalar_against_references::<Q4_0>(&[31, 32, 33]);
     }
 
     #[test]
     fn round_trip_error_within_one_step() {
         let x = values(9, 32 * 64, 1.0);
-        let mut back = vec![0f32; x.len()];
-        dequantize(&quantized(&x), &mut back);
+        let back = round_trip(GgmlType::Q4_0, &x);
         for (xb, yb) in x.chunks(QK).zip(back.chunks(QK)) {
             let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
             // Step = amax/8. Half a step for most values; the value opposite the extreme

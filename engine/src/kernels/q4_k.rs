@@ -202,27 +202,13 @@ pub(super) fn super_block_term(d: [u8; 2], dmin: [u8; 2], d_a: f32, sumi: i32, s
 
 /// Dot of a row of Q4_K super-blocks with Q8_K activation blocks.
 pub(super) fn dot(level: SimdLevel, w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
-    match level {
-        #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx2 => {
-            // SAFETY: the level is only reported when AVX2/FMA/F16C are present.
-            unsafe { dot_avx2(w, a) }
-        }
-        _ => dot_scalar(w, a),
-    }
+    simd_dispatch!(level, dot_avx2(w, a), dot_scalar(w, a))
 }
 
 /// Dots of one row with [`GROUP`] activations at once (prefill): the weights are unpacked once
 /// for all of them. Each result has exactly the bits [`dot`] gives for that activation.
 pub(super) fn dot_group(level: SimdLevel, w: &[BlockQ4K], a: [&[BlockQ8K]; GROUP]) -> [f32; GROUP] {
-    match level {
-        #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx2 => {
-            // SAFETY: the level is only reported when AVX2/FMA/F16C are present.
-            unsafe { dot_n_avx2(w, a) }
-        }
-        _ => a.map(|a| dot_scalar(w, a)),
-    }
+    simd_dispatch!(level, dot_n_avx2(w, a), a.map(|a| dot_scalar(w, a)))
 }
 
 /// One super-block's step of the two accumulators (see the module header): exact integers in,
@@ -361,6 +347,33 @@ pub(super) mod x86 {
         _mm256_shuffle_epi8(scales, mask)
     }
 
+    /// `[sumi, summ, sumi, summ]`, exact in i32: the total of the 8 lanes of `sumi`, and
+    /// `summ` from the minimums (`mins`, from [`scales_mins`]) and the pair sums of `bsums`.
+    /// The integer half of [`finish`] and [`accumulate`].
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn totals(sumi: __m256i, mins: __m128i, bsums: &[i16; 16]) -> __m128i {
+        // SAFETY: 16 i16 = 32 bytes.
+        let bs = unsafe { _mm256_loadu_si256(bsums.as_ptr().cast()) };
+        // Pair sums ≤ 2 · 16 · 127: no i16 overflow.
+        let pairs = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+        let summ4 = _mm_madd_epi16(mins, pairs);
+        let sumi4 = _mm_add_epi32(
+            _mm256_castsi256_si128(sumi),
+            _mm256_extracti128_si256(sumi, 1),
+        );
+        let h = _mm_hadd_epi32(sumi4, summ4);
+        _mm_hadd_epi32(h, h)
+    }
+
+    /// `[d, dmin, 0, 0]` widened from f16 (exact).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn super_scales(d: [u8; 2], dmin: [u8; 2]) -> __m128 {
+        let bits = u16::from_le_bytes(d) as i32 | ((u16::from_le_bytes(dmin) as i32) << 16);
+        _mm_cvtph_ps(_mm_cvtsi32_si128(bits))
+    }
+
     /// Q5_K's float step of one super-block on lane 0 of `acc`, exactly as the scalar
     /// `acc += super_block_term(..)`: `summ` from the minimums and pair sums of `bsums`, both
     /// integers reduced exactly, then `(d_a·d)·sumi − (d_a·dmin)·summ` and the add.
@@ -375,19 +388,8 @@ pub(super) mod x86 {
         dmin: [u8; 2],
         d_a: f32,
     ) -> __m128 {
-        // SAFETY: 16 i16 = 32 bytes.
-        let bs = unsafe { _mm256_loadu_si256(bsums.as_ptr().cast()) };
-        // Pair sums ≤ 2 · 16 · 127: no i16 overflow.
-        let pairs = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
-        let summ4 = _mm_madd_epi16(mins, pairs);
-        let sumi4 = _mm_add_epi32(
-            _mm256_castsi256_si128(sumi),
-            _mm256_extracti128_si256(sumi, 1),
-        );
-        let h = _mm_hadd_epi32(sumi4, summ4);
-        let h = _mm_hadd_epi32(h, h); // [sumi, summ, sumi, summ]
-        let bits = u16::from_le_bytes(d) as i32 | ((u16::from_le_bytes(dmin) as i32) << 16);
-        let scales = _mm_mul_ps(_mm_set1_ps(d_a), _mm_cvtph_ps(_mm_cvtsi32_si128(bits)));
+        let h = unsafe { totals(sumi, mins, bsums) };
+        let scales = _mm_mul_ps(_mm_set1_ps(d_a), unsafe { super_scales(d, dmin) });
         let p = _mm_mul_ps(scales, _mm_cvtepi32_ps(h)); // [dd·sumi, dm·summ, ..]
         _mm_add_ss(acc, _mm_sub_ss(p, _mm_movehdup_ps(p)))
     }
@@ -406,48 +408,46 @@ pub(super) mod x86 {
         dmin: [u8; 2],
         d_a: f32,
     ) -> __m128 {
-        // SAFETY: 16 i16 = 32 bytes.
-        let bs = unsafe { _mm256_loadu_si256(bsums.as_ptr().cast()) };
-        // Pair sums ≤ 2 · 16 · 127: no i16 overflow.
-        let pairs = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
-        let summ4 = _mm_madd_epi16(mins, pairs);
-        let sumi4 = _mm_add_epi32(
-            _mm256_castsi256_si128(sumi),
-            _mm256_extracti128_si256(sumi, 1),
-        );
-        let h = _mm_hadd_epi32(sumi4, summ4);
-        let h = _mm_hadd_epi32(h, h); // [sumi, summ, sumi, summ]
-        let bits = u16::from_le_bytes(d) as i32 | ((u16::from_le_bytes(dmin) as i32) << 16);
+        let h = unsafe { totals(sumi, mins, bsums) };
         // [d·d_a, dmin·d_a, 0, 0]
-        let scales = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)), _mm_set1_ps(d_a));
+        let scales = _mm_mul_ps(unsafe { super_scales(d, dmin) }, _mm_set1_ps(d_a));
         _mm_fmadd_ps(_mm_cvtepi32_ps(h), scales, acc)
     }
 }
 
 #[cfg(test)]
-pub(super) mod tests {
-    use super::super::q8_0::tests::act_error_bound;
-    use super::super::q8_k::tests::quantized as q8k;
+mod tests {
     use super::super::testutil::*;
     use super::*;
+    use crate::gguf::GgmlType;
 
-    fn quantized(x: &[f32]) -> Vec<BlockQ4K> {
-        let mut b = vec![
-            BlockQ4K {
-                d: [0; 2],
-                dmin: [0; 2],
-                scales: [0; 12],
-                qs: [0; 128]
-            };
-            x.len() / QK_K
-        ];
-        quantize(x, &mut b);
-        b
+    dot_kernel!(Q4K, Q4_K, Vec<BlockQ8K>, q8_k_blocks, blocks, group);
+
+    #[test]
+    fn simd_matches_scalar_bits() {
+        check_simd_matches_scalar::<Q4K>(&[(1, 1), (2, 3), (3, 16)], 50);
     }
 
-    /// Root-mean-square of `v`.
-    pub(crate) fn rms(v: &[f32]) -> f64 {
-        (v.iter().map(|x| (*x as f64).powi(2)).sum::<f64>() / v.len() as f64).sqrt()
+    #[test]
+    fn group_dot_matches_single_dots_bits() {
+        check_group_matches_single::<Q4K>();
+    }
+
+    /// Rows of an expert `ffn_down` (two super-blocks) and the results llama.cpp computed for
+    /// them: our order must give its bits at every SIMD level. The previous order
+    /// (`acc += d·sumi − dmin·summ` per super-block) misses all four.
+    #[test]
+    fn matches_llama_cpp_rows_bit_for_bit() {
+        check_llama_rows(
+            GgmlType::Q4_K,
+            include_bytes!("testdata/llama_rows_q4_k.bin"),
+            4,
+        );
+    }
+
+    #[test]
+    fn scalar_matches_dequantized_and_f32_reference() {
+        check_scalar_against_references::<Q4K>(&[41, 42, 43]);
     }
 
     /// ggml's per-sub-block decoding (`get_scale_min_k4`), the reference for `scale_words`.
@@ -509,103 +509,15 @@ pub(super) mod tests {
     }
 
     #[test]
-    fn simd_matches_scalar_bits() {
-        for (seed, nb) in [(1u64, 1usize), (2, 3), (3, 16)] {
-            let w = quantized(&values(seed, nb * QK_K, 0.1));
-            let a = q8k(&values(seed + 50, nb * QK_K, 1.0));
-            let s = dot_scalar(&w, &a);
-            for level in SimdLevel::available() {
-                assert_eq!(
-                    dot(level, &w, &a).to_bits(),
-                    s.to_bits(),
-                    "{level:?} seed={seed}"
-                );
-            }
-        }
-    }
-
-    /// Rows of an expert `ffn_down` (two super-blocks) and the results llama.cpp computed for
-    /// them: our order must give its bits at every SIMD level. The previous order
-    /// (`acc += d·sumi − dmin·summ` per super-block) misses all four.
-    #[test]
-    fn matches_llama_cpp_rows_bit_for_bit() {
-        let cases = llama_rows(include_bytes!("testdata/llama_rows_q4_k.bin"));
-        assert_eq!(cases.len(), 4);
-        for (i, case) in cases.iter().enumerate() {
-            let mut act = super::super::ActBuf::new();
-            act.prepare(crate::gguf::GgmlType::Q4_K, &case.act).unwrap();
-            let w: &[BlockQ4K] = super::super::blocks(&case.row);
-            for level in SimdLevel::available() {
-                let got = dot(level, w, &act.q8_k);
-                assert_eq!(
-                    got.to_bits(),
-                    case.expected.to_bits(),
-                    "case {i} {level:?}: {got} vs llama.cpp {}",
-                    case.expected
-                );
-            }
-        }
-    }
-
-    #[test]
-    fn group_dot_matches_single_dots_bits() {
-        let nb = 5;
-        let w = quantized(&values(70, nb * QK_K, 0.1));
-        let acts: Vec<Vec<BlockQ8K>> = (0..GROUP as u64)
-            .map(|t| q8k(&values(71 + t, nb * QK_K, 1.0)))
-            .collect();
-        let group: [&[BlockQ8K]; GROUP] = std::array::from_fn(|t| acts[t].as_slice());
-        for level in SimdLevel::available() {
-            let got = dot_group(level, &w, group);
-            for t in 0..GROUP {
-                assert_eq!(
-                    got[t].to_bits(),
-                    dot(level, &w, &acts[t]).to_bits(),
-                    "{level:?} t={t}"
-                );
-            }
-        }
-    }
-
-    #[test]
-    fn scalar_matches_dequantized_and_f32_reference() {
-        for seed in [41u64, 42, 43] {
-            let n = 4096;
-            let wq = quantized(&values(seed, n, 0.1));
-            let mut w = vec![0f32; n];
-            dequantize(&wq, &mut w);
-            let a = values(seed + 7, n, 1.0);
-            let aq = q8k(&a);
-            let mut a_deq = vec![0f32; n];
-            super::super::q8_k::dequantize(&aq, &mut a_deq);
-            let got = dot_scalar(&wq, &aq);
-            assert_matches_dequantized(got, &w, &a_deq, &format!("seed={seed}"));
-            // Against the unquantized activation: the activation's rounding error.
-            let got = got as f64;
-            // Activation error per value ≤ amax/254 (Q8_K keeps an f32 scale), plus float
-            // rounding of the super-block terms (i32 sums above 2^24 round when converted).
-            let bound = act_error_bound(&w, &a, QK_K, 1.0001 / 254.0)
-                + abs_dot_f64(&w, &a) * 64.0 * f32::EPSILON as f64;
-            let err = (got - dot_f64(&w, &a)).abs();
-            assert!(err <= bound, "seed={seed} err={err} bound={bound}");
-        }
-    }
-
-    #[test]
     fn round_trip_error_within_budget() {
-        let x = values(9, QK_K * 64, 1.0);
-        let mut back = vec![0f32; x.len()];
-        dequantize(&quantized(&x), &mut back);
-        let diff: Vec<f32> = x.iter().zip(&back).map(|(p, q)| p - q).collect();
         // 16 levels over each sub-block's range: uniform rounding gives range/15/√12 ≈ 0.08σ
         // for these values; the 6-bit scales and the min-max (not searched) fit add some.
-        let rel = rms(&diff) / rms(&x);
+        let rel = relative_rms_error(GgmlType::Q4_K, &values(9, QK_K * 64, 1.0));
         assert!(rel < 0.11, "relative rmse {rel}");
         // All-equal and all-zero blocks survive.
-        let mut flat = vec![0f32; QK_K];
-        dequantize(&quantized(&[0.0; QK_K]), &mut flat);
+        let flat = round_trip(GgmlType::Q4_K, &[0.0; QK_K]);
         assert!(flat.iter().all(|v| *v == 0.0));
-        dequantize(&quantized(&[-0.5; QK_K]), &mut flat);
+        let flat = round_trip(GgmlType::Q4_K, &[-0.5; QK_K]);
         assert!(
             flat.iter().all(|v| (v + 0.5).abs() < 1e-3),
             "{:?}",

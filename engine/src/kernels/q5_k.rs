@@ -85,14 +85,7 @@ pub(super) fn dequantize(src: &[BlockQ5K], dst: &mut [f32]) {
 
 /// Dot of a row of Q5_K super-blocks with Q8_K activation blocks.
 pub(super) fn dot(level: SimdLevel, w: &[BlockQ5K], a: &[BlockQ8K]) -> f32 {
-    match level {
-        #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx2 => {
-            // SAFETY: the level is only reported when AVX2/FMA/F16C are present.
-            unsafe { dot_avx2(w, a) }
-        }
-        _ => dot_scalar(w, a),
-    }
+    simd_dispatch!(level, dot_avx2(w, a), dot_scalar(w, a))
 }
 
 pub(super) fn dot_scalar(w: &[BlockQ5K], a: &[BlockQ8K]) -> f32 {
@@ -180,105 +173,36 @@ unsafe fn dot_n_avx2<const N: usize>(w: &[BlockQ5K], a: [&[BlockQ8K]; N]) -> [f3
 /// Dots of one row with [`GROUP`] activations at once (prefill); each result has exactly the
 /// bits [`dot`] gives for that activation.
 pub(super) fn dot_group(level: SimdLevel, w: &[BlockQ5K], a: [&[BlockQ8K]; GROUP]) -> [f32; GROUP] {
-    match level {
-        #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx2 => {
-            // SAFETY: the level is only reported when AVX2/FMA/F16C are present.
-            unsafe { dot_n_avx2(w, a) }
-        }
-        _ => a.map(|a| dot_scalar(w, a)),
-    }
+    simd_dispatch!(level, dot_n_avx2(w, a), a.map(|a| dot_scalar(w, a)))
 }
 
 #[cfg(test)]
 mod tests {
-    use super::super::q4_k::tests::rms;
-    use super::super::q8_0::tests::act_error_bound;
-    use super::super::q8_k::tests::quantized as q8k;
     use super::super::testutil::*;
     use super::*;
+    use crate::gguf::GgmlType;
 
-    fn quantized(x: &[f32]) -> Vec<BlockQ5K> {
-        let mut b = vec![
-            BlockQ5K {
-                d: [0; 2],
-                dmin: [0; 2],
-                scales: [0; 12],
-                qh: [0; 32],
-                qs: [0; 128]
-            };
-            x.len() / QK_K
-        ];
-        quantize(x, &mut b);
-        b
-    }
+    dot_kernel!(Q5K, Q5_K, Vec<BlockQ8K>, q8_k_blocks, blocks, group);
 
     #[test]
     fn simd_matches_scalar_bits() {
-        for (seed, nb) in [(1u64, 1usize), (2, 3), (3, 16)] {
-            let w = quantized(&values(seed, nb * QK_K, 0.1));
-            let a = q8k(&values(seed + 50, nb * QK_K, 1.0));
-            let s = dot_scalar(&w, &a);
-            for level in SimdLevel::available() {
-                assert_eq!(
-                    dot(level, &w, &a).to_bits(),
-                    s.to_bits(),
-                    "{level:?} seed={seed}"
-                );
-            }
-        }
+        check_simd_matches_scalar::<Q5K>(&[(1, 1), (2, 3), (3, 16)], 50);
     }
 
     #[test]
     fn group_dot_matches_single_dots_bits() {
-        let nb = 5;
-        let w = quantized(&values(70, nb * QK_K, 0.1));
-        let acts: Vec<Vec<BlockQ8K>> = (0..GROUP as u64)
-            .map(|t| q8k(&values(71 + t, nb * QK_K, 1.0)))
-            .collect();
-        let group: [&[BlockQ8K]; GROUP] = std::array::from_fn(|t| acts[t].as_slice());
-        for level in SimdLevel::available() {
-            let got = dot_group(level, &w, group);
-            for t in 0..GROUP {
-                assert_eq!(
-                    got[t].to_bits(),
-                    dot(level, &w, &acts[t]).to_bits(),
-                    "{level:?} t={t}"
-                );
-            }
-        }
+        check_group_matches_single::<Q5K>();
     }
 
     #[test]
     fn scalar_matches_dequantized_and_f32_reference() {
-        for seed in [51u64, 52, 53] {
-            let n = 4096;
-            let wq = quantized(&values(seed, n, 0.1));
-            let mut w = vec![0f32; n];
-            dequantize(&wq, &mut w);
-            let a = values(seed + 7, n, 1.0);
-            let aq = q8k(&a);
-            let mut a_deq = vec![0f32; n];
-            super::super::q8_k::dequantize(&aq, &mut a_deq);
-            let got = dot_scalar(&wq, &aq);
-            assert_matches_dequantized(got, &w, &a_deq, &format!("seed={seed}"));
-            // Against the unquantized activation: the activation's rounding error.
-            let got = got as f64;
-            let bound = act_error_bound(&w, &a, QK_K, 1.0001 / 254.0)
-                + abs_dot_f64(&w, &a) * 64.0 * f32::EPSILON as f64;
-            let err = (got - dot_f64(&w, &a)).abs();
-            assert!(err <= bound, "seed={seed} err={err} bound={bound}");
-        }
+        check_scalar_against_references::<Q5K>(&[51, 52, 53]);
     }
 
     #[test]
     fn round_trip_error_within_budget() {
-        let x = values(9, QK_K * 64, 1.0);
-        let mut back = vec![0f32; x.len()];
-        dequantize(&quantized(&x), &mut back);
-        let diff: Vec<f32> = x.iter().zip(&back).map(|(p, q)| p - q).collect();
         // 32 levels: half Q4_K's step, so about half its error.
-        let rel = rms(&diff) / rms(&x);
+        let rel = relative_rms_error(GgmlType::Q5_K, &values(9, QK_K * 64, 1.0));
         assert!(rel < 0.055, "relative rmse {rel}");
     }
 }

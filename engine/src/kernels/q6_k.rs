@@ -13,7 +13,7 @@
 //! integer as `Σ_j sc_j · Σ q·a − 32 · Σ_j sc_j · bsum_j`, so it matches the scalar bits.
 
 use super::q8_k::{BlockQ8K, GROUP, QK_K};
-use super::{f16_to_f32, f32_to_f16, nearest_int, RawBlock, SimdLevel};
+use super::{f16_to_f32, f32_to_f16, max_by_magnitude, nearest_int, RawBlock, SimdLevel};
 
 /// One Q6_K super-block as stored in GGUF.
 #[repr(C)]
@@ -35,14 +35,9 @@ pub(super) fn quantize(src: &[f32], dst: &mut [BlockQ6K]) {
     for (x, b) in src.chunks_exact(QK_K).zip(dst.iter_mut()) {
         let mut scale = [0f32; 16];
         for (s, run) in scale.iter_mut().zip(x.chunks_exact(16)) {
-            let max = run
-                .iter()
-                .fold(0f32, |m, v| if v.abs() > m.abs() { *v } else { m });
-            *s = max / -32.0;
+            *s = max_by_magnitude(run) / -32.0;
         }
-        let max_scale = scale
-            .iter()
-            .fold(0f32, |m, v| if v.abs() > m.abs() { *v } else { m });
+        let max_scale = max_by_magnitude(&scale);
         let iscale = if max_scale != 0.0 {
             -128.0 / max_scale
         } else {
@@ -113,14 +108,7 @@ fn super_block_term(d: [u8; 2], d_a: f32, sumi: i32) -> f32 {
 
 /// Dot of a row of Q6_K super-blocks with Q8_K activation blocks.
 pub(super) fn dot(level: SimdLevel, w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
-    match level {
-        #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx2 => {
-            // SAFETY: the level is only reported when AVX2/FMA/F16C are present.
-            unsafe { dot_avx2(w, a) }
-        }
-        _ => dot_scalar(w, a),
-    }
+    simd_dispatch!(level, dot_avx2(w, a), dot_scalar(w, a))
 }
 
 pub(super) fn dot_scalar(w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
@@ -157,13 +145,50 @@ const SCALE_SHUFFLE: [[u8; 16]; 8] = {
     m
 };
 
+/// The levels (0..=63) of half `h` (< 2) of `x` as four vectors of 32 bytes: values
+/// `128h + 32t .. 128h + 32t + 32` in vector `t` (the vector form of [`levels`]).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn levels_avx2(x: &BlockQ6K, h: usize) -> [std::arch::x86_64::__m256i; 4] {
+    use std::arch::x86_64::*;
+    let m4 = _mm256_set1_epi8(0x0F);
+    let m30 = _mm256_set1_epi8(0x30);
+    // SAFETY: 32-byte loads inside ql (128) and qh (64), as h < 2.
+    let (ql0, ql1, qh) = unsafe {
+        (
+            _mm256_loadu_si256(x.ql.as_ptr().add(64 * h).cast()),
+            _mm256_loadu_si256(x.ql.as_ptr().add(64 * h + 32).cast()),
+            _mm256_loadu_si256(x.qh.as_ptr().add(32 * h).cast()),
+        )
+    };
+    // Bits 2t..2t+2 of each qh byte move to bits 4–5 (16-bit shifts; the mask keeps
+    // only bits that came from the same byte).
+    [
+        _mm256_or_si256(
+            _mm256_and_si256(ql0, m4),
+            _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30),
+        ),
+        _mm256_or_si256(
+            _mm256_and_si256(ql1, m4),
+            _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30),
+        ),
+        _mm256_or_si256(
+            _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+            _mm256_and_si256(qh, m30),
+        ),
+        _mm256_or_si256(
+            _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+            _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30),
+        ),
+    ]
+}
+
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_avx2(w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
     use super::q8_k::x86::hsum_i32;
     use std::arch::x86_64::*;
-    let m4 = _mm256_set1_epi8(0x0F);
-    let m30 = _mm256_set1_epi8(0x30);
     let mut acc = _mm_setzero_ps();
     for (x, y) in w.iter().zip(a) {
         // SAFETY: scales is 16 bytes, bsums 16 i16 (32 bytes).
@@ -177,36 +202,10 @@ unsafe fn dot_avx2(w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
         let offset = _mm256_madd_epi16(_mm256_cvtepi8_epi16(scales8), bsums);
         let mut sumi = _mm256_setzero_si256();
         for h in 0..2 {
-            // SAFETY: 32-byte loads inside ql (128), qh (64) and y.qs (256).
-            let (ql0, ql1, qh) = unsafe {
-                (
-                    _mm256_loadu_si256(x.ql.as_ptr().add(64 * h).cast()),
-                    _mm256_loadu_si256(x.ql.as_ptr().add(64 * h + 32).cast()),
-                    _mm256_loadu_si256(x.qh.as_ptr().add(32 * h).cast()),
-                )
-            };
-            // Bits 2t..2t+2 of each qh byte move to bits 4–5 (16-bit shifts; the mask keeps
-            // only bits that came from the same byte).
-            let q = [
-                _mm256_or_si256(
-                    _mm256_and_si256(ql0, m4),
-                    _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30),
-                ),
-                _mm256_or_si256(
-                    _mm256_and_si256(ql1, m4),
-                    _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30),
-                ),
-                _mm256_or_si256(
-                    _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
-                    _mm256_and_si256(qh, m30),
-                ),
-                _mm256_or_si256(
-                    _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                    _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30),
-                ),
-            ];
+            let q = unsafe { levels_avx2(x, h) };
             for (t, qt) in q.into_iter().enumerate() {
-                // SAFETY: in bounds as above; the mask table has 8 entries, 4h + t < 8.
+                // SAFETY: 32-byte load inside y.qs (256 bytes); the mask table has 8 entries,
+                // 4h + t < 8.
                 let (yv, mask) = unsafe {
                     (
                         _mm256_loadu_si256(y.qs.as_ptr().add(128 * h + 32 * t).cast()),
@@ -239,8 +238,6 @@ unsafe fn dot_n_avx2<const N: usize>(w: &[BlockQ6K], a: [&[BlockQ8K]; N]) -> [f3
     use super::q8_k::x86::hsum_i32;
     use std::arch::x86_64::*;
     let n = a.iter().fold(w.len(), |n, a| n.min(a.len()));
-    let m4 = _mm256_set1_epi8(0x0F);
-    let m30 = _mm256_set1_epi8(0x30);
     let mut acc = [_mm_setzero_ps(); N];
     for (i, x) in w[..n].iter().enumerate() {
         // SAFETY: scales is 16 bytes.
@@ -248,34 +245,7 @@ unsafe fn dot_n_avx2<const N: usize>(w: &[BlockQ6K], a: [&[BlockQ8K]; N]) -> [f3
         let scales16 = _mm256_cvtepi8_epi16(scales8);
         let mut sumi = [_mm256_setzero_si256(); N];
         for h in 0..2 {
-            // SAFETY: 32-byte loads inside ql (128) and qh (64).
-            let (ql0, ql1, qh) = unsafe {
-                (
-                    _mm256_loadu_si256(x.ql.as_ptr().add(64 * h).cast()),
-                    _mm256_loadu_si256(x.ql.as_ptr().add(64 * h + 32).cast()),
-                    _mm256_loadu_si256(x.qh.as_ptr().add(32 * h).cast()),
-                )
-            };
-            // Bits 2t..2t+2 of each qh byte move to bits 4–5 (16-bit shifts; the mask keeps
-            // only bits that came from the same byte).
-            let q = [
-                _mm256_or_si256(
-                    _mm256_and_si256(ql0, m4),
-                    _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30),
-                ),
-                _mm256_or_si256(
-                    _mm256_and_si256(ql1, m4),
-                    _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30),
-                ),
-                _mm256_or_si256(
-                    _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
-                    _mm256_and_si256(qh, m30),
-                ),
-                _mm256_or_si256(
-                    _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                    _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30),
-                ),
-            ];
+            let q = unsafe { levels_avx2(x, h) };
             for (k, qk) in q.into_iter().enumerate() {
                 // SAFETY: the mask table has 8 entries, 4h + k < 8.
                 let mask = unsafe { _mm_loadu_si128(SCALE_SHUFFLE[4 * h + k].as_ptr().cast()) };
@@ -310,107 +280,38 @@ unsafe fn dot_n_avx2<const N: usize>(w: &[BlockQ6K], a: [&[BlockQ8K]; N]) -> [f3
 /// Dots of one row with [`GROUP`] activations at once (prefill); each result has exactly the
 /// bits [`dot`] gives for that activation.
 pub(super) fn dot_group(level: SimdLevel, w: &[BlockQ6K], a: [&[BlockQ8K]; GROUP]) -> [f32; GROUP] {
-    match level {
-        #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx2 => {
-            // SAFETY: the level is only reported when AVX2/FMA/F16C are present.
-            unsafe { dot_n_avx2(w, a) }
-        }
-        _ => a.map(|a| dot_scalar(w, a)),
-    }
+    simd_dispatch!(level, dot_n_avx2(w, a), a.map(|a| dot_scalar(w, a)))
 }
 
 #[cfg(test)]
 mod tests {
-    use super::super::q4_k::tests::rms;
-    use super::super::q8_0::tests::act_error_bound;
-    use super::super::q8_k::tests::quantized as q8k;
     use super::super::testutil::*;
     use super::*;
+    use crate::gguf::GgmlType;
 
-    fn quantized(x: &[f32]) -> Vec<BlockQ6K> {
-        let mut b = vec![
-            BlockQ6K {
-                ql: [0; 128],
-                qh: [0; 64],
-                scales: [0; 16],
-                d: [0; 2]
-            };
-            x.len() / QK_K
-        ];
-        quantize(x, &mut b);
-        b
-    }
+    dot_kernel!(Q6K, Q6_K, Vec<BlockQ8K>, q8_k_blocks, blocks, group);
 
     #[test]
     fn simd_matches_scalar_bits() {
-        for (seed, nb) in [(1u64, 1usize), (2, 3), (3, 16)] {
-            let w = quantized(&values(seed, nb * QK_K, 0.1));
-            let a = q8k(&values(seed + 50, nb * QK_K, 1.0));
-            let s = dot_scalar(&w, &a);
-            for level in SimdLevel::available() {
-                assert_eq!(
-                    dot(level, &w, &a).to_bits(),
-                    s.to_bits(),
-                    "{level:?} seed={seed}"
-                );
-            }
-        }
+        check_simd_matches_scalar::<Q6K>(&[(1, 1), (2, 3), (3, 16)], 50);
     }
 
     #[test]
     fn group_dot_matches_single_dots_bits() {
-        let nb = 5;
-        let w = quantized(&values(70, nb * QK_K, 0.1));
-        let acts: Vec<Vec<BlockQ8K>> = (0..GROUP as u64)
-            .map(|t| q8k(&values(71 + t, nb * QK_K, 1.0)))
-            .collect();
-        let group: [&[BlockQ8K]; GROUP] = std::array::from_fn(|t| acts[t].as_slice());
-        for level in SimdLevel::available() {
-            let got = dot_group(level, &w, group);
-            for t in 0..GROUP {
-                assert_eq!(
-                    got[t].to_bits(),
-                    dot(level, &w, &acts[t]).to_bits(),
-                    "{level:?} t={t}"
-                );
-            }
-        }
+        check_group_matches_single::<Q6K>();
     }
 
     #[test]
     fn scalar_matches_dequantized_and_f32_reference() {
-        for seed in [61u64, 62, 63] {
-            let n = 4096;
-            let wq = quantized(&values(seed, n, 0.1));
-            let mut w = vec![0f32; n];
-            dequantize(&wq, &mut w);
-            let a = values(seed + 7, n, 1.0);
-            let aq = q8k(&a);
-            let mut a_deq = vec![0f32; n];
-            super::super::q8_k::dequantize(&aq, &mut a_deq);
-            let got = dot_scalar(&wq, &aq);
-            assert_matches_dequantized(got, &w, &a_deq, &format!("seed={seed}"));
-            // Against the unquantized activation: the activation's rounding error.
-            let got = got as f64;
-            let bound = act_error_bound(&w, &a, QK_K, 1.0001 / 254.0)
-                + abs_dot_f64(&w, &a) * 64.0 * f32::EPSILON as f64;
-            let err = (got - dot_f64(&w, &a)).abs();
-            assert!(err <= bound, "seed={seed} err={err} bound={bound}");
-        }
+        check_scalar_against_references::<Q6K>(&[61, 62, 63]);
     }
 
     #[test]
     fn round_trip_error_within_budget() {
-        let x = values(9, QK_K * 64, 1.0);
-        let mut back = vec![0f32; x.len()];
-        dequantize(&quantized(&x), &mut back);
-        let diff: Vec<f32> = x.iter().zip(&back).map(|(p, q)| p - q).collect();
         // 64 levels over ±amax of each run of 16: step amax/32, rmse ≈ step/√12.
-        let rel = rms(&diff) / rms(&x);
+        let rel = relative_rms_error(GgmlType::Q6_K, &values(9, QK_K * 64, 1.0));
         assert!(rel < 0.04, "relative rmse {rel}");
-        let mut flat = vec![1f32; QK_K];
-        dequantize(&quantized(&[0.0; QK_K]), &mut flat);
+        let flat = round_trip(GgmlType::Q6_K, &[0.0; QK_K]);
         assert!(flat.iter().all(|v| *v == 0.0));
     }
 }

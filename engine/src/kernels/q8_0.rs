@@ -89,14 +89,7 @@ fn accumulate(lanes: &mut [f32; 8], d_w: [u8; 2], d_a: [u8; 2], sums: &[i32; 8])
 
 /// Dot of a row of Q8_0 weight blocks with Q8_0 activation blocks.
 pub(super) fn dot(level: SimdLevel, w: &[BlockQ8_0], a: &[BlockQ8_0]) -> f32 {
-    match level {
-        #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx2 => {
-            // SAFETY: the level is only reported when AVX2/FMA/F16C are present.
-            unsafe { dot_avx2(w, a) }
-        }
-        _ => dot_scalar(w, a),
-    }
+    simd_dispatch!(level, dot_avx2(w, a), dot_scalar(w, a))
 }
 
 /// A block's exact products summed in 8 lanes of 4 consecutive values.
@@ -171,47 +164,16 @@ pub(super) mod x86 {
 }
 
 #[cfg(test)]
-pub(super) mod tests {
+mod tests {
     use super::super::testutil::*;
     use super::*;
+    use crate::gguf::GgmlType;
 
-    pub(crate) fn quantized(x: &[f32]) -> Vec<BlockQ8_0> {
-        let mut b = vec![BlockQ8_0::ZERO; x.len() / QK];
-        quantize(x, &mut b);
-        b
-    }
-
-    /// Six standard deviations of the error an activation quantizer puts into a dot product
-    /// when its error on each value is independent and at most `amax(block) · rel` (uniform:
-    /// σ_i = amax · rel / √3). A statistical bound, but a fixed-seed test either always passes
-    /// or always fails, and a wrong layout misses it by orders of magnitude.
-    pub(crate) fn act_error_bound(w: &[f32], a: &[f32], block: usize, rel: f64) -> f64 {
-        let var: f64 = w
-            .chunks(block)
-            .zip(a.chunks(block))
-            .map(|(wb, ab)| {
-                let amax = ab.iter().fold(0f64, |m, v| m.max(v.abs() as f64));
-                let sigma = amax * rel / 3f64.sqrt();
-                wb.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() * sigma * sigma
-            })
-            .sum();
-        6.0 * var.sqrt()
-    }
+    dot_kernel!(Q8_0, Q8_0, Vec<BlockQ8_0>, q8_0_blocks, blocks);
 
     #[test]
     fn simd_matches_scalar_bits() {
-        for (seed, nb) in [(1u64, 1usize), (2, 7), (3, 8), (4, 19), (5, 128)] {
-            let w = quantized(&values(seed, nb * QK, 0.1));
-            let a = quantized(&values(seed + 50, nb * QK, 1.0));
-            let s = dot_scalar(&w, &a);
-            for level in SimdLevel::available() {
-                assert_eq!(
-                    dot(level, &w, &a).to_bits(),
-                    s.to_bits(),
-                    "{level:?} seed={seed}"
-                );
-            }
-        }
+        check_simd_matches_scalar::<Q8_0>(&[(1, 1), (2, 7), (3, 8), (4, 19), (5, 128)], 50);
     }
 
     /// `attn_output` rows and the results llama.cpp computed for them from f32 activations: our
@@ -219,22 +181,11 @@ pub(super) mod tests {
     /// order (8 lanes of block terms) misses all four.
     #[test]
     fn matches_llama_cpp_rows_bit_for_bit() {
-        let cases = llama_rows(include_bytes!("testdata/llama_rows_q8_0.bin"));
-        assert_eq!(cases.len(), 4);
-        for (i, case) in cases.iter().enumerate() {
-            let mut act = super::super::ActBuf::new();
-            act.prepare(crate::gguf::GgmlType::Q8_0, &case.act).unwrap();
-            let w: &[BlockQ8_0] = super::super::blocks(&case.row);
-            for level in SimdLevel::available() {
-                let got = dot(level, w, &act.q8_0);
-                assert_eq!(
-                    got.to_bits(),
-                    case.expected.to_bits(),
-                    "case {i} {level:?}: {got} vs llama.cpp {}",
-                    case.expected
-                );
-            }
-        }
+        check_llama_rows(
+            GgmlType::Q8_0,
+            include_bytes!("testdata/llama_rows_q8_0.bin"),
+            4,
+        );
     }
 
     /// Exact half steps (absmax 127 makes the multiplier exactly 1) round to even in the
@@ -298,33 +249,13 @@ pub(super) mod tests {
 
     #[test]
     fn scalar_matches_dequantized_and_f32_reference() {
-        for seed in [21u64, 22, 23] {
-            let n = 4096;
-            let wq = quantized(&values(seed, n, 0.1));
-            let mut w = vec![0f32; n];
-            dequantize(&wq, &mut w);
-            let a = values(seed + 7, n, 1.0);
-            let aq = quantized(&a);
-            let mut a_deq = vec![0f32; n];
-            dequantize(&aq, &mut a_deq);
-            let got = dot_scalar(&wq, &aq);
-            assert_matches_dequantized(got, &w, &a_deq, &format!("seed={seed}"));
-            // Against the unquantized activation: the activation's rounding error.
-            let got = got as f64;
-            // Activation error per value ≤ amax/254 (rounding) + amax·2^-11 (f16 scale), plus
-            // float rounding of the block terms and the 8-lane chain.
-            let bound = act_error_bound(&w, &a, QK, (1.0 / 254.0 + 2f64.powi(-11)) * 1.001)
-                + abs_dot_f64(&w, &a) * 64.0 * f32::EPSILON as f64;
-            let err = (got - dot_f64(&w, &a)).abs();
-            assert!(err <= bound, "seed={seed} err={err} bound={bound}");
-        }
+        check_scalar_against_references::<Q8_0>(&[21, 22, 23]);
     }
 
     #[test]
     fn round_trip_error_within_half_a_step() {
         let x = values(9, 32 * 64, 1.0);
-        let mut back = vec![0f32; x.len()];
-        dequantize(&quantized(&x), &mut back);
+        let back = round_trip(GgmlType::Q8_0, &x);
         for (xb, yb) in x.chunks(QK).zip(back.chunks(QK)) {
             let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
             for (p, q) in xb.iter().zip(yb) {
@@ -332,7 +263,7 @@ pub(super) mod tests {
             }
         }
         // All-zero blocks stay zero (no division by zero).
-        let z = quantized(&[0.0; 32]);
+        let z = q8_0_blocks(&[0.0; 32]);
         assert_eq!(z[0], BlockQ8_0::ZERO);
     }
 }

@@ -6,7 +6,7 @@
 //! form (`quantize_row` / `dequantize_row` with `GgmlType::Q8_K`) is little-endian
 //! `d: f32, qs: [i8; 256], bsums: [i16; 16]`, 292 bytes.
 
-use super::nearest_int;
+use super::{max_by_magnitude, nearest_int};
 
 /// Values per super-block (all K-quants).
 pub(super) const QK_K: usize = 256;
@@ -40,15 +40,9 @@ impl BlockQ8K {
 /// takes its sign), values round to nearest, ties to even.
 pub(super) fn quantize(src: &[f32], dst: &mut [BlockQ8K]) {
     for (x, b) in src.chunks_exact(QK_K).zip(dst.iter_mut()) {
-        let mut amax = 0f32;
-        let mut max = 0f32;
-        for v in x {
-            if v.abs() > amax {
-                amax = v.abs();
-                max = *v;
-            }
-        }
-        if amax == 0.0 {
+        let max = max_by_magnitude(x);
+        // |max| is the absmax; only 0 when every value is.
+        if max == 0.0 {
             *b = BlockQ8K::ZERO;
             continue;
         }
@@ -113,20 +107,14 @@ pub(super) mod x86 {
 }
 
 #[cfg(test)]
-pub(super) mod tests {
+mod tests {
     use super::super::testutil::*;
     use super::*;
-
-    pub(crate) fn quantized(x: &[f32]) -> Vec<BlockQ8K> {
-        let mut b = vec![BlockQ8K::ZERO; x.len() / QK_K];
-        quantize(x, &mut b);
-        b
-    }
 
     #[test]
     fn round_trip_within_half_a_step_and_bsums_match() {
         let x = values(4, QK_K * 16, 1.0);
-        let q = quantized(&x);
+        let q = q8_k_blocks(&x);
         let mut back = vec![0f32; x.len()];
         dequantize(&q, &mut back);
         for (xb, yb) in x.chunks(QK_K).zip(back.chunks(QK_K)) {
@@ -141,7 +129,7 @@ pub(super) mod tests {
                 assert_eq!(*s as i32, want);
             }
         }
-        assert_eq!(quantized(&[0.0; QK_K])[0], BlockQ8K::ZERO);
+        assert_eq!(q8_k_blocks(&[0.0; QK_K])[0], BlockQ8K::ZERO);
     }
 
     #[test]
@@ -152,7 +140,7 @@ pub(super) mod tests {
         let mut a = vec![0f32; x.len()];
         let mut b = vec![0f32; x.len()];
         dequantize_bytes(&bytes, &mut a);
-        dequantize(&quantized(&x), &mut b);
+        dequantize(&q8_k_blocks(&x), &mut b);
         assert_eq!(a, b);
     }
 }
