@@ -6,9 +6,9 @@
 
 1. Runs bmoe-cli once per policy inside a cgroup v1 memory limit, page cache dropped first, every
    run with the same prompt, budget and `--overlap`, each writing its `--csv`. The baseline (LRU)
-   run also writes `--route-trace` (with `--predict-log`'s recorded predictions when the build
-   supports them, so predictor policies can be replayed) and `--io-trace`.
-2. `bmoe-sim calibrate` fits a device profile on the baseline run.
+   also writes `--io-trace`, and runs once more with `--predict-log --route-trace` for a trace
+   carrying the recorded predictions (the probe changes nothing read, but costs time).
+2. `bmoe-sim calibrate` fits a device profile on the timed baseline run.
 3. `bmoe-sim replay` replays the baseline trace once per policy with that policy's flags and the
    calibrated profile.
 4. Prints one markdown row per policy: predicted and measured tok/s, flash MiB/token, hit rate and
@@ -97,20 +97,22 @@ def main():
     base_csv, base_route, base_io = path("lru", ".csv"), path("lru", ".route.csv"), path("lru", ".io.csv")
     measured = {}
     for name, flags, _ in policies:
-        csv_path = base_csv if name.startswith("lru") else path(name, ".csv")
+        csv_path = path(name, ".csv")
         extra = ["--csv", csv_path]
         if name.startswith("lru"):
-            extra += ["--route-trace", base_route, "--io-trace", base_io]
-            # Record the stale-gate predictions too when this build can (predictor replays need
-            # them); fall back to a plain trace when it cannot.
-            r = in_cgroup([cli] + common + extra + ["--predict-log"])
+            # The route trace comes from a run with the probe on, so it carries the stale-gate
+            # predictions the predictor replays need (the probe changes nothing that is read or
+            # computed, so the routing is the timed run's); the probe costs time, so the timed
+            # run — the measured row and the calibration — runs without it.
+            probe = [cli] + common + ["--route-trace", base_route, "--csv", path("lru-probe", ".csv"),
+                                      "--predict-log"]
+            r = in_cgroup(probe)
             if r.returncode != 0:
-                r = in_cgroup([cli] + common + extra)
-            # The probe costs time: time the baseline again without it for the measured row.
-            timed = path("lru-timed", ".csv")
-            r2 = in_cgroup([cli] + common + ["--csv", timed])
-            if r2.returncode == 0:
-                measured[name] = metrics(timed)
+                r = in_cgroup([cli] + common + ["--route-trace", base_route])
+            if r.returncode == 0:
+                r = in_cgroup([cli] + common + ["--csv", base_csv, "--io-trace", base_io])
+                if r.returncode == 0:
+                    measured[name] = metrics(base_csv)
         else:
             r = in_cgroup([cli] + common + flags + extra)
             if r.returncode == 0:

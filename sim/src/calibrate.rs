@@ -387,7 +387,16 @@ pub fn calibrate(
             let mib_s = 1e3 / (x * MIB_F);
             flash.read_latency_us = latency_ms * 1e3;
             flash.lane_mib_per_s = mib_s;
-            flash.device_mib_per_s = mib_s;
+            // Serial: the fit is over blocked wall time, i.e. what all lanes together deliver,
+            // so one rate is both. Overlap: the fit is over summed lane busy time, i.e. one
+            // lane's rate (contention already inside each read's busy time), and the lanes
+            // together deliver up to `lanes` times it — a ceiling equal to one lane's rate would
+            // serialise concurrent lanes and over-charge every overlapped read.
+            flash.device_mib_per_s = if cfg.overlap && !flash_rows.is_empty() {
+                mib_s * lanes
+            } else {
+                mib_s
+            };
             notes.push(format!(
                 "flash: latency {:.1} us per request, {:.0} MiB/s ({} tokens, {})",
                 flash.read_latency_us,
@@ -795,6 +804,98 @@ mod tests {
         close(k.batch_row_factor, 0.3, 0.05, "batch factor");
         close(k.loop_overhead_ms, 0.5, 0.01, "loop overhead");
         assert!(c.notes.iter().any(|n| n.starts_with("in-sample tok/s")));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// An overlapped run on four lanes: the fit over summed lane busy time is one lane's rate,
+    /// and the device must deliver four of them at once — a ceiling of one lane's rate would
+    /// serialise the lanes and make the replay far slower than the run it was fitted on.
+    #[test]
+    fn an_overlapped_run_calibrates_to_its_own_speed() {
+        let dir = std::env::temp_dir().join(format!("bmoe-sim-cal-ov-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let trace_path = dir.join("t.csv");
+        std::fs::write(&trace_path, synthetic_trace(200)).expect("trace");
+        let mut truth = DeviceProfile::load("this-machine").expect("base");
+        truth.flash = FlashParams {
+            read_latency_us: 300.0,
+            lane_mib_per_s: 300.0,
+            device_mib_per_s: 1200.0,
+            align_bytes: 4096,
+            jitter: 0.0,
+        };
+        truth.compute.jitter = 0.0;
+        truth.flash.jitter = 0.0;
+        let truth_path = dir.join("truth.json");
+        std::fs::write(&truth_path, truth.to_json()).expect("profile");
+        let (csv_path, io_path) = (dir.join("run.csv"), dir.join("run.io.csv"));
+        let args: Vec<String> = [
+            "bmoe-sim",
+            "replay",
+            "--trace",
+            &trace_path.display().to_string(),
+            "--profile",
+            &truth_path.display().to_string(),
+            "--cache-mb",
+            "4",
+            "--force-cache",
+            "--io-threads",
+            "4",
+            "--overlap",
+            "--csv",
+            &csv_path.display().to_string(),
+            "--io-trace",
+            &io_path.display().to_string(),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        assert_eq!(
+            crate::cli::run(args, &[], &mut out, &mut err),
+            0,
+            "{}",
+            String::from_utf8_lossy(&err)
+        );
+        let csv =
+            MetricsCsv::parse(&std::fs::read_to_string(&csv_path).expect("csv")).expect("parse");
+        let io = bmoe_core::telemetry::io_trace::parse_io_trace(
+            &std::fs::read_to_string(&io_path).expect("io"),
+        )
+        .expect("io parse");
+        let base = DeviceProfile::load("this-machine").expect("base");
+        let (mut stream, telemetry) = crate::cli::default_flags().expect("flags");
+        stream.overlap = true;
+        stream.io_threads = Some(4);
+        let prepared = crate::cli::prepare(
+            &trace_path,
+            Some("this-machine"),
+            None,
+            &stream,
+            &telemetry,
+            0,
+            &[],
+        )
+        .expect("prepare");
+        let c = calibrate(&csv, "run.csv", Some(&prepared), Some(&io), &base, "fit").expect("fit");
+        let f = &c.profile.flash;
+        assert!(
+            f.device_mib_per_s >= 3.0 * f.lane_mib_per_s,
+            "four lanes must be able to run at once: {f:?}\n{:#?}",
+            c.notes
+        );
+        let tok_s = c
+            .notes
+            .iter()
+            .find(|n| n.starts_with("in-sample tok/s"))
+            .expect("in-sample note");
+        let err_pct: f64 = tok_s
+            .split("err ")
+            .nth(1)
+            .and_then(|t| t.split('%').next())
+            .and_then(|t| t.trim().parse().ok())
+            .expect("error figure");
+        assert!(err_pct.abs() <= 10.0, "{tok_s}\n{:#?}", c.notes);
         let _ = std::fs::remove_dir_all(&dir);
     }
 
