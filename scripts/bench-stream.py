@@ -7,8 +7,9 @@
 Each run executes inside a cgroup v1 memory limit with the page cache dropped first. For every
 configuration it prints tok/s, the speed-up over plain mmap under the same limit, MiB/token read,
 hit rate, the process's peak RSS against dense + cache budget, and — for serial runs — the
-achieved flash MiB/s against a raw O_DIRECT read of the same request size (the mean decode
-request of the run's own --io-trace) and lane count taken right after it, and the per-token time
+achieved flash MiB/s against a raw O_DIRECT read at random offsets of the same request size (the
+mean decode request of the run's own --io-trace) and lane count taken right after it (a
+sequential 1 MiB read is printed beside it for reference), and the per-token time
 against max(compute floor, missed bytes / raw flash bandwidth). stdlib only; needs root (cgroup,
 drop_caches).
 """
@@ -30,14 +31,16 @@ def grab(pat, text, cast=float, default=None):
     return cast(m.group(1)) if m else default
 
 
-def raw(bin_, model, lanes, kib):
+def raw(bin_, model, lanes, kib, random=False):
     """Raw O_DIRECT MiB/s at this request size and lane count: the median of three cold runs (one
-    run on a virtual disk varies by ±30%)."""
+    run on a virtual disk varies by ±30%). `random` reads at random request-aligned offsets, the
+    access pattern of expert reads; otherwise in file order, which read-ahead helps."""
     got = []
     for _ in range(3):
         drop_caches()
         out = subprocess.run([bin_, "bench", "--io-file", model, "--io-request-kib", str(kib), "--io-lanes",
-                              str(lanes), "--io-total-mib", "1024"], capture_output=True, text=True, check=True).stdout
+                              str(lanes), "--io-total-mib", "1024"] + (["--io-random"] if random else []),
+                             capture_output=True, text=True, check=True).stdout
         got.append(grab(r"lanes: ([0-9.]+) MiB/s", out))
     return sorted(got)[1]
 
@@ -62,7 +65,9 @@ def main():
     ap.add_argument("-n", type=int, default=64)
     ap.add_argument("-c", type=int, default=512)
     ap.add_argument("--bin", default="target/release/bmoe-cli")
-    ap.add_argument("--only", default=None, help="run only configurations whose name contains this")
+    ap.add_argument("--only", default=None, help="run only configurations whose name contains one of these ('|'-separated)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run the whole list this many times, interleaved, and end with the medians")
     a = ap.parse_args()
     set_limit(a.limit_gib)
     insp = subprocess.run([a.bin, "inspect", a.model], capture_output=True, text=True, check=True).stdout
@@ -89,12 +94,37 @@ def main():
          ["--moe-stream", "--cache-mb", "4000", "--overlap", "--route-ahead", "2"], None),
     ]
     if a.only:
-        configs = [c for c in configs if a.only in c[0] or c[0] == "mmap baseline"]
+        wanted = a.only.split("|")
+        configs = [c for c in configs if any(w in c[0] for w in wanted) or c[0] == "mmap baseline"]
     tmp = tempfile.mkdtemp(prefix="bmoe-bench-")
     print(f"model {a.model} (dense {dense_mib} MiB), cgroup limit {a.limit_gib} GiB, -n {a.n} -c {a.c}, "
           f"page cache dropped before each run")
-    mmap_tps = None
-    for name, flags, raw_lanes in configs:
+    results = {}
+    for rep in range(a.repeat):
+        if a.repeat > 1:
+            print(f"-- pass {rep + 1} of {a.repeat}", flush=True)
+        for name, flags, raw_lanes in configs:
+            run_one(a, base, tmp, dense_mib, name, flags, raw_lanes, results)
+    if a.repeat > 1:
+        med = lambda v: sorted(v)[len(v) // 2] if v else float("nan")
+        print(f"-- medians over {a.repeat} passes (tok/s, × mmap, flash ÷ raw, s/token ÷ floor)")
+        mmap_med = med(results.get("mmap baseline", {}).get("tps", []))
+        for name, _, _ in configs:
+            r = results.get(name)
+            if not r:
+                continue
+            line = f"{name:44s} {med(r['tps']):6.2f} tok/s"
+            if mmap_med:
+                line += f" ({med(r['tps']) / mmap_med:4.2f}x mmap)"
+            if r.get("flash"):
+                line += (f" | flash ÷ raw {med(r['flash']):.2f} (each: {', '.join(f'{x:.2f}' for x in r['flash'])})"
+                         f" | s/tok ÷ floor {med(r['floor']):.2f} (each: {', '.join(f'{x:.2f}' for x in r['floor'])})")
+            print(line, flush=True)
+
+
+def run_one(a, base, tmp, dense_mib, name, flags, raw_lanes, results):
+    """One configuration: run it in the cgroup, print its line, append its figures to `results`."""
+    if True:
         io_trace = os.path.join(tmp, "io.csv")
         if os.path.exists(io_trace):
             os.remove(io_trace)
@@ -104,10 +134,12 @@ def main():
         err = r.stderr
         if r.returncode != 0:
             print(f"{name:32s} FAILED: {err.strip().splitlines()[-1] if err.strip() else r.returncode}")
-            continue
+            return
         s_tok = grab(r"generation: \d+ tokens, ([0-9.]+) s/token", err)
         tps = 1.0 / s_tok if s_tok else 0.0
-        mmap_tps = mmap_tps or tps
+        rec = results.setdefault(name, {"tps": [], "flash": [], "floor": []})
+        rec["tps"].append(tps)
+        mmap_tps = results.get("mmap baseline", {}).get("tps", [tps])[-1] or tps
         rss = grab(r"PEAK_RSS_KIB (\d+)", err, int, 0) / 1024.0
         mib_tok = grab(r"\(([0-9.]+) MiB/token\)", err, float, 0.0)
         compute = grab(r"compute ([0-9.]+) \+ cache mgmt", err, float, 0.0)
@@ -126,11 +158,13 @@ def main():
         if raw_lanes and io > 0:
             achieved = mib_tok / io
             kib = max(4, round(mean_request_kib(io_trace) or 1024))
-            ceiling = raw(a.bin, a.model, raw_lanes, kib)
+            ceiling = raw(a.bin, a.model, raw_lanes, kib, random=True)
             floor = max(compute, mib_tok / ceiling)
             mib_raw = raw(a.bin, a.model, raw_lanes, 1024)
-            line += (f" | flash {achieved:5.0f} MiB/s vs raw {ceiling:5.0f} at {kib} KiB ({achieved / ceiling:.2f};"
-                     f" raw at 1 MiB {mib_raw:5.0f})"
+            rec["flash"].append(achieved / ceiling)
+            rec["floor"].append(s_tok / floor)
+            line += (f" | flash {achieved:5.0f} MiB/s vs raw random {ceiling:5.0f} at {kib} KiB"
+                     f" ({achieved / ceiling:.2f}; raw sequential at 1 MiB {mib_raw:5.0f})"
                      f" | s/tok {s_tok:.3f} vs floor {floor:.3f} ({s_tok / floor:.2f})")
         print(line, flush=True)
 

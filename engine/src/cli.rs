@@ -191,6 +191,10 @@ pub struct BenchArgs {
     /// Buffered reads instead of O_DIRECT for --io-file
     #[arg(long = "no-odirect")]
     pub no_odirect: bool,
+    /// For --io-file: read at random request-aligned offsets (the pattern of expert reads)
+    /// instead of in file order, where read-ahead helps
+    #[arg(long)]
+    pub io_random: bool,
 }
 
 pub fn gen(a: GenArgs) -> Result<()> {
@@ -315,8 +319,13 @@ pub fn inspect(a: InspectArgs) -> Result<()> {
 pub fn bench(a: BenchArgs) -> Result<()> {
     if let Some(path) = &a.io_file {
         println!(
-            "raw {} reads of {} KiB from {}",
+            "raw {} {} reads of {} KiB from {}",
             if a.no_odirect { "buffered" } else { "O_DIRECT" },
+            if a.io_random {
+                "random-offset"
+            } else {
+                "sequential"
+            },
             a.io_request_kib,
             path.display()
         );
@@ -331,6 +340,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 lanes,
                 !a.no_odirect,
                 a.io_total_mib << 20,
+                a.io_random,
             )?;
             println!("  {lanes} lanes: {mib_s:.0} MiB/s");
         }
