@@ -268,14 +268,22 @@ pub fn route_ahead_lines(cfg: &RunConfig, s: &RunSummary) -> Vec<String> {
         fixed(s.ra_agree_pct(), 1)
     )];
     if c.ra_gemv_jobs > 0 {
-        out.push(format!(
-            "moe-route-ahead: prediction {} ms/token of worker CPU ({} GEMVs, {} ms each) + {} ms/token issuing the reads + {} ms/token watchdog, both on the eval thread",
+        // bmoe computes the predictions inline on the eval thread (no worker pool), and has no
+        // sampled watchdog; read-issue time is printed only when a build measures it.
+        let mut line = format!(
+            "moe-route-ahead: prediction {} ms/token on the eval thread ({} GEMVs, {} ms each)",
             fixed(s.ra_gemv_ms_per_token(), 1),
             c.ra_gemv_jobs,
             fixed(c.ra_gemv_ns as f64 / 1e6 / c.ra_gemv_jobs as f64, 3),
-            fixed(s.ra_issue_ms_per_token(), 1),
-            fixed(s.ra_wd_ms_per_token(), 1)
-        ));
+        );
+        if s.ra_issue_ms_per_token() > 0.0 || s.ra_wd_ms_per_token() > 0.0 {
+            line.push_str(&format!(
+                " + {} ms/token issuing the reads + {} ms/token watchdog",
+                fixed(s.ra_issue_ms_per_token(), 1),
+                fixed(s.ra_wd_ms_per_token(), 1)
+            ));
+        }
+        out.push(line);
     }
     out
 }
