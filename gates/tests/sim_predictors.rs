@@ -165,12 +165,23 @@ fn s(p: &Path) -> String {
 
 const CACHE: [&str; 3] = ["--cache-mb", "1", "--force-cache"];
 
+/// `bmoe-sim replay --trace TRACE [--route-trace OUT] FLAGS… --cache-mb 1 --force-cache`.
+fn replay(trace: &Path, out: Option<&Path>, flags: &[&str]) -> (i32, String, String) {
+    let (t, o) = (s(trace), out.map(s));
+    let mut args = vec!["replay", "--trace", t.as_str()];
+    if let Some(o) = &o {
+        args.extend(["--route-trace", o.as_str()]);
+    }
+    args.extend_from_slice(flags);
+    args.extend_from_slice(&CACHE);
+    sim(&args)
+}
+
 #[test]
 fn a_trace_without_predictions_refuses_each_predictor_naming_the_recording_flag() {
     let dir = scratch("plain");
     let trace = dir.join("plain.route.csv");
     write_trace(&trace, PredColumns::NONE);
-    let t = s(&trace);
     for (flags, flag, record) in [
         (vec!["--predict-log"], "--predict-log", "--predict-log"),
         (
@@ -184,10 +195,7 @@ fn a_trace_without_predictions_refuses_each_predictor_naming_the_recording_flag(
             "--route-ahead 2",
         ),
     ] {
-        let mut args = vec!["replay", "--trace", &t];
-        args.extend_from_slice(&CACHE);
-        args.extend_from_slice(&flags);
-        let (code, _, err) = sim(&args);
+        let (code, _, err) = replay(&trace, None, &flags);
         assert_eq!(code, 1, "{flags:?}: {err}");
         assert!(
             err.contains(&format!("{flag} cannot be replayed from this trace")),
@@ -199,9 +207,7 @@ fn a_trace_without_predictions_refuses_each_predictor_naming_the_recording_flag(
         );
     }
     // The previous-token predictor needs nothing but the routing.
-    let mut args = vec!["replay", "--trace", &t, "--prefetch", "1"];
-    args.extend_from_slice(&CACHE);
-    let (code, _, err) = sim(&args);
+    let (code, _, err) = replay(&trace, None, &["--prefetch", "1"]);
     assert_eq!(code, 0, "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -218,10 +224,7 @@ fn recorded_predictions_replay_and_travel_into_the_replayed_trace() {
     let input = read_trace(&trace);
     for flag in ["--predict-log", "--predict-prefetch"] {
         let out = dir.join(format!("{}.route.csv", flag.trim_start_matches('-')));
-        let (t, o) = (s(&trace), s(&out));
-        let mut args = vec!["replay", "--trace", &t, "--route-trace", &o, flag];
-        args.extend_from_slice(&CACHE);
-        let (code, stdout, err) = sim(&args);
+        let (code, stdout, err) = replay(&trace, Some(&out), &[flag]);
         assert_eq!(code, 0, "{flag}: {err}");
         assert!(stdout.contains("moe-cache:"), "{flag}: {stdout}");
         let replayed = read_trace(&out);
@@ -234,10 +237,7 @@ fn recorded_predictions_replay_and_travel_into_the_replayed_trace() {
         assert!(b.iter().any(|r| r.5[1].is_some()), "horizon 2 recorded");
     }
     // --route-ahead 3 needs pred3.
-    let t = s(&trace);
-    let mut args = vec!["replay", "--trace", &t, "--route-ahead", "3"];
-    args.extend_from_slice(&CACHE);
-    let (code, _, err) = sim(&args);
+    let (code, _, err) = replay(&trace, None, &["--route-ahead", "3"]);
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("--route-ahead 3 cannot be replayed"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
@@ -255,18 +255,7 @@ fn route_ahead_from_pred_columns_replays_the_committed_routing() {
         },
     );
     let out = dir.join("ra2.route.csv");
-    let (t, o) = (s(&trace), s(&out));
-    let mut args = vec![
-        "replay",
-        "--trace",
-        &t,
-        "--route-trace",
-        &o,
-        "--route-ahead",
-        "2",
-    ];
-    args.extend_from_slice(&CACHE);
-    let (code, _, err) = sim(&args);
+    let (code, _, err) = replay(&trace, Some(&out), &["--route-ahead", "2"]);
     assert_eq!(code, 0, "{err}");
     assert!(
         err.contains("WARNING: --route-ahead 2 replayed from the trace's pred2 predictions"),
@@ -300,18 +289,7 @@ fn route_ahead_from_pred_columns_replays_the_committed_routing() {
 
     // Replaying that committed trace at its own depth reproduces it exactly.
     let again = dir.join("ra2-again.route.csv");
-    let (o, a) = (s(&out), s(&again));
-    let mut args = vec![
-        "replay",
-        "--trace",
-        &o,
-        "--route-trace",
-        &a,
-        "--route-ahead",
-        "2",
-    ];
-    args.extend_from_slice(&CACHE);
-    let (code, _, err) = sim(&args);
+    let (code, _, err) = replay(&out, Some(&again), &["--route-ahead", "2"]);
     assert_eq!(code, 0, "{err}");
     assert!(!err.contains("WARNING: --route-ahead"), "{err}");
     assert_eq!(
@@ -319,9 +297,7 @@ fn route_ahead_from_pred_columns_replays_the_committed_routing() {
         std::fs::read_to_string(&again).expect("second")
     );
     // But not at another depth.
-    let mut args = vec!["replay", "--trace", &o, "--route-ahead", "1"];
-    args.extend_from_slice(&CACHE);
-    let (code, _, err) = sim(&args);
+    let (code, _, err) = replay(&out, None, &["--route-ahead", "1"]);
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("recorded with --route-ahead 2"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
@@ -339,27 +315,14 @@ fn an_engine_route_ahead_trace_replays_as_recorded() {
         },
     );
     let out = dir.join("replayed.route.csv");
-    let (t, o) = (s(&trace), s(&out));
-    let mut args = vec![
-        "replay",
-        "--trace",
-        &t,
-        "--route-trace",
-        &o,
-        "--route-ahead",
-        "1",
-    ];
-    args.extend_from_slice(&CACHE);
-    let (code, _, err) = sim(&args);
+    let (code, _, err) = replay(&trace, Some(&out), &["--route-ahead", "1"]);
     assert_eq!(code, 0, "{err}");
     let key = |r: RouteRecord| (r.step, r.layer, r.slot, r.expert, r.router_expert);
     let a: Vec<_> = read_trace(&trace).records().map(key).collect();
     let b: Vec<_> = read_trace(&out).records().map(key).collect();
     assert_eq!(a, b);
     // Without the flag it replays the committed routing and says so.
-    let mut args = vec!["replay", "--trace", &t];
-    args.extend_from_slice(&CACHE);
-    let (code, _, err) = sim(&args);
+    let (code, _, err) = replay(&trace, None, &[]);
     assert_eq!(code, 0, "{err}");
     assert!(err.contains("recorded with --route-ahead 1"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
