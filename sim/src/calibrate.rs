@@ -712,6 +712,36 @@ mod tests {
         t
     }
 
+    /// The "measured" run of a calibration test: `bmoe-sim replay` of `trace` on the `truth`
+    /// profile with a 4 MiB churning cache and `flags`, writing its CSV (and io trace).
+    fn measure_with(
+        dir: &std::path::Path,
+        trace: &std::path::Path,
+        truth: &DeviceProfile,
+        flags: &[&str],
+        csv: &std::path::Path,
+        io: Option<&std::path::Path>,
+    ) {
+        let truth_path = dir.join("truth.json");
+        std::fs::write(&truth_path, truth.to_json()).expect("profile");
+        let mut args: Vec<String> = vec!["bmoe-sim".into(), "replay".into(), "--trace".into()];
+        args.push(trace.display().to_string());
+        args.extend(["--profile".into(), truth_path.display().to_string()]);
+        args.extend(["--cache-mb", "4", "--force-cache"].map(String::from));
+        args.extend(flags.iter().map(|f| f.to_string()));
+        args.extend(["--csv".into(), csv.display().to_string()]);
+        if let Some(io) = io {
+            args.extend(["--io-trace".into(), io.display().to_string()]);
+        }
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        assert_eq!(
+            crate::cli::run(args, &[], &mut out, &mut err),
+            0,
+            "{}",
+            String::from_utf8_lossy(&err)
+        );
+    }
+
     #[test]
     fn calibration_recovers_the_profile_that_produced_a_run() {
         let dir = std::env::temp_dir().join(format!("bmoe-sim-cal-{}", std::process::id()));
@@ -745,33 +775,14 @@ mod tests {
             threads: 2,
         };
         // The "measured" run: one lane, serial, a budget that churns.
-        let truth_path = dir.join("truth.json");
-        std::fs::write(&truth_path, truth.to_json()).expect("profile");
         let csv_path = dir.join("run.csv");
-        let args: Vec<String> = [
-            "bmoe-sim",
-            "replay",
-            "--trace",
-            &trace_path.display().to_string(),
-            "--profile",
-            &truth_path.display().to_string(),
-            "--cache-mb",
-            "4",
-            "--force-cache",
-            "--io-threads",
-            "1",
-            "--csv",
-            &csv_path.display().to_string(),
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-        let (mut out, mut err) = (Vec::new(), Vec::new());
-        assert_eq!(
-            crate::cli::run(args, &[], &mut out, &mut err),
-            0,
-            "{}",
-            String::from_utf8_lossy(&err)
+        measure_with(
+            &dir,
+            &trace_path,
+            &truth,
+            &["--io-threads", "1"],
+            &csv_path,
+            None,
         );
         let csv =
             MetricsCsv::parse(&std::fs::read_to_string(&csv_path).expect("csv")).expect("parse");
@@ -826,36 +837,14 @@ mod tests {
         };
         truth.compute.jitter = 0.0;
         truth.flash.jitter = 0.0;
-        let truth_path = dir.join("truth.json");
-        std::fs::write(&truth_path, truth.to_json()).expect("profile");
         let (csv_path, io_path) = (dir.join("run.csv"), dir.join("run.io.csv"));
-        let args: Vec<String> = [
-            "bmoe-sim",
-            "replay",
-            "--trace",
-            &trace_path.display().to_string(),
-            "--profile",
-            &truth_path.display().to_string(),
-            "--cache-mb",
-            "4",
-            "--force-cache",
-            "--io-threads",
-            "4",
-            "--overlap",
-            "--csv",
-            &csv_path.display().to_string(),
-            "--io-trace",
-            &io_path.display().to_string(),
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-        let (mut out, mut err) = (Vec::new(), Vec::new());
-        assert_eq!(
-            crate::cli::run(args, &[], &mut out, &mut err),
-            0,
-            "{}",
-            String::from_utf8_lossy(&err)
+        measure_with(
+            &dir,
+            &trace_path,
+            &truth,
+            &["--io-threads", "4", "--overlap"],
+            &csv_path,
+            Some(&io_path),
         );
         let csv =
             MetricsCsv::parse(&std::fs::read_to_string(&csv_path).expect("csv")).expect("parse");
