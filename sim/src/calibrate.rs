@@ -167,6 +167,20 @@ fn mean(v: impl Iterator<Item = f64>) -> Option<f64> {
     (n > 0).then(|| s / n as f64)
 }
 
+/// The configuration a calibration replays the measured run with: the prepared trace's, with
+/// the run's own streaming settings from its CSV preamble. One place, so the fit's replay and
+/// the in-sample check cannot replay different runs.
+fn replay_config(p: &Prepared, run: &RunConfig) -> RunConfig {
+    let mut c = p.cfg.clone();
+    c.overlap = run.overlap;
+    c.io_threads = run.io_threads;
+    c.o_direct = run.o_direct;
+    c.read_split = run.read_split;
+    c.load_all = run.load_all;
+    c.cache_budget_mb = run.cache_budget_mb;
+    c
+}
+
 struct IoCollector(Vec<IoRecord>);
 
 impl RecordSink for IoCollector {
@@ -271,13 +285,7 @@ pub fn calibrate(
     let mut stats: Vec<StepStats> = Vec::new();
     let mut sim_io = IoCollector(Vec::new());
     if let Some(p) = prepared {
-        let mut run_cfg = p.cfg.clone();
-        run_cfg.overlap = cfg.overlap;
-        run_cfg.io_threads = cfg.io_threads;
-        run_cfg.o_direct = cfg.o_direct;
-        run_cfg.read_split = cfg.read_split;
-        run_cfg.load_all = cfg.load_all;
-        run_cfg.cache_budget_mb = cfg.cache_budget_mb;
+        let run_cfg = replay_config(p, &cfg);
         replay::run(
             ReplaySetup {
                 trace: p.trace.clone(),
@@ -527,11 +535,7 @@ pub fn calibrate(
     // In-sample accuracy: replay with the fitted profile and compare.
     if let Some(p) = prepared {
         let mut csv_out = Vec::new();
-        let mut run_cfg = p.cfg.clone();
-        run_cfg.overlap = cfg.overlap;
-        run_cfg.io_threads = cfg.io_threads;
-        run_cfg.o_direct = cfg.o_direct;
-        run_cfg.cache_budget_mb = cfg.cache_budget_mb;
+        let run_cfg = replay_config(p, &cfg);
         replay::run(
             ReplaySetup {
                 trace: p.trace.clone(),
