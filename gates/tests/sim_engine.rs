@@ -178,21 +178,8 @@ fn replaying_an_engine_trace_reproduces_its_hits_misses_evictions_and_bytes() {
                 measured.summary().expect("engine trailer"),
                 simulated.summary().expect("sim trailer"),
             );
-            for key in [
-                "tokens",
-                "read_MiB",
-                "cache_hit_pct",
-                "evictions",
-                "rereads",
-                "experts_routed",
-                "experts_dropped",
-                "token_demand_MiB",
-                "layer_demand_MiB",
-                "n_prompt",
-                "prefill_read_mib",
-                "cache_resident_MiB",
-                "cache_budget_MiB",
-            ] {
+            // Every key the simulator's own `diff` holds to equality.
+            for key in bmoe_sim::diff::EXACT_SUMMARY_KEYS {
                 assert_eq!(ms.get(key), ss.get(key), "{tag}: summary {key}");
             }
             let hit: f64 = ms
