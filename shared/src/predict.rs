@@ -267,13 +267,8 @@ impl Predictors {
         let counts = if self.first || (layer.moe as usize) < n {
             None
         } else {
-            match self.get(layer.moe, n) {
-                Some(p) => {
-                    let ids = p.ids.clone();
-                    route_ahead::commit(routing, last, &ids)
-                }
-                None => None,
-            }
+            self.get(layer.moe, n)
+                .and_then(|p| route_ahead::commit(routing, last, &p.ids))
         };
         match counts {
             Some(c) => {
@@ -298,7 +293,7 @@ impl Predictors {
         if k == 0 || k > PREDICT_SCORE_MAX_K {
             return;
         }
-        let actual: Vec<u16> = self.router_ids[..k].to_vec();
+        let actual = &self.router_ids[..k];
         if self.first {
             self.report.unscored += 1;
         } else {
