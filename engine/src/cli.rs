@@ -195,6 +195,10 @@ pub struct BenchArgs {
     /// instead of in file order, where read-ahead helps
     #[arg(long)]
     pub io_random: bool,
+    /// For --io-random: which offsets (a seed). A virtual disk's host may cache what an
+    /// earlier run read, so give each repeat a new seed to measure the device, not that cache
+    #[arg(long = "io-seed", default_value_t = 0)]
+    pub io_seed: u64,
 }
 
 pub fn gen(a: GenArgs) -> Result<()> {
@@ -322,9 +326,9 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             "raw {} {} reads of {} KiB from {}",
             if a.no_odirect { "buffered" } else { "O_DIRECT" },
             if a.io_random {
-                "random-offset"
+                format!("random-offset (seed {})", a.io_seed)
             } else {
-                "sequential"
+                "sequential".to_string()
             },
             a.io_request_kib,
             path.display()
@@ -340,7 +344,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 lanes,
                 !a.no_odirect,
                 a.io_total_mib << 20,
-                a.io_random,
+                a.io_random.then_some(a.io_seed),
             )?;
             println!("  {lanes} lanes: {mib_s:.0} MiB/s");
         }

@@ -13,7 +13,8 @@
 //! publishes; the core reads the slot only after taking the outcome.
 //!
 //! Placement (see `docs/flash.md`): a projection's bytes start at
-//! `arena.window_dest(layer, slot, proj) + extent_offset % 4096`, so the destination address
+//! `arena.window_dest(layer, slot, proj) + extent_offset % 4096` (the slot's chunk, given to it
+//! when its first read is resolved), so the destination address
 //! is congruent to the file offset modulo 4096 and the aligned O_DIRECT window of any piece of
 //! the extent lands on a page boundary. Buffered reads put the same bytes at the same address.
 
@@ -587,6 +588,9 @@ impl LaneFlash {
         if !in_range {
             return Err(format!("slot {:?} is outside the arena", req.dest));
         }
+        if slot_start.is_null() || region.is_null() {
+            return Err(format!("the arena has no memory left for slot {:?}", req.dest));
+        }
         let data_start = extent_offset % ALIGN + req.dest_offset;
         let window_lo = if info.direct {
             data_start - req.offset % ALIGN
@@ -711,9 +715,11 @@ impl Drop for LaneFlash {
 
 /// Raw read bandwidth of `path` in MiB/s: `lanes` threads, each with its own descriptor,
 /// issuing `request_bytes` preads (rounded up to 4096 under O_DIRECT) until `total_bytes` were
-/// read: in file order, lanes interleaved and wrapping around, or with `random` at
-/// request-aligned offsets drawn from a fixed-seed hash of the request number — the access
-/// pattern of expert reads, which a device's or host's read-ahead does not help. The baseline the
+/// read: in file order, lanes interleaved and wrapping around, or with `random = Some(seed)` at
+/// request-aligned offsets drawn from a hash of (seed, request number) — the access pattern of
+/// expert reads, which a device's or host's read-ahead does not help. The same seed reads the
+/// same offsets, which a virtual disk's host may still cache from the last run: repeats that
+/// must measure the device take new seeds. The baseline the
 /// streaming benchmark's achieved MiB/s is judged against. Buffered mode measures the page
 /// cache after the first pass, so compare like with like.
 pub fn raw_read_bench(
@@ -722,7 +728,7 @@ pub fn raw_read_bench(
     lanes: u32,
     o_direct: bool,
     total_bytes: u64,
-    random: bool,
+    random: Option<u64>,
 ) -> Result<f64, FlashOpenError> {
     if !(1..=MAX_LANES).contains(&lanes) {
         return Err(FlashOpenError::BadLanes { lanes });
@@ -776,10 +782,9 @@ pub fn raw_read_bench(
                     let mut bytes = 0u64;
                     let mut i = lane as u64;
                     while i < n_requests {
-                        let slot = if random {
-                            mix64(i) % n_slots
-                        } else {
-                            i % n_slots
+                        let slot = match random {
+                            Some(seed) => mix64(i ^ mix64(seed)) % n_slots,
+                            None => i % n_slots,
                         };
                         let offset = slot * req;
                         // SAFETY: `buf` is ours and `req` bytes long.

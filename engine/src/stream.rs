@@ -26,6 +26,8 @@ pub enum StreamError {
     Arena(#[from] ArenaError),
     #[error("router output: {0}")]
     Routing(#[from] bmoe_core::RoutingError),
+    #[error("layer {layer} expert {expert}: asked to compute an expert slot no read ever filled")]
+    EmptySlot { layer: u32, expert: u16 },
 }
 
 /// The expert layout of a loaded qwen3moe model: per layer the (shard, offset, stride) of the
@@ -180,13 +182,19 @@ impl Backend for EngineBackend {
         ];
         // SAFETY: the core calls `expert` only after every read into this slot completed, and
         // no read into it is issued until `finish_layer` (staging) or `release` (canonical).
-        let proj = unsafe {
-            [
+        let (Some(p0), Some(p1), Some(p2)) = (unsafe {
+            (
                 self.arena.proj_bytes(l, addr, 0, &ex[0]),
                 self.arena.proj_bytes(l, addr, 1, &ex[1]),
                 self.arena.proj_bytes(l, addr, 2, &ex[2]),
-            ]
+            )
+        }) else {
+            return Err(StreamError::EmptySlot {
+                layer: layer.model,
+                expert,
+            });
         };
+        let proj = [p0, p1, p2];
         self.uses.clear();
         self.uses
             .extend(uses.iter().map(|u| (u.row, u.rank, u.weight)));

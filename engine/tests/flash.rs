@@ -99,7 +99,9 @@ fn projection(arena: &Arena, layer: u16, slot: SlotId, proj: u8, offset: u64, le
         len,
     };
     // SAFETY: every read into this slot has been delivered and none is in flight.
-    unsafe { arena.proj_bytes(layer as usize, addr(slot), proj as usize, &ext) }.to_vec()
+    unsafe { arena.proj_bytes(layer as usize, addr(slot), proj as usize, &ext) }
+        .expect("the slot was read into")
+        .to_vec()
 }
 
 fn open(paths: &[PathBuf], lanes: u32, direct: bool, arena: &Arc<Arena>) -> LaneFlash {
@@ -596,7 +598,7 @@ fn raw_bench() {
     for request in [64u64 << 10, 256 << 10, 1 << 20, 4 << 20] {
         for lanes in [1u32, 2, 4, 8] {
             let mibs =
-                raw_read_bench(&path, request, lanes, true, 256 << 20, false).expect("bench");
+                raw_read_bench(&path, request, lanes, true, 256 << 20, None).expect("bench");
             println!(
                 "raw O_DIRECT: request {:>5} KiB, {lanes} lanes: {mibs:>8.1} MiB/s",
                 request >> 10
