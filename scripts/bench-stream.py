@@ -9,8 +9,10 @@ configuration it prints tok/s, the speed-up over plain mmap under the same limit
 hit rate, the process's peak RSS against dense + cache budget, and — for serial runs — the
 achieved flash MiB/s against a raw O_DIRECT read at random offsets of the same request size (the
 mean decode request of the run's own --io-trace) and lane count taken right after it (a
-sequential 1 MiB read is printed beside it for reference), and the per-token time
-against max(compute floor, missed bytes / raw flash bandwidth). stdlib only; needs root (cgroup,
+sequential 1 MiB read is printed beside it for reference) and against the same device read in
+the run's own burst shape (`bench --io-burst`: reads per layer that missed, neighbouring pieces,
+compute between bursts), and — for serial and overlapped runs — the per-token time against
+max(compute floor, missed bytes / raw flash bandwidth). stdlib only; needs root (cgroup,
 drop_caches).
 """
 import argparse
@@ -64,6 +66,36 @@ def mean_latency_ms(io_trace):
     return sum(int(r["latency_ns"]) for r in rows) / len(rows) / 1e6 if rows else None
 
 
+def burst_shape(io_trace):
+    """The decode's read shape from an io_trace v1 file: (bursts, reads per burst, neighbouring
+    pieces per projection). A burst is one layer's misses in one step."""
+    try:
+        with open(io_trace) as f:
+            rows = [r for r in csv.DictReader(line for line in f if not line.startswith("#"))
+                    if r.get("phase") == "1"]
+    except OSError:
+        return None
+    if not rows:
+        return None
+    bursts = {(r["turn"], r["step"], r["layer"]) for r in rows}
+    extents = {(r["turn"], r["step"], r["layer"], r["expert"], r["proj"]) for r in rows}
+    return len(bursts), len(rows) / len(bursts), len(rows) / len(extents)
+
+
+def raw_burst(bin_, model, lanes, kib, reads, adjacent, gap_ms):
+    """Raw MiB/s of the same device read in the run's own shape (`bench --io-burst`): median of
+    three cold runs, new offsets each."""
+    got = []
+    for _ in range(3):
+        drop_caches()
+        out = subprocess.run([bin_, "bench", "--io-file", model, "--io-request-kib", str(kib), "--io-lanes",
+                              str(lanes), "--io-total-mib", "512", "--io-burst", str(reads), "--io-adjacent",
+                              str(adjacent), f"--io-gap-ms={gap_ms:.2f}", "--io-seed", str(next(SEEDS))],
+                             capture_output=True, text=True, check=True).stdout
+        got.append(grab(r"lanes: ([0-9.]+) MiB/s", out))
+    return sorted(got)[1]
+
+
 def mean_request_kib(io_trace):
     """Mean req_bytes of the decode reads in an io_trace v1 file, in KiB (None when none)."""
     try:
@@ -87,7 +119,9 @@ def main():
     ap.add_argument("--compare-bin", default=None,
                     help="a second build: every configuration also runs with it, right after the first "
                          "(its lines are marked [B]), for an A/B of an engine change on one noisy machine")
-    ap.add_argument("--only", default=None, help="run only configurations whose name contains one of these ('|'-separated)")
+    ap.add_argument("--only", default=None,
+                    help="run only configurations whose name contains one of these ('|'-separated; "
+                         "'=name' matches the whole name)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run the whole list this many times, interleaved, and end with the medians")
     a = ap.parse_args()
@@ -117,7 +151,8 @@ def main():
     ]
     if a.only:
         wanted = a.only.split("|")
-        configs = [c for c in configs if any(w in c[0] for w in wanted) or c[0] == "mmap baseline"]
+        hit = lambda name, w: name == w[1:] if w.startswith("=") else w in name
+        configs = [c for c in configs if any(hit(c[0], w) for w in wanted) or c[0] == "mmap baseline"]
     tmp = tempfile.mkdtemp(prefix="bmoe-bench-")
     print(f"model {a.model} (dense {dense_mib} MiB), cgroup limit {a.limit_gib} GiB, -n {a.n} -c {a.c}, "
           f"page cache dropped before each run")
@@ -143,6 +178,8 @@ def main():
                 line += f" ({med(r['tps']) / mmap_med:4.2f}x mmap)"
             if r.get("flash"):
                 line += f" | flash ÷ raw {med(r['flash']):.2f} (each: {', '.join(f'{x:.2f}' for x in r['flash'])})"
+            if r.get("burst"):
+                line += f" | ÷ raw burst {med(r['burst']):.2f} (each: {', '.join(f'{x:.2f}' for x in r['burst'])})"
             if r.get("floor"):
                 line += f" | s/tok ÷ floor {med(r['floor']):.2f} (each: {', '.join(f'{x:.2f}' for x in r['floor'])})"
             print(line, flush=True)
@@ -198,6 +235,16 @@ def run_one(a, base, tmp, dense_mib, name, flags, raw_lanes, results):
                 achieved = mib_tok / io
                 mib_raw = raw(a.bin, a.model, raw_lanes, 1024)
                 rec["flash"].append(achieved / ceiling)
+                shape = burst_shape(io_trace)
+                n_tok = grab(r"generation: (\d+) tokens", err, int, 0)
+                if shape and n_tok:
+                    n_bursts, per, adj = shape
+                    reads, adjacent = max(1, round(per)), max(1, min(round(adj), round(per)))
+                    gap_ms = max(0.0, (s_tok - io) * n_tok / n_bursts * 1e3)
+                    shaped = raw_burst(a.bin, a.model, raw_lanes, kib, reads, adjacent, gap_ms)
+                    rec.setdefault("burst", []).append(achieved / shaped)
+                    line += (f" | shape {reads} reads x{adjacent} adjacent, {gap_ms:.1f} ms apart:"
+                             f" raw burst {shaped:5.0f} MiB/s, engine {achieved / shaped:.2f} of it")
                 lat = mean_latency_ms(io_trace)
                 if lat is not None:
                     line += f" | read {lat:.2f} ms"

@@ -1,29 +1,41 @@
 //! The expert arena: where streamed expert bytes live in memory.
 //!
 //! One virtual address range is reserved (never committed up front). Expert slots are
-//! carved from it in *chunks*, one size class per distinct slot size (layers quantized the
-//! same way share a class), plus a few fixed staging slots for the cache-off mode. A cached
-//! (layer, expert) gets a chunk when its first read is resolved and gives it back when the
-//! cache evicts it. Returned chunks stay committed, up to `WARM_MAX_BYTES` in total, and the
-//! next admission of the same class reuses one: in a full cache every admission follows an
-//! eviction, so its read lands in pages that are already there instead of faulting in and
-//! zeroing a fresh ~3 MiB (measured ~10 % of a cold burst's read time on this machine, and
-//! page faults cost more on a phone's cores). Past that cap a returned chunk is released with
-//! `madvise(MADV_DONTNEED)`, so resident memory tracks the cache's byte budget (plus at most
-//! the cap), not the model's size.
+//! carved from it in *chunks*, all the size of the largest slot, plus a few fixed staging
+//! slots for the cache-off mode. A cached (layer, expert) gets a chunk when its first read is
+//! resolved and gives it back when the cache evicts it. Returned chunks stay committed, up to
+//! `WARM_MAX_BYTES` in total, and the next admission reuses one: in a full cache every
+//! admission follows an eviction, so its read lands in pages that are already there instead
+//! of faulting in and zeroing ~3 MiB of fresh ones. One chunk size means any evicted chunk
+//! fits any admission (layers quantized differently have slots of different sizes); a chunk
+//! taken by a smaller slot than it last held has its committed tail released, so resident
+//! memory stays the sum of the resident experts' slots. Past the cap a returned chunk is
+//! released with `madvise(MADV_DONTNEED)`, so resident memory tracks the cache's byte budget
+//! (plus at most the cap), not the model's size.
+//!
+//! While the cache fills, no chunk comes back to take. With `prefault_ahead > 0` a keeper
+//! thread keeps that many chunks committed in advance (`MADV_POPULATE_WRITE`, or touching each
+//! page where the kernel lacks it), inside the same cap and at idle priority, so an expert's
+//! read need not wait for its destination pages to be faulted in — which on a VM whose balloon
+//! reports freed pages to the host costs a host fault per page.
 //!
 //! Each projection gets a 4096-aligned region big enough for the O_DIRECT window that
 //! covers it: the read lands at the region start and the projection's bytes begin at
 //! `offset % 4096`, so buffered and direct reads put the data at the same address.
 
 use std::ptr::NonNull;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
 
 /// O_DIRECT alignment of buffers, offsets and lengths.
 pub const ALIGN: u64 = 4096;
 
 /// Most bytes of evicted chunks kept committed for reuse (the rest are released at once).
 pub const WARM_MAX_BYTES: u64 = 32 << 20;
+
+/// Chunks the engine keeps committed ahead of use when it caches experts: a layer that
+/// misses usually misses one to three experts.
+pub const PREFAULT_AHEAD: u32 = 3;
 
 /// No chunk assigned.
 const NONE: u64 = u64::MAX;
@@ -49,6 +61,8 @@ impl Extent {
 pub enum ArenaError {
     #[error("expert arena: reserving {bytes} bytes of address space failed: {source}")]
     Reserve { bytes: u64, source: std::io::Error },
+    #[error("expert arena: cannot start the thread that commits memory ahead: {source}")]
+    Keeper { source: std::io::Error },
 }
 
 /// Per-layer geometry: each projection's region size and offset inside a slot.
@@ -60,32 +74,142 @@ struct LayerGeom {
     proj_off: Vec<u64>,
     /// Length of projection p's data.
     proj_len: Vec<u64>,
-    /// The chunk size class this layer's slots come from.
-    class: usize,
 }
 
-/// Chunks of one slot size.
-#[derive(Debug)]
-struct Class {
-    slot_bytes: u64,
-    /// Next never-used chunk, and the end of the class's region.
-    next: u64,
-    end: u64,
-    /// Returned chunks still committed (reused first) and released ones.
-    warm: Vec<u64>,
-    cold: Vec<u64>,
-}
-
-/// Who holds which chunk. Changed only on the core thread (a read being resolved, an
-/// eviction); the mutex makes the shared `Arena` sound, not fast paths contended.
+/// Who holds which chunk. Changed on the core thread (a read being resolved, an eviction)
+/// and by the keeper; the mutex makes the shared `Arena` sound, it is not contended.
 #[derive(Debug)]
 struct Pool {
     /// Arena offset of each (layer, expert)'s chunk, `NONE` when it holds none.
     chunk: Vec<Vec<u64>>,
-    classes: Vec<Class>,
+    chunk_bytes: u64,
+    /// Next never-used chunk, and the end of the chunk region.
+    next: u64,
+    end: u64,
+    /// Returned or prefaulted chunks still committed (reused first), and released ones.
+    warm: Vec<u64>,
+    cold: Vec<u64>,
+    /// Per chunk (offset / chunk_bytes): bytes from its start that may be committed.
+    committed: Vec<u64>,
+    /// Committed bytes of warm chunks, plus chunks the keeper is committing.
     warm_bytes: u64,
+    /// Chunks the keeper took and is committing (counted in `warm_bytes` already).
+    preparing: u32,
     /// Chunks handed out from the warm list (for tests and diagnostics).
     reused: u64,
+    /// Chunks the keeper committed ahead of use.
+    prefaulted: u64,
+    /// Chunks the keeper keeps committed ahead (0: no keeper).
+    ahead: u32,
+    stop: bool,
+}
+
+impl Pool {
+    fn index(&self, off: u64) -> usize {
+        (off / self.chunk_bytes) as usize
+    }
+
+    /// A free chunk: warm first, then released, then never used.
+    fn take(&mut self) -> Option<(u64, bool)> {
+        if let Some(off) = self.warm.pop() {
+            self.warm_bytes -= self.committed[self.index(off)];
+            return Some((off, true));
+        }
+        if let Some(off) = self.cold.pop() {
+            return Some((off, false));
+        }
+        if self.next + self.chunk_bytes <= self.end {
+            self.next += self.chunk_bytes;
+            return Some((self.next - self.chunk_bytes, false));
+        }
+        None
+    }
+
+    /// A chunk for the keeper to commit, reserved in `warm_bytes`; `None` when enough are
+    /// warm, the cap is reached, or no uncommitted chunk is free.
+    fn take_for_keeper(&mut self) -> Option<u64> {
+        if self.warm.len() as u32 + self.preparing >= self.ahead
+            || self.warm_bytes + self.chunk_bytes > WARM_MAX_BYTES
+        {
+            return None;
+        }
+        let off = if let Some(off) = self.cold.pop() {
+            off
+        } else if self.next + self.chunk_bytes <= self.end {
+            self.next += self.chunk_bytes;
+            self.next - self.chunk_bytes
+        } else {
+            return None;
+        };
+        self.preparing += 1;
+        self.warm_bytes += self.chunk_bytes;
+        Some(off)
+    }
+}
+
+/// The pool and the keeper's wake-up, shared with the keeper thread.
+type Shared = Arc<(Mutex<Pool>, Condvar)>;
+
+fn lock_pool(shared: &Shared) -> MutexGuard<'_, Pool> {
+    shared.0.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Release `len` bytes at `addr` to the kernel (they read back as zeros).
+///
+/// # Safety
+/// The range is page aligned, inside the arena's mapping, and nobody reads it meanwhile.
+unsafe fn drop_pages(addr: *mut u8, len: u64) {
+    if len > 0 {
+        libc::madvise(addr as *mut libc::c_void, len as usize, libc::MADV_DONTNEED);
+    }
+}
+
+/// Commit `len` bytes at `addr`: `MADV_POPULATE_WRITE` (Linux 5.14+), else a write per page.
+///
+/// # Safety
+/// `addr..addr + len` is page aligned, inside the arena's mapping, and no one else reads or
+/// writes it meanwhile (a chunk no slot holds).
+unsafe fn commit_pages(addr: *mut u8, len: usize) {
+    if libc::madvise(addr as *mut libc::c_void, len, libc::MADV_POPULATE_WRITE) == 0 {
+        return;
+    }
+    for off in (0..len).step_by(ALIGN as usize) {
+        std::ptr::write_volatile(addr.add(off), 0);
+    }
+}
+
+/// The keeper: whenever woken, commit chunks until `ahead` are warm (or the cap is reached).
+///
+/// It runs under `SCHED_IDLE`: committing pages is CPU work (and on a VM host faults), and it
+/// must not take a core from the compute threads — only the idle time while a decode waits
+/// for its reads or between tokens. Falling behind just means an admission faults its own
+/// pages in, as without a keeper.
+fn keeper_main(shared: Shared, base: usize) {
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: plain syscall on the calling thread (pid 0); failure leaves normal priority.
+    unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) };
+    let mut pool = lock_pool(&shared);
+    loop {
+        if pool.stop {
+            return;
+        }
+        let Some(off) = pool.take_for_keeper() else {
+            pool = shared.1.wait(pool).unwrap_or_else(|e| e.into_inner());
+            continue;
+        };
+        let len = pool.chunk_bytes;
+        drop(pool);
+        // SAFETY: the chunk is inside the mapping (the chunk region), page aligned, and held
+        // by nobody: taken from the free lists under the lock and counted as `preparing`. The
+        // arena joins this thread before it unmaps.
+        unsafe { commit_pages((base as *mut u8).add(off as usize), len as usize) };
+        pool = lock_pool(&shared);
+        pool.preparing -= 1;
+        let i = pool.index(off);
+        pool.committed[i] = len;
+        pool.warm.push(off);
+        pool.prefaulted += 1;
+    }
 }
 
 /// Reserved memory for every expert plus staging slots.
@@ -94,7 +218,8 @@ pub struct Arena {
     len: u64,
     layers: Vec<LayerGeom>,
     n_expert: Vec<u32>,
-    pool: Mutex<Pool>,
+    pool: Shared,
+    keeper: Option<JoinHandle<()>>,
     staging_base: u64,
     staging_slot: u64,
     n_staging: u32,
@@ -113,13 +238,21 @@ fn region_for(len: u64) -> u64 {
 
 impl Arena {
     /// Reserve an arena for `layers[l] = (n_expert, projection lengths)`, with `n_staging`
-    /// shared slots big enough for any layer's expert.
+    /// shared slots big enough for any layer's expert, and no keeper.
     pub fn new(layers: &[(u32, Vec<u64>)], n_staging: u32) -> Result<Arena, ArenaError> {
+        Self::with_prefault(layers, n_staging, 0)
+    }
+
+    /// As `new`, with a keeper thread that keeps `ahead` chunks committed ahead of use
+    /// (within `WARM_MAX_BYTES`); 0 starts no thread.
+    pub fn with_prefault(
+        layers: &[(u32, Vec<u64>)],
+        n_staging: u32,
+        ahead: u32,
+    ) -> Result<Arena, ArenaError> {
         let mut geoms = Vec::with_capacity(layers.len());
-        let mut classes: Vec<Class> = Vec::new();
-        // Slots per class: every expert of every layer of that size could be resident at once.
-        let mut class_slots: Vec<u64> = Vec::new();
         let mut max_slot = ALIGN;
+        let mut n_slots = 0u64;
         for (n_expert, lens) in layers {
             let mut proj_off = Vec::with_capacity(lens.len());
             let mut s = 0;
@@ -128,34 +261,15 @@ impl Arena {
                 s += region_for(l);
             }
             max_slot = max_slot.max(s);
-            let class = match classes.iter().position(|c| c.slot_bytes == s) {
-                Some(c) => c,
-                None => {
-                    classes.push(Class {
-                        slot_bytes: s,
-                        next: 0,
-                        end: 0,
-                        warm: Vec::new(),
-                        cold: Vec::new(),
-                    });
-                    class_slots.push(0);
-                    classes.len() - 1
-                }
-            };
-            class_slots[class] += u64::from(*n_expert);
+            n_slots += u64::from(*n_expert);
             geoms.push(LayerGeom {
                 slot_bytes: s,
                 proj_off,
                 proj_len: lens.clone(),
-                class,
             });
         }
-        let mut off = 0u64;
-        for (c, n) in classes.iter_mut().zip(&class_slots) {
-            c.next = off;
-            off += c.slot_bytes * n;
-            c.end = off;
-        }
+        // Every expert could be resident at once: one chunk each, all of the largest size.
+        let off = max_slot * n_slots;
         let staging_base = off;
         let len = off + max_slot * n_staging as u64;
         let len = len.max(ALIGN);
@@ -186,16 +300,47 @@ impl Arena {
                 .iter()
                 .map(|(n, _)| vec![NONE; *n as usize])
                 .collect(),
-            classes,
+            chunk_bytes: max_slot,
+            next: 0,
+            end: off,
+            warm: Vec::new(),
+            cold: Vec::new(),
+            committed: vec![0; n_slots as usize],
             warm_bytes: 0,
+            preparing: 0,
             reused: 0,
+            prefaulted: 0,
+            ahead,
+            stop: false,
+        };
+        let pool: Shared = Arc::new((Mutex::new(pool), Condvar::new()));
+        let keeper = if ahead > 0 {
+            let (shared, base) = (pool.clone(), ptr.as_ptr() as usize);
+            let spawned = std::thread::Builder::new()
+                .name("bmoe-arena-keeper".into())
+                .spawn(move || keeper_main(shared, base));
+            match spawned {
+                Ok(h) => {
+                    // Stock the pool before the first read.
+                    pool.1.notify_one();
+                    Some(h)
+                }
+                Err(e) => {
+                    // SAFETY: unmapping what we just mapped; nothing else has seen it.
+                    unsafe { libc::munmap(p, len as usize) };
+                    return Err(ArenaError::Keeper { source: e });
+                }
+            }
+        } else {
+            None
         };
         Ok(Arena {
             ptr,
             len,
             layers: geoms,
             n_expert: layers.iter().map(|l| l.0).collect(),
-            pool: Mutex::new(pool),
+            pool,
+            keeper,
             staging_base,
             staging_slot: max_slot,
             n_staging,
@@ -203,7 +348,7 @@ impl Arena {
     }
 
     fn pool(&self) -> MutexGuard<'_, Pool> {
-        self.pool.lock().unwrap_or_else(|e| e.into_inner())
+        lock_pool(&self.pool)
     }
 
     /// Arena offset of a slot, giving a canonical (layer, expert) a chunk if it has none
@@ -217,29 +362,26 @@ impl Arena {
                 if held != NONE || !assign {
                     return (held != NONE).then_some(held);
                 }
-                let class = self.layers[layer].class;
-                let Pool {
-                    classes,
-                    warm_bytes,
-                    reused,
-                    ..
-                } = &mut *pool;
-                let c = &mut classes[class];
-                let off = if let Some(off) = c.warm.pop() {
-                    *warm_bytes -= c.slot_bytes;
-                    *reused += 1;
-                    off
-                } else if let Some(off) = c.cold.pop() {
-                    off
-                } else if c.next + c.slot_bytes <= c.end {
-                    c.next += c.slot_bytes;
-                    c.next - c.slot_bytes
-                } else {
-                    // More chunks than the class has slots: only a caller that resolves slots
-                    // it never releases could get here.
-                    return None;
-                };
+                // None: more chunks than slots, which only a caller that resolves slots it
+                // never releases could reach.
+                let (off, warm) = pool.take()?;
+                if warm {
+                    pool.reused += 1;
+                }
+                // A chunk that held a larger slot keeps no committed tail past this one.
+                let i = pool.index(off);
+                let want = self.layers[layer].slot_bytes;
+                let had = pool.committed[i];
+                if had > want {
+                    // SAFETY: page aligned (slot sizes are multiples of 4096), inside this
+                    // chunk, which nobody holds: it was just taken from the free lists.
+                    unsafe { drop_pages(self.ptr.as_ptr().add((off + want) as usize), had - want) };
+                }
+                pool.committed[i] = want;
                 pool.chunk[layer][e as usize] = off;
+                if pool.ahead > 0 {
+                    self.pool.1.notify_one();
+                }
                 Some(off)
             }
         }
@@ -283,8 +425,8 @@ impl Arena {
     }
 
     /// The cache evicted (layer, expert): take its chunk back. It stays committed for the next
-    /// admission of its size while fewer than `WARM_MAX_BYTES` are kept so; otherwise its
-    /// pages go back to the kernel. A slot that holds no chunk is left alone.
+    /// admission while fewer than `WARM_MAX_BYTES` are kept so; otherwise its pages go back to
+    /// the kernel. A slot that holds no chunk is left alone.
     pub fn release(&self, layer: usize, expert: u32) {
         let mut pool = self.pool();
         let Some(held) = pool
@@ -298,28 +440,27 @@ impl Arena {
         if off == NONE {
             return;
         }
-        let class = self.layers[layer].class;
-        let len = self.layers[layer].slot_bytes;
+        let i = pool.index(off);
+        let len = pool.committed[i];
         if pool.warm_bytes + len <= WARM_MAX_BYTES {
             pool.warm_bytes += len;
-            pool.classes[class].warm.push(off);
+            pool.warm.push(off);
             return;
         }
-        // SAFETY: the range is page aligned and inside our mapping; MADV_DONTNEED on a
-        // private anonymous mapping only drops the pages (they read back as zeros).
-        unsafe {
-            libc::madvise(
-                self.ptr.as_ptr().add(off as usize) as *mut libc::c_void,
-                len as usize,
-                libc::MADV_DONTNEED,
-            );
-        }
-        pool.classes[class].cold.push(off);
+        // SAFETY: the chunk is ours and nobody reads it any more (the cache evicted it).
+        unsafe { drop_pages(self.ptr.as_ptr().add(off as usize), len) };
+        pool.committed[i] = 0;
+        pool.cold.push(off);
     }
 
     /// Chunks reused warm since the arena was made.
     pub fn reused_chunks(&self) -> u64 {
         self.pool().reused
+    }
+
+    /// Chunks the keeper committed ahead of use since the arena was made.
+    pub fn prefaulted_chunks(&self) -> u64 {
+        self.pool().prefaulted
     }
 
     /// Bytes of returned chunks kept committed for reuse right now.
@@ -343,6 +484,12 @@ impl Arena {
 
 impl Drop for Arena {
     fn drop(&mut self) {
+        if let Some(keeper) = self.keeper.take() {
+            self.pool().stop = true;
+            self.pool.1.notify_all();
+            // The keeper writes into the mapping: it must be gone before the unmap.
+            let _ = keeper.join();
+        }
         // SAFETY: unmapping exactly what `new` mapped.
         unsafe {
             libc::munmap(self.ptr.as_ptr() as *mut libc::c_void, self.len as usize);
@@ -401,13 +548,9 @@ mod tests {
     }
 
     #[test]
-    fn an_evicted_chunk_is_reused_warm_by_the_next_admission_of_its_size() {
-        // Layers 0 and 2 share a size class, layer 1 has its own.
-        let a = Arena::new(
-            &[(3, vec![9000, 9000, 9000]), (3, vec![100, 100, 100]), (3, vec![9000, 9000, 9000])],
-            1,
-        )
-        .unwrap();
+    fn an_evicted_chunk_is_reused_warm_by_the_next_admission_of_any_size() {
+        // Layer 0 has the large slots, layer 1 small ones.
+        let a = Arena::new(&[(3, vec![9000, 9000, 9000]), (3, vec![100, 100, 100])], 1).unwrap();
         let ext = Extent {
             shard: 0,
             offset: 0,
@@ -415,25 +558,72 @@ mod tests {
         };
         assert!(unsafe { a.proj_bytes(0, SlotAddr::Canonical(0), 0, &ext) }.is_none());
         let first = a.window_dest(0, SlotAddr::Canonical(0), 0);
-        unsafe { *first = 7 };
+        let big = a.slot_bytes(0) as usize;
+        unsafe {
+            *first = 7;
+            *first.add(big - 1) = 9;
+        }
         // The same slot keeps its chunk until it is released.
         assert_eq!(a.window_dest(0, SlotAddr::Canonical(0), 0), first);
         a.release(0, 0);
         assert!(unsafe { a.proj_bytes(0, SlotAddr::Canonical(0), 0, &ext) }.is_none());
         assert_eq!(a.warm_bytes(), a.slot_bytes(0));
-        // Another size does not take it; the same size in another layer does, pages and all.
-        let other = a.window_dest(1, SlotAddr::Canonical(0), 0);
-        assert_ne!(other, first);
-        let reused = a.window_dest(2, SlotAddr::Canonical(1), 0);
+        // A small slot takes the large chunk: its head keeps its pages, the tail past the
+        // small slot is released.
+        let reused = a.window_dest(1, SlotAddr::Canonical(2), 0);
         assert_eq!(reused, first);
         assert_eq!(unsafe { *reused }, 7, "a warm chunk keeps its pages");
+        assert_eq!(unsafe { *reused.add(big - 1) }, 0, "the tail was released");
         assert_eq!(a.reused_chunks(), 1);
         assert_eq!(a.warm_bytes(), 0);
+        // Back on the warm list it counts only what the small slot committed.
+        a.release(1, 2);
+        assert_eq!(a.warm_bytes(), a.slot_bytes(1));
         // Releasing twice, or a slot that holds nothing, changes nothing.
-        a.release(2, 1);
-        a.release(2, 1);
-        a.release(2, 2);
-        assert_eq!(a.warm_bytes(), a.slot_bytes(2));
+        a.release(1, 2);
+        a.release(0, 1);
+        assert_eq!(a.warm_bytes(), a.slot_bytes(1));
+        // The next large slot takes it again.
+        assert_eq!(a.window_dest(0, SlotAddr::Canonical(1), 0), first);
+    }
+
+    #[test]
+    fn the_keeper_commits_chunks_ahead_and_admissions_take_them() {
+        let a = Arena::with_prefault(
+            &[(8, vec![9000, 9000, 9000]), (8, vec![100, 100, 100])],
+            1,
+            2,
+        )
+        .unwrap();
+        let wait_for = |n: u64| {
+            let t = std::time::Instant::now();
+            while a.prefaulted_chunks() < n {
+                assert!(
+                    t.elapsed().as_secs() < 10,
+                    "keeper stalled at {}",
+                    a.prefaulted_chunks()
+                );
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        };
+        // Two chunks stocked before any read.
+        wait_for(2);
+        assert_eq!(a.warm_bytes(), 2 * a.slot_bytes(0));
+        // Every slot gets its own chunk, the first ones from the keeper's stock, and no chunk
+        // is ever handed out twice while the keeper takes more beside the admissions.
+        let mut seen = std::collections::HashSet::new();
+        for (layer, e) in (0..2usize).flat_map(|l| (0..8u32).map(move |e| (l, e))) {
+            let p = a.window_dest(layer, SlotAddr::Canonical(e), 0) as usize;
+            assert!(seen.insert(p), "chunk {p:#x} handed out twice");
+        }
+        assert!(a.reused_chunks() >= 2);
+        // Releasing everything keeps the warm bytes under the cap; dropping joins the keeper.
+        for e in 0..8u32 {
+            a.release(0, e);
+            a.release(1, e);
+        }
+        assert!(a.warm_bytes() <= WARM_MAX_BYTES);
+        drop(a);
     }
 
     #[test]

@@ -199,6 +199,18 @@ pub struct BenchArgs {
     /// earlier run read, so give each repeat a new seed to measure the device, not that cache
     #[arg(long = "io-seed", default_value_t = 0)]
     pub io_seed: u64,
+    /// For --io-file: read in bursts of this many requests (all lanes released together, read
+    /// i on lane i mod lanes) with the device idle --io-gap-ms between bursts, at random
+    /// offsets from --io-seed: the shape of a cached decode's misses. 0 = an unbroken stream
+    #[arg(long = "io-burst", default_value_t = 0)]
+    pub io_burst: u32,
+    /// Idle time between bursts (--io-burst), ms
+    #[arg(long = "io-gap-ms", default_value_t = 20.0)]
+    pub io_gap_ms: f64,
+    /// With --io-burst: requests come in runs of this many neighbours (a projection cut into
+    /// one piece per lane by --read-split lanes)
+    #[arg(long = "io-adjacent", default_value_t = 1)]
+    pub io_adjacent: u32,
 }
 
 pub fn gen(a: GenArgs) -> Result<()> {
@@ -322,10 +334,16 @@ pub fn inspect(a: InspectArgs) -> Result<()> {
 
 pub fn bench(a: BenchArgs) -> Result<()> {
     if let Some(path) = &a.io_file {
+        if a.io_burst > 0 && !(a.io_gap_ms.is_finite() && a.io_gap_ms >= 0.0) {
+            return Err(anyhow!(
+                "--io-gap-ms: expected a non-negative number of milliseconds, got {}",
+                a.io_gap_ms
+            ));
+        }
         println!(
             "raw {} {} reads of {} KiB from {}",
             if a.no_odirect { "buffered" } else { "O_DIRECT" },
-            if a.io_random {
+            if a.io_random || a.io_burst > 0 {
                 format!("random-offset (seed {})", a.io_seed)
             } else {
                 "sequential".to_string()
@@ -333,11 +351,37 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             a.io_request_kib,
             path.display()
         );
+        if a.io_burst > 0 {
+            println!(
+                "in bursts of {} reads ({} adjacent), {} ms idle between bursts",
+                a.io_burst, a.io_adjacent, a.io_gap_ms
+            );
+        }
         for lanes in a.io_lanes.split(',') {
             let lanes: u32 = lanes
                 .trim()
                 .parse()
                 .map_err(|_| anyhow!("--io-lanes: {lanes} is not a number"))?;
+            if a.io_burst > 0 {
+                let r = crate::flash::raw_burst_bench(
+                    path,
+                    a.io_request_kib * 1024,
+                    lanes,
+                    !a.no_odirect,
+                    a.io_total_mib << 20,
+                    a.io_seed,
+                    crate::flash::BurstShape {
+                        reads: a.io_burst,
+                        adjacent: a.io_adjacent,
+                        gap: std::time::Duration::from_secs_f64(a.io_gap_ms / 1e3),
+                    },
+                )?;
+                println!(
+                    "  {lanes} lanes: {:.0} MiB/s (mean read {:.2} ms, {} bursts)",
+                    r.mib_s, r.mean_read_ms, r.bursts
+                );
+                continue;
+            }
             let mib_s = crate::flash::raw_read_bench(
                 path,
                 a.io_request_kib * 1024,

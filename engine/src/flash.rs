@@ -589,7 +589,10 @@ impl LaneFlash {
             return Err(format!("slot {:?} is outside the arena", req.dest));
         }
         if slot_start.is_null() || region.is_null() {
-            return Err(format!("the arena has no memory left for slot {:?}", req.dest));
+            return Err(format!(
+                "the arena has no memory left for slot {:?}",
+                req.dest
+            ));
         }
         let data_start = extent_offset % ALIGN + req.dest_offset;
         let window_lo = if info.direct {
@@ -820,6 +823,179 @@ pub fn raw_read_bench(
     Ok(bytes as f64 / (1024.0 * 1024.0) / secs.max(1e-9))
 }
 
+/// The access shape of a cached decode, for [`raw_burst_bench`]: `reads` requests issued
+/// together, round-robin over the lanes as the core assigns them, then the device left idle for
+/// `gap` (the compute between two layers that miss); the requests come in runs of `adjacent`
+/// neighbouring ones at a random place (`--read-split lanes` cuts a projection into one piece
+/// per lane, read at the same time).
+#[derive(Copy, Clone, Debug, PartialEq)]
+pub struct BurstShape {
+    pub reads: u32,
+    pub adjacent: u32,
+    pub gap: std::time::Duration,
+}
+
+/// What [`raw_burst_bench`] measured.
+#[derive(Copy, Clone, Debug, PartialEq)]
+pub struct BurstResult {
+    /// Bytes read ÷ time from a burst's release to its last read's completion, summed over
+    /// bursts (the idle gaps excluded): comparable with a serial decode's bytes ÷ blocked time.
+    pub mib_s: f64,
+    /// Mean time of one pread.
+    pub mean_read_ms: f64,
+    pub bursts: u64,
+}
+
+/// Raw O_DIRECT (or buffered) bandwidth of `path` for reads in bursts of `shape`: each lane a
+/// thread with its own descriptor, released together at each burst (the way a lane wakes for
+/// a layer's misses), read `i` of a burst on lane `i % lanes`, offsets drawn from `seed` and
+/// the burst number, until `total_bytes` were read. The raw stream ([`raw_read_bench`]) keeps
+/// every lane busy without a break; this is the same device driven the way a cached decode
+/// drives it, so the difference between the two is what the access shape costs, and the
+/// difference between this and the engine is what the engine costs.
+pub fn raw_burst_bench(
+    path: &Path,
+    request_bytes: u64,
+    lanes: u32,
+    o_direct: bool,
+    total_bytes: u64,
+    seed: u64,
+    shape: BurstShape,
+) -> Result<BurstResult, FlashOpenError> {
+    use std::sync::Barrier;
+    if !(1..=MAX_LANES).contains(&lanes) {
+        return Err(FlashOpenError::BadLanes { lanes });
+    }
+    for (what, got) in [
+        ("request_bytes", request_bytes),
+        ("total_bytes", total_bytes),
+        ("burst reads", u64::from(shape.reads)),
+        ("burst adjacent", u64::from(shape.adjacent)),
+    ] {
+        if got == 0 {
+            return Err(FlashOpenError::BadBenchArgument { what, got });
+        }
+    }
+    let open_err = |source| FlashOpenError::Open {
+        shard: 0,
+        path: path.to_owned(),
+        source,
+    };
+    let file_len = open_shard(path, false)
+        .and_then(|f| f.metadata())
+        .map_err(open_err)?
+        .len();
+    let req = if o_direct {
+        request_bytes.div_ceil(ALIGN) * ALIGN
+    } else {
+        request_bytes
+    };
+    let adjacent = u64::from(shape.adjacent);
+    let n_bases = (file_len / req).saturating_sub(adjacent - 1);
+    if n_bases == 0 {
+        return Err(FlashOpenError::BadBenchArgument {
+            what: "file length / (request_bytes x adjacent)",
+            got: 0,
+        });
+    }
+    let per_burst = u64::from(shape.reads) * req;
+    let bursts = total_bytes.div_ceil(per_burst);
+    let mut files = Vec::with_capacity(lanes as usize);
+    for _ in 0..lanes {
+        files.push(open_shard(path, o_direct).map_err(open_err)?);
+    }
+    let reads = u64::from(shape.reads);
+    let offset_of = move |burst: u64, i: u64| {
+        let group = i / adjacent;
+        let base = mix64(mix64(seed) ^ mix64(burst.wrapping_mul(1 << 20) + group)) % n_bases;
+        (base + i % adjacent) * req
+    };
+    // Start and end of every burst: the lanes and the timing thread meet twice per burst.
+    let gate = Barrier::new(lanes as usize + 1);
+    let failed = AtomicBool::new(false);
+    let mut busy = std::time::Duration::ZERO;
+    let results: Vec<Result<(u64, u64, f64), FlashOpenError>> = std::thread::scope(|s| {
+        let handles: Vec<_> = files
+            .iter()
+            .enumerate()
+            .map(|(lane, file)| {
+                let (gate, failed) = (&gate, &failed);
+                s.spawn(move || {
+                    let mut buf = AlignedBuf::new(req as usize);
+                    let (mut bytes, mut n, mut secs) = (0u64, 0u64, 0f64);
+                    let mut err = None;
+                    if buf.is_none() {
+                        failed.store(true, Ordering::Relaxed);
+                    }
+                    for b in 0..bursts {
+                        gate.wait();
+                        let mut i = lane as u64;
+                        while i < reads && err.is_none() && !failed.load(Ordering::Relaxed) {
+                            let Some(buf) = buf.as_mut() else { break };
+                            let offset = offset_of(b, i);
+                            let t = Instant::now();
+                            // SAFETY: `buf` is ours and `req` bytes long.
+                            match unsafe {
+                                pread_full(file, buf.as_mut_ptr(), offset, req, o_direct)
+                            } {
+                                Ok(got) => bytes += got,
+                                Err(source) => {
+                                    failed.store(true, Ordering::Relaxed);
+                                    err = Some(FlashOpenError::BenchRead {
+                                        path: path.to_owned(),
+                                        offset,
+                                        source,
+                                    });
+                                }
+                            }
+                            secs += t.elapsed().as_secs_f64();
+                            n += 1;
+                            i += u64::from(lanes);
+                        }
+                        gate.wait();
+                    }
+                    match (err, buf) {
+                        (Some(e), _) => Err(e),
+                        (None, None) => Err(FlashOpenError::BadBenchArgument {
+                            what: "request_bytes (allocation)",
+                            got: req,
+                        }),
+                        (None, Some(_)) => Ok((bytes, n, secs)),
+                    }
+                })
+            })
+            .collect();
+        for _ in 0..bursts {
+            std::thread::sleep(shape.gap);
+            let t = Instant::now();
+            gate.wait();
+            gate.wait();
+            busy += t.elapsed();
+        }
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or(Err(FlashOpenError::BadBenchArgument {
+                    what: "lane (panicked)",
+                    got: 0,
+                }))
+            })
+            .collect()
+    });
+    let (mut bytes, mut n, mut secs) = (0u64, 0u64, 0f64);
+    for r in results {
+        let (b, k, t) = r?;
+        bytes += b;
+        n += k;
+        secs += t;
+    }
+    Ok(BurstResult {
+        mib_s: bytes as f64 / (1024.0 * 1024.0) / busy.as_secs_f64().max(1e-9),
+        mean_read_ms: if n > 0 { secs * 1e3 / n as f64 } else { 0.0 },
+        bursts,
+    })
+}
+
 /// SplitMix64's finaliser: a fixed, well-spread hash of the request number, so a random-offset
 /// benchmark reads the same offsets every run.
 fn mix64(x: u64) -> u64 {
@@ -852,6 +1028,45 @@ mod tests {
         let t2 = b.now();
         let t3 = a.now();
         assert!(t1 <= t2 && t2 <= t3);
+    }
+
+    #[test]
+    fn a_burst_bench_reads_what_it_says_and_refuses_nonsense() {
+        let dir = std::env::temp_dir().join(format!("bmoe-burst-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("f.bin");
+        std::fs::write(&path, vec![7u8; 1 << 20]).unwrap();
+        let shape = BurstShape {
+            reads: 6,
+            adjacent: 3,
+            gap: std::time::Duration::from_millis(1),
+        };
+        let r = raw_burst_bench(&path, 8192, 2, false, 96 << 10, 5, shape).unwrap();
+        assert_eq!(r.bursts, 2);
+        assert!(r.mib_s > 0.0 && r.mean_read_ms >= 0.0);
+        let zero = BurstShape { reads: 0, ..shape };
+        assert!(matches!(
+            raw_burst_bench(&path, 8192, 2, false, 1 << 20, 5, zero),
+            Err(FlashOpenError::BadBenchArgument { .. })
+        ));
+        let too_wide = BurstShape {
+            adjacent: 1000,
+            ..shape
+        };
+        assert!(matches!(
+            raw_burst_bench(&path, 8192, 2, false, 1 << 20, 5, too_wide),
+            Err(FlashOpenError::BadBenchArgument { .. })
+        ));
+        assert!(matches!(
+            raw_burst_bench(&path, 8192, 9, false, 1 << 20, 5, shape),
+            Err(FlashOpenError::BadLanes { lanes: 9 })
+        ));
+        let missing = dir.join("missing.bin");
+        assert!(matches!(
+            raw_burst_bench(&missing, 8192, 1, false, 1 << 20, 5, shape),
+            Err(FlashOpenError::Open { .. })
+        ));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -224,7 +224,13 @@ pub fn generate_with(
         let policy = bmoe_core::policy::by_name(cfg.eviction.name())
             .ok_or_else(|| anyhow!("unknown eviction policy {}", cfg.eviction.name()))?;
         let cache = ExpertCache::new(&layout, budget, k, policy)?;
-        let arena = Arc::new(arena_for(&layout)?);
+        // The keeper commits destination memory ahead only where cached experts will need it.
+        let ahead = if budget > 0 {
+            crate::arena::PREFAULT_AHEAD
+        } else {
+            0
+        };
+        let arena = Arc::new(arena_for(&layout, ahead)?);
         let paths: Vec<std::path::PathBuf> =
             file.shard_paths().iter().map(|p| p.to_path_buf()).collect();
         let clock = MonotonicClock::new();

@@ -66,8 +66,9 @@ pub fn layout_of(w: &Weights) -> Result<ExpertLayout, StreamError> {
 }
 
 /// The arena for a layout: one canonical slot per (layer, expert), plus staging slots for
-/// the cache-off mode (one per expert id, since `SlotId::Staging(e)` names the expert).
-pub fn arena_for(layout: &ExpertLayout) -> Result<Arena, StreamError> {
+/// the cache-off mode (one per expert id, since `SlotId::Staging(e)` names the expert), and
+/// `prefault_ahead` chunks per size class committed ahead of use (`Arena::with_prefault`).
+pub fn arena_for(layout: &ExpertLayout, prefault_ahead: u32) -> Result<Arena, StreamError> {
     let layers: Vec<(u32, Vec<u64>)> = layout
         .layers()
         .iter()
@@ -78,7 +79,11 @@ pub fn arena_for(layout: &ExpertLayout) -> Result<Arena, StreamError> {
             )
         })
         .collect();
-    Ok(Arena::new(&layers, layout.max_n_expert())?)
+    Ok(Arena::with_prefault(
+        &layers,
+        layout.max_n_expert(),
+        prefault_ahead,
+    )?)
 }
 
 /// The forward pass with its experts in the arena.

@@ -597,8 +597,7 @@ fn raw_bench() {
     };
     for request in [64u64 << 10, 256 << 10, 1 << 20, 4 << 20] {
         for lanes in [1u32, 2, 4, 8] {
-            let mibs =
-                raw_read_bench(&path, request, lanes, true, 256 << 20, None).expect("bench");
+            let mibs = raw_read_bench(&path, request, lanes, true, 256 << 20, None).expect("bench");
             println!(
                 "raw O_DIRECT: request {:>5} KiB, {lanes} lanes: {mibs:>8.1} MiB/s",
                 request >> 10
