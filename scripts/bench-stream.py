@@ -38,43 +38,58 @@ def grab(pat, text, cast=float, default=None):
 SEEDS = itertools.count(int(time.time()))
 
 
-def raw(bin_, model, lanes, kib, random=False):
-    """Raw O_DIRECT MiB/s at this request size and lane count: the median of three cold runs (one
-    run on a virtual disk varies by ±30%). `random` reads at random request-aligned offsets, the
-    access pattern of expert reads, from a new seed every time: a virtual disk's host caches what
-    it served recently (a repeat of the same offsets measured 15-20 % faster here), and the
-    ceiling must be the device's. Otherwise in file order, which read-ahead helps."""
+def median_of_three(bin_, args):
+    """MiB/s of `bmoe-cli bench ARGS` (an --io-file run printing one lane line): the median of
+    three cold runs (one run on a virtual disk varies by ±30%); a `{seed}` in ARGS takes a new
+    seed every run."""
     got = []
     for _ in range(3):
         drop_caches()
-        rnd = ["--io-random", "--io-seed", str(next(SEEDS))] if random else []
-        out = subprocess.run([bin_, "bench", "--io-file", model, "--io-request-kib", str(kib), "--io-lanes",
-                              str(lanes), "--io-total-mib", "1024"] + rnd,
+        seed = str(next(SEEDS))
+        out = subprocess.run([bin_, "bench"] + [a.replace("{seed}", seed) for a in args],
                              capture_output=True, text=True, check=True).stdout
         got.append(grab(r"lanes: ([0-9.]+) MiB/s", out))
     return sorted(got)[1]
 
 
-def mean_latency_ms(io_trace):
-    """Mean latency of the decode reads in an io_trace v1 file, in ms (None when none)."""
+def raw(bin_, model, lanes, kib, random=False):
+    """Raw O_DIRECT MiB/s at this request size and lane count. `random` reads at random
+    request-aligned offsets, the access pattern of expert reads, from a new seed every time: a
+    virtual disk's host caches what it served recently (a repeat of the same offsets measured
+    15-20 % faster here), and the ceiling must be the device's. Otherwise in file order, which
+    read-ahead helps."""
+    rnd = ["--io-random", "--io-seed", "{seed}"] if random else []
+    return median_of_three(bin_, ["--io-file", model, "--io-request-kib", str(kib), "--io-lanes", str(lanes),
+                                  "--io-total-mib", "1024"] + rnd)
+
+
+def raw_burst(bin_, model, lanes, kib, reads, adjacent, gap_ms):
+    """Raw MiB/s of the same device read in the run's own shape (`bench --io-burst`)."""
+    return median_of_three(bin_, ["--io-file", model, "--io-request-kib", str(kib), "--io-lanes", str(lanes),
+                                  "--io-total-mib", "512", "--io-burst", str(reads), "--io-adjacent",
+                                  str(adjacent), f"--io-gap-ms={gap_ms:.2f}", "--io-seed", "{seed}"])
+
+
+def decode_reads(io_trace):
+    """The decode rows (phase 1) of an io_trace v1 file; [] when it is missing or has none."""
     try:
         with open(io_trace) as f:
-            rows = [r for r in csv.DictReader(line for line in f if not line.startswith("#"))
+            return [r for r in csv.DictReader(line for line in f if not line.startswith("#"))
                     if r.get("phase") == "1"]
     except OSError:
-        return None
+        return []
+
+
+def mean_latency_ms(io_trace):
+    """Mean latency of the decode reads, in ms (None when none)."""
+    rows = decode_reads(io_trace)
     return sum(int(r["latency_ns"]) for r in rows) / len(rows) / 1e6 if rows else None
 
 
 def burst_shape(io_trace):
-    """The decode's read shape from an io_trace v1 file: (bursts, reads per burst, neighbouring
-    pieces per projection). A burst is one layer's misses in one step."""
-    try:
-        with open(io_trace) as f:
-            rows = [r for r in csv.DictReader(line for line in f if not line.startswith("#"))
-                    if r.get("phase") == "1"]
-    except OSError:
-        return None
+    """The decode's read shape: (bursts, reads per burst, neighbouring pieces per projection).
+    A burst is one layer's misses in one step. None when there were no decode reads."""
+    rows = decode_reads(io_trace)
     if not rows:
         return None
     bursts = {(r["turn"], r["step"], r["layer"]) for r in rows}
@@ -82,31 +97,10 @@ def burst_shape(io_trace):
     return len(bursts), len(rows) / len(bursts), len(rows) / len(extents)
 
 
-def raw_burst(bin_, model, lanes, kib, reads, adjacent, gap_ms):
-    """Raw MiB/s of the same device read in the run's own shape (`bench --io-burst`): median of
-    three cold runs, new offsets each."""
-    got = []
-    for _ in range(3):
-        drop_caches()
-        out = subprocess.run([bin_, "bench", "--io-file", model, "--io-request-kib", str(kib), "--io-lanes",
-                              str(lanes), "--io-total-mib", "512", "--io-burst", str(reads), "--io-adjacent",
-                              str(adjacent), f"--io-gap-ms={gap_ms:.2f}", "--io-seed", str(next(SEEDS))],
-                             capture_output=True, text=True, check=True).stdout
-        got.append(grab(r"lanes: ([0-9.]+) MiB/s", out))
-    return sorted(got)[1]
-
-
 def mean_request_kib(io_trace):
-    """Mean req_bytes of the decode reads in an io_trace v1 file, in KiB (None when none)."""
-    try:
-        with open(io_trace) as f:
-            rows = [r for r in csv.DictReader(line for line in f if not line.startswith("#"))
-                    if r.get("phase") == "1"]
-    except OSError:
-        return None
-    if not rows:
-        return None
-    return sum(int(r["req_bytes"]) for r in rows) / len(rows) / 1024.0
+    """Mean req_bytes of the decode reads, in KiB (None when none)."""
+    rows = decode_reads(io_trace)
+    return sum(int(r["req_bytes"]) for r in rows) / len(rows) / 1024.0 if rows else None
 
 
 def main():

@@ -716,30 +716,27 @@ impl Drop for LaneFlash {
     }
 }
 
-/// Raw read bandwidth of `path` in MiB/s: `lanes` threads, each with its own descriptor,
-/// issuing `request_bytes` preads (rounded up to 4096 under O_DIRECT) until `total_bytes` were
-/// read: in file order, lanes interleaved and wrapping around, or with `random = Some(seed)` at
-/// request-aligned offsets drawn from a hash of (seed, request number) — the access pattern of
-/// expert reads, which a device's or host's read-ahead does not help. The same seed reads the
-/// same offsets, which a virtual disk's host may still cache from the last run: repeats that
-/// must measure the device take new seeds. The baseline the
-/// streaming benchmark's achieved MiB/s is judged against. Buffered mode measures the page
-/// cache after the first pass, so compare like with like.
-pub fn raw_read_bench(
+/// What both raw benchmarks start from: the file's length, the request size as read (rounded
+/// up to 4096 under O_DIRECT) and one descriptor per lane.
+struct BenchFiles {
+    file_len: u64,
+    req: u64,
+    files: Vec<File>,
+}
+
+/// Check the lane count, `request_bytes` and every `(name, value)` in `positive`, and open
+/// `path` once per lane.
+fn bench_files(
     path: &Path,
     request_bytes: u64,
     lanes: u32,
     o_direct: bool,
-    total_bytes: u64,
-    random: Option<u64>,
-) -> Result<f64, FlashOpenError> {
+    positive: &[(&'static str, u64)],
+) -> Result<BenchFiles, FlashOpenError> {
     if !(1..=MAX_LANES).contains(&lanes) {
         return Err(FlashOpenError::BadLanes { lanes });
     }
-    for (what, got) in [
-        ("request_bytes", request_bytes),
-        ("total_bytes", total_bytes),
-    ] {
+    for &(what, got) in [("request_bytes", request_bytes)].iter().chain(positive) {
         if got == 0 {
             return Err(FlashOpenError::BadBenchArgument { what, got });
         }
@@ -758,6 +755,44 @@ pub fn raw_read_bench(
     } else {
         request_bytes
     };
+    let files = (0..lanes)
+        .map(|_| open_shard(path, o_direct).map_err(open_err))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(BenchFiles {
+        file_len,
+        req,
+        files,
+    })
+}
+
+/// Raw read bandwidth of `path` in MiB/s: `lanes` threads, each with its own descriptor,
+/// issuing `request_bytes` preads (rounded up to 4096 under O_DIRECT) until `total_bytes` were
+/// read: in file order, lanes interleaved and wrapping around, or with `random = Some(seed)` at
+/// request-aligned offsets drawn from a hash of (seed, request number) — the access pattern of
+/// expert reads, which a device's or host's read-ahead does not help. The same seed reads the
+/// same offsets, which a virtual disk's host may still cache from the last run: repeats that
+/// must measure the device take new seeds. The baseline the
+/// streaming benchmark's achieved MiB/s is judged against. Buffered mode measures the page
+/// cache after the first pass, so compare like with like.
+pub fn raw_read_bench(
+    path: &Path,
+    request_bytes: u64,
+    lanes: u32,
+    o_direct: bool,
+    total_bytes: u64,
+    random: Option<u64>,
+) -> Result<f64, FlashOpenError> {
+    let BenchFiles {
+        file_len,
+        req,
+        files,
+    } = bench_files(
+        path,
+        request_bytes,
+        lanes,
+        o_direct,
+        &[("total_bytes", total_bytes)],
+    )?;
     let n_slots = file_len / req;
     if n_slots == 0 {
         return Err(FlashOpenError::BadBenchArgument {
@@ -766,10 +801,6 @@ pub fn raw_read_bench(
         });
     }
     let n_requests = total_bytes.div_ceil(req);
-    let mut files = Vec::with_capacity(lanes as usize);
-    for _ in 0..lanes {
-        files.push(open_shard(path, o_direct).map_err(open_err)?);
-    }
     let t0 = Instant::now();
     let results: Vec<Result<u64, FlashOpenError>> = std::thread::scope(|s| {
         let handles: Vec<_> = files
@@ -863,33 +894,21 @@ pub fn raw_burst_bench(
     shape: BurstShape,
 ) -> Result<BurstResult, FlashOpenError> {
     use std::sync::Barrier;
-    if !(1..=MAX_LANES).contains(&lanes) {
-        return Err(FlashOpenError::BadLanes { lanes });
-    }
-    for (what, got) in [
-        ("request_bytes", request_bytes),
-        ("total_bytes", total_bytes),
-        ("burst reads", u64::from(shape.reads)),
-        ("burst adjacent", u64::from(shape.adjacent)),
-    ] {
-        if got == 0 {
-            return Err(FlashOpenError::BadBenchArgument { what, got });
-        }
-    }
-    let open_err = |source| FlashOpenError::Open {
-        shard: 0,
-        path: path.to_owned(),
-        source,
-    };
-    let file_len = open_shard(path, false)
-        .and_then(|f| f.metadata())
-        .map_err(open_err)?
-        .len();
-    let req = if o_direct {
-        request_bytes.div_ceil(ALIGN) * ALIGN
-    } else {
-        request_bytes
-    };
+    let BenchFiles {
+        file_len,
+        req,
+        files,
+    } = bench_files(
+        path,
+        request_bytes,
+        lanes,
+        o_direct,
+        &[
+            ("total_bytes", total_bytes),
+            ("burst reads", u64::from(shape.reads)),
+            ("burst adjacent", u64::from(shape.adjacent)),
+        ],
+    )?;
     let adjacent = u64::from(shape.adjacent);
     let n_bases = (file_len / req).saturating_sub(adjacent - 1);
     if n_bases == 0 {
@@ -900,10 +919,6 @@ pub fn raw_burst_bench(
     }
     let per_burst = u64::from(shape.reads) * req;
     let bursts = total_bytes.div_ceil(per_burst);
-    let mut files = Vec::with_capacity(lanes as usize);
-    for _ in 0..lanes {
-        files.push(open_shard(path, o_direct).map_err(open_err)?);
-    }
     let reads = u64::from(shape.reads);
     let offset_of = move |burst: u64, i: u64| {
         let group = i / adjacent;
