@@ -379,7 +379,9 @@ impl Arena {
                 }
                 pool.committed[i] = want;
                 pool.chunk[layer][e as usize] = off;
-                if pool.ahead > 0 {
+                // Wake the keeper only when it has work: in a full cache evictions keep the warm
+                // list stocked, and a wake-up per admission would only cost a context switch.
+                if pool.warm.len() as u32 + pool.preparing < pool.ahead {
                     self.pool.1.notify_one();
                 }
                 Some(off)

@@ -6,9 +6,13 @@
 //! measured run — the issue's targets.
 //!
 //! The tolerance must sit above this machine's run-to-run noise, or the gate flakes: the test
-//! measures that noise itself (the spread of the identical runs) and holds
-//! max(target, 1.5 × noise), printing every figure so CI logs show what was achieved and when
-//! noise, not the model, set the bar. `.config/nextest.toml` runs this test alone (it takes
+//! measures that noise itself — the spread (max − min) / median of the three identical runs of
+//! each configuration — and holds max(target, calibration spread + measured spread), since the
+//! simulation inherits the calibration run's noise and is compared with a run that has its own.
+//! (1.5 × the larger spread alone failed about one run in six on this 2-core VM, before and
+//! after the arena changes of session 3: errors of +15–17 % against bars of 14–16 %.) Every
+//! figure is printed so CI logs show what was achieved and when noise, not the model, set the
+//! bar. `.config/nextest.toml` runs this test alone (it takes
 //! every test thread), so other tests do not contend for the two cores while it times.
 
 use bmoe_core::telemetry::MetricsCsv;
@@ -129,13 +133,15 @@ fn simulated_times_track_a_measured_run_within_the_machine_noise() {
     }
     let ms = meas_csv.clone().map(|c| speed(Path::new(&c)));
     let cs = cals.clone().map(|c| speed(Path::new(&c)));
-    let noise_t = f64::max(spread(ms.map(|x| x.0)), spread(cs.map(|x| x.0)));
-    let noise_p = f64::max(spread(ms.map(|x| x.1)), spread(cs.map(|x| x.1)));
-    let tol_t = f64::max(TARGET_TOK_S, 1.5 * noise_t);
-    let tol_p = f64::max(TARGET_P50, 1.5 * noise_p);
+    // The simulation inherits the calibration run's noise and is compared with a measured run
+    // that has its own, so the error can reach the sum of the two configurations' spreads.
+    let noise_t = spread(ms.map(|x| x.0)) + spread(cs.map(|x| x.0));
+    let noise_p = spread(ms.map(|x| x.1)) + spread(cs.map(|x| x.1));
+    let tol_t = f64::max(TARGET_TOK_S, noise_t);
+    let tol_p = f64::max(TARGET_P50, noise_p);
     eprintln!(
         "identical engine runs: measured config tok/s {:.1} {:.1} {:.1}, p50 {:.3} {:.3} {:.3} ms; \
-         calibration config tok/s {:.1} {:.1} {:.1}; run-to-run noise (max-min)/median {:.1}% (tok/s), {:.1}% (p50)",
+         calibration config tok/s {:.1} {:.1} {:.1}; run-to-run noise, (max-min)/median summed over the two configurations: {:.1}% (tok/s), {:.1}% (p50)",
         ms[0].0, ms[1].0, ms[2].0, ms[0].1, ms[1].1, ms[2].1, cs[0].0, cs[1].0, cs[2].0,
         100.0 * noise_t,
         100.0 * noise_p
