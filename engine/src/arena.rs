@@ -109,20 +109,25 @@ impl Pool {
         (off / self.chunk_bytes) as usize
     }
 
-    /// A free chunk: warm first, then released, then never used.
+    /// A free chunk with nothing committed: a released one, else a never-used one.
+    fn take_uncommitted(&mut self) -> Option<u64> {
+        if let Some(off) = self.cold.pop() {
+            return Some(off);
+        }
+        if self.next + self.chunk_bytes <= self.end {
+            self.next += self.chunk_bytes;
+            return Some(self.next - self.chunk_bytes);
+        }
+        None
+    }
+
+    /// A free chunk, warm first (then `take_uncommitted`); `true` when it was warm.
     fn take(&mut self) -> Option<(u64, bool)> {
         if let Some(off) = self.warm.pop() {
             self.warm_bytes -= self.committed[self.index(off)];
             return Some((off, true));
         }
-        if let Some(off) = self.cold.pop() {
-            return Some((off, false));
-        }
-        if self.next + self.chunk_bytes <= self.end {
-            self.next += self.chunk_bytes;
-            return Some((self.next - self.chunk_bytes, false));
-        }
-        None
+        self.take_uncommitted().map(|off| (off, false))
     }
 
     /// A chunk for the keeper to commit, reserved in `warm_bytes`; `None` when enough are
@@ -133,14 +138,7 @@ impl Pool {
         {
             return None;
         }
-        let off = if let Some(off) = self.cold.pop() {
-            off
-        } else if self.next + self.chunk_bytes <= self.end {
-            self.next += self.chunk_bytes;
-            self.next - self.chunk_bytes
-        } else {
-            return None;
-        };
+        let off = self.take_uncommitted()?;
         self.preparing += 1;
         self.warm_bytes += self.chunk_bytes;
         Some(off)

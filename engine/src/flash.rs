@@ -917,9 +917,8 @@ pub fn raw_burst_bench(
             got: 0,
         });
     }
-    let per_burst = u64::from(shape.reads) * req;
-    let bursts = total_bytes.div_ceil(per_burst);
     let reads = u64::from(shape.reads);
+    let bursts = total_bytes.div_ceil(reads * req);
     let offset_of = move |burst: u64, i: u64| {
         let group = i / adjacent;
         let base = mix64(mix64(seed) ^ mix64(burst.wrapping_mul(1 << 20) + group)) % n_bases;
