@@ -19,6 +19,13 @@
 //! read need not wait for its destination pages to be faulted in — which on a VM whose balloon
 //! reports freed pages to the host costs a host fault per page.
 //!
+//! Chunks holding at least one 2 MiB huge page's worth of every slot are laid out 2 MiB
+//! apart and the whole huge pages at each chunk's head are marked `MADV_HUGEPAGE` (the rest of
+//! the arena `MADV_NOHUGEPAGE`, so no huge page ever straddles two chunks or commits past a
+//! slot): an O_DIRECT read into a huge page pins one page instead of 512 and hands the device
+//! one contiguous segment, measured 25–40 % faster per read on this project's VM (256 KiB and
+//! 1 MiB requests, docs/flash.md).
+//!
 //! Each projection gets a 4096-aligned region big enough for the O_DIRECT window that
 //! covers it: the read lands at the region start and the projection's bytes begin at
 //! `offset % 4096`, so buffered and direct reads put the data at the same address.
@@ -36,6 +43,9 @@ pub const WARM_MAX_BYTES: u64 = 32 << 20;
 /// Chunks the engine keeps committed ahead of use when it caches experts: a layer that
 /// misses usually misses one to three experts.
 pub const PREFAULT_AHEAD: u32 = 3;
+
+/// Size of a transparent huge page (x86-64, and arm64 with 4 KiB pages).
+pub const HUGE: u64 = 2 << 20;
 
 /// No chunk assigned.
 const NONE: u64 = u64::MAX;
@@ -83,13 +93,19 @@ struct Pool {
     /// Arena offset of each (layer, expert)'s chunk, `NONE` when it holds none.
     chunk: Vec<Vec<u64>>,
     chunk_bytes: u64,
+    /// Distance between chunk starts: `chunk_bytes`, or rounded up to `HUGE` with huge pages.
+    stride: u64,
+    /// Bytes at each chunk's head to mark `MADV_HUGEPAGE` when the chunk is first used (0: none),
+    /// and the arena's base address to do it at.
+    huge_head: u64,
+    base: usize,
     /// Next never-used chunk, and the end of the chunk region.
     next: u64,
     end: u64,
     /// Returned or prefaulted chunks still committed (reused first), and released ones.
     warm: Vec<u64>,
     cold: Vec<u64>,
-    /// Per chunk (offset / chunk_bytes): bytes from its start that may be committed.
+    /// Per chunk (offset / stride): bytes from its start that may be committed.
     committed: Vec<u64>,
     /// Committed bytes of warm chunks, plus chunks the keeper is committing.
     warm_bytes: u64,
@@ -106,17 +122,22 @@ struct Pool {
 
 impl Pool {
     fn index(&self, off: u64) -> usize {
-        (off / self.chunk_bytes) as usize
+        (off / self.stride) as usize
     }
 
-    /// A free chunk with nothing committed: a released one, else a never-used one.
+    /// A free chunk with nothing committed: a released one, else a never-used one (whose
+    /// head is marked for huge pages here, once).
     fn take_uncommitted(&mut self) -> Option<u64> {
         if let Some(off) = self.cold.pop() {
             return Some(off);
         }
-        if self.next + self.chunk_bytes <= self.end {
-            self.next += self.chunk_bytes;
-            return Some(self.next - self.chunk_bytes);
+        if self.next + self.stride <= self.end {
+            let off = self.next;
+            self.next += self.stride;
+            // SAFETY: `off..off + huge_head` is inside the chunk region of the mapping at
+            // `base` and 2 MiB aligned (the base and the stride are); advice changes no data.
+            unsafe { advise_huge(self.base, off, self.huge_head) };
+            return Some(off);
         }
         None
     }
@@ -159,6 +180,21 @@ fn lock_pool(shared: &Shared) -> MutexGuard<'_, Pool> {
 unsafe fn drop_pages(addr: *mut u8, len: u64) {
     if len > 0 {
         libc::madvise(addr as *mut libc::c_void, len as usize, libc::MADV_DONTNEED);
+    }
+}
+
+/// Mark `len` bytes at `base + off` for transparent huge pages (no-op for 0). Best effort: a
+/// kernel without THP refuses and the range keeps base pages.
+///
+/// # Safety
+/// The range is inside the arena's mapping.
+unsafe fn advise_huge(base: usize, off: u64, len: u64) {
+    if len > 0 {
+        libc::madvise(
+            (base as *mut u8).add(off as usize) as *mut libc::c_void,
+            len as usize,
+            libc::MADV_HUGEPAGE,
+        );
     }
 }
 
@@ -212,6 +248,9 @@ fn keeper_main(shared: Shared, base: usize) {
 
 /// Reserved memory for every expert plus staging slots.
 pub struct Arena {
+    /// The mapping as made (`ptr` may start up to a huge page into it).
+    map: NonNull<u8>,
+    map_len: u64,
     ptr: NonNull<u8>,
     len: u64,
     layers: Vec<LayerGeom>,
@@ -234,22 +273,43 @@ fn region_for(len: u64) -> u64 {
     (len + 2 * ALIGN - 1) / ALIGN * ALIGN
 }
 
+/// How an arena commits its memory.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct ArenaOptions {
+    /// Chunks a keeper thread keeps committed ahead of use (within `WARM_MAX_BYTES`); 0
+    /// starts no thread.
+    pub prefault_ahead: u32,
+    /// Back each chunk's head with transparent huge pages where every slot is at least one
+    /// huge page long.
+    pub huge_pages: bool,
+}
+
+impl Default for ArenaOptions {
+    fn default() -> Self {
+        ArenaOptions {
+            prefault_ahead: 0,
+            huge_pages: true,
+        }
+    }
+}
+
 impl Arena {
     /// Reserve an arena for `layers[l] = (n_expert, projection lengths)`, with `n_staging`
-    /// shared slots big enough for any layer's expert, and no keeper.
+    /// shared slots big enough for any layer's expert, huge pages and no keeper.
     pub fn new(layers: &[(u32, Vec<u64>)], n_staging: u32) -> Result<Arena, ArenaError> {
-        Self::with_prefault(layers, n_staging, 0)
+        Self::with_options(layers, n_staging, ArenaOptions::default())
     }
 
-    /// As `new`, with a keeper thread that keeps `ahead` chunks committed ahead of use
-    /// (within `WARM_MAX_BYTES`); 0 starts no thread.
-    pub fn with_prefault(
+    /// As `new`, with the given options.
+    pub fn with_options(
         layers: &[(u32, Vec<u64>)],
         n_staging: u32,
-        ahead: u32,
+        opts: ArenaOptions,
     ) -> Result<Arena, ArenaError> {
+        let ahead = opts.prefault_ahead;
         let mut geoms = Vec::with_capacity(layers.len());
         let mut max_slot = ALIGN;
+        let mut min_slot = u64::MAX;
         let mut n_slots = 0u64;
         for (n_expert, lens) in layers {
             let mut proj_off = Vec::with_capacity(lens.len());
@@ -259,6 +319,9 @@ impl Arena {
                 s += region_for(l);
             }
             max_slot = max_slot.max(s);
+            if *n_expert > 0 {
+                min_slot = min_slot.min(s);
+            }
             n_slots += u64::from(*n_expert);
             geoms.push(LayerGeom {
                 slot_bytes: s,
@@ -266,17 +329,30 @@ impl Arena {
                 proj_len: lens.clone(),
             });
         }
-        // Every expert could be resident at once: one chunk each, all of the largest size.
-        let off = max_slot * n_slots;
+        // The whole huge pages every slot fills: marking more would commit past a smaller
+        // slot's end (a huge page is committed whole on its first touch).
+        let huge_head = if opts.huge_pages && min_slot != u64::MAX {
+            min_slot / HUGE * HUGE
+        } else {
+            0
+        };
+        let stride = if huge_head > 0 {
+            max_slot.div_ceil(HUGE) * HUGE
+        } else {
+            max_slot
+        };
+        // Every expert could be resident at once: one chunk each, `stride` apart.
+        let off = stride * n_slots;
         let staging_base = off;
-        let len = off + max_slot * n_staging as u64;
-        let len = len.max(ALIGN);
+        let len = (off + stride * n_staging as u64).max(ALIGN);
+        // Room to start the arena on a huge page boundary.
+        let map_len = len + if huge_head > 0 { HUGE } else { 0 };
         // SAFETY: an anonymous private mapping with no fixed address; MAP_NORESERVE so a
         // reservation larger than RAM + swap is accepted and pages commit on first write.
         let p = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
-                len as usize,
+                map_len as usize,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
                 -1,
@@ -285,20 +361,36 @@ impl Arena {
         };
         if p == libc::MAP_FAILED {
             return Err(ArenaError::Reserve {
-                bytes: len,
+                bytes: map_len,
                 source: std::io::Error::last_os_error(),
             });
         }
-        let ptr = NonNull::new(p as *mut u8).ok_or(ArenaError::Reserve {
-            bytes: len,
+        let map = NonNull::new(p as *mut u8).ok_or(ArenaError::Reserve {
+            bytes: map_len,
             source: std::io::Error::other("null mapping"),
         })?;
+        let lead = (map.as_ptr() as u64).next_multiple_of(if huge_head > 0 { HUGE } else { 1 })
+            - map.as_ptr() as u64;
+        // SAFETY: `lead < HUGE` and the mapping has `HUGE` spare bytes when `lead` can be > 0.
+        let ptr = unsafe { NonNull::new_unchecked(map.as_ptr().add(lead as usize)) };
+        // SAFETY: advice on our own fresh mapping. No huge pages anywhere unless marked below,
+        // even where the system default is `always`: one could straddle two chunks and commit
+        // memory for an expert the cache never admitted. Failure (no THP) changes nothing.
+        unsafe {
+            libc::madvise(p, map_len as usize, libc::MADV_NOHUGEPAGE);
+            for i in 0..u64::from(n_staging) {
+                advise_huge(ptr.as_ptr() as usize, staging_base + i * stride, huge_head);
+            }
+        }
         let pool = Pool {
             chunk: layers
                 .iter()
                 .map(|(n, _)| vec![NONE; *n as usize])
                 .collect(),
             chunk_bytes: max_slot,
+            stride,
+            huge_head,
+            base: ptr.as_ptr() as usize,
             next: 0,
             end: off,
             warm: Vec::new(),
@@ -325,7 +417,7 @@ impl Arena {
                 }
                 Err(e) => {
                     // SAFETY: unmapping what we just mapped; nothing else has seen it.
-                    unsafe { libc::munmap(p, len as usize) };
+                    unsafe { libc::munmap(p, map_len as usize) };
                     return Err(ArenaError::Keeper { source: e });
                 }
             }
@@ -333,6 +425,8 @@ impl Arena {
             None
         };
         Ok(Arena {
+            map,
+            map_len,
             ptr,
             len,
             layers: geoms,
@@ -340,7 +434,7 @@ impl Arena {
             pool,
             keeper,
             staging_base,
-            staging_slot: max_slot,
+            staging_slot: stride,
             n_staging,
         })
     }
@@ -490,9 +584,12 @@ impl Drop for Arena {
             // The keeper writes into the mapping: it must be gone before the unmap.
             let _ = keeper.join();
         }
-        // SAFETY: unmapping exactly what `new` mapped.
+        // SAFETY: unmapping exactly what `with_options` mapped.
         unsafe {
-            libc::munmap(self.ptr.as_ptr() as *mut libc::c_void, self.len as usize);
+            libc::munmap(
+                self.map.as_ptr() as *mut libc::c_void,
+                self.map_len as usize,
+            );
         }
     }
 }
@@ -589,10 +686,13 @@ mod tests {
 
     #[test]
     fn the_keeper_commits_chunks_ahead_and_admissions_take_them() {
-        let a = Arena::with_prefault(
+        let a = Arena::with_options(
             &[(8, vec![9000, 9000, 9000]), (8, vec![100, 100, 100])],
             1,
-            2,
+            ArenaOptions {
+                prefault_ahead: 2,
+                huge_pages: true,
+            },
         )
         .unwrap();
         let wait_for = |n: u64| {
@@ -624,6 +724,96 @@ mod tests {
         }
         assert!(a.warm_bytes() <= WARM_MAX_BYTES);
         drop(a);
+    }
+
+    /// Resident 4 KiB pages of `[p, p + len)` by `mincore`.
+    fn resident_pages(p: *const u8, len: usize) -> usize {
+        let pages = len.div_ceil(ALIGN as usize);
+        let mut v = vec![0u8; pages];
+        // SAFETY: `p` is page aligned inside a live mapping and `v` has one byte per page.
+        let rc = unsafe { libc::mincore(p as *mut libc::c_void, len, v.as_mut_ptr()) };
+        assert_eq!(rc, 0, "mincore: {}", std::io::Error::last_os_error());
+        v.iter().filter(|&&b| b & 1 != 0).count()
+    }
+
+    fn thp_enabled() -> bool {
+        std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
+            .map(|s| !s.contains("[never]"))
+            .unwrap_or(false)
+    }
+
+    #[test]
+    fn huge_page_heads_are_aligned_and_never_commit_past_a_slot() {
+        // Two slot sizes above one huge page (2.5 and 3 MiB, like Q4_K_M's two down types):
+        // chunks are 2 MiB aligned and 4 MiB apart, and only the first 2 MiB of each is marked.
+        let mib = 1u64 << 20;
+        let layers = [
+            (3, vec![mib, mib, mib / 2 - 4 * ALIGN]),
+            (3, vec![mib, mib, mib - 4 * ALIGN]),
+        ];
+        let a = Arena::new(&layers, 1).unwrap();
+        let small = a.slot_bytes(0) as usize;
+        let big = a.slot_bytes(1) as usize;
+        assert!(small < big && small as u64 > HUGE);
+        let mut chunks = Vec::new();
+        for (layer, slot) in [(0usize, small), (1, big), (0, small), (1, big)] {
+            let e = chunks.len() as u32 / 2;
+            let p = a.window_dest(layer, SlotAddr::Canonical(e), 0);
+            assert_eq!(p as u64 % HUGE, 0, "chunk {p:?} not huge-page aligned");
+            // Fill the slot as a read would.
+            unsafe { std::ptr::write_bytes(p, 0xab, slot) };
+            chunks.push((p, slot));
+        }
+        let stride = 4 * mib as usize;
+        for w in chunks.windows(2) {
+            assert_eq!(w[1].0 as usize - w[0].0 as usize, stride);
+        }
+        // Every slot is resident, and nothing past it: the head's huge page lies inside the
+        // smallest slot, the tail is in base pages.
+        for &(p, slot) in &chunks {
+            assert_eq!(resident_pages(p, slot), slot / ALIGN as usize);
+            let rest = stride - slot;
+            assert_eq!(
+                resident_pages(unsafe { p.add(slot) }, rest),
+                0,
+                "memory committed past a {slot}-byte slot"
+            );
+        }
+        // Where the kernel has THP, the heads are huge pages (mincore cannot tell; smaps can).
+        if thp_enabled() {
+            let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap_or_default();
+            let huge_kib: u64 = smaps
+                .lines()
+                .filter_map(|l| l.strip_prefix("AnonHugePages:"))
+                .filter_map(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+                .sum();
+            assert!(
+                huge_kib >= 4 * HUGE / 1024,
+                "expected the four chunk heads in huge pages, AnonHugePages {huge_kib} kB"
+            );
+        }
+    }
+
+    #[test]
+    fn slots_under_one_huge_page_or_huge_pages_off_keep_the_plain_layout() {
+        let mib = 1u64 << 20;
+        for (layers, huge) in [
+            (vec![(4u32, vec![mib, mib / 2])], true),
+            (vec![(4u32, vec![mib, mib, mib])], false),
+        ] {
+            let a = Arena::with_options(
+                &layers,
+                1,
+                ArenaOptions {
+                    prefault_ahead: 0,
+                    huge_pages: huge,
+                },
+            )
+            .unwrap();
+            let p0 = a.window_dest(0, SlotAddr::Canonical(0), 0) as u64;
+            let p1 = a.window_dest(0, SlotAddr::Canonical(1), 0) as u64;
+            assert_eq!(p1 - p0, a.slot_bytes(0), "chunks packed at the slot size");
+        }
     }
 
     #[test]

@@ -191,6 +191,11 @@ pub struct BenchArgs {
     /// Buffered reads instead of O_DIRECT for --io-file
     #[arg(long = "no-odirect")]
     pub no_odirect: bool,
+    /// For --io-file: read into base pages instead of transparent huge pages (the engine's
+    /// `--no-hugepages`); by default the benchmark reads into the memory the engine reads
+    /// experts into, so the two are compared like with like
+    #[arg(long = "no-hugepages")]
+    pub no_hugepages: bool,
     /// For --io-file: read at random request-aligned offsets (the pattern of expert reads)
     /// instead of in file order, where read-ahead helps
     #[arg(long)]
@@ -341,7 +346,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             ));
         }
         println!(
-            "raw {} {} reads of {} KiB from {}",
+            "raw {} {} reads of {} KiB into {} from {}",
             if a.no_odirect { "buffered" } else { "O_DIRECT" },
             if a.io_random || a.io_burst > 0 {
                 format!("random-offset (seed {})", a.io_seed)
@@ -349,6 +354,11 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 "sequential".to_string()
             },
             a.io_request_kib,
+            if a.no_hugepages {
+                "base pages"
+            } else {
+                "huge pages"
+            },
             path.display()
         );
         if a.io_burst > 0 {
@@ -357,6 +367,10 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 a.io_burst, a.io_adjacent, a.io_gap_ms
             );
         }
+        let io = crate::flash::RawIo {
+            o_direct: !a.no_odirect,
+            huge_pages: !a.no_hugepages,
+        };
         for lanes in a.io_lanes.split(',') {
             let lanes: u32 = lanes
                 .trim()
@@ -367,7 +381,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                     path,
                     a.io_request_kib * 1024,
                     lanes,
-                    !a.no_odirect,
+                    io,
                     a.io_total_mib << 20,
                     a.io_seed,
                     crate::flash::BurstShape {
@@ -386,7 +400,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 path,
                 a.io_request_kib * 1024,
                 lanes,
-                !a.no_odirect,
+                io,
                 a.io_total_mib << 20,
                 a.io_random.then_some(a.io_seed),
             )?;

@@ -18,7 +18,7 @@
 //! is congruent to the file offset modulo 4096 and the aligned O_DIRECT window of any piece of
 //! the extent lands on a page boundary. Buffered reads put the same bytes at the same address.
 
-use crate::arena::{Arena, SlotAddr, ALIGN};
+use crate::arena::{Arena, SlotAddr, ALIGN, HUGE};
 use bmoe_core::backend::SlotId;
 use bmoe_core::clock::{Clock, Nanos};
 use bmoe_core::flash::{Flash, FlashError, ReadDone, ReadId, ReadRequest};
@@ -166,10 +166,14 @@ impl std::fmt::Debug for LaneFlash {
     }
 }
 
-/// A 4096-aligned heap buffer, for O_DIRECT reads outside the arena (verify, benchmark).
+/// A 4096-aligned zeroed buffer, for O_DIRECT reads outside the arena (verify, benchmark):
+/// from the heap, or (`huge`) a mapping of whole 2 MiB pages marked for transparent huge
+/// pages and committed, the memory the arena reads experts into.
 struct AlignedBuf {
     ptr: std::ptr::NonNull<u8>,
-    layout: std::alloc::Layout,
+    len: usize,
+    /// `Some((mapping, mapping length))` when mapped, `None` when from the heap.
+    map: Option<(*mut libc::c_void, usize)>,
 }
 
 impl AlignedBuf {
@@ -179,22 +183,78 @@ impl AlignedBuf {
         let p = unsafe { std::alloc::alloc_zeroed(layout) };
         Some(AlignedBuf {
             ptr: std::ptr::NonNull::new(p)?,
-            layout,
+            len: layout.size(),
+            map: None,
+        })
+    }
+
+    /// As `new`, in huge pages when `huge` (best effort: a kernel without THP leaves base
+    /// pages, committed all the same).
+    fn for_reads(len: usize, huge: bool) -> Option<AlignedBuf> {
+        if !huge {
+            return Self::new(len);
+        }
+        let hp = HUGE as usize;
+        let len = len.max(1).div_ceil(hp) * hp;
+        let map_len = len + hp;
+        // SAFETY: a fresh anonymous private mapping; checked below.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return None;
+        }
+        let lead = (p as usize).next_multiple_of(hp) - p as usize;
+        // SAFETY: `lead < hp`, so `lead..lead + len` is inside the mapping; advice and writes
+        // to our own fresh pages.
+        let ptr = unsafe {
+            let a = (p as *mut u8).add(lead);
+            libc::madvise(a as *mut libc::c_void, len, libc::MADV_HUGEPAGE);
+            for off in (0..len).step_by(ALIGN as usize) {
+                std::ptr::write_volatile(a.add(off), 0);
+            }
+            a
+        };
+        Some(AlignedBuf {
+            ptr: std::ptr::NonNull::new(ptr)?,
+            len,
+            map: Some((p, map_len)),
         })
     }
     fn as_mut_ptr(&mut self) -> *mut u8 {
         self.ptr.as_ptr()
     }
     fn as_slice(&self) -> &[u8] {
-        // SAFETY: zero-initialised allocation of `layout.size()` bytes that we own.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.layout.size()) }
+        // SAFETY: zero-initialised memory of `len` bytes that we own.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
     }
 }
 
+// SAFETY: the buffer is plain memory owned by one value (the raw pointer is its mapping).
+unsafe impl Send for AlignedBuf {}
+
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
-        // SAFETY: allocated in `new` with this layout.
-        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+        match self.map {
+            // SAFETY: unmapping exactly what `for_reads` mapped.
+            Some((p, n)) => unsafe {
+                libc::munmap(p, n);
+            },
+            // SAFETY: allocated in `new` with this size and alignment.
+            None => unsafe {
+                std::alloc::dealloc(
+                    self.ptr.as_ptr(),
+                    std::alloc::Layout::from_size_align_unchecked(self.len, ALIGN as usize),
+                )
+            },
+        }
     }
 }
 
@@ -765,6 +825,13 @@ fn bench_files(
     })
 }
 
+/// How the raw benchmarks read: O_DIRECT or buffered, into huge or base pages.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct RawIo {
+    pub o_direct: bool,
+    pub huge_pages: bool,
+}
+
 /// Raw read bandwidth of `path` in MiB/s: `lanes` threads, each with its own descriptor,
 /// issuing `request_bytes` preads (rounded up to 4096 under O_DIRECT) until `total_bytes` were
 /// read: in file order, lanes interleaved and wrapping around, or with `random = Some(seed)` at
@@ -778,10 +845,14 @@ pub fn raw_read_bench(
     path: &Path,
     request_bytes: u64,
     lanes: u32,
-    o_direct: bool,
+    io: RawIo,
     total_bytes: u64,
     random: Option<u64>,
 ) -> Result<f64, FlashOpenError> {
+    let RawIo {
+        o_direct,
+        huge_pages,
+    } = io;
     let BenchFiles {
         file_len,
         req,
@@ -808,11 +879,12 @@ pub fn raw_read_bench(
             .enumerate()
             .map(|(lane, file)| {
                 s.spawn(move || {
-                    let mut buf =
-                        AlignedBuf::new(req as usize).ok_or(FlashOpenError::BadBenchArgument {
+                    let mut buf = AlignedBuf::for_reads(req as usize, huge_pages).ok_or(
+                        FlashOpenError::BadBenchArgument {
                             what: "request_bytes (allocation)",
                             got: req,
-                        })?;
+                        },
+                    )?;
                     let mut bytes = 0u64;
                     let mut i = lane as u64;
                     while i < n_requests {
@@ -877,7 +949,7 @@ pub struct BurstResult {
     pub bursts: u64,
 }
 
-/// Raw O_DIRECT (or buffered) bandwidth of `path` for reads in bursts of `shape`: each lane a
+/// Raw O_DIRECT (or buffered, `io`) bandwidth of `path` for reads in bursts of `shape`: each lane a
 /// thread with its own descriptor, released together at each burst (the way a lane wakes for
 /// a layer's misses), read `i` of a burst on lane `i % lanes`, offsets drawn from `seed` and
 /// the burst number, until `total_bytes` were read. The raw stream ([`raw_read_bench`]) keeps
@@ -888,12 +960,16 @@ pub fn raw_burst_bench(
     path: &Path,
     request_bytes: u64,
     lanes: u32,
-    o_direct: bool,
+    io: RawIo,
     total_bytes: u64,
     seed: u64,
     shape: BurstShape,
 ) -> Result<BurstResult, FlashOpenError> {
     use std::sync::Barrier;
+    let RawIo {
+        o_direct,
+        huge_pages,
+    } = io;
     let BenchFiles {
         file_len,
         req,
@@ -935,7 +1011,7 @@ pub fn raw_burst_bench(
             .map(|(lane, file)| {
                 let (gate, failed) = (&gate, &failed);
                 s.spawn(move || {
-                    let mut buf = AlignedBuf::new(req as usize);
+                    let mut buf = AlignedBuf::for_reads(req as usize, huge_pages);
                     let (mut bytes, mut n, mut secs) = (0u64, 0u64, 0f64);
                     let mut err = None;
                     if buf.is_none() {
@@ -1046,6 +1122,10 @@ mod tests {
 
     #[test]
     fn a_burst_bench_reads_what_it_says_and_refuses_nonsense() {
+        const BUF: RawIo = RawIo {
+            o_direct: false,
+            huge_pages: true,
+        };
         let dir = std::env::temp_dir().join(format!("bmoe-burst-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("f.bin");
@@ -1055,12 +1135,12 @@ mod tests {
             adjacent: 3,
             gap: std::time::Duration::from_millis(1),
         };
-        let r = raw_burst_bench(&path, 8192, 2, false, 96 << 10, 5, shape).unwrap();
+        let r = raw_burst_bench(&path, 8192, 2, BUF, 96 << 10, 5, shape).unwrap();
         assert_eq!(r.bursts, 2);
         assert!(r.mib_s > 0.0 && r.mean_read_ms >= 0.0);
         let zero = BurstShape { reads: 0, ..shape };
         assert!(matches!(
-            raw_burst_bench(&path, 8192, 2, false, 1 << 20, 5, zero),
+            raw_burst_bench(&path, 8192, 2, BUF, 1 << 20, 5, zero),
             Err(FlashOpenError::BadBenchArgument { .. })
         ));
         let too_wide = BurstShape {
@@ -1068,16 +1148,16 @@ mod tests {
             ..shape
         };
         assert!(matches!(
-            raw_burst_bench(&path, 8192, 2, false, 1 << 20, 5, too_wide),
+            raw_burst_bench(&path, 8192, 2, BUF, 1 << 20, 5, too_wide),
             Err(FlashOpenError::BadBenchArgument { .. })
         ));
         assert!(matches!(
-            raw_burst_bench(&path, 8192, 9, false, 1 << 20, 5, shape),
+            raw_burst_bench(&path, 8192, 9, BUF, 1 << 20, 5, shape),
             Err(FlashOpenError::BadLanes { lanes: 9 })
         ));
         let missing = dir.join("missing.bin");
         assert!(matches!(
-            raw_burst_bench(&missing, 8192, 1, false, 1 << 20, 5, shape),
+            raw_burst_bench(&missing, 8192, 1, BUF, 1 << 20, 5, shape),
             Err(FlashOpenError::Open { .. })
         ));
         std::fs::remove_dir_all(&dir).unwrap();

@@ -4,6 +4,7 @@
 //! lines, CSV, route/io traces, end-of-run report).
 
 use crate::arch::qwen3moe::{Qwen3Moe, State, Weights};
+use crate::arena::ArenaOptions;
 use crate::cli::RunArgs;
 use crate::flash::{LaneFlash, MonotonicClock};
 use crate::gguf::GgufFile;
@@ -230,7 +231,13 @@ pub fn generate_with(
         } else {
             0
         };
-        let arena = Arc::new(arena_for(&layout, ahead)?);
+        let arena = Arc::new(arena_for(
+            &layout,
+            ArenaOptions {
+                prefault_ahead: ahead,
+                huge_pages: cfg.huge_pages,
+            },
+        )?);
         let paths: Vec<std::path::PathBuf> =
             file.shard_paths().iter().map(|p| p.to_path_buf()).collect();
         let clock = MonotonicClock::new();

@@ -8,7 +8,7 @@
 
 use crate::arch::qwen3moe::{Qwen3Moe, RouteOut, State, Weights};
 use crate::arch::ArchError;
-use crate::arena::{Arena, ArenaError, Extent, SlotAddr};
+use crate::arena::{Arena, ArenaError, ArenaOptions, Extent, SlotAddr};
 use bmoe_core::{
     Backend, ExpertLayout, ExpertUse, LayerId, LayoutError, MoeLayerLayout, Prediction, ProjExtent,
     Routing, SlotId,
@@ -67,8 +67,8 @@ pub fn layout_of(w: &Weights) -> Result<ExpertLayout, StreamError> {
 
 /// The arena for a layout: one canonical slot per (layer, expert), plus staging slots for
 /// the cache-off mode (one per expert id, since `SlotId::Staging(e)` names the expert), and
-/// `prefault_ahead` chunks per size class committed ahead of use (`Arena::with_prefault`).
-pub fn arena_for(layout: &ExpertLayout, prefault_ahead: u32) -> Result<Arena, StreamError> {
+/// committed as `opts` says.
+pub fn arena_for(layout: &ExpertLayout, opts: ArenaOptions) -> Result<Arena, StreamError> {
     let layers: Vec<(u32, Vec<u64>)> = layout
         .layers()
         .iter()
@@ -79,11 +79,7 @@ pub fn arena_for(layout: &ExpertLayout, prefault_ahead: u32) -> Result<Arena, St
             )
         })
         .collect();
-    Ok(Arena::with_prefault(
-        &layers,
-        layout.max_n_expert(),
-        prefault_ahead,
-    )?)
+    Ok(Arena::with_options(&layers, layout.max_n_expert(), opts)?)
 }
 
 /// The forward pass with its experts in the arena.

@@ -8,7 +8,7 @@ use bmoe_core::flash::{Flash, FlashError, ReadRequest, ReadTag};
 use bmoe_core::layout::ExpertKey;
 use bmoe_core::testing::{Fault, FaultyFlash};
 use bmoe_engine::arena::{Arena, Extent, SlotAddr, ALIGN};
-use bmoe_engine::flash::{raw_read_bench, FlashOpenError, LaneFlash, MonotonicClock};
+use bmoe_engine::flash::{raw_read_bench, FlashOpenError, LaneFlash, MonotonicClock, RawIo};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::collections::HashSet;
@@ -597,7 +597,18 @@ fn raw_bench() {
     };
     for request in [64u64 << 10, 256 << 10, 1 << 20, 4 << 20] {
         for lanes in [1u32, 2, 4, 8] {
-            let mibs = raw_read_bench(&path, request, lanes, true, 256 << 20, None).expect("bench");
+            let mibs = raw_read_bench(
+                &path,
+                request,
+                lanes,
+                RawIo {
+                    o_direct: true,
+                    huge_pages: true,
+                },
+                256 << 20,
+                None,
+            )
+            .expect("bench");
             println!(
                 "raw O_DIRECT: request {:>5} KiB, {lanes} lanes: {mibs:>8.1} MiB/s",
                 request >> 10

@@ -3,7 +3,8 @@
 //!
 //! G1 resident == streamed, cache off. G2 cache off == cache on at budgets that evict every
 //! token and that hold everything. G3 selective == --load-all. G4 --overlap == serial with 1
-//! and 4 lanes. G6 every dense mode == resident.
+//! and 4 lanes. G6 every dense mode == resident. G8 slots that span huge pages, in huge and
+//! base pages, == resident.
 
 use bmoe_gates::{run, tiny};
 
@@ -144,6 +145,61 @@ fn g7_anon_with_buffered_expert_reads() {
         "anon",
         "--no-odirect",
     ]);
+}
+
+/// A model whose expert slots (3 MiB: three 1 MiB f16 projections) span a huge page, so the
+/// arena lays chunks out 2 MiB aligned with a huge-page head and a base-page tail.
+fn big_experts() -> std::path::PathBuf {
+    bmoe_gates::model(
+        "big-experts",
+        &[
+            "--preset",
+            "tiny",
+            "--seed",
+            "7",
+            "--type",
+            "f16",
+            "--d-model",
+            "512",
+            "--expert-ffn",
+            "1024",
+            "--layers",
+            "2",
+            "--experts",
+            "8",
+        ],
+    )
+}
+
+#[test]
+fn g8_huge_page_slots_equal_resident_and_base_pages() {
+    let m = big_experts();
+    let base = run(&m, &["-p", PROMPT, "-n", "24"]);
+    assert_eq!(base.code, 0, "{}", base.stderr);
+    // Cache off (staging slots), a cache that evicts (chunks reused), one that holds all, and
+    // the same in base pages.
+    for args in [
+        &["--cache-mb", "0"][..],
+        &["--cache-mb", "12", "--force-cache"],
+        &["--cache-mb", "64", "--force-cache"],
+        &["--cache-mb", "12", "--force-cache", "--no-hugepages"],
+        &["--cache-mb", "0", "--no-hugepages", "--overlap"],
+    ] {
+        let mut a = vec!["-p", PROMPT, "-n", "24", "--moe-stream"];
+        a.extend_from_slice(args);
+        let r = run(&m, &a);
+        assert_eq!(r.code, 0, "{args:?}: {}", r.stderr);
+        assert_eq!(r.outcome.tokens, base.outcome.tokens, "{args:?}");
+        assert_eq!(r.stdout, base.stdout, "{args:?}");
+        if args[1] == "12" {
+            let s = r.outcome.summary.expect("summary");
+            assert!(
+                s.counters.evictions > 10,
+                "{args:?}: {}",
+                s.counters.evictions
+            );
+        }
+    }
 }
 
 #[test]

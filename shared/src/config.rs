@@ -260,6 +260,8 @@ pub struct RunConfig {
     /// Whether the expert reads bypass the page cache, as the open **achieved** it (not as
     /// asked): `--no-odirect` asks for buffered reads, and a platform may refuse O_DIRECT.
     pub o_direct: bool,
+    /// Streamed experts in transparent huge pages where possible (`--no-hugepages` off).
+    pub huge_pages: bool,
     /// `--overlap`: compute each expert as soon as its own read lands.
     pub overlap: bool,
     /// Two-wave publish (an original-engine knob kept for the preamble; no bmoe flag sets it).
@@ -349,6 +351,7 @@ impl Default for RunConfig {
             load_all: false,
             io_threads: IO_THREADS_DEFAULT,
             o_direct: true,
+            huge_pages: true,
             overlap: false,
             io_two_wave: false,
             prefetch: 0,

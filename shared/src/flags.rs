@@ -123,6 +123,14 @@ pub struct StreamArgs {
     #[arg(long)]
     pub no_odirect: bool,
 
+    /// Keep streamed experts in base pages instead of transparent huge pages [default: huge
+    /// pages where the kernel offers them].
+    ///
+    /// A read into a 2 MiB huge page pins one page instead of 512; resident memory is the
+    /// same (only whole huge pages inside every expert's slot are used).
+    #[arg(long)]
+    pub no_hugepages: bool,
+
     /// How an expert's projection extents are cut into reads: lanes, off, or a size in KiB
     /// [default: lanes].
     ///
@@ -304,6 +312,7 @@ impl StreamArgs {
         cfg.force_cache = self.force_cache;
         cfg.io_threads = self.io_threads.unwrap_or(IO_THREADS_DEFAULT);
         cfg.o_direct = !self.no_odirect;
+        cfg.huge_pages = !self.no_hugepages;
         cfg.overlap = self.overlap;
         cfg.read_split = self.read_split;
         cfg.load_all = self.load_all;
