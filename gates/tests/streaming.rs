@@ -127,6 +127,23 @@ fn g4_overlap_equals_serial_one_and_four_lanes() {
 }
 
 #[test]
+fn g4b_every_read_split_equals_resident() {
+    for split in ["auto", "lanes", "off", "64"] {
+        for cache in ["0", "2", "32"] {
+            assert_same(&[
+                "--cache-mb",
+                cache,
+                "--force-cache",
+                "--io-threads",
+                "4",
+                "--read-split",
+                split,
+            ]);
+        }
+    }
+}
+
+#[test]
 fn g6_every_dense_mode_equals_resident() {
     for mode in ["mmap", "warm", "anon"] {
         assert_same(&["--cache-mb", "8", "--force-cache", "--dense-weights", mode]);
@@ -200,6 +217,82 @@ fn g8_huge_page_slots_equal_resident_and_base_pages() {
             );
         }
     }
+}
+
+/// Reads per phase (prefill, decode) in an io trace.
+fn reads_by_phase(io_trace: &std::path::Path) -> (usize, usize) {
+    let text = std::fs::read_to_string(io_trace).expect("io trace");
+    let mut lines = text.lines().filter(|l| !l.starts_with('#'));
+    let header: Vec<&str> = lines.next().expect("header").split(',').collect();
+    let col = header
+        .iter()
+        .position(|&h| h == "phase")
+        .expect("phase column");
+    let (mut pre, mut dec) = (0, 0);
+    for l in lines {
+        match l.split(',').nth(col) {
+            Some("0") => pre += 1,
+            Some("1") => dec += 1,
+            other => panic!("phase {other:?} in {l}"),
+        }
+    }
+    (pre, dec)
+}
+
+#[test]
+fn read_split_auto_reads_whole_where_every_lane_has_an_extent() {
+    let m = big_experts();
+    let dir = bmoe_gates::scratch_dir("read-split");
+    let reads = |cache: &str, split: &str| {
+        let trace = dir.join(format!("io-{cache}-{split}-{}.csv", std::process::id()));
+        let t = trace.to_str().expect("utf-8");
+        let r = run(
+            &m,
+            &[
+                "-p",
+                PROMPT,
+                "-n",
+                "8",
+                "--moe-stream",
+                "--cache-mb",
+                cache,
+                "--force-cache",
+                "--io-threads",
+                "4",
+                "--read-split",
+                split,
+                "--io-trace",
+                t,
+            ],
+        );
+        assert_eq!(r.code, 0, "{}", r.stderr);
+        let n = reads_by_phase(&trace);
+        let _ = std::fs::remove_file(&trace);
+        n
+    };
+    // Cache off: every layer reads its routed experts' 1 MiB extents, at least one per lane,
+    // so auto reads them whole — a quarter of the lane pieces — in prefill and decode.
+    let (auto, lanes) = (reads("0", "auto"), reads("0", "lanes"));
+    assert_eq!(
+        (auto.0 * 4, auto.1 * 4),
+        lanes,
+        "cache off: auto {auto:?}, lanes {lanes:?}"
+    );
+    assert_eq!(auto, reads("0", "off"));
+    // Cache on: a decode step's misses are cut one piece per lane, as with lanes; the
+    // prefill's many misses are read whole.
+    let (auto, lanes, off) = (
+        reads("12", "auto"),
+        reads("12", "lanes"),
+        reads("12", "off"),
+    );
+    assert!(auto.1 > 0, "the 12 MiB cache must miss in decode");
+    assert_eq!(
+        auto.1, lanes.1,
+        "cached decode: auto {auto:?}, lanes {lanes:?}"
+    );
+    assert_eq!(auto.0, off.0, "prefill: auto {auto:?}, off {off:?}");
+    assert!(lanes.0 > auto.0);
 }
 
 #[test]

@@ -362,7 +362,7 @@ impl Default for RunConfig {
             prefetch_sync: false,
             dense_weights: DenseWeights::Anon,
             eviction: EvictionPolicy::Lru,
-            read_split: crate::step::ReadSplit::Lanes,
+            read_split: crate::step::ReadSplit::Auto,
             drop_cold_frac: 0.0,
             drop_renorm: true,
             drop_prefill: false,

@@ -26,7 +26,7 @@ pub enum CacheMbArg {
     Mb(u64),
 }
 
-/// `--read-split`: `lanes`, `off`, or a whole number of KiB.
+/// `--read-split`: `auto`, `lanes`, `off`, or a whole number of KiB.
 pub fn parse_read_split(s: &str) -> Result<ReadSplit, String> {
     ReadSplit::parse(s)
 }
@@ -131,14 +131,17 @@ pub struct StreamArgs {
     #[arg(long)]
     pub no_hugepages: bool,
 
-    /// How an expert's projection extents are cut into reads: lanes, off, or a size in KiB
-    /// [default: lanes].
+    /// How an expert's projection extents are cut into reads: auto, lanes, off, or a size in
+    /// KiB [default: auto].
     ///
     /// `lanes` cuts every extent into one piece per lane (4 KiB multiples, at least 64 KiB),
     /// so a single missed expert keeps every lane busy and the lanes finish together; `off`
-    /// reads each extent whole (at most three lanes busy per expert); a number caps every
-    /// read at that many KiB. Output-neutral; the CSV preamble records it (`read_split=`).
-    #[arg(long, value_name = "lanes|off|KIB", default_value = "lanes", value_parser = parse_read_split)]
+    /// reads each extent whole (at most three lanes busy per expert); `auto` is `lanes` for
+    /// the few misses of a cached decode step and `off` where a layer already reads an extent
+    /// per lane or more (cache off, prefill), where larger requests read faster; a number caps
+    /// every read at that many KiB. Output-neutral; the CSV preamble records it
+    /// (`read_split=`).
+    #[arg(long, value_name = "auto|lanes|off|KIB", default_value = "auto", value_parser = parse_read_split)]
     pub read_split: ReadSplit,
 
     /// Compute each expert as soon as its own read lands, hiding reads behind compute

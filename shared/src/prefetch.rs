@@ -600,7 +600,8 @@ impl Prefetcher {
             target,
             expert,
             SlotId::Canonical(key),
-            io.config.read_split,
+            // Speculation is decode-only and cached: the cut the demand read would use.
+            io.config.read_split.resolve(true, true, 0, lanes),
             true,
             lanes,
             lane_cursor,

@@ -534,6 +534,12 @@ impl Streamer {
         let Some(layer_layout) = layout.layer(moe) else {
             return;
         };
+        let split = io.config.read_split.resolve(
+            !io.cache.is_off(),
+            io.phase == Phase::Decode,
+            (self.wave.len() - from.min(self.wave.len())) * layer_layout.projections.len(),
+            lanes,
+        );
         for w in from..self.wave.len() {
             let i = self.wave[w] as usize;
             let (expert, slot) = (self.entries[i].expert, self.entries[i].slot);
@@ -544,7 +550,7 @@ impl Streamer {
                 moe,
                 expert,
                 slot,
-                io.config.read_split,
+                split,
                 false,
                 lanes,
                 &mut self.lane_cursor,
