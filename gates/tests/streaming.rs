@@ -126,19 +126,24 @@ fn g4_overlap_equals_serial_one_and_four_lanes() {
     );
 }
 
+/// A cache budget and a read split, on four lanes.
+fn split_args<'a>(cache: &'a str, split: &'a str) -> [&'a str; 7] {
+    [
+        "--cache-mb",
+        cache,
+        "--force-cache",
+        "--io-threads",
+        "4",
+        "--read-split",
+        split,
+    ]
+}
+
 #[test]
 fn g4b_every_read_split_equals_resident() {
     for split in ["auto", "lanes", "off", "64"] {
         for cache in ["0", "2", "32"] {
-            assert_same(&[
-                "--cache-mb",
-                cache,
-                "--force-cache",
-                "--io-threads",
-                "4",
-                "--read-split",
-                split,
-            ]);
+            assert_same(&split_args(cache, split));
         }
     }
 }
@@ -249,21 +254,11 @@ fn read_split_auto_reads_whole_where_every_lane_has_an_extent() {
         let r = run(
             &m,
             &[
-                "-p",
-                PROMPT,
-                "-n",
-                "8",
-                "--moe-stream",
-                "--cache-mb",
-                cache,
-                "--force-cache",
-                "--io-threads",
-                "4",
-                "--read-split",
-                split,
-                "--io-trace",
-                t,
-            ],
+                &["-p", PROMPT, "-n", "8", "--moe-stream"][..],
+                &split_args(cache, split),
+                &["--io-trace", t],
+            ]
+            .concat(),
         );
         assert_eq!(r.code, 0, "{}", r.stderr);
         let n = reads_by_phase(&trace);
