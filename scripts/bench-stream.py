@@ -16,6 +16,7 @@ max(compute floor, missed bytes / raw flash bandwidth). stdlib only; needs root 
 drop_caches).
 """
 import argparse
+import statistics
 import csv
 import itertools
 import time
@@ -159,7 +160,8 @@ def main():
             if a.compare_bin:
                 run_one(a, [a.compare_bin] + base[1:], tmp, dense_mib, name + " [B]", flags, raw_lanes, results)
     if a.repeat > 1:
-        med = lambda v: sorted(v)[len(v) // 2] if v else float("nan")
+        # An even number of passes takes the mean of the middle two (not the upper one).
+        med = lambda v: statistics.median(v) if v else float("nan")
         print(f"-- medians over {a.repeat} passes (tok/s, × mmap, flash ÷ raw, s/token ÷ floor)")
         mmap_med = med(results.get("mmap baseline", {}).get("tps", []))
         names = [n for c in configs for n in ([c[0], c[0] + " [B]"] if a.compare_bin else [c[0]])]
