@@ -16,10 +16,11 @@ pub enum SlotId {
     /// (per projection, native GGUF layout) and commits its pages lazily. Valid from the read
     /// that fills it until `Backend::release` of the same slot.
     Canonical(ExpertKey),
-    /// Cache off: expert `e`'s place in the shared staging buffers (one per projection, each
-    /// `max n_expert` experts wide), reused by every layer. The number is the expert id within
-    /// the current layer. Valid from the read that fills it until the layer's `finish_layer`
-    /// returns; the next layer's reads may overwrite it.
+    /// Cache off: a place in the shared staging buffers (`max n_expert` expert slots), reused
+    /// by every layer. The number is the expert's position in the layer's union of routed
+    /// experts (0..k-1 in a decode step), not its id, so that only as many slots as a layer
+    /// reads at once are ever touched. Valid from the read that fills it until the layer's
+    /// `finish_layer` returns; the next layer's reads may overwrite it.
     Staging(u16),
 }
 

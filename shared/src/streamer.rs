@@ -296,7 +296,9 @@ impl Streamer {
             };
             let lookup = io.cache.lookup(key)?;
             if cache_off {
-                en.slot = SlotId::Staging(en.expert);
+                // The entry's place in the union, not its expert id: a decode step then uses
+                // only the first k staging slots, so the rest are never committed.
+                en.slot = SlotId::Staging(i as u16);
                 self.misses.push(i as u32);
             } else {
                 en.slot = SlotId::Canonical(key);

@@ -298,6 +298,38 @@ fn cache_off_streams_every_routed_expert_and_matches_cache_on() {
         }
     )));
     assert_eq!(off.cache().resident_bytes(), 0);
+    // Staging slots are numbered by place in the layer's union, not by expert id: within a
+    // layer (between FinishLayer calls) they are distinct and below the union's size, so a
+    // decode step (one token, top-k experts) touches only the first k slots.
+    let mut in_layer: Vec<(u16, u16)> = Vec::new();
+    let mut widest = 0usize;
+    for c in off.backend().log() {
+        match c {
+            Call::Expert {
+                slot: SlotId::Staging(i),
+                expert,
+                ..
+            } => in_layer.push((*i, *expert)),
+            Call::FinishLayer { .. } => {
+                let mut slots: Vec<u16> = in_layer.iter().map(|p| p.0).collect();
+                slots.sort_unstable();
+                slots.dedup();
+                assert_eq!(
+                    slots.len(),
+                    in_layer.len(),
+                    "a staging slot reused: {in_layer:?}"
+                );
+                assert!(
+                    slots.iter().all(|&i| (i as usize) < in_layer.len()),
+                    "{in_layer:?}"
+                );
+                widest = widest.max(in_layer.len());
+                in_layer.clear();
+            }
+            _ => {}
+        }
+    }
+    assert!(widest > 0);
     // Cache off traces every routing as a miss.
     assert!(r_off.routes.iter().all(|r| r.residency == 0));
 }
