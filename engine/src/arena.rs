@@ -31,6 +31,7 @@
 //! `offset % 4096`, so buffered and direct reads put the data at the same address.
 
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
@@ -260,6 +261,8 @@ pub struct Arena {
     staging_base: u64,
     staging_slot: u64,
     n_staging: u32,
+    /// One past the highest staging slot resolved since the last `trim_staging`.
+    staging_high: AtomicU32,
 }
 
 // SAFETY: the arena is a plain memory range; who writes which slot when is decided by the
@@ -436,6 +439,7 @@ impl Arena {
             staging_base,
             staging_slot: stride,
             n_staging,
+            staging_high: AtomicU32::new(0),
         })
     }
 
@@ -447,7 +451,12 @@ impl Arena {
     /// (`assign`) — or `None` when it has none and may not get one.
     fn slot_base(&self, layer: usize, slot: SlotAddr, assign: bool) -> Option<u64> {
         match slot {
-            SlotAddr::Staging(i) => Some(self.staging_base + i as u64 * self.staging_slot),
+            SlotAddr::Staging(i) => {
+                if assign {
+                    self.staging_high.fetch_max(i + 1, Ordering::Relaxed);
+                }
+                Some(self.staging_base + i as u64 * self.staging_slot)
+            }
             SlotAddr::Canonical(e) => {
                 let mut pool = self.pool();
                 let held = *pool.chunk.get(layer)?.get(e as usize)?;
@@ -545,6 +554,28 @@ impl Arena {
         unsafe { drop_pages(self.ptr.as_ptr().add(off as usize), len) };
         pool.committed[i] = 0;
         pool.cold.push(off);
+    }
+
+    /// Give back the memory of staging slots `keep..`: a prefill reads a layer's whole union
+    /// of routed experts into staging, a decode step only its top k, so the engine trims to k
+    /// when decoding starts and the wider union's pages do not stay resident all run. A no-op
+    /// when no slot past `keep` was used since the last trim.
+    ///
+    /// Call only between steps, when no read into staging is in flight and no compute reads
+    /// it (staging is valid only until its layer finishes; speculative reads never target it).
+    pub fn trim_staging(&self, keep: u32) {
+        let high = self
+            .staging_high
+            .swap(keep.min(self.n_staging), Ordering::Relaxed);
+        if high <= keep {
+            self.staging_high.fetch_max(high, Ordering::Relaxed);
+            return;
+        }
+        let from = self.staging_base + u64::from(keep) * self.staging_slot;
+        let to = self.staging_base + u64::from(high) * self.staging_slot;
+        // SAFETY: page aligned (the slot stride is), inside the staging region, and by the
+        // contract above nobody reads or writes those slots now.
+        unsafe { drop_pages(self.ptr.as_ptr().add(from as usize), to - from) };
     }
 
     /// Chunks reused warm since the arena was made.
@@ -814,6 +845,35 @@ mod tests {
             let p1 = a.window_dest(0, SlotAddr::Canonical(1), 0) as u64;
             assert_eq!(p1 - p0, a.slot_bytes(0), "chunks packed at the slot size");
         }
+    }
+
+    #[test]
+    fn trimming_staging_releases_the_slots_past_keep_only() {
+        let a = Arena::new(&[(8, vec![20_000, 20_000, 20_000])], 8).unwrap();
+        let slot = a.slot_bytes(0) as usize;
+        let mut ptrs = Vec::new();
+        for i in 0..6u32 {
+            let p = a.window_dest(0, SlotAddr::Staging(i), 0);
+            unsafe { std::ptr::write_bytes(p, 1 + i as u8, slot) };
+            ptrs.push(p);
+        }
+        a.trim_staging(2);
+        for (i, &p) in ptrs.iter().enumerate() {
+            let want = if i < 2 { slot / ALIGN as usize } else { 0 };
+            assert_eq!(resident_pages(p, slot), want, "staging slot {i}");
+        }
+        assert_eq!(unsafe { *ptrs[1] }, 2, "kept slots keep their bytes");
+        // Nothing used past keep since: a second trim releases nothing, and slots below keep
+        // used again stay.
+        unsafe { std::ptr::write_bytes(a.window_dest(0, SlotAddr::Staging(0), 0), 9, slot) };
+        a.trim_staging(2);
+        assert_eq!(resident_pages(ptrs[0], slot), slot / ALIGN as usize);
+        // A slot past keep used again is released by the next trim.
+        unsafe { std::ptr::write_bytes(a.window_dest(0, SlotAddr::Staging(7), 0), 3, slot) };
+        let p7 = a.window_dest(0, SlotAddr::Staging(7), 0);
+        assert_eq!(resident_pages(p7, slot), slot / ALIGN as usize);
+        a.trim_staging(2);
+        assert_eq!(resident_pages(p7, slot), 0);
     }
 
     #[test]

@@ -131,6 +131,13 @@ impl Backend for EngineBackend {
 
     fn begin(&mut self, tokens: &[u32], positions: &[u32]) -> Result<(), StreamError> {
         let n = tokens.len() as u32;
+        if n == 1 {
+            // A decode step reads at most top-k experts per layer into staging (cache off);
+            // what a wider prefill union committed past that goes back. No read is in flight
+            // between steps.
+            self.arena
+                .trim_staging(u32::from(self.layout.n_expert_used()));
+        }
         let rows: Vec<u32> = if self.all_logits {
             (0..n).collect()
         } else {
