@@ -564,13 +564,11 @@ impl Arena {
     /// Call only between steps, when no read into staging is in flight and no compute reads
     /// it (staging is valid only until its layer finishes; speculative reads never target it).
     pub fn trim_staging(&self, keep: u32) {
-        let high = self
-            .staging_high
-            .swap(keep.min(self.n_staging), Ordering::Relaxed);
+        let high = self.staging_high.load(Ordering::Relaxed);
         if high <= keep {
-            self.staging_high.fetch_max(high, Ordering::Relaxed);
             return;
         }
+        self.staging_high.store(keep, Ordering::Relaxed);
         let from = self.staging_base + u64::from(keep) * self.staging_slot;
         let to = self.staging_base + u64::from(high) * self.staging_slot;
         // SAFETY: page aligned (the slot stride is), inside the staging region, and by the

@@ -849,10 +849,6 @@ pub fn raw_read_bench(
     total_bytes: u64,
     random: Option<u64>,
 ) -> Result<f64, FlashOpenError> {
-    let RawIo {
-        o_direct,
-        huge_pages,
-    } = io;
     let BenchFiles {
         file_len,
         req,
@@ -861,7 +857,7 @@ pub fn raw_read_bench(
         path,
         request_bytes,
         lanes,
-        o_direct,
+        io.o_direct,
         &[("total_bytes", total_bytes)],
     )?;
     let n_slots = file_len / req;
@@ -879,7 +875,7 @@ pub fn raw_read_bench(
             .enumerate()
             .map(|(lane, file)| {
                 s.spawn(move || {
-                    let mut buf = AlignedBuf::for_reads(req as usize, huge_pages).ok_or(
+                    let mut buf = AlignedBuf::for_reads(req as usize, io.huge_pages).ok_or(
                         FlashOpenError::BadBenchArgument {
                             what: "request_bytes (allocation)",
                             got: req,
@@ -895,7 +891,7 @@ pub fn raw_read_bench(
                         let offset = slot * req;
                         // SAFETY: `buf` is ours and `req` bytes long.
                         let got =
-                            unsafe { pread_full(file, buf.as_mut_ptr(), offset, req, o_direct) }
+                            unsafe { pread_full(file, buf.as_mut_ptr(), offset, req, io.o_direct) }
                                 .map_err(|source| FlashOpenError::BenchRead {
                                     path: path.to_owned(),
                                     offset,
@@ -966,10 +962,6 @@ pub fn raw_burst_bench(
     shape: BurstShape,
 ) -> Result<BurstResult, FlashOpenError> {
     use std::sync::Barrier;
-    let RawIo {
-        o_direct,
-        huge_pages,
-    } = io;
     let BenchFiles {
         file_len,
         req,
@@ -978,7 +970,7 @@ pub fn raw_burst_bench(
         path,
         request_bytes,
         lanes,
-        o_direct,
+        io.o_direct,
         &[
             ("total_bytes", total_bytes),
             ("burst reads", u64::from(shape.reads)),
@@ -1011,7 +1003,7 @@ pub fn raw_burst_bench(
             .map(|(lane, file)| {
                 let (gate, failed) = (&gate, &failed);
                 s.spawn(move || {
-                    let mut buf = AlignedBuf::for_reads(req as usize, huge_pages);
+                    let mut buf = AlignedBuf::for_reads(req as usize, io.huge_pages);
                     let (mut bytes, mut n, mut secs) = (0u64, 0u64, 0f64);
                     let mut err = None;
                     if buf.is_none() {
@@ -1026,7 +1018,7 @@ pub fn raw_burst_bench(
                             let t = Instant::now();
                             // SAFETY: `buf` is ours and `req` bytes long.
                             match unsafe {
-                                pread_full(file, buf.as_mut_ptr(), offset, req, o_direct)
+                                pread_full(file, buf.as_mut_ptr(), offset, req, io.o_direct)
                             } {
                                 Ok(got) => bytes += got,
                                 Err(source) => {

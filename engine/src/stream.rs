@@ -66,8 +66,9 @@ pub fn layout_of(w: &Weights) -> Result<ExpertLayout, StreamError> {
 }
 
 /// The arena for a layout: one canonical slot per (layer, expert), plus staging slots for
-/// the cache-off mode (one per expert id, since `SlotId::Staging(e)` names the expert), and
-/// committed as `opts` says.
+/// the cache-off mode (as many as a layer has experts: `SlotId::Staging(i)` is a place in the
+/// layer's union of routed experts, which `--load-all` makes every expert), committed as
+/// `opts` says.
 pub fn arena_for(layout: &ExpertLayout, opts: ArenaOptions) -> Result<Arena, StreamError> {
     let layers: Vec<(u32, Vec<u64>)> = layout
         .layers()
@@ -94,6 +95,8 @@ pub struct EngineBackend {
     uses: Vec<(u32, u16, f32)>,
     /// Produce logits for every row of the next batch (for `--logits-out`), not just the last.
     pub all_logits: bool,
+    /// Rows of the previous step (0 before the first).
+    last_batch: u32,
 }
 
 impl EngineBackend {
@@ -113,6 +116,7 @@ impl EngineBackend {
             pred_ids: Vec::new(),
             uses: Vec::new(),
             all_logits: false,
+            last_batch: 0,
         }
     }
 
@@ -131,13 +135,14 @@ impl Backend for EngineBackend {
 
     fn begin(&mut self, tokens: &[u32], positions: &[u32]) -> Result<(), StreamError> {
         let n = tokens.len() as u32;
-        if n == 1 {
-            // A decode step reads at most top-k experts per layer into staging (cache off);
-            // what a wider prefill union committed past that goes back. No read is in flight
-            // between steps.
+        if n == 1 && self.last_batch > 1 {
+            // Decoding starts: its steps read at most top-k experts per layer into staging
+            // (cache off); what the wider prefill union committed past that goes back. No
+            // read is in flight between steps.
             self.arena
                 .trim_staging(u32::from(self.layout.n_expert_used()));
         }
+        self.last_batch = n;
         let rows: Vec<u32> = if self.all_logits {
             (0..n).collect()
         } else {

@@ -183,7 +183,7 @@ impl Streamer {
         self.pos_of[ei] = p as u32;
         self.entries.push(Entry {
             expert: e,
-            slot: SlotId::Staging(e),
+            slot: SlotId::Staging(p as u16),
             hit: false,
             state: EntryState::Waiting,
             uses_start: 0,
@@ -539,7 +539,7 @@ impl Streamer {
         let split = io.config.read_split.resolve(
             !io.cache.is_off(),
             io.phase == Phase::Decode,
-            (self.wave.len() - from.min(self.wave.len())) * layer_layout.projections.len(),
+            self.wave.len().saturating_sub(from) * layer_layout.projections.len(),
             lanes,
         );
         for w in from..self.wave.len() {
