@@ -13,11 +13,13 @@
 //! released with `madvise(MADV_DONTNEED)`, so resident memory tracks the cache's byte budget
 //! (plus at most the cap), not the model's size.
 //!
-//! While the cache fills, no chunk comes back to take. With `prefault_ahead > 0` a keeper
-//! thread keeps that many chunks committed in advance (`MADV_POPULATE_WRITE`, or touching each
-//! page where the kernel lacks it), inside the same cap and at idle priority, so an expert's
-//! read need not wait for its destination pages to be faulted in — which on a VM whose balloon
-//! reports freed pages to the host costs a host fault per page.
+//! While the cache fills, no chunk comes back to take. With `prefault_bytes > 0` keeper
+//! threads keep that many bytes of chunks committed in advance (`MADV_POPULATE_WRITE`, or
+//! touching each page where the kernel lacks it), at idle priority and never past
+//! `commit_limit` counting the chunks experts hold (the cache's budget: the stock lives in the
+//! room a filling cache has not used yet, and a full cache gets none), so an expert's read need
+//! not wait for its destination pages to be faulted in — which on a VM whose balloon reports
+//! freed pages to the host costs a host fault per page, 5–10 ms for one expert here.
 //!
 //! Chunks holding at least one 2 MiB huge page's worth of every slot are laid out 2 MiB
 //! apart and the whole huge pages at each chunk's head are marked `MADV_HUGEPAGE` (the rest of
@@ -41,9 +43,15 @@ pub const ALIGN: u64 = 4096;
 /// Most bytes of evicted chunks kept committed for reuse (the rest are released at once).
 pub const WARM_MAX_BYTES: u64 = 32 << 20;
 
-/// Chunks the engine keeps committed ahead of use when it caches experts: a layer that
-/// misses usually misses one to three experts.
-pub const PREFAULT_AHEAD: u32 = 3;
+/// Bytes the engine keeps committed ahead of use while its cache fills (within the budget's
+/// unused room): the early decode steps of a filling cache miss a dozen experts and more in
+/// a token, and the keepers refill the stock only in idle time.
+pub const PREFAULT_BYTES: u64 = 128 << 20;
+
+/// Keeper threads. Committing a chunk on this project's VM is 5–10 ms of host faults, a
+/// filling cache admits several a token, and one idle-priority thread fell behind (slow reads
+/// into uncommitted chunks: 67–188 a run with one, 6–15 with two, docs/benchmarks.md).
+pub const KEEPERS: usize = 2;
 
 /// Size of a transparent huge page (x86-64, and arm64 with 4 KiB pages).
 pub const HUGE: u64 = 2 << 20;
@@ -108,16 +116,20 @@ struct Pool {
     cold: Vec<u64>,
     /// Per chunk (offset / stride): bytes from its start that may be committed.
     committed: Vec<u64>,
-    /// Committed bytes of warm chunks, plus chunks the keeper is committing.
+    /// Committed bytes of warm chunks, plus chunks the keepers are committing.
     warm_bytes: u64,
-    /// Chunks the keeper took and is committing (counted in `warm_bytes` already).
+    /// Chunks the keepers took and are committing (counted in `warm_bytes` already).
     preparing: u32,
+    /// Bytes committed for the chunks (layer, expert)s hold.
+    held_bytes: u64,
     /// Chunks handed out from the warm list (for tests and diagnostics).
     reused: u64,
     /// Chunks the keeper committed ahead of use.
     prefaulted: u64,
-    /// Chunks the keeper keeps committed ahead (0: no keeper).
-    ahead: u32,
+    /// Bytes the keepers keep committed ahead (0: no keeper), and the most the held plus
+    /// the warm chunks may commit before they stop.
+    stock: u64,
+    limit: u64,
     stop: bool,
 }
 
@@ -152,12 +164,16 @@ impl Pool {
         self.take_uncommitted().map(|off| (off, false))
     }
 
-    /// A chunk for the keeper to commit, reserved in `warm_bytes`; `None` when enough are
-    /// warm, the cap is reached, or no uncommitted chunk is free.
+    /// Whether one more chunk committed ahead stays within the stock and the limit.
+    fn keeper_has_work(&self) -> bool {
+        let more = self.warm_bytes + self.chunk_bytes;
+        more <= self.stock && self.held_bytes + more <= self.limit
+    }
+
+    /// A chunk for a keeper to commit, reserved in `warm_bytes`; `None` when the stock is
+    /// full, the limit is reached, or no uncommitted chunk is free.
     fn take_for_keeper(&mut self) -> Option<u64> {
-        if self.warm.len() as u32 + self.preparing >= self.ahead
-            || self.warm_bytes + self.chunk_bytes > WARM_MAX_BYTES
-        {
+        if !self.keeper_has_work() {
             return None;
         }
         let off = self.take_uncommitted()?;
@@ -213,7 +229,7 @@ unsafe fn commit_pages(addr: *mut u8, len: usize) {
     }
 }
 
-/// The keeper: whenever woken, commit chunks until `ahead` are warm (or the cap is reached).
+/// A keeper: whenever woken, commit chunks until the stock is full (or the limit reached).
 ///
 /// It runs under `SCHED_IDLE`: committing pages is CPU work (and on a VM host faults), and it
 /// must not take a core from the compute threads — only the idle time while a decode waits
@@ -247,6 +263,18 @@ fn keeper_main(shared: Shared, base: usize) {
     }
 }
 
+/// Stop and join keeper threads.
+fn stop_keepers(pool: &Shared, keepers: &mut Vec<JoinHandle<()>>) {
+    if keepers.is_empty() {
+        return;
+    }
+    lock_pool(pool).stop = true;
+    pool.1.notify_all();
+    for k in keepers.drain(..) {
+        let _ = k.join();
+    }
+}
+
 /// Reserved memory for every expert plus staging slots.
 pub struct Arena {
     /// The mapping as made (`ptr` may start up to a huge page into it).
@@ -257,7 +285,7 @@ pub struct Arena {
     layers: Vec<LayerGeom>,
     n_expert: Vec<u32>,
     pool: Shared,
-    keeper: Option<JoinHandle<()>>,
+    keepers: Vec<JoinHandle<()>>,
     staging_base: u64,
     staging_slot: u64,
     n_staging: u32,
@@ -279,9 +307,11 @@ fn region_for(len: u64) -> u64 {
 /// How an arena commits its memory.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct ArenaOptions {
-    /// Chunks a keeper thread keeps committed ahead of use (within `WARM_MAX_BYTES`); 0
-    /// starts no thread.
-    pub prefault_ahead: u32,
+    /// Bytes of chunks `KEEPERS` threads keep committed ahead of use; 0 starts no thread.
+    pub prefault_bytes: u64,
+    /// The keepers stop where the chunks held plus those committed ahead would pass this
+    /// (the cache's budget, so a stock never adds to a full cache's memory).
+    pub commit_limit: u64,
     /// Back each chunk's head with transparent huge pages where every slot is at least one
     /// huge page long.
     pub huge_pages: bool,
@@ -290,7 +320,8 @@ pub struct ArenaOptions {
 impl Default for ArenaOptions {
     fn default() -> Self {
         ArenaOptions {
-            prefault_ahead: 0,
+            prefault_bytes: 0,
+            commit_limit: u64::MAX,
             huge_pages: true,
         }
     }
@@ -309,7 +340,6 @@ impl Arena {
         n_staging: u32,
         opts: ArenaOptions,
     ) -> Result<Arena, ArenaError> {
-        let ahead = opts.prefault_ahead;
         let mut geoms = Vec::with_capacity(layers.len());
         let mut max_slot = ALIGN;
         let mut min_slot = u64::MAX;
@@ -401,32 +431,33 @@ impl Arena {
             committed: vec![0; n_slots as usize],
             warm_bytes: 0,
             preparing: 0,
+            held_bytes: 0,
             reused: 0,
             prefaulted: 0,
-            ahead,
+            stock: opts.prefault_bytes,
+            limit: opts.commit_limit,
             stop: false,
         };
         let pool: Shared = Arc::new((Mutex::new(pool), Condvar::new()));
-        let keeper = if ahead > 0 {
+        let n_keepers = if opts.prefault_bytes > 0 { KEEPERS } else { 0 };
+        let mut keepers = Vec::with_capacity(n_keepers);
+        for i in 0..n_keepers {
             let (shared, base) = (pool.clone(), ptr.as_ptr() as usize);
             let spawned = std::thread::Builder::new()
-                .name("bmoe-arena-keeper".into())
+                .name(format!("bmoe-arena-keeper-{i}"))
                 .spawn(move || keeper_main(shared, base));
             match spawned {
-                Ok(h) => {
-                    // Stock the pool before the first read.
-                    pool.1.notify_one();
-                    Some(h)
-                }
+                Ok(h) => keepers.push(h),
                 Err(e) => {
-                    // SAFETY: unmapping what we just mapped; nothing else has seen it.
+                    stop_keepers(&pool, &mut keepers);
+                    // SAFETY: unmapping what we just mapped; the keepers that saw it are gone.
                     unsafe { libc::munmap(p, map_len as usize) };
                     return Err(ArenaError::Keeper { source: e });
                 }
             }
-        } else {
-            None
-        };
+        }
+        // Stock the pool before the first read.
+        pool.1.notify_all();
         Ok(Arena {
             map,
             map_len,
@@ -435,7 +466,7 @@ impl Arena {
             layers: geoms,
             n_expert: layers.iter().map(|l| l.0).collect(),
             pool,
-            keeper,
+            keepers,
             staging_base,
             staging_slot: stride,
             n_staging,
@@ -479,11 +510,12 @@ impl Arena {
                     unsafe { drop_pages(self.ptr.as_ptr().add((off + want) as usize), had - want) };
                 }
                 pool.committed[i] = want;
+                pool.held_bytes += want;
                 pool.chunk[layer][e as usize] = off;
-                // Wake the keeper only when it has work: in a full cache evictions keep the warm
-                // list stocked, and a wake-up per admission would only cost a context switch.
-                if pool.warm.len() as u32 + pool.preparing < pool.ahead {
-                    self.pool.1.notify_one();
+                // Wake the keepers only when they have work: a full cache leaves them none, and
+                // a wake-up per admission would only cost a context switch.
+                if !self.keepers.is_empty() && pool.keeper_has_work() {
+                    self.pool.1.notify_all();
                 }
                 Some(off)
             }
@@ -528,8 +560,9 @@ impl Arena {
     }
 
     /// The cache evicted (layer, expert): take its chunk back. It stays committed for the next
-    /// admission while fewer than `WARM_MAX_BYTES` are kept so; otherwise its pages go back to
-    /// the kernel. A slot that holds no chunk is left alone.
+    /// admission while fewer than `WARM_MAX_BYTES` are kept so (or the stock's bytes, where
+    /// the commit limit still has room); otherwise its pages go back to the kernel. A slot
+    /// that holds no chunk is left alone.
     pub fn release(&self, layer: usize, expert: u32) {
         let mut pool = self.pool();
         let Some(held) = pool
@@ -545,7 +578,11 @@ impl Arena {
         }
         let i = pool.index(off);
         let len = pool.committed[i];
-        if pool.warm_bytes + len <= WARM_MAX_BYTES {
+        pool.held_bytes -= len;
+        // Kept warm within the cap, or within the stock where the limit still has room (a
+        // filling cache that evicts, e.g. after a shrink of its budget, keeps its stock).
+        let warm = pool.warm_bytes + len;
+        if warm <= WARM_MAX_BYTES || (warm <= pool.stock && pool.held_bytes + warm <= pool.limit) {
             pool.warm_bytes += len;
             pool.warm.push(off);
             return;
@@ -581,12 +618,12 @@ impl Arena {
         self.pool().reused
     }
 
-    /// Chunks the keeper committed ahead of use since the arena was made.
+    /// Chunks the keepers committed ahead of use since the arena was made.
     pub fn prefaulted_chunks(&self) -> u64 {
         self.pool().prefaulted
     }
 
-    /// Bytes of returned chunks kept committed for reuse right now.
+    /// Bytes of returned or stocked chunks kept committed for reuse right now.
     pub fn warm_bytes(&self) -> u64 {
         self.pool().warm_bytes
     }
@@ -607,12 +644,8 @@ impl Arena {
 
 impl Drop for Arena {
     fn drop(&mut self) {
-        if let Some(keeper) = self.keeper.take() {
-            self.pool().stop = true;
-            self.pool.1.notify_all();
-            // The keeper writes into the mapping: it must be gone before the unmap.
-            let _ = keeper.join();
-        }
+        // The keepers write into the mapping: they must be gone before the unmap.
+        stop_keepers(&self.pool, &mut self.keepers);
         // SAFETY: unmapping exactly what `with_options` mapped.
         unsafe {
             libc::munmap(
@@ -719,7 +752,8 @@ mod tests {
             &[(8, vec![9000, 9000, 9000]), (8, vec![100, 100, 100])],
             1,
             ArenaOptions {
-                prefault_ahead: 2,
+                prefault_bytes: 2 * 3 * region_for(9000),
+                commit_limit: u64::MAX,
                 huge_pages: true,
             },
         )
@@ -753,6 +787,61 @@ mod tests {
         }
         assert!(a.warm_bytes() <= WARM_MAX_BYTES);
         drop(a);
+    }
+
+    #[test]
+    fn the_keepers_stock_only_the_room_the_limit_leaves() {
+        let chunk = 3 * region_for(9000);
+        // A stock of 100 chunks under a limit of 4: the keepers stop at 4.
+        let a = Arena::with_options(
+            &[(8, vec![9000, 9000, 9000])],
+            0,
+            ArenaOptions {
+                prefault_bytes: 100 * chunk,
+                commit_limit: 4 * chunk,
+                huge_pages: false,
+            },
+        )
+        .unwrap();
+        let settle = |n: u64| {
+            let t = std::time::Instant::now();
+            while a.prefaulted_chunks() < n {
+                assert!(t.elapsed().as_secs() < 10, "keepers stalled");
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            // Time for a keeper that would wrongly go on.
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        };
+        settle(4);
+        assert_eq!(a.prefaulted_chunks(), 4);
+        assert_eq!(a.warm_bytes(), 4 * chunk);
+        // Three admissions take stocked chunks; held + stock is still 4 chunks, so no more.
+        for e in 0..3 {
+            a.window_dest(0, SlotAddr::Canonical(e), 0);
+        }
+        settle(4);
+        assert_eq!(a.prefaulted_chunks(), 4);
+        assert_eq!(a.reused_chunks(), 3);
+        assert_eq!(a.warm_bytes(), chunk);
+        // Past the limit admissions fault their own chunks, and the keepers stay idle.
+        for e in 3..8 {
+            a.window_dest(0, SlotAddr::Canonical(e), 0);
+        }
+        settle(4);
+        assert_eq!(a.prefaulted_chunks(), 4);
+        assert_eq!(a.warm_bytes(), 0);
+        // Evictions from the over-full set: kept warm within WARM_MAX_BYTES as always, and
+        // once held + warm is back under the limit the keepers refill nothing past it.
+        for e in 0..8 {
+            a.release(0, e);
+        }
+        assert_eq!(a.warm_bytes(), 8 * chunk);
+        settle(4);
+        assert_eq!(
+            a.prefaulted_chunks(),
+            4,
+            "warm chunks from evictions count as stock"
+        );
     }
 
     /// Resident 4 KiB pages of `[p, p + len)` by `mincore`.
@@ -834,8 +923,8 @@ mod tests {
                 &layers,
                 1,
                 ArenaOptions {
-                    prefault_ahead: 0,
                     huge_pages: huge,
+                    ..ArenaOptions::default()
                 },
             )
             .unwrap();

@@ -225,16 +225,17 @@ pub fn generate_with(
         let policy = bmoe_core::policy::by_name(cfg.eviction.name())
             .ok_or_else(|| anyhow!("unknown eviction policy {}", cfg.eviction.name()))?;
         let cache = ExpertCache::new(&layout, budget, k, policy)?;
-        // The keeper commits destination memory ahead only where cached experts will need it.
-        let ahead = if budget > 0 {
-            crate::arena::PREFAULT_AHEAD
-        } else {
-            0
-        };
+        // The keepers commit destination memory ahead only where cached experts will need it,
+        // and only in the room the budget has left.
         let arena = Arc::new(arena_for(
             &layout,
             ArenaOptions {
-                prefault_ahead: ahead,
+                prefault_bytes: if budget > 0 {
+                    crate::arena::PREFAULT_BYTES
+                } else {
+                    0
+                },
+                commit_limit: budget,
                 huge_pages: cfg.huge_pages,
             },
         )?);
