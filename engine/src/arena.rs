@@ -218,9 +218,9 @@ unsafe fn advise_huge(base: usize, off: u64, len: u64) {
 /// Commit `len` bytes at `addr`: `MADV_POPULATE_WRITE` (Linux 5.14+), else a write per page.
 ///
 /// # Safety
-/// `addr..addr + len` is page aligned, inside the arena's mapping, and no one else reads or
-/// writes it meanwhile (a chunk no slot holds).
-unsafe fn commit_pages(addr: *mut u8, len: usize) {
+/// `addr..addr + len` is page aligned, inside a private anonymous mapping of ours (the arena's,
+/// or a read buffer's), and no one else reads or writes it meanwhile (a chunk no slot holds).
+pub(crate) unsafe fn commit_pages(addr: *mut u8, len: usize) {
     if libc::madvise(addr as *mut libc::c_void, len, libc::MADV_POPULATE_WRITE) == 0 {
         return;
     }
@@ -235,7 +235,7 @@ unsafe fn commit_pages(addr: *mut u8, len: usize) {
 /// must not take a core from the compute threads — only the idle time while a decode waits
 /// for its reads or between tokens. Falling behind just means an admission faults its own
 /// pages in, as without a keeper.
-fn keeper_main(shared: Shared, base: usize) {
+fn keeper_main(shared: Shared) {
     let param = libc::sched_param { sched_priority: 0 };
     // SAFETY: plain syscall on the calling thread (pid 0); failure leaves normal priority.
     unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) };
@@ -248,7 +248,7 @@ fn keeper_main(shared: Shared, base: usize) {
             pool = shared.1.wait(pool).unwrap_or_else(|e| e.into_inner());
             continue;
         };
-        let len = pool.chunk_bytes;
+        let (len, base) = (pool.chunk_bytes, pool.base);
         drop(pool);
         // SAFETY: the chunk is inside the mapping (the chunk region), page aligned, and held
         // by nobody: taken from the free lists under the lock and counted as `preparing`. The
@@ -442,10 +442,10 @@ impl Arena {
         let n_keepers = if opts.prefault_bytes > 0 { KEEPERS } else { 0 };
         let mut keepers = Vec::with_capacity(n_keepers);
         for i in 0..n_keepers {
-            let (shared, base) = (pool.clone(), ptr.as_ptr() as usize);
+            let shared = pool.clone();
             let spawned = std::thread::Builder::new()
                 .name(format!("bmoe-arena-keeper-{i}"))
-                .spawn(move || keeper_main(shared, base));
+                .spawn(move || keeper_main(shared));
             match spawned {
                 Ok(h) => keepers.push(h),
                 Err(e) => {

@@ -212,14 +212,12 @@ impl AlignedBuf {
             return None;
         }
         let lead = (p as usize).next_multiple_of(hp) - p as usize;
-        // SAFETY: `lead < hp`, so `lead..lead + len` is inside the mapping; advice and writes
-        // to our own fresh pages.
+        // SAFETY: `lead < hp`, so `lead..lead + len` is inside the mapping, page aligned, and
+        // nobody else has seen it; advice and commit on our own fresh pages.
         let ptr = unsafe {
             let a = (p as *mut u8).add(lead);
             libc::madvise(a as *mut libc::c_void, len, libc::MADV_HUGEPAGE);
-            for off in (0..len).step_by(ALIGN as usize) {
-                std::ptr::write_volatile(a.add(off), 0);
-            }
+            crate::arena::commit_pages(a, len);
             a
         };
         Some(AlignedBuf {
