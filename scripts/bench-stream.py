@@ -16,8 +16,11 @@ max(compute floor, missed bytes / raw flash bandwidth). The compute floor is the
 the same command run resident (no --moe-stream) with no memory limit and a warm page cache,
 measured once at the start (`--floor resident`, the default): a streamed run's own compute time
 is not a floor, since everything streaming does beside it (lane threads, keepers committing
-memory) can slow it. `--floor own` judges against each run's own compute time instead, for
-machines whose RAM cannot hold the resident working set. stdlib only; needs root (cgroup,
+memory) can slow it. On a shared machine whose speed drifts within minutes (here the resident
+run itself moved 0.096 -> 0.112 s/token in ten minutes), `--floor adjacent` measures the
+resident floor again right before every judged run (a warm-up and a measured run each time), so
+each ratio compares two runs taken back to back. `--floor own` judges against each run's own
+compute time instead, for machines whose RAM cannot hold the resident working set. stdlib only; needs root (cgroup,
 drop_caches).
 """
 import argparse
@@ -103,7 +106,7 @@ def burst_shape(io_trace):
     return len(bursts), len(rows) / len(bursts), len(rows) / len(extents)
 
 
-def resident_floor(base):
+def resident_floor(base, quiet=False):
     """Decode s/token of `base` run resident with no memory limit, the page cache warm (a
     first run warms it): the compute floor. None (with a message) when the warm run still
     faults pages in from disk — the machine cannot hold the working set, so it is no floor."""
@@ -118,8 +121,9 @@ def resident_floor(base):
         print(f"resident floor: not compute-bound ({majflt} major faults/token); "
               "judging each run against its own compute time")
         return None
-    print(f"resident floor (no limit, warm page cache): {s_tok:.3f} s/token ({1 / s_tok:.2f} tok/s)",
-          flush=True)
+    if not quiet:
+        print(f"resident floor (no limit, warm page cache): {s_tok:.3f} s/token ({1 / s_tok:.2f} tok/s)",
+              flush=True)
     return s_tok
 
 
@@ -144,9 +148,10 @@ def main():
                          "'=name' matches the whole name)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run the whole list this many times, interleaved, and end with the medians")
-    ap.add_argument("--floor", choices=["resident", "own"], default="resident",
-                    help="compute floor of the per-token goal: the resident run's decode time "
-                         "(default) or each streamed run's own compute time")
+    ap.add_argument("--floor", choices=["resident", "adjacent", "own"], default="resident",
+                    help="compute floor of the per-token goal: the resident run's decode time, "
+                         "measured once at the start (default) or again right before every judged "
+                         "run (adjacent), or each streamed run's own compute time (own)")
     a = ap.parse_args()
     set_limit(a.limit_gib)
     insp = subprocess.run([a.bin, "inspect", a.model], capture_output=True, text=True, check=True).stdout
@@ -182,7 +187,7 @@ def main():
     print(f"model {a.model} (dense {dense_mib} MiB), cgroup limit {a.limit_gib} GiB, -n {a.n} -c {a.c}, "
           f"page cache dropped before each run")
     results = {}
-    a.resident_floor = resident_floor(base) if a.floor == "resident" else None
+    a.resident_floor = resident_floor(base) if a.floor in ("resident", "adjacent") else None
     for rep in range(a.repeat):
         if a.repeat > 1:
             print(f"-- pass {rep + 1} of {a.repeat}", flush=True)
@@ -228,6 +233,9 @@ def run_one(a, base, tmp, dense_mib, name, flags, raw_lanes, results):
             raw_lanes = int(m.group(1)) if m else 4
         if raw_lanes:
             flags = flags + ["--io-trace", io_trace]
+        floor_now = a.resident_floor
+        if a.floor == "adjacent" and raw_lanes:
+            floor_now = resident_floor(base, quiet=True) or a.resident_floor
         r = in_cgroup(base + flags, peak_rss=True)
         err = r.stderr
         if r.returncode != 0:
@@ -256,7 +264,7 @@ def run_one(a, base, tmp, dense_mib, name, flags, raw_lanes, results):
         if raw_lanes and (io > 0 or overlap):
             kib = max(4, round(mean_request_kib(io_trace) or 1024))
             ceiling = raw(a.bin, a.model, raw_lanes, kib, random=True)
-            floor = max(a.resident_floor or compute, mib_tok / ceiling)
+            floor = max(floor_now or compute, mib_tok / ceiling)
             rec["floor"].append(s_tok / floor)
             if not overlap:
                 # Serial runs block on every read, so bytes / blocked time is the achieved
@@ -285,6 +293,8 @@ def run_one(a, base, tmp, dense_mib, name, flags, raw_lanes, results):
                 stall = grab(r"stall_s/tok=([0-9.]+)", err, float, 0.0)
                 line += f" | stall {stall:.3f} s/tok, raw random {ceiling:5.0f} MiB/s at {kib} KiB"
             line += f" | s/tok {s_tok:.3f} vs floor {floor:.3f} ({s_tok / floor:.2f})"
+            if a.floor == "adjacent" and floor_now:
+                line += f" [resident just before: {floor_now:.3f}]"
             if a.resident_floor:
                 own = max(compute, mib_tok / ceiling)
                 line += f" [vs its own compute {compute:.3f}: {s_tok / own:.2f}]"
