@@ -9,10 +9,19 @@ use crate::layout::{ExpertKey, ExpertLayout};
 use crate::policy::EvictionPolicy;
 use thiserror::Error;
 
+const MIB: f64 = 1048576.0;
+
 /// Why the cache refused something.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum CacheError {
-    #[error("cache budget {budget_bytes} bytes is below one layer's routed experts ({layer_demand_bytes} bytes at top-k {k}, the layer_demand floor); use 0 (cache off) or at least the floor")]
+    #[error(
+        "cache budget {budget_mib:.1} MiB ({budget_bytes} bytes) is below one layer's routed experts: \
+         the layer_demand floor is {demand_mib:.1} MiB ({layer_demand_bytes} bytes at top-k {k}); \
+         give it at least {floor_mib} MiB, or 0 (cache off)",
+        budget_mib = *.budget_bytes as f64 / MIB,
+        demand_mib = *.layer_demand_bytes as f64 / MIB,
+        floor_mib = .layer_demand_bytes.div_ceil(1 << 20)
+    )]
     BudgetBelowLayerDemand {
         budget_bytes: u64,
         layer_demand_bytes: u64,
@@ -548,6 +557,19 @@ mod tests {
             }
         );
         assert!(err.to_string().contains("layer_demand"));
+        // In the unit the flags use, with the bytes beside it and the smallest budget that works.
+        let big = CacheError::BudgetBelowLayerDemand {
+            budget_bytes: 10 << 20,
+            layer_demand_bytes: 24_477_696,
+            k: 8,
+        }
+        .to_string();
+        assert!(big.contains("10.0 MiB (10485760 bytes)"), "{big}");
+        assert!(
+            big.contains("23.3 MiB (24477696 bytes at top-k 8)"),
+            "{big}"
+        );
+        assert!(big.contains("at least 24 MiB"), "{big}");
         assert!(ExpertCache::new(&layout(), 20, 2, Box::new(Lru::new())).is_ok());
         assert!(ExpertCache::new(&layout(), 0, 2, Box::new(Lru::new()))
             .unwrap()
