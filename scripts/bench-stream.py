@@ -20,8 +20,8 @@ memory) can slow it. On a shared machine whose speed drifts within minutes (here
 run itself moved 0.096 -> 0.112 s/token in ten minutes), `--floor adjacent` measures the
 resident floor again right before every judged run (a warm-up and a measured run each time), so
 each ratio compares two runs taken back to back. `--floor own` judges against each run's own
-compute time instead, for machines whose RAM cannot hold the resident working set. stdlib only; needs root (cgroup,
-drop_caches).
+compute time instead, for machines whose RAM cannot hold the resident working set. stdlib only;
+needs root (cgroup, drop_caches).
 """
 import argparse
 import statistics

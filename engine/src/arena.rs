@@ -164,10 +164,16 @@ impl Pool {
         self.take_uncommitted().map(|off| (off, false))
     }
 
+    /// Whether `more` bytes kept committed beside the held chunks stay within the stock and
+    /// the limit.
+    fn stock_has_room(&self, more: u64) -> bool {
+        let warm = self.warm_bytes + more;
+        warm <= self.stock && self.held_bytes + warm <= self.limit
+    }
+
     /// Whether one more chunk committed ahead stays within the stock and the limit.
     fn keeper_has_work(&self) -> bool {
-        let more = self.warm_bytes + self.chunk_bytes;
-        more <= self.stock && self.held_bytes + more <= self.limit
+        self.stock_has_room(self.chunk_bytes)
     }
 
     /// A chunk for a keeper to commit, reserved in `warm_bytes`; `None` when the stock is
@@ -581,8 +587,7 @@ impl Arena {
         pool.held_bytes -= len;
         // Kept warm within the cap, or within the stock where the limit still has room (a
         // filling cache that evicts, e.g. after a shrink of its budget, keeps its stock).
-        let warm = pool.warm_bytes + len;
-        if warm <= WARM_MAX_BYTES || (warm <= pool.stock && pool.held_bytes + warm <= pool.limit) {
+        if pool.warm_bytes + len <= WARM_MAX_BYTES || pool.stock_has_room(len) {
             pool.warm_bytes += len;
             pool.warm.push(off);
             return;
