@@ -126,6 +126,70 @@ pub trait Flash {
     /// completion is then never delivered); false when it already started or finished (its
     /// outcome is still delivered as usual). Demand reads are never cancelled by the core.
     fn cancel(&mut self, id: ReadId) -> bool;
+
+    /// Whether every expert's bytes are already in memory where the backend computes them
+    /// from — the resident baseline's device (`ResidentFlash`). The streamer then looks nothing
+    /// up and reads nothing: each routed expert goes straight to `Backend::expert`, in the
+    /// serial first-use order, with a `SlotId::Staging` slot the backend does not read from.
+    /// Such a device needs the cache off (`Engine::new` refuses otherwise). Default: false.
+    fn resident(&self) -> bool {
+        false
+    }
+}
+
+/// The resident baseline's device: every expert is in memory already (the engine's model
+/// map), so `resident()` is true and the streamer never reads. A read submitted anyway is a
+/// bug, and fails loudly instead of computing on bytes nobody wrote.
+#[derive(Debug, Default)]
+pub struct ResidentFlash {
+    next_id: u64,
+    refused: std::collections::VecDeque<ReadId>,
+}
+
+impl ResidentFlash {
+    /// The device (one lane, which the streamer never uses).
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn refusal() -> FlashError {
+        FlashError::Closed {
+            reason: "the resident device holds every expert in memory and reads nothing"
+                .to_string(),
+        }
+    }
+}
+
+impl Flash for ResidentFlash {
+    fn lanes(&self) -> u32 {
+        1
+    }
+    fn submit(&mut self, _read: ReadRequest) -> ReadId {
+        let id = ReadId(self.next_id);
+        self.next_id += 1;
+        self.refused.push_back(id);
+        id
+    }
+    fn wait(&mut self, id: ReadId) -> Result<ReadDone, FlashError> {
+        match self.refused.iter().position(|&r| r == id) {
+            Some(i) => {
+                self.refused.remove(i);
+                Err(Self::refusal())
+            }
+            None => Err(FlashError::UnknownRead { id }),
+        }
+    }
+    fn poll(&mut self) -> Option<(ReadId, Result<ReadDone, FlashError>)> {
+        self.refused
+            .pop_front()
+            .map(|id| (id, Err(Self::refusal())))
+    }
+    fn cancel(&mut self, _id: ReadId) -> bool {
+        false
+    }
+    fn resident(&self) -> bool {
+        true
+    }
 }
 
 impl<F: Flash + ?Sized> Flash for &mut F {
@@ -144,6 +208,9 @@ impl<F: Flash + ?Sized> Flash for &mut F {
     fn cancel(&mut self, id: ReadId) -> bool {
         (**self).cancel(id)
     }
+    fn resident(&self) -> bool {
+        (**self).resident()
+    }
 }
 
 impl<F: Flash + ?Sized> Flash for Box<F> {
@@ -161,5 +228,8 @@ impl<F: Flash + ?Sized> Flash for Box<F> {
     }
     fn cancel(&mut self, id: ReadId) -> bool {
         (**self).cancel(id)
+    }
+    fn resident(&self) -> bool {
+        (**self).resident()
     }
 }

@@ -1,5 +1,5 @@
 //! bmoe-core: the one core of bmoe — expert cache and eviction policies, router hook,
-//! prefetch, streamer, decode step and telemetry — generic over a `Clock`, a `Flash` device
+//! prefetch, streamer, decode step, generation loop and telemetry — generic over a `Clock`, a `Flash` device
 //! and a compute `Backend`, so the engine (real flash, real kernels) and the simulator
 //! (virtual clock, modelled flash) run the very same code.
 //!
@@ -12,6 +12,7 @@ pub mod clock;
 pub mod config;
 pub mod flags;
 pub mod flash;
+pub mod generate;
 pub mod handoff;
 pub mod hooks;
 pub mod layout;
@@ -30,7 +31,11 @@ pub use backend::{
 };
 pub use cache::{Admission, CacheCounters, CacheError, ExpertCache, Lookup};
 pub use clock::{Clock, Nanos};
-pub use flash::{Flash, FlashError, ReadDone, ReadId, ReadRequest, ReadTag};
+pub use flash::{Flash, FlashError, ReadDone, ReadId, ReadRequest, ReadTag, ResidentFlash};
+pub use generate::{
+    CancelFlag, GenerateError, MemProbe, NoProbe, Outputs, Session, StopReason, TokenSource,
+    TurnOutcome, TurnRequest,
+};
 pub use layout::{ExpertKey, ExpertLayout, LayoutError, MoeLayerLayout, ProjExtent};
 pub use policy::EvictionPolicy;
 pub use predict::PredictConfig;

@@ -74,6 +74,13 @@ pub trait RecordSink {
     }
     fn route(&mut self, _r: &RouteRecord) {}
     fn io(&mut self, _r: &IoRecord) {}
+    /// Push everything recorded so far to its file. The generation loop calls it at every
+    /// token boundary, so a file ends on a whole step whenever the run stops (an interrupt, a
+    /// failure, even SIGKILL leaves at most one partial last line). A writer whose earlier
+    /// write failed returns that failure here.
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }
 
 /// A sink that drops everything.

@@ -261,6 +261,8 @@ pub enum StepError {
     NoLanes,
     #[error("the cache was built for {cache_keys} experts but the layout has {layout_keys}")]
     CacheLayoutMismatch { cache_keys: u32, layout_keys: u32 },
+    #[error("a resident device reads nothing, so an expert cache over it (budget {budget_bytes} bytes) would hold nothing: build it with budget 0")]
+    ResidentWithCache { budget_bytes: u64 },
     #[error("an earlier step failed ({first}); its output is untrustworthy and this engine refuses further steps")]
     Poisoned { first: String },
 }
@@ -387,6 +389,11 @@ impl<C: Clock, F: Flash, B: Backend> Engine<C, F, B> {
     ) -> Result<Self, StepError> {
         if flash.lanes() == 0 {
             return Err(StepError::NoLanes);
+        }
+        if flash.resident() && !cache.is_off() {
+            return Err(StepError::ResidentWithCache {
+                budget_bytes: cache.budget_bytes(),
+            });
         }
         if cache.n_keys() != layout.n_keys() {
             return Err(StepError::CacheLayoutMismatch {

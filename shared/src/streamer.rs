@@ -266,6 +266,10 @@ impl Streamer {
             }
         }
 
+        if io.flash.resident() {
+            return self.run_resident(io, layer, routing, expert_bytes);
+        }
+
         let cache_off = io.cache.is_off();
         if self.prefetch.is_none()
             && (io.config.prefetch > 0 || io.predict.speculates())
@@ -434,6 +438,31 @@ impl Streamer {
         self.unpin_wave(io, moe)?;
         io.stats.mgmt += io.clock.now() - t;
         Ok(())
+    }
+
+    /// The resident device (`Flash::resident`): every expert is in memory already, so nothing
+    /// is looked up or read. Each expert of the union is computed in first-use order, as a
+    /// serial layer computes its experts, and counts as resident (a hit, with no bytes) in
+    /// the route trace.
+    fn run_resident<C: Clock, F: Flash, B: Backend>(
+        &mut self,
+        io: &mut LayerIo<'_, C, F, B>,
+        layer: LayerId,
+        routing: &Routing,
+        expert_bytes: u64,
+    ) -> Result<(), StepError> {
+        for (i, en) in self.entries.iter_mut().enumerate() {
+            en.slot = SlotId::Staging(i as u16);
+            en.hit = true;
+            en.state = EntryState::Ready;
+        }
+        if io.sink.wants_routes() {
+            self.trace_routes(io, layer.moe, routing, expert_bytes);
+        }
+        self.compute_ready_in_order(io, layer)?;
+        io.backend
+            .finish_layer(layer)
+            .map_err(be(BackendStage::FinishLayer, layer.model))
     }
 
     fn unpin_wave<C, F, B>(

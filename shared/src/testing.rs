@@ -422,6 +422,9 @@ impl<F: Flash> Flash for FaultyFlash<F> {
     fn cancel(&mut self, id: ReadId) -> bool {
         self.inner.cancel(id)
     }
+    fn resident(&self) -> bool {
+        self.inner.resident()
+    }
 }
 
 /// A synthetic model's expert layout and flash contents: `n_model_layers` layers, the ones in

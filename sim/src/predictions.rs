@@ -287,6 +287,9 @@ impl RecordSink for RecordedPredictions<'_> {
     fn io(&mut self, r: &bmoe_core::records::IoRecord) {
         self.inner.io(r);
     }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
 }
 
 #[cfg(test)]

@@ -319,10 +319,11 @@ pub fn write_row(w: &mut dyn Write, r: &TokenRecord) -> io::Result<()> {
 
 /// The `# summary` trailer's key=value pairs, in print order. Keys follow the contract's
 /// spelling exactly; the `row_*` and `prefill_dev_*` keys are absent because bmoe has neither
-/// row streaming nor a prefill device, and bmoe adds `io_errors`.
+/// row streaming nor a prefill device, and bmoe adds `io_errors` and, only on a generation
+/// stopped at a token boundary before its end, `interrupted=1`.
 pub fn summary_pairs(s: &RunSummary) -> Vec<(&'static str, String)> {
     let c = &s.counters;
-    vec![
+    let mut pairs = vec![
         ("tokens", s.tokens().to_string()),
         ("s/tok", fixed(s.s_per_token(), 3)),
         ("tok/s", fixed(s.tokens_per_s(), 3)),
@@ -379,7 +380,13 @@ pub fn summary_pairs(s: &RunSummary) -> Vec<(&'static str, String)> {
         ("prefill_stall_s", fixed(c.prefill.stall_s, 3)),
         ("prefill_mgmt_s", fixed(c.prefill.mgmt_s, 3)),
         ("io_errors", c.io_errors.to_string()),
-    ]
+    ];
+    // Present only when set, like `BMOE_PROGRESS`'s `"reset":1`: every file written before
+    // the key existed, and every run that was not interrupted, reads the same.
+    if c.interrupted {
+        pairs.push(("interrupted", "1".to_string()));
+    }
+    pairs
 }
 
 /// Writes the `# summary key=value ...` trailer of one generation.

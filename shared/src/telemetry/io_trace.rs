@@ -87,6 +87,13 @@ impl<W: Write> RecordSink for IoTraceWriter<W> {
             }
         }
     }
+    fn flush(&mut self) -> io::Result<()> {
+        match &self.error {
+            // The first failure stays for `finish`; this reports it as it was.
+            Some(e) => Err(io::Error::new(e.kind(), e.to_string())),
+            None => self.w.flush(),
+        }
+    }
 }
 
 /// Parses an io trace. Columns are read by name (all twelve are required; extra ones are

@@ -35,6 +35,18 @@ pub fn generation_line(s: &RunSummary) -> String {
     )
 }
 
+/// `generation: interrupted ...` after the `generation:` line when the run was stopped at a
+/// token boundary before its end (a signal, or a session `cancel`), so the figures above are
+/// not read as a complete run's. `None` otherwise.
+pub fn interrupted_line(s: &RunSummary) -> Option<String> {
+    s.counters.interrupted.then(|| {
+        format!(
+            "generation: interrupted at a token boundary after {} tokens; the figures cover those tokens",
+            s.tokens()
+        )
+    })
+}
+
 /// `compute: <pct>% CPU occupancy (...)`, or `None` when the platform measured neither CPU
 /// time nor faults.
 pub fn compute_line(cfg: &RunConfig, s: &RunSummary) -> Option<String> {
@@ -372,6 +384,7 @@ pub fn write_report(
         writeln!(w, "=== perf ===")?;
     }
     let mut lines = vec![generation_line(s)];
+    lines.extend(interrupted_line(s));
     lines.extend(compute_line(cfg, s));
     lines.extend(speculation_lines(cfg, s));
     lines.push(mode_line(cfg, ctx.arch_streamable));

@@ -365,6 +365,13 @@ impl<W: Write> RecordSink for RouteTraceWriter<W> {
             }
         }
     }
+    fn flush(&mut self) -> io::Result<()> {
+        match &self.error {
+            // The first failure stays for `finish`; this reports it as it was.
+            Some(e) => Err(io::Error::new(e.kind(), e.to_string())),
+            None => self.w.flush(),
+        }
+    }
 }
 
 /// One routed expert of a cell.

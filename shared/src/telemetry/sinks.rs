@@ -27,6 +27,15 @@ impl RecordSink for TraceTee<'_> {
             s.io(r);
         }
     }
+    fn flush(&mut self) -> std::io::Result<()> {
+        if let Some(s) = self.route.as_mut() {
+            s.flush()?;
+        }
+        if let Some(s) = self.io.as_mut() {
+            s.flush()?;
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]

@@ -50,6 +50,29 @@ impl TokenTotals {
         self.ra_wd_ms += r.ra_wd_ms;
         self.last_cache_hit_pct = r.cache_hit_pct;
     }
+
+    /// Adds another generation's sums (a session's turns). The last hit rate is the later
+    /// generation's when it had tokens.
+    pub fn merge(&mut self, t: &TokenTotals) {
+        self.tokens += t.tokens;
+        self.wall_ms += t.wall_ms;
+        self.io_ms += t.io_ms;
+        self.compute_ms += t.compute_ms;
+        self.stall_ms += t.stall_ms;
+        self.mgmt_ms += t.mgmt_ms;
+        self.read_bytes += t.read_bytes;
+        self.majflt += t.majflt;
+        self.cpu_ms += t.cpu_ms;
+        self.loop_overhead_ms += t.loop_overhead_ms;
+        self.mtp_draft_ms += t.mtp_draft_ms;
+        self.drain_ms += t.drain_ms;
+        self.adopt_ms += t.adopt_ms;
+        self.ra_issue_ms += t.ra_issue_ms;
+        self.ra_wd_ms += t.ra_wd_ms;
+        if t.tokens > 0 {
+            self.last_cache_hit_pct = t.last_cache_hit_pct;
+        }
+    }
 }
 
 /// The prompt phase's own attribution (the `prefill_*` keys), deltas of the same cumulative
@@ -93,6 +116,14 @@ impl PredictorStats {
             self.exact_rows as f64 / self.rows as f64
         }
     }
+
+    /// Adds another run's scores.
+    pub fn merge(&mut self, s: &PredictorStats) {
+        self.rows += s.rows;
+        self.slots += s.slots;
+        self.hit_slots += s.hit_slots;
+        self.exact_rows += s.exact_rows;
+    }
 }
 
 /// The prediction probe's results, whole-run and per MoE layer.
@@ -110,6 +141,26 @@ pub struct PredictReport {
     pub unscored: u64,
     /// Per MoE layer: [stale, prev, ctrl].
     pub by_layer: Vec<[PredictorStats; 3]>,
+}
+
+impl PredictReport {
+    /// Adds another run's probe results (a session's turns): every score adds, per layer too.
+    pub fn merge(&mut self, r: &PredictReport) {
+        self.stale.merge(&r.stale);
+        self.stale2.merge(&r.stale2);
+        self.prev.merge(&r.prev);
+        self.ctrl.merge(&r.ctrl);
+        self.unscored += r.unscored;
+        if self.by_layer.len() < r.by_layer.len() {
+            self.by_layer
+                .resize(r.by_layer.len(), [PredictorStats::default(); 3]);
+        }
+        for (mine, theirs) in self.by_layer.iter_mut().zip(&r.by_layer) {
+            for (a, b) in mine.iter_mut().zip(theirs) {
+                a.merge(b);
+            }
+        }
+    }
 }
 
 /// Cumulative counters of one generation, handed over by the decode step (cache, streamer,
@@ -171,6 +222,9 @@ pub struct RunCounters {
     pub io_errors: u64,
     /// `--predict-log` results.
     pub predict: Option<PredictReport>,
+    /// The generation was stopped at a token boundary before its end (SIGINT/SIGTERM, or a
+    /// session `cancel`): its rows are whole and its figures cover the tokens it generated.
+    pub interrupted: bool,
 }
 
 impl Default for RunCounters {
@@ -209,7 +263,65 @@ impl Default for RunCounters {
             loop_overhead_tail_ms: 0.0,
             io_errors: 0,
             predict: None,
+            interrupted: false,
         }
+    }
+}
+
+impl RunCounters {
+    /// Adds one turn's counters to a session's: counts add; the token demand is the
+    /// token-weighted mean (`tokens_before` tokens so far, `tokens` in this turn); the layer
+    /// demand is the widest; the cache's state and the context length are the latest turn's.
+    /// The load time and the session-wide hit rate are the session's, not a sum: its owner sets
+    /// them.
+    pub fn merge_turn(&mut self, c: &RunCounters, tokens_before: u64, tokens: u64) {
+        if tokens_before == 0 {
+            self.token_demand_bytes = c.token_demand_bytes;
+        } else if tokens > 0 {
+            let total = (tokens_before + tokens) as f64;
+            self.token_demand_bytes = (self.token_demand_bytes * tokens_before as f64
+                + c.token_demand_bytes * tokens as f64)
+                / total;
+        }
+        self.n_prompt += c.n_prompt;
+        self.n_past = c.n_past;
+        self.prefill_s += c.prefill_s;
+        self.cache_resident_bytes = c.cache_resident_bytes;
+        self.cache_budget_bytes = c.cache_budget_bytes;
+        self.cache_resizes += c.cache_resizes;
+        self.evictions += c.evictions;
+        self.rereads += c.rereads;
+        self.spec_read_bytes += c.spec_read_bytes;
+        self.spec_experts += c.spec_experts;
+        self.spec_useful += c.spec_useful;
+        self.experts_reranked += c.experts_reranked;
+        self.experts_substituted += c.experts_substituted;
+        self.layer_demand_bytes = self.layer_demand_bytes.max(c.layer_demand_bytes);
+        self.experts_routed += c.experts_routed;
+        self.experts_dropped += c.experts_dropped;
+        self.ra_committed += c.ra_committed;
+        self.ra_passthrough += c.ra_passthrough;
+        self.ra_slots += c.ra_slots;
+        self.ra_agreed_slots += c.ra_agreed_slots;
+        self.ra_gemv_ns += c.ra_gemv_ns;
+        self.ra_gemv_jobs += c.ra_gemv_jobs;
+        self.mtp_drafted += c.mtp_drafted;
+        self.mtp_accepted += c.mtp_accepted;
+        self.mtp_decodes += c.mtp_decodes;
+        self.drafted_steps += c.drafted_steps;
+        self.prefill.cpu_s += c.prefill.cpu_s;
+        self.prefill.read_bytes += c.prefill.read_bytes;
+        self.prefill.io_s += c.prefill.io_s;
+        self.prefill.stall_s += c.prefill.stall_s;
+        self.prefill.mgmt_s += c.prefill.mgmt_s;
+        self.loop_overhead_tail_ms += c.loop_overhead_tail_ms;
+        self.io_errors += c.io_errors;
+        if let Some(p) = &c.predict {
+            self.predict
+                .get_or_insert_with(PredictReport::default)
+                .merge(p);
+        }
+        self.interrupted |= c.interrupted;
     }
 }
 
@@ -222,6 +334,14 @@ pub struct RunSummary {
 }
 
 impl RunSummary {
+    /// Adds one turn's summary to a session's (see `RunCounters::merge_turn`).
+    pub fn merge_turn(&mut self, turn: &RunSummary) {
+        let before = self.totals.tokens;
+        self.totals.merge(&turn.totals);
+        self.counters
+            .merge_turn(&turn.counters, before, turn.totals.tokens);
+    }
+
     /// Generated tokens.
     pub fn tokens(&self) -> u64 {
         self.totals.tokens
@@ -402,5 +522,94 @@ mod tests {
         assert_eq!(s.cache_hit_pct(), 75.0, "falls back to the last row");
         assert_eq!(RunSummary::default().cache_hit_pct(), -1.0);
         assert_eq!(RunSummary::default().s_per_token(), 0.0);
+    }
+
+    fn stats(n: u64) -> PredictorStats {
+        PredictorStats {
+            rows: n,
+            slots: 2 * n,
+            hit_slots: n,
+            exact_rows: n,
+        }
+    }
+
+    #[test]
+    fn turns_add_their_predictor_counters() {
+        let turn = RunCounters {
+            ra_committed: 3,
+            ra_passthrough: 1,
+            ra_slots: 12,
+            ra_agreed_slots: 10,
+            ra_gemv_ns: 7,
+            ra_gemv_jobs: 3,
+            predict: Some(PredictReport {
+                stale: stats(4),
+                stale2: stats(2),
+                prev: stats(4),
+                ctrl: stats(6),
+                unscored: 5,
+                by_layer: vec![[stats(1), stats(2), stats(3)]],
+            }),
+            ..RunCounters::default()
+        };
+        let mut whole = RunCounters::default();
+        whole.merge_turn(&turn, 0, 10);
+        whole.merge_turn(&turn, 10, 10);
+        assert_eq!(
+            (
+                whole.ra_committed,
+                whole.ra_passthrough,
+                whole.ra_slots,
+                whole.ra_agreed_slots,
+                whole.ra_gemv_ns,
+                whole.ra_gemv_jobs
+            ),
+            (6, 2, 24, 20, 14, 6)
+        );
+        let p = whole.predict.expect("probe");
+        assert_eq!(p.stale, stats(8));
+        assert_eq!(p.stale2, stats(4));
+        assert_eq!(p.ctrl, stats(12));
+        assert_eq!(p.unscored, 10);
+        assert_eq!(p.by_layer, vec![[stats(2), stats(4), stats(6)]]);
+        let mut none = RunCounters::default();
+        none.merge_turn(&RunCounters::default(), 0, 1);
+        assert_eq!(none.predict, None, "no probe, no report");
+    }
+
+    #[test]
+    fn one_turn_merged_is_that_turn() {
+        let mut t = TokenTotals::default();
+        t.add(&TokenRecord {
+            wall_ms: 0.1,
+            cache_hit_pct: 42.0,
+            ..TokenRecord::default()
+        });
+        let turn = RunSummary {
+            totals: t.clone(),
+            counters: RunCounters {
+                token_demand_bytes: 1_234.567_891,
+                n_prompt: 7,
+                n_past: 9,
+                layer_demand_bytes: 5,
+                interrupted: true,
+                ..RunCounters::default()
+            },
+        };
+        let mut whole = RunSummary::default();
+        whole.merge_turn(&turn);
+        assert_eq!(whole.totals, turn.totals);
+        assert_eq!(
+            whole.counters.token_demand_bytes,
+            turn.counters.token_demand_bytes
+        );
+        assert_eq!((whole.counters.n_prompt, whole.counters.n_past), (7, 9));
+        assert!(whole.counters.interrupted);
+        // A second, token-less turn leaves the mean where it was.
+        whole.merge_turn(&RunSummary::default());
+        assert_eq!(
+            whole.counters.token_demand_bytes,
+            turn.counters.token_demand_bytes
+        );
     }
 }

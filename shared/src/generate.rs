@@ -1,0 +1,993 @@
+//! The generation loop — prefill, then one decode step per token — written once for every
+//! front end: `bmoe-cli`'s one-shot run (and its session mode), and `bmoe-sim replay`.
+//!
+//! A `Session` owns the decode step (`Engine`: the model, its KV and the expert cache stay
+//! loaded and warm from one turn to the next), the session's telemetry (the CSV preamble
+//! once, the turn counter every row and trace record carries), the context the KV holds,
+//! the merged summary of every turn, and the report. Each `Session::generate` is one turn.
+//! What differs between the front ends is a `TokenSource`: the engine samples each token from
+//! the logits and detokenizes it; the simulator replays the recorded steps.
+//!
+//! **Token count** (the contract's `step`/`steps`): a turn of `n_predict` N yields up to N
+//! tokens. Token i is chosen (sampled from the previous step's logits, or replayed) and then
+//! fed through one decode step, whose cost is token i's row: `BMOE_PROGRESS` step i, CSV row
+//! i, with token i's text in that line's delta. So N tokens are N decode steps, N rows, and
+//! the context grows by N — the last token is in the KV, where a continued chat needs it. An
+//! end-of-generation token ends the turn without being fed or counted.
+//!
+//! **Cancellation**: a `CancelFlag` is checked at every token boundary — before the prefill
+//! and before each token is chosen. A set flag ends the turn there: every row written so far
+//! is whole, the trailer says `interrupted=1`, and the route and io traces end on a whole step
+//! (they are flushed at every token boundary, so even a killed process leaves at most one
+//! partial last line). The engine sets the flag from SIGINT/SIGTERM; a session `cancel`
+//! request sets the same flag.
+//!
+//! Nothing here reads ambient time: every duration comes from the engine's `Clock` (the
+//! simulator's modelled loop overhead is charged to its virtual clock by its token source).
+
+use crate::backend::Backend;
+use crate::clock::{Clock, Nanos};
+use crate::config::RunConfig;
+use crate::flash::Flash;
+use crate::ledger::{Ledger, MemPicture};
+use crate::records::{Phase, RecordSink};
+use crate::step::{Engine, StepError, StepInput, StepStats};
+use crate::telemetry::report::{write_report, ReportContext};
+use crate::telemetry::run::RunTelemetry;
+use crate::telemetry::sinks::TraceTee;
+use crate::telemetry::summary::RunSummary;
+use std::io::{self, Write};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use thiserror::Error;
+
+/// A request to stop the running generation at its next token boundary. Clones share one
+/// flag, so a signal handler or a request reader on another thread can hold one.
+#[derive(Clone, Debug, Default)]
+pub struct CancelFlag(Arc<AtomicBool>);
+
+impl CancelFlag {
+    /// A flag that is not set.
+    pub fn new() -> Self {
+        Self::default()
+    }
+    /// Ask the generation to stop at its next token boundary.
+    pub fn set(&self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+    /// Withdraw the request (a session does so before a turn it means to run).
+    pub fn clear(&self) {
+        self.0.store(false, Ordering::SeqCst);
+    }
+    /// Whether a stop was asked for.
+    pub fn is_set(&self) -> bool {
+        self.0.load(Ordering::SeqCst)
+    }
+    /// The underlying flag, for registering with a signal handler.
+    pub fn atomic(&self) -> &Arc<AtomicBool> {
+        &self.0
+    }
+}
+
+/// The process memory and CPU picture after each step (`MemPicture`): the engine's probes
+/// (`getrusage`, `/proc`, `mincore`); the simulator measures nothing.
+pub trait MemProbe {
+    fn picture(&mut self) -> MemPicture;
+}
+
+/// A probe that measures nothing (every field "unmeasured").
+#[derive(Copy, Clone, Debug, Default)]
+pub struct NoProbe;
+
+impl MemProbe for NoProbe {
+    fn picture(&mut self) -> MemPicture {
+        MemPicture::default()
+    }
+}
+
+/// Where a turn's tokens come from, and what a front end does around each step. The engine
+/// samples from the backend's logits and detokenizes; the simulator replays recorded steps.
+pub trait TokenSource<B: Backend> {
+    type Error: std::error::Error + Send + Sync + 'static;
+
+    /// Before every step of the turn (its prefill and each decode step), once its input is
+    /// known. The replayer points its backend at the recorded step. Default: nothing.
+    fn before_step(&mut self, _backend: &mut B, _input: &StepInput<'_>) -> Result<(), Self::Error> {
+        Ok(())
+    }
+
+    /// After every successful step, with its stats: the engine writes `--logits-out` rows;
+    /// the replayer takes the route-ahead counters from the trace. Default: nothing.
+    fn after_step(
+        &mut self,
+        _backend: &B,
+        _input: &StepInput<'_>,
+        _stats: &mut StepStats,
+    ) -> Result<(), Self::Error> {
+        Ok(())
+    }
+
+    /// The next token to feed, or `None` to end the turn (an end-of-generation token, or
+    /// nothing left to replay). `last` says it will be the turn's last token (`n_predict`
+    /// reached), so text held back for an incomplete character must be released with it.
+    /// The time spent here is the token's loop overhead.
+    fn next_token(&mut self, backend: &mut B, last: bool) -> Result<Option<u32>, Self::Error>;
+
+    /// The context position to feed the token just chosen at; `next_free` is the position
+    /// after the context's last token. A live source takes it; a replayer returns the
+    /// recorded one.
+    fn position(&self, next_free: u32) -> u32 {
+        next_free
+    }
+
+    /// The turn's text so far, as cumulative (reasoning, answer) snapshots; the telemetry
+    /// turns them into per-line deltas. Default: no text.
+    fn text(&self) -> (&str, &str) {
+        ("", "")
+    }
+
+    /// The turn ended (count reached, end of generation, cancelled or failed): release any
+    /// held-back text; the replayer charges the modelled tail. Default: nothing.
+    fn finish(&mut self, _backend: &mut B) -> Result<(), Self::Error> {
+        Ok(())
+    }
+}
+
+/// Where a turn writes. Every output is optional; each is flushed at every token boundary.
+#[derive(Default)]
+pub struct Outputs<'a> {
+    /// `--progress`: `BMOE_LOAD` / `BMOE_PROGRESS` lines.
+    pub progress: Option<&'a mut dyn Write>,
+    /// `--csv`: the `# bmoe_metrics v2` file (its preamble once per session).
+    pub csv: Option<&'a mut dyn Write>,
+    /// `--route-trace` / `--io-trace` sinks.
+    pub route: Option<&'a mut dyn RecordSink>,
+    pub io: Option<&'a mut dyn RecordSink>,
+}
+
+fn reborrow_w<'s>(o: &'s mut Option<&mut dyn Write>) -> Option<&'s mut dyn Write> {
+    match o {
+        Some(w) => Some(&mut **w),
+        None => None,
+    }
+}
+
+fn reborrow_s<'s>(o: &'s mut Option<&mut dyn RecordSink>) -> Option<&'s mut dyn RecordSink> {
+    match o {
+        Some(w) => Some(&mut **w),
+        None => None,
+    }
+}
+
+impl Outputs<'_> {
+    fn traces(&mut self) -> TraceTee<'_> {
+        TraceTee {
+            route: reborrow_s(&mut self.route),
+            io: reborrow_s(&mut self.io),
+        }
+    }
+
+    /// Everything written so far reaches its file: called at every token boundary.
+    fn flush(&mut self) -> Result<(), GenerateError> {
+        if let Some(w) = self.progress.as_mut() {
+            w.flush().map_err(io_err("--progress"))?;
+        }
+        if let Some(w) = self.csv.as_mut() {
+            w.flush().map_err(io_err("--csv"))?;
+        }
+        if let Some(s) = self.route.as_mut() {
+            s.flush().map_err(io_err("--route-trace"))?;
+        }
+        if let Some(s) = self.io.as_mut() {
+            s.flush().map_err(io_err("--io-trace"))?;
+        }
+        Ok(())
+    }
+}
+
+/// One turn's request.
+#[derive(Copy, Clone, Debug)]
+pub struct TurnRequest<'a> {
+    /// Tokens to prefill this turn (the suffix past any reused context). Empty: no prefill
+    /// step (a replayed trace that recorded none).
+    pub prompt: &'a [u32],
+    /// Their context positions, one per token.
+    pub positions: &'a [u32],
+    /// Tokens to generate at most (the contract's `steps`).
+    pub n_predict: u32,
+}
+
+/// Why a turn ended.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum StopReason {
+    /// `n_predict` tokens were generated.
+    Count,
+    /// The source ended the turn (an end-of-generation token, or nothing left to replay).
+    EndOfGeneration,
+    /// The `CancelFlag` was set; the turn stopped at a token boundary.
+    Cancelled,
+    /// A step failed (`TurnOutcome::error`); the engine refuses further steps.
+    Failed,
+}
+
+/// What one turn did.
+#[derive(Debug)]
+pub struct TurnOutcome {
+    /// The turn number every row and trace record of the turn carries.
+    pub turn: u32,
+    /// The tokens fed through a decode step, in order (the end-of-generation token, which is
+    /// never fed, is not among them).
+    pub tokens: Vec<u32>,
+    pub stop: StopReason,
+    /// The failed step's error when `stop` is `Failed`.
+    pub error: Option<StepError>,
+    /// The turn's summary (what its CSV trailer says and `BMOE_DONE` reports).
+    pub summary: RunSummary,
+}
+
+/// Why a turn could not be run or reported. A failed *step* is not one of these: it ends the
+/// turn with `StopReason::Failed`, and the turn is still reported.
+#[derive(Debug, Error)]
+pub enum GenerateError {
+    #[error("the turn's prompt has {tokens} tokens but {positions} positions")]
+    BadRequest { tokens: usize, positions: usize },
+    #[error("writing {what}: {source}")]
+    Io {
+        what: &'static str,
+        #[source]
+        source: io::Error,
+    },
+    #[error("token source: {0}")]
+    Source(#[source] Box<dyn std::error::Error + Send + Sync>),
+}
+
+fn io_err(what: &'static str) -> impl FnOnce(io::Error) -> GenerateError {
+    move |source| GenerateError::Io { what, source }
+}
+
+fn source_err<E: std::error::Error + Send + Sync + 'static>(e: E) -> GenerateError {
+    GenerateError::Source(Box::new(e))
+}
+
+/// A loaded model behind the decode step, kept warm across turns. See the module docs.
+pub struct Session<C: Clock, F: Flash, B: Backend> {
+    engine: Engine<C, F, B>,
+    /// The resolved configuration: the CSV preamble and the report are printed from it.
+    cfg: RunConfig,
+    load_s: f64,
+    probe: Box<dyn MemProbe>,
+    cancel: CancelFlag,
+    telemetry: RunTelemetry,
+    next_turn: u32,
+    turns: u32,
+    /// Tokens the KV holds, position 0 first (prompt and generated tokens alike).
+    context: Vec<u32>,
+    /// The position after the last token fed (`context.len()` when fed from 0 in order).
+    n_past: u32,
+    /// Every turn's summary merged.
+    whole: RunSummary,
+}
+
+impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
+    /// A session over `engine`. `cfg` is the resolved configuration (model facts and the
+    /// cache budget filled in); `load_s` the model load time every turn reports.
+    pub fn new(
+        engine: Engine<C, F, B>,
+        cfg: RunConfig,
+        load_s: f64,
+        probe: Box<dyn MemProbe>,
+    ) -> Self {
+        Session {
+            engine,
+            cfg,
+            load_s,
+            probe,
+            cancel: CancelFlag::new(),
+            telemetry: RunTelemetry::new(),
+            next_turn: 0,
+            turns: 0,
+            context: Vec::new(),
+            n_past: 0,
+            whole: RunSummary::default(),
+        }
+    }
+
+    /// Use `flag` as the session's cancel flag (e.g. one a signal handler already holds).
+    pub fn with_cancel(mut self, flag: CancelFlag) -> Self {
+        self.cancel = flag;
+        self
+    }
+
+    /// The flag that stops the running turn at its next token boundary.
+    pub fn cancel_flag(&self) -> &CancelFlag {
+        &self.cancel
+    }
+
+    /// The decode step (and through it the backend, the cache and the layout).
+    pub fn engine(&self) -> &Engine<C, F, B> {
+        &self.engine
+    }
+    /// The decode step, mutably (between turns).
+    pub fn engine_mut(&mut self) -> &mut Engine<C, F, B> {
+        &mut self.engine
+    }
+    /// The resolved configuration.
+    pub fn config(&self) -> &RunConfig {
+        &self.cfg
+    }
+    /// The tokens the KV holds, position 0 first.
+    pub fn context(&self) -> &[u32] {
+        &self.context
+    }
+    /// The position after the last token fed: where the next prompt continues.
+    pub fn n_past(&self) -> u32 {
+        self.n_past
+    }
+    /// Forget the context from position `n` on (a new chat: 0; a continued chat that diverges
+    /// from the KV at `n`). The backend's KV rows past `n` are simply overwritten when those
+    /// positions are fed again.
+    pub fn truncate_context(&mut self, n: u32) {
+        self.context.truncate(n as usize);
+        self.n_past = self.n_past.min(n);
+    }
+    /// The number the next turn will carry.
+    pub fn next_turn(&self) -> u32 {
+        self.next_turn
+    }
+    /// Number the next turn `turn` (a replayer follows the recorded numbering).
+    pub fn set_next_turn(&mut self, turn: u32) {
+        self.next_turn = turn;
+    }
+    /// Turns run so far.
+    pub fn turns(&self) -> u32 {
+        self.turns
+    }
+
+    /// Every turn so far as one summary: sums and token-weighted means of the turns, the
+    /// session's load time, and the hit rate of every lookup the session's cache served.
+    pub fn summary(&self) -> RunSummary {
+        let mut s = self.whole.clone();
+        s.counters.load_s = self.load_s;
+        let cache = self.engine.cache();
+        s.counters.cache_hit_pct = if cache.is_off() {
+            -1.0
+        } else {
+            let c = cache.counters();
+            let n = c.hits + c.misses;
+            if n == 0 {
+                0.0
+            } else {
+                100.0 * c.hits as f64 / n as f64
+            }
+        };
+        s
+    }
+
+    /// The end-of-run report over every turn (`summary`).
+    pub fn write_report(&self, w: &mut dyn Write, ctx: &ReportContext<'_>) -> io::Result<()> {
+        write_report(w, &self.cfg, &self.summary(), ctx)
+    }
+
+    /// Run one turn: prefill `req.prompt`, then up to `req.n_predict` tokens from `source`,
+    /// each fed through one decode step and reported (progress line, CSV row, trace records,
+    /// all flushed per token); then the turn's CSV trailer. A failed step or a cancel ends
+    /// the turn early, and the turn is reported all the same.
+    pub fn generate<S: TokenSource<B>>(
+        &mut self,
+        req: &TurnRequest<'_>,
+        source: &mut S,
+        out: &mut Outputs<'_>,
+    ) -> Result<TurnOutcome, GenerateError> {
+        if req.prompt.len() != req.positions.len() {
+            return Err(GenerateError::BadRequest {
+                tokens: req.prompt.len(),
+                positions: req.positions.len(),
+            });
+        }
+        let turn = self.next_turn;
+        self.next_turn = turn.saturating_add(1);
+        self.turns = self.turns.saturating_add(1);
+        if let Some(w) = reborrow_w(&mut out.csv) {
+            self.telemetry
+                .write_csv_preamble(&self.cfg, w)
+                .map_err(io_err("--csv"))?;
+        }
+        self.telemetry.begin_generation();
+        let mut ledger = Ledger::new(
+            self.engine.config().overlap,
+            self.engine.cache().budget_bytes(),
+            turn,
+            req.n_predict,
+        );
+        let mut tokens = Vec::new();
+        let mut stop = StopReason::Count;
+        let mut error = None;
+        let mut prefill_s = 0.0;
+        let mut n_prompt = 0u64;
+        let mut prev_end = self.engine.clock().now();
+
+        if self.cancel.is_set() {
+            stop = StopReason::Cancelled;
+        } else if !req.prompt.is_empty() {
+            let input = StepInput {
+                turn,
+                phase: Phase::Prefill,
+                tokens: req.prompt,
+                positions: req.positions,
+            };
+            source
+                .before_step(self.engine.backend_mut(), &input)
+                .map_err(source_err)?;
+            let mem_before = self.probe.picture();
+            match self.engine.step(&input, &mut out.traces()) {
+                Ok(mut st) => {
+                    prev_end = self.engine.clock().now();
+                    source
+                        .after_step(self.engine.backend(), &input, &mut st)
+                        .map_err(source_err)?;
+                    let mem_after = self.probe.picture();
+                    ledger.prefill(&st, &mem_before, &mem_after);
+                    prefill_s = st.wall.as_secs_f64();
+                    n_prompt = req.prompt.len() as u64;
+                    for (&t, &p) in req.prompt.iter().zip(req.positions) {
+                        self.feed(t, p);
+                    }
+                }
+                Err(e) => {
+                    ledger.io_error();
+                    stop = StopReason::Failed;
+                    error = Some(e);
+                }
+            }
+            out.flush()?;
+        }
+
+        let mut i = 0u32;
+        while stop == StopReason::Count && i < req.n_predict {
+            if self.cancel.is_set() {
+                stop = StopReason::Cancelled;
+                break;
+            }
+            let last = i + 1 == req.n_predict;
+            let Some(token) = source
+                .next_token(self.engine.backend_mut(), last)
+                .map_err(source_err)?
+            else {
+                stop = StopReason::EndOfGeneration;
+                break;
+            };
+            let position = source.position(self.n_past);
+            let (tok, pos) = ([token], [position]);
+            let input = StepInput {
+                turn,
+                phase: Phase::Decode,
+                tokens: &tok,
+                positions: &pos,
+            };
+            source
+                .before_step(self.engine.backend_mut(), &input)
+                .map_err(source_err)?;
+            let loop_overhead = self.engine.clock().now() - prev_end;
+            let mut st = match self.engine.step(&input, &mut out.traces()) {
+                Ok(st) => st,
+                Err(e) => {
+                    ledger.io_error();
+                    stop = StopReason::Failed;
+                    error = Some(e);
+                    out.flush()?;
+                    break;
+                }
+            };
+            prev_end = self.engine.clock().now();
+            source
+                .after_step(self.engine.backend(), &input, &mut st)
+                .map_err(source_err)?;
+            tokens.push(token);
+            self.feed(token, position);
+            let rec = ledger.token(&st, &self.probe.picture(), loop_overhead.as_ms_f64());
+            let (reasoning, text) = source.text();
+            self.telemetry
+                .token(
+                    &rec,
+                    reasoning,
+                    text,
+                    reborrow_w(&mut out.progress),
+                    reborrow_w(&mut out.csv),
+                )
+                .map_err(io_err("--csv/--progress"))?;
+            out.flush()?;
+            i += 1;
+        }
+        source
+            .finish(self.engine.backend_mut())
+            .map_err(source_err)?;
+        let tail: Nanos = self.engine.clock().now() - prev_end;
+
+        let layer_demand = self
+            .engine
+            .layout()
+            .layer_demand_bytes(self.cfg.n_expert_used.min(u32::from(u16::MAX)) as u16);
+        let mut counters = ledger.counters(
+            self.engine.cache(),
+            layer_demand,
+            n_prompt,
+            u64::from(self.n_past),
+            self.load_s,
+            prefill_s,
+            tail.as_ms_f64(),
+        );
+        counters.interrupted = stop == StopReason::Cancelled;
+        let summary = self
+            .telemetry
+            .finish(counters, reborrow_w(&mut out.csv))
+            .map_err(io_err("--csv"))?;
+        out.flush()?;
+        self.whole.merge_turn(&summary);
+        Ok(TurnOutcome {
+            turn,
+            tokens,
+            stop,
+            error,
+            summary,
+        })
+    }
+
+    /// A token was fed at `position`: the context holds it there.
+    fn feed(&mut self, token: u32, position: u32) {
+        let p = position as usize;
+        if p < self.context.len() {
+            self.context.truncate(p);
+        }
+        if p == self.context.len() {
+            self.context.push(token);
+        }
+        self.n_past = position.saturating_add(1);
+    }
+
+    /// Take the session apart (its engine, with the cache as the last turn left it).
+    pub fn into_engine(self) -> Engine<C, F, B> {
+        self.engine
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::ExpertCache;
+    use crate::flash::ResidentFlash;
+    use crate::policy::Lru;
+    use crate::records::{IoRecord, RouteRecord};
+    use crate::step::StreamConfig;
+    use crate::telemetry::MetricsCsv;
+    use crate::testing::{
+        synthetic_model, Call, ManualClock, MemFlash, ScriptBackend, ScriptCosts,
+    };
+
+    type Rig = Session<ManualClock, MemFlash, ScriptBackend>;
+
+    fn rig(budget_experts: u64) -> Rig {
+        let (layout, shards) = synthetic_model(3, &[0, 1, 2], 8, 2, &[16, 16], 5).unwrap();
+        let clock = ManualClock::new();
+        let flash = MemFlash::new(shards.clone(), 2, clock.clone());
+        let backend = ScriptBackend::new(
+            layout.clone(),
+            shards,
+            2,
+            5,
+            clock.clone(),
+            ScriptCosts::default(),
+        );
+        let cache = ExpertCache::new(
+            &layout,
+            budget_experts * layout.expert_bytes(0),
+            2,
+            Box::new(Lru::new()),
+        )
+        .unwrap();
+        let engine = Engine::new(
+            clock,
+            flash,
+            backend,
+            layout,
+            cache,
+            StreamConfig::default(),
+        )
+        .unwrap();
+        let cfg = RunConfig {
+            n_expert_used: 2,
+            ..RunConfig::default()
+        };
+        Session::new(engine, cfg, 0.5, Box::new(NoProbe))
+    }
+
+    /// Yields tokens 100, 101, ... with text "t0 ", "t1 ", ...; ends the turn after `eog_after`
+    /// tokens; sets `cancel` while choosing token `cancel_at` (0-based).
+    #[derive(Default)]
+    struct Counting {
+        given: u32,
+        eog_after: Option<u32>,
+        cancel_at: Option<(u32, CancelFlag)>,
+        text: String,
+        lasts: Vec<bool>,
+        finished: bool,
+    }
+
+    impl<B: Backend> TokenSource<B> for Counting {
+        type Error = std::io::Error;
+        fn next_token(&mut self, _b: &mut B, last: bool) -> Result<Option<u32>, Self::Error> {
+            if self.eog_after == Some(self.given) {
+                return Ok(None);
+            }
+            if let Some((at, flag)) = &self.cancel_at {
+                if *at == self.given {
+                    flag.set();
+                }
+            }
+            self.text.push_str(&format!("t{} ", self.given));
+            self.lasts.push(last);
+            self.given += 1;
+            Ok(Some(99 + self.given))
+        }
+        fn text(&self) -> (&str, &str) {
+            ("", &self.text)
+        }
+        fn finish(&mut self, _b: &mut B) -> Result<(), Self::Error> {
+            self.finished = true;
+            Ok(())
+        }
+    }
+
+    /// Counts flushes and records.
+    #[derive(Default)]
+    struct Counter {
+        routes: usize,
+        flushes: usize,
+    }
+    impl RecordSink for Counter {
+        fn wants_routes(&self) -> bool {
+            true
+        }
+        fn route(&mut self, _r: &RouteRecord) {
+            self.routes += 1;
+        }
+        fn io(&mut self, _r: &IoRecord) {}
+        fn flush(&mut self) -> io::Result<()> {
+            self.flushes += 1;
+            Ok(())
+        }
+    }
+
+    fn turn(
+        s: &mut Rig,
+        src: &mut Counting,
+        prompt: &[u32],
+        n: u32,
+        progress: &mut Vec<u8>,
+        csv: &mut Vec<u8>,
+    ) -> TurnOutcome {
+        let from = s.n_past();
+        let positions: Vec<u32> = (from..from + prompt.len() as u32).collect();
+        let mut out = Outputs {
+            progress: Some(progress),
+            csv: Some(csv),
+            ..Outputs::default()
+        };
+        s.generate(
+            &TurnRequest {
+                prompt,
+                positions: &positions,
+                n_predict: n,
+            },
+            src,
+            &mut out,
+        )
+        .unwrap()
+    }
+
+    fn progress_lines(p: &[u8]) -> Vec<serde_json::Value> {
+        String::from_utf8(p.to_vec())
+            .unwrap()
+            .lines()
+            .filter_map(|l| l.strip_prefix("BMOE_PROGRESS "))
+            .map(|j| serde_json::from_str(j).unwrap())
+            .collect()
+    }
+
+    fn begins(s: &Rig) -> Vec<(Vec<u32>, Vec<u32>)> {
+        s.engine()
+            .backend()
+            .log()
+            .iter()
+            .filter_map(|c| match c {
+                Call::Begin { tokens, positions } => Some((tokens.clone(), positions.clone())),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn n_tokens_are_n_fed_steps_rows_and_lines_each_with_its_text() {
+        for n in [1u32, 2, 5] {
+            let mut s = rig(6);
+            let mut src = Counting::default();
+            let (mut p, mut c) = (Vec::new(), Vec::new());
+            let o = turn(&mut s, &mut src, &[1, 2, 3], n, &mut p, &mut c);
+            assert_eq!(o.stop, StopReason::Count);
+            assert_eq!(o.tokens, (100..100 + n).collect::<Vec<_>>());
+            // The prefill, then every token fed at the next position — the last one too.
+            let b = begins(&s);
+            assert_eq!(b.len(), 1 + n as usize);
+            assert_eq!(b[0], (vec![1, 2, 3], vec![0, 1, 2]));
+            for (i, (t, pos)) in b[1..].iter().enumerate() {
+                assert_eq!((t[0], pos[0]), (100 + i as u32, 3 + i as u32));
+            }
+            assert_eq!(s.context(), &[&[1, 2, 3][..], &o.tokens[..]].concat()[..]);
+            assert_eq!(s.n_past(), 3 + n);
+            // Only the last choice is told it is the last.
+            assert_eq!(src.lasts.iter().filter(|&&l| l).count(), 1);
+            assert!(src.lasts[n as usize - 1] && src.finished);
+            let lines = progress_lines(&p);
+            assert_eq!(lines.len(), n as usize);
+            for (i, v) in lines.iter().enumerate() {
+                assert_eq!(
+                    (v["step"].as_u64(), v["steps"].as_u64()),
+                    (Some(i as u64 + 1), Some(u64::from(n)))
+                );
+                assert_eq!(
+                    v["delta_text"],
+                    format!("t{i} "),
+                    "token i's text on line i"
+                );
+            }
+            let m = MetricsCsv::parse(&String::from_utf8(c).unwrap()).unwrap();
+            assert_eq!(m.rows.len(), n as usize);
+            let sm = m.summary().unwrap();
+            assert_eq!(sm.get("tokens"), Some(n.to_string().as_str()));
+            assert_eq!(sm.get("interrupted"), None);
+            assert_eq!(o.summary.counters.n_past, u64::from(3 + n));
+            assert_eq!(o.summary.counters.n_prompt, 3);
+        }
+    }
+
+    #[test]
+    fn an_end_of_generation_ends_the_turn_unfed() {
+        let mut s = rig(6);
+        let mut src = Counting {
+            eog_after: Some(2),
+            ..Counting::default()
+        };
+        let (mut p, mut c) = (Vec::new(), Vec::new());
+        let o = turn(&mut s, &mut src, &[7], 10, &mut p, &mut c);
+        assert_eq!(o.stop, StopReason::EndOfGeneration);
+        assert_eq!(o.tokens, vec![100, 101]);
+        assert_eq!(begins(&s).len(), 3);
+        assert_eq!(progress_lines(&p).len(), 2);
+        assert!(src.finished);
+    }
+
+    #[test]
+    fn cancel_stops_at_the_next_token_boundary_and_says_so() {
+        let mut s = rig(6);
+        let flag = s.cancel_flag().clone();
+        let mut src = Counting {
+            cancel_at: Some((2, flag.clone())),
+            ..Counting::default()
+        };
+        let (mut p, mut c) = (Vec::new(), Vec::new());
+        let mut route = Counter::default();
+        let positions = [0u32, 1];
+        let o = s
+            .generate(
+                &TurnRequest {
+                    prompt: &[5, 6],
+                    positions: &positions,
+                    n_predict: 10,
+                },
+                &mut src,
+                &mut Outputs {
+                    progress: Some(&mut p),
+                    csv: Some(&mut c),
+                    route: Some(&mut route),
+                    io: None,
+                },
+            )
+            .unwrap();
+        // Set while the third token was chosen: that token is still fed and reported; the
+        // loop stops before choosing a fourth.
+        assert_eq!(o.stop, StopReason::Cancelled);
+        assert_eq!(o.tokens.len(), 3);
+        assert_eq!(progress_lines(&p).len(), 3);
+        // The traces were flushed after the prefill, after every token and at the end.
+        assert_eq!(route.flushes, 1 + 3 + 1);
+        assert!(route.routes > 0);
+        let text = String::from_utf8(c).unwrap();
+        let m = MetricsCsv::parse(&text).unwrap();
+        assert_eq!(m.rows.len(), 3);
+        assert_eq!(m.summary().unwrap().get("interrupted"), Some("1"));
+        assert!(o.summary.counters.interrupted);
+
+        // A flag already set when a turn starts: nothing runs, and the turn says so.
+        let before = s.engine().backend().log().len();
+        let mut src = Counting::default();
+        let (mut p, mut c) = (Vec::new(), Vec::new());
+        let o = turn(&mut s, &mut src, &[9], 4, &mut p, &mut c);
+        assert_eq!((o.stop, o.tokens.len()), (StopReason::Cancelled, 0));
+        assert_eq!(s.engine().backend().log().len(), before, "no step ran");
+        flag.clear();
+        let o = turn(&mut s, &mut src, &[9], 4, &mut p, &mut c);
+        assert_eq!((o.stop, o.tokens.len()), (StopReason::Count, 4));
+    }
+
+    #[test]
+    fn turns_are_numbered_share_one_preamble_and_merge() {
+        let mut s = rig(6);
+        let (mut p, mut c) = (Vec::new(), Vec::new());
+        let a = turn(
+            &mut s,
+            &mut Counting::default(),
+            &[1, 2, 3, 4],
+            4,
+            &mut p,
+            &mut c,
+        );
+        let b = turn(&mut s, &mut Counting::default(), &[5, 6], 3, &mut p, &mut c);
+        assert_eq!((a.turn, b.turn, s.turns()), (0, 1, 2));
+        // The second turn continues the context where the first left it.
+        assert_eq!(s.n_past(), 4 + 4 + 2 + 3);
+        assert_eq!(b.summary.counters.n_past, 13);
+        let text = String::from_utf8(c).unwrap();
+        assert_eq!(text.matches("# bmoe_metrics v2").count(), 1);
+        let m = MetricsCsv::parse(&text).unwrap();
+        let turns: Vec<u32> = m.rows.iter().map(|r| r.turn).collect();
+        assert_eq!(turns, vec![0, 0, 0, 0, 1, 1, 1]);
+        assert_eq!(m.summaries.len(), 2);
+        let whole = s.summary();
+        assert_eq!(whole.tokens(), 7);
+        assert_eq!(whole.counters.n_prompt, 6);
+        assert_eq!(whole.counters.load_s, 0.5);
+        let c = s.engine().cache().counters();
+        assert_eq!(
+            whole.counters.cache_hit_pct,
+            100.0 * c.hits as f64 / (c.hits + c.misses) as f64
+        );
+        let mut report = Vec::new();
+        s.write_report(
+            &mut report,
+            &ReportContext {
+                progress: false,
+                answer: "",
+                arch_streamable: true,
+            },
+        )
+        .unwrap();
+        assert!(String::from_utf8(report)
+            .unwrap()
+            .starts_with("generation: 7 tokens"));
+        // A new chat forgets the context.
+        s.truncate_context(0);
+        assert_eq!((s.n_past(), s.context().len()), (0, 0));
+    }
+
+    #[test]
+    fn a_failed_step_ends_the_turn_and_is_reported() {
+        let (layout, shards) = synthetic_model(2, &[0, 1], 8, 2, &[16], 3).unwrap();
+        let clock = ManualClock::new();
+        let backend = ScriptBackend::new(
+            layout.clone(),
+            shards.clone(),
+            2,
+            3,
+            clock.clone(),
+            ScriptCosts::default(),
+        )
+        .fail_expert_call(9);
+        let cache = ExpertCache::new(&layout, 0, 2, Box::new(Lru::new())).unwrap();
+        let engine = Engine::new(
+            clock.clone(),
+            MemFlash::new(shards, 1, clock),
+            backend,
+            layout,
+            cache,
+            StreamConfig::default(),
+        )
+        .unwrap();
+        let mut s = Session::new(engine, RunConfig::default(), 0.0, Box::new(NoProbe));
+        let (mut p, mut c) = (Vec::new(), Vec::new());
+        let o = turn(&mut s, &mut Counting::default(), &[1], 8, &mut p, &mut c);
+        assert_eq!(o.stop, StopReason::Failed);
+        assert!(o.error.is_some());
+        assert!(o.tokens.len() < 8);
+        assert_eq!(o.summary.counters.io_errors, 1);
+        let m = MetricsCsv::parse(&String::from_utf8(c).unwrap()).unwrap();
+        assert_eq!(m.rows.len(), o.tokens.len());
+        assert_eq!(m.summary().unwrap().get("io_errors"), Some("1"));
+    }
+
+    #[test]
+    fn the_resident_device_reads_nothing_and_computes_every_routed_expert() {
+        let (layout, shards) = synthetic_model(2, &[0, 1], 8, 2, &[16, 16], 9).unwrap();
+        let clock = ManualClock::new();
+        let mk_backend = || {
+            ScriptBackend::new(
+                layout.clone(),
+                shards.clone(),
+                2,
+                9,
+                clock.clone(),
+                ScriptCosts::default(),
+            )
+        };
+        let cache_on =
+            ExpertCache::new(&layout, 4 * layout.expert_bytes(0), 2, Box::new(Lru::new())).unwrap();
+        assert!(matches!(
+            Engine::new(
+                clock.clone(),
+                ResidentFlash::new(),
+                mk_backend(),
+                layout.clone(),
+                cache_on,
+                StreamConfig::default()
+            ),
+            Err(StepError::ResidentWithCache { .. })
+        ));
+        let off = || ExpertCache::new(&layout, 0, 2, Box::new(Lru::new())).unwrap();
+        let mut resident = Engine::new(
+            clock.clone(),
+            ResidentFlash::new(),
+            mk_backend(),
+            layout.clone(),
+            off(),
+            StreamConfig::default(),
+        )
+        .unwrap();
+        let mut streamed = Engine::new(
+            clock.clone(),
+            MemFlash::new(shards.clone(), 2, clock.clone()),
+            mk_backend(),
+            layout.clone(),
+            off(),
+            StreamConfig::default(),
+        )
+        .unwrap();
+        for (tokens, positions) in [(&[3u32, 4, 5][..], &[0u32, 1, 2][..]), (&[6][..], &[3][..])] {
+            let input = StepInput {
+                turn: 0,
+                phase: if tokens.len() > 1 {
+                    Phase::Prefill
+                } else {
+                    Phase::Decode
+                },
+                tokens,
+                positions,
+            };
+            let r = resident
+                .step(&input, &mut crate::records::NullSink)
+                .unwrap();
+            let s = streamed
+                .step(&input, &mut crate::records::NullSink)
+                .unwrap();
+            assert_eq!((r.reads, r.read_bytes, r.hits, r.misses), (0, 0, 0, 0));
+            assert!(s.reads > 0);
+            assert_eq!(r.experts_routed, s.experts_routed);
+            assert_eq!(resident.backend().state(), streamed.backend().state());
+        }
+        // The same experts, computed in the same order, with the same uses.
+        let computed = |log: &[Call]| -> Vec<(u16, u16, usize)> {
+            log.iter()
+                .filter_map(|c| match c {
+                    Call::Expert {
+                        layer,
+                        expert,
+                        uses,
+                        ..
+                    } => Some((layer.moe, *expert, uses.len())),
+                    _ => None,
+                })
+                .collect()
+        };
+        assert_eq!(
+            computed(resident.backend().log()),
+            computed(streamed.backend().log())
+        );
+    }
+}
