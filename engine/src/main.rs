@@ -56,5 +56,26 @@ fn run(cli: Cli) -> Result<i32> {
     )? {
         eprintln!("bmoe: {k}={v} (from the environment)");
     }
-    bmoe_engine::run::generate(&run, &model)
+    let cancel = bmoe_core::CancelFlag::new();
+    watch_signals(&cancel)?;
+    bmoe_engine::run::generate(&run, &model, &cancel)
+}
+
+/// SIGINT and SIGTERM set `cancel`: the generation stops at its next token boundary, writes
+/// every row and its summary (`interrupted=1`), leaves the traces on a whole step, and the
+/// process exits 130. A second signal while the first is being honoured ends the process at
+/// once, with the same code (the user insists).
+fn watch_signals(cancel: &bmoe_core::CancelFlag) -> Result<()> {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    for sig in [SIGINT, SIGTERM] {
+        // Registered first, so it sees the flag as the previous signal left it: a no-op on
+        // the first signal, an exit on the second.
+        signal_hook::flag::register_conditional_shutdown(
+            sig,
+            bmoe_engine::run::EXIT_INTERRUPTED,
+            cancel.atomic().clone(),
+        )?;
+        signal_hook::flag::register(sig, cancel.atomic().clone())?;
+    }
+    Ok(())
 }

@@ -1,35 +1,40 @@
-//! One generation: configuration resolved and validated, the model loaded (resident, or
-//! streamed through the core's decode step over O_DIRECT lanes), the prompt prefilled, tokens
-//! decoded and sampled, and every token reported through the core's telemetry (progress
-//! lines, CSV, route/io traces, end-of-run report).
+//! `bmoe-cli`'s run: the configuration resolved and validated, the model loaded (resident, or
+//! streamed through the core's decode step over O_DIRECT lanes), the prompt rendered and
+//! tokenized, tokens sampled, and the answer and the report printed. The generation itself —
+//! prefill, one decode step per token, the ledger and every per-token and end-of-run output —
+//! is the core's loop (`bmoe_core::Session`); this file is its engine-side token source (the
+//! sampler, the detokenizer, the reasoning split) and its printing.
 
-use crate::arch::qwen3moe::{Qwen3Moe, State, Weights};
+use crate::arch::qwen3moe::{Qwen3Moe, Weights};
 use crate::arena::ArenaOptions;
 use crate::cli::RunArgs;
 use crate::flash::{LaneFlash, MonotonicClock};
 use crate::gguf::GgufFile;
-use crate::stream::{arena_for, layout_of, EngineBackend};
+use crate::stream::{arena_for, layout_of, Device, EngineBackend};
+use crate::tokenizer::{StreamDecoder, Tokenizer};
 use anyhow::{anyhow, bail, Context, Result};
 use bmoe_core::config::{auto_cache_budget, RunConfig, MIB};
-use bmoe_core::ledger::{Ledger, MemPicture};
-use bmoe_core::records::{Phase, RecordSink};
+use bmoe_core::ledger::MemPicture;
+use bmoe_core::records::RecordSink;
 use bmoe_core::telemetry::io_trace::IoTraceWriter;
-use bmoe_core::telemetry::report::{write_report, ReportContext};
+use bmoe_core::telemetry::report::ReportContext;
 use bmoe_core::telemetry::route_trace::{RoutePreamble, RouteTraceWriter, TraceLayer};
-use bmoe_core::telemetry::run::RunTelemetry;
-use bmoe_core::telemetry::sinks::TraceTee;
 use bmoe_core::testing::{Fault, FaultyFlash};
-use bmoe_core::{Engine, ExpertCache, StepInput, StepStats, StreamConfig};
+use bmoe_core::{
+    CancelFlag, Engine, ExpertCache, MemProbe, Outputs, ResidentFlash, Session, StepInput,
+    StepStats, StopReason, StreamConfig, TokenSource, TurnRequest,
+};
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
-/// The engine's device: the O_DIRECT lanes, behind the core's fault injector (which spoils
-/// nothing unless `--inject-read-fault` asks it to).
-type Device = FaultyFlash<LaneFlash>;
-type Streamed = Engine<MonotonicClock, Device, EngineBackend>;
+/// The decode step as the engine instantiates it, resident or streamed.
+pub type EngineStep = Engine<MonotonicClock, Device, EngineBackend>;
+
+/// Exit code of a run stopped by SIGINT/SIGTERM at a token boundary (128 + SIGINT).
+pub const EXIT_INTERRUPTED: i32 = 130;
 
 fn parse_fault(s: &str) -> Result<(u64, Fault)> {
     let (kind, n) = s
@@ -46,83 +51,30 @@ fn parse_fault(s: &str) -> Result<(u64, Fault)> {
     Ok((n, f))
 }
 
-/// The model, resident (every expert read from the memory map) or streamed by the core.
-#[allow(clippy::large_enum_variant)] // one per run; boxing the state buys nothing
-pub enum Runner {
-    Resident { model: Qwen3Moe, state: State },
-    Streamed(Box<Streamed>),
+/// The process picture after every step: `getrusage`, `/proc` and a throttled `mincore` of
+/// the dense weights.
+struct HostProbe {
+    dense: crate::probe::DenseResidency,
 }
 
-impl Runner {
-    /// Run one batch. `all_logits` asks for every row's logits (for `--logits-out`).
-    pub fn step(
-        &mut self,
-        input: &StepInput<'_>,
-        all_logits: bool,
-        sink: &mut dyn RecordSink,
-    ) -> Result<StepStats> {
-        match self {
-            Runner::Resident { model, state } => {
-                let t = Instant::now();
-                let n = input.tokens.len() as u32;
-                let rows: Vec<u32> = if all_logits {
-                    (0..n).collect()
-                } else {
-                    vec![n - 1]
-                };
-                model.forward_resident(state, input.tokens, input.positions, &rows)?;
-                Ok(StepStats {
-                    tokens: n,
-                    wall: bmoe_core::Nanos(t.elapsed().as_nanos() as u64),
-                    ..Default::default()
-                })
-            }
-            Runner::Streamed(e) => {
-                e.backend_mut().all_logits = all_logits;
-                Ok(e.step(input, sink)?)
-            }
+impl MemProbe for HostProbe {
+    fn picture(&mut self) -> MemPicture {
+        let ru = crate::probe::rusage();
+        let ps = crate::probe::proc_status();
+        let mi = crate::probe::meminfo();
+        MemPicture {
+            majflt_total: ru.majflt,
+            cpu_ms_total: ru.cpu_s * 1000.0,
+            dense_resident_frac: self.dense.sample(),
+            rss_mib: ps.rss_mib,
+            rss_anon_mib: ps.rss_anon_mib,
+            rss_file_mib: ps.rss_file_mib,
+            swap_mib: ps.swap_mib,
+            mem_available_mib: mi.mem_available_mib,
+            mem_free_mib: mi.mem_free_mib,
+            swap_free_mib: mi.swap_free_mib,
+            page_bytes: crate::probe::page_size_bytes(),
         }
-    }
-
-    /// Logits of the last batch's output rows (`rows × n_vocab`).
-    pub fn logits(&self) -> &[f32] {
-        match self {
-            Runner::Resident { state, .. } => &state.logits,
-            Runner::Streamed(e) => &e.backend().state.logits,
-        }
-    }
-
-    fn dense_ranges(&self) -> Vec<(*const u8, usize)> {
-        match self {
-            Runner::Resident { model, .. } => model.w.dense_ranges(),
-            Runner::Streamed(e) => e.backend().model.w.dense_ranges(),
-        }
-    }
-
-    fn cache(&self) -> Option<&ExpertCache> {
-        match self {
-            Runner::Resident { .. } => None,
-            Runner::Streamed(e) => Some(e.cache()),
-        }
-    }
-}
-
-fn mem_picture(dense: &mut crate::probe::DenseResidency) -> MemPicture {
-    let ru = crate::probe::rusage();
-    let ps = crate::probe::proc_status();
-    let mi = crate::probe::meminfo();
-    MemPicture {
-        majflt_total: ru.majflt,
-        cpu_ms_total: ru.cpu_s * 1000.0,
-        dense_resident_frac: dense.sample(),
-        rss_mib: ps.rss_mib,
-        rss_anon_mib: ps.rss_anon_mib,
-        rss_file_mib: ps.rss_file_mib,
-        swap_mib: ps.swap_mib,
-        mem_available_mib: mi.mem_available_mib,
-        mem_free_mib: mi.mem_free_mib,
-        swap_free_mib: mi.swap_free_mib,
-        page_bytes: crate::probe::page_size_bytes(),
     }
 }
 
@@ -135,7 +87,8 @@ fn create(p: &Path) -> Result<BufWriter<File>> {
 /// What a generation produced, for callers that run it in-process (the gates).
 #[derive(Clone, Debug, Default)]
 pub struct Outcome {
-    /// 0 on success; non-zero when a step failed (the output is not trustworthy).
+    /// 0 on success; 3 when a step failed (the output is not trustworthy);
+    /// `EXIT_INTERRUPTED` when a signal stopped it.
     pub code: i32,
     /// Generated token ids (the end-of-generation token included when one was sampled).
     pub tokens: Vec<u32>,
@@ -144,21 +97,23 @@ pub struct Outcome {
     pub summary: Option<bmoe_core::telemetry::summary::RunSummary>,
 }
 
-/// Run a generation printing to the process's stdout/stderr; returns the exit code.
-pub fn generate(args: &RunArgs, model_path: &Path) -> Result<i32> {
-    let stdout = std::io::stdout();
-    let stderr = std::io::stderr();
-    Ok(generate_with(args, model_path, &mut stdout.lock(), &mut stderr.lock())?.code)
+/// A model loaded and ready to generate: the decode step over the resident or the streamed
+/// device, the tokenizer, and the resolved configuration.
+pub struct Loaded {
+    pub cfg: RunConfig,
+    pub engine: EngineStep,
+    pub tok: Tokenizer,
+    pub file: Arc<GgufFile>,
+    pub n_vocab: usize,
+    /// Seconds from the start of loading to a ready decode step.
+    pub load_s: f64,
 }
 
-/// Run a generation writing the answer (or progress lines) to `out` and diagnostics and the
-/// report to `err` (the report goes to `out` under `--progress`).
-pub fn generate_with(
-    args: &RunArgs,
-    model_path: &Path,
-    out: &mut dyn Write,
-    err: &mut dyn Write,
-) -> Result<Outcome> {
+/// Resolve and validate the configuration, load the model and build its decode step:
+/// streamed (`--moe-stream`: expert cache, arena, O_DIRECT lanes, router hooks, predictors)
+/// or resident (every expert computed from the model's map, through the same step). Load-time
+/// warnings go to `err`.
+pub fn load(args: &RunArgs, model_path: &Path, err: &mut dyn Write) -> Result<Loaded> {
     let t_load = Instant::now();
     let mut cfg = RunConfig {
         engine_version: env!("CARGO_PKG_VERSION").to_string(),
@@ -196,10 +151,12 @@ pub fn generate_with(
     };
     cfg.validate_model()?;
     let k = cfg.n_expert_used as u16;
-    let tok = crate::tokenizer::Tokenizer::from_gguf(&file)?;
+    let tok = Tokenizer::from_gguf(&file)?;
+    let layout = layout_of(&weights)?;
+    let policy = bmoe_core::policy::by_name(cfg.eviction.name())
+        .ok_or_else(|| anyhow!("unknown eviction policy {}", cfg.eviction.name()))?;
 
-    let mut runner = if cfg.moe_stream {
-        let layout = layout_of(&weights)?;
+    let mut engine = if cfg.moe_stream {
         let shard_lens: Vec<u64> = file
             .shard_paths()
             .iter()
@@ -222,8 +179,6 @@ pub fn generate_with(
             cfg.cache_mb * MIB
         };
         cfg.resolve_cache_budget(budget);
-        let policy = bmoe_core::policy::by_name(cfg.eviction.name())
-            .ok_or_else(|| anyhow!("unknown eviction policy {}", cfg.eviction.name()))?;
         let cache = ExpertCache::new(&layout, budget, k, policy)?;
         // The keepers commit destination memory ahead only where cached experts will need it,
         // and only in the room the budget has left.
@@ -251,46 +206,61 @@ pub fn generate_with(
             Some(f) => parse_fault(f)?,
             None => (u64::MAX, Fault::Eio),
         };
-        let flash = FaultyFlash::new(flash, nth, fault);
+        let flash = Device::Lanes(FaultyFlash::new(flash, nth, fault));
         let model = Qwen3Moe::new(weights, args.threads as usize);
         let state = model.new_state(args.ctx as usize);
-        let backend = EngineBackend::new(model, state, arena, layout.clone());
-        let mut e = Engine::new(
-            clock,
-            flash,
+        let backend = EngineBackend::new(model, state, Some(arena), layout.clone());
+        let stream = StreamConfig {
+            overlap: cfg.overlap,
+            load_all: cfg.load_all,
+            read_split: cfg.read_split,
+            prefetch: cfg.prefetch,
+        };
+        Engine::new(clock, flash, backend, layout, cache, stream)?
+    } else {
+        // The resident baseline: the same step over a device that reads nothing, every expert
+        // computed from the map, no cache.
+        let cache = ExpertCache::new(&layout, 0, k, policy)?;
+        let model = Qwen3Moe::new(weights, args.threads as usize);
+        let state = model.new_state(args.ctx as usize);
+        let backend = EngineBackend::new(model, state, None, layout.clone());
+        Engine::new(
+            MonotonicClock::new(),
+            Device::Resident(ResidentFlash::new()),
             backend,
             layout,
             cache,
-            StreamConfig {
-                overlap: cfg.overlap,
-                load_all: cfg.load_all,
-                read_split: cfg.read_split,
-                prefetch: cfg.prefetch,
-            },
-        )?;
-        // Top-k override, substitution, dropping, in that order (qwen3moe renormalises).
-        for hook in bmoe_core::hooks::router_hooks(&cfg, hp.n_expert_used as u32, true) {
-            e.add_hook(hook);
-        }
-        // --predict-log, --predict-prefetch, --route-ahead (committed before the hooks above
-        // run), --prefetch-sync.
-        e.set_predictors(bmoe_core::PredictConfig::from_run_config(&cfg));
-        Runner::Streamed(Box::new(e))
-    } else {
-        let mut model = Qwen3Moe::new(weights, args.threads as usize);
-        if cfg.n_expert_used_override > 0 {
-            model.set_top_k(cfg.n_expert_used_override as usize);
-        }
-        let state = model.new_state(args.ctx as usize);
-        Runner::Resident { model, state }
+            StreamConfig::default(),
+        )?
     };
+    // Top-k override, substitution, dropping, in that order (qwen3moe renormalises); without
+    // streaming only the top-k override can be armed (`validate` refuses the others).
+    for hook in bmoe_core::hooks::router_hooks(&cfg, hp.n_expert_used as u32, true) {
+        engine.add_hook(hook);
+    }
+    // --predict-log, --predict-prefetch, --route-ahead (committed before the hooks above
+    // run), --prefetch-sync.
+    engine.set_predictors(bmoe_core::PredictConfig::from_run_config(&cfg));
     // The drop-at-narrow-top-k and cache-cycle warnings, once, each already a full line.
     for w in cfg.load_warnings() {
         writeln!(err, "{w}")?;
     }
+    Ok(Loaded {
+        cfg,
+        engine,
+        tok,
+        file,
+        n_vocab: hp.n_vocab,
+        load_s: t_load.elapsed().as_secs_f64(),
+    })
+}
 
+/// The prompt as the model sees it: the model's chat template applied (`--chatml`, one user
+/// message) or the text as given; and its tokens.
+fn render_prompt(args: &RunArgs, loaded: &Loaded, model_path: &Path) -> Result<(String, Vec<u32>)> {
     let prompt = if args.chatml {
-        let tpl = file
+        let tpl = loaded
+            .file
             .get("tokenizer.chat_template")
             .and_then(|v| v.as_str())
             .ok_or_else(|| {
@@ -299,7 +269,8 @@ pub fn generate_with(
                     model_path.display()
                 )
             })?;
-        let ct = crate::chat::ChatTemplate::new(tpl, &tok.bos_text(), &tok.eos_text())?;
+        let ct =
+            crate::chat::ChatTemplate::new(tpl, &loaded.tok.bos_text(), &loaded.tok.eos_text())?;
         ct.render(
             &[crate::chat::Message::new("user", args.prompt.clone())],
             true,
@@ -308,27 +279,201 @@ pub fn generate_with(
     } else {
         args.prompt.clone()
     };
-    let mut tokens = tok.encode(&prompt, args.chatml)?;
-    if tokens.is_empty() {
+    let tokens = loaded.tok.encode(&prompt, args.chatml)?;
+    Ok((prompt, tokens))
+}
+
+/// Why the engine's token source failed.
+#[derive(Debug, thiserror::Error)]
+enum SamplingError {
+    #[error("writing {what}: {source}")]
+    Io {
+        what: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the model produced {got} logits, fewer than one row of {n_vocab}")]
+    NoLogits { got: usize, n_vocab: usize },
+}
+
+/// The engine's token source: greedy or seeded sampling over the last row's logits, the
+/// detokenizer, the chat template's reasoning split, and — without `--progress` — the answer
+/// printed as it grows. It also writes the `--logits-out` rows after every step.
+struct Sampling<'a> {
+    tok: &'a Tokenizer,
+    sampler: crate::sample::Sampler,
+    n_vocab: usize,
+    chatml: bool,
+    dec: StreamDecoder,
+    split: crate::chat::ReasoningSplitter,
+    reasoning: String,
+    text: String,
+    /// Where the answer is printed as it grows (no `--progress`).
+    inline: Option<&'a mut dyn Write>,
+    logits_out: Option<&'a mut BufWriter<File>>,
+    /// The end-of-generation token that ended the turn, if one did.
+    eog: Option<u32>,
+}
+
+impl Sampling<'_> {
+    /// Add decoded text: split off the reasoning, print the answer's part.
+    fn push_text(&mut self, piece: &str, last: bool) -> Result<(), SamplingError> {
+        let mut d = if self.chatml {
+            self.split.push(piece)
+        } else {
+            crate::chat::Delta {
+                text: piece.to_string(),
+                ..Default::default()
+            }
+        };
+        if last && self.chatml {
+            let rest = self.split.finish();
+            d.reasoning.push_str(&rest.reasoning);
+            d.text.push_str(&rest.text);
+        }
+        if d.reset {
+            self.reasoning = d.reasoning.clone();
+            self.text = d.text.clone();
+        } else {
+            self.reasoning.push_str(&d.reasoning);
+            self.text.push_str(&d.text);
+        }
+        if let Some(w) = self.inline.as_mut() {
+            let io = |source| SamplingError::Io {
+                what: "the answer",
+                source,
+            };
+            w.write_all(d.text.as_bytes()).map_err(io)?;
+            w.flush().map_err(io)?;
+        }
+        Ok(())
+    }
+}
+
+impl TokenSource<EngineBackend> for Sampling<'_> {
+    type Error = SamplingError;
+
+    fn after_step(
+        &mut self,
+        backend: &EngineBackend,
+        _input: &StepInput<'_>,
+        _stats: &mut StepStats,
+    ) -> Result<(), SamplingError> {
+        if let Some(w) = self.logits_out.as_mut() {
+            for v in &backend.state.logits {
+                w.write_all(&v.to_le_bytes())
+                    .map_err(|source| SamplingError::Io {
+                        what: "--logits-out",
+                        source,
+                    })?;
+            }
+        }
+        Ok(())
+    }
+
+    fn next_token(
+        &mut self,
+        backend: &mut EngineBackend,
+        last: bool,
+    ) -> Result<Option<u32>, SamplingError> {
+        let logits = &backend.state.logits;
+        if logits.len() < self.n_vocab {
+            return Err(SamplingError::NoLogits {
+                got: logits.len(),
+                n_vocab: self.n_vocab,
+            });
+        }
+        let next = self.sampler.sample(&logits[logits.len() - self.n_vocab..]);
+        if self.tok.is_eog(next) {
+            self.eog = Some(next);
+            return Ok(None);
+        }
+        let mut piece = self.dec.push(self.tok, next);
+        if last {
+            // The turn's last token: its line carries everything, an unfinished character too.
+            piece.push_str(&self.dec.flush());
+        }
+        self.push_text(&piece, last)?;
+        Ok(Some(next))
+    }
+
+    fn text(&self) -> (&str, &str) {
+        (&self.reasoning, &self.text)
+    }
+
+    fn finish(&mut self, _backend: &mut EngineBackend) -> Result<(), SamplingError> {
+        let tail = self.dec.flush();
+        // After `last` the splitter and the decoder hold nothing; otherwise (end of
+        // generation, a cancel, a failure) whatever they held joins the answer here.
+        self.push_text(&tail, true)
+    }
+}
+
+/// Run a generation printing to the process's stdout/stderr; returns the exit code. `cancel`
+/// (set by SIGINT/SIGTERM) stops it at the next token boundary.
+pub fn generate(args: &RunArgs, model_path: &Path, cancel: &CancelFlag) -> Result<i32> {
+    let stdout = std::io::stdout();
+    let stderr = std::io::stderr();
+    Ok(generate_with_cancel(
+        args,
+        model_path,
+        &mut stdout.lock(),
+        &mut stderr.lock(),
+        cancel,
+    )?
+    .code)
+}
+
+/// Run a generation writing the answer (or progress lines) to `out` and diagnostics and the
+/// report to `err` (the report goes to `out` under `--progress`).
+pub fn generate_with(
+    args: &RunArgs,
+    model_path: &Path,
+    out: &mut dyn Write,
+    err: &mut dyn Write,
+) -> Result<Outcome> {
+    generate_with_cancel(args, model_path, out, err, &CancelFlag::new())
+}
+
+/// `generate_with`, stopped at the next token boundary once `cancel` is set: every row is
+/// whole, the CSV trailer says `interrupted=1`, the traces end on a whole step, and the
+/// outcome's code is `EXIT_INTERRUPTED`.
+pub fn generate_with_cancel(
+    args: &RunArgs,
+    model_path: &Path,
+    out: &mut dyn Write,
+    err: &mut dyn Write,
+    cancel: &CancelFlag,
+) -> Result<Outcome> {
+    let loaded = load(args, model_path, err)?;
+    let (prompt, prompt_tokens) = render_prompt(args, &loaded, model_path)?;
+    if prompt_tokens.is_empty() {
         bail!("the prompt is empty after tokenization: pass -p TEXT");
     }
     let n_ctx = args.ctx as usize;
-    if tokens.len() + args.n_predict as usize > n_ctx {
+    if prompt_tokens.len() + args.n_predict as usize > n_ctx {
         bail!(
             "prompt of {} tokens plus -n {} exceeds the context size {} (-c {})",
-            tokens.len(),
+            prompt_tokens.len(),
             args.n_predict,
             n_ctx,
             n_ctx
         );
     }
-    let load_s = t_load.elapsed().as_secs_f64();
+    let Loaded {
+        cfg,
+        mut engine,
+        tok,
+        load_s,
+        n_vocab,
+        ..
+    } = loaded;
 
-    // Sinks.
+    // Outputs.
     let mut csv = args.telemetry.csv.as_deref().map(create).transpose()?;
-    let mut route = match (&args.telemetry.route_trace, &runner) {
-        (Some(p), Runner::Streamed(e)) => {
-            let layers = e
+    let mut route = match &args.telemetry.route_trace {
+        Some(p) if cfg.moe_stream => {
+            let layers = engine
                 .layout()
                 .layers()
                 .iter()
@@ -369,201 +514,80 @@ pub fn generate_with(
         Some(p) => Some(IoTraceWriter::new(create(p)?)?),
         None => None,
     };
-    let mut telemetry = RunTelemetry::new();
-    if let Some(w) = csv.as_mut() {
-        telemetry.write_csv_preamble(&cfg, w)?;
-    }
-    telemetry.begin_generation();
-    let progress = args.telemetry.progress;
     let mut logits_out = args.logits_out.as_deref().map(create).transpose()?;
-    let all_logits = logits_out.is_some();
+    engine.backend_mut().all_logits = logits_out.is_some();
+    let progress = args.telemetry.progress;
 
-    // Prefill.
-    let n_prompt = tokens.len();
-    let positions: Vec<u32> = (0..n_prompt as u32).collect();
-    let mut ledger = Ledger::new(
-        cfg.overlap,
-        runner.cache().map(|c| c.budget_bytes()).unwrap_or(0),
-        0,
-        args.n_predict,
-    );
     // Dense residency by mincore, throttled: at most every 16 tokens and 250 ms.
-    let mut dense = crate::probe::DenseResidency::new(&runner.dense_ranges(), 16, 250);
-    let m0 = mem_picture(&mut dense);
-    let t_prefill = Instant::now();
-    let st = {
-        let mut tee = TraceTee {
-            route: route.as_mut().map(|r| r as &mut dyn RecordSink),
-            io: io.as_mut().map(|r| r as &mut dyn RecordSink),
-        };
-        runner.step(
-            &StepInput {
-                turn: 0,
-                phase: Phase::Prefill,
-                tokens: &tokens,
-                positions: &positions,
-            },
-            all_logits,
-            &mut tee,
-        )
+    let probe = HostProbe {
+        dense: crate::probe::DenseResidency::new(&engine.backend().model.w.dense_ranges(), 16, 250),
     };
-    let st = match st {
-        Ok(s) => s,
-        Err(e) => return fail(progress, e, out, err),
+    let mut session =
+        Session::new(engine, cfg, load_s, Box::new(probe)).with_cancel(cancel.clone());
+    let mut source = Sampling {
+        tok: &tok,
+        sampler: crate::sample::Sampler::new(crate::sample::SamplerConfig {
+            temp: args.temp,
+            top_k: args.top_k,
+            top_p: args.top_p,
+            seed: args.seed,
+        }),
+        n_vocab,
+        chatml: args.chatml,
+        dec: StreamDecoder::new(),
+        split: crate::chat::ReasoningSplitter::for_prompt(if args.chatml { &prompt } else { "" }),
+        reasoning: String::new(),
+        text: String::new(),
+        inline: None,
+        logits_out: logits_out.as_mut(),
+        eog: None,
     };
-    let prefill_s = t_prefill.elapsed().as_secs_f64();
-    let m1 = mem_picture(&mut dense);
-    ledger.prefill(&st, &m0, &m1);
-    let nv = hp.n_vocab;
-    if let Some(w) = logits_out.as_mut() {
-        for v in runner.logits() {
-            w.write_all(&v.to_le_bytes())?;
-        }
-    }
-
-    let mut sampler = crate::sample::Sampler::new(crate::sample::SamplerConfig {
-        temp: args.temp,
-        top_k: args.top_k,
-        top_p: args.top_p,
-        seed: args.seed,
-    });
-    let last = runner.logits();
-    let mut next = sampler.sample(&last[last.len() - nv..]);
-    let mut dec = crate::tokenizer::StreamDecoder::new();
-    let mut split =
-        crate::chat::ReasoningSplitter::for_prompt(if args.chatml { &prompt } else { "" });
-    let (mut reasoning, mut text) = (String::new(), String::new());
-    let mut generated: Vec<u32> = Vec::new();
-    let mut t_prev_end = Instant::now();
-    let mut failed = None;
-    for i in 0..args.n_predict as usize {
-        generated.push(next);
-        let eog = tok.is_eog(next);
-        if !eog {
-            let piece = dec.push(&tok, next);
-            let d = if args.chatml {
-                split.push(&piece)
-            } else {
-                crate::chat::Delta {
-                    text: piece,
-                    ..Default::default()
-                }
-            };
-            if d.reset {
-                reasoning = d.reasoning.clone();
-                text = d.text.clone();
-            } else {
-                reasoning.push_str(&d.reasoning);
-                text.push_str(&d.text);
-            }
-            if !progress {
-                out.write_all(d.text.as_bytes())?;
-                out.flush()?;
-            }
-        }
-        if eog || i + 1 == args.n_predict as usize {
-            break;
-        }
-        let pos = tokens.len() as u32;
-        tokens.push(next);
-        let loop_ms = t_prev_end.elapsed().as_secs_f64() * 1000.0;
-        let r = {
-            let mut tee = TraceTee {
-                route: route.as_mut().map(|r| r as &mut dyn RecordSink),
-                io: io.as_mut().map(|r| r as &mut dyn RecordSink),
-            };
-            runner.step(
-                &StepInput {
-                    turn: 0,
-                    phase: Phase::Decode,
-                    tokens: &[next],
-                    positions: &[pos],
-                },
-                all_logits,
-                &mut tee,
-            )
-        };
-        let s = match r {
-            Ok(s) => s,
-            Err(e) => {
-                ledger.io_error();
-                failed = Some(e);
-                break;
-            }
-        };
-        t_prev_end = Instant::now();
-        let rec = ledger.token(&s, &mem_picture(&mut dense), loop_ms);
-        telemetry.token(
-            &rec,
-            &reasoning,
-            &text,
-            if progress {
-                Some(&mut *out as &mut dyn Write)
-            } else {
-                None
-            },
-            csv.as_mut().map(|w| w as &mut dyn Write),
-        )?;
-        if let Some(w) = logits_out.as_mut() {
-            for v in runner.logits() {
-                w.write_all(&v.to_le_bytes())?;
-            }
-        }
-        next = sampler.sample(&runner.logits()[runner.logits().len() - nv..]);
-    }
-    let tail = dec.flush();
-    if !tail.is_empty() {
-        let d = if args.chatml {
-            split.push(&tail)
+    let positions: Vec<u32> = (0..prompt_tokens.len() as u32).collect();
+    let turn = {
+        let (mut answer_out, mut progress_out) = (None, None);
+        if progress {
+            progress_out = Some(&mut *out as &mut dyn Write);
         } else {
-            crate::chat::Delta {
-                text: tail,
-                ..Default::default()
-            }
-        };
-        text.push_str(&d.text);
-        reasoning.push_str(&d.reasoning);
-        if !progress {
-            out.write_all(d.text.as_bytes())?;
+            answer_out = Some(&mut *out as &mut dyn Write);
         }
-    }
+        source.inline = answer_out;
+        let mut outputs = Outputs {
+            progress: progress_out,
+            csv: csv.as_mut().map(|w| w as &mut dyn Write),
+            route: route.as_mut().map(|w| w as &mut dyn RecordSink),
+            io: io.as_mut().map(|w| w as &mut dyn RecordSink),
+        };
+        let r = session.generate(
+            &TurnRequest {
+                prompt: &prompt_tokens,
+                positions: &positions,
+                n_predict: args.n_predict,
+            },
+            &mut source,
+            &mut outputs,
+        );
+        source.inline = None;
+        r?
+    };
+    let Sampling {
+        reasoning: _,
+        text,
+        eog,
+        ..
+    } = source;
+
     if !progress {
         writeln!(out)?;
     }
-    let tail_ms = t_prev_end.elapsed().as_secs_f64() * 1000.0;
-    let layer_demand = match &runner {
-        Runner::Streamed(e) => e.layout().layer_demand_bytes(k),
-        _ => 0,
-    };
-    let counters = match runner.cache() {
-        Some(c) => ledger.counters(
-            c,
-            layer_demand,
-            n_prompt as u64,
-            tokens.len() as u64,
-            load_s,
-            prefill_s,
-            tail_ms,
-        ),
-        None => bmoe_core::telemetry::summary::RunCounters {
-            n_prompt: n_prompt as u64,
-            load_s,
-            prefill_s,
-            cache_hit_pct: -1.0,
-            loop_overhead_tail_ms: tail_ms,
-            ..Default::default()
-        },
-    };
-    let summary = telemetry.finish(counters, csv.as_mut().map(|w| w as &mut dyn Write))?;
     let ctx = ReportContext {
         progress,
         answer: &text,
         arch_streamable: true,
     };
     if progress {
-        write_report(out, &cfg, &summary, &ctx)?;
+        session.write_report(out, &ctx)?;
     } else {
-        write_report(err, &cfg, &summary, &ctx)?;
+        session.write_report(err, &ctx)?;
     }
     if let Some(mut w) = csv {
         w.flush()?;
@@ -576,10 +600,10 @@ pub fn generate_with(
     }
     if let (Some(mut w), Some(p)) = (logits_out, &args.logits_out) {
         w.flush()?;
-        let mut ids: Vec<u32> = tokens[..n_prompt].to_vec();
-        ids.extend(generated.iter().take(generated.len().saturating_sub(1)));
+        let mut ids: Vec<u32> = prompt_tokens.clone();
+        ids.extend(&turn.tokens);
         let side = serde_json::json!({
-            "n_vocab": nv, "n_prompt": n_prompt, "rows": ids.len(), "dtype": "f32le",
+            "n_vocab": n_vocab, "n_prompt": prompt_tokens.len(), "rows": ids.len(), "dtype": "f32le",
             "token_ids": ids, "note": "row i holds the logits after feeding token_ids[..=i]"
         });
         std::fs::write(
@@ -587,25 +611,41 @@ pub fn generate_with(
             serde_json::to_string_pretty(&side)?,
         )?;
     }
-    if let Some(e) = failed {
-        return fail(progress, e, out, err);
-    }
+    let mut tokens = turn.tokens;
+    tokens.extend(eog);
+    let summary = Some(session.summary());
+    let code = match turn.stop {
+        StopReason::Failed => {
+            let e = turn
+                .error
+                .map(anyhow::Error::from)
+                .unwrap_or_else(|| anyhow!("a step failed"));
+            fail(progress, e, out, err)?;
+            3
+        }
+        StopReason::Cancelled => {
+            writeln!(
+                err,
+                "bmoe: interrupted: stopped at a token boundary after {} of {} tokens; the CSV rows, \
+                 its summary (interrupted=1) and the traces are whole up to there",
+                turn.summary.tokens(),
+                args.n_predict
+            )?;
+            EXIT_INTERRUPTED
+        }
+        StopReason::Count | StopReason::EndOfGeneration => 0,
+    };
     out.flush()?;
     Ok(Outcome {
-        code: 0,
-        tokens: generated,
+        code,
+        tokens,
         text,
-        summary: Some(summary),
+        summary,
     })
 }
 
-/// A failed step: the output is not trustworthy. Say so loudly and exit non-zero.
-fn fail(
-    progress: bool,
-    e: anyhow::Error,
-    out: &mut dyn Write,
-    err: &mut dyn Write,
-) -> Result<Outcome> {
+/// A failed step: the output is not trustworthy. Say so loudly.
+fn fail(progress: bool, e: anyhow::Error, out: &mut dyn Write, err: &mut dyn Write) -> Result<()> {
     let _ = out.flush();
     writeln!(err, "bmoe: FAILED: {e}")?;
     writeln!(err, "moe-stream: generation stopped by a failed read or step - this run's output is not trustworthy")?;
@@ -616,8 +656,5 @@ fn fail(
             serde_json::json!({"id": 0, "fatal": true, "msg": format!("{e:#}")})
         )?;
     }
-    Ok(Outcome {
-        code: 3,
-        ..Outcome::default()
-    })
+    Ok(())
 }

@@ -1,19 +1,68 @@
 //! The engine's instantiation of the core: the qwen3moe forward pass as a `bmoe_core::Backend`
-//! whose experts live in the arena (filled by the O_DIRECT lanes), and the expert layout read
-//! from the GGUF file.
+//! whose experts live in the arena (filled by the O_DIRECT lanes) or, for the resident
+//! baseline, in the model's memory map; the flash device behind it (`Device`); and the expert
+//! layout read from the GGUF file.
 //!
-//! The backend runs exactly the arithmetic of the resident run — same kernels, same order,
-//! same bytes (the arena holds the file's bytes verbatim) — which is why a streamed run's
-//! output is byte-identical to the resident one for every lossless setting.
+//! The resident run and the streamed runs go through the same decode step: the resident one
+//! over `ResidentFlash`, which reads nothing, with every expert computed from the map. The
+//! backend runs exactly the same arithmetic either way — same kernels, same order, same bytes
+//! (the arena holds the file's bytes verbatim) — which is why a streamed run's output is
+//! byte-identical to the resident one for every lossless setting.
 
 use crate::arch::qwen3moe::{Qwen3Moe, RouteOut, State, Weights};
 use crate::arch::ArchError;
 use crate::arena::{Arena, ArenaError, ArenaOptions, Extent, SlotAddr};
+use crate::flash::LaneFlash;
+use bmoe_core::testing::FaultyFlash;
 use bmoe_core::{
-    Backend, ExpertLayout, ExpertUse, LayerId, LayoutError, MoeLayerLayout, Prediction, ProjExtent,
-    Routing, SlotId,
+    Backend, ExpertLayout, ExpertUse, Flash, FlashError, LayerId, LayoutError, MoeLayerLayout,
+    Prediction, ProjExtent, ReadDone, ReadId, ReadRequest, ResidentFlash, Routing, SlotId,
 };
 use std::sync::Arc;
+
+/// The engine's flash device: the O_DIRECT lanes behind the core's fault injector (which
+/// spoils nothing unless `--inject-read-fault` asks it to), or — without `--moe-stream` — the
+/// resident device, which holds every expert in the model's map and reads nothing.
+pub enum Device {
+    Lanes(FaultyFlash<LaneFlash>),
+    Resident(ResidentFlash),
+}
+
+impl Flash for Device {
+    fn lanes(&self) -> u32 {
+        match self {
+            Device::Lanes(f) => f.lanes(),
+            Device::Resident(f) => f.lanes(),
+        }
+    }
+    fn submit(&mut self, read: ReadRequest) -> ReadId {
+        match self {
+            Device::Lanes(f) => f.submit(read),
+            Device::Resident(f) => f.submit(read),
+        }
+    }
+    fn wait(&mut self, id: ReadId) -> Result<ReadDone, FlashError> {
+        match self {
+            Device::Lanes(f) => f.wait(id),
+            Device::Resident(f) => f.wait(id),
+        }
+    }
+    fn poll(&mut self) -> Option<(ReadId, Result<ReadDone, FlashError>)> {
+        match self {
+            Device::Lanes(f) => f.poll(),
+            Device::Resident(f) => f.poll(),
+        }
+    }
+    fn cancel(&mut self, id: ReadId) -> bool {
+        match self {
+            Device::Lanes(f) => f.cancel(id),
+            Device::Resident(f) => f.cancel(id),
+        }
+    }
+    fn resident(&self) -> bool {
+        matches!(self, Device::Resident(_))
+    }
+}
 
 /// Errors of the streamed backend.
 #[derive(Debug, thiserror::Error)]
@@ -83,11 +132,12 @@ pub fn arena_for(layout: &ExpertLayout, opts: ArenaOptions) -> Result<Arena, Str
     Ok(Arena::with_options(&layers, layout.max_n_expert(), opts)?)
 }
 
-/// The forward pass with its experts in the arena.
+/// The forward pass with its experts in the arena, or (resident) in the model's map.
 pub struct EngineBackend {
     pub model: Qwen3Moe,
     pub state: State,
-    arena: Arc<Arena>,
+    /// `None`: the resident baseline; every expert is computed from the model's map.
+    arena: Option<Arc<Arena>>,
     layout: ExpertLayout,
     ro: RouteOut,
     ids: Vec<u16>,
@@ -100,10 +150,12 @@ pub struct EngineBackend {
 }
 
 impl EngineBackend {
+    /// A backend computing experts from `arena` (streamed), or from the model's map when
+    /// `arena` is `None` (resident, over `Device::Resident`).
     pub fn new(
         model: Qwen3Moe,
         state: State,
-        arena: Arc<Arena>,
+        arena: Option<Arc<Arena>>,
         layout: ExpertLayout,
     ) -> EngineBackend {
         EngineBackend {
@@ -135,12 +187,11 @@ impl Backend for EngineBackend {
 
     fn begin(&mut self, tokens: &[u32], positions: &[u32]) -> Result<(), StreamError> {
         let n = tokens.len() as u32;
-        if n == 1 && self.last_batch > 1 {
+        if let (Some(arena), true) = (&self.arena, n == 1 && self.last_batch > 1) {
             // Decoding starts: its steps read at most top-k experts per layer into staging
             // (cache off); what the wider prefill union committed past that goes back. No
             // read is in flight between steps.
-            self.arena
-                .trim_staging(u32::from(self.layout.n_expert_used()));
+            arena.trim_staging(u32::from(self.layout.n_expert_used()));
         }
         self.last_batch = n;
         let rows: Vec<u32> = if self.all_logits {
@@ -183,6 +234,20 @@ impl Backend for EngineBackend {
         slot: SlotId,
         uses: &[ExpertUse],
     ) -> Result<(), StreamError> {
+        let Some(arena) = &self.arena else {
+            // Resident: the expert's bytes are the map's; the slot names no memory.
+            let (m, e) = (layer.model as usize, expert as usize);
+            let w = &self.model.w;
+            let proj = [
+                w.resident_expert(m, e, 0),
+                w.resident_expert(m, e, 1),
+                w.resident_expert(m, e, 2),
+            ];
+            self.uses.clear();
+            self.uses
+                .extend(uses.iter().map(|u| (u.row, u.rank, u.weight)));
+            return Ok(self.model.expert(&mut self.state, m, proj, &self.uses)?);
+        };
         let addr = match slot {
             SlotId::Canonical(key) => SlotAddr::Canonical(key.expert as u32),
             SlotId::Staging(e) => SlotAddr::Staging(e as u32),
@@ -197,9 +262,9 @@ impl Backend for EngineBackend {
         // no read into it is issued until `finish_layer` (staging) or `release` (canonical).
         let (Some(p0), Some(p1), Some(p2)) = (unsafe {
             (
-                self.arena.proj_bytes(l, addr, 0, &ex[0]),
-                self.arena.proj_bytes(l, addr, 1, &ex[1]),
-                self.arena.proj_bytes(l, addr, 2, &ex[2]),
+                arena.proj_bytes(l, addr, 0, &ex[0]),
+                arena.proj_bytes(l, addr, 1, &ex[1]),
+                arena.proj_bytes(l, addr, 2, &ex[2]),
             )
         }) else {
             return Err(StreamError::EmptySlot {
@@ -253,8 +318,8 @@ impl Backend for EngineBackend {
     }
 
     fn release(&mut self, slot: SlotId) -> Result<(), StreamError> {
-        if let SlotId::Canonical(key) = slot {
-            self.arena.release(key.layer as usize, key.expert as u32);
+        if let (SlotId::Canonical(key), Some(arena)) = (slot, &self.arena) {
+            arena.release(key.layer as usize, key.expert as u32);
         }
         Ok(())
     }

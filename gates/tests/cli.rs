@@ -105,3 +105,116 @@ fn numbers_parse_strictly() {
     assert!(Cli::try_parse_from(["bmoe-cli", "-m", "x", "--io-threads", "4x"]).is_err());
     assert!(Cli::try_parse_from(["bmoe-cli", "-m", "x", "--cache-mb", "12q"]).is_err());
 }
+
+/// The deltas of `BMOE_PROGRESS` lines joined as a reader joins them (`reset` replaces).
+fn joined_deltas(lines: &[serde_json::Value]) -> (String, String) {
+    let (mut reasoning, mut text) = (String::new(), String::new());
+    for v in lines {
+        let (r, t) = (
+            v["delta_reasoning"].as_str().expect("delta_reasoning"),
+            v["delta_text"].as_str().expect("delta_text"),
+        );
+        if v.get("reset").is_some() {
+            reasoning = r.to_string();
+            text = t.to_string();
+        } else {
+            reasoning.push_str(r);
+            text.push_str(t);
+        }
+    }
+    (reasoning, text)
+}
+
+/// The contract's token count (issue 15): `-n N` gives N tokens — N `BMOE_PROGRESS` lines with
+/// `step` 1..N and `steps` N, the last token's text in the last line's `delta_text` (the
+/// deltas join to the whole answer), N CSV rows, a trailer and a report saying N tokens —
+/// resident and streamed, serial and under overlap, with and without the chat template.
+#[test]
+fn n_predict_n_gives_n_tokens_lines_and_rows_for_1_2_and_32() {
+    let dir = scratch_dir("token-count");
+    for n in [1u32, 2, 32] {
+        for extra in [
+            &[][..],
+            &["--moe-stream", "--cache-mb", "0"][..],
+            &[
+                "--moe-stream",
+                "--cache-mb",
+                "2",
+                "--force-cache",
+                "--overlap",
+            ][..],
+            &["--chatml"][..],
+        ] {
+            let what = format!("-n {n} {extra:?}");
+            let ns = n.to_string();
+            let csv = dir.join(format!("n{n}-{}-{}.csv", extra.len(), std::process::id()));
+            let mut a = vec!["-p", "Once upon a time", "-n", &ns, "-t", "2"];
+            a.extend_from_slice(extra);
+            let plain = run(&tiny(), &a);
+            assert_eq!(plain.code, 0, "{what}: {}", plain.stderr);
+            a.extend_from_slice(&["--progress", "--csv", csv.to_str().unwrap()]);
+            let r = run(&tiny(), &a);
+            assert_eq!(r.code, 0, "{what}: {}", r.stderr);
+            assert_eq!(r.outcome.tokens, plain.outcome.tokens, "{what}");
+            assert_eq!(
+                r.outcome.tokens.len(),
+                n as usize,
+                "{what}: no end-of-generation here"
+            );
+
+            let lines: Vec<serde_json::Value> = r
+                .stdout
+                .lines()
+                .filter_map(|l| l.strip_prefix("BMOE_PROGRESS "))
+                .map(|j| serde_json::from_str(j).expect("progress JSON"))
+                .collect();
+            assert_eq!(lines.len(), n as usize, "{what}: progress lines");
+            for (i, v) in lines.iter().enumerate() {
+                assert_eq!(v["step"], i as u64 + 1, "{what}");
+                assert_eq!(v["steps"], u64::from(n), "{what}");
+            }
+            let last = lines.last().expect("a line");
+            assert!(
+                !last["delta_text"].as_str().unwrap_or("").is_empty()
+                    || !last["delta_reasoning"].as_str().unwrap_or("").is_empty(),
+                "{what}: the last token's text is in no delta: {last}"
+            );
+            let answer = r
+                .stdout
+                .split_once("=== answer ===\n")
+                .and_then(|(_, rest)| rest.split_once("\n=== perf ===\n"))
+                .map(|(a, _)| a)
+                .expect("answer block");
+            let (_, text) = joined_deltas(&lines);
+            assert_eq!(text, answer, "{what}: the deltas join to the answer");
+            assert_eq!(text, r.outcome.text, "{what}");
+            // Without --progress the same answer is printed inline, then a newline.
+            assert_eq!(plain.stdout, format!("{answer}\n"), "{what}");
+            assert!(
+                r.stdout.contains(&format!("\ngeneration: {n} tokens, ")),
+                "{what}: {}",
+                r.stdout
+            );
+
+            let m =
+                bmoe_core::telemetry::MetricsCsv::parse(&std::fs::read_to_string(&csv).unwrap())
+                    .expect("own CSV parses");
+            assert_eq!(m.rows.len(), n as usize, "{what}: CSV rows");
+            for (i, row) in m.rows.iter().enumerate() {
+                assert_eq!((row.step, row.steps), (i as u32 + 1, n), "{what}");
+            }
+            let s = m.summary().expect("trailer");
+            assert_eq!(s.get("tokens"), Some(ns.as_str()), "{what}");
+            assert_eq!(s.get("interrupted"), None, "{what}: not interrupted");
+            let summary = r.outcome.summary.as_ref().expect("summary");
+            assert_eq!(summary.tokens(), u64::from(n), "{what}");
+            // The context holds the prompt and every generated token.
+            assert_eq!(
+                summary.counters.n_past,
+                summary.counters.n_prompt + u64::from(n),
+                "{what}"
+            );
+            let _ = std::fs::remove_file(&csv);
+        }
+    }
+}

@@ -86,7 +86,8 @@ fn g9b_the_probe_scores_and_its_control_is_exact() {
         .predict
         .clone()
         .expect("--predict-log reports");
-    let decode_tokens = r.outcome.tokens.len() as u64 - 1;
+    // One decode step per generated token (the contract's count: -n N is N decode steps).
+    let decode_tokens = summary(&r).tokens();
     assert!(decode_tokens > 2, "the run must decode a few tokens");
     // Every decode routing but the first token's is graded by the control and prev-token.
     assert_eq!(p.ctrl.rows, (decode_tokens - 1) * TINY_LAYERS);
@@ -171,7 +172,8 @@ fn g14a_route_ahead_past_every_layer_passes_through() {
         let r = streamed("4", &a);
         assert_same_output(&r, &base, &format!("--route-ahead 8 {extra:?}"));
         let (s, b) = (summary(&r), summary(&base));
-        let decode_tokens = r.outcome.tokens.len() as u64 - 1;
+        // One decode step per generated token (the contract's count: -n N is N decode steps).
+        let decode_tokens = summary(&r).tokens();
         assert_eq!(s.counters.ra_committed, 0);
         assert_eq!(s.counters.ra_passthrough, decode_tokens * TINY_LAYERS);
         assert_eq!(s.totals.read_bytes, b.totals.read_bytes);
