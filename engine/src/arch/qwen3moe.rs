@@ -629,9 +629,9 @@ fn select_top_k(
 pub struct Qwen3Moe {
     pub w: Weights,
     pub pool: ThreadPool,
-    /// Experts the router keeps per token: the model's `expert_used_count`, or a smaller
-    /// `--n-expert-used` in the resident run (streamed runs narrow the routing in the core's
-    /// router hook instead, with the same renormalisation, so both give the same bits).
+    /// Experts the router keeps per token: the model's `expert_used_count`, or a smaller one
+    /// by `set_top_k`. `bmoe-cli` leaves it whole and narrows `--n-expert-used` in the core's
+    /// router hook, resident and streamed alike, with the same renormalisation (same bits).
     top_k: usize,
 }
 
@@ -1153,48 +1153,5 @@ impl Qwen3Moe {
         st.h = h;
         st.acts = acts;
         Ok(())
-    }
-
-    /// The whole batch with every expert read from the memory map: the resident baseline.
-    pub fn forward_resident(
-        &self,
-        st: &mut State,
-        tokens: &[u32],
-        positions: &[u32],
-        out_rows: &[u32],
-    ) -> Result<(), ArchError> {
-        self.begin(st, tokens, positions, out_rows)?;
-        let mut ro = RouteOut::default();
-        let mut uses: Vec<(u32, u16, f32)> = Vec::new();
-        let mut order: Vec<u32> = Vec::new();
-        for layer in 0..self.w.hp.n_layer {
-            self.dense(st, layer)?;
-            self.route(st, layer, &mut ro)?;
-            // Experts in order of first use (row-major, rank order).
-            order.clear();
-            let mut seen = vec![false; self.w.hp.n_expert];
-            for &e in &ro.ids {
-                if !seen[e as usize] {
-                    seen[e as usize] = true;
-                    order.push(e);
-                }
-            }
-            for &e in &order {
-                uses.clear();
-                for (i, (&id, &w)) in ro.ids.iter().zip(&ro.weights).enumerate() {
-                    if id == e {
-                        uses.push(((i / ro.k) as u32, (i % ro.k) as u16, w));
-                    }
-                }
-                let proj = [
-                    self.w.resident_expert(layer, e as usize, 0),
-                    self.w.resident_expert(layer, e as usize, 1),
-                    self.w.resident_expert(layer, e as usize, 2),
-                ];
-                self.expert(st, layer, proj, &uses)?;
-            }
-            self.finish_layer(st, layer)?;
-        }
-        self.head(st)
     }
 }
