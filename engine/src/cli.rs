@@ -73,6 +73,11 @@ pub struct RunArgs {
     /// one row of n_vocab per position) plus PATH.json naming the token ids
     #[arg(long = "logits-out", value_name = "PATH")]
     pub logits_out: Option<PathBuf>,
+    /// Keep the model loaded and serve requests: one JSON object per line on stdin
+    /// (generate, decide, cancel, close; EOF = close), BMOE_* replies on stdout, the expert
+    /// cache warm across turns (see docs/telemetry.md, "Session mode")
+    #[arg(long)]
+    pub session: bool,
     /// Print the architectures this build runs and exit
     #[arg(long = "list-archs")]
     pub list_archs: bool,

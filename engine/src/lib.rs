@@ -14,6 +14,7 @@ pub mod kernels;
 pub mod probe;
 pub mod run;
 pub mod sample;
+pub mod session;
 pub mod stream;
 pub mod testdata;
 pub mod tokenizer;

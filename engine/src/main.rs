@@ -58,6 +58,18 @@ fn run(cli: Cli) -> Result<i32> {
     }
     let cancel = bmoe_core::CancelFlag::new();
     watch_signals(&cancel)?;
+    if run.session {
+        let stdin = std::io::stdin();
+        let stderr = std::io::stderr();
+        return bmoe_engine::session::serve(
+            &run,
+            &model,
+            Box::new(std::io::BufReader::new(stdin)),
+            Box::new(std::io::stdout()),
+            &mut stderr.lock(),
+            &cancel,
+        );
+    }
     bmoe_engine::run::generate(&run, &model, &cancel)
 }
 

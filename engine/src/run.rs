@@ -285,7 +285,7 @@ fn render_prompt(args: &RunArgs, loaded: &Loaded, model_path: &Path) -> Result<(
 
 /// Why the engine's token source failed.
 #[derive(Debug, thiserror::Error)]
-enum SamplingError {
+pub(crate) enum SamplingError {
     #[error("writing {what}: {source}")]
     Io {
         what: &'static str,
@@ -298,10 +298,11 @@ enum SamplingError {
 
 /// The engine's token source: greedy or seeded sampling over the last row's logits, the
 /// detokenizer, the chat template's reasoning split, and — without `--progress` — the answer
-/// printed as it grows. It also writes the `--logits-out` rows after every step.
-struct Sampling<'a> {
+/// printed as it grows. It also writes the `--logits-out` rows after every step. One per
+/// turn; the sampler (and its seeded stream) outlives it, across a session's turns.
+pub(crate) struct Sampling<'a> {
     tok: &'a Tokenizer,
-    sampler: crate::sample::Sampler,
+    sampler: &'a mut crate::sample::Sampler,
     n_vocab: usize,
     chatml: bool,
     dec: StreamDecoder,
@@ -315,7 +316,36 @@ struct Sampling<'a> {
     eog: Option<u32>,
 }
 
-impl Sampling<'_> {
+impl<'a> Sampling<'a> {
+    /// A turn's source. `prompt` is the text the turn's generation follows (the rendered chat,
+    /// whose end may open a reasoning span; empty without a chat template).
+    pub(crate) fn new(
+        tok: &'a Tokenizer,
+        sampler: &'a mut crate::sample::Sampler,
+        n_vocab: usize,
+        chatml: bool,
+        prompt: &str,
+    ) -> Self {
+        Sampling {
+            tok,
+            sampler,
+            n_vocab,
+            chatml,
+            dec: StreamDecoder::new(),
+            split: crate::chat::ReasoningSplitter::for_prompt(if chatml { prompt } else { "" }),
+            reasoning: String::new(),
+            text: String::new(),
+            inline: None,
+            logits_out: None,
+            eog: None,
+        }
+    }
+
+    /// The turn's (reasoning, answer) text.
+    pub(crate) fn into_text(self) -> (String, String) {
+        (self.reasoning, self.text)
+    }
+
     /// Add decoded text: split off the reasoning, print the answer's part.
     fn push_text(&mut self, piece: &str, last: bool) -> Result<(), SamplingError> {
         let mut d = if self.chatml {
@@ -409,6 +439,109 @@ impl TokenSource<EngineBackend> for Sampling<'_> {
     }
 }
 
+/// The files a run (or a whole session) writes through the loop: `--csv`, `--route-trace`
+/// (streaming only) and `--io-trace`.
+pub(crate) struct Sinks {
+    csv: Option<BufWriter<File>>,
+    route: Option<RouteTraceWriter<BufWriter<File>>>,
+    io: Option<IoTraceWriter<BufWriter<File>>>,
+}
+
+impl Sinks {
+    /// Create the files the flags name; the route trace's preamble describes `engine`'s layout.
+    pub(crate) fn open(args: &RunArgs, cfg: &RunConfig, engine: &EngineStep) -> Result<Sinks> {
+        let csv = args.telemetry.csv.as_deref().map(create).transpose()?;
+        let route = match &args.telemetry.route_trace {
+            Some(p) if cfg.moe_stream => {
+                let layers = engine
+                    .layout()
+                    .layers()
+                    .iter()
+                    .map(|l| TraceLayer {
+                        layer: l.model_layer,
+                        expert_bytes: l.projections.iter().map(|p| p.stride_bytes).sum(),
+                        dense_bytes: l.dense_bytes,
+                        proj: l
+                            .projections
+                            .iter()
+                            .map(|p| bmoe_core::telemetry::route_trace::ProjExtent {
+                                shard: p.shard as u32,
+                                offset: p.base_offset,
+                                stride: p.stride_bytes,
+                            })
+                            .collect(),
+                    })
+                    .collect();
+                let pre = RoutePreamble {
+                    model: cfg.model.clone(),
+                    arch: cfg.arch.clone(),
+                    n_layer: cfg.n_layer,
+                    n_expert: cfg.n_expert,
+                    n_expert_used: cfg.n_expert_used,
+                    layers,
+                    notes: Vec::new(),
+                    extra: Vec::new(),
+                };
+                Some(RouteTraceWriter::with_predictions(
+                    create(p)?,
+                    &pre,
+                    bmoe_core::telemetry::route_trace::PredColumns::for_config(cfg),
+                )?)
+            }
+            _ => None,
+        };
+        let io = match &args.telemetry.io_trace {
+            Some(p) => Some(IoTraceWriter::new(create(p)?)?),
+            None => None,
+        };
+        Ok(Sinks { csv, route, io })
+    }
+
+    /// The loop's outputs over these files, with `progress` for the per-token lines.
+    pub(crate) fn outputs<'a>(&'a mut self, progress: Option<&'a mut dyn Write>) -> Outputs<'a> {
+        Outputs {
+            progress,
+            csv: self.csv.as_mut().map(|w| w as &mut dyn Write),
+            route: self.route.as_mut().map(|w| w as &mut dyn RecordSink),
+            io: self.io.as_mut().map(|w| w as &mut dyn RecordSink),
+        }
+    }
+
+    /// Flush and close every file, reporting the first write error.
+    pub(crate) fn finish(self) -> Result<()> {
+        if let Some(mut w) = self.csv {
+            w.flush().context("writing --csv")?;
+        }
+        if let Some(r) = self.route {
+            r.finish().context("writing --route-trace")?;
+        }
+        if let Some(w) = self.io {
+            w.finish()
+                .and_then(|mut f| f.flush())
+                .context("writing --io-trace")?;
+        }
+        Ok(())
+    }
+}
+
+/// The process probe over `engine`'s dense weights (`mincore` at most every 16 tokens and
+/// 250 ms).
+pub(crate) fn host_probe(engine: &EngineStep) -> impl MemProbe {
+    HostProbe {
+        dense: crate::probe::DenseResidency::new(&engine.backend().model.w.dense_ranges(), 16, 250),
+    }
+}
+
+/// The run's sampler: greedy at `--temp 0`, else seeded by `--seed`.
+pub(crate) fn sampler(args: &RunArgs) -> crate::sample::Sampler {
+    crate::sample::Sampler::new(crate::sample::SamplerConfig {
+        temp: args.temp,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        seed: args.seed,
+    })
+}
+
 /// Run a generation printing to the process's stdout/stderr; returns the exit code. `cancel`
 /// (set by SIGINT/SIGTERM) stops it at the next token boundary.
 pub fn generate(args: &RunArgs, model_path: &Path, cancel: &CancelFlag) -> Result<i32> {
@@ -469,79 +602,18 @@ pub fn generate_with_cancel(
         ..
     } = loaded;
 
-    // Outputs.
-    let mut csv = args.telemetry.csv.as_deref().map(create).transpose()?;
-    let mut route = match &args.telemetry.route_trace {
-        Some(p) if cfg.moe_stream => {
-            let layers = engine
-                .layout()
-                .layers()
-                .iter()
-                .map(|l| TraceLayer {
-                    layer: l.model_layer,
-                    expert_bytes: l.projections.iter().map(|p| p.stride_bytes).sum(),
-                    dense_bytes: l.dense_bytes,
-                    proj: l
-                        .projections
-                        .iter()
-                        .map(|p| bmoe_core::telemetry::route_trace::ProjExtent {
-                            shard: p.shard as u32,
-                            offset: p.base_offset,
-                            stride: p.stride_bytes,
-                        })
-                        .collect(),
-                })
-                .collect();
-            let pre = RoutePreamble {
-                model: cfg.model.clone(),
-                arch: cfg.arch.clone(),
-                n_layer: cfg.n_layer,
-                n_expert: cfg.n_expert,
-                n_expert_used: cfg.n_expert_used,
-                layers,
-                notes: Vec::new(),
-                extra: Vec::new(),
-            };
-            Some(RouteTraceWriter::with_predictions(
-                create(p)?,
-                &pre,
-                bmoe_core::telemetry::route_trace::PredColumns::for_config(&cfg),
-            )?)
-        }
-        _ => None,
-    };
-    let mut io = match &args.telemetry.io_trace {
-        Some(p) => Some(IoTraceWriter::new(create(p)?)?),
-        None => None,
-    };
+    let mut sinks = Sinks::open(args, &cfg, &engine)?;
     let mut logits_out = args.logits_out.as_deref().map(create).transpose()?;
     engine.backend_mut().all_logits = logits_out.is_some();
     let progress = args.telemetry.progress;
 
     // Dense residency by mincore, throttled: at most every 16 tokens and 250 ms.
-    let probe = HostProbe {
-        dense: crate::probe::DenseResidency::new(&engine.backend().model.w.dense_ranges(), 16, 250),
-    };
+    let probe = host_probe(&engine);
     let mut session =
         Session::new(engine, cfg, load_s, Box::new(probe)).with_cancel(cancel.clone());
-    let mut source = Sampling {
-        tok: &tok,
-        sampler: crate::sample::Sampler::new(crate::sample::SamplerConfig {
-            temp: args.temp,
-            top_k: args.top_k,
-            top_p: args.top_p,
-            seed: args.seed,
-        }),
-        n_vocab,
-        chatml: args.chatml,
-        dec: StreamDecoder::new(),
-        split: crate::chat::ReasoningSplitter::for_prompt(if args.chatml { &prompt } else { "" }),
-        reasoning: String::new(),
-        text: String::new(),
-        inline: None,
-        logits_out: logits_out.as_mut(),
-        eog: None,
-    };
+    let mut sampler = sampler(args);
+    let mut source = Sampling::new(&tok, &mut sampler, n_vocab, args.chatml, &prompt);
+    source.logits_out = logits_out.as_mut();
     let positions: Vec<u32> = (0..prompt_tokens.len() as u32).collect();
     let turn = {
         let (mut answer_out, mut progress_out) = (None, None);
@@ -551,12 +623,7 @@ pub fn generate_with_cancel(
             answer_out = Some(&mut *out as &mut dyn Write);
         }
         source.inline = answer_out;
-        let mut outputs = Outputs {
-            progress: progress_out,
-            csv: csv.as_mut().map(|w| w as &mut dyn Write),
-            route: route.as_mut().map(|w| w as &mut dyn RecordSink),
-            io: io.as_mut().map(|w| w as &mut dyn RecordSink),
-        };
+        let mut outputs = sinks.outputs(progress_out);
         let r = session.generate(
             &TurnRequest {
                 prompt: &prompt_tokens,
@@ -569,12 +636,8 @@ pub fn generate_with_cancel(
         source.inline = None;
         r?
     };
-    let Sampling {
-        reasoning: _,
-        text,
-        eog,
-        ..
-    } = source;
+    let eog = source.eog;
+    let (_, text) = source.into_text();
 
     if !progress {
         writeln!(out)?;
@@ -589,15 +652,7 @@ pub fn generate_with_cancel(
     } else {
         session.write_report(err, &ctx)?;
     }
-    if let Some(mut w) = csv {
-        w.flush()?;
-    }
-    if let Some(r) = route.take() {
-        r.finish()?;
-    }
-    if let Some(w) = io.take() {
-        w.finish()?.flush()?;
-    }
+    sinks.finish()?;
     if let (Some(mut w), Some(p)) = (logits_out, &args.logits_out) {
         w.flush()?;
         let mut ids: Vec<u32> = prompt_tokens.clone();

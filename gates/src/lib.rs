@@ -72,3 +72,104 @@ pub fn run(model: &Path, args: &[&str]) -> Run {
 pub fn tiny() -> PathBuf {
     model("tiny", &["--preset", "tiny", "--seed", "7"])
 }
+
+/// A `bmoe-cli --session` served in-process over a pipe: requests are written one line at a
+/// time and replies read back as they come, as a client program would drive it.
+pub struct SessionDriver {
+    requests: Option<std::io::PipeWriter>,
+    replies: std::io::BufReader<std::io::PipeReader>,
+    server: Option<std::thread::JoinHandle<(anyhow::Result<i32>, String)>>,
+    /// Every stdout line so far.
+    pub lines: Vec<String>,
+}
+
+impl SessionDriver {
+    /// Start `bmoe-cli -m MODEL --session <args>` and read its `BMOE_READY` line.
+    pub fn start(model: &Path, args: &[&str]) -> SessionDriver {
+        let mut argv = vec![
+            "bmoe-cli",
+            "-m",
+            model.to_str().expect("utf-8 path"),
+            "--session",
+        ];
+        argv.extend_from_slice(args);
+        let cli = Cli::try_parse_from(&argv).unwrap_or_else(|e| panic!("arguments {args:?}: {e}"));
+        let (req_r, req_w) = std::io::pipe().expect("pipe");
+        let (rep_r, rep_w) = std::io::pipe().expect("pipe");
+        let model = model.to_path_buf();
+        let server = std::thread::spawn(move || {
+            let mut err = Vec::new();
+            let r = bmoe_engine::session::serve(
+                &cli.run,
+                &model,
+                Box::new(std::io::BufReader::new(req_r)),
+                Box::new(rep_w),
+                &mut err,
+                &bmoe_core::CancelFlag::new(),
+            );
+            (r, String::from_utf8_lossy(&err).into_owned())
+        });
+        let mut d = SessionDriver {
+            requests: Some(req_w),
+            replies: std::io::BufReader::new(rep_r),
+            server: Some(server),
+            lines: Vec::new(),
+        };
+        let ready = d.read_until(&["BMOE_READY", "BMOE_ERROR"]);
+        assert!(
+            ready.last().is_some_and(|l| l.starts_with("BMOE_READY ")),
+            "no BMOE_READY: {ready:?}"
+        );
+        d
+    }
+
+    /// Send one request line.
+    pub fn send(&mut self, line: &str) {
+        use std::io::Write;
+        let w = self.requests.as_mut().expect("requests still open");
+        writeln!(w, "{line}").expect("write request");
+        w.flush().expect("flush request");
+    }
+
+    /// Read reply lines up to and including the first whose tag is in `tags`.
+    pub fn read_until(&mut self, tags: &[&str]) -> Vec<String> {
+        use std::io::BufRead;
+        let mut got = Vec::new();
+        loop {
+            let mut l = String::new();
+            let n = self.replies.read_line(&mut l).expect("read reply");
+            assert!(n > 0, "the session closed stdout; got {got:?}");
+            let l = l.trim_end_matches('\n').to_string();
+            self.lines.push(l.clone());
+            got.push(l.clone());
+            if tags.iter().any(|t| l.split(' ').next() == Some(t)) {
+                return got;
+            }
+        }
+    }
+
+    /// Send a generate request and return its `BMOE_DONE` as JSON (and the turn's lines).
+    pub fn generate(&mut self, request: &str) -> (serde_json::Value, Vec<String>) {
+        self.send(request);
+        let lines = self.read_until(&["BMOE_DONE", "BMOE_ERROR"]);
+        let last = lines.last().expect("a reply");
+        let (tag, json) = last.split_once(' ').expect("TAG {json}");
+        assert_eq!(tag, "BMOE_DONE", "{request} -> {last}");
+        (serde_json::from_str(json).expect("BMOE_DONE JSON"), lines)
+    }
+
+    /// Close stdin and wait for the session to end: its exit code and stderr.
+    pub fn close(mut self) -> (i32, String) {
+        drop(self.requests.take());
+        let (r, err) = self
+            .server
+            .take()
+            .expect("server")
+            .join()
+            .expect("session thread");
+        (
+            r.unwrap_or_else(|e| panic!("session failed: {e:#}\n{err}")),
+            err,
+        )
+    }
+}

@@ -257,6 +257,9 @@ pub struct Session<C: Clock, F: Flash, B: Backend> {
     load_s: f64,
     probe: Box<dyn MemProbe>,
     cancel: CancelFlag,
+    /// Further flags that stop a turn like `cancel` (a session's signal flag beside its
+    /// request flag); the session never clears them.
+    also_stop_on: Vec<CancelFlag>,
     telemetry: RunTelemetry,
     next_turn: u32,
     turns: u32,
@@ -283,6 +286,7 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
             load_s,
             probe,
             cancel: CancelFlag::new(),
+            also_stop_on: Vec::new(),
             telemetry: RunTelemetry::new(),
             next_turn: 0,
             turns: 0,
@@ -298,9 +302,20 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
         self
     }
 
+    /// Also stop a turn when `flag` is set (e.g. a signal flag beside a request flag).
+    pub fn also_stop_on(mut self, flag: CancelFlag) -> Self {
+        self.also_stop_on.push(flag);
+        self
+    }
+
     /// The flag that stops the running turn at its next token boundary.
     pub fn cancel_flag(&self) -> &CancelFlag {
         &self.cancel
+    }
+
+    /// Whether a turn should stop at its next token boundary.
+    fn stopping(&self) -> bool {
+        self.cancel.is_set() || self.also_stop_on.iter().any(CancelFlag::is_set)
     }
 
     /// The decode step (and through it the backend, the cache and the layout).
@@ -406,7 +421,7 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
         let mut n_prompt = 0u64;
         let mut prev_end = self.engine.clock().now();
 
-        if self.cancel.is_set() {
+        if self.stopping() {
             stop = StopReason::Cancelled;
         } else if !req.prompt.is_empty() {
             let input = StepInput {
@@ -444,7 +459,7 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
 
         let mut i = 0u32;
         while stop == StopReason::Count && i < req.n_predict {
-            if self.cancel.is_set() {
+            if self.stopping() {
                 stop = StopReason::Cancelled;
                 break;
             }

@@ -1,0 +1,867 @@
+//! `bmoe-cli --session`: the model loaded once and kept warm — weights, KV and expert cache —
+//! driven by one JSON request per line on stdin and answered on stdout with the contract's
+//! `BMOE_*` lines (`seeds/telemetry.md`, "Session mode"): `BMOE_READY` once after the load,
+//! then per `generate` a `BMOE_BEGIN`, the per-token `BMOE_LOAD` / `BMOE_PROGRESS` lines and a
+//! `BMOE_DONE`; every rejected request a `BMOE_ERROR` with `fatal:false`, and the session goes
+//! on. Stdout carries nothing else.
+//!
+//! Requests are read on their own thread while a generation runs, so `cancel` stops it at the
+//! next token boundary (the core loop's `CancelFlag`) and a second `generate` is answered at
+//! once. Each turn is one `bmoe_core::Session::generate`, so `--csv`, `--route-trace` and
+//! `--io-trace` span the session (the preamble once, `turn` counting turns). The engine owns
+//! the conversation: `clear_kv:true` starts a new chat, `clear_kv:false` continues it — the
+//! whole history is rendered again with the model's template and only the tokens past what the
+//! KV already holds are prefilled (without `--chatml`, the new prompt's tokens are appended). A
+//! cancelled turn is rolled back: the KV to where the turn started, the user message dropped.
+
+use crate::chat::{ChatTemplate, Message, ThinkCtl};
+use crate::cli::RunArgs;
+use crate::run::{host_probe, load, sampler, Sampling, Sinks};
+use anyhow::{bail, Result};
+use bmoe_core::telemetry::progress::ThinkControl;
+use bmoe_core::telemetry::progress::{write_begin, write_done, write_error, write_ready, Ready};
+use bmoe_core::{CancelFlag, Session, StopReason, TurnRequest};
+use serde_json::Value;
+use std::io::{self, BufRead, Write};
+use std::path::Path;
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// The longest request line read; a longer one is answered with `BMOE_ERROR` and skipped.
+/// Far above any prompt a context holds (a token is several bytes).
+pub const MAX_REQUEST_BYTES: usize = 4 << 20;
+
+/// A `generate` request. Absent optional fields default to the process's flags (`-n`,
+/// `--no-think`) and to `clear_kv: true`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GenerateRequest {
+    pub id: i64,
+    pub prompt: String,
+    pub n_predict: Option<u32>,
+    pub think: Option<bool>,
+    pub clear_kv: Option<bool>,
+}
+
+/// A `decide` request (answered only by a session opened with `--decide`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DecideRequest {
+    pub id: i64,
+    pub prefix: String,
+    pub suffix: String,
+    pub choices: Vec<String>,
+    pub reuse_prefix: Option<bool>,
+}
+
+/// One request line.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Request {
+    Generate(GenerateRequest),
+    Decide(DecideRequest),
+    Cancel,
+    Close,
+}
+
+/// A request that cannot be served as sent: answered with `BMOE_ERROR` (`fatal:false`) naming
+/// the problem and the request's id where it had one (0 otherwise).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{msg}")]
+pub struct RequestError {
+    pub id: i64,
+    pub msg: String,
+}
+
+fn type_name(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// Parse one request line (without its newline). Never panics: every way a line can be wrong
+/// — not UTF-8, not JSON, not an object, no or an unknown `cmd`, a missing or mistyped field —
+/// is a `RequestError` that says which. Fields the protocol does not define are ignored, and a
+/// `null` optional field counts as absent.
+pub fn parse_request(line: &[u8]) -> Result<Request, RequestError> {
+    let err = |id: i64, msg: String| RequestError { id, msg };
+    let text = std::str::from_utf8(line).map_err(|e| {
+        err(
+            0,
+            format!("the request is not valid UTF-8 (byte {})", e.valid_up_to()),
+        )
+    })?;
+    let v: Value =
+        serde_json::from_str(text).map_err(|e| err(0, format!("the request is not JSON: {e}")))?;
+    let Value::Object(obj) = &v else {
+        return Err(err(
+            0,
+            format!("a request is a JSON object; got {}", type_name(&v)),
+        ));
+    };
+    let present = |k: &str| obj.get(k).filter(|v| !v.is_null());
+    // The id first, so every later error can name it.
+    let id = match present("id") {
+        None => None,
+        Some(Value::Number(n)) => match n.as_i64() {
+            Some(i) => Some(i),
+            None => return Err(err(0, format!("field id: expected an integer, got {n}"))),
+        },
+        Some(other) => {
+            return Err(err(
+                0,
+                format!("field id: expected an integer, got {}", type_name(other)),
+            ))
+        }
+    };
+    let at = id.unwrap_or(0);
+    let cmd = match present("cmd") {
+        Some(Value::String(s)) => s.as_str(),
+        Some(other) => {
+            return Err(err(
+                at,
+                format!("field cmd: expected a string, got {}", type_name(other)),
+            ))
+        }
+        None => {
+            return Err(err(
+                at,
+                "missing field cmd (generate, decide, cancel or close)".to_string(),
+            ))
+        }
+    };
+    let need_id =
+        |cmd: &str| id.ok_or_else(|| err(0, format!("{cmd}: missing field id (an integer)")));
+    let string = |cmd: &str, k: &str| -> Result<String, RequestError> {
+        match present(k) {
+            Some(Value::String(s)) => Ok(s.clone()),
+            Some(other) => Err(err(
+                at,
+                format!(
+                    "{cmd}: field {k}: expected a string, got {}",
+                    type_name(other)
+                ),
+            )),
+            None => Err(err(at, format!("{cmd}: missing field {k} (a string)"))),
+        }
+    };
+    let boolean = |cmd: &str, k: &str| -> Result<Option<bool>, RequestError> {
+        match present(k) {
+            None => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(other) => Err(err(
+                at,
+                format!(
+                    "{cmd}: field {k}: expected true or false, got {}",
+                    type_name(other)
+                ),
+            )),
+        }
+    };
+    match cmd {
+        "generate" => {
+            let id = need_id(cmd)?;
+            let prompt = string(cmd, "prompt")?;
+            let n_predict = match present("n_predict") {
+                None => None,
+                Some(Value::Number(n)) => match n.as_u64() {
+                    Some(k) if (1..=u64::from(u32::MAX)).contains(&k) => Some(k as u32),
+                    _ => {
+                        return Err(err(
+                            id,
+                            format!("generate: field n_predict: expected an integer >= 1, got {n}"),
+                        ))
+                    }
+                },
+                Some(other) => {
+                    return Err(err(
+                        id,
+                        format!(
+                            "generate: field n_predict: expected an integer >= 1, got {}",
+                            type_name(other)
+                        ),
+                    ))
+                }
+            };
+            Ok(Request::Generate(GenerateRequest {
+                id,
+                prompt,
+                n_predict,
+                think: boolean(cmd, "think")?,
+                clear_kv: boolean(cmd, "clear_kv")?,
+            }))
+        }
+        "decide" => {
+            let id = need_id(cmd)?;
+            let choices = match present("choices") {
+                Some(Value::Array(a)) => a
+                    .iter()
+                    .enumerate()
+                    .map(|(i, c)| match c {
+                        Value::String(s) => Ok(s.clone()),
+                        other => Err(err(
+                            id,
+                            format!(
+                                "decide: choices[{i}]: expected a string, got {}",
+                                type_name(other)
+                            ),
+                        )),
+                    })
+                    .collect::<Result<Vec<_>, _>>()?,
+                Some(other) => {
+                    return Err(err(
+                        id,
+                        format!(
+                            "decide: field choices: expected an array of strings, got {}",
+                            type_name(other)
+                        ),
+                    ))
+                }
+                None => {
+                    return Err(err(
+                        id,
+                        "decide: missing field choices (an array of strings)".to_string(),
+                    ))
+                }
+            };
+            Ok(Request::Decide(DecideRequest {
+                id,
+                prefix: string(cmd, "prefix")?,
+                suffix: string(cmd, "suffix")?,
+                choices,
+                reuse_prefix: boolean(cmd, "reuse_prefix")?,
+            }))
+        }
+        "cancel" => Ok(Request::Cancel),
+        "close" => Ok(Request::Close),
+        other => Err(err(
+            at,
+            format!(
+                "unknown cmd {}: expected generate, decide, cancel or close",
+                serde_json::to_string(other).unwrap_or_default()
+            ),
+        )),
+    }
+}
+
+/// One line from the request stream.
+#[derive(Debug, PartialEq, Eq)]
+pub enum LineRead {
+    Line(Vec<u8>),
+    /// A line past `max` bytes (its length), skipped to its newline.
+    TooLong(usize),
+    Eof,
+}
+
+/// Read one line of at most `max` bytes (newline and a trailing `\r` removed), never holding
+/// more than `max` bytes of it: a longer line is consumed and reported as `TooLong`.
+pub fn read_line(r: &mut dyn BufRead, max: usize) -> io::Result<LineRead> {
+    let mut line = Vec::new();
+    let mut len = 0usize;
+    loop {
+        let avail = match r.fill_buf() {
+            Ok(a) => a,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        if avail.is_empty() {
+            return Ok(if len == 0 {
+                LineRead::Eof
+            } else if len > max {
+                LineRead::TooLong(len)
+            } else {
+                LineRead::Line(line)
+            });
+        }
+        let (chunk, done) = match avail.iter().position(|&b| b == b'\n') {
+            Some(i) => (&avail[..i], true),
+            None => (avail, false),
+        };
+        len += chunk.len();
+        if len <= max {
+            line.extend_from_slice(chunk);
+        } else {
+            line = Vec::new();
+        }
+        let used = chunk.len() + usize::from(done);
+        r.consume(used);
+        if done {
+            if len > max {
+                return Ok(LineRead::TooLong(len));
+            }
+            if line.last() == Some(&b'\r') {
+                line.pop();
+            }
+            return Ok(LineRead::Line(line));
+        }
+    }
+}
+
+/// Stdout, shared by the request reader and the generation: every reply is written whole,
+/// under one lock, and flushed, so lines from the two threads never interleave.
+#[derive(Clone)]
+struct Replies(Arc<Mutex<Box<dyn Write + Send>>>);
+
+impl Replies {
+    fn line(&self, f: impl FnOnce(&mut dyn Write) -> io::Result<()>) -> io::Result<()> {
+        let mut buf = Vec::new();
+        f(&mut buf)?;
+        let mut w = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        w.write_all(&buf)?;
+        w.flush()
+    }
+
+    fn error(&self, id: i64, fatal: bool, msg: &str) -> io::Result<()> {
+        self.line(|w| write_error(w, id, fatal, msg))
+    }
+}
+
+/// The per-token lines of a turn: bytes gather until a newline, then every whole line goes
+/// out under the lock.
+struct LineOut {
+    replies: Replies,
+    buf: Vec<u8>,
+}
+
+impl Write for LineOut {
+    fn write(&mut self, data: &[u8]) -> io::Result<usize> {
+        self.buf.extend_from_slice(data);
+        if let Some(end) = self.buf.iter().rposition(|&b| b == b'\n') {
+            let rest = self.buf.split_off(end + 1);
+            let whole = std::mem::replace(&mut self.buf, rest);
+            let mut w = self.replies.0.lock().unwrap_or_else(|e| e.into_inner());
+            w.write_all(&whole)?;
+            w.flush()?;
+        }
+        Ok(data.len())
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// What the request reader hands the generation.
+enum Work {
+    Generate(GenerateRequest),
+    Decide(DecideRequest),
+    Close,
+    /// The request stream failed; the session ends with this error.
+    Failed(String),
+}
+
+/// Which request the generation side is serving (`None`: idle), shared with the reader so a
+/// `cancel` or a second request is judged against it.
+type Busy = Arc<Mutex<Option<i64>>>;
+
+/// The request reader: parses each line, answers what it can at once (bad requests, `cancel`
+/// with nothing running, a request while another runs), sets the cancel flag, and queues the
+/// rest. EOF and `close` end the session.
+fn read_requests(
+    mut input: Box<dyn BufRead + Send>,
+    replies: Replies,
+    busy: Busy,
+    cancel: CancelFlag,
+    tx: mpsc::Sender<Work>,
+) {
+    let outcome: io::Result<()> = (|| loop {
+        let line = match read_line(&mut *input, MAX_REQUEST_BYTES)? {
+            LineRead::Eof => {
+                let _ = tx.send(Work::Close);
+                return Ok(());
+            }
+            LineRead::TooLong(n) => {
+                replies.error(
+                    0,
+                    false,
+                    &format!(
+                        "a request line of {n} bytes is longer than the {MAX_REQUEST_BYTES} bytes read; it was skipped"
+                    ),
+                )?;
+                continue;
+            }
+            LineRead::Line(l) => l,
+        };
+        if line.iter().all(u8::is_ascii_whitespace) {
+            continue;
+        }
+        match parse_request(&line) {
+            Err(e) => replies.error(e.id, false, &e.msg)?,
+            Ok(Request::Cancel) => {
+                let b = busy.lock().unwrap_or_else(|e| e.into_inner());
+                if b.is_some() {
+                    cancel.set();
+                } else {
+                    drop(b);
+                    replies.error(0, false, "cancel: no generation is running")?;
+                }
+            }
+            Ok(Request::Close) => {
+                // Like EOF: the session ends once a running generation has finished (send
+                // cancel first to stop it sooner).
+                let _ = tx.send(Work::Close);
+                return Ok(());
+            }
+            Ok(r @ (Request::Generate(_) | Request::Decide(_))) => {
+                let (id, work) = match r {
+                    Request::Generate(g) => (g.id, Work::Generate(g)),
+                    Request::Decide(d) => (d.id, Work::Decide(d)),
+                    _ => unreachable!("matched above"),
+                };
+                let mut b = busy.lock().unwrap_or_else(|e| e.into_inner());
+                if let Some(running) = *b {
+                    drop(b);
+                    replies.error(
+                        id,
+                        false,
+                        &format!(
+                            "request {id} arrived while request {running} is running: send cancel, or wait for its BMOE_DONE"
+                        ),
+                    )?;
+                } else {
+                    *b = Some(id);
+                    drop(b);
+                    if tx.send(work).is_err() {
+                        return Ok(());
+                    }
+                }
+            }
+        }
+    })();
+    if let Err(e) = outcome {
+        let _ = tx.send(Work::Failed(format!("reading requests: {e}")));
+    }
+}
+
+/// The longest common prefix of two token sequences.
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+fn think_control(c: ThinkCtl) -> ThinkControl {
+    match c {
+        ThinkCtl::Template => ThinkControl::Template,
+        ThinkCtl::Prefill => ThinkControl::Prefill,
+        ThinkCtl::None => ThinkControl::None,
+    }
+}
+
+/// Exit code of a session that ended on a failed step (its output was not trustworthy).
+const EXIT_FAILED: i32 = 3;
+
+/// Serve a session: load, `BMOE_READY`, then requests from `input` until `close` or EOF
+/// (exit 0), a signal (`signal` set: the running turn stops at its next token boundary, a
+/// fatal `BMOE_ERROR` says why, exit 130) or a failed step (fatal `BMOE_ERROR`, exit 3).
+/// Replies go to `out`; diagnostics (load warnings) to `err`.
+pub fn serve(
+    args: &RunArgs,
+    model_path: &Path,
+    input: Box<dyn BufRead + Send>,
+    out: Box<dyn Write + Send>,
+    err: &mut dyn Write,
+    signal: &CancelFlag,
+) -> Result<i32> {
+    let replies = Replies(Arc::new(Mutex::new(out)));
+    if !args.prompt.is_empty() {
+        let msg = "-p has no meaning with --session: prompts arrive as generate requests on stdin";
+        replies.error(0, true, msg)?;
+        bail!("{msg}");
+    }
+    if args.logits_out.is_some() {
+        let msg = "--logits-out is a one-shot diagnostic and cannot be combined with --session";
+        replies.error(0, true, msg)?;
+        bail!("{msg}");
+    }
+    let loaded = match load(args, model_path, err) {
+        Ok(l) => l,
+        Err(e) => {
+            replies.error(0, true, &format!("{e:#}"))?;
+            return Err(e);
+        }
+    };
+    let template = match loaded
+        .file
+        .get("tokenizer.chat_template")
+        .and_then(|v| v.as_str())
+    {
+        Some(src) => Some(ChatTemplate::new(
+            src,
+            &loaded.tok.bos_text(),
+            &loaded.tok.eos_text(),
+        )?),
+        None if args.chatml => {
+            let msg = format!(
+                "--chatml: {} has no tokenizer.chat_template",
+                model_path.display()
+            );
+            replies.error(0, true, &msg)?;
+            bail!("{msg}");
+        }
+        None => None,
+    };
+    // Decided from the model's own template, never its name; with no template there is no
+    // way to ask for reasoning, so nothing to suppress.
+    let vocab_thinks =
+        loaded.tok.token_id("<think>").is_some() && loaded.tok.token_id("</think>").is_some();
+    let think_ctl = template.as_ref().map_or(ThinkCtl::Template, |t| {
+        t.think_control_for_vocab(vocab_thinks)
+    });
+    let chat = if args.chatml { template } else { None };
+
+    let crate::run::Loaded {
+        cfg,
+        engine,
+        tok,
+        n_vocab,
+        load_s,
+        ..
+    } = loaded;
+    let mut sinks = Sinks::open(args, &cfg, &engine)?;
+    let n_ctx = cfg.n_ctx as usize;
+    replies.line(|w| {
+        write_ready(
+            w,
+            &Ready {
+                load_s,
+                arch: &cfg.arch,
+                n_ctx: cfg.n_ctx,
+                think_ctl: think_control(think_ctl),
+                n_expert_used: cfg.n_expert_used,
+            },
+        )
+    })?;
+    let probe = host_probe(&engine);
+    let cancel = CancelFlag::new();
+    let mut session = Session::new(engine, cfg, load_s, Box::new(probe))
+        .with_cancel(cancel.clone())
+        .also_stop_on(signal.clone());
+    let mut sampler = sampler(args);
+    let mut history: Vec<Message> = Vec::new();
+
+    let busy: Busy = Arc::new(Mutex::new(None));
+    let (tx, rx) = mpsc::channel();
+    {
+        let (replies, busy, cancel) = (replies.clone(), busy.clone(), cancel.clone());
+        let input = input;
+        std::thread::Builder::new()
+            .name("bmoe-requests".to_string())
+            .spawn(move || read_requests(input, replies, busy, cancel, tx))?;
+    }
+    // The generation side is idle again — before its last reply goes out, so a client that
+    // sends its next request on seeing that reply finds the session free; a cancel that comes
+    // later has nothing to stop.
+    let idle = |busy: &Busy, cancel: &CancelFlag| {
+        let mut b = busy.lock().unwrap_or_else(|e| e.into_inner());
+        cancel.clear();
+        *b = None;
+    };
+
+    let code = loop {
+        if signal.is_set() {
+            replies.error(0, true, "interrupted by SIGINT/SIGTERM: the session ends")?;
+            break crate::run::EXIT_INTERRUPTED;
+        }
+        let work = match rx.recv_timeout(Duration::from_millis(100)) {
+            Ok(w) => w,
+            Err(mpsc::RecvTimeoutError::Timeout) => continue,
+            Err(mpsc::RecvTimeoutError::Disconnected) => break 0,
+        };
+        let g = match work {
+            Work::Close => break 0,
+            Work::Failed(msg) => {
+                replies.error(0, true, &msg)?;
+                break 1;
+            }
+            Work::Decide(d) => {
+                idle(&busy, &cancel);
+                replies.error(
+                    d.id,
+                    false,
+                    "decide: this session was opened without --decide",
+                )?;
+                continue;
+            }
+            Work::Generate(g) => g,
+        };
+        let id = g.id;
+        let n_predict = g.n_predict.unwrap_or(args.n_predict);
+        let think = g.think.unwrap_or(!args.no_think);
+        let clear_kv = g.clear_kv.unwrap_or(true);
+        // The whole context the turn wants in the KV, and the text its generation follows.
+        let wanted: Result<(Vec<u32>, String, Vec<Message>)> = (|| {
+            if g.prompt.is_empty() {
+                bail!("generate: the prompt is empty");
+            }
+            Ok(match &chat {
+                Some(t) => {
+                    let mut msgs = if clear_kv {
+                        Vec::new()
+                    } else {
+                        history.clone()
+                    };
+                    msgs.push(Message::new("user", g.prompt.clone()));
+                    let text = t.render(&msgs, true, Some(think))?;
+                    (tok.encode(&text, true)?, text, msgs)
+                }
+                None if clear_kv => (tok.encode(&g.prompt, false)?, String::new(), Vec::new()),
+                None => {
+                    let mut all = session.context().to_vec();
+                    all.extend(tok.encode_with(&g.prompt, false, false)?);
+                    (all, String::new(), Vec::new())
+                }
+            })
+        })();
+        let (wanted, text, msgs) = match wanted {
+            Ok(w) => w,
+            Err(e) => {
+                idle(&busy, &cancel);
+                replies.error(id, false, &format!("{e:#}"))?;
+                continue;
+            }
+        };
+        if wanted.is_empty() {
+            idle(&busy, &cancel);
+            replies.error(
+                id,
+                false,
+                "generate: the prompt is empty after tokenization",
+            )?;
+            continue;
+        }
+        if wanted.len() + n_predict as usize > n_ctx {
+            idle(&busy, &cancel);
+            replies.error(
+                id,
+                false,
+                &format!(
+                    "generate: a context of {} tokens plus n_predict {n_predict} exceeds n_ctx {n_ctx}",
+                    wanted.len()
+                ),
+            )?;
+            continue;
+        }
+        // Reuse what the KV already holds; at least the last token is fed again, for its
+        // logits.
+        let reuse = if clear_kv {
+            0
+        } else {
+            common_prefix(session.context(), &wanted).min(wanted.len() - 1)
+        };
+        session.truncate_context(reuse as u32);
+        if clear_kv {
+            // A new chat starts here, whatever becomes of this turn.
+            history.clear();
+        }
+        let positions: Vec<u32> = (reuse as u32..wanted.len() as u32).collect();
+        replies.line(|w| write_begin(w, id))?;
+        let mut source = Sampling::new(&tok, &mut sampler, n_vocab, chat.is_some(), &text);
+        let mut progress = LineOut {
+            replies: replies.clone(),
+            buf: Vec::new(),
+        };
+        let outcome = session.generate(
+            &TurnRequest {
+                prompt: &wanted[reuse..],
+                positions: &positions,
+                n_predict,
+            },
+            &mut source,
+            &mut sinks.outputs(Some(&mut progress)),
+        )?;
+        let (reasoning, answer) = source.into_text();
+        match outcome.stop {
+            StopReason::Failed => {
+                let e = outcome
+                    .error
+                    .map_or_else(|| "a step failed".to_string(), |e| e.to_string());
+                replies.error(
+                    id,
+                    true,
+                    &format!("{e}; this session's output is no longer trustworthy"),
+                )?;
+                break EXIT_FAILED;
+            }
+            StopReason::Cancelled => {
+                // Rolled back: the KV to where this turn's prefill began, and the user
+                // message is not kept (`history` is as it was before the turn, or empty after
+                // a new chat).
+                session.truncate_context(reuse as u32);
+            }
+            StopReason::Count | StopReason::EndOfGeneration => {
+                if chat.is_some() {
+                    history = msgs;
+                    history.push(
+                        Message::new("assistant", answer.clone()).with_reasoning(reasoning.clone()),
+                    );
+                }
+            }
+        }
+        let cancelled = outcome.stop == StopReason::Cancelled;
+        idle(&busy, &cancel);
+        replies.line(|w| write_done(w, id, cancelled, &outcome.summary, &reasoning, &answer))?;
+    };
+    sinks.finish()?;
+    Ok(code)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err(line: &str) -> RequestError {
+        parse_request(line.as_bytes()).expect_err(line)
+    }
+
+    #[test]
+    fn requests_parse_with_their_defaults() {
+        assert_eq!(
+            parse_request(br#"{"cmd":"generate","id":7,"prompt":"hi\nthere"}"#).unwrap(),
+            Request::Generate(GenerateRequest {
+                id: 7,
+                prompt: "hi\nthere".into(),
+                n_predict: None,
+                think: None,
+                clear_kv: None,
+            })
+        );
+        assert_eq!(
+            parse_request(
+                br#"{"cmd":"generate","id":-1,"prompt":"x","n_predict":3,"think":false,"clear_kv":false,"extra":1}"#
+            )
+            .unwrap(),
+            Request::Generate(GenerateRequest {
+                id: -1,
+                prompt: "x".into(),
+                n_predict: Some(3),
+                think: Some(false),
+                clear_kv: Some(false),
+            })
+        );
+        assert_eq!(
+            parse_request(br#"{"cmd":"generate","id":1,"prompt":"x","n_predict":null}"#).unwrap(),
+            Request::Generate(GenerateRequest {
+                id: 1,
+                prompt: "x".into(),
+                n_predict: None,
+                think: None,
+                clear_kv: None,
+            })
+        );
+        assert_eq!(
+            parse_request(br#"{"cmd":"cancel"}"#).unwrap(),
+            Request::Cancel
+        );
+        assert_eq!(
+            parse_request(br#" {"cmd":"close"} "#).unwrap(),
+            Request::Close
+        );
+        assert_eq!(
+            parse_request(
+                br#"{"cmd":"decide","id":2,"prefix":"p","suffix":"s","choices":["a","b"]}"#
+            )
+            .unwrap(),
+            Request::Decide(DecideRequest {
+                id: 2,
+                prefix: "p".into(),
+                suffix: "s".into(),
+                choices: vec!["a".into(), "b".into()],
+                reuse_prefix: None,
+            })
+        );
+    }
+
+    #[test]
+    fn bad_requests_name_the_problem_and_the_id() {
+        for (line, id, needle) in [
+            ("not json", 0, "not JSON"),
+            ("[1,2]", 0, "JSON object; got an array"),
+            ("\"generate\"", 0, "got a string"),
+            (r#"{"id":4}"#, 4, "missing field cmd"),
+            (r#"{"cmd":"dance","id":5}"#, 5, "unknown cmd \"dance\""),
+            (r#"{"cmd":7}"#, 0, "field cmd: expected a string"),
+            (r#"{"cmd":"generate","prompt":"x"}"#, 0, "missing field id"),
+            (
+                r#"{"cmd":"generate","id":"3","prompt":"x"}"#,
+                0,
+                "field id: expected an integer",
+            ),
+            (
+                r#"{"cmd":"generate","id":1.5,"prompt":"x"}"#,
+                0,
+                "field id: expected an integer",
+            ),
+            (r#"{"cmd":"generate","id":3}"#, 3, "missing field prompt"),
+            (
+                r#"{"cmd":"generate","id":3,"prompt":5}"#,
+                3,
+                "field prompt: expected a string",
+            ),
+            (
+                r#"{"cmd":"generate","id":3,"prompt":"x","n_predict":0}"#,
+                3,
+                "n_predict",
+            ),
+            (
+                r#"{"cmd":"generate","id":3,"prompt":"x","n_predict":-2}"#,
+                3,
+                "n_predict",
+            ),
+            (
+                r#"{"cmd":"generate","id":3,"prompt":"x","n_predict":"8"}"#,
+                3,
+                "n_predict",
+            ),
+            (
+                r#"{"cmd":"generate","id":3,"prompt":"x","think":"no"}"#,
+                3,
+                "field think",
+            ),
+            (
+                r#"{"cmd":"generate","id":3,"prompt":"x","clear_kv":1}"#,
+                3,
+                "field clear_kv",
+            ),
+            (
+                r#"{"cmd":"decide","id":6,"prefix":"p","suffix":"s"}"#,
+                6,
+                "missing field choices",
+            ),
+            (
+                r#"{"cmd":"decide","id":6,"prefix":"p","suffix":"s","choices":[1]}"#,
+                6,
+                "choices[0]",
+            ),
+        ] {
+            let e = err(line);
+            assert_eq!(e.id, id, "{line}: {e}");
+            assert!(e.msg.contains(needle), "{line}: {e}");
+        }
+        let e = parse_request(b"{\"cmd\":\"generate\",\"id\":1,\"prompt\":\"\xff\"}").unwrap_err();
+        assert!(e.msg.contains("UTF-8"), "{e}");
+    }
+
+    #[test]
+    fn lines_are_read_whole_and_long_ones_skipped() {
+        let data = b"short\r\n0123456789ABCDEF\nlast".to_vec();
+        let mut r = io::BufReader::with_capacity(4, &data[..]);
+        assert_eq!(
+            read_line(&mut r, 8).unwrap(),
+            LineRead::Line(b"short".to_vec())
+        );
+        assert_eq!(read_line(&mut r, 8).unwrap(), LineRead::TooLong(16));
+        assert_eq!(
+            read_line(&mut r, 8).unwrap(),
+            LineRead::Line(b"last".to_vec())
+        );
+        assert_eq!(read_line(&mut r, 8).unwrap(), LineRead::Eof);
+    }
+
+    #[test]
+    fn common_prefix_counts_matching_tokens() {
+        assert_eq!(common_prefix(&[1, 2, 3], &[1, 2, 4, 5]), 2);
+        assert_eq!(common_prefix(&[], &[1]), 0);
+        assert_eq!(common_prefix(&[1, 2], &[1, 2]), 2);
+    }
+}

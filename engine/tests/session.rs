@@ -1,0 +1,333 @@
+//! `bmoe-cli --session` driven over a pipe as a client program drives it (issue 15): 50 turns
+//! mixing new chats, continued chats and cancels mid-stream, with every kind of bad request
+//! between them. Every stdout line must parse as a contract line, every request must be
+//! answered (`BMOE_DONE`, or `BMOE_ERROR` with `fatal:false` and the request's id), a continued
+//! turn must prefill fewer tokens than a fresh render of its history, and the process's RSS at
+//! turn 50 must be within 5 % of turn 10.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+
+const BIN: &str = env!("CARGO_BIN_EXE_bmoe-cli");
+const TAGS: [&str; 7] = [
+    "BMOE_READY",
+    "BMOE_BEGIN",
+    "BMOE_LOAD",
+    "BMOE_PROGRESS",
+    "BMOE_DONE",
+    "BMOE_DECIDE",
+    "BMOE_ERROR",
+];
+
+fn scratch() -> PathBuf {
+    let d = bmoe_engine::testdata::project_root()
+        .join("target")
+        .join(format!("session-test-{}", std::process::id()));
+    std::fs::create_dir_all(&d).expect("scratch dir");
+    d
+}
+
+struct Client {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    stdout: BufReader<ChildStdout>,
+    /// Every stdout line, parsed: (tag, json).
+    lines: Vec<(String, serde_json::Value)>,
+}
+
+impl Client {
+    fn start(model: &Path, args: &[&str]) -> Client {
+        let mut child = Command::new(BIN)
+            .arg("-m")
+            .arg(model)
+            .arg("--session")
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn bmoe-cli --session");
+        let stdin = child.stdin.take();
+        let stdout = BufReader::new(child.stdout.take().expect("stdout"));
+        Client {
+            child,
+            stdin,
+            stdout,
+            lines: Vec::new(),
+        }
+    }
+
+    fn send_bytes(&mut self, b: &[u8]) {
+        let w = self.stdin.as_mut().expect("stdin open");
+        w.write_all(b).expect("write request");
+        w.write_all(b"\n").expect("write newline");
+        w.flush().expect("flush");
+    }
+
+    fn send(&mut self, v: serde_json::Value) {
+        self.send_bytes(v.to_string().as_bytes());
+    }
+
+    /// The next stdout line, which must be a contract line: a known tag and a JSON object.
+    fn next(&mut self) -> (String, serde_json::Value) {
+        let mut l = String::new();
+        let n = self.stdout.read_line(&mut l).expect("read stdout");
+        assert!(n > 0, "stdout closed");
+        let l = l.trim_end_matches('\n');
+        let (tag, json) = l
+            .split_once(' ')
+            .unwrap_or_else(|| panic!("not a contract line: {l:?}"));
+        assert!(TAGS.contains(&tag), "not a contract tag: {l:?}");
+        let v: serde_json::Value =
+            serde_json::from_str(json).unwrap_or_else(|e| panic!("not JSON ({e}): {l:?}"));
+        assert!(v.is_object(), "not a JSON object: {l:?}");
+        self.lines.push((tag.to_string(), v.clone()));
+        (tag.to_string(), v)
+    }
+
+    fn until(&mut self, tag: &str) -> Vec<(String, serde_json::Value)> {
+        let mut got = Vec::new();
+        loop {
+            let (t, v) = self.next();
+            let done = t == tag;
+            got.push((t, v));
+            if done {
+                return got;
+            }
+        }
+    }
+
+    /// Expect a non-fatal error for request `id` whose message contains `needle`.
+    fn expect_error(&mut self, id: i64, needle: &str) {
+        let (t, v) = self.next();
+        assert_eq!(t, "BMOE_ERROR", "{v}");
+        assert_eq!(v["id"], id, "{v}");
+        assert_eq!(v["fatal"], false, "{v}");
+        let msg = v["msg"].as_str().unwrap_or("");
+        assert!(msg.contains(needle), "{needle:?} not in {msg:?}");
+    }
+
+    fn rss_kib(&self) -> u64 {
+        let s = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
+            .expect("/proc status");
+        s.lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .expect("VmRSS")
+    }
+}
+
+fn generate(id: i64, prompt: &str, n: u32, clear_kv: bool) -> serde_json::Value {
+    serde_json::json!({"cmd":"generate","id":id,"prompt":prompt,"n_predict":n,"clear_kv":clear_kv})
+}
+
+#[test]
+fn fifty_turns_over_a_pipe_with_bad_requests_between_them() {
+    let dir = scratch();
+    let model = dir.join("tiny.gguf");
+    let st = Command::new(BIN)
+        .args(["gen", "--preset", "tiny", "--quiet", "-o"])
+        .arg(&model)
+        .status()
+        .expect("gen");
+    assert!(st.success());
+    let mut c = Client::start(
+        &model,
+        &[
+            "--chatml",
+            "-t",
+            "1",
+            "-c",
+            "4096",
+            "--moe-stream",
+            "--cache-mb",
+            "4",
+            "--force-cache",
+            "--overlap",
+        ],
+    );
+    let (t, ready) = c.next();
+    assert_eq!(t, "BMOE_READY");
+    assert_eq!(ready["n_ctx"], 4096);
+    assert_eq!(ready["arch"], "qwen3moe");
+    assert_eq!(ready["n_expert_used"], 4);
+    assert!(["template", "prefill", "none"].contains(&ready["think_ctl"].as_str().unwrap()));
+
+    let prompts = [
+        "Tell me about the fox",
+        "And the river?",
+        "What did it eat",
+        "Where did it sleep",
+        "Was it happy",
+    ];
+    let (mut rss_10, mut rss_50) = (0u64, 0u64);
+    let mut continued_checked = 0;
+    let mut cancelled = 0;
+    // Whether the KV holds anything of the current chat: a cancelled new chat leaves it empty
+    // (rolled back to where its prefill began), so the next turn has nothing to reuse.
+    let mut kv_holds_chat = false;
+    for turn in 1..=50i64 {
+        let id = 1000 + turn;
+        let new_chat = turn % 5 == 1;
+        let prompt = prompts[(turn % 5) as usize];
+        if turn % 7 == 0 {
+            // Cancel mid-stream, and a second generate while this one runs.
+            c.send(generate(id, prompt, 3000, new_chat));
+            let (t, v) = c.next();
+            assert_eq!(
+                (t.as_str(), &v["id"]),
+                ("BMOE_BEGIN", &serde_json::json!(id))
+            );
+            c.until("BMOE_PROGRESS");
+            c.send(generate(id + 500, "again", 4, true));
+            c.send(serde_json::json!({"cmd":"cancel"}));
+            let rest = c.until("BMOE_DONE");
+            let err = rest
+                .iter()
+                .find(|(t, _)| t == "BMOE_ERROR")
+                .unwrap_or_else(|| panic!("the second generate was not answered: {rest:?}"));
+            assert_eq!(err.1["id"], id + 500);
+            assert_eq!(err.1["fatal"], false);
+            let done = &rest.last().unwrap().1;
+            assert_eq!(done["id"], id);
+            assert_eq!(done["cancelled"], true, "{done}");
+            assert!(done["tokens"].as_u64().unwrap() < 3000);
+            if new_chat {
+                kv_holds_chat = false;
+            }
+            let steps = rest.iter().filter(|(t, _)| t == "BMOE_PROGRESS").count() + 1;
+            assert_eq!(done["tokens"].as_u64().unwrap() as usize, steps);
+            cancelled += 1;
+        } else {
+            c.send(generate(id, prompt, 6, new_chat));
+            let lines = c.until("BMOE_DONE");
+            assert_eq!(lines[0].0, "BMOE_BEGIN");
+            let done = &lines.last().unwrap().1;
+            assert_eq!(
+                (done["id"].as_i64(), done["tokens"].as_u64()),
+                (Some(id), Some(6))
+            );
+            assert_eq!(done["cancelled"], false);
+            let progress: Vec<_> = lines.iter().filter(|(t, _)| t == "BMOE_PROGRESS").collect();
+            assert_eq!(progress.len(), 6);
+            let n_prompt = done["n_prompt"].as_u64().unwrap();
+            let fresh = done["n_past"].as_u64().unwrap() - 6;
+            if new_chat || !kv_holds_chat {
+                assert_eq!(
+                    n_prompt, fresh,
+                    "nothing to reuse: the whole render: {done}"
+                );
+            } else {
+                // The render of the whole history would prefill `fresh` tokens; the KV
+                // already held most of them.
+                assert!(
+                    n_prompt < fresh,
+                    "continued turn {turn} reused nothing: {done}"
+                );
+                continued_checked += 1;
+            }
+            kv_holds_chat = true;
+        }
+        // Bad requests between turns; each answered, the session goes on.
+        match turn % 10 {
+            2 => {
+                c.send_bytes(b"this is not json");
+                c.expect_error(0, "not JSON");
+                c.send_bytes(b"[1,2,3]");
+                c.expect_error(0, "JSON object");
+            }
+            3 => {
+                c.send(serde_json::json!({"cmd":"dance","id":id}));
+                c.expect_error(id, "unknown cmd");
+                c.send(serde_json::json!({"cmd":"generate","id":id}));
+                c.expect_error(id, "missing field prompt");
+                c.send(serde_json::json!({"cmd":"generate","id":id,"prompt":3}));
+                c.expect_error(id, "field prompt");
+            }
+            4 => {
+                c.send(serde_json::json!({"cmd":"cancel"}));
+                c.expect_error(0, "no generation is running");
+                c.send(generate(id, "", 4, true));
+                c.expect_error(id, "prompt is empty");
+            }
+            5 => {
+                c.send(generate(id, "Tell me everything", 4095, true));
+                c.expect_error(id, "exceeds n_ctx");
+                c.send(serde_json::json!({"cmd":"decide","id":id,"prefix":"a","suffix":"b","choices":["x","y"]}));
+                c.expect_error(id, "--decide");
+            }
+            6 if turn == 16 => {
+                let mut huge = b"{\"cmd\":\"generate\",\"id\":1,\"prompt\":\"".to_vec();
+                huge.resize(10 << 20, b'a');
+                huge.extend_from_slice(b"\"}");
+                c.send_bytes(&huge);
+                c.expect_error(0, "longer than");
+                c.send_bytes(b"{\"cmd\":\"generate\",\"id\":9,\"prompt\":\"\xff\xfe\"}");
+                c.expect_error(0, "UTF-8");
+            }
+            _ => {}
+        }
+        if turn == 10 {
+            rss_10 = c.rss_kib();
+        }
+        if turn == 50 {
+            rss_50 = c.rss_kib();
+        }
+    }
+    assert!(
+        continued_checked >= 30,
+        "{continued_checked} continued turns"
+    );
+    assert!(cancelled >= 7);
+    let growth = rss_50 as f64 / rss_10 as f64 - 1.0;
+    eprintln!(
+        "RSS turn 10: {rss_10} KiB, turn 50: {rss_50} KiB ({:+.2} %)",
+        100.0 * growth
+    );
+    assert!(
+        growth.abs() <= 0.05,
+        "RSS moved {:+.2} % from turn 10 ({rss_10} KiB) to 50 ({rss_50} KiB)",
+        100.0 * growth
+    );
+    c.send(serde_json::json!({"cmd":"close"}));
+    drop(c.stdin.take());
+    let st = c.child.wait().expect("wait");
+    assert_eq!(st.code(), Some(0));
+    // Nothing but contract lines, every one parsed above; and stdout ended cleanly.
+    let mut rest = String::new();
+    c.stdout.read_line(&mut rest).expect("read");
+    assert!(rest.is_empty(), "stdout after close: {rest:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_signal_ends_the_session_after_answering_the_running_turn() {
+    let dir = scratch();
+    let model = dir.join("tiny.gguf");
+    let st = Command::new(BIN)
+        .args(["gen", "--preset", "tiny", "--quiet", "-o"])
+        .arg(&model)
+        .status()
+        .expect("gen");
+    assert!(st.success());
+    let mut c = Client::start(&model, &["-t", "1", "-c", "4096"]);
+    assert_eq!(c.next().0, "BMOE_READY");
+    c.send(generate(1, "Once upon a time", 4000, true));
+    c.until("BMOE_PROGRESS");
+    // SAFETY: kill(2) on our own child's pid.
+    assert_eq!(
+        unsafe { libc::kill(c.child.id() as libc::pid_t, libc::SIGINT) },
+        0
+    );
+    let done = c.until("BMOE_DONE").pop().unwrap().1;
+    assert_eq!(
+        (done["id"].as_i64(), &done["cancelled"]),
+        (Some(1), &serde_json::json!(true))
+    );
+    let (t, v) = c.next();
+    assert_eq!(t, "BMOE_ERROR");
+    assert_eq!(v["fatal"], true, "{v}");
+    assert_eq!(c.child.wait().expect("wait").code(), Some(130));
+    let _ = std::fs::remove_dir_all(&dir);
+}
