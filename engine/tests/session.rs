@@ -118,13 +118,8 @@ impl Client {
     }
 }
 
-fn generate(id: i64, prompt: &str, n: u32, clear_kv: bool) -> serde_json::Value {
-    serde_json::json!({"cmd":"generate","id":id,"prompt":prompt,"n_predict":n,"clear_kv":clear_kv})
-}
-
-#[test]
-fn fifty_turns_over_a_pipe_with_bad_requests_between_them() {
-    let dir = scratch();
+/// `bmoe-cli gen --preset tiny` into `dir`.
+fn tiny_model(dir: &Path) -> PathBuf {
     let model = dir.join("tiny.gguf");
     let st = Command::new(BIN)
         .args(["gen", "--preset", "tiny", "--quiet", "-o"])
@@ -132,6 +127,17 @@ fn fifty_turns_over_a_pipe_with_bad_requests_between_them() {
         .status()
         .expect("gen");
     assert!(st.success());
+    model
+}
+
+fn generate(id: i64, prompt: &str, n: u32, clear_kv: bool) -> serde_json::Value {
+    serde_json::json!({"cmd":"generate","id":id,"prompt":prompt,"n_predict":n,"clear_kv":clear_kv})
+}
+
+#[test]
+fn fifty_turns_over_a_pipe_with_bad_requests_between_them() {
+    let dir = scratch();
+    let model = tiny_model(&dir);
     let mut c = Client::start(
         &model,
         &[
@@ -304,13 +310,7 @@ fn fifty_turns_over_a_pipe_with_bad_requests_between_them() {
 #[test]
 fn a_signal_ends_the_session_after_answering_the_running_turn() {
     let dir = scratch();
-    let model = dir.join("tiny.gguf");
-    let st = Command::new(BIN)
-        .args(["gen", "--preset", "tiny", "--quiet", "-o"])
-        .arg(&model)
-        .status()
-        .expect("gen");
-    assert!(st.success());
+    let model = tiny_model(&dir);
     let mut c = Client::start(&model, &["-t", "1", "-c", "4096"]);
     assert_eq!(c.next().0, "BMOE_READY");
     c.send(generate(1, "Once upon a time", 4000, true));
