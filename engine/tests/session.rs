@@ -21,11 +21,7 @@ const TAGS: [&str; 7] = [
 ];
 
 fn scratch() -> PathBuf {
-    let d = bmoe_engine::testdata::project_root()
-        .join("target")
-        .join(format!("session-test-{}", std::process::id()));
-    std::fs::create_dir_all(&d).expect("scratch dir");
-    d
+    bmoe_engine::testdata::scratch_dir("session-test")
 }
 
 struct Client {

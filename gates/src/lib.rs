@@ -6,15 +6,10 @@ use clap::Parser;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
 
-/// A scratch directory under the workspace's `target/` (a real filesystem, so O_DIRECT works;
-/// `/tmp` may be tmpfs).
+/// A scratch directory for this test process, removed by a later test process once this
+/// one is gone (`bmoe_engine::testdata::scratch_dir`).
 pub fn scratch_dir(name: &str) -> PathBuf {
-    let d = bmoe_engine::testdata::project_root()
-        .join("target")
-        .join("gates")
-        .join(name);
-    std::fs::create_dir_all(&d).expect("create scratch dir");
-    d
+    bmoe_engine::testdata::scratch_dir(name)
 }
 
 static MODELS: OnceLock<Mutex<Vec<(String, PathBuf)>>> = OnceLock::new();
@@ -26,7 +21,7 @@ pub fn model(key: &str, gen_args: &[&str]) -> PathBuf {
     if let Some((_, p)) = g.iter().find(|(k, _)| k == key) {
         return p.clone();
     }
-    let path = scratch_dir("models").join(format!("{key}-{}.gguf", std::process::id()));
+    let path = scratch_dir("models").join(format!("{key}.gguf"));
     let mut argv = vec![
         "bmoe-cli",
         "gen",

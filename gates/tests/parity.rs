@@ -68,7 +68,7 @@ struct Parity {
 
 fn compare(m: &Path, tag: &str) -> Parity {
     let dir = scratch_dir("parity");
-    let ours = dir.join(format!("{tag}-{}.ours.f32", std::process::id()));
+    let ours = dir.join(format!("{tag}.ours.f32"));
     let r = run(
         m,
         &[
@@ -82,7 +82,7 @@ fn compare(m: &Path, tag: &str) -> Parity {
     );
     assert_eq!(r.code, 0, "{}", r.stderr);
     let ids = format!("{}.json", ours.display());
-    let refp = dir.join(format!("{tag}-{}.ref.f32", std::process::id()));
+    let refp = dir.join(format!("{tag}.ref.f32"));
     py(&["logits", m.to_str().unwrap(), &ids, refp.to_str().unwrap()]);
     let side: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&ids).unwrap()).unwrap();
@@ -192,7 +192,7 @@ fn ours_q4_k_m_matches_llama_cpp() {
 fn gguf_py_rewritten_file_matches_llama_cpp() {
     if python_ready() {
         let src = gen("par-f32-src", "f32");
-        let out = scratch_dir("parity").join(format!("gguf-py-{}.gguf", std::process::id()));
+        let out = scratch_dir("parity").join("gguf-py.gguf");
         py(&["rewrite", src.to_str().unwrap(), out.to_str().unwrap()]);
         assert_f32(&compare(&out, "gguf-py-f32"));
     }
@@ -203,8 +203,7 @@ fn llama_quantize_files_match_llama_cpp() {
     if python_ready() {
         let src = gen("par-f32-q", "f32");
         for ty in ["q8_0", "q4_k_m", "f16"] {
-            let out = scratch_dir("parity")
-                .join(format!("llama-quantize-{ty}-{}.gguf", std::process::id()));
+            let out = scratch_dir("parity").join(format!("llama-quantize-{ty}.gguf"));
             py(&["quantize", src.to_str().unwrap(), out.to_str().unwrap(), ty]);
             assert_quant(&compare(&out, &format!("llama-quantize-{ty}")));
         }

@@ -59,11 +59,7 @@ fn s2_a_warm_second_generate_equals_the_resident_output_under_overlap() {
 #[test]
 fn a_five_turn_session_replays_exactly_turn_by_turn() {
     let dir = scratch_dir("session-replay");
-    let tag = std::process::id();
-    let (csv, route) = (
-        dir.join(format!("engine-{tag}.csv")),
-        dir.join(format!("engine-{tag}.route.csv")),
-    );
+    let (csv, route) = (dir.join("engine.csv"), dir.join("engine.route.csv"));
     let flags = ["--cache-mb", "4", "--force-cache", "--io-threads", "3"];
     let mut args = vec!["-t", "2", "--moe-stream", "--chatml"];
     args.extend_from_slice(&flags);
@@ -99,7 +95,7 @@ fn a_five_turn_session_replays_exactly_turn_by_turn() {
     if measured.preamble.get("o_direct") == Some("0") {
         flags.push("--no-odirect".into());
     }
-    let sim_csv = dir.join(format!("sim-{tag}.csv"));
+    let sim_csv = dir.join("sim.csv");
     let mut argv: Vec<String> = ["bmoe-sim", "replay", "--trace", route.to_str().unwrap()]
         .iter()
         .map(|s| s.to_string())
