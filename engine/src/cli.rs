@@ -73,6 +73,11 @@ pub struct RunArgs {
     /// one row of n_vocab per position) plus PATH.json naming the token ids
     #[arg(long = "logits-out", value_name = "PATH")]
     pub logits_out: Option<PathBuf>,
+    /// Diagnose NaN: check every layer's intermediates (inp_embd, ffn_inp, ffn_norm,
+    /// ffn_moe_logits, l_out) and stop at the first that holds a NaN or infinity, naming the
+    /// layer, the tensor and the position. Logits are always checked; this finds where it began
+    #[arg(long = "check-finite")]
+    pub check_finite: bool,
     /// Print the architectures this build runs and exit
     #[arg(long = "list-archs")]
     pub list_archs: bool,
@@ -256,6 +261,13 @@ pub fn gen(a: GenArgs) -> Result<()> {
         types.experts = e.experts;
         types.experts_down_more = e.experts_down_more;
     }
+    // `-o` over the vocabulary or template it reads would destroy that input.
+    let inputs: Vec<crate::outputs::Named<'_>> =
+        [("--vocab", &a.vocab), ("--template", &a.template)]
+            .into_iter()
+            .filter_map(|(flag, p)| p.as_deref().map(|p| crate::outputs::Named::new(flag, p)))
+            .collect();
+    crate::outputs::check_distinct(&inputs, &[crate::outputs::Named::new("--out", &a.out)])?;
     let mut vocab = match &a.vocab {
         None => crate::vocab::builtin_vocab().context("building the built-in vocabulary")?,
         Some(p) => crate::vocab::vocab_from_file(p)
@@ -283,6 +295,8 @@ pub fn gen(a: GenArgs) -> Result<()> {
         vocab,
         threads: a.threads.max(1) as usize,
     };
+    // Checked here too so a bad option is not reported as a failure to write the file.
+    opts.validate()?;
     let bar = if a.quiet {
         None
     } else {

@@ -29,7 +29,11 @@ fn main() {
     match r {
         Ok(code) => std::process::exit(code),
         Err(e) => {
-            eprintln!("bmoe: error: {e:#}");
+            // Each cause once: many errors already print their OS error in their message.
+            eprintln!(
+                "bmoe: error: {}",
+                bmoe_core::telemetry::fmt::error_text(e.as_ref())
+            );
             std::process::exit(1);
         }
     }

@@ -9,7 +9,7 @@ use crate::cli::RunArgs;
 use crate::flash::{LaneFlash, MonotonicClock};
 use crate::gguf::GgufFile;
 use crate::stream::{arena_for, layout_of, EngineBackend};
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{anyhow, bail, Result};
 use bmoe_core::config::{auto_cache_budget, RunConfig, MIB};
 use bmoe_core::ledger::{Ledger, MemPicture};
 use bmoe_core::records::{Phase, RecordSink};
@@ -20,8 +20,7 @@ use bmoe_core::telemetry::run::RunTelemetry;
 use bmoe_core::telemetry::sinks::TraceTee;
 use bmoe_core::testing::{Fault, FaultyFlash};
 use bmoe_core::{Engine, ExpertCache, StepInput, StepStats, StreamConfig};
-use std::fs::File;
-use std::io::{BufWriter, Write};
+use std::io::Write;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
@@ -56,6 +55,18 @@ pub enum Runner {
 impl Runner {
     /// Run one batch. `all_logits` asks for every row's logits (for `--logits-out`).
     pub fn step(
+        &mut self,
+        input: &StepInput<'_>,
+        all_logits: bool,
+        sink: &mut dyn RecordSink,
+    ) -> Result<StepStats> {
+        let stats = self.forward(input, all_logits, sink)?;
+        // NaN logits would sample token 0 forever and exit 0: stop, naming the step.
+        crate::finite::check_logits(self.logits(), input)?;
+        Ok(stats)
+    }
+
+    fn forward(
         &mut self,
         input: &StepInput<'_>,
         all_logits: bool,
@@ -126,12 +137,6 @@ fn mem_picture(dense: &mut crate::probe::DenseResidency) -> MemPicture {
     }
 }
 
-fn create(p: &Path) -> Result<BufWriter<File>> {
-    Ok(BufWriter::new(
-        File::create(p).with_context(|| format!("creating {}", p.display()))?,
-    ))
-}
-
 /// What a generation produced, for callers that run it in-process (the gates).
 #[derive(Clone, Debug, Default)]
 pub struct Outcome {
@@ -176,6 +181,9 @@ pub fn generate_with(
     args.stream.apply(&mut cfg);
     args.telemetry.apply(&mut cfg);
     cfg.validate()?;
+    // Every output checked against the model's files and each other, and created, before the
+    // model loads: a bad output path costs nothing and never touches an input.
+    let mut outputs = crate::outputs::RunOutputs::open(model_path, args)?;
 
     let file = Arc::new(GgufFile::open(model_path)?);
     cfg.arch = file.architecture().unwrap_or("").to_string();
@@ -252,7 +260,8 @@ pub fn generate_with(
             None => (u64::MAX, Fault::Eio),
         };
         let flash = FaultyFlash::new(flash, nth, fault);
-        let model = Qwen3Moe::new(weights, args.threads as usize);
+        let mut model = Qwen3Moe::new(weights, args.threads as usize);
+        model.set_check_finite(args.check_finite);
         let state = model.new_state(args.ctx as usize);
         let backend = EngineBackend::new(model, state, arena, layout.clone());
         let mut e = Engine::new(
@@ -278,6 +287,7 @@ pub fn generate_with(
         Runner::Streamed(Box::new(e))
     } else {
         let mut model = Qwen3Moe::new(weights, args.threads as usize);
+        model.set_check_finite(args.check_finite);
         if cfg.n_expert_used_override > 0 {
             model.set_top_k(cfg.n_expert_used_override as usize);
         }
@@ -325,9 +335,9 @@ pub fn generate_with(
     let load_s = t_load.elapsed().as_secs_f64();
 
     // Sinks.
-    let mut csv = args.telemetry.csv.as_deref().map(create).transpose()?;
-    let mut route = match (&args.telemetry.route_trace, &runner) {
-        (Some(p), Runner::Streamed(e)) => {
+    let mut csv = outputs.csv.take();
+    let mut route = match (outputs.route_trace.take(), &runner) {
+        (Some(w), Runner::Streamed(e)) => {
             let layers = e
                 .layout()
                 .layers()
@@ -358,15 +368,15 @@ pub fn generate_with(
                 extra: Vec::new(),
             };
             Some(RouteTraceWriter::with_predictions(
-                create(p)?,
+                w,
                 &pre,
                 bmoe_core::telemetry::route_trace::PredColumns::for_config(&cfg),
             )?)
         }
         _ => None,
     };
-    let mut io = match &args.telemetry.io_trace {
-        Some(p) => Some(IoTraceWriter::new(create(p)?)?),
+    let mut io = match outputs.io_trace.take() {
+        Some(w) => Some(IoTraceWriter::new(w)?),
         None => None,
     };
     let mut telemetry = RunTelemetry::new();
@@ -375,7 +385,7 @@ pub fn generate_with(
     }
     telemetry.begin_generation();
     let progress = args.telemetry.progress;
-    let mut logits_out = args.logits_out.as_deref().map(create).transpose()?;
+    let mut logits_out = outputs.logits.take();
     let all_logits = logits_out.is_some();
 
     // Prefill.
@@ -574,7 +584,7 @@ pub fn generate_with(
     if let Some(w) = io.take() {
         w.finish()?.flush()?;
     }
-    if let (Some(mut w), Some(p)) = (logits_out, &args.logits_out) {
+    if let (Some(mut w), Some(mut json)) = (logits_out, outputs.logits_json.take()) {
         w.flush()?;
         let mut ids: Vec<u32> = tokens[..n_prompt].to_vec();
         ids.extend(generated.iter().take(generated.len().saturating_sub(1)));
@@ -582,10 +592,7 @@ pub fn generate_with(
             "n_vocab": nv, "n_prompt": n_prompt, "rows": ids.len(), "dtype": "f32le",
             "token_ids": ids, "note": "row i holds the logits after feeding token_ids[..=i]"
         });
-        std::fs::write(
-            format!("{}.json", p.display()),
-            serde_json::to_string_pretty(&side)?,
-        )?;
+        json.write_all(serde_json::to_string_pretty(&side)?.as_bytes())?;
     }
     if let Some(e) = failed {
         return fail(progress, e, out, err);
@@ -607,13 +614,14 @@ fn fail(
     err: &mut dyn Write,
 ) -> Result<Outcome> {
     let _ = out.flush();
-    writeln!(err, "bmoe: FAILED: {e}")?;
+    let text = bmoe_core::telemetry::fmt::error_text(e.as_ref());
+    writeln!(err, "bmoe: FAILED: {text}")?;
     writeln!(err, "moe-stream: generation stopped by a failed read or step - this run's output is not trustworthy")?;
     if progress {
         writeln!(
             out,
             "BMOE_ERROR {}",
-            serde_json::json!({"id": 0, "fatal": true, "msg": format!("{e:#}")})
+            serde_json::json!({"id": 0, "fatal": true, "msg": text})
         )?;
     }
     Ok(Outcome {

@@ -250,13 +250,21 @@ where
     }
 }
 
-/// Read and check a route trace.
+/// Read and check a route trace. A trace with a preamble and no rows is refused: replaying
+/// it would report a run of 0 tokens as a success.
 pub fn load_trace(path: &Path) -> Result<RouteTrace, SimError> {
     let text = std::fs::read_to_string(path).map_err(|e| SimError::io(path, e))?;
-    RouteTrace::parse(&text).map_err(|source| SimError::Parse {
+    let trace = RouteTrace::parse(&text).map_err(|source| SimError::Parse {
         path: path.to_path_buf(),
         source,
-    })
+    })?;
+    if trace.cells.is_empty() {
+        return Err(SimError::invalid(
+            format!("route trace {}", path.display()),
+            "it has a preamble but no rows: nothing to replay (was its run stopped before the first step?)",
+        ));
+    }
+    Ok(trace)
 }
 
 /// A trace ready to replay: parsed, planned, its layout built, and the run configured.

@@ -493,6 +493,7 @@ impl RouteTrace {
     /// (turn, phase) (prefill's last layer may route a single token, as llama.cpp's does); and
     /// a trace in which every token routes the same experts at every layer.
     pub fn parse(text: &str) -> Result<RouteTrace, ParseError> {
+        super::check_whole_lines(text, FORMAT)?;
         let mut lines = text
             .lines()
             .enumerate()
