@@ -8,6 +8,7 @@ pub mod cli;
 pub mod dense;
 pub mod finite;
 pub mod flash;
+pub mod fuzzing;
 pub mod gen;
 pub mod gguf;
 pub mod inspect;
