@@ -4,6 +4,7 @@
 pub mod arch;
 pub mod arena;
 pub mod chat;
+pub mod checksum;
 pub mod cli;
 pub mod dense;
 pub mod finite;

@@ -11,6 +11,7 @@ use crate::gguf::GgufFile;
 use crate::stream::{arena_for, layout_of, EngineBackend};
 use anyhow::{anyhow, bail, Result};
 use bmoe_core::config::{auto_cache_budget, RunConfig, MIB};
+use bmoe_core::faults::{RetryFlash, READ_RETRIES};
 use bmoe_core::ledger::{Ledger, MemPicture};
 use bmoe_core::records::{Phase, RecordSink};
 use bmoe_core::telemetry::io_trace::IoTraceWriter;
@@ -25,9 +26,10 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
-/// The engine's device: the O_DIRECT lanes, behind the core's fault injector (which spoils
-/// nothing unless `--inject-read-fault` asks it to).
-type Device = FaultyFlash<LaneFlash>;
+/// The engine's device: the O_DIRECT lanes (which inject `--inject-faults` and time reads
+/// out), behind the core's retry of EIO and short reads, behind the single-read spoiler of
+/// `--inject-read-fault` (which spoils nothing unless asked to).
+type Device = FaultyFlash<RetryFlash<LaneFlash>>;
 type Streamed = Engine<MonotonicClock, Device, EngineBackend>;
 
 fn parse_fault(s: &str) -> Result<(u64, Fault)> {
@@ -108,6 +110,31 @@ impl Runner {
             Runner::Resident { model, .. } => model.w.dense_ranges(),
             Runner::Streamed(e) => e.backend().model.w.dense_ranges(),
         }
+    }
+
+    /// What the device went through: retried reads, injected faults (one line each).
+    fn device_notes(&self) -> Vec<String> {
+        let Runner::Streamed(e) = self else {
+            return Vec::new();
+        };
+        let retry = e.flash().inner();
+        let mut notes = Vec::new();
+        if retry.retried() > 0 {
+            notes.push(format!(
+                "bmoe: warning: {} flash read retries after EIO or a short read; {} read(s) then succeeded (first failure: {})",
+                retry.retried(),
+                retry.recovered(),
+                retry.first_retry().unwrap_or("?")
+            ));
+        }
+        let f = retry.inner().fault_counts();
+        if f.total() > 0 {
+            notes.push(format!(
+                "bmoe: injected faults: eio={} short={} spike={} stuck={} torn={}",
+                f.eio, f.short, f.spike, f.stuck, f.torn
+            ));
+        }
+        notes
     }
 
     fn cache(&self) -> Option<&ExpertCache> {
@@ -250,7 +277,12 @@ pub fn generate_with(
         let paths: Vec<std::path::PathBuf> =
             file.shard_paths().iter().map(|p| p.to_path_buf()).collect();
         let clock = MonotonicClock::new();
-        let flash = LaneFlash::open(&paths, cfg.io_threads, cfg.o_direct, arena.clone(), clock)?;
+        let mut flash =
+            LaneFlash::open(&paths, cfg.io_threads, cfg.o_direct, arena.clone(), clock)?;
+        flash.set_read_timeout_ms(cfg.read_timeout_ms);
+        if let Some(plan) = &cfg.inject_faults {
+            flash.set_faults(plan.clone());
+        }
         for w in flash.warnings() {
             writeln!(err, "bmoe: warning: {w}")?;
         }
@@ -259,11 +291,15 @@ pub fn generate_with(
             Some(f) => parse_fault(f)?,
             None => (u64::MAX, Fault::Eio),
         };
-        let flash = FaultyFlash::new(flash, nth, fault);
+        let flash = FaultyFlash::new(RetryFlash::new(flash, READ_RETRIES), nth, fault);
         let mut model = Qwen3Moe::new(weights, args.threads as usize);
         model.set_check_finite(args.check_finite);
         let state = model.new_state(args.ctx as usize);
-        let backend = EngineBackend::new(model, state, arena, layout.clone());
+        let mut backend = EngineBackend::new(model, state, arena, layout.clone());
+        if args.verify_reads {
+            let path = crate::checksum::sidecar_path(model_path);
+            backend.set_verify(crate::checksum::load(&path, &file, &layout)?);
+        }
         let mut e = Engine::new(
             clock,
             flash,
@@ -419,7 +455,12 @@ pub fn generate_with(
     };
     let st = match st {
         Ok(s) => s,
-        Err(e) => return fail(progress, e, out, err),
+        Err(e) => {
+            for n in runner.device_notes() {
+                writeln!(err, "{n}")?;
+            }
+            return fail(progress, e, out, err);
+        }
     };
     let prefill_s = t_prefill.elapsed().as_secs_f64();
     let m1 = mem_picture(&mut dense);
@@ -565,6 +606,9 @@ pub fn generate_with(
         },
     };
     let summary = telemetry.finish(counters, csv.as_mut().map(|w| w as &mut dyn Write))?;
+    for n in runner.device_notes() {
+        writeln!(err, "{n}")?;
+    }
     let ctx = ReportContext {
         progress,
         answer: &text,

@@ -284,6 +284,13 @@ pub struct Prepared {
 /// replay never claims to have modelled what it did not. (The predictor flags are judged
 /// against what the trace recorded, in `predictions::resolve`.)
 fn refuse_unmodelled(cfg: &RunConfig) -> Result<(), SimError> {
+    if cfg.inject_faults.as_ref().is_some_and(|p| p.torn > 0.0) {
+        return Err(SimError::Unsupported {
+            flag: "--inject-faults torn=",
+            why:
+                "a torn read changes bytes, and the flash model moves none (the engine injects it)",
+        });
+    }
     if cfg.substitute_lambda > 0.0 {
         return Err(SimError::Unsupported {
             flag: "--expert-substitute",
@@ -484,6 +491,15 @@ fn cmd_replay(
         bmoe_core::telemetry::fmt::fixed(result.end.as_secs_f64(), 6)
     )
     .map_err(w)?;
+    if p.cfg.inject_faults.is_some() || result.read_retries > 0 {
+        let f = result.faults;
+        writeln!(
+            out,
+            "sim: injected faults eio={} short={} spike={} stuck={} retried_reads={}",
+            f.eio, f.short, f.spike, f.stuck, result.read_retries
+        )
+        .map_err(w)?;
+    }
     out.flush().map_err(w)?;
     Ok(0)
 }

@@ -12,6 +12,10 @@ use crate::clock::VirtualClock;
 use crate::compute::TraceBackend;
 use crate::error::SimError;
 use crate::flash::FlashModel;
+use bmoe_core::faults::{FaultCounts, RetryFlash, READ_RETRIES};
+
+/// The replay's device: the flash model behind the same retry the engine uses.
+type SimFlash = RetryFlash<FlashModel>;
 use crate::plan::ReplayPlan;
 use crate::profile::DeviceProfile;
 use bmoe_core::config::RunConfig;
@@ -77,6 +81,10 @@ pub struct ReplayResult {
     pub turns: Vec<RunSummary>,
     /// Virtual time at the end.
     pub end: Nanos,
+    /// Reads retried after an (injected) EIO or short read.
+    pub read_retries: u64,
+    /// Faults `--inject-faults` dealt.
+    pub faults: FaultCounts,
 }
 
 impl ReplayResult {
@@ -202,7 +210,7 @@ fn reborrow_s<'s>(o: &'s mut Option<&mut dyn RecordSink>) -> Option<&'s mut dyn 
 
 /// Run plan step `index` through the engine, feeding the trace sinks.
 fn run_step(
-    engine: &mut Engine<VirtualClock, FlashModel, TraceBackend>,
+    engine: &mut Engine<VirtualClock, SimFlash, TraceBackend>,
     plan: &ReplayPlan,
     index: usize,
     tokens: &mut Vec<u32>,
@@ -265,13 +273,19 @@ pub fn run(setup: ReplaySetup<'_>, out: ReplayOutputs<'_>) -> Result<ReplayResul
     } = out;
     let k = cfg.n_expert_used as u16;
     let clock = VirtualClock::new();
-    let flash = FlashModel::new(
+    let mut flash = FlashModel::new(
         clock.clone(),
         &profile.flash,
         cfg.io_threads,
         cfg.o_direct,
         seed,
     );
+    flash.set_read_timeout_ms(cfg.read_timeout_ms);
+    if let Some(plan) = &cfg.inject_faults {
+        flash.set_faults(plan.clone());
+    }
+    // As in the engine: a read failing with EIO or short is retried before it is reported.
+    let flash = RetryFlash::new(flash, READ_RETRIES);
     let backend = TraceBackend::new(
         clock.clone(),
         &profile.compute,
@@ -406,6 +420,8 @@ pub fn run(setup: ReplaySetup<'_>, out: ReplayOutputs<'_>) -> Result<ReplayResul
         summary: whole,
         turns,
         end: clock.now(),
+        read_retries: engine.flash().retried(),
+        faults: engine.flash().inner().fault_counts(),
     })
 }
 

@@ -499,6 +499,13 @@ fn tensor_bytes(dims: &[u64], ty: GgmlType) -> Result<u64, String> {
             ty.block_size()
         ));
     }
+    // Checked even when another dimension is 0: a row whose size overflows is no shape
+    // (found by the gguf fuzz target: `[2^62, 0]` had 0 bytes but no row size).
+    if ty.row_bytes(row_len).is_none() {
+        return Err(format!(
+            "row length dims[0] = {row_len} of {ty} overflows when sized in bytes"
+        ));
+    }
     (n_el / ty.block_size())
         .checked_mul(ty.type_size())
         .ok_or_else(|| format!("byte size of dimensions {dims:?} of {ty} overflows"))
@@ -1064,5 +1071,7 @@ mod tests {
         assert!(tensor_bytes(&[33], GgmlType::Q8_0).is_err());
         assert!(tensor_bytes(&[1 << 32, 1 << 32], GgmlType::F32).is_err());
         assert_eq!(tensor_bytes(&[0, 5], GgmlType::F32), Ok(0));
+        // A huge row of zero rows: zero bytes, but no row size (found by fuzzing).
+        assert!(tensor_bytes(&[1 << 62, 0], GgmlType::F32).is_err());
     }
 }
