@@ -62,6 +62,24 @@ pub enum Cmd {
     Diff(DiffArgs),
     /// Fit a device profile to a measured bmoe-cli run
     Calibrate(CalibrateArgs),
+    /// Randomised simulation testing of the core: each seed picks a synthetic trace, a
+    /// configuration and a fault schedule, replays it, and checks the invariants after every
+    /// step (docs/reliability.md). A failing seed is the bug report: --seed N reproduces it
+    Fuzz(FuzzArgs),
+}
+
+/// Flags of `bmoe-sim fuzz`.
+#[derive(Args, Debug, Clone)]
+pub struct FuzzArgs {
+    /// The first seed
+    #[arg(long, value_name = "N", default_value_t = 0, value_parser = parse_u64_strict)]
+    pub seed: u64,
+    /// How many seeds, from --seed on
+    #[arg(long, value_name = "M", default_value_t = 1, value_parser = parse_u64_strict)]
+    pub seeds: u64,
+    /// Print each seed's configuration
+    #[arg(long)]
+    pub verbose: bool,
 }
 
 /// Flags of `bmoe-sim calibrate`.
@@ -240,6 +258,7 @@ where
         Cmd::Bench(a) => cmd_bench(a, out),
         Cmd::Diff(a) => cmd_diff(a, out, err),
         Cmd::Calibrate(a) => cmd_calibrate(a, out),
+        Cmd::Fuzz(a) => cmd_fuzz(a, out, err),
     };
     match result {
         Ok(code) => code,
@@ -453,6 +472,7 @@ fn cmd_replay(
             route: stamped.as_mut().map(|w| w as &mut dyn RecordSink),
             io: io.as_mut().map(|w| w as &mut dyn RecordSink),
             decode_stats: None,
+            on_step: None,
         },
     )?;
     if let (Some(mut w), Some(path)) = (csv, &a.telemetry.csv) {
@@ -841,6 +861,37 @@ fn cmd_diff(a: DiffArgs, out: &mut dyn Write, err: &mut dyn Write) -> Result<i32
         writeln!(out, "diff: every judged metric within tolerance").map_err(w)?;
         Ok(0)
     }
+}
+
+fn cmd_fuzz(a: FuzzArgs, out: &mut dyn Write, err: &mut dyn Write) -> Result<i32, SimError> {
+    let t0 = std::time::Instant::now();
+    let every = (a.seeds / 20).max(1);
+    let mut line_err = None;
+    let r = crate::fuzz::run_seeds(a.seed, a.seeds, |done, case| {
+        let mut say = |text: String| {
+            if let Err(e) = writeln!(err, "{text}") {
+                line_err.get_or_insert(e);
+            }
+        };
+        if a.verbose {
+            say(format!("fuzz: seed {}: ok ({})", case.seed, case.summary));
+        } else if done % every == 0 || done == a.seeds {
+            say(format!("fuzz: {done}/{} seeds", a.seeds));
+        }
+    });
+    if let Some(e) = line_err {
+        return Err(SimError::io("stderr", e));
+    }
+    let (n, steps, faulted) = r?;
+    writeln!(
+        out,
+        "fuzz: seeds {}..{} ok: {n} seeds, {steps} steps checked, {faulted} stopped by a reported fault, {:.1} s",
+        a.seed,
+        a.seed.saturating_add(a.seeds),
+        t0.elapsed().as_secs_f64()
+    )
+    .map_err(|e| SimError::io("stdout", e))?;
+    Ok(0)
 }
 
 fn cmd_calibrate(a: CalibrateArgs, out: &mut dyn Write) -> Result<i32, SimError> {

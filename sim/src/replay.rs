@@ -62,7 +62,14 @@ pub struct ReplayOutputs<'a> {
     pub io: Option<&'a mut dyn RecordSink>,
     /// Every decode step's `StepStats`, in order (for calibration).
     pub decode_stats: Option<&'a mut Vec<StepStats>>,
+    /// Called after every step (prefill and decode) with the step's stats and the cache, to
+    /// check invariants (`bmoe-sim fuzz`); an `Err` stops the replay.
+    pub on_step: Option<&'a mut StepObserver<'a>>,
 }
+
+/// See [`ReplayOutputs::on_step`].
+pub type StepObserver<'a> =
+    dyn FnMut(&StepStats, &bmoe_core::ExpertCache) -> Result<(), String> + 'a;
 
 /// What a replay did and cost.
 #[derive(Clone, Debug, PartialEq)]
@@ -270,6 +277,7 @@ pub fn run(setup: ReplaySetup<'_>, out: ReplayOutputs<'_>) -> Result<ReplayResul
         mut route,
         mut io,
         mut decode_stats,
+        mut on_step,
     } = out;
     let k = cfg.n_expert_used as u16;
     let clock = VirtualClock::new();
@@ -343,6 +351,9 @@ pub fn run(setup: ReplaySetup<'_>, out: ReplayOutputs<'_>) -> Result<ReplayResul
         let mut prefill_s = 0.0;
         if let Some(p) = turn.prefill {
             let st = run_step(&mut engine, &plan, p, &mut tokens, &mut route, &mut io, ra)?;
+            if let Some(f) = on_step.as_deref_mut() {
+                f(&st, engine.cache()).map_err(|e| SimError::invalid("invariant", e))?;
+            }
             read_bytes += st.read_bytes;
             n_prompt = u64::from(st.tokens);
             prefill_s = st.wall.as_secs_f64();
@@ -360,6 +371,9 @@ pub fn run(setup: ReplaySetup<'_>, out: ReplayOutputs<'_>) -> Result<ReplayResul
                 ra,
             )?;
             debug_assert_eq!(plan.steps[index].phase, Phase::Decode);
+            if let Some(f) = on_step.as_deref_mut() {
+                f(&st, engine.cache()).map_err(|e| SimError::invalid("invariant", e))?;
+            }
             read_bytes += st.read_bytes;
             decode_steps += 1;
             decode_wall += st.wall;
