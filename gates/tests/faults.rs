@@ -11,7 +11,7 @@
 //!   `--verify-reads` against the checksum sidecar.
 
 use bmoe_engine::cli::{Cli, Cmd};
-use bmoe_gates::{scratch_dir, tiny};
+use bmoe_gates::{scratch_dir, sim, tiny};
 use clap::Parser;
 use std::path::Path;
 
@@ -123,18 +123,6 @@ fn engine(model: &Path, flags: &[&str]) -> Result<EngineRun, String> {
         tokens: r.tokens,
         stderr: String::from_utf8_lossy(&e).into_owned(),
     })
-}
-
-fn sim(args: &[&str]) -> (i32, String, String) {
-    let mut argv = vec!["bmoe-sim"];
-    argv.extend_from_slice(args);
-    let (mut out, mut err) = (Vec::new(), Vec::new());
-    let code = bmoe_sim::cli::run(argv, &[], &mut out, &mut err);
-    (
-        code,
-        String::from_utf8_lossy(&out).into_owned(),
-        String::from_utf8_lossy(&err).into_owned(),
-    )
 }
 
 /// The counts of the simulator's `sim:` line (everything but the modelled time).

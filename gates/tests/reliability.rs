@@ -3,7 +3,7 @@
 
 use bmoe_engine::cli::Cli;
 use bmoe_engine::gguf::GgufFile;
-use bmoe_gates::{run, scratch_dir, tiny};
+use bmoe_gates::{run, scratch_dir, sim, tiny};
 use clap::Parser;
 use std::path::{Path, PathBuf};
 
@@ -30,18 +30,6 @@ fn copy_of_tiny(name: &str) -> PathBuf {
     let p = scratch_dir("reliability").join(format!("{name}-{}.gguf", std::process::id()));
     std::fs::copy(tiny(), &p).expect("copy the tiny model");
     p
-}
-
-fn sim(args: &[&str]) -> (i32, String, String) {
-    let mut argv = vec!["bmoe-sim"];
-    argv.extend_from_slice(args);
-    let (mut out, mut err) = (Vec::new(), Vec::new());
-    let code = bmoe_sim::cli::run(argv, &[], &mut out, &mut err);
-    (
-        code,
-        String::from_utf8_lossy(&out).into_owned(),
-        String::from_utf8_lossy(&err).into_owned(),
-    )
 }
 
 #[test]
