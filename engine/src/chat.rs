@@ -263,11 +263,13 @@ const TEMPLATE_NAME: &str = "chat";
 /// Instructions one render may execute: a base for the template's own text, plus a share per
 /// message. The real templates in `../shared/data/templates` use at most ~220 + 170 per message
 /// (Kimi-K3); Gemma 4's is quadratic (623k instructions for 402 messages), which this covers up
-/// to ~13,000 messages. A hostile template (`{% for i in range(9**9) %}`) stops after ~1M
-/// instructions with an "out of fuel" error instead of spinning.
-const FUEL_BASE: u64 = 1_000_000;
+/// to ~5,000 messages. A hostile template (`{% for i in range(9**9) %}`) stops after ~100k
+/// instructions plus the share of its messages, with an "out of fuel" error instead of
+/// spinning: well under a second (the chat_template fuzz target found that a 1M base let a
+/// loop over undefined names run ~0.4 s per render natively, seconds under a sanitizer).
+const FUEL_BASE: u64 = 100_000;
 /// See [`FUEL_BASE`].
-const FUEL_PER_MESSAGE: u64 = 50_000;
+const FUEL_PER_MESSAGE: u64 = 20_000;
 
 fn render_fuel(n_messages: u64) -> u64 {
     FUEL_BASE.saturating_add(FUEL_PER_MESSAGE.saturating_mul(n_messages))

@@ -321,6 +321,10 @@ pub const HOSTILE_TEMPLATES: &[(&str, &str)] = &[
         "{% macro f(n) %}{{ f(n + 1) }}{{ f(n + 2) }}{% endmacro %}{{ f(0) }}",
     ),
     ("hostile-string", "{{ 'x' * 100000 }}{{ messages | tojson }}"),
+    (
+        "hostile-undefined-loops",
+        "{% for m in messages %}{% for i in range(100000) %}{% for j in raffor %}{00) %}.{% endfor %}{% endfor %}{% endfor %}",
+    ),
     ("hostile-nesting", "{% if a %}{% if b %}{% if c %}{% if d %}{{ ((((((((1)))))))) }}{% endif %}{% endif %}{% endif %}{% endif %}"),
 ];
 

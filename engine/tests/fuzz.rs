@@ -108,3 +108,18 @@ fn every_seed_of_the_readers_is_accepted() {
     }
     let _ = std::fs::remove_dir_all(&scratch);
 }
+
+#[test]
+fn a_hostile_template_runs_out_of_fuel() {
+    // The chat_template long run's timeout (~0.4 s a render natively under the old budget):
+    // it must now stop on fuel, a bound counted in instructions, not in luck or seconds.
+    let src = bmoe_engine::fuzzing::HOSTILE_TEMPLATES
+        .iter()
+        .find(|(n, _)| *n == "hostile-undefined-loops")
+        .expect("kept as a seed")
+        .1;
+    let t = bmoe_engine::chat::ChatTemplate::new(src, "<s>", "</s>").expect("compiles");
+    let msgs = [bmoe_engine::chat::Message::new("user", "hi")];
+    let e = t.render(&msgs, true, None).expect_err("out of fuel");
+    assert!(e.to_string().contains("fuel"), "{e}");
+}
