@@ -208,6 +208,9 @@ pub fn generate_with(
     args.stream.apply(&mut cfg);
     args.telemetry.apply(&mut cfg);
     cfg.validate()?;
+    if args.verify_reads && !cfg.moe_stream {
+        bail!("--verify-reads checks the experts streaming reads from flash: add --moe-stream (a resident run reads none)");
+    }
     // Every output checked against the model's files and each other, and created, before the
     // model loads: a bad output path costs nothing and never touches an input.
     let mut outputs = crate::outputs::RunOutputs::open(model_path, args)?;

@@ -292,6 +292,11 @@ fn a_stale_or_cut_checksum_sidecar_is_refused() {
     let text = std::fs::read_to_string(&sums).unwrap();
     let run = || engine(&model, &["--moe-stream", "--verify-reads"]);
     assert_eq!(run().expect("verified run").code, 0);
+    // Without streaming there is nothing to verify: refused, not ignored.
+    let e = engine(&model, &["--verify-reads"])
+        .err()
+        .expect("needs --moe-stream");
+    assert!(e.contains("--moe-stream"), "{e}");
     // Cut short: refused, naming the sidecar.
     std::fs::write(&sums, &text[..text.len() / 2]).unwrap();
     let e = run().err().expect("a cut sidecar");
