@@ -303,3 +303,50 @@ fn our_readers_name_a_partial_last_line() {
         assert_eq!(e.line(), Some(cut.lines().count()), "{name}: {e}");
     }
 }
+
+#[test]
+fn a_replay_output_pointed_at_its_trace_is_refused_and_the_trace_is_intact() {
+    let d = scratch_dir("reliability");
+    let trace = d.join(format!("victim-{}.route.csv", std::process::id()));
+    std::fs::copy(project_trace("tiny-s1-cache4.route.csv"), &trace).unwrap();
+    let before = std::fs::read(&trace).unwrap();
+    let t = trace.to_str().unwrap();
+    for flag in ["--csv", "--route-trace", "--io-trace"] {
+        let (code, _, err) = sim(&[
+            "replay",
+            "--trace",
+            t,
+            "--cache-mb",
+            "8",
+            "--force-cache",
+            flag,
+            t,
+        ]);
+        assert_eq!(code, 1, "{flag}: {err}");
+        assert!(
+            err.contains("refusing to overwrite an input"),
+            "{flag}: {err}"
+        );
+    }
+    let other = d.join(format!("both-{}.csv", std::process::id()));
+    let o = other.to_str().unwrap();
+    let (code, _, err) = sim(&[
+        "replay",
+        "--trace",
+        t,
+        "--cache-mb",
+        "8",
+        "--force-cache",
+        "--csv",
+        o,
+        "--io-trace",
+        o,
+    ]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("each output needs its own path"), "{err}");
+    assert_eq!(
+        std::fs::read(&trace).unwrap(),
+        before,
+        "the trace is untouched"
+    );
+}

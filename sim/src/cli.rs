@@ -410,12 +410,72 @@ fn create(path: &Path) -> Result<BufWriter<File>, SimError> {
         .map_err(|e| SimError::io(path, e))
 }
 
+/// What a path is, to compare it with another: canonical form (the directory's, joined with
+/// the name, for a file not yet there) and, when it exists, device and inode.
+fn file_identity(path: &Path) -> Option<(PathBuf, Option<(u64, u64)>)> {
+    use std::os::unix::fs::MetadataExt;
+    match std::fs::metadata(path) {
+        Ok(m) => Some((std::fs::canonicalize(path).ok()?, Some((m.dev(), m.ino())))),
+        Err(_) => {
+            let dir = match path.parent() {
+                Some(d) if !d.as_os_str().is_empty() => d,
+                _ => Path::new("."),
+            };
+            Some((
+                std::fs::canonicalize(dir).ok()?.join(path.file_name()?),
+                None,
+            ))
+        }
+    }
+}
+
+/// Refuse a replay output that is its trace or another output (compared through links), before
+/// the trace is read or anything created: `--csv trace.csv` would otherwise replace the trace.
+fn check_replay_outputs(trace: &Path, telemetry: &TelemetryArgs) -> Result<(), SimError> {
+    let same = |a: &Path, b: &Path| match (file_identity(a), file_identity(b)) {
+        (Some((ca, ia)), Some((cb, ib))) => {
+            ca != Path::new("/dev/null") && (ca == cb || (ia.is_some() && ia == ib))
+        }
+        _ => false,
+    };
+    let outputs: Vec<(&str, &Path)> = [
+        ("--csv", telemetry.csv.as_deref()),
+        ("--route-trace", telemetry.route_trace.as_deref()),
+        ("--io-trace", telemetry.io_trace.as_deref()),
+    ]
+    .into_iter()
+    .filter_map(|(f, p)| p.map(|p| (f, p)))
+    .collect();
+    for (i, (flag, p)) in outputs.iter().enumerate() {
+        if same(p, trace) {
+            return Err(SimError::invalid(
+                format!("{flag} {}", p.display()),
+                format!(
+                    "is the trace being replayed (--trace {}): refusing to overwrite an input; choose another path",
+                    trace.display()
+                ),
+            ));
+        }
+        if let Some((other, q)) = outputs[..i].iter().find(|(_, q)| same(p, q)) {
+            return Err(SimError::invalid(
+                format!("{flag} {}", p.display()),
+                format!(
+                    "is the same file as {other} {}: each output needs its own path",
+                    q.display()
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
 fn cmd_replay(
     a: ReplayArgs,
     env: &[(String, String)],
     out: &mut dyn Write,
     err: &mut dyn Write,
 ) -> Result<i32, SimError> {
+    check_replay_outputs(&a.trace, &a.telemetry)?;
     let p = prepare(
         &a.trace,
         a.profile.as_deref(),
