@@ -260,6 +260,25 @@ impl std::fmt::Debug for ChatTemplate {
 
 const TEMPLATE_NAME: &str = "chat";
 
+/// Instructions one render may execute: a base for the template's own text, plus a share per
+/// message. The real templates in `../shared/data/templates` use at most ~220 + 170 per message
+/// (Kimi-K3); Gemma 4's is quadratic (623k instructions for 402 messages), which this covers up
+/// to ~5,000 messages. A hostile template (`{% for i in range(9**9) %}`) stops after ~100k
+/// instructions plus the share of its messages, with an "out of fuel" error instead of
+/// spinning: well under a second (the chat_template fuzz target found that a 1M base let a
+/// loop over undefined names run ~0.4 s per render natively, seconds under a sanitizer).
+const FUEL_BASE: u64 = 100_000;
+/// See [`FUEL_BASE`].
+const FUEL_PER_MESSAGE: u64 = 20_000;
+
+fn render_fuel(n_messages: u64) -> u64 {
+    FUEL_BASE.saturating_add(FUEL_PER_MESSAGE.saturating_mul(n_messages))
+}
+
+/// minijinja's recursion budget (nested blocks, loops, macro calls; a macro call costs more
+/// than a loop). Its own default is 500, the most it considers safe without growing the stack.
+const RECURSION_LIMIT: usize = 500;
+
 impl ChatTemplate {
     /// Compile `source`. `bos` and `eos` are the texts of the model's BOS and EOS tokens,
     /// visible to the template as `bos_token` and `eos_token`. `strftime_now` reads the system
@@ -286,6 +305,7 @@ impl ChatTemplate {
         now: Option<CivilTime>,
     ) -> Result<ChatTemplate, ChatError> {
         let mut env = Environment::new();
+        env.set_recursion_limit(RECURSION_LIMIT);
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_undefined_behavior(UndefinedBehavior::Lenient);
@@ -342,6 +362,7 @@ impl ChatTemplate {
         add_generation_prompt: bool,
         enable_thinking: Option<bool>,
     ) -> Result<String, ChatError> {
+        let n_messages = messages.len().unwrap_or(0) as u64;
         let mut ctx: Vec<(&str, Value)> = vec![
             ("messages", messages),
             ("tools", Value::from(())),
@@ -354,8 +375,12 @@ impl ChatTemplate {
             ctx.push(("enable_thinking", Value::from(t)));
         }
         let ctx: Value = ctx.into_iter().collect();
-        let template = self
-            .env
+        // A template is a program the model file supplies: its loops are bounded by fuel
+        // (instructions per render, scaled to the conversation) and its nesting by the
+        // recursion limit set at build, not by luck.
+        let mut env = self.env.clone();
+        env.set_fuel(Some(render_fuel(n_messages)));
+        let template = env
             .get_template(TEMPLATE_NAME)
             .map_err(|e| ChatError::Render {
                 message: describe(&e),
@@ -428,7 +453,8 @@ fn rewrite_generation_blocks(source: &str) -> String {
     while let Some(start) = rest.find("{%") {
         out.push_str(&rest[..start]);
         let tag = &rest[start..];
-        let Some(end) = tag.find("%}") else {
+        // The closing `%}` is searched after the opening `{%`: in `{%}` they overlap.
+        let Some(end) = tag[2..].find("%}").map(|i| i + 2) else {
             out.push_str(tag);
             return out;
         };
@@ -922,6 +948,79 @@ impl ReasoningSplitter {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Render `source` on a thread with the stack a spawned thread gets by default (2 MiB),
+    /// as a server's worker would.
+    fn render_hostile(source: &str) -> Result<String, ChatError> {
+        let source = source.to_string();
+        std::thread::Builder::new()
+            .stack_size(2 << 20)
+            .spawn(move || {
+                let t = ChatTemplate::new(&source, "<s>", "</s>")?;
+                t.render(&[Message::new("user", "hi")], true, None)
+            })
+            .expect("spawn")
+            .join()
+            .expect("no stack overflow, no panic")
+    }
+
+    #[test]
+    fn hostile_templates_are_bounded_by_fuel_and_recursion() {
+        // A loop of 9^9 iterations runs out of fuel, quickly.
+        let t0 = std::time::Instant::now();
+        let e = render_hostile("{% for i in range(387420489) %}x{% endfor %}")
+            .expect_err("a huge loop");
+        assert!(
+            e.to_string().contains("fuel") || e.to_string().contains("range"),
+            "{e}"
+        );
+        let e = render_hostile(
+            "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}",
+        )
+        .expect_err("nested loops");
+        assert!(e.to_string().contains("fuel"), "{e}");
+        assert!(t0.elapsed().as_secs() < 20, "fuel must stop a loop early");
+        // Unbounded macro recursion stops at the recursion limit.
+        let e = render_hostile("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}")
+            .expect_err("recursion");
+        assert!(e.to_string().contains("recursion"), "{e}");
+        // Deeply nested source is refused at compile time or render time, not by a crash.
+        let deep = format!(
+            "{}{}",
+            "{% if true %}".repeat(2000),
+            "{% endif %}".repeat(2000)
+        );
+        assert!(render_hostile(&deep).is_err());
+        let parens = format!("{{{{ {}1{} }}}}", "(".repeat(5000), ")".repeat(5000));
+        assert!(render_hostile(&parens).is_err());
+    }
+
+    #[test]
+    fn an_overlapping_tag_end_is_not_a_panic() {
+        // Found by the chat_template fuzz target: `{%}` made the generation-block rewrite
+        // slice backwards and panic on a template a model file could carry.
+        for src in [
+            "{%}",
+            "{%}%}",
+            "a{%}b",
+            "{%-}",
+            "{%}{% generation %}x{% endgeneration %}",
+        ] {
+            let _ = rewrite_generation_blocks(src);
+            let _ = render_hostile(src);
+        }
+        assert_eq!(
+            rewrite_generation_blocks("{%}%- generation %}"),
+            "{%}%- generation %}"
+        );
+    }
+
+    #[test]
+    fn fuel_grows_with_the_conversation() {
+        assert_eq!(render_fuel(0), FUEL_BASE);
+        assert!(render_fuel(2000) > 100 * FUEL_BASE / 2);
+        assert_eq!(render_fuel(u64::MAX), u64::MAX);
+    }
 
     fn apply(acc: &mut (String, String), d: &Delta) {
         if d.reset {

@@ -31,6 +31,20 @@ pub enum Cmd {
     Inspect(InspectArgs),
     /// Measure kernel throughput against memory bandwidth, side by side
     Bench(BenchArgs),
+    /// Write MODEL.bmoe-sums: a checksum of every expert's bytes, for --verify-reads
+    Checksum(ChecksumArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct ChecksumArgs {
+    /// The GGUF model (any shard of a split set)
+    pub model: PathBuf,
+    /// Where to write [default: MODEL.bmoe-sums, where --verify-reads looks]
+    #[arg(long, short = 'o', value_name = "FILE")]
+    pub out: Option<PathBuf>,
+    /// Never show a progress bar
+    #[arg(long)]
+    pub quiet: bool,
 }
 
 /// Flags of a generation run.
@@ -78,6 +92,16 @@ pub struct RunArgs {
     /// cache warm across turns (see docs/telemetry.md, "Session mode")
     #[arg(long)]
     pub session: bool,
+    /// Diagnose NaN: check every layer's intermediates (inp_embd, ffn_inp, ffn_norm,
+    /// ffn_moe_logits, l_out) and stop at the first that holds a NaN or infinity, naming the
+    /// layer, the tensor and the position. Logits are always checked; this finds where it began
+    #[arg(long = "check-finite")]
+    pub check_finite: bool,
+    /// Check every streamed expert's bytes against MODEL.bmoe-sums (written once by
+    /// `bmoe-cli checksum MODEL`) before computing on them; a mismatch (a torn or stale read)
+    /// stops the run as a failed read. Costs one hash per expert read
+    #[arg(long = "verify-reads")]
+    pub verify_reads: bool,
     /// Print the architectures this build runs and exit
     #[arg(long = "list-archs")]
     pub list_archs: bool,
@@ -261,6 +285,13 @@ pub fn gen(a: GenArgs) -> Result<()> {
         types.experts = e.experts;
         types.experts_down_more = e.experts_down_more;
     }
+    // `-o` over the vocabulary or template it reads would destroy that input.
+    let inputs: Vec<crate::outputs::Named<'_>> =
+        [("--vocab", &a.vocab), ("--template", &a.template)]
+            .into_iter()
+            .filter_map(|(flag, p)| p.as_deref().map(|p| crate::outputs::Named::new(flag, p)))
+            .collect();
+    crate::outputs::check_distinct(&inputs, &[crate::outputs::Named::new("--out", &a.out)])?;
     let mut vocab = match &a.vocab {
         None => crate::vocab::builtin_vocab().context("building the built-in vocabulary")?,
         Some(p) => crate::vocab::vocab_from_file(p)
@@ -288,6 +319,8 @@ pub fn gen(a: GenArgs) -> Result<()> {
         vocab,
         threads: a.threads.max(1) as usize,
     };
+    // Checked here too so a bad option is not reported as a failure to write the file.
+    opts.validate()?;
     let bar = if a.quiet {
         None
     } else {
@@ -324,6 +357,57 @@ pub fn gen(a: GenArgs) -> Result<()> {
         rep.n_vocab,
         preset.name(),
         opts.types.label,
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// `bmoe-cli checksum MODEL`: hash every expert projection into the sidecar.
+pub fn checksum(a: ChecksumArgs) -> Result<()> {
+    let out = a
+        .out
+        .clone()
+        .unwrap_or_else(|| crate::checksum::sidecar_path(&a.model));
+    let file = std::sync::Arc::new(GgufFile::open(&a.model)?);
+    let inputs: Vec<PathBuf> = file.shard_paths().iter().map(|p| p.to_path_buf()).collect();
+    let named: Vec<crate::outputs::Named<'_>> = inputs
+        .iter()
+        .map(|p| crate::outputs::Named::new("MODEL", p))
+        .collect();
+    crate::outputs::check_distinct(&named, &[crate::outputs::Named::new("--out", &out)])?;
+    let weights = crate::arch::qwen3moe::Weights::load(file.clone())?;
+    let layout = crate::stream::layout_of(&weights)?;
+    let bar = (!a.quiet).then(|| {
+        let b = indicatif::ProgressBar::new(layout.total_expert_bytes());
+        b.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{spinner} checksum {bytes}/{total_bytes} [{bar:30}] {bytes_per_sec} eta {eta}",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+            .progress_chars("=> "),
+        );
+        b
+    });
+    let t0 = std::time::Instant::now();
+    let sums = crate::checksum::compute(&file, &layout, |done, _| {
+        if let Some(b) = &bar {
+            b.set_position(done);
+        }
+    });
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    crate::checksum::write(&out, &file, &sums)
+        .with_context(|| format!("writing {}", out.display()))?;
+    eprintln!(
+        "bmoe: wrote {} ({} expert projections, {:.1} MiB hashed in {:.1} s)",
+        out.display(),
+        layout
+            .layers()
+            .iter()
+            .map(|l| l.n_expert as usize * l.projections.len())
+            .sum::<usize>(),
+        layout.total_expert_bytes() as f64 / 1048576.0,
         t0.elapsed().as_secs_f64()
     );
     Ok(())

@@ -316,7 +316,8 @@ fn fit_type(want: GgmlType, n: u64) -> GgmlType {
 }
 
 impl GenOptions {
-    fn validate(&self) -> Result<(), GenError> {
+    /// Refuse options that cannot make a working model (run again by `generate`).
+    pub fn validate(&self) -> Result<(), GenError> {
         let s = &self.shape;
         let bad = |m: String| Err(GenError::Invalid(m));
         if s.n_layer == 0
@@ -354,6 +355,15 @@ impl GenOptions {
         }
         if s.n_layer > 4096 || s.n_expert > 65535 {
             return bad("at most 4096 layers and 65535 experts".into());
+        }
+        // A NaN or infinite knob makes NaN weights, and a model that prints garbage.
+        for (flag, v) in [
+            ("--router-gain", self.router_gain),
+            ("--attn-sharpness", self.attn_sharpness),
+        ] {
+            if !v.is_finite() {
+                return bad(format!("{flag} {v} must be a finite number"));
+            }
         }
         if !(0.0..=1.0).contains(&self.routing_context) {
             return bad(format!(

@@ -474,10 +474,19 @@ pub fn serve(
         replies.error(0, true, msg)?;
         bail!("{msg}");
     }
+    // Every output checked against the model's files and each other, and created, before the
+    // model loads.
+    let mut files = match crate::outputs::RunOutputs::open(model_path, args) {
+        Ok(f) => f,
+        Err(e) => {
+            replies.error(0, true, &crate::run::error_text(&e))?;
+            return Err(e);
+        }
+    };
     let loaded = match load(args, model_path, err) {
         Ok(l) => l,
         Err(e) => {
-            replies.error(0, true, &format!("{e:#}"))?;
+            replies.error(0, true, &crate::run::error_text(&e))?;
             return Err(e);
         }
     };
@@ -518,7 +527,7 @@ pub fn serve(
         load_s,
         ..
     } = loaded;
-    let mut sinks = Sinks::open(args, &cfg, &engine)?;
+    let mut sinks = Sinks::open(&mut files, &cfg, &engine)?;
     let n_ctx = cfg.n_ctx as usize;
     replies.line(|w| {
         write_ready(

@@ -168,3 +168,16 @@ impl SessionDriver {
         )
     }
 }
+
+/// Run `bmoe-sim <args>` in-process: (exit code, stdout, stderr).
+pub fn sim(args: &[&str]) -> (i32, String, String) {
+    let mut argv = vec!["bmoe-sim"];
+    argv.extend_from_slice(args);
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    let code = bmoe_sim::cli::run(argv, &[], &mut out, &mut err);
+    (
+        code,
+        String::from_utf8_lossy(&out).into_owned(),
+        String::from_utf8_lossy(&err).into_owned(),
+    )
+}

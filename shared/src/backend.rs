@@ -362,6 +362,12 @@ pub trait Backend {
     /// Start a step over `tokens` at context positions `positions` (same length, ≥ 1).
     fn begin(&mut self, tokens: &[u32], positions: &[u32]) -> Result<(), Self::Error>;
 
+    /// What the step calls to start: `begin`, with the whole input, so a backend can name the
+    /// step (turn, prefill or decode) in its errors. Default: `begin(tokens, positions)`.
+    fn begin_step(&mut self, input: &crate::step::StepInput<'_>) -> Result<(), Self::Error> {
+        self.begin(input.tokens, input.positions)
+    }
+
     /// Everything of model layer `layer` that is not routed experts: norms, attention, shared
     /// experts, and (for a dense layer) its FFN.
     fn dense(&mut self, layer: u32) -> Result<(), Self::Error>;

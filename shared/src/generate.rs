@@ -26,6 +26,7 @@
 //! simulator's modelled loop overhead is charged to its virtual clock by its token source).
 
 use crate::backend::Backend;
+use crate::cache::ExpertCache;
 use crate::clock::{Clock, Nanos};
 use crate::config::RunConfig;
 use crate::flash::Flash;
@@ -104,6 +105,12 @@ pub trait TokenSource<B: Backend> {
         _input: &StepInput<'_>,
         _stats: &mut StepStats,
     ) -> Result<(), Self::Error> {
+        Ok(())
+    }
+
+    /// After every successful step (and `after_step`), with the expert cache as the step left
+    /// it: `bmoe-sim fuzz` checks the cache's invariants here. Default: nothing.
+    fn observe(&mut self, _cache: &ExpertCache, _stats: &StepStats) -> Result<(), Self::Error> {
         Ok(())
     }
 
@@ -440,6 +447,9 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
                     source
                         .after_step(self.engine.backend(), &input, &mut st)
                         .map_err(source_err)?;
+                    source
+                        .observe(self.engine.cache(), &st)
+                        .map_err(source_err)?;
                     let mem_after = self.probe.picture();
                     ledger.prefill(&st, &mem_before, &mem_after);
                     prefill_s = st.wall.as_secs_f64();
@@ -496,6 +506,9 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
             prev_end = self.engine.clock().now();
             source
                 .after_step(self.engine.backend(), &input, &mut st)
+                .map_err(source_err)?;
+            source
+                .observe(self.engine.cache(), &st)
                 .map_err(source_err)?;
             tokens.push(token);
             self.feed(token, position);

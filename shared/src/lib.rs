@@ -10,6 +10,7 @@ pub mod backend;
 pub mod cache;
 pub mod clock;
 pub mod config;
+pub mod faults;
 pub mod flags;
 pub mod flash;
 pub mod generate;

@@ -32,4 +32,14 @@ pub enum ArchError {
     },
     #[error(transparent)]
     Gguf(#[from] crate::gguf::GgufError),
+    /// `--check-finite` found a NaN or infinity in a layer's intermediate (named as
+    /// llama.cpp's eval callback names them).
+    #[error("layer {layer} {tensor}: {count} of {total} values are NaN or infinite (first at position {position}); this is the first intermediate --check-finite found broken")]
+    NonFinite {
+        layer: usize,
+        tensor: &'static str,
+        position: u32,
+        count: usize,
+        total: usize,
+    },
 }

@@ -633,6 +633,8 @@ pub struct Qwen3Moe {
     /// by `set_top_k`. `bmoe-cli` leaves it whole and narrows `--n-expert-used` in the core's
     /// router hook, resident and streamed alike, with the same renormalisation (same bits).
     top_k: usize,
+    /// `--check-finite`: stop at the first layer intermediate holding a NaN or infinity.
+    check_finite: bool,
 }
 
 fn kerr(e: kernels::KernelError) -> ArchError {
@@ -687,7 +689,42 @@ impl Qwen3Moe {
             w,
             pool: ThreadPool::new(threads.max(1)),
             top_k,
+            check_finite: false,
         }
+    }
+
+    /// Check every layer's intermediates for NaN and infinity (`--check-finite`): one pass
+    /// over the hidden state per check, to name the first layer and tensor that breaks.
+    pub fn set_check_finite(&mut self, on: bool) {
+        self.check_finite = on;
+    }
+
+    /// Under `--check-finite`, an error when `data` (rows of `row_len` values; row `i` is
+    /// batch row `rows[i]`, or `i` when `rows` is `None`) holds a non-finite value.
+    fn check(
+        &self,
+        st: &State,
+        layer: usize,
+        tensor: &'static str,
+        data: &[f32],
+        row_len: usize,
+        rows: Option<&[u32]>,
+    ) -> Result<(), ArchError> {
+        if !self.check_finite {
+            return Ok(());
+        }
+        let Some((count, first)) = crate::finite::non_finite(data) else {
+            return Ok(());
+        };
+        let row = first / row_len.max(1);
+        let batch_row = rows.map_or(row, |r| r.get(row).copied().unwrap_or(0) as usize);
+        Err(ArchError::NonFinite {
+            layer,
+            tensor,
+            position: st.positions.get(batch_row).copied().unwrap_or(0),
+            count,
+            total: data.len(),
+        })
     }
 
     /// Keep only the top `k` experts per token (1..=the model's `expert_used_count`).
@@ -787,7 +824,7 @@ impl Qwen3Moe {
             kernels::dequantize_row(self.w.embd.ty, src, &mut st.x[r * d..(r + 1) * d])
                 .map_err(kerr)?;
         }
-        Ok(())
+        self.check(st, 0, "inp_embd", &st.x, d, None)
     }
 
     /// Attention for every row, then the FFN norm of the rows the FFN will run for.
@@ -919,7 +956,8 @@ impl Qwen3Moe {
         st.moe.resize(m * k * d, 0.0);
         st.moe_filled.clear();
         st.moe_filled.resize(m * k, false);
-        Ok(())
+        self.check(st, layer, "ffn_inp", &st.x, d, None)?;
+        self.check(st, layer, "ffn_norm", &st.h, d, Some(&st.ffn_rows))
     }
 
     /// The router: softmax over all experts, top-k, renormalise. Rows of `out` are indices
@@ -939,6 +977,14 @@ impl Qwen3Moe {
         self.matmul_rows(&lw.router, &h, m, &mut acts, &mut out.probs)?;
         st.h = h;
         st.acts = acts;
+        self.check(
+            st,
+            layer,
+            "ffn_moe_logits",
+            &out.probs,
+            ne,
+            Some(&st.ffn_rows),
+        )?;
         out.ids.resize(m * k, 0);
         out.weights.resize(m * k, 0.0);
         let mut order: Vec<u32> = (0..ne as u32).collect();
@@ -1093,7 +1139,7 @@ impl Qwen3Moe {
     }
 
     /// Sum the weighted expert outputs in rank order into the residual stream.
-    pub fn finish_layer(&self, st: &mut State, _layer: usize) -> Result<(), ArchError> {
+    pub fn finish_layer(&self, st: &mut State, layer: usize) -> Result<(), ArchError> {
         let hp = &self.w.hp;
         let (d, k) = (hp.d_model, hp.n_expert_used);
         for (i, &row) in st.ffn_rows.iter().enumerate() {
@@ -1125,6 +1171,17 @@ impl Qwen3Moe {
             }
         }
         // After the last layer only the output rows remain meaningful.
+        for &row in &st.ffn_rows {
+            let r = row as usize;
+            self.check(
+                st,
+                layer,
+                "l_out",
+                &st.x[r * d..(r + 1) * d],
+                d,
+                Some(&[row]),
+            )?;
+        }
         Ok(())
     }
 
