@@ -10,6 +10,7 @@ pub mod backend;
 pub mod cache;
 pub mod clock;
 pub mod config;
+pub mod decide;
 pub mod flags;
 pub mod flash;
 pub mod generate;
@@ -31,6 +32,7 @@ pub use backend::{
 };
 pub use cache::{Admission, CacheCounters, CacheError, ExpertCache, Lookup};
 pub use clock::{Clock, Nanos};
+pub use decide::{DecideOutcome, DecideRejected, DecideRequest};
 pub use flash::{Flash, FlashError, ReadDone, ReadId, ReadRequest, ReadTag, ResidentFlash};
 pub use generate::{
     CancelFlag, GenerateError, MemProbe, NoProbe, Outputs, Session, StopReason, TokenSource,
