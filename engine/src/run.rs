@@ -578,6 +578,7 @@ pub fn generate_with_cancel(
     err: &mut dyn Write,
     cancel: &CancelFlag,
 ) -> Result<Outcome> {
+    args.check_modes()?;
     let loaded = load(args, model_path, err)?;
     let (prompt, prompt_tokens) = render_prompt(args, &loaded, model_path)?;
     if prompt_tokens.is_empty() {

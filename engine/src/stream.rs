@@ -9,7 +9,7 @@
 //! (the arena holds the file's bytes verbatim) — which is why a streamed run's output is
 //! byte-identical to the resident one for every lossless setting.
 
-use crate::arch::qwen3moe::{Qwen3Moe, RouteOut, State, Weights};
+use crate::arch::qwen3moe::{KvSnapshot, Qwen3Moe, RouteOut, State, Weights};
 use crate::arch::ArchError;
 use crate::arena::{Arena, ArenaError, ArenaOptions, Extent, SlotAddr};
 use crate::flash::LaneFlash;
@@ -147,6 +147,8 @@ pub struct EngineBackend {
     pub all_logits: bool,
     /// Rows of the previous step (0 before the first).
     last_batch: u32,
+    /// The decide prefix state (`Backend::keep_prefix`), when one is kept.
+    kept: Option<KvSnapshot>,
 }
 
 impl EngineBackend {
@@ -169,6 +171,7 @@ impl EngineBackend {
             uses: Vec::new(),
             all_logits: false,
             last_batch: 0,
+            kept: None,
         }
     }
 
@@ -322,5 +325,34 @@ impl Backend for EngineBackend {
             arena.release(key.layer as usize, key.expert as u32);
         }
         Ok(())
+    }
+
+    /// The last batch row's logits: the last `n_vocab` of the head's output (every row's
+    /// under `all_logits`).
+    fn last_logits(&self) -> Option<&[f32]> {
+        let n_vocab = self.model.hp().n_vocab;
+        let l = &self.state.logits;
+        (n_vocab > 0 && l.len() >= n_vocab).then(|| &l[l.len() - n_vocab..])
+    }
+
+    /// A copy of every layer's KV rows `0..n` (this architecture has no recurrent state).
+    fn keep_prefix(&mut self, n: u32) -> Result<Option<u64>, StreamError> {
+        let mut snap = self.kept.take().unwrap_or_default();
+        self.state.snapshot_kv(n as usize, &mut snap)?;
+        let bytes = snap.bytes();
+        self.kept = Some(snap);
+        Ok(Some(bytes))
+    }
+
+    fn restore_prefix(&mut self) -> Result<Option<u32>, StreamError> {
+        let Some(snap) = &self.kept else {
+            return Ok(None);
+        };
+        self.state.restore_kv(snap)?;
+        Ok(Some(snap.len() as u32))
+    }
+
+    fn drop_prefix(&mut self) {
+        self.kept = None;
     }
 }
