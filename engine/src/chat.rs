@@ -396,15 +396,18 @@ impl ChatTemplate {
         self.think_control_for_vocab(true)
     }
 
-    /// Decide `think_ctl` from the template (telemetry contract): render a one-question chat
-    /// with `enable_thinking` true and false; if the prompts differ the template reads the flag
-    /// (`Template`). Otherwise, if the vocabulary declares a think pair *and* the template owns
-    /// a `<think>` span (renders one in a probe, or writes one in its source), the model
-    /// always reasons (`None`). Otherwise a harmony-style channel section means the turn can be
-    /// started past the reasoning (`Prefill`); anything else has nothing to suppress
-    /// (`Template`). A template that cannot render the probe counts as not reading the flag.
+    /// Decide `think_ctl` from the template (telemetry contract), by rendering it: a
+    /// one-question chat with `enable_thinking` true and false; if the prompts differ the
+    /// template reads the flag (`Template`). Otherwise, if the vocabulary declares a think
+    /// pair *and* the template owns a `<think>` span (renders one in a probe, or writes one in
+    /// its source), the model always reasons (`None`). Otherwise, if the template puts an
+    /// answer behind a marker of its own ([`ChatTemplate::answer_prefill`]) and renders a
+    /// turn's reasoning in a section apart from that marked answer (harmony's analysis and
+    /// final channels), the turn can be started past the reasoning (`Prefill`). Anything else
+    /// has nothing to suppress (`Template`). A template that cannot render a probe counts as
+    /// not having what that probe looks for.
     pub fn think_control_for_vocab(&self, vocab_declares_think: bool) -> ThinkCtl {
-        let question = vec![Message::new("user", "Hi").to_value()];
+        let question = vec![Message::new("user", PROBE_QUESTION).to_value()];
         let on = self.render_values(Value::from(question.clone()), true, Some(true));
         let off = self.render_values(Value::from(question.clone()), true, Some(false));
         if let (Ok(on), Ok(off)) = (&on, &off) {
@@ -415,10 +418,35 @@ impl ChatTemplate {
         if vocab_declares_think && self.owns_think_span(&question, on.ok()) {
             return ThinkCtl::None;
         }
-        if self.source.contains("<|channel|>") {
-            return ThinkCtl::Prefill;
+        if let Some(marker) = self.answer_prefill().filter(|m| !m.trim().is_empty()) {
+            let reasoned = self.render_values(Value::from(answered(&question)), false, None);
+            if reasoned.is_ok_and(|r| {
+                r.contains(PROBE_REASONING) && r.contains(&format!("{marker}{PROBE_ANSWER}"))
+            }) {
+                return ThinkCtl::Prefill;
+            }
         }
         ThinkCtl::Template
+    }
+
+    /// What the template writes between the generation prompt and an answer given without
+    /// reasoning — harmony's `<|channel|>final<|message|>` — found by rendering a question with
+    /// the generation prompt and the same question answered: the first must be a prefix of the
+    /// second, and the text from there to the answer is the marker. Appended to a prompt it
+    /// starts the turn at the answer, past any reasoning section (`think_ctl` `prefill` with
+    /// `think:false`). `None` when the renders do not line up that way (or fail); empty when
+    /// the answer follows the generation prompt directly.
+    pub fn answer_prefill(&self) -> Option<String> {
+        let question = vec![Message::new("user", PROBE_QUESTION).to_value()];
+        let prompt = self
+            .render_values(Value::from(question.clone()), true, None)
+            .ok()?;
+        let mut chat = question;
+        chat.push(Message::new("assistant", PROBE_ANSWER).to_value());
+        let done = self.render_values(Value::from(chat), false, None).ok()?;
+        let rest = done.strip_prefix(prompt.as_str())?;
+        let at = rest.find(PROBE_ANSWER)?;
+        Some(rest[..at].to_string())
     }
 
     fn owns_think_span(&self, question: &[Value], prompt: Option<String>) -> bool {
@@ -428,19 +456,74 @@ impl ChatTemplate {
         if prompt.is_some_and(|p| p.contains("<think>")) {
             return true;
         }
-        // A finished turn that carries reasoning under both common field names.
-        let answered: Value = [
-            ("role", Value::from("assistant")),
-            ("content", Value::from("Hello.")),
-            ("reasoning_content", Value::from("Greet back.")),
-            ("thinking", Value::from("Greet back.")),
-        ]
-        .into_iter()
-        .collect();
-        let mut chat = question.to_vec();
-        chat.push(answered);
-        self.render_values(Value::from(chat), false, None)
+        self.render_values(Value::from(answered(question)), false, None)
             .is_ok_and(|p| p.contains("<think>"))
+    }
+}
+
+const PROBE_QUESTION: &str = "Hi";
+const PROBE_ANSWER: &str = "Hello.";
+const PROBE_REASONING: &str = "Greet back.";
+
+/// `question` and a finished answer that carries reasoning under both common field names
+/// (`reasoning_content`, transformers' convention; `thinking`, harmony's).
+fn answered(question: &[Value]) -> Vec<Value> {
+    let answer: Value = [
+        ("role", Value::from("assistant")),
+        ("content", Value::from(PROBE_ANSWER)),
+        ("reasoning_content", Value::from(PROBE_REASONING)),
+        ("thinking", Value::from(PROBE_REASONING)),
+    ]
+    .into_iter()
+    .collect();
+    let mut chat = question.to_vec();
+    chat.push(answer);
+    chat
+}
+
+/// A model's chat template with how it honours `think:false` worked out once: the prompt of a
+/// turn, rendered so that a request not to reason is honoured the way the template allows
+/// (telemetry contract, `think_ctl`).
+#[derive(Debug)]
+pub struct ChatFormat {
+    template: ChatTemplate,
+    think_ctl: ThinkCtl,
+    /// What starts a turn past its reasoning section (`Prefill` templates only).
+    answer_prefill: Option<String>,
+}
+
+impl ChatFormat {
+    /// `template` for a model whose vocabulary does (or does not) declare a `<think>` pair.
+    pub fn new(template: ChatTemplate, vocab_declares_think: bool) -> ChatFormat {
+        let think_ctl = template.think_control_for_vocab(vocab_declares_think);
+        let answer_prefill = match think_ctl {
+            ThinkCtl::Prefill => template.answer_prefill(),
+            _ => None,
+        };
+        ChatFormat {
+            template,
+            think_ctl,
+            answer_prefill,
+        }
+    }
+
+    /// How `think:false` is honoured on this model.
+    pub fn think_ctl(&self) -> ThinkCtl {
+        self.think_ctl
+    }
+
+    /// The prompt of a turn answering `messages`: the template with its generation prompt and
+    /// `enable_thinking = think`; with `think` false on a `prefill` template, followed by the
+    /// marker that starts the answer past the reasoning section. (`template` templates read the
+    /// flag themselves; a `none` model cannot be asked.)
+    pub fn prompt(&self, messages: &[Message], think: bool) -> Result<String, ChatError> {
+        let mut text = self.template.render(messages, true, Some(think))?;
+        if !think {
+            if let Some(p) = &self.answer_prefill {
+                text.push_str(p);
+            }
+        }
+        Ok(text)
     }
 }
 
@@ -1268,11 +1351,27 @@ mod tests {
         let t = ChatTemplate::new(always, "", "").unwrap();
         assert_eq!(t.think_control(), ThinkCtl::None);
         assert_eq!(t.think_control_for_vocab(false), ThinkCtl::Template);
-        let channel = "{{ messages[0].content }}{% if add_generation_prompt %}<|start|>assistant{% endif %}{# <|channel|>analysis #}";
+        // Reasoning in a section of its own, the answer behind a marker: decided by what the
+        // template renders, not by what its source mentions.
+        let channels = "{% for m in messages %}<|start|>{{ m.role }}{% if m.thinking %}<|channel|>analysis<|message|>{{ m.thinking }}<|end|><|start|>assistant{% endif %}{% if m.role == 'assistant' %}<|channel|>final{% endif %}<|message|>{{ m.content }}<|end|>{% endfor %}{% if add_generation_prompt %}<|start|>assistant{% endif %}";
+        let t = ChatTemplate::new(channels, "", "").unwrap();
+        assert_eq!(t.think_control(), ThinkCtl::Prefill);
         assert_eq!(
-            ChatTemplate::new(channel, "", "").unwrap().think_control(),
-            ThinkCtl::Prefill
+            t.answer_prefill().as_deref(),
+            Some("<|channel|>final<|message|>")
         );
+        let mentioned = "{{ messages[0].content }}{% if add_generation_prompt %}<|start|>assistant{% endif %}{# <|channel|>analysis #}";
+        assert_eq!(
+            ChatTemplate::new(mentioned, "", "")
+                .unwrap()
+                .think_control(),
+            ThinkCtl::Template
+        );
+        // A marker but no reasoning section: nothing to start past.
+        let marked = "{% for m in messages %}{{ m.role }}: {% if m.role == 'assistant' %}[final] {% endif %}{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}";
+        let t = ChatTemplate::new(marked, "", "").unwrap();
+        assert_eq!(t.answer_prefill().as_deref(), Some("[final] "));
+        assert_eq!(t.think_control(), ThinkCtl::Template);
         let plain = "{% for m in messages %}{{ m.content }}{% endfor %}";
         assert_eq!(
             ChatTemplate::new(plain, "", "").unwrap().think_control(),

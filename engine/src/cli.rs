@@ -102,6 +102,16 @@ pub struct RunArgs {
     /// stops the run as a failed read. Costs one hash per expert read
     #[arg(long = "verify-reads")]
     pub verify_reads: bool,
+    /// With --session: answer decide requests — prefix + suffix rendered as one user message
+    /// (reasoning off), one prefill and no decode, and the log-probability of each choice's
+    /// first token over the whole vocabulary (BMOE_DECIDE)
+    #[arg(long)]
+    pub decide: bool,
+    /// With --decide: keep the sequence state after a decide's prefix and restore it when the
+    /// next prefix renders equal to it or extends it, so only the rest is prefilled. auto = on
+    /// (bmoe has no prefill device, the one case where auto means off)
+    #[arg(long = "decide-prefix-cache", value_enum, value_name = "MODE")]
+    pub decide_prefix_cache: Option<PrefixCacheMode>,
     /// Print the architectures this build runs and exit
     #[arg(long = "list-archs")]
     pub list_archs: bool,
@@ -113,6 +123,39 @@ pub struct RunArgs {
     pub stream: bmoe_core::flags::StreamArgs,
     #[command(flatten)]
     pub telemetry: bmoe_core::flags::TelemetryArgs,
+}
+
+/// `--decide-prefix-cache`.
+#[derive(clap::ValueEnum, Copy, Clone, Debug, PartialEq, Eq, Default)]
+pub enum PrefixCacheMode {
+    /// On (bmoe has no prefill device).
+    #[default]
+    Auto,
+    On,
+    Off,
+}
+
+impl RunArgs {
+    /// Flags that only mean something together: `--decide` needs `--session`, and
+    /// `--decide-prefix-cache` needs `--decide`.
+    pub fn check_modes(&self) -> Result<()> {
+        if self.decide && !self.session {
+            return Err(anyhow!(
+                "config error: --decide needs --session (decide requests arrive on a session's stdin)"
+            ));
+        }
+        if self.decide_prefix_cache.is_some() && !self.decide {
+            return Err(anyhow!(
+                "config error: --decide-prefix-cache needs --decide"
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether decides keep their prefix state (`--decide-prefix-cache`, auto = on).
+    pub fn decide_keeps_prefix(&self) -> bool {
+        self.decide_prefix_cache.unwrap_or_default() != PrefixCacheMode::Off
+    }
 }
 
 fn default_threads() -> u32 {

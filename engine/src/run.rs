@@ -624,6 +624,7 @@ pub fn generate_with_cancel(
     err: &mut dyn Write,
     cancel: &CancelFlag,
 ) -> Result<Outcome> {
+    args.check_modes()?;
     // Every output checked against the model's files and each other, and created, before the
     // model loads: a bad output path costs nothing and never touches an input.
     let mut files = RunOutputs::open(model_path, args)?;

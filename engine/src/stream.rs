@@ -9,7 +9,7 @@
 //! (the arena holds the file's bytes verbatim) — which is why a streamed run's output is
 //! byte-identical to the resident one for every lossless setting.
 
-use crate::arch::qwen3moe::{Qwen3Moe, RouteOut, State, Weights};
+use crate::arch::qwen3moe::{KvSnapshot, Qwen3Moe, RouteOut, State, Weights};
 use crate::arch::ArchError;
 use crate::arena::{Arena, ArenaError, ArenaOptions, Extent, SlotAddr};
 use crate::flash::LaneFlash;
@@ -166,6 +166,8 @@ pub struct EngineBackend {
     /// `--verify-reads`: the sidecar's checksums, and per (MoE layer, expert) whether its
     /// canonical slot was checked since it was last filled.
     verify: Option<(crate::checksum::ExpertSums, Vec<Vec<bool>>)>,
+    /// The decide prefix state (`Backend::keep_prefix`), when one is kept.
+    kept: Option<KvSnapshot>,
 }
 
 impl EngineBackend {
@@ -190,6 +192,7 @@ impl EngineBackend {
             last_batch: 0,
             step: String::new(),
             verify: None,
+            kept: None,
         }
     }
 
@@ -419,5 +422,34 @@ impl Backend for EngineBackend {
             }
         }
         Ok(())
+    }
+
+    /// The last batch row's logits: the last `n_vocab` of the head's output (every row's
+    /// under `all_logits`).
+    fn last_logits(&self) -> Option<&[f32]> {
+        let n_vocab = self.model.hp().n_vocab;
+        let l = &self.state.logits;
+        (n_vocab > 0 && l.len() >= n_vocab).then(|| &l[l.len() - n_vocab..])
+    }
+
+    /// A copy of every layer's KV rows `0..n` (this architecture has no recurrent state).
+    fn keep_prefix(&mut self, n: u32) -> Result<Option<u64>, StreamError> {
+        let mut snap = self.kept.take().unwrap_or_default();
+        self.state.snapshot_kv(n as usize, &mut snap)?;
+        let bytes = snap.bytes();
+        self.kept = Some(snap);
+        Ok(Some(bytes))
+    }
+
+    fn restore_prefix(&mut self) -> Result<Option<u32>, StreamError> {
+        let Some(snap) = &self.kept else {
+            return Ok(None);
+        };
+        self.state.restore_kv(snap)?;
+        Ok(Some(snap.len() as u32))
+    }
+
+    fn drop_prefix(&mut self) {
+        self.kept = None;
     }
 }

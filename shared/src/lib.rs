@@ -11,6 +11,7 @@ pub mod cache;
 pub mod clock;
 pub mod config;
 pub mod faults;
+pub mod decide;
 pub mod flags;
 pub mod flash;
 pub mod generate;
@@ -32,6 +33,7 @@ pub use backend::{
 };
 pub use cache::{Admission, CacheCounters, CacheError, ExpertCache, Lookup};
 pub use clock::{Clock, Nanos};
+pub use decide::{DecideOutcome, DecideRejected, DecideRequest};
 pub use flash::{Flash, FlashError, ReadDone, ReadId, ReadRequest, ReadTag, ResidentFlash};
 pub use generate::{
     CancelFlag, GenerateError, MemProbe, NoProbe, Outputs, Session, StopReason, TokenSource,

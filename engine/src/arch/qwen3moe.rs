@@ -524,6 +524,8 @@ pub struct RouteOut {
 /// Per-session mutable state: KV cache and scratch buffers, sized once.
 pub struct State {
     pub n_ctx: usize,
+    /// Values per position per layer in the KV (`n_head_kv × head_dim`).
+    kv_dim: usize,
     k_cache: Vec<f32>,
     v_cache: Vec<f32>,
     /// Batch rows in flight.
@@ -557,6 +559,92 @@ pub struct State {
     /// Rows whose logits are wanted at the end of the batch.
     out_rows: Vec<u32>,
     pub logits: Vec<f32>,
+}
+
+/// A copy of the KV rows of positions `0..n` of every layer: the whole sequence state of this
+/// architecture (attention only, no recurrent state), as a decide keeps it after its prefix.
+#[derive(Debug, Default)]
+pub struct KvSnapshot {
+    n: usize,
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+impl KvSnapshot {
+    /// Positions held.
+    pub fn len(&self) -> usize {
+        self.n
+    }
+    pub fn is_empty(&self) -> bool {
+        self.n == 0
+    }
+    /// Bytes of memory held.
+    pub fn bytes(&self) -> u64 {
+        ((self.k.capacity() + self.v.capacity()) * std::mem::size_of::<f32>()) as u64
+    }
+}
+
+impl State {
+    /// Layers in the KV.
+    fn kv_layers(&self) -> usize {
+        self.k_cache
+            .len()
+            .checked_div(self.n_ctx * self.kv_dim)
+            .unwrap_or(0)
+    }
+
+    /// Copy the KV rows of positions `0..n` (every layer) into `into`, reusing its buffers.
+    pub fn snapshot_kv(&self, n: usize, into: &mut KvSnapshot) -> Result<(), ArchError> {
+        if n > self.n_ctx {
+            return Err(ArchError::Key {
+                file: String::new(),
+                key: "n_ctx".into(),
+                what: format!(
+                    "a snapshot of {n} positions is past the context size {}",
+                    self.n_ctx
+                ),
+            });
+        }
+        let (per_layer, chunk) = (self.n_ctx * self.kv_dim, n * self.kv_dim);
+        into.n = n;
+        into.k.clear();
+        into.v.clear();
+        for l in 0..self.kv_layers() {
+            let base = l * per_layer;
+            into.k.extend_from_slice(&self.k_cache[base..base + chunk]);
+            into.v.extend_from_slice(&self.v_cache[base..base + chunk]);
+        }
+        // Hold what this snapshot needs, not what a longer earlier one did.
+        into.k.shrink_to_fit();
+        into.v.shrink_to_fit();
+        Ok(())
+    }
+
+    /// Put `snap`'s rows back: positions `0..snap.len()` of every layer read exactly as they
+    /// did when it was taken, whatever was fed since.
+    pub fn restore_kv(&mut self, snap: &KvSnapshot) -> Result<(), ArchError> {
+        let n_layer = self.kv_layers();
+        let (per_layer, chunk) = (self.n_ctx * self.kv_dim, snap.n * self.kv_dim);
+        if snap.n > self.n_ctx || snap.k.len() != n_layer * chunk || snap.v.len() != n_layer * chunk
+        {
+            return Err(ArchError::Key {
+                file: String::new(),
+                key: "kv snapshot".into(),
+                what: format!(
+                    "{} positions in {} values do not fit {n_layer} layers of width {}",
+                    snap.n,
+                    snap.k.len(),
+                    self.kv_dim
+                ),
+            });
+        }
+        for l in 0..n_layer {
+            let base = l * per_layer;
+            self.k_cache[base..base + chunk].copy_from_slice(&snap.k[l * chunk..(l + 1) * chunk]);
+            self.v_cache[base..base + chunk].copy_from_slice(&snap.v[l * chunk..(l + 1) * chunk]);
+        }
+        Ok(())
+    }
 }
 
 struct SendPtr<T>(*mut T);
@@ -741,6 +829,7 @@ impl Qwen3Moe {
         let kvd = hp.n_head_kv * hp.head_dim;
         State {
             n_ctx,
+            kv_dim: kvd,
             k_cache: vec![0.0; hp.n_layer * n_ctx * kvd],
             v_cache: vec![0.0; hp.n_layer * n_ctx * kvd],
             n_rows: 0,
