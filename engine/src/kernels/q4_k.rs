@@ -21,8 +21,10 @@
 //! per pair of sub-blocks instead; no single order can match both, and ours must not depend on
 //! the batch, so we take the one-token order.
 
-use super::q8_k::{BlockQ8K, GROUP, QK_K};
-use super::{f16_to_f32, f32_to_f16, nearest_int, RawBlock, SimdLevel};
+use super::format::{Format, Kernel};
+use super::q8_k::{ActQ8K, BlockQ8K, QK_K};
+use super::{f16_to_f32, f32_to_f16, nearest_int, RawBlock};
+use crate::gguf::GgmlType;
 
 /// One Q4_K super-block as stored in GGUF.
 #[repr(C)]
@@ -200,15 +202,44 @@ pub(super) fn super_block_term(d: [u8; 2], dmin: [u8; 2], d_a: f32, sumi: i32, s
     dd * sumi as f32 - dm * summ as f32
 }
 
-/// Dot of a row of Q4_K super-blocks with Q8_K activation blocks.
-pub(super) fn dot(level: SimdLevel, w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
-    simd_dispatch!(level, dot_avx2(w, a), dot_scalar(w, a))
+/// The Q4_K weight format.
+pub(crate) struct Q4K;
+
+impl Format for Q4K {
+    const TY: GgmlType = GgmlType::Q4_K;
+    type Block = BlockQ4K;
+    type Act = ActQ8K;
+
+    fn quantize(src: &[f32], dst: &mut [BlockQ4K]) {
+        quantize(src, dst)
+    }
+
+    fn dequantize(src: &[BlockQ4K], dst: &mut [f32]) {
+        dequantize(src, dst)
+    }
+
+    fn dot(w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
+        dot_scalar(w, a)
+    }
 }
 
-/// Dots of one row with [`GROUP`] activations at once (prefill): the weights are unpacked once
-/// for all of them. Each result has exactly the bits [`dot`] gives for that activation.
-pub(super) fn dot_group(level: SimdLevel, w: &[BlockQ4K], a: [&[BlockQ8K]; GROUP]) -> [f32; GROUP] {
-    simd_dispatch!(level, dot_n_avx2(w, a), a.map(|a| dot_scalar(w, a)))
+#[cfg(target_arch = "x86_64")]
+impl Kernel<Q4K> for super::format::Avx2 {
+    unsafe fn dot(w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
+        // SAFETY: the caller's (AVX2, FMA and F16C are present).
+        unsafe { dot_avx2(w, a) }
+    }
+
+    /// The weights are unpacked once for all the group's activations.
+    const GROUPED: bool = true;
+
+    unsafe fn dot_group(
+        w: &[BlockQ4K],
+        a: [&[BlockQ8K]; super::q8_k::GROUP],
+    ) -> [f32; super::q8_k::GROUP] {
+        // SAFETY: the caller's.
+        unsafe { dot_n_avx2(w, a) }
+    }
 }
 
 /// One super-block's step of the two accumulators (see the module header): exact integers in,
@@ -419,9 +450,6 @@ pub(super) mod x86 {
 mod tests {
     use super::super::testutil::*;
     use super::*;
-    use crate::gguf::GgmlType;
-
-    dot_kernel!(Q4K, Q4_K, Vec<BlockQ8K>, q8_k_blocks, blocks, group);
 
     #[test]
     fn simd_matches_scalar_bits() {
@@ -430,7 +458,7 @@ mod tests {
 
     #[test]
     fn group_dot_matches_single_dots_bits() {
-        check_group_matches_single::<Q4K>();
+        check_group_matches_single::<Q4K>(true);
     }
 
     /// Rows of an expert `ffn_down` (two super-blocks) and the results llama.cpp computed for
@@ -476,7 +504,7 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn vector_scale_decoding_matches_scalar() {
-        if super::super::simd_level() < SimdLevel::Avx2 {
+        if super::super::simd_level() < super::super::SimdLevel::Avx2 {
             return;
         }
         use std::arch::x86_64::*;

@@ -9,9 +9,11 @@
 //! Summation order: exactly as Q4_K (exact i32 `sumi`, `summ`, then one float step per
 //! super-block); SIMD only computes the integers, so it matches the scalar bits.
 
+use super::format::{Format, Kernel};
 use super::q4_k::{mins_dot, quantize_super_block, super_block_term, unpack_scales};
-use super::q8_k::{BlockQ8K, GROUP, QK_K};
-use super::{f16_to_f32, RawBlock, SimdLevel};
+use super::q8_k::{ActQ8K, BlockQ8K, QK_K};
+use super::{f16_to_f32, RawBlock};
+use crate::gguf::GgmlType;
 
 /// One Q5_K super-block as stored in GGUF.
 #[repr(C)]
@@ -83,9 +85,44 @@ pub(super) fn dequantize(src: &[BlockQ5K], dst: &mut [f32]) {
     }
 }
 
-/// Dot of a row of Q5_K super-blocks with Q8_K activation blocks.
-pub(super) fn dot(level: SimdLevel, w: &[BlockQ5K], a: &[BlockQ8K]) -> f32 {
-    simd_dispatch!(level, dot_avx2(w, a), dot_scalar(w, a))
+/// The Q5_K weight format.
+pub(crate) struct Q5K;
+
+impl Format for Q5K {
+    const TY: GgmlType = GgmlType::Q5_K;
+    type Block = BlockQ5K;
+    type Act = ActQ8K;
+
+    fn quantize(src: &[f32], dst: &mut [BlockQ5K]) {
+        quantize(src, dst)
+    }
+
+    fn dequantize(src: &[BlockQ5K], dst: &mut [f32]) {
+        dequantize(src, dst)
+    }
+
+    fn dot(w: &[BlockQ5K], a: &[BlockQ8K]) -> f32 {
+        dot_scalar(w, a)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Kernel<Q5K> for super::format::Avx2 {
+    unsafe fn dot(w: &[BlockQ5K], a: &[BlockQ8K]) -> f32 {
+        // SAFETY: the caller's (AVX2, FMA and F16C are present).
+        unsafe { dot_avx2(w, a) }
+    }
+
+    /// The 5-bit values and scales are built once for all the group's activations.
+    const GROUPED: bool = true;
+
+    unsafe fn dot_group(
+        w: &[BlockQ5K],
+        a: [&[BlockQ8K]; super::q8_k::GROUP],
+    ) -> [f32; super::q8_k::GROUP] {
+        // SAFETY: the caller's.
+        unsafe { dot_n_avx2(w, a) }
+    }
 }
 
 pub(super) fn dot_scalar(w: &[BlockQ5K], a: &[BlockQ8K]) -> f32 {
@@ -170,19 +207,10 @@ unsafe fn dot_n_avx2<const N: usize>(w: &[BlockQ5K], a: [&[BlockQ8K]; N]) -> [f3
     acc.map(|v| _mm_cvtss_f32(v))
 }
 
-/// Dots of one row with [`GROUP`] activations at once (prefill); each result has exactly the
-/// bits [`dot`] gives for that activation.
-pub(super) fn dot_group(level: SimdLevel, w: &[BlockQ5K], a: [&[BlockQ8K]; GROUP]) -> [f32; GROUP] {
-    simd_dispatch!(level, dot_n_avx2(w, a), a.map(|a| dot_scalar(w, a)))
-}
-
 #[cfg(test)]
 mod tests {
     use super::super::testutil::*;
     use super::*;
-    use crate::gguf::GgmlType;
-
-    dot_kernel!(Q5K, Q5_K, Vec<BlockQ8K>, q8_k_blocks, blocks, group);
 
     #[test]
     fn simd_matches_scalar_bits() {
@@ -191,7 +219,7 @@ mod tests {
 
     #[test]
     fn group_dot_matches_single_dots_bits() {
-        check_group_matches_single::<Q5K>();
+        check_group_matches_single::<Q5K>(true);
     }
 
     #[test]

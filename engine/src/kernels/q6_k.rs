@@ -12,8 +12,10 @@
 //! then `acc += (d · d_a) · sumi`, super-blocks in row order. The AVX2 path computes the same
 //! integer as `Σ_j sc_j · Σ q·a − 32 · Σ_j sc_j · bsum_j`, so it matches the scalar bits.
 
-use super::q8_k::{BlockQ8K, GROUP, QK_K};
-use super::{f16_to_f32, f32_to_f16, max_by_magnitude, nearest_int, RawBlock, SimdLevel};
+use super::format::{Format, Kernel};
+use super::q8_k::{ActQ8K, BlockQ8K, QK_K};
+use super::{f16_to_f32, f32_to_f16, max_by_magnitude, nearest_int, RawBlock};
+use crate::gguf::GgmlType;
 
 /// One Q6_K super-block as stored in GGUF.
 #[repr(C)]
@@ -106,9 +108,44 @@ fn super_block_term(d: [u8; 2], d_a: f32, sumi: i32) -> f32 {
     (f16_to_f32(d) * d_a) * sumi as f32
 }
 
-/// Dot of a row of Q6_K super-blocks with Q8_K activation blocks.
-pub(super) fn dot(level: SimdLevel, w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
-    simd_dispatch!(level, dot_avx2(w, a), dot_scalar(w, a))
+/// The Q6_K weight format.
+pub(crate) struct Q6K;
+
+impl Format for Q6K {
+    const TY: GgmlType = GgmlType::Q6_K;
+    type Block = BlockQ6K;
+    type Act = ActQ8K;
+
+    fn quantize(src: &[f32], dst: &mut [BlockQ6K]) {
+        quantize(src, dst)
+    }
+
+    fn dequantize(src: &[BlockQ6K], dst: &mut [f32]) {
+        dequantize(src, dst)
+    }
+
+    fn dot(w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
+        dot_scalar(w, a)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Kernel<Q6K> for super::format::Avx2 {
+    unsafe fn dot(w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
+        // SAFETY: the caller's (AVX2, FMA and F16C are present).
+        unsafe { dot_avx2(w, a) }
+    }
+
+    /// The 6-bit values and scale vectors are built once for all the group's activations.
+    const GROUPED: bool = true;
+
+    unsafe fn dot_group(
+        w: &[BlockQ6K],
+        a: [&[BlockQ8K]; super::q8_k::GROUP],
+    ) -> [f32; super::q8_k::GROUP] {
+        // SAFETY: the caller's.
+        unsafe { dot_n_avx2(w, a) }
+    }
 }
 
 pub(super) fn dot_scalar(w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
@@ -277,19 +314,10 @@ unsafe fn dot_n_avx2<const N: usize>(w: &[BlockQ6K], a: [&[BlockQ8K]; N]) -> [f3
     acc.map(|v| _mm_cvtss_f32(v))
 }
 
-/// Dots of one row with [`GROUP`] activations at once (prefill); each result has exactly the
-/// bits [`dot`] gives for that activation.
-pub(super) fn dot_group(level: SimdLevel, w: &[BlockQ6K], a: [&[BlockQ8K]; GROUP]) -> [f32; GROUP] {
-    simd_dispatch!(level, dot_n_avx2(w, a), a.map(|a| dot_scalar(w, a)))
-}
-
 #[cfg(test)]
 mod tests {
     use super::super::testutil::*;
     use super::*;
-    use crate::gguf::GgmlType;
-
-    dot_kernel!(Q6K, Q6_K, Vec<BlockQ8K>, q8_k_blocks, blocks, group);
 
     #[test]
     fn simd_matches_scalar_bits() {
@@ -298,7 +326,7 @@ mod tests {
 
     #[test]
     fn group_dot_matches_single_dots_bits() {
-        check_group_matches_single::<Q6K>();
+        check_group_matches_single::<Q6K>(true);
     }
 
     #[test]
