@@ -33,13 +33,22 @@
 
 pub mod bench;
 mod bf16;
+mod block32;
 mod float_dot;
 pub(crate) mod format;
 mod fp16;
 mod fp32;
+mod iq4_nl;
+mod iq4_xs;
+mod mxfp4;
 mod pool;
+mod q2_k;
+mod q3_k;
 mod q4_0;
+mod q4_1;
 mod q4_k;
+mod q5_0;
+mod q5_1;
 mod q5_k;
 mod q6_k;
 mod q8_0;
@@ -63,9 +72,17 @@ format::registry! {
     BF16 => bf16::Bf16 [Avx2];
     Q8_0 => q8_0::Q8_0 [Avx2];
     Q4_0 => q4_0::Q4_0 [Avx2];
+    Q4_1 => q4_1::Q4_1 [Avx2];
+    Q5_0 => q5_0::Q5_0 [Avx2];
+    Q5_1 => q5_1::Q5_1 [Avx2];
+    IQ4_NL => iq4_nl::Iq4Nl [Avx2];
+    MXFP4 => mxfp4::Mxfp4 [Avx2];
+    Q2_K => q2_k::Q2K [Avx2];
+    Q3_K => q3_k::Q3K [Avx2];
     Q4_K => q4_k::Q4K [Avx2];
     Q5_K => q5_k::Q5K [Avx2];
     Q6_K => q6_k::Q6K [Avx2];
+    IQ4_XS => iq4_xs::Iq4Xs [Avx2];
 }
 
 /// Everything a kernel call can reject. Kernels never panic on bad lengths or types.

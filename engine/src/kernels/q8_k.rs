@@ -87,6 +87,34 @@ impl Activation for ActQ8K {
 pub(super) mod x86 {
     use std::arch::x86_64::*;
 
+    /// `pshufb` masks over 8 i16 scales held in both 128-bit lanes: mask `t` fills the low
+    /// lane's i16s with scale `2t` and the high lane's with scale `2t + 1` (the two runs of 16
+    /// of a group of 32 values).
+    pub const SCALE_PAIR: [[u8; 32]; 4] = {
+        let mut m = [[0u8; 32]; 4];
+        let mut t = 0;
+        while t < 4 {
+            let mut i = 0;
+            while i < 32 {
+                let s = 2 * t + i / 16;
+                m[t][i] = (2 * s + i % 2) as u8;
+                i += 1;
+            }
+            t += 1;
+        }
+        m
+    };
+
+    /// The [`super::super::reduce8`] of a vector's 8 lanes.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    pub unsafe fn fold(v: __m256) -> f32 {
+        let mut lanes = [0f32; 8];
+        // SAFETY: 8 floats.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), v) };
+        super::super::reduce8(&lanes)
+    }
+
     /// The sum of the 8 i32 lanes (exact, wrapping like the scalar code never needs to).
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
