@@ -194,14 +194,6 @@ pub(super) fn mins_dot(m: &[u8; 8], bsums: &[i16; 16]) -> i32 {
     s
 }
 
-/// Q5_K's float step of one super-block, shared by its paths (Q4_K uses `accumulate`).
-#[inline(always)]
-pub(super) fn super_block_term(d: [u8; 2], dmin: [u8; 2], d_a: f32, sumi: i32, summ: i32) -> f32 {
-    let dd = d_a * f16_to_f32(d);
-    let dm = d_a * f16_to_f32(dmin);
-    dd * sumi as f32 - dm * summ as f32
-}
-
 /// The Q4_K weight format.
 pub(crate) struct Q4K;
 
@@ -380,7 +372,7 @@ pub(super) mod x86 {
 
     /// `[sumi, summ, sumi, summ]`, exact in i32: the total of the 8 lanes of `sumi`, and
     /// `summ` from the minimums (`mins`, from [`scales_mins`]) and the pair sums of `bsums`.
-    /// The integer half of [`finish`] and [`accumulate`].
+    /// The integer half of [`accumulate`] and [`mins_dot`].
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
     unsafe fn totals(sumi: __m256i, mins: __m128i, bsums: &[i16; 16]) -> __m128i {
@@ -405,24 +397,13 @@ pub(super) mod x86 {
         _mm_cvtph_ps(_mm_cvtsi32_si128(bits))
     }
 
-    /// Q5_K's float step of one super-block on lane 0 of `acc`, exactly as the scalar
-    /// `acc += super_block_term(..)`: `summ` from the minimums and pair sums of `bsums`, both
-    /// integers reduced exactly, then `(d_a·d)·sumi − (d_a·dmin)·summ` and the add.
+    /// `Σ_j m_j · (bsum_2j + bsum_2j+1)` (exact), the scalar [`super::mins_dot`] from the
+    /// minimums of [`scales_mins`] (Q5_K's minimums' term).
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    pub unsafe fn finish(
-        acc: __m128,
-        sumi: __m256i,
-        mins: __m128i,
-        bsums: &[i16; 16],
-        d: [u8; 2],
-        dmin: [u8; 2],
-        d_a: f32,
-    ) -> __m128 {
-        let h = unsafe { totals(sumi, mins, bsums) };
-        let scales = _mm_mul_ps(_mm_set1_ps(d_a), unsafe { super_scales(d, dmin) });
-        let p = _mm_mul_ps(scales, _mm_cvtepi32_ps(h)); // [dd·sumi, dm·summ, ..]
-        _mm_add_ss(acc, _mm_sub_ss(p, _mm_movehdup_ps(p)))
+    pub unsafe fn mins_dot(mins: __m128i, bsums: &[i16; 16]) -> i32 {
+        let t = unsafe { totals(_mm256_setzero_si256(), mins, bsums) };
+        _mm_extract_epi32(t, 1)
     }
 
     /// Q4_K's step of its two accumulators, lanes 0 (`acc_d`) and 1 (`acc_m`) of `acc`, exactly

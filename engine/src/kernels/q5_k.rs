@@ -6,13 +6,18 @@
 //! 64c + 64` (high nibbles); the fifth bit of value `64c + l` is bit `2c` of `qh[l]`, of value
 //! `64c + 32 + l` bit `2c + 1`.
 //!
-//! Summation order: exactly as Q4_K (exact i32 `sumi`, `summ`, then one float step per
-//! super-block); SIMD only computes the integers, so it matches the scalar bits.
+//! Summation order (llama.cpp's x86 `ggml_vec_dot_q5_K_q8_K`, shared by every path): 8 lane
+//! accumulators, one fused multiply-add per super-block each, `lane_k = fma(d_a·d, sumi_k,
+//! lane_k)`, where `sumi_k` sums exactly, over the 8 groups of 32 values, `sc · Σ q·a` over
+//! values `4k .. 4k + 4` of the group; beside them one fused chain of the minimums' terms,
+//! `m_sum = fma(−d_a·dmin, Σ_j m_j·(bsum_2j + bsum_2j+1), m_sum)`; the result
+//! `reduce8(lanes) + m_sum`. SIMD only computes the integers and the same lane steps, so it
+//! matches the scalar bits.
 
 use super::format::{Format, Kernel};
-use super::q4_k::{mins_dot, quantize_super_block, super_block_term, unpack_scales};
+use super::q4_k::{mins_dot, quantize_super_block, unpack_scales};
 use super::q8_k::{ActQ8K, BlockQ8K, QK_K};
-use super::{f16_to_f32, RawBlock};
+use super::{f16_to_f32, reduce8, RawBlock};
 use crate::gguf::GgmlType;
 
 /// One Q5_K super-block as stored in GGUF.
@@ -126,22 +131,30 @@ impl Kernel<Q5K> for super::format::Avx2 {
 }
 
 pub(super) fn dot_scalar(w: &[BlockQ5K], a: &[BlockQ8K]) -> f32 {
-    let mut acc = 0f32;
+    let mut lanes = [0f32; 8];
+    let mut m_sum = 0f32;
     for (x, y) in w.iter().zip(a) {
         let (sc, m) = unpack_scales(&x.scales);
-        let mut sumi = 0i32;
+        let mut sumi = [0i32; 8];
         for c in 0..4 {
-            let (mut lo, mut hi) = (0i32, 0i32);
-            for l in 0..32 {
-                let (ql, qh) = levels(x, c, l);
-                lo += ql as i32 * y.qs[64 * c + l] as i32;
-                hi += qh as i32 * y.qs[64 * c + 32 + l] as i32;
+            for (k, s) in sumi.iter_mut().enumerate() {
+                let (mut lo, mut hi) = (0i32, 0i32);
+                for l in 4 * k..4 * k + 4 {
+                    let (ql, qh) = levels(x, c, l);
+                    lo += ql as i32 * y.qs[64 * c + l] as i32;
+                    hi += qh as i32 * y.qs[64 * c + 32 + l] as i32;
+                }
+                *s += sc[2 * c] as i32 * lo + sc[2 * c + 1] as i32 * hi;
             }
-            sumi += sc[2 * c] as i32 * lo + sc[2 * c + 1] as i32 * hi;
         }
-        acc += super_block_term(x.d, x.dmin, y.d, sumi, mins_dot(&m, &y.bsums));
+        let d = y.d * f16_to_f32(x.d);
+        let dmin = -y.d * f16_to_f32(x.dmin);
+        m_sum = dmin.mul_add(mins_dot(&m, &y.bsums) as f32, m_sum);
+        for (l, s) in lanes.iter_mut().zip(sumi) {
+            *l = d.mul_add(s as f32, *l);
+        }
     }
-    acc
+    reduce8(&lanes) + m_sum
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -152,7 +165,8 @@ unsafe fn dot_avx2(w: &[BlockQ5K], a: &[BlockQ8K]) -> f32 {
 }
 
 /// `N` dots of one row at once (see Q4_K's `dot_n_avx2`): the 5-bit values and scales are
-/// built once per chunk; each activation keeps its own exact sum and float steps.
+/// built once per chunk; each activation keeps its own exact lane sums and float steps, the
+/// same for any `N`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
@@ -162,9 +176,10 @@ unsafe fn dot_n_avx2<const N: usize>(w: &[BlockQ5K], a: [&[BlockQ8K]; N]) -> [f3
     let n = a.iter().fold(w.len(), |n, a| n.min(a.len()));
     let m4 = _mm256_set1_epi8(0x0F);
     let one = _mm256_set1_epi8(1);
-    let mut acc = [_mm_setzero_ps(); N];
+    let mut acc = [_mm256_setzero_ps(); N];
+    let mut m_sum = [0f32; N];
     for (i, x) in w[..n].iter().enumerate() {
-        let (scales, mins) = unsafe { x86::scales_mins(x.head()) };
+        let (scales, m) = unsafe { x86::scales_mins(x.head()) };
         // SAFETY: qh is 32 bytes.
         let mut hbits = unsafe { _mm256_loadu_si256(x.qh.as_ptr().cast()) };
         let mut sumi = [_mm256_setzero_si256(); N];
@@ -201,10 +216,16 @@ unsafe fn dot_n_avx2<const N: usize>(w: &[BlockQ5K], a: [&[BlockQ8K]; N]) -> [f3
         }
         for t in 0..N {
             let y = &a[t][i];
-            acc[t] = unsafe { x86::finish(acc[t], sumi[t], mins, &y.bsums, x.d, x.dmin, y.d) };
+            let d = y.d * f16_to_f32(x.d);
+            let dmin = -y.d * f16_to_f32(x.dmin);
+            // SAFETY: AVX2 is present.
+            let mins = unsafe { x86::mins_dot(m, &y.bsums) };
+            m_sum[t] = dmin.mul_add(mins as f32, m_sum[t]);
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi[t]), acc[t]);
         }
     }
-    acc.map(|v| _mm_cvtss_f32(v))
+    // SAFETY: AVX2 is present.
+    std::array::from_fn(|t| unsafe { super::q8_k::x86::fold(acc[t]) } + m_sum[t])
 }
 
 #[cfg(test)]

@@ -39,6 +39,8 @@ const EXACT: &[GgmlType] = &[
     GgmlType::MXFP4,
     GgmlType::Q2_K,
     GgmlType::Q3_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
     GgmlType::IQ4_XS,
 ];
 
