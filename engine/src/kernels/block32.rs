@@ -286,22 +286,29 @@ macro_rules! block32_format {
 }
 pub(super) use block32_format;
 
-/// The index of the value of `table` (sorted ascending) nearest to `v` (the lower one on
-/// ties; 0 for NaN).
-#[inline]
-pub(super) fn nearest_index(table: &[f32], v: f32) -> usize {
-    // The first entry above v, then the closer of it and its predecessor.
-    let hi = table.partition_point(|t| *t <= v);
-    if hi == 0 {
-        return 0;
+/// Nearest-level search over an ascending table of up to 16 levels, by counting the midpoints
+/// between neighbours that a value exceeds: 15 branch-free comparisons (the quantizers' inner
+/// loop). Ties go to the lower level; NaN to the first.
+pub(super) struct Nearest {
+    mids: [f32; 15],
+}
+
+impl Nearest {
+    /// `sorted` ascending, 2..=16 levels.
+    pub const fn new(sorted: &[f32]) -> Nearest {
+        let mut mids = [f32::INFINITY; 15];
+        let mut k = 0;
+        while k + 1 < sorted.len() && k < 15 {
+            mids[k] = (sorted[k] + sorted[k + 1]) / 2.0;
+            k += 1;
+        }
+        Nearest { mids }
     }
-    if hi == table.len() {
-        return table.len() - 1;
-    }
-    if v - table[hi - 1] <= table[hi] - v {
-        hi - 1
-    } else {
-        hi
+
+    /// The index of the level nearest to `v`.
+    #[inline(always)]
+    pub fn index(&self, v: f32) -> usize {
+        self.mids.iter().map(|m| (v > *m) as usize).sum()
     }
 }
 

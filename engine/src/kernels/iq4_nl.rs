@@ -6,9 +6,7 @@
 //! Layout (18 bytes): `d` (f16), `qs[16]`: byte `j` holds index `j` (low nibble) and index
 //! `j + 16` (high nibble).
 
-use super::block32::{
-    self, block32_format, nearest_index, nibble, pack_nibbles, Block32, Order, QK,
-};
+use super::block32::{self, block32_format, nibble, pack_nibbles, Block32, Nearest, Order, QK};
 use super::{f16_to_f32, f32_to_f16, max_by_magnitude, RawBlock};
 
 /// The 16 levels (ggml's `kvalues_iq4nl`): denser near zero, where weights are.
@@ -46,68 +44,69 @@ impl Block32 for BlockIq4Nl {
     }
 }
 
-/// The table as floats, for the quantizers' nearest-level search.
-fn levels_f32() -> [f32; 16] {
-    LEVELS.map(|v| v as f32)
+/// The table as floats, and its nearest-level search.
+pub(super) const LEVELS_F32: [f32; 16] = {
+    let mut t = [0f32; 16];
+    let mut i = 0;
+    while i < 16 {
+        t[i] = LEVELS[i] as f32;
+        i += 1;
+    }
+    t
+};
+pub(super) const NEAREST: Nearest = Nearest::new(&LEVELS_F32);
+
+/// The squared error of `x` as `scale · LEVELS[nearest]`.
+fn error(x: &[f32], scale: f32) -> f32 {
+    let inv = 1.0 / scale;
+    x.iter()
+        .map(|v| (v - scale * LEVELS_F32[NEAREST.index(v * inv)]).powi(2))
+        .sum()
 }
 
 /// Fits one group of values to `scale · LEVELS[index]` (IQ4_NL blocks, IQ4_XS sub-blocks):
 /// tries the scales that put the value of largest magnitude on either end of the table and a
-/// few around them, refits each by least squares on its chosen indices, and keeps the one with
-/// the smallest squared error. Returns (scale, indices).
-pub(super) fn fit_group(x: &[f32]) -> (f32, Vec<u8>) {
-    let table = levels_f32();
+/// few around them, keeps the one with the smallest squared error, then refits it by least
+/// squares on its indices if that lowers the error. Returns the scale (0 for an all-zero
+/// group).
+pub(super) fn fit_group(x: &[f32]) -> f32 {
     let max = max_by_magnitude(x);
     if max == 0.0 {
-        // Index 8 is the level nearest zero (1); any scale of 0 makes every value 0.
-        return (0.0, vec![8; x.len()]);
+        return 0.0;
     }
-    let indices = |scale: f32| -> Vec<u8> {
-        let inv = 1.0 / scale;
-        x.iter()
-            .map(|v| nearest_index(&table, v * inv) as u8)
-            .collect()
-    };
-    let error = |scale: f32, idx: &[u8]| -> f32 {
-        x.iter()
-            .zip(idx)
-            .map(|(v, &i)| (v - scale * table[i as usize]).powi(2))
-            .sum()
-    };
-    let mut best = (f32::INFINITY, 0.0, Vec::new());
-    for end in [table[0], table[15]] {
-        for step in -3i32..=3 {
-            let scale = max / end * (1.0 + step as f32 / 24.0);
-            let idx = indices(scale);
-            // Least-squares scale for these indices.
-            let (num, den) = x.iter().zip(&idx).fold((0f32, 0f32), |(n, d), (v, &i)| {
-                (n + v * table[i as usize], d + table[i as usize].powi(2))
-            });
-            let refit = if den > 0.0 { num / den } else { scale };
-            for s in [scale, refit] {
-                if s == 0.0 || !s.is_finite() {
-                    continue;
-                }
-                let idx = indices(s);
-                let e = error(s, &idx);
+    let mut best = (f32::INFINITY, 0.0);
+    for end in [LEVELS_F32[0], LEVELS_F32[15]] {
+        for step in -2i32..=2 {
+            let scale = max / end * (1.0 + step as f32 / 32.0);
+            if scale != 0.0 && scale.is_finite() {
+                let e = error(x, scale);
                 if e < best.0 {
-                    best = (e, s, idx);
+                    best = (e, scale);
                 }
             }
         }
     }
-    (best.1, best.2)
+    let inv = 1.0 / best.1;
+    let (num, den) = x.iter().fold((0f32, 0f32), |(n, d), v| {
+        let t = LEVELS_F32[NEAREST.index(v * inv)];
+        (n + v * t, d + t * t)
+    });
+    let refit = if den > 0.0 { num / den } else { 0.0 };
+    if refit != 0.0 && refit.is_finite() && error(x, refit) < best.0 {
+        refit
+    } else {
+        best.1
+    }
 }
 
 pub(super) fn quantize(src: &[f32], dst: &mut [BlockIq4Nl]) {
-    let table = levels_f32();
     for (x, b) in src.chunks_exact(QK).zip(dst.iter_mut()) {
-        let (scale, _) = fit_group(x);
-        let d = f32_to_f16(scale);
+        let d = f32_to_f16(fit_group(x));
         let d_f = f16_to_f32(d);
-        // Indices against the stored scale, so dequantization sees what was chosen.
+        // Indices against the stored scale, so dequantization sees what was chosen; index 8
+        // (level 1, the one nearest zero) for an all-zero block.
         let idx: [u8; QK] = if d_f != 0.0 {
-            std::array::from_fn(|i| nearest_index(&table, x[i] / d_f) as u8)
+            std::array::from_fn(|i| NEAREST.index(x[i] / d_f) as u8)
         } else {
             [8; QK]
         };
@@ -160,7 +159,6 @@ mod tests {
 
     #[test]
     fn nearest_index_picks_the_closest_level() {
-        let t = levels_f32();
         for (v, want) in [
             (-200.0, 0),
             (-127.0, 0),
@@ -172,9 +170,20 @@ mod tests {
             (113.0, 15),
             (1e9, 15),
         ] {
-            assert_eq!(nearest_index(&t, v), want, "{v}");
+            assert_eq!(NEAREST.index(v), want, "{v}");
         }
-        assert_eq!(nearest_index(&t, f32::NAN), 0);
+        assert_eq!(NEAREST.index(f32::NAN), 0);
+        // Against a plain search, on a fine grid through every midpoint.
+        for k in -2600..2600 {
+            let v = k as f32 * 0.05;
+            let plain = (0..16)
+                .min_by(|&a, &b| {
+                    let (da, db) = ((v - LEVELS_F32[a]).abs(), (v - LEVELS_F32[b]).abs());
+                    da.partial_cmp(&db).unwrap().then(a.cmp(&b))
+                })
+                .unwrap();
+            assert_eq!(NEAREST.index(v), plain, "{v}");
+        }
     }
 
     #[test]

@@ -13,9 +13,8 @@
 //! lane_k)`, where `sumi_k` sums exactly, over the 8 sub-blocks, `(ls − 32) · Σ K[q]·a` over
 //! values `4k .. 4k + 4` of the sub-block; folded by [`reduce8`] at the end.
 
-use super::block32::nearest_index;
 use super::format::{Format, Kernel};
-use super::iq4_nl::{fit_group, LEVELS};
+use super::iq4_nl::{fit_group, LEVELS, NEAREST};
 use super::q8_k::{ActQ8K, BlockQ8K, QK_K};
 use super::{f16_to_f32, f32_to_f16, max_by_magnitude, nearest_int, reduce8, RawBlock};
 use crate::gguf::GgmlType;
@@ -71,9 +70,8 @@ pub(super) fn dequantize(src: &[BlockIq4Xs], dst: &mut [f32]) {
 /// the f16 super-scale (the largest in magnitude to −32), then the indices chosen against the
 /// stored scales.
 pub(super) fn quantize(src: &[f32], dst: &mut [BlockIq4Xs]) {
-    let table = LEVELS.map(|v| v as f32);
     for (x, b) in src.chunks_exact(QK_K).zip(dst.iter_mut()) {
-        let fits: [f32; 8] = std::array::from_fn(|i| fit_group(&x[32 * i..32 * i + 32]).0);
+        let fits: [f32; 8] = std::array::from_fn(|i| fit_group(&x[32 * i..32 * i + 32]));
         let max_scale = max_by_magnitude(&fits);
         let iscale = if max_scale != 0.0 {
             -32.0 / max_scale
@@ -92,7 +90,7 @@ pub(super) fn quantize(src: &[f32], dst: &mut [BlockIq4Xs]) {
             for j in 0..16 {
                 let q = |v: f32| {
                     if dl != 0.0 {
-                        nearest_index(&table, v / dl) as u8
+                        NEAREST.index(v / dl) as u8
                     } else {
                         8
                     }

@@ -6,9 +6,7 @@
 //! nibble) and value `j + 16` (high nibble). As ggml does, the table holds the E2M1 values
 //! doubled (integers, so a dot stays in integers) and the scale is halved to match.
 
-use super::block32::{
-    self, block32_format, nearest_index, nibble, pack_nibbles, Block32, Order, QK,
-};
+use super::block32::{self, block32_format, nibble, pack_nibbles, Block32, Nearest, Order, QK};
 use super::RawBlock;
 
 /// E2M1 values ×2: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives (index 8 is −0).
@@ -80,12 +78,20 @@ const SORTED: [(f32, u8); 15] = [
 /// above is also tried and the one with the smaller squared error kept. Each value then takes
 /// the nearest level.
 pub(super) fn quantize(src: &[f32], dst: &mut [BlockMxfp4]) {
-    let keys: [f32; 15] = SORTED.map(|(v, _)| v);
+    const NEAREST: Nearest = Nearest::new(&{
+        let mut k = [0f32; 15];
+        let mut i = 0;
+        while i < 15 {
+            k[i] = SORTED[i].0;
+            i += 1;
+        }
+        k
+    });
     for (x, b) in src.chunks_exact(QK).zip(dst.iter_mut()) {
         let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
         let encode = |e: u8| -> ([u8; QK], f32) {
             let d = e8m0_half(e);
-            let idx: [u8; QK] = std::array::from_fn(|i| SORTED[nearest_index(&keys, x[i] / d)].1);
+            let idx: [u8; QK] = std::array::from_fn(|i| SORTED[NEAREST.index(x[i] / d)].1);
             let err = x
                 .iter()
                 .zip(&idx)
