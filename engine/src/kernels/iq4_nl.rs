@@ -28,10 +28,12 @@ unsafe impl RawBlock for BlockIq4Nl {}
 impl Block32 for BlockIq4Nl {
     const ORDER: Order = Order::Pairs;
 
+    #[inline]
     fn levels(&self) -> [i8; QK] {
         std::array::from_fn(|i| LEVELS[nibble(&self.qs, i) as usize])
     }
 
+    #[inline]
     fn scale(&self) -> f32 {
         f16_to_f32(self.d)
     }

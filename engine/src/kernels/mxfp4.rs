@@ -38,10 +38,12 @@ pub(super) fn e8m0_half(e: u8) -> f32 {
 impl Block32 for BlockMxfp4 {
     const ORDER: Order = Order::Pairs;
 
+    #[inline]
     fn levels(&self) -> [i8; QK] {
         std::array::from_fn(|i| LEVELS[nibble(&self.qs, i) as usize])
     }
 
+    #[inline]
     fn scale(&self) -> f32 {
         e8m0_half(self.e)
     }

@@ -24,14 +24,17 @@ unsafe impl RawBlock for BlockQ4_1 {}
 impl Block32 for BlockQ4_1 {
     const ORDER: Order = Order::LanesOffset;
 
+    #[inline]
     fn levels(&self) -> [i8; QK] {
         std::array::from_fn(|i| nibble(&self.qs, i) as i8)
     }
 
+    #[inline]
     fn scale(&self) -> f32 {
         f16_to_f32(self.d)
     }
 
+    #[inline]
     fn offset(&self) -> f32 {
         f16_to_f32(self.m)
     }

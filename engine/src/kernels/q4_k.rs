@@ -372,7 +372,7 @@ pub(super) mod x86 {
 
     /// `[sumi, summ, sumi, summ]`, exact in i32: the total of the 8 lanes of `sumi`, and
     /// `summ` from the minimums (`mins`, from [`scales_mins`]) and the pair sums of `bsums`.
-    /// The integer half of [`accumulate`] and [`mins_dot`].
+    /// The integer half of [`accumulate`].
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
     unsafe fn totals(sumi: __m256i, mins: __m128i, bsums: &[i16; 16]) -> __m128i {
@@ -392,7 +392,7 @@ pub(super) mod x86 {
     /// `[d, dmin, 0, 0]` widened from f16 (exact).
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    unsafe fn super_scales(d: [u8; 2], dmin: [u8; 2]) -> __m128 {
+    pub unsafe fn super_scales(d: [u8; 2], dmin: [u8; 2]) -> __m128 {
         let bits = u16::from_le_bytes(d) as i32 | ((u16::from_le_bytes(dmin) as i32) << 16);
         _mm_cvtph_ps(_mm_cvtsi32_si128(bits))
     }
@@ -402,8 +402,14 @@ pub(super) mod x86 {
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
     pub unsafe fn mins_dot(mins: __m128i, bsums: &[i16; 16]) -> i32 {
-        let t = unsafe { totals(_mm256_setzero_si256(), mins, bsums) };
-        _mm_extract_epi32(t, 1)
+        // SAFETY: 16 i16 = 32 bytes.
+        let bs = unsafe { _mm256_loadu_si256(bsums.as_ptr().cast()) };
+        // Pair sums ≤ 2 · 16 · 127: no i16 overflow.
+        let pairs = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+        let s = _mm_madd_epi16(mins, pairs);
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
+        _mm_cvtsi128_si32(s)
     }
 
     /// Q4_K's step of its two accumulators, lanes 0 (`acc_d`) and 1 (`acc_m`) of `acc`, exactly

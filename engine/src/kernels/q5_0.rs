@@ -25,10 +25,12 @@ unsafe impl RawBlock for BlockQ5_0 {}
 impl Block32 for BlockQ5_0 {
     const ORDER: Order = Order::Lanes;
 
+    #[inline]
     fn levels(&self) -> [i8; QK] {
         std::array::from_fn(|i| level5(self.qh, &self.qs, i) as i8 - 16)
     }
 
+    #[inline]
     fn scale(&self) -> f32 {
         f16_to_f32(self.d)
     }

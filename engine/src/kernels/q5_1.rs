@@ -39,14 +39,17 @@ pub(super) fn pack5(levels: &[u8; QK]) -> ([u8; 4], [u8; QK / 2]) {
 impl Block32 for BlockQ5_1 {
     const ORDER: Order = Order::LanesOffset;
 
+    #[inline]
     fn levels(&self) -> [i8; QK] {
         std::array::from_fn(|i| level5(self.qh, &self.qs, i) as i8)
     }
 
+    #[inline]
     fn scale(&self) -> f32 {
         f16_to_f32(self.d)
     }
 
+    #[inline]
     fn offset(&self) -> f32 {
         f16_to_f32(self.m)
     }

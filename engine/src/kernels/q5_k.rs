@@ -214,10 +214,13 @@ unsafe fn dot_n_avx2<const N: usize>(w: &[BlockQ5K], a: [&[BlockQ8K]; N]) -> [f3
             }
             hbits = _mm256_srli_epi16(hbits, 2);
         }
+        // [d, dmin] of the weights, widened once for all activations.
+        let dd = unsafe { x86::super_scales(x.d, x.dmin) };
+        let (xd, xdmin) = (_mm_cvtss_f32(dd), _mm_cvtss_f32(_mm_movehdup_ps(dd)));
         for t in 0..N {
             let y = &a[t][i];
-            let d = y.d * f16_to_f32(x.d);
-            let dmin = -y.d * f16_to_f32(x.dmin);
+            let d = y.d * xd;
+            let dmin = -y.d * xdmin;
             // SAFETY: AVX2 is present.
             let mins = unsafe { x86::mins_dot(m, &y.bsums) };
             m_sum[t] = dmin.mul_add(mins as f32, m_sum[t]);
