@@ -186,7 +186,7 @@ fn preset_choice(ftype: Ftype, base: GgmlType, w: &Weight, m: &Model) -> GgmlTyp
     let layer = w.layer.unwrap_or(0);
     let n_layer = m.n_layer.max(1);
     if cat == Category::Output || (m.tied && cat == Category::TokenEmbd) {
-        return if ftype == F::MXFP4_MOE || w.dims[0] % base.block_size() != 0 {
+        return if ftype == F::MXFP4_MOE || !w.dims[0].is_multiple_of(base.block_size()) {
             T::Q8_0
         } else if base != T::Q8_0 {
             T::Q6_K
@@ -264,7 +264,7 @@ fn preset_choice(ftype: Ftype, base: GgmlType, w: &Weight, m: &Model) -> GgmlTyp
 /// fit.
 pub fn fallback(ty: GgmlType, n_cols: u64) -> GgmlType {
     use GgmlType as T;
-    if n_cols % ty.block_size() == 0 {
+    if n_cols.is_multiple_of(ty.block_size()) {
         return ty;
     }
     let stand_in = match ty {
@@ -282,7 +282,7 @@ pub fn fallback(ty: GgmlType, n_cols: u64) -> GgmlType {
         T::Q6_K => T::Q8_0,
         other => other,
     };
-    if n_cols % stand_in.block_size() == 0 {
+    if n_cols.is_multiple_of(stand_in.block_size()) {
         stand_in
     } else {
         T::F16

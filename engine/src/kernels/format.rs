@@ -286,3 +286,54 @@ macro_rules! registry {
     };
 }
 pub(crate) use registry;
+
+/// The [`Format`] and AVX2 [`Kernel`] of a 256-value format against Q8_K activations whose
+/// file defines `quantize`, `dequantize`, `dot_scalar` and (x86-64) `dot_avx2` over its blocks,
+/// and with `grouped`, a multi-token `dot_n_avx2`:
+/// `kquant_format!(Name, GgmlTypeVariant, BlockType [, grouped])`.
+macro_rules! kquant_format {
+    ($name:ident, $ty:ident, $block:ty $(, $grouped:ident)?) => {
+        /// The weight format (see the module header).
+        pub(crate) struct $name;
+
+        impl $crate::kernels::format::Format for $name {
+            const TY: $crate::gguf::GgmlType = $crate::gguf::GgmlType::$ty;
+            type Block = $block;
+            type Act = $crate::kernels::q8_k::ActQ8K;
+
+            fn quantize(src: &[f32], dst: &mut [$block]) {
+                quantize(src, dst)
+            }
+
+            fn dequantize(src: &[$block], dst: &mut [f32]) {
+                dequantize(src, dst)
+            }
+
+            fn dot(w: &[$block], a: &[$crate::kernels::q8_k::BlockQ8K]) -> f32 {
+                dot_scalar(w, a)
+            }
+        }
+
+        #[cfg(target_arch = "x86_64")]
+        impl $crate::kernels::format::Kernel<$name> for $crate::kernels::format::Avx2 {
+            unsafe fn dot(w: &[$block], a: &[$crate::kernels::q8_k::BlockQ8K]) -> f32 {
+                // SAFETY: the caller's (AVX2, FMA and F16C are present).
+                unsafe { dot_avx2(w, a) }
+            }
+            $($crate::kernels::format::kquant_format!(@ $grouped, $block);)?
+        }
+    };
+    (@ grouped, $block:ty) => {
+        /// The weights are unpacked once for all the group's activations.
+        const GROUPED: bool = true;
+
+        unsafe fn dot_group(
+            w: &[$block],
+            a: [&[$crate::kernels::q8_k::BlockQ8K]; $crate::kernels::q8_k::GROUP],
+        ) -> [f32; $crate::kernels::q8_k::GROUP] {
+            // SAFETY: the caller's.
+            unsafe { dot_n_avx2(w, a) }
+        }
+    };
+}
+pub(crate) use kquant_format;

@@ -13,11 +13,9 @@
 //! lane_k)`, where `sumi_k` sums exactly, over the 8 sub-blocks, `(ls − 32) · Σ K[q]·a` over
 //! values `4k .. 4k + 4` of the sub-block; folded by [`reduce8`] at the end.
 
-use super::format::{Format, Kernel};
 use super::iq4_nl::{fit_group, LEVELS, NEAREST};
-use super::q8_k::{ActQ8K, BlockQ8K, QK_K};
+use super::q8_k::{BlockQ8K, QK_K};
 use super::{f16_to_f32, f32_to_f16, max_by_magnitude, nearest_int, reduce8, RawBlock};
-use crate::gguf::GgmlType;
 
 /// One IQ4_XS super-block as stored in GGUF.
 #[repr(C)]
@@ -152,39 +150,13 @@ unsafe fn dot_avx2(w: &[BlockIq4Xs], a: &[BlockQ8K]) -> f32 {
     unsafe { fold(acc) }
 }
 
-/// The IQ4_XS weight format.
-pub(crate) struct Iq4Xs;
-
-impl Format for Iq4Xs {
-    const TY: GgmlType = GgmlType::IQ4_XS;
-    type Block = BlockIq4Xs;
-    type Act = ActQ8K;
-
-    fn quantize(src: &[f32], dst: &mut [BlockIq4Xs]) {
-        quantize(src, dst)
-    }
-
-    fn dequantize(src: &[BlockIq4Xs], dst: &mut [f32]) {
-        dequantize(src, dst)
-    }
-
-    fn dot(w: &[BlockIq4Xs], a: &[BlockQ8K]) -> f32 {
-        dot_scalar(w, a)
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-impl Kernel<Iq4Xs> for super::format::Avx2 {
-    unsafe fn dot(w: &[BlockIq4Xs], a: &[BlockQ8K]) -> f32 {
-        // SAFETY: the caller's (AVX2, FMA and F16C are present).
-        unsafe { dot_avx2(w, a) }
-    }
-}
+super::format::kquant_format!(Iq4Xs, IQ4_XS, BlockIq4Xs);
 
 #[cfg(test)]
 mod tests {
     use super::super::testutil::*;
     use super::*;
+    use crate::gguf::GgmlType;
 
     #[test]
     fn simd_matches_scalar_bits() {

@@ -13,10 +13,8 @@
 //! 8 groups of 32 values, `sc · Σ q·a` over values `4k .. 4k + 4` of the group; folded by
 //! [`reduce8`] at the end. The AVX2 path computes those integers with `maddubs`/`madd`.
 
-use super::format::{Format, Kernel};
-use super::q8_k::{ActQ8K, BlockQ8K, QK_K};
+use super::q8_k::{BlockQ8K, QK_K};
 use super::{f16_to_f32, f32_to_f16, nearest_int, reduce8, RawBlock};
-use crate::gguf::GgmlType;
 
 /// One Q2_K super-block as stored in GGUF.
 #[repr(C)]
@@ -211,39 +209,13 @@ unsafe fn dot_avx2(w: &[BlockQ2K], a: &[BlockQ8K]) -> f32 {
     unsafe { fold(acc) }
 }
 
-/// The Q2_K weight format.
-pub(crate) struct Q2K;
-
-impl Format for Q2K {
-    const TY: GgmlType = GgmlType::Q2_K;
-    type Block = BlockQ2K;
-    type Act = ActQ8K;
-
-    fn quantize(src: &[f32], dst: &mut [BlockQ2K]) {
-        quantize(src, dst)
-    }
-
-    fn dequantize(src: &[BlockQ2K], dst: &mut [f32]) {
-        dequantize(src, dst)
-    }
-
-    fn dot(w: &[BlockQ2K], a: &[BlockQ8K]) -> f32 {
-        dot_scalar(w, a)
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-impl Kernel<Q2K> for super::format::Avx2 {
-    unsafe fn dot(w: &[BlockQ2K], a: &[BlockQ8K]) -> f32 {
-        // SAFETY: the caller's (AVX2, FMA and F16C are present).
-        unsafe { dot_avx2(w, a) }
-    }
-}
+super::format::kquant_format!(Q2K, Q2_K, BlockQ2K);
 
 #[cfg(test)]
 mod tests {
     use super::super::testutil::*;
     use super::*;
+    use crate::gguf::GgmlType;
 
     #[test]
     fn simd_matches_scalar_bits() {

@@ -14,10 +14,8 @@
 //! lane_k)`, where `sumi_k` sums exactly, over the 8 groups of 32 values, `(sc − 32) · Σ q·a`
 //! over values `4k .. 4k + 4` of the group; folded by [`reduce8`] at the end.
 
-use super::format::{Format, Kernel};
-use super::q8_k::{ActQ8K, BlockQ8K, QK_K};
+use super::q8_k::{BlockQ8K, QK_K};
 use super::{f16_to_f32, f32_to_f16, max_by_magnitude, nearest_int, reduce8, RawBlock};
-use crate::gguf::GgmlType;
 
 /// One Q3_K super-block as stored in GGUF.
 #[repr(C)]
@@ -214,39 +212,13 @@ unsafe fn dot_avx2(w: &[BlockQ3K], a: &[BlockQ8K]) -> f32 {
     unsafe { fold(acc) }
 }
 
-/// The Q3_K weight format.
-pub(crate) struct Q3K;
-
-impl Format for Q3K {
-    const TY: GgmlType = GgmlType::Q3_K;
-    type Block = BlockQ3K;
-    type Act = ActQ8K;
-
-    fn quantize(src: &[f32], dst: &mut [BlockQ3K]) {
-        quantize(src, dst)
-    }
-
-    fn dequantize(src: &[BlockQ3K], dst: &mut [f32]) {
-        dequantize(src, dst)
-    }
-
-    fn dot(w: &[BlockQ3K], a: &[BlockQ8K]) -> f32 {
-        dot_scalar(w, a)
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-impl Kernel<Q3K> for super::format::Avx2 {
-    unsafe fn dot(w: &[BlockQ3K], a: &[BlockQ8K]) -> f32 {
-        // SAFETY: the caller's (AVX2, FMA and F16C are present).
-        unsafe { dot_avx2(w, a) }
-    }
-}
+super::format::kquant_format!(Q3K, Q3_K, BlockQ3K);
 
 #[cfg(test)]
 mod tests {
     use super::super::testutil::*;
     use super::*;
+    use crate::gguf::GgmlType;
 
     #[test]
     fn simd_matches_scalar_bits() {

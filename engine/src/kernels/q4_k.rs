@@ -21,10 +21,8 @@
 //! per pair of sub-blocks instead; no single order can match both, and ours must not depend on
 //! the batch, so we take the one-token order.
 
-use super::format::{Format, Kernel};
-use super::q8_k::{ActQ8K, BlockQ8K, QK_K};
+use super::q8_k::{BlockQ8K, QK_K};
 use super::{f16_to_f32, f32_to_f16, nearest_int, RawBlock};
-use crate::gguf::GgmlType;
 
 /// One Q4_K super-block as stored in GGUF.
 #[repr(C)]
@@ -194,45 +192,7 @@ pub(super) fn mins_dot(m: &[u8; 8], bsums: &[i16; 16]) -> i32 {
     s
 }
 
-/// The Q4_K weight format.
-pub(crate) struct Q4K;
-
-impl Format for Q4K {
-    const TY: GgmlType = GgmlType::Q4_K;
-    type Block = BlockQ4K;
-    type Act = ActQ8K;
-
-    fn quantize(src: &[f32], dst: &mut [BlockQ4K]) {
-        quantize(src, dst)
-    }
-
-    fn dequantize(src: &[BlockQ4K], dst: &mut [f32]) {
-        dequantize(src, dst)
-    }
-
-    fn dot(w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
-        dot_scalar(w, a)
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-impl Kernel<Q4K> for super::format::Avx2 {
-    unsafe fn dot(w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
-        // SAFETY: the caller's (AVX2, FMA and F16C are present).
-        unsafe { dot_avx2(w, a) }
-    }
-
-    /// The weights are unpacked once for all the group's activations.
-    const GROUPED: bool = true;
-
-    unsafe fn dot_group(
-        w: &[BlockQ4K],
-        a: [&[BlockQ8K]; super::q8_k::GROUP],
-    ) -> [f32; super::q8_k::GROUP] {
-        // SAFETY: the caller's.
-        unsafe { dot_n_avx2(w, a) }
-    }
-}
+super::format::kquant_format!(Q4K, Q4_K, BlockQ4K, grouped);
 
 /// One super-block's step of the two accumulators (see the module header): exact integers in,
 /// one fused multiply-add each.
@@ -437,6 +397,7 @@ pub(super) mod x86 {
 mod tests {
     use super::super::testutil::*;
     use super::*;
+    use crate::gguf::GgmlType;
 
     #[test]
     fn simd_matches_scalar_bits() {

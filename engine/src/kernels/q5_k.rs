@@ -14,11 +14,9 @@
 //! `reduce8(lanes) + m_sum`. SIMD only computes the integers and the same lane steps, so it
 //! matches the scalar bits.
 
-use super::format::{Format, Kernel};
 use super::q4_k::{mins_dot, quantize_super_block, unpack_scales};
-use super::q8_k::{ActQ8K, BlockQ8K, QK_K};
+use super::q8_k::{BlockQ8K, QK_K};
 use super::{f16_to_f32, reduce8, RawBlock};
-use crate::gguf::GgmlType;
 
 /// One Q5_K super-block as stored in GGUF.
 #[repr(C)]
@@ -90,45 +88,7 @@ pub(super) fn dequantize(src: &[BlockQ5K], dst: &mut [f32]) {
     }
 }
 
-/// The Q5_K weight format.
-pub(crate) struct Q5K;
-
-impl Format for Q5K {
-    const TY: GgmlType = GgmlType::Q5_K;
-    type Block = BlockQ5K;
-    type Act = ActQ8K;
-
-    fn quantize(src: &[f32], dst: &mut [BlockQ5K]) {
-        quantize(src, dst)
-    }
-
-    fn dequantize(src: &[BlockQ5K], dst: &mut [f32]) {
-        dequantize(src, dst)
-    }
-
-    fn dot(w: &[BlockQ5K], a: &[BlockQ8K]) -> f32 {
-        dot_scalar(w, a)
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-impl Kernel<Q5K> for super::format::Avx2 {
-    unsafe fn dot(w: &[BlockQ5K], a: &[BlockQ8K]) -> f32 {
-        // SAFETY: the caller's (AVX2, FMA and F16C are present).
-        unsafe { dot_avx2(w, a) }
-    }
-
-    /// The 5-bit values and scales are built once for all the group's activations.
-    const GROUPED: bool = true;
-
-    unsafe fn dot_group(
-        w: &[BlockQ5K],
-        a: [&[BlockQ8K]; super::q8_k::GROUP],
-    ) -> [f32; super::q8_k::GROUP] {
-        // SAFETY: the caller's.
-        unsafe { dot_n_avx2(w, a) }
-    }
-}
+super::format::kquant_format!(Q5K, Q5_K, BlockQ5K, grouped);
 
 pub(super) fn dot_scalar(w: &[BlockQ5K], a: &[BlockQ8K]) -> f32 {
     let mut lanes = [0f32; 8];
@@ -235,6 +195,7 @@ unsafe fn dot_n_avx2<const N: usize>(w: &[BlockQ5K], a: [&[BlockQ8K]; N]) -> [f3
 mod tests {
     use super::super::testutil::*;
     use super::*;
+    use crate::gguf::GgmlType;
 
     #[test]
     fn simd_matches_scalar_bits() {

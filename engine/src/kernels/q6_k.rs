@@ -14,10 +14,8 @@
 //! `sc · Σ q·a` for values `4k .. 4k + 4` of the group (q unsigned, 0..=63), minus the offset
 //! `32 · (sc_2k·bsum_2k + sc_2k+1·bsum_2k+1)` (runs `2k`, `2k + 1`), as llama.cpp partitions it.
 
-use super::format::{Format, Kernel};
-use super::q8_k::{ActQ8K, BlockQ8K, QK_K};
+use super::q8_k::{BlockQ8K, QK_K};
 use super::{f16_to_f32, f32_to_f16, max_by_magnitude, nearest_int, reduce8, RawBlock};
-use crate::gguf::GgmlType;
 
 /// One Q6_K super-block as stored in GGUF.
 #[repr(C)]
@@ -104,45 +102,7 @@ pub(super) fn dequantize(src: &[BlockQ6K], dst: &mut [f32]) {
     }
 }
 
-/// The Q6_K weight format.
-pub(crate) struct Q6K;
-
-impl Format for Q6K {
-    const TY: GgmlType = GgmlType::Q6_K;
-    type Block = BlockQ6K;
-    type Act = ActQ8K;
-
-    fn quantize(src: &[f32], dst: &mut [BlockQ6K]) {
-        quantize(src, dst)
-    }
-
-    fn dequantize(src: &[BlockQ6K], dst: &mut [f32]) {
-        dequantize(src, dst)
-    }
-
-    fn dot(w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
-        dot_scalar(w, a)
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-impl Kernel<Q6K> for super::format::Avx2 {
-    unsafe fn dot(w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
-        // SAFETY: the caller's (AVX2, FMA and F16C are present).
-        unsafe { dot_avx2(w, a) }
-    }
-
-    /// The 6-bit values and scale vectors are built once for all the group's activations.
-    const GROUPED: bool = true;
-
-    unsafe fn dot_group(
-        w: &[BlockQ6K],
-        a: [&[BlockQ8K]; super::q8_k::GROUP],
-    ) -> [f32; super::q8_k::GROUP] {
-        // SAFETY: the caller's.
-        unsafe { dot_n_avx2(w, a) }
-    }
-}
+super::format::kquant_format!(Q6K, Q6_K, BlockQ6K, grouped);
 
 pub(super) fn dot_scalar(w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
     let mut lanes = [0f32; 8];
@@ -320,6 +280,7 @@ unsafe fn dot_n_avx2<const N: usize>(w: &[BlockQ6K], a: [&[BlockQ8K]; N]) -> [f3
 mod tests {
     use super::super::testutil::*;
     use super::*;
+    use crate::gguf::GgmlType;
 
     #[test]
     fn simd_matches_scalar_bits() {
