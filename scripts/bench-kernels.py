@@ -3,7 +3,7 @@
 interleaved --reps times (A, B, A, B, ...) so machine load and drift hit both alike.
 
   bench-kernels.py --bin OLD/bmoe-cli --compare-bin NEW/bmoe-cli [-t 2] [--size-mib 256] [--reps 5]
-                  [--stat median|best]
+                  [--stat median|best|both]
 
 Prints, per format, the median (or best: the least disturbed run on a busy machine) GB/s of
 each build (memory-bound, matrices of --size-mib) and of the in-L2 column (the kernel's compute
@@ -42,27 +42,31 @@ def main():
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--size-mib", type=int, default=256)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--stat", choices=["median", "best"], default="median")
+    ap.add_argument("--stat", choices=["median", "best", "both"], default="median")
     a = ap.parse_args()
     runs = {"A": [], "B": []}
     for _ in range(a.reps):
         runs["A"].append(run(a.bin, a.threads, a.size_mib))
         runs["B"].append(run(a.compare_bin, a.threads, a.size_mib))
+    for stat in (["median", "best"] if a.stat == "both" else [a.stat]):
+        table(a, runs, stat)
+
+
+def table(a, runs, stat):
     print(f"A = {a.bin}\nB = {a.compare_bin}\n{a.threads} thread(s), {a.size_mib} MiB, "
-          f"{a.stat} of {a.reps} interleaved runs; ratio B/A (min-max over the pairs)")
+          f"{stat} of {a.reps} interleaved runs; ratio B/A (min-max over the pairs)")
     print(f"{'format':<24} {'A GB/s':>8} {'B GB/s':>8} {'B/A':>6} {'spread':>12}"
           f" {'A L2':>8} {'B L2':>8} {'B/A':>6}")
     keys = [k for k in runs["A"][0] if all(k in r for r in runs["A"] + runs["B"])]
     for k in keys:
         col = lambda side, i: [r[k][i] for r in runs[side]]
         lower_is_better = k.endswith("us") or k.endswith("us/token")
-        pick = statistics.median if a.stat == "median" else (min if lower_is_better else max)
+        pick = statistics.median if stat == "median" else (min if lower_is_better else max)
         ma, mb = pick(col("A", 0)), pick(col("B", 0))
         pairs = [b / x for x, b in zip(col("A", 0), col("B", 0))]
         la, lb = pick(col("A", 1)), pick(col("B", 1))
         l2 = f" {la:>8.2f} {lb:>8.2f} {lb / la:>6.3f}" if la == la else ""
         print(f"{k:<24} {ma:>8.2f} {mb:>8.2f} {mb / ma:>6.3f} {min(pairs):>5.2f}-{max(pairs):<5.2f}{l2}")
-
 
 if __name__ == "__main__":
     main()

@@ -33,17 +33,40 @@ pub(super) enum Order {
     Pairs,
 }
 
+/// How a block stores its scale.
+#[derive(Copy, Clone, Debug)]
+pub(super) enum Scale {
+    /// f16 bits.
+    F16([u8; 2]),
+    /// A power of two: MXFP4's E8M0 exponent, for its doubled table.
+    E8m0Half(u8),
+}
+
 /// A 32-value block: value `i` is `scale() · levels()[i] (+ offset())`.
 pub(super) trait Block32: RawBlock {
     /// The float order of its dot product.
     const ORDER: Order;
     /// The 32 integer levels (each within ±127, so products with activations fit `maddubs`).
     fn levels(&self) -> [i8; QK];
+    /// The scale as stored.
+    fn scale_raw(&self) -> Scale;
+    /// The offset added to every value, f16 bits (only read for [`Order::LanesOffset`]).
+    #[inline(always)]
+    fn offset_raw(&self) -> [u8; 2] {
+        [0; 2]
+    }
     /// The scale, exactly as an f32.
-    fn scale(&self) -> f32;
-    /// The offset added to every value (only read for [`Order::LanesOffset`]).
+    #[inline(always)]
+    fn scale(&self) -> f32 {
+        match self.scale_raw() {
+            Scale::F16(b) => f16_to_f32(b),
+            Scale::E8m0Half(e) => super::mxfp4::e8m0_half(e),
+        }
+    }
+    /// The offset, exactly as an f32.
+    #[inline(always)]
     fn offset(&self) -> f32 {
-        0.0
+        f16_to_f32(self.offset_raw())
     }
     /// [`Block32::levels`] as one vector (byte `i` = level `i`).
     ///
@@ -145,6 +168,18 @@ unsafe fn lane_sums_avx2<B: Block32>(x: &B, y: &BlockQ8_0) -> std::arch::x86_64:
     }
 }
 
+/// `scale · d_a` of a block pair with the F16C conversion (the scalar path's bits).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn d_f16c<B: Block32>(x: &B, y: &BlockQ8_0) -> f32 {
+    // SAFETY: F16C is present (this function's contract).
+    match x.scale_raw() {
+        Scale::F16(b) => unsafe { super::f16c_mul(b, y.d) },
+        Scale::E8m0Half(e) => super::mxfp4::e8m0_half(e) * unsafe { super::f16c(y.d) },
+    }
+}
+
 /// [`dot_scalar`] with AVX2: the lane sums come from one `maddubs` + `madd` per block, the
 /// float steps are the same operations lane for lane, so the bits are the scalar ones.
 ///
@@ -160,20 +195,25 @@ pub(super) unsafe fn dot_avx2<B: Block32>(w: &[B], a: &Q8Act) -> f32 {
     match B::ORDER {
         Order::Lanes | Order::LanesOffset => {
             let mut acc = _mm256_setzero_ps();
-            let mut m_sum = 0f32;
+            // Lane 0: the offset chain m_sum.
+            let mut m_sum = _mm_setzero_ps();
             for (i, (x, yb)) in w.iter().zip(y).enumerate() {
-                let d = x.scale() * f16_to_f32(yb.d);
-                // SAFETY: AVX2 is present.
+                // SAFETY: AVX2, FMA and F16C are present (this function's contract).
+                let d = unsafe { d_f16c(x, yb) };
+                // SAFETY: as above.
                 let s = unsafe { lane_sums_avx2(x, yb) };
                 acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(s), acc);
                 if B::ORDER == Order::LanesOffset {
-                    m_sum = x.offset().mul_add(f16_to_f32(a.s[i]), m_sum);
+                    // [m, s_a] in one conversion, then m_sum = fma(m, s_a, m_sum).
+                    // SAFETY: as above.
+                    let ms = unsafe { super::f16c_pair(x.offset_raw(), a.s[i]) };
+                    m_sum = _mm_fmadd_ss(ms, _mm_movehdup_ps(ms), m_sum);
                 }
             }
             // SAFETY: AVX2 is present.
             let sum = unsafe { fold(acc) };
             if B::ORDER == Order::LanesOffset {
-                sum + m_sum
+                sum + _mm_cvtss_f32(m_sum)
             } else {
                 sum
             }
@@ -182,8 +222,8 @@ pub(super) unsafe fn dot_avx2<B: Block32>(w: &[B], a: &Q8Act) -> f32 {
             let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
             let mut pairs = w.chunks_exact(2).zip(y.chunks_exact(2));
             for (x, yb) in &mut pairs {
-                let d0 = x[0].scale() * f16_to_f32(yb[0].d);
-                let d1 = x[1].scale() * f16_to_f32(yb[1].d);
+                // SAFETY: AVX2, FMA and F16C are present (this function's contract).
+                let (d0, d1) = unsafe { (d_f16c(&x[0], &yb[0]), d_f16c(&x[1], &yb[1])) };
                 // SAFETY: AVX2 is present.
                 let (s0, s1) =
                     unsafe { (lane_sums_avx2(&x[0], &yb[0]), lane_sums_avx2(&x[1], &yb[1])) };
@@ -196,7 +236,8 @@ pub(super) unsafe fn dot_avx2<B: Block32>(w: &[B], a: &Q8Act) -> f32 {
                 let (x, yb) = (&w[n - 1], &y[n - 1]);
                 // SAFETY: AVX2 is present; the same exact lane sums, added up exactly.
                 let s = unsafe { super::q8_k::x86::hsum_i32(lane_sums_avx2(x, yb)) };
-                sum = (x.scale() * f16_to_f32(yb.d)).mul_add(s as f32, sum);
+                // SAFETY: as above.
+                sum = unsafe { d_f16c(x, yb) }.mul_add(s as f32, sum);
             }
             sum
         }

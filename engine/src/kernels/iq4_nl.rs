@@ -6,7 +6,9 @@
 //! Layout (18 bytes): `d` (f16), `qs[16]`: byte `j` holds index `j` (low nibble) and index
 //! `j + 16` (high nibble).
 
-use super::block32::{self, block32_format, nibble, pack_nibbles, Block32, Nearest, Order, QK};
+use super::block32::{
+    self, block32_format, nibble, pack_nibbles, Block32, Nearest, Order, Scale, QK,
+};
 use super::{f16_to_f32, f32_to_f16, max_by_magnitude, RawBlock};
 
 /// The 16 levels (ggml's `kvalues_iq4nl`): denser near zero, where weights are.
@@ -34,8 +36,8 @@ impl Block32 for BlockIq4Nl {
     }
 
     #[inline]
-    fn scale(&self) -> f32 {
-        f16_to_f32(self.d)
+    fn scale_raw(&self) -> Scale {
+        Scale::F16(self.d)
     }
 
     #[cfg(target_arch = "x86_64")]

@@ -128,7 +128,8 @@ unsafe fn dot_avx2(w: &[BlockIq4Xs], a: &[BlockQ8K]) -> f32 {
     use std::arch::x86_64::*;
     let mut acc = _mm256_setzero_ps();
     for (x, y) in w.iter().zip(a) {
-        let d = f16_to_f32(x.d) * y.d;
+        // SAFETY: F16C is present.
+        let d = unsafe { super::f16c(x.d) } * y.d;
         let mut sumi = _mm256_setzero_si256();
         for (i, ls) in scales(x).into_iter().enumerate() {
             // SAFETY: AVX2 is present; 16 weight bytes at 16i and 32 activation bytes at 32i,

@@ -414,6 +414,54 @@ fn f16_to_f32(bits: [u8; 2]) -> f32 {
     f32::from_bits(magnitude | ((h & 0x8000) << 16))
 }
 
+/// [`f16_to_f32`] with the F16C instruction, for the AVX2 paths: the same bits, one instruction
+/// where the portable form is several.
+///
+/// # Safety
+/// F16C is present.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn f16c(bits: [u8; 2]) -> f32 {
+    // SAFETY: the caller's.
+    unsafe { f16c_mul(bits, F16_ONE) }
+}
+
+/// 1.0 as f16 bits.
+#[cfg(target_arch = "x86_64")]
+const F16_ONE: [u8; 2] = [0x00, 0x3c];
+
+/// `f16_to_f32(a) * f16_to_f32(b)` (the same bits) with one F16C conversion of both. Both values
+/// go into the vector register as one 32-bit word: a lone half loaded into a lane is merged by
+/// the compiler into whatever register is at hand — in the dot loops the accumulator, which
+/// then chains every block's scale conversion behind the previous block's FMA (Q8_0 ran at a
+/// third of its speed that way).
+///
+/// # Safety
+/// F16C is present.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn f16c_mul(a: [u8; 2], b: [u8; 2]) -> f32 {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's.
+    let v = unsafe { f16c_pair(a, b) };
+    _mm_cvtss_f32(_mm_mul_ss(v, _mm_movehdup_ps(v)))
+}
+
+/// `[a, b, 0, 0]` widened from f16 with one F16C conversion (see [`f16c_mul`]).
+///
+/// # Safety
+/// F16C is present.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn f16c_pair(a: [u8; 2], b: [u8; 2]) -> std::arch::x86_64::__m128 {
+    use std::arch::x86_64::*;
+    let word = u16::from_le_bytes(a) as u32 | ((u16::from_le_bytes(b) as u32) << 16);
+    _mm_cvtph_ps(_mm_cvtsi32_si128(word as i32))
+}
+
 #[inline(always)]
 fn f32_to_f16(v: f32) -> [u8; 2] {
     half::f16::from_f32(v).to_bits().to_le_bytes()

@@ -6,7 +6,9 @@
 //! nibble) and value `j + 16` (high nibble). As ggml does, the table holds the E2M1 values
 //! doubled (integers, so a dot stays in integers) and the scale is halved to match.
 
-use super::block32::{self, block32_format, nibble, pack_nibbles, Block32, Nearest, Order, QK};
+use super::block32::{
+    self, block32_format, nibble, pack_nibbles, Block32, Nearest, Order, Scale, QK,
+};
 use super::RawBlock;
 
 /// E2M1 values ×2: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives (index 8 is −0).
@@ -44,8 +46,8 @@ impl Block32 for BlockMxfp4 {
     }
 
     #[inline]
-    fn scale(&self) -> f32 {
-        e8m0_half(self.e)
+    fn scale_raw(&self) -> Scale {
+        Scale::E8m0Half(self.e)
     }
 
     #[cfg(target_arch = "x86_64")]

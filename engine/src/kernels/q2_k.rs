@@ -175,8 +175,10 @@ unsafe fn dot_avx2(w: &[BlockQ2K], a: &[BlockQ8K]) -> f32 {
     let m4 = _mm_set1_epi8(0x0F);
     let mut acc = _mm256_setzero_ps();
     for (x, y) in w.iter().zip(a) {
-        let d = y.d * f16_to_f32(x.d);
-        let dmin = -y.d * f16_to_f32(x.dmin);
+        // SAFETY: F16C is present.
+        let (xd, xdmin) = unsafe { (super::f16c(x.d), super::f16c(x.dmin)) };
+        let d = y.d * xd;
+        let dmin = -y.d * xdmin;
         // SAFETY (loads): 16 bytes of scales, 16 i16 of bsums, 32 bytes of qs at 32n (n < 2),
         // 32 bytes of activations at 128n + 32t < 256, 32 bytes of masks.
         let packed = unsafe { _mm_loadu_si128(x.scales.as_ptr().cast()) };

@@ -174,7 +174,8 @@ unsafe fn dot_avx2(w: &[BlockQ3K], a: &[BlockQ8K]) -> f32 {
     let one = _mm256_set1_epi8(1);
     let mut acc = _mm256_setzero_ps();
     for (x, y) in w.iter().zip(a) {
-        let d = y.d * f16_to_f32(x.d);
+        // SAFETY: F16C is present.
+        let d = y.d * unsafe { super::f16c(x.d) };
         let sc = unpack_scales(&x.scales);
         // SAFETY (loads): 16 scale bytes, 32 bytes of hmask, 32 bytes of qs at 32n (n < 2),
         // 32 activation bytes at 128n + 32t < 256, 32-byte masks.

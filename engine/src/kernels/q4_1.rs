@@ -6,7 +6,7 @@
 //! Layout (20 bytes): `d`, `m` (f16), `qs[16]`: byte `j` holds level `j` (low nibble) and
 //! level `j + 16` (high nibble).
 
-use super::block32::{self, block32_format, nibble, pack_nibbles, Block32, Order, QK};
+use super::block32::{self, block32_format, nibble, pack_nibbles, Block32, Order, Scale, QK};
 use super::{f16_to_f32, f32_to_f16, nearest_int, RawBlock};
 
 /// One Q4_1 block as stored in GGUF.
@@ -30,13 +30,13 @@ impl Block32 for BlockQ4_1 {
     }
 
     #[inline]
-    fn scale(&self) -> f32 {
-        f16_to_f32(self.d)
+    fn scale_raw(&self) -> Scale {
+        Scale::F16(self.d)
     }
 
     #[inline]
-    fn offset(&self) -> f32 {
-        f16_to_f32(self.m)
+    fn offset_raw(&self) -> [u8; 2] {
+        self.m
     }
 
     #[cfg(target_arch = "x86_64")]

@@ -6,7 +6,7 @@
 //! Layout (22 bytes): `d` (f16), `qh[4]` (a little-endian word: bit `i` is level `i`'s fifth
 //! bit), `qs[16]` (the low 4 bits: level `j` low nibble, `j + 16` high nibble of byte `j`).
 
-use super::block32::{self, block32_format, Block32, Order, QK};
+use super::block32::{self, block32_format, Block32, Order, Scale, QK};
 use super::q5_1::{level5, pack5};
 use super::{f16_to_f32, f32_to_f16, max_by_magnitude, nearest_int, RawBlock};
 
@@ -31,8 +31,8 @@ impl Block32 for BlockQ5_0 {
     }
 
     #[inline]
-    fn scale(&self) -> f32 {
-        f16_to_f32(self.d)
+    fn scale_raw(&self) -> Scale {
+        Scale::F16(self.d)
     }
 
     #[cfg(target_arch = "x86_64")]

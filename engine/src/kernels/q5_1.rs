@@ -7,9 +7,9 @@
 //! fifth bit), `qs[16]` (the low 4 bits: level `j` low nibble, `j + 16` high nibble of byte
 //! `j`).
 
-use super::block32::{self, block32_format, nibble, pack_nibbles, Block32, Order, QK};
+use super::block32::{self, block32_format, nibble, pack_nibbles, Block32, Order, Scale, QK};
 use super::q4_1::quantize_min_max;
-use super::{f16_to_f32, RawBlock};
+use super::RawBlock;
 
 /// One Q5_1 block as stored in GGUF.
 #[repr(C)]
@@ -45,13 +45,13 @@ impl Block32 for BlockQ5_1 {
     }
 
     #[inline]
-    fn scale(&self) -> f32 {
-        f16_to_f32(self.d)
+    fn scale_raw(&self) -> Scale {
+        Scale::F16(self.d)
     }
 
     #[inline]
-    fn offset(&self) -> f32 {
-        f16_to_f32(self.m)
+    fn offset_raw(&self) -> [u8; 2] {
+        self.m
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -80,6 +80,7 @@ block32_format!(Q5_1, Q5_1, BlockQ5_1, quantize);
 
 #[cfg(test)]
 mod tests {
+    use super::super::f16_to_f32;
     use super::super::testutil::*;
     use super::*;
     use crate::gguf::GgmlType;

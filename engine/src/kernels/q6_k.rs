@@ -220,7 +220,8 @@ unsafe fn dot_avx2(w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
             }
         }
         let sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32(offset, 5));
-        let d = y.d * f16_to_f32(x.d);
+        // SAFETY: F16C is present.
+        let d = y.d * unsafe { super::f16c(x.d) };
         acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
     }
     // SAFETY: AVX2 is present.
@@ -268,7 +269,8 @@ unsafe fn dot_n_avx2<const N: usize>(w: &[BlockQ6K], a: [&[BlockQ8K]; N]) -> [f3
             // Lane k: sc_2k·bsum_2k + sc_2k+1·bsum_2k+1; 32 times it is the offset of q − 32.
             let offset = _mm256_madd_epi16(scales16, bsums);
             let s = _mm256_sub_epi32(sumi[t], _mm256_slli_epi32(offset, 5));
-            let d = y.d * f16_to_f32(x.d);
+            // SAFETY: F16C is present.
+            let d = y.d * unsafe { super::f16c(x.d) };
             acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(s), acc[t]);
         }
     }

@@ -198,7 +198,8 @@ unsafe fn dot_avx2(w: &[BlockQ8_0], a: &[BlockQ8_0]) -> f32 {
         let yv = unsafe { _mm256_loadu_si256(y.qs.as_ptr().cast()) };
         // Lane k: values 4k..4k+4 (maddubs pairs, then madd pairs, all within 128-bit halves).
         let s = unsafe { x86::mul_sum_i8(xv, yv) };
-        let d = f16_to_f32(x.d) * f16_to_f32(y.d);
+        // SAFETY: F16C is present.
+        let d = unsafe { super::f16c_mul(x.d, y.d) };
         acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(s), acc);
     }
     let mut lanes = [0f32; 8];
