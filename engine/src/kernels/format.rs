@@ -128,8 +128,10 @@ impl<F: Format> Kernel<F> for Scalar {
 
 /// [`Kernel::dot_rows`] over raw bytes.
 pub(crate) type RowsFn = unsafe fn(&[u8], usize, Range<usize>, &ActBuf, &mut [f32]);
-/// [`Kernel::dot_group`] over raw bytes.
-pub(crate) type GroupFn = unsafe fn(&[u8], [&ActBuf; GROUP]) -> [f32; GROUP];
+/// [`Kernel::dot_group`] over the rows of a matrix of raw bytes (as [`RowsFn`]): `out[k][i]`
+/// is row `rows.start + i` against activation `k`.
+pub(crate) type GroupFn =
+    unsafe fn(&[u8], usize, Range<usize>, [&ActBuf; GROUP], [&mut [f32]; GROUP]);
 
 /// One format's kernels at one level, as function pointers.
 #[derive(Copy, Clone)]
@@ -151,9 +153,23 @@ unsafe fn rows_of<F: Format, L: Kernel<F>>(
     unsafe { L::dot_rows(w, row_bytes, rows, F::Act::view(act), out) }
 }
 
-unsafe fn group_of<F: Format, L: Kernel<F>>(w: &[u8], acts: [&ActBuf; GROUP]) -> [f32; GROUP] {
-    // SAFETY: the caller's.
-    unsafe { L::dot_group(blocks(w), acts.map(F::Act::view)) }
+unsafe fn group_of<F: Format, L: Kernel<F>>(
+    w: &[u8],
+    row_bytes: usize,
+    rows: Range<usize>,
+    acts: [&ActBuf; GROUP],
+    mut out: [&mut [f32]; GROUP],
+) {
+    // The activations' views once for all rows.
+    let views = acts.map(F::Act::view);
+    let first = rows.start;
+    for r in rows {
+        // SAFETY: the caller's (the level is available; rows lie inside `w`).
+        let v = unsafe { L::dot_group(blocks(&w[r * row_bytes..(r + 1) * row_bytes]), views) };
+        for (o, v) in out.iter_mut().zip(v) {
+            o[r - first] = v;
+        }
+    }
 }
 
 impl LevelFns {

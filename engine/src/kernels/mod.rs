@@ -737,15 +737,14 @@ pub fn matmul(
         if let Some(group) = f.group {
             while t + GROUP <= acts.len() {
                 let group_acts: [&ActBuf; GROUP] = std::array::from_fn(|k| &acts[t + k]);
-                for r in start..end {
-                    let row = &w[r * row_bytes..(r + 1) * row_bytes];
-                    // SAFETY: the level is available; `row` is one row of whole blocks.
-                    let v = unsafe { group(row, group_acts) };
-                    for (k, v) in v.into_iter().enumerate() {
-                        // SAFETY: (t + k) * n_rows + r < out.len(), and it belongs to this
-                        // task only.
-                        unsafe { *out_ptr.get().add((t + k) * n_rows + r) = v };
-                    }
+                // SAFETY: token t + k's rows start..end lie inside `out` (t + k < acts.len())
+                // and belong to this task only; the level is available and `w` is n_rows
+                // whole rows.
+                unsafe {
+                    let outs = std::array::from_fn(|k| {
+                        out_ptr.slice((t + k) * n_rows + start, end - start)
+                    });
+                    group(w, row_bytes, start..end, group_acts, outs);
                 }
                 t += GROUP;
             }

@@ -258,8 +258,11 @@ pub fn check_group_matches_single<F: Format>(expect_grouped: bool) {
         let Some(g) = t.at(level).group else {
             continue;
         };
-        // SAFETY: the level is available.
-        let got = unsafe { g(&w, group) };
+        let mut got = [[f32::NAN]; GROUP];
+        let [o0, o1, o2, o3] = &mut got;
+        // SAFETY: the level is available; `w` is one row.
+        unsafe { g(&w, w.len(), 0..1, group, [o0, o1, o2, o3]) };
+        let got = got.map(|o| o[0]);
         for k in 0..GROUP {
             assert_eq!(
                 got[k].to_bits(),
