@@ -31,20 +31,26 @@ const _: () = assert!(std::mem::size_of::<BlockQ3K>() == 110);
 unsafe impl RawBlock for BlockQ3K {}
 
 /// The 16 run scales as stored (0..=63; the value's scale is this − 32), decoded four at a
-/// time with word arithmetic.
+/// time with word arithmetic: the four little-endian words of [`unpack_scales`].
 #[inline(always)]
-pub(super) fn unpack_scales(s: &[u8; 12]) -> [u8; 16] {
+fn scale_words(s: &[u8; 12]) -> [u32; 4] {
     const LOW4: u32 = 0x0f0f_0f0f;
     const LOW2: u32 = 0x0303_0303;
     let a0 = u32::from_le_bytes([s[0], s[1], s[2], s[3]]);
     let a1 = u32::from_le_bytes([s[4], s[5], s[6], s[7]]);
     let a2 = u32::from_le_bytes([s[8], s[9], s[10], s[11]]);
-    let words = [
+    [
         (a0 & LOW4) | ((a2 & LOW2) << 4),
         (a1 & LOW4) | (((a2 >> 2) & LOW2) << 4),
         ((a0 >> 4) & LOW4) | (((a2 >> 4) & LOW2) << 4),
         ((a1 >> 4) & LOW4) | (((a2 >> 6) & LOW2) << 4),
-    ];
+    ]
+}
+
+/// The 16 run scales as stored (0..=63; the value's scale is this − 32).
+#[inline(always)]
+pub(super) fn unpack_scales(s: &[u8; 12]) -> [u8; 16] {
+    let words = scale_words(s);
     std::array::from_fn(|r| (words[r / 4] >> (8 * (r % 4))) as u8)
 }
 
@@ -176,10 +182,12 @@ unsafe fn dot_avx2(w: &[BlockQ3K], a: &[BlockQ8K]) -> f32 {
     for (x, y) in w.iter().zip(a) {
         // SAFETY: F16C is present.
         let d = y.d * unsafe { super::f16c(x.d) };
-        let sc = unpack_scales(&x.scales);
-        // SAFETY (loads): 16 scale bytes, 32 bytes of hmask, 32 bytes of qs at 32n (n < 2),
-        // 32 activation bytes at 128n + 32t < 256, 32-byte masks.
-        let sc8 = unsafe { _mm_loadu_si128(sc.as_ptr().cast()) };
+        // The words straight into a register (a byte array through the stack would stall the
+        // vector load on store forwarding).
+        let w4 = scale_words(&x.scales);
+        let sc8 = _mm_setr_epi32(w4[0] as i32, w4[1] as i32, w4[2] as i32, w4[3] as i32);
+        // SAFETY (loads): 32 bytes of hmask, 32 bytes of qs at 32n (n < 2), 32 activation
+        // bytes at 128n + 32t < 256, 32-byte masks.
         let scales16 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(sc8), _mm256_set1_epi16(32));
         let halves = [
             _mm256_permute2x128_si256(scales16, scales16, 0x00),
