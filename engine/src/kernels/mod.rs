@@ -697,7 +697,7 @@ fn matvec_at(
 /// Each (token, row) value has exactly the bits [`matvec`] gives for that token (the kernels
 /// compute the same integers and the same float steps per token). Speed comes from order: a
 /// task takes a band of rows small enough to stay in cache and runs every token over it, so
-/// each weight byte comes from memory once; where a format has a grouped kernel (the K-quants)
+/// each weight byte comes from memory once; where a format has a grouped kernel (Q4_K, Q5_K, Q6_K)
 /// groups of 4 tokens share one unpacking of each weight block.
 pub fn matmul(
     pool: &ThreadPool,

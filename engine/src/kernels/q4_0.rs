@@ -288,7 +288,7 @@ mod tests {
             .collect()
     }
 
-    /// `n` rows from `start` of `w` at `level`, through the table (the 8-row kernel where the
+    /// The first `n` rows of `w` at `level`, through the table (the 8-row kernel where the
     /// level has one).
     fn rows_at(level: SimdLevel, w: &[u8], row_bytes: usize, n: usize, act: &ActBuf) -> Vec<f32> {
         let mut out = vec![f32::NAN; n];
