@@ -1,7 +1,7 @@
 //! The `bmoe-cli` command line: argument structures and the commands behind them.
 
 use crate::gen::{self, GenOptions, Preset, TypeScheme};
-use crate::gguf::GgufFile;
+use crate::gguf::{GgmlType, GgufFile};
 use anyhow::{anyhow, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
@@ -176,10 +176,16 @@ pub struct GenArgs {
     /// Output file
     #[arg(long, short = 'o', value_name = "FILE")]
     pub out: PathBuf,
-    /// Weight type: f32, f16, bf16, q8_0, q4_0, q4_k, q5_k, q6_k, or q4_k_m (the mix llama-quantize writes)
+    /// Weight types: a llama-quantize preset, written with its per-tensor choices (which
+    /// tensors and layers get more bits, and the 32-value stand-ins for rows not a multiple of
+    /// 256): f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k_s, q3_k_m, q3_k_l,
+    /// q4_k_s, q4_k_m, q5_k_s, q5_k_m, q6_k, iq4_nl, iq4_xs, mxfp4_moe; or q4_k, q5_k, q3_k,
+    /// mxfp4 for that type everywhere (llama-quantize --pure). Default: the preset's
+    /// (tiny: F32 dense + Q8_0 experts; small, qwen3-30b-a3b-shape: q4_k_m)
     #[arg(long = "type", value_name = "T")]
     pub ty: Option<String>,
-    /// Override the expert weight type only
+    /// Override the expert weights' type only (any type --type takes as "everywhere", or a
+    /// preset's main type); rows it cannot hold fall back as llama-quantize does
     #[arg(long = "experts-type", value_name = "T")]
     pub experts_type: Option<String>,
     #[arg(long)]
@@ -312,21 +318,25 @@ pub fn gen(a: GenArgs) -> Result<()> {
     ov!(n_ctx_train, a.ctx);
     shape.tie_output |= a.tie_output;
     let mut types = match &a.ty {
-        Some(t) => TypeScheme::from_name(t).ok_or_else(|| {
-            anyhow!(
-                "--type {t}: expected one of f32, f16, bf16, q8_0, q4_0, q4_k, q5_k, q6_k, q4_k_m"
-            )
-        })?,
+        Some(t) => TypeScheme::from_name(t)
+            .ok_or_else(|| anyhow!("--type {t}: expected one of the {}", TypeScheme::NAMES))?,
         None => preset.default_types(),
     };
     if let Some(t) = &a.experts_type {
-        let e = TypeScheme::from_name(t).ok_or_else(|| {
-            anyhow!(
-                "--experts-type {t}: expected one of f32, f16, bf16, q8_0, q4_0, q4_k, q5_k, q6_k"
-            )
-        })?;
-        types.experts = e.experts;
-        types.experts_down_more = e.experts_down_more;
+        let e = GgmlType::from_name(t)
+            .filter(|t| crate::kernels::supports_quantize(*t))
+            .or_else(|| gen::Ftype::from_name(t).map(|f| f.default_type()))
+            .ok_or_else(|| {
+                anyhow!(
+                    "--experts-type {t}: expected a weight type the kernels take ({})",
+                    crate::kernels::weight_types()
+                        .iter()
+                        .map(|t| t.name().to_lowercase())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )
+            })?;
+        types.experts = Some(e);
     }
     // `-o` over the vocabulary or template it reads would destroy that input.
     let inputs: Vec<crate::outputs::Named<'_>> =
@@ -389,8 +399,26 @@ pub fn gen(a: GenArgs) -> Result<()> {
     if let Some(b) = bar {
         b.finish_and_clear();
     }
+    // One line per (requested, stored) pair, as llama-quantize's fallbacks are per type.
+    let mut groups: Vec<(GgmlType, GgmlType, Vec<&str>)> = Vec::new();
     for (t, want, got) in &rep.fallbacks {
-        eprintln!("bmoe: note: {t}: row length does not fit {want} blocks, stored as {got}");
+        match groups.iter_mut().find(|g| g.0 == *want && g.1 == *got) {
+            Some(g) => g.2.push(t),
+            None => groups.push((*want, *got, vec![t])),
+        }
+    }
+    for (want, got, names) in &groups {
+        let shown = names.iter().take(3).copied().collect::<Vec<_>>().join(", ");
+        let more = if names.len() > 3 {
+            format!(" and {} more", names.len() - 3)
+        } else {
+            String::new()
+        };
+        eprintln!(
+            "bmoe: note: {} tensor(s) with rows that are not whole {want} blocks stored as {got}, \
+             as llama-quantize does: {shown}{more}",
+            names.len()
+        );
     }
     eprintln!(
         "bmoe: wrote {} ({:.1} MiB, {} tensors, vocab {}, preset {}, types {}) in {:.1} s",
@@ -399,7 +427,7 @@ pub fn gen(a: GenArgs) -> Result<()> {
         rep.n_tensors,
         rep.n_vocab,
         preset.name(),
-        opts.types.label,
+        opts.types.label(),
         t0.elapsed().as_secs_f64()
     );
     Ok(())

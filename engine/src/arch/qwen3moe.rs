@@ -187,18 +187,6 @@ impl HParams {
     }
 }
 
-/// Weight types the kernels can multiply.
-const MATMUL_TYPES: &[GgmlType] = &[
-    GgmlType::F32,
-    GgmlType::F16,
-    GgmlType::BF16,
-    GgmlType::Q8_0,
-    GgmlType::Q4_0,
-    GgmlType::Q4_K,
-    GgmlType::Q5_K,
-    GgmlType::Q6_K,
-];
-
 /// A 2-D weight matrix view: `rows` rows of `cols` elements, GGUF row-major.
 #[derive(Copy, Clone, Debug)]
 pub struct Mat {
@@ -322,7 +310,7 @@ fn check_type(f: &GgufFile, t: &TensorInfo, allowed: &[GgmlType]) -> Result<(), 
 fn mat(f: &GgufFile, name: &str, cols: usize, rows: usize) -> Result<Mat, ArchError> {
     let t = tensor(f, name)?;
     check_dims(f, t, &[cols, rows])?;
-    check_type(f, t, MATMUL_TYPES)?;
+    check_type(f, t, kernels::weight_types())?;
     Ok(Mat::from_tensor(t, rows, cols, f.tensor_data(t)))
 }
 
@@ -348,7 +336,7 @@ fn experts(
 ) -> Result<ExpertTensor, ArchError> {
     let t = tensor(f, name)?;
     check_dims(f, t, &[cols, rows, n_expert])?;
-    check_type(f, t, MATMUL_TYPES)?;
+    check_type(f, t, kernels::weight_types())?;
     Ok(ExpertTensor {
         info: t.clone(),
         stride: t.n_bytes / n_expert as u64,
