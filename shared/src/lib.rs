@@ -12,6 +12,7 @@ pub mod clock;
 pub mod config;
 pub mod flags;
 pub mod flash;
+pub mod gating;
 pub mod generate;
 pub mod handoff;
 pub mod hooks;
@@ -32,6 +33,7 @@ pub use backend::{
 pub use cache::{Admission, CacheCounters, CacheError, ExpertCache, Lookup};
 pub use clock::{Clock, Nanos};
 pub use flash::{Flash, FlashError, ReadDone, ReadId, ReadRequest, ReadTag, ResidentFlash};
+pub use gating::{Gating, GatingFunc};
 pub use generate::{
     CancelFlag, GenerateError, MemProbe, NoProbe, Outputs, Session, StopReason, TokenSource,
     TurnOutcome, TurnRequest,
