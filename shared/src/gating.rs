@@ -35,9 +35,8 @@ pub enum GatingFunc {
 }
 
 /// How a router selects and weights its experts. Carried by the expert layout's owner (the
-/// engine's architecture, the simulator's trace preamble) and handed to every hook. Equality
-/// compares the scale's bits, so it is an equivalence (preambles derive `Eq`).
-#[derive(Copy, Clone, Debug)]
+/// engine's architecture, the simulator's trace preamble) and handed to every hook.
+#[derive(Copy, Clone, Debug, PartialEq)]
 pub struct Gating {
     pub func: GatingFunc,
     /// Divide the selected weights by their sum (floored at [`RENORM_MIN_SUM`]).
@@ -45,16 +44,6 @@ pub struct Gating {
     /// Multiply the final weights by this; 1 (or 0, as llama.cpp reads an absent key) = none.
     pub scale: f32,
 }
-
-impl PartialEq for Gating {
-    fn eq(&self, other: &Gating) -> bool {
-        self.func == other.func
-            && self.renormalize == other.renormalize
-            && self.scale.to_bits() == other.scale.to_bits()
-    }
-}
-
-impl Eq for Gating {}
 
 impl Default for Gating {
     /// qwen3moe's: a trace or CSV written before gating was recorded reads as this.

@@ -24,7 +24,6 @@
 use crate::backend::{Backend, BackendStage, LayerId, Prediction, Routing};
 use crate::clock::Clock;
 use crate::config::RunConfig;
-use crate::gating::Gating;
 use crate::hooks::route_ahead;
 use crate::layout::ExpertLayout;
 use crate::records::{Phase, PRED_HORIZON_MAX};
@@ -52,9 +51,6 @@ pub struct PredictConfig {
     /// `--prefetch-sync`: speculative reads are waited for inline on the eval thread, right
     /// after they are issued (tests only).
     pub sync: bool,
-    /// The model's gating: how route-ahead weighs a committed routing and how the drop-aware
-    /// filter narrows a prediction's weights.
-    pub gating: Gating,
 }
 
 impl PredictConfig {
@@ -71,7 +67,6 @@ impl PredictConfig {
                 0.0
             },
             sync: cfg.prefetch_sync,
-            gating: cfg.gating,
         }
     }
 
@@ -273,7 +268,7 @@ impl Predictors {
             None
         } else {
             self.get(layer.moe, n)
-                .and_then(|p| route_ahead::commit(routing, last, &p.ids, self.cfg.gating))
+                .and_then(|p| route_ahead::commit(routing, last, &p.ids))
         };
         match counts {
             Some(c) => {
@@ -354,7 +349,7 @@ impl Predictors {
                 if let Some(p) = self.get((l + h) as u16, h).filter(|_| l + h < self.n_moe) {
                     spec.push(SpecTarget {
                         target: (l + h) as u16,
-                        experts: drop_aware(p, k, self.cfg.drop_frac, self.cfg.gating),
+                        experts: drop_aware(p, k, self.cfg.drop_frac),
                         cap: self.cfg.spec_max,
                         committed: false,
                     });
@@ -366,7 +361,7 @@ impl Predictors {
             if let Some(p) = self.get((l + n) as u16, n) {
                 spec.push(SpecTarget {
                     target: (l + n) as u16,
-                    experts: drop_aware(p, k, self.cfg.drop_frac, self.cfg.gating),
+                    experts: drop_aware(p, k, self.cfg.drop_frac),
                     cap: u32::MAX,
                     committed: true,
                 });
@@ -396,10 +391,9 @@ impl Predictors {
 }
 
 /// The predicted experts worth reading, in rank order: the first `k` (the applied width), and
-/// with a drop threshold `F` only those whose predicted weight — as the gating weighs those
-/// `k` (`Gating::narrow`: renormalised over them for a normalising gating) — is at least
-/// `F / k`, the top one always kept (what `--drop-cold-experts` would not drop).
-pub(crate) fn drop_aware(p: &Prediction, k: usize, frac: f32, gating: Gating) -> Vec<u16> {
+/// with a drop threshold `F` only those whose predicted weight — renormalised over those `k` —
+/// is at least `F / k`, the top one always kept (what `--drop-cold-experts` would not drop).
+pub(crate) fn drop_aware(p: &Prediction, k: usize, frac: f32) -> Vec<u16> {
     let k = k.min(p.ids.len());
     let ids = &p.ids[..k];
     if frac <= 0.0 || k <= 1 {
@@ -409,13 +403,11 @@ pub(crate) fn drop_aware(p: &Prediction, k: usize, frac: f32, gating: Gating) ->
     if sum.is_nan() || sum <= 0.0 {
         return ids.to_vec();
     }
-    let mut w = p.weights[..k].to_vec();
-    gating.narrow(&mut w, k);
     let threshold = frac / k as f32;
     ids.iter()
-        .zip(&w)
+        .zip(&p.weights[..k])
         .enumerate()
-        .filter(|&(j, (_, &w))| j == 0 || w >= threshold)
+        .filter(|&(j, (_, &w))| j == 0 || w / sum >= threshold)
         .map(|(_, (&e, _))| e)
         .collect()
 }
@@ -450,24 +442,23 @@ mod tests {
 
     #[test]
     fn drop_aware_keeps_the_top_one_and_what_would_not_be_dropped() {
-        const G: Gating = Gating::SOFTMAX_RENORM;
         let p = Prediction {
             ids: vec![7, 3, 9, 1],
             weights: vec![0.5, 0.3, 0.15, 0.05],
         };
         // No threshold: the applied width's prefix.
-        assert_eq!(drop_aware(&p, 4, 0.0, G), vec![7, 3, 9, 1]);
-        assert_eq!(drop_aware(&p, 2, 0.0, G), vec![7, 3]);
+        assert_eq!(drop_aware(&p, 4, 0.0), vec![7, 3, 9, 1]);
+        assert_eq!(drop_aware(&p, 2, 0.0), vec![7, 3]);
         // F = 0.5 at k = 4: threshold 0.125, so 0.05 goes.
-        assert_eq!(drop_aware(&p, 4, 0.5, G), vec![7, 3, 9]);
+        assert_eq!(drop_aware(&p, 4, 0.5), vec![7, 3, 9]);
         // At k = 2 the weights renormalise over the two (0.625, 0.375) vs 0.5 / 2.
-        assert_eq!(drop_aware(&p, 2, 1.0, G), vec![7]);
+        assert_eq!(drop_aware(&p, 2, 1.0), vec![7]);
         // The top one survives any threshold.
         let flat = Prediction {
             ids: vec![2, 4],
             weights: vec![0.01, 0.99],
         };
-        assert_eq!(drop_aware(&flat, 2, 1.0, G), vec![2, 4]);
+        assert_eq!(drop_aware(&flat, 2, 1.0), vec![2, 4]);
     }
 
     #[test]

@@ -119,7 +119,7 @@ proptest! {
         let mut r = routed(&logits, k);
         let before_ids = r.ids(0).to_vec();
         let before_w = r.weights(0).to_vec();
-        let mut hook = Substitute::new(lambda, bmoe_core::Gating::SOFTMAX_RENORM);
+        let mut hook = Substitute::new(lambda, true);
         hook.rerank_rows(&mut r, &|e| resident[e as usize]);
         let c = bmoe_core::RouterHook::take_counts(&mut hook);
         let after = r.ids(0).to_vec();

@@ -872,7 +872,6 @@ fn route_preamble() -> RoutePreamble {
         n_layer: 4,
         n_expert: 16,
         n_expert_used: 4,
-        gating: bmoe_core::Gating::default(),
         layers: [1u32, 2, 3]
             .iter()
             .map(|&layer| TraceLayer {
