@@ -3,9 +3,13 @@
 PyPI llama-cpp-python package) on the same GGUF file, at 1 and 2 threads.
 
   bench-decode.py MODEL [--bin target/release/bmoe-cli] [-n 64] [--threads 1,2] [--reps 3]
+                  [--compare-bin OTHER/bmoe-cli]
 
 Prints tok/s per engine and thread count (median of --reps runs, interleaved so drift hits
 both engines alike) and the ratio bmoe/llama.cpp. Greedy decoding, KV f32 for llama.cpp.
+With --compare-bin, two bmoe builds instead of bmoe and llama.cpp (e.g. before and after a
+change): median and best tok/s of each, the ratio of medians and the spread of the pairs'
+ratios.
 """
 import argparse
 import re
@@ -20,8 +24,9 @@ PROMPT = "The expert cache keeps the experts the router asked for, and the strea
 def bmoe(bin_, model, n, t):
     out = subprocess.run([bin_, "-m", model, "-p", PROMPT, "-n", str(n), "-t", str(t)],
                          capture_output=True, text=True, check=True)
-    m = re.search(r"generation: (\d+) tokens, ([0-9.]+) s/token", out.stderr)
-    return 1.0 / float(m.group(2))
+    m = re.search(r"generation: (\d+) tokens, ([0-9.]+) s/token(?: \(([0-9.]+) tok/s\))?", out.stderr)
+    # The tok/s figure has more digits than the s/token one.
+    return float(m.group(3)) if m.group(3) else 1.0 / float(m.group(2))
 
 
 def llama(model, n, t):
@@ -46,7 +51,19 @@ def main():
     ap.add_argument("-n", type=int, default=64)
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--compare-bin", help="a second bmoe-cli build, compared with --bin")
     a = ap.parse_args()
+    if a.compare_bin:
+        print(f"model {a.model}, {a.n} tokens; A = {a.bin}, B = {a.compare_bin}; {a.reps} interleaved runs")
+        for t in [int(x) for x in a.threads.split(",")]:
+            runs = [(bmoe(a.bin, a.model, a.n, t), bmoe(a.compare_bin, a.model, a.n, t)) for _ in range(a.reps)]
+            xa, xb = [r[0] for r in runs], [r[1] for r in runs]
+            ratios = [b / x for x, b in runs]
+            print(f"threads {t}: A median {statistics.median(xa):.2f} best {max(xa):.2f} tok/s, "
+                  f"B median {statistics.median(xb):.2f} best {max(xb):.2f} tok/s, "
+                  f"B/A of medians {statistics.median(xb) / statistics.median(xa):.3f} "
+                  f"(pairs {min(ratios):.2f}-{max(ratios):.2f})", flush=True)
+        return
     try:
         import llama_cpp  # noqa: F401
         have_llama = True

@@ -6,12 +6,18 @@
                                                   IDS_JSON["token_ids"], one row per position
                                                   (KV cache f32, flash attention off)
   llama_parity.py quantize IN OUT TYPE            llama.cpp's own quantizer (llama-quantize),
-                                                  TYPE in f16, q8_0, q4_0, q4_k_m, q6_k
+                                                  TYPE any of its presets (f16, q8_0, q4_k_m,
+                                                  q3_k_s, iq4_xs, ...: LLAMA_FTYPE_MOSTLY_<TYPE>)
   llama_parity.py rewrite IN OUT                  copy a GGUF through the gguf package's writer
                                                   (another tool's file layout, same weights)
   llama_parity.py compare A.f32 B.f32 N_VOCAB     per-position cosine and top-1 agreement, as JSON
                                                   (strict, and up to a near-tie of 0.5 % of the
                                                   reference's logit range)
+  llama_parity.py batch JOBS.json                 many of the above in one process (one start-up
+                                                  and one library load for a whole gate): a list
+                                                  of {"op": "quantize"|"logits"|"compare",
+                                                  "args": [...]} run in order; a job's stdout
+                                                  goes to its "out" file when one is given
 
 Only the standard library plus those packages and numpy.
 """
@@ -42,20 +48,14 @@ def cmd_logits(model, ids_json, out):
     print(json.dumps({"rows": int(scores.shape[0]), "n_vocab": int(scores.shape[1])}))
 
 
-FTYPES = {
-    "f16": "LLAMA_FTYPE_MOSTLY_F16",
-    "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0",
-    "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
-    "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M",
-    "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K",
-}
-
-
 def cmd_quantize(inp, out, ty):
     import llama_cpp
 
+    name = f"LLAMA_FTYPE_MOSTLY_{ty.upper()}"
+    if not hasattr(llama_cpp, name):
+        sys.exit(f"llama_parity.py: llama.cpp has no file type {ty} ({name})")
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, FTYPES[ty])
+    params.ftype = getattr(llama_cpp, name)
     params.nthread = 2
     rc = llama_cpp.llama_model_quantize(inp.encode(), out.encode(), params)
     if rc != 0:
@@ -119,12 +119,30 @@ def cmd_compare(a, b, n_vocab):
                       "top1": [bool(t) for t in top], "top1_tie": [bool(t) for t in tie]}))
 
 
+COMMANDS = {"logits": cmd_logits, "quantize": cmd_quantize, "rewrite": cmd_rewrite,
+            "compare": cmd_compare}
+
+
+def cmd_batch(jobs_json):
+    import contextlib
+
+    for i, job in enumerate(json.load(open(jobs_json))):
+        out = job.get("out")
+        try:
+            with contextlib.ExitStack() as stack:
+                if out:
+                    stack.enter_context(contextlib.redirect_stdout(open(out, "w")))
+                COMMANDS[job["op"]](*[str(a) for a in job["args"]])
+        except SystemExit as e:
+            sys.exit(f"llama_parity.py: batch job {i} {job}: {e}")
+
+
 def main():
     if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
         print(__doc__)
         return
     cmd, args = sys.argv[1], sys.argv[2:]
-    {"logits": cmd_logits, "quantize": cmd_quantize, "rewrite": cmd_rewrite, "compare": cmd_compare}[cmd](*args)
+    {**COMMANDS, "batch": cmd_batch}[cmd](*args)
 
 
 if __name__ == "__main__":

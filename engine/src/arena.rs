@@ -266,6 +266,8 @@ fn keeper_main(shared: Shared) {
         pool.committed[i] = len;
         pool.warm.push(off);
         pool.prefaulted += 1;
+        // An admission may be waiting for this chunk (every other one held).
+        shared.1.notify_all();
     }
 }
 
@@ -500,9 +502,20 @@ impl Arena {
                 if held != NONE || !assign {
                     return (held != NONE).then_some(held);
                 }
-                // None: more chunks than slots, which only a caller that resolves slots it
-                // never releases could reach.
-                let (off, warm) = pool.take()?;
+                // With every expert resident at once there is no spare chunk: the last free
+                // one may be with a keeper, committing it outside the lock. Wait for it to come
+                // back warm rather than fail. Still none and none being prepared: more chunks
+                // than slots, which only a caller that resolves slots it never releases could
+                // reach.
+                let (off, warm) = loop {
+                    if let Some(taken) = pool.take() {
+                        break taken;
+                    }
+                    if pool.preparing == 0 {
+                        return None;
+                    }
+                    pool = self.pool.1.wait(pool).unwrap_or_else(|e| e.into_inner());
+                };
                 if warm {
                     pool.reused += 1;
                 }
@@ -792,6 +805,43 @@ mod tests {
         }
         assert!(a.warm_bytes() <= WARM_MAX_BYTES);
         drop(a);
+    }
+
+    #[test]
+    fn an_admission_waits_for_a_chunk_a_keeper_is_committing_instead_of_failing() {
+        // Every expert resident at once leaves no spare chunk: when the keepers hold the last
+        // free chunk (committing it outside the lock), the admission that needs it must wait
+        // for it, not fail with "no memory left" (seen under load in gate G8).
+        let a = Arena::with_options(
+            // Chunks larger than the warm cap, a stock of one chunk: most released chunks go
+            // back cold, and the keepers commit them again while the next round admits.
+            &[(4, vec![20 << 20, 20 << 20]), (4, vec![20 << 20, 20 << 20])],
+            1,
+            ArenaOptions {
+                prefault_bytes: 100 << 20,
+                commit_limit: u64::MAX,
+                huge_pages: false,
+            },
+        )
+        .unwrap();
+        for round in 0..30 {
+            for (layer, e) in (0..2usize).flat_map(|l| (0..4u32).map(move |e| (l, e))) {
+                let p = a.window_dest(layer, SlotAddr::Canonical(e), 0);
+                assert!(
+                    !p.is_null(),
+                    "round {round}: layer {layer} expert {e} got no chunk"
+                );
+                // The read that fills the slot: time for a keeper to take a chunk meanwhile.
+                // SAFETY: the slot's first projection region is this chunk's, held by no one else.
+                unsafe { std::ptr::write_bytes(p, 1, 20 << 20) };
+            }
+            for e in 0..4u32 {
+                a.release(0, e);
+                a.release(1, e);
+            }
+            // Let a keeper start committing a cold chunk before the next round needs it.
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
     }
 
     #[test]

@@ -260,6 +260,25 @@ impl std::fmt::Debug for ChatTemplate {
 
 const TEMPLATE_NAME: &str = "chat";
 
+/// Instructions one render may execute: a base for the template's own text, plus a share per
+/// message. The real templates in `../shared/data/templates` use at most ~220 + 170 per message
+/// (Kimi-K3); Gemma 4's is quadratic (623k instructions for 402 messages), which this covers up
+/// to ~5,000 messages. A hostile template (`{% for i in range(9**9) %}`) stops after ~100k
+/// instructions plus the share of its messages, with an "out of fuel" error instead of
+/// spinning: well under a second (the chat_template fuzz target found that a 1M base let a
+/// loop over undefined names run ~0.4 s per render natively, seconds under a sanitizer).
+const FUEL_BASE: u64 = 100_000;
+/// See [`FUEL_BASE`].
+const FUEL_PER_MESSAGE: u64 = 20_000;
+
+fn render_fuel(n_messages: u64) -> u64 {
+    FUEL_BASE.saturating_add(FUEL_PER_MESSAGE.saturating_mul(n_messages))
+}
+
+/// minijinja's recursion budget (nested blocks, loops, macro calls; a macro call costs more
+/// than a loop). Its own default is 500, the most it considers safe without growing the stack.
+const RECURSION_LIMIT: usize = 500;
+
 impl ChatTemplate {
     /// Compile `source`. `bos` and `eos` are the texts of the model's BOS and EOS tokens,
     /// visible to the template as `bos_token` and `eos_token`. `strftime_now` reads the system
@@ -286,6 +305,7 @@ impl ChatTemplate {
         now: Option<CivilTime>,
     ) -> Result<ChatTemplate, ChatError> {
         let mut env = Environment::new();
+        env.set_recursion_limit(RECURSION_LIMIT);
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_undefined_behavior(UndefinedBehavior::Lenient);
@@ -342,6 +362,7 @@ impl ChatTemplate {
         add_generation_prompt: bool,
         enable_thinking: Option<bool>,
     ) -> Result<String, ChatError> {
+        let n_messages = messages.len().unwrap_or(0) as u64;
         let mut ctx: Vec<(&str, Value)> = vec![
             ("messages", messages),
             ("tools", Value::from(())),
@@ -354,8 +375,12 @@ impl ChatTemplate {
             ctx.push(("enable_thinking", Value::from(t)));
         }
         let ctx: Value = ctx.into_iter().collect();
-        let template = self
-            .env
+        // A template is a program the model file supplies: its loops are bounded by fuel
+        // (instructions per render, scaled to the conversation) and its nesting by the
+        // recursion limit set at build, not by luck.
+        let mut env = self.env.clone();
+        env.set_fuel(Some(render_fuel(n_messages)));
+        let template = env
             .get_template(TEMPLATE_NAME)
             .map_err(|e| ChatError::Render {
                 message: describe(&e),
@@ -371,15 +396,18 @@ impl ChatTemplate {
         self.think_control_for_vocab(true)
     }
 
-    /// Decide `think_ctl` from the template (telemetry contract): render a one-question chat
-    /// with `enable_thinking` true and false; if the prompts differ the template reads the flag
-    /// (`Template`). Otherwise, if the vocabulary declares a think pair *and* the template owns
-    /// a `<think>` span (renders one in a probe, or writes one in its source), the model
-    /// always reasons (`None`). Otherwise a harmony-style channel section means the turn can be
-    /// started past the reasoning (`Prefill`); anything else has nothing to suppress
-    /// (`Template`). A template that cannot render the probe counts as not reading the flag.
+    /// Decide `think_ctl` from the template (telemetry contract), by rendering it: a
+    /// one-question chat with `enable_thinking` true and false; if the prompts differ the
+    /// template reads the flag (`Template`). Otherwise, if the vocabulary declares a think
+    /// pair *and* the template owns a `<think>` span (renders one in a probe, or writes one in
+    /// its source), the model always reasons (`None`). Otherwise, if the template puts an
+    /// answer behind a marker of its own ([`ChatTemplate::answer_prefill`]) and renders a
+    /// turn's reasoning in a section apart from that marked answer (harmony's analysis and
+    /// final channels), the turn can be started past the reasoning (`Prefill`). Anything else
+    /// has nothing to suppress (`Template`). A template that cannot render a probe counts as
+    /// not having what that probe looks for.
     pub fn think_control_for_vocab(&self, vocab_declares_think: bool) -> ThinkCtl {
-        let question = vec![Message::new("user", "Hi").to_value()];
+        let question = vec![Message::new("user", PROBE_QUESTION).to_value()];
         let on = self.render_values(Value::from(question.clone()), true, Some(true));
         let off = self.render_values(Value::from(question.clone()), true, Some(false));
         if let (Ok(on), Ok(off)) = (&on, &off) {
@@ -390,10 +418,35 @@ impl ChatTemplate {
         if vocab_declares_think && self.owns_think_span(&question, on.ok()) {
             return ThinkCtl::None;
         }
-        if self.source.contains("<|channel|>") {
-            return ThinkCtl::Prefill;
+        if let Some(marker) = self.answer_prefill().filter(|m| !m.trim().is_empty()) {
+            let reasoned = self.render_values(Value::from(answered(&question)), false, None);
+            if reasoned.is_ok_and(|r| {
+                r.contains(PROBE_REASONING) && r.contains(&format!("{marker}{PROBE_ANSWER}"))
+            }) {
+                return ThinkCtl::Prefill;
+            }
         }
         ThinkCtl::Template
+    }
+
+    /// What the template writes between the generation prompt and an answer given without
+    /// reasoning — harmony's `<|channel|>final<|message|>` — found by rendering a question with
+    /// the generation prompt and the same question answered: the first must be a prefix of the
+    /// second, and the text from there to the answer is the marker. Appended to a prompt it
+    /// starts the turn at the answer, past any reasoning section (`think_ctl` `prefill` with
+    /// `think:false`). `None` when the renders do not line up that way (or fail); empty when
+    /// the answer follows the generation prompt directly.
+    pub fn answer_prefill(&self) -> Option<String> {
+        let question = vec![Message::new("user", PROBE_QUESTION).to_value()];
+        let prompt = self
+            .render_values(Value::from(question.clone()), true, None)
+            .ok()?;
+        let mut chat = question;
+        chat.push(Message::new("assistant", PROBE_ANSWER).to_value());
+        let done = self.render_values(Value::from(chat), false, None).ok()?;
+        let rest = done.strip_prefix(prompt.as_str())?;
+        let at = rest.find(PROBE_ANSWER)?;
+        Some(rest[..at].to_string())
     }
 
     fn owns_think_span(&self, question: &[Value], prompt: Option<String>) -> bool {
@@ -403,19 +456,74 @@ impl ChatTemplate {
         if prompt.is_some_and(|p| p.contains("<think>")) {
             return true;
         }
-        // A finished turn that carries reasoning under both common field names.
-        let answered: Value = [
-            ("role", Value::from("assistant")),
-            ("content", Value::from("Hello.")),
-            ("reasoning_content", Value::from("Greet back.")),
-            ("thinking", Value::from("Greet back.")),
-        ]
-        .into_iter()
-        .collect();
-        let mut chat = question.to_vec();
-        chat.push(answered);
-        self.render_values(Value::from(chat), false, None)
+        self.render_values(Value::from(answered(question)), false, None)
             .is_ok_and(|p| p.contains("<think>"))
+    }
+}
+
+const PROBE_QUESTION: &str = "Hi";
+const PROBE_ANSWER: &str = "Hello.";
+const PROBE_REASONING: &str = "Greet back.";
+
+/// `question` and a finished answer that carries reasoning under both common field names
+/// (`reasoning_content`, transformers' convention; `thinking`, harmony's).
+fn answered(question: &[Value]) -> Vec<Value> {
+    let answer: Value = [
+        ("role", Value::from("assistant")),
+        ("content", Value::from(PROBE_ANSWER)),
+        ("reasoning_content", Value::from(PROBE_REASONING)),
+        ("thinking", Value::from(PROBE_REASONING)),
+    ]
+    .into_iter()
+    .collect();
+    let mut chat = question.to_vec();
+    chat.push(answer);
+    chat
+}
+
+/// A model's chat template with how it honours `think:false` worked out once: the prompt of a
+/// turn, rendered so that a request not to reason is honoured the way the template allows
+/// (telemetry contract, `think_ctl`).
+#[derive(Debug)]
+pub struct ChatFormat {
+    template: ChatTemplate,
+    think_ctl: ThinkCtl,
+    /// What starts a turn past its reasoning section (`Prefill` templates only).
+    answer_prefill: Option<String>,
+}
+
+impl ChatFormat {
+    /// `template` for a model whose vocabulary does (or does not) declare a `<think>` pair.
+    pub fn new(template: ChatTemplate, vocab_declares_think: bool) -> ChatFormat {
+        let think_ctl = template.think_control_for_vocab(vocab_declares_think);
+        let answer_prefill = match think_ctl {
+            ThinkCtl::Prefill => template.answer_prefill(),
+            _ => None,
+        };
+        ChatFormat {
+            template,
+            think_ctl,
+            answer_prefill,
+        }
+    }
+
+    /// How `think:false` is honoured on this model.
+    pub fn think_ctl(&self) -> ThinkCtl {
+        self.think_ctl
+    }
+
+    /// The prompt of a turn answering `messages`: the template with its generation prompt and
+    /// `enable_thinking = think`; with `think` false on a `prefill` template, followed by the
+    /// marker that starts the answer past the reasoning section. (`template` templates read the
+    /// flag themselves; a `none` model cannot be asked.)
+    pub fn prompt(&self, messages: &[Message], think: bool) -> Result<String, ChatError> {
+        let mut text = self.template.render(messages, true, Some(think))?;
+        if !think {
+            if let Some(p) = &self.answer_prefill {
+                text.push_str(p);
+            }
+        }
+        Ok(text)
     }
 }
 
@@ -428,7 +536,8 @@ fn rewrite_generation_blocks(source: &str) -> String {
     while let Some(start) = rest.find("{%") {
         out.push_str(&rest[..start]);
         let tag = &rest[start..];
-        let Some(end) = tag.find("%}") else {
+        // The closing `%}` is searched after the opening `{%`: in `{%}` they overlap.
+        let Some(end) = tag[2..].find("%}").map(|i| i + 2) else {
             out.push_str(tag);
             return out;
         };
@@ -923,6 +1032,79 @@ impl ReasoningSplitter {
 mod tests {
     use super::*;
 
+    /// Render `source` on a thread with the stack a spawned thread gets by default (2 MiB),
+    /// as a server's worker would.
+    fn render_hostile(source: &str) -> Result<String, ChatError> {
+        let source = source.to_string();
+        std::thread::Builder::new()
+            .stack_size(2 << 20)
+            .spawn(move || {
+                let t = ChatTemplate::new(&source, "<s>", "</s>")?;
+                t.render(&[Message::new("user", "hi")], true, None)
+            })
+            .expect("spawn")
+            .join()
+            .expect("no stack overflow, no panic")
+    }
+
+    #[test]
+    fn hostile_templates_are_bounded_by_fuel_and_recursion() {
+        // A loop of 9^9 iterations runs out of fuel, quickly.
+        let t0 = std::time::Instant::now();
+        let e = render_hostile("{% for i in range(387420489) %}x{% endfor %}")
+            .expect_err("a huge loop");
+        assert!(
+            e.to_string().contains("fuel") || e.to_string().contains("range"),
+            "{e}"
+        );
+        let e = render_hostile(
+            "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}",
+        )
+        .expect_err("nested loops");
+        assert!(e.to_string().contains("fuel"), "{e}");
+        assert!(t0.elapsed().as_secs() < 20, "fuel must stop a loop early");
+        // Unbounded macro recursion stops at the recursion limit.
+        let e = render_hostile("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}")
+            .expect_err("recursion");
+        assert!(e.to_string().contains("recursion"), "{e}");
+        // Deeply nested source is refused at compile time or render time, not by a crash.
+        let deep = format!(
+            "{}{}",
+            "{% if true %}".repeat(2000),
+            "{% endif %}".repeat(2000)
+        );
+        assert!(render_hostile(&deep).is_err());
+        let parens = format!("{{{{ {}1{} }}}}", "(".repeat(5000), ")".repeat(5000));
+        assert!(render_hostile(&parens).is_err());
+    }
+
+    #[test]
+    fn an_overlapping_tag_end_is_not_a_panic() {
+        // Found by the chat_template fuzz target: `{%}` made the generation-block rewrite
+        // slice backwards and panic on a template a model file could carry.
+        for src in [
+            "{%}",
+            "{%}%}",
+            "a{%}b",
+            "{%-}",
+            "{%}{% generation %}x{% endgeneration %}",
+        ] {
+            let _ = rewrite_generation_blocks(src);
+            let _ = render_hostile(src);
+        }
+        assert_eq!(
+            rewrite_generation_blocks("{%}%- generation %}"),
+            "{%}%- generation %}"
+        );
+    }
+
+    #[test]
+    fn fuel_grows_with_the_conversation() {
+        assert_eq!(render_fuel(0), FUEL_BASE);
+        assert!(render_fuel(2000) > 100 * FUEL_BASE / 2);
+        assert_eq!(render_fuel(u64::MAX), u64::MAX);
+    }
+
     fn apply(acc: &mut (String, String), d: &Delta) {
         if d.reset {
             acc.0 = d.reasoning.clone();
@@ -1169,11 +1351,27 @@ mod tests {
         let t = ChatTemplate::new(always, "", "").unwrap();
         assert_eq!(t.think_control(), ThinkCtl::None);
         assert_eq!(t.think_control_for_vocab(false), ThinkCtl::Template);
-        let channel = "{{ messages[0].content }}{% if add_generation_prompt %}<|start|>assistant{% endif %}{# <|channel|>analysis #}";
+        // Reasoning in a section of its own, the answer behind a marker: decided by what the
+        // template renders, not by what its source mentions.
+        let channels = "{% for m in messages %}<|start|>{{ m.role }}{% if m.thinking %}<|channel|>analysis<|message|>{{ m.thinking }}<|end|><|start|>assistant{% endif %}{% if m.role == 'assistant' %}<|channel|>final{% endif %}<|message|>{{ m.content }}<|end|>{% endfor %}{% if add_generation_prompt %}<|start|>assistant{% endif %}";
+        let t = ChatTemplate::new(channels, "", "").unwrap();
+        assert_eq!(t.think_control(), ThinkCtl::Prefill);
         assert_eq!(
-            ChatTemplate::new(channel, "", "").unwrap().think_control(),
-            ThinkCtl::Prefill
+            t.answer_prefill().as_deref(),
+            Some("<|channel|>final<|message|>")
         );
+        let mentioned = "{{ messages[0].content }}{% if add_generation_prompt %}<|start|>assistant{% endif %}{# <|channel|>analysis #}";
+        assert_eq!(
+            ChatTemplate::new(mentioned, "", "")
+                .unwrap()
+                .think_control(),
+            ThinkCtl::Template
+        );
+        // A marker but no reasoning section: nothing to start past.
+        let marked = "{% for m in messages %}{{ m.role }}: {% if m.role == 'assistant' %}[final] {% endif %}{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}";
+        let t = ChatTemplate::new(marked, "", "").unwrap();
+        assert_eq!(t.answer_prefill().as_deref(), Some("[final] "));
+        assert_eq!(t.think_control(), ThinkCtl::Template);
         let plain = "{% for m in messages %}{{ m.content }}{% endfor %}";
         assert_eq!(
             ChatTemplate::new(plain, "", "").unwrap().think_control(),

@@ -1,7 +1,7 @@
 //! The `bmoe-cli` command line: argument structures and the commands behind them.
 
 use crate::gen::{self, GenOptions, Preset, TypeScheme};
-use crate::gguf::GgufFile;
+use crate::gguf::{GgmlType, GgufFile};
 use anyhow::{anyhow, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
@@ -31,6 +31,20 @@ pub enum Cmd {
     Inspect(InspectArgs),
     /// Measure kernel throughput against memory bandwidth, side by side
     Bench(BenchArgs),
+    /// Write MODEL.bmoe-sums: a checksum of every expert's bytes, for --verify-reads
+    Checksum(ChecksumArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct ChecksumArgs {
+    /// The GGUF model (any shard of a split set)
+    pub model: PathBuf,
+    /// Where to write [default: MODEL.bmoe-sums, where --verify-reads looks]
+    #[arg(long, short = 'o', value_name = "FILE")]
+    pub out: Option<PathBuf>,
+    /// Never show a progress bar
+    #[arg(long)]
+    pub quiet: bool,
 }
 
 /// Flags of a generation run.
@@ -78,6 +92,26 @@ pub struct RunArgs {
     /// cache warm across turns (see docs/telemetry.md, "Session mode")
     #[arg(long)]
     pub session: bool,
+    /// Diagnose NaN: check every layer's intermediates (inp_embd, ffn_inp, ffn_norm,
+    /// ffn_moe_logits, l_out) and stop at the first that holds a NaN or infinity, naming the
+    /// layer, the tensor and the position. Logits are always checked; this finds where it began
+    #[arg(long = "check-finite")]
+    pub check_finite: bool,
+    /// Check every streamed expert's bytes against MODEL.bmoe-sums (written once by
+    /// `bmoe-cli checksum MODEL`) before computing on them; a mismatch (a torn or stale read)
+    /// stops the run as a failed read. Costs one hash per expert read
+    #[arg(long = "verify-reads")]
+    pub verify_reads: bool,
+    /// With --session: answer decide requests — prefix + suffix rendered as one user message
+    /// (reasoning off), one prefill and no decode, and the log-probability of each choice's
+    /// first token over the whole vocabulary (BMOE_DECIDE)
+    #[arg(long)]
+    pub decide: bool,
+    /// With --decide: keep the sequence state after a decide's prefix and restore it when the
+    /// next prefix renders equal to it or extends it, so only the rest is prefilled. auto = on
+    /// (bmoe has no prefill device, the one case where auto means off)
+    #[arg(long = "decide-prefix-cache", value_enum, value_name = "MODE")]
+    pub decide_prefix_cache: Option<PrefixCacheMode>,
     /// Print the architectures this build runs and exit
     #[arg(long = "list-archs")]
     pub list_archs: bool,
@@ -89,6 +123,39 @@ pub struct RunArgs {
     pub stream: bmoe_core::flags::StreamArgs,
     #[command(flatten)]
     pub telemetry: bmoe_core::flags::TelemetryArgs,
+}
+
+/// `--decide-prefix-cache`.
+#[derive(clap::ValueEnum, Copy, Clone, Debug, PartialEq, Eq, Default)]
+pub enum PrefixCacheMode {
+    /// On (bmoe has no prefill device).
+    #[default]
+    Auto,
+    On,
+    Off,
+}
+
+impl RunArgs {
+    /// Flags that only mean something together: `--decide` needs `--session`, and
+    /// `--decide-prefix-cache` needs `--decide`.
+    pub fn check_modes(&self) -> Result<()> {
+        if self.decide && !self.session {
+            return Err(anyhow!(
+                "config error: --decide needs --session (decide requests arrive on a session's stdin)"
+            ));
+        }
+        if self.decide_prefix_cache.is_some() && !self.decide {
+            return Err(anyhow!(
+                "config error: --decide-prefix-cache needs --decide"
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether decides keep their prefix state (`--decide-prefix-cache`, auto = on).
+    pub fn decide_keeps_prefix(&self) -> bool {
+        self.decide_prefix_cache.unwrap_or_default() != PrefixCacheMode::Off
+    }
 }
 
 fn default_threads() -> u32 {
@@ -109,10 +176,16 @@ pub struct GenArgs {
     /// Output file
     #[arg(long, short = 'o', value_name = "FILE")]
     pub out: PathBuf,
-    /// Weight type: f32, f16, bf16, q8_0, q4_0, q4_k, q5_k, q6_k, or q4_k_m (the mix llama-quantize writes)
+    /// Weight types: a llama-quantize preset, written with its per-tensor choices (which
+    /// tensors and layers get more bits, and the 32-value stand-ins for rows not a multiple of
+    /// 256): f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k_s, q3_k_m, q3_k_l,
+    /// q4_k_s, q4_k_m, q5_k_s, q5_k_m, q6_k, iq4_nl, iq4_xs, mxfp4_moe; or q4_k, q5_k, q3_k,
+    /// mxfp4 for that type everywhere (llama-quantize --pure). Default: the preset's
+    /// (tiny: F32 dense + Q8_0 experts; small, qwen3-30b-a3b-shape: q4_k_m)
     #[arg(long = "type", value_name = "T")]
     pub ty: Option<String>,
-    /// Override the expert weight type only
+    /// Override the expert weights' type only (any type --type takes as "everywhere", or a
+    /// preset's main type); rows it cannot hold fall back as llama-quantize does
     #[arg(long = "experts-type", value_name = "T")]
     pub experts_type: Option<String>,
     #[arg(long)]
@@ -245,22 +318,33 @@ pub fn gen(a: GenArgs) -> Result<()> {
     ov!(n_ctx_train, a.ctx);
     shape.tie_output |= a.tie_output;
     let mut types = match &a.ty {
-        Some(t) => TypeScheme::from_name(t).ok_or_else(|| {
-            anyhow!(
-                "--type {t}: expected one of f32, f16, bf16, q8_0, q4_0, q4_k, q5_k, q6_k, q4_k_m"
-            )
-        })?,
+        Some(t) => TypeScheme::from_name(t)
+            .ok_or_else(|| anyhow!("--type {t}: expected one of the {}", TypeScheme::NAMES))?,
         None => preset.default_types(),
     };
     if let Some(t) = &a.experts_type {
-        let e = TypeScheme::from_name(t).ok_or_else(|| {
-            anyhow!(
-                "--experts-type {t}: expected one of f32, f16, bf16, q8_0, q4_0, q4_k, q5_k, q6_k"
-            )
-        })?;
-        types.experts = e.experts;
-        types.experts_down_more = e.experts_down_more;
+        let e = GgmlType::from_name(t)
+            .filter(|t| crate::kernels::supports_quantize(*t))
+            .or_else(|| gen::Ftype::from_name(t).map(|f| f.default_type()))
+            .ok_or_else(|| {
+                anyhow!(
+                    "--experts-type {t}: expected a weight type the kernels take ({})",
+                    crate::kernels::weight_types()
+                        .iter()
+                        .map(|t| t.name().to_lowercase())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )
+            })?;
+        types.experts = Some(e);
     }
+    // `-o` over the vocabulary or template it reads would destroy that input.
+    let inputs: Vec<crate::outputs::Named<'_>> =
+        [("--vocab", &a.vocab), ("--template", &a.template)]
+            .into_iter()
+            .filter_map(|(flag, p)| p.as_deref().map(|p| crate::outputs::Named::new(flag, p)))
+            .collect();
+    crate::outputs::check_distinct(&inputs, &[crate::outputs::Named::new("--out", &a.out)])?;
     let mut vocab = match &a.vocab {
         None => crate::vocab::builtin_vocab().context("building the built-in vocabulary")?,
         Some(p) => crate::vocab::vocab_from_file(p)
@@ -288,6 +372,8 @@ pub fn gen(a: GenArgs) -> Result<()> {
         vocab,
         threads: a.threads.max(1) as usize,
     };
+    // Checked here too so a bad option is not reported as a failure to write the file.
+    opts.validate()?;
     let bar = if a.quiet {
         None
     } else {
@@ -313,8 +399,26 @@ pub fn gen(a: GenArgs) -> Result<()> {
     if let Some(b) = bar {
         b.finish_and_clear();
     }
+    // One line per (requested, stored) pair, as llama-quantize's fallbacks are per type.
+    let mut groups: Vec<(GgmlType, GgmlType, Vec<&str>)> = Vec::new();
     for (t, want, got) in &rep.fallbacks {
-        eprintln!("bmoe: note: {t}: row length does not fit {want} blocks, stored as {got}");
+        match groups.iter_mut().find(|g| g.0 == *want && g.1 == *got) {
+            Some(g) => g.2.push(t),
+            None => groups.push((*want, *got, vec![t])),
+        }
+    }
+    for (want, got, names) in &groups {
+        let shown = names.iter().take(3).copied().collect::<Vec<_>>().join(", ");
+        let more = if names.len() > 3 {
+            format!(" and {} more", names.len() - 3)
+        } else {
+            String::new()
+        };
+        eprintln!(
+            "bmoe: note: {} tensor(s) with rows that are not whole {want} blocks stored as {got}, \
+             as llama-quantize does: {shown}{more}",
+            names.len()
+        );
     }
     eprintln!(
         "bmoe: wrote {} ({:.1} MiB, {} tensors, vocab {}, preset {}, types {}) in {:.1} s",
@@ -323,7 +427,59 @@ pub fn gen(a: GenArgs) -> Result<()> {
         rep.n_tensors,
         rep.n_vocab,
         preset.name(),
-        opts.types.label,
+        opts.types.label(),
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// `bmoe-cli checksum MODEL`: hash every expert projection into the sidecar.
+pub fn checksum(a: ChecksumArgs) -> Result<()> {
+    let out = a
+        .out
+        .clone()
+        .unwrap_or_else(|| crate::checksum::sidecar_path(&a.model));
+    let file = std::sync::Arc::new(GgufFile::open(&a.model)?);
+    let inputs: Vec<PathBuf> = file.shard_paths().iter().map(|p| p.to_path_buf()).collect();
+    let named: Vec<crate::outputs::Named<'_>> = inputs
+        .iter()
+        .map(|p| crate::outputs::Named::new("MODEL", p))
+        .collect();
+    crate::outputs::check_distinct(&named, &[crate::outputs::Named::new("--out", &out)])?;
+    // Mapped, not copied: only the expert tensors' places are needed.
+    let model = crate::arch::load_model(file.clone(), crate::dense::DenseMode::Mmap, 1)?;
+    let layout = crate::stream::layout_of(&model)?;
+    let bar = (!a.quiet).then(|| {
+        let b = indicatif::ProgressBar::new(layout.total_expert_bytes());
+        b.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{spinner} checksum {bytes}/{total_bytes} [{bar:30}] {bytes_per_sec} eta {eta}",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+            .progress_chars("=> "),
+        );
+        b
+    });
+    let t0 = std::time::Instant::now();
+    let sums = crate::checksum::compute(&file, &layout, |done, _| {
+        if let Some(b) = &bar {
+            b.set_position(done);
+        }
+    });
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    crate::checksum::write(&out, &file, &sums)
+        .with_context(|| format!("writing {}", out.display()))?;
+    eprintln!(
+        "bmoe: wrote {} ({} expert projections, {:.1} MiB hashed in {:.1} s)",
+        out.display(),
+        layout
+            .layers()
+            .iter()
+            .map(|l| l.n_expert as usize * l.projections.len())
+            .sum::<usize>(),
+        layout.total_expert_bytes() as f64 / 1048576.0,
         t0.elapsed().as_secs_f64()
     );
     Ok(())

@@ -21,13 +21,14 @@
 use crate::arena::{Arena, SlotAddr, ALIGN, HUGE};
 use bmoe_core::backend::SlotId;
 use bmoe_core::clock::{Clock, Nanos};
+use bmoe_core::faults::{injected_error, FaultCounts, FaultInjector, FaultPlan, InjectedFault};
 use bmoe_core::flash::{Flash, FlashError, ReadDone, ReadId, ReadRequest};
 use bmoe_core::handoff::{Completions, HandoffError, LaneQueue};
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -124,6 +125,8 @@ struct Job {
     /// Where file byte `req.offset` lands.
     target: DestPtr,
     submit: Nanos,
+    /// `--inject-faults`: what this read suffers, decided at submit.
+    fault: Option<InjectedFault>,
 }
 
 type Outcome = Result<ReadDone, FlashError>;
@@ -135,6 +138,30 @@ struct Shared {
     /// Set when a lane thread panicked: the device is then closed for good.
     broken: AtomicBool,
     broken_reason: Mutex<String>,
+    /// Per lane: the job in progress (id + 1, 0 = idle) and when it started (ns on the
+    /// device clock), for the watchdog.
+    busy: Vec<(AtomicU64, AtomicU64)>,
+    /// `--read-timeout-ms`.
+    timeout_ms: AtomicU64,
+    /// Set when the device is dropped: the watchdog and any injected stuck lane stop.
+    shutdown: AtomicBool,
+}
+
+impl Shared {
+    /// Close the device for good: every waiter gets `Closed` with `reason` (or the outcome
+    /// already published for its read).
+    fn close_broken(&self, reason: String) {
+        if let Ok(mut r) = self.broken_reason.lock() {
+            if r.is_empty() {
+                *r = reason;
+            }
+        }
+        self.broken.store(true, Ordering::SeqCst);
+        for q in &self.queues {
+            q.close();
+        }
+        self.board.close();
+    }
 }
 
 /// `bmoe_core::Flash` over real files: `lanes` threads, each with its own descriptor per
@@ -149,6 +176,8 @@ struct Shared {
 pub struct LaneFlash {
     shared: Arc<Shared>,
     threads: Vec<JoinHandle<()>>,
+    watchdog: Option<JoinHandle<()>>,
+    injector: Option<FaultInjector>,
     shards: Arc<Vec<ShardInfo>>,
     arena: Arc<Arena>,
     clock: MonotonicClock,
@@ -412,16 +441,81 @@ struct PanicGuard {
 impl Drop for PanicGuard {
     fn drop(&mut self) {
         if std::thread::panicking() {
-            if let Ok(mut r) = self.shared.broken_reason.lock() {
-                *r = format!("I/O lane {} panicked", self.lane);
-            }
-            self.shared.broken.store(true, Ordering::SeqCst);
-            for q in &self.shared.queues {
-                q.close();
-            }
-            self.shared.board.close();
+            self.shared
+                .close_broken(format!("I/O lane {} panicked", self.lane));
         }
     }
+}
+
+/// Publishes a timeout for a read a lane has been serving longer than `--read-timeout-ms`,
+/// and closes the device (the reads queued behind it would wait forever too). The lane
+/// itself cannot be interrupted in `pread`; the run stops instead of hanging.
+fn watchdog_main(shared: Arc<Shared>, clock: MonotonicClock) {
+    while !shared.shutdown.load(Ordering::SeqCst) {
+        let timeout_ms = shared.timeout_ms.load(Ordering::SeqCst).max(1);
+        std::thread::sleep(std::time::Duration::from_millis(
+            (timeout_ms / 4).clamp(1, 50),
+        ));
+        let now = clock.now().0;
+        for (lane, (job, since)) in shared.busy.iter().enumerate() {
+            let j = job.load(Ordering::SeqCst);
+            let started = since.load(Ordering::SeqCst);
+            if j == 0 || now.saturating_sub(started) <= timeout_ms.saturating_mul(1_000_000) {
+                continue;
+            }
+            let id = j - 1;
+            shared.board.publish(
+                id,
+                Err(FlashError::Timeout {
+                    id: ReadId(id),
+                    lane: lane as u32,
+                    timeout_ms,
+                }),
+            );
+            shared.close_broken(format!(
+                "I/O lane {lane} is stuck: read #{id} has not completed in {timeout_ms} ms"
+            ));
+            return;
+        }
+    }
+}
+
+/// Apply an injected fault around one read: a spike waits first, a stuck lane never returns
+/// (until the device is dropped), EIO and short reads fail after the read, a torn read
+/// changes one landed byte. `None` when the read never completes.
+fn serve_with_fault(
+    job: &Job,
+    files: &[File],
+    shards: &[ShardInfo],
+    shared: &Shared,
+) -> Option<Result<u64, FlashError>> {
+    match job.fault {
+        Some(InjectedFault::Spike { ns }) => {
+            std::thread::sleep(std::time::Duration::from_nanos(ns))
+        }
+        Some(InjectedFault::Stuck) => {
+            while !shared.shutdown.load(Ordering::SeqCst) {
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            return None;
+        }
+        _ => {}
+    }
+    let outcome = serve(job, files, shards);
+    Some(match (job.fault, outcome) {
+        (Some(f), Ok(_)) if injected_error(&job.req, f).is_some() => {
+            Err(injected_error(&job.req, f).unwrap_or_else(|| io_error(&job.req, String::new())))
+        }
+        (Some(InjectedFault::Torn { at }), Ok(n)) => {
+            if at < job.req.len {
+                // SAFETY: byte `at` of the request lies inside the window `serve` just wrote,
+                // which submit checked is inside the destination slot.
+                unsafe { *job.target.0.add(at as usize) ^= 0x5a };
+            }
+            Ok(n)
+        }
+        (_, outcome) => outcome,
+    })
 }
 
 fn lane_main(
@@ -436,9 +530,19 @@ fn lane_main(
         shared: shared.clone(),
         lane,
     };
+    let (busy_job, busy_since) = &shared.busy[lane as usize];
     while let Some(job) = shared.queues[lane as usize].pop() {
         let start = clock.now();
-        let outcome = serve(&job, &files, &shards);
+        busy_since.store(start.0, Ordering::SeqCst);
+        busy_job.store(job.id + 1, Ordering::SeqCst);
+        let outcome = match job.fault {
+            None => Some(serve(&job, &files, &shards)),
+            Some(_) => serve_with_fault(&job, &files, &shards, &shared),
+        };
+        let Some(outcome) = outcome else {
+            continue;
+        };
+        busy_job.store(0, Ordering::SeqCst);
         let end = clock.now();
         let outcome = outcome.map(|read_bytes| ReadDone {
             id: ReadId(job.id),
@@ -551,10 +655,17 @@ impl LaneFlash {
             board: Completions::new(),
             broken: AtomicBool::new(false),
             broken_reason: Mutex::new(String::new()),
+            busy: (0..lanes)
+                .map(|_| (AtomicU64::new(0), AtomicU64::new(0)))
+                .collect(),
+            timeout_ms: AtomicU64::new(bmoe_core::flags::READ_TIMEOUT_MS_DEFAULT),
+            shutdown: AtomicBool::new(false),
         });
         let mut dev = LaneFlash {
             shared: shared.clone(),
             threads: Vec::with_capacity(lanes as usize),
+            watchdog: None,
+            injector: None,
             shards: shards.clone(),
             arena: arena.clone(),
             clock,
@@ -570,7 +681,36 @@ impl LaneFlash {
             // On a spawn error `dev` drops here, closing and joining the lanes started so far.
             dev.threads.push(t);
         }
+        let sh = shared.clone();
+        dev.watchdog = Some(
+            std::thread::Builder::new()
+                .name("bmoe-io-watchdog".into())
+                .spawn(move || watchdog_main(sh, clock))
+                .map_err(|source| FlashOpenError::Spawn {
+                    lane: lanes,
+                    source,
+                })?,
+        );
         Ok(dev)
+    }
+
+    /// `--read-timeout-ms`: a read a lane has served longer than this fails as
+    /// `FlashError::Timeout` and closes the device (the run stops rather than hangs).
+    pub fn set_read_timeout_ms(&mut self, ms: u64) {
+        self.shared.timeout_ms.store(ms.max(1), Ordering::SeqCst);
+    }
+
+    /// `--inject-faults`: spoil reads as `plan` says, in the lanes, on real files.
+    pub fn set_faults(&mut self, plan: FaultPlan) {
+        self.injector = Some(FaultInjector::new(plan));
+    }
+
+    /// Faults injected so far (zero without `set_faults`).
+    pub fn fault_counts(&self) -> FaultCounts {
+        self.injector
+            .as_ref()
+            .map(FaultInjector::counts)
+            .unwrap_or_default()
     }
 
     /// Why some shard is read buffered although O_DIRECT was asked for (one line each).
@@ -713,11 +853,13 @@ impl Flash for LaneFlash {
                 return ReadId(id);
             }
         };
+        let fault = self.injector.as_mut().and_then(|f| f.on_submit(&read));
         let job = Job {
             id,
             req: read,
             target: DestPtr(target),
             submit,
+            fault,
         };
         if self.shared.queues[read.lane as usize].push(job).is_err() {
             let reason = self.closed_reason();
@@ -761,13 +903,23 @@ impl Drop for LaneFlash {
     fn drop(&mut self) {
         // Queued reads are discarded (nobody will take their outcome); reads in progress
         // finish into the arena, which the lanes keep alive until they exit.
+        self.shared.shutdown.store(true, Ordering::SeqCst);
         for q in &self.shared.queues {
             while q.remove_first(|_| true).is_some() {}
             q.close();
         }
-        for t in self.threads.drain(..) {
-            // A lane that panicked already marked the device broken; nothing more to report
-            // from a destructor.
+        if let Some(w) = self.watchdog.take() {
+            let _ = w.join();
+        }
+        let broken = self.shared.broken.load(Ordering::SeqCst);
+        for (lane, t) in self.threads.drain(..).enumerate() {
+            // A lane still inside a read after a timeout may never return from `pread`:
+            // leave it (the process is ending its run); join the others. A lane that
+            // panicked already marked the device broken.
+            let busy = self.shared.busy[lane].0.load(Ordering::SeqCst) != 0;
+            if broken && busy {
+                continue;
+            }
             let _ = t.join();
         }
         self.shared.board.close();

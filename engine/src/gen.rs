@@ -13,6 +13,10 @@
 //! Intermediate values give the reuse and LRU hit-rate curves of real models; see
 //! `docs/models.md` for measured statistics.
 
+mod mix;
+
+pub use mix::Ftype;
+
 use crate::gguf::{GgmlType, GgufError, GgufWriter, TensorSpec, Value};
 use crate::kernels;
 use rand::{Rng, SeedableRng};
@@ -49,14 +53,20 @@ pub enum Preset {
     /// The full shape of Qwen3-30B-A3B: 48 layers, 128 experts, top-8, d_model 2048,
     /// expert FFN 768, GQA 32/4 heads of 128; ~17 GB at Q4_K_M.
     Qwen3_30bA3bShape,
+    /// Tiny with no row length a multiple of 256 (d_model 288, expert FFN 160, 6 heads of 48):
+    /// every K-quant and IQ4_XS weight falls back to its 32-value stand-in, as in models like
+    /// gpt-oss (2880) or those with expert widths of 1408.
+    TinyOdd,
 }
 
 impl Preset {
-    pub const NAMES: &'static [&'static str] = &["tiny", "small", "qwen3-30b-a3b-shape"];
+    pub const NAMES: &'static [&'static str] =
+        &["tiny", "tiny-odd", "small", "qwen3-30b-a3b-shape"];
 
     pub fn from_name(s: &str) -> Option<Preset> {
         match s {
             "tiny" => Some(Preset::Tiny),
+            "tiny-odd" => Some(Preset::TinyOdd),
             "small" => Some(Preset::Small),
             "qwen3-30b-a3b-shape" | "qwen3-30b-a3b" => Some(Preset::Qwen3_30bA3bShape),
             _ => None,
@@ -66,6 +76,7 @@ impl Preset {
     pub fn name(self) -> &'static str {
         match self {
             Preset::Tiny => "tiny",
+            Preset::TinyOdd => "tiny-odd",
             Preset::Small => "small",
             Preset::Qwen3_30bA3bShape => "qwen3-30b-a3b-shape",
         }
@@ -88,6 +99,14 @@ impl Preset {
         };
         match self {
             Preset::Tiny => base,
+            Preset::TinyOdd => ModelShape {
+                d_model: 288,
+                n_ff_exp: 160,
+                n_head: 6,
+                n_head_kv: 2,
+                head_dim: 48,
+                ..base
+            },
             Preset::Small => ModelShape {
                 n_layer: 12,
                 n_expert: 64,
@@ -118,7 +137,7 @@ impl Preset {
     /// text, as real MoE models show (measured: docs/models.md).
     pub fn default_routing_context(self) -> f32 {
         match self {
-            Preset::Tiny => 0.5,
+            Preset::Tiny | Preset::TinyOdd => 0.5,
             Preset::Small => 0.4,
             Preset::Qwen3_30bA3bShape => 0.63,
         }
@@ -126,85 +145,105 @@ impl Preset {
 
     pub fn default_types(self) -> TypeScheme {
         match self {
-            Preset::Tiny => TypeScheme {
-                experts: GgmlType::Q8_0,
-                experts_down_more: GgmlType::Q8_0,
-                label: "F32 dense + Q8_0 experts",
-                ..TypeScheme::uniform(GgmlType::F32)
+            Preset::Tiny | Preset::TinyOdd => TypeScheme {
+                experts: Some(GgmlType::Q8_0),
+                ..TypeScheme::pure(GgmlType::F32)
             },
             Preset::Small | Preset::Qwen3_30bA3bShape => TypeScheme::q4_k_m(),
         }
     }
 }
 
-/// Weight type per tensor class.
+/// How `gen` picks each weight's type.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TypeScheme {
-    pub embd: GgmlType,
-    pub output: GgmlType,
-    pub attn_q: GgmlType,
-    pub attn_kv: GgmlType,
-    pub attn_output: GgmlType,
-    pub experts: GgmlType,
-    /// ffn_down_exps type for the layers llama-quantize gives "more bits" (Q4_K_M: Q6_K).
-    pub experts_down_more: GgmlType,
-    /// Name recorded in the file (`general.file_type` follows it).
-    pub label: &'static str,
+    pub base: BaseTypes,
+    /// `--experts-type`: the expert tensors' type whatever `base` says (fallbacks aside).
+    pub experts: Option<GgmlType>,
+}
+
+/// The choice of types for the weights `llama-quantize` would quantize (norms and the router
+/// stay F32).
+#[derive(Copy, Clone, Debug, PartialEq)]
+pub enum BaseTypes {
+    /// `llama-quantize`'s per-tensor choices for this file type, fallbacks included.
+    Ftype(Ftype),
+    /// One type for every weight (`llama-quantize --pure`), with its fallback for rows it
+    /// cannot hold.
+    Pure(GgmlType),
 }
 
 impl TypeScheme {
-    pub fn uniform(t: GgmlType) -> TypeScheme {
+    /// The preset `llama-quantize` writes for `f`.
+    pub fn ftype(f: Ftype) -> TypeScheme {
         TypeScheme {
-            embd: t,
-            output: t,
-            attn_q: t,
-            attn_kv: t,
-            attn_output: t,
-            experts: t,
-            experts_down_more: t,
-            label: t.name(),
+            base: BaseTypes::Ftype(f),
+            experts: None,
         }
     }
 
-    /// The mix `llama-quantize` writes for Q4_K_M on a MoE model.
+    /// Type `t` for every weight.
+    pub fn pure(t: GgmlType) -> TypeScheme {
+        TypeScheme {
+            base: BaseTypes::Pure(t),
+            experts: None,
+        }
+    }
+
+    /// The mix `llama-quantize` writes for Q4_K_M.
     pub fn q4_k_m() -> TypeScheme {
-        TypeScheme {
-            embd: GgmlType::Q6_K,
-            output: GgmlType::Q6_K,
-            attn_q: GgmlType::Q4_K,
-            attn_kv: GgmlType::Q8_0,
-            attn_output: GgmlType::Q5_K,
-            experts: GgmlType::Q4_K,
-            experts_down_more: GgmlType::Q6_K,
-            label: "Q4_K_M",
-        }
+        TypeScheme::ftype(Ftype::Q4_K_M)
     }
 
-    /// Parse `--type`: f32, f16, bf16, q8_0, q4_0, q4_k, q5_k, q6_k or q4_k_m.
+    /// Parse `--type`: a `llama-quantize` preset name (see [`TypeScheme::NAMES`]), or any other
+    /// weight type the kernels take (`q4_k`, `q5_k`, `q3_k`, `mxfp4`) for that type everywhere.
     pub fn from_name(s: &str) -> Option<TypeScheme> {
-        if s.eq_ignore_ascii_case("q4_k_m") {
-            return Some(TypeScheme::q4_k_m());
+        if let Some(f) = Ftype::from_name(s) {
+            return Some(TypeScheme::ftype(f));
         }
         let t = GgmlType::from_name(s)?;
-        kernels::supports_quantize(t).then(|| TypeScheme::uniform(t))
+        kernels::supports_quantize(t).then(|| TypeScheme::pure(t))
     }
 
+    /// What `--type` accepts, for help and errors.
+    pub const NAMES: &'static str = "presets as llama-quantize writes them: f32, f16, bf16, q8_0, \
+        q4_0, q4_1, q5_0, q5_1, q2_k, q3_k_s, q3_k_m, q3_k_l, q4_k_s, q4_k_m, q5_k_s, q5_k_m, \
+        q6_k, iq4_nl, iq4_xs, mxfp4_moe; or one type everywhere: q4_k, q5_k, q3_k, mxfp4";
+
+    /// The name recorded and printed (`Q4_K_M`, `Q4_K (pure)`, `F32 + Q8_0 experts`).
+    pub fn label(&self) -> String {
+        let base = match self.base {
+            BaseTypes::Ftype(f) => f.name().to_string(),
+            BaseTypes::Pure(t) if Ftype::from_name(t.name()).is_some() => t.name().to_string(),
+            BaseTypes::Pure(t) => format!("{t} (pure)"),
+        };
+        match self.experts {
+            Some(e) => format!("{base} + {e} experts"),
+            None => base,
+        }
+    }
+
+    /// `general.file_type` (`llama_ftype`): the preset's, or for one type everywhere (and for
+    /// an expert override, which holds most of the bytes) the first preset built on it.
     fn file_type(&self) -> u32 {
-        // llama_ftype numbering.
-        match self.label {
-            "Q4_K_M" => 15,
-            "F32 dense + Q8_0 experts" => 7,
-            _ => match self.experts {
-                GgmlType::F32 => 0,
-                GgmlType::F16 => 1,
-                GgmlType::Q4_0 => 2,
-                GgmlType::Q8_0 => 7,
-                GgmlType::Q4_K => 14,
-                GgmlType::Q5_K => 16,
-                GgmlType::Q6_K => 18,
-                GgmlType::BF16 => 32,
-                _ => 0,
-            },
+        let main = match (self.experts, self.base) {
+            (Some(e), _) | (None, BaseTypes::Pure(e)) => e,
+            (None, BaseTypes::Ftype(f)) => return f.id(),
+        };
+        Ftype::all()
+            .find(|f| f.default_type() == main)
+            .map_or(0, Ftype::id)
+    }
+
+    /// The type for weight `w` before and after the fallback for its row length.
+    fn choose(&self, w: &mix::Weight, m: &mix::Model) -> (GgmlType, GgmlType) {
+        let is_expert = w.dims.len() > 2;
+        if let (Some(e), true) = (self.experts, is_expert) {
+            return (e, mix::fallback(e, w.dims[0]));
+        }
+        match self.base {
+            BaseTypes::Ftype(f) => (mix::choose_before_fallback(f, w, m), mix::choose(f, w, m)),
+            BaseTypes::Pure(t) => (t, mix::fallback(t, w.dims[0])),
         }
     }
 }
@@ -301,22 +340,17 @@ fn fnv1a(parts: &[&[u8]]) -> u64 {
     h
 }
 
-/// Whether llama-quantize's Q4_K_M gives layer `i` of `n` the larger ffn_down type.
-fn use_more_bits(i: u32, n: u32) -> bool {
-    i < n / 8 || i >= 7 * n / 8 || (i - n / 8) % 3 == 2
-}
-
-/// A type that can hold rows of `n` elements: `want` if its block divides `n`, else Q8_0,
-/// else F16 (llama-quantize falls back the same way for K-quants on odd widths).
-fn fit_type(want: GgmlType, n: u64) -> GgmlType {
-    [want, GgmlType::Q8_0, GgmlType::F16]
-        .into_iter()
-        .find(|t| n.is_multiple_of(t.block_size()))
-        .unwrap_or(GgmlType::F32)
+/// A planned tensor's type: kept as given (norms, the router), or chosen by the scheme.
+#[derive(Copy, Clone, Debug)]
+enum Want {
+    Keep(GgmlType),
+    /// A weight `llama-quantize` would quantize, of this layer (`None` outside the layers).
+    Weight(Option<u32>),
 }
 
 impl GenOptions {
-    fn validate(&self) -> Result<(), GenError> {
+    /// Refuse options that cannot make a working model (run again by `generate`).
+    pub fn validate(&self) -> Result<(), GenError> {
         let s = &self.shape;
         let bad = |m: String| Err(GenError::Invalid(m));
         if s.n_layer == 0
@@ -354,6 +388,15 @@ impl GenOptions {
         }
         if s.n_layer > 4096 || s.n_expert > 65535 {
             return bad("at most 4096 layers and 65535 experts".into());
+        }
+        // A NaN or infinite knob makes NaN weights, and a model that prints garbage.
+        for (flag, v) in [
+            ("--router-gain", self.router_gain),
+            ("--attn-sharpness", self.attn_sharpness),
+        ] {
+            if !v.is_finite() {
+                return bad(format!("{flag} {v} must be a finite number"));
+            }
         }
         if !(0.0..=1.0).contains(&self.routing_context) {
             return bad(format!(
@@ -455,22 +498,38 @@ impl GenOptions {
         let ne = s.n_expert as u64;
         let inv = |n: u64| 1.0 / (n as f32).sqrt();
         let mut out = Vec::new();
+        let model = mix::Model {
+            n_layer: s.n_layer,
+            n_expert: s.n_expert,
+            n_gqa: s.n_head / s.n_head_kv.max(1),
+            tied: s.tie_output,
+        };
         let mut push =
-            |name: String, dims: &[u64], want: GgmlType, fill: Fill, fallbacks: &mut Vec<_>| {
-                let ty = fit_type(want, dims[0]);
-                if ty != want {
-                    fallbacks.push((name.clone(), want, ty));
-                }
+            |name: String, dims: &[u64], want: Want, fill: Fill, fallbacks: &mut Vec<_>| {
+                let ty = match want {
+                    Want::Keep(t) => t,
+                    Want::Weight(layer) => {
+                        let w = mix::Weight {
+                            name: &name,
+                            layer,
+                            dims,
+                        };
+                        let (wanted, ty) = self.types.choose(&w, &model);
+                        if ty != wanted {
+                            fallbacks.push((name.clone(), wanted, ty));
+                        }
+                        ty
+                    }
+                };
                 out.push(Planned {
                     spec: TensorSpec::new(name, dims, ty),
                     fill,
                 });
             };
-        let t = &self.types;
         push(
             "token_embd.weight".into(),
             &[d, nv],
-            t.embd,
+            Want::Weight(None),
             Fill::Rand {
                 std: 1.0,
                 lo: 0,
@@ -483,14 +542,14 @@ impl GenOptions {
             push(
                 b("attn_norm"),
                 &[d],
-                GgmlType::F32,
+                Want::Keep(GgmlType::F32),
                 Fill::Const(1.0),
                 fallbacks,
             );
             push(
                 b("attn_q"),
                 &[d, q_dim],
-                t.attn_q,
+                Want::Weight(Some(i)),
                 Fill::Rand {
                     std: inv(d),
                     lo: 0,
@@ -501,7 +560,7 @@ impl GenOptions {
             push(
                 b("attn_k"),
                 &[d, kv_dim],
-                t.attn_kv,
+                Want::Weight(Some(i)),
                 Fill::Rand {
                     std: inv(d),
                     lo: 0,
@@ -512,7 +571,7 @@ impl GenOptions {
             push(
                 b("attn_v"),
                 &[d, kv_dim],
-                t.attn_kv,
+                Want::Weight(Some(i)),
                 Fill::Rand {
                     std: inv(d),
                     lo: 0,
@@ -523,14 +582,14 @@ impl GenOptions {
             push(
                 b("attn_q_norm"),
                 &[s.head_dim as u64],
-                GgmlType::F32,
+                Want::Keep(GgmlType::F32),
                 Fill::Const(self.attn_sharpness),
                 fallbacks,
             );
             push(
                 b("attn_k_norm"),
                 &[s.head_dim as u64],
-                GgmlType::F32,
+                Want::Keep(GgmlType::F32),
                 Fill::Const(self.attn_sharpness),
                 fallbacks,
             );
@@ -538,7 +597,7 @@ impl GenOptions {
             push(
                 b("attn_output"),
                 &[q_dim, d],
-                t.attn_output,
+                Want::Weight(Some(i)),
                 Fill::RandRows {
                     std: inv(q_dim),
                     half: Half::Context,
@@ -549,7 +608,7 @@ impl GenOptions {
             push(
                 b("ffn_norm"),
                 &[d],
-                GgmlType::F32,
+                Want::Keep(GgmlType::F32),
                 Fill::Const(1.0),
                 fallbacks,
             );
@@ -557,7 +616,7 @@ impl GenOptions {
             push(
                 b("ffn_gate_inp"),
                 &[d, ne],
-                GgmlType::F32,
+                Want::Keep(GgmlType::F32),
                 Fill::Router {
                     tok: (1.0 - r) * self.router_gain * inv(split as u64),
                     ctx: r * self.router_gain * inv((s.d_model - split) as u64) * 4.0,
@@ -568,7 +627,7 @@ impl GenOptions {
             push(
                 b("ffn_gate_exps"),
                 &[d, ff, ne],
-                t.experts,
+                Want::Weight(Some(i)),
                 Fill::Rand {
                     std: inv(d),
                     lo: 0,
@@ -579,7 +638,7 @@ impl GenOptions {
             push(
                 b("ffn_up_exps"),
                 &[d, ff, ne],
-                t.experts,
+                Want::Weight(Some(i)),
                 Fill::Rand {
                     std: inv(d),
                     lo: 0,
@@ -587,16 +646,11 @@ impl GenOptions {
                 },
                 fallbacks,
             );
-            let down_t = if use_more_bits(i, s.n_layer) {
-                t.experts_down_more
-            } else {
-                t.experts
-            };
             // Experts write only the token half, so the context half stays a pure running mean.
             push(
                 b("ffn_down_exps"),
                 &[ff, d, ne],
-                down_t,
+                Want::Weight(Some(i)),
                 Fill::RandRows {
                     std: inv(ff),
                     half: Half::Token,
@@ -608,7 +662,7 @@ impl GenOptions {
         push(
             "output_norm.weight".into(),
             &[d],
-            GgmlType::F32,
+            Want::Keep(GgmlType::F32),
             Fill::Const(1.0),
             fallbacks,
         );
@@ -616,7 +670,7 @@ impl GenOptions {
             push(
                 "output.weight".into(),
                 &[d, nv],
-                t.output,
+                Want::Weight(None),
                 Fill::Rand {
                     std: inv(d),
                     lo: 0,
@@ -766,17 +820,92 @@ pub fn generate(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::gguf::ValueType;
 
+    fn options(preset: Preset, types: TypeScheme) -> GenOptions {
+        let tokens = (0..300).map(|i| Value::String(format!("t{i}"))).collect();
+        GenOptions {
+            preset,
+            shape: preset.shape(),
+            types,
+            seed: 1,
+            routing_context: 0.5,
+            router_gain: 6.0,
+            attn_sharpness: 0.5,
+            vocab: vec![(
+                "tokenizer.ggml.tokens".into(),
+                Value::Array(ValueType::String, tokens),
+            )],
+            threads: 1,
+        }
+    }
+
+    /// Every preset and every `--type` plans a file whose every tensor has a type the kernels
+    /// take (fallbacks included), and the plan follows the mix's rules.
     #[test]
-    fn more_bits_covers_about_half_of_48_layers() {
-        let n = (0..48).filter(|&i| use_more_bits(i, 48)).count();
-        assert!((20..=28).contains(&n), "{n}");
+    fn every_type_plans_loadable_tensors() {
+        let names = TypeScheme::NAMES
+            .split([':', ';', ','])
+            .map(|n| n.trim().trim_start_matches("or one type everywhere").trim())
+            .filter(|n| !n.is_empty() && !n.contains(' '));
+        let names: Vec<&str> = names.collect();
+        assert!(names.len() >= 24, "{names:?}");
+        for preset in [Preset::Tiny, Preset::TinyOdd] {
+            for name in &names {
+                let types = TypeScheme::from_name(name).unwrap_or_else(|| panic!("{name}"));
+                let opts = options(preset, types);
+                let mut fallbacks = Vec::new();
+                let plan = opts.plan(&mut fallbacks).unwrap();
+                for p in &plan {
+                    assert!(
+                        kernels::supports_dot(p.spec.ty),
+                        "{preset:?} {name}: {} is {}",
+                        p.spec.name,
+                        p.spec.ty
+                    );
+                    assert!(p.spec.ty.row_bytes(p.spec.dims[0]).is_some());
+                }
+                for (t, want, got) in &fallbacks {
+                    assert_ne!(want, got, "{t}");
+                }
+            }
+        }
     }
 
     #[test]
-    fn fit_type_falls_back_on_odd_widths() {
-        assert_eq!(fit_type(GgmlType::Q4_K, 384), GgmlType::Q8_0);
-        assert_eq!(fit_type(GgmlType::Q4_K, 512), GgmlType::Q4_K);
-        assert_eq!(fit_type(GgmlType::Q8_0, 48), GgmlType::F16);
+    fn tiny_odd_has_no_row_a_multiple_of_256() {
+        let opts = options(Preset::TinyOdd, TypeScheme::q4_k_m());
+        let mut fallbacks = Vec::new();
+        let plan = opts.plan(&mut fallbacks).unwrap();
+        for p in plan.iter().filter(|p| p.spec.dims.len() > 1) {
+            assert_ne!(p.spec.dims[0] % 256, 0, "{}", p.spec.name);
+            assert!(
+                !matches!(p.spec.ty, GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K),
+                "{} is {}",
+                p.spec.name,
+                p.spec.ty
+            );
+        }
+        // The stand-ins llama-quantize uses: Q5_0 for Q4_K, Q8_0 for Q6_K.
+        let ty = |n: &str| plan.iter().find(|p| p.spec.name == n).unwrap().spec.ty;
+        assert_eq!(ty("blk.1.ffn_gate_exps.weight"), GgmlType::Q5_0);
+        assert_eq!(ty("blk.0.ffn_down_exps.weight"), GgmlType::Q5_0);
+        assert_eq!(ty("blk.2.ffn_down_exps.weight"), GgmlType::Q8_0);
+        assert_eq!(ty("output.weight"), GgmlType::Q8_0);
+        assert!(!fallbacks.is_empty());
+    }
+
+    #[test]
+    fn labels_and_file_types() {
+        let t = |s: &str| TypeScheme::from_name(s).unwrap();
+        assert_eq!(t("q4_k_m").label(), "Q4_K_M");
+        assert_eq!(t("Q4_K_M").file_type(), 15);
+        assert_eq!(t("q4_k").label(), "Q4_K (pure)");
+        assert_eq!(t("q4_k").file_type(), 14);
+        assert_eq!(t("iq4_xs").file_type(), 30);
+        assert_eq!(Preset::Tiny.default_types().label(), "F32 + Q8_0 experts");
+        assert_eq!(Preset::Tiny.default_types().file_type(), 7);
+        assert!(TypeScheme::from_name("q8_k").is_none());
+        assert!(TypeScheme::from_name("q4_k_x").is_none());
     }
 }

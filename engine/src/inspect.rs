@@ -81,6 +81,36 @@ pub struct Inspection {
     /// Inconsistencies found (expert tensors that do not split evenly, counts that
     /// disagree with the metadata). Empty for a sound file.
     pub problems: Vec<String>,
+    /// The tensor types the file holds, most bytes first.
+    pub types: Vec<TypeUse>,
+}
+
+/// How much of a file one tensor type holds, and whether this build can run it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TypeUse {
+    pub ty: GgmlType,
+    pub tensors: u64,
+    pub bytes: u64,
+    /// The kernels take it (dot products, dequantization).
+    pub kernel: bool,
+}
+
+/// The file's types, most bytes first (then by name).
+fn type_uses(tensors: &[TensorInfo]) -> Vec<TypeUse> {
+    let mut by: BTreeMap<&'static str, TypeUse> = BTreeMap::new();
+    for t in tensors {
+        let u = by.entry(t.ty.name()).or_insert(TypeUse {
+            ty: t.ty,
+            tensors: 0,
+            bytes: 0,
+            kernel: crate::kernels::supports_dot(t.ty),
+        });
+        u.tensors += 1;
+        u.bytes += t.n_bytes;
+    }
+    let mut v: Vec<TypeUse> = by.into_values().collect();
+    v.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(a.ty.name().cmp(b.ty.name())));
+    v
 }
 
 /// The tokenizer as the GGUF metadata describes it.
@@ -295,6 +325,7 @@ pub fn analyze(f: &GgufFile) -> Inspection {
         cache_cycle_bytes,
         layer_demand,
         problems,
+        types: type_uses(f.tensors()),
     }
 }
 
@@ -400,6 +431,22 @@ fn render_into(r: &Inspection, s: &mut String) -> std::fmt::Result {
             t.shard,
             t.offset,
             t.n_bytes
+        )?;
+    }
+
+    writeln!(s, "\ntypes:")?;
+    for u in &r.types {
+        writeln!(
+            s,
+            "  {:<7}  {:>5} tensor(s)  {}{}",
+            u.ty.name(),
+            u.tensors,
+            human(u.bytes),
+            if u.kernel {
+                ""
+            } else {
+                "  -- no kernel in this build: bmoe cannot run this file"
+            }
         )?;
     }
 
@@ -547,12 +594,48 @@ pub fn to_json(r: &Inspection) -> Json {
         "layer_demand_bytes": r.layer_demand.map(|x| x.1),
         "layer_demand_layer": r.layer_demand.map(|x| x.0),
         "problems": r.problems,
+        "types": r.types.iter().map(|u| json!({
+            "type": u.ty.name(),
+            "tensors": u.tensors,
+            "bytes": u.bytes,
+            "kernel": u.kernel,
+        })).collect::<Vec<_>>(),
     })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn types_are_summed_most_bytes_first_and_unsupported_ones_flagged() {
+        let t = |name: &str, ty: GgmlType, n_bytes: u64| TensorInfo {
+            name: name.into(),
+            dims: vec![256],
+            ty,
+            shard: 0,
+            offset: 0,
+            n_bytes,
+        };
+        let uses = type_uses(&[
+            t("a", GgmlType::F32, 10),
+            t("b", GgmlType::Q4_K, 100),
+            t("c", GgmlType::IQ2_XS, 50),
+            t("d", GgmlType::F32, 5),
+        ]);
+        let got: Vec<(&str, u64, u64, bool)> = uses
+            .iter()
+            .map(|u| (u.ty.name(), u.tensors, u.bytes, u.kernel))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("Q4_K", 1, 100, true),
+                ("IQ2_XS", 1, 50, false),
+                ("F32", 2, 15, true)
+            ]
+        );
+    }
 
     #[test]
     fn expert_tensor_names() {

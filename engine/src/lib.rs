@@ -4,13 +4,17 @@
 pub mod arch;
 pub mod arena;
 pub mod chat;
+pub mod checksum;
 pub mod cli;
 pub mod dense;
+pub mod finite;
 pub mod flash;
+pub mod fuzzing;
 pub mod gen;
 pub mod gguf;
 pub mod inspect;
 pub mod kernels;
+pub mod outputs;
 pub mod probe;
 pub mod run;
 pub mod sample;

@@ -1,6 +1,7 @@
 //! `bmoe-cli`: run a MoE model from a GGUF file (`bmoe-cli -m MODEL -p PROMPT -n N`), or
 //! one of the tools beside it: `gen` (write a synthetic model), `inspect` (describe a file),
-//! `bench` (kernel and memory bandwidth).
+//! `bench` (kernel and memory bandwidth), `checksum` (per-expert checksums for
+//! `--verify-reads`).
 
 use anyhow::{bail, Result};
 use bmoe_engine::cli::{self, Cli, Cmd};
@@ -24,12 +25,17 @@ fn main() {
         Some(Cmd::Gen(a)) => cli::gen(a).map(|_| 0),
         Some(Cmd::Inspect(a)) => cli::inspect(a).map(|_| 0),
         Some(Cmd::Bench(a)) => cli::bench(a).map(|_| 0),
+        Some(Cmd::Checksum(a)) => cli::checksum(a).map(|_| 0),
         None => run(cli),
     };
     match r {
         Ok(code) => std::process::exit(code),
         Err(e) => {
-            eprintln!("bmoe: error: {e:#}");
+            // Each cause once: many errors already print their OS error in their message.
+            eprintln!(
+                "bmoe: error: {}",
+                bmoe_core::telemetry::fmt::error_text(e.as_ref())
+            );
             std::process::exit(1);
         }
     }

@@ -10,10 +10,12 @@ use crate::arena::ArenaOptions;
 use crate::cli::RunArgs;
 use crate::flash::{LaneFlash, MonotonicClock};
 use crate::gguf::GgufFile;
+use crate::outputs::{NamedFile, RunOutputs};
 use crate::stream::{arena_for, layout_of, Device, EngineBackend};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 use anyhow::{anyhow, bail, Context, Result};
 use bmoe_core::config::{auto_cache_budget, RunConfig, MIB};
+use bmoe_core::faults::{RetryFlash, READ_RETRIES};
 use bmoe_core::ledger::MemPicture;
 use bmoe_core::records::RecordSink;
 use bmoe_core::telemetry::io_trace::IoTraceWriter;
@@ -24,7 +26,6 @@ use bmoe_core::{
     CancelFlag, Engine, ExpertCache, MemProbe, Outputs, ResidentFlash, Session, StepInput,
     StepStats, StopReason, StreamConfig, TokenSource, TurnRequest,
 };
-use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::Path;
 use std::sync::Arc;
@@ -78,12 +79,6 @@ impl MemProbe for HostProbe {
     }
 }
 
-fn create(p: &Path) -> Result<BufWriter<File>> {
-    Ok(BufWriter::new(
-        File::create(p).with_context(|| format!("creating {}", p.display()))?,
-    ))
-}
-
 /// What a generation produced, for callers that run it in-process (the gates).
 #[derive(Clone, Debug, Default)]
 pub struct Outcome {
@@ -131,6 +126,9 @@ pub fn load(args: &RunArgs, model_path: &Path, err: &mut dyn Write) -> Result<Lo
     args.stream.apply(&mut cfg);
     args.telemetry.apply(&mut cfg);
     cfg.validate()?;
+    if args.verify_reads && !cfg.moe_stream {
+        bail!("--verify-reads checks the experts streaming reads from flash: add --moe-stream (a resident run reads none)");
+    }
 
     let file = Arc::new(GgufFile::open(model_path)?);
     cfg.arch = file.architecture().unwrap_or("").to_string();
@@ -152,7 +150,8 @@ pub fn load(args: &RunArgs, model_path: &Path, err: &mut dyn Write) -> Result<Lo
         cfg.dense_weights = bmoe_core::config::DenseWeights::Mmap;
     }
     let arch = crate::arch::load(file.clone(), cfg.dense_weights.into())?;
-    let model = Model::new(arch, args.threads as usize);
+    let mut model = Model::new(arch, args.threads as usize);
+    model.set_check_finite(args.check_finite);
     let dims = model.dims().clone();
     cfg.n_layer = dims.n_layer as u32;
     cfg.n_expert = dims.n_expert as u32;
@@ -209,7 +208,12 @@ pub fn load(args: &RunArgs, model_path: &Path, err: &mut dyn Write) -> Result<Lo
         let paths: Vec<std::path::PathBuf> =
             file.shard_paths().iter().map(|p| p.to_path_buf()).collect();
         let clock = MonotonicClock::new();
-        let flash = LaneFlash::open(&paths, cfg.io_threads, cfg.o_direct, arena.clone(), clock)?;
+        let mut flash =
+            LaneFlash::open(&paths, cfg.io_threads, cfg.o_direct, arena.clone(), clock)?;
+        flash.set_read_timeout_ms(cfg.read_timeout_ms);
+        if let Some(plan) = &cfg.inject_faults {
+            flash.set_faults(plan.clone());
+        }
         for w in flash.warnings() {
             writeln!(err, "bmoe: warning: {w}")?;
         }
@@ -218,9 +222,19 @@ pub fn load(args: &RunArgs, model_path: &Path, err: &mut dyn Write) -> Result<Lo
             Some(f) => parse_fault(f)?,
             None => (u64::MAX, Fault::Eio),
         };
-        let flash = Device::Lanes(FaultyFlash::new(flash, nth, fault));
+        // EIO and short reads are retried before they are reported; `--inject-read-fault`
+        // spoils one read past the retry.
+        let flash = Device::Lanes(FaultyFlash::new(
+            RetryFlash::new(flash, READ_RETRIES),
+            nth,
+            fault,
+        ));
         let state = model.new_state(args.ctx as usize);
-        let backend = EngineBackend::new(model, state, Some(arena), layout.clone());
+        let mut backend = EngineBackend::new(model, state, Some(arena), layout.clone());
+        if args.verify_reads {
+            let path = crate::checksum::sidecar_path(model_path);
+            backend.set_verify(crate::checksum::load(&path, &file, &layout)?);
+        }
         let stream = StreamConfig {
             overlap: cfg.overlap,
             load_all: cfg.load_all,
@@ -321,7 +335,7 @@ pub(crate) struct Sampling<'a> {
     text: String,
     /// Where the answer is printed as it grows (no `--progress`).
     inline: Option<&'a mut dyn Write>,
-    logits_out: Option<&'a mut BufWriter<File>>,
+    logits_out: Option<&'a mut BufWriter<NamedFile>>,
     /// The end-of-generation token that ended the turn, if one did.
     eog: Option<u32>,
 }
@@ -452,17 +466,22 @@ impl TokenSource<EngineBackend> for Sampling<'_> {
 /// The files a run (or a whole session) writes through the loop: `--csv`, `--route-trace`
 /// (streaming only) and `--io-trace`.
 pub(crate) struct Sinks {
-    csv: Option<BufWriter<File>>,
-    route: Option<RouteTraceWriter<BufWriter<File>>>,
-    io: Option<IoTraceWriter<BufWriter<File>>>,
+    csv: Option<BufWriter<NamedFile>>,
+    route: Option<RouteTraceWriter<BufWriter<NamedFile>>>,
+    io: Option<IoTraceWriter<BufWriter<NamedFile>>>,
 }
 
 impl Sinks {
-    /// Create the files the flags name; the route trace's preamble describes `engine`'s layout.
-    pub(crate) fn open(args: &RunArgs, cfg: &RunConfig, engine: &EngineStep) -> Result<Sinks> {
-        let csv = args.telemetry.csv.as_deref().map(create).transpose()?;
-        let route = match &args.telemetry.route_trace {
-            Some(p) if cfg.moe_stream => {
+    /// Take the files `outputs` opened (checked and created before the model loaded); the
+    /// route trace's preamble describes `engine`'s layout.
+    pub(crate) fn open(
+        outputs: &mut RunOutputs,
+        cfg: &RunConfig,
+        engine: &EngineStep,
+    ) -> Result<Sinks> {
+        let csv = outputs.csv.take();
+        let route = match outputs.route_trace.take() {
+            Some(w) if cfg.moe_stream => {
                 let layers = engine
                     .layout()
                     .layers()
@@ -493,15 +512,15 @@ impl Sinks {
                     extra: Vec::new(),
                 };
                 Some(RouteTraceWriter::with_predictions(
-                    create(p)?,
+                    w,
                     &pre,
                     bmoe_core::telemetry::route_trace::PredColumns::for_config(cfg),
                 )?)
             }
             _ => None,
         };
-        let io = match &args.telemetry.io_trace {
-            Some(p) => Some(IoTraceWriter::new(create(p)?)?),
+        let io = match outputs.io_trace.take() {
+            Some(w) => Some(IoTraceWriter::new(w)?),
             None => None,
         };
         Ok(Sinks { csv, route, io })
@@ -532,6 +551,32 @@ impl Sinks {
         }
         Ok(())
     }
+}
+
+/// What the device went through, one line each: reads retried after EIO or a short read,
+/// and the faults `--inject-faults` dealt. Nothing for a resident run or a clean one.
+pub(crate) fn device_notes(engine: &EngineStep) -> Vec<String> {
+    let Device::Lanes(faulty) = engine.flash() else {
+        return Vec::new();
+    };
+    let retry = faulty.inner();
+    let mut notes = Vec::new();
+    if retry.retried() > 0 {
+        notes.push(format!(
+            "bmoe: warning: {} flash read retries after EIO or a short read; {} read(s) then succeeded (first failure: {})",
+            retry.retried(),
+            retry.recovered(),
+            retry.first_retry().unwrap_or("?")
+        ));
+    }
+    let f = retry.inner().fault_counts();
+    if f.total() > 0 {
+        notes.push(format!(
+            "bmoe: injected faults: eio={} short={} spike={} stuck={} torn={}",
+            f.eio, f.short, f.spike, f.stuck, f.torn
+        ));
+    }
+    notes
 }
 
 /// The process probe over `engine`'s dense weights (`mincore` at most every 16 tokens and
@@ -592,6 +637,10 @@ pub fn generate_with_cancel(
     err: &mut dyn Write,
     cancel: &CancelFlag,
 ) -> Result<Outcome> {
+    args.check_modes()?;
+    // Every output checked against the model's files and each other, and created, before the
+    // model loads: a bad output path costs nothing and never touches an input.
+    let mut files = RunOutputs::open(model_path, args)?;
     let loaded = load(args, model_path, err)?;
     let (prompt, prompt_tokens) = render_prompt(args, &loaded, model_path)?;
     if prompt_tokens.is_empty() {
@@ -616,8 +665,8 @@ pub fn generate_with_cancel(
         ..
     } = loaded;
 
-    let mut sinks = Sinks::open(args, &cfg, &engine)?;
-    let mut logits_out = args.logits_out.as_deref().map(create).transpose()?;
+    let mut sinks = Sinks::open(&mut files, &cfg, &engine)?;
+    let mut logits_out = files.logits.take();
     engine.backend_mut().all_logits = logits_out.is_some();
     let progress = args.telemetry.progress;
 
@@ -656,6 +705,9 @@ pub fn generate_with_cancel(
     if !progress {
         writeln!(out)?;
     }
+    for n in device_notes(session.engine()) {
+        writeln!(err, "{n}")?;
+    }
     let ctx = ReportContext {
         progress,
         answer: &text,
@@ -667,7 +719,7 @@ pub fn generate_with_cancel(
         session.write_report(err, &ctx)?;
     }
     sinks.finish()?;
-    if let (Some(mut w), Some(p)) = (logits_out, &args.logits_out) {
+    if let (Some(mut w), Some(mut json)) = (logits_out, files.logits_json.take()) {
         w.flush()?;
         let mut ids: Vec<u32> = prompt_tokens.clone();
         ids.extend(&turn.tokens);
@@ -675,10 +727,7 @@ pub fn generate_with_cancel(
             "n_vocab": n_vocab, "n_prompt": prompt_tokens.len(), "rows": ids.len(), "dtype": "f32le",
             "token_ids": ids, "note": "row i holds the logits after feeding token_ids[..=i]"
         });
-        std::fs::write(
-            format!("{}.json", p.display()),
-            serde_json::to_string_pretty(&side)?,
-        )?;
+        json.write_all(serde_json::to_string_pretty(&side)?.as_bytes())?;
     }
     let mut tokens = turn.tokens;
     tokens.extend(eog);
@@ -713,16 +762,22 @@ pub fn generate_with_cancel(
     })
 }
 
+/// An error as one line: its chain, with the OS error said once (`bmoe_core::telemetry::fmt`).
+pub(crate) fn error_text(e: &anyhow::Error) -> String {
+    bmoe_core::telemetry::fmt::error_text(e.as_ref())
+}
+
 /// A failed step: the output is not trustworthy. Say so loudly.
 fn fail(progress: bool, e: anyhow::Error, out: &mut dyn Write, err: &mut dyn Write) -> Result<()> {
     let _ = out.flush();
-    writeln!(err, "bmoe: FAILED: {e}")?;
+    let text = error_text(&e);
+    writeln!(err, "bmoe: FAILED: {text}")?;
     writeln!(err, "moe-stream: generation stopped by a failed read or step - this run's output is not trustworthy")?;
     if progress {
         writeln!(
             out,
             "BMOE_ERROR {}",
-            serde_json::json!({"id": 0, "fatal": true, "msg": format!("{e:#}")})
+            serde_json::json!({"id": 0, "fatal": true, "msg": text})
         )?;
     }
     Ok(())

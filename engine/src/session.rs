@@ -13,14 +13,25 @@
 //! whole history is rendered again with the model's template and only the tokens past what the
 //! KV already holds are prefilled (without `--chatml`, the new prompt's tokens are appended). A
 //! cancelled turn is rolled back: the KV to where the turn started, the user message dropped.
+//! `think:false` is honoured as the model's template allows (`chat::ChatFormat`).
+//!
+//! With `--decide`, a `decide` is answered by `BMOE_BEGIN` and one `BMOE_DECIDE`: prefix and
+//! suffix rendered as one user message with reasoning off, one prefill and no decode
+//! (`bmoe_core::Session::decide`); the state after the prefix is kept and restored for the next
+//! decide whose prefix renders equal to it or extends it (`--decide-prefix-cache`), and a
+//! `generate` drops it. `close` and EOF end the session: a running request is stopped at its
+//! next token boundary and answered (`cancelled:true`) first.
 
-use crate::chat::{ChatTemplate, Message, ThinkCtl};
+use crate::chat::{ChatFormat, ChatTemplate, Message, ThinkCtl};
 use crate::cli::RunArgs;
 use crate::run::{host_probe, load, sampler, Sampling, Sinks};
+use crate::tokenizer::Tokenizer;
 use anyhow::{bail, Result};
 use bmoe_core::telemetry::progress::ThinkControl;
-use bmoe_core::telemetry::progress::{write_begin, write_done, write_error, write_ready, Ready};
-use bmoe_core::{CancelFlag, Session, StopReason, TurnRequest};
+use bmoe_core::telemetry::progress::{
+    write_begin, write_decide, write_done, write_error, write_ready, Ready,
+};
+use bmoe_core::{CancelFlag, DecideRejected, Session, StopReason, TurnRequest};
 use serde_json::Value;
 use std::io::{self, BufRead, Write};
 use std::path::Path;
@@ -356,6 +367,18 @@ enum Work {
 /// `cancel` or a second request is judged against it.
 type Busy = Arc<Mutex<Option<i64>>>;
 
+/// `close` or EOF: the session ends. A request running (or queued) is stopped at its next
+/// token boundary as `cancel` stops it — it is still answered, `cancelled:true` — and then the
+/// process exits. (`cancel` interrupts a generation and keeps the session; `close` ends it.)
+fn end_session(busy: &Busy, cancel: &CancelFlag, tx: &mpsc::Sender<Work>) {
+    let b = busy.lock().unwrap_or_else(|e| e.into_inner());
+    if b.is_some() {
+        cancel.set();
+    }
+    drop(b);
+    let _ = tx.send(Work::Close);
+}
+
 /// The request reader: parses each line, answers what it can at once (bad requests, `cancel`
 /// with nothing running, a request while another runs), sets the cancel flag, and queues the
 /// rest. EOF and `close` end the session.
@@ -369,7 +392,7 @@ fn read_requests(
     let outcome: io::Result<()> = (|| loop {
         let line = match read_line(&mut *input, MAX_REQUEST_BYTES)? {
             LineRead::Eof => {
-                let _ = tx.send(Work::Close);
+                end_session(&busy, &cancel, &tx);
                 return Ok(());
             }
             LineRead::TooLong(n) => {
@@ -399,9 +422,7 @@ fn read_requests(
                 }
             }
             Ok(Request::Close) => {
-                // Like EOF: the session ends once a running generation has finished (send
-                // cancel first to stop it sooner).
-                let _ = tx.send(Work::Close);
+                end_session(&busy, &cancel, &tx);
                 return Ok(());
             }
             Ok(r @ (Request::Generate(_) | Request::Decide(_))) => {
@@ -417,7 +438,7 @@ fn read_requests(
                         id,
                         false,
                         &format!(
-                            "request {id} arrived while request {running} is running: send cancel, or wait for its BMOE_DONE"
+                            "request {id} arrived while request {running} is running: send cancel, or wait for its BMOE_DONE or BMOE_DECIDE"
                         ),
                     )?;
                 } else {
@@ -448,13 +469,110 @@ fn think_control(c: ThinkCtl) -> ThinkControl {
     }
 }
 
+/// Between requests, hand the heap's free pages back to the system. A long-lived process
+/// otherwise keeps the high-water mark of its largest request (a 25 KB prompt's tokenization
+/// leaves thousands of small freed blocks behind) as resident memory for good; glibc's
+/// `malloc_trim` releases free pages from the middle of every arena too, with one walk over
+/// the arenas — nothing next to a request.
+fn give_back_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only walks glibc's own arenas; no pointer of ours is involved.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 /// Exit code of a session that ended on a failed step (its output was not trustworthy).
 const EXIT_FAILED: i32 = 3;
 
+/// A decide request as the model sees it: prefix and suffix rendered as one user message
+/// with reasoning off (the model's chat template, whether or not `--chatml`; the plain text
+/// when the model has none), its tokens, where the prefix ends in them (`decide::prefix_split`
+/// on the render cut where the prefix text ends) and each choice's first token.
+struct DecideTokens {
+    tokens: Vec<u32>,
+    prefix_len: u32,
+    choices: Vec<Option<u32>>,
+}
+
+fn decide_tokens(
+    d: &DecideRequest,
+    format: Option<&ChatFormat>,
+    tok: &Tokenizer,
+) -> Result<DecideTokens> {
+    if d.prefix.is_empty() && d.suffix.is_empty() {
+        bail!("decide: prefix and suffix are both empty");
+    }
+    let render = |content: String| -> Result<String> {
+        Ok(match format {
+            Some(f) => f.prompt(&[Message::new("user", content)], false)?,
+            None => content,
+        })
+    };
+    let special = format.is_some();
+    let text = render(format!("{}{}", d.prefix, d.suffix))?;
+    let tokens = tok.encode(&text, special)?;
+    // Where the prefix ends in the render: the common start of this render and one whose
+    // suffix differs at its first character.
+    let other_suffix = if d.suffix.starts_with('\u{1}') {
+        "\u{2}"
+    } else {
+        "\u{1}"
+    };
+    let other = render(format!("{}{other_suffix}", d.prefix))?;
+    let mut cut = text
+        .bytes()
+        .zip(other.bytes())
+        .take_while(|(a, b)| a == b)
+        .count();
+    while !text.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    let prefix_tokens = tok.encode(&text[..cut], special)?;
+    let prefix_len = bmoe_core::decide::prefix_split(&prefix_tokens, &tokens);
+    let choices = d
+        .choices
+        .iter()
+        .map(|c| Ok(tok.encode_with(c, false, false)?.first().copied()))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(DecideTokens {
+        tokens,
+        prefix_len,
+        choices,
+    })
+}
+
+/// A refused decide, in words that name the choices.
+fn rejected(d: &DecideRequest, tok: &Tokenizer, r: &DecideRejected) -> String {
+    let choice = |i: usize| serde_json::to_string(&d.choices[i]).unwrap_or_default();
+    match r {
+        DecideRejected::NoChoices => "decide: choices is empty: send at least one".to_string(),
+        DecideRejected::EmptyChoice { index } => {
+            format!("decide: choices[{index}] is empty: it has no first token to score")
+        }
+        DecideRejected::SharedFirstToken {
+            first,
+            second,
+            token,
+        } => format!(
+            "decide: choices[{first}] {} and choices[{second}] {} both start with token {token} ({}), \
+             so one prefill cannot tell them apart: make their first tokens differ",
+            choice(*first),
+            choice(*second),
+            serde_json::to_string(&tok.decode(&[*token])).unwrap_or_default()
+        ),
+        DecideRejected::PastContext { tokens, n_ctx } => format!(
+            "decide: the rendered prompt has {tokens} tokens, past n_ctx {n_ctx} (-c)"
+        ),
+        other => format!("decide: {other}"),
+    }
+}
+
 /// Serve a session: load, `BMOE_READY`, then requests from `input` until `close` or EOF
-/// (exit 0), a signal (`signal` set: the running turn stops at its next token boundary, a
-/// fatal `BMOE_ERROR` says why, exit 130) or a failed step (fatal `BMOE_ERROR`, exit 3).
-/// Replies go to `out`; diagnostics (load warnings) to `err`.
+/// (exit 0; a running request is stopped at its next token boundary and answered first), a
+/// signal (`signal` set: the running turn stops at its next token boundary, a fatal
+/// `BMOE_ERROR` says why, exit 130) or a failed step (fatal `BMOE_ERROR`, exit 3). Replies go
+/// to `out`; diagnostics (load warnings) to `err`.
 pub fn serve(
     args: &RunArgs,
     model_path: &Path,
@@ -464,51 +582,67 @@ pub fn serve(
     signal: &CancelFlag,
 ) -> Result<i32> {
     let replies = Replies(Arc::new(Mutex::new(out)));
+    let refuse = |msg: String| -> Result<i32> {
+        replies.error(0, true, &msg)?;
+        bail!("{msg}")
+    };
+    if let Err(e) = args.check_modes() {
+        return refuse(format!("{e:#}"));
+    }
     if !args.prompt.is_empty() {
-        let msg = "-p has no meaning with --session: prompts arrive as generate requests on stdin";
-        replies.error(0, true, msg)?;
-        bail!("{msg}");
+        return refuse(
+            "-p has no meaning with --session: prompts arrive as generate requests on stdin".into(),
+        );
     }
     if args.logits_out.is_some() {
-        let msg = "--logits-out is a one-shot diagnostic and cannot be combined with --session";
-        replies.error(0, true, msg)?;
-        bail!("{msg}");
+        return refuse(
+            "--logits-out is a one-shot diagnostic and cannot be combined with --session".into(),
+        );
     }
-    let loaded = match load(args, model_path, err) {
-        Ok(l) => l,
+    // Every output checked against the model's files and each other, and created, before the
+    // model loads.
+    let mut files = match crate::outputs::RunOutputs::open(model_path, args) {
+        Ok(f) => f,
         Err(e) => {
-            replies.error(0, true, &format!("{e:#}"))?;
+            replies.error(0, true, &crate::run::error_text(&e))?;
             return Err(e);
         }
     };
-    let template = match loaded
+    let loaded = match load(args, model_path, err) {
+        Ok(l) => l,
+        Err(e) => {
+            replies.error(0, true, &crate::run::error_text(&e))?;
+            return Err(e);
+        }
+    };
+    // How think:false is honoured is decided from the model's own template, never its name;
+    // with no template there is no way to ask for reasoning, so nothing to suppress.
+    let format = match loaded
         .file
         .get("tokenizer.chat_template")
         .and_then(|v| v.as_str())
     {
-        Some(src) => Some(ChatTemplate::new(
-            src,
-            &loaded.tok.bos_text(),
-            &loaded.tok.eos_text(),
-        )?),
+        Some(src) => {
+            let vocab_thinks = loaded.tok.token_id("<think>").is_some()
+                && loaded.tok.token_id("</think>").is_some();
+            Some(ChatFormat::new(
+                ChatTemplate::new(src, &loaded.tok.bos_text(), &loaded.tok.eos_text())?,
+                vocab_thinks,
+            ))
+        }
         None if args.chatml => {
-            let msg = format!(
+            return refuse(format!(
                 "--chatml: {} has no tokenizer.chat_template",
                 model_path.display()
-            );
-            replies.error(0, true, &msg)?;
-            bail!("{msg}");
+            ))
         }
         None => None,
     };
-    // Decided from the model's own template, never its name; with no template there is no
-    // way to ask for reasoning, so nothing to suppress.
-    let vocab_thinks =
-        loaded.tok.token_id("<think>").is_some() && loaded.tok.token_id("</think>").is_some();
-    let think_ctl = template.as_ref().map_or(ThinkCtl::Template, |t| {
-        t.think_control_for_vocab(vocab_thinks)
-    });
-    let chat = if args.chatml { template } else { None };
+    let think_ctl = format
+        .as_ref()
+        .map_or(ThinkCtl::Template, ChatFormat::think_ctl);
+    // Generations use the template with --chatml; decides always do.
+    let chat = format.as_ref().filter(|_| args.chatml);
 
     let crate::run::Loaded {
         cfg,
@@ -518,7 +652,7 @@ pub fn serve(
         load_s,
         ..
     } = loaded;
-    let mut sinks = Sinks::open(args, &cfg, &engine)?;
+    let mut sinks = Sinks::open(&mut files, &cfg, &engine)?;
     let n_ctx = cfg.n_ctx as usize;
     replies.line(|w| {
         write_ready(
@@ -536,7 +670,8 @@ pub fn serve(
     let cancel = CancelFlag::new();
     let mut session = Session::new(engine, cfg, load_s, Box::new(probe))
         .with_cancel(cancel.clone())
-        .also_stop_on(signal.clone());
+        .also_stop_on(signal.clone())
+        .with_prefix_cache(args.decide_keeps_prefix());
     let mut sampler = sampler(args);
     let mut history: Vec<Message> = Vec::new();
 
@@ -556,6 +691,27 @@ pub fn serve(
         let mut b = busy.lock().unwrap_or_else(|e| e.into_inner());
         cancel.clear();
         *b = None;
+        drop(b);
+        give_back_freed_memory();
+    };
+    // A request refused before it started: idle again, and say why.
+    let refuse_request = |id: i64, msg: &str| -> io::Result<()> {
+        idle(&busy, &cancel);
+        replies.error(id, false, msg)
+    };
+    // A step failed: streaming errors are sticky, and nothing after it can be trusted.
+    let untrustworthy = |id: i64, e: &dyn std::fmt::Display| -> io::Result<i32> {
+        replies.error(
+            id,
+            true,
+            &format!("{e}; this session's output is no longer trustworthy"),
+        )?;
+        Ok(EXIT_FAILED)
+    };
+    // The loop itself failed (not a step: a write, a broken token source): say so, end.
+    let broken = |id: i64, e: &dyn std::fmt::Display| -> io::Result<i32> {
+        replies.error(id, true, &format!("{e}; the session ends"))?;
+        Ok(1)
     };
 
     let code = loop {
@@ -575,12 +731,54 @@ pub fn serve(
                 break 1;
             }
             Work::Decide(d) => {
+                let id = d.id;
+                if !args.decide {
+                    refuse_request(
+                        id,
+                        "decide: this session was opened without --decide (start it with --session --decide)",
+                    )?;
+                    continue;
+                }
+                let dt = match decide_tokens(&d, format.as_ref(), &tok) {
+                    Ok(t) => t,
+                    Err(e) => {
+                        refuse_request(id, &format!("{e:#}"))?;
+                        continue;
+                    }
+                };
+                let choices = match bmoe_core::decide::check_choices(&dt.choices) {
+                    Ok(c) => c,
+                    Err(r) => {
+                        refuse_request(id, &rejected(&d, &tok, &r))?;
+                        continue;
+                    }
+                };
+                let req = bmoe_core::DecideRequest {
+                    tokens: &dt.tokens,
+                    prefix_len: dt.prefix_len,
+                    choices: &choices,
+                    reuse_prefix: d.reuse_prefix.unwrap_or(true),
+                    n_ctx: n_ctx as u32,
+                };
+                if let Err(r) = bmoe_core::decide::check(&req) {
+                    refuse_request(id, &rejected(&d, &tok, &r))?;
+                    continue;
+                }
+                replies.line(|w| write_begin(w, id))?;
+                let outcome = match session.decide(&req, &mut sinks.outputs(None)) {
+                    Ok(Ok(o)) => o,
+                    Ok(Err(r)) => {
+                        // Checked above; a refusal here would be a bug, and nothing ran.
+                        refuse_request(id, &rejected(&d, &tok, &r))?;
+                        continue;
+                    }
+                    Err(e) => break broken(id, &e)?,
+                };
+                if let Some(e) = &outcome.error {
+                    break untrustworthy(id, e)?;
+                }
                 idle(&busy, &cancel);
-                replies.error(
-                    d.id,
-                    false,
-                    "decide: this session was opened without --decide",
-                )?;
+                replies.line(|w| write_decide(w, id, &outcome))?;
                 continue;
             }
             Work::Generate(g) => g,
@@ -594,15 +792,15 @@ pub fn serve(
             if g.prompt.is_empty() {
                 bail!("generate: the prompt is empty");
             }
-            Ok(match &chat {
-                Some(t) => {
+            Ok(match chat {
+                Some(f) => {
                     let mut msgs = if clear_kv {
                         Vec::new()
                     } else {
                         history.clone()
                     };
                     msgs.push(Message::new("user", g.prompt.clone()));
-                    let text = t.render(&msgs, true, Some(think))?;
+                    let text = f.prompt(&msgs, think)?;
                     (tok.encode(&text, true)?, text, msgs)
                 }
                 None if clear_kv => (tok.encode(&g.prompt, false)?, String::new(), Vec::new()),
@@ -616,25 +814,17 @@ pub fn serve(
         let (wanted, text, msgs) = match wanted {
             Ok(w) => w,
             Err(e) => {
-                idle(&busy, &cancel);
-                replies.error(id, false, &format!("{e:#}"))?;
+                refuse_request(id, &format!("{e:#}"))?;
                 continue;
             }
         };
         if wanted.is_empty() {
-            idle(&busy, &cancel);
-            replies.error(
-                id,
-                false,
-                "generate: the prompt is empty after tokenization",
-            )?;
+            refuse_request(id, "generate: the prompt is empty after tokenization")?;
             continue;
         }
         if wanted.len() + n_predict as usize > n_ctx {
-            idle(&busy, &cancel);
-            replies.error(
+            refuse_request(
                 id,
-                false,
                 &format!(
                     "generate: a context of {} tokens plus n_predict {n_predict} exceeds n_ctx {n_ctx}",
                     wanted.len()
@@ -661,7 +851,7 @@ pub fn serve(
             replies: replies.clone(),
             buf: Vec::new(),
         };
-        let outcome = session.generate(
+        let outcome = match session.generate(
             &TurnRequest {
                 prompt: &wanted[reuse..],
                 positions: &positions,
@@ -669,19 +859,17 @@ pub fn serve(
             },
             &mut source,
             &mut sinks.outputs(Some(&mut progress)),
-        )?;
+        ) {
+            Ok(o) => o,
+            Err(e) => break broken(id, &e)?,
+        };
         let (reasoning, answer) = source.into_text();
         match outcome.stop {
             StopReason::Failed => {
                 let e = outcome
                     .error
                     .map_or_else(|| "a step failed".to_string(), |e| e.to_string());
-                replies.error(
-                    id,
-                    true,
-                    &format!("{e}; this session's output is no longer trustworthy"),
-                )?;
-                break EXIT_FAILED;
+                break untrustworthy(id, &e)?;
             }
             StopReason::Cancelled => {
                 // Rolled back: the KV to where this turn's prefill began, and the user

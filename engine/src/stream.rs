@@ -9,21 +9,24 @@
 //! (the arena holds the file's bytes verbatim) — which is why a streamed run's output is
 //! byte-identical to the resident one for every lossless setting.
 
-use crate::arch::{Arch, ArchError, Model, RouteOut, State};
+use crate::arch::{Arch, ArchError, KvSnapshot, Model, RouteOut, State};
 use crate::arena::{Arena, ArenaError, ArenaOptions, Extent, SlotAddr};
 use crate::flash::LaneFlash;
+use bmoe_core::faults::RetryFlash;
 use bmoe_core::testing::FaultyFlash;
 use bmoe_core::{
     Backend, ExpertLayout, ExpertUse, Flash, FlashError, LayerId, LayoutError, MoeLayerLayout,
     Prediction, ProjExtent, ReadDone, ReadId, ReadRequest, ResidentFlash, Routing, SlotId,
+    StepInput,
 };
 use std::sync::Arc;
 
-/// The engine's flash device: the O_DIRECT lanes behind the core's fault injector (which
-/// spoils nothing unless `--inject-read-fault` asks it to), or — without `--moe-stream` — the
+/// The engine's flash device: the O_DIRECT lanes (which inject `--inject-faults` and time
+/// reads out), behind the core's retry of EIO and short reads, behind the single-read spoiler
+/// of `--inject-read-fault` (which spoils nothing unless asked to), or — without `--moe-stream` — the
 /// resident device, which holds every expert in the model's map and reads nothing.
 pub enum Device {
-    Lanes(FaultyFlash<LaneFlash>),
+    Lanes(FaultyFlash<RetryFlash<LaneFlash>>),
     Resident(ResidentFlash),
 }
 
@@ -76,6 +79,17 @@ pub enum StreamError {
     Routing(#[from] bmoe_core::RoutingError),
     #[error("layer {layer} expert {expert}: asked to compute an expert slot no read ever filled")]
     EmptySlot { layer: u32, expert: u16 },
+    #[error(transparent)]
+    NonFinite(#[from] crate::finite::NonFiniteLogits),
+    /// `--verify-reads`: the bytes a read landed are not the file's (torn or stale).
+    #[error("layer {layer} expert {expert} projection {proj}: the bytes read do not match the checksum sidecar (xxh3 {got:016x}, expected {expected:016x}): a torn or stale read")]
+    ChecksumMismatch {
+        layer: u32,
+        expert: u16,
+        proj: usize,
+        expected: u64,
+        got: u64,
+    },
 }
 
 /// The expert layout of a loaded model: per MoE layer the (shard, offset, stride) of each
@@ -148,6 +162,13 @@ pub struct EngineBackend<A: Arch + ?Sized = dyn Arch> {
     pub all_logits: bool,
     /// Rows of the previous step (0 before the first).
     last_batch: u32,
+    /// The running step, named for errors (`prefill step (positions 0..=7)`).
+    step: String,
+    /// `--verify-reads`: the sidecar's checksums, and per (MoE layer, expert) whether its
+    /// canonical slot was checked since it was last filled.
+    verify: Option<(crate::checksum::ExpertSums, Vec<Vec<bool>>)>,
+    /// The decide prefix state (`Backend::keep_prefix`), when one is kept.
+    kept: Option<KvSnapshot>,
 }
 
 impl<A: Arch + ?Sized> EngineBackend<A> {
@@ -170,7 +191,22 @@ impl<A: Arch + ?Sized> EngineBackend<A> {
             uses: Vec::new(),
             all_logits: false,
             last_batch: 0,
+            step: String::new(),
+            verify: None,
+            kept: None,
         }
+    }
+
+    /// `--verify-reads`: check every expert's bytes against `sums` before its first compute
+    /// after a read (staging slots, refilled every layer, on every compute).
+    pub fn set_verify(&mut self, sums: crate::checksum::ExpertSums) {
+        let checked = self
+            .layout
+            .layers()
+            .iter()
+            .map(|l| vec![false; l.n_expert as usize])
+            .collect();
+        self.verify = Some((sums, checked));
     }
 
     fn extent(&self, layer: u16, expert: u16, p: usize) -> Extent {
@@ -181,6 +217,51 @@ impl<A: Arch + ?Sized> EngineBackend<A> {
             len: pe.stride_bytes,
         }
     }
+}
+
+/// `--verify-reads`: the check of one expert's freshly read bytes (see `set_verify`).
+fn check_sums(
+    verify: &mut Option<(crate::checksum::ExpertSums, Vec<Vec<bool>>)>,
+    layer: LayerId,
+    expert: u16,
+    slot: SlotId,
+    proj: &[&[u8]],
+) -> Result<(), StreamError> {
+    let Some((sums, checked)) = verify.as_mut() else {
+        return Ok(());
+    };
+    let fresh = match slot {
+        SlotId::Canonical(key) => checked
+            .get_mut(key.layer as usize)
+            .and_then(|v| v.get_mut(key.expert as usize))
+            .map(|c| !std::mem::replace(c, true))
+            .unwrap_or(true),
+        SlotId::Staging(_) => true,
+    };
+    if !fresh {
+        return Ok(());
+    }
+    let key = bmoe_core::ExpertKey {
+        layer: layer.moe,
+        expert,
+    };
+    for (p, bytes) in proj.iter().enumerate() {
+        let got = crate::checksum::hash(bytes);
+        let expected = sums.get(key, p).unwrap_or(!got);
+        if got != expected {
+            if let SlotId::Canonical(k) = slot {
+                checked[k.layer as usize][k.expert as usize] = false;
+            }
+            return Err(StreamError::ChecksumMismatch {
+                layer: layer.model,
+                expert,
+                proj: p,
+                expected,
+                got,
+            });
+        }
+    }
+    Ok(())
 }
 
 impl<A: Arch + ?Sized> Backend for EngineBackend<A> {
@@ -275,6 +356,7 @@ impl<A: Arch + ?Sized> Backend for EngineBackend<A> {
                 }
             }
         }
+        check_sums(&mut self.verify, layer, expert, slot, &proj[..n_proj])?;
         Ok(self.model.expert(
             &mut self.state,
             m,
@@ -290,8 +372,16 @@ impl<A: Arch + ?Sized> Backend for EngineBackend<A> {
             .finish_layer(&mut self.state, layer.model as usize)?)
     }
 
+    fn begin_step(&mut self, input: &StepInput<'_>) -> Result<(), StreamError> {
+        self.step = crate::finite::describe(input);
+        self.begin(input.tokens, input.positions)
+    }
+
     fn head(&mut self) -> Result<(), StreamError> {
-        Ok(self.model.head(&mut self.state)?)
+        self.model.head(&mut self.state)?;
+        // NaN logits would sample token 0 forever and exit 0: stop, naming the step.
+        crate::finite::check_logits_of(&self.state.logits, || self.step.clone())?;
+        Ok(())
     }
 
     /// `target`'s router (f32 GEMV on the router matrix, the same path `route` takes) on the
@@ -321,9 +411,48 @@ impl<A: Arch + ?Sized> Backend for EngineBackend<A> {
     }
 
     fn release(&mut self, slot: SlotId) -> Result<(), StreamError> {
-        if let (SlotId::Canonical(key), Some(arena)) = (slot, &self.arena) {
-            arena.release(key.layer as usize, key.expert as u32);
+        if let SlotId::Canonical(key) = slot {
+            if let Some(arena) = &self.arena {
+                arena.release(key.layer as usize, key.expert as u32);
+            }
+            if let Some((_, checked)) = self.verify.as_mut() {
+                if let Some(c) = checked
+                    .get_mut(key.layer as usize)
+                    .and_then(|v| v.get_mut(key.expert as usize))
+                {
+                    *c = false;
+                }
+            }
         }
         Ok(())
+    }
+
+    /// The last batch row's logits: the last `n_vocab` of the head's output (every row's
+    /// under `all_logits`).
+    fn last_logits(&self) -> Option<&[f32]> {
+        let n_vocab = self.model.dims().n_vocab;
+        let l = &self.state.logits;
+        (n_vocab > 0 && l.len() >= n_vocab).then(|| &l[l.len() - n_vocab..])
+    }
+
+    /// A copy of every layer's KV rows `0..n` (this architecture has no recurrent state).
+    fn keep_prefix(&mut self, n: u32) -> Result<Option<u64>, StreamError> {
+        let mut snap = self.kept.take().unwrap_or_default();
+        self.state.snapshot_kv(n as usize, &mut snap)?;
+        let bytes = snap.bytes();
+        self.kept = Some(snap);
+        Ok(Some(bytes))
+    }
+
+    fn restore_prefix(&mut self) -> Result<Option<u32>, StreamError> {
+        let Some(snap) = &self.kept else {
+            return Ok(None);
+        };
+        self.state.restore_kv(snap)?;
+        Ok(Some(snap.len() as u32))
+    }
+
+    fn drop_prefix(&mut self) {
+        self.kept = None;
     }
 }

@@ -5,7 +5,7 @@
 
 use std::path::PathBuf;
 
-use bmoe_engine::chat::{ChatTemplate, CivilTime, Message, ThinkCtl};
+use bmoe_engine::chat::{ChatFormat, ChatTemplate, CivilTime, Message, ThinkCtl};
 use bmoe_engine::testdata::shared_path;
 use bmoe_engine::vocab::BUILTIN_CHAT_TEMPLATE;
 
@@ -160,6 +160,14 @@ fn think_ctl_of_named_models() {
         ("Qwen3.5-4B", ThinkCtl::Template),
         ("google-gemma-4-31B-it", ThinkCtl::Template),
         ("openai-gpt-oss-120b", ThinkCtl::Prefill),
+        // A think channel of the format's own (`<|open|>think`), closed and followed by the
+        // response channel: a section the turn can start past.
+        ("Kimi-K3", ThinkCtl::Prefill),
+        // Its system prompt says it: with thinking disabled the response begins right after
+        // the `</mm:think>` prefix.
+        ("MiniMax-M3", ThinkCtl::Prefill),
+        // Harmony-like recipients: reasoning `to=self`, the answer `to=user`.
+        ("muse-glimmer", ThinkCtl::Prefill),
         ("LFM2.5-8B-A1B", ThinkCtl::None),
         ("LFM2.5-Instruct", ThinkCtl::Template),
         ("LFM2-8B-A1B", ThinkCtl::Template),
@@ -177,6 +185,55 @@ fn think_ctl_of_named_models() {
             return;
         };
         assert_eq!(t.think_control(), expected, "{stem}");
+    }
+}
+
+/// `think:false` on a `prefill` model (gpt-oss's harmony template, rendered by our chat module
+/// though the architecture cannot load yet): the template ignores `enable_thinking`, so the
+/// turn's prompt is followed by what the template itself writes before a final answer —
+/// found by rendering, the analysis channel skipped. `think:true` leaves the channel to the
+/// model; `template` and `none` models get nothing appended.
+#[test]
+fn think_false_starts_a_prefill_model_past_its_reasoning() {
+    let Some(t) = load_template("openai-gpt-oss-120b") else {
+        return;
+    };
+    assert_eq!(
+        t.answer_prefill().as_deref(),
+        Some("<|channel|>final<|message|>")
+    );
+    let f = ChatFormat::new(t, false);
+    assert_eq!(f.think_ctl(), ThinkCtl::Prefill);
+    let chat = vec![
+        Message::new("user", "What is 17 * 3?"),
+        Message::new("assistant", "51."),
+        Message::new("user", "And 18 * 3?"),
+    ];
+    let on = f.prompt(&chat, true).expect("render");
+    let off = f.prompt(&chat, false).expect("render");
+    assert!(
+        on.ends_with("<|start|>user<|message|>And 18 * 3?<|end|><|start|>assistant"),
+        "{on}"
+    );
+    assert_eq!(off, format!("{on}<|channel|>final<|message|>"));
+    // The earlier answer sits in the final channel the same way, so a continued chat's render
+    // extends what the KV holds.
+    assert!(
+        off.contains("<|start|>assistant<|channel|>final<|message|>51.<|end|>"),
+        "{off}"
+    );
+
+    for (stem, ctl) in [
+        ("Qwen-Qwen3-0.6B", ThinkCtl::Template),
+        ("LFM2.5-8B-A1B", ThinkCtl::None),
+    ] {
+        let Some(t) = load_template(stem) else {
+            return;
+        };
+        let plain = t.render(&chat, true, Some(false)).expect("render");
+        let f = ChatFormat::new(t, true);
+        assert_eq!(f.think_ctl(), ctl, "{stem}");
+        assert_eq!(f.prompt(&chat, false).expect("render"), plain, "{stem}");
     }
 }
 

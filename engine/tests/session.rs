@@ -1,9 +1,9 @@
 //! `bmoe-cli --session` driven over a pipe as a client program drives it (issue 15): 50 turns
-//! mixing new chats, continued chats and cancels mid-stream, with every kind of bad request
-//! between them. Every stdout line must parse as a contract line, every request must be
-//! answered (`BMOE_DONE`, or `BMOE_ERROR` with `fatal:false` and the request's id), a continued
-//! turn must prefill fewer tokens than a fresh render of its history, and the process's RSS at
-//! turn 50 must be within 5 % of turn 10.
+//! mixing new chats, continued chats, cancels mid-stream and decides (restored and cold), with
+//! every kind of bad request between them. Every stdout line must parse as a contract line,
+//! every request must be answered (`BMOE_DONE`, `BMOE_DECIDE`, or `BMOE_ERROR` with
+//! `fatal:false` and the request's id), a continued turn must prefill fewer tokens than a fresh
+//! render of its history, and the process's RSS at turn 50 must be within 5 % of turn 10.
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
@@ -21,11 +21,7 @@ const TAGS: [&str; 7] = [
 ];
 
 fn scratch() -> PathBuf {
-    let d = bmoe_engine::testdata::project_root()
-        .join("target")
-        .join(format!("session-test-{}", std::process::id()));
-    std::fs::create_dir_all(&d).expect("scratch dir");
-    d
+    bmoe_engine::testdata::scratch_dir("session-test")
 }
 
 struct Client {
@@ -134,6 +130,59 @@ fn generate(id: i64, prompt: &str, n: u32, clear_kv: bool) -> serde_json::Value 
     serde_json::json!({"cmd":"generate","id":id,"prompt":prompt,"n_predict":n,"clear_kv":clear_kv})
 }
 
+const DECIDE_PREFIX: &str = "A fox lived by a river and ate berries every morning. ";
+
+fn decide(id: i64, suffix: &str, choices: &[&str], reuse: bool) -> serde_json::Value {
+    serde_json::json!({"cmd":"decide","id":id,"prefix":DECIDE_PREFIX,"suffix":suffix,
+                       "choices":choices,"reuse_prefix":reuse})
+}
+
+/// `choice_logp` as bit patterns (`None` for null).
+fn logp_bits(d: &serde_json::Value) -> Vec<Option<u64>> {
+    d["choice_logp"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no choice_logp: {d}"))
+        .iter()
+        .map(|v| v.as_f64().map(f64::to_bits))
+        .collect()
+}
+
+impl Client {
+    /// A decide answered by `BMOE_BEGIN` and one `BMOE_DECIDE`, nothing between.
+    fn decide(&mut self, v: serde_json::Value) -> serde_json::Value {
+        let id = v["id"].clone();
+        self.send(v);
+        let (t, b) = self.next();
+        assert_eq!((t.as_str(), &b["id"]), ("BMOE_BEGIN", &id), "{b}");
+        let (t, d) = self.next();
+        assert_eq!((t.as_str(), &d["id"]), ("BMOE_DECIDE", &id), "{d}");
+        assert_eq!(d["cancelled"], false);
+        let n = d["n_tokens"].as_u64().unwrap();
+        assert_eq!(
+            d["n_reused"].as_u64().unwrap() + d["n_prefilled"].as_u64().unwrap(),
+            n,
+            "{d}"
+        );
+        let logp = logp_bits(&d);
+        assert_eq!(logp.len(), 3);
+        let best = d["best"].as_u64().unwrap() as usize;
+        let lp: Vec<f64> = logp.iter().map(|b| f64::from_bits(b.unwrap())).collect();
+        assert!(lp.iter().all(|&v| v <= lp[best] && v < 0.0), "{d}");
+        d
+    }
+}
+
+/// What the KV holds when the next turn begins.
+#[derive(Copy, Clone, PartialEq, Eq, Debug)]
+enum Kv {
+    /// Nothing of the current chat (a new chat, or one whose only turn was cancelled).
+    Empty,
+    /// The current chat.
+    Chat,
+    /// A decide's prompt.
+    Decide,
+}
+
 #[test]
 fn fifty_turns_over_a_pipe_with_bad_requests_between_them() {
     let dir = scratch();
@@ -151,6 +200,7 @@ fn fifty_turns_over_a_pipe_with_bad_requests_between_them() {
             "4",
             "--force-cache",
             "--overlap",
+            "--decide",
         ],
     );
     let (t, ready) = c.next();
@@ -170,9 +220,10 @@ fn fifty_turns_over_a_pipe_with_bad_requests_between_them() {
     let (mut rss_10, mut rss_50) = (0u64, 0u64);
     let mut continued_checked = 0;
     let mut cancelled = 0;
-    // Whether the KV holds anything of the current chat: a cancelled new chat leaves it empty
-    // (rolled back to where its prefill began), so the next turn has nothing to reuse.
-    let mut kv_holds_chat = false;
+    let mut decides = 0;
+    // A cancelled new chat leaves the KV empty (rolled back to where its prefill began), so
+    // the next turn has nothing to reuse; a decide leaves its own prompt there.
+    let mut kv = Kv::Empty;
     for turn in 1..=50i64 {
         let id = 1000 + turn;
         let new_chat = turn % 5 == 1;
@@ -187,20 +238,23 @@ fn fifty_turns_over_a_pipe_with_bad_requests_between_them() {
             );
             c.until("BMOE_PROGRESS");
             c.send(generate(id + 500, "again", 4, true));
+            c.send(decide(id + 600, "Busy?", &["yes", "no", "maybe"], true));
             c.send(serde_json::json!({"cmd":"cancel"}));
             let rest = c.until("BMOE_DONE");
-            let err = rest
-                .iter()
-                .find(|(t, _)| t == "BMOE_ERROR")
-                .unwrap_or_else(|| panic!("the second generate was not answered: {rest:?}"));
-            assert_eq!(err.1["id"], id + 500);
-            assert_eq!(err.1["fatal"], false);
+            for other in [id + 500, id + 600] {
+                let err = rest
+                    .iter()
+                    .find(|(t, v)| t == "BMOE_ERROR" && v["id"] == other)
+                    .unwrap_or_else(|| panic!("request {other} was not answered: {rest:?}"));
+                assert_eq!(err.1["fatal"], false);
+                assert!(err.1["msg"].as_str().unwrap().contains("is running"));
+            }
             let done = &rest.last().unwrap().1;
             assert_eq!(done["id"], id);
             assert_eq!(done["cancelled"], true, "{done}");
             assert!(done["tokens"].as_u64().unwrap() < 3000);
             if new_chat {
-                kv_holds_chat = false;
+                kv = Kv::Empty;
             }
             let steps = rest.iter().filter(|(t, _)| t == "BMOE_PROGRESS").count() + 1;
             assert_eq!(done["tokens"].as_u64().unwrap() as usize, steps);
@@ -219,21 +273,46 @@ fn fifty_turns_over_a_pipe_with_bad_requests_between_them() {
             assert_eq!(progress.len(), 6);
             let n_prompt = done["n_prompt"].as_u64().unwrap();
             let fresh = done["n_past"].as_u64().unwrap() - 6;
-            if new_chat || !kv_holds_chat {
-                assert_eq!(
+            assert_eq!(
+                done["n_reused"].as_u64().unwrap() + n_prompt,
+                fresh,
+                "what was reused and what was prefilled make the render: {done}"
+            );
+            match (new_chat, kv) {
+                (true, _) | (false, Kv::Empty) => assert_eq!(
                     n_prompt, fresh,
                     "nothing to reuse: the whole render: {done}"
-                );
-            } else {
-                // The render of the whole history would prefill `fresh` tokens; the KV
-                // already held most of them.
-                assert!(
-                    n_prompt < fresh,
-                    "continued turn {turn} reused nothing: {done}"
-                );
-                continued_checked += 1;
+                ),
+                (false, Kv::Chat) => {
+                    // The render of the whole history would prefill `fresh` tokens; the KV
+                    // already held most of them.
+                    assert!(
+                        n_prompt < fresh,
+                        "continued turn {turn} reused nothing: {done}"
+                    );
+                    continued_checked += 1;
+                }
+                // The decide's prompt shares at most the template's opening with the chat.
+                (false, Kv::Decide) => assert!(n_prompt <= fresh),
             }
-            kv_holds_chat = true;
+            kv = Kv::Chat;
+        }
+        // Decides between turns (before a new chat, and once inside a chat): the first
+        // cold, the next restoring its prefix, and the same asked cold to compare.
+        if turn % 5 == 0 || turn == 23 {
+            let choices = ["yes", "no", "maybe"];
+            let first = c.decide(decide(id * 10, "Is this about animals?", &choices, true));
+            assert_eq!(
+                first["n_reused"], 0,
+                "a generate dropped the kept state: {first}"
+            );
+            let warm = c.decide(decide(id * 10 + 1, "Is it night?", &choices, true));
+            assert!(warm["n_reused"].as_u64().unwrap() > 0, "{warm}");
+            let cold = c.decide(decide(id * 10 + 2, "Is it night?", &choices, false));
+            assert_eq!(cold["n_reused"], 0);
+            assert_eq!(logp_bits(&warm), logp_bits(&cold), "restored == cold");
+            decides += 3;
+            kv = Kv::Decide;
         }
         // Bad requests between turns; each answered, the session goes on.
         match turn % 10 {
@@ -260,8 +339,15 @@ fn fifty_turns_over_a_pipe_with_bad_requests_between_them() {
             5 => {
                 c.send(generate(id, "Tell me everything", 4095, true));
                 c.expect_error(id, "exceeds n_ctx");
-                c.send(serde_json::json!({"cmd":"decide","id":id,"prefix":"a","suffix":"b","choices":["x","y"]}));
-                c.expect_error(id, "--decide");
+                c.send(decide(id, "Which?", &[], true));
+                c.expect_error(id, "choices is empty");
+                c.send(decide(id, "Which?", &["apple", "apple pie", "pear"], true));
+                c.expect_error(id, "both start with token");
+                let long = "word ".repeat(5000);
+                c.send(decide(id, &long, &["yes", "no"], true));
+                c.expect_error(id, "past n_ctx");
+                c.send(serde_json::json!({"cmd":"decide","id":id,"prefix":"a","suffix":"b"}));
+                c.expect_error(id, "missing field choices");
             }
             6 if turn == 16 => {
                 let mut huge = b"{\"cmd\":\"generate\",\"id\":1,\"prompt\":\"".to_vec();
@@ -286,6 +372,7 @@ fn fifty_turns_over_a_pipe_with_bad_requests_between_them() {
         "{continued_checked} continued turns"
     );
     assert!(cancelled >= 7);
+    assert!(decides >= 30, "{decides} decides");
     let growth = rss_50 as f64 / rss_10 as f64 - 1.0;
     eprintln!(
         "RSS turn 10: {rss_10} KiB, turn 50: {rss_50} KiB ({:+.2} %)",
@@ -329,5 +416,63 @@ fn a_signal_ends_the_session_after_answering_the_running_turn() {
     assert_eq!(t, "BMOE_ERROR");
     assert_eq!(v["fatal"], true, "{v}");
     assert_eq!(c.child.wait().expect("wait").code(), Some(130));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `close` ends the session: a generation still running is stopped at its next token
+/// boundary and answered (`cancelled:true`) before the process exits 0 — and EOF does the
+/// same. A session opened without `--decide` refuses a decide and goes on; `--decide` needs
+/// `--session`.
+#[test]
+fn close_and_eof_stop_a_running_turn_and_decide_needs_its_flag() {
+    let dir = scratch();
+    let model = tiny_model(&dir);
+    for how in ["close", "eof"] {
+        let mut c = Client::start(&model, &["-t", "1", "-c", "4096"]);
+        assert_eq!(c.next().0, "BMOE_READY");
+        c.send(decide(1, "Is it?", &["yes", "no"], true));
+        c.expect_error(1, "without --decide");
+        c.send(generate(2, "Once upon a time", 4000, true));
+        c.until("BMOE_PROGRESS");
+        if how == "close" {
+            c.send(serde_json::json!({"cmd":"close"}));
+        } else {
+            drop(c.stdin.take());
+        }
+        let done = c.until("BMOE_DONE").pop().unwrap().1;
+        assert_eq!(
+            (done["id"].as_i64(), &done["cancelled"]),
+            (Some(2), &serde_json::json!(true)),
+            "{how}: {done}"
+        );
+        assert!(done["tokens"].as_u64().unwrap() < 4000);
+        drop(c.stdin.take());
+        assert_eq!(c.child.wait().expect("wait").code(), Some(0), "{how}");
+        let mut rest = String::new();
+        c.stdout.read_line(&mut rest).expect("read");
+        assert!(rest.is_empty(), "{how}: stdout after the end: {rest:?}");
+    }
+    let out = Command::new(BIN)
+        .arg("-m")
+        .arg(&model)
+        .args(["--decide", "-p", "hi", "-n", "1"])
+        .output()
+        .expect("run");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--decide needs --session"), "{err}");
+    let out = Command::new(BIN)
+        .arg("-m")
+        .arg(&model)
+        .args(["--session", "--decide-prefix-cache", "on"])
+        .stdin(Stdio::null())
+        .output()
+        .expect("run");
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--decide-prefix-cache needs --decide"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

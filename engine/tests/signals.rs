@@ -18,11 +18,7 @@ const N_PREDICT: u32 = 4000;
 /// A scratch directory on the project's filesystem (O_DIRECT needs a real one; /tmp may be
 /// tmpfs).
 fn scratch() -> PathBuf {
-    let d = bmoe_engine::testdata::project_root()
-        .join("target")
-        .join(format!("signals-{}", std::process::id()));
-    std::fs::create_dir_all(&d).expect("scratch dir");
-    d
+    bmoe_engine::testdata::scratch_dir("signals")
 }
 
 fn gen_tiny(path: &Path) {

@@ -174,9 +174,7 @@ mod builtin {
         again before lunch. \"Is it safe?\" asked the manager. \"Quite safe,\" she replied.\n";
 
     fn temp_path(name: &str) -> std::path::PathBuf {
-        let dir = std::env::temp_dir().join(format!("bmoe-tok-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("temp dir");
-        dir.join(name)
+        bmoe_engine::testdata::scratch_dir("tokenizer").join(name)
     }
 
     #[test]

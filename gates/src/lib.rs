@@ -6,15 +6,10 @@ use clap::Parser;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
 
-/// A scratch directory under the workspace's `target/` (a real filesystem, so O_DIRECT works;
-/// `/tmp` may be tmpfs).
+/// A scratch directory for this test process, removed by a later test process once this
+/// one is gone (`bmoe_engine::testdata::scratch_dir`).
 pub fn scratch_dir(name: &str) -> PathBuf {
-    let d = bmoe_engine::testdata::project_root()
-        .join("target")
-        .join("gates")
-        .join(name);
-    std::fs::create_dir_all(&d).expect("create scratch dir");
-    d
+    bmoe_engine::testdata::scratch_dir(name)
 }
 
 static MODELS: OnceLock<Mutex<Vec<(String, PathBuf)>>> = OnceLock::new();
@@ -26,7 +21,7 @@ pub fn model(key: &str, gen_args: &[&str]) -> PathBuf {
     if let Some((_, p)) = g.iter().find(|(k, _)| k == key) {
         return p.clone();
     }
-    let path = scratch_dir("models").join(format!("{key}-{}.gguf", std::process::id()));
+    let path = scratch_dir("models").join(format!("{key}.gguf"));
     let mut argv = vec![
         "bmoe-cli",
         "gen",
@@ -158,6 +153,17 @@ impl SessionDriver {
         (serde_json::from_str(json).expect("BMOE_DONE JSON"), lines)
     }
 
+    /// Send a decide request and return its `BMOE_DECIDE` as JSON (and the request's lines:
+    /// `BMOE_BEGIN`, then the `BMOE_DECIDE`, nothing between).
+    pub fn decide(&mut self, request: &str) -> (serde_json::Value, Vec<String>) {
+        self.send(request);
+        let lines = self.read_until(&["BMOE_DECIDE", "BMOE_ERROR"]);
+        let last = lines.last().expect("a reply");
+        let (tag, json) = last.split_once(' ').expect("TAG {json}");
+        assert_eq!(tag, "BMOE_DECIDE", "{request} -> {last}");
+        (serde_json::from_str(json).expect("BMOE_DECIDE JSON"), lines)
+    }
+
     /// Close stdin and wait for the session to end: its exit code and stderr.
     pub fn close(mut self) -> (i32, String) {
         drop(self.requests.take());
@@ -172,4 +178,90 @@ impl SessionDriver {
             err,
         )
     }
+}
+
+/// Run `bmoe-sim <args>` in-process: (exit code, stdout, stderr).
+pub fn sim(args: &[&str]) -> (i32, String, String) {
+    let mut argv = vec!["bmoe-sim"];
+    argv.extend_from_slice(args);
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    let code = bmoe_sim::cli::run(argv, &[], &mut out, &mut err);
+    (
+        code,
+        String::from_utf8_lossy(&out).into_owned(),
+        String::from_utf8_lossy(&err).into_owned(),
+    )
+}
+
+/// Replay a session's route trace through `bmoe-sim replay` with the engine's cache `flags`
+/// and hold the simulated CSV to the engine's `csv`: the same rows and, turn by turn, every
+/// exact summary key (hits, misses, read bytes, ...), and `bmoe-sim diff --exact-only` agrees.
+/// Returns the engine's metrics.
+pub fn assert_session_replays_exactly(
+    csv: &Path,
+    route: &Path,
+    flags: &[&str],
+) -> bmoe_core::telemetry::MetricsCsv {
+    use bmoe_core::telemetry::MetricsCsv;
+    let measured = MetricsCsv::parse(&std::fs::read_to_string(csv).expect("engine csv"))
+        .expect("engine csv parses");
+    let mut argv: Vec<String> = ["bmoe-sim", "replay", "--trace", route.to_str().unwrap()]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    argv.extend(["--profile".into(), "this-machine".into()]);
+    argv.extend(flags.iter().map(|s| s.to_string()));
+    if measured.preamble.get("o_direct") == Some("0") {
+        argv.push("--no-odirect".into());
+    }
+    let sim_csv = csv.with_extension("sim.csv");
+    argv.extend(["--csv".into(), sim_csv.display().to_string()]);
+    let (mut out, mut serr) = (Vec::new(), Vec::new());
+    let code = bmoe_sim::cli::run(argv, &[], &mut out, &mut serr);
+    assert_eq!(code, 0, "{}", String::from_utf8_lossy(&serr));
+    let simulated = MetricsCsv::parse(&std::fs::read_to_string(&sim_csv).expect("sim csv"))
+        .expect("sim csv parses");
+    assert_eq!(simulated.rows.len(), measured.rows.len());
+    for (m, s) in measured.rows.iter().zip(&simulated.rows) {
+        assert_eq!(
+            (m.turn, m.step, m.read_bytes, m.cache_hit_pct),
+            (s.turn, s.step, s.read_bytes, s.cache_hit_pct),
+            "turn {} token {}",
+            m.turn,
+            m.step
+        );
+    }
+    assert_eq!(simulated.summaries.len(), measured.summaries.len());
+    for (t, (ms, ss)) in measured
+        .summaries
+        .iter()
+        .zip(&simulated.summaries)
+        .enumerate()
+    {
+        for key in bmoe_sim::diff::EXACT_SUMMARY_KEYS {
+            assert_eq!(ms.get(key), ss.get(key), "turn {t}: summary {key}");
+        }
+    }
+    let (mut out, mut serr) = (Vec::new(), Vec::new());
+    let code = bmoe_sim::cli::run(
+        [
+            "bmoe-sim".to_string(),
+            "diff".into(),
+            sim_csv.display().to_string(),
+            csv.display().to_string(),
+            "--exact-only".into(),
+        ],
+        &[],
+        &mut out,
+        &mut serr,
+    );
+    assert_eq!(
+        code,
+        0,
+        "{}{}",
+        String::from_utf8_lossy(&out),
+        String::from_utf8_lossy(&serr)
+    );
+    let _ = std::fs::remove_file(sim_csv);
+    measured
 }

@@ -46,7 +46,7 @@ fn greedy_output_is_identical_across_runs_and_thread_counts() {
 
 #[test]
 fn a_non_moe_architecture_is_refused_by_name() {
-    let p = scratch_dir("cli").join(format!("llama-{}.gguf", std::process::id()));
+    let p = scratch_dir("cli").join("llama.gguf");
     GgufWriter::write_file(
         &p,
         &[(
@@ -70,7 +70,7 @@ fn a_prompt_longer_than_the_context_is_a_clear_error() {
 #[test]
 fn a_truncated_model_is_a_clear_error() {
     let src = std::fs::read(tiny()).unwrap();
-    let p = scratch_dir("cli").join(format!("trunc-{}.gguf", std::process::id()));
+    let p = scratch_dir("cli").join("trunc.gguf");
     std::fs::write(&p, &src[..src.len() / 2]).unwrap();
     let e = try_run(&p, &["-p", "hi", "-n", "2"]).expect_err("truncated file");
     assert!(
@@ -147,7 +147,7 @@ fn n_predict_n_gives_n_tokens_lines_and_rows_for_1_2_and_32() {
         ] {
             let what = format!("-n {n} {extra:?}");
             let ns = n.to_string();
-            let csv = dir.join(format!("n{n}-{}-{}.csv", extra.len(), std::process::id()));
+            let csv = dir.join(format!("n{n}-{}.csv", extra.len()));
             let mut a = vec!["-p", "Once upon a time", "-n", &ns, "-t", "2"];
             a.extend_from_slice(extra);
             let plain = run(&tiny(), &a);

@@ -94,7 +94,7 @@ fn g8a_threshold_below_every_weight_is_byte_identical_and_drops_nothing() {
 
 #[test]
 fn g8b_full_strength_against_an_evicting_cache_completes_and_drops() {
-    let trace = scratch_dir("policies").join(format!("g8b-{}.route.tsv", std::process::id()));
+    let trace = scratch_dir("policies").join("g8b.route.tsv");
     let path = trace.to_str().expect("utf-8 path");
     let r = streamed(&["--drop-cold-experts", "1.0", "--route-trace", path]);
     let c = &summary(&r).counters;
@@ -211,7 +211,7 @@ fn eviction_policies_change_reads_never_output() {
 
 #[test]
 fn drop_in_prefill_arms_the_prompt_too() {
-    let trace = scratch_dir("policies").join(format!("prefill-{}.route.tsv", std::process::id()));
+    let trace = scratch_dir("policies").join("prefill.route.tsv");
     let path = trace.to_str().expect("utf-8 path");
     streamed(&[
         "--drop-cold-experts",

@@ -5,8 +5,7 @@
 //!   `bmoe-sim replay` with every turn's hits, misses (hit rate) and read bytes exactly equal
 //!   to the engine's, turn by turn, and `bmoe-sim diff --exact-only` agrees.
 
-use bmoe_core::telemetry::MetricsCsv;
-use bmoe_gates::{run, scratch_dir, tiny, SessionDriver};
+use bmoe_gates::{assert_session_replays_exactly, run, scratch_dir, tiny, SessionDriver};
 
 const PROMPT: &str = "Once upon a time there was a little fox who lived by the river";
 
@@ -59,11 +58,7 @@ fn s2_a_warm_second_generate_equals_the_resident_output_under_overlap() {
 #[test]
 fn a_five_turn_session_replays_exactly_turn_by_turn() {
     let dir = scratch_dir("session-replay");
-    let tag = std::process::id();
-    let (csv, route) = (
-        dir.join(format!("engine-{tag}.csv")),
-        dir.join(format!("engine-{tag}.route.csv")),
-    );
+    let (csv, route) = (dir.join("engine.csv"), dir.join("engine.route.csv"));
     let flags = ["--cache-mb", "4", "--force-cache", "--io-threads", "3"];
     let mut args = vec!["-t", "2", "--moe-stream", "--chatml"];
     args.extend_from_slice(&flags);
@@ -91,69 +86,11 @@ fn a_five_turn_session_replays_exactly_turn_by_turn() {
     let (code, err) = s.close();
     assert_eq!(code, 0, "{err}");
 
-    let measured = MetricsCsv::parse(&std::fs::read_to_string(&csv).unwrap()).expect("engine csv");
+    let measured = assert_session_replays_exactly(&csv, &route, &flags);
     assert_eq!(measured.summaries.len(), 5, "one trailer per turn");
     let turns: Vec<u32> = measured.rows.iter().map(|r| r.turn).collect();
     assert_eq!(turns, (0..5u32).flat_map(|t| [t; 8]).collect::<Vec<_>>());
-    let mut flags: Vec<String> = flags.iter().map(|s| s.to_string()).collect();
-    if measured.preamble.get("o_direct") == Some("0") {
-        flags.push("--no-odirect".into());
-    }
-    let sim_csv = dir.join(format!("sim-{tag}.csv"));
-    let mut argv: Vec<String> = ["bmoe-sim", "replay", "--trace", route.to_str().unwrap()]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-    argv.extend(["--profile".into(), "this-machine".into()]);
-    argv.extend(flags);
-    argv.extend(["--csv".into(), sim_csv.display().to_string()]);
-    let (mut out, mut serr) = (Vec::new(), Vec::new());
-    let code = bmoe_sim::cli::run(argv, &[], &mut out, &mut serr);
-    assert_eq!(code, 0, "{}", String::from_utf8_lossy(&serr));
-    let simulated =
-        MetricsCsv::parse(&std::fs::read_to_string(&sim_csv).unwrap()).expect("sim csv");
-    assert_eq!(simulated.rows.len(), measured.rows.len());
-    for (m, s) in measured.rows.iter().zip(&simulated.rows) {
-        assert_eq!(
-            (m.turn, m.step, m.read_bytes, m.cache_hit_pct),
-            (s.turn, s.step, s.read_bytes, s.cache_hit_pct),
-            "turn {} token {}",
-            m.turn,
-            m.step
-        );
-    }
-    assert_eq!(simulated.summaries.len(), 5);
-    for (t, (ms, ss)) in measured
-        .summaries
-        .iter()
-        .zip(&simulated.summaries)
-        .enumerate()
-    {
-        for key in bmoe_sim::diff::EXACT_SUMMARY_KEYS {
-            assert_eq!(ms.get(key), ss.get(key), "turn {t}: summary {key}");
-        }
-    }
-    let (mut out, mut serr) = (Vec::new(), Vec::new());
-    let code = bmoe_sim::cli::run(
-        [
-            "bmoe-sim".to_string(),
-            "diff".into(),
-            sim_csv.display().to_string(),
-            csv.display().to_string(),
-            "--exact-only".into(),
-        ],
-        &[],
-        &mut out,
-        &mut serr,
-    );
-    assert_eq!(
-        code,
-        0,
-        "{}{}",
-        String::from_utf8_lossy(&out),
-        String::from_utf8_lossy(&serr)
-    );
-    for f in [csv, route, sim_csv] {
+    for f in [csv, route] {
         let _ = std::fs::remove_file(f);
     }
 }

@@ -297,7 +297,7 @@ fn the_sweep_table_carries_the_independent_counts_and_its_plots() {
         return;
     };
     let expected = python_counts(py, &trace_path, "lru,belady");
-    let out_dir = std::env::temp_dir().join(format!("bmoe-gate-sweep-{}", std::process::id()));
+    let out_dir = bmoe_gates::scratch_dir("sweep");
     let argv: Vec<String> = [
         "bmoe-sim",
         "sweep",

@@ -15,9 +15,7 @@ use bmoe_core::testing::splitmix64;
 use std::path::{Path, PathBuf};
 
 fn temp_dir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("bmoe-gate-{name}-{}", std::process::id()));
-    std::fs::create_dir_all(&d).expect("temp dir");
-    d
+    bmoe_gates::scratch_dir(name)
 }
 
 const N_EXPERT: u32 = 16;

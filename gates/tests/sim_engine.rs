@@ -22,9 +22,7 @@ use std::path::{Path, PathBuf};
 const PROMPT: &str = "Once upon a time there was a little fox who lived by the river";
 
 fn temp_dir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("bmoe-gate-{name}-{}", std::process::id()));
-    std::fs::create_dir_all(&d).expect("temp dir");
-    d
+    bmoe_gates::scratch_dir(name)
 }
 
 fn gen_tiny(path: &Path) {

@@ -25,7 +25,7 @@ const PREFILL_TOKENS: i64 = 5;
 const DECODE_STEPS: i64 = 30;
 
 fn scratch(name: &str) -> PathBuf {
-    bmoe_gates::scratch_dir(&format!("sim-predictors-{name}-{}", std::process::id()))
+    bmoe_gates::scratch_dir(&format!("sim-predictors-{name}"))
 }
 
 fn mix(mut x: u64) -> u64 {

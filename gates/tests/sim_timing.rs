@@ -65,11 +65,7 @@ const TARGET_P50: f64 = 0.15;
 #[test]
 fn simulated_times_track_a_measured_run_within_the_machine_noise() {
     let dir = scratch_dir("sim-timing");
-    let p = |n: &str| {
-        dir.join(format!("{n}-{}", std::process::id()))
-            .display()
-            .to_string()
-    };
+    let p = |n: &str| dir.join(n).display().to_string();
     let route = p("m.route.csv");
     let cal = |csv: &str, extra: &[&str]| {
         let mut a = vec![

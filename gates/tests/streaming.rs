@@ -249,7 +249,7 @@ fn read_split_auto_reads_whole_where_every_lane_has_an_extent() {
     let m = big_experts();
     let dir = bmoe_gates::scratch_dir("read-split");
     let reads = |cache: &str, split: &str| {
-        let trace = dir.join(format!("io-{cache}-{split}-{}.csv", std::process::id()));
+        let trace = dir.join(format!("io-{cache}-{split}.csv"));
         let t = trace.to_str().expect("utf-8");
         let r = run(
             &m,

@@ -362,6 +362,12 @@ pub trait Backend {
     /// Start a step over `tokens` at context positions `positions` (same length, ≥ 1).
     fn begin(&mut self, tokens: &[u32], positions: &[u32]) -> Result<(), Self::Error>;
 
+    /// What the step calls to start: `begin`, with the whole input, so a backend can name the
+    /// step (turn, prefill or decode) in its errors. Default: `begin(tokens, positions)`.
+    fn begin_step(&mut self, input: &crate::step::StepInput<'_>) -> Result<(), Self::Error> {
+        self.begin(input.tokens, input.positions)
+    }
+
     /// Everything of model layer `layer` that is not routed experts: norms, attention, shared
     /// experts, and (for a dense layer) its FFN.
     fn dense(&mut self, layer: u32) -> Result<(), Self::Error>;
@@ -410,6 +416,33 @@ pub trait Backend {
         out.clear();
         Ok(false)
     }
+
+    /// The logits of the last step's last batch row over the whole vocabulary, after `head`
+    /// (what a `decide` scores its choices on). `None` when the backend computes no logits
+    /// (the default: the simulator).
+    fn last_logits(&self) -> Option<&[f32]> {
+        None
+    }
+
+    /// Keep a copy of the sequence state of positions `0..n` — every layer's KV rows, and any
+    /// recurrent state as it stood after position `n - 1` — replacing any copy kept before
+    /// (the `decide` prefix state). Called between steps, after a step that fed at least
+    /// positions `0..n`. Returns the bytes the copy holds, or `None` when this backend cannot
+    /// keep state (the default); then nothing is kept.
+    fn keep_prefix(&mut self, n: u32) -> Result<Option<u64>, Self::Error> {
+        let _ = n;
+        Ok(None)
+    }
+
+    /// Put the kept state back: afterwards positions `0..n` read exactly as they did when
+    /// `keep_prefix(n)` copied them, whatever was fed since. Returns `n`, or `None` when
+    /// nothing is kept (the default).
+    fn restore_prefix(&mut self) -> Result<Option<u32>, Self::Error> {
+        Ok(None)
+    }
+
+    /// Forget the kept state and free its memory (a `generate` overwrites the KV it mirrors).
+    fn drop_prefix(&mut self) {}
 }
 
 /// A predicted routing of one layer for one batch row: expert ids in rank order and their

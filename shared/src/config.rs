@@ -292,6 +292,10 @@ pub struct RunConfig {
     pub drop_prefill: bool,
     /// `--expert-substitute L`: residency margin for re-ranking, 0 = off.
     pub substitute_lambda: f32,
+    /// `--read-timeout-ms`: a flash read not done by then is a reported timeout.
+    pub read_timeout_ms: u64,
+    /// `--inject-faults` (a test hook): the seeded flash faults both leaves inject.
+    pub inject_faults: Option<crate::faults::FaultPlan>,
 
     // --- sampling ---
     /// `--temp`: > 0 samples, otherwise greedy.
@@ -367,6 +371,8 @@ impl Default for RunConfig {
             drop_renorm: true,
             drop_prefill: false,
             substitute_lambda: 0.0,
+            read_timeout_ms: crate::flags::READ_TIMEOUT_MS_DEFAULT,
+            inject_faults: None,
             temp: 0.0,
             top_k: 40,
             top_p: 0.95,
@@ -382,6 +388,9 @@ impl Default for RunConfig {
         }
     }
 }
+
+/// Largest `--read-timeout-ms`: a day.
+pub const READ_TIMEOUT_MS_MAX: u64 = 86_400_000;
 
 fn requires(flag: &'static str, needs: &'static str, why: &'static str) -> ConfigError {
     ConfigError::Requires { flag, needs, why }
@@ -538,7 +547,12 @@ impl RunConfig {
         }
         let why_stream =
             "it acts on the streamer's own reads, which a run without streaming does not make";
-        let checks: [(bool, &'static str, &'static str); 12] = [
+        let checks: [(bool, &'static str, &'static str); 13] = [
+            (
+                self.inject_faults.is_some(),
+                "--inject-faults",
+                "faults are injected into the streamer's flash reads",
+            ),
             (self.overlap, "--overlap", why_stream),
             (self.io_two_wave, "--io-two-wave", why_stream),
             (
@@ -585,6 +599,13 @@ impl RunConfig {
     }
 
     fn validate_streaming(&self) -> Result<(), ConfigError> {
+        if !(1..=READ_TIMEOUT_MS_MAX).contains(&self.read_timeout_ms) {
+            return Err(out_of_range(
+                "--read-timeout-ms",
+                self.read_timeout_ms,
+                format!("must be in [1, {READ_TIMEOUT_MS_MAX}] (a day)"),
+            ));
+        }
         if !(1..=IO_THREADS_MAX).contains(&self.io_threads) {
             return Err(out_of_range(
                 "--io-threads",

@@ -253,6 +253,27 @@ pub struct StreamArgs {
     /// reads, measurable perplexity cost (price it before trusting it).
     #[arg(long, value_name = "L", default_value_t = 0.0, value_parser = parse_decimal_strict)]
     pub expert_substitute: f32,
+
+    /// A flash read not complete after this many milliseconds is reported as a timeout and
+    /// stops the run [default: 30000].
+    ///
+    /// A stuck lane or device then ends the run with an error naming the read, never a hang.
+    /// In the simulator the time is virtual.
+    #[arg(long, value_name = "MS", default_value_t = READ_TIMEOUT_MS_DEFAULT, value_parser = parse_u64_strict)]
+    pub read_timeout_ms: u64,
+
+    /// Test hook: inject seeded flash faults, e.g. `seed=1,eio=0.05,short=0.02,spike=0.1,
+    /// spike-ms=20,torn=0.01,stuck=LANE@AFTER,persistent` (docs/reliability.md). Not for
+    /// normal use.
+    #[arg(long, value_name = "SPEC", hide = true, value_parser = parse_fault_plan)]
+    pub inject_faults: Option<crate::faults::FaultPlan>,
+}
+
+/// Default of `--read-timeout-ms`.
+pub const READ_TIMEOUT_MS_DEFAULT: u64 = 30_000;
+
+fn parse_fault_plan(s: &str) -> Result<crate::faults::FaultPlan, String> {
+    crate::faults::FaultPlan::parse(s).map_err(|e| e.reason)
 }
 
 /// Flags that choose what a run reports and where. Shared verbatim by `bmoe-cli` and
@@ -332,6 +353,8 @@ impl StreamArgs {
         cfg.drop_renorm = !self.drop_no_renorm;
         cfg.drop_prefill = self.drop_in_prefill;
         cfg.substitute_lambda = self.expert_substitute;
+        cfg.read_timeout_ms = self.read_timeout_ms;
+        cfg.inject_faults = self.inject_faults.clone();
     }
 }
 

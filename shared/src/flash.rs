@@ -96,6 +96,16 @@ pub enum FlashError {
     BadLane { id: ReadId, lane: u32, lanes: u32 },
     #[error("flash device is closed: {reason}")]
     Closed { reason: String },
+    /// The read did not complete within the device's read timeout (`--read-timeout-ms`): a
+    /// stuck lane or device. Never retried — the read may still write its destination.
+    #[error(
+        "read {id} on lane {lane} did not complete within {timeout_ms} ms (a stuck lane or device)"
+    )]
+    Timeout {
+        id: ReadId,
+        lane: u32,
+        timeout_ms: u64,
+    },
 }
 
 /// A flash device with `lanes()` parallel read lanes.

@@ -26,8 +26,12 @@
 //! simulator's modelled loop overhead is charged to its virtual clock by its token source).
 
 use crate::backend::Backend;
+use crate::cache::ExpertCache;
 use crate::clock::{Clock, Nanos};
 use crate::config::RunConfig;
+use crate::decide::{
+    best, check, choice_logp, reusable, DecideOutcome, DecideRejected, DecideRequest,
+};
 use crate::flash::Flash;
 use crate::ledger::{Ledger, MemPicture};
 use crate::records::{Phase, RecordSink};
@@ -107,6 +111,12 @@ pub trait TokenSource<B: Backend> {
         Ok(())
     }
 
+    /// After every successful step (and `after_step`), with the expert cache as the step left
+    /// it: `bmoe-sim fuzz` checks the cache's invariants here. Default: nothing.
+    fn observe(&mut self, _cache: &ExpertCache, _stats: &StepStats) -> Result<(), Self::Error> {
+        Ok(())
+    }
+
     /// The next token to feed, or `None` to end the turn (an end-of-generation token, or
     /// nothing left to replay). `last` says it will be the turn's last token (`n_predict`
     /// reached), so text held back for an incomplete character must be released with it.
@@ -130,6 +140,16 @@ pub trait TokenSource<B: Backend> {
     /// held-back text; the replayer charges the modelled tail. Default: nothing.
     fn finish(&mut self, _backend: &mut B) -> Result<(), Self::Error> {
         Ok(())
+    }
+}
+
+/// The token source of a decide: its turn is a prefill and nothing else.
+struct Prefill;
+
+impl<B: Backend> TokenSource<B> for Prefill {
+    type Error = std::convert::Infallible;
+    fn next_token(&mut self, _backend: &mut B, _last: bool) -> Result<Option<u32>, Self::Error> {
+        Ok(None)
     }
 }
 
@@ -239,6 +259,8 @@ pub enum GenerateError {
     },
     #[error("token source: {0}")]
     Source(#[source] Box<dyn std::error::Error + Send + Sync>),
+    #[error("keeping or restoring the decide prefix state: {0}")]
+    State(#[source] Box<dyn std::error::Error + Send + Sync>),
 }
 
 fn io_err(what: &'static str) -> impl FnOnce(io::Error) -> GenerateError {
@@ -269,6 +291,12 @@ pub struct Session<C: Clock, F: Flash, B: Backend> {
     n_past: u32,
     /// Every turn's summary merged.
     whole: RunSummary,
+    /// Whether a decide keeps its prefix state (`--decide-prefix-cache`).
+    prefix_cache: bool,
+    /// The tokens the backend's kept decide prefix state holds (`None`: nothing kept).
+    kept_prefix: Option<Vec<u32>>,
+    /// The bytes that state holds.
+    kept_bytes: u64,
 }
 
 impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
@@ -293,7 +321,21 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
             context: Vec::new(),
             n_past: 0,
             whole: RunSummary::default(),
+            prefix_cache: true,
+            kept_prefix: None,
+            kept_bytes: 0,
         }
+    }
+
+    /// Whether a decide keeps its prefix state for the next one (default: yes).
+    pub fn with_prefix_cache(mut self, on: bool) -> Self {
+        self.prefix_cache = on;
+        self
+    }
+
+    /// The tokens the kept decide prefix state covers, if one is kept.
+    pub fn kept_prefix(&self) -> Option<&[u32]> {
+        self.kept_prefix.as_deref()
     }
 
     /// Use `flag` as the session's cancel flag (e.g. one a signal handler already holds).
@@ -386,8 +428,139 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
     /// Run one turn: prefill `req.prompt`, then up to `req.n_predict` tokens from `source`,
     /// each fed through one decode step and reported (progress line, CSV row, trace records,
     /// all flushed per token); then the turn's CSV trailer. A failed step or a cancel ends
-    /// the turn early, and the turn is reported all the same.
+    /// the turn early, and the turn is reported all the same. A kept decide prefix state is
+    /// dropped first: the turn overwrites the KV it mirrors.
     pub fn generate<S: TokenSource<B>>(
+        &mut self,
+        req: &TurnRequest<'_>,
+        source: &mut S,
+        out: &mut Outputs<'_>,
+    ) -> Result<TurnOutcome, GenerateError> {
+        self.forget_prefix();
+        self.run_turn(req, source, out)
+    }
+
+    /// Drop the kept decide prefix state (and its memory in the backend).
+    fn forget_prefix(&mut self) {
+        if self.kept_prefix.take().is_some() {
+            self.engine.backend_mut().drop_prefix();
+        }
+        self.kept_bytes = 0;
+    }
+
+    /// Score `req.choices` after one prefill of `req.tokens`, with no decode (see
+    /// `crate::decide`). When the prefix cache is on and `req.reuse_prefix` allows, the kept
+    /// prefix state is restored first if the new prefix renders equal to it or extends it, so
+    /// only the tokens past it are prefilled; after the prefill the state of the prefix is kept
+    /// for the next decide. The turn is numbered, traced and summarised like a generation with
+    /// no tokens (its CSV `# summary` says `tokens=0`). A refused request changes nothing.
+    pub fn decide(
+        &mut self,
+        req: &DecideRequest<'_>,
+        out: &mut Outputs<'_>,
+    ) -> Result<Result<DecideOutcome, DecideRejected>, GenerateError> {
+        if let Err(e) = check(req) {
+            return Ok(Err(e));
+        }
+        let n = req.tokens.len();
+        let reuse = if self.prefix_cache && req.reuse_prefix && !self.stopping() {
+            reusable(self.kept_prefix.as_deref(), req.tokens, req.prefix_len)
+        } else {
+            0
+        };
+        let mut restore_s = 0.0;
+        if reuse > 0 {
+            let t0 = self.engine.clock().now();
+            let restored = self
+                .engine
+                .backend_mut()
+                .restore_prefix()
+                .map_err(|e| GenerateError::State(Box::new(e)))?;
+            if restored != Some(reuse) {
+                return Err(GenerateError::State(
+                    format!(
+                        "the backend restored {restored:?} prefix tokens; the session kept {reuse}"
+                    )
+                    .into(),
+                ));
+            }
+            restore_s = (self.engine.clock().now() - t0).as_secs_f64();
+            // The KV holds the kept prefix again (and nothing past it that counts).
+            self.context.clear();
+            self.context
+                .extend_from_slice(&req.tokens[..reuse as usize]);
+            self.n_past = reuse;
+        } else {
+            self.truncate_context(0);
+        }
+        let positions: Vec<u32> = (reuse..n as u32).collect();
+        let turn = self.run_turn(
+            &TurnRequest {
+                prompt: &req.tokens[reuse as usize..],
+                positions: &positions,
+                n_predict: 0,
+            },
+            &mut Prefill,
+            out,
+        )?;
+        let mut outcome = DecideOutcome {
+            turn: turn.turn,
+            cancelled: turn.stop == StopReason::Cancelled,
+            choice_logp: vec![None; req.choices.len()],
+            best: None,
+            n_tokens: n as u32,
+            n_reused: reuse,
+            n_prefilled: turn.summary.counters.n_prompt as u32,
+            restore_s,
+            store_s: 0.0,
+            prefix_state_bytes: 0,
+            summary: turn.summary,
+            error: turn.error,
+        };
+        if outcome.error.is_some() || outcome.cancelled {
+            // Nothing ran past the restore: the kept state is as it was.
+            outcome.prefix_state_bytes = self.kept_bytes;
+            return Ok(Ok(outcome));
+        }
+        let logits = self.engine.backend().last_logits().ok_or_else(|| {
+            GenerateError::State("the backend computed no logits to score the choices".into())
+        })?;
+        outcome.choice_logp = choice_logp(logits, req.choices);
+        outcome.best = best(&outcome.choice_logp);
+        let p = req.prefix_len;
+        if !self.prefix_cache || p == 0 {
+            self.forget_prefix();
+        } else if reuse != p {
+            // The kept state becomes this prefix's (when the prefix equals the kept one, the
+            // kept copy already is exactly that).
+            let t0 = self.engine.clock().now();
+            let kept = self
+                .engine
+                .backend_mut()
+                .keep_prefix(p)
+                .map_err(|e| GenerateError::State(Box::new(e)))?;
+            outcome.store_s = (self.engine.clock().now() - t0).as_secs_f64();
+            match kept {
+                Some(bytes) => {
+                    self.kept_prefix = Some(req.tokens[..p as usize].to_vec());
+                    self.kept_bytes = bytes;
+                }
+                None => {
+                    self.kept_prefix = None;
+                    self.kept_bytes = 0;
+                }
+            }
+        }
+        outcome.prefix_state_bytes = if self.kept_prefix.is_some() {
+            self.kept_bytes
+        } else {
+            0
+        };
+        Ok(Ok(outcome))
+    }
+
+    /// One turn of the loop (`generate` without touching the kept decide prefix state).
+    fn run_turn<S: TokenSource<B>>(
         &mut self,
         req: &TurnRequest<'_>,
         source: &mut S,
@@ -419,6 +592,8 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
         let mut error = None;
         let mut prefill_s = 0.0;
         let mut n_prompt = 0u64;
+        // The context the KV held before this turn's prompt: what the turn reused.
+        let n_reused = req.positions.first().copied().unwrap_or(self.n_past);
         let mut prev_end = self.engine.clock().now();
 
         if self.stopping() {
@@ -439,6 +614,9 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
                     prev_end = self.engine.clock().now();
                     source
                         .after_step(self.engine.backend(), &input, &mut st)
+                        .map_err(source_err)?;
+                    source
+                        .observe(self.engine.cache(), &st)
                         .map_err(source_err)?;
                     let mem_after = self.probe.picture();
                     ledger.prefill(&st, &mem_before, &mem_after);
@@ -497,6 +675,9 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
             source
                 .after_step(self.engine.backend(), &input, &mut st)
                 .map_err(source_err)?;
+            source
+                .observe(self.engine.cache(), &st)
+                .map_err(source_err)?;
             tokens.push(token);
             self.feed(token, position);
             let rec = ledger.token(&st, &self.probe.picture(), loop_overhead.as_ms_f64());
@@ -532,6 +713,7 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
             tail.as_ms_f64(),
         );
         counters.interrupted = stop == StopReason::Cancelled;
+        counters.n_reused = u64::from(n_reused);
         let summary = self
             .telemetry
             .finish(counters, reborrow_w(&mut out.csv))
@@ -575,7 +757,7 @@ mod tests {
     use crate::step::StreamConfig;
     use crate::telemetry::MetricsCsv;
     use crate::testing::{
-        synthetic_model, Call, ManualClock, MemFlash, ScriptBackend, ScriptCosts,
+        synthetic_model, Call, ManualClock, MemFlash, ScriptBackend, ScriptCosts, SCRIPT_VOCAB,
     };
 
     type Rig = Session<ManualClock, MemFlash, ScriptBackend>;
@@ -1004,5 +1186,244 @@ mod tests {
             computed(resident.backend().log()),
             computed(streamed.backend().log())
         );
+    }
+
+    fn decide(
+        s: &mut Rig,
+        tokens: &[u32],
+        prefix_len: u32,
+        reuse_prefix: bool,
+        csv: &mut Vec<u8>,
+    ) -> DecideOutcome {
+        s.decide(
+            &DecideRequest {
+                tokens,
+                prefix_len,
+                choices: &[3, 7, 11, 15],
+                reuse_prefix,
+                n_ctx: 64,
+            },
+            &mut Outputs {
+                csv: Some(csv),
+                ..Outputs::default()
+            },
+        )
+        .unwrap()
+        .unwrap()
+    }
+
+    const PREFIX: [u32; 6] = [1, 2, 3, 4, 5, 6];
+
+    /// A bare prefill step outside any turn (what other work would do to the KV).
+    fn prefill(s: &mut Rig, tokens: &[u32], positions: &[u32]) {
+        s.engine_mut()
+            .step(
+                &StepInput {
+                    turn: 9,
+                    phase: Phase::Prefill,
+                    tokens,
+                    positions,
+                },
+                &mut crate::records::NullSink,
+            )
+            .unwrap();
+    }
+
+    fn render(prefix: &[u32], suffix: &[u32]) -> Vec<u32> {
+        [prefix, suffix, &[40, 41]].concat()
+    }
+
+    #[test]
+    fn decide_scores_every_choice_over_the_whole_vocabulary() {
+        let mut s = rig(6);
+        let mut csv = Vec::new();
+        let t = render(&PREFIX, &[20, 21]);
+        let o = decide(&mut s, &t, 6, true, &mut csv);
+        assert!(!o.cancelled && o.error.is_none());
+        assert_eq!((o.n_tokens, o.n_reused, o.n_prefilled), (10, 0, 10));
+        // One prefill of the whole render, no decode.
+        assert_eq!(begins(&s), vec![(t.clone(), (0..10).collect())]);
+        let logits = s.engine().backend().last_logits().unwrap().to_vec();
+        assert_eq!(logits.len(), SCRIPT_VOCAB);
+        assert_eq!(
+            o.choice_logp,
+            crate::decide::choice_logp(&logits, &[3, 7, 11, 15])
+        );
+        assert_eq!(
+            o.choice_logp[3], None,
+            "the backend's impossible token is null"
+        );
+        let total: f64 = (0..SCRIPT_VOCAB as u32)
+            .filter_map(|v| crate::decide::choice_logp(&logits, &[v])[0])
+            .map(f64::exp)
+            .sum();
+        assert!((total - 1.0).abs() < 1e-9, "normalised over the vocabulary");
+        assert_eq!(o.best, crate::decide::best(&o.choice_logp));
+        // The prefix is kept; the KV holds the render.
+        assert_eq!(s.kept_prefix(), Some(&PREFIX[..]));
+        assert_eq!(o.prefix_state_bytes, 6 * 8);
+        assert_eq!(s.context(), &t[..]);
+        // A turn of its own, with a summary and no rows.
+        let m = MetricsCsv::parse(&String::from_utf8(csv).unwrap()).unwrap();
+        assert_eq!(m.rows.len(), 0);
+        let sm = m.summary().unwrap();
+        assert_eq!(
+            (sm.get("tokens"), sm.get("n_prompt")),
+            (Some("0"), Some("10"))
+        );
+        assert_eq!((o.turn, s.turns()), (0, 1));
+    }
+
+    #[test]
+    fn a_restored_prefix_scores_bit_for_bit_like_a_cold_one() {
+        let mut csv = Vec::new();
+        let mut warm = rig(6);
+        decide(&mut warm, &render(&PREFIX, &[20, 21]), 6, true, &mut csv);
+        // Overwrite the KV past and inside the kept prefix, as other work would.
+        let junk: Vec<u32> = (50..60).collect();
+        let pos: Vec<u32> = (0..10).collect();
+        prefill(&mut warm, &junk, &pos);
+        for (suffix, extend) in [(&[30u32, 31, 32][..], &[][..]), (&[33], &[7, 8][..])] {
+            let prefix = [&PREFIX[..], extend].concat();
+            let t = render(&prefix, suffix);
+            let p = prefix.len() as u32;
+            let kept = warm.kept_prefix().unwrap().len() as u32;
+            let w = decide(&mut warm, &t, p, true, &mut csv);
+            assert_eq!((w.n_reused, w.n_prefilled), (kept, t.len() as u32 - kept));
+            assert_eq!(begins(&warm).last().unwrap().0, t[kept as usize..].to_vec());
+            assert!(w.restore_s >= 0.0);
+            assert_eq!(warm.kept_prefix(), Some(&prefix[..]));
+            let mut cold = rig(6);
+            let c = decide(&mut cold, &t, p, true, &mut csv);
+            assert_eq!((c.n_reused, c.n_prefilled), (0, t.len() as u32));
+            assert_eq!(w.choice_logp, c.choice_logp, "{suffix:?}");
+            assert_eq!(w.best, c.best);
+            // reuse_prefix:false on the warm session: cold too.
+            let f = decide(&mut warm, &t, p, false, &mut csv);
+            assert_eq!(f.n_reused, 0);
+            assert_eq!(f.choice_logp, c.choice_logp);
+        }
+        // Without the restore the clobbered KV would show: the restore is what makes it equal.
+        let mut clobbered = rig(6);
+        decide(&mut clobbered, &render(&PREFIX, &[20]), 6, true, &mut csv);
+        clobbered.engine_mut().backend_mut().drop_prefix();
+        prefill(&mut clobbered, &junk, &pos);
+        let t = render(&PREFIX, &[30]);
+        let tail: Vec<u32> = (6..t.len() as u32).collect();
+        prefill(&mut clobbered, &t[6..], &tail);
+        let stale = crate::decide::choice_logp(
+            clobbered.engine().backend().last_logits().unwrap(),
+            &[3, 7, 11, 15],
+        );
+        let good = decide(&mut rig(6), &t, 6, true, &mut csv).choice_logp;
+        assert_ne!(stale, good);
+    }
+
+    #[test]
+    fn a_generate_drops_the_kept_prefix_and_is_unaffected() {
+        let mut csv = Vec::new();
+        let t = render(&PREFIX, &[20]);
+        let mut s = rig(6);
+        decide(&mut s, &t, 6, true, &mut csv);
+        let (mut p, mut c) = (Vec::new(), Vec::new());
+        s.truncate_context(0);
+        let a = turn(
+            &mut s,
+            &mut Counting::default(),
+            &[9, 8, 7],
+            4,
+            &mut p,
+            &mut c,
+        );
+        assert_eq!(s.kept_prefix(), None);
+        let mut fresh = rig(6);
+        let b = turn(
+            &mut fresh,
+            &mut Counting::default(),
+            &[9, 8, 7],
+            4,
+            &mut p,
+            &mut c,
+        );
+        assert_eq!(a.tokens, b.tokens);
+        assert_eq!(
+            s.engine().backend().state(),
+            fresh.engine().backend().state()
+        );
+        assert_eq!(a.summary.counters.n_reused, 0);
+        // Nothing to restore afterwards.
+        let o = decide(&mut s, &t, 6, true, &mut csv);
+        assert_eq!(o.n_reused, 0);
+    }
+
+    #[test]
+    fn the_prefix_cache_off_keeps_nothing() {
+        let mut csv = Vec::new();
+        let mut s = rig(6).with_prefix_cache(false);
+        for suffix in [[20u32], [21]] {
+            let o = decide(&mut s, &render(&PREFIX, &suffix), 6, true, &mut csv);
+            assert_eq!((o.n_reused, o.prefix_state_bytes, o.store_s), (0, 0, 0.0));
+            assert_eq!(s.kept_prefix(), None);
+        }
+    }
+
+    #[test]
+    fn refused_and_cancelled_decides_change_nothing() {
+        let mut s = rig(6);
+        let mut csv = Vec::new();
+        let t = render(&PREFIX, &[20]);
+        decide(&mut s, &t, 6, true, &mut csv);
+        let log = s.engine().backend().log().len();
+        let ask = |s: &mut Rig, tokens: &[u32], prefix_len: u32, choices: &[u32]| {
+            s.decide(
+                &DecideRequest {
+                    tokens,
+                    prefix_len,
+                    choices,
+                    reuse_prefix: true,
+                    n_ctx: 12,
+                },
+                &mut Outputs::default(),
+            )
+            .unwrap()
+        };
+        assert_eq!(
+            ask(&mut s, &t, 6, &[]).unwrap_err(),
+            DecideRejected::NoChoices
+        );
+        assert_eq!(
+            ask(&mut s, &t, 6, &[3, 4, 3]).unwrap_err(),
+            DecideRejected::SharedFirstToken {
+                first: 0,
+                second: 2,
+                token: 3
+            }
+        );
+        assert_eq!(
+            ask(&mut s, &[1; 13], 6, &[3]).unwrap_err(),
+            DecideRejected::PastContext {
+                tokens: 13,
+                n_ctx: 12
+            }
+        );
+        assert_eq!(
+            ask(&mut s, &[], 0, &[3]).unwrap_err(),
+            DecideRejected::EmptyPrompt
+        );
+        assert!(matches!(
+            ask(&mut s, &t, 9, &[3]).unwrap_err(),
+            DecideRejected::PrefixPastPrompt { .. }
+        ));
+        assert_eq!(s.engine().backend().log().len(), log, "nothing ran");
+        assert_eq!(s.turns(), 1);
+        assert_eq!(s.kept_prefix(), Some(&PREFIX[..]));
+        // Cancelled before its prefill: no scores, the kept state as it was.
+        s.cancel_flag().set();
+        let o = ask(&mut s, &t, 6, &[3, 4]).unwrap();
+        assert!(o.cancelled);
+        assert_eq!((o.best, o.choice_logp), (None, vec![None, None]));
+        assert_eq!(s.engine().backend().log().len(), log, "nothing ran");
+        assert_eq!(s.kept_prefix(), Some(&PREFIX[..]));
+        assert!(o.summary.counters.interrupted);
     }
 }

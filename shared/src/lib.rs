@@ -10,6 +10,8 @@ pub mod backend;
 pub mod cache;
 pub mod clock;
 pub mod config;
+pub mod decide;
+pub mod faults;
 pub mod flags;
 pub mod flash;
 pub mod gating;
@@ -32,6 +34,7 @@ pub use backend::{
 };
 pub use cache::{Admission, CacheCounters, CacheError, ExpertCache, Lookup};
 pub use clock::{Clock, Nanos};
+pub use decide::{DecideOutcome, DecideRejected, DecideRequest};
 pub use flash::{Flash, FlashError, ReadDone, ReadId, ReadRequest, ReadTag, ResidentFlash};
 pub use gating::{Gating, GatingFunc};
 pub use generate::{

@@ -503,7 +503,7 @@ impl<C: Clock, F: Flash, B: Backend> Engine<C, F, B> {
         predictors.begin_step(input.phase, input.tokens.len());
         let wants_routes = sink.wants_routes();
         backend
-            .begin(input.tokens, input.positions)
+            .begin_step(input)
             .map_err(be(BackendStage::Begin, 0))?;
         for model_layer in 0..layout.n_model_layers() {
             backend

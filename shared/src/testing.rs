@@ -586,7 +586,16 @@ pub struct ScriptBackend {
     state: Vec<u64>,
     fail_expert_call: Option<u64>,
     expert_calls: u64,
+    /// A stand-in KV: per context position, the folded state its row ended a step with.
+    kv: Vec<u64>,
+    /// `keep_prefix`'s copy of `kv[..n]`.
+    kept: Option<Vec<u64>>,
+    /// The last row's stand-in logits (`SCRIPT_VOCAB` wide), a function of the whole context.
+    logits: Vec<f32>,
 }
+
+/// The width of the scripted backend's logits. Its last token is never possible (−∞).
+pub const SCRIPT_VOCAB: usize = 16;
 
 impl ScriptBackend {
     /// A backend over `layout` / `shards` routing `k` experts per row by a seeded draw that
@@ -632,6 +641,9 @@ impl ScriptBackend {
             state: Vec::new(),
             fail_expert_call: None,
             expert_calls: 0,
+            kv: Vec::new(),
+            kept: None,
+            logits: Vec::new(),
         }
     }
     /// Check slot bytes against `store` (which the flash device must fill).
@@ -821,8 +833,65 @@ impl Backend for ScriptBackend {
 
     fn head(&mut self) -> Result<(), ScriptError> {
         self.clock.advance(self.costs.head);
+        // Every row's final state is its position's KV entry; the last row's logits fold the
+        // whole context up to it, so a wrong restored prefix shows in them.
+        for (&pos, &s) in self.positions.iter().zip(&self.state) {
+            let p = pos as usize;
+            if self.kv.len() <= p {
+                self.kv.resize(p + 1, 0);
+            }
+            self.kv[p] = s;
+        }
+        let last = self.positions.last().map_or(0, |&p| p as usize + 1);
+        let ctx = self.kv[..last.min(self.kv.len())]
+            .iter()
+            .fold(0x5eed_u64, |h, &s| splitmix64(h.rotate_left(5) ^ s));
+        self.logits = (0..SCRIPT_VOCAB as u64)
+            .map(|v| {
+                if v + 1 == SCRIPT_VOCAB as u64 {
+                    f32::NEG_INFINITY
+                } else {
+                    (splitmix64(ctx ^ v) >> 40) as f32 / (1u64 << 24) as f32 * 8.0 - 4.0
+                }
+            })
+            .collect();
         self.log.push(Call::Head);
         Ok(())
+    }
+
+    fn last_logits(&self) -> Option<&[f32]> {
+        (!self.logits.is_empty()).then_some(&self.logits[..])
+    }
+
+    fn keep_prefix(&mut self, n: u32) -> Result<Option<u64>, ScriptError> {
+        let n = n as usize;
+        if n > self.kv.len() {
+            return Err(ScriptError::Order {
+                what: format!(
+                    "keep_prefix({n}) but only {} positions were fed",
+                    self.kv.len()
+                ),
+            });
+        }
+        let kept = self.kv[..n].to_vec();
+        let bytes = (kept.len() * 8) as u64;
+        self.kept = Some(kept);
+        Ok(Some(bytes))
+    }
+
+    fn restore_prefix(&mut self) -> Result<Option<u32>, ScriptError> {
+        let Some(k) = &self.kept else {
+            return Ok(None);
+        };
+        if self.kv.len() < k.len() {
+            self.kv.resize(k.len(), 0);
+        }
+        self.kv[..k.len()].copy_from_slice(k);
+        Ok(Some(k.len() as u32))
+    }
+
+    fn drop_prefix(&mut self) {
+        self.kept = None;
     }
 
     fn predict(

@@ -10,7 +10,8 @@ use bmoe_core::records::{IoRecord, Phase, RouteRecord};
 use bmoe_core::telemetry::csv::{write_header, write_preamble, MetricsCsv, TokenRecord, COLUMNS};
 use bmoe_core::telemetry::io_trace::{parse_io_trace, IoTraceWriter};
 use bmoe_core::telemetry::progress::{
-    write_begin, write_done, write_error, write_ready, DeltaTracker, Ready, ThinkControl,
+    write_begin, write_decide, write_done, write_error, write_ready, DeltaTracker, Ready,
+    ThinkControl,
 };
 use bmoe_core::telemetry::report::{write_report, ReportContext};
 use bmoe_core::telemetry::route_trace::{
@@ -18,6 +19,7 @@ use bmoe_core::telemetry::route_trace::{
 };
 use bmoe_core::telemetry::summary::{PredictReport, PredictorStats, PrefillCounters};
 use bmoe_core::telemetry::{RunCounters, RunSummary, RunTelemetry};
+use bmoe_core::DecideOutcome;
 
 // ---------------------------------------------------------------------------------------------
 // Harness
@@ -602,7 +604,8 @@ fn progress_golden_and_contract() {
     }
 }
 
-const DONE_KEYS: [&str; 37] = [
+/// The contract's `BMOE_DONE` keys in its order, and bmoe's `n_reused` after `n_past`.
+const DONE_KEYS: [&str; 38] = [
     "id",
     "cancelled",
     "tokens",
@@ -613,6 +616,7 @@ const DONE_KEYS: [&str; 37] = [
     "cache_hit_pct",
     "n_prompt",
     "n_past",
+    "n_reused",
     "compute_s_tok",
     "io_s_tok",
     "cache_resident_mib",
@@ -642,6 +646,82 @@ const DONE_KEYS: [&str; 37] = [
     "text",
 ];
 
+/// The contract's `BMOE_DECIDE` keys, in its order.
+const DECIDE_KEYS: [&str; 21] = [
+    "id",
+    "cancelled",
+    "best",
+    "choice_logp",
+    "n_tokens",
+    "n_reused",
+    "n_prefilled",
+    "restore_s",
+    "store_s",
+    "prefill_s",
+    "prefill_cpu_s",
+    "prefill_read_mib",
+    "prefill_io_s",
+    "prefill_stall_s",
+    "prefill_mgmt_s",
+    "prefill_dev_tokens",
+    "prefill_dev_read_mib",
+    "prefill_dev_stall_s",
+    "prefill_dev_routed",
+    "prefill_dev_demand",
+    "prefix_state_mib",
+];
+
+/// Exactly `keys`, in that order, and nothing else.
+fn assert_exact_keys(line: &str, keys: &[&str]) {
+    assert_key_order(line, keys);
+    let v = json_of(line);
+    let got: Vec<&str> = v
+        .as_object()
+        .expect("object")
+        .keys()
+        .map(String::as_str)
+        .collect();
+    let mut want = keys.to_vec();
+    want.sort_unstable();
+    let mut got_sorted = got.clone();
+    got_sorted.sort_unstable();
+    assert_eq!(got_sorted, want, "{line}");
+}
+
+/// A decide that restored 31 tokens and prefilled 39 (the spec's measured Qwen3.6 case).
+fn decide_fixture() -> DecideOutcome {
+    DecideOutcome {
+        turn: 1,
+        cancelled: false,
+        choice_logp: vec![Some(-0.10536051565782628), None, Some(-2.3025850929940455)],
+        best: Some(0),
+        n_tokens: 70,
+        n_reused: 31,
+        n_prefilled: 39,
+        restore_s: 0.00754,
+        store_s: 0.0123,
+        prefix_state_bytes: 63 << 20,
+        summary: RunSummary {
+            totals: Default::default(),
+            counters: RunCounters {
+                n_prompt: 39,
+                n_past: 70,
+                n_reused: 31,
+                prefill_s: 8.1,
+                prefill: PrefillCounters {
+                    cpu_s: 15.25,
+                    read_bytes: 412 << 20,
+                    io_s: 3.5,
+                    stall_s: 1.25,
+                    mgmt_s: 0.05,
+                },
+                ..RunCounters::default()
+            },
+        },
+        error: None,
+    }
+}
+
 #[test]
 fn session_golden_and_contract() {
     let cfg = overlap_config();
@@ -662,6 +742,21 @@ fn session_golden_and_contract() {
     out.extend_from_slice(progress.as_bytes());
     let (reasoning, text) = snapshots()[3];
     write_done(&mut out, 7, false, &summary, reasoning, text).expect("vec");
+    write_begin(&mut out, 9).expect("vec");
+    write_decide(&mut out, 9, &decide_fixture()).expect("vec");
+    let cancelled = DecideOutcome {
+        cancelled: true,
+        choice_logp: vec![None, None],
+        best: None,
+        n_reused: 0,
+        n_prefilled: 0,
+        restore_s: 0.0,
+        store_s: 0.0,
+        summary: RunSummary::default(),
+        ..decide_fixture()
+    };
+    write_begin(&mut out, 10).expect("vec");
+    write_decide(&mut out, 10, &cancelled).expect("vec");
     write_begin(&mut out, 8).expect("vec");
     write_error(
         &mut out,
@@ -686,8 +781,12 @@ fn session_golden_and_contract() {
         .lines()
         .find(|l| l.starts_with("BMOE_DONE "))
         .expect("done");
-    assert_key_order(done, &DONE_KEYS);
+    assert_exact_keys(done, &DONE_KEYS);
     let v = json_of(done);
+    assert_eq!(
+        (&v["n_prompt"], &v["n_past"], &v["n_reused"]),
+        (&12.into(), &16.into(), &0.into())
+    );
     assert_eq!(v["text"], text);
     assert_eq!(v["reasoning"], reasoning);
     assert_eq!(v["tokens"], 4);
@@ -697,6 +796,32 @@ fn session_golden_and_contract() {
         .expect("error");
     assert_key_order(err, &["id", "fatal", "msg"]);
     assert_eq!(json_of(err)["fatal"], false);
+
+    let decides: Vec<&str> = out
+        .lines()
+        .filter(|l| l.starts_with("BMOE_DECIDE "))
+        .collect();
+    assert_eq!(decides.len(), 2);
+    for d in &decides {
+        assert_exact_keys(d, &DECIDE_KEYS);
+    }
+    let v = json_of(decides[0]);
+    // The log-probabilities read back bit for bit; -inf is null.
+    let logp: Vec<Option<f64>> = v["choice_logp"]
+        .as_array()
+        .expect("array")
+        .iter()
+        .map(serde_json::Value::as_f64)
+        .collect();
+    assert_eq!(logp, decide_fixture().choice_logp);
+    assert_eq!(
+        (&v["best"], &v["n_reused"], &v["n_prefilled"]),
+        (&0.into(), &31.into(), &39.into())
+    );
+    assert_eq!(v["prefix_state_mib"], 63.0);
+    let v = json_of(decides[1]);
+    assert_eq!((&v["cancelled"], &v["best"]), (&true.into(), &(-1).into()));
+    assert_eq!(v["choice_logp"], serde_json::json!([null, null]));
 }
 
 #[test]

@@ -62,6 +62,24 @@ pub enum Cmd {
     Diff(DiffArgs),
     /// Fit a device profile to a measured bmoe-cli run
     Calibrate(CalibrateArgs),
+    /// Randomised simulation testing of the core: each seed picks a synthetic trace, a
+    /// configuration and a fault schedule, replays it, and checks the invariants after every
+    /// step (docs/reliability.md). A failing seed is the bug report: --seed N reproduces it
+    Fuzz(FuzzArgs),
+}
+
+/// Flags of `bmoe-sim fuzz`.
+#[derive(Args, Debug, Clone)]
+pub struct FuzzArgs {
+    /// The first seed
+    #[arg(long, value_name = "N", default_value_t = 0, value_parser = parse_u64_strict)]
+    pub seed: u64,
+    /// How many seeds, from --seed on
+    #[arg(long, value_name = "M", default_value_t = 1, value_parser = parse_u64_strict)]
+    pub seeds: u64,
+    /// Print each seed's configuration
+    #[arg(long)]
+    pub verbose: bool,
 }
 
 /// Flags of `bmoe-sim calibrate`.
@@ -240,6 +258,7 @@ where
         Cmd::Bench(a) => cmd_bench(a, out),
         Cmd::Diff(a) => cmd_diff(a, out, err),
         Cmd::Calibrate(a) => cmd_calibrate(a, out),
+        Cmd::Fuzz(a) => cmd_fuzz(a, out, err),
     };
     match result {
         Ok(code) => code,
@@ -250,13 +269,21 @@ where
     }
 }
 
-/// Read and check a route trace.
+/// Read and check a route trace. A trace with a preamble and no rows is refused: replaying
+/// it would report a run of 0 tokens as a success.
 pub fn load_trace(path: &Path) -> Result<RouteTrace, SimError> {
     let text = std::fs::read_to_string(path).map_err(|e| SimError::io(path, e))?;
-    RouteTrace::parse(&text).map_err(|source| SimError::Parse {
+    let trace = RouteTrace::parse(&text).map_err(|source| SimError::Parse {
         path: path.to_path_buf(),
         source,
-    })
+    })?;
+    if trace.cells.is_empty() {
+        return Err(SimError::invalid(
+            format!("route trace {}", path.display()),
+            "it has a preamble but no rows: nothing to replay (was its run stopped before the first step?)",
+        ));
+    }
+    Ok(trace)
 }
 
 /// A trace ready to replay: parsed, planned, its layout built, and the run configured.
@@ -276,6 +303,13 @@ pub struct Prepared {
 /// replay never claims to have modelled what it did not. (The predictor flags are judged
 /// against what the trace recorded, in `predictions::resolve`.)
 fn refuse_unmodelled(cfg: &RunConfig) -> Result<(), SimError> {
+    if cfg.inject_faults.as_ref().is_some_and(|p| p.torn > 0.0) {
+        return Err(SimError::Unsupported {
+            flag: "--inject-faults torn=",
+            why:
+                "a torn read changes bytes, and the flash model moves none (the engine injects it)",
+        });
+    }
     if cfg.substitute_lambda > 0.0 {
         return Err(SimError::Unsupported {
             flag: "--expert-substitute",
@@ -376,12 +410,72 @@ fn create(path: &Path) -> Result<BufWriter<File>, SimError> {
         .map_err(|e| SimError::io(path, e))
 }
 
+/// What a path is, to compare it with another: canonical form (the directory's, joined with
+/// the name, for a file not yet there) and, when it exists, device and inode.
+fn file_identity(path: &Path) -> Option<(PathBuf, Option<(u64, u64)>)> {
+    use std::os::unix::fs::MetadataExt;
+    match std::fs::metadata(path) {
+        Ok(m) => Some((std::fs::canonicalize(path).ok()?, Some((m.dev(), m.ino())))),
+        Err(_) => {
+            let dir = match path.parent() {
+                Some(d) if !d.as_os_str().is_empty() => d,
+                _ => Path::new("."),
+            };
+            Some((
+                std::fs::canonicalize(dir).ok()?.join(path.file_name()?),
+                None,
+            ))
+        }
+    }
+}
+
+/// Refuse a replay output that is its trace or another output (compared through links), before
+/// the trace is read or anything created: `--csv trace.csv` would otherwise replace the trace.
+fn check_replay_outputs(trace: &Path, telemetry: &TelemetryArgs) -> Result<(), SimError> {
+    let same = |a: &Path, b: &Path| match (file_identity(a), file_identity(b)) {
+        (Some((ca, ia)), Some((cb, ib))) => {
+            ca != Path::new("/dev/null") && (ca == cb || (ia.is_some() && ia == ib))
+        }
+        _ => false,
+    };
+    let outputs: Vec<(&str, &Path)> = [
+        ("--csv", telemetry.csv.as_deref()),
+        ("--route-trace", telemetry.route_trace.as_deref()),
+        ("--io-trace", telemetry.io_trace.as_deref()),
+    ]
+    .into_iter()
+    .filter_map(|(f, p)| p.map(|p| (f, p)))
+    .collect();
+    for (i, (flag, p)) in outputs.iter().enumerate() {
+        if same(p, trace) {
+            return Err(SimError::invalid(
+                format!("{flag} {}", p.display()),
+                format!(
+                    "is the trace being replayed (--trace {}): refusing to overwrite an input; choose another path",
+                    trace.display()
+                ),
+            ));
+        }
+        if let Some((other, q)) = outputs[..i].iter().find(|(_, q)| same(p, q)) {
+            return Err(SimError::invalid(
+                format!("{flag} {}", p.display()),
+                format!(
+                    "is the same file as {other} {}: each output needs its own path",
+                    q.display()
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
 fn cmd_replay(
     a: ReplayArgs,
     env: &[(String, String)],
     out: &mut dyn Write,
     err: &mut dyn Write,
 ) -> Result<i32, SimError> {
+    check_replay_outputs(&a.trace, &a.telemetry)?;
     let p = prepare(
         &a.trace,
         a.profile.as_deref(),
@@ -438,6 +532,7 @@ fn cmd_replay(
             route: stamped.as_mut().map(|w| w as &mut dyn RecordSink),
             io: io.as_mut().map(|w| w as &mut dyn RecordSink),
             decode_stats: None,
+            on_step: None,
         },
     )?;
     if let (Some(mut w), Some(path)) = (csv, &a.telemetry.csv) {
@@ -476,6 +571,15 @@ fn cmd_replay(
         bmoe_core::telemetry::fmt::fixed(result.end.as_secs_f64(), 6)
     )
     .map_err(w)?;
+    if p.cfg.inject_faults.is_some() || result.read_retries > 0 {
+        let f = result.faults;
+        writeln!(
+            out,
+            "sim: injected faults eio={} short={} spike={} stuck={} retried_reads={}",
+            f.eio, f.short, f.spike, f.stuck, result.read_retries
+        )
+        .map_err(w)?;
+    }
     out.flush().map_err(w)?;
     Ok(0)
 }
@@ -817,6 +921,37 @@ fn cmd_diff(a: DiffArgs, out: &mut dyn Write, err: &mut dyn Write) -> Result<i32
         writeln!(out, "diff: every judged metric within tolerance").map_err(w)?;
         Ok(0)
     }
+}
+
+fn cmd_fuzz(a: FuzzArgs, out: &mut dyn Write, err: &mut dyn Write) -> Result<i32, SimError> {
+    let t0 = std::time::Instant::now();
+    let every = (a.seeds / 20).max(1);
+    let mut line_err = None;
+    let r = crate::fuzz::run_seeds(a.seed, a.seeds, |done, case| {
+        let mut say = |text: String| {
+            if let Err(e) = writeln!(err, "{text}") {
+                line_err.get_or_insert(e);
+            }
+        };
+        if a.verbose {
+            say(format!("fuzz: seed {}: ok ({})", case.seed, case.summary));
+        } else if done % every == 0 || done == a.seeds {
+            say(format!("fuzz: {done}/{} seeds", a.seeds));
+        }
+    });
+    if let Some(e) = line_err {
+        return Err(SimError::io("stderr", e));
+    }
+    let (n, steps, faulted) = r?;
+    writeln!(
+        out,
+        "fuzz: seeds {}..{} ok: {n} seeds, {steps} steps checked, {faulted} stopped by a reported fault, {:.1} s",
+        a.seed,
+        a.seed.saturating_add(a.seeds),
+        t0.elapsed().as_secs_f64()
+    )
+    .map_err(|e| SimError::io("stdout", e))?;
+    Ok(0)
 }
 
 fn cmd_calibrate(a: CalibrateArgs, out: &mut dyn Write) -> Result<i32, SimError> {

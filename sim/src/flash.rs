@@ -18,6 +18,7 @@
 
 use crate::clock::VirtualClock;
 use crate::error::SimError;
+use bmoe_core::faults::{injected_error, FaultCounts, FaultInjector, FaultPlan, InjectedFault};
 use bmoe_core::{Clock, Flash, FlashError, Nanos, ReadDone, ReadId, ReadRequest};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -121,6 +122,9 @@ struct Read {
     latency_ns: u64,
     work_bytes: f64,
     status: Status,
+    /// `--inject-faults`: what this read suffers (a spike is already in `latency_ns`, a stuck
+    /// read never leaves its latency).
+    fault: Option<InjectedFault>,
 }
 
 /// A modelled flash device on a virtual clock. See the module documentation.
@@ -147,6 +151,10 @@ pub struct FlashModel {
     completed: BinaryHeap<Reverse<(u64, u64)>>,
     /// Σ read_bytes over every completed read.
     bytes_read: u64,
+    /// `--inject-faults`.
+    injector: Option<FaultInjector>,
+    /// `--read-timeout-ms`, in virtual nanoseconds.
+    timeout_ns: u64,
 }
 
 impl FlashModel {
@@ -183,7 +191,30 @@ impl FlashModel {
             queues: vec![VecDeque::new(); lanes as usize],
             completed: BinaryHeap::new(),
             bytes_read: 0,
+            injector: None,
+            timeout_ns: bmoe_core::flags::READ_TIMEOUT_MS_DEFAULT * 1_000_000,
         }
+    }
+
+    /// `--inject-faults`: EIO and short reads fail at their modelled completion, a spike adds
+    /// its time to the read's latency, a stuck lane never completes (its waits time out).
+    /// Torn reads change bytes, which the model does not move: callers refuse them.
+    pub fn set_faults(&mut self, plan: FaultPlan) {
+        self.injector = Some(FaultInjector::new(plan));
+    }
+
+    /// Faults injected so far.
+    pub fn fault_counts(&self) -> FaultCounts {
+        self.injector
+            .as_ref()
+            .map(FaultInjector::counts)
+            .unwrap_or_default()
+    }
+
+    /// `--read-timeout-ms`: a `wait` gives up after this much virtual time and reports
+    /// `FlashError::Timeout`.
+    pub fn set_read_timeout_ms(&mut self, ms: u64) {
+        self.timeout_ns = ms.max(1).saturating_mul(1_000_000);
     }
 
     /// Σ `read_bytes` of every read completed so far.
@@ -359,7 +390,11 @@ impl FlashModel {
             return Err(FlashError::UnknownRead { id: ReadId(id) });
         };
         let status = std::mem::replace(&mut r.status, Status::Spent);
+        let injected = r.fault.and_then(|f| injected_error(&r.req, f));
         let outcome = match status {
+            Status::Done { .. } if injected.is_some() => {
+                Err(injected.unwrap_or(FlashError::UnknownRead { id: ReadId(id) }))
+            }
             Status::Done { end } => Ok(ReadDone {
                 id: ReadId(id),
                 lane: r.req.lane,
@@ -399,6 +434,16 @@ impl Flash for FlashModel {
         let now = self.t.max(self.clock.now().0);
         let read_bytes = aligned_window_bytes(read.offset, read.len, self.align_bytes);
         let factor = self.jitter_factor();
+        let fault = match &mut self.injector {
+            Some(f) if read.lane < self.lanes => f.on_submit(&read),
+            _ => None,
+        };
+        let mut latency_ns = (self.latency_ns * factor).round() as u64;
+        match fault {
+            Some(InjectedFault::Spike { ns }) => latency_ns = latency_ns.saturating_add(ns),
+            Some(InjectedFault::Stuck) => latency_ns = u64::MAX,
+            _ => {}
+        }
         let status = if read.lane >= self.lanes {
             Status::Failed {
                 error: FlashError::BadLane {
@@ -416,9 +461,10 @@ impl Flash for FlashModel {
             submit: now,
             start: now,
             read_bytes,
-            latency_ns: (self.latency_ns * factor).round() as u64,
+            latency_ns,
             work_bytes: read_bytes as f64 * factor,
             status,
+            fault,
         });
         if failed {
             self.completed.push(Reverse((now, id)));
@@ -436,9 +482,34 @@ impl Flash for FlashModel {
         self.sync();
         match self.read(id.0).map(|r| &r.status) {
             None | Some(Status::Spent) => return Err(FlashError::UnknownRead { id }),
-            Some(Status::Queued | Status::Latency { .. } | Status::Transfer { .. }) => {
-                self.run(u64::MAX, Some(id.0));
-            }
+            Some(Status::Queued | Status::Latency { .. } | Status::Transfer { .. }) => loop {
+                // Wait until the read lands, or until the read its lane is serving has been
+                // in service for the timeout (as the engine's watchdog judges a lane): a
+                // stuck lane ends in a reported timeout, never a hang.
+                let lane = self.read(id.0).map_or(0, |r| r.req.lane as usize);
+                let head = self.queues.get(lane).and_then(|q| q.front().copied());
+                let head_start = head.and_then(|h| self.read(h)).map_or(self.t, |r| r.start);
+                let deadline = head_start.saturating_add(self.timeout_ns).max(self.t);
+                self.run(deadline, Some(id.0));
+                let active = self.read(id.0).is_some_and(|r| {
+                    matches!(
+                        r.status,
+                        Status::Queued | Status::Latency { .. } | Status::Transfer { .. }
+                    )
+                });
+                if !active {
+                    break;
+                }
+                let same_head = self.queues.get(lane).and_then(|q| q.front().copied()) == head;
+                if same_head && self.t >= deadline {
+                    self.clock.advance_to(Nanos(deadline));
+                    return Err(FlashError::Timeout {
+                        id,
+                        lane: lane as u32,
+                        timeout_ms: self.timeout_ns / 1_000_000,
+                    });
+                }
+            },
             Some(Status::Done { .. } | Status::Failed { .. }) => {}
         }
         if let Some(Status::Done { end }) = self.read(id.0).map(|r| &r.status) {
@@ -522,6 +593,73 @@ mod tests {
     }
 
     const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn injected_faults_fail_delay_or_stick_reads_and_a_stuck_wait_times_out() {
+        let clock = VirtualClock::new();
+        let mut f = FlashModel::new(clock.clone(), &params(100.0, 1024.0, 4096.0), 2, true, 0);
+        let mut plan = FaultPlan::parse("seed=1,spike=1,spike-ms=5,stuck=1@1").unwrap();
+        f.set_faults(plan.clone());
+        f.set_read_timeout_ms(50);
+        // Lane 0: spiked by 5 ms. Lane 1: its first read is fine, its second sticks.
+        let a = f.submit(req(0, 0, MIB));
+        let b = f.submit(req(1, 4 * MIB, MIB));
+        let c = f.submit(req(1, 8 * MIB, MIB));
+        let d = f.submit(req(1, 12 * MIB, MIB));
+        let da = f.wait(a).expect("a spike is only slower");
+        assert!(da.end.0 - da.start.0 >= 5_000_000 + 100_000, "{da:?}");
+        assert!(f.wait(b).is_ok(), "lane 1's first read is served");
+        let t0 = clock.now();
+        let e = f.wait(c).expect_err("stuck");
+        assert!(
+            matches!(
+                e,
+                FlashError::Timeout {
+                    lane: 1,
+                    timeout_ms: 50,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert!(
+            clock.now().0 - t0.0 <= 50_000_000 + 1_000_000,
+            "waited about the timeout"
+        );
+        assert!(
+            matches!(f.wait(d), Err(FlashError::Timeout { .. })),
+            "queued behind it"
+        );
+        assert!(f.poll().is_none());
+        // EIO and short reads fail at their modelled completion.
+        plan = FaultPlan::parse("seed=2,eio=0.5,short=0.5").unwrap();
+        let clock = VirtualClock::new();
+        let mut f = FlashModel::new(clock.clone(), &params(100.0, 1024.0, 4096.0), 1, true, 0);
+        f.set_faults(plan);
+        let ids: Vec<ReadId> = (0..8).map(|i| f.submit(req(0, i * MIB, MIB))).collect();
+        for id in ids {
+            let e = f.wait(id).expect_err("every read faults");
+            assert!(
+                matches!(e, FlashError::Io { .. } | FlashError::Short { .. }),
+                "{e}"
+            );
+        }
+        assert!(clock.now().0 > 0, "after their transfer time");
+        let c = f.fault_counts();
+        assert_eq!(c.eio + c.short, 8);
+    }
+
+    #[test]
+    fn a_long_queue_is_not_a_timeout() {
+        // Twenty 100 ms reads on one lane: the last waits ~2 s, each served in 100 ms, under a
+        // 150 ms timeout judged per read in service.
+        let clock = VirtualClock::new();
+        let mut f = FlashModel::new(clock.clone(), &params(0.0, 10.0, 10.0), 1, true, 0);
+        f.set_read_timeout_ms(150);
+        let ids: Vec<ReadId> = (0..20).map(|i| f.submit(req(0, i * MIB, MIB))).collect();
+        assert!(f.wait(*ids.last().unwrap()).is_ok());
+        assert!(clock.now().as_secs_f64() > 1.9);
+    }
 
     #[test]
     fn alignment_windows_match_the_engine() {

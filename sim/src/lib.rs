@@ -16,6 +16,7 @@ pub mod compute;
 pub mod diff;
 pub mod error;
 pub mod flash;
+pub mod fuzz;
 pub mod plan;
 pub mod predictions;
 pub mod profile;

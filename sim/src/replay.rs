@@ -18,6 +18,7 @@ use crate::flash::FlashModel;
 use crate::plan::{PlanTurn, ReplayPlan};
 use crate::profile::DeviceProfile;
 use bmoe_core::config::RunConfig;
+use bmoe_core::faults::{FaultCounts, RetryFlash, READ_RETRIES};
 use bmoe_core::policy::EvictionPolicy;
 use bmoe_core::records::{Phase, RecordSink};
 use bmoe_core::telemetry::route_trace::RouteTrace;
@@ -57,7 +58,14 @@ pub struct ReplayOutputs<'a> {
     pub io: Option<&'a mut dyn RecordSink>,
     /// Every decode step's `StepStats`, in order (for calibration).
     pub decode_stats: Option<&'a mut Vec<StepStats>>,
+    /// Called after every step (prefill and decode) with the step's stats and the cache, to
+    /// check invariants (`bmoe-sim fuzz`); an `Err` stops the replay.
+    pub on_step: Option<&'a mut StepObserver<'a>>,
 }
+
+/// See [`ReplayOutputs::on_step`].
+pub type StepObserver<'a> =
+    dyn FnMut(&StepStats, &bmoe_core::ExpertCache) -> Result<(), String> + 'a;
 
 /// What a replay did and cost.
 #[derive(Clone, Debug, PartialEq)]
@@ -76,6 +84,10 @@ pub struct ReplayResult {
     pub turns: Vec<RunSummary>,
     /// Virtual time at the end.
     pub end: Nanos,
+    /// Reads retried after an (injected) EIO or short read.
+    pub read_retries: u64,
+    /// Faults `--inject-faults` dealt.
+    pub faults: FaultCounts,
 }
 
 impl ReplayResult {
@@ -99,7 +111,7 @@ impl ReplayResult {
 /// placeholders (the trace records routings, not ids) fed at the recorded positions; the
 /// modelled loop overhead is charged to the virtual clock before every decode step and once
 /// after a turn's last.
-struct Replayer<'a> {
+struct Replayer<'a, 'o> {
     plan: &'a ReplayPlan,
     /// `--route-ahead` replays take their counters from the trace: (trace, k).
     route_ahead: Option<(&'a RouteTrace, usize)>,
@@ -112,16 +124,17 @@ struct Replayer<'a> {
     decode_steps: u64,
     decode_wall: Nanos,
     decode_stats: Option<&'a mut Vec<StepStats>>,
+    on_step: Option<&'o mut StepObserver<'o>>,
 }
 
-impl Replayer<'_> {
+impl Replayer<'_, '_> {
     fn start_turn(&mut self, turn: &PlanTurn) {
         self.prefill = turn.prefill;
         self.decode = turn.decode.clone();
     }
 }
 
-impl TokenSource<TraceBackend> for Replayer<'_> {
+impl TokenSource<TraceBackend> for Replayer<'_, '_> {
     type Error = SimError;
 
     fn before_step(
@@ -165,6 +178,13 @@ impl TokenSource<TraceBackend> for Replayer<'_> {
             }
         }
         Ok(())
+    }
+
+    fn observe(&mut self, cache: &ExpertCache, stats: &StepStats) -> Result<(), SimError> {
+        match self.on_step.as_deref_mut() {
+            Some(f) => f(stats, cache).map_err(|e| SimError::invalid("invariant", e)),
+            None => Ok(()),
+        }
     }
 
     fn next_token(
@@ -223,16 +243,23 @@ pub fn run(setup: ReplaySetup<'_>, out: ReplayOutputs<'_>) -> Result<ReplayResul
         route,
         io,
         decode_stats,
+        on_step,
     } = out;
     let k = cfg.n_expert_used as u16;
     let clock = VirtualClock::new();
-    let flash = FlashModel::new(
+    let mut flash = FlashModel::new(
         clock.clone(),
         &profile.flash,
         cfg.io_threads,
         cfg.o_direct,
         seed,
     );
+    flash.set_read_timeout_ms(cfg.read_timeout_ms);
+    if let Some(plan) = &cfg.inject_faults {
+        flash.set_faults(plan.clone());
+    }
+    // As in the engine: a read failing with EIO or short is retried before it is reported.
+    let flash = RetryFlash::new(flash, READ_RETRIES);
     let backend = TraceBackend::new(
         clock.clone(),
         &profile.compute,
@@ -272,6 +299,7 @@ pub fn run(setup: ReplaySetup<'_>, out: ReplayOutputs<'_>) -> Result<ReplayResul
         decode_steps: 0,
         decode_wall: Nanos::ZERO,
         decode_stats,
+        on_step,
     };
     let mut outputs = Outputs {
         progress,
@@ -314,5 +342,7 @@ pub fn run(setup: ReplaySetup<'_>, out: ReplayOutputs<'_>) -> Result<ReplayResul
         summary: session.summary(),
         turns,
         end: clock.now(),
+        read_retries: session.engine().flash().retried(),
+        faults: session.engine().flash().inner().fault_counts(),
     })
 }

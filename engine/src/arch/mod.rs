@@ -22,7 +22,7 @@ use crate::gguf::GgufFile;
 use crate::kernels::ActBuf;
 use blocks::Compute;
 use bmoe_core::Gating;
-pub use state::{LayerMemory, MemoryKind, Scratch, State};
+pub use state::{KvSnapshot, LayerMemory, MemoryKind, Scratch, State};
 use std::sync::Arc;
 pub use weights::{ExpertTensor, Loader, Mat, Weights};
 
@@ -51,6 +51,16 @@ pub enum ArchError {
     },
     #[error(transparent)]
     Gguf(#[from] crate::gguf::GgufError),
+    /// `--check-finite` found a NaN or infinity in a layer's intermediate (named as
+    /// llama.cpp's eval callback names them).
+    #[error("layer {layer} {tensor}: {count} of {total} values are NaN or infinite (first at position {position}); this is the first intermediate --check-finite found broken")]
+    NonFinite {
+        layer: usize,
+        tensor: &'static str,
+        position: u32,
+        count: usize,
+        total: usize,
+    },
 }
 
 /// The shape every family reports.
@@ -214,6 +224,8 @@ pub struct Model<A: Arch + ?Sized = dyn Arch> {
     /// router hook, resident and streamed alike (same gating, same bits).
     top_k: usize,
     gating: Gating,
+    /// `--check-finite`: stop at the first layer intermediate holding a NaN or infinity.
+    check_finite: bool,
     dims: Dims,
     /// Per model layer: its experts' projections (empty for a dense layer).
     experts: Vec<Vec<ExpertTensor>>,
@@ -231,6 +243,7 @@ impl<A: Arch + ?Sized> Model<A> {
             cx: Compute::new(threads),
             top_k: dims.n_expert_used,
             gating: arch.gating(),
+            check_finite: false,
             dims,
             experts,
             arch,
@@ -244,6 +257,60 @@ impl<A: Arch + ?Sized> Model<A> {
 
     pub fn dims(&self) -> &Dims {
         &self.dims
+    }
+
+    /// Check every layer's intermediates for NaN and infinity (`--check-finite`): one pass
+    /// over the hidden state per check, to name the first layer and tensor that breaks.
+    pub fn set_check_finite(&mut self, on: bool) {
+        self.check_finite = on;
+    }
+
+    /// Under `--check-finite`, an error when `data` (rows of `row_len` values; row `i` is
+    /// batch row `rows[i]`, or `i` when `rows` is `None`) holds a non-finite value.
+    fn check(
+        &self,
+        st: &State,
+        layer: usize,
+        tensor: &'static str,
+        data: &[f32],
+        row_len: usize,
+        rows: Option<&[u32]>,
+    ) -> Result<(), ArchError> {
+        if !self.check_finite {
+            return Ok(());
+        }
+        let Some((count, first)) = crate::finite::non_finite(data) else {
+            return Ok(());
+        };
+        let row = first / row_len.max(1);
+        let batch_row = rows.map_or(row, |r| r.get(row).copied().unwrap_or(0) as usize);
+        Err(ArchError::NonFinite {
+            layer,
+            tensor,
+            position: st.positions.get(batch_row).copied().unwrap_or(0),
+            count,
+            total: data.len(),
+        })
+    }
+
+    /// `--check-finite` on the FFN rows' residual stream after layer `layer` (`l_out`).
+    fn check_l_out(&self, st: &State, layer: usize) -> Result<(), ArchError> {
+        if !self.check_finite {
+            return Ok(());
+        }
+        let d = self.dims.d_model;
+        for &row in &st.ffn_rows {
+            let r = row as usize;
+            self.check(
+                st,
+                layer,
+                "l_out",
+                &st.x[r * d..(r + 1) * d],
+                d,
+                Some(&[row]),
+            )?;
+        }
+        Ok(())
     }
 
     pub fn gating(&self) -> Gating {
@@ -303,7 +370,7 @@ impl<A: Arch + ?Sized> Model<A> {
         if let Some(s) = self.arch.embed_scale() {
             st.x.iter_mut().for_each(|v| *v *= s);
         }
-        Ok(())
+        self.check(st, 0, "inp_embd", &st.x, d, None)
     }
 
     /// Layer `layer`'s dense step. The FFN runs for every row, except at the last layer where
@@ -317,18 +384,21 @@ impl<A: Arch + ?Sized> Model<A> {
         }
         st.router_separate = false;
         self.arch.dense(&self.cx, st, layer)?;
-        if !self.experts(layer).is_empty() {
-            let (m, k, d) = (
-                st.ffn_rows.len(),
-                self.dims.n_expert_used,
-                self.dims.d_model,
-            );
-            st.moe_k = k;
-            st.moe.resize(m * k * d, 0.0);
-            st.moe_filled.clear();
-            st.moe_filled.resize(m * k, false);
+        if self.experts(layer).is_empty() {
+            // A dense layer finished itself.
+            return self.check_l_out(st, layer);
         }
-        Ok(())
+        let (m, k, d) = (
+            st.ffn_rows.len(),
+            self.dims.n_expert_used,
+            self.dims.d_model,
+        );
+        st.moe_k = k;
+        st.moe.resize(m * k * d, 0.0);
+        st.moe_filled.clear();
+        st.moe_filled.resize(m * k, false);
+        self.check(st, layer, "ffn_inp", &st.x, d, None)?;
+        self.check(st, layer, "ffn_norm", &st.h, d, Some(&st.ffn_rows))
     }
 
     /// The router of MoE layer `layer`: logits, the gating's scores, selection and weights.
@@ -365,6 +435,14 @@ impl<A: Arch + ?Sized> Model<A> {
             st.h = input;
         }
         r?;
+        self.check(
+            st,
+            layer,
+            "ffn_moe_logits",
+            &out.probs,
+            ne,
+            Some(&st.ffn_rows),
+        )?;
         out.ids.resize(m * k, 0);
         out.weights.resize(m * k, 0.0);
         let bias = self.arch.selection_bias(layer);
@@ -521,7 +599,8 @@ impl<A: Arch + ?Sized> Model<A> {
                 }
             }
         }
-        self.arch.finish_layer(&self.cx, st, layer)
+        self.arch.finish_layer(&self.cx, st, layer)?;
+        self.check_l_out(st, layer)
     }
 
     /// Final norm and output head for the output rows; logits land in `st.logits`

@@ -215,6 +215,96 @@ fn ring_err(layer: usize, what: String) -> ArchError {
     }
 }
 
+/// A copy of every layer's memory of positions `0..n`: the whole sequence state of an
+/// attention-only model, as a decide keeps it after its prefix (`Backend::keep_prefix`). A
+/// full layer keeps the rows of those positions; a ring layer the slots holding positions
+/// below `n` (a ring that has since moved past them cannot give them back: restoring it
+/// leaves those slots empty and the next batch that needs them is refused by name).
+#[derive(Debug, Default)]
+pub struct KvSnapshot {
+    n: usize,
+    layers: Vec<LayerSnap>,
+}
+
+#[derive(Debug, Default)]
+struct LayerSnap {
+    k: Vec<f32>,
+    v: Vec<f32>,
+    /// Ring layers: the position of each kept slot (`u32::MAX` = not kept).
+    slot_pos: Vec<u32>,
+}
+
+impl KvSnapshot {
+    /// Positions held.
+    pub fn len(&self) -> usize {
+        self.n
+    }
+    pub fn is_empty(&self) -> bool {
+        self.n == 0
+    }
+    /// Bytes of memory held.
+    pub fn bytes(&self) -> u64 {
+        self.layers
+            .iter()
+            .map(|l| {
+                (l.k.capacity() + l.v.capacity()) * std::mem::size_of::<f32>()
+                    + l.slot_pos.capacity() * std::mem::size_of::<u32>()
+            })
+            .sum::<usize>() as u64
+    }
+}
+
+impl KvLayer {
+    fn snapshot(&self, n: usize, into: &mut LayerSnap) {
+        let d = self.kv_dim;
+        into.k.clear();
+        into.v.clear();
+        into.slot_pos.clear();
+        match self.kind {
+            MemoryKind::Full => {
+                into.k.extend_from_slice(&self.k[..n * d]);
+                into.v.extend_from_slice(&self.v[..n * d]);
+            }
+            MemoryKind::Ring { .. } => {
+                into.k.extend_from_slice(&self.k);
+                into.v.extend_from_slice(&self.v);
+                into.slot_pos.extend(self.slot_pos.iter().map(|&p| {
+                    if (p as usize) < n {
+                        p
+                    } else {
+                        u32::MAX
+                    }
+                }));
+            }
+        }
+        // Hold what this snapshot needs, not what a longer earlier one did.
+        into.k.shrink_to_fit();
+        into.v.shrink_to_fit();
+    }
+
+    fn restore(&mut self, n: usize, snap: &LayerSnap) -> bool {
+        let d = self.kv_dim;
+        match self.kind {
+            MemoryKind::Full => {
+                if snap.k.len() != n * d || snap.v.len() != n * d {
+                    return false;
+                }
+                self.k[..n * d].copy_from_slice(&snap.k);
+                self.v[..n * d].copy_from_slice(&snap.v);
+            }
+            MemoryKind::Ring { .. } => {
+                if snap.k.len() != self.k.len() || snap.slot_pos.len() != self.slot_pos.len() {
+                    return false;
+                }
+                self.k.copy_from_slice(&snap.k);
+                self.v.copy_from_slice(&snap.v);
+                self.slot_pos.copy_from_slice(&snap.slot_pos);
+            }
+        }
+        true
+    }
+}
+
 /// Scratch for a layer's matrix products and FFN.
 #[derive(Default)]
 pub struct Scratch {
@@ -320,6 +410,51 @@ impl State {
         }
     }
 
+    /// Copy every layer's memory of positions `0..n` into `into`, reusing its buffers.
+    pub fn snapshot_kv(&self, n: usize, into: &mut KvSnapshot) -> Result<(), ArchError> {
+        if n > self.n_ctx {
+            return Err(ArchError::Key {
+                file: String::new(),
+                key: "n_ctx".into(),
+                what: format!(
+                    "a snapshot of {n} positions is past the context size {}",
+                    self.n_ctx
+                ),
+            });
+        }
+        into.n = n;
+        into.layers.resize_with(self.mem.len(), LayerSnap::default);
+        for (l, s) in self.mem.iter().zip(&mut into.layers) {
+            l.snapshot(n, s);
+        }
+        Ok(())
+    }
+
+    /// Put `snap`'s memory back: positions `0..snap.len()` of every layer read exactly as they
+    /// did when it was taken, whatever was fed since.
+    pub fn restore_kv(&mut self, snap: &KvSnapshot) -> Result<(), ArchError> {
+        let n = snap.n;
+        let fits = n <= self.n_ctx
+            && snap.layers.len() == self.mem.len()
+            && self
+                .mem
+                .iter_mut()
+                .zip(&snap.layers)
+                .all(|(l, s)| l.restore(n, s));
+        if !fits {
+            return Err(ArchError::Key {
+                file: String::new(),
+                key: "kv snapshot".into(),
+                what: format!(
+                    "{n} positions of {} layers do not fit this model's {} layers",
+                    snap.layers.len(),
+                    self.mem.len()
+                ),
+            });
+        }
+        Ok(())
+    }
+
     /// Bytes the layers' memories hold.
     pub fn memory_bytes(&self) -> usize {
         self.mem.iter().map(KvLayer::bytes).sum()
@@ -359,6 +494,45 @@ mod tests {
             (s.key(3), s.key(4), s.key(5)),
             (&[3.0][..], &[4.0][..], &[50.0][..])
         );
+    }
+
+    #[test]
+    fn a_snapshot_gives_back_the_prefix_of_full_and_ring_layers() {
+        let mem = |kind| LayerMemory {
+            kind,
+            n_head_kv: 1,
+            head_dim: 1,
+        };
+        let mut st = State::new(
+            &[mem(MemoryKind::Full), mem(MemoryKind::Ring { window: 4 })],
+            16,
+        );
+        let feed = |st: &mut State, pos: &[u32], base: f32| {
+            let b: Vec<f32> = pos.iter().map(|&p| base + p as f32).collect();
+            for l in &mut st.mem {
+                l.source(0, pos, &b, &b).unwrap();
+                l.commit(pos, &b, &b);
+            }
+        };
+        feed(&mut st, &[0, 1, 2, 3, 4, 5], 0.0);
+        let mut snap = KvSnapshot::default();
+        st.snapshot_kv(6, &mut snap).unwrap();
+        assert_eq!(snap.len(), 6);
+        // Feed past the prefix (the ring overwrites positions 2..=5), then restore.
+        feed(&mut st, &[6, 7, 8, 9], 100.0);
+        st.restore_kv(&snap).unwrap();
+        let one = [7.0f32];
+        for l in &mut st.mem {
+            let s = l.source(0, &[6], &one, &one).unwrap();
+            assert_eq!(
+                (s.key(3), s.key(5), s.value(6)),
+                (&[3.0][..], &[5.0][..], &[7.0][..])
+            );
+        }
+        // A snapshot for another model shape is refused.
+        let mut other = State::new(&[mem(MemoryKind::Full)], 16);
+        assert!(other.restore_kv(&snap).is_err());
+        assert!(st.snapshot_kv(17, &mut snap).is_err());
     }
 
     #[test]

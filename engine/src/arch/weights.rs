@@ -11,18 +11,6 @@ use crate::gguf::{GgmlType, GgufFile, TensorInfo};
 use crate::kernels;
 use std::sync::Arc;
 
-/// Weight types the kernels can multiply.
-pub const MATMUL_TYPES: &[GgmlType] = &[
-    GgmlType::F32,
-    GgmlType::F16,
-    GgmlType::BF16,
-    GgmlType::Q8_0,
-    GgmlType::Q4_0,
-    GgmlType::Q4_K,
-    GgmlType::Q5_K,
-    GgmlType::Q6_K,
-];
-
 /// Types a small vector (a norm's weights, a bias, a scale) may be stored in.
 const VECTOR_TYPES: &[GgmlType] = &[GgmlType::F32, GgmlType::F16, GgmlType::BF16];
 
@@ -211,7 +199,7 @@ impl Loader {
     pub fn mat(&mut self, name: &str, cols: usize, rows: usize) -> Result<Mat, ArchError> {
         let t = self.tensor(name)?;
         self.check_dims(&t, &[cols, rows])?;
-        self.check_type(&t, MATMUL_TYPES)?;
+        self.check_type(&t, kernels::weight_types())?;
         let data = self.file.tensor_data(&t);
         let mut m = Mat {
             ty: t.ty,
@@ -311,7 +299,7 @@ impl Loader {
     ) -> Result<ExpertTensor, ArchError> {
         let t = self.tensor(name)?;
         self.check_dims(&t, &[cols, rows, n_expert])?;
-        self.check_type(&t, MATMUL_TYPES)?;
+        self.check_type(&t, kernels::weight_types())?;
         let stride = t.n_bytes / n_expert as u64;
         Ok(ExpertTensor {
             info: t,

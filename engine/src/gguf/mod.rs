@@ -10,7 +10,7 @@ mod types;
 mod value;
 mod writer;
 
-pub use reader::{split_path, Extent, GgufFile, TensorInfo};
+pub use reader::{split_path, split_shard_paths, Extent, GgufFile, TensorInfo};
 pub use types::GgmlType;
 pub use value::{Value, ValueType};
 pub use writer::{plan_split, GgufSplitWriter, GgufWriter, TensorSpec};
@@ -42,6 +42,9 @@ pub enum GgufError {
         file: PathBuf,
         source: std::io::Error,
     },
+    /// The path exists but is a directory, a device or a pipe: nothing to map.
+    #[error("{file}: is {kind}, not a GGUF file (pass the model file itself; for a split model, any of its shards)")]
+    NotAFile { file: PathBuf, kind: &'static str },
     #[error("{file}: not a GGUF file: magic is {found:#010x}, expected 0x46554747 (\"GGUF\")")]
     BadMagic { file: PathBuf, found: u32 },
     #[error("{file}: unsupported GGUF version {found} (this build reads versions 2 and 3)")]
@@ -104,6 +107,7 @@ impl GgufError {
             GgufError::MissingShard { .. } => Some(KEY_SPLIT_COUNT),
             GgufError::UnsupportedType { .. }
             | GgufError::Open { .. }
+            | GgufError::NotAFile { .. }
             | GgufError::Write { .. } => None,
         }
     }

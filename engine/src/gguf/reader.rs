@@ -393,50 +393,93 @@ fn parse(file: &Path, buf: &[u8]) -> Result<Parsed, GgufError> {
     let mut tensors = Vec::with_capacity(n_tensors.min(PREALLOC_ITEMS) as usize);
     let mut names = HashSet::new();
     for i in 0..n_tensors {
-        let name = c.string(&|| format!("tensor_info[{i}] name"))?;
-        let nd_field = || format!("tensor '{name}' n_dims");
-        let nd = c.u32(&nd_field)?;
-        if nd == 0 || nd > MAX_DIMS {
-            return Err(GgufError::invalid(
-                file,
-                nd_field(),
-                format!("{nd}, expected 1..={MAX_DIMS}"),
-            ));
-        }
-        let mut dims = Vec::with_capacity(nd as usize);
-        for d in 0..nd {
-            dims.push(c.u64(&|| format!("tensor '{name}' dims[{d}]"))?);
-        }
-        let tid = c.u32(&|| format!("tensor '{name}' type"))?;
-        let ty = GgmlType::from_id(tid).ok_or_else(|| GgufError::UnsupportedType {
-            file: file.to_path_buf(),
-            tensor: name.clone(),
-            ty: format!("id {tid}"),
-            what: "is not a ggml type this build knows".into(),
+        let t = tensor_info(&mut c, i).map_err(|e| match e {
+            // An info that cannot be what it claims, read where the count says the last one
+            // is: most likely the count is too large and this is padding or tensor data.
+            GgufError::Invalid { .. }
+            | GgufError::OutOfBounds { .. }
+            | GgufError::UnsupportedType { .. }
+                if i + 1 == n_tensors =>
+            {
+                let text = e.to_string();
+                let prefix = format!("{}: ", file.display());
+                let inner = text.strip_prefix(&prefix).unwrap_or(&text);
+                GgufError::invalid(
+                    file,
+                    "tensor_count",
+                    format!(
+                        "{n_tensors}, but tensor_info[{i}], the last it counts, does not parse ({inner}): is tensor_count too large?"
+                    ),
+                )
+            }
+            e => e,
         })?;
-        let rel = c.u64(&|| format!("tensor '{name}' offset"))?;
-        if !names.insert(name.clone()) {
+        if !names.insert(t.name.clone()) {
             return Err(GgufError::invalid(
                 file,
-                format!("tensor '{name}'"),
+                format!("tensor '{}'", t.name),
                 format!("name appears twice (again as tensor_info[{i}]), expected unique names"),
             ));
         }
-        tensors.push(RawTensor {
-            name,
-            dims,
-            ty,
-            rel,
-        });
+        tensors.push(t);
     }
     // Cannot overflow: pos <= file length and alignment <= 1 MiB.
-    let data_start = c.pos.div_ceil(alignment) * alignment;
+    let table_end = c.pos;
+    let data_start = table_end.div_ceil(alignment) * alignment;
+    // Every writer (llama.cpp, gguf-py, ours) pads the tensor table with zeros. Anything else
+    // there means the table did not end where `tensor_count` says: a count one too small
+    // leaves the last tensor info in the "padding" and shifts every tensor's data.
+    let pad = &buf[table_end as usize..data_start.min(buf.len() as u64) as usize];
+    if let Some(i) = pad.iter().position(|&b| b != 0) {
+        return Err(GgufError::invalid(
+            file,
+            "tensor_count",
+            format!(
+                "{n_tensors} tensor infos end at offset {table_end}, but the padding up to the data section at {data_start} is not zero (byte {} is {:#04x}); expected zero padding: is tensor_count too small?",
+                table_end + i as u64,
+                pad[i]
+            ),
+        ));
+    }
     Ok(Parsed {
         version,
         alignment,
         metadata,
         tensors,
         data_start,
+    })
+}
+
+/// Tensor info number `i` of the table, at the cursor.
+fn tensor_info(c: &mut Cursor<'_>, i: u64) -> Result<RawTensor, GgufError> {
+    let file = c.file;
+    let name = c.string(&|| format!("tensor_info[{i}] name"))?;
+    let nd_field = || format!("tensor '{name}' n_dims");
+    let nd = c.u32(&nd_field)?;
+    if nd == 0 || nd > MAX_DIMS {
+        return Err(GgufError::invalid(
+            file,
+            nd_field(),
+            format!("{nd}, expected 1..={MAX_DIMS}"),
+        ));
+    }
+    let mut dims = Vec::with_capacity(nd as usize);
+    for d in 0..nd {
+        dims.push(c.u64(&|| format!("tensor '{name}' dims[{d}]"))?);
+    }
+    let tid = c.u32(&|| format!("tensor '{name}' type"))?;
+    let ty = GgmlType::from_id(tid).ok_or_else(|| GgufError::UnsupportedType {
+        file: file.to_path_buf(),
+        tensor: name.clone(),
+        ty: format!("id {tid}"),
+        what: "is not a ggml type this build knows".into(),
+    })?;
+    let rel = c.u64(&|| format!("tensor '{name}' offset"))?;
+    Ok(RawTensor {
+        name,
+        dims,
+        ty,
+        rel,
     })
 }
 
@@ -456,22 +499,53 @@ fn tensor_bytes(dims: &[u64], ty: GgmlType) -> Result<u64, String> {
             ty.block_size()
         ));
     }
+    // Checked even when another dimension is 0: a row whose size overflows is no shape
+    // (found by the gguf fuzz target: `[2^62, 0]` had 0 bytes but no row size).
+    if ty.row_bytes(row_len).is_none() {
+        return Err(format!(
+            "row length dims[0] = {row_len} of {ty} overflows when sized in bytes"
+        ));
+    }
     (n_el / ty.block_size())
         .checked_mul(ty.type_size())
         .ok_or_else(|| format!("byte size of dimensions {dims:?} of {ty} overflows"))
 }
 
 fn map_file(path: &Path) -> Result<Mmap, GgufError> {
-    let f = File::open(path).map_err(|e| GgufError::Open {
+    let open_err = |e| GgufError::Open {
         file: path.to_path_buf(),
         source: e,
-    })?;
+    };
+    let f = File::open(path).map_err(open_err)?;
+    // A directory opens fine and only fails at mmap, as "No such device": say what it is.
+    let kind = f.metadata().map_err(open_err)?.file_type();
+    if !kind.is_file() {
+        return Err(GgufError::NotAFile {
+            file: path.to_path_buf(),
+            kind: file_kind(kind),
+        });
+    }
     // SAFETY: the mapping is read-only; a file truncated under us by another process is
     // outside what any reader can defend against (SIGBUS), as with every mmap user.
-    unsafe { Mmap::map(&f) }.map_err(|e| GgufError::Open {
-        file: path.to_path_buf(),
-        source: e,
-    })
+    unsafe { Mmap::map(&f) }.map_err(open_err)
+}
+
+/// What a path that is not a regular file is, for [`GgufError::NotAFile`].
+fn file_kind(t: std::fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    if t.is_dir() {
+        "a directory"
+    } else if t.is_fifo() {
+        "a named pipe"
+    } else if t.is_socket() {
+        "a socket"
+    } else if t.is_char_device() {
+        "a character device"
+    } else if t.is_block_device() {
+        "a block device"
+    } else {
+        "not a regular file"
+    }
 }
 
 /// `dir/name-00002-of-00003.gguf` → (`dir/name`, shard number 2, count 3), if the path
@@ -754,6 +828,29 @@ impl GgufFile {
                     ));
                 }
             }
+            // Writers pad each tensor to the alignment and nothing follows the last one, so
+            // the data section ends within one alignment of the last tensor's end. More
+            // bytes than that means the data section starts too early: a tensor_count one too
+            // small (whose info bytes then sit at its head) shifts every tensor by at least
+            // one alignment, and every logit would come out NaN.
+            let data_end = spans
+                .iter()
+                .map(|s| s.0 + s.1)
+                .max()
+                .unwrap_or(0)
+                .max(parsed.data_start);
+            let slack = file_len.saturating_sub(data_end);
+            if slack >= parsed.alignment {
+                return Err(GgufError::invalid(
+                    &path,
+                    "tensor_count",
+                    format!(
+                        "the data of its {} tensors ends at offset {data_end}, but the file goes on for {slack} more bytes; expected at most {} bytes of padding after the last tensor: is tensor_count too small, or was the file appended to?",
+                        spans.len(),
+                        parsed.alignment - 1
+                    ),
+                ));
+            }
             if si == 0 {
                 metadata = parsed.metadata;
             }
@@ -907,6 +1004,18 @@ impl GgufFile {
     }
 }
 
+/// Every file of the model at `path` as its name implies: all `count` shards of a split
+/// model named `name-0000k-of-0000N.gguf` (present or not), else `path` alone. Lets a caller
+/// know a model's files before opening any of them (outputs are checked against them).
+pub fn split_shard_paths(path: &Path) -> Vec<PathBuf> {
+    match split_pattern(path) {
+        Some((prefix, _, count)) if (1..=MAX_SHARDS).contains(&count) => {
+            (0..count).map(|i| split_path(&prefix, i, count)).collect()
+        }
+        _ => vec![path.to_path_buf()],
+    }
+}
+
 /// The path of shard `index` (0-based) of a `count`-shard model whose prefix is `prefix`:
 /// `prefix-{index+1:05}-of-{count:05}.gguf`, as llama.cpp names them.
 pub fn split_path(prefix: &Path, index: u32, count: u32) -> PathBuf {
@@ -962,5 +1071,7 @@ mod tests {
         assert!(tensor_bytes(&[33], GgmlType::Q8_0).is_err());
         assert!(tensor_bytes(&[1 << 32, 1 << 32], GgmlType::F32).is_err());
         assert_eq!(tensor_bytes(&[0, 5], GgmlType::F32), Ok(0));
+        // A huge row of zero rows: zero bytes, but no row size (found by fuzzing).
+        assert!(tensor_bytes(&[1 << 62, 0], GgmlType::F32).is_err());
     }
 }

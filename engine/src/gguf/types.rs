@@ -87,9 +87,19 @@ const TABLE: &[(GgmlType, u32, &str, u64, u64)] = &[
 ];
 
 impl GgmlType {
-    fn row(self) -> &'static (GgmlType, u32, &'static str, u64, u64) {
-        // The table is complete for every variant; the search cannot miss.
-        TABLE.iter().find(|r| r.0 == self).unwrap_or(&TABLE[0])
+    /// This type's row of [`TABLE`]. A `const fn` (a loop, not an iterator) so that block
+    /// geometry is known at compile time: the kernels assert their block structs' sizes
+    /// against it.
+    const fn row(self) -> &'static (GgmlType, u32, &'static str, u64, u64) {
+        let mut i = 0;
+        while i < TABLE.len() {
+            if TABLE[i].0 as u32 == self as u32 {
+                return &TABLE[i];
+            }
+            i += 1;
+        }
+        // The table is complete for every variant (a test checks it); never reached.
+        &TABLE[0]
     }
 
     /// The type for a ggml id, or `None` for an id this build does not know.
@@ -116,12 +126,12 @@ impl GgmlType {
     }
 
     /// Elements per block (1 for plain types).
-    pub fn block_size(self) -> u64 {
+    pub const fn block_size(self) -> u64 {
         self.row().3
     }
 
     /// Bytes per block.
-    pub fn type_size(self) -> u64 {
+    pub const fn type_size(self) -> u64 {
         self.row().4
     }
 
@@ -169,6 +179,27 @@ mod tests {
             assert_eq!(GgmlType::from_name(t.name()), Some(t));
         }
         assert_eq!(GgmlType::from_id(4), None);
+    }
+
+    /// Every variant has its own row (`row` falls back to the first row otherwise): the match
+    /// is exhaustive, so a new variant without a row fails to compile here or fails this test.
+    #[test]
+    fn every_variant_has_a_row() {
+        use GgmlType::*;
+        let check = |t: GgmlType| match t {
+            F32 | F16 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q8_1 | Q2_K | Q3_K | Q4_K | Q5_K
+            | Q6_K | Q8_K | IQ2_XXS | IQ2_XS | IQ3_XXS | IQ1_S | IQ4_NL | IQ3_S | IQ2_S
+            | IQ4_XS | I8 | I16 | I32 | I64 | F64 | IQ1_M | BF16 | TQ1_0 | TQ2_0 | MXFP4
+            | NVFP4 | Q1_0 => assert_eq!(t.row().0, t, "{t:?}"),
+        };
+        for t in [
+            F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K,
+            IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ4_NL, IQ3_S, IQ2_S, IQ4_XS, I8, I16, I32, I64, F64,
+            IQ1_M, BF16, TQ1_0, TQ2_0, MXFP4, NVFP4, Q1_0,
+        ] {
+            check(t);
+        }
+        assert_eq!(GgmlType::all().count(), 34);
     }
 
     #[test]

@@ -58,18 +58,6 @@ pub struct BenchReport {
     pub formats: Vec<FormatResult>,
 }
 
-/// The weight formats benchmarked, in report order.
-pub const FORMATS: [GgmlType; 8] = [
-    GgmlType::Q4_K,
-    GgmlType::Q5_K,
-    GgmlType::Q6_K,
-    GgmlType::Q8_0,
-    GgmlType::Q4_0,
-    GgmlType::F16,
-    GgmlType::BF16,
-    GgmlType::F32,
-];
-
 /// Runs the benchmark with `threads` compute threads on matrices of about `size_mib` MiB each
 /// (use ≥ 256 so they do not fit in the last-level cache; at least 1). Takes a few seconds per
 /// 256 MiB.
@@ -82,7 +70,8 @@ pub fn run_bench(threads: usize, size_mib: usize) -> BenchReport {
     let (expert_matvec_us, expert_matmul_us_per_token) = expert_products_us(&pool);
 
     let mut formats = Vec::new();
-    for ty in FORMATS {
+    // Every weight format the kernels have.
+    for &ty in super::weight_types() {
         let Some(row_bytes) = ty.row_bytes(N_COLS as u64).map(|b| b as usize) else {
             continue;
         };
@@ -375,7 +364,10 @@ mod tests {
     #[test]
     fn small_run_reports_every_format_and_level() {
         let r = run_bench(2, 2);
-        assert_eq!(r.formats.len(), FORMATS.len() * bench_levels().len());
+        assert_eq!(
+            r.formats.len(),
+            super::super::weight_types().len() * bench_levels().len()
+        );
         assert!(
             r.read_gbps > 0.0
                 && r.copy_gbps > 0.0

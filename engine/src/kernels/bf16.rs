@@ -8,7 +8,9 @@
 //! bits.
 
 use super::float_dot::{self, FloatFormat};
-use super::SimdLevel;
+use super::format::{Activation, Format, Kernel};
+use super::{ActBuf, ActFormat};
+use crate::gguf::GgmlType;
 
 const SIZE: usize = 2;
 
@@ -30,7 +32,7 @@ fn to_f32(bits: u16) -> f32 {
 }
 
 /// BF16 as the shared float dot reads it.
-struct Bf16;
+pub(crate) struct Bf16;
 
 impl FloatFormat for Bf16 {
     type Act = u16;
@@ -73,9 +75,49 @@ impl FloatFormat for Bf16 {
     }
 }
 
-/// Dot of a row of bf16 weights (`w`, little-endian bytes) with bf16 activations `a` (bits).
-pub(super) fn dot(level: SimdLevel, w: &[u8], a: &[u16]) -> f32 {
-    float_dot::dot::<Bf16>(level, w, a)
+/// Bf16 activations (bits), rounded to nearest even from f32.
+pub(crate) struct ActBf16;
+
+impl Activation for ActBf16 {
+    const FORMAT: ActFormat = ActFormat::Bf16;
+    const BLOCK: usize = 1;
+    type View = [u16];
+
+    fn prepare(x: &[f32], buf: &mut ActBuf) {
+        buf.u16s.clear();
+        buf.u16s
+            .extend(x.iter().map(|v| half::bf16::from_f32(*v).to_bits()));
+    }
+
+    fn view(buf: &ActBuf) -> &[u16] {
+        &buf.u16s
+    }
+}
+
+impl Format for Bf16 {
+    const TY: GgmlType = GgmlType::BF16;
+    type Block = [u8; SIZE];
+    type Act = ActBf16;
+
+    fn quantize(src: &[f32], dst: &mut [[u8; SIZE]]) {
+        quantize(src, dst.as_flattened_mut())
+    }
+
+    fn dequantize(src: &[[u8; SIZE]], dst: &mut [f32]) {
+        dequantize(src.as_flattened(), dst)
+    }
+
+    fn dot(w: &[[u8; SIZE]], a: &[u16]) -> f32 {
+        float_dot::dot_scalar::<Bf16>(w.as_flattened(), a)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Kernel<Bf16> for super::format::Avx2 {
+    unsafe fn dot(w: &[[u8; SIZE]], a: &[u16]) -> f32 {
+        // SAFETY: the caller's (AVX2, FMA and F16C are present).
+        unsafe { float_dot::dot_avx2::<Bf16>(w.as_flattened(), a) }
+    }
 }
 
 /// Widens 8 bf16 values to f32 (exact: the bits move up by 16).
@@ -91,13 +133,6 @@ unsafe fn bf16x8_to_f32(v: std::arch::x86_64::__m128i) -> std::arch::x86_64::__m
 mod tests {
     use super::super::testutil::*;
     use super::*;
-    use crate::gguf::GgmlType;
-
-    fn dot_scalar(w: &[u8], a: &[u16]) -> f32 {
-        float_dot::dot_scalar::<super::Bf16>(w, a)
-    }
-
-    dot_kernel!(Bf16, BF16, Vec<u16>, |x| act_u16(GgmlType::BF16, x), bytes);
 
     #[test]
     fn simd_matches_scalar_bits() {

@@ -6,7 +6,7 @@
 //! f32 (always exactly). Each format supplies that conversion ([`FloatFormat`]); the loops, the
 //! AVX2 path (4 × 8 lanes, the same bits as the scalar one) and the tail live here.
 
-use super::{reduce32, SimdLevel};
+use super::reduce32;
 
 /// How one float format's weights and activations become f32 (exactly).
 pub(super) trait FloatFormat {
@@ -48,13 +48,7 @@ pub(super) trait FloatFormat {
 }
 
 /// Dot of a row of `F` weights (`w`, little-endian bytes) with activations `a`, over
-/// `min(a.len(), w.len() / SIZE)` values.
-#[inline]
-pub(super) fn dot<F: FloatFormat>(level: SimdLevel, w: &[u8], a: &[F::Act]) -> f32 {
-    simd_dispatch!(level, dot_avx2::<F>(w, a), dot_scalar::<F>(w, a))
-}
-
-/// The scalar reference of [`dot`].
+/// `min(a.len(), w.len() / SIZE)` values: the scalar reference.
 pub(super) fn dot_scalar<F: FloatFormat>(w: &[u8], a: &[F::Act]) -> f32 {
     let n = a.len().min(w.len() / F::SIZE);
     let mut lanes = [0f32; 32];
@@ -64,9 +58,13 @@ pub(super) fn dot_scalar<F: FloatFormat>(w: &[u8], a: &[F::Act]) -> f32 {
     reduce32(&lanes)
 }
 
+/// [`dot_scalar`] with AVX2 (the same bits).
+///
+/// # Safety
+/// AVX2, FMA and F16C are present.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_avx2<F: FloatFormat>(w: &[u8], a: &[F::Act]) -> f32 {
+pub(super) unsafe fn dot_avx2<F: FloatFormat>(w: &[u8], a: &[F::Act]) -> f32 {
     use std::arch::x86_64::*;
     let n = a.len().min(w.len() / F::SIZE);
     let full = n / 32 * 32;

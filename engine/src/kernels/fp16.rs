@@ -7,7 +7,9 @@
 //! AVX2 path (F16C conversion, 4 × 8 lanes) gives exactly the scalar bits.
 
 use super::float_dot::{self, FloatFormat};
-use super::SimdLevel;
+use super::format::{Activation, Format, Kernel};
+use super::{ActBuf, ActFormat};
+use crate::gguf::GgmlType;
 
 const SIZE: usize = 2;
 
@@ -29,7 +31,7 @@ fn to_f32(bits: u16) -> f32 {
 }
 
 /// F16 as the shared float dot reads it.
-struct F16;
+pub(crate) struct F16;
 
 impl FloatFormat for F16 {
     type Act = u16;
@@ -72,22 +74,55 @@ impl FloatFormat for F16 {
     }
 }
 
-/// Dot of a row of f16 weights (`w`, little-endian bytes) with f16 activations `a` (bits).
-pub(super) fn dot(level: SimdLevel, w: &[u8], a: &[u16]) -> f32 {
-    float_dot::dot::<F16>(level, w, a)
+/// F16 activations (bits), rounded to nearest even from f32.
+pub(crate) struct ActF16;
+
+impl Activation for ActF16 {
+    const FORMAT: ActFormat = ActFormat::F16;
+    const BLOCK: usize = 1;
+    type View = [u16];
+
+    fn prepare(x: &[f32], buf: &mut ActBuf) {
+        buf.u16s.clear();
+        buf.u16s
+            .extend(x.iter().map(|v| half::f16::from_f32(*v).to_bits()));
+    }
+
+    fn view(buf: &ActBuf) -> &[u16] {
+        &buf.u16s
+    }
+}
+
+impl Format for F16 {
+    const TY: GgmlType = GgmlType::F16;
+    type Block = [u8; SIZE];
+    type Act = ActF16;
+
+    fn quantize(src: &[f32], dst: &mut [[u8; SIZE]]) {
+        quantize(src, dst.as_flattened_mut())
+    }
+
+    fn dequantize(src: &[[u8; SIZE]], dst: &mut [f32]) {
+        dequantize(src.as_flattened(), dst)
+    }
+
+    fn dot(w: &[[u8; SIZE]], a: &[u16]) -> f32 {
+        float_dot::dot_scalar::<F16>(w.as_flattened(), a)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Kernel<F16> for super::format::Avx2 {
+    unsafe fn dot(w: &[[u8; SIZE]], a: &[u16]) -> f32 {
+        // SAFETY: the caller's (AVX2, FMA and F16C are present).
+        unsafe { float_dot::dot_avx2::<F16>(w.as_flattened(), a) }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::super::testutil::*;
     use super::*;
-    use crate::gguf::GgmlType;
-
-    fn dot_scalar(w: &[u8], a: &[u16]) -> f32 {
-        float_dot::dot_scalar::<super::F16>(w, a)
-    }
-
-    dot_kernel!(F16, F16, Vec<u16>, |x| act_u16(GgmlType::F16, x), bytes);
 
     #[test]
     fn simd_matches_scalar_bits() {

@@ -6,7 +6,9 @@
 //! bits.
 
 use super::float_dot::{self, FloatFormat};
-use super::SimdLevel;
+use super::format::{Activation, Format, Kernel};
+use super::{ActBuf, ActFormat};
+use crate::gguf::GgmlType;
 
 /// Bytes of one value.
 const SIZE: usize = 4;
@@ -24,7 +26,7 @@ pub(super) fn dequantize(src: &[u8], dst: &mut [f32]) {
 }
 
 /// F32 as the shared float dot reads it.
-struct F32;
+pub(crate) struct F32;
 
 impl FloatFormat for F32 {
     type Act = f32;
@@ -72,22 +74,54 @@ impl FloatFormat for F32 {
     }
 }
 
-/// Dot of a row of `a.len()` f32 weights (`w`, little-endian bytes) with `a`.
-pub(super) fn dot(level: SimdLevel, w: &[u8], a: &[f32]) -> f32 {
-    float_dot::dot::<F32>(level, w, a)
+/// F32 activations, as they are.
+pub(crate) struct ActF32;
+
+impl Activation for ActF32 {
+    const FORMAT: ActFormat = ActFormat::F32;
+    const BLOCK: usize = 1;
+    type View = [f32];
+
+    fn prepare(x: &[f32], buf: &mut ActBuf) {
+        buf.f32s.clear();
+        buf.f32s.extend_from_slice(x);
+    }
+
+    fn view(buf: &ActBuf) -> &[f32] {
+        &buf.f32s
+    }
+}
+
+impl Format for F32 {
+    const TY: GgmlType = GgmlType::F32;
+    type Block = [u8; SIZE];
+    type Act = ActF32;
+
+    fn quantize(src: &[f32], dst: &mut [[u8; SIZE]]) {
+        quantize(src, dst.as_flattened_mut())
+    }
+
+    fn dequantize(src: &[[u8; SIZE]], dst: &mut [f32]) {
+        dequantize(src.as_flattened(), dst)
+    }
+
+    fn dot(w: &[[u8; SIZE]], a: &[f32]) -> f32 {
+        float_dot::dot_scalar::<F32>(w.as_flattened(), a)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Kernel<F32> for super::format::Avx2 {
+    unsafe fn dot(w: &[[u8; SIZE]], a: &[f32]) -> f32 {
+        // SAFETY: the caller's (AVX2, FMA and F16C are present).
+        unsafe { float_dot::dot_avx2::<F32>(w.as_flattened(), a) }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::super::testutil::*;
     use super::*;
-    use crate::gguf::GgmlType;
-
-    fn dot_scalar(w: &[u8], a: &[f32]) -> f32 {
-        float_dot::dot_scalar::<super::F32>(w, a)
-    }
-
-    dot_kernel!(F32, F32, Vec<f32>, |x: &[f32]| x.to_vec(), bytes);
 
     #[test]
     fn simd_matches_scalar_bits() {

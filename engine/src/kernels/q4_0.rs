@@ -17,8 +17,11 @@
 //! loaded once for all rows, `Σ (q − 8)·a` is computed as `Σ q·a − 8·Σ a` with the second term
 //! prepared once per activation (`ActBuf`), and the 8 rows' block sums come out of one add tree).
 
-use super::q8_0::BlockQ8_0;
-use super::{f16_to_f32, f32_to_f16, max_by_magnitude, RawBlock, SimdLevel};
+use super::format::{Format, Kernel};
+use super::q8_0::{ActQ8_0, BlockQ8_0, Q8Act};
+use super::{f16_to_f32, f32_to_f16, max_by_magnitude, RawBlock};
+use crate::gguf::GgmlType;
+use std::ops::Range;
 
 const QK: usize = 32;
 
@@ -58,32 +61,51 @@ pub(super) fn dequantize(src: &[BlockQ4_0], dst: &mut [f32]) {
     }
 }
 
-/// Dot of a row of Q4_0 weight blocks with Q8_0 activation blocks.
-pub(super) fn dot(level: SimdLevel, w: &[BlockQ4_0], a: &[BlockQ8_0]) -> f32 {
-    simd_dispatch!(level, dot_avx2(w, a), dot_scalar(w, a))
+/// The Q4_0 weight format.
+pub(crate) struct Q4_0;
+
+impl Format for Q4_0 {
+    const TY: GgmlType = GgmlType::Q4_0;
+    type Block = BlockQ4_0;
+    type Act = ActQ8_0;
+
+    fn quantize(src: &[f32], dst: &mut [BlockQ4_0]) {
+        quantize(src, dst)
+    }
+
+    fn dequantize(src: &[BlockQ4_0], dst: &mut [f32]) {
+        dequantize(src, dst)
+    }
+
+    fn dot(w: &[BlockQ4_0], a: &Q8Act) -> f32 {
+        dot_scalar(w, &a.blocks)
+    }
 }
 
-/// Dots of 8 consecutive rows with `a`: `w` holds (at least) 8 rows of `row_bytes` bytes each,
-/// whole Q4_0 blocks; `a_sums[b]` is the sum of `a[b]`'s quants. Result `r` has exactly the bits
-/// of [`dot`] on row `r`.
-pub(super) fn dot8(
-    level: SimdLevel,
-    w: &[u8],
-    row_bytes: usize,
-    a: &[BlockQ8_0],
-    a_sums: &[i32],
-) -> [f32; 8] {
-    match level {
-        #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx2 if w.len() >= 8 * row_bytes && a_sums.len() >= a.len() => {
-            // SAFETY: the level is only reported when AVX2/FMA/F16C are present, and `w`
-            // holds the 8 rows the kernel reads.
-            unsafe { dot8_avx2(w, row_bytes, a, a_sums) }
+#[cfg(target_arch = "x86_64")]
+impl Kernel<Q4_0> for super::format::Avx2 {
+    unsafe fn dot(w: &[BlockQ4_0], a: &Q8Act) -> f32 {
+        // SAFETY: the caller's (AVX2, FMA and F16C are present).
+        unsafe { dot_avx2(w, &a.blocks) }
+    }
+
+    /// Groups of 8 rows through [`dot8_avx2`] (the bits of [`Kernel::dot`] per row), the rest
+    /// one at a time.
+    unsafe fn dot_rows(w: &[u8], row_bytes: usize, rows: Range<usize>, a: &Q8Act, out: &mut [f32]) {
+        let first = rows.start;
+        let mut r = rows.start;
+        while r + 8 <= rows.end && a.sums.len() >= a.blocks.len() {
+            let band = &w[r * row_bytes..(r + 8) * row_bytes];
+            // SAFETY: the caller's (AVX2, FMA and F16C are present); `band` holds the 8 rows.
+            let v = unsafe { dot8_avx2(band, row_bytes, &a.blocks, &a.sums) };
+            out[r - first..r - first + 8].copy_from_slice(&v);
+            r += 8;
         }
-        _ => std::array::from_fn(|r| {
-            let row = w.get(r * row_bytes..(r + 1) * row_bytes).unwrap_or(&[]);
-            dot(level, super::blocks(row), a)
-        }),
+        for r in r..rows.end {
+            let row = super::blocks(&w[r * row_bytes..(r + 1) * row_bytes]);
+            // SAFETY: as above.
+            out[r - first] = unsafe { dot_avx2(row, &a.blocks) };
+        }
     }
 }
 
@@ -248,10 +270,8 @@ unsafe fn dot8_avx2(w: &[u8], row_bytes: usize, a: &[BlockQ8_0], a_sums: &[i32])
 #[cfg(test)]
 mod tests {
     use super::super::testutil::*;
+    use super::super::{ActBuf, SimdLevel};
     use super::*;
-    use crate::gguf::GgmlType;
-
-    dot_kernel!(Q4_0, Q4_0, Vec<BlockQ8_0>, q8_0_blocks, blocks);
 
     #[test]
     fn simd_matches_scalar_bits() {
@@ -268,10 +288,14 @@ mod tests {
             .collect()
     }
 
-    fn sums_of(a: &[BlockQ8_0]) -> Vec<i32> {
-        a.iter()
-            .map(|b| b.qs.iter().map(|&v| v as i32).sum())
-            .collect()
+    /// The first `n` rows of `w` at `level`, through the table (the 8-row kernel where the
+    /// level has one).
+    fn rows_at(level: SimdLevel, w: &[u8], row_bytes: usize, n: usize, act: &ActBuf) -> Vec<f32> {
+        let mut out = vec![f32::NAN; n];
+        let f = table_of::<Q4_0>().at(level);
+        // SAFETY: `level` comes from `SimdLevel::available`; `w` holds n whole rows.
+        unsafe { (f.rows)(w, row_bytes, 0..n, act, &mut out) };
+        out
     }
 
     #[test]
@@ -282,15 +306,15 @@ mod tests {
             let mut m = matrix(seed, 8, nb);
             let raw = bytes(seed + 99, 8 * row_bytes);
             m.extend_from_slice(&raw);
-            let a = q8_0_blocks(&values(seed + 50, nb * QK, 1.0));
+            let act = prepared(GgmlType::Q4_0, &values(seed + 50, nb * QK, 1.0));
             for base in [0, 8] {
-                let w = &m[base * row_bytes..(base + 8) * row_bytes];
+                // 11 rows: one group of 8 and three single rows.
+                let n = if base == 0 { 11 } else { 8 };
+                let w = &m[base * row_bytes..(base + n) * row_bytes];
                 for level in SimdLevel::available() {
-                    let got = dot8(level, w, row_bytes, &a, &sums_of(&a));
+                    let got = rows_at(level, w, row_bytes, n, &act);
                     for (r, g) in got.iter().enumerate() {
-                        let row: &[BlockQ4_0] =
-                            super::super::blocks(&w[r * row_bytes..(r + 1) * row_bytes]);
-                        let want = dot_scalar(row, &a);
+                        let want = scalar_dot::<Q4_0>(&w[r * row_bytes..(r + 1) * row_bytes], &act);
                         // NaN payloads (from NaN scales in the random rows) are not pinned.
                         assert!(
                             g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()),
@@ -307,8 +331,7 @@ mod tests {
     fn dot8_matches_llama_cpp_rows_bit_for_bit() {
         let cases = llama_rows(include_bytes!("testdata/llama_rows_q4_0.bin"));
         for (i, case) in cases.iter().enumerate() {
-            let mut act = super::super::ActBuf::new();
-            act.prepare(GgmlType::Q4_0, &case.act).unwrap();
+            let act = prepared(GgmlType::Q4_0, &case.act);
             let row_bytes = case.row.len();
             // This case's row in slots i and i + 4, the other cases' rows (same width) elsewhere.
             let mut m = Vec::new();
@@ -325,7 +348,7 @@ mod tests {
                 }
             }
             for level in SimdLevel::available() {
-                let got = dot8(level, &m, row_bytes, &act.q8_0, &act.q8_0_sums);
+                let got = rows_at(level, &m, row_bytes, 8, &act);
                 for slot in [i % 4, i % 4 + 4] {
                     assert_eq!(
                         got[slot].to_bits(),

@@ -21,8 +21,8 @@
 //! per pair of sub-blocks instead; no single order can match both, and ours must not depend on
 //! the batch, so we take the one-token order.
 
-use super::q8_k::{BlockQ8K, GROUP, QK_K};
-use super::{f16_to_f32, f32_to_f16, nearest_int, RawBlock, SimdLevel};
+use super::q8_k::{BlockQ8K, QK_K};
+use super::{f16_to_f32, f32_to_f16, nearest_int, RawBlock};
 
 /// One Q4_K super-block as stored in GGUF.
 #[repr(C)]
@@ -192,24 +192,7 @@ pub(super) fn mins_dot(m: &[u8; 8], bsums: &[i16; 16]) -> i32 {
     s
 }
 
-/// Q5_K's float step of one super-block, shared by its paths (Q4_K uses `accumulate`).
-#[inline(always)]
-pub(super) fn super_block_term(d: [u8; 2], dmin: [u8; 2], d_a: f32, sumi: i32, summ: i32) -> f32 {
-    let dd = d_a * f16_to_f32(d);
-    let dm = d_a * f16_to_f32(dmin);
-    dd * sumi as f32 - dm * summ as f32
-}
-
-/// Dot of a row of Q4_K super-blocks with Q8_K activation blocks.
-pub(super) fn dot(level: SimdLevel, w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
-    simd_dispatch!(level, dot_avx2(w, a), dot_scalar(w, a))
-}
-
-/// Dots of one row with [`GROUP`] activations at once (prefill): the weights are unpacked once
-/// for all of them. Each result has exactly the bits [`dot`] gives for that activation.
-pub(super) fn dot_group(level: SimdLevel, w: &[BlockQ4K], a: [&[BlockQ8K]; GROUP]) -> [f32; GROUP] {
-    simd_dispatch!(level, dot_n_avx2(w, a), a.map(|a| dot_scalar(w, a)))
-}
+super::format::kquant_format!(Q4K, Q4_K, BlockQ4K, grouped);
 
 /// One super-block's step of the two accumulators (see the module header): exact integers in,
 /// one fused multiply-add each.
@@ -349,7 +332,7 @@ pub(super) mod x86 {
 
     /// `[sumi, summ, sumi, summ]`, exact in i32: the total of the 8 lanes of `sumi`, and
     /// `summ` from the minimums (`mins`, from [`scales_mins`]) and the pair sums of `bsums`.
-    /// The integer half of [`finish`] and [`accumulate`].
+    /// The integer half of [`accumulate`].
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
     unsafe fn totals(sumi: __m256i, mins: __m128i, bsums: &[i16; 16]) -> __m128i {
@@ -369,29 +352,24 @@ pub(super) mod x86 {
     /// `[d, dmin, 0, 0]` widened from f16 (exact).
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    unsafe fn super_scales(d: [u8; 2], dmin: [u8; 2]) -> __m128 {
+    pub unsafe fn super_scales(d: [u8; 2], dmin: [u8; 2]) -> __m128 {
         let bits = u16::from_le_bytes(d) as i32 | ((u16::from_le_bytes(dmin) as i32) << 16);
         _mm_cvtph_ps(_mm_cvtsi32_si128(bits))
     }
 
-    /// Q5_K's float step of one super-block on lane 0 of `acc`, exactly as the scalar
-    /// `acc += super_block_term(..)`: `summ` from the minimums and pair sums of `bsums`, both
-    /// integers reduced exactly, then `(d_a·d)·sumi − (d_a·dmin)·summ` and the add.
+    /// `Σ_j m_j · (bsum_2j + bsum_2j+1)` (exact), the scalar [`super::mins_dot`] from the
+    /// minimums of [`scales_mins`] (Q5_K's minimums' term).
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    pub unsafe fn finish(
-        acc: __m128,
-        sumi: __m256i,
-        mins: __m128i,
-        bsums: &[i16; 16],
-        d: [u8; 2],
-        dmin: [u8; 2],
-        d_a: f32,
-    ) -> __m128 {
-        let h = unsafe { totals(sumi, mins, bsums) };
-        let scales = _mm_mul_ps(_mm_set1_ps(d_a), unsafe { super_scales(d, dmin) });
-        let p = _mm_mul_ps(scales, _mm_cvtepi32_ps(h)); // [dd·sumi, dm·summ, ..]
-        _mm_add_ss(acc, _mm_sub_ss(p, _mm_movehdup_ps(p)))
+    pub unsafe fn mins_dot(mins: __m128i, bsums: &[i16; 16]) -> i32 {
+        // SAFETY: 16 i16 = 32 bytes.
+        let bs = unsafe { _mm256_loadu_si256(bsums.as_ptr().cast()) };
+        // Pair sums ≤ 2 · 16 · 127: no i16 overflow.
+        let pairs = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+        let s = _mm_madd_epi16(mins, pairs);
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
+        _mm_cvtsi128_si32(s)
     }
 
     /// Q4_K's step of its two accumulators, lanes 0 (`acc_d`) and 1 (`acc_m`) of `acc`, exactly
@@ -421,8 +399,6 @@ mod tests {
     use super::*;
     use crate::gguf::GgmlType;
 
-    dot_kernel!(Q4K, Q4_K, Vec<BlockQ8K>, q8_k_blocks, blocks, group);
-
     #[test]
     fn simd_matches_scalar_bits() {
         check_simd_matches_scalar::<Q4K>(&[(1, 1), (2, 3), (3, 16)], 50);
@@ -430,7 +406,7 @@ mod tests {
 
     #[test]
     fn group_dot_matches_single_dots_bits() {
-        check_group_matches_single::<Q4K>();
+        check_group_matches_single::<Q4K>(true);
     }
 
     /// Rows of an expert `ffn_down` (two super-blocks) and the results llama.cpp computed for
@@ -476,7 +452,7 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn vector_scale_decoding_matches_scalar() {
-        if super::super::simd_level() < SimdLevel::Avx2 {
+        if super::super::simd_level() < super::super::SimdLevel::Avx2 {
             return;
         }
         use std::arch::x86_64::*;

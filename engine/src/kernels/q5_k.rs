@@ -6,12 +6,17 @@
 //! 64c + 64` (high nibbles); the fifth bit of value `64c + l` is bit `2c` of `qh[l]`, of value
 //! `64c + 32 + l` bit `2c + 1`.
 //!
-//! Summation order: exactly as Q4_K (exact i32 `sumi`, `summ`, then one float step per
-//! super-block); SIMD only computes the integers, so it matches the scalar bits.
+//! Summation order (llama.cpp's x86 `ggml_vec_dot_q5_K_q8_K`, shared by every path): 8 lane
+//! accumulators, one fused multiply-add per super-block each, `lane_k = fma(d_a·d, sumi_k,
+//! lane_k)`, where `sumi_k` sums exactly, over the 8 groups of 32 values, `sc · Σ q·a` over
+//! values `4k .. 4k + 4` of the group; beside them one fused chain of the minimums' terms,
+//! `m_sum = fma(−d_a·dmin, Σ_j m_j·(bsum_2j + bsum_2j+1), m_sum)`; the result
+//! `reduce8(lanes) + m_sum`. SIMD only computes the integers and the same lane steps, so it
+//! matches the scalar bits.
 
-use super::q4_k::{mins_dot, quantize_super_block, super_block_term, unpack_scales};
-use super::q8_k::{BlockQ8K, GROUP, QK_K};
-use super::{f16_to_f32, RawBlock, SimdLevel};
+use super::q4_k::{mins_dot, quantize_super_block, unpack_scales};
+use super::q8_k::{BlockQ8K, QK_K};
+use super::{f16_to_f32, reduce8, RawBlock};
 
 /// One Q5_K super-block as stored in GGUF.
 #[repr(C)]
@@ -83,28 +88,33 @@ pub(super) fn dequantize(src: &[BlockQ5K], dst: &mut [f32]) {
     }
 }
 
-/// Dot of a row of Q5_K super-blocks with Q8_K activation blocks.
-pub(super) fn dot(level: SimdLevel, w: &[BlockQ5K], a: &[BlockQ8K]) -> f32 {
-    simd_dispatch!(level, dot_avx2(w, a), dot_scalar(w, a))
-}
+super::format::kquant_format!(Q5K, Q5_K, BlockQ5K, grouped);
 
 pub(super) fn dot_scalar(w: &[BlockQ5K], a: &[BlockQ8K]) -> f32 {
-    let mut acc = 0f32;
+    let mut lanes = [0f32; 8];
+    let mut m_sum = 0f32;
     for (x, y) in w.iter().zip(a) {
         let (sc, m) = unpack_scales(&x.scales);
-        let mut sumi = 0i32;
+        let mut sumi = [0i32; 8];
         for c in 0..4 {
-            let (mut lo, mut hi) = (0i32, 0i32);
-            for l in 0..32 {
-                let (ql, qh) = levels(x, c, l);
-                lo += ql as i32 * y.qs[64 * c + l] as i32;
-                hi += qh as i32 * y.qs[64 * c + 32 + l] as i32;
+            for (k, s) in sumi.iter_mut().enumerate() {
+                let (mut lo, mut hi) = (0i32, 0i32);
+                for l in 4 * k..4 * k + 4 {
+                    let (ql, qh) = levels(x, c, l);
+                    lo += ql as i32 * y.qs[64 * c + l] as i32;
+                    hi += qh as i32 * y.qs[64 * c + 32 + l] as i32;
+                }
+                *s += sc[2 * c] as i32 * lo + sc[2 * c + 1] as i32 * hi;
             }
-            sumi += sc[2 * c] as i32 * lo + sc[2 * c + 1] as i32 * hi;
         }
-        acc += super_block_term(x.d, x.dmin, y.d, sumi, mins_dot(&m, &y.bsums));
+        let d = y.d * f16_to_f32(x.d);
+        let dmin = -y.d * f16_to_f32(x.dmin);
+        m_sum = dmin.mul_add(mins_dot(&m, &y.bsums) as f32, m_sum);
+        for (l, s) in lanes.iter_mut().zip(sumi) {
+            *l = d.mul_add(s as f32, *l);
+        }
     }
-    acc
+    reduce8(&lanes) + m_sum
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -115,7 +125,8 @@ unsafe fn dot_avx2(w: &[BlockQ5K], a: &[BlockQ8K]) -> f32 {
 }
 
 /// `N` dots of one row at once (see Q4_K's `dot_n_avx2`): the 5-bit values and scales are
-/// built once per chunk; each activation keeps its own exact sum and float steps.
+/// built once per chunk; each activation keeps its own exact lane sums and float steps, the
+/// same for any `N`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
@@ -125,9 +136,10 @@ unsafe fn dot_n_avx2<const N: usize>(w: &[BlockQ5K], a: [&[BlockQ8K]; N]) -> [f3
     let n = a.iter().fold(w.len(), |n, a| n.min(a.len()));
     let m4 = _mm256_set1_epi8(0x0F);
     let one = _mm256_set1_epi8(1);
-    let mut acc = [_mm_setzero_ps(); N];
+    let mut acc = [_mm256_setzero_ps(); N];
+    let mut m_sum = [0f32; N];
     for (i, x) in w[..n].iter().enumerate() {
-        let (scales, mins) = unsafe { x86::scales_mins(x.head()) };
+        let (scales, m) = unsafe { x86::scales_mins(x.head()) };
         // SAFETY: qh is 32 bytes.
         let mut hbits = unsafe { _mm256_loadu_si256(x.qh.as_ptr().cast()) };
         let mut sumi = [_mm256_setzero_si256(); N];
@@ -162,18 +174,21 @@ unsafe fn dot_n_avx2<const N: usize>(w: &[BlockQ5K], a: [&[BlockQ8K]; N]) -> [f3
             }
             hbits = _mm256_srli_epi16(hbits, 2);
         }
+        // [d, dmin] of the weights, widened once for all activations.
+        let dd = unsafe { x86::super_scales(x.d, x.dmin) };
+        let (xd, xdmin) = (_mm_cvtss_f32(dd), _mm_cvtss_f32(_mm_movehdup_ps(dd)));
         for t in 0..N {
             let y = &a[t][i];
-            acc[t] = unsafe { x86::finish(acc[t], sumi[t], mins, &y.bsums, x.d, x.dmin, y.d) };
+            let d = y.d * xd;
+            let dmin = -y.d * xdmin;
+            // SAFETY: AVX2 is present.
+            let mins = unsafe { x86::mins_dot(m, &y.bsums) };
+            m_sum[t] = dmin.mul_add(mins as f32, m_sum[t]);
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi[t]), acc[t]);
         }
     }
-    acc.map(|v| _mm_cvtss_f32(v))
-}
-
-/// Dots of one row with [`GROUP`] activations at once (prefill); each result has exactly the
-/// bits [`dot`] gives for that activation.
-pub(super) fn dot_group(level: SimdLevel, w: &[BlockQ5K], a: [&[BlockQ8K]; GROUP]) -> [f32; GROUP] {
-    simd_dispatch!(level, dot_n_avx2(w, a), a.map(|a| dot_scalar(w, a)))
+    // SAFETY: AVX2 is present.
+    std::array::from_fn(|t| unsafe { super::q8_k::x86::fold(acc[t]) } + m_sum[t])
 }
 
 #[cfg(test)]
@@ -182,8 +197,6 @@ mod tests {
     use super::*;
     use crate::gguf::GgmlType;
 
-    dot_kernel!(Q5K, Q5_K, Vec<BlockQ8K>, q8_k_blocks, blocks, group);
-
     #[test]
     fn simd_matches_scalar_bits() {
         check_simd_matches_scalar::<Q5K>(&[(1, 1), (2, 3), (3, 16)], 50);
@@ -191,7 +204,7 @@ mod tests {
 
     #[test]
     fn group_dot_matches_single_dots_bits() {
-        check_group_matches_single::<Q5K>();
+        check_group_matches_single::<Q5K>(true);
     }
 
     #[test]

@@ -8,12 +8,14 @@
 //! `l + 64` is `ql[l] >> 4` with bits 4–5; `l + 96` is `ql[l + 32] >> 4` with bits 6–7. Value
 //! `i` of the super-block uses `scales[i / 16]`.
 //!
-//! Summation order (shared by every path): `sumi = Σ_j sc_j · Σ (q − 32)·a` exactly in i32,
-//! then `acc += (d · d_a) · sumi`, super-blocks in row order. The AVX2 path computes the same
-//! integer as `Σ_j sc_j · Σ q·a − 32 · Σ_j sc_j · bsum_j`, so it matches the scalar bits.
+//! Summation order (llama.cpp's x86 `ggml_vec_dot_q6_K_q8_K`, shared by every path): 8 lane
+//! accumulators, one fused multiply-add per super-block each, `lane_k = fma(d_a·d, sumi_k,
+//! lane_k)`, folded by [`reduce8`]. `sumi_k` is exact: over the 8 groups of 32 values,
+//! `sc · Σ q·a` for values `4k .. 4k + 4` of the group (q unsigned, 0..=63), minus the offset
+//! `32 · (sc_2k·bsum_2k + sc_2k+1·bsum_2k+1)` (runs `2k`, `2k + 1`), as llama.cpp partitions it.
 
-use super::q8_k::{BlockQ8K, GROUP, QK_K};
-use super::{f16_to_f32, f32_to_f16, max_by_magnitude, nearest_int, RawBlock, SimdLevel};
+use super::q8_k::{BlockQ8K, QK_K};
+use super::{f16_to_f32, f32_to_f16, max_by_magnitude, nearest_int, reduce8, RawBlock};
 
 /// One Q6_K super-block as stored in GGUF.
 #[repr(C)]
@@ -100,33 +102,32 @@ pub(super) fn dequantize(src: &[BlockQ6K], dst: &mut [f32]) {
     }
 }
 
-/// The float step of one super-block, shared by every path.
-#[inline(always)]
-fn super_block_term(d: [u8; 2], d_a: f32, sumi: i32) -> f32 {
-    (f16_to_f32(d) * d_a) * sumi as f32
-}
-
-/// Dot of a row of Q6_K super-blocks with Q8_K activation blocks.
-pub(super) fn dot(level: SimdLevel, w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
-    simd_dispatch!(level, dot_avx2(w, a), dot_scalar(w, a))
-}
+super::format::kquant_format!(Q6K, Q6_K, BlockQ6K, grouped);
 
 pub(super) fn dot_scalar(w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
-    let mut acc = 0f32;
+    let mut lanes = [0f32; 8];
     for (x, y) in w.iter().zip(a) {
-        let mut runs = [0i32; 16];
+        let mut sumi = [0i32; 8];
         for h in 0..2 {
             for l in 0..32 {
                 for (t, q) in levels(x, h, l).into_iter().enumerate() {
-                    let i = 128 * h + 32 * t + l;
-                    runs[i / 16] += (q as i32 - 32) * y.qs[i] as i32;
+                    // Value 128h + 32t + l: group 4h + t, lane l / 4, run of 16 (l / 16).
+                    let v = 128 * h + 32 * t + l;
+                    sumi[l / 4] += x.scales[v / 16] as i32 * (q as i32 * y.qs[v] as i32);
                 }
             }
         }
-        let sumi: i32 = runs.iter().zip(&x.scales).map(|(r, s)| r * *s as i32).sum();
-        acc += super_block_term(x.d, y.d, sumi);
+        for (k, s) in sumi.iter_mut().enumerate() {
+            let offset = x.scales[2 * k] as i32 * y.bsums[2 * k] as i32
+                + x.scales[2 * k + 1] as i32 * y.bsums[2 * k + 1] as i32;
+            *s -= 32 * offset;
+        }
+        let d = y.d * f16_to_f32(x.d);
+        for (l, s) in lanes.iter_mut().zip(sumi) {
+            *l = d.mul_add(s as f32, *l);
+        }
     }
-    acc
+    reduce8(&lanes)
 }
 
 /// `pshufb` masks: pair `p` broadcasts scale byte `2p` to bytes 0–7 and `2p + 1` to 8–15.
@@ -187,9 +188,9 @@ unsafe fn levels_avx2(x: &BlockQ6K, h: usize) -> [std::arch::x86_64::__m256i; 4]
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_avx2(w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
-    use super::q8_k::x86::hsum_i32;
+    use super::q8_k::x86::fold;
     use std::arch::x86_64::*;
-    let mut acc = _mm_setzero_ps();
+    let mut acc = _mm256_setzero_ps();
     for (x, y) in w.iter().zip(a) {
         // SAFETY: scales is 16 bytes, bsums 16 i16 (32 bytes).
         let (scales8, bsums) = unsafe {
@@ -219,12 +220,12 @@ unsafe fn dot_avx2(w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
             }
         }
         let sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32(offset, 5));
-        let sumi = _mm_cvtsi32_ss(_mm_setzero_ps(), unsafe { hsum_i32(sumi) });
-        let d = _mm_cvtph_ps(_mm_cvtsi32_si128(u16::from_le_bytes(x.d) as i32));
-        let t = _mm_mul_ss(_mm_mul_ss(d, _mm_set_ss(y.d)), sumi);
-        acc = _mm_add_ss(acc, t);
+        // SAFETY: F16C is present.
+        let d = y.d * unsafe { super::f16c(x.d) };
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
     }
-    _mm_cvtss_f32(acc)
+    // SAFETY: AVX2 is present.
+    unsafe { fold(acc) }
 }
 
 /// `N` dots of one row at once: the 6-bit values and scale vectors are built once per group of
@@ -235,10 +236,10 @@ unsafe fn dot_avx2(w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 unsafe fn dot_n_avx2<const N: usize>(w: &[BlockQ6K], a: [&[BlockQ8K]; N]) -> [f32; N] {
-    use super::q8_k::x86::hsum_i32;
+    use super::q8_k::x86::fold;
     use std::arch::x86_64::*;
     let n = a.iter().fold(w.len(), |n, a| n.min(a.len()));
-    let mut acc = [_mm_setzero_ps(); N];
+    let mut acc = [_mm256_setzero_ps(); N];
     for (i, x) in w[..n].iter().enumerate() {
         // SAFETY: scales is 16 bytes.
         let scales8 = unsafe { _mm_loadu_si128(x.scales.as_ptr().cast()) };
@@ -261,26 +262,20 @@ unsafe fn dot_n_avx2<const N: usize>(w: &[BlockQ6K], a: [&[BlockQ8K]; N]) -> [f3
                 }
             }
         }
-        let d = _mm_cvtph_ps(_mm_cvtsi32_si128(u16::from_le_bytes(x.d) as i32));
         for t in 0..N {
             let y = &a[t][i];
             // SAFETY: bsums is 16 i16 (32 bytes).
             let bsums = unsafe { _mm256_loadu_si256(y.bsums.as_ptr().cast()) };
-            // Σ_j sc_j · bsum_j: 32 times it is the offset of q − 32.
+            // Lane k: sc_2k·bsum_2k + sc_2k+1·bsum_2k+1; 32 times it is the offset of q − 32.
             let offset = _mm256_madd_epi16(scales16, bsums);
             let s = _mm256_sub_epi32(sumi[t], _mm256_slli_epi32(offset, 5));
-            let s = _mm_cvtsi32_ss(_mm_setzero_ps(), unsafe { hsum_i32(s) });
-            let term = _mm_mul_ss(_mm_mul_ss(d, _mm_set_ss(y.d)), s);
-            acc[t] = _mm_add_ss(acc[t], term);
+            // SAFETY: F16C is present.
+            let d = y.d * unsafe { super::f16c(x.d) };
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(s), acc[t]);
         }
     }
-    acc.map(|v| _mm_cvtss_f32(v))
-}
-
-/// Dots of one row with [`GROUP`] activations at once (prefill); each result has exactly the
-/// bits [`dot`] gives for that activation.
-pub(super) fn dot_group(level: SimdLevel, w: &[BlockQ6K], a: [&[BlockQ8K]; GROUP]) -> [f32; GROUP] {
-    simd_dispatch!(level, dot_n_avx2(w, a), a.map(|a| dot_scalar(w, a)))
+    // SAFETY: AVX2 is present.
+    acc.map(|v| unsafe { fold(v) })
 }
 
 #[cfg(test)]
@@ -289,8 +284,6 @@ mod tests {
     use super::*;
     use crate::gguf::GgmlType;
 
-    dot_kernel!(Q6K, Q6_K, Vec<BlockQ8K>, q8_k_blocks, blocks, group);
-
     #[test]
     fn simd_matches_scalar_bits() {
         check_simd_matches_scalar::<Q6K>(&[(1, 1), (2, 3), (3, 16)], 50);
@@ -298,7 +291,7 @@ mod tests {
 
     #[test]
     fn group_dot_matches_single_dots_bits() {
-        check_group_matches_single::<Q6K>();
+        check_group_matches_single::<Q6K>(true);
     }
 
     #[test]

@@ -13,7 +13,9 @@
 //! one-ulp difference can otherwise move a later activation across a rounding boundary and grow
 //! into a visible logit difference.
 
-use super::{f16_to_f32, f32_to_f16, nearest_int, reduce8, RawBlock, SimdLevel};
+use super::format::{Activation, Format, Kernel};
+use super::{f16_to_f32, f32_to_f16, nearest_int, reduce8, ActBuf, ActFormat, RawBlock};
+use crate::gguf::GgmlType;
 
 /// Values per block.
 pub(super) const QK: usize = 32;
@@ -37,20 +39,71 @@ impl BlockQ8_0 {
     };
 }
 
-/// Activations as llama.cpp's x86 CPU backend quantizes them for Q4_0/Q8_0 weights
+/// Activations as llama.cpp's x86 CPU backend quantizes them for the 32-value weight formats
 /// (`quantize_row_q8_0` with AVX/AVX2, and its 4-row repack form): scale `d = absmax / 127`
 /// stored as f16, values `x · (127 / absmax)` rounded to nearest, ties to even. This differs
 /// from the reference [`quantize`] (which rounds `x · (1 / d)` half away from zero) on values
 /// within an ulp of a half step, and exact half steps are common in real activations.
-pub(super) fn quantize_activations(src: &[f32], dst: &mut [BlockQ8_0]) {
-    for (x, b) in src.chunks_exact(QK).zip(dst.iter_mut()) {
+/// Returns each block's unrounded scale `absmax / 127` (Q8_1's sum term uses it).
+pub(super) fn quantize_activations(src: &[f32], dst: &mut [BlockQ8_0], d_f32: &mut [f32]) {
+    for ((x, b), d) in src.chunks_exact(QK).zip(dst.iter_mut()).zip(d_f32) {
         let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
         let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
         for (q, v) in b.qs.iter_mut().zip(x) {
             // |v · id| ≤ 127 (up to rounding of `id`, which the round brings back to 127).
             *q = nearest_int(v * id).clamp(-127, 127) as i8;
         }
-        b.d = f32_to_f16(amax / 127.0);
+        *d = amax / 127.0;
+        b.d = f32_to_f16(*d);
+    }
+}
+
+/// A prepared Q8_0 activation: the blocks, and per block what some weight formats fold in
+/// once per block instead of per value.
+#[derive(Default, Clone, Debug)]
+pub(crate) struct Q8Act {
+    pub(super) blocks: Vec<BlockQ8_0>,
+    /// Σ qs of each block (Q4_0's `Σ (q − 8)·a = Σ q·a − 8·Σ a`).
+    pub(super) sums: Vec<i32>,
+    /// f16(d · Σ qs) with the unrounded f32 scale `d`: the `s` of llama.cpp's Q8_1 blocks
+    /// (its x86 Q8_1 quantizer makes the same quants and scale as its Q8_0 one), the
+    /// activation's share of a Q4_1/Q5_1 block's minimum term.
+    pub(super) s: Vec<[u8; 2]>,
+    /// Scratch: the unrounded scales.
+    d_f32: Vec<f32>,
+}
+
+/// Q8_0 blocks as an [`Activation`].
+pub(crate) struct ActQ8_0;
+
+impl Activation for ActQ8_0 {
+    const FORMAT: ActFormat = ActFormat::Q8_0;
+    const BLOCK: usize = QK;
+    type View = Q8Act;
+
+    fn prepare(x: &[f32], buf: &mut ActBuf) {
+        let a = &mut buf.q8_0;
+        let n = x.len() / QK;
+        a.blocks.resize(n, BlockQ8_0::ZERO);
+        a.d_f32.resize(n, 0.0);
+        quantize_activations(x, &mut a.blocks, &mut a.d_f32);
+        a.sums.clear();
+        a.sums.extend(
+            a.blocks
+                .iter()
+                .map(|b| b.qs.iter().map(|&v| v as i32).sum::<i32>()),
+        );
+        a.s.clear();
+        a.s.extend(
+            a.sums
+                .iter()
+                .zip(&a.d_f32)
+                .map(|(&sum, &d)| f32_to_f16(d * sum as f32)),
+        );
+    }
+
+    fn view(buf: &ActBuf) -> &Q8Act {
+        &buf.q8_0
     }
 }
 
@@ -87,9 +140,33 @@ fn accumulate(lanes: &mut [f32; 8], d_w: [u8; 2], d_a: [u8; 2], sums: &[i32; 8])
     }
 }
 
-/// Dot of a row of Q8_0 weight blocks with Q8_0 activation blocks.
-pub(super) fn dot(level: SimdLevel, w: &[BlockQ8_0], a: &[BlockQ8_0]) -> f32 {
-    simd_dispatch!(level, dot_avx2(w, a), dot_scalar(w, a))
+/// The Q8_0 weight format.
+pub(crate) struct Q8_0;
+
+impl Format for Q8_0 {
+    const TY: GgmlType = GgmlType::Q8_0;
+    type Block = BlockQ8_0;
+    type Act = ActQ8_0;
+
+    fn quantize(src: &[f32], dst: &mut [BlockQ8_0]) {
+        quantize(src, dst)
+    }
+
+    fn dequantize(src: &[BlockQ8_0], dst: &mut [f32]) {
+        dequantize(src, dst)
+    }
+
+    fn dot(w: &[BlockQ8_0], a: &Q8Act) -> f32 {
+        dot_scalar(w, &a.blocks)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Kernel<Q8_0> for super::format::Avx2 {
+    unsafe fn dot(w: &[BlockQ8_0], a: &Q8Act) -> f32 {
+        // SAFETY: the caller's (AVX2, FMA and F16C are present).
+        unsafe { dot_avx2(w, &a.blocks) }
+    }
 }
 
 /// A block's exact products summed in 8 lanes of 4 consecutive values.
@@ -121,7 +198,8 @@ unsafe fn dot_avx2(w: &[BlockQ8_0], a: &[BlockQ8_0]) -> f32 {
         let yv = unsafe { _mm256_loadu_si256(y.qs.as_ptr().cast()) };
         // Lane k: values 4k..4k+4 (maddubs pairs, then madd pairs, all within 128-bit halves).
         let s = unsafe { x86::mul_sum_i8(xv, yv) };
-        let d = f16_to_f32(x.d) * f16_to_f32(y.d);
+        // SAFETY: F16C is present.
+        let d = unsafe { super::f16c_mul(x.d, y.d) };
         acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(s), acc);
     }
     let mut lanes = [0f32; 8];
@@ -167,9 +245,6 @@ pub(super) mod x86 {
 mod tests {
     use super::super::testutil::*;
     use super::*;
-    use crate::gguf::GgmlType;
-
-    dot_kernel!(Q8_0, Q8_0, Vec<BlockQ8_0>, q8_0_blocks, blocks);
 
     #[test]
     fn simd_matches_scalar_bits() {
@@ -196,7 +271,7 @@ mod tests {
         let mut x = [0f32; QK];
         x[..6].copy_from_slice(&[127.0, 2.5, -2.5, 3.5, 0.5, -126.5]);
         let mut act = [BlockQ8_0::ZERO];
-        quantize_activations(&x, &mut act);
+        quantize_activations(&x, &mut act, &mut [0.0]);
         assert_eq!(act[0].qs[..6], [127, 2, -2, 4, 0, -126]);
         assert_eq!(f16_to_f32(act[0].d), 1.0);
         let mut w = [BlockQ8_0::ZERO];
@@ -235,7 +310,7 @@ mod tests {
                     x[0] = amax;
                     x[1] = v;
                     let mut act = [BlockQ8_0::ZERO];
-                    quantize_activations(&x, &mut act);
+                    quantize_activations(&x, &mut act, &mut [0.0]);
                     assert_eq!(act[0].qs[1] as f32, a, "amax {amax} v {v}");
                     found = true;
                 }

@@ -2,11 +2,11 @@
 //! the 16 sums of each run of 16 values (so a K-quant dot can subtract its minimums or offsets
 //! with 16 multiplies instead of 256).
 //!
-//! Only ever produced by us (for activations), never read from a weight file; the GGUF byte
-//! form (`quantize_row` / `dequantize_row` with `GgmlType::Q8_K`) is little-endian
-//! `d: f32, qs: [i8; 256], bsums: [i16; 16]`, 292 bytes.
+//! Only ever produced by us (for activations), never read from a weight file, so it is an
+//! [`Activation`], not a weight format.
 
-use super::{max_by_magnitude, nearest_int};
+use super::format::Activation;
+use super::{max_by_magnitude, nearest_int, ActBuf, ActFormat};
 
 /// Values per super-block (all K-quants).
 pub(super) const QK_K: usize = 256;
@@ -25,8 +25,6 @@ pub struct BlockQ8K {
     pub(super) bsums: [i16; QK_K / 16],
 }
 const _: () = assert!(std::mem::size_of::<BlockQ8K>() == 292);
-
-const BYTES: usize = 292;
 
 impl BlockQ8K {
     pub(super) const ZERO: BlockQ8K = BlockQ8K {
@@ -66,27 +64,21 @@ pub(super) fn dequantize(src: &[BlockQ8K], dst: &mut [f32]) {
     }
 }
 
-pub(super) fn quantize_bytes(src: &[f32], dst: &mut [u8]) {
-    let mut block = [BlockQ8K::ZERO];
-    for (x, out) in src.chunks_exact(QK_K).zip(dst.chunks_exact_mut(BYTES)) {
-        quantize(x, &mut block);
-        let b = &block[0];
-        out[..4].copy_from_slice(&b.d.to_le_bytes());
-        for (o, q) in out[4..4 + QK_K].iter_mut().zip(&b.qs) {
-            *o = *q as u8;
-        }
-        for (o, s) in out[4 + QK_K..].chunks_exact_mut(2).zip(&b.bsums) {
-            o.copy_from_slice(&s.to_le_bytes());
-        }
-    }
-}
+/// Q8_K blocks as an [`Activation`] (for the 256-value weight formats).
+pub(crate) struct ActQ8K;
 
-pub(super) fn dequantize_bytes(src: &[u8], dst: &mut [f32]) {
-    for (b, y) in src.chunks_exact(BYTES).zip(dst.chunks_exact_mut(QK_K)) {
-        let d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-        for (o, q) in y.iter_mut().zip(&b[4..4 + QK_K]) {
-            *o = d * (*q as i8) as f32;
-        }
+impl Activation for ActQ8K {
+    const FORMAT: ActFormat = ActFormat::Q8K;
+    const BLOCK: usize = QK_K;
+    type View = [BlockQ8K];
+
+    fn prepare(x: &[f32], buf: &mut ActBuf) {
+        buf.q8_k.resize(x.len() / QK_K, BlockQ8K::ZERO);
+        quantize(x, &mut buf.q8_k);
+    }
+
+    fn view(buf: &ActBuf) -> &[BlockQ8K] {
+        &buf.q8_k
     }
 }
 
@@ -94,6 +86,34 @@ pub(super) fn dequantize_bytes(src: &[u8], dst: &mut [f32]) {
 #[cfg(target_arch = "x86_64")]
 pub(super) mod x86 {
     use std::arch::x86_64::*;
+
+    /// `pshufb` masks over 8 i16 scales held in both 128-bit lanes: mask `t` fills the low
+    /// lane's i16s with scale `2t` and the high lane's with scale `2t + 1` (the two runs of 16
+    /// of a group of 32 values).
+    pub const SCALE_PAIR: [[u8; 32]; 4] = {
+        let mut m = [[0u8; 32]; 4];
+        let mut t = 0;
+        while t < 4 {
+            let mut i = 0;
+            while i < 32 {
+                let s = 2 * t + i / 16;
+                m[t][i] = (2 * s + i % 2) as u8;
+                i += 1;
+            }
+            t += 1;
+        }
+        m
+    };
+
+    /// The [`super::super::reduce8`] of a vector's 8 lanes.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    pub unsafe fn fold(v: __m256) -> f32 {
+        let mut lanes = [0f32; 8];
+        // SAFETY: 8 floats.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), v) };
+        super::super::reduce8(&lanes)
+    }
 
     /// The sum of the 8 i32 lanes (exact, wrapping like the scalar code never needs to).
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -130,17 +150,5 @@ mod tests {
             }
         }
         assert_eq!(q8_k_blocks(&[0.0; QK_K])[0], BlockQ8K::ZERO);
-    }
-
-    #[test]
-    fn byte_form_round_trips() {
-        let x = values(5, QK_K * 2, 1.0);
-        let mut bytes = vec![0u8; 2 * BYTES];
-        quantize_bytes(&x, &mut bytes);
-        let mut a = vec![0f32; x.len()];
-        let mut b = vec![0f32; x.len()];
-        dequantize_bytes(&bytes, &mut a);
-        dequantize(&q8_k_blocks(&x), &mut b);
-        assert_eq!(a, b);
     }
 }

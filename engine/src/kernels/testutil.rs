@@ -1,14 +1,15 @@
 //! Seeded random data and the checks every format's tests make, written once.
 //!
-//! Why this exists: each format file used to carry its own copy of the same three-way test
-//! (SIMD vs scalar bits, scalar vs the dequantized f64 dot, scalar vs the unquantized f64 dot
-//! within the activation's error budget), the grouped-vs-single dot check and the llama.cpp row
-//! check, differing only in types, seeds and budgets. A format now describes itself once
-//! ([`DotKernel`]) and states its seeds and budgets; the loops and assertions live here.
+//! Why this exists: every format's tests are the same three-way test (SIMD vs scalar bits,
+//! scalar vs the dequantized f64 dot, scalar vs the unquantized f64 dot within the activation's
+//! error budget), the grouped-vs-single dot check and the llama.cpp row check, differing only
+//! in the format, seeds and budgets. A format is named by its [`Format`] type; the loops and
+//! assertions live here.
 
+use super::format::{Activation, Format, FormatTable};
 use super::q8_0::{self, BlockQ8_0};
 use super::q8_k::{self, BlockQ8K, GROUP};
-use super::{dequantize_row, dot_row, quantize_row, ActBuf, SimdLevel};
+use super::{dequantize_row, dot_row, quantize_row, ActBuf, ActFormat, SimdLevel};
 use crate::gguf::GgmlType;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -117,8 +118,7 @@ pub fn relative_rms_error(ty: GgmlType, x: &[f32]) -> f64 {
     rms(&diff) / rms(x)
 }
 
-/// Q8_0 blocks of `x` by the reference (weight) quantizer, the activation the Q4_0 and Q8_0
-/// tests dot with.
+/// Q8_0 blocks of `x` by the reference (weight) quantizer.
 pub fn q8_0_blocks(x: &[f32]) -> Vec<BlockQ8_0> {
     let mut b = vec![BlockQ8_0::ZERO; x.len() / q8_0::QK];
     q8_0::quantize(x, &mut b);
@@ -132,127 +132,63 @@ pub fn q8_k_blocks(x: &[f32]) -> Vec<BlockQ8K> {
     b
 }
 
-/// The 16-bit activation bits [`ActBuf::prepare`] makes for F16 or BF16 weights.
-pub fn act_u16(ty: GgmlType, x: &[f32]) -> Vec<u16> {
+/// `x` prepared for dot products with `ty` weights, as the forward pass prepares it.
+pub fn prepared(ty: GgmlType, x: &[f32]) -> ActBuf {
     let mut buf = ActBuf::new();
-    buf.prepare(ty, x).expect("an F16 or BF16 type");
-    buf.u16s.clone()
+    buf.prepare(ty, x).expect("a weight type and whole blocks");
+    buf
 }
 
-/// A format's one-row dot as the shared checks drive it: weights are the row bytes
-/// [`quantized_bytes`] makes for [`DotKernel::TY`]; `dot` and `dot_scalar` are the format's
-/// own kernel entry points on them.
-pub trait DotKernel {
-    /// The weight type.
-    const TY: GgmlType;
-    /// The activation the kernel takes.
-    type Act;
-    /// The activation for f32 values `x`.
-    fn act(x: &[f32]) -> Self::Act;
-    /// The kernel at `level`.
-    fn dot(level: SimdLevel, w: &[u8], a: &Self::Act) -> f32;
-    /// The scalar reference.
-    fn dot_scalar(w: &[u8], a: &Self::Act) -> f32;
-}
-
-/// A quantized activation format: its block, the relative error bound of its quantizer per
-/// value (of the block's absmax) and its dequantizer.
-pub trait QuantAct {
-    /// Values per block.
-    const BLOCK: usize;
-    /// The quantizer's error bound on one value, relative to its block's absmax.
-    const REL: f64;
-    /// The values the blocks stand for.
-    fn dequantize(&self) -> Vec<f32>;
-}
-
-impl QuantAct for Vec<BlockQ8_0> {
-    const BLOCK: usize = q8_0::QK;
-    // Rounding (amax/254) plus the f16 scale's rounding (amax·2^-11), with slack.
-    const REL: f64 = (1.0 / 254.0 + 1.0 / 2048.0) * 1.001;
-    fn dequantize(&self) -> Vec<f32> {
-        let mut out = vec![0f32; self.len() * q8_0::QK];
-        q8_0::dequantize(self, &mut out);
-        out
+/// The values a prepared quantized activation stands for, and its quantizer's error bound on
+/// one value relative to its block's absmax; `None` for the float forms.
+pub fn act_values(act: &ActBuf) -> Option<(Vec<f32>, usize, f64)> {
+    match act.format()? {
+        ActFormat::Q8_0 => {
+            let mut out = vec![0f32; act.q8_0.blocks.len() * q8_0::QK];
+            q8_0::dequantize(&act.q8_0.blocks, &mut out);
+            // Rounding (amax/254) plus the f16 scale's rounding (amax·2^-11), with slack.
+            Some((out, q8_0::QK, (1.0 / 254.0 + 1.0 / 2048.0) * 1.001))
+        }
+        ActFormat::Q8K => {
+            let mut out = vec![0f32; act.q8_k.len() * q8_k::QK_K];
+            q8_k::dequantize(&act.q8_k, &mut out);
+            // Rounding only (Q8_K keeps an f32 scale), with slack.
+            Some((out, q8_k::QK_K, 1.0001 / 254.0))
+        }
+        ActFormat::F32 | ActFormat::F16 | ActFormat::Bf16 => None,
     }
 }
 
-impl QuantAct for Vec<BlockQ8K> {
-    const BLOCK: usize = q8_k::QK_K;
-    // Rounding only (Q8_K keeps an f32 scale), with slack.
-    const REL: f64 = 1.0001 / 254.0;
-    fn dequantize(&self) -> Vec<f32> {
-        let mut out = vec![0f32; self.len() * q8_k::QK_K];
-        q8_k::dequantize(self, &mut out);
-        out
-    }
+/// The table of format `F`.
+pub fn table_of<F: Format>() -> &'static FormatTable {
+    super::table(F::TY).expect("a registered format")
 }
 
-/// A K-quant format's multi-token dot ([`GROUP`] Q8_K activations at once).
-pub trait GroupDotKernel: DotKernel<Act = Vec<BlockQ8K>> {
-    /// The grouped kernel at `level`.
-    fn dot_group(level: SimdLevel, w: &[u8], a: [&[BlockQ8K]; GROUP]) -> [f32; GROUP];
-}
-
-/// Declares unit struct `$name` as the [`DotKernel`] (and with `group`, the [`GroupDotKernel`])
-/// of the calling format module, over that module's own `dot`, `dot_scalar` (and `dot_group`),
-/// with weight rows viewed as the module's blocks (`blocks`) or taken as bytes (`bytes`, the
-/// float formats). `$act` makes the activation from f32 values.
-macro_rules! dot_kernel {
-    ($name:ident, $ty:ident, $act_ty:ty, $act:expr, bytes $(, $group:ident)?) => {
-        dot_kernel!(@ $name, $ty, $act_ty, $act, $crate::kernels::testutil::as_bytes $(, $group)?);
-    };
-    ($name:ident, $ty:ident, $act_ty:ty, $act:expr, blocks $(, $group:ident)?) => {
-        dot_kernel!(@ $name, $ty, $act_ty, $act, $crate::kernels::blocks $(, $group)?);
-    };
-    (@ $name:ident, $ty:ident, $act_ty:ty, $act:expr, $view:path) => {
-        struct $name;
-        impl DotKernel for $name {
-            const TY: GgmlType = GgmlType::$ty;
-            type Act = $act_ty;
-            fn act(x: &[f32]) -> $act_ty {
-                ($act)(x)
-            }
-            fn dot(level: SimdLevel, w: &[u8], a: &$act_ty) -> f32 {
-                dot(level, $view(w), a)
-            }
-            fn dot_scalar(w: &[u8], a: &$act_ty) -> f32 {
-                dot_scalar($view(w), a)
-            }
-        }
-    };
-    (@ $name:ident, $ty:ident, $act_ty:ty, $act:expr, $view:path, group) => {
-        dot_kernel!(@ $name, $ty, $act_ty, $act, $view);
-        impl GroupDotKernel for $name {
-            fn dot_group(level: SimdLevel, w: &[u8], a: [&[BlockQ8K]; GROUP]) -> [f32; GROUP] {
-                dot_group(level, $view(w), a)
-            }
-        }
-    };
-}
-pub(crate) use dot_kernel;
-
-/// Weight rows taken as they are (the float formats' kernels read bytes).
-pub fn as_bytes(w: &[u8]) -> &[u8] {
-    w
+/// `F`'s scalar reference dot on row bytes.
+pub fn scalar_dot<F: Format>(w: &[u8], act: &ActBuf) -> f32 {
+    F::dot(super::blocks(w), F::Act::view(act))
 }
 
 /// SIMD vs scalar: for each `(seed, n_blocks)`, weights from `values(seed, .., 0.1)` and the
 /// activation from `values(seed + act_seed_offset, .., 1.0)`; every available level must give
-/// exactly the scalar bits.
-pub fn check_simd_matches_scalar<K: DotKernel>(cases: &[(u64, usize)], act_seed_offset: u64) {
+/// exactly the scalar bits. Then the same on random weight bytes (a file we do not trust: any
+/// scale, any nibble), where NaN payloads are not pinned.
+pub fn check_simd_matches_scalar<F: Format>(cases: &[(u64, usize)], act_seed_offset: u64) {
     for &(seed, n_blocks) in cases {
-        let n = n_blocks * K::TY.block_size() as usize;
-        let w = quantized_bytes(K::TY, &values(seed, n, 0.1));
-        let a = K::act(&values(seed + act_seed_offset, n, 1.0));
-        let s = K::dot_scalar(&w, &a);
-        for level in SimdLevel::available() {
-            assert_eq!(
-                K::dot(level, &w, &a).to_bits(),
-                s.to_bits(),
-                "{} {level:?} seed={seed} n={n}",
-                K::TY
-            );
+        let n = n_blocks * F::TY.block_size() as usize;
+        let act = prepared(F::TY, &values(seed + act_seed_offset, n, 1.0));
+        let quantized = quantized_bytes(F::TY, &values(seed, n, 0.1));
+        let random = bytes(seed ^ 0x5eed, quantized.len());
+        for (what, w) in [("quantized", &quantized), ("random", &random)] {
+            let s = scalar_dot::<F>(w, &act);
+            for level in SimdLevel::available() {
+                let got = dot_row(table_of::<F>(), level, w, &act);
+                assert!(
+                    got.to_bits() == s.to_bits() || (got.is_nan() && s.is_nan()),
+                    "{} {level:?} {what} seed={seed} n={n}: {got} vs scalar {s}",
+                    F::TY
+                );
+            }
         }
     }
 }
@@ -261,28 +197,25 @@ pub fn check_simd_matches_scalar<K: DotKernel>(cases: &[(u64, usize)], act_seed_
 /// the dequantized weights and dequantized activation ([`assert_matches_dequantized`]), and
 /// the dot with the unquantized activation, within the activation quantizer's error
 /// ([`act_error_bound`]) plus float rounding of the block terms and the accumulator chain.
-pub fn check_scalar_against_references<K: DotKernel>(seeds: &[u64])
-where
-    K::Act: QuantAct,
-{
+pub fn check_scalar_against_references<F: Format>(seeds: &[u64]) {
     for &seed in seeds {
         let n = 4096;
-        let wq = quantized_bytes(K::TY, &values(seed, n, 0.1));
-        let w = dequantized(K::TY, &wq);
+        let wq = quantized_bytes(F::TY, &values(seed, n, 0.1));
+        let w = dequantized(F::TY, &wq);
         let a = values(seed + 7, n, 1.0);
-        let aq = K::act(&a);
-        let a_deq = aq.dequantize();
-        let got = K::dot_scalar(&wq, &aq);
-        assert_matches_dequantized(got, &w, &a_deq, &format!("{} seed={seed}", K::TY));
+        let act = prepared(F::TY, &a);
+        let (a_deq, block, rel) = act_values(&act).expect("a quantized activation");
+        let got = scalar_dot::<F>(&wq, &act);
+        assert_matches_dequantized(got, &w, &a_deq, &format!("{} seed={seed}", F::TY));
         // Against the unquantized activation: the activation's rounding error.
         let got = got as f64;
-        let bound = act_error_bound(&w, &a, K::Act::BLOCK, K::Act::REL)
-            + abs_dot_f64(&w, &a) * 64.0 * f32::EPSILON as f64;
+        let bound =
+            act_error_bound(&w, &a, block, rel) + abs_dot_f64(&w, &a) * 64.0 * f32::EPSILON as f64;
         let err = (got - dot_f64(&w, &a)).abs();
         assert!(
             err <= bound,
             "{} seed={seed} err={err} bound={bound}",
-            K::TY
+            F::TY
         );
     }
 }
@@ -290,38 +223,52 @@ where
 /// Scalar vs the f64 reference for a float format (4096 values, seeds 11/12): within the
 /// activation's conversion error (`act_rel` relative) plus one rounding per product and per
 /// add along the lanes' chain of n/32 + 5 adds.
-pub fn check_float_scalar_against_reference<K: DotKernel>(act_rel: f64) {
+pub fn check_float_scalar_against_reference<F: Format>(act_rel: f64) {
     let n = 4096;
-    let wb = quantized_bytes(K::TY, &values(11, n, 0.1));
-    let w = dequantized(K::TY, &wb);
+    let wb = quantized_bytes(F::TY, &values(11, n, 0.1));
+    let w = dequantized(F::TY, &wb);
     let a = values(12, n, 1.0);
-    let got = K::dot_scalar(&wb, &K::act(&a)) as f64;
+    let got = scalar_dot::<F>(&wb, &prepared(F::TY, &a)) as f64;
     let rel = act_rel + ((n / 32 + 6) as f64) * f32::EPSILON as f64;
     let bound = abs_dot_f64(&w, &a) * rel;
     assert!(
         (got - dot_f64(&w, &a)).abs() <= bound,
         "{} seed 11/12",
-        K::TY
+        F::TY
     );
 }
 
-/// The grouped dot gives, for each of its [`GROUP`] activations, exactly the bits of the
-/// single dot, at every level.
-pub fn check_group_matches_single<K: GroupDotKernel>() {
-    let n = 5 * q8_k::QK_K;
-    let w = quantized_bytes(K::TY, &values(70, n, 0.1));
-    let acts: Vec<Vec<BlockQ8K>> = (0..GROUP as u64)
-        .map(|t| K::act(&values(71 + t, n, 1.0)))
+/// Every level's grouped dot gives, for each of its [`GROUP`] activations, exactly the bits
+/// of the single dot; `expect_grouped` says whether the best level has a grouped kernel.
+pub fn check_group_matches_single<F: Format>(expect_grouped: bool) {
+    let n = 5 * F::TY.block_size() as usize;
+    let w = quantized_bytes(F::TY, &values(70, n, 0.1));
+    let acts: Vec<ActBuf> = (0..GROUP as u64)
+        .map(|t| prepared(F::TY, &values(71 + t, n, 1.0)))
         .collect();
-    let group: [&[BlockQ8K]; GROUP] = std::array::from_fn(|t| acts[t].as_slice());
+    let group: [&ActBuf; GROUP] = std::array::from_fn(|t| &acts[t]);
+    let t = table_of::<F>();
+    assert_eq!(
+        t.at(super::simd_level()).group.is_some(),
+        expect_grouped && super::simd_level() > SimdLevel::Scalar,
+        "{}",
+        F::TY
+    );
     for level in SimdLevel::available() {
-        let got = K::dot_group(level, &w, group);
-        for t in 0..GROUP {
+        let Some(g) = t.at(level).group else {
+            continue;
+        };
+        let mut got = [[f32::NAN]; GROUP];
+        let [o0, o1, o2, o3] = &mut got;
+        // SAFETY: the level is available; `w` is one row.
+        unsafe { g(&w, w.len(), 0..1, group, [o0, o1, o2, o3]) };
+        let got = got.map(|o| o[0]);
+        for k in 0..GROUP {
             assert_eq!(
-                got[t].to_bits(),
-                K::dot(level, &w, &acts[t]).to_bits(),
-                "{} {level:?} t={t}",
-                K::TY
+                got[k].to_bits(),
+                dot_row(t, level, &w, &acts[k]).to_bits(),
+                "{} {level:?} t={k}",
+                F::TY
             );
         }
     }
@@ -334,10 +281,9 @@ pub fn check_llama_rows(ty: GgmlType, file: &[u8], n_cases: usize) {
     let cases = llama_rows(file);
     assert_eq!(cases.len(), n_cases);
     for (i, case) in cases.iter().enumerate() {
-        let mut act = ActBuf::new();
-        act.prepare(ty, &case.act).unwrap();
+        let act = prepared(ty, &case.act);
         for level in SimdLevel::available() {
-            let got = dot_row(ty, level, &case.row, &act);
+            let got = dot_row(super::table(ty).unwrap(), level, &case.row, &act);
             assert_eq!(
                 got.to_bits(),
                 case.expected.to_bits(),

@@ -202,8 +202,7 @@ pub fn valid_with_values() -> (Raw, Vec<Value>) {
 
 /// A fresh scratch directory under cargo's target tmp dir.
 pub fn scratch(name: &str) -> PathBuf {
-    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("gguf-{name}-{}", std::process::id()));
+    let d = bmoe_engine::testdata::scratch_dir(&format!("gguf-{name}"));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).expect("scratch dir");
     d

@@ -450,3 +450,70 @@ fn missing_split_shard() {
     assert_eq!(e.field(), Some("tensor 'x' dims"));
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// The valid sample re-encoded with `general.alignment` = `alignment` and the header's
+/// tensor_count moved by `delta`.
+fn with_count_delta(alignment: u32, delta: i64) -> Vec<u8> {
+    let mut raw = valid();
+    raw.alignment = u64::from(alignment);
+    for kv in raw.kvs.iter_mut() {
+        if kv.0 == "general.alignment" {
+            *kv = super::common::kv("general.alignment", &Value::U32(alignment));
+        }
+    }
+    for (i, t) in raw.tensors.iter_mut().enumerate() {
+        t.offset = (i as u64) * 512u64.max(u64::from(alignment));
+    }
+    let step = 512usize.max(alignment as usize);
+    raw.data = (0..(2 * step + 288)).map(|i| (i * 7 + 1) as u8).collect();
+    let (mut b, lay) = raw.encode(None);
+    let pos = lay.u64_fields[0];
+    let n = u64::from_le_bytes(b[pos..pos + 8].try_into().unwrap());
+    b[pos..pos + 8].copy_from_slice(&(n as i64 + delta).to_le_bytes());
+    b
+}
+
+#[test]
+fn a_header_tensor_count_off_by_one_is_refused() {
+    // The bug: a count one too small shifted every tensor's data and the model produced NaN
+    // logits with exit 0. Every alignment, so the shift is sometimes 0 and sometimes more.
+    for alignment in [1u32, 8, 32, 64, 256, 4096] {
+        assert!(
+            GgufFile::from_bytes("bad.gguf", with_count_delta(alignment, 0)).is_ok(),
+            "the unmodified sample at alignment {alignment} parses"
+        );
+        for delta in [-1i64, 1] {
+            let e = GgufFile::from_bytes("bad.gguf", with_count_delta(alignment, delta))
+                .expect_err("a tensor_count off by one must be refused");
+            let msg = names(&e, "tensor_count");
+            let hint = if delta < 0 { "too small" } else { "too large" };
+            assert!(
+                msg.contains(hint),
+                "alignment {alignment}, {delta:+}: {msg}"
+            );
+        }
+    }
+}
+
+#[test]
+fn bytes_after_the_last_tensor_are_refused() {
+    let mut raw = valid();
+    raw.data.extend_from_slice(&[0u8; 32]);
+    let msg = names(&raw.err(), "tensor_count");
+    assert!(msg.contains("32 more bytes"), "{msg}");
+    // Padding shorter than the alignment is what writers leave.
+    let mut raw = valid();
+    raw.data.extend_from_slice(&[0u8; 31]);
+    GgufFile::from_bytes("ok.gguf", raw.bytes()).expect("31 bytes of padding");
+}
+
+#[test]
+fn a_directory_is_not_a_gguf_file() {
+    let dir = scratch("dir-as-model");
+    let e = GgufFile::open(&dir).unwrap_err();
+    assert!(matches!(e, GgufError::NotAFile { .. }), "{e}");
+    let msg = e.to_string();
+    assert!(msg.contains("is a directory"), "{msg}");
+    assert!(!msg.contains("No such device"), "{msg}");
+    std::fs::remove_dir_all(&dir).ok();
+}

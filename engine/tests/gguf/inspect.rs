@@ -193,6 +193,23 @@ fn expert_arithmetic() {
         ]
     );
     assert!(!text.contains("problems:"));
+    // The types section: every type once, with its tensor count; no unsupported type here.
+    let types: Vec<&str> = text
+        .lines()
+        .skip_while(|l| *l != "types:")
+        .skip(1)
+        .take_while(|l| !l.is_empty())
+        .collect();
+    let n_tensors: u64 = types
+        .iter()
+        .map(|l| l.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap())
+        .sum();
+    assert_eq!(n_tensors as usize, f.tensors().len(), "{types:?}");
+    assert!(
+        types.iter().any(|l| l.trim_start().starts_with("Q4_K")),
+        "{types:?}"
+    );
+    assert!(!text.contains("no kernel"), "{text}");
 
     // And so does the JSON.
     let j = inspect_json(&f);
@@ -215,6 +232,18 @@ fn expert_arithmetic() {
     assert_eq!(j["tensors"].as_array().map(|a| a.len()), Some(10));
     assert_eq!(j["tensors"][6]["shape"], serde_json::json!([64, 256, 4]));
     assert_eq!(j["problems"].as_array().map(|a| a.len()), Some(0));
+    let bytes: u64 = j["types"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|u| u["bytes"].as_u64().unwrap())
+        .sum();
+    assert_eq!(bytes, DENSE + N_EXPERT * (L1 + L2));
+    assert!(j["types"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|u| u["kernel"] == true));
     std::fs::remove_dir_all(&dir).ok();
 }
 

@@ -476,6 +476,7 @@ impl MetricsCsv {
             summaries: Vec::new(),
             cells: Vec::new(),
         };
+        super::check_whole_lines(text, FORMAT)?;
         let mut header_seen = false;
         for (index, raw) in text.lines().enumerate() {
             let line_no = index + 1;
@@ -484,6 +485,17 @@ impl MetricsCsv {
                 continue;
             }
             if let Some(body) = line.strip_prefix('#') {
+                if let Some(other) = super::announced_format(line) {
+                    if line.trim() != METRICS_MAGIC {
+                        return Err(at(
+                            line_no,
+                            format!(
+                                "not a bmoe_metrics file: '{}' announces {other}",
+                                line.trim()
+                            ),
+                        ));
+                    }
+                }
                 let body = body.trim();
                 if let Some(rest) = body.strip_prefix("summary") {
                     if rest.is_empty() || rest.starts_with(char::is_whitespace) {
@@ -523,8 +535,19 @@ impl MetricsCsv {
                 if !out.columns.iter().any(|c| COLUMNS.contains(&c.as_str())) {
                     return Err(at(
                         line_no,
-                        format!("expected the header row (step,steps,wall_ms,...), found '{line}'"),
+                        format!("not a bmoe_metrics file: expected the header row (step,steps,wall_ms,...), found '{line}'"),
                     ));
+                }
+                // A file with the magic line may carry columns newer than this reader; one
+                // without it (an old file) only ever had columns we know. Anything else is some
+                // other CSV that happens to share a column name.
+                if out.version.is_none() {
+                    if let Some(c) = out.columns.iter().find(|c| !COLUMNS.contains(&c.as_str())) {
+                        return Err(at(
+                            line_no,
+                            format!("not a bmoe_metrics file: no '{METRICS_MAGIC}' line, and the header has column '{c}', which no metrics file has"),
+                        ));
+                    }
                 }
                 header_seen = true;
                 continue;
@@ -676,5 +699,28 @@ mod tests {
         assert_eq!(e.line(), None);
         let e = MetricsCsv::parse("a,b\n").expect_err("not our header");
         assert_eq!(e.line(), Some(1));
+    }
+
+    #[test]
+    fn other_csvs_are_not_bmoe_metrics_files() {
+        // A route trace shares the column `step` with the metrics header.
+        let route = "# route_trace v1\n# model=m arch=a n_layer=1 n_expert=2 n_expert_used=1\n# layer=0 expert_bytes=1 dense_bytes=1\nturn,phase,step,layer,slot,expert,weight,residency,expert_bytes\n0,0,0,0,0,1,1.0,0,1\n";
+        let e = MetricsCsv::parse(route).expect_err("a route trace");
+        assert!(e.to_string().contains("not a bmoe_metrics file"), "{e}");
+        assert!(e.to_string().contains("a route trace"), "{e}");
+        let e = MetricsCsv::parse("step,layer\n1,2\n").expect_err("foreign columns");
+        assert!(e.to_string().contains("not a bmoe_metrics file"), "{e}");
+        assert!(e.to_string().contains("'layer'"), "{e}");
+        // With the magic line, newer columns are welcome.
+        let m = MetricsCsv::parse("# bmoe_metrics v2\nstep,future_col\n1,2\n").expect("newer");
+        assert_eq!(m.column_values("future_col"), Some(vec![2.0]));
+    }
+
+    #[test]
+    fn a_row_cut_by_sigkill_is_named_partial() {
+        let e =
+            MetricsCsv::parse("# bmoe_metrics v2\nstep,wall_ms\n1,2.0\n2,3").expect_err("cut row");
+        assert_eq!(e.line(), Some(4));
+        assert!(e.to_string().contains("partial last line"), "{e}");
     }
 }

@@ -116,8 +116,53 @@ pub fn parse_key_values(body: &str) -> Option<Vec<(String, String)>> {
     Some(out)
 }
 
+/// An error and its causes on one line, `outer: cause: root`, each said once: a cause whose
+/// text the line already holds is skipped. Many error types both print their source in their
+/// message and return it from `source()`; printing the whole chain blindly (`{:#}`) would then
+/// say the OS error twice.
+pub fn error_text(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let t = c.to_string();
+        if !t.is_empty() && !text.contains(&t) {
+            text.push_str(": ");
+            text.push_str(&t);
+        }
+        cause = c.source();
+    }
+    text
+}
+
 #[cfg(test)]
 mod tests {
+    #[derive(Debug, thiserror::Error)]
+    #[error("{file}: cannot open: {source}")]
+    struct Open {
+        file: String,
+        source: std::io::Error,
+    }
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("loading the model")]
+    struct Context {
+        #[source]
+        source: Open,
+    }
+
+    #[test]
+    fn error_text_says_each_cause_once() {
+        let e = Context {
+            source: Open {
+                file: "/m".into(),
+                source: std::io::Error::from_raw_os_error(19),
+            },
+        };
+        let t = super::error_text(&e);
+        assert_eq!(t.matches("os error 19").count(), 1, "{t}");
+        assert!(t.starts_with("loading the model: /m: cannot open: "), "{t}");
+    }
+
     use super::*;
 
     #[test]

@@ -106,6 +106,7 @@ pub fn parse_io_trace(text: &str) -> Result<Vec<IoRecord>, ParseError> {
         line,
         reason,
     };
+    super::check_whole_lines(text, FORMAT)?;
     let mut lines = text
         .lines()
         .enumerate()

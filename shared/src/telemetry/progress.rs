@@ -1,5 +1,5 @@
 //! The `BMOE_*` line protocol: per-token `BMOE_LOAD` / `BMOE_PROGRESS` lines and the session
-//! control lines `BMOE_READY`, `BMOE_BEGIN`, `BMOE_DONE`, `BMOE_ERROR`.
+//! control lines `BMOE_READY`, `BMOE_BEGIN`, `BMOE_DONE`, `BMOE_DECIDE`, `BMOE_ERROR`.
 //!
 //! Apps parse these lines, so both emitters (one-shot `--progress` and `--session`) go through
 //! these functions and produce byte-identical lines. Keys are written in the contract's order;
@@ -10,6 +10,7 @@ use std::io::{self, Write};
 use super::csv::TokenRecord;
 use super::fmt::{json_fixed, json_str, mib};
 use super::summary::RunSummary;
+use crate::decide::DecideOutcome;
 
 /// The newly generated text since the previous `BMOE_PROGRESS` line. With `reset` the fields
 /// are full snapshots that replace what the reader accumulated.
@@ -177,7 +178,8 @@ pub fn write_error(w: &mut dyn Write, id: i64, fatal: bool, msg: &str) -> io::Re
     )
 }
 
-/// Writes `BMOE_DONE {...}` with every key of the contract, in its order. The `prefill_dev_*`
+/// Writes `BMOE_DONE {...}` with every key of the contract, in its order, and bmoe's
+/// `n_reused` (the context the turn reused from the KV) after `n_past`. The `prefill_dev_*`
 /// keys are always 0: bmoe has no prefill device (the contract's value when the device is off).
 pub fn write_done(
     w: &mut dyn Write,
@@ -192,7 +194,7 @@ pub fn write_done(
         w,
         "BMOE_DONE {{\"id\":{id},\"cancelled\":{cancelled},\"tokens\":{},\"tok_s\":{},\"prefill_s\":{},\
          \"prefill_tps\":{},\"load_s\":{},\"cache_hit_pct\":{},\"n_prompt\":{},\"n_past\":{},\
-         \"compute_s_tok\":{},\"io_s_tok\":{},\"cache_resident_mib\":{},\"cache_budget_mib\":{},\
+         \"n_reused\":{},\"compute_s_tok\":{},\"io_s_tok\":{},\"cache_resident_mib\":{},\"cache_budget_mib\":{},\
          \"read_mib\":{},\"stall_s_tok\":{},\"mgmt_s_tok\":{},\"majflt_tok\":{},\"cpu_s_tok\":{},\
          \"prefill_cpu_s\":{},\"prefill_read_mib\":{},\"prefill_io_s\":{},\"prefill_stall_s\":{},\
          \"prefill_mgmt_s\":{},\"prefill_dev_tokens\":0,\"prefill_dev_nodes\":0,\
@@ -207,6 +209,7 @@ pub fn write_done(
         json_fixed(s.cache_hit_pct(), 1),
         c.n_prompt,
         c.n_past,
+        c.n_reused,
         json_fixed(s.compute_s_per_token(), 4),
         json_fixed(s.io_s_per_token(), 4),
         json_fixed(s.cache_resident_mib(), 0),
@@ -230,6 +233,49 @@ pub fn write_done(
         json_fixed(s.loop_overhead_s_per_token(), 4),
         json_str(reasoning),
         json_str(text)
+    )
+}
+
+/// A log-probability as JSON: the shortest text that reads back as the same `f64` (so two
+/// runs' values can be compared bit for bit through the line), `null` for `None` (−∞).
+fn json_logp(v: Option<f64>) -> String {
+    match v {
+        // Rust's `{:?}` of an f64 is the shortest round-trip text, always valid JSON
+        // (`-2.5`, `-3.0`, `-1e-7`).
+        Some(x) if x.is_finite() => format!("{x:?}"),
+        _ => "null".to_string(),
+    }
+}
+
+/// Writes `BMOE_DECIDE {...}` with every key of the contract, in its order. `best` is `-1`
+/// when no choice was scored (a cancelled decide, whose `choice_logp` is all `null`). The
+/// `prefill_dev_*` keys are 0: bmoe has no prefill device.
+pub fn write_decide(w: &mut dyn Write, id: i64, o: &DecideOutcome) -> io::Result<()> {
+    let c = &o.summary.counters;
+    let logp: Vec<String> = o.choice_logp.iter().map(|&v| json_logp(v)).collect();
+    writeln!(
+        w,
+        "BMOE_DECIDE {{\"id\":{id},\"cancelled\":{},\"best\":{},\"choice_logp\":[{}],\
+         \"n_tokens\":{},\"n_reused\":{},\"n_prefilled\":{},\"restore_s\":{},\"store_s\":{},\
+         \"prefill_s\":{},\"prefill_cpu_s\":{},\"prefill_read_mib\":{},\"prefill_io_s\":{},\
+         \"prefill_stall_s\":{},\"prefill_mgmt_s\":{},\"prefill_dev_tokens\":0,\
+         \"prefill_dev_read_mib\":0.0,\"prefill_dev_stall_s\":0.000,\"prefill_dev_routed\":0,\
+         \"prefill_dev_demand\":0,\"prefix_state_mib\":{}}}",
+        o.cancelled,
+        o.best.map_or(-1, |b| b as i64),
+        logp.join(","),
+        o.n_tokens,
+        o.n_reused,
+        o.n_prefilled,
+        json_fixed(o.restore_s, 4),
+        json_fixed(o.store_s, 4),
+        json_fixed(c.prefill_s, 3),
+        json_fixed(c.prefill.cpu_s, 3),
+        json_fixed(mib(c.prefill.read_bytes), 1),
+        json_fixed(c.prefill.io_s, 3),
+        json_fixed(c.prefill.stall_s, 3),
+        json_fixed(c.prefill.mgmt_s, 3),
+        json_fixed(mib(o.prefix_state_bytes), 2)
     )
 }
 

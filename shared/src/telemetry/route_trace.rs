@@ -500,6 +500,7 @@ impl RouteTrace {
     /// (turn, phase) (prefill's last layer may route a single token, as llama.cpp's does); and
     /// a trace in which every token routes the same experts at every layer.
     pub fn parse(text: &str) -> Result<RouteTrace, ParseError> {
+        super::check_whole_lines(text, FORMAT)?;
         let mut lines = text
             .lines()
             .enumerate()
@@ -526,6 +527,8 @@ impl RouteTrace {
         let mut layer_lines: Vec<(usize, Vec<(String, String)>)> = Vec::new();
         let mut notes = Vec::new();
         let mut extra = Vec::new();
+        // The line each extra pair came from, for the duplicate-key error below.
+        let mut extra_lines: Vec<usize> = Vec::new();
         let (header_line, header) = loop {
             let Some((n, l)) = lines.next() else {
                 return Err(whole("no header row"));
@@ -552,7 +555,10 @@ impl RouteTrace {
                     model_line = Some((n, pairs));
                 }
                 Some("layer") => layer_lines.push((n, pairs)),
-                _ => extra.extend(pairs),
+                _ => {
+                    extra_lines.extend(std::iter::repeat_n(n, pairs.len()));
+                    extra.extend(pairs);
+                }
             }
         };
 
@@ -597,6 +603,21 @@ impl RouteTrace {
         for (k, v) in model_pairs.iter() {
             if !["model", "arch", "n_layer", "n_expert", "n_expert_used"].contains(&k.as_str()) {
                 extra.push((k.clone(), v.clone()));
+                extra_lines.push(model_no);
+            }
+        }
+        // A key given twice is ambiguous (and the writer, which puts every extra key on the
+        // model line, could not write the trace back as read).
+        let mut seen: Vec<&str> = model_pairs.iter().map(|(k, _)| k.as_str()).collect();
+        seen.sort_unstable();
+        if let Some(w) = seen.windows(2).find(|w| w[0] == w[1]) {
+            return Err(at(model_no, format!("key {}= appears twice", w[0])));
+        }
+        for (i, (k, _)) in extra.iter().enumerate() {
+            let known = ["model", "arch", "n_layer", "n_expert", "n_expert_used"];
+            let line = extra_lines.get(i).copied().unwrap_or(model_no);
+            if known.contains(&k.as_str()) || extra[..i].iter().any(|(p, _)| p == k) {
+                return Err(at(line, format!("key {k}= appears twice in the preamble")));
             }
         }
         // `route_ahead=N` (the depth a `--route-ahead` run committed at) is structured, not
@@ -1438,6 +1459,25 @@ mod tests {
         assert!(parse_proj("0:4096").is_err());
         assert!(parse_proj("0:4096:128:1").is_err());
         assert!(parse_proj("0:x:128").is_err());
+    }
+
+    #[test]
+    fn a_preamble_key_given_twice_is_refused() {
+        // Found by the route_trace fuzz target: a mutated `# layer=` line became extra keys,
+        // one of them `arch=` again, and the trace could not be written back as read.
+        let body = "# layer=0 expert_bytes=8 dense_bytes=4\nturn,phase,step,layer,slot,expert,weight,residency,expert_bytes\n0,1,0,0,0,1,1.0,0,8\n0,1,1,0,0,2,1.0,0,8\n";
+        let model = "# route_trace v1\n# model=m arch=a n_layer=1 n_expert=4 n_expert_used=1";
+        RouteTrace::parse(&format!("{model}\n{body}")).expect("the plain trace parses");
+        for (extra, line) in [
+            (" arch=b", 2),
+            (" ctx=1 ctx=2", 2),
+            ("\n# foo=1 arch=b", 3),
+            (" ctx=1\n# ctx=2", 2),
+        ] {
+            let e = RouteTrace::parse(&format!("{model}{extra}\n{body}")).expect_err(extra);
+            assert!(e.to_string().contains("appears twice"), "{extra}: {e}");
+            assert_eq!(e.line(), Some(line), "{extra}: {e}");
+        }
     }
 
     #[test]

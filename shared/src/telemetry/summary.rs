@@ -172,6 +172,8 @@ pub struct RunCounters {
     pub n_prompt: u64,
     /// Context length after the turn.
     pub n_past: u64,
+    /// Context the KV already held when the turn's prompt began (reused, not prefilled).
+    pub n_reused: u64,
     /// Model load time (s).
     pub load_s: f64,
     /// Prompt prefill wall time (s).
@@ -232,6 +234,7 @@ impl Default for RunCounters {
         RunCounters {
             n_prompt: 0,
             n_past: 0,
+            n_reused: 0,
             load_s: 0.0,
             prefill_s: 0.0,
             cache_hit_pct: f64::NAN,
@@ -285,6 +288,7 @@ impl RunCounters {
         }
         self.n_prompt += c.n_prompt;
         self.n_past = c.n_past;
+        self.n_reused += c.n_reused;
         self.prefill_s += c.prefill_s;
         self.cache_resident_bytes = c.cache_resident_bytes;
         self.cache_budget_bytes = c.cache_budget_bytes;

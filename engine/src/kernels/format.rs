@@ -1,0 +1,355 @@
+//! The one trait every weight format implements ([`Format`]), the SIMD level as a slot
+//! ([`Kernel`]), and the table the entry points of [`super`] dispatch through.
+//!
+//! Why this shape: every entry point (`quantize_row`, `dequantize_row`, `ActBuf::prepare`,
+//! `matvec`, `matmul`, the benchmark) used to `match` on the tensor type, and each format's file
+//! `match`ed again on the SIMD level, so a format was spread over a dozen places. Now a format
+//! is one type implementing [`Format`] (its block layout, quantizer, dequantizer, activation
+//! type and scalar dot — the reference every level must match bit for bit), plus one
+//! `impl Kernel<ThatFormat> for Level` per SIMD level it has. [`super::registry`] lists each
+//! format once with its levels; everything else looks the type up there once per call
+//! ([`FormatTable`]) and calls through plain function pointers, chosen per call, not per row.
+//!
+//! Adding a SIMD level (say ARM NEON): a marker type implementing [`Level`], a `SimdLevel`
+//! variant detected at run time, then one file per format with `impl Kernel<F> for Neon`, and
+//! the level's name in that format's registry line. A format without it runs at the best level
+//! below that it has (always at least [`Scalar`]).
+
+use super::q8_k::GROUP;
+use super::{blocks, blocks_mut, ActBuf, ActFormat, RawBlock, SimdLevel};
+use crate::gguf::GgmlType;
+use std::ops::Range;
+
+/// An activation representation: how an f32 vector is prepared (quantized or converted) once
+/// for dot products with every weight format that takes it.
+pub(crate) trait Activation: 'static {
+    /// Its name in [`ActBuf`] and in errors.
+    const FORMAT: ActFormat;
+    /// Values per block (1 for the float forms); `prepare` takes whole blocks only.
+    const BLOCK: usize;
+    /// What a dot product reads.
+    type View: ?Sized;
+    /// Fills `buf`'s storage for this representation from `x` (a whole number of blocks,
+    /// checked by the caller). Deterministic scalar code, so every SIMD level sees the same
+    /// activation.
+    fn prepare(x: &[f32], buf: &mut ActBuf);
+    /// The prepared activation (whatever `buf` holds if it was prepared for another format;
+    /// callers check [`ActBuf::format`] first).
+    fn view(buf: &ActBuf) -> &Self::View;
+}
+
+/// What a dot product of format `F` reads from a prepared activation.
+pub(crate) type ActView<F> = <<F as Format>::Act as Activation>::View;
+
+/// A weight format as stored in GGUF.
+///
+/// Contract: `Block` is the `#[repr(C)]` block of `TY` (its size is asserted at compile time
+/// against the type table, [`FormatTable::of`]); `quantize` and `dequantize` take whole blocks
+/// (`src.len() == dst.len() * values per block` for `dequantize`, the reverse for `quantize`)
+/// and never panic on any bytes; `dot` is the scalar reference: it fixes the summation order
+/// every SIMD level reproduces bit for bit, and reads `min(w.len(), activation blocks)` blocks.
+pub(crate) trait Format: 'static {
+    /// The ggml type.
+    const TY: GgmlType;
+    /// One block as stored (float formats: one value's bytes).
+    type Block: RawBlock;
+    /// The activation this format is dotted with (llama.cpp's `vec_dot_type` for it).
+    type Act: Activation;
+    /// f32 values to blocks (deterministic; for `gen` and tests).
+    fn quantize(src: &[f32], dst: &mut [Self::Block]);
+    /// Blocks to f32 values.
+    fn dequantize(src: &[Self::Block], dst: &mut [f32]);
+    /// The scalar reference dot product of a row with a prepared activation.
+    fn dot(w: &[Self::Block], a: &ActView<Self>) -> f32;
+}
+
+/// A SIMD level as a type, so that a format's kernels at that level are a trait impl.
+pub(crate) trait Level {
+    const LEVEL: SimdLevel;
+}
+
+/// The portable level: every format's [`Format::dot`], unchanged.
+pub(crate) struct Scalar;
+impl Level for Scalar {
+    const LEVEL: SimdLevel = SimdLevel::Scalar;
+}
+
+/// x86-64 with AVX2, FMA and F16C.
+#[cfg(target_arch = "x86_64")]
+pub(crate) struct Avx2;
+#[cfg(target_arch = "x86_64")]
+impl Level for Avx2 {
+    const LEVEL: SimdLevel = SimdLevel::Avx2;
+}
+
+/// Format `F`'s products at one SIMD level. Every method gives exactly the bits of
+/// [`Format::dot`] for each (row, activation) pair; the tests check it for every format and
+/// level.
+///
+/// # Safety (for callers)
+/// Every method may only be called when the CPU supports the level (`Self::LEVEL <=
+/// simd_level()`); the table hands out a level's functions only then.
+pub(crate) trait Kernel<F: Format>: Level {
+    /// One row.
+    unsafe fn dot(w: &[F::Block], a: &ActView<F>) -> f32;
+
+    /// `out[i] = dot(row rows.start + i)` for the rows of a row-major matrix `w` of
+    /// `row_bytes`-byte rows (whole blocks; `rows` inside `w`, `out.len() == rows.len()`). A
+    /// level overrides it where several rows at once are faster (Q4_0's 8-row kernel).
+    unsafe fn dot_rows(
+        w: &[u8],
+        row_bytes: usize,
+        rows: Range<usize>,
+        a: &ActView<F>,
+        out: &mut [f32],
+    ) {
+        for (o, r) in out.iter_mut().zip(rows) {
+            // SAFETY: the caller's (the level is available).
+            *o = unsafe { Self::dot(blocks(&w[r * row_bytes..(r + 1) * row_bytes]), a) };
+        }
+    }
+
+    /// True when [`Kernel::dot_group`] is faster than [`GROUP`] single dots (it unpacks each
+    /// weight block once for all of them), so prefill should use it.
+    const GROUPED: bool = false;
+
+    /// One row against [`GROUP`] activations.
+    unsafe fn dot_group(w: &[F::Block], a: [&ActView<F>; GROUP]) -> [f32; GROUP] {
+        // SAFETY: the caller's.
+        a.map(|a| unsafe { Self::dot(w, a) })
+    }
+}
+
+impl<F: Format> Kernel<F> for Scalar {
+    unsafe fn dot(w: &[F::Block], a: &ActView<F>) -> f32 {
+        F::dot(w, a)
+    }
+}
+
+/// [`Kernel::dot_rows`] over raw bytes.
+pub(crate) type RowsFn = unsafe fn(&[u8], usize, Range<usize>, &ActBuf, &mut [f32]);
+/// [`Kernel::dot_group`] over the rows of a matrix of raw bytes (as [`RowsFn`]): `out[k][i]`
+/// is row `rows.start + i` against activation `k`.
+pub(crate) type GroupFn =
+    unsafe fn(&[u8], usize, Range<usize>, [&ActBuf; GROUP], [&mut [f32]; GROUP]);
+
+/// One format's kernels at one level, as function pointers.
+#[derive(Copy, Clone)]
+pub(crate) struct LevelFns {
+    pub level: SimdLevel,
+    pub rows: RowsFn,
+    /// `Some` when the level has a grouped kernel worth using ([`Kernel::GROUPED`]).
+    pub group: Option<GroupFn>,
+}
+
+unsafe fn rows_of<F: Format, L: Kernel<F>>(
+    w: &[u8],
+    row_bytes: usize,
+    rows: Range<usize>,
+    act: &ActBuf,
+    out: &mut [f32],
+) {
+    // SAFETY: the caller's.
+    unsafe { L::dot_rows(w, row_bytes, rows, F::Act::view(act), out) }
+}
+
+unsafe fn group_of<F: Format, L: Kernel<F>>(
+    w: &[u8],
+    row_bytes: usize,
+    rows: Range<usize>,
+    acts: [&ActBuf; GROUP],
+    mut out: [&mut [f32]; GROUP],
+) {
+    // The activations' views once for all rows.
+    let views = acts.map(F::Act::view);
+    let first = rows.start;
+    for r in rows {
+        // SAFETY: the caller's (the level is available; rows lie inside `w`).
+        let v = unsafe { L::dot_group(blocks(&w[r * row_bytes..(r + 1) * row_bytes]), views) };
+        for (o, v) in out.iter_mut().zip(v) {
+            o[r - first] = v;
+        }
+    }
+}
+
+impl LevelFns {
+    /// Format `F` at level `L`.
+    pub const fn of<F: Format, L: Kernel<F>>() -> LevelFns {
+        LevelFns {
+            level: L::LEVEL,
+            rows: rows_of::<F, L>,
+            group: if L::GROUPED {
+                Some(group_of::<F, L>)
+            } else {
+                None
+            },
+        }
+    }
+}
+
+/// How many [`SimdLevel`]s there are (the slots of a [`FormatTable`]).
+const N_LEVELS: usize = 2;
+
+/// One format, type-erased: what the entry points call.
+pub(crate) struct FormatTable {
+    pub ty: GgmlType,
+    /// The activation its dots take.
+    pub act: ActFormat,
+    /// Values per activation block (whole blocks only).
+    pub act_block: usize,
+    quantize: fn(&[f32], &mut [u8]),
+    dequantize: fn(&[u8], &mut [f32]),
+    prepare: fn(&[f32], &mut ActBuf),
+    /// Indexed by `SimdLevel as usize`; slot 0 (scalar) is always filled.
+    levels: [Option<LevelFns>; N_LEVELS],
+}
+
+fn quantize_of<F: Format>(src: &[f32], dst: &mut [u8]) {
+    F::quantize(src, blocks_mut(dst))
+}
+
+fn dequantize_of<F: Format>(src: &[u8], dst: &mut [f32]) {
+    F::dequantize(blocks(src), dst)
+}
+
+impl FormatTable {
+    /// Format `F` with its scalar level; add the others with [`FormatTable::with`].
+    pub const fn of<F: Format>() -> FormatTable {
+        const {
+            assert!(
+                std::mem::size_of::<F::Block>() as u64 == F::TY.type_size(),
+                "a format's block struct must have its type's size"
+            )
+        };
+        let mut levels = [None; N_LEVELS];
+        levels[SimdLevel::Scalar as usize] = Some(LevelFns::of::<F, Scalar>());
+        FormatTable {
+            ty: F::TY,
+            act: F::Act::FORMAT,
+            act_block: F::Act::BLOCK,
+            quantize: quantize_of::<F>,
+            dequantize: dequantize_of::<F>,
+            prepare: F::Act::prepare,
+            levels,
+        }
+    }
+
+    /// Adds a level's kernels.
+    pub const fn with(mut self, fns: LevelFns) -> FormatTable {
+        self.levels[fns.level as usize] = Some(fns);
+        self
+    }
+
+    /// The kernels of the best level this format has at or below `level`.
+    pub fn at(&self, level: SimdLevel) -> &LevelFns {
+        let mut i = (level as usize).min(N_LEVELS - 1);
+        loop {
+            if let Some(f) = &self.levels[i] {
+                return f;
+            }
+            // Slot 0 is always filled, so this stops there.
+            i = i.saturating_sub(1);
+        }
+    }
+
+    /// f32 values to `ty` bytes (lengths checked by the caller).
+    pub fn quantize(&self, src: &[f32], dst: &mut [u8]) {
+        (self.quantize)(src, dst)
+    }
+
+    /// `ty` bytes to f32 values (lengths checked by the caller).
+    pub fn dequantize(&self, src: &[u8], dst: &mut [f32]) {
+        (self.dequantize)(src, dst)
+    }
+
+    /// Prepares `buf` from `x` (a whole number of activation blocks, checked by the caller).
+    pub fn prepare(&self, x: &[f32], buf: &mut ActBuf) {
+        (self.prepare)(x, buf)
+    }
+}
+
+/// The levels of a registry line: `Avx2` (compiled on x86-64 only).
+macro_rules! with_levels {
+    ($t:expr, $f:ty $(,)?) => { $t };
+    ($t:expr, $f:ty, Avx2 $(, $rest:ident)*) => {{
+        #[cfg(target_arch = "x86_64")]
+        let t = $t.with($crate::kernels::format::LevelFns::of::<$f, $crate::kernels::format::Avx2>());
+        #[cfg(not(target_arch = "x86_64"))]
+        let t = $t;
+        $crate::kernels::format::with_levels!(t, $f $(, $rest)*)
+    }};
+}
+pub(crate) use with_levels;
+
+/// The registry: `registry! { TYPE => format type [levels beyond scalar]; ... }` defines
+/// [`table`] (the one place a tensor type becomes its kernels) and [`WEIGHT_TYPES`].
+macro_rules! registry {
+    ($($ty:ident => $f:ty [$($level:ident),*];)*) => {
+        /// Every weight format the kernels take, in registry order.
+        pub(crate) const WEIGHT_TYPES: &[GgmlType] = &[$(GgmlType::$ty),*];
+
+        /// The kernels of weight type `ty`, or `None` when it has none.
+        pub(crate) fn table(ty: GgmlType) -> Option<&'static FormatTable> {
+            match ty {
+                $(GgmlType::$ty => {
+                    static T: FormatTable =
+                        $crate::kernels::format::with_levels!(FormatTable::of::<$f>(), $f $(, $level)*);
+                    Some(&T)
+                })*
+                _ => None,
+            }
+        }
+    };
+}
+pub(crate) use registry;
+
+/// The [`Format`] and AVX2 [`Kernel`] of a 256-value format against Q8_K activations whose
+/// file defines `quantize`, `dequantize`, `dot_scalar` and (x86-64) `dot_avx2` over its blocks,
+/// and with `grouped`, a multi-token `dot_n_avx2`:
+/// `kquant_format!(Name, GgmlTypeVariant, BlockType [, grouped])`.
+macro_rules! kquant_format {
+    ($name:ident, $ty:ident, $block:ty $(, $grouped:ident)?) => {
+        /// The weight format (see the module header).
+        pub(crate) struct $name;
+
+        impl $crate::kernels::format::Format for $name {
+            const TY: $crate::gguf::GgmlType = $crate::gguf::GgmlType::$ty;
+            type Block = $block;
+            type Act = $crate::kernels::q8_k::ActQ8K;
+
+            fn quantize(src: &[f32], dst: &mut [$block]) {
+                quantize(src, dst)
+            }
+
+            fn dequantize(src: &[$block], dst: &mut [f32]) {
+                dequantize(src, dst)
+            }
+
+            fn dot(w: &[$block], a: &[$crate::kernels::q8_k::BlockQ8K]) -> f32 {
+                dot_scalar(w, a)
+            }
+        }
+
+        #[cfg(target_arch = "x86_64")]
+        impl $crate::kernels::format::Kernel<$name> for $crate::kernels::format::Avx2 {
+            unsafe fn dot(w: &[$block], a: &[$crate::kernels::q8_k::BlockQ8K]) -> f32 {
+                // SAFETY: the caller's (AVX2, FMA and F16C are present).
+                unsafe { dot_avx2(w, a) }
+            }
+            $($crate::kernels::format::kquant_format!(@ $grouped, $block);)?
+        }
+    };
+    (@ grouped, $block:ty) => {
+        /// The weights are unpacked once for all the group's activations.
+        const GROUPED: bool = true;
+
+        unsafe fn dot_group(
+            w: &[$block],
+            a: [&[$crate::kernels::q8_k::BlockQ8K]; $crate::kernels::q8_k::GROUP],
+        ) -> [f32; $crate::kernels::q8_k::GROUP] {
+            // SAFETY: the caller's.
+            unsafe { dot_n_avx2(w, a) }
+        }
+    };
+}
+pub(crate) use kquant_format;

@@ -1,0 +1,263 @@
+//! Q2_K: super-blocks of 256 2-bit levels in 16 runs of 16, each run with a 4-bit scale and a
+//! 4-bit minimum under f16 super-scales: value = d · sc_r · q − dmin · m_r. The expert format of
+//! the smallest K-quant files (Q2_K presets, the "dynamic" 2–3-bit files that fit a 30B MoE on a
+//! phone). Dotted against Q8_K activations.
+//!
+//! Layout (84 bytes): `scales[16]` (run `r`: scale in the low nibble, minimum in the high),
+//! `qs[64]`, `d`, `dmin` (f16). Value `128n + 32t + l` (`n` < 2, `t` < 4, `l` < 32) is bits
+//! `2t .. 2t + 2` of `qs[32n + l]`, in run `8n + 2t + l / 16`.
+//!
+//! Summation order (llama.cpp's x86 `ggml_vec_dot_q2_K_q8_K`, shared by every path): 8 lane
+//! accumulators; per super-block, first `lane_k = fma(−d_a·dmin, m_2k·bsum_2k + m_2k+1·bsum_2k+1,
+//! lane_k)`, then `lane_k = fma(d_a·d, sumi_k, lane_k)` where `sumi_k` sums, exactly over the
+//! 8 groups of 32 values, `sc · Σ q·a` over values `4k .. 4k + 4` of the group; folded by
+//! [`reduce8`] at the end. The AVX2 path computes those integers with `maddubs`/`madd`.
+
+use super::q8_k::{BlockQ8K, QK_K};
+use super::{f16_to_f32, f32_to_f16, nearest_int, reduce8, RawBlock};
+
+/// One Q2_K super-block as stored in GGUF.
+#[repr(C)]
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct BlockQ2K {
+    scales: [u8; QK_K / 16],
+    qs: [u8; QK_K / 4],
+    d: [u8; 2],
+    dmin: [u8; 2],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ2K>() == 84);
+// SAFETY: byte arrays only: alignment 1, no padding, any bits valid.
+unsafe impl RawBlock for BlockQ2K {}
+
+/// The level (0..=3) of value `v` of a super-block.
+#[inline(always)]
+fn level(b: &BlockQ2K, v: usize) -> u8 {
+    let (n, t, l) = (v / 128, (v % 128) / 32, v % 32);
+    (b.qs[32 * n + l] >> (2 * t)) & 3
+}
+
+/// The run (0..16) of value `v`.
+#[inline(always)]
+fn run(v: usize) -> usize {
+    v / 16
+}
+
+pub(super) fn dequantize(src: &[BlockQ2K], dst: &mut [f32]) {
+    for (b, y) in src.iter().zip(dst.chunks_exact_mut(QK_K)) {
+        let d = f16_to_f32(b.d);
+        let dmin = f16_to_f32(b.dmin);
+        for (v, o) in y.iter_mut().enumerate() {
+            let s = b.scales[run(v)];
+            let dl = d * (s & 0x0F) as f32;
+            let ml = dmin * (s >> 4) as f32;
+            *o = dl * level(b, v) as f32 - ml;
+        }
+    }
+}
+
+/// A run of values fitted to `scale · q − min` (q in 0..=n_max, min ≥ 0): the min-max fit,
+/// then one least-squares refit of both on the chosen levels if it lowers the error.
+/// Returns (scale, min).
+pub(super) fn fit_min_max(x: &[f32], n_max: u8) -> (f32, f32) {
+    let lo = x.iter().fold(0f32, |a, v| a.min(*v));
+    let hi = x.iter().fold(f32::NEG_INFINITY, |a, v| a.max(*v));
+    if hi <= lo || hi.is_nan() {
+        return (0.0, -lo);
+    }
+    let scale = (hi - lo) / n_max as f32;
+    let min = -lo;
+    let err = |s: f32, m: f32| -> f32 {
+        x.iter()
+            .map(|v| {
+                let q = if s > 0.0 {
+                    nearest_int((v + m) / s).clamp(0, n_max as i32)
+                } else {
+                    0
+                };
+                (v - (s * q as f32 - m)).powi(2)
+            })
+            .sum()
+    };
+    // Least squares for x ≈ s·q − m on the min-max levels.
+    let q: Vec<f32> = x
+        .iter()
+        .map(|v| nearest_int((v + min) / scale).clamp(0, n_max as i32) as f32)
+        .collect();
+    let n = x.len() as f32;
+    let (sq, sqq, sx, sqx) = q.iter().zip(x).fold((0f32, 0f32, 0f32, 0f32), |a, (q, v)| {
+        (a.0 + q, a.1 + q * q, a.2 + v, a.3 + q * v)
+    });
+    let det = n * sqq - sq * sq;
+    if det > 0.0 {
+        let s = (n * sqx - sq * sx) / det;
+        let m = (s * sq - sx) / n;
+        if s > 0.0 && m >= 0.0 && err(s, m) < err(scale, min) {
+            return (s, m);
+        }
+    }
+    (scale, min)
+}
+
+pub(super) fn quantize(src: &[f32], dst: &mut [BlockQ2K]) {
+    for (x, b) in src.chunks_exact(QK_K).zip(dst.iter_mut()) {
+        let fits: Vec<(f32, f32)> = x.chunks_exact(16).map(|r| fit_min_max(r, 3)).collect();
+        let max_scale = fits.iter().fold(0f32, |a, f| a.max(f.0));
+        let max_min = fits.iter().fold(0f32, |a, f| a.max(f.1));
+        b.d = f32_to_f16(max_scale / 15.0);
+        b.dmin = f32_to_f16(max_min / 15.0);
+        let (d, dmin) = (f16_to_f32(b.d), f16_to_f32(b.dmin));
+        let inv = |m: f32| if m > 0.0 { 15.0 / m } else { 0.0 };
+        for (r, f) in fits.iter().enumerate() {
+            let sc = nearest_int(f.0 * inv(max_scale)).clamp(0, 15) as u8;
+            let mn = nearest_int(f.1 * inv(max_min)).clamp(0, 15) as u8;
+            b.scales[r] = sc | (mn << 4);
+        }
+        b.qs = [0; QK_K / 4];
+        for (v, xv) in x.iter().enumerate() {
+            let s = b.scales[run(v)];
+            let dl = d * (s & 0x0F) as f32;
+            let ml = dmin * (s >> 4) as f32;
+            let q = if dl > 0.0 {
+                nearest_int((xv + ml) / dl).clamp(0, 3) as u8
+            } else {
+                0
+            };
+            let (n, t, l) = (v / 128, (v % 128) / 32, v % 32);
+            b.qs[32 * n + l] |= q << (2 * t);
+        }
+    }
+}
+
+/// `m_2k·bsum_2k + m_2k+1·bsum_2k+1` per lane `k` (exact).
+#[inline(always)]
+fn min_lanes(b: &BlockQ2K, y: &BlockQ8K) -> [i32; 8] {
+    std::array::from_fn(|k| {
+        (2 * k..2 * k + 2)
+            .map(|r| (b.scales[r] >> 4) as i32 * y.bsums[r] as i32)
+            .sum()
+    })
+}
+
+pub(super) fn dot_scalar(w: &[BlockQ2K], a: &[BlockQ8K]) -> f32 {
+    let mut lanes = [0f32; 8];
+    for (x, y) in w.iter().zip(a) {
+        let d = y.d * f16_to_f32(x.d);
+        let dmin = -y.d * f16_to_f32(x.dmin);
+        for (l, m) in lanes.iter_mut().zip(min_lanes(x, y)) {
+            *l = dmin.mul_add(m as f32, *l);
+        }
+        let mut sumi = [0i32; 8];
+        for n in 0..2 {
+            for t in 0..4 {
+                let base = 128 * n + 32 * t;
+                for (k, s) in sumi.iter_mut().enumerate() {
+                    let sc = (x.scales[8 * n + 2 * t + k / 4] & 0x0F) as i32;
+                    let p: i32 = (base + 4 * k..base + 4 * k + 4)
+                        .map(|v| level(x, v) as i32 * y.qs[v] as i32)
+                        .sum();
+                    *s += sc * p;
+                }
+            }
+        }
+        for (l, s) in lanes.iter_mut().zip(sumi) {
+            *l = d.mul_add(s as f32, *l);
+        }
+    }
+    reduce8(&lanes)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_avx2(w: &[BlockQ2K], a: &[BlockQ8K]) -> f32 {
+    use super::q8_k::x86::{fold, SCALE_PAIR};
+    use std::arch::x86_64::*;
+    let m3 = _mm256_set1_epi8(3);
+    let m4 = _mm_set1_epi8(0x0F);
+    let mut acc = _mm256_setzero_ps();
+    for (x, y) in w.iter().zip(a) {
+        // SAFETY: F16C is present.
+        let (xd, xdmin) = unsafe { (super::f16c(x.d), super::f16c(x.dmin)) };
+        let d = y.d * xd;
+        let dmin = -y.d * xdmin;
+        // SAFETY (loads): 16 bytes of scales, 16 i16 of bsums, 32 bytes of qs at 32n (n < 2),
+        // 32 bytes of activations at 128n + 32t < 256, 32 bytes of masks.
+        let packed = unsafe { _mm_loadu_si128(x.scales.as_ptr().cast()) };
+        let scales16 = _mm256_cvtepu8_epi16(_mm_and_si128(packed, m4));
+        let mins16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), m4));
+        let bsums = unsafe { _mm256_loadu_si256(y.bsums.as_ptr().cast()) };
+        let prod = _mm256_madd_epi16(mins16, bsums);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(prod), acc);
+        // The 8 scales of half n in both 128-bit lanes.
+        let halves = [
+            _mm256_permute2x128_si256(scales16, scales16, 0x00),
+            _mm256_permute2x128_si256(scales16, scales16, 0x11),
+        ];
+        let mut sumi = _mm256_setzero_si256();
+        for (n, sc) in halves.iter().enumerate() {
+            let mut q = unsafe { _mm256_loadu_si256(x.qs.as_ptr().add(32 * n).cast()) };
+            for (t, mask) in SCALE_PAIR.iter().enumerate() {
+                let yv = unsafe { _mm256_loadu_si256(y.qs.as_ptr().add(128 * n + 32 * t).cast()) };
+                let mask = unsafe { _mm256_loadu_si256(mask.as_ptr().cast()) };
+                // ≤ 2 · 3 · 127 per i16 lane: no saturation.
+                let p = _mm256_maddubs_epi16(_mm256_and_si256(q, m3), yv);
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, _mm256_shuffle_epi8(*sc, mask)));
+                // The next two bits into place (16-bit shifts; the mask drops what crossed bytes).
+                q = _mm256_srli_epi16(q, 2);
+            }
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    // SAFETY: AVX2 is present.
+    unsafe { fold(acc) }
+}
+
+super::format::kquant_format!(Q2K, Q2_K, BlockQ2K);
+
+#[cfg(test)]
+mod tests {
+    use super::super::testutil::*;
+    use super::*;
+    use crate::gguf::GgmlType;
+
+    #[test]
+    fn simd_matches_scalar_bits() {
+        check_simd_matches_scalar::<Q2K>(&[(1, 1), (2, 3), (3, 16)], 50);
+    }
+
+    #[test]
+    fn scalar_matches_dequantized_and_f32_reference() {
+        check_scalar_against_references::<Q2K>(&[221, 222, 223]);
+    }
+
+    /// ggml's per-value decoding, written out from the layout.
+    #[test]
+    fn dequantize_follows_the_layout() {
+        let raw = bytes(12, 84 * 2);
+        let got = dequantized(GgmlType::Q2_K, &raw);
+        for (b, y) in raw.chunks(84).zip(got.chunks(256)) {
+            let d = f16_to_f32([b[80], b[81]]);
+            let dmin = f16_to_f32([b[82], b[83]]);
+            let mut v = 0;
+            for n in 0..2 {
+                for shift in [0, 2, 4, 6] {
+                    for l in 0..32 {
+                        let s = b[v / 16];
+                        let q = (b[16 + 32 * n + l] >> shift) & 3;
+                        let want = d * (s & 15) as f32 * q as f32 - dmin * (s >> 4) as f32;
+                        assert_eq!(y[v].to_bits(), want.to_bits(), "value {v}");
+                        v += 1;
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn round_trip_error_within_budget() {
+        // 4 levels per run of 16: coarse by design (≈ range/3/√12 ≈ 0.25σ before the fits).
+        let rel = relative_rms_error(GgmlType::Q2_K, &values(9, QK_K * 64, 1.0));
+        assert!(rel < 0.33, "relative rmse {rel}");
+        let flat = round_trip(GgmlType::Q2_K, &[0.0; QK_K]);
+        assert!(flat.iter().all(|v| *v == 0.0));
+    }
+}

@@ -1,0 +1,294 @@
+//! Q3_K: super-blocks of 256 3-bit levels in 16 runs of 16, each run with a signed 6-bit scale
+//! under an f16 super-scale: value = d · (sc_r − 32) · q, q in −4..=3. The expert format of
+//! Q3_K_S/M/L files and Q2_K files' `ffn_down`. Dotted against Q8_K activations.
+//!
+//! Layout (110 bytes): `hmask[32]`, `qs[64]`, `scales[12]`, `d` (f16). Value
+//! `128n + 32t + l` (`n` < 2, `t` < 4, `l` < 32) has its low two bits in bits `2t .. 2t + 2` of
+//! `qs[32n + l]` and its high bit in bit `4n + t` of `hmask[l]`; q = low − 4 when that bit is
+//! clear, low when it is set. Run `r` = `8n + 2t + l / 16` has the 6-bit scale whose low 4
+//! bits are nibble `r / 8` of `scales[r % 8]` and whose top 2 bits are bits `2(r / 4)` of
+//! `scales[8 + r % 4]` ([`unpack_scales`]).
+//!
+//! Summation order (llama.cpp's x86 `ggml_vec_dot_q3_K_q8_K`, shared by every path): 8 lane
+//! accumulators, one fused multiply-add per super-block each, `lane_k = fma(d_a·d, sumi_k,
+//! lane_k)`, where `sumi_k` sums exactly, over the 8 groups of 32 values, `(sc − 32) · Σ q·a`
+//! over values `4k .. 4k + 4` of the group; folded by [`reduce8`] at the end.
+
+use super::q8_k::{BlockQ8K, QK_K};
+use super::{f16_to_f32, f32_to_f16, max_by_magnitude, nearest_int, reduce8, RawBlock};
+
+/// One Q3_K super-block as stored in GGUF.
+#[repr(C)]
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct BlockQ3K {
+    hmask: [u8; QK_K / 8],
+    qs: [u8; QK_K / 4],
+    scales: [u8; 12],
+    d: [u8; 2],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ3K>() == 110);
+// SAFETY: byte arrays only: alignment 1, no padding, any bits valid.
+unsafe impl RawBlock for BlockQ3K {}
+
+/// The 16 run scales as stored (0..=63; the value's scale is this − 32), decoded four at a
+/// time with word arithmetic: the four little-endian words of [`unpack_scales`].
+#[inline(always)]
+fn scale_words(s: &[u8; 12]) -> [u32; 4] {
+    const LOW4: u32 = 0x0f0f_0f0f;
+    const LOW2: u32 = 0x0303_0303;
+    let a0 = u32::from_le_bytes([s[0], s[1], s[2], s[3]]);
+    let a1 = u32::from_le_bytes([s[4], s[5], s[6], s[7]]);
+    let a2 = u32::from_le_bytes([s[8], s[9], s[10], s[11]]);
+    [
+        (a0 & LOW4) | ((a2 & LOW2) << 4),
+        (a1 & LOW4) | (((a2 >> 2) & LOW2) << 4),
+        ((a0 >> 4) & LOW4) | (((a2 >> 4) & LOW2) << 4),
+        ((a1 >> 4) & LOW4) | (((a2 >> 6) & LOW2) << 4),
+    ]
+}
+
+/// The 16 run scales as stored (0..=63; the value's scale is this − 32).
+#[inline(always)]
+pub(super) fn unpack_scales(s: &[u8; 12]) -> [u8; 16] {
+    let words = scale_words(s);
+    std::array::from_fn(|r| (words[r / 4] >> (8 * (r % 4))) as u8)
+}
+
+/// The inverse of [`unpack_scales`] (inputs ≤ 63).
+fn pack_scales(sc: &[u8; 16]) -> [u8; 12] {
+    let mut s = [0u8; 12];
+    for (r, &v) in sc.iter().enumerate() {
+        s[r % 8] |= (v & 0x0F) << (4 * (r / 8));
+        s[8 + r % 4] |= ((v >> 4) & 3) << (2 * (r / 4));
+    }
+    s
+}
+
+/// The level (−4..=3) of value `v` of a super-block.
+#[inline(always)]
+fn level(b: &BlockQ3K, v: usize) -> i8 {
+    let (n, t, l) = (v / 128, (v % 128) / 32, v % 32);
+    let low = ((b.qs[32 * n + l] >> (2 * t)) & 3) as i8;
+    let high = (b.hmask[l] >> (4 * n + t)) & 1;
+    if high == 1 {
+        low
+    } else {
+        low - 4
+    }
+}
+
+pub(super) fn dequantize(src: &[BlockQ3K], dst: &mut [f32]) {
+    for (b, y) in src.iter().zip(dst.chunks_exact_mut(QK_K)) {
+        let d = f16_to_f32(b.d);
+        let sc = unpack_scales(&b.scales);
+        for (v, o) in y.iter_mut().enumerate() {
+            let dl = d * (sc[v / 16] as i32 - 32) as f32;
+            *o = dl * level(b, v) as f32;
+        }
+    }
+}
+
+/// Absmax quantizer: per run of 16 the value of largest magnitude maps to −4; the 16 run
+/// scales to signed 6 bits under the f16 super-scale (the largest in magnitude to −32); then
+/// each run's scale is refit by least squares on its levels if that rounds to a better stored
+/// scale, and the levels are recomputed against the stored scales.
+pub(super) fn quantize(src: &[f32], dst: &mut [BlockQ3K]) {
+    for (x, b) in src.chunks_exact(QK_K).zip(dst.iter_mut()) {
+        let mut scale = [0f32; 16];
+        for (s, r) in scale.iter_mut().zip(x.chunks_exact(16)) {
+            let first = max_by_magnitude(r) / -4.0;
+            *s = first;
+            if first != 0.0 {
+                // Least squares on the levels the first scale picks.
+                let (num, den) = r.iter().fold((0f32, 0f32), |(n, d), v| {
+                    let q = nearest_int(v / first).clamp(-4, 3) as f32;
+                    (n + v * q, d + q * q)
+                });
+                let err = |s: f32| -> f32 {
+                    r.iter()
+                        .map(|v| (v - s * nearest_int(v / s).clamp(-4, 3) as f32).powi(2))
+                        .sum()
+                };
+                if den > 0.0 {
+                    let refit = num / den;
+                    if refit != 0.0 && err(refit) < err(first) {
+                        *s = refit;
+                    }
+                }
+            }
+        }
+        let max_scale = max_by_magnitude(&scale);
+        let iscale = if max_scale != 0.0 {
+            -32.0 / max_scale
+        } else {
+            0.0
+        };
+        b.d = f32_to_f16(if iscale != 0.0 { 1.0 / iscale } else { 0.0 });
+        let d = f16_to_f32(b.d);
+        let sc: [u8; 16] =
+            std::array::from_fn(|r| (nearest_int(iscale * scale[r]).clamp(-32, 31) + 32) as u8);
+        b.scales = pack_scales(&sc);
+        b.hmask = [0; QK_K / 8];
+        b.qs = [0; QK_K / 4];
+        for (v, xv) in x.iter().enumerate() {
+            let dl = d * (sc[v / 16] as i32 - 32) as f32;
+            let q = if dl != 0.0 {
+                nearest_int(xv / dl).clamp(-4, 3)
+            } else {
+                0
+            };
+            let (n, t, l) = (v / 128, (v % 128) / 32, v % 32);
+            // q ≥ 0: high bit set, low = q; q < 0: high bit clear, low = q + 4.
+            let (low, high) = if q >= 0 { (q, 1) } else { (q + 4, 0) };
+            b.qs[32 * n + l] |= (low as u8) << (2 * t);
+            b.hmask[l] |= high << (4 * n + t);
+        }
+    }
+}
+
+pub(super) fn dot_scalar(w: &[BlockQ3K], a: &[BlockQ8K]) -> f32 {
+    let mut lanes = [0f32; 8];
+    for (x, y) in w.iter().zip(a) {
+        let d = y.d * f16_to_f32(x.d);
+        let sc = unpack_scales(&x.scales);
+        let mut sumi = [0i32; 8];
+        for n in 0..2 {
+            for t in 0..4 {
+                let base = 128 * n + 32 * t;
+                for (k, s) in sumi.iter_mut().enumerate() {
+                    let scale = sc[8 * n + 2 * t + k / 4] as i32 - 32;
+                    let p: i32 = (base + 4 * k..base + 4 * k + 4)
+                        .map(|v| level(x, v) as i32 * y.qs[v] as i32)
+                        .sum();
+                    *s += scale * p;
+                }
+            }
+        }
+        for (l, s) in lanes.iter_mut().zip(sumi) {
+            *l = d.mul_add(s as f32, *l);
+        }
+    }
+    reduce8(&lanes)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_avx2(w: &[BlockQ3K], a: &[BlockQ8K]) -> f32 {
+    use super::q8_k::x86::{fold, SCALE_PAIR};
+    use std::arch::x86_64::*;
+    let m3 = _mm256_set1_epi8(3);
+    let one = _mm256_set1_epi8(1);
+    let mut acc = _mm256_setzero_ps();
+    for (x, y) in w.iter().zip(a) {
+        // SAFETY: F16C is present.
+        let d = y.d * unsafe { super::f16c(x.d) };
+        // The words straight into a register (a byte array through the stack would stall the
+        // vector load on store forwarding).
+        let w4 = scale_words(&x.scales);
+        let sc8 = _mm_setr_epi32(w4[0] as i32, w4[1] as i32, w4[2] as i32, w4[3] as i32);
+        // SAFETY (loads): 32 bytes of hmask, 32 bytes of qs at 32n (n < 2), 32 activation
+        // bytes at 128n + 32t < 256, 32-byte masks.
+        let scales16 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(sc8), _mm256_set1_epi16(32));
+        let halves = [
+            _mm256_permute2x128_si256(scales16, scales16, 0x00),
+            _mm256_permute2x128_si256(scales16, scales16, 0x11),
+        ];
+        // Bit 4n + t of each hmask byte; shifted right one place per group of 32.
+        let mut hbits = unsafe { _mm256_loadu_si256(x.hmask.as_ptr().cast()) };
+        let mut sumi = _mm256_setzero_si256();
+        for (n, scn) in halves.iter().enumerate() {
+            let mut q = unsafe { _mm256_loadu_si256(x.qs.as_ptr().add(32 * n).cast()) };
+            for (t, mask) in SCALE_PAIR.iter().enumerate() {
+                let yv = unsafe { _mm256_loadu_si256(y.qs.as_ptr().add(128 * n + 32 * t).cast()) };
+                let mask = unsafe { _mm256_loadu_si256(mask.as_ptr().cast()) };
+                let low = _mm256_and_si256(q, m3);
+                // 4 where the high bit is clear, else 0.
+                let minus = _mm256_slli_epi16(_mm256_andnot_si256(hbits, one), 2);
+                // Each ≤ 2 · 4 · 127 per i16 lane: no saturation; the difference is exact.
+                let p = _mm256_sub_epi16(
+                    _mm256_maddubs_epi16(low, yv),
+                    _mm256_maddubs_epi16(minus, yv),
+                );
+                sumi =
+                    _mm256_add_epi32(sumi, _mm256_madd_epi16(p, _mm256_shuffle_epi8(*scn, mask)));
+                q = _mm256_srli_epi16(q, 2);
+                hbits = _mm256_srli_epi16(hbits, 1);
+            }
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    // SAFETY: AVX2 is present.
+    unsafe { fold(acc) }
+}
+
+super::format::kquant_format!(Q3K, Q3_K, BlockQ3K);
+
+#[cfg(test)]
+mod tests {
+    use super::super::testutil::*;
+    use super::*;
+    use crate::gguf::GgmlType;
+
+    #[test]
+    fn simd_matches_scalar_bits() {
+        check_simd_matches_scalar::<Q3K>(&[(1, 1), (2, 3), (3, 16)], 50);
+    }
+
+    #[test]
+    fn scalar_matches_dequantized_and_f32_reference() {
+        check_scalar_against_references::<Q3K>(&[231, 232, 233]);
+    }
+
+    /// ggml's per-run decoding of the 6-bit scales, byte by byte.
+    fn scale_ref(s: &[u8], r: usize) -> u8 {
+        let low = if r < 8 { s[r] & 15 } else { s[r - 8] >> 4 };
+        let high = (s[8 + r % 4] >> (2 * (r / 4))) & 3;
+        low | (high << 4)
+    }
+
+    #[test]
+    fn scale_decoding_matches_the_per_byte_form_and_packs_back() {
+        for seed in 0..256u64 {
+            let b: [u8; 12] = bytes(seed, 12).try_into().unwrap();
+            let sc = unpack_scales(&b);
+            for (r, v) in sc.iter().enumerate() {
+                assert_eq!(*v, scale_ref(&b, r), "seed={seed} r={r}");
+            }
+            assert_eq!(pack_scales(&sc), b, "seed={seed}");
+        }
+    }
+
+    /// ggml's per-value decoding, written out from the layout.
+    #[test]
+    fn dequantize_follows_the_layout() {
+        let raw = bytes(13, 110 * 2);
+        let got = dequantized(GgmlType::Q3_K, &raw);
+        for (b, y) in raw.chunks(110).zip(got.chunks(256)) {
+            let d = f16_to_f32([b[108], b[109]]);
+            let (hmask, qs, scales) = (&b[0..32], &b[32..96], &b[96..108]);
+            let mut v = 0;
+            let mut bit = 0;
+            for n in 0..2 {
+                for shift in [0, 2, 4, 6] {
+                    for l in 0..32 {
+                        let low = ((qs[32 * n + l] >> shift) & 3) as i32;
+                        let q = low - if hmask[l] & (1 << bit) != 0 { 0 } else { 4 };
+                        let dl = d * (scale_ref(scales, v / 16) as i32 - 32) as f32;
+                        assert_eq!(y[v].to_bits(), (dl * q as f32).to_bits(), "value {v}");
+                        v += 1;
+                    }
+                    bit += 1;
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn round_trip_error_within_budget() {
+        // 8 levels per run of 16 (absmax): ≈ amax/4/√12 per value.
+        let rel = relative_rms_error(GgmlType::Q3_K, &values(9, QK_K * 64, 1.0));
+        assert!(rel < 0.2, "relative rmse {rel}");
+        let flat = round_trip(GgmlType::Q3_K, &[0.0; QK_K]);
+        assert!(flat.iter().all(|v| *v == 0.0));
+    }
+}

@@ -1,0 +1,6 @@
+#![no_main]
+//! libFuzzer harness: the body is `bmoe_engine::fuzzing::Target::ChatTemplate`.
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| {
+    bmoe_engine::fuzzing::Target::ChatTemplate.run(data);
+});
