@@ -43,8 +43,8 @@ fn main() {
 
 fn run(cli: Cli) -> Result<i32> {
     if cli.run.list_archs {
-        for (a, what) in bmoe_engine::arch::SUPPORTED {
-            println!("{a}\t{what}");
+        for e in bmoe_engine::arch::REGISTRY {
+            println!("{}\t{}", e.name, e.about);
         }
         return Ok(0);
     }

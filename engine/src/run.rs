@@ -5,7 +5,7 @@
 //! is the core's loop (`bmoe_core::Session`); this file is its engine-side token source (the
 //! sampler, the detokenizer, the reasoning split) and its printing.
 
-use crate::arch::qwen3moe::{Qwen3Moe, Weights};
+use crate::arch::Model;
 use crate::arena::ArenaOptions;
 use crate::cli::RunArgs;
 use crate::flash::{LaneFlash, MonotonicClock};
@@ -132,25 +132,38 @@ pub fn load(args: &RunArgs, model_path: &Path, err: &mut dyn Write) -> Result<Lo
 
     let file = Arc::new(GgufFile::open(model_path)?);
     cfg.arch = file.architecture().unwrap_or("").to_string();
-    let mut weights = Weights::load(file.clone())?;
+    if !crate::arch::is_supported(&cfg.arch) {
+        // Say what mode the run would be in (not streaming: an unknown architecture never
+        // streams) before refusing it by name.
+        let shown = RunConfig {
+            moe_stream: false,
+            ..cfg.clone()
+        };
+        writeln!(
+            err,
+            "{}",
+            bmoe_core::telemetry::report::mode_line(&shown, false)
+        )?;
+    }
     // The resident baseline is plain mmap by definition; streaming applies --dense-weights.
-    if cfg.moe_stream {
-        weights.apply_dense_mode(cfg.dense_weights.into())?;
-    } else {
+    if !cfg.moe_stream {
         cfg.dense_weights = bmoe_core::config::DenseWeights::Mmap;
     }
-    let hp = weights.hp.clone();
-    cfg.n_layer = hp.n_layer as u32;
-    cfg.n_expert = hp.n_expert as u32;
+    let arch = crate::arch::load(file.clone(), cfg.dense_weights.into())?;
+    let mut model = Model::new(arch, args.threads as usize);
+    model.set_check_finite(args.check_finite);
+    let dims = model.dims().clone();
+    cfg.n_layer = dims.n_layer as u32;
+    cfg.n_expert = dims.n_expert as u32;
     cfg.n_expert_used = if cfg.n_expert_used_override > 0 {
         cfg.n_expert_used_override
     } else {
-        hp.n_expert_used as u32
+        dims.n_expert_used as u32
     };
     cfg.validate_model()?;
     let k = cfg.n_expert_used as u16;
     let tok = Tokenizer::from_gguf(&file)?;
-    let layout = layout_of(&weights)?;
+    let layout = layout_of(&model)?;
     let policy = bmoe_core::policy::by_name(cfg.eviction.name())
         .ok_or_else(|| anyhow!("unknown eviction policy {}", cfg.eviction.name()))?;
 
@@ -216,8 +229,6 @@ pub fn load(args: &RunArgs, model_path: &Path, err: &mut dyn Write) -> Result<Lo
             nth,
             fault,
         ));
-        let mut model = Qwen3Moe::new(weights, args.threads as usize);
-        model.set_check_finite(args.check_finite);
         let state = model.new_state(args.ctx as usize);
         let mut backend = EngineBackend::new(model, state, Some(arena), layout.clone());
         if args.verify_reads {
@@ -235,8 +246,6 @@ pub fn load(args: &RunArgs, model_path: &Path, err: &mut dyn Write) -> Result<Lo
         // The resident baseline: the same step over a device that reads nothing, every expert
         // computed from the map, no cache.
         let cache = ExpertCache::new(&layout, 0, k, policy)?;
-        let mut model = Qwen3Moe::new(weights, args.threads as usize);
-        model.set_check_finite(args.check_finite);
         let state = model.new_state(args.ctx as usize);
         let backend = EngineBackend::new(model, state, None, layout.clone());
         Engine::new(
@@ -250,7 +259,7 @@ pub fn load(args: &RunArgs, model_path: &Path, err: &mut dyn Write) -> Result<Lo
     };
     // Top-k override, substitution, dropping, in that order (qwen3moe renormalises); without
     // streaming only the top-k override can be armed (`validate` refuses the others).
-    for hook in bmoe_core::hooks::router_hooks(&cfg, hp.n_expert_used as u32, true) {
+    for hook in bmoe_core::hooks::router_hooks(&cfg, dims.n_expert_used as u32, true) {
         engine.add_hook(hook);
     }
     // --predict-log, --predict-prefetch, --route-ahead (committed before the hooks above
@@ -265,7 +274,7 @@ pub fn load(args: &RunArgs, model_path: &Path, err: &mut dyn Write) -> Result<Lo
         engine,
         tok,
         file,
-        n_vocab: hp.n_vocab,
+        n_vocab: dims.n_vocab,
         load_s: t_load.elapsed().as_secs_f64(),
     })
 }
@@ -574,7 +583,11 @@ pub(crate) fn device_notes(engine: &EngineStep) -> Vec<String> {
 /// 250 ms).
 pub(crate) fn host_probe(engine: &EngineStep) -> impl MemProbe {
     HostProbe {
-        dense: crate::probe::DenseResidency::new(&engine.backend().model.w.dense_ranges(), 16, 250),
+        dense: crate::probe::DenseResidency::new(
+            engine.backend().model.arch.weights().dense_ranges(),
+            16,
+            250,
+        ),
     }
 }
 
