@@ -16,6 +16,7 @@ pub mod inspect;
 pub mod kernels;
 pub mod outputs;
 pub mod probe;
+pub mod prompt;
 pub mod run;
 pub mod sample;
 pub mod session;
