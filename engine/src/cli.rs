@@ -13,6 +13,8 @@ use std::path::PathBuf;
     about = "Run Mixture-of-Experts GGUF models bigger than RAM by streaming routed experts from flash",
     long_about = "Run Mixture-of-Experts GGUF models bigger than RAM by streaming each token's routed experts \
 from flash into a fixed-budget expert cache.\n\nRun a model:  bmoe-cli -m MODEL.gguf -p \"PROMPT\" -n 64\n\
+Serve:        bmoe-cli serve -m MODEL.gguf [--port 8080]   (OpenAI-compatible HTTP API)\n\
+Chat:         bmoe-cli chat -m MODEL.gguf\n\
 Tools:        bmoe-cli gen | inspect | bench | checksum  (see bmoe-cli <tool> --help)",
     args_conflicts_with_subcommands = true,
     allow_negative_numbers = true
@@ -34,6 +36,11 @@ pub enum Cmd {
     Bench(BenchArgs),
     /// Write MODEL.bmoe-sums: a checksum of every expert's bytes, for --verify-reads
     Checksum(ChecksumArgs),
+    /// Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions,
+    /// /v1/completions, /v1/models, /health, /metrics; see docs/serving.md)
+    Serve(crate::serve::ServeArgs),
+    /// Chat with the model in the terminal (history kept, Ctrl-C stops an answer, /exit)
+    Chat(crate::chat_tty::ChatArgs),
 }
 
 #[derive(Args, Debug)]

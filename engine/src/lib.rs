@@ -4,8 +4,10 @@
 pub mod arch;
 pub mod arena;
 pub mod chat;
+pub mod chat_tty;
 pub mod checksum;
 pub mod cli;
+pub mod converse;
 pub mod dense;
 pub mod finite;
 pub mod flash;
@@ -19,6 +21,7 @@ pub mod probe;
 pub mod prompt;
 pub mod run;
 pub mod sample;
+pub mod serve;
 pub mod session;
 pub mod stream;
 pub mod testdata;

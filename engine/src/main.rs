@@ -25,6 +25,10 @@ fn main() {
         Some(Cmd::Inspect(a)) => cli::inspect(a).map(|_| 0),
         Some(Cmd::Bench(a)) => cli::bench(a).map(|_| 0),
         Some(Cmd::Checksum(a)) => cli::checksum(a).map(|_| 0),
+        Some(Cmd::Serve(a)) => serve(a),
+        Some(Cmd::Chat(mut a)) => {
+            env_fallbacks(&mut a.run).and_then(|_| bmoe_engine::chat_tty::chat(a))
+        }
         None => run(cli),
     };
     match r {
@@ -87,6 +91,15 @@ fn env_fallbacks(run: &mut bmoe_engine::cli::RunArgs) -> Result<()> {
         eprintln!("bmoe: {k}={v} (from the environment)");
     }
     Ok(())
+}
+
+/// `bmoe-cli serve`: SIGINT/SIGTERM stop the server (the running generation at its next
+/// token); a second signal ends the process at once.
+fn serve(mut a: bmoe_engine::serve::ServeArgs) -> Result<i32> {
+    env_fallbacks(&mut a.run)?;
+    let cancel = bmoe_core::CancelFlag::new();
+    watch_signals(&cancel)?;
+    bmoe_engine::serve::serve(a, &cancel)
 }
 
 /// SIGINT and SIGTERM set `cancel`: the generation stops at its next token boundary, writes

@@ -185,6 +185,26 @@ pub fn chat_template_source(args: &RunArgs, file: &GgufFile) -> Result<Option<St
         .map(str::to_string))
 }
 
+/// The chat format turns are rendered with (`chat_template_source`), with how `think:false`
+/// is honoured decided from the template and the vocabulary (never the model's name); `None`
+/// when there is no template.
+pub fn chat_format(
+    args: &RunArgs,
+    file: &GgufFile,
+    tok: &crate::tokenizer::Tokenizer,
+) -> Result<Option<crate::chat::ChatFormat>> {
+    let Some(src) = chat_template_source(args, file)? else {
+        return Ok(None);
+    };
+    let thinks = tok.token_id("<think>").is_some() && tok.token_id("</think>").is_some();
+    let template = crate::chat::ChatTemplate::new(&src, &tok.bos_text(), &tok.eos_text())
+        .with_context(|| match &args.chat_template_file {
+            Some(p) => format!("--chat-template-file {}", p.display()),
+            None => "the model's tokenizer.chat_template".to_string(),
+        })?;
+    Ok(Some(crate::chat::ChatFormat::new(template, thinks)))
+}
+
 /// The prompt of a one-shot run as the model sees it, and its tokens: with `--chatml` (or
 /// `-sys`) the chat template applied to the system message (if any) and one user message;
 /// else the text as given, its special tokens parsed unless `--no-parse-special`.

@@ -612,7 +612,7 @@ pub fn generate_with_cancel(
     let loaded = load(args, model_path, err)?;
     let (prompt, prompt_tokens) = render_prompt(args, &loaded, model_path)?;
     if prompt_tokens.is_empty() {
-        bail!("the prompt is empty after tokenization: pass -p TEXT");
+        bail!("the prompt is empty after tokenization: pass -p TEXT, -f FILE or pipe it on stdin");
     }
     let n_predict =
         crate::prompt::n_predict_for(args.n_predict, prompt_tokens.len(), args.ctx as usize)?;

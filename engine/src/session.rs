@@ -22,7 +22,7 @@
 //! `generate` drops it. `close` and EOF end the session: a running request is stopped at its
 //! next token boundary and answered (`cancelled:true`) first.
 
-use crate::chat::{ChatFormat, ChatTemplate, Message, ThinkCtl};
+use crate::chat::{ChatFormat, Message, ThinkCtl};
 use crate::cli::RunArgs;
 use crate::run::{host_probe, load, sampler, Sampling, Sinks};
 use crate::tokenizer::Tokenizer;
@@ -82,7 +82,7 @@ pub struct RequestError {
     pub msg: String,
 }
 
-fn type_name(v: &Value) -> &'static str {
+pub(crate) fn type_name(v: &Value) -> &'static str {
     match v {
         Value::Null => "null",
         Value::Bool(_) => "a boolean",
@@ -457,7 +457,7 @@ fn read_requests(
 }
 
 /// The longest common prefix of two token sequences.
-fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+pub(crate) fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
@@ -620,27 +620,16 @@ pub fn serve(
     };
     // How think:false is honoured is decided from the model's own template, never its name;
     // with no template there is no way to ask for reasoning, so nothing to suppress.
-    let source = match crate::prompt::chat_template_source(args, &loaded.file) {
-        Ok(s) => s,
+    let format = match crate::prompt::chat_format(args, &loaded.file, &loaded.tok) {
+        Ok(f) => f,
         Err(e) => return refuse(crate::run::error_text(&e)),
     };
-    let format = match source {
-        Some(src) => {
-            let vocab_thinks = loaded.tok.token_id("<think>").is_some()
-                && loaded.tok.token_id("</think>").is_some();
-            Some(ChatFormat::new(
-                ChatTemplate::new(&src, &loaded.tok.bos_text(), &loaded.tok.eos_text())?,
-                vocab_thinks,
-            ))
-        }
-        None if args.chatml => {
-            return refuse(format!(
-                "--chatml: {} has no tokenizer.chat_template",
-                model_path.display()
-            ))
-        }
-        None => None,
-    };
+    if format.is_none() && args.chatml {
+        return refuse(format!(
+            "--chatml: {} has no tokenizer.chat_template (pass --chat-template-file FILE)",
+            model_path.display()
+        ));
+    }
     let think_ctl = format
         .as_ref()
         .map_or(ThinkCtl::Template, ChatFormat::think_ctl);
