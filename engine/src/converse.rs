@@ -369,7 +369,7 @@ fn stop_holdback(text: &str, stop: &[String]) -> usize {
     let mut hold = 0;
     for s in stop {
         for k in (1..s.len().min(text.len() + 1)).rev() {
-            if k > hold && text.ends_with(&s[..k.min(s.len())]) && s.is_char_boundary(k) {
+            if k > hold && s.is_char_boundary(k) && text.ends_with(&s[..k]) {
                 hold = k;
                 break;
             }
@@ -449,7 +449,7 @@ impl TokenSource<EngineBackend> for Relay<'_, '_> {
             let (_, content) = self.inner.text();
             // Search from a little before the text already sent: a stop string may straddle.
             let longest = self.stop.iter().map(String::len).max().unwrap_or(0);
-            let mut from = self.sent_content.saturating_sub(longest);
+            let mut from = self.sent_content.saturating_sub(longest).min(content.len());
             while !content.is_char_boundary(from) {
                 from -= 1;
             }
@@ -493,5 +493,10 @@ mod tests {
         assert_eq!(stop_holdback("hello", &stop), 0);
         assert_eq!(stop_holdback("", &stop), 0);
         assert_eq!(stop_holdback("<", &stop), 1);
+        // A stop string of several-byte characters is cut only at character boundaries.
+        let stop = vec!["жёлтый".to_string()];
+        assert_eq!(stop_holdback("это жё", &stop), "жё".len());
+        assert_eq!(stop_holdback("это ж", &stop), "ж".len());
+        assert_eq!(stop_holdback("это", &stop), 0);
     }
 }
