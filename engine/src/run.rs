@@ -115,7 +115,8 @@ pub fn load(args: &RunArgs, model_path: &Path, err: &mut dyn Write) -> Result<Lo
         ..RunConfig::default()
     };
     cfg.model = model_path.display().to_string();
-    cfg.n_predict = args.n_predict;
+    // `-n -1` is resolved against the prompt; until then the context bounds it.
+    cfg.n_predict = args.n_predict.min(args.ctx);
     cfg.threads = args.threads;
     cfg.n_ctx = args.ctx;
     cfg.chatml = args.chatml;
@@ -279,32 +280,9 @@ pub fn load(args: &RunArgs, model_path: &Path, err: &mut dyn Write) -> Result<Lo
     })
 }
 
-/// The prompt as the model sees it: the model's chat template applied (`--chatml`, one user
-/// message) or the text as given; and its tokens.
+/// The prompt as the model sees it, and its tokens (`crate::prompt::render`).
 fn render_prompt(args: &RunArgs, loaded: &Loaded, model_path: &Path) -> Result<(String, Vec<u32>)> {
-    let prompt = if args.chatml {
-        let tpl = loaded
-            .file
-            .get("tokenizer.chat_template")
-            .and_then(|v| v.as_str())
-            .ok_or_else(|| {
-                anyhow!(
-                    "--chatml: {} has no tokenizer.chat_template",
-                    model_path.display()
-                )
-            })?;
-        let ct =
-            crate::chat::ChatTemplate::new(tpl, &loaded.tok.bos_text(), &loaded.tok.eos_text())?;
-        ct.render(
-            &[crate::chat::Message::new("user", args.prompt.clone())],
-            true,
-            Some(!args.no_think),
-        )?
-    } else {
-        args.prompt.clone()
-    };
-    let tokens = loaded.tok.encode(&prompt, args.chatml)?;
-    Ok((prompt, tokens))
+    crate::prompt::render(args, &loaded.file, &loaded.tok, model_path)
 }
 
 /// Why the engine's token source failed.
@@ -638,26 +616,21 @@ pub fn generate_with_cancel(
     cancel: &CancelFlag,
 ) -> Result<Outcome> {
     args.check_modes()?;
+    let mut args = args.clone();
+    args.resolve_seed_reported(err)?;
+    let args = &args;
     // Every output checked against the model's files and each other, and created, before the
     // model loads: a bad output path costs nothing and never touches an input.
     let mut files = RunOutputs::open(model_path, args)?;
     let loaded = load(args, model_path, err)?;
     let (prompt, prompt_tokens) = render_prompt(args, &loaded, model_path)?;
     if prompt_tokens.is_empty() {
-        bail!("the prompt is empty after tokenization: pass -p TEXT");
+        bail!("the prompt is empty after tokenization: pass -p TEXT, -f FILE or pipe it on stdin");
     }
-    let n_ctx = args.ctx as usize;
-    if prompt_tokens.len() + args.n_predict as usize > n_ctx {
-        bail!(
-            "prompt of {} tokens plus -n {} exceeds the context size {} (-c {})",
-            prompt_tokens.len(),
-            args.n_predict,
-            n_ctx,
-            n_ctx
-        );
-    }
+    let n_predict =
+        crate::prompt::n_predict_for(args.n_predict, prompt_tokens.len(), args.ctx as usize)?;
     let Loaded {
-        cfg,
+        mut cfg,
         mut engine,
         tok,
         load_s,
@@ -665,6 +638,7 @@ pub fn generate_with_cancel(
         ..
     } = loaded;
 
+    cfg.n_predict = n_predict;
     let mut sinks = Sinks::open(&mut files, &cfg, &engine)?;
     let mut logits_out = files.logits.take();
     engine.backend_mut().all_logits = logits_out.is_some();
@@ -691,7 +665,7 @@ pub fn generate_with_cancel(
             &TurnRequest {
                 prompt: &prompt_tokens,
                 positions: &positions,
-                n_predict: args.n_predict,
+                n_predict,
             },
             &mut source,
             &mut outputs,
@@ -747,7 +721,7 @@ pub fn generate_with_cancel(
                 "bmoe: interrupted: stopped at a token boundary after {} of {} tokens; the CSV rows, \
                  its summary (interrupted=1) and the traces are whole up to there",
                 turn.summary.tokens(),
-                args.n_predict
+                n_predict
             )?;
             EXIT_INTERRUPTED
         }
