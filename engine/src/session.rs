@@ -891,6 +891,11 @@ pub fn serve(
         replies.line(|w| write_done(w, id, cancelled, &outcome.summary, &reasoning, &answer))?;
     };
     sinks.finish()?;
+    // What the device went through over the whole session (retried reads, injected faults),
+    // as a one-shot run reports it.
+    for n in crate::run::device_notes(session.engine()) {
+        writeln!(err, "{n}")?;
+    }
     Ok(code)
 }
 
