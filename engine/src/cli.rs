@@ -218,7 +218,12 @@ fn default_threads() -> u32 {
 
 #[derive(Args, Debug)]
 pub struct GenArgs {
-    /// Preset shape: tiny (tests), small (benchmarks), qwen3-30b-a3b-shape (full size)
+    /// Architecture of the file (`general.architecture`); default: the preset's (qwen3moe for
+    /// tiny, tiny-odd and small). `bmoe-cli --list-archs` lists each with its presets
+    #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(gen::GenArch::NAMES))]
+    pub arch: Option<String>,
+    /// Preset shape: tiny, tiny-odd (tests), small (benchmarks), or a full-size shape of one
+    /// architecture: qwen3-30b-a3b-shape (qwen3moe), qwen1.5-moe-a2.7b-shape (qwen2moe)
     #[arg(long, default_value = "tiny", value_parser = clap::builder::PossibleValuesParser::new(Preset::NAMES))]
     pub preset: String,
     /// Seed of the weights
@@ -250,6 +255,9 @@ pub struct GenArgs {
     pub d_model: Option<u32>,
     #[arg(long = "expert-ffn")]
     pub expert_ffn: Option<u32>,
+    /// The shared expert's FFN width (qwen2moe)
+    #[arg(long = "shared-ffn")]
+    pub shared_ffn: Option<u32>,
     #[arg(long)]
     pub heads: Option<u32>,
     #[arg(long = "kv-heads")]
@@ -350,7 +358,12 @@ pub struct BenchArgs {
 pub fn gen(a: GenArgs) -> Result<()> {
     let preset =
         Preset::from_name(&a.preset).ok_or_else(|| anyhow!("unknown preset {}", a.preset))?;
-    let mut shape = preset.shape();
+    let arch = match &a.arch {
+        Some(n) => gen::GenArch::from_name(n)
+            .ok_or_else(|| anyhow!("--arch {n}: gen writes {}", gen::GenArch::NAMES.join(", ")))?,
+        None => preset.arch().unwrap_or(gen::GenArch::Qwen3Moe),
+    };
+    let mut shape = preset.shape_for(arch)?;
     macro_rules! ov {
         ($f:ident, $v:expr) => {
             if let Some(v) = $v {
@@ -363,6 +376,7 @@ pub fn gen(a: GenArgs) -> Result<()> {
     ov!(n_expert_used, a.top_k);
     ov!(d_model, a.d_model);
     ov!(n_ff_exp, a.expert_ffn);
+    ov!(n_ff_shexp, a.shared_ffn);
     ov!(n_head, a.heads);
     ov!(n_head_kv, a.kv_heads);
     ov!(head_dim, a.head_dim);

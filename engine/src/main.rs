@@ -46,8 +46,12 @@ fn main() {
 
 fn run(cli: Cli) -> Result<i32> {
     if cli.run.list_archs {
+        // One line per architecture: its name, what it is, and the `gen --arch` presets.
         for e in bmoe_engine::arch::REGISTRY {
-            println!("{}\t{}", e.name, e.about);
+            let presets = bmoe_engine::gen::GenArch::from_name(e.name)
+                .map(|a| a.presets().join(", "))
+                .unwrap_or_else(|| "none".into());
+            println!("{}\t{}\tgen presets: {presets}", e.name, e.about);
         }
         return Ok(0);
     }

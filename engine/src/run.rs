@@ -154,6 +154,7 @@ pub fn load(args: &RunArgs, model_path: &Path, err: &mut dyn Write) -> Result<Lo
     let mut model = Model::new(arch, args.threads as usize);
     model.set_check_finite(args.check_finite);
     let dims = model.dims().clone();
+    cfg.gating = model.gating();
     cfg.n_layer = dims.n_layer as u32;
     cfg.n_expert = dims.n_expert as u32;
     cfg.n_expert_used = if cfg.n_expert_used_override > 0 {
@@ -258,9 +259,10 @@ pub fn load(args: &RunArgs, model_path: &Path, err: &mut dyn Write) -> Result<Lo
             StreamConfig::default(),
         )?
     };
-    // Top-k override, substitution, dropping, in that order (qwen3moe renormalises); without
-    // streaming only the top-k override can be armed (`validate` refuses the others).
-    for hook in bmoe_core::hooks::router_hooks(&cfg, dims.n_expert_used as u32, true) {
+    // Top-k override, substitution, dropping, in that order, weighing routings with the
+    // model's gating; without streaming only the top-k override can be armed (`validate`
+    // refuses the others).
+    for hook in bmoe_core::hooks::router_hooks(&cfg, dims.n_expert_used as u32, cfg.gating) {
         engine.add_hook(hook);
     }
     // --predict-log, --predict-prefetch, --route-ahead (committed before the hooks above
@@ -485,6 +487,7 @@ impl Sinks {
                     n_layer: cfg.n_layer,
                     n_expert: cfg.n_expert,
                     n_expert_used: cfg.n_expert_used,
+                    gating: cfg.gating,
                     layers,
                     notes: Vec::new(),
                     extra: Vec::new(),

@@ -295,6 +295,9 @@ impl<A: Arch + ?Sized> Backend for EngineBackend<A> {
             .route(&mut self.state, layer.model as usize, &mut self.ro)?;
         let k = self.ro.k;
         let ne = self.model.dims().n_expert;
+        if let Some(b) = self.model.arch.selection_bias(layer.model as usize) {
+            routing.set_selection_bias(b);
+        }
         for (i, &row) in self.ro.rows.iter().enumerate() {
             self.ids.clear();
             self.ids

@@ -213,6 +213,9 @@ pub struct RunConfig {
     pub model: String,
     /// GGUF `general.architecture`.
     pub arch: String,
+    /// How the model's router selects and weights experts (the architecture's, or a trace
+    /// preamble's `gating=`; qwen3moe's until a model is loaded).
+    pub gating: crate::gating::Gating,
     /// Transformer layers in the model.
     pub n_layer: u32,
     /// Experts per MoE layer; 0 on a dense model.
@@ -335,6 +338,7 @@ impl Default for RunConfig {
             engine_version: "unknown".to_string(),
             model: String::new(),
             arch: String::new(),
+            gating: crate::gating::Gating::default(),
             n_layer: 0,
             n_expert: 0,
             n_expert_used: 0,

@@ -35,8 +35,9 @@ pub enum GatingFunc {
 }
 
 /// How a router selects and weights its experts. Carried by the expert layout's owner (the
-/// engine's architecture, the simulator's trace preamble) and handed to every hook.
-#[derive(Copy, Clone, Debug, PartialEq)]
+/// engine's architecture, the simulator's trace preamble) and handed to every hook. Equality
+/// compares the scale's bits, so it is an equivalence (preambles derive `Eq`).
+#[derive(Copy, Clone, Debug)]
 pub struct Gating {
     pub func: GatingFunc,
     /// Divide the selected weights by their sum (floored at [`RENORM_MIN_SUM`]).
@@ -44,6 +45,16 @@ pub struct Gating {
     /// Multiply the final weights by this; 1 (or 0, as llama.cpp reads an absent key) = none.
     pub scale: f32,
 }
+
+impl PartialEq for Gating {
+    fn eq(&self, other: &Gating) -> bool {
+        self.func == other.func
+            && self.renormalize == other.renormalize
+            && self.scale.to_bits() == other.scale.to_bits()
+    }
+}
+
+impl Eq for Gating {}
 
 impl Default for Gating {
     /// qwen3moe's: a trace or CSV written before gating was recorded reads as this.
@@ -194,6 +205,26 @@ impl Gating {
             for x in w.iter_mut() {
                 *x *= self.scale;
             }
+        }
+    }
+
+    /// The share of a routing's mass one selected expert carries, for the drop threshold
+    /// `F / k` (expert-dropping.md), given its final weight `w` and the row's total `mass`:
+    /// the weight itself where the gating's weights sum to 1 (qwen3moe's, gpt-oss's — what the
+    /// threshold is defined on, kept bit for bit), the weight over the scale where they sum to
+    /// it, and the weight over the row's mass where they sum to no constant (qwen2moe's softmax
+    /// without renormalisation, whose k weights may sum to far below 1).
+    pub fn share(&self, w: f32, mass: f32) -> f32 {
+        if self.normalizes() {
+            if self.scaled() {
+                w / self.scale
+            } else {
+                w
+            }
+        } else if mass > 0.0 && mass.is_finite() {
+            w / mass
+        } else {
+            w
         }
     }
 
@@ -352,6 +383,17 @@ mod tests {
         assert!((w[0] + w[1] - 2.5).abs() < 1e-6, "{w:?}");
         // Scale 0 and 1 are "none", as llama.cpp reads them.
         assert_eq!(Gating::SOFTMAX.with_scale(0.0).max_weight(), 1.0);
+    }
+
+    #[test]
+    fn a_share_is_of_the_mass_the_gating_gives_a_row() {
+        // Normalised: the weight itself (bit for bit); scaled: over the scale.
+        assert_eq!(Gating::SOFTMAX_RENORM.share(0.3, 0.9), 0.3);
+        assert_eq!(Gating::TOPK_SOFTMAX.share(0.3, 0.9), 0.3);
+        assert_eq!(Gating::SOFTMAX_RENORM.with_scale(2.0).share(0.5, 2.0), 0.25);
+        // Not normalised (qwen2moe): over the row's mass.
+        assert_eq!(Gating::SOFTMAX.share(0.05, 0.2), 0.25);
+        assert_eq!(Gating::SOFTMAX.share(0.05, 0.0), 0.05);
     }
 
     #[test]

@@ -370,6 +370,7 @@ pub fn prepare(
     let p = &trace.preamble;
     cfg.model = p.model.clone();
     cfg.arch = p.arch.clone();
+    cfg.gating = p.gating;
     cfg.n_layer = p.n_layer;
     cfg.n_expert = p.n_expert;
     cfg.n_expert_used = if cfg.n_expert_used_override > 0 {

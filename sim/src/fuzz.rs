@@ -81,6 +81,7 @@ fn synthetic_trace(rng: &mut ChaCha8Rng) -> Result<RouteTrace, String> {
         n_layer,
         n_expert,
         n_expert_used: k,
+        gating: bmoe_core::Gating::default(),
         layers: layers.clone(),
         notes: Vec::new(),
         extra: Vec::new(),

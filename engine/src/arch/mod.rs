@@ -13,6 +13,7 @@
 
 pub mod blocks;
 pub mod meta;
+pub mod qwen2moe;
 pub mod qwen3moe;
 pub mod state;
 pub mod weights;
@@ -158,11 +159,18 @@ pub struct ArchEntry {
 }
 
 /// Architectures this build runs, keyed by `general.architecture`.
-pub const REGISTRY: &[ArchEntry] = &[ArchEntry {
-    name: qwen3moe::ARCH,
-    about: "Qwen3 MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): softmax top-k routing, renormalised, SiLU-gated split experts, no shared expert",
-    load: qwen3moe::load,
-}];
+pub const REGISTRY: &[ArchEntry] = &[
+    ArchEntry {
+        name: qwen3moe::ARCH,
+        about: "Qwen3 MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): softmax top-k routing, renormalised, SiLU-gated split experts, no shared expert",
+        load: qwen3moe::load,
+    },
+    ArchEntry {
+        name: qwen2moe::ARCH,
+        about: "Qwen1.5/Qwen2 MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): softmax top-k routing, not renormalised, SiLU-gated split experts, a sigmoid-gated shared expert (resident)",
+        load: qwen2moe::load,
+    },
+];
 
 /// The registered names, comma-separated.
 pub fn supported() -> String {
