@@ -185,9 +185,19 @@ pub struct SweepArgs {
     /// Worker threads
     #[arg(long, value_name = "N", default_value_t = 2, value_parser = parse_u32_strict)]
     pub jobs: u32,
-    /// Directory for sweep.csv, hit_rate.svg and tok_s.svg
+    /// Directory for the outputs: sweep.csv (tidy, one row per cell), pivot.md (policy x
+    /// budget with deltas against LRU, Belady headroom share and intervals), per_layer.csv/.md,
+    /// and hit_rate, tok_s and per_layer charts as .svg and .png
     #[arg(long, value_name = "DIR", default_value = "sweep")]
     pub out: PathBuf,
+    /// The budget axis of the charts and the pivot: MiB, experts per MoE layer, or percent of
+    /// the expert bank
+    #[arg(long, value_name = "mib|experts|pct", default_value = "mib", value_parser = ["mib", "experts", "pct"])]
+    pub x: String,
+    /// Bootstrap resamples of the trace's turns for the 95 % intervals (0 = none; needs at
+    /// least 10 turns)
+    #[arg(long, value_name = "N", default_value_t = 1000, value_parser = parse_u32_strict)]
+    pub bootstrap: u32,
 }
 
 /// Flags of `bmoe-sim bench`.
@@ -297,6 +307,13 @@ pub struct Prepared {
     pub pred_columns: PredColumns,
     /// Approximations the replay makes (printed to stderr by `replay`).
     pub warnings: Vec<String>,
+}
+
+impl Prepared {
+    /// The model layer ids of the trace's MoE layers, in order.
+    pub fn layout_layer_ids(&self) -> Vec<u32> {
+        self.trace.preamble.layers.iter().map(|l| l.layer).collect()
+    }
 }
 
 /// Flags a route trace can never carry what they need for: refused rather than ignored, so a
@@ -717,20 +734,23 @@ fn cmd_sweep(a: SweepArgs, env: &[(String, String)], out: &mut dyn Write) -> Res
     }
     bar.finish_and_clear();
     std::fs::create_dir_all(&a.out).map_err(|e| SimError::io(&a.out, e))?;
-    let mut table = Vec::new();
-    sweep::write_table(&mut table, &rows).map_err(|e| SimError::io("sweep table", e))?;
-    let table = String::from_utf8_lossy(&table).into_owned();
-    write_file(&a.out.join("sweep.csv"), &table)?;
     let name = a.trace.file_name().map_or_else(
         || a.trace.display().to_string(),
         |n| n.to_string_lossy().into_owned(),
     );
-    let (hit_svg, tps_svg) = sweep::charts(&rows, &name);
-    write_file(&a.out.join("hit_rate.svg"), &hit_svg)?;
-    write_file(&a.out.join("tok_s.svg"), &tps_svg)?;
+    let x = sweep::report::XAxis::parse(&a.x).unwrap_or(sweep::report::XAxis::Mib);
+    let written = sweep::write_outputs(
+        &a.out,
+        &rows,
+        &p.layout_layer_ids(),
+        x,
+        a.bootstrap as usize,
+        a.seed,
+        &name,
+    )?;
     writeln!(
         out,
-        "{:>10} {:>6} {:>8} {:>16} {:>5} {:>7} {:>8} {:>8} {:>10}",
+        "{:>10} {:>6} {:>10} {:>16} {:>5} {:>7} {:>8} {:>8} {:>10}",
         "budget_MiB",
         "per_l",
         "policy",
@@ -745,7 +765,7 @@ fn cmd_sweep(a: SweepArgs, env: &[(String, String)], out: &mut dyn Write) -> Res
     for r in &rows {
         writeln!(
             out,
-            "{:>10.0} {:>6.2} {:>8} {:>16} {:>5} {:>7} {:>7.2}% {:>8.3} {:>10.0}",
+            "{:>10.0} {:>6.2} {:>10} {:>16} {:>5} {:>7} {:>7.2}% {:>8.3} {:>10.0}",
             r.budget_bytes as f64 / MIB as f64,
             r.experts_per_layer,
             r.policy,
@@ -760,10 +780,11 @@ fn cmd_sweep(a: SweepArgs, env: &[(String, String)], out: &mut dyn Write) -> Res
     }
     writeln!(
         out,
-        "sweep: {} cells, profile {}, wrote {}/sweep.csv, hit_rate.svg, tok_s.svg",
+        "sweep: {} cells, profile {}, wrote {}/{{{}}}",
         rows.len(),
         p.profile.name,
-        a.out.display()
+        a.out.display(),
+        written.join(",")
     )
     .map_err(w)?;
     Ok(0)
