@@ -41,7 +41,9 @@ Hits, misses, evictions and read bytes are exact; times are modelled from a devi
   bmoe-sim replay --trace T.csv --cache-mb 4000 --csv sim.csv\n\
   bmoe-sim sweep --trace T.csv --out sweep\n\
   bmoe-sim diff sim.csv measured.csv\n\
-  bmoe-sim calibrate --csv run.csv --trace run.route.csv --out profile.json"
+  bmoe-sim calibrate --csv run.csv --trace run.route.csv --out profile.json\n\
+  bmoe-sim stats --trace T.csv --out stats\n\
+  bmoe-sim convert capture.jsonl --expert-bytes 5609472 --out T.csv"
 )]
 pub struct Cli {
     #[command(subcommand)]
@@ -62,10 +64,71 @@ pub enum Cmd {
     Diff(DiffArgs),
     /// Fit a device profile to a measured bmoe-cli run
     Calibrate(CalibrateArgs),
+    /// Trace statistics: per-layer expert popularity, reuse (stack) distance = the per-layer
+    /// LRU miss-ratio curve, previous-token overlap by lag, working set vs window; with plots
+    Stats(StatsArgs),
+    /// Convert a routing capture (JSONL of per-token per-layer expert ids, or a long CSV with
+    /// one row per token and layer) into a route_trace v1 file the simulator replays
+    Convert(ConvertArgs),
     /// Randomised simulation testing of the core: each seed picks a synthetic trace, a
     /// configuration and a fault schedule, replays it, and checks the invariants after every
     /// step (docs/reliability.md). A failing seed is the bug report: --seed N reproduces it
     Fuzz(FuzzArgs),
+}
+
+/// Flags of `bmoe-sim stats`.
+#[derive(Args, Debug, Clone)]
+pub struct StatsArgs {
+    /// The route trace
+    #[arg(long, value_name = "PATH")]
+    pub trace: PathBuf,
+    /// Directory for stats.md, the CSVs (popularity, reuse, overlap, working_set) and their
+    /// charts (.svg and .png)
+    #[arg(long, value_name = "DIR", default_value = "stats")]
+    pub out: PathBuf,
+}
+
+/// Flags of `bmoe-sim convert`.
+#[derive(Args, Debug, Clone)]
+pub struct ConvertArgs {
+    /// The capture: JSONL (one object per token: {"turn", "step", "experts": [[ids per MoE
+    /// layer]], "weights"}) or CSV (one row per token and layer: turn/prompt, step/token,
+    /// layer, experts or expert_0..; see docs/simulator.md)
+    #[arg(value_name = "INPUT")]
+    pub input: PathBuf,
+    /// Where to write the route trace
+    #[arg(long, value_name = "OUT.route.csv")]
+    pub out: PathBuf,
+    /// Input format (auto: by extension, .jsonl/.json/.ndjson or .csv)
+    #[arg(long, value_name = "auto|jsonl|csv", default_value = "auto", value_parser = ["auto", "jsonl", "csv"])]
+    pub format: String,
+    /// Bytes of one expert (every projection) as the model file stores it: what a miss reads
+    #[arg(long, value_name = "BYTES", value_parser = parse_u64_strict)]
+    pub expert_bytes: u64,
+    /// Dense (non-expert) bytes per layer
+    #[arg(long, value_name = "BYTES", default_value_t = 0, value_parser = parse_u64_strict)]
+    pub dense_bytes: u64,
+    /// Experts per MoE layer [default: the largest id seen + 1]
+    #[arg(long, value_name = "N", value_parser = parse_u32_strict)]
+    pub n_expert: Option<u32>,
+    /// Routed experts per token [default: the first routing's width]
+    #[arg(long, value_name = "K", value_parser = parse_u32_strict)]
+    pub top_k: Option<u32>,
+    /// JSONL: model layer id of the first MoE layer (e.g. 1 when layer 0 is dense)
+    #[arg(long, value_name = "L", default_value_t = 0, value_parser = parse_u32_strict)]
+    pub first_layer: u32,
+    /// The model's layer count [default: last MoE layer + 1]
+    #[arg(long, value_name = "N", value_parser = parse_u32_strict)]
+    pub n_layer: Option<u32>,
+    /// Model name for the preamble [default: the input's file stem]
+    #[arg(long, value_name = "NAME")]
+    pub model: Option<String>,
+    /// Architecture name for the preamble
+    #[arg(long, value_name = "ARCH", default_value = "unknown")]
+    pub arch: String,
+    /// Provenance lines for the trace's `# note:` (repeatable)
+    #[arg(long, value_name = "TEXT")]
+    pub note: Vec<String>,
 }
 
 /// Flags of `bmoe-sim fuzz`.
@@ -269,6 +332,8 @@ where
         Cmd::Diff(a) => cmd_diff(a, out, err),
         Cmd::Calibrate(a) => cmd_calibrate(a, out),
         Cmd::Fuzz(a) => cmd_fuzz(a, out, err),
+        Cmd::Stats(a) => cmd_stats(a, out),
+        Cmd::Convert(a) => cmd_convert(a, out),
     };
     match result {
         Ok(code) => code,
@@ -942,6 +1007,85 @@ fn cmd_diff(a: DiffArgs, out: &mut dyn Write, err: &mut dyn Write) -> Result<i32
         writeln!(out, "diff: every judged metric within tolerance").map_err(w)?;
         Ok(0)
     }
+}
+
+fn cmd_stats(a: StatsArgs, out: &mut dyn Write) -> Result<i32, SimError> {
+    let trace = load_trace(&a.trace)?;
+    let s = crate::stats::compute(&trace);
+    std::fs::create_dir_all(&a.out).map_err(|e| SimError::io(&a.out, e))?;
+    let name = a.trace.file_name().map_or_else(
+        || a.trace.display().to_string(),
+        |n| n.to_string_lossy().into_owned(),
+    );
+    let written = crate::stats::write_outputs(&a.out, &s, &name)?;
+    let w = |e| SimError::io("stdout", e);
+    out.write_all(crate::stats::summary_md(&s, &name).as_bytes())
+        .map_err(w)?;
+    writeln!(
+        out,
+        "\nstats: wrote {}/{{{}}}",
+        a.out.display(),
+        written.join(",")
+    )
+    .map_err(w)?;
+    Ok(0)
+}
+
+fn cmd_convert(a: ConvertArgs, out: &mut dyn Write) -> Result<i32, SimError> {
+    use crate::convert;
+    let format = convert::Format::resolve(&a.format, &a.input)?;
+    let text = std::fs::read_to_string(&a.input).map_err(|e| SimError::io(&a.input, e))?;
+    let stem = a
+        .input
+        .file_stem()
+        .map_or("capture".to_string(), |s| s.to_string_lossy().into_owned());
+    let mut notes = vec![format!(
+        "converted by bmoe-sim convert from {} ({})",
+        a.input
+            .file_name()
+            .map_or(stem.clone(), |n| n.to_string_lossy().into_owned()),
+        if format == convert::Format::Jsonl {
+            "jsonl"
+        } else {
+            "csv"
+        }
+    )];
+    notes.extend(a.note.iter().cloned());
+    let c = convert::convert(
+        &text,
+        format,
+        &convert::ConvertOptions {
+            model: a.model.clone().unwrap_or(stem),
+            arch: a.arch.clone(),
+            n_expert: a.n_expert,
+            top_k: a.top_k,
+            expert_bytes: a.expert_bytes,
+            dense_bytes: a.dense_bytes,
+            first_layer: a.first_layer,
+            n_layer: a.n_layer,
+            notes,
+        },
+    )
+    .map_err(|e| match e {
+        SimError::Invalid { what, reason } => SimError::Invalid {
+            what: format!("{}: {what}", a.input.display()),
+            reason,
+        },
+        other => other,
+    })?;
+    write_file(&a.out, &c.text)?;
+    writeln!(
+        out,
+        "convert: {} tokens, {} MoE layers x {} experts, top-{}, {} routings -> {}",
+        c.tokens,
+        c.layers,
+        c.n_expert,
+        c.top_k,
+        c.routings,
+        a.out.display()
+    )
+    .map_err(|e| SimError::io("stdout", e))?;
+    Ok(0)
 }
 
 fn cmd_fuzz(a: FuzzArgs, out: &mut dyn Write, err: &mut dyn Write) -> Result<i32, SimError> {

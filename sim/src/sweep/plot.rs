@@ -107,6 +107,8 @@ pub struct LineFigure {
     pub y_label: String,
     /// Fix y to [0, 1] and label it in percent.
     pub fraction: bool,
+    /// The x values are log2 of the quantity: label ticks at whole powers of two as 2^x.
+    pub x_log2: bool,
     pub panels: Vec<Panel>,
 }
 
@@ -216,6 +218,7 @@ fn draw_lines<DB: DrawingBackend>(
             .build_cartesian_2d(x0..x1, y0..y1)
             .map_err(err)?;
         let fraction = fig.fraction;
+        let log2 = fig.x_log2;
         // Enough decimals to tell the y ticks apart, no more.
         let y_places = if y1 >= 20.0 {
             0
@@ -230,7 +233,8 @@ fn draw_lines<DB: DrawingBackend>(
             .y_desc(fig.y_label.as_str())
             .label_style((FONT, 14).into_font())
             .axis_desc_style((FONT, 15).into_font())
-            .light_line_style(RGBColor(235, 235, 235))
+            .light_line_style(RGBColor(240, 240, 240))
+            .max_light_lines(2)
             .y_label_formatter(&|v: &f64| {
                 if fraction {
                     format!("{:.0} %", 100.0 * v)
@@ -240,7 +244,13 @@ fn draw_lines<DB: DrawingBackend>(
             })
             .x_label_formatter(&|v: &f64| {
                 let a = v.abs();
-                if a >= 100.0 || (a - a.round()).abs() < 1e-9 {
+                if log2 {
+                    if (v - v.round()).abs() < 1e-6 {
+                        format!("{}", 2f64.powi(v.round() as i32))
+                    } else {
+                        String::new()
+                    }
+                } else if a >= 100.0 || (a - a.round()).abs() < 1e-9 {
                     format!("{v:.0}")
                 } else {
                     format!("{v:.1}")
@@ -418,6 +428,7 @@ pub fn sweep_figures(
             x_label: x.label().into(),
             y_label: "decode hit rate".into(),
             fraction: true,
+            x_log2: false,
             panels: hit_panels,
         },
         LineFigure {
@@ -425,6 +436,7 @@ pub fn sweep_figures(
             x_label: x.label().into(),
             y_label: "tok/s".into(),
             fraction: false,
+            x_log2: false,
             panels: tps_panels,
         },
     )
@@ -454,71 +466,80 @@ fn viridis(t: f64) -> RGBColor {
     )
 }
 
-struct HeatPanel {
-    title: String,
-    /// [budget][layer] hit rate.
-    cells: Vec<Vec<f64>>,
+/// One heat-map panel: `cells[x][y]` in [0, 1].
+#[derive(Clone, Debug)]
+pub struct HeatPanel {
+    pub title: String,
+    pub cells: Vec<Vec<f64>>,
 }
+
+/// Heat-map panels sharing axes labels and one colour scale.
+#[derive(Clone, Debug)]
+pub struct HeatFigure {
+    pub title: String,
+    pub x_desc: String,
+    pub y_desc: String,
+    pub scale_label: String,
+    /// One label per column / row (sparse labels are thinned to about 16 per axis).
+    pub x_labels: Vec<String>,
+    pub y_labels: Vec<String>,
+    pub panels: Vec<HeatPanel>,
+}
+
+const SCALE_H: u32 = 50;
 
 fn draw_heat<DB: DrawingBackend>(
     root: DrawingArea<DB, Shift>,
-    title: &str,
-    panels: &[HeatPanel],
-    budgets: &[String],
-    layers: &[u32],
-    x_label: &str,
-    legend_h: u32,
+    f: &HeatFigure,
 ) -> Result<(), String> {
     root.fill(&WHITE).map_err(err)?;
-    let root = root.titled(title, (FONT, 22).into_font()).map_err(err)?;
+    let root = root.titled(&f.title, (FONT, 22).into_font()).map_err(err)?;
     let h = root.dim_in_pixel().1;
-    let (plots, scale) = root.split_vertically(h.saturating_sub(legend_h));
-    let (rows, cols) = grid_shape(panels.len());
+    let (plots, scale) = root.split_vertically(h.saturating_sub(SCALE_H));
+    let (rows, cols) = grid_shape(f.panels.len());
     let areas = plots.split_evenly((rows, cols));
-    let nb = budgets.len().max(1);
-    let nl = layers.len().max(1);
-    let label_every = nl.div_ceil(14).max(1);
-    for (p, area) in panels.iter().zip(&areas) {
-        let mut chart = ChartBuilder::on(area)
-            .caption(&p.title, (FONT, 17).into_font())
+    let nx = f.x_labels.len().max(1);
+    let ny = f.y_labels.len().max(1);
+    let x_every = nx.div_ceil(16).max(1);
+    let y_every = ny.div_ceil(14).max(1);
+    for (p, area) in f.panels.iter().zip(&areas) {
+        let mut builder = ChartBuilder::on(area);
+        if !p.title.is_empty() {
+            builder.caption(&p.title, (FONT, 17).into_font());
+        }
+        let mut chart = builder
             .margin(12)
             .x_label_area_size(44)
             .y_label_area_size(52)
-            .build_cartesian_2d(0f64..nb as f64, 0f64..nl as f64)
+            .build_cartesian_2d(0f64..nx as f64, 0f64..ny as f64)
             .map_err(err)?;
+        let label = |labels: &[String], every: usize, v: f64| {
+            let i = v - 0.5;
+            let k = i.round() as usize;
+            if (i - i.round()).abs() < 1e-6 && i >= 0.0 && k % every == 0 {
+                labels.get(k).cloned().unwrap_or_default()
+            } else {
+                String::new()
+            }
+        };
         chart
             .configure_mesh()
             .disable_mesh()
-            .x_desc(x_label)
-            .y_desc("MoE layer")
+            .x_desc(f.x_desc.as_str())
+            .y_desc(f.y_desc.as_str())
             .label_style((FONT, 13).into_font())
             .axis_desc_style((FONT, 15).into_font())
-            .x_labels(nb * 2 + 1)
-            .y_labels(nl * 2 + 1)
-            .x_label_formatter(&|v: &f64| {
-                let i = v - 0.5;
-                if (i - i.round()).abs() < 1e-6 && i >= 0.0 {
-                    budgets.get(i.round() as usize).cloned().unwrap_or_default()
-                } else {
-                    String::new()
-                }
-            })
-            .y_label_formatter(&|v: &f64| {
-                let i = v - 0.5;
-                let k = i.round() as usize;
-                if (i - i.round()).abs() < 1e-6 && i >= 0.0 && k % label_every == 0 {
-                    layers.get(k).map(|l| l.to_string()).unwrap_or_default()
-                } else {
-                    String::new()
-                }
-            })
+            .x_labels(nx * 2 + 1)
+            .y_labels(ny * 2 + 1)
+            .x_label_formatter(&|v: &f64| label(&f.x_labels, x_every, *v))
+            .y_label_formatter(&|v: &f64| label(&f.y_labels, y_every, *v))
             .draw()
             .map_err(err)?;
         chart
-            .draw_series(p.cells.iter().enumerate().flat_map(|(b, col)| {
-                col.iter().enumerate().map(move |(l, &v)| {
+            .draw_series(p.cells.iter().enumerate().flat_map(|(x, col)| {
+                col.iter().enumerate().map(move |(y, &v)| {
                     Rectangle::new(
-                        [(b as f64, l as f64), (b as f64 + 1.0, l as f64 + 1.0)],
+                        [(x as f64, y as f64), (x as f64 + 1.0, y as f64 + 1.0)],
                         viridis(v).filled(),
                     )
                 })
@@ -527,7 +548,7 @@ fn draw_heat<DB: DrawingBackend>(
     }
     // The colour scale.
     let (w, _) = scale.dim_in_pixel();
-    let (x0, x1, y) = (80i32, (w as i32 - 80).min(700), 10i32);
+    let (x0, x1, y) = (80i32, (w as i32 - 320).clamp(200, 700), 10i32);
     let steps = 100;
     for i in 0..steps {
         let a = x0 + (x1 - x0) * i / steps;
@@ -551,12 +572,34 @@ fn draw_heat<DB: DrawingBackend>(
             .map_err(err)?;
     }
     scale
-        .draw(&Text::new("decode hit rate", (x1 + 16, y), font))
+        .draw(&Text::new(f.scale_label.clone(), (x1 + 16, y), font))
         .map_err(err)?;
     Ok(())
 }
 
-/// Write the per-layer heat map (`per_layer.svg`, `per_layer.png`).
+/// Write `f` as `<stem>.svg` and `<stem>.png` in `dir`.
+pub fn write_heat_figure(dir: &Path, stem: &str, f: &HeatFigure) -> Result<(), SimError> {
+    register_font();
+    let (rows, cols) = grid_shape(f.panels.len());
+    let w = if cols == 1 { 900 } else { 460 * cols as u32 };
+    let h = 50 + 400 * rows as u32 + SCALE_H;
+    let fail = |e: String| SimError::invalid(format!("plot {stem}"), e);
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (w, h)).into_drawing_area();
+        draw_heat(root, f).map_err(fail)?;
+    }
+    let svg_path = dir.join(format!("{stem}.svg"));
+    std::fs::write(&svg_path, svg).map_err(|e| SimError::io(&svg_path, e))?;
+    let png_path = dir.join(format!("{stem}.png"));
+    let root = BitMapBackend::new(&png_path, (w, h)).into_drawing_area();
+    draw_heat(root.clone(), f).map_err(fail)?;
+    root.present().map_err(|e| fail(e.to_string()))?;
+    Ok(())
+}
+
+/// Write the per-layer heat map of a sweep (`per_layer.svg`, `per_layer.png`): MoE layer ×
+/// budget, one panel per policy (× predictor), at the first lanes/overlap setting.
 pub fn write_heat_map(
     dir: &Path,
     rows: &[Row],
@@ -564,7 +607,6 @@ pub fn write_heat_map(
     x: XAxis,
     trace_name: &str,
 ) -> Result<(), SimError> {
-    register_font();
     let Some(first) = rows.first() else {
         return Ok(());
     };
@@ -574,19 +616,12 @@ pub fn write_heat_map(
         .filter(|r| r.lanes == l0 && r.overlap == o0)
         .collect();
     let budgets: Vec<u64> = distinct(rows, |r| r.budget_bytes);
-    let labels: Vec<String> = budgets
+    let x_labels: Vec<String> = budgets
         .iter()
         .map(|&b| {
             sel.iter()
                 .find(|r| r.budget_bytes == b)
-                .map_or(String::new(), |r| {
-                    let v = x.value(r);
-                    if (v - v.round()).abs() < 1e-6 || v >= 100.0 {
-                        format!("{v:.0}")
-                    } else {
-                        format!("{v:.1}")
-                    }
-                })
+                .map_or(String::new(), |r| super::report::trim(x.value(r), 1))
         })
         .collect();
     let several = distinct(rows, |r| r.predictor.clone()).len() > 1;
@@ -621,45 +656,22 @@ pub fn write_heat_map(
             }
         })
         .collect();
-    let legend_h = 50;
-    let (rows_n, cols) = grid_shape(panels.len());
-    let w = if cols == 1 { 760 } else { 460 * cols as u32 };
-    let h = 50 + 400 * rows_n as u32 + legend_h;
-    let title = format!(
-        "decode hit rate per MoE layer — {trace_name} ({})",
-        setting_name(l0, o0)
-    );
-    let fail = |e: String| SimError::invalid("plot per_layer", e);
-    let mut svg = String::new();
-    {
-        let root = SVGBackend::with_string(&mut svg, (w, h)).into_drawing_area();
-        draw_heat(
-            root,
-            &title,
-            &panels,
-            &labels,
-            layer_ids,
-            x.label(),
-            legend_h,
-        )
-        .map_err(fail)?;
-    }
-    let svg_path = dir.join("per_layer.svg");
-    std::fs::write(&svg_path, svg).map_err(|e| SimError::io(&svg_path, e))?;
-    let png_path = dir.join("per_layer.png");
-    let root = BitMapBackend::new(&png_path, (w, h)).into_drawing_area();
-    draw_heat(
-        root.clone(),
-        &title,
-        &panels,
-        &labels,
-        layer_ids,
-        x.label(),
-        legend_h,
+    write_heat_figure(
+        dir,
+        "per_layer",
+        &HeatFigure {
+            title: format!(
+                "decode hit rate per MoE layer — {trace_name} ({})",
+                setting_name(l0, o0)
+            ),
+            x_desc: x.label().into(),
+            y_desc: "MoE layer".into(),
+            scale_label: "decode hit rate".into(),
+            x_labels,
+            y_labels: layer_ids.iter().map(u32::to_string).collect(),
+            panels,
+        },
     )
-    .map_err(fail)?;
-    root.present().map_err(|e| fail(e.to_string()))?;
-    Ok(())
 }
 
 #[cfg(test)]
