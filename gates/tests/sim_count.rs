@@ -48,33 +48,7 @@ struct Count {
 }
 
 fn python_counts(py: &str, trace: &Path, policies: &str) -> Vec<Count> {
-    let out = Command::new(py)
-        .arg(project_root().join("scripts/sim-check.py"))
-        .arg(trace)
-        .args(["--experts-per-layer", "2,4,6", "--policy", policies])
-        .output()
-        .expect("run scripts/sim-check.py");
-    assert!(
-        out.status.success(),
-        "sim-check.py failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).expect("json line");
-            let n = |k: &str| v[k].as_u64().unwrap_or_else(|| panic!("{k} in {l}"));
-            Count {
-                policy: v["policy"].as_str().expect("policy").to_string(),
-                budget_bytes: n("budget_bytes"),
-                lookups: n("lookups"),
-                hits: n("hits"),
-                misses: n("misses"),
-                evictions: n("evictions"),
-                rereads: n("rereads"),
-            }
-        })
-        .collect()
+    python_counts_at(py, trace, policies, "2,4,6")
 }
 
 /// The `sim:` line of a `bmoe-sim replay` run, as key=value pairs.

@@ -8,26 +8,19 @@
 //! evictable entry; when that layer has none evictable, the next fullest layer's. Under steady
 //! pressure every layer converges to an equal share of the cache.
 //!
-//! One intrusive doubly linked list per layer over the layout's dense key indices: O(1)
-//! insert, hit and remove, O(layers) to find the fullest layer.
+//! One intrusive list per layer (`lists.rs`): O(1) insert, hit and remove, O(layers log
+//! layers) to order the layers by size.
 
+use super::lists::Lists;
 use super::EvictionPolicy;
 use crate::layout::ExpertLayout;
 
-const NIL: u32 = u32::MAX;
-
-/// Per-layer LRU partitions.
+/// Per-layer LRU partitions: one list per MoE layer (head = most recently used).
 #[derive(Clone, Debug, Default)]
 pub struct LayerLru {
-    prev: Vec<u32>,
-    next: Vec<u32>,
-    linked: Vec<bool>,
+    lists: Lists,
     /// Dense key index → MoE layer.
     key_layer: Vec<u16>,
-    /// Per layer: most and least recently used key, resident count.
-    head: Vec<u32>,
-    tail: Vec<u32>,
-    len: Vec<u32>,
 }
 
 /// The registry entry (`policy::POLICIES`).
@@ -45,53 +38,14 @@ impl LayerLru {
 
     /// Resident entries per layer.
     pub fn resident_per_layer(&self) -> Vec<u32> {
-        self.len.clone()
+        (0..self.lists.n_lists())
+            .map(|l| self.lists.len(l))
+            .collect()
     }
 
     /// Layer `l`'s keys from most to least recently used.
     pub fn layer_order(&self, l: usize) -> Vec<u32> {
-        let mut out = Vec::new();
-        let mut i = self.head.get(l).copied().unwrap_or(NIL);
-        while i != NIL {
-            out.push(i);
-            i = self.next[i as usize];
-        }
-        out
-    }
-
-    fn unlink(&mut self, i: u32) {
-        let l = self.key_layer[i as usize] as usize;
-        let (p, n) = (self.prev[i as usize], self.next[i as usize]);
-        if p == NIL {
-            self.head[l] = n;
-        } else {
-            self.next[p as usize] = n;
-        }
-        if n == NIL {
-            self.tail[l] = p;
-        } else {
-            self.prev[n as usize] = p;
-        }
-        self.linked[i as usize] = false;
-        self.len[l] -= 1;
-    }
-
-    fn push_front(&mut self, i: u32) {
-        let l = self.key_layer[i as usize] as usize;
-        self.prev[i as usize] = NIL;
-        self.next[i as usize] = self.head[l];
-        if self.head[l] == NIL {
-            self.tail[l] = i;
-        } else {
-            self.prev[self.head[l] as usize] = i;
-        }
-        self.head[l] = i;
-        self.linked[i as usize] = true;
-        self.len[l] += 1;
-    }
-
-    fn is_linked(&self, i: u32) -> bool {
-        self.linked.get(i as usize).copied().unwrap_or(false)
+        self.lists.newest_first(l).collect()
     }
 }
 
@@ -102,57 +56,39 @@ impl EvictionPolicy for LayerLru {
 
     fn init(&mut self, layout: &ExpertLayout) {
         let n = layout.n_keys() as usize;
-        self.prev = vec![NIL; n];
-        self.next = vec![NIL; n];
-        self.linked = vec![false; n];
         self.key_layer = Vec::with_capacity(n);
         for (l, layer) in layout.layers().iter().enumerate() {
             self.key_layer
                 .extend(std::iter::repeat_n(l as u16, layer.n_expert as usize));
         }
-        let layers = layout.layers().len();
-        self.head = vec![NIL; layers];
-        self.tail = vec![NIL; layers];
-        self.len = vec![0; layers];
+        self.lists = Lists::new(n, layout.layers().len());
     }
 
     fn on_insert(&mut self, index: u32) {
-        if (index as usize) >= self.linked.len() {
-            return;
+        if let Some(&l) = self.key_layer.get(index as usize) {
+            self.lists.push_front(usize::from(l), index);
         }
-        if self.is_linked(index) {
-            self.unlink(index);
-        }
-        self.push_front(index);
     }
 
     fn on_hit(&mut self, index: u32) {
-        if self.is_linked(index) {
-            self.unlink(index);
-            self.push_front(index);
+        if let Some(l) = self.lists.list_of(index) {
+            self.lists.push_front(l, index);
         }
     }
 
     fn on_remove(&mut self, index: u32) {
-        if self.is_linked(index) {
-            self.unlink(index);
-        }
+        self.lists.unlink(index);
     }
 
     fn victim(&self, is_evictable: &dyn Fn(u32) -> bool) -> Option<u32> {
         // Layers by resident count, largest first; ties to the lower layer.
-        let mut by_size: Vec<usize> = (0..self.len.len()).filter(|&l| self.len[l] > 0).collect();
-        by_size.sort_by(|&a, &b| self.len[b].cmp(&self.len[a]).then(a.cmp(&b)));
-        by_size.into_iter().find_map(|l| {
-            let mut i = self.tail[l];
-            while i != NIL {
-                if is_evictable(i) {
-                    return Some(i);
-                }
-                i = self.prev[i as usize];
-            }
-            None
-        })
+        let mut by_size: Vec<usize> = (0..self.lists.n_lists())
+            .filter(|&l| self.lists.len(l) > 0)
+            .collect();
+        by_size.sort_by(|&a, &b| self.lists.len(b).cmp(&self.lists.len(a)).then(a.cmp(&b)));
+        by_size
+            .into_iter()
+            .find_map(|l| self.lists.oldest_first(l).find(|&i| is_evictable(i)))
     }
 }
 

@@ -14,6 +14,7 @@ pub mod layer_lfu;
 pub mod layer_lru;
 pub mod lecar;
 pub mod lfu;
+pub mod lists;
 pub mod lrfu;
 pub mod lru;
 pub mod two_q;

@@ -11,27 +11,22 @@
 //! evictable entry while `A1in` holds more than `Kin` entries, else `Am`'s least recent; when the
 //! preferred queue has nothing evictable, the other queue's.
 //!
-//! Intrusive lists over the dense key indices (O(1) per event); the ghost queue is a FIFO of
-//! (key, stamp) with lazy deletion.
+//! Intrusive lists over the dense key indices (`lists.rs`, O(1) per event); the ghost queue is a
+//! FIFO of (key, stamp) with lazy deletion.
 
+use super::lists::Lists;
 use super::EvictionPolicy;
 use crate::layout::ExpertLayout;
 use std::collections::VecDeque;
 
-const NIL: u32 = u32::MAX;
 const A1IN: usize = 0;
 const AM: usize = 1;
 
 /// The 2Q policy.
 #[derive(Clone, Debug, Default)]
 pub struct TwoQ {
-    prev: Vec<u32>,
-    next: Vec<u32>,
-    /// 0 = not resident, 1 = in A1in, 2 = in Am.
-    queue: Vec<u8>,
-    head: [u32; 2],
-    tail: [u32; 2],
-    len: [u32; 2],
+    /// List 0 = A1in (FIFO), list 1 = Am (LRU); head = newest.
+    queues: Lists,
     /// A1out: (key, stamp); live while `ghost[key] == stamp`.
     ghost_fifo: VecDeque<(u32, u64)>,
     ghost: Vec<u64>,
@@ -49,61 +44,16 @@ pub const INFO: super::PolicyInfo = super::PolicyInfo {
 impl TwoQ {
     /// An empty 2Q; `init` sizes it.
     pub fn new() -> Self {
-        TwoQ {
-            head: [NIL; 2],
-            tail: [NIL; 2],
-            ..Default::default()
-        }
+        Self::default()
     }
 
     /// Entries in (A1in, Am) and remembered in A1out.
     pub fn sizes(&self) -> (u32, u32, usize) {
-        (self.len[A1IN], self.len[AM], self.ghost_len)
+        (self.queues.len(A1IN), self.queues.len(AM), self.ghost_len)
     }
 
     fn resident(&self) -> u32 {
-        self.len[A1IN] + self.len[AM]
-    }
-
-    fn unlink(&mut self, i: u32) {
-        let q = usize::from(self.queue[i as usize] - 1);
-        let (p, n) = (self.prev[i as usize], self.next[i as usize]);
-        if p == NIL {
-            self.head[q] = n;
-        } else {
-            self.next[p as usize] = n;
-        }
-        if n == NIL {
-            self.tail[q] = p;
-        } else {
-            self.prev[n as usize] = p;
-        }
-        self.queue[i as usize] = 0;
-        self.len[q] -= 1;
-    }
-
-    fn push_front(&mut self, q: usize, i: u32) {
-        self.prev[i as usize] = NIL;
-        self.next[i as usize] = self.head[q];
-        if self.head[q] == NIL {
-            self.tail[q] = i;
-        } else {
-            self.prev[self.head[q] as usize] = i;
-        }
-        self.head[q] = i;
-        self.queue[i as usize] = q as u8 + 1;
-        self.len[q] += 1;
-    }
-
-    fn oldest_evictable(&self, q: usize, is_evictable: &dyn Fn(u32) -> bool) -> Option<u32> {
-        let mut i = self.tail[q];
-        while i != NIL {
-            if is_evictable(i) {
-                return Some(i);
-            }
-            i = self.prev[i as usize];
-        }
-        None
+        self.queues.len(A1IN) + self.queues.len(AM)
     }
 }
 
@@ -115,43 +65,36 @@ impl EvictionPolicy for TwoQ {
     fn init(&mut self, layout: &ExpertLayout) {
         let n = layout.n_keys() as usize;
         *self = TwoQ::new();
-        self.prev = vec![NIL; n];
-        self.next = vec![NIL; n];
-        self.queue = vec![0; n];
+        self.queues = Lists::new(n, 2);
         self.ghost = vec![0; n];
     }
 
     fn on_insert(&mut self, index: u32) {
         let i = index as usize;
-        if i >= self.queue.len() {
+        if i >= self.ghost.len() {
             return;
-        }
-        if self.queue[i] != 0 {
-            self.unlink(index);
         }
         if self.ghost[i] != 0 {
             self.ghost[i] = 0;
             self.ghost_len -= 1;
-            self.push_front(AM, index);
+            self.queues.push_front(AM, index);
         } else {
-            self.push_front(A1IN, index);
+            self.queues.push_front(A1IN, index);
         }
     }
 
     fn on_hit(&mut self, index: u32) {
-        if self.queue.get(index as usize) == Some(&2) {
-            self.unlink(index);
-            self.push_front(AM, index);
+        if self.queues.list_of(index) == Some(AM) {
+            self.queues.push_front(AM, index);
         }
     }
 
     fn on_remove(&mut self, index: u32) {
-        let i = index as usize;
-        match self.queue.get(i) {
-            Some(1) => {
-                self.unlink(index);
+        match self.queues.list_of(index) {
+            Some(A1IN) => {
+                self.queues.unlink(index);
                 self.stamp += 1;
-                self.ghost[i] = self.stamp;
+                self.ghost[index as usize] = self.stamp;
                 self.ghost_fifo.push_back((index, self.stamp));
                 self.ghost_len += 1;
                 let kout = (self.resident() as usize / 2).max(1);
@@ -165,20 +108,22 @@ impl EvictionPolicy for TwoQ {
                     }
                 }
             }
-            Some(2) => self.unlink(index),
-            _ => {}
+            Some(_) => self.queues.unlink(index),
+            None => {}
         }
     }
 
     fn victim(&self, is_evictable: &dyn Fn(u32) -> bool) -> Option<u32> {
         let kin = (self.resident() / 4).max(1);
-        let (first, second) = if self.len[A1IN] > kin {
+        let (first, second) = if self.queues.len(A1IN) > kin {
             (A1IN, AM)
         } else {
             (AM, A1IN)
         };
-        self.oldest_evictable(first, is_evictable)
-            .or_else(|| self.oldest_evictable(second, is_evictable))
+        self.queues
+            .oldest_first(first)
+            .find(|&i| is_evictable(i))
+            .or_else(|| self.queues.oldest_first(second).find(|&i| is_evictable(i)))
     }
 }
 
