@@ -14,19 +14,13 @@
 //!   names the architecture's gating.
 
 use bmoe_engine::gguf::GgufFile;
+use bmoe_gates::llama::{ours, parity, py_batch, python_ready, Parity, PROMPT};
 use bmoe_gates::{model, run, scratch_dir};
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 /// The architectures besides qwen3moe (whose own gates are `parity.rs`, `streaming.rs`,
 /// `sim_engine.rs`), with the gating each records.
 const ARCHS: &[(&str, &str)] = &[("qwen2moe", "softmax_topk")];
-
-const PROMPT: &str = "Phileas Fogg rose, and the cache of experts answered: streaming is the plan for tonight. \
-The router asks for eight experts at every layer; the ones already resident cost nothing, the others \
-are read from flash while the attention of the next layer waits. Passepartout counted the reads, \
-wrote them down in a small notebook, and found that the same experts came back again and again, \
-as if the model had favourite words for every sentence it was asked to finish before the train left.";
 
 const SHORT: &str = "The cache of experts keeps what the router asked for";
 
@@ -47,92 +41,6 @@ fn tiny(arch: &str, ty: &str) -> PathBuf {
             ty,
         ],
     )
-}
-
-fn python_ready() -> bool {
-    let ok = Command::new("python3")
-        .args(["-c", "import llama_cpp, gguf, numpy"])
-        .output()
-        .map(|o| o.status.success())
-        .unwrap_or(false);
-    if !ok {
-        if std::env::var("CI").map(|v| v == "true").unwrap_or(false) {
-            panic!("CI=true but python3 with llama_cpp, gguf and numpy is missing (scripts/test.sh installs them)");
-        }
-        eprintln!("skipping llama.cpp parity: python3 with llama-cpp-python, gguf and numpy not installed (pip install -r scripts/requirements-test.txt)");
-    }
-    ok
-}
-
-fn script() -> PathBuf {
-    bmoe_engine::testdata::project_root()
-        .join("scripts")
-        .join("llama_parity.py")
-}
-
-fn py_batch(dir: &Path, name: &str, jobs: &[serde_json::Value]) {
-    let p = dir.join(format!("{name}.json"));
-    std::fs::write(&p, serde_json::to_vec(jobs).unwrap()).unwrap();
-    let o = Command::new("python3")
-        .arg(script())
-        .args(["batch", p.to_str().unwrap()])
-        .output()
-        .expect("run python3");
-    assert!(
-        o.status.success(),
-        "llama_parity.py batch ({name}) failed:\n{}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-}
-
-/// Our teacher-forced logits of `m` into `out` (token ids beside it in `out.json`).
-fn ours(m: &Path, out: &Path) {
-    let r = run(
-        m,
-        &[
-            "-p",
-            PROMPT,
-            "-n",
-            "8",
-            "--logits-out",
-            out.to_str().unwrap(),
-        ],
-    );
-    assert_eq!(r.code, 0, "{}: {}", m.display(), r.stderr);
-}
-
-/// (positions, min cosine, strict top-1 agreement, fraction with top-1 up to a near-tie and
-/// cosine ≥ 0.999) from `llama_parity.py compare`.
-fn parity(json: &str, tag: &str) -> (usize, f64, f64, f64) {
-    let v: serde_json::Value = serde_json::from_str(json).unwrap();
-    let cos: Vec<f64> = v["cos"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| c.as_f64().unwrap())
-        .collect();
-    let good = v["top1_tie"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .zip(&cos)
-        .filter(|(t, c)| t.as_bool().unwrap() && **c >= 0.999)
-        .count() as f64
-        / cos.len().max(1) as f64;
-    let p = (
-        v["rows"].as_u64().unwrap() as usize,
-        v["cos_min"].as_f64().unwrap(),
-        v["top1_agree"].as_f64().unwrap(),
-        good,
-    );
-    eprintln!(
-        "parity {tag}: {} positions, cos_min {:.6}, strict top-1 agreement {:.1}%, top-1 (near-ties allowed) and cos >= 0.999 on {:.1}%",
-        p.0,
-        p.1,
-        100.0 * p.2,
-        100.0 * p.3
-    );
-    p
 }
 
 #[test]
@@ -202,8 +110,12 @@ fn every_architecture_matches_llama_cpp() {
         }
         py_batch(&dir, &format!("{arch}-logits"), &jobs);
         for (tag, result, exact) in &results {
-            let (rows, cos_min, top1, good) =
-                parity(&std::fs::read_to_string(result).unwrap(), tag);
+            let Parity {
+                rows,
+                cos_min,
+                top1,
+                good,
+            } = parity(&std::fs::read_to_string(result).unwrap(), tag);
             if rows < 100 {
                 failures.push(format!("{tag}: {rows} positions, fewer than 100"));
             } else if *exact && (top1 < 1.0 || cos_min < 0.9999) {
