@@ -111,7 +111,7 @@ def resident_floor(base, quiet=False):
     first run warms it): the compute floor. None (with a message) when the warm run still
     faults pages in from disk — the machine cannot hold the working set, so it is no floor."""
     for attempt in ("warm-up", "measured"):
-        r = subprocess.run(base, capture_output=True, text=True)
+        r = subprocess.run(base + ["--no-moe-stream"], capture_output=True, text=True)
         if r.returncode != 0:
             print(f"resident floor: {attempt} run failed: {r.stderr.strip().splitlines()[-1:]}")
             return None
@@ -158,7 +158,7 @@ def main():
     dense_mib = grab(r"dense \(resident\):\s+\d+ B \(([0-9.]+) MiB\)", insp)
     base = [a.bin, "-m", a.model, "-p", PROMPT, "-n", str(a.n), "-c", str(a.c)]
     configs = [
-        ("mmap baseline", [], None),
+        ("mmap baseline", ["--no-moe-stream"], None),
         ("cache off, serial, 1 lane", ["--moe-stream", "--cache-mb", "0", "--io-threads", "1"], 1),
         ("cache off, serial, 2 lanes", ["--moe-stream", "--cache-mb", "0", "--io-threads", "2"], 2),
         ("cache off, serial, 4 lanes", ["--moe-stream", "--cache-mb", "0", "--io-threads", "4"], 4),

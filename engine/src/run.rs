@@ -14,7 +14,7 @@ use crate::outputs::{NamedFile, RunOutputs};
 use crate::stream::{arena_for, layout_of, Device, EngineBackend};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 use anyhow::{anyhow, bail, Context, Result};
-use bmoe_core::config::{auto_cache_budget, RunConfig, MIB};
+use bmoe_core::config::{auto_cache_budget, decide_streaming, RunConfig, StreamChoice, MIB};
 use bmoe_core::faults::{RetryFlash, READ_RETRIES};
 use bmoe_core::ledger::MemPicture;
 use bmoe_core::records::RecordSink;
@@ -104,6 +104,27 @@ pub struct Loaded {
     pub load_s: f64,
 }
 
+/// The zero-config fit check for a run given no streaming flag: the model's shards and its KV
+/// cache at the run's context, with `--cache-floor-mb` kept free, against the smaller of the
+/// cgroup limit and `MemAvailable`.
+fn fit_check(file: &GgufFile, arch: &dyn crate::arch::Arch, cfg: &RunConfig) -> StreamChoice {
+    let model_bytes: u64 = file
+        .shard_paths()
+        .iter()
+        .map(|p| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0))
+        .sum();
+    let kv_bytes = crate::arch::kv_bytes(arch, cfg.n_ctx as usize);
+    let mi = crate::probe::meminfo();
+    let cg = crate::probe::cgroup_memory();
+    decide_streaming(
+        model_bytes,
+        kv_bytes,
+        cfg.cache_floor_mb * MIB,
+        (mi.mem_available_mib > 0.0).then_some((mi.mem_available_mib * MIB as f64) as u64),
+        cg.and_then(|c| c.limit_bytes),
+    )
+}
+
 /// Resolve and validate the configuration, load the model and build its decode step:
 /// streamed (`--moe-stream`: expert cache, arena, O_DIRECT lanes, router hooks, predictors)
 /// or resident (every expert computed from the model's map, through the same step). Load-time
@@ -127,9 +148,6 @@ pub fn load(args: &RunArgs, model_path: &Path, err: &mut dyn Write) -> Result<Lo
     args.stream.apply(&mut cfg);
     args.telemetry.apply(&mut cfg);
     cfg.validate()?;
-    if args.verify_reads && !cfg.moe_stream {
-        bail!("--verify-reads checks the experts streaming reads from flash: add --moe-stream (a resident run reads none)");
-    }
 
     let file = Arc::new(GgufFile::open(model_path)?);
     cfg.arch = file.architecture().unwrap_or("").to_string();
@@ -147,10 +165,28 @@ pub fn load(args: &RunArgs, model_path: &Path, err: &mut dyn Write) -> Result<Lo
         )?;
     }
     // The resident baseline is plain mmap by definition; streaming applies --dense-weights.
+    let dense_asked = cfg.dense_weights;
     if !cfg.moe_stream {
         cfg.dense_weights = bmoe_core::config::DenseWeights::Mmap;
     }
-    let arch = crate::arch::load(file.clone(), cfg.dense_weights.into())?;
+    let mut arch = crate::arch::load(file.clone(), cfg.dense_weights.into())?;
+    if cfg.stream_choice == StreamChoice::Auto {
+        let choice = fit_check(&file, arch.as_ref(), &cfg);
+        cfg.resolve_streaming(choice, args.stream.cache_mb.is_some())
+            .map_err(|e| match choice.reason() {
+                Some(why) => anyhow!("{e} (no streaming flag was given: {why})"),
+                None => e.into(),
+            })?;
+        if cfg.moe_stream {
+            cfg.dense_weights = dense_asked;
+            if dense_asked != bmoe_core::config::DenseWeights::Mmap {
+                arch = crate::arch::load(file.clone(), cfg.dense_weights.into())?;
+            }
+        }
+    }
+    if args.verify_reads && !cfg.moe_stream {
+        bail!("--verify-reads checks the experts streaming reads from flash: add --moe-stream (a resident run reads none)");
+    }
     let mut model = Model::new(arch, args.threads as usize);
     model.set_check_finite(args.check_finite);
     let dims = model.dims().clone();
@@ -177,6 +213,24 @@ pub fn load(args: &RunArgs, model_path: &Path, err: &mut dyn Write) -> Result<Lo
             .collect();
         layout.check_shards(&shard_lens)?;
         cfg.cache_cycle_mb = layout.cache_cycle_bytes(k).div_ceil(MIB);
+        // A stream the engine chose sizes its auto cache inside the room it measured.
+        if let (StreamChoice::TooBig(fit), true, 0) =
+            (cfg.stream_choice, cfg.cache_auto, cfg.cache_ceil_mb)
+        {
+            let ceiling = fit.cache_ceiling_bytes(layout.total_expert_bytes());
+            if ceiling < MIB {
+                writeln!(
+                    err,
+                    "bmoe: warning: no room for an expert cache once the dense weights and the KV \
+                     cache are in ({}): every routed expert is read from flash every token",
+                    cfg.stream_choice.reason().unwrap_or_default()
+                )?;
+                cfg.cache_auto = false;
+                cfg.cache_mb = 0;
+            } else {
+                cfg.cache_ceil_mb = ceiling / MIB;
+            }
+        }
         let budget = if cfg.cache_auto {
             let mi = crate::probe::meminfo();
             let cg = crate::probe::cgroup_memory();

@@ -221,6 +221,178 @@ pub enum ConfigError {
     },
 }
 
+/// Where the memory a process may use was read from.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum MemSource {
+    /// The memory cgroup's limit (v1 `memory.limit_in_bytes`, v2 `memory.max`).
+    Cgroup,
+    /// `/proc/meminfo`'s `MemAvailable`.
+    MemAvailable,
+}
+
+impl MemSource {
+    pub fn name(self) -> &'static str {
+        match self {
+            MemSource::Cgroup => "cgroup",
+            MemSource::MemAvailable => "memavailable",
+        }
+    }
+
+    fn phrase(self) -> &'static str {
+        match self {
+            MemSource::Cgroup => "its cgroup's memory limit",
+            MemSource::MemAvailable => "MemAvailable",
+        }
+    }
+}
+
+/// The fit check's inputs, as the `mode:` line and the preamble state them.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct Fit {
+    /// The model's bytes on disk (every shard: dense and experts).
+    pub model_bytes: u64,
+    /// Its KV cache at the run's context (every layer's memory at full size).
+    pub kv_bytes: u64,
+    /// Memory kept free beside them (`--cache-floor-mb`).
+    pub margin_bytes: u64,
+    /// The memory the process may use: the smaller of the cgroup limit and `MemAvailable`.
+    pub room_bytes: u64,
+    pub room_from: MemSource,
+}
+
+impl Fit {
+    /// What a resident run needs: model + KV cache + margin.
+    pub fn need_bytes(&self) -> u64 {
+        self.model_bytes
+            .saturating_add(self.kv_bytes)
+            .saturating_add(self.margin_bytes)
+    }
+
+    fn reason(&self) -> String {
+        format!(
+            "the model needs {} (file {} + KV cache {} + {} kept free, --cache-floor-mb) and this \
+             process may use {} ({})",
+            gib(self.need_bytes()),
+            gib(self.model_bytes),
+            gib(self.kv_bytes),
+            gib(self.margin_bytes),
+            gib(self.room_bytes),
+            self.room_from.phrase()
+        )
+    }
+}
+
+/// A memory size as a person reads it: MiB below a GiB, GiB with two decimals above.
+fn gib(bytes: u64) -> String {
+    if bytes < 1 << 30 {
+        format!("{} MiB", bytes.div_ceil(MIB))
+    } else {
+        format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
+    }
+}
+
+/// How a run came to stream its experts or not.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum StreamChoice {
+    /// `--moe-stream` or `--no-moe-stream` (or a caller that set `moe_stream` itself).
+    Flag,
+    /// Neither flag: the engine decides at load ([`decide_streaming`]); unresolved until then.
+    Auto,
+    /// Decided at load: the memory the process may use is unknown, so the run is resident.
+    Unknown,
+    /// Decided at load: the model fits, so its experts stay resident.
+    Fits(Fit),
+    /// Decided at load: the model does not fit, so its experts stream.
+    TooBig(Fit),
+}
+
+impl StreamChoice {
+    /// The preamble's `moe_stream_why=` value.
+    pub fn name(&self) -> &'static str {
+        match self {
+            StreamChoice::Flag => "flag",
+            StreamChoice::Auto => "auto",
+            StreamChoice::Unknown => "unknown",
+            StreamChoice::Fits(_) => "fits",
+            StreamChoice::TooBig(_) => "too_big",
+        }
+    }
+
+    pub fn fit(&self) -> Option<&Fit> {
+        match self {
+            StreamChoice::Fits(f) | StreamChoice::TooBig(f) => Some(f),
+            _ => None,
+        }
+    }
+
+    /// Why the engine chose, for the `mode:` line; `None` when a flag chose.
+    pub fn reason(&self) -> Option<String> {
+        match self {
+            StreamChoice::Flag | StreamChoice::Auto => None,
+            StreamChoice::Unknown => Some(
+                "how much memory this process may use is unknown (no MemAvailable, no cgroup \
+                 limit), so the experts stay resident; --moe-stream streams them"
+                    .into(),
+            ),
+            StreamChoice::Fits(f) => Some(format!(
+                "experts resident because {}; --moe-stream streams them anyway",
+                f.reason()
+            )),
+            StreamChoice::TooBig(f) => Some(format!(
+                "streaming because {}; --no-moe-stream forces the resident run",
+                f.reason()
+            )),
+        }
+    }
+}
+
+impl Fit {
+    /// The most the auto-sized cache may take when the engine chose to stream: the room once
+    /// the dense weights (the model's bytes that are not experts), the KV cache and a margin are
+    /// in — the margin `--cache-floor-mb`, or a quarter of the room where that floor is more
+    /// than the room can spare (a small cgroup). Without it the auto formula's 1500 MiB minimum
+    /// could size a cache past a cgroup limit, and the kernel would kill the run. 0: no room.
+    pub fn cache_ceiling_bytes(&self, expert_bytes: u64) -> u64 {
+        let dense = self.model_bytes.saturating_sub(expert_bytes);
+        let margin = self.margin_bytes.min(self.room_bytes / 4);
+        self.room_bytes
+            .saturating_sub(dense)
+            .saturating_sub(self.kv_bytes)
+            .saturating_sub(margin)
+    }
+}
+
+/// The zero-config fit check: stream when the model, its KV cache and `margin_bytes` do not
+/// fit the memory the process may use — the smaller of the cgroup limit and `MemAvailable`.
+/// `MemAvailable` counts page-cached file pages as free, which is right here: a resident run
+/// maps the file, and the kernel may drop other files' pages for it.
+pub fn decide_streaming(
+    model_bytes: u64,
+    kv_bytes: u64,
+    margin_bytes: u64,
+    mem_available_bytes: Option<u64>,
+    cgroup_limit_bytes: Option<u64>,
+) -> StreamChoice {
+    let (room_bytes, room_from) = match (cgroup_limit_bytes, mem_available_bytes) {
+        (Some(c), Some(m)) if c <= m => (c, MemSource::Cgroup),
+        (_, Some(m)) => (m, MemSource::MemAvailable),
+        (Some(c), None) => (c, MemSource::Cgroup),
+        (None, None) => return StreamChoice::Unknown,
+    };
+    let fit = Fit {
+        model_bytes,
+        kv_bytes,
+        margin_bytes,
+        room_bytes,
+        room_from,
+    };
+    if fit.need_bytes() > room_bytes {
+        StreamChoice::TooBig(fit)
+    } else {
+        StreamChoice::Fits(fit)
+    }
+}
+
 /// The resolved configuration of one run: every knob the decode step, the telemetry and the
 /// `# bmoe_metrics v2` preamble need, as values rather than as typed flags.
 ///
@@ -267,6 +439,9 @@ pub struct RunConfig {
     // --- streaming and cache ---
     /// `--moe-stream`: routed experts are read from flash instead of the mmap.
     pub moe_stream: bool,
+    /// How `moe_stream` was settled: by a flag, or by the engine's fit check at load when
+    /// neither `--moe-stream` nor `--no-moe-stream` was given ([`StreamChoice::Auto`] until then).
+    pub stream_choice: StreamChoice,
     /// The fixed budget asked for (MiB), 0 = no fixed budget (off, or auto).
     pub cache_mb: u64,
     /// `--cache-mb auto`: size the budget at load from free memory.
@@ -375,6 +550,7 @@ impl Default for RunConfig {
             n_ubatch: 0,
             chatml: false,
             moe_stream: false,
+            stream_choice: StreamChoice::Flag,
             cache_mb: 0,
             cache_auto: false,
             cache_budget_mb: 0,
@@ -476,7 +652,11 @@ impl RunConfig {
         }
         self.validate_sampling()?;
         self.validate_spec()?;
-        self.validate_needs_streaming()?;
+        // Without a streaming flag the engine decides at load; the knobs that need streaming
+        // are judged once it has (`resolve_streaming`).
+        if self.stream_choice != StreamChoice::Auto {
+            self.validate_needs_streaming()?;
+        }
         if self.moe_stream {
             self.validate_streaming()?;
         }
@@ -788,6 +968,28 @@ impl RunConfig {
         Ok(())
     }
 
+    /// Settles a run given neither `--moe-stream` nor `--no-moe-stream` with the engine's fit
+    /// check ([`decide_streaming`]): a model that does not fit streams, with `--overlap` and —
+    /// unless a budget was given (`cache_given`: `--cache-mb` or `BMOE_CACHE_MB`) —
+    /// `--cache-mb auto`. Then judges the knobs that need streaming, which `validate()`
+    /// deferred.
+    pub fn resolve_streaming(
+        &mut self,
+        choice: StreamChoice,
+        cache_given: bool,
+    ) -> Result<(), ConfigError> {
+        self.stream_choice = choice;
+        if let StreamChoice::TooBig(_) = choice {
+            self.moe_stream = true;
+            self.overlap = true;
+            if !cache_given {
+                self.cache_auto = true;
+                self.cache_mb = 0;
+            }
+        }
+        self.validate()
+    }
+
     /// Fixes `cache_budget_mb`: the fixed budget, the given auto-sized budget (bytes, from
     /// `auto_cache_budget`) under auto, or 0 when the cache is off.
     pub fn resolve_cache_budget(&mut self, auto_budget_bytes: u64) {
@@ -905,6 +1107,106 @@ mod tests {
             moe_stream: true,
             ..RunConfig::default()
         }
+    }
+
+    const GIB: u64 = 1 << 30;
+
+    #[test]
+    fn the_fit_check_compares_model_kv_and_margin_with_the_smaller_room() {
+        // 10 GiB model, 1 GiB KV, 1.5 GiB margin: 12.5 GiB needed.
+        let need = |avail, cg| decide_streaming(10 * GIB, GIB, 3 * GIB / 2, avail, cg);
+        // Ample MemAvailable, no cgroup: resident.
+        let c = need(Some(20 * GIB), None);
+        assert!(matches!(c, StreamChoice::Fits(f) if f.room_from == MemSource::MemAvailable));
+        // A cgroup limit below MemAvailable decides, and it is too small: stream.
+        let c = need(Some(20 * GIB), Some(8 * GIB));
+        assert!(
+            matches!(c, StreamChoice::TooBig(f) if f.room_from == MemSource::Cgroup && f.room_bytes == 8 * GIB)
+        );
+        // A cgroup limit above MemAvailable does not: MemAvailable is the room.
+        let c = need(Some(12 * GIB), Some(64 * GIB));
+        assert!(matches!(c, StreamChoice::TooBig(f) if f.room_from == MemSource::MemAvailable));
+        // Exactly enough fits; a byte less does not.
+        assert!(matches!(
+            need(Some(25 * GIB / 2), None),
+            StreamChoice::Fits(_)
+        ));
+        assert!(matches!(
+            need(Some(25 * GIB / 2 - 1), None),
+            StreamChoice::TooBig(_)
+        ));
+        // Nothing known: resident, and the reason says so.
+        let c = need(None, None);
+        assert_eq!(c, StreamChoice::Unknown);
+        assert!(c.reason().unwrap().contains("unknown"));
+        assert_eq!(need(None, Some(4 * GIB)).name(), "too_big");
+    }
+
+    #[test]
+    fn a_model_too_big_streams_with_overlap_and_auto_cache_unless_a_budget_was_given() {
+        let too_big = decide_streaming(10 * GIB, 0, 0, Some(GIB), None);
+        let mut c = RunConfig {
+            stream_choice: StreamChoice::Auto,
+            ..RunConfig::default()
+        };
+        c.resolve_streaming(too_big, false).unwrap();
+        assert!(c.moe_stream && c.overlap && c.cache_auto);
+        assert!(c
+            .stream_choice
+            .reason()
+            .unwrap()
+            .contains("--no-moe-stream"));
+        let mut c = RunConfig {
+            stream_choice: StreamChoice::Auto,
+            cache_mb: 2000,
+            ..RunConfig::default()
+        };
+        c.resolve_streaming(too_big, true).unwrap();
+        assert!(c.moe_stream && !c.cache_auto && c.cache_mb == 2000);
+    }
+
+    #[test]
+    fn the_auto_cache_of_a_chosen_stream_stays_inside_the_room() {
+        // 8 GiB cgroup, 17 GiB model of which 15.5 GiB experts, 0.5 GiB KV, 1.5 GiB floor:
+        // 8 - 1.5 dense - 0.5 KV - 1.5 margin = 4.5 GiB.
+        let f = match decide_streaming(
+            17 * GIB,
+            GIB / 2,
+            3 * GIB / 2,
+            Some(20 * GIB),
+            Some(8 * GIB),
+        ) {
+            StreamChoice::TooBig(f) => f,
+            c => panic!("{c:?}"),
+        };
+        assert_eq!(f.cache_ceiling_bytes(31 * GIB / 2), 9 * GIB / 2);
+        // A 256 MiB cgroup: the 1.5 GiB floor is more than it can spare, so a quarter of it
+        // (64 MiB) is kept: 256 - 20 dense - 8 KV - 64 = 164 MiB.
+        let f = decide_streaming(312 * MIB, 8 * MIB, 1536 * MIB, None, Some(256 * MIB));
+        assert_eq!(f.fit().unwrap().cache_ceiling_bytes(292 * MIB), 164 * MIB);
+        // No room at all once the dense weights are in.
+        let f = decide_streaming(4 * GIB, 0, 0, None, Some(GIB));
+        assert_eq!(f.fit().unwrap().cache_ceiling_bytes(2 * GIB), 0);
+    }
+
+    #[test]
+    fn streaming_knobs_wait_for_the_fit_check_and_are_refused_when_the_model_fits() {
+        let mut c = RunConfig {
+            stream_choice: StreamChoice::Auto,
+            prefetch: 2,
+            ..RunConfig::default()
+        };
+        c.validate()
+            .expect("undecided: --prefetch waits for the fit check");
+        let fits = decide_streaming(GIB, 0, 0, Some(10 * GIB), None);
+        let e = c.clone().resolve_streaming(fits, false).unwrap_err();
+        assert!(
+            e.to_string().contains("--prefetch requires --moe-stream"),
+            "{e}"
+        );
+        let too_big = decide_streaming(GIB, 0, 0, Some(GIB / 2), None);
+        c.resolve_streaming(too_big, false).unwrap();
+        assert!(c.moe_stream && c.prefetch == 2);
     }
 
     #[test]

@@ -15,7 +15,7 @@ use std::path::PathBuf;
 use crate::step::ReadSplit;
 
 use crate::config::{
-    DenseWeights, EvictionPolicy, RunConfig, CACHE_FLOOR_DEFAULT_MB, CACHE_MIN_MB,
+    DenseWeights, EvictionPolicy, RunConfig, StreamChoice, CACHE_FLOOR_DEFAULT_MB, CACHE_MIN_MB,
     IO_THREADS_DEFAULT, IO_THREADS_MAX, PREDICT_SPEC_MAX_DEFAULT,
 };
 
@@ -73,12 +73,23 @@ pub fn parse_decimal_strict(s: &str) -> Result<f32, String> {
 #[derive(Clone, Debug, PartialEq, clap::Args)]
 #[command(next_help_heading = "Streaming, cache and routing policies")]
 pub struct StreamArgs {
-    /// Stream routed experts from flash into a fixed-budget cache [default: off].
+    /// Stream routed experts from flash into a fixed-budget cache [default: when the model
+    /// does not fit].
     ///
-    /// Without it the run is a plain mmap baseline: every `moe-*` report line is absent and the
-    /// `mode:` line says so. Dense weights stay resident either way.
+    /// Without this flag or --no-moe-stream the engine decides at load: when the model file,
+    /// its KV cache and --cache-floor-mb do not fit the memory the process may use (the
+    /// smaller of its cgroup limit and MemAvailable) it streams, with --overlap and
+    /// --cache-mb auto; otherwise the experts stay resident. The `mode:` line and the CSV
+    /// preamble (`moe_stream_why=`) say which and why. Dense weights stay resident either way.
     #[arg(long)]
     pub moe_stream: bool,
+
+    /// Keep every expert resident (plain mmap), whatever the model's size [default: off].
+    ///
+    /// The baseline: every `moe-*` report line is absent and the `mode:` line says so. On a
+    /// model larger than RAM the kernel pages experts in and out of the mapping.
+    #[arg(long, conflicts_with = "moe_stream")]
+    pub no_moe_stream: bool,
 
     /// Expert-cache budget in MiB, or `auto` [default: auto with --moe-stream; env BMOE_CACHE_MB].
     ///
@@ -317,6 +328,11 @@ impl StreamArgs {
     /// the engine overwrites it with what the open achieved.
     pub fn apply(&self, cfg: &mut RunConfig) {
         cfg.moe_stream = self.moe_stream;
+        cfg.stream_choice = if self.moe_stream || self.no_moe_stream {
+            StreamChoice::Flag
+        } else {
+            StreamChoice::Auto
+        };
         match self.cache() {
             CacheMbArg::Auto => {
                 cfg.cache_auto = true;
@@ -521,7 +537,21 @@ mod tests {
         assert_eq!(cfg.dense_weights, DenseWeights::Anon);
         assert_eq!(cfg.predict_spec_max, 2);
         assert!(cfg.drop_renorm);
-        assert_eq!(cfg, RunConfig::default());
+        // No streaming flag: the engine decides at load.
+        assert_eq!(cfg.stream_choice, StreamChoice::Auto);
+        assert_eq!(
+            cfg,
+            RunConfig {
+                stream_choice: StreamChoice::Auto,
+                ..RunConfig::default()
+            }
+        );
+        for flag in ["--moe-stream", "--no-moe-stream"] {
+            let mut cfg = RunConfig::default();
+            parse(&[flag]).expect("parses").stream.apply(&mut cfg);
+            assert_eq!(cfg.stream_choice, StreamChoice::Flag, "{flag}");
+        }
+        assert!(parse(&["--moe-stream", "--no-moe-stream"]).is_err());
 
         // --moe-stream without --cache-mb means auto; an explicit 0 stays off.
         let cli = parse(&["--moe-stream"]).expect("parses");

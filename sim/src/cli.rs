@@ -429,6 +429,12 @@ pub fn prepare(
         &mut telemetry,
     )
     .map_err(|e| SimError::invalid("environment", e.to_string()))?;
+    if stream.no_moe_stream {
+        return Err(SimError::invalid(
+            "--no-moe-stream",
+            "the simulator replays the streamer; a resident run has nothing to simulate",
+        ));
+    }
     stream.moe_stream = true;
     let mut cfg = RunConfig {
         engine_version: env!("CARGO_PKG_VERSION").to_string(),

@@ -207,6 +207,14 @@ pub fn load(file: Arc<GgufFile>, mode: DenseMode) -> Result<Box<dyn Arch>, ArchE
     }
 }
 
+/// Bytes of every layer's keys and values at a context of `n_ctx`: what a state commits once
+/// its context is full.
+pub fn kv_bytes(arch: &dyn Arch, n_ctx: usize) -> u64 {
+    (0..arch.dims().n_layer)
+        .map(|l| arch.memory(l).bytes(n_ctx))
+        .sum()
+}
+
 /// The router's choice for the rows of one layer.
 #[derive(Clone, Debug, Default)]
 pub struct RouteOut {

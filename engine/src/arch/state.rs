@@ -102,16 +102,29 @@ impl KvSource<'_> {
     }
 }
 
-impl KvLayer {
-    fn new(m: LayerMemory, n_ctx: usize) -> KvLayer {
-        let kv_dim = m.n_head_kv * m.head_dim;
-        let (cap, kind) = match m.kind {
+impl LayerMemory {
+    /// The positions this memory holds at a context of `n_ctx`, and its kind as built.
+    fn capacity(&self, n_ctx: usize) -> (usize, MemoryKind) {
+        match self.kind {
             MemoryKind::Full => (n_ctx, MemoryKind::Full),
             MemoryKind::Ring { window } => {
                 let w = window.min(n_ctx).max(1);
                 (w, MemoryKind::Ring { window: w })
             }
-        };
+        }
+    }
+
+    /// Bytes of keys and values (f32) this memory holds at a context of `n_ctx`.
+    pub fn bytes(&self, n_ctx: usize) -> u64 {
+        let (cap, _) = self.capacity(n_ctx);
+        8 * (cap * self.n_head_kv * self.head_dim) as u64
+    }
+}
+
+impl KvLayer {
+    fn new(m: LayerMemory, n_ctx: usize) -> KvLayer {
+        let kv_dim = m.n_head_kv * m.head_dim;
+        let (cap, kind) = m.capacity(n_ctx);
         KvLayer {
             kind,
             kv_dim,

@@ -11,7 +11,7 @@ use std::io::{self, Write};
 use super::fmt::{bit, fixed, g4, kv_token, parse_key_values};
 use super::summary::RunSummary;
 use super::ParseError;
-use crate::config::RunConfig;
+use crate::config::{RunConfig, MIB};
 
 /// The first line of every metrics file.
 pub const METRICS_MAGIC: &str = "# bmoe_metrics v2";
@@ -233,7 +233,8 @@ pub fn write_preamble(w: &mut dyn Write, cfg: &RunConfig) -> io::Result<()> {
         "# moe_stream={} cache_mb={} cache_auto={} cache_floor_mb={} cache_ceil_mb={} cache_cycle_mb={} \
          force_cache={} load_all={} io_threads={} o_direct={} overlap={} io_two_wave={} prefetch={} \
          route_ahead={} predict_prefetch={} predict_log={} predict_spec_max={} prefetch_sync={} \
-         dense_weights={} drop_cold_frac={} drop_renorm={} drop_prefill={} substitute_lambda={} eviction={} read_split={}",
+         dense_weights={} drop_cold_frac={} drop_renorm={} drop_prefill={} substitute_lambda={} eviction={} read_split={} \
+         moe_stream_why={} mem_need_mb={} mem_room_mb={} mem_room_from={}",
         bit(cfg.moe_stream),
         cfg.cache_budget_mb,
         bit(cfg.cache_auto),
@@ -258,7 +259,13 @@ pub fn write_preamble(w: &mut dyn Write, cfg: &RunConfig) -> io::Result<()> {
         bit(cfg.drop_prefill),
         g4(f64::from(cfg.substitute_lambda)),
         cfg.eviction.name(),
-        cfg.read_split.name()
+        cfg.read_split.name(),
+        cfg.stream_choice.name(),
+        cfg.stream_choice.fit().map_or(0, |f| f.need_bytes() / MIB),
+        cfg.stream_choice.fit().map_or(0, |f| f.room_bytes / MIB),
+        cfg.stream_choice
+            .fit()
+            .map_or("none", |f| f.room_from.name()),
     )?;
     writeln!(
         w,

@@ -111,8 +111,19 @@ pub fn speculation_lines(cfg: &RunConfig, s: &RunSummary) -> Vec<String> {
 
 /// `mode:` — printed on every run. Streaming names the cache (`auto`, `<n> MiB`, `off`), the
 /// dense mode and overlap; a run without streaming says it is a baseline and, on an
-/// architecture this build streams, names the flag.
+/// architecture this build streams, names the flag. When the engine chose (no streaming flag),
+/// the line ends with why: the model's need against the memory the process may use.
 pub fn mode_line(cfg: &RunConfig, arch_streamable: bool) -> String {
+    let line = mode_line_flags(cfg, arch_streamable);
+    match cfg.stream_choice.reason() {
+        Some(why) if cfg.moe_stream => format!("{line} ({why})"),
+        Some(why) if arch_streamable => format!("mode: mmap, {why}."),
+        _ => line,
+    }
+}
+
+/// The `mode:` line as the flags alone settle it.
+fn mode_line_flags(cfg: &RunConfig, arch_streamable: bool) -> String {
     if cfg.moe_stream {
         let cache = if cfg.cache_auto {
             "cache auto".to_string()
@@ -435,6 +446,48 @@ mod tests {
         assert_eq!(
             mode_line(&cfg, true),
             "mode: expert streaming, cache off, dense mmap"
+        );
+    }
+
+    #[test]
+    fn a_mode_the_engine_chose_says_why() {
+        use crate::config::{decide_streaming, StreamChoice};
+        const GIB: u64 = 1 << 30;
+        let mut cfg = RunConfig {
+            arch: "qwen3moe".to_string(),
+            stream_choice: StreamChoice::Auto,
+            ..RunConfig::default()
+        };
+        let too_big = decide_streaming(
+            17 * GIB,
+            GIB / 2,
+            3 * GIB / 2,
+            Some(20 * GIB),
+            Some(8 * GIB),
+        );
+        cfg.resolve_streaming(too_big, false).unwrap();
+        assert_eq!(
+            mode_line(&cfg, true),
+            "mode: expert streaming, cache auto, dense anon, overlap (streaming because the model \
+             needs 19.00 GiB (file 17.00 GiB + KV cache 512 MiB + 1.50 GiB kept free, \
+             --cache-floor-mb) and this process may use 8.00 GiB (its cgroup's memory limit); \
+             --no-moe-stream forces the resident run)"
+        );
+        let mut cfg = RunConfig {
+            arch: "qwen3moe".to_string(),
+            stream_choice: StreamChoice::Auto,
+            ..RunConfig::default()
+        };
+        let fits = decide_streaming(GIB, 0, 0, Some(20 * GIB), None);
+        cfg.resolve_streaming(fits, false).unwrap();
+        let line = mode_line(&cfg, true);
+        assert!(
+            line.starts_with("mode: mmap, experts resident because the model needs 1.00 GiB"),
+            "{line}"
+        );
+        assert!(
+            line.ends_with("(MemAvailable); --moe-stream streams them anyway."),
+            "{line}"
         );
     }
 
