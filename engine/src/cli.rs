@@ -138,6 +138,16 @@ pub struct RunArgs {
     /// stops the run as a failed read. Costs one hash per expert read
     #[arg(long = "verify-reads")]
     pub verify_reads: bool,
+    /// Make the router follow a recorded route trace (route_trace v1: `bmoe-cli --route-trace`,
+    /// `bmoe-sim convert`, or ../shared/traces): the n-th token computed routes to the trace's
+    /// n-th token's experts, layer by layer, with its weights (or, where the trace has none,
+    /// the router's own over those ids, renormalised), while every expert is really read and
+    /// computed. For measuring streaming on real routing with a synthetic model of the
+    /// recorded model's shape (`gen --preset deepseek-v2-lite-shape`). The trace's MoE layers,
+    /// experts and top-k must match the model's; the run stops where the trace ends. The
+    /// output text is not the model's own: the preamble marks the run (`routing_from=`)
+    #[arg(long = "routing-from", value_name = "TRACE")]
+    pub routing_from: Option<PathBuf>,
     /// With --session: answer decide requests — prefix + suffix rendered as one user message
     /// (reasoning off), one prefill and no decode, and the log-probability of each choice's
     /// first token over the whole vocabulary (BMOE_DECIDE)
@@ -223,7 +233,9 @@ pub struct GenArgs {
     #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(gen::GenArch::NAMES))]
     pub arch: Option<String>,
     /// Preset shape: tiny, tiny-odd (tests), small (benchmarks), or a full-size shape of one
-    /// architecture: qwen3-30b-a3b-shape (qwen3moe), qwen1.5-moe-a2.7b-shape (qwen2moe)
+    /// architecture: qwen3-30b-a3b-shape (qwen3moe), qwen1.5-moe-a2.7b-shape (qwen2moe); or
+    /// the routing shape of a real trace in ../shared/traces, for --routing-from:
+    /// deepseek-v2-lite-shape (qwen2moe), mixtral-8x7b-shape (qwen3moe)
     #[arg(long, default_value = "tiny", value_parser = clap::builder::PossibleValuesParser::new(Preset::NAMES))]
     pub preset: String,
     /// Seed of the weights

@@ -104,6 +104,15 @@ pub enum Preset {
     /// d_model 2048, expert FFN 1408, shared expert FFN 5632, 16 heads of 128; ~8 GB at
     /// Q4_K_M.
     Qwen15MoeA27bShape,
+    /// The routing shape of DeepSeek-V2-Lite, for `--routing-from` with the DeepSeek trace in
+    /// ../shared/traces (qwen2moe, whose shared expert stands in for its two): 26 MoE layers,
+    /// 64 experts, top-6, d_model 2048, expert FFN 1408, shared FFN 2816, 16 heads of 128
+    /// (standing in for its multi-head latent attention); ~9 GB at Q4_K_M.
+    DeepseekV2LiteShape,
+    /// The routing shape of Mixtral-8x7B, for `--routing-from` with the Mixtral trace: 32
+    /// layers, 8 experts, top-2, d_model 4096, expert FFN 14336, GQA 32/8 heads of 128; ~26 GB
+    /// at Q4_K_M.
+    Mixtral8x7bShape,
 }
 
 impl Preset {
@@ -113,6 +122,8 @@ impl Preset {
         "small",
         "qwen3-30b-a3b-shape",
         "qwen1.5-moe-a2.7b-shape",
+        "deepseek-v2-lite-shape",
+        "mixtral-8x7b-shape",
     ];
 
     pub const ALL: &'static [Preset] = &[
@@ -121,6 +132,8 @@ impl Preset {
         Preset::Small,
         Preset::Qwen3_30bA3bShape,
         Preset::Qwen15MoeA27bShape,
+        Preset::DeepseekV2LiteShape,
+        Preset::Mixtral8x7bShape,
     ];
 
     pub fn from_name(s: &str) -> Option<Preset> {
@@ -130,6 +143,8 @@ impl Preset {
             "small" => Some(Preset::Small),
             "qwen3-30b-a3b-shape" | "qwen3-30b-a3b" => Some(Preset::Qwen3_30bA3bShape),
             "qwen1.5-moe-a2.7b-shape" | "qwen2moe-a2.7b-shape" => Some(Preset::Qwen15MoeA27bShape),
+            "deepseek-v2-lite-shape" => Some(Preset::DeepseekV2LiteShape),
+            "mixtral-8x7b-shape" => Some(Preset::Mixtral8x7bShape),
             _ => None,
         }
     }
@@ -141,6 +156,8 @@ impl Preset {
             Preset::Small => "small",
             Preset::Qwen3_30bA3bShape => "qwen3-30b-a3b-shape",
             Preset::Qwen15MoeA27bShape => "qwen1.5-moe-a2.7b-shape",
+            Preset::DeepseekV2LiteShape => "deepseek-v2-lite-shape",
+            Preset::Mixtral8x7bShape => "mixtral-8x7b-shape",
         }
     }
 
@@ -149,8 +166,8 @@ impl Preset {
     pub fn arch(self) -> Option<GenArch> {
         match self {
             Preset::Tiny | Preset::TinyOdd | Preset::Small => None,
-            Preset::Qwen3_30bA3bShape => Some(GenArch::Qwen3Moe),
-            Preset::Qwen15MoeA27bShape => Some(GenArch::Qwen2Moe),
+            Preset::Qwen3_30bA3bShape | Preset::Mixtral8x7bShape => Some(GenArch::Qwen3Moe),
+            Preset::Qwen15MoeA27bShape | Preset::DeepseekV2LiteShape => Some(GenArch::Qwen2Moe),
         }
     }
 
@@ -245,6 +262,32 @@ impl Preset {
                 n_ctx_train: 8192,
                 ..base
             },
+            Preset::DeepseekV2LiteShape => ModelShape {
+                arch: GenArch::Qwen2Moe,
+                n_layer: 26,
+                n_expert: 64,
+                n_expert_used: 6,
+                d_model: 2048,
+                n_ff_exp: 1408,
+                n_ff_shexp: 2816,
+                n_head: 16,
+                n_head_kv: 16,
+                head_dim: 128,
+                n_ctx_train: 32768,
+                ..base
+            },
+            Preset::Mixtral8x7bShape => ModelShape {
+                n_layer: 32,
+                n_expert: 8,
+                n_expert_used: 2,
+                d_model: 4096,
+                n_ff_exp: 14336,
+                n_head: 32,
+                n_head_kv: 8,
+                head_dim: 128,
+                n_ctx_train: 32768,
+                ..base
+            },
         }
     }
 
@@ -255,7 +298,10 @@ impl Preset {
             Preset::Tiny | Preset::TinyOdd => 0.5,
             Preset::Small => 0.4,
             // Not calibrated for its own shape: qwen3-30b-a3b-shape's, the nearest measured.
-            Preset::Qwen3_30bA3bShape | Preset::Qwen15MoeA27bShape => 0.63,
+            Preset::Qwen3_30bA3bShape
+            | Preset::Qwen15MoeA27bShape
+            | Preset::DeepseekV2LiteShape
+            | Preset::Mixtral8x7bShape => 0.63,
         }
     }
 
@@ -265,9 +311,11 @@ impl Preset {
                 experts: Some(GgmlType::Q8_0),
                 ..TypeScheme::pure(GgmlType::F32)
             },
-            Preset::Small | Preset::Qwen3_30bA3bShape | Preset::Qwen15MoeA27bShape => {
-                TypeScheme::q4_k_m()
-            }
+            Preset::Small
+            | Preset::Qwen3_30bA3bShape
+            | Preset::Qwen15MoeA27bShape
+            | Preset::DeepseekV2LiteShape
+            | Preset::Mixtral8x7bShape => TypeScheme::q4_k_m(),
         }
     }
 }
@@ -1145,7 +1193,13 @@ mod tests {
         }
         assert_eq!(
             GenArch::Qwen2Moe.presets(),
-            ["tiny", "tiny-odd", "small", "qwen1.5-moe-a2.7b-shape"]
+            [
+                "tiny",
+                "tiny-odd",
+                "small",
+                "qwen1.5-moe-a2.7b-shape",
+                "deepseek-v2-lite-shape"
+            ]
         );
     }
 

@@ -125,6 +125,27 @@ fn fit_check(file: &GgufFile, arch: &dyn crate::arch::Arch, cfg: &RunConfig) -> 
     )
 }
 
+/// `--routing-from`: the trace at `path`, checked against the model's routing shape.
+fn follow_trace(
+    path: &Path,
+    layout: &bmoe_core::layout::ExpertLayout,
+    dims: &crate::arch::Dims,
+    gating: bmoe_core::gating::Gating,
+) -> Result<bmoe_core::hooks::follow::FollowTrace> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("--routing-from: cannot read {}", path.display()))?;
+    let trace = bmoe_core::telemetry::route_trace::RouteTrace::parse(&text)
+        .with_context(|| format!("--routing-from {}", path.display()))?;
+    Ok(bmoe_core::hooks::follow::FollowTrace::new(
+        &trace,
+        layout.layers().len(),
+        dims.n_expert as u32,
+        dims.n_expert_used as u32,
+        gating,
+    )
+    .with_context(|| format!("--routing-from {}", path.display()))?)
+}
+
 /// Resolve and validate the configuration, load the model and build its decode step:
 /// streamed (`--moe-stream`: expert cache, arena, O_DIRECT lanes, router hooks, predictors)
 /// or resident (every expert computed from the model's map, through the same step). Load-time
@@ -202,6 +223,25 @@ pub fn load(args: &RunArgs, model_path: &Path, err: &mut dyn Write) -> Result<Lo
     let k = cfg.n_expert_used as u16;
     let tok = Tokenizer::from_gguf(&file)?;
     let layout = layout_of(&model)?;
+    let follow = match &args.routing_from {
+        Some(path) => {
+            let f = follow_trace(path, &layout, &dims, model.gating())?;
+            cfg.routing_from = Some(path.display().to_string());
+            writeln!(
+                err,
+                "bmoe: routing follows {} ({} tokens, {}): the output is not the model's own",
+                path.display(),
+                f.n_tokens(),
+                if f.weights_known() {
+                    "recorded weights"
+                } else {
+                    "no recorded weights: the router's own over the recorded ids"
+                }
+            )?;
+            Some(f)
+        }
+        None => None,
+    };
     let policy = bmoe_core::policy::by_name(cfg.eviction.name())
         .ok_or_else(|| anyhow!("unknown eviction policy {}", cfg.eviction.name()))?;
 
@@ -287,6 +327,9 @@ pub fn load(args: &RunArgs, model_path: &Path, err: &mut dyn Write) -> Result<Lo
         ));
         let state = model.new_state(args.ctx as usize);
         let mut backend = EngineBackend::new(model, state, Some(arena), layout.clone());
+        if let Some(f) = follow {
+            backend.set_follow(f);
+        }
         if args.verify_reads {
             let path = crate::checksum::sidecar_path(model_path);
             backend.set_verify(crate::checksum::load(&path, &file, &layout)?);
@@ -303,7 +346,10 @@ pub fn load(args: &RunArgs, model_path: &Path, err: &mut dyn Write) -> Result<Lo
         // computed from the map, no cache.
         let cache = ExpertCache::new(&layout, 0, k, policy)?;
         let state = model.new_state(args.ctx as usize);
-        let backend = EngineBackend::new(model, state, None, layout.clone());
+        let mut backend = EngineBackend::new(model, state, None, layout.clone());
+        if let Some(f) = follow {
+            backend.set_follow(f);
+        }
         Engine::new(
             MonotonicClock::new(),
             Device::Resident(ResidentFlash::new()),
@@ -372,6 +418,9 @@ pub(crate) struct Sampling<'a> {
     logits_out: Option<&'a mut BufWriter<NamedFile>>,
     /// The end-of-generation token that ended the turn, if one did.
     eog: Option<u32>,
+    /// Generate through end-of-generation tokens (`--routing-from`: the trace, not the
+    /// model's text, sets the run's length).
+    pub(crate) ignore_eog: bool,
 }
 
 impl<'a> Sampling<'a> {
@@ -396,6 +445,7 @@ impl<'a> Sampling<'a> {
             inline: None,
             logits_out: None,
             eog: None,
+            ignore_eog: false,
         }
     }
 
@@ -472,7 +522,7 @@ impl TokenSource<EngineBackend> for Sampling<'_> {
             });
         }
         let next = self.sampler.sample(&logits[logits.len() - self.n_vocab..]);
-        if self.tok.is_eog(next) {
+        if self.tok.is_eog(next) && !self.ignore_eog {
             self.eog = Some(next);
             return Ok(None);
         }
@@ -543,7 +593,11 @@ impl Sinks {
                     n_expert_used: cfg.n_expert_used,
                     gating: cfg.gating,
                     layers,
-                    notes: Vec::new(),
+                    notes: cfg
+                        .routing_from
+                        .iter()
+                        .map(|t| format!("routing followed the recorded trace {t} (--routing-from): an instrumented run"))
+                        .collect(),
                     extra: Vec::new(),
                 };
                 Some(RouteTraceWriter::with_predictions(
@@ -684,8 +738,25 @@ pub fn generate_with_cancel(
     if prompt_tokens.is_empty() {
         bail!("the prompt is empty after tokenization: pass -p TEXT, -f FILE or pipe it on stdin");
     }
-    let n_predict =
+    let mut n_predict =
         crate::prompt::n_predict_for(args.n_predict, prompt_tokens.len(), args.ctx as usize)?;
+    if let Some(f) = loaded.engine.backend().follow() {
+        // The run computes the prompt and every generated token (the last one too, so a
+        // session can continue from it).
+        let (have, prompt) = (f.n_tokens(), prompt_tokens.len() as u64);
+        if prompt >= have {
+            bail!(
+                "--routing-from: the prompt is {prompt} tokens and the trace has {have}: use a shorter prompt"
+            );
+        }
+        if prompt + u64::from(n_predict) > have {
+            n_predict = (have - prompt) as u32;
+            writeln!(
+                err,
+                "bmoe: --routing-from: the trace has {have} tokens, so this run generates {n_predict}"
+            )?;
+        }
+    }
     let Loaded {
         mut cfg,
         mut engine,
@@ -708,6 +779,7 @@ pub fn generate_with_cancel(
     let mut sampler = sampler(args);
     let mut source = Sampling::new(&tok, &mut sampler, n_vocab, args.chatml, &prompt);
     source.logits_out = logits_out.as_mut();
+    source.ignore_eog = session.engine().backend().follow().is_some();
     let positions: Vec<u32> = (0..prompt_tokens.len() as u32).collect();
     let turn = {
         let (mut answer_out, mut progress_out) = (None, None);

@@ -77,6 +77,8 @@ pub enum StreamError {
     Arena(#[from] ArenaError),
     #[error("router output: {0}")]
     Routing(#[from] bmoe_core::RoutingError),
+    #[error(transparent)]
+    Follow(#[from] bmoe_core::hooks::follow::FollowError),
     #[error("layer {layer} expert {expert}: asked to compute an expert slot no read ever filled")]
     EmptySlot { layer: u32, expert: u16 },
     #[error(transparent)]
@@ -169,6 +171,11 @@ pub struct EngineBackend<A: Arch + ?Sized = dyn Arch> {
     verify: Option<(crate::checksum::ExpertSums, Vec<Vec<bool>>)>,
     /// The decide prefix state (`Backend::keep_prefix`), when one is kept.
     kept: Option<KvSnapshot>,
+    /// `--routing-from`: the recorded routing the router follows, and the run's index of the
+    /// current step's first token (tokens computed before it).
+    follow: Option<bmoe_core::hooks::follow::FollowTrace>,
+    first_token: u64,
+    tokens_begun: u64,
 }
 
 impl<A: Arch + ?Sized> EngineBackend<A> {
@@ -194,7 +201,21 @@ impl<A: Arch + ?Sized> EngineBackend<A> {
             step: String::new(),
             verify: None,
             kept: None,
+            follow: None,
+            first_token: 0,
+            tokens_begun: 0,
         }
+    }
+
+    /// `--routing-from`: route every token as the recorded trace did (see
+    /// `bmoe_core::hooks::follow`).
+    pub fn set_follow(&mut self, follow: bmoe_core::hooks::follow::FollowTrace) {
+        self.follow = Some(follow);
+    }
+
+    /// The recorded routing being followed, if any.
+    pub fn follow(&self) -> Option<&bmoe_core::hooks::follow::FollowTrace> {
+        self.follow.as_ref()
     }
 
     /// `--verify-reads`: check every expert's bytes against `sums` before its first compute
@@ -276,6 +297,8 @@ impl<A: Arch + ?Sized> Backend for EngineBackend<A> {
             arena.trim_staging(u32::from(self.layout.n_expert_used()));
         }
         self.last_batch = n;
+        self.first_token = self.tokens_begun;
+        self.tokens_begun += u64::from(n);
         let rows: Vec<u32> = if self.all_logits {
             (0..n).collect()
         } else {
@@ -308,6 +331,9 @@ impl<A: Arch + ?Sized> Backend for EngineBackend<A> {
                 &self.ro.weights[i * k..(i + 1) * k],
                 &self.ro.probs[i * ne..(i + 1) * ne],
             )?;
+        }
+        if let Some(f) = &mut self.follow {
+            f.apply(layer.moe, self.first_token, routing)?;
         }
         Ok(())
     }

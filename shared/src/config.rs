@@ -439,6 +439,8 @@ pub struct RunConfig {
     // --- streaming and cache ---
     /// `--moe-stream`: routed experts are read from flash instead of the mmap.
     pub moe_stream: bool,
+    /// `--routing-from`: the route trace the router followed (an instrumented run).
+    pub routing_from: Option<String>,
     /// How `moe_stream` was settled: by a flag, or by the engine's fit check at load when
     /// neither `--moe-stream` nor `--no-moe-stream` was given ([`StreamChoice::Auto`] until then).
     pub stream_choice: StreamChoice,
@@ -551,6 +553,7 @@ impl Default for RunConfig {
             chatml: false,
             moe_stream: false,
             stream_choice: StreamChoice::Flag,
+            routing_from: None,
             cache_mb: 0,
             cache_auto: false,
             cache_budget_mb: 0,

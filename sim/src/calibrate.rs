@@ -794,6 +794,7 @@ mod tests {
         let (stream, telemetry) = crate::cli::default_flags().expect("flags");
         let prepared = crate::cli::prepare(
             &trace_path,
+            None,
             Some("this-machine"),
             None,
             &stream,
@@ -862,6 +863,7 @@ mod tests {
         stream.io_threads = Some(4);
         let prepared = crate::cli::prepare(
             &trace_path,
+            None,
             Some("this-machine"),
             None,
             &stream,

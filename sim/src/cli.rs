@@ -302,6 +302,13 @@ pub struct ReplayArgs {
     /// Override the profile's flash and compute jitter, in [0, 1)
     #[arg(long, value_name = "F", value_parser = parse_decimal_strict)]
     pub jitter: Option<f32>,
+    /// Re-price the trace's experts with another run's file layout: the `# layer=` lines
+    /// (expert bytes, dense bytes, projection extents) of the route trace at PATH — e.g. the
+    /// engine's own `--route-trace` of a `--routing-from` run on a model of this trace's routing
+    /// shape, so hits, misses and read bytes compare exactly. Its MoE layers and experts per
+    /// layer must match the trace's
+    #[arg(long, value_name = "PATH")]
+    pub layout_from: Option<PathBuf>,
     #[command(flatten)]
     pub stream: StreamArgs,
     #[command(flatten)]
@@ -367,6 +374,31 @@ pub fn load_trace(path: &Path) -> Result<RouteTrace, SimError> {
     Ok(trace)
 }
 
+/// `--layout-from`: replace `trace`'s layer layout with the one in the route trace at `other`.
+fn reprice(trace: &mut RouteTrace, other: &Path) -> Result<(), SimError> {
+    let src = load_trace(other)?;
+    let (have, want) = (&src.preamble, &trace.preamble);
+    if have.layers.len() != want.layers.len() || have.n_expert != want.n_expert {
+        return Err(SimError::invalid(
+            format!("--layout-from {}", other.display()),
+            format!(
+                "its layout has {} MoE layers of {} experts, the trace {} of {}: a layout re-prices \
+                 only a trace of its own routing shape",
+                have.layers.len(),
+                have.n_expert,
+                want.layers.len(),
+                want.n_expert
+            ),
+        ));
+    }
+    trace.preamble.layers = src.preamble.layers.clone();
+    trace.preamble.notes.push(format!(
+        "experts re-priced with the layout of {} (--layout-from)",
+        other.display()
+    ));
+    Ok(())
+}
+
 /// A trace ready to replay: parsed, planned, its layout built, and the run configured.
 pub struct Prepared {
     pub trace: Arc<RouteTrace>,
@@ -414,6 +446,7 @@ fn refuse_unmodelled(cfg: &RunConfig) -> Result<(), SimError> {
 /// implied.
 pub fn prepare(
     trace_path: &Path,
+    layout_from: Option<&Path>,
     profile_spec: Option<&str>,
     jitter: Option<f32>,
     stream: &StreamArgs,
@@ -459,6 +492,10 @@ pub fn prepare(
         columns: pred_columns,
         warnings,
     } = predictions::resolve(&cfg, load_trace(trace_path)?)?;
+    let mut trace = trace;
+    if let Some(other) = layout_from {
+        reprice(&mut trace, other)?;
+    }
     let layout = layout_from_preamble(&trace.preamble)?;
     let plan = ReplayPlan::new(&trace)?;
     let p = &trace.preamble;
@@ -573,6 +610,7 @@ fn cmd_replay(
     check_replay_outputs(&a.trace, &a.telemetry)?;
     let p = prepare(
         &a.trace,
+        a.layout_from.as_deref(),
         a.profile.as_deref(),
         a.jitter,
         &a.stream,
@@ -702,6 +740,7 @@ fn cmd_sweep(a: SweepArgs, env: &[(String, String)], out: &mut dyn Write) -> Res
     let (stream, telemetry) = default_flags()?;
     let p = prepare(
         &a.trace,
+        None,
         a.profile.as_deref(),
         a.jitter,
         &stream,
@@ -874,6 +913,7 @@ fn cmd_bench(a: BenchArgs, out: &mut dyn Write) -> Result<i32, SimError> {
     let (stream, telemetry) = default_flags()?;
     let p = prepare(
         &a.trace,
+        None,
         a.profile.as_deref(),
         None,
         &stream,
@@ -1141,6 +1181,7 @@ fn cmd_calibrate(a: CalibrateArgs, out: &mut dyn Write) -> Result<i32, SimError>
             let (stream, telemetry) = default_flags()?;
             Some(prepare(
                 t,
+                None,
                 Some(&a.base),
                 None,
                 &stream,

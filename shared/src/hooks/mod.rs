@@ -5,6 +5,7 @@
 //! features.md §7 put substitution before the drop decision).
 
 pub mod drop_cold;
+pub mod follow;
 pub mod route_ahead;
 pub mod substitute;
 

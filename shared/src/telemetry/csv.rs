@@ -234,7 +234,7 @@ pub fn write_preamble(w: &mut dyn Write, cfg: &RunConfig) -> io::Result<()> {
          force_cache={} load_all={} io_threads={} o_direct={} overlap={} io_two_wave={} prefetch={} \
          route_ahead={} predict_prefetch={} predict_log={} predict_spec_max={} prefetch_sync={} \
          dense_weights={} drop_cold_frac={} drop_renorm={} drop_prefill={} substitute_lambda={} eviction={} read_split={} \
-         moe_stream_why={} mem_need_mb={} mem_room_mb={} mem_room_from={}",
+         moe_stream_why={} mem_need_mb={} mem_room_mb={} mem_room_from={} routing_from={}",
         bit(cfg.moe_stream),
         cfg.cache_budget_mb,
         bit(cfg.cache_auto),
@@ -266,6 +266,7 @@ pub fn write_preamble(w: &mut dyn Write, cfg: &RunConfig) -> io::Result<()> {
         cfg.stream_choice
             .fit()
             .map_or("none", |f| f.room_from.name()),
+        kv_token(cfg.routing_from.as_deref().unwrap_or("none")),
     )?;
     writeln!(
         w,
