@@ -244,9 +244,43 @@ impl RunOutputs {
     }
 }
 
+impl Drop for RunOutputs {
+    /// The `--logits-out` sidecar is written last, once the run's rows are known; a run that
+    /// stopped before that (a load error, a refused prompt) leaves no empty `PATH.json` behind
+    /// to pass for a description of the logits.
+    fn drop(&mut self) {
+        if let Some(json) = self.logits_json.take() {
+            let path = json.path().to_path_buf();
+            drop(json);
+            if std::fs::metadata(&path).is_ok_and(|m| m.len() == 0) {
+                let _ = std::fs::remove_file(&path);
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_unwritten_logits_sidecar_is_removed_when_the_run_stops() {
+        let dir = crate::testdata::scratch_dir("outputs-sidecar");
+        let path = dir.join("logits.bin");
+        let side = logits_sidecar(&path);
+        let mut outputs = RunOutputs::default();
+        outputs.logits_json = Some(NamedFile::create("--logits-out", &side).unwrap());
+        assert!(side.exists());
+        drop(outputs);
+        assert!(!side.exists(), "an empty sidecar was left behind");
+        // A written one stays.
+        let mut json = NamedFile::create("--logits-out", &side).unwrap();
+        json.write_all(b"{}").unwrap();
+        let mut outputs = RunOutputs::default();
+        outputs.logits_json = Some(json);
+        drop(outputs);
+        assert!(side.exists());
+    }
 
     fn scratch(name: &str) -> PathBuf {
         let d = std::env::temp_dir().join(format!("bmoe-outputs-{name}-{}", std::process::id()));
