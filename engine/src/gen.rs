@@ -1,5 +1,5 @@
 //! The synthetic model generator behind `bmoe-cli gen`: complete, loadable GGUF files of every
-//! architecture the engine runs (`--arch`: qwen3moe, qwen2moe) with deterministic random
+//! architecture the engine runs (`--arch`: qwen3moe, qwen2moe, gemma4) with deterministic random
 //! weights, a real tokenizer and chat template, so tests and benchmarks make the models they
 //! need and no model file is ever committed. Each file follows llama.cpp's tensor names and
 //! metadata for its architecture, so llama.cpp loads it too (the parity gates).
@@ -15,7 +15,10 @@
 //! Intermediate values give the reuse and LRU hit-rate curves of real models; see
 //! `docs/models.md` for measured statistics.
 
+mod gemma4;
 mod mix;
+
+pub use gemma4::GemmaShape;
 
 pub use mix::Ftype;
 
@@ -34,15 +37,19 @@ pub enum GenArch {
     /// Qwen1.5/Qwen2 MoE: q/k/v biases, a sigmoid-gated shared expert, weights not
     /// renormalised.
     Qwen2Moe,
+    /// Gemma 4 MoE: a dense GELU MLP beside fused gate_up experts, sliding-window and global
+    /// layers, post-norms, logit soft-capping.
+    Gemma4,
 }
 
 impl GenArch {
-    pub const NAMES: &'static [&'static str] = &["qwen3moe", "qwen2moe"];
+    pub const NAMES: &'static [&'static str] = &["qwen3moe", "qwen2moe", "gemma4"];
 
     pub fn from_name(s: &str) -> Option<GenArch> {
         match s {
             "qwen3moe" => Some(GenArch::Qwen3Moe),
             "qwen2moe" => Some(GenArch::Qwen2Moe),
+            "gemma4" => Some(GenArch::Gemma4),
             _ => None,
         }
     }
@@ -51,6 +58,7 @@ impl GenArch {
         match self {
             GenArch::Qwen3Moe => "qwen3moe",
             GenArch::Qwen2Moe => "qwen2moe",
+            GenArch::Gemma4 => "gemma4",
         }
     }
 
@@ -73,7 +81,8 @@ pub struct ModelShape {
     pub n_expert_used: u32,
     pub d_model: u32,
     pub n_ff_exp: u32,
-    /// The shared expert's FFN width (qwen2moe; 0 for an architecture without one).
+    /// The shared expert's FFN width (qwen2moe), or the dense MLP's beside the experts
+    /// (gemma4, which llama.cpp calls its shared expert); 0 for an architecture without one.
     pub n_ff_shexp: u32,
     pub n_head: u32,
     pub n_head_kv: u32,
@@ -83,6 +92,8 @@ pub struct ModelShape {
     pub rms_eps: f32,
     /// Omit `output.weight`: the head reuses `token_embd`.
     pub tie_output: bool,
+    /// gemma4's layer pattern and global-layer attention (`None` for other architectures).
+    pub gemma: Option<GemmaShape>,
 }
 
 /// Named starting points; every dimension can be overridden.
@@ -104,6 +115,10 @@ pub enum Preset {
     /// d_model 2048, expert FFN 1408, shared expert FFN 5632, 16 heads of 128; ~8 GB at
     /// Q4_K_M.
     Qwen15MoeA27bShape,
+    /// The full shape of Gemma-4-26B-A4B (gemma4): 30 layers (five sliding-window of 1024 to
+    /// one global), 128 experts, top-8, d_model 2816, expert FFN 704, dense MLP 2112, 16
+    /// heads of 256 (8 KV) on window layers and of 512 (2 KV) on global ones.
+    Gemma4_26bA4bShape,
 }
 
 impl Preset {
@@ -113,6 +128,7 @@ impl Preset {
         "small",
         "qwen3-30b-a3b-shape",
         "qwen1.5-moe-a2.7b-shape",
+        "gemma-4-26b-a4b-shape",
     ];
 
     pub const ALL: &'static [Preset] = &[
@@ -121,6 +137,7 @@ impl Preset {
         Preset::Small,
         Preset::Qwen3_30bA3bShape,
         Preset::Qwen15MoeA27bShape,
+        Preset::Gemma4_26bA4bShape,
     ];
 
     pub fn from_name(s: &str) -> Option<Preset> {
@@ -130,6 +147,7 @@ impl Preset {
             "small" => Some(Preset::Small),
             "qwen3-30b-a3b-shape" | "qwen3-30b-a3b" => Some(Preset::Qwen3_30bA3bShape),
             "qwen1.5-moe-a2.7b-shape" | "qwen2moe-a2.7b-shape" => Some(Preset::Qwen15MoeA27bShape),
+            "gemma-4-26b-a4b-shape" => Some(Preset::Gemma4_26bA4bShape),
             _ => None,
         }
     }
@@ -141,6 +159,7 @@ impl Preset {
             Preset::Small => "small",
             Preset::Qwen3_30bA3bShape => "qwen3-30b-a3b-shape",
             Preset::Qwen15MoeA27bShape => "qwen1.5-moe-a2.7b-shape",
+            Preset::Gemma4_26bA4bShape => "gemma-4-26b-a4b-shape",
         }
     }
 
@@ -151,6 +170,7 @@ impl Preset {
             Preset::Tiny | Preset::TinyOdd | Preset::Small => None,
             Preset::Qwen3_30bA3bShape => Some(GenArch::Qwen3Moe),
             Preset::Qwen15MoeA27bShape => Some(GenArch::Qwen2Moe),
+            Preset::Gemma4_26bA4bShape => Some(GenArch::Gemma4),
         }
     }
 
@@ -177,6 +197,16 @@ impl Preset {
                 _ => 512,
             };
         }
+        if arch == GenArch::Gemma4 && s.gemma.is_none() {
+            // A generic size gains gemma4's parts: a dense MLP as wide as qwen2moe's shared
+            // expert, a first dense-only layer, global layers every other one.
+            s.gemma = Some(GemmaShape::generic(&s));
+            s.n_ff_shexp = match self {
+                Preset::TinyOdd => 320,
+                Preset::Small => 2048,
+                _ => 512,
+            };
+        }
         Ok(s)
     }
 
@@ -197,6 +227,7 @@ impl Preset {
             rope_base: 1_000_000.0,
             rms_eps: 1e-6,
             tie_output: false,
+            gemma: None,
         };
         match self {
             Preset::Tiny => base,
@@ -245,6 +276,22 @@ impl Preset {
                 n_ctx_train: 8192,
                 ..base
             },
+            Preset::Gemma4_26bA4bShape => ModelShape {
+                arch: GenArch::Gemma4,
+                n_layer: 30,
+                n_expert: 128,
+                n_expert_used: 8,
+                d_model: 2816,
+                n_ff_exp: 704,
+                n_ff_shexp: 2112,
+                n_head: 16,
+                n_head_kv: 8,
+                head_dim: 256,
+                n_ctx_train: 262_144,
+                rope_base: 1_000_000.0,
+                gemma: Some(GemmaShape::gemma_4_26b_a4b()),
+                ..base
+            },
         }
     }
 
@@ -255,7 +302,9 @@ impl Preset {
             Preset::Tiny | Preset::TinyOdd => 0.5,
             Preset::Small => 0.4,
             // Not calibrated for its own shape: qwen3-30b-a3b-shape's, the nearest measured.
-            Preset::Qwen3_30bA3bShape | Preset::Qwen15MoeA27bShape => 0.63,
+            Preset::Qwen3_30bA3bShape | Preset::Qwen15MoeA27bShape | Preset::Gemma4_26bA4bShape => {
+                0.63
+            }
         }
     }
 
@@ -265,9 +314,10 @@ impl Preset {
                 experts: Some(GgmlType::Q8_0),
                 ..TypeScheme::pure(GgmlType::F32)
             },
-            Preset::Small | Preset::Qwen3_30bA3bShape | Preset::Qwen15MoeA27bShape => {
-                TypeScheme::q4_k_m()
-            }
+            Preset::Small
+            | Preset::Qwen3_30bA3bShape
+            | Preset::Qwen15MoeA27bShape
+            | Preset::Gemma4_26bA4bShape => TypeScheme::q4_k_m(),
         }
     }
 }
@@ -438,6 +488,12 @@ enum Fill {
         split: u32,
     },
     Const(f32),
+    /// Each row runs evenly from `lo` (first value) to `hi` (last): distinct, deterministic
+    /// per-entry factors (gemma4's per-expert down scales).
+    Ramp {
+        lo: f32,
+        hi: f32,
+    },
 }
 
 struct Planned {
@@ -517,6 +573,7 @@ impl GenOptions {
             GenArch::Qwen2Moe if s.tie_output => {
                 return bad("--tie-output: llama.cpp requires qwen2moe's output.weight".into());
             }
+            GenArch::Gemma4 => gemma4::validate(s).map_err(GenError::Invalid)?,
             _ => {}
         }
         if s.n_layer > 4096 || s.n_expert > 65535 {
@@ -553,7 +610,6 @@ impl GenOptions {
     fn metadata(&self) -> Result<Vec<(String, Value)>, GenError> {
         let s = &self.shape;
         let a = s.arch.name();
-        let k = |n: &str| format!("{a}.{n}");
         let mut m: Vec<(String, Value)> = vec![
             ("general.architecture".into(), Value::String(a.into())),
             (
@@ -570,32 +626,11 @@ impl GenOptions {
             ),
             ("general.quantization_version".into(), Value::U32(2)),
             ("general.alignment".into(), Value::U32(32)),
-            (k("context_length"), Value::U32(s.n_ctx_train)),
-            (k("embedding_length"), Value::U32(s.d_model)),
-            (k("block_count"), Value::U32(s.n_layer)),
-            (
-                k("feed_forward_length"),
-                // qwen2moe's states the shared expert's width (llama.cpp's fallback for it).
-                Value::U32(match s.arch {
-                    GenArch::Qwen2Moe => s.n_ff_shexp,
-                    GenArch::Qwen3Moe => s.n_ff_exp * s.n_expert_used,
-                }),
-            ),
-            (k("attention.head_count"), Value::U32(s.n_head)),
-            (k("attention.head_count_kv"), Value::U32(s.n_head_kv)),
-            (k("attention.key_length"), Value::U32(s.head_dim)),
-            (k("attention.value_length"), Value::U32(s.head_dim)),
-            (k("rope.freq_base"), Value::F32(s.rope_base)),
-            (k("attention.layer_norm_rms_epsilon"), Value::F32(s.rms_eps)),
-            (k("expert_count"), Value::U32(s.n_expert)),
-            (k("expert_used_count"), Value::U32(s.n_expert_used)),
-            (k("expert_feed_forward_length"), Value::U32(s.n_ff_exp)),
         ];
-        if s.arch == GenArch::Qwen2Moe {
-            m.push((
-                k("expert_shared_feed_forward_length"),
-                Value::U32(s.n_ff_shexp),
-            ));
+        if s.arch == GenArch::Gemma4 {
+            m.extend(gemma4::metadata(s)?);
+        } else {
+            m.extend(self.qwen_metadata());
         }
         m.extend([
             (
@@ -629,6 +664,84 @@ impl GenOptions {
         Ok(m)
     }
 
+    /// The `<arch>.*` keys of the qwen family.
+    fn qwen_metadata(&self) -> Vec<(String, Value)> {
+        let s = &self.shape;
+        let a = s.arch.name();
+        let k = |n: &str| format!("{a}.{n}");
+        let mut m: Vec<(String, Value)> = vec![
+            (k("context_length"), Value::U32(s.n_ctx_train)),
+            (k("embedding_length"), Value::U32(s.d_model)),
+            (k("block_count"), Value::U32(s.n_layer)),
+            (
+                k("feed_forward_length"),
+                // qwen2moe's states the shared expert's width (llama.cpp's fallback for it).
+                Value::U32(match s.arch {
+                    GenArch::Qwen2Moe | GenArch::Gemma4 => s.n_ff_shexp,
+                    GenArch::Qwen3Moe => s.n_ff_exp * s.n_expert_used,
+                }),
+            ),
+            (k("attention.head_count"), Value::U32(s.n_head)),
+            (k("attention.head_count_kv"), Value::U32(s.n_head_kv)),
+            (k("attention.key_length"), Value::U32(s.head_dim)),
+            (k("attention.value_length"), Value::U32(s.head_dim)),
+            (k("rope.freq_base"), Value::F32(s.rope_base)),
+            (k("attention.layer_norm_rms_epsilon"), Value::F32(s.rms_eps)),
+            (k("expert_count"), Value::U32(s.n_expert)),
+            (k("expert_used_count"), Value::U32(s.n_expert_used)),
+            (k("expert_feed_forward_length"), Value::U32(s.n_ff_exp)),
+        ];
+        if s.arch == GenArch::Qwen2Moe {
+            m.push((
+                k("expert_shared_feed_forward_length"),
+                Value::U32(s.n_ff_shexp),
+            ));
+        }
+        m
+    }
+
+    /// The model facts llama-quantize's choices depend on.
+    fn mix_model(&self) -> mix::Model {
+        let s = &self.shape;
+        mix::Model {
+            n_layer: s.n_layer,
+            n_expert: s.n_expert,
+            n_gqa: s.n_head / s.n_head_kv.max(1),
+            tied: s.tie_output,
+        }
+    }
+
+    /// One planned tensor: its type kept, or chosen by the scheme (a fallback recorded).
+    fn planned(
+        &self,
+        model: &mix::Model,
+        name: String,
+        dims: &[u64],
+        want: Want,
+        fill: Fill,
+        fallbacks: &mut Vec<(String, GgmlType, GgmlType)>,
+    ) -> Planned {
+        let ty = match want {
+            Want::Keep(t) => t,
+            Want::Weight(layer) => {
+                let w = mix::Weight {
+                    name: &name,
+                    layer,
+                    dims,
+                };
+                let (wanted, ty) = self.types.choose(&w, model);
+                if ty != wanted {
+                    fallbacks.push((name.clone(), wanted, ty));
+                }
+                ty
+            }
+        };
+        Planned {
+            spec: TensorSpec::new(name, dims, ty),
+            fill,
+        }
+    }
+
     fn plan(
         &self,
         fallbacks: &mut Vec<(String, GgmlType, GgmlType)>,
@@ -642,34 +755,14 @@ impl GenOptions {
         let ff = s.n_ff_exp as u64;
         let ne = s.n_expert as u64;
         let inv = |n: u64| 1.0 / (n as f32).sqrt();
+        if s.arch == GenArch::Gemma4 {
+            return gemma4::plan(self, fallbacks);
+        }
         let mut out = Vec::new();
-        let model = mix::Model {
-            n_layer: s.n_layer,
-            n_expert: s.n_expert,
-            n_gqa: s.n_head / s.n_head_kv.max(1),
-            tied: s.tie_output,
-        };
+        let model = self.mix_model();
         let mut push =
             |name: String, dims: &[u64], want: Want, fill: Fill, fallbacks: &mut Vec<_>| {
-                let ty = match want {
-                    Want::Keep(t) => t,
-                    Want::Weight(layer) => {
-                        let w = mix::Weight {
-                            name: &name,
-                            layer,
-                            dims,
-                        };
-                        let (wanted, ty) = self.types.choose(&w, &model);
-                        if ty != wanted {
-                            fallbacks.push((name.clone(), wanted, ty));
-                        }
-                        ty
-                    }
-                };
-                out.push(Planned {
-                    spec: TensorSpec::new(name, dims, ty),
-                    fill,
-                });
+                out.push(self.planned(&model, name, dims, want, fill, fallbacks));
             };
         push(
             "token_embd.weight".into(),
@@ -694,7 +787,7 @@ impl GenOptions {
             // Without q/k norms (qwen2moe) the sharpness scales the projections instead, so
             // attention is as near-uniform as with them.
             let qk_std = match s.arch {
-                GenArch::Qwen3Moe => inv(d),
+                GenArch::Qwen3Moe | GenArch::Gemma4 => inv(d),
                 GenArch::Qwen2Moe => inv(d) * self.attn_sharpness,
             };
             push(
@@ -731,7 +824,7 @@ impl GenOptions {
                 fallbacks,
             );
             match s.arch {
-                GenArch::Qwen3Moe => {
+                GenArch::Qwen3Moe | GenArch::Gemma4 => {
                     for n in ["attn_q_norm", "attn_k_norm"] {
                         push(
                             b(n),
@@ -911,6 +1004,12 @@ fn fill_chunk(
     for (i, r) in rows.enumerate() {
         match p.fill {
             Fill::Const(c) => row.iter_mut().for_each(|x| *x = c),
+            Fill::Ramp { lo, hi } => {
+                let steps = (ne0.max(2) - 1) as f32;
+                for (j, x) in row.iter_mut().enumerate() {
+                    *x = lo + (hi - lo) * j as f32 / steps;
+                }
+            }
             Fill::Rand { std, lo, hi } => {
                 for (j, x) in row.iter_mut().enumerate() {
                     *x = if (j as u32) >= lo && (j as u32) < hi {
