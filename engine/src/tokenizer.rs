@@ -510,7 +510,7 @@ impl Tokenizer {
         let ids = SpecialIds::read(meta, n_vocab, spec.add_bos_default)?;
         let owned_tokens: Vec<String> = tokens.iter().map(|s| s.to_string()).collect();
         Self::assemble(
-            Model::Bpe(hf),
+            Model::Bpe(Box::new(hf)),
             kinds,
             &owned_tokens,
             true,
@@ -575,7 +575,7 @@ impl Tokenizer {
             ids.add_bos = true;
         }
         let kinds = types.iter().map(|&t| kind_of_type(t)).collect();
-        let vocab = SpmVocab::new(texts.clone(), &types, merging);
+        let vocab = Box::new(SpmVocab::new(texts.clone(), &types, merging));
         Self::assemble(
             Model::Spm {
                 vocab,
@@ -644,7 +644,7 @@ impl Tokenizer {
                 .unwrap_or(false);
         }
         Self::assemble(
-            Model::Bpe(hf),
+            Model::Bpe(Box::new(hf)),
             kinds,
             &texts,
             byte_level,
@@ -975,7 +975,7 @@ impl Tokenizer {
     /// SentencePiece-style one, which runs on our own merge loop.
     pub fn inner(&self) -> Option<&tokenizers::Tokenizer> {
         match &self.model {
-            Model::Bpe(hf) => Some(hf),
+            Model::Bpe(hf) => Some(hf.as_ref()),
             Model::Spm { .. } => None,
         }
     }
@@ -989,10 +989,10 @@ impl Tokenizer {
 /// The merge machinery under a [`Tokenizer`].
 enum Model {
     /// Byte-level BPE on the `tokenizers` library.
-    Bpe(tokenizers::Tokenizer),
+    Bpe(Box<tokenizers::Tokenizer>),
     /// SentencePiece-style, on [`crate::spm`].
     Spm {
-        vocab: SpmVocab,
+        vocab: Box<SpmVocab>,
         /// Put `▁` before text that starts the input or follows a special token.
         add_space_prefix: bool,
     },

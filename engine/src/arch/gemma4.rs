@@ -656,7 +656,7 @@ impl Arch for Gemma4 {
         );
         // llama.cpp adds mlp + moe.
         for (a, &b) in normed[..m].iter_mut().zip(&st.side[..m]) {
-            *a = b + *a;
+            *a += b;
         }
         self.close_layer(st, layer, &normed[..m]);
         st.cur = normed;
