@@ -1236,6 +1236,78 @@ mod tests {
     }
 
     #[test]
+    fn gemma4_plans_its_mlp_experts_and_layer_pattern() {
+        let mut opts = options(Preset::Tiny, TypeScheme::pure(GgmlType::F32));
+        opts.shape = Preset::Tiny.shape_for(GenArch::Gemma4).unwrap();
+        opts.validate().unwrap();
+        let plan = opts.plan(&mut Vec::new()).unwrap();
+        let dims = |n: &str| {
+            plan.iter()
+                .find(|p| p.spec.name == n)
+                .map(|p| p.spec.dims.clone())
+        };
+        // Layer 0 is dense-only; layer 1 is global (heads of 128, one KV head).
+        assert_eq!(dims("blk.0.ffn_gate_inp.weight"), None);
+        assert_eq!(dims("blk.0.ffn_down.weight"), Some(vec![512, 256]));
+        assert_eq!(dims("blk.1.attn_k.weight"), Some(vec![256, 128]));
+        assert_eq!(dims("blk.2.attn_k.weight"), Some(vec![256, 128]));
+        assert_eq!(dims("blk.1.attn_q.weight"), Some(vec![256, 512]));
+        assert_eq!(
+            dims("blk.1.ffn_gate_up_exps.weight"),
+            Some(vec![256, 768, 16])
+        );
+        assert_eq!(dims("blk.1.ffn_down_exps.scale"), Some(vec![16]));
+        assert_eq!(dims("rope_freqs.weight"), Some(vec![64]));
+        let mut bad = opts.clone();
+        bad.shape.gemma.as_mut().unwrap().dense_layers = 4;
+        assert!(bad.validate().is_err(), "no MoE layer left");
+        assert!(Preset::Gemma4_26bA4bShape
+            .shape_for(GenArch::Qwen3Moe)
+            .is_err());
+    }
+
+    /// The full-shape preset states what the real Gemma-4-26B-A4B GGUF states: every
+    /// `gemma4.*` key of llama.cpp's gemma-4 vocabulary file (converted from the real model)
+    /// has the same value in ours.
+    #[test]
+    fn gemma_4_26b_a4b_shape_matches_the_real_file() {
+        let Some(path) = crate::testdata::shared_path("data/vocab/ggml-vocab-gemma-4.gguf") else {
+            return;
+        };
+        let real = crate::gguf::GgufFile::open(&path).unwrap();
+        let mut opts = options(Preset::Gemma4_26bA4bShape, TypeScheme::q4_k_m());
+        opts.shape = Preset::Gemma4_26bA4bShape.shape();
+        opts.validate().unwrap();
+        let ours = opts.metadata().unwrap();
+        let mut n = 0;
+        for (k, v) in real.metadata() {
+            if !k.starts_with("gemma4.") {
+                continue;
+            }
+            let mine = ours
+                .iter()
+                .find(|(n, _)| n == k)
+                .map(|(_, v)| v)
+                .unwrap_or_else(|| panic!("{k} missing from ours"));
+            let same = match (mine.as_array(), v.as_array()) {
+                (Some(a), Some(b)) => {
+                    a.len() == b.len()
+                        && a.iter()
+                            .zip(b)
+                            .all(|(x, y)| x.as_u64() == y.as_u64() && x.as_bool() == y.as_bool())
+                }
+                _ => match (mine.as_f64(), v.as_f64()) {
+                    (Some(x), Some(y)) => (x - y).abs() <= 1e-6 * y.abs().max(1.0),
+                    _ => mine == v,
+                },
+            };
+            assert!(same, "{k}: ours {mine:?}, the real file {v:?}");
+            n += 1;
+        }
+        assert!(n >= 20, "only {n} gemma4 keys compared");
+    }
+
+    #[test]
     fn gen_writes_every_architecture_the_engine_runs() {
         for e in crate::arch::REGISTRY {
             let a = GenArch::from_name(e.name).unwrap_or_else(|| panic!("{}", e.name));
@@ -1245,6 +1317,10 @@ mod tests {
         assert_eq!(
             GenArch::Qwen2Moe.presets(),
             ["tiny", "tiny-odd", "small", "qwen1.5-moe-a2.7b-shape"]
+        );
+        assert_eq!(
+            GenArch::Gemma4.presets(),
+            ["tiny", "tiny-odd", "small", "gemma-4-26b-a4b-shape"]
         );
     }
 
