@@ -223,7 +223,8 @@ pub struct GenArgs {
     #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(gen::GenArch::NAMES))]
     pub arch: Option<String>,
     /// Preset shape: tiny, tiny-odd (tests), small (benchmarks), or a full-size shape of one
-    /// architecture: qwen3-30b-a3b-shape (qwen3moe), qwen1.5-moe-a2.7b-shape (qwen2moe)
+    /// architecture: qwen3-30b-a3b-shape (qwen3moe), qwen1.5-moe-a2.7b-shape (qwen2moe),
+    /// gemma-4-26b-a4b-shape (gemma4)
     #[arg(long, default_value = "tiny", value_parser = clap::builder::PossibleValuesParser::new(Preset::NAMES))]
     pub preset: String,
     /// Seed of the weights
@@ -255,7 +256,8 @@ pub struct GenArgs {
     pub d_model: Option<u32>,
     #[arg(long = "expert-ffn")]
     pub expert_ffn: Option<u32>,
-    /// The shared expert's FFN width (qwen2moe)
+    /// The shared expert's FFN width (qwen2moe), or the dense MLP's beside the experts
+    /// (gemma4)
     #[arg(long = "shared-ffn")]
     pub shared_ffn: Option<u32>,
     #[arg(long)]
