@@ -456,17 +456,8 @@ impl Tokenizer {
             supported: supported_pre_names(),
         })?;
 
-        let tokens_key = "tokenizer.ggml.tokens";
-        let tokens = string_array(required(meta, tokens_key)?, tokens_key)?;
-        if tokens.is_empty() {
-            return Err(TokenizerError::EmptyVocab);
-        }
+        let tokens = read_tokens(meta)?;
         let n_vocab = tokens.len();
-        if n_vocab > u32::MAX as usize {
-            return Err(TokenizerError::Build {
-                message: format!("{n_vocab} tokens do not fit 32-bit ids"),
-            });
-        }
 
         let kinds: Vec<TokenKind> = read_token_types(meta, n_vocab)?
             .into_iter()
@@ -526,17 +517,8 @@ impl Tokenizer {
         meta: &M,
         model: &str,
     ) -> Result<Tokenizer, TokenizerError> {
-        let tokens_key = "tokenizer.ggml.tokens";
-        let tokens = string_array(required(meta, tokens_key)?, tokens_key)?;
-        if tokens.is_empty() {
-            return Err(TokenizerError::EmptyVocab);
-        }
+        let tokens = read_tokens(meta)?;
         let n_vocab = tokens.len();
-        if n_vocab > u32::MAX as usize {
-            return Err(TokenizerError::Build {
-                message: format!("{n_vocab} tokens do not fit 32-bit ids"),
-            });
-        }
         let texts: Vec<String> = tokens.iter().map(|s| s.to_string()).collect();
         let types = read_token_types(meta, n_vocab)?;
         let gemma = model == "gemma4";
@@ -1020,6 +1002,21 @@ struct Special {
     id: u32,
     /// Matched even without `parse_special` (USER_DEFINED).
     always: bool,
+}
+
+/// `tokenizer.ggml.tokens`: at least one, and few enough for 32-bit ids.
+fn read_tokens<M: TokenizerMetadata + ?Sized>(meta: &M) -> Result<Vec<&str>, TokenizerError> {
+    let key = "tokenizer.ggml.tokens";
+    let tokens = string_array(required(meta, key)?, key)?;
+    if tokens.is_empty() {
+        return Err(TokenizerError::EmptyVocab);
+    }
+    if tokens.len() > u32::MAX as usize {
+        return Err(TokenizerError::Build {
+            message: format!("{} tokens do not fit 32-bit ids", tokens.len()),
+        });
+    }
+    Ok(tokens)
 }
 
 /// `tokenizer.ggml.token_type`, one GGUF token type per token (all normal when absent).

@@ -368,6 +368,19 @@ impl Gemma4 {
         })
     }
 
+    /// The routed side of MoE layer `layer` (an error for a dense layer: the core routes only
+    /// `moe_layers`).
+    fn moe(&self, layer: usize) -> Result<&Moe, ArchError> {
+        self.layers[layer]
+            .moe
+            .as_ref()
+            .ok_or_else(|| ArchError::Tensor {
+                file: String::new(),
+                tensor: format!("blk.{layer}.ffn_gate_inp.weight"),
+                what: format!("is missing: layer {layer} is dense and has no router"),
+            })
+    }
+
     /// Self-attention of `st.cur` into `st.out`: projections, per-head norms (q, k weighted;
     /// v plain), rotary embedding, the layer's memory, attention, output projection.
     fn attention(&self, cx: &Compute, st: &mut State, il: usize) -> Result<(), ArchError> {
@@ -563,13 +576,7 @@ impl Arch for Gemma4 {
         acts: &mut Vec<ActBuf>,
         out: &mut [f32],
     ) -> Result<(), ArchError> {
-        let Some(moe) = &self.layers[layer].moe else {
-            return Err(ArchError::Tensor {
-                file: String::new(),
-                tensor: format!("blk.{layer}.ffn_gate_inp.weight"),
-                what: "is missing: layer is dense".into(),
-            });
-        };
+        let moe = self.moe(layer)?;
         cx.mat_rows(&moe.router, input, rows, acts, out)
     }
 
@@ -584,13 +591,7 @@ impl Arch for Gemma4 {
         n: usize,
         out: &mut Vec<f32>,
     ) -> Result<(), ArchError> {
-        let Some(moe) = &self.layers[layer].moe else {
-            return Err(ArchError::Tensor {
-                file: String::new(),
-                tensor: format!("blk.{layer}.ffn_gate_inp.weight"),
-                what: "is missing: layer is dense".into(),
-            });
-        };
+        let moe = self.moe(layer)?;
         let (d, ff) = (self.hp.d_model, self.hp.n_ff_exp);
         if let [gu, dn] = &moe.exps[..] {
             // Fused: one product of 2·ff rows, gate the first half, up the second.
