@@ -74,6 +74,11 @@ pub struct HParams {
 
 impl HParams {
     pub fn from_gguf(f: &GgufFile) -> Result<HParams, ArchError> {
+        Self::from_meta(f, n_vocab(f)?)
+    }
+
+    /// The hyper-parameters from `f`'s metadata alone, for a vocabulary of `n_vocab`.
+    pub fn from_meta(f: &GgufFile, n_vocab: usize) -> Result<HParams, ArchError> {
         let m = Meta::new(f, ARCH);
         let n_layer = m.req_u("block_count")?;
         let d_model = m.req_u("embedding_length")?;
@@ -192,7 +197,7 @@ impl HParams {
             window,
             rms_eps: m.req_f("attention.layer_norm_rms_epsilon")?,
             softcap: (softcap != 0.0).then_some(softcap),
-            n_vocab: n_vocab(f)?,
+            n_vocab,
         })
     }
 }
@@ -670,5 +675,80 @@ impl Arch for Gemma4 {
             blocks::softcap(&mut st.logits, c);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf::{GgufWriter, Value};
+
+    /// llama.cpp's gemma-4 vocabulary GGUF carries the real Gemma-4-26B-A4B's metadata.
+    fn real_file() -> Option<GgufFile> {
+        let path = crate::testdata::shared_path("data/vocab/ggml-vocab-gemma-4.gguf")?;
+        Some(GgufFile::open(&path).expect("open the gemma-4 vocabulary"))
+    }
+
+    #[test]
+    fn the_real_26b_metadata_reads_as_llama_cpp_reads_it() {
+        let Some(f) = real_file() else {
+            return;
+        };
+        let hp = HParams::from_meta(&f, 262_144).expect("hparams");
+        assert_eq!(
+            (hp.n_layer, hp.d_model, hp.n_expert, hp.n_expert_used),
+            (30, 2816, 128, 8)
+        );
+        assert_eq!((hp.n_ff_exp, hp.n_ff[0], hp.window), (704, 2112, 1024));
+        assert_eq!(hp.softcap, Some(30.0));
+        assert_eq!((hp.rope_base, hp.rope_base_swa), (1_000_000.0, 10_000.0));
+        // Five sliding-window layers, then one global, five times.
+        for (l, a) in hp.attn.iter().enumerate() {
+            let global = l % 6 == 5;
+            assert_eq!(a.swa, !global, "layer {l}");
+            let want = if global {
+                (16, 2, 512, 512)
+            } else {
+                (16, 8, 256, 256)
+            };
+            assert_eq!(
+                (a.n_head, a.n_head_kv, a.head_dim, a.n_rot),
+                want,
+                "layer {l}"
+            );
+        }
+    }
+
+    #[test]
+    fn parts_of_the_small_models_are_refused_by_key() {
+        let Some(f) = real_file() else {
+            return;
+        };
+        let dir = crate::testdata::scratch_dir("gemma4-keys");
+        for key in [
+            "attention.shared_kv_layers",
+            "embedding_length_per_layer_input",
+        ] {
+            let mut meta: Vec<(String, Value)> = f
+                .metadata()
+                .iter()
+                .filter(|(k, _)| !k.starts_with("tokenizer."))
+                .cloned()
+                .collect();
+            for (k, v) in meta.iter_mut() {
+                if *k == format!("gemma4.{key}") {
+                    *v = Value::U32(10);
+                }
+            }
+            let path = dir.join("meta.gguf");
+            GgufWriter::write_file(&path, &meta, &[]).expect("write");
+            let g = GgufFile::open(&path).expect("open");
+            let err = HParams::from_meta(&g, 262_144).unwrap_err().to_string();
+            assert!(
+                err.contains(&format!("gemma4.{key}")) && err.contains("not supported"),
+                "{err}"
+            );
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
