@@ -32,6 +32,8 @@ use crate::spm::{Merging, SpmVocab};
 
 /// GGUF token type of an ordinary vocabulary entry.
 pub const TOKEN_TYPE_NORMAL: i32 = 1;
+/// GGUF token type of the unknown token (`<unk>`).
+pub const TOKEN_TYPE_UNKNOWN: i32 = 2;
 /// GGUF token type of a control token (`<|im_start|>`, `<|endoftext|>`): matched in text only
 /// when the caller parses special tokens.
 pub const TOKEN_TYPE_CONTROL: i32 = 3;
@@ -556,7 +558,15 @@ impl Tokenizer {
         if gemma {
             ids.add_bos = true;
         }
-        let kinds = types.iter().map(|&t| kind_of_type(t)).collect();
+        // The unknown token (`<unk>`) is matched whole under `parse_special`, as llama.cpp's
+        // partition does, and renders as its text.
+        let kinds = types
+            .iter()
+            .map(|&t| match t {
+                TOKEN_TYPE_UNKNOWN => TokenKind::Control,
+                t => kind_of_type(t),
+            })
+            .collect();
         let vocab = Box::new(SpmVocab::new(texts.clone(), &types, merging));
         Self::assemble(
             Model::Spm {

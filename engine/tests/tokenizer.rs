@@ -479,5 +479,13 @@ fn sentencepiece_specials_match_llama_cpp() {
         ]
     );
     assert_eq!(tok.encode(" lead", true).expect("encode"), [1, 29871, 3275]);
+    assert_eq!(
+        tok.encode_with("a<unk>b", false, true).expect("encode"),
+        [263, 0, 289]
+    );
+    assert_eq!(
+        tok.encode_with("a<unk>b", false, false).expect("encode"),
+        [263, 29966, 2960, 29958, 29890]
+    );
     assert_eq!(tok.decode(&[29871, 3275]), " lead");
 }
