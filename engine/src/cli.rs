@@ -233,9 +233,10 @@ pub struct GenArgs {
     #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(gen::GenArch::NAMES))]
     pub arch: Option<String>,
     /// Preset shape: tiny, tiny-odd (tests), small (benchmarks), or a full-size shape of one
-    /// architecture: qwen3-30b-a3b-shape (qwen3moe), qwen1.5-moe-a2.7b-shape (qwen2moe); or
-    /// the routing shape of a real trace in ../shared/traces, for --routing-from:
-    /// deepseek-v2-lite-shape (qwen2moe), mixtral-8x7b-shape (qwen3moe)
+    /// architecture: qwen3-30b-a3b-shape (qwen3moe), qwen1.5-moe-a2.7b-shape (qwen2moe),
+    /// gemma-4-26b-a4b-shape (gemma4); or the routing shape of a real trace in
+    /// ../shared/traces, for --routing-from: deepseek-v2-lite-shape (qwen2moe),
+    /// mixtral-8x7b-shape (qwen3moe)
     #[arg(long, default_value = "tiny", value_parser = clap::builder::PossibleValuesParser::new(Preset::NAMES))]
     pub preset: String,
     /// Seed of the weights
@@ -267,7 +268,8 @@ pub struct GenArgs {
     pub d_model: Option<u32>,
     #[arg(long = "expert-ffn")]
     pub expert_ffn: Option<u32>,
-    /// The shared expert's FFN width (qwen2moe)
+    /// The shared expert's FFN width (qwen2moe), or the dense MLP's beside the experts
+    /// (gemma4)
     #[arg(long = "shared-ffn")]
     pub shared_ffn: Option<u32>,
     #[arg(long)]

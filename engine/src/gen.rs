@@ -1,5 +1,5 @@
 //! The synthetic model generator behind `bmoe-cli gen`: complete, loadable GGUF files of every
-//! architecture the engine runs (`--arch`: qwen3moe, qwen2moe) with deterministic random
+//! architecture the engine runs (`--arch`: qwen3moe, qwen2moe, gemma4) with deterministic random
 //! weights, a real tokenizer and chat template, so tests and benchmarks make the models they
 //! need and no model file is ever committed. Each file follows llama.cpp's tensor names and
 //! metadata for its architecture, so llama.cpp loads it too (the parity gates).
@@ -15,7 +15,10 @@
 //! Intermediate values give the reuse and LRU hit-rate curves of real models; see
 //! `docs/models.md` for measured statistics.
 
+mod gemma4;
 mod mix;
+
+pub use gemma4::GemmaShape;
 
 pub use mix::Ftype;
 
@@ -34,15 +37,19 @@ pub enum GenArch {
     /// Qwen1.5/Qwen2 MoE: q/k/v biases, a sigmoid-gated shared expert, weights not
     /// renormalised.
     Qwen2Moe,
+    /// Gemma 4 MoE: a dense GELU MLP beside fused gate_up experts, sliding-window and global
+    /// layers, post-norms, logit soft-capping.
+    Gemma4,
 }
 
 impl GenArch {
-    pub const NAMES: &'static [&'static str] = &["qwen3moe", "qwen2moe"];
+    pub const NAMES: &'static [&'static str] = &["qwen3moe", "qwen2moe", "gemma4"];
 
     pub fn from_name(s: &str) -> Option<GenArch> {
         match s {
             "qwen3moe" => Some(GenArch::Qwen3Moe),
             "qwen2moe" => Some(GenArch::Qwen2Moe),
+            "gemma4" => Some(GenArch::Gemma4),
             _ => None,
         }
     }
@@ -51,6 +58,7 @@ impl GenArch {
         match self {
             GenArch::Qwen3Moe => "qwen3moe",
             GenArch::Qwen2Moe => "qwen2moe",
+            GenArch::Gemma4 => "gemma4",
         }
     }
 
@@ -73,7 +81,8 @@ pub struct ModelShape {
     pub n_expert_used: u32,
     pub d_model: u32,
     pub n_ff_exp: u32,
-    /// The shared expert's FFN width (qwen2moe; 0 for an architecture without one).
+    /// The shared expert's FFN width (qwen2moe), or the dense MLP's beside the experts
+    /// (gemma4, which llama.cpp calls its shared expert); 0 for an architecture without one.
     pub n_ff_shexp: u32,
     pub n_head: u32,
     pub n_head_kv: u32,
@@ -83,6 +92,8 @@ pub struct ModelShape {
     pub rms_eps: f32,
     /// Omit `output.weight`: the head reuses `token_embd`.
     pub tie_output: bool,
+    /// gemma4's layer pattern and global-layer attention (`None` for other architectures).
+    pub gemma: Option<GemmaShape>,
 }
 
 /// Named starting points; every dimension can be overridden.
@@ -113,6 +124,10 @@ pub enum Preset {
     /// layers, 8 experts, top-2, d_model 4096, expert FFN 14336, GQA 32/8 heads of 128; ~26 GB
     /// at Q4_K_M.
     Mixtral8x7bShape,
+    /// The full shape of Gemma-4-26B-A4B (gemma4): 30 layers (five sliding-window of 1024 to
+    /// one global), 128 experts, top-8, d_model 2816, expert FFN 704, dense MLP 2112, 16
+    /// heads of 256 (8 KV) on window layers and of 512 (2 KV) on global ones.
+    Gemma4_26bA4bShape,
 }
 
 impl Preset {
@@ -124,6 +139,7 @@ impl Preset {
         "qwen1.5-moe-a2.7b-shape",
         "deepseek-v2-lite-shape",
         "mixtral-8x7b-shape",
+        "gemma-4-26b-a4b-shape",
     ];
 
     pub const ALL: &'static [Preset] = &[
@@ -134,6 +150,7 @@ impl Preset {
         Preset::Qwen15MoeA27bShape,
         Preset::DeepseekV2LiteShape,
         Preset::Mixtral8x7bShape,
+        Preset::Gemma4_26bA4bShape,
     ];
 
     pub fn from_name(s: &str) -> Option<Preset> {
@@ -145,6 +162,7 @@ impl Preset {
             "qwen1.5-moe-a2.7b-shape" | "qwen2moe-a2.7b-shape" => Some(Preset::Qwen15MoeA27bShape),
             "deepseek-v2-lite-shape" => Some(Preset::DeepseekV2LiteShape),
             "mixtral-8x7b-shape" => Some(Preset::Mixtral8x7bShape),
+            "gemma-4-26b-a4b-shape" => Some(Preset::Gemma4_26bA4bShape),
             _ => None,
         }
     }
@@ -158,6 +176,7 @@ impl Preset {
             Preset::Qwen15MoeA27bShape => "qwen1.5-moe-a2.7b-shape",
             Preset::DeepseekV2LiteShape => "deepseek-v2-lite-shape",
             Preset::Mixtral8x7bShape => "mixtral-8x7b-shape",
+            Preset::Gemma4_26bA4bShape => "gemma-4-26b-a4b-shape",
         }
     }
 
@@ -168,6 +187,7 @@ impl Preset {
             Preset::Tiny | Preset::TinyOdd | Preset::Small => None,
             Preset::Qwen3_30bA3bShape | Preset::Mixtral8x7bShape => Some(GenArch::Qwen3Moe),
             Preset::Qwen15MoeA27bShape | Preset::DeepseekV2LiteShape => Some(GenArch::Qwen2Moe),
+            Preset::Gemma4_26bA4bShape => Some(GenArch::Gemma4),
         }
     }
 
@@ -194,6 +214,16 @@ impl Preset {
                 _ => 512,
             };
         }
+        if arch == GenArch::Gemma4 && s.gemma.is_none() {
+            // A generic size gains gemma4's parts: a dense MLP as wide as qwen2moe's shared
+            // expert, a first dense-only layer, global layers every other one.
+            s.gemma = Some(GemmaShape::generic(&s));
+            s.n_ff_shexp = match self {
+                Preset::TinyOdd => 320,
+                Preset::Small => 2048,
+                _ => 512,
+            };
+        }
         Ok(s)
     }
 
@@ -214,6 +244,7 @@ impl Preset {
             rope_base: 1_000_000.0,
             rms_eps: 1e-6,
             tie_output: false,
+            gemma: None,
         };
         match self {
             Preset::Tiny => base,
@@ -288,6 +319,22 @@ impl Preset {
                 n_ctx_train: 32768,
                 ..base
             },
+            Preset::Gemma4_26bA4bShape => ModelShape {
+                arch: GenArch::Gemma4,
+                n_layer: 30,
+                n_expert: 128,
+                n_expert_used: 8,
+                d_model: 2816,
+                n_ff_exp: 704,
+                n_ff_shexp: 2112,
+                n_head: 16,
+                n_head_kv: 8,
+                head_dim: 256,
+                n_ctx_train: 262_144,
+                rope_base: 1_000_000.0,
+                gemma: Some(GemmaShape::gemma_4_26b_a4b()),
+                ..base
+            },
         }
     }
 
@@ -301,7 +348,8 @@ impl Preset {
             Preset::Qwen3_30bA3bShape
             | Preset::Qwen15MoeA27bShape
             | Preset::DeepseekV2LiteShape
-            | Preset::Mixtral8x7bShape => 0.63,
+            | Preset::Mixtral8x7bShape
+            | Preset::Gemma4_26bA4bShape => 0.63,
         }
     }
 
@@ -315,7 +363,8 @@ impl Preset {
             | Preset::Qwen3_30bA3bShape
             | Preset::Qwen15MoeA27bShape
             | Preset::DeepseekV2LiteShape
-            | Preset::Mixtral8x7bShape => TypeScheme::q4_k_m(),
+            | Preset::Mixtral8x7bShape
+            | Preset::Gemma4_26bA4bShape => TypeScheme::q4_k_m(),
         }
     }
 }
@@ -486,6 +535,12 @@ enum Fill {
         split: u32,
     },
     Const(f32),
+    /// Each row runs evenly from `lo` (first value) to `hi` (last): distinct, deterministic
+    /// per-entry factors (gemma4's per-expert down scales).
+    Ramp {
+        lo: f32,
+        hi: f32,
+    },
 }
 
 struct Planned {
@@ -565,6 +620,7 @@ impl GenOptions {
             GenArch::Qwen2Moe if s.tie_output => {
                 return bad("--tie-output: llama.cpp requires qwen2moe's output.weight".into());
             }
+            GenArch::Gemma4 => gemma4::validate(s).map_err(GenError::Invalid)?,
             _ => {}
         }
         if s.n_layer > 4096 || s.n_expert > 65535 {
@@ -601,7 +657,6 @@ impl GenOptions {
     fn metadata(&self) -> Result<Vec<(String, Value)>, GenError> {
         let s = &self.shape;
         let a = s.arch.name();
-        let k = |n: &str| format!("{a}.{n}");
         let mut m: Vec<(String, Value)> = vec![
             ("general.architecture".into(), Value::String(a.into())),
             (
@@ -618,32 +673,11 @@ impl GenOptions {
             ),
             ("general.quantization_version".into(), Value::U32(2)),
             ("general.alignment".into(), Value::U32(32)),
-            (k("context_length"), Value::U32(s.n_ctx_train)),
-            (k("embedding_length"), Value::U32(s.d_model)),
-            (k("block_count"), Value::U32(s.n_layer)),
-            (
-                k("feed_forward_length"),
-                // qwen2moe's states the shared expert's width (llama.cpp's fallback for it).
-                Value::U32(match s.arch {
-                    GenArch::Qwen2Moe => s.n_ff_shexp,
-                    GenArch::Qwen3Moe => s.n_ff_exp * s.n_expert_used,
-                }),
-            ),
-            (k("attention.head_count"), Value::U32(s.n_head)),
-            (k("attention.head_count_kv"), Value::U32(s.n_head_kv)),
-            (k("attention.key_length"), Value::U32(s.head_dim)),
-            (k("attention.value_length"), Value::U32(s.head_dim)),
-            (k("rope.freq_base"), Value::F32(s.rope_base)),
-            (k("attention.layer_norm_rms_epsilon"), Value::F32(s.rms_eps)),
-            (k("expert_count"), Value::U32(s.n_expert)),
-            (k("expert_used_count"), Value::U32(s.n_expert_used)),
-            (k("expert_feed_forward_length"), Value::U32(s.n_ff_exp)),
         ];
-        if s.arch == GenArch::Qwen2Moe {
-            m.push((
-                k("expert_shared_feed_forward_length"),
-                Value::U32(s.n_ff_shexp),
-            ));
+        if s.arch == GenArch::Gemma4 {
+            m.extend(gemma4::metadata(s)?);
+        } else {
+            m.extend(self.qwen_metadata());
         }
         m.extend([
             (
@@ -677,6 +711,84 @@ impl GenOptions {
         Ok(m)
     }
 
+    /// The `<arch>.*` keys of the qwen family.
+    fn qwen_metadata(&self) -> Vec<(String, Value)> {
+        let s = &self.shape;
+        let a = s.arch.name();
+        let k = |n: &str| format!("{a}.{n}");
+        let mut m: Vec<(String, Value)> = vec![
+            (k("context_length"), Value::U32(s.n_ctx_train)),
+            (k("embedding_length"), Value::U32(s.d_model)),
+            (k("block_count"), Value::U32(s.n_layer)),
+            (
+                k("feed_forward_length"),
+                // qwen2moe's states the shared expert's width (llama.cpp's fallback for it).
+                Value::U32(match s.arch {
+                    GenArch::Qwen2Moe | GenArch::Gemma4 => s.n_ff_shexp,
+                    GenArch::Qwen3Moe => s.n_ff_exp * s.n_expert_used,
+                }),
+            ),
+            (k("attention.head_count"), Value::U32(s.n_head)),
+            (k("attention.head_count_kv"), Value::U32(s.n_head_kv)),
+            (k("attention.key_length"), Value::U32(s.head_dim)),
+            (k("attention.value_length"), Value::U32(s.head_dim)),
+            (k("rope.freq_base"), Value::F32(s.rope_base)),
+            (k("attention.layer_norm_rms_epsilon"), Value::F32(s.rms_eps)),
+            (k("expert_count"), Value::U32(s.n_expert)),
+            (k("expert_used_count"), Value::U32(s.n_expert_used)),
+            (k("expert_feed_forward_length"), Value::U32(s.n_ff_exp)),
+        ];
+        if s.arch == GenArch::Qwen2Moe {
+            m.push((
+                k("expert_shared_feed_forward_length"),
+                Value::U32(s.n_ff_shexp),
+            ));
+        }
+        m
+    }
+
+    /// The model facts llama-quantize's choices depend on.
+    fn mix_model(&self) -> mix::Model {
+        let s = &self.shape;
+        mix::Model {
+            n_layer: s.n_layer,
+            n_expert: s.n_expert,
+            n_gqa: s.n_head / s.n_head_kv.max(1),
+            tied: s.tie_output,
+        }
+    }
+
+    /// One planned tensor: its type kept, or chosen by the scheme (a fallback recorded).
+    fn planned(
+        &self,
+        model: &mix::Model,
+        name: String,
+        dims: &[u64],
+        want: Want,
+        fill: Fill,
+        fallbacks: &mut Vec<(String, GgmlType, GgmlType)>,
+    ) -> Planned {
+        let ty = match want {
+            Want::Keep(t) => t,
+            Want::Weight(layer) => {
+                let w = mix::Weight {
+                    name: &name,
+                    layer,
+                    dims,
+                };
+                let (wanted, ty) = self.types.choose(&w, model);
+                if ty != wanted {
+                    fallbacks.push((name.clone(), wanted, ty));
+                }
+                ty
+            }
+        };
+        Planned {
+            spec: TensorSpec::new(name, dims, ty),
+            fill,
+        }
+    }
+
     fn plan(
         &self,
         fallbacks: &mut Vec<(String, GgmlType, GgmlType)>,
@@ -690,34 +802,14 @@ impl GenOptions {
         let ff = s.n_ff_exp as u64;
         let ne = s.n_expert as u64;
         let inv = |n: u64| 1.0 / (n as f32).sqrt();
+        if s.arch == GenArch::Gemma4 {
+            return gemma4::plan(self, fallbacks);
+        }
         let mut out = Vec::new();
-        let model = mix::Model {
-            n_layer: s.n_layer,
-            n_expert: s.n_expert,
-            n_gqa: s.n_head / s.n_head_kv.max(1),
-            tied: s.tie_output,
-        };
+        let model = self.mix_model();
         let mut push =
             |name: String, dims: &[u64], want: Want, fill: Fill, fallbacks: &mut Vec<_>| {
-                let ty = match want {
-                    Want::Keep(t) => t,
-                    Want::Weight(layer) => {
-                        let w = mix::Weight {
-                            name: &name,
-                            layer,
-                            dims,
-                        };
-                        let (wanted, ty) = self.types.choose(&w, &model);
-                        if ty != wanted {
-                            fallbacks.push((name.clone(), wanted, ty));
-                        }
-                        ty
-                    }
-                };
-                out.push(Planned {
-                    spec: TensorSpec::new(name, dims, ty),
-                    fill,
-                });
+                out.push(self.planned(&model, name, dims, want, fill, fallbacks));
             };
         push(
             "token_embd.weight".into(),
@@ -742,7 +834,7 @@ impl GenOptions {
             // Without q/k norms (qwen2moe) the sharpness scales the projections instead, so
             // attention is as near-uniform as with them.
             let qk_std = match s.arch {
-                GenArch::Qwen3Moe => inv(d),
+                GenArch::Qwen3Moe | GenArch::Gemma4 => inv(d),
                 GenArch::Qwen2Moe => inv(d) * self.attn_sharpness,
             };
             push(
@@ -779,7 +871,7 @@ impl GenOptions {
                 fallbacks,
             );
             match s.arch {
-                GenArch::Qwen3Moe => {
+                GenArch::Qwen3Moe | GenArch::Gemma4 => {
                     for n in ["attn_q_norm", "attn_k_norm"] {
                         push(
                             b(n),
@@ -959,6 +1051,12 @@ fn fill_chunk(
     for (i, r) in rows.enumerate() {
         match p.fill {
             Fill::Const(c) => row.iter_mut().for_each(|x| *x = c),
+            Fill::Ramp { lo, hi } => {
+                let steps = (ne0.max(2) - 1) as f32;
+                for (j, x) in row.iter_mut().enumerate() {
+                    *x = lo + (hi - lo) * j as f32 / steps;
+                }
+            }
             Fill::Rand { std, lo, hi } => {
                 for (j, x) in row.iter_mut().enumerate() {
                     *x = if (j as u32) >= lo && (j as u32) < hi {
@@ -1185,6 +1283,78 @@ mod tests {
     }
 
     #[test]
+    fn gemma4_plans_its_mlp_experts_and_layer_pattern() {
+        let mut opts = options(Preset::Tiny, TypeScheme::pure(GgmlType::F32));
+        opts.shape = Preset::Tiny.shape_for(GenArch::Gemma4).unwrap();
+        opts.validate().unwrap();
+        let plan = opts.plan(&mut Vec::new()).unwrap();
+        let dims = |n: &str| {
+            plan.iter()
+                .find(|p| p.spec.name == n)
+                .map(|p| p.spec.dims.clone())
+        };
+        // Layer 0 is dense-only; layer 1 is global (heads of 128, one KV head).
+        assert_eq!(dims("blk.0.ffn_gate_inp.weight"), None);
+        assert_eq!(dims("blk.0.ffn_down.weight"), Some(vec![512, 256]));
+        assert_eq!(dims("blk.1.attn_k.weight"), Some(vec![256, 128]));
+        assert_eq!(dims("blk.2.attn_k.weight"), Some(vec![256, 128]));
+        assert_eq!(dims("blk.1.attn_q.weight"), Some(vec![256, 512]));
+        assert_eq!(
+            dims("blk.1.ffn_gate_up_exps.weight"),
+            Some(vec![256, 768, 16])
+        );
+        assert_eq!(dims("blk.1.ffn_down_exps.scale"), Some(vec![16]));
+        assert_eq!(dims("rope_freqs.weight"), Some(vec![64]));
+        let mut bad = opts.clone();
+        bad.shape.gemma.as_mut().unwrap().dense_layers = 4;
+        assert!(bad.validate().is_err(), "no MoE layer left");
+        assert!(Preset::Gemma4_26bA4bShape
+            .shape_for(GenArch::Qwen3Moe)
+            .is_err());
+    }
+
+    /// The full-shape preset states what the real Gemma-4-26B-A4B GGUF states: every
+    /// `gemma4.*` key of llama.cpp's gemma-4 vocabulary file (converted from the real model)
+    /// has the same value in ours.
+    #[test]
+    fn gemma_4_26b_a4b_shape_matches_the_real_file() {
+        let Some(path) = crate::testdata::shared_path("data/vocab/ggml-vocab-gemma-4.gguf") else {
+            return;
+        };
+        let real = crate::gguf::GgufFile::open(&path).unwrap();
+        let mut opts = options(Preset::Gemma4_26bA4bShape, TypeScheme::q4_k_m());
+        opts.shape = Preset::Gemma4_26bA4bShape.shape();
+        opts.validate().unwrap();
+        let ours = opts.metadata().unwrap();
+        let mut n = 0;
+        for (k, v) in real.metadata() {
+            if !k.starts_with("gemma4.") {
+                continue;
+            }
+            let mine = ours
+                .iter()
+                .find(|(n, _)| n == k)
+                .map(|(_, v)| v)
+                .unwrap_or_else(|| panic!("{k} missing from ours"));
+            let same = match (mine.as_array(), v.as_array()) {
+                (Some(a), Some(b)) => {
+                    a.len() == b.len()
+                        && a.iter()
+                            .zip(b)
+                            .all(|(x, y)| x.as_u64() == y.as_u64() && x.as_bool() == y.as_bool())
+                }
+                _ => match (mine.as_f64(), v.as_f64()) {
+                    (Some(x), Some(y)) => (x - y).abs() <= 1e-6 * y.abs().max(1.0),
+                    _ => mine == v,
+                },
+            };
+            assert!(same, "{k}: ours {mine:?}, the real file {v:?}");
+            n += 1;
+        }
+        assert!(n >= 20, "only {n} gemma4 keys compared");
+    }
+
+    #[test]
     fn gen_writes_every_architecture_the_engine_runs() {
         for e in crate::arch::REGISTRY {
             let a = GenArch::from_name(e.name).unwrap_or_else(|| panic!("{}", e.name));
@@ -1200,6 +1370,10 @@ mod tests {
                 "qwen1.5-moe-a2.7b-shape",
                 "deepseek-v2-lite-shape"
             ]
+        );
+        assert_eq!(
+            GenArch::Gemma4.presets(),
+            ["tiny", "tiny-odd", "small", "gemma-4-26b-a4b-shape"]
         );
     }
 

@@ -23,6 +23,7 @@ pub mod run;
 pub mod sample;
 pub mod serve;
 pub mod session;
+pub mod spm;
 pub mod stream;
 pub mod testdata;
 pub mod tokenizer;

@@ -8,6 +8,11 @@
 //! are matched whole only when the caller asks for it (`parse_special`), USER_DEFINED tokens
 //! (`<think>`) always are, and decoding renders every token's text.
 //!
+//! SentencePiece-style vocabularies (`tokenizer.ggml.model` `llama`, merged by score, and
+//! `gemma4`, merged by rank on raw UTF-8 with `▁` for spaces) run on our own merge loop in
+//! [`crate::spm`], as llama.cpp runs them; the special-token partition, BOS and the leading
+//! space are handled here for both kinds.
+//!
 //! [`StreamDecoder`] turns a stream of ids into text that is always valid UTF-8, holding back
 //! the bytes of a character a token split in two until the rest arrives.
 
@@ -23,9 +28,12 @@ use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::{AddedToken, DecoderWrapper, SplitDelimiterBehavior};
 
 use crate::gguf::{GgufFile, Value};
+use crate::spm::{Merging, SpmVocab};
 
 /// GGUF token type of an ordinary vocabulary entry.
 pub const TOKEN_TYPE_NORMAL: i32 = 1;
+/// GGUF token type of the unknown token (`<unk>`).
+pub const TOKEN_TYPE_UNKNOWN: i32 = 2;
 /// GGUF token type of a control token (`<|im_start|>`, `<|endoftext|>`): matched in text only
 /// when the caller parses special tokens.
 pub const TOKEN_TYPE_CONTROL: i32 = 3;
@@ -39,9 +47,11 @@ const EOG_NAMES: &[&str] = &[
     "<|eot_id|>",
     "<|end|>",
     "<end_of_turn>",
+    "<turn|>",
     "<|return|>",
     "<|endoftext|>",
     "<|end_of_text|>",
+    "<|tool_response>",
 ];
 
 /// Every way building or using a tokenizer can fail.
@@ -51,7 +61,7 @@ pub enum TokenizerError {
     MissingKey { key: String },
     #[error("tokenizer metadata: {key} has the wrong type, expected {expected}")]
     WrongType { key: String, expected: &'static str },
-    #[error("tokenizer model '{model}' (tokenizer.ggml.model) is not supported: this build reads byte-level BPE ('gpt2')")]
+    #[error("tokenizer model '{model}' (tokenizer.ggml.model) is not supported: this build reads byte-level BPE ('gpt2') and SentencePiece-style ('llama', 'gemma4')")]
     UnsupportedModel { model: String },
     #[error("unknown pre-tokenizer type '{pre}' (tokenizer.ggml.pre); supported: {supported}")]
     UnknownPre { pre: String, supported: String },
@@ -307,11 +317,13 @@ pub fn byte_level_decode(text: &str) -> Vec<u8> {
 /// generation loop needs. Immutable after construction and `Sync`, so one instance serves all
 /// threads.
 pub struct Tokenizer {
-    hf: tokenizers::Tokenizer,
+    model: Model,
     /// Per id: how the token behaves. Its length is the vocabulary size.
     kinds: Vec<TokenKind>,
-    /// CONTROL tokens as (text, id), longest text first: matched whole under `parse_special`.
-    control_tokens: Vec<(String, u32)>,
+    /// Tokens our partition matches whole, longest text first: CONTROL tokens under
+    /// `parse_special` only; for SentencePiece-style vocabularies also USER_DEFINED ones
+    /// always (for byte-level BPE the `tokenizers` library matches those).
+    specials: Vec<Special>,
     /// Normal tokens' texts are byte-level encoded (true for every GGUF BPE vocabulary).
     byte_level: bool,
     bos: Option<u32>,
@@ -327,6 +339,7 @@ impl std::fmt::Debug for Tokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Tokenizer")
             .field("n_vocab", &self.kinds.len())
+            .field("model", &self.model.name())
             .field("pre", &self.pre)
             .field("bos", &self.bos)
             .field("eos", &self.eos)
@@ -424,6 +437,9 @@ impl Tokenizer {
                     key: model_key.to_string(),
                     expected: "string",
                 })?;
+        if model == "llama" || model == "gemma4" {
+            return Self::from_spm_metadata(meta, model);
+        }
         if model != "gpt2" {
             return Err(TokenizerError::UnsupportedModel {
                 model: model.to_string(),
@@ -442,68 +458,15 @@ impl Tokenizer {
             supported: supported_pre_names(),
         })?;
 
-        let tokens_key = "tokenizer.ggml.tokens";
-        let tokens = string_array(required(meta, tokens_key)?, tokens_key)?;
-        if tokens.is_empty() {
-            return Err(TokenizerError::EmptyVocab);
-        }
+        let tokens = read_tokens(meta)?;
         let n_vocab = tokens.len();
-        if n_vocab > u32::MAX as usize {
-            return Err(TokenizerError::Build {
-                message: format!("{n_vocab} tokens do not fit 32-bit ids"),
-            });
-        }
 
-        let types_key = "tokenizer.ggml.token_type";
-        let kinds: Vec<TokenKind> = match meta.meta(types_key) {
-            None => vec![TokenKind::Normal; n_vocab],
-            Some(v) => {
-                let items = v.as_array().ok_or_else(|| TokenizerError::WrongType {
-                    key: types_key.to_string(),
-                    expected: "array of integers",
-                })?;
-                if items.len() != n_vocab {
-                    return Err(TokenizerError::LengthMismatch {
-                        key: types_key.to_string(),
-                        found: items.len(),
-                        expected: n_vocab,
-                    });
-                }
-                items
-                    .iter()
-                    .map(|t| match t.as_i64() {
-                        Some(t) if t == TOKEN_TYPE_CONTROL as i64 => Ok(TokenKind::Control),
-                        Some(t) if t == TOKEN_TYPE_USER_DEFINED as i64 => {
-                            Ok(TokenKind::UserDefined)
-                        }
-                        Some(_) => Ok(TokenKind::Normal),
-                        None => Err(TokenizerError::WrongType {
-                            key: types_key.to_string(),
-                            expected: "array of integers",
-                        }),
-                    })
-                    .collect::<Result<_, _>>()?
-            }
-        };
+        let kinds: Vec<TokenKind> = read_token_types(meta, n_vocab)?
+            .into_iter()
+            .map(kind_of_type)
+            .collect();
 
-        let merges_key = "tokenizer.ggml.merges";
-        let merges_raw = string_array(required(meta, merges_key)?, merges_key)?;
-        let mut merges = Vec::with_capacity(merges_raw.len());
-        for (index, m) in merges_raw.iter().enumerate() {
-            // llama.cpp splits at the first space after the first byte, so a left side that
-            // is itself a space survives.
-            let split_at = m
-                .as_bytes()
-                .iter()
-                .skip(1)
-                .position(|&b| b == b' ')
-                .map(|p| p + 1)
-                .ok_or_else(|| TokenizerError::BadMerge {
-                    index,
-                    merge: m.to_string(),
-                })?;
-            merges.push((m[..split_at].to_string(), m[split_at + 1..].to_string()));
-        }
+        let merges = read_merges(meta)?;
 
         // The vocabulary map for BPE. On a duplicated text the first id wins; every id still
         // decodes through `kinds` and the model's reverse map.
@@ -537,33 +500,84 @@ impl Tokenizer {
         // library must treat them as text everywhere else.
         hf.set_encode_special_tokens(true);
 
-        let bos = optional_id(meta, "tokenizer.ggml.bos_token_id", n_vocab)?;
-        let eos = optional_id(meta, "tokenizer.ggml.eos_token_id", n_vocab)?;
-        let pad = optional_id(meta, "tokenizer.ggml.padding_token_id", n_vocab)?;
-        let eot_key = optional_id(meta, "tokenizer.ggml.eot_token_id", n_vocab)?;
-        let add_bos_key = "tokenizer.ggml.add_bos_token";
-        let add_bos = match meta.meta(add_bos_key) {
-            None => spec.add_bos_default,
-            Some(v) => v.as_bool().ok_or_else(|| TokenizerError::WrongType {
-                key: add_bos_key.to_string(),
-                expected: "bool",
-            })?,
-        };
-
+        let ids = SpecialIds::read(meta, n_vocab, spec.add_bos_default)?;
         let owned_tokens: Vec<String> = tokens.iter().map(|s| s.to_string()).collect();
         Self::assemble(
-            hf,
+            Model::Bpe(Box::new(hf)),
             kinds,
             &owned_tokens,
             true,
-            SpecialIds {
-                bos,
-                eos,
-                eot: eot_key,
-                pad,
-                add_bos,
-            },
+            ids,
             pre.to_string(),
+        )
+    }
+
+    /// A SentencePiece-style vocabulary: `llama` (scores, `tokenizer.ggml.scores`; a space
+    /// before the text unless `tokenizer.ggml.add_space_prefix` is false) or `gemma4` (merge
+    /// ranks, `tokenizer.ggml.merges`; no space prefix; BOS always, as llama.cpp forces it).
+    fn from_spm_metadata<M: TokenizerMetadata + ?Sized>(
+        meta: &M,
+        model: &str,
+    ) -> Result<Tokenizer, TokenizerError> {
+        let tokens = read_tokens(meta)?;
+        let n_vocab = tokens.len();
+        let texts: Vec<String> = tokens.iter().map(|s| s.to_string()).collect();
+        let types = read_token_types(meta, n_vocab)?;
+        let gemma = model == "gemma4";
+        let merging = if gemma {
+            SpmVocab::ranks(&texts, &read_merges(meta)?)
+        } else {
+            let key = "tokenizer.ggml.scores";
+            let wrong = || TokenizerError::WrongType {
+                key: key.to_string(),
+                expected: "array of floats",
+            };
+            let items = required(meta, key)?.as_array().ok_or_else(wrong)?;
+            if items.len() != n_vocab {
+                return Err(TokenizerError::LengthMismatch {
+                    key: key.to_string(),
+                    found: items.len(),
+                    expected: n_vocab,
+                });
+            }
+            let scores = items
+                .iter()
+                .map(|v| v.as_f64().map(|f| f as f32).ok_or_else(wrong))
+                .collect::<Result<Vec<f32>, _>>()?;
+            Merging::Scores(scores)
+        };
+        let prefix_key = "tokenizer.ggml.add_space_prefix";
+        let add_space_prefix = match meta.meta(prefix_key) {
+            None => !gemma,
+            Some(v) => v.as_bool().ok_or_else(|| TokenizerError::WrongType {
+                key: prefix_key.to_string(),
+                expected: "bool",
+            })?,
+        };
+        let mut ids = SpecialIds::read(meta, n_vocab, true)?;
+        if gemma {
+            ids.add_bos = true;
+        }
+        // The unknown token (`<unk>`) is matched whole under `parse_special`, as llama.cpp's
+        // partition does, and renders as its text.
+        let kinds = types
+            .iter()
+            .map(|&t| match t {
+                TOKEN_TYPE_UNKNOWN => TokenKind::Control,
+                t => kind_of_type(t),
+            })
+            .collect();
+        let vocab = Box::new(SpmVocab::new(texts.clone(), &types, merging));
+        Self::assemble(
+            Model::Spm {
+                vocab,
+                add_space_prefix,
+            },
+            kinds,
+            &texts,
+            false,
+            ids,
+            model.to_string(),
         )
     }
 
@@ -621,11 +635,18 @@ impl Tokenizer {
                 .and_then(|v| v.as_bool())
                 .unwrap_or(false);
         }
-        Self::assemble(hf, kinds, &texts, byte_level, ids, "tokenizer.json".into())
+        Self::assemble(
+            Model::Bpe(Box::new(hf)),
+            kinds,
+            &texts,
+            byte_level,
+            ids,
+            "tokenizer.json".into(),
+        )
     }
 
     fn assemble(
-        hf: tokenizers::Tokenizer,
+        model: Model,
         mut kinds: Vec<TokenKind>,
         texts: &[String],
         byte_level: bool,
@@ -641,11 +662,18 @@ impl Tokenizer {
         }
         let mut eot = ids.eot;
         for name in EOG_NAMES {
-            let Some(id) = hf.token_to_id(name) else {
+            let Some(id) = model.token_id(name) else {
                 continue;
             };
             let is_control = kinds.get(id as usize) == Some(&TokenKind::Control);
-            if is_control && texts.get(id as usize).map(String::as_str) == Some(*name) {
+            // llama.cpp marks these names end-of-generation whatever their type and makes
+            // them CONTROL; we do so for SentencePiece-style vocabularies (gemma-4's
+            // `<|tool_response>` is USER_DEFINED in the file), and keep byte-level BPE as it was.
+            let spm = matches!(model, Model::Spm { .. });
+            if (is_control || spm) && texts.get(id as usize).map(String::as_str) == Some(*name) {
+                if let Some(k) = kinds.get_mut(id as usize) {
+                    *k = TokenKind::Control;
+                }
                 eog.insert(id);
                 if eot.is_none() {
                     eot = Some(id);
@@ -660,19 +688,31 @@ impl Tokenizer {
             }
         }
 
-        let mut control_tokens: Vec<(String, u32)> = kinds
+        let user_defined_too = matches!(model, Model::Spm { .. });
+        let mut specials: Vec<Special> = kinds
             .iter()
             .enumerate()
-            .filter(|(id, k)| **k == TokenKind::Control && !texts[*id].is_empty())
-            .map(|(id, _)| (texts[id].clone(), id as u32))
+            .filter(|(id, _)| !texts[*id].is_empty())
+            .filter_map(|(id, k)| {
+                let always = match k {
+                    TokenKind::Control => false,
+                    TokenKind::UserDefined if user_defined_too => true,
+                    _ => return None,
+                };
+                Some(Special {
+                    text: texts[id].clone(),
+                    id: id as u32,
+                    always,
+                })
+            })
             .collect();
         // Longest first, as llama.cpp partitions; ties by id so the order is deterministic.
-        control_tokens.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
+        specials.sort_by(|a, b| b.text.len().cmp(&a.text.len()).then(a.id.cmp(&b.id)));
 
         Ok(Tokenizer {
-            hf,
+            model,
             kinds,
-            control_tokens,
+            specials,
             byte_level,
             bos: ids.bos,
             eos: ids.eos,
@@ -705,38 +745,68 @@ impl Tokenizer {
                 out.push(b);
             }
         }
-        if parse_special {
-            for fragment in self.partition(text) {
-                match fragment {
-                    Fragment::Token(id) => out.push(id),
-                    Fragment::Text(t) => self.encode_plain(t, &mut out)?,
+        // Text right after a special token (or at the start) gets the SentencePiece space
+        // prefix, as llama.cpp does.
+        let mut after_special = true;
+        for fragment in self.partition(text, parse_special) {
+            match fragment {
+                Fragment::Token(id) => {
+                    out.push(id);
+                    after_special = true;
+                }
+                Fragment::Text(t) => {
+                    self.encode_plain(t, after_special, &mut out)?;
+                    after_special = false;
                 }
             }
-        } else {
-            self.encode_plain(text, &mut out)?;
         }
         Ok(out)
     }
 
-    fn encode_plain(&self, text: &str, out: &mut Vec<u32>) -> Result<(), TokenizerError> {
+    fn encode_plain(
+        &self,
+        text: &str,
+        after_special: bool,
+        out: &mut Vec<u32>,
+    ) -> Result<(), TokenizerError> {
         if text.is_empty() {
             return Ok(());
         }
-        let enc = self
-            .hf
-            .encode_fast(text, false)
-            .map_err(|e| TokenizerError::Encode {
-                message: e.to_string(),
-            })?;
-        out.extend_from_slice(enc.get_ids());
+        match &self.model {
+            Model::Bpe(hf) => {
+                let enc = hf
+                    .encode_fast(text, false)
+                    .map_err(|e| TokenizerError::Encode {
+                        message: e.to_string(),
+                    })?;
+                out.extend_from_slice(enc.get_ids());
+            }
+            Model::Spm {
+                vocab,
+                add_space_prefix,
+            } => {
+                let mut escaped = String::with_capacity(text.len() + 4);
+                if *add_space_prefix && after_special {
+                    escaped.push('\u{2581}');
+                }
+                escaped.push_str(&text.replace(' ', "\u{2581}"));
+                vocab.encode(&escaped, out);
+            }
+        }
         Ok(())
     }
 
-    /// Split `text` at every CONTROL token, longest tokens first (llama.cpp's partition).
-    fn partition<'t>(&self, text: &'t str) -> Vec<Fragment<'t>> {
+    /// Split `text` at every special token our partition matches (see `specials`), longest
+    /// tokens first (llama.cpp's partition).
+    fn partition<'t>(&self, text: &'t str, parse_special: bool) -> Vec<Fragment<'t>> {
         let mut fragments = vec![Fragment::Text(text)];
-        for (special, id) in &self.control_tokens {
-            if !text.contains(special.as_str()) {
+        for Special {
+            text: special,
+            id,
+            always,
+        } in &self.specials
+        {
+            if !(parse_special || *always) || !text.contains(special.as_str()) {
                 continue;
             }
             let mut next = Vec::with_capacity(fragments.len() + 2);
@@ -769,26 +839,49 @@ impl Tokenizer {
         let Some(kind) = self.kinds.get(id as usize) else {
             return Vec::new();
         };
-        let Some(text) = self.hf.id_to_token(id) else {
-            return Vec::new();
-        };
-        match kind {
-            TokenKind::Normal if self.byte_level => byte_level_decode(&text),
-            TokenKind::Normal => self
-                .hf
-                .decode(&[id], false)
-                .map(String::into_bytes)
-                .unwrap_or_default(),
-            TokenKind::Control | TokenKind::UserDefined => text.into_bytes(),
+        match &self.model {
+            Model::Bpe(hf) => {
+                let Some(text) = hf.id_to_token(id) else {
+                    return Vec::new();
+                };
+                match kind {
+                    TokenKind::Normal if self.byte_level => byte_level_decode(&text),
+                    TokenKind::Normal => hf
+                        .decode(&[id], false)
+                        .map(String::into_bytes)
+                        .unwrap_or_default(),
+                    TokenKind::Control | TokenKind::UserDefined => text.into_bytes(),
+                }
+            }
+            Model::Spm { vocab, .. } => match kind {
+                TokenKind::Normal => vocab.piece_bytes(id),
+                TokenKind::Control | TokenKind::UserDefined => vocab
+                    .text(id)
+                    .map(|t| t.as_bytes().to_vec())
+                    .unwrap_or_default(),
+            },
         }
     }
 
     /// Decode ids to text, special tokens included; bytes that are not valid UTF-8 become
-    /// U+FFFD. Ids outside the vocabulary contribute nothing.
+    /// U+FFFD. Ids outside the vocabulary contribute nothing. A vocabulary that puts a space
+    /// before the text (`llama` SentencePiece) loses it again from the first token, as
+    /// llama.cpp's detokenizer does; a stream decoded token by token keeps it.
     pub fn decode(&self, ids: &[u32]) -> String {
         let mut bytes = Vec::with_capacity(ids.len() * 4);
-        for &id in ids {
-            bytes.extend_from_slice(&self.token_bytes(id));
+        for (i, &id) in ids.iter().enumerate() {
+            let piece = self.token_bytes(id);
+            let strip = i == 0
+                && self.kinds.get(id as usize) == Some(&TokenKind::Normal)
+                && matches!(
+                    self.model,
+                    Model::Spm {
+                        add_space_prefix: true,
+                        ..
+                    }
+                )
+                && piece.first() == Some(&b' ');
+            bytes.extend_from_slice(if strip { &piece[1..] } else { &piece });
         }
         match String::from_utf8(bytes) {
             Ok(s) => s,
@@ -866,14 +959,133 @@ impl Tokenizer {
     /// The id of a token by its vocabulary text (byte-level form for ordinary tokens, literal
     /// for special ones), e.g. `token_id("<|im_end|>")`.
     pub fn token_id(&self, text: &str) -> Option<u32> {
-        self.hf.token_to_id(text)
+        self.model.token_id(text)
     }
 
-    /// The underlying `tokenizers` tokenizer (CONTROL tokens are registered as special added
-    /// tokens with `encode_special_tokens` on).
-    pub fn inner(&self) -> &tokenizers::Tokenizer {
-        &self.hf
+    /// The underlying `tokenizers` tokenizer of a byte-level BPE vocabulary (CONTROL tokens
+    /// are registered as special added tokens with `encode_special_tokens` on); `None` for a
+    /// SentencePiece-style one, which runs on our own merge loop.
+    pub fn inner(&self) -> Option<&tokenizers::Tokenizer> {
+        match &self.model {
+            Model::Bpe(hf) => Some(hf.as_ref()),
+            Model::Spm { .. } => None,
+        }
     }
+
+    /// The tokenizer model: `gpt2` (byte-level BPE), `llama` or `gemma4`.
+    pub fn model_name(&self) -> &'static str {
+        self.model.name()
+    }
+}
+
+/// The merge machinery under a [`Tokenizer`].
+enum Model {
+    /// Byte-level BPE on the `tokenizers` library.
+    Bpe(Box<tokenizers::Tokenizer>),
+    /// SentencePiece-style, on [`crate::spm`].
+    Spm {
+        vocab: Box<SpmVocab>,
+        /// Put `▁` before text that starts the input or follows a special token.
+        add_space_prefix: bool,
+    },
+}
+
+impl Model {
+    fn token_id(&self, text: &str) -> Option<u32> {
+        match self {
+            Model::Bpe(hf) => hf.token_to_id(text),
+            Model::Spm { vocab, .. } => vocab.id(text),
+        }
+    }
+
+    fn name(&self) -> &'static str {
+        match self {
+            Model::Bpe(_) => "gpt2",
+            Model::Spm { vocab, .. } => vocab.model_name(),
+        }
+    }
+}
+
+/// A token the partition matches whole.
+struct Special {
+    text: String,
+    id: u32,
+    /// Matched even without `parse_special` (USER_DEFINED).
+    always: bool,
+}
+
+/// `tokenizer.ggml.tokens`: at least one, and few enough for 32-bit ids.
+fn read_tokens<M: TokenizerMetadata + ?Sized>(meta: &M) -> Result<Vec<&str>, TokenizerError> {
+    let key = "tokenizer.ggml.tokens";
+    let tokens = string_array(required(meta, key)?, key)?;
+    if tokens.is_empty() {
+        return Err(TokenizerError::EmptyVocab);
+    }
+    if tokens.len() > u32::MAX as usize {
+        return Err(TokenizerError::Build {
+            message: format!("{} tokens do not fit 32-bit ids", tokens.len()),
+        });
+    }
+    Ok(tokens)
+}
+
+/// `tokenizer.ggml.token_type`, one GGUF token type per token (all normal when absent).
+fn read_token_types<M: TokenizerMetadata + ?Sized>(
+    meta: &M,
+    n_vocab: usize,
+) -> Result<Vec<i32>, TokenizerError> {
+    let key = "tokenizer.ggml.token_type";
+    let Some(v) = meta.meta(key) else {
+        return Ok(vec![TOKEN_TYPE_NORMAL; n_vocab]);
+    };
+    let wrong = || TokenizerError::WrongType {
+        key: key.to_string(),
+        expected: "array of integers",
+    };
+    let items = v.as_array().ok_or_else(wrong)?;
+    if items.len() != n_vocab {
+        return Err(TokenizerError::LengthMismatch {
+            key: key.to_string(),
+            found: items.len(),
+            expected: n_vocab,
+        });
+    }
+    items
+        .iter()
+        .map(|t| t.as_i64().map(|t| t as i32).ok_or_else(wrong))
+        .collect()
+}
+
+fn kind_of_type(t: i32) -> TokenKind {
+    match t {
+        TOKEN_TYPE_CONTROL => TokenKind::Control,
+        TOKEN_TYPE_USER_DEFINED => TokenKind::UserDefined,
+        _ => TokenKind::Normal,
+    }
+}
+
+/// `tokenizer.ggml.merges` as (left, right) pairs. llama.cpp splits each at the first space
+/// after the first byte, so a left side that is itself a space survives.
+fn read_merges<M: TokenizerMetadata + ?Sized>(
+    meta: &M,
+) -> Result<Vec<(String, String)>, TokenizerError> {
+    let key = "tokenizer.ggml.merges";
+    let raw = string_array(required(meta, key)?, key)?;
+    let mut merges = Vec::with_capacity(raw.len());
+    for (index, m) in raw.iter().enumerate() {
+        let split_at = m
+            .as_bytes()
+            .iter()
+            .skip(1)
+            .position(|&b| b == b' ')
+            .map(|p| p + 1)
+            .ok_or_else(|| TokenizerError::BadMerge {
+                index,
+                merge: m.to_string(),
+            })?;
+        merges.push((m[..split_at].to_string(), m[split_at + 1..].to_string()));
+    }
+    Ok(merges)
 }
 
 #[derive(Default)]
@@ -883,6 +1095,30 @@ struct SpecialIds {
     eot: Option<u32>,
     pad: Option<u32>,
     add_bos: bool,
+}
+
+impl SpecialIds {
+    /// The `tokenizer.ggml.*_token_id` keys and `add_bos_token` (else `add_bos_default`).
+    fn read<M: TokenizerMetadata + ?Sized>(
+        meta: &M,
+        n_vocab: usize,
+        add_bos_default: bool,
+    ) -> Result<SpecialIds, TokenizerError> {
+        let add_bos_key = "tokenizer.ggml.add_bos_token";
+        Ok(SpecialIds {
+            bos: optional_id(meta, "tokenizer.ggml.bos_token_id", n_vocab)?,
+            eos: optional_id(meta, "tokenizer.ggml.eos_token_id", n_vocab)?,
+            pad: optional_id(meta, "tokenizer.ggml.padding_token_id", n_vocab)?,
+            eot: optional_id(meta, "tokenizer.ggml.eot_token_id", n_vocab)?,
+            add_bos: match meta.meta(add_bos_key) {
+                None => add_bos_default,
+                Some(v) => v.as_bool().ok_or_else(|| TokenizerError::WrongType {
+                    key: add_bos_key.to_string(),
+                    expected: "bool",
+                })?,
+            },
+        })
+    }
 }
 
 enum Fragment<'t> {

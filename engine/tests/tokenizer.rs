@@ -1,6 +1,7 @@
 //! The tokenizer against llama.cpp's own test vectors: for every vocabulary-only GGUF in
-//! `../shared/data/vocab` whose tokenizer is byte-level BPE, every test string must encode to
-//! exactly the expected ids and decode back to itself.
+//! `../shared/data/vocab` whose tokenizer this build reads (byte-level BPE `gpt2`,
+//! SentencePiece-style `llama` and `gemma4`), every test string must encode to exactly the
+//! expected ids and decode back to itself.
 
 use bmoe_engine::gguf::GgufFile;
 use bmoe_engine::testdata::shared_path;
@@ -37,14 +38,15 @@ fn load_vectors(gguf: &std::path::Path) -> Vec<(String, Vec<u32>)> {
     strings.into_iter().map(String::from).zip(ids).collect()
 }
 
-fn is_gpt2_vocab(file: &GgufFile) -> bool {
-    file.get("tokenizer.ggml.model").and_then(|v| v.as_str()) == Some("gpt2")
+fn tokenizer_model(file: &GgufFile) -> Option<&str> {
+    file.get("tokenizer.ggml.model").and_then(|v| v.as_str())
 }
 
-#[test]
-fn every_bpe_vocab_matches_llama_cpp_vectors() {
+/// Every vocabulary of a tokenizer model in `models` must pass all its vectors; returns the
+/// files checked.
+fn check_vectors(models: &[&str]) -> Vec<std::path::PathBuf> {
     let Some(dir) = shared_path("data/vocab") else {
-        return;
+        return Vec::new();
     };
     let mut paths: Vec<_> = std::fs::read_dir(&dir)
         .expect("read vocab dir")
@@ -56,7 +58,7 @@ fn every_bpe_vocab_matches_llama_cpp_vectors() {
     let mut failures = Vec::new();
     for path in &paths {
         let file = GgufFile::open(path).expect("open vocab gguf");
-        if !is_gpt2_vocab(&file) {
+        if !tokenizer_model(&file).is_some_and(|m| models.contains(&m)) {
             continue;
         }
         let tok = Tokenizer::from_gguf(&file).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
@@ -79,41 +81,67 @@ fn every_bpe_vocab_matches_llama_cpp_vectors() {
             } else {
                 n_ok += 1;
             }
-            // Streaming one id at a time gives the same text.
+            // Streaming one id at a time gives the same text (with the SentencePiece space
+            // prefix, which only a whole decode drops).
             let mut stream = StreamDecoder::new();
             let mut streamed = String::new();
             for &id in &got {
                 streamed.push_str(&stream.push(&tok, id));
             }
             streamed.push_str(&stream.flush());
+            let prefixed = tok.model_name() == "llama" && !text.is_empty();
             assert_eq!(
                 streamed,
-                back,
+                if prefixed { format!(" {back}") } else { back },
                 "{}: stream decode of {text:?}",
                 path.display()
             );
         }
         eprintln!(
-            "{}: pre={} {n_ok}/{} vectors pass",
+            "{}: model={} pre={} {n_ok}/{} vectors pass",
             path.file_name()
                 .map(|n| n.to_string_lossy())
                 .unwrap_or_default(),
+            tok.model_name(),
             tok.pre(),
             vectors.len()
         );
         checked.push(path.clone());
     }
     assert!(
-        !checked.is_empty(),
-        "no gpt2-type vocabulary found in {}",
-        dir.display()
-    );
-    assert!(
         failures.is_empty(),
         "{} failures:\n{}",
         failures.len(),
         failures.join("\n")
     );
+    checked
+}
+
+#[test]
+fn every_bpe_vocab_matches_llama_cpp_vectors() {
+    if shared_path("data/vocab").is_none() {
+        return;
+    }
+    let checked = check_vectors(&["gpt2"]);
+    assert!(!checked.is_empty(), "no gpt2-type vocabulary found");
+}
+
+#[test]
+fn sentencepiece_vocabs_match_llama_cpp_vectors() {
+    if shared_path("data/vocab").is_none() {
+        return;
+    }
+    let checked = check_vectors(&["llama", "gemma4"]);
+    let names: Vec<String> = checked
+        .iter()
+        .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .collect();
+    for want in ["ggml-vocab-llama-spm.gguf", "ggml-vocab-gemma-4.gguf"] {
+        assert!(
+            names.iter().any(|n| n == want),
+            "{want} not checked: {names:?}"
+        );
+    }
 }
 
 #[test]
@@ -395,4 +423,69 @@ mod builtin {
         assert_eq!(from_json.eos(), from_kv.eos());
         std::fs::remove_dir_all(&dir).ok();
     }
+}
+
+/// Special tokens, BOS and the space prefix of the SentencePiece-style vocabularies, with the
+/// ids llama-cpp-python 0.3.36 gives (`Llama(vocab_only=True).tokenize(text, add_bos, special)`).
+#[test]
+fn sentencepiece_specials_match_llama_cpp() {
+    let Some(gemma) = shared_path("data/vocab/ggml-vocab-gemma-4.gguf") else {
+        return;
+    };
+    let tok = Tokenizer::from_gguf(&GgufFile::open(&gemma).expect("open")).expect("tokenizer");
+    assert!(tok.add_bos());
+    assert_eq!((tok.bos(), tok.eos()), (Some(2), Some(1)));
+    assert_eq!(tok.eot(), Some(106), "<turn|> ends a gemma-4 turn");
+    assert!(tok.is_eog(1) && tok.is_eog(106) && tok.is_eog(50));
+    let chat = "<|turn>user\nHi there<turn|>\n<|turn>model\n";
+    assert_eq!(
+        tok.encode(chat, true).expect("encode"),
+        [2, 105, 2364, 107, 10979, 993, 106, 107, 105, 4368, 107]
+    );
+    assert_eq!(
+        tok.encode_with(chat, false, false).expect("encode"),
+        [
+            236820, 236909, 887, 236813, 2364, 107, 10979, 993, 236820, 887, 111038, 107, 236820,
+            236909, 887, 236813, 4368, 107
+        ]
+    );
+    // `<|"|>` is USER_DEFINED (always whole); `<|tool_response>` became CONTROL as an
+    // end-of-generation marker, so it is whole only when specials are parsed.
+    let tool = "<|tool_response>x <|\"|> y";
+    assert_eq!(
+        tok.encode(tool, true).expect("encode"),
+        [2, 50, 236781, 236743, 52, 570]
+    );
+    assert_eq!(
+        tok.encode_with(tool, false, false).expect("encode"),
+        [236820, 236909, 13205, 236779, 6275, 236813, 236781, 236743, 52, 570]
+    );
+    assert_eq!(tok.encode(" lead", true).expect("encode"), [2, 2080]);
+
+    let Some(spm) = shared_path("data/vocab/ggml-vocab-llama-spm.gguf") else {
+        return;
+    };
+    let tok = Tokenizer::from_gguf(&GgufFile::open(&spm).expect("open")).expect("tokenizer");
+    let inst = "<s>[INST] Hi [/INST]</s> ok";
+    assert_eq!(
+        tok.encode(inst, true).expect("encode"),
+        [1, 1, 518, 25580, 29962, 6324, 518, 29914, 25580, 29962, 2, 29871, 3431]
+    );
+    assert_eq!(
+        tok.encode_with(inst, false, false).expect("encode"),
+        [
+            529, 29879, 24566, 25580, 29962, 6324, 518, 29914, 25580, 29962, 829, 29879, 29958,
+            3431
+        ]
+    );
+    assert_eq!(tok.encode(" lead", true).expect("encode"), [1, 29871, 3275]);
+    assert_eq!(
+        tok.encode_with("a<unk>b", false, true).expect("encode"),
+        [263, 0, 289]
+    );
+    assert_eq!(
+        tok.encode_with("a<unk>b", false, false).expect("encode"),
+        [263, 29966, 2960, 29958, 29890]
+    );
+    assert_eq!(tok.decode(&[29871, 3275]), " lead");
 }

@@ -20,7 +20,10 @@ use std::path::{Path, PathBuf};
 
 /// The architectures besides qwen3moe (whose own gates are `parity.rs`, `streaming.rs`,
 /// `sim_engine.rs`), with the gating each records.
-const ARCHS: &[(&str, &str)] = &[("qwen2moe", "softmax_topk")];
+const ARCHS: &[(&str, &str)] = &[
+    ("qwen2moe", "softmax_topk"),
+    ("gemma4", "softmax_topk_norm"),
+];
 
 const SHORT: &str = "The cache of experts keeps what the router asked for";
 

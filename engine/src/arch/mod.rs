@@ -12,6 +12,7 @@
 //! loader; an unknown architecture is refused by name.
 
 pub mod blocks;
+pub mod gemma4;
 pub mod meta;
 pub mod qwen2moe;
 pub mod qwen3moe;
@@ -169,6 +170,11 @@ pub const REGISTRY: &[ArchEntry] = &[
         name: qwen2moe::ARCH,
         about: "Qwen1.5/Qwen2 MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): softmax top-k routing, not renormalised, SiLU-gated split experts, a sigmoid-gated shared expert (resident)",
         load: qwen2moe::load,
+    },
+    ArchEntry {
+        name: gemma4::ARCH,
+        about: "Gemma 4 MoE (Gemma-4-26B-A4B): a dense GELU MLP beside GELU-gated fused gate_up experts with per-expert down scales, softmax top-k routing (renormalised) on its own scaled input, sliding-window and global layers, logit soft-capping",
+        load: gemma4::load,
     },
 ];
 

@@ -136,7 +136,7 @@ impl Loader {
         &self.file
     }
 
-    fn path(&self) -> String {
+    pub(crate) fn path(&self) -> String {
         self.file.path().display().to_string()
     }
 
