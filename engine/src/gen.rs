@@ -1,5 +1,5 @@
 //! The synthetic model generator behind `bmoe-cli gen`: complete, loadable GGUF files of every
-//! architecture the engine runs (`--arch`: qwen3moe, qwen2moe) with deterministic random
+//! architecture the engine runs (`--arch`: qwen3moe, qwen2moe, gpt-oss) with deterministic random
 //! weights, a real tokenizer and chat template, so tests and benchmarks make the models they
 //! need and no model file is ever committed. Each file follows llama.cpp's tensor names and
 //! metadata for its architecture, so llama.cpp loads it too (the parity gates).
@@ -15,6 +15,7 @@
 //! Intermediate values give the reuse and LRU hit-rate curves of real models; see
 //! `docs/models.md` for measured statistics.
 
+mod gpt_oss;
 mod mix;
 
 pub use mix::Ftype;
@@ -34,15 +35,19 @@ pub enum GenArch {
     /// Qwen1.5/Qwen2 MoE: q/k/v biases, a sigmoid-gated shared expert, weights not
     /// renormalised.
     Qwen2Moe,
+    /// gpt-oss: attention sinks, sliding-window layers, YaRN, biases everywhere, clamped
+    /// SwiGLU experts, top-k then softmax.
+    GptOss,
 }
 
 impl GenArch {
-    pub const NAMES: &'static [&'static str] = &["qwen3moe", "qwen2moe"];
+    pub const NAMES: &'static [&'static str] = &["qwen3moe", "qwen2moe", "gpt-oss"];
 
     pub fn from_name(s: &str) -> Option<GenArch> {
         match s {
             "qwen3moe" => Some(GenArch::Qwen3Moe),
             "qwen2moe" => Some(GenArch::Qwen2Moe),
+            "gpt-oss" => Some(GenArch::GptOss),
             _ => None,
         }
     }
@@ -51,6 +56,7 @@ impl GenArch {
         match self {
             GenArch::Qwen3Moe => "qwen3moe",
             GenArch::Qwen2Moe => "qwen2moe",
+            GenArch::GptOss => "gpt-oss",
         }
     }
 
@@ -83,6 +89,12 @@ pub struct ModelShape {
     pub rms_eps: f32,
     /// Omit `output.weight`: the head reuses `token_embd`.
     pub tie_output: bool,
+    /// Sliding window of the sliding layers (gpt-oss; 0 = every layer attends fully).
+    pub n_swa: u32,
+    /// YaRN context extension factor (gpt-oss; 0 = no rope scaling) and its original
+    /// context length.
+    pub yarn_factor: f32,
+    pub yarn_orig_ctx: u32,
 }
 
 /// Named starting points; every dimension can be overridden.
@@ -104,6 +116,11 @@ pub enum Preset {
     /// d_model 2048, expert FFN 1408, shared expert FFN 5632, 16 heads of 128; ~8 GB at
     /// Q4_K_M.
     Qwen15MoeA27bShape,
+    /// The full shape of gpt-oss-20b: 24 layers, 32 experts, top-4, d_model 2880, expert FFN
+    /// 2880, GQA 64/8 heads of 64, window 128, YaRN ×32; MXFP4 experts (~12 GB).
+    GptOss20bShape,
+    /// The full shape of gpt-oss-120b: as 20b with 36 layers and 128 experts (~63 GB).
+    GptOss120bShape,
 }
 
 impl Preset {
@@ -113,6 +130,8 @@ impl Preset {
         "small",
         "qwen3-30b-a3b-shape",
         "qwen1.5-moe-a2.7b-shape",
+        "gpt-oss-20b-shape",
+        "gpt-oss-120b-shape",
     ];
 
     pub const ALL: &'static [Preset] = &[
@@ -121,6 +140,8 @@ impl Preset {
         Preset::Small,
         Preset::Qwen3_30bA3bShape,
         Preset::Qwen15MoeA27bShape,
+        Preset::GptOss20bShape,
+        Preset::GptOss120bShape,
     ];
 
     pub fn from_name(s: &str) -> Option<Preset> {
@@ -130,6 +151,8 @@ impl Preset {
             "small" => Some(Preset::Small),
             "qwen3-30b-a3b-shape" | "qwen3-30b-a3b" => Some(Preset::Qwen3_30bA3bShape),
             "qwen1.5-moe-a2.7b-shape" | "qwen2moe-a2.7b-shape" => Some(Preset::Qwen15MoeA27bShape),
+            "gpt-oss-20b-shape" => Some(Preset::GptOss20bShape),
+            "gpt-oss-120b-shape" => Some(Preset::GptOss120bShape),
             _ => None,
         }
     }
@@ -141,6 +164,8 @@ impl Preset {
             Preset::Small => "small",
             Preset::Qwen3_30bA3bShape => "qwen3-30b-a3b-shape",
             Preset::Qwen15MoeA27bShape => "qwen1.5-moe-a2.7b-shape",
+            Preset::GptOss20bShape => "gpt-oss-20b-shape",
+            Preset::GptOss120bShape => "gpt-oss-120b-shape",
         }
     }
 
@@ -151,6 +176,7 @@ impl Preset {
             Preset::Tiny | Preset::TinyOdd | Preset::Small => None,
             Preset::Qwen3_30bA3bShape => Some(GenArch::Qwen3Moe),
             Preset::Qwen15MoeA27bShape => Some(GenArch::Qwen2Moe),
+            Preset::GptOss20bShape | Preset::GptOss120bShape => Some(GenArch::GptOss),
         }
     }
 
@@ -177,6 +203,9 @@ impl Preset {
                 _ => 512,
             };
         }
+        if arch == GenArch::GptOss && s.n_swa == 0 {
+            gpt_oss::tiny_extras(&mut s);
+        }
         Ok(s)
     }
 
@@ -197,6 +226,9 @@ impl Preset {
             rope_base: 1_000_000.0,
             rms_eps: 1e-6,
             tie_output: false,
+            n_swa: 0,
+            yarn_factor: 0.0,
+            yarn_orig_ctx: 0,
         };
         match self {
             Preset::Tiny => base,
@@ -245,6 +277,8 @@ impl Preset {
                 n_ctx_train: 8192,
                 ..base
             },
+            Preset::GptOss20bShape => gpt_oss::full_shape(24, 32),
+            Preset::GptOss120bShape => gpt_oss::full_shape(36, 128),
         }
     }
 
@@ -255,7 +289,10 @@ impl Preset {
             Preset::Tiny | Preset::TinyOdd => 0.5,
             Preset::Small => 0.4,
             // Not calibrated for its own shape: qwen3-30b-a3b-shape's, the nearest measured.
-            Preset::Qwen3_30bA3bShape | Preset::Qwen15MoeA27bShape => 0.63,
+            Preset::Qwen3_30bA3bShape
+            | Preset::Qwen15MoeA27bShape
+            | Preset::GptOss20bShape
+            | Preset::GptOss120bShape => 0.63,
         }
     }
 
@@ -268,6 +305,8 @@ impl Preset {
             Preset::Small | Preset::Qwen3_30bA3bShape | Preset::Qwen15MoeA27bShape => {
                 TypeScheme::q4_k_m()
             }
+            // As the published files: MXFP4 experts, Q8_0 elsewhere.
+            Preset::GptOss20bShape | Preset::GptOss120bShape => TypeScheme::ftype(Ftype::MXFP4_MOE),
         }
     }
 }
@@ -517,6 +556,12 @@ impl GenOptions {
             GenArch::Qwen2Moe if s.tie_output => {
                 return bad("--tie-output: llama.cpp requires qwen2moe's output.weight".into());
             }
+            GenArch::GptOss if s.n_ff_shexp != 0 => {
+                return bad("--shared-ffn: gpt-oss has no shared expert".into());
+            }
+            GenArch::GptOss if s.tie_output => {
+                return bad("--tie-output: llama.cpp requires gpt-oss's output.weight".into());
+            }
             _ => {}
         }
         if s.n_layer > 4096 || s.n_expert > 65535 {
@@ -579,6 +624,7 @@ impl GenOptions {
                 Value::U32(match s.arch {
                     GenArch::Qwen2Moe => s.n_ff_shexp,
                     GenArch::Qwen3Moe => s.n_ff_exp * s.n_expert_used,
+                    GenArch::GptOss => s.n_ff_exp,
                 }),
             ),
             (k("attention.head_count"), Value::U32(s.n_head)),
@@ -596,6 +642,9 @@ impl GenOptions {
                 k("expert_shared_feed_forward_length"),
                 Value::U32(s.n_ff_shexp),
             ));
+        }
+        if s.arch == GenArch::GptOss {
+            m.extend(gpt_oss::metadata(s));
         }
         m.extend([
             (
@@ -695,7 +744,7 @@ impl GenOptions {
             // attention is as near-uniform as with them.
             let qk_std = match s.arch {
                 GenArch::Qwen3Moe => inv(d),
-                GenArch::Qwen2Moe => inv(d) * self.attn_sharpness,
+                GenArch::Qwen2Moe | GenArch::GptOss => inv(d) * self.attn_sharpness,
             };
             push(
                 b("attn_q"),
@@ -742,7 +791,7 @@ impl GenOptions {
                         );
                     }
                 }
-                GenArch::Qwen2Moe => {
+                GenArch::Qwen2Moe | GenArch::GptOss => {
                     // Small q/k/v biases, as trained qwen2 models have.
                     for (n, w) in [("attn_q", q_dim), ("attn_k", kv_dim), ("attn_v", kv_dim)] {
                         push(
@@ -771,8 +820,13 @@ impl GenOptions {
                 },
                 fallbacks,
             );
+            // gpt-oss names its FFN norm after the attention it follows.
+            let ffn_norm = match s.arch {
+                GenArch::GptOss => "post_attention_norm",
+                _ => "ffn_norm",
+            };
             push(
-                b("ffn_norm"),
+                b(ffn_norm),
                 &[d],
                 Want::Keep(GgmlType::F32),
                 Fill::Const(1.0),
@@ -824,6 +878,11 @@ impl GenOptions {
                 },
                 fallbacks,
             );
+            if s.arch == GenArch::GptOss {
+                for (name, dims, fill) in gpt_oss::layer_extras(s, i) {
+                    push(name, &dims, Want::Keep(GgmlType::F32), fill, fallbacks);
+                }
+            }
             if s.arch == GenArch::Qwen2Moe {
                 // The shared expert and its gate; like the experts, it writes the token half.
                 let fs = s.n_ff_shexp as u64;

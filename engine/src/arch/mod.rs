@@ -12,6 +12,7 @@
 //! loader; an unknown architecture is refused by name.
 
 pub mod blocks;
+pub mod gpt_oss;
 pub mod meta;
 pub mod qwen2moe;
 pub mod qwen3moe;
@@ -169,6 +170,11 @@ pub const REGISTRY: &[ArchEntry] = &[
         name: qwen2moe::ARCH,
         about: "Qwen1.5/Qwen2 MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): softmax top-k routing, not renormalised, SiLU-gated split experts, a sigmoid-gated shared expert (resident)",
         load: qwen2moe::load,
+    },
+    ArchEntry {
+        name: gpt_oss::ARCH,
+        about: "gpt-oss (gpt-oss-20b, gpt-oss-120b): top-k on the raw router logits (biased), softmax over the k, clamped-SwiGLU experts with per-expert biases, attention sinks, sliding-window layers on a ring KV",
+        load: gpt_oss::load,
     },
 ];
 
