@@ -117,9 +117,9 @@ pub enum Preset {
     /// Q4_K_M.
     Qwen15MoeA27bShape,
     /// The full shape of gpt-oss-20b: 24 layers, 32 experts, top-4, d_model 2880, expert FFN
-    /// 2880, GQA 64/8 heads of 64, window 128, YaRN ×32; MXFP4 experts (~12 GB).
+    /// 2880, GQA 64/8 heads of 64, window 128, YaRN ×32; MXFP4 experts (~10.9 GB).
     GptOss20bShape,
-    /// The full shape of gpt-oss-120b: as 20b with 36 layers and 128 experts (~63 GB).
+    /// The full shape of gpt-oss-120b: as 20b with 36 layers and 128 experts (~62 GB).
     GptOss120bShape,
 }
 
