@@ -81,3 +81,59 @@ fn harmony_sessions_prefill_past_reasoning_and_carry_the_ring_across_turns() {
     let (code, err) = s.close();
     assert_eq!(code, 0, "{err}");
 }
+
+/// The full gpt-oss shape (`gpt-oss-20b-shape`: d_model 2880 — no row a multiple of 256 —,
+/// 64/8 heads of 64, window 128, YaRN ×32, MXFP4 experts, Q8_0 elsewhere) cut to 2 layers (one
+/// sliding, one full) and 4 experts so CI can afford it: llama.cpp loads our file and its
+/// logits match ours over the parity prompt, which outgrows the window of 128. The 120b
+/// preset differs only in its layer and expert counts.
+#[test]
+fn the_full_gpt_oss_shape_loads_in_llama_cpp_and_matches() {
+    use bmoe_gates::llama::{ours, parity, py_batch, python_ready};
+    if !python_ready() {
+        return;
+    }
+    let m = model(
+        "gpt-oss-20b-shape-cut",
+        &[
+            "--preset",
+            "gpt-oss-20b-shape",
+            "--layers",
+            "2",
+            "--experts",
+            "4",
+            "--top-k",
+            "2",
+        ],
+    );
+    let dir = bmoe_gates::scratch_dir("gpt-oss-shape");
+    let mine = dir.join("ours.f32");
+    ours(&m, &mine);
+    let ids = format!("{}.json", mine.display());
+    let side: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&ids).unwrap()).unwrap();
+    let n_vocab = side["n_vocab"].as_u64().unwrap().to_string();
+    let reference = dir.join("ref.f32");
+    let result = dir.join("cmp.json");
+    py_batch(
+        &dir,
+        "shape",
+        &[
+            serde_json::json!({"op": "logits", "args": [&m, &ids, &reference]}),
+            serde_json::json!({"op": "compare", "out": &result,
+                "args": [&mine, &reference, n_vocab]}),
+        ],
+    );
+    let p = parity(
+        &std::fs::read_to_string(&result).unwrap(),
+        "gpt-oss-20b-shape (2 layers, 4 experts) mxfp4_moe",
+    );
+    assert!(p.rows >= 100, "{} positions", p.rows);
+    assert!(
+        p.good >= 0.98,
+        "top-1 with cos >= 0.999 on {:.1}% (cos min {:.6})",
+        100.0 * p.good,
+        p.cos_min
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
