@@ -234,9 +234,9 @@ pub struct GenArgs {
     pub arch: Option<String>,
     /// Preset shape: tiny, tiny-odd (tests), small (benchmarks), or a full-size shape of one
     /// architecture: qwen3-30b-a3b-shape (qwen3moe), qwen1.5-moe-a2.7b-shape (qwen2moe),
-    /// gemma-4-26b-a4b-shape (gemma4); or the routing shape of a real trace in
-    /// ../shared/traces, for --routing-from: deepseek-v2-lite-shape (qwen2moe),
-    /// mixtral-8x7b-shape (qwen3moe)
+    /// gemma-4-26b-a4b-shape (gemma4), gpt-oss-20b-shape and gpt-oss-120b-shape (gpt-oss);
+    /// or the routing shape of a real trace in ../shared/traces, for --routing-from:
+    /// deepseek-v2-lite-shape (qwen2moe), mixtral-8x7b-shape (qwen3moe)
     #[arg(long, default_value = "tiny", value_parser = clap::builder::PossibleValuesParser::new(Preset::NAMES))]
     pub preset: String,
     /// Seed of the weights
@@ -250,7 +250,8 @@ pub struct GenArgs {
     /// 256): f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k_s, q3_k_m, q3_k_l,
     /// q4_k_s, q4_k_m, q5_k_s, q5_k_m, q6_k, iq4_nl, iq4_xs, mxfp4_moe; or q4_k, q5_k, q3_k,
     /// mxfp4 for that type everywhere (llama-quantize --pure). Default: the preset's
-    /// (tiny: F32 dense + Q8_0 experts; small, qwen3-30b-a3b-shape: q4_k_m)
+    /// (tiny: F32 dense + Q8_0 experts; small, qwen3-30b-a3b-shape: q4_k_m; the gpt-oss
+    /// shapes: mxfp4_moe)
     #[arg(long = "type", value_name = "T")]
     pub ty: Option<String>,
     /// Override the expert weights' type only (any type --type takes as "everywhere", or a

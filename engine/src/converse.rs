@@ -261,7 +261,8 @@ impl Conversation {
         let room = (self.n_ctx - tokens.len()) as u32;
         let asked = max_tokens.unwrap_or(self.default_n_predict);
         let n_predict = asked.min(room);
-        let reuse = common_prefix(self.session.context(), &tokens).min(tokens.len() - 1);
+        let common = common_prefix(self.session.context(), &tokens).min(tokens.len() - 1);
+        let reuse = self.session.reusable_prefix(common as u32) as usize;
         Ok(Prepared {
             prompt_tokens: tokens.len(),
             tokens,

@@ -1,5 +1,5 @@
 //! The synthetic model generator behind `bmoe-cli gen`: complete, loadable GGUF files of every
-//! architecture the engine runs (`--arch`: qwen3moe, qwen2moe, gemma4) with deterministic random
+//! architecture the engine runs (`--arch`: qwen3moe, qwen2moe, gemma4, gpt-oss) with deterministic random
 //! weights, a real tokenizer and chat template, so tests and benchmarks make the models they
 //! need and no model file is ever committed. Each file follows llama.cpp's tensor names and
 //! metadata for its architecture, so llama.cpp loads it too (the parity gates).
@@ -16,6 +16,7 @@
 //! `docs/models.md` for measured statistics.
 
 mod gemma4;
+mod gpt_oss;
 mod mix;
 
 pub use gemma4::GemmaShape;
@@ -40,16 +41,20 @@ pub enum GenArch {
     /// Gemma 4 MoE: a dense GELU MLP beside fused gate_up experts, sliding-window and global
     /// layers, post-norms, logit soft-capping.
     Gemma4,
+    /// gpt-oss: attention sinks, sliding-window layers, YaRN, biases everywhere, clamped
+    /// SwiGLU experts, top-k then softmax.
+    GptOss,
 }
 
 impl GenArch {
-    pub const NAMES: &'static [&'static str] = &["qwen3moe", "qwen2moe", "gemma4"];
+    pub const NAMES: &'static [&'static str] = &["qwen3moe", "qwen2moe", "gemma4", "gpt-oss"];
 
     pub fn from_name(s: &str) -> Option<GenArch> {
         match s {
             "qwen3moe" => Some(GenArch::Qwen3Moe),
             "qwen2moe" => Some(GenArch::Qwen2Moe),
             "gemma4" => Some(GenArch::Gemma4),
+            "gpt-oss" => Some(GenArch::GptOss),
             _ => None,
         }
     }
@@ -59,6 +64,7 @@ impl GenArch {
             GenArch::Qwen3Moe => "qwen3moe",
             GenArch::Qwen2Moe => "qwen2moe",
             GenArch::Gemma4 => "gemma4",
+            GenArch::GptOss => "gpt-oss",
         }
     }
 
@@ -94,6 +100,12 @@ pub struct ModelShape {
     pub tie_output: bool,
     /// gemma4's layer pattern and global-layer attention (`None` for other architectures).
     pub gemma: Option<GemmaShape>,
+    /// Sliding window of the sliding layers (gpt-oss; 0 = every layer attends fully).
+    pub n_swa: u32,
+    /// YaRN context extension factor (gpt-oss; 0 = no rope scaling) and its original
+    /// context length.
+    pub yarn_factor: f32,
+    pub yarn_orig_ctx: u32,
 }
 
 /// Named starting points; every dimension can be overridden.
@@ -128,6 +140,11 @@ pub enum Preset {
     /// one global), 128 experts, top-8, d_model 2816, expert FFN 704, dense MLP 2112, 16
     /// heads of 256 (8 KV) on window layers and of 512 (2 KV) on global ones.
     Gemma4_26bA4bShape,
+    /// The full shape of gpt-oss-20b: 24 layers, 32 experts, top-4, d_model 2880, expert FFN
+    /// 2880, GQA 64/8 heads of 64, window 128, YaRN ×32; MXFP4 experts (~10.9 GB).
+    GptOss20bShape,
+    /// The full shape of gpt-oss-120b: as 20b with 36 layers and 128 experts (~62 GB).
+    GptOss120bShape,
 }
 
 impl Preset {
@@ -140,6 +157,8 @@ impl Preset {
         "deepseek-v2-lite-shape",
         "mixtral-8x7b-shape",
         "gemma-4-26b-a4b-shape",
+        "gpt-oss-20b-shape",
+        "gpt-oss-120b-shape",
     ];
 
     pub const ALL: &'static [Preset] = &[
@@ -151,6 +170,8 @@ impl Preset {
         Preset::DeepseekV2LiteShape,
         Preset::Mixtral8x7bShape,
         Preset::Gemma4_26bA4bShape,
+        Preset::GptOss20bShape,
+        Preset::GptOss120bShape,
     ];
 
     pub fn from_name(s: &str) -> Option<Preset> {
@@ -163,6 +184,8 @@ impl Preset {
             "deepseek-v2-lite-shape" => Some(Preset::DeepseekV2LiteShape),
             "mixtral-8x7b-shape" => Some(Preset::Mixtral8x7bShape),
             "gemma-4-26b-a4b-shape" => Some(Preset::Gemma4_26bA4bShape),
+            "gpt-oss-20b-shape" => Some(Preset::GptOss20bShape),
+            "gpt-oss-120b-shape" => Some(Preset::GptOss120bShape),
             _ => None,
         }
     }
@@ -177,6 +200,8 @@ impl Preset {
             Preset::DeepseekV2LiteShape => "deepseek-v2-lite-shape",
             Preset::Mixtral8x7bShape => "mixtral-8x7b-shape",
             Preset::Gemma4_26bA4bShape => "gemma-4-26b-a4b-shape",
+            Preset::GptOss20bShape => "gpt-oss-20b-shape",
+            Preset::GptOss120bShape => "gpt-oss-120b-shape",
         }
     }
 
@@ -188,6 +213,7 @@ impl Preset {
             Preset::Qwen3_30bA3bShape | Preset::Mixtral8x7bShape => Some(GenArch::Qwen3Moe),
             Preset::Qwen15MoeA27bShape | Preset::DeepseekV2LiteShape => Some(GenArch::Qwen2Moe),
             Preset::Gemma4_26bA4bShape => Some(GenArch::Gemma4),
+            Preset::GptOss20bShape | Preset::GptOss120bShape => Some(GenArch::GptOss),
         }
     }
 
@@ -224,6 +250,9 @@ impl Preset {
                 _ => 512,
             };
         }
+        if arch == GenArch::GptOss && s.n_swa == 0 {
+            gpt_oss::tiny_extras(&mut s);
+        }
         Ok(s)
     }
 
@@ -245,6 +274,9 @@ impl Preset {
             rms_eps: 1e-6,
             tie_output: false,
             gemma: None,
+            n_swa: 0,
+            yarn_factor: 0.0,
+            yarn_orig_ctx: 0,
         };
         match self {
             Preset::Tiny => base,
@@ -335,6 +367,8 @@ impl Preset {
                 gemma: Some(GemmaShape::gemma_4_26b_a4b()),
                 ..base
             },
+            Preset::GptOss20bShape => gpt_oss::full_shape(24, 32),
+            Preset::GptOss120bShape => gpt_oss::full_shape(36, 128),
         }
     }
 
@@ -349,7 +383,9 @@ impl Preset {
             | Preset::Qwen15MoeA27bShape
             | Preset::DeepseekV2LiteShape
             | Preset::Mixtral8x7bShape
-            | Preset::Gemma4_26bA4bShape => 0.63,
+            | Preset::Gemma4_26bA4bShape
+            | Preset::GptOss20bShape
+            | Preset::GptOss120bShape => 0.63,
         }
     }
 
@@ -365,6 +401,8 @@ impl Preset {
             | Preset::DeepseekV2LiteShape
             | Preset::Mixtral8x7bShape
             | Preset::Gemma4_26bA4bShape => TypeScheme::q4_k_m(),
+            // As the published files: MXFP4 experts, Q8_0 elsewhere.
+            Preset::GptOss20bShape | Preset::GptOss120bShape => TypeScheme::ftype(Ftype::MXFP4_MOE),
         }
     }
 }
@@ -621,6 +659,12 @@ impl GenOptions {
                 return bad("--tie-output: llama.cpp requires qwen2moe's output.weight".into());
             }
             GenArch::Gemma4 => gemma4::validate(s).map_err(GenError::Invalid)?,
+            GenArch::GptOss if s.n_ff_shexp != 0 => {
+                return bad("--shared-ffn: gpt-oss has no shared expert".into());
+            }
+            GenArch::GptOss if s.tie_output => {
+                return bad("--tie-output: llama.cpp requires gpt-oss's output.weight".into());
+            }
             _ => {}
         }
         if s.n_layer > 4096 || s.n_expert > 65535 {
@@ -679,6 +723,9 @@ impl GenOptions {
         } else {
             m.extend(self.qwen_metadata());
         }
+        if s.arch == GenArch::GptOss {
+            m.extend(gpt_oss::metadata(s));
+        }
         m.extend([
             (
                 "bmoe.gen.preset".into(),
@@ -726,6 +773,7 @@ impl GenOptions {
                 Value::U32(match s.arch {
                     GenArch::Qwen2Moe | GenArch::Gemma4 => s.n_ff_shexp,
                     GenArch::Qwen3Moe => s.n_ff_exp * s.n_expert_used,
+                    GenArch::GptOss => s.n_ff_exp,
                 }),
             ),
             (k("attention.head_count"), Value::U32(s.n_head)),
@@ -835,7 +883,7 @@ impl GenOptions {
             // attention is as near-uniform as with them.
             let qk_std = match s.arch {
                 GenArch::Qwen3Moe | GenArch::Gemma4 => inv(d),
-                GenArch::Qwen2Moe => inv(d) * self.attn_sharpness,
+                GenArch::Qwen2Moe | GenArch::GptOss => inv(d) * self.attn_sharpness,
             };
             push(
                 b("attn_q"),
@@ -882,7 +930,7 @@ impl GenOptions {
                         );
                     }
                 }
-                GenArch::Qwen2Moe => {
+                GenArch::Qwen2Moe | GenArch::GptOss => {
                     // Small q/k/v biases, as trained qwen2 models have.
                     for (n, w) in [("attn_q", q_dim), ("attn_k", kv_dim), ("attn_v", kv_dim)] {
                         push(
@@ -911,8 +959,13 @@ impl GenOptions {
                 },
                 fallbacks,
             );
+            // gpt-oss names its FFN norm after the attention it follows.
+            let ffn_norm = match s.arch {
+                GenArch::GptOss => "post_attention_norm",
+                _ => "ffn_norm",
+            };
             push(
-                b("ffn_norm"),
+                b(ffn_norm),
                 &[d],
                 Want::Keep(GgmlType::F32),
                 Fill::Const(1.0),
@@ -964,6 +1017,11 @@ impl GenOptions {
                 },
                 fallbacks,
             );
+            if s.arch == GenArch::GptOss {
+                for (name, dims, fill) in gpt_oss::layer_extras(s, i) {
+                    push(name, &dims, Want::Keep(GgmlType::F32), fill, fallbacks);
+                }
+            }
             if s.arch == GenArch::Qwen2Moe {
                 // The shared expert and its gate; like the experts, it writes the token half.
                 let fs = s.n_ff_shexp as u64;

@@ -840,7 +840,8 @@ pub fn serve(
         let reuse = if clear_kv {
             0
         } else {
-            common_prefix(session.context(), &wanted).min(wanted.len() - 1)
+            let common = common_prefix(session.context(), &wanted).min(wanted.len() - 1);
+            session.reusable_prefix(common as u32) as usize
         };
         session.truncate_context(reuse as u32);
         if clear_kv {

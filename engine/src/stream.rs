@@ -464,8 +464,18 @@ impl<A: Arch + ?Sized> Backend for EngineBackend<A> {
         (n_vocab > 0 && l.len() >= n_vocab).then(|| &l[l.len() - n_vocab..])
     }
 
+    fn reusable_prefix(&self, n: u32) -> u32 {
+        self.state.reusable_prefix(n as usize) as u32
+    }
+
     /// A copy of every layer's KV rows `0..n` (this architecture has no recurrent state).
     fn keep_prefix(&mut self, n: u32) -> Result<Option<u64>, StreamError> {
+        // A sliding-window ring fed far past `n` no longer holds the window before it: such a
+        // copy could not be continued from, so none is kept (the next decide feeds it all).
+        if self.state.reusable_prefix(n as usize) != n as usize {
+            self.kept = None;
+            return Ok(None);
+        }
         let mut snap = self.kept.take().unwrap_or_default();
         self.state.snapshot_kv(n as usize, &mut snap)?;
         let bytes = snap.bytes();

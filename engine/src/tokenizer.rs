@@ -121,6 +121,8 @@ const LLAMA3_RE: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[d
 pub const QWEN2_RE: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const QWEN35_RE: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
+const GPT4O_RE: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
 const PRE_SPECS: &[PreSpec] = &[
     PreSpec {
         names: &["default"],
@@ -205,6 +207,14 @@ const PRE_SPECS: &[PreSpec] = &[
             "grok-2",
         ],
         regexes: &[QWEN2_RE],
+        ignore_merges: false,
+        add_bos_default: false,
+    },
+    PreSpec {
+        // o200k (gpt-oss, llama4): the split regex of its tokenizer.json, which llama.cpp
+        // rewrites without `(?i:…)` and case classes; the `tokenizers` crate runs the original.
+        names: &["gpt-4o", "llama4", "kanana2", "talkie"],
+        regexes: &[GPT4O_RE],
         ignore_merges: false,
         add_bos_default: false,
     },
@@ -1218,6 +1228,28 @@ mod tests {
         assert_eq!(d.push_bytes(&[0xe2, 0x98]), "");
         assert_eq!(d.pending_bytes(), 2);
         assert_eq!(d.push_bytes(&[0x83, b'x']), "☃x");
+    }
+
+    #[test]
+    fn gpt4o_splits_as_o200k_does() {
+        use tokenizers::{OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer};
+        let pre = pre_tokenizer_for("gpt-4o").unwrap();
+        let mut s = PreTokenizedString::from("Hello WORLD's DON'T camelCase 1234567 foo/bar\n\nx");
+        pre.pre_tokenize(&mut s).unwrap();
+        let pieces: Vec<String> = s
+            .get_splits(OffsetReferential::Original, OffsetType::Byte)
+            .into_iter()
+            .map(|(p, _, _)| byte_level_decode(p).into_iter().map(char::from).collect())
+            .collect();
+        // Case runs split words (a capitalised word, an all-caps one with its contraction,
+        // camelCase in two), digits go in threes, a leading punctuation mark joins the word.
+        assert_eq!(
+            pieces,
+            [
+                "Hello", " WORLD's", " DON'T", " camel", "Case", " ", "123", "456", "7", " foo",
+                "/bar", "\n\n", "x"
+            ]
+        );
     }
 
     #[test]

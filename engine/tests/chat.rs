@@ -188,8 +188,8 @@ fn think_ctl_of_named_models() {
     }
 }
 
-/// `think:false` on a `prefill` model (gpt-oss's harmony template, rendered by our chat module
-/// though the architecture cannot load yet): the template ignores `enable_thinking`, so the
+/// `think:false` on a `prefill` model (gpt-oss's harmony template, rendered by our chat module;
+/// `gates/tests/gpt_oss.rs` runs it on a gpt-oss model in a session): the template ignores `enable_thinking`, so the
 /// turn's prompt is followed by what the template itself writes before a final answer —
 /// found by rendering, the analysis channel skipped. `think:true` leaves the channel to the
 /// model; `template` and `none` models get nothing appended.

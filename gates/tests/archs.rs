@@ -23,7 +23,12 @@ use std::path::{Path, PathBuf};
 const ARCHS: &[(&str, &str)] = &[
     ("qwen2moe", "softmax_topk"),
     ("gemma4", "softmax_topk_norm"),
+    ("gpt-oss", "topk_softmax"),
 ];
+
+/// Further weight types an architecture's files come in, held to parity ours and
+/// llama-quantize's (gpt-oss ships MXFP4 experts with Q8_0 elsewhere).
+const EXTRA_TYPES: &[(&str, &str)] = &[("gpt-oss", "mxfp4_moe")];
 
 const SHORT: &str = "The cache of experts keeps what the router asked for";
 
@@ -95,6 +100,17 @@ fn every_architecture_matches_llama_cpp() {
             (format!("{arch} llama-quantize q8_0"), theirs_q8, false),
             (format!("{arch} llama-quantize q4_k_m"), theirs_q4, false),
         ];
+        let mut files = files;
+        for &(_, ty) in EXTRA_TYPES.iter().filter(|(a, _)| a == arch) {
+            let theirs = dir.join(format!("{arch}-llama-quantize-{ty}.gguf"));
+            py_batch(
+                &dir,
+                &format!("{arch}-{ty}-file"),
+                &[serde_json::json!({"op": "quantize", "args": [&files[0].1, &theirs, ty]})],
+            );
+            files.push((format!("{arch} ours {ty}"), tiny(arch, ty), false));
+            files.push((format!("{arch} llama-quantize {ty}"), theirs, false));
+        }
         let mut jobs = Vec::new();
         let mut results = Vec::new();
         for (i, (tag, file, exact)) in files.iter().enumerate() {

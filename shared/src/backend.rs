@@ -441,6 +441,14 @@ pub trait Backend {
         None
     }
 
+    /// The longest prefix of at most `n` of the positions fed so far that a batch can continue
+    /// from: `n` (the default) unless the memory no longer holds what such a batch reads — a
+    /// sliding-window layer keeps only the last positions it was fed, so a turn that rolls the
+    /// context back further must feed it again from 0 (llama.cpp does the same).
+    fn reusable_prefix(&self, n: u32) -> u32 {
+        n
+    }
+
     /// Keep a copy of the sequence state of positions `0..n` — every layer's KV rows, and any
     /// recurrent state as it stood after position `n - 1` — replacing any copy kept before
     /// (the `decide` prefix state). Called between steps, after a step that fed at least

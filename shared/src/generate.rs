@@ -380,6 +380,15 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
     pub fn n_past(&self) -> u32 {
         self.n_past
     }
+    /// The longest prefix of at most `n` positions of the context a turn can continue from:
+    /// `n`, or less when the backend's memory no longer holds what a batch starting at `n`
+    /// reads (a sliding-window ring rolled back past its slack: [`Backend::reusable_prefix`]).
+    pub fn reusable_prefix(&self, n: u32) -> u32 {
+        self.engine
+            .backend()
+            .reusable_prefix(n.min(self.n_past))
+            .min(n)
+    }
     /// Forget the context from position `n` on (a new chat: 0; a continued chat that diverges
     /// from the KV at `n`). The backend's KV rows past `n` are simply overwritten when those
     /// positions are fed again.

@@ -13,6 +13,7 @@
 
 pub mod blocks;
 pub mod gemma4;
+pub mod gpt_oss;
 pub mod meta;
 pub mod qwen2moe;
 pub mod qwen3moe;
@@ -175,6 +176,11 @@ pub const REGISTRY: &[ArchEntry] = &[
         name: gemma4::ARCH,
         about: "Gemma 4 MoE (Gemma-4-26B-A4B): a dense GELU MLP beside GELU-gated fused gate_up experts with per-expert down scales, softmax top-k routing (renormalised) on its own scaled input, sliding-window and global layers, logit soft-capping",
         load: gemma4::load,
+    },
+    ArchEntry {
+        name: gpt_oss::ARCH,
+        about: "gpt-oss (gpt-oss-20b, gpt-oss-120b): top-k on the raw router logits (biased), softmax over the k, clamped-SwiGLU experts with per-expert biases, attention sinks, sliding-window layers on a ring KV",
+        load: gpt_oss::load,
     },
 ];
 

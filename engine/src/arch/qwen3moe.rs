@@ -282,9 +282,37 @@ pub(crate) fn split_ffn(
     cx: &Compute,
     s: &mut Scratch,
     glu: Glu,
+    g: (crate::gguf::GgmlType, &[u8]),
+    u: (crate::gguf::GgmlType, &[u8]),
+    dn: (crate::gguf::GgmlType, &[u8]),
+    ff: usize,
+    d: usize,
+    input: &[f32],
+    n: usize,
+    out: &mut Vec<f32>,
+) -> Result<(), ArchError> {
+    split_ffn_biased(cx, s, glu, g, u, dn, None, ff, d, input, n, out)
+}
+
+/// One expert's biases (gpt-oss): added to the gate and up products before the activation
+/// and to the down product after it.
+#[derive(Copy, Clone)]
+pub(crate) struct FfnBias<'a> {
+    pub gate: &'a [f32],
+    pub up: &'a [f32],
+    pub down: &'a [f32],
+}
+
+/// [`split_ffn`] with per-projection biases: `down(glu(gate·x + bg, up·x + bu)) + bd`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn split_ffn_biased(
+    cx: &Compute,
+    s: &mut Scratch,
+    glu: Glu,
     (gt, g): (crate::gguf::GgmlType, &[u8]),
     (ut, u): (crate::gguf::GgmlType, &[u8]),
     (dt, dn): (crate::gguf::GgmlType, &[u8]),
+    bias: Option<FfnBias<'_>>,
     ff: usize,
     d: usize,
     input: &[f32],
@@ -302,9 +330,17 @@ pub(crate) fn split_ffn(
         blocks::prepare_acts(ut, input, n, d, &mut s.acts)?;
     }
     blocks::mul_prepared(&cx.pool, ut, u, ff, d, &s.acts[..n], &mut s.up)?;
+    if let Some(b) = bias {
+        blocks::add_bias(&mut s.gate[..n * ff], b.gate);
+        blocks::add_bias(&mut s.up[..n * ff], b.up);
+    }
     glu.apply(&mut s.gate, &s.up);
     blocks::prepare_acts(dt, &s.gate, n, ff, &mut s.act2)?;
-    blocks::mul_prepared(&cx.pool, dt, dn, d, ff, &s.act2[..n], out)
+    blocks::mul_prepared(&cx.pool, dt, dn, d, ff, &s.act2[..n], out)?;
+    if let Some(b) = bias {
+        blocks::add_bias(&mut out[..n * d], b.down);
+    }
+    Ok(())
 }
 
 pub struct LayerWeights {

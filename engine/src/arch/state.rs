@@ -11,9 +11,17 @@ use crate::kernels::ActBuf;
 pub enum MemoryKind {
     /// Every position's keys and values (`n_ctx` of them).
     Full,
-    /// Only the last `window` positions' (a sliding-window layer): slot `pos % window`.
+    /// Only the last `window` positions' (a sliding-window layer), in a ring of
+    /// `window + RING_SLACK` slots (slot `pos % capacity`), so that a turn may roll back up to
+    /// [`RING_SLACK`] positions and still find the window before it.
     Ring { window: usize },
 }
+
+/// Positions a ring keeps beyond its window: how far a continued chat may roll the KV back (a
+/// re-rendered answer, the sampled token never fed) and still reuse it, as llama.cpp keeps
+/// `n_swa + n_ubatch` cells for its sliding layers. Past it the session re-feeds the prompt
+/// ([`State::reusable_prefix`]).
+pub const RING_SLACK: usize = 256;
 
 /// One layer's memory as the architecture declares it.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -28,6 +36,8 @@ pub struct KvLayer {
     pub kind: MemoryKind,
     /// `n_head_kv · head_dim`: the width of one position's key (and value).
     pub kv_dim: usize,
+    /// Positions held: `n_ctx` (full), or the ring's slots.
+    cap: usize,
     k: Vec<f32>,
     v: Vec<f32>,
     /// Ring only: the position each slot holds (`u32::MAX` = none yet).
@@ -103,31 +113,40 @@ impl KvSource<'_> {
 }
 
 impl LayerMemory {
-    /// The positions this memory holds at a context of `n_ctx`, and its kind as built.
-    fn capacity(&self, n_ctx: usize) -> (usize, MemoryKind) {
+    /// The positions this memory holds at a context of `n_ctx` — a ring its window plus
+    /// `slack` positions a turn may roll back — and its kind as built.
+    fn capacity(&self, n_ctx: usize, slack: usize) -> (usize, MemoryKind) {
         match self.kind {
             MemoryKind::Full => (n_ctx, MemoryKind::Full),
             MemoryKind::Ring { window } => {
                 let w = window.min(n_ctx).max(1);
-                (w, MemoryKind::Ring { window: w })
+                (
+                    (w + slack).min(n_ctx.max(w)),
+                    MemoryKind::Ring { window: w },
+                )
             }
         }
     }
 
     /// Bytes of keys and values (f32) this memory holds at a context of `n_ctx`.
     pub fn bytes(&self, n_ctx: usize) -> u64 {
-        let (cap, _) = self.capacity(n_ctx);
+        let (cap, _) = self.capacity(n_ctx, RING_SLACK);
         8 * (cap * self.n_head_kv * self.head_dim) as u64
     }
 }
 
 impl KvLayer {
     fn new(m: LayerMemory, n_ctx: usize) -> KvLayer {
+        KvLayer::with_slack(m, n_ctx, RING_SLACK)
+    }
+
+    fn with_slack(m: LayerMemory, n_ctx: usize, slack: usize) -> KvLayer {
         let kv_dim = m.n_head_kv * m.head_dim;
-        let (cap, kind) = m.capacity(n_ctx);
+        let (cap, kind) = m.capacity(n_ctx, slack);
         KvLayer {
             kind,
             kv_dim,
+            cap,
             k: vec![0.0; cap * kv_dim],
             v: vec![0.0; cap * kv_dim],
             slot_pos: match kind {
@@ -181,21 +200,22 @@ impl KvLayer {
                     ));
                 }
                 // The first row looks back furthest: window − 1 positions before it.
-                for q in first.saturating_sub(window - 1)..first {
-                    if self.slot_pos[q % window] != q as u32 {
-                        return Err(ring_err(
-                            layer,
-                            format!(
-                                "its ring no longer holds position {q} (the window before position {first}); re-run the prompt"
-                            ),
-                        ));
-                    }
+                if !self.holds_window_before(first) {
+                    let q = (first.saturating_sub(window - 1)..first)
+                        .find(|&q| self.slot_pos[q % self.cap] != q as u32)
+                        .unwrap_or(first);
+                    return Err(ring_err(
+                        layer,
+                        format!(
+                            "its ring no longer holds position {q} (the window before position {first}); re-run the prompt"
+                        ),
+                    ));
                 }
                 Ok(KvSource::Ring {
                     k: &self.k,
                     v: &self.v,
                     kv_dim: d,
-                    cap: window,
+                    cap: self.cap,
                     batch_k,
                     batch_v,
                     first,
@@ -204,15 +224,24 @@ impl KvLayer {
         }
     }
 
-    /// After attention: a ring layer stores the batch's last `window` rows.
-    pub fn commit(&mut self, positions: &[u32], batch_k: &[f32], batch_v: &[f32]) {
+    /// Whether a batch may start at position `first`: a full layer always; a ring while it
+    /// still holds the `window − 1` positions before it.
+    pub fn holds_window_before(&self, first: usize) -> bool {
         let MemoryKind::Ring { window } = self.kind else {
-            return;
+            return true;
         };
+        (first.saturating_sub(window - 1)..first).all(|q| self.slot_pos[q % self.cap] == q as u32)
+    }
+
+    /// After attention: a ring layer stores the batch's last rows (as many as it has slots).
+    pub fn commit(&mut self, positions: &[u32], batch_k: &[f32], batch_v: &[f32]) {
+        if self.kind == MemoryKind::Full {
+            return;
+        }
         let d = self.kv_dim;
-        let skip = positions.len().saturating_sub(window);
+        let skip = positions.len().saturating_sub(self.cap);
         for (r, &p) in positions.iter().enumerate().skip(skip) {
-            let s = p as usize % window;
+            let s = p as usize % self.cap;
             self.k[s * d..(s + 1) * d].copy_from_slice(&batch_k[r * d..(r + 1) * d]);
             self.v[s * d..(s + 1) * d].copy_from_slice(&batch_v[r * d..(r + 1) * d]);
             self.slot_pos[s] = p;
@@ -468,6 +497,17 @@ impl State {
         Ok(())
     }
 
+    /// The longest prefix of at most `n` positions the next batch can continue from: `n`
+    /// when every layer holds what a batch starting there reads, else 0 (a ring that moved on
+    /// past its slack: the prompt is fed again, as llama.cpp does for its sliding layers).
+    pub fn reusable_prefix(&self, n: usize) -> usize {
+        if self.mem.iter().all(|l| l.holds_window_before(n)) {
+            n
+        } else {
+            0
+        }
+    }
+
     /// Bytes the layers' memories hold.
     pub fn memory_bytes(&self) -> usize {
         self.mem.iter().map(KvLayer::bytes).sum()
@@ -479,14 +519,62 @@ mod tests {
     use super::*;
 
     fn ring(window: usize) -> KvLayer {
-        KvLayer::new(
+        KvLayer::with_slack(
             LayerMemory {
                 kind: MemoryKind::Ring { window },
                 n_head_kv: 1,
                 head_dim: 1,
             },
             64,
+            0,
         )
+    }
+
+    #[test]
+    fn a_ring_with_slack_rolls_back_that_far_and_no_further() {
+        let mut l = KvLayer::with_slack(
+            LayerMemory {
+                kind: MemoryKind::Ring { window: 3 },
+                n_head_kv: 1,
+                head_dim: 1,
+            },
+            64,
+            2,
+        );
+        let pos: Vec<u32> = (0..10).collect();
+        let bk: Vec<f32> = pos.iter().map(|&p| p as f32).collect();
+        l.source(0, &pos, &bk, &bk).unwrap();
+        l.commit(&pos, &bk, &bk);
+        // Five slots hold 5..=9: a batch may start at 7 to 10 (it reads the 2 before it),
+        // not at 6.
+        assert!(l.holds_window_before(10) && l.holds_window_before(7));
+        assert!(!l.holds_window_before(6));
+        let one = [70.0f32];
+        let s = l.source(0, &[7], &one, &one).unwrap();
+        assert_eq!(
+            (s.key(5), s.key(6), s.key(7)),
+            (&[5.0][..], &[6.0][..], &[70.0][..])
+        );
+        assert!(l.source(0, &[6], &one, &one).is_err());
+        // A state built from such layers reuses all of a prefix or, past the slack, none.
+        let mut st = State::new(
+            &[LayerMemory {
+                kind: MemoryKind::Ring { window: 3 },
+                n_head_kv: 1,
+                head_dim: 1,
+            }],
+            4096,
+        );
+        let pos: Vec<u32> = (0..600).collect();
+        let bk = vec![0f32; 600];
+        st.mem[0].source(0, &pos, &bk, &bk).unwrap();
+        st.mem[0].commit(&pos, &bk, &bk);
+        // The ring's 3 + RING_SLACK slots hold positions from `oldest` on; a batch at `n`
+        // reads back to n − 2.
+        let oldest = 600 - (3 + RING_SLACK);
+        assert_eq!(st.reusable_prefix(600), 600);
+        assert_eq!(st.reusable_prefix(oldest + 2), oldest + 2);
+        assert_eq!(st.reusable_prefix(oldest + 1), 0);
     }
 
     #[test]
