@@ -533,6 +533,11 @@ pub struct State {
     moe_filled: Vec<bool>,
     acts: Vec<ActBuf>,
     act2: Vec<ActBuf>,
+    /// The FFN rows' input (`h`) quantised once per layer for the experts' gate (and up)
+    /// projections, shared by every expert a row is routed to; `ffn_acts_for` names the layer
+    /// and format it holds (`None`: stale).
+    ffn_acts: Vec<ActBuf>,
+    ffn_acts_for: Option<(usize, ActFormat)>,
     gate: Vec<f32>,
     up: Vec<f32>,
     down: Vec<f32>,
@@ -721,38 +726,36 @@ fn kerr(e: kernels::KernelError) -> ArchError {
     }
 }
 
-/// Quantize `n` input rows of `cols` values for dot products with weights of type `ty`.
+/// Quantize `n` input rows of `cols` values for dot products with weights of type `ty`, once
+/// for the batch, the rows split across the pool.
 fn prepare_acts(
+    pool: &ThreadPool,
     ty: GgmlType,
     input: &[f32],
     n: usize,
     cols: usize,
     acts: &mut Vec<ActBuf>,
 ) -> Result<(), ArchError> {
-    while acts.len() < n {
-        acts.push(ActBuf::new());
+    if acts.len() < n {
+        acts.resize_with(n, ActBuf::new);
     }
-    for (r, act) in acts.iter_mut().take(n).enumerate() {
-        act.prepare(ty, &input[r * cols..(r + 1) * cols])
-            .map_err(kerr)?;
-    }
-    Ok(())
+    kernels::prepare_rows(pool, ty, &input[..n * cols], cols, &mut acts[..n]).map_err(kerr)
 }
 
 /// `out` (token-major, `acts.len() × rows`) = W · act for each prepared activation: one
 /// matvec for a single token, one batched matmul (same bits per row) otherwise.
-fn mul_prepared(
+fn mul_prepared<A: std::borrow::Borrow<ActBuf> + Sync>(
     pool: &ThreadPool,
     ty: GgmlType,
     w: &[u8],
     rows: usize,
     cols: usize,
-    acts: &[ActBuf],
+    acts: &[A],
     out: &mut [f32],
 ) -> Result<(), ArchError> {
     let n = acts.len();
     if n == 1 {
-        kernels::matvec(pool, ty, w, rows, cols, &acts[0], &mut out[..rows]).map_err(kerr)
+        kernels::matvec(pool, ty, w, rows, cols, acts[0].borrow(), &mut out[..rows]).map_err(kerr)
     } else {
         kernels::matmul(pool, ty, w, rows, cols, acts, &mut out[..n * rows]).map_err(kerr)
     }
@@ -834,6 +837,8 @@ impl Qwen3Moe {
             moe_filled: Vec::new(),
             acts: Vec::new(),
             act2: Vec::new(),
+            ffn_acts: Vec::new(),
+            ffn_acts_for: None,
             gate: Vec::new(),
             up: Vec::new(),
             down: Vec::new(),
@@ -856,7 +861,7 @@ impl Qwen3Moe {
         acts: &mut Vec<ActBuf>,
         out: &mut [f32],
     ) -> Result<(), ArchError> {
-        prepare_acts(m.ty, input, n, m.cols, acts)?;
+        prepare_acts(&self.pool, m.ty, input, n, m.cols, acts)?;
         mul_prepared(&self.pool, m.ty, m.bytes(), m.rows, m.cols, &acts[..n], out)
     }
 
@@ -1019,6 +1024,7 @@ impl Qwen3Moe {
             st.ffn_rows.extend(0..n as u32);
         }
         let m = st.ffn_rows.len();
+        st.ffn_acts_for = None;
         st.h.resize(m * d, 0.0);
         for (i, &r) in st.ffn_rows.iter().enumerate() {
             let r = r as usize;
@@ -1153,46 +1159,64 @@ impl Qwen3Moe {
                 });
             }
         }
-        st.tmp.resize(n * d, 0.0);
-        for (i, &(row, _, _)) in uses.iter().enumerate() {
-            let r = row as usize;
-            st.tmp[i * d..(i + 1) * d].copy_from_slice(&st.h[r * d..(r + 1) * d]);
-        }
         st.gate.resize(n * ff, 0.0);
         st.up.resize(n * ff, 0.0);
         st.down.resize(n * d, 0.0);
-        let mut acts = std::mem::take(&mut st.acts);
-        let mut act2 = std::mem::take(&mut st.act2);
-        let tmp = std::mem::take(&mut st.tmp);
-        // gate and up read the same input: quantize it once when their types share an
-        // activation format (the bits are the same either way).
-        prepare_acts(g.info.ty, &tmp, n, d, &mut acts)?;
-        mul_prepared(
-            &self.pool,
-            g.info.ty,
-            proj[0],
-            ff,
-            d,
-            &acts[..n],
-            &mut st.gate,
-        )?;
-        if ActFormat::for_weights(u.info.ty) != ActFormat::for_weights(g.info.ty) {
-            prepare_acts(u.info.ty, &tmp, n, d, &mut acts)?;
+        // Every FFN row's input quantised once per layer (rows are routed to k experts each),
+        // in parallel; each expert takes its rows' activations by reference. The bits are the
+        // same as quantising an expert's rows itself.
+        let m = st.ffn_rows.len();
+        let g_act = ActFormat::for_weights(g.info.ty);
+        if st.ffn_acts_for != g_act.map(|f| (layer, f)) {
+            st.ffn_acts_for = None;
+            prepare_acts(&self.pool, g.info.ty, &st.h, m, d, &mut st.ffn_acts)?;
+            st.ffn_acts_for = g_act.map(|f| (layer, f));
         }
-        mul_prepared(
-            &self.pool,
-            u.info.ty,
-            proj[1],
-            ff,
-            d,
-            &acts[..n],
-            &mut st.up,
-        )?;
-        st.tmp = tmp;
+        let mut act2 = std::mem::take(&mut st.act2);
+        let mut picked: Vec<&ActBuf> = Vec::with_capacity(n);
+        for &(row, _, _) in uses {
+            match st.ffn_acts.get(row as usize) {
+                Some(a) if (row as usize) < m => picked.push(a),
+                _ => {
+                    return Err(ArchError::Tensor {
+                        file: String::new(),
+                        tensor: g.info.name.clone(),
+                        what: format!("expert use of FFN row {row}, but the layer has {m}"),
+                    })
+                }
+            }
+        }
+        mul_prepared(&self.pool, g.info.ty, proj[0], ff, d, &picked, &mut st.gate)?;
+        if ActFormat::for_weights(u.info.ty) == g_act {
+            mul_prepared(&self.pool, u.info.ty, proj[1], ff, d, &picked, &mut st.up)?;
+        } else {
+            // An up projection whose activation format differs from the gate's (a mixed
+            // file): its rows quantised here, for this expert.
+            st.tmp.resize(n * d, 0.0);
+            for (i, &(row, _, _)) in uses.iter().enumerate() {
+                let r = row as usize;
+                st.tmp[i * d..(i + 1) * d].copy_from_slice(&st.h[r * d..(r + 1) * d]);
+            }
+            let mut acts = std::mem::take(&mut st.acts);
+            let r = prepare_acts(&self.pool, u.info.ty, &st.tmp, n, d, &mut acts).and_then(|_| {
+                mul_prepared(
+                    &self.pool,
+                    u.info.ty,
+                    proj[1],
+                    ff,
+                    d,
+                    &acts[..n],
+                    &mut st.up,
+                )
+            });
+            st.acts = acts;
+            r?;
+        }
+        drop(picked);
         for (a, &b) in st.gate.iter_mut().zip(&st.up) {
             *a = silu(*a) * b;
         }
-        prepare_acts(dn.info.ty, &st.gate, n, ff, &mut act2)?;
+        prepare_acts(&self.pool, dn.info.ty, &st.gate, n, ff, &mut act2)?;
         mul_prepared(
             &self.pool,
             dn.info.ty,
@@ -1202,7 +1226,6 @@ impl Qwen3Moe {
             &act2[..n],
             &mut st.down,
         )?;
-        st.acts = acts;
         st.act2 = act2;
         for (i, &(row, rank, w)) in uses.iter().enumerate() {
             let slot = row as usize * k + rank as usize;

@@ -60,6 +60,7 @@ pub use pool::ThreadPool;
 
 use crate::gguf::GgmlType;
 use format::FormatTable;
+use std::borrow::Borrow;
 use std::ops::Range;
 use std::sync::OnceLock;
 
@@ -327,10 +328,15 @@ impl ActBuf {
         self.format = None;
         self.n_cols = 0;
         check_blocks(ty, x.len(), t.act_block)?;
+        self.fill(t, x);
+        Ok(())
+    }
+
+    /// The conversion of [`ActBuf::prepare`], `x` already checked for `t`.
+    fn fill(&mut self, t: &FormatTable, x: &[f32]) {
         t.prepare(x, self);
         self.format = Some(t.act);
         self.n_cols = x.len();
-        Ok(())
     }
 
     /// The format of the last successful `prepare`, if any.
@@ -353,6 +359,66 @@ impl ActBuf {
             });
         }
         Ok(())
+    }
+}
+
+/// A batch's activations, quantised once: `acts[i]` is prepared for `ty` weights from row `i`
+/// of `x` (rows of `n_cols` values; `x.len() == acts.len() * n_cols`), exactly as
+/// [`ActBuf::prepare`] would, with the rows split across the pool's threads. Every row in
+/// `acts` is left unprepared when the call fails.
+pub fn prepare_rows(
+    pool: &ThreadPool,
+    ty: GgmlType,
+    x: &[f32],
+    n_cols: usize,
+    acts: &mut [ActBuf],
+) -> Result<(), KernelError> {
+    for a in acts.iter_mut() {
+        a.format = None;
+        a.n_cols = 0;
+    }
+    let t = table(ty).ok_or(KernelError::Unsupported { ty, op: "dot" })?;
+    check_blocks(ty, n_cols, t.act_block)?;
+    let n = acts.len();
+    if x.len() != n.saturating_mul(n_cols) {
+        return Err(KernelError::Length {
+            ty,
+            what: "activation rows (rows x columns)",
+            expected: n.saturating_mul(n_cols),
+            actual: x.len(),
+        });
+    }
+    // A few rows are not worth waking the workers for (decode: one row).
+    if n < 4 || n * n_cols < 8 * 1024 {
+        for (a, row) in acts.iter_mut().zip(x.chunks_exact(n_cols.max(1))) {
+            a.fill(t, row);
+        }
+        return Ok(());
+    }
+    let per = n.div_ceil(pool.n_threads() * 2).max(1);
+    let base = ActsPtr(acts.as_mut_ptr());
+    pool.run(n.div_ceil(per), &|task| {
+        for i in task * per..((task + 1) * per).min(n) {
+            // SAFETY: row i < n belongs to this task only, and `run` returns only when every
+            // task is done, so the pointer does not outlive `acts`' borrow.
+            let a = unsafe { &mut *base.get().add(i) };
+            a.fill(t, &x[i * n_cols..(i + 1) * n_cols]);
+        }
+    });
+    Ok(())
+}
+
+/// `acts`' base pointer, shared by the tasks of one [`prepare_rows`]; each task writes
+/// disjoint elements.
+#[derive(Copy, Clone)]
+struct ActsPtr(*mut ActBuf);
+// SAFETY: as for `OutPtr`: disjoint elements, and the pool's round outlives no borrow.
+unsafe impl Send for ActsPtr {}
+unsafe impl Sync for ActsPtr {}
+impl ActsPtr {
+    #[inline(always)]
+    fn get(self) -> *mut ActBuf {
+        self.0
     }
 }
 
@@ -483,9 +549,21 @@ fn max_by_magnitude(x: &[f32]) -> f32 {
 }
 
 /// Round to nearest, ties to even (llama.cpp's `nearest_int`).
+///
+/// Below 2^22 in magnitude (every activation quant, every weight level) it adds 1.5 · 2^23:
+/// the sum lies in [2^23, 2^24), where the float spacing is 1, so the hardware's
+/// round-to-nearest-even addition leaves `round_ties_even(v)` in the low mantissa bits. The
+/// same integer as `round_ties_even`, but inline: the build targets baseline x86-64 (no
+/// SSE4.1 `roundss`), where `round_ties_even` is a call into libm's `rintf` per value — 8 % of
+/// a prefill's time, in the activation quantizers. Larger values and NaN take that call.
 #[inline(always)]
 fn nearest_int(v: f32) -> i32 {
-    v.round_ties_even() as i32
+    const MAGIC: f32 = 12_582_912.0; // 1.5 · 2^23
+    if v.abs() < 4_194_304.0 {
+        ((v + MAGIC).to_bits() & 0x007f_ffff) as i32 - 0x0040_0000
+    } else {
+        v.round_ties_even() as i32
+    }
 }
 
 /// The fixed reduction of 8 lanes: the same tree a 256-bit horizontal add performs
@@ -699,13 +777,16 @@ fn matvec_at(
 /// task takes a band of rows small enough to stay in cache and runs every token over it, so
 /// each weight byte comes from memory once; where a format has a grouped kernel (Q4_K, Q5_K, Q6_K)
 /// groups of 4 tokens share one unpacking of each weight block.
-pub fn matmul(
+///
+/// `acts` may be owned buffers or references, so a caller can pick a subset of a batch's
+/// activations prepared once ([`prepare_rows`]) — an expert's rows — without copying them.
+pub fn matmul<A: Borrow<ActBuf> + Sync>(
     pool: &ThreadPool,
     ty: GgmlType,
     w: &[u8],
     n_rows: usize,
     n_cols: usize,
-    acts: &[ActBuf],
+    acts: &[A],
     out: &mut [f32],
 ) -> Result<(), KernelError> {
     let (t, row_bytes) = check_matrix(ty, w.len(), n_rows, n_cols)?;
@@ -719,7 +800,7 @@ pub fn matmul(
         });
     }
     for act in acts {
-        act.check_for(t, n_cols)?;
+        act.borrow().check_for(t, n_cols)?;
     }
     let f = *t.at(simd_level());
     // A band of rows of at most ~128 KiB stays in L2 while all tokens pass over it.
@@ -736,7 +817,7 @@ pub fn matmul(
         // Groups of tokens through a kernel that unpacks each weight block once for all.
         if let Some(group) = f.group {
             while t + GROUP <= acts.len() {
-                let group_acts: [&ActBuf; GROUP] = std::array::from_fn(|k| &acts[t + k]);
+                let group_acts: [&ActBuf; GROUP] = std::array::from_fn(|k| acts[t + k].borrow());
                 // SAFETY: token t + k's rows start..end lie inside `out` (t + k < acts.len())
                 // and belong to this task only; the level is available and `w` is n_rows
                 // whole rows.
@@ -754,7 +835,7 @@ pub fn matmul(
             // this task only; the level is available and `w` is n_rows whole rows.
             unsafe {
                 let out = out_ptr.slice(t * n_rows + start, end - start);
-                (f.rows)(w, row_bytes, start..end, act, out);
+                (f.rows)(w, row_bytes, start..end, act.borrow(), out);
             }
         }
     });
@@ -884,6 +965,50 @@ mod tests {
     }
 
     #[test]
+    fn batch_prepared_once_gives_the_per_row_bits() {
+        let pools: Vec<ThreadPool> = (1..=2).map(ThreadPool::new).collect();
+        for (i, (ty, n_cols)) in dot_types().into_iter().enumerate() {
+            let n_rows = 37;
+            let seed = 9000 + i as u64;
+            let w = quantized_matrix(ty, n_rows, n_cols, seed);
+            // Enough tokens to take the parallel path.
+            let n_tokens = 64.max(8 * 1024 / n_cols + 1);
+            let x: Vec<f32> = (0..n_tokens)
+                .flat_map(|t| values(seed * 3 + t as u64, n_cols, 1.0))
+                .collect();
+            for pool in &pools {
+                let mut batch = vec![ActBuf::new(); n_tokens];
+                prepare_rows(pool, ty, &x, n_cols, &mut batch).unwrap();
+                // An expert's rows: a subset, by reference, in any order.
+                let pick: Vec<&ActBuf> = [5usize, 0, 63, 17, 18, 2, 40]
+                    .iter()
+                    .map(|&t| &batch[t])
+                    .collect();
+                let mut out = vec![f32::NAN; pick.len() * n_rows];
+                matmul(pool, ty, &w, n_rows, n_cols, &pick, &mut out).unwrap();
+                for (k, &t) in [5usize, 0, 63, 17, 18, 2, 40].iter().enumerate() {
+                    let mut one = ActBuf::new();
+                    one.prepare(ty, &x[t * n_cols..(t + 1) * n_cols]).unwrap();
+                    let mut want = vec![0f32; n_rows];
+                    matvec(pool, ty, &w, n_rows, n_cols, &one, &mut want).unwrap();
+                    let got = &out[k * n_rows..(k + 1) * n_rows];
+                    assert!(
+                        got.iter()
+                            .zip(&want)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{ty} token {t} threads {}",
+                        pool.n_threads()
+                    );
+                }
+            }
+            // Wrong lengths are errors, and leave nothing half-prepared.
+            let mut batch = vec![ActBuf::new(); 3];
+            assert!(prepare_rows(&pools[0], ty, &x[..n_cols * 2], n_cols, &mut batch).is_err());
+            assert!(batch.iter().all(|a| a.format().is_none()));
+        }
+    }
+
+    #[test]
     fn bad_shapes_are_errors_not_panics() {
         let pool = ThreadPool::new(2);
         let ty = GgmlType::Q4_K;
@@ -1005,6 +1130,50 @@ mod tests {
                     "{bits:#06x}"
                 );
             }
+        }
+    }
+
+    #[test]
+    fn nearest_int_is_round_ties_even() {
+        let mut vals = vec![0.0f32, -0.0, 0.5, -0.5, 1.5, -1.5, 2.5, -2.5, 126.5, -127.5];
+        vals.extend([
+            4_194_303.5,
+            -4_194_303.5,
+            4_194_304.0,
+            8_388_609.0,
+            1e30,
+            -1e30,
+        ]);
+        vals.extend([
+            f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::MIN_POSITIVE,
+        ]);
+        // Every half step and its neighbouring floats up to ±300, and a pseudo-random spread.
+        for h in -600..=600 {
+            let v = h as f32 * 0.5;
+            vals.extend([
+                v,
+                f32::from_bits(v.to_bits() + 1),
+                f32::from_bits(v.to_bits().wrapping_sub(1)),
+            ]);
+        }
+        let mut x = 0x1234_5678u32;
+        for _ in 0..200_000 {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            vals.push(f32::from_bits(x));
+            vals.push((x as f32 / u32::MAX as f32 - 0.5) * 600.0);
+        }
+        for v in vals {
+            assert_eq!(
+                nearest_int(v),
+                v.round_ties_even() as i32,
+                "{v:e} ({:#x})",
+                v.to_bits()
+            );
         }
     }
 
