@@ -550,8 +550,8 @@ fn max_by_magnitude(x: &[f32]) -> f32 {
 
 /// Round to nearest, ties to even (llama.cpp's `nearest_int`).
 ///
-/// Below 2^22 in magnitude (every activation quant, every weight level) it adds 1.5 · 2^23:
-/// the sum lies in [2^23, 2^24), where the float spacing is 1, so the hardware's
+/// Below 2^21 in magnitude (every activation quant, every weight level) it adds 1.5 · 2^23:
+/// the sum lies inside [2^23, 2^24), where the float spacing is 1, so the hardware's
 /// round-to-nearest-even addition leaves `round_ties_even(v)` in the low mantissa bits. The
 /// same integer as `round_ties_even`, but inline: the build targets baseline x86-64 (no
 /// SSE4.1 `roundss`), where `round_ties_even` is a call into libm's `rintf` per value — 8 % of
@@ -559,7 +559,8 @@ fn max_by_magnitude(x: &[f32]) -> f32 {
 #[inline(always)]
 fn nearest_int(v: f32) -> i32 {
     const MAGIC: f32 = 12_582_912.0; // 1.5 · 2^23
-    if v.abs() < 4_194_304.0 {
+                                     // 2^21, not 2^22: just below 2^22 the sum would round up to 2^24, where the spacing is 2.
+    if v.abs() < 2_097_152.0 {
         ((v + MAGIC).to_bits() & 0x007f_ffff) as i32 - 0x0040_0000
     } else {
         v.round_ties_even() as i32
