@@ -19,14 +19,20 @@ The model it implements (docs/simulator.md, "Admission rule"):
     pinned entries first (a new admission wave);
   - the cache persists across turns (a session keeps it warm).
 
+The newer policies (layer-lru, 2q, lecar; docs/policies.md) are re-implemented here from their
+written rules as small classes with the same four events the core's EvictionPolicy has
+(insert, hit, remove, victim among the evictable), driven by the same admission loop.
+
 Usage:
-  sim-check.py TRACE [--experts-per-layer 2,4,6 | --budget-bytes N,...] [--policy lru,belady]
+  sim-check.py TRACE [--experts-per-layer 2,4,6 | --budget-bytes N,...]
+               [--policy lru,belady,layer-lru,2q,lecar] [--turns N]
 Prints one JSON object per (policy, budget).
 """
 
 import argparse
 import csv
 import json
+import math
 import sys
 from collections import OrderedDict
 
@@ -143,6 +149,171 @@ def simulate(groups, expert_bytes, n_expert, budget, policy):
     return c
 
 
+class LayerLRU:
+    """Per-layer LRU partitions; the victim comes from the fullest layer (ties: lower layer)."""
+
+    def __init__(self, n_expert):
+        self.layers = {}
+
+    def insert(self, k):
+        self.layers.setdefault(k[0], OrderedDict())[k] = None
+
+    def hit(self, k):
+        self.layers[k[0]].move_to_end(k)
+
+    def remove(self, k):
+        del self.layers[k[0]][k]
+
+    def victim(self, ok):
+        for l in sorted((l for l in self.layers if self.layers[l]),
+                        key=lambda l: (-len(self.layers[l]), l)):
+            for k in self.layers[l]:
+                if ok(k):
+                    return k
+        return None
+
+
+class TwoQ:
+    """2Q: FIFO probation A1in, ghost A1out, protected LRU Am; Kin = n/4, Kout = n/2."""
+
+    def __init__(self, n_expert):
+        self.a1in, self.am, self.ghost = OrderedDict(), OrderedDict(), OrderedDict()
+
+    def insert(self, k):
+        if k in self.ghost:
+            del self.ghost[k]
+            self.am[k] = None
+        else:
+            self.a1in[k] = None
+
+    def hit(self, k):
+        if k in self.am:
+            self.am.move_to_end(k)
+
+    def remove(self, k):
+        if k in self.a1in:
+            del self.a1in[k]
+            self.ghost[k] = None
+            kout = max(1, (len(self.a1in) + len(self.am)) // 2)
+            while len(self.ghost) > kout:
+                self.ghost.popitem(last=False)
+        else:
+            del self.am[k]
+
+    def victim(self, ok):
+        kin = max(1, (len(self.a1in) + len(self.am)) // 4)
+        queues = [self.a1in, self.am] if len(self.a1in) > kin else [self.am, self.a1in]
+        for q in queues:
+            for k in q:
+                if ok(k):
+                    return k
+        return None
+
+
+class LeCaR:
+    """LRU and LFU experts, weights learned from regret; the heavier expert acts (ties: LRU)."""
+
+    def __init__(self, n_expert):
+        self.index = lambda k: k[0] * n_expert + k[1]
+        self.tick = 0
+        self.last, self.freq = {}, {}
+        self.resident = set()
+        self.w_lru = self.w_lfu = 0.5
+        self.hist = {1: OrderedDict(), 2: OrderedDict()}
+        self.pending = None
+
+    def _touch(self, k):
+        self.tick += 1
+        self.freq[k] = self.freq.get(k, 0) + 1
+        self.last[k] = self.tick
+
+    def insert(self, k):
+        by = 1 if k in self.hist[1] else 2 if k in self.hist[2] else 0
+        if by:
+            n = max(1, len(self.resident))
+            d = 0.005 ** (1.0 / n)
+            r = d ** float(self.tick + 1 - self.hist[by][k])
+            if by == 1:
+                self.w_lfu *= math.exp(0.45 * r)
+            else:
+                self.w_lru *= math.exp(0.45 * r)
+            s = self.w_lru + self.w_lfu
+            self.w_lru /= s
+            self.w_lfu /= s
+            del self.hist[by][k]
+        self.resident.add(k)
+        self._touch(k)
+
+    def hit(self, k):
+        self._touch(k)
+
+    def remove(self, k):
+        self.resident.discard(k)
+        pending, self.pending = self.pending, None
+        if pending and pending[0] == k:
+            h = self.hist[pending[1]]
+            h[k] = self.tick
+            while len(h) > max(1, len(self.resident)):
+                h.popitem(last=False)
+
+    def victim(self, ok):
+        cands = [k for k in self.resident if ok(k)]
+        if not cands:
+            self.pending = None
+            return None
+        by_lru = min(cands, key=lambda k: (self.last[k], self.index(k)))
+        by_lfu = min(cands, key=lambda k: (self.freq[k], self.last[k], self.index(k)))
+        self.pending = (by_lru, 1) if self.w_lru >= self.w_lfu else (by_lfu, 2)
+        return self.pending[0]
+
+
+POLICY_CLASSES = {"layer-lru": LayerLRU, "2q": TwoQ, "lecar": LeCaR}
+
+
+def simulate_policy(groups, expert_bytes, n_expert, budget, policy):
+    """The same admission loop as `simulate`, with eviction decided by a policy class."""
+    size = lambda k: expert_bytes[k[0]]
+    pol = POLICY_CLASSES[policy](n_expert)
+    resident = set()
+    used = 0
+    held = set()
+    c = {"lookups": 0, "hits": 0, "misses": 0, "evictions": 0, "rereads": 0, "inserts": 0}
+    for group in groups:
+        pinned = set()
+        misses = []
+        for k in group:
+            c["lookups"] += 1
+            if k in resident:
+                c["hits"] += 1
+                pinned.add(k)
+                pol.hit(k)
+            else:
+                c["misses"] += 1
+                if k in held:
+                    c["rereads"] += 1
+                misses.append(k)
+        for k in misses:
+            if sum(size(p) for p in pinned) + size(k) > budget:
+                if not pinned:
+                    sys.exit(f"expert {k} does not fit in an empty cache of {budget} bytes")
+                pinned.clear()
+            while used + size(k) > budget:
+                victim = pol.victim(lambda r: r in resident and r not in pinned)
+                if victim is None or victim not in resident or victim in pinned:
+                    sys.exit(f"{policy}: no valid victim with {used} bytes resident")
+                resident.discard(victim)
+                pol.remove(victim)
+                used -= size(victim)
+                c["evictions"] += 1
+            resident.add(k)
+            pol.insert(k)
+            used += size(k)
+            held.add(k)
+            pinned.add(k)
+            c["inserts"] += 1
+    return c
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("trace")
@@ -150,8 +321,12 @@ def main():
                     help="budgets as N experts per layer: N x layers x expert_bytes (default 2,4,6)")
     ap.add_argument("--budget-bytes", default=None, help="budgets in bytes (overrides the above)")
     ap.add_argument("--policy", default="lru,belady")
+    ap.add_argument("--turns", type=int, default=None, help="only the first N turns (by id)")
     a = ap.parse_args()
     n_expert, expert_bytes, cells = read_trace(a.trace)
+    if a.turns is not None:
+        keep = sorted({key[0] for key in cells})[: a.turns]
+        cells = {key: v for key, v in cells.items() if key[0] in keep}
     groups = access_groups(len(expert_bytes), cells)
     if a.budget_bytes:
         budgets = [int(b) for b in a.budget_bytes.split(",")]
@@ -159,10 +334,13 @@ def main():
         per = max(expert_bytes)
         budgets = [int(n) * len(expert_bytes) * per for n in a.experts_per_layer.split(",")]
     for policy in a.policy.split(","):
-        if policy not in ("lru", "belady"):
+        if policy not in ("lru", "belady") and policy not in POLICY_CLASSES:
             sys.exit(f"unknown policy {policy}")
         for b in budgets:
-            c = simulate(groups, expert_bytes, n_expert, b, policy)
+            if policy in POLICY_CLASSES:
+                c = simulate_policy(groups, expert_bytes, n_expert, b, policy)
+            else:
+                c = simulate(groups, expert_bytes, n_expert, b, policy)
             print(json.dumps({"policy": policy, "budget_bytes": b, **c}))
 
 

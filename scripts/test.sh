@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Run every test of the workspace, installing the Python references the tests compare
 # against (the PyPI gguf reader, jinja2 for chat-template goldens, llama-cpp-python for
-# logit parity). pip compiles llama-cpp-python once (~5 minutes on 2 cores) and caches
+# logit parity, openai and prometheus_client for the HTTP server). pip compiles llama-cpp-python once (~5 minutes on 2 cores) and caches
 # the wheel.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if ! python3 -c "import gguf, jinja2, numpy, llama_cpp" 2>/dev/null; then
+if ! python3 -c "import gguf, jinja2, numpy, llama_cpp, openai, prometheus_client" 2>/dev/null; then
   echo "test.sh: installing Python test references (first run compiles llama-cpp-python, ~5 min)" >&2
   python3 -m pip install -q --disable-pip-version-check -r scripts/requirements-test.txt
 fi

@@ -13,8 +13,11 @@ use std::path::PathBuf;
     about = "Run Mixture-of-Experts GGUF models bigger than RAM by streaming routed experts from flash",
     long_about = "Run Mixture-of-Experts GGUF models bigger than RAM by streaming each token's routed experts \
 from flash into a fixed-budget expert cache.\n\nRun a model:  bmoe-cli -m MODEL.gguf -p \"PROMPT\" -n 64\n\
-Tools:        bmoe-cli gen | inspect | bench  (see bmoe-cli <tool> --help)",
-    args_conflicts_with_subcommands = true
+Serve:        bmoe-cli serve -m MODEL.gguf [--port 8080]   (OpenAI-compatible HTTP API)\n\
+Chat:         bmoe-cli chat -m MODEL.gguf\n\
+Tools:        bmoe-cli gen | inspect | bench | checksum  (see bmoe-cli <tool> --help)",
+    args_conflicts_with_subcommands = true,
+    allow_negative_numbers = true
 )]
 pub struct Cli {
     #[command(subcommand)]
@@ -33,6 +36,11 @@ pub enum Cmd {
     Bench(BenchArgs),
     /// Write MODEL.bmoe-sums: a checksum of every expert's bytes, for --verify-reads
     Checksum(ChecksumArgs),
+    /// Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions,
+    /// /v1/completions, /v1/models, /health, /metrics; see docs/serving.md)
+    Serve(crate::serve::ServeArgs),
+    /// Chat with the model in the terminal (history kept, Ctrl-C stops an answer, /exit)
+    Chat(crate::chat_tty::ChatArgs),
 }
 
 #[derive(Args, Debug)]
@@ -53,11 +61,38 @@ pub struct RunArgs {
     /// The GGUF model (the first shard of a split set)
     #[arg(short = 'm', long = "model", value_name = "PATH")]
     pub model: Option<PathBuf>,
-    /// Prompt text
-    #[arg(short = 'p', long = "prompt", default_value = "")]
+    /// Prompt text; `-p -` reads it from stdin (as does a piped stdin when neither -p nor -f
+    /// is given). Special tokens written in it (`<|im_start|>`) are parsed as tokens unless
+    /// --no-parse-special
+    #[arg(
+        short = 'p',
+        long = "prompt",
+        default_value = "",
+        allow_hyphen_values = true
+    )]
     pub prompt: String,
-    /// Tokens to generate
-    #[arg(short = 'n', long = "n-predict", default_value_t = 128, value_parser = clap::value_parser!(u32).range(1..))]
+    /// Read the prompt from FILE (any size the context holds)
+    #[arg(short = 'f', long = "file", value_name = "FILE")]
+    pub file: Option<PathBuf>,
+    /// A system message before the prompt (`-sys` as in llama.cpp); makes the prompt a chat
+    /// (--chatml)
+    #[arg(
+        long = "system-prompt",
+        value_name = "TEXT",
+        allow_hyphen_values = true
+    )]
+    pub system_prompt: Option<String>,
+    /// Render chats with this Jinja chat template instead of the model's
+    /// tokenizer.chat_template
+    #[arg(long = "chat-template-file", value_name = "FILE")]
+    pub chat_template_file: Option<PathBuf>,
+    /// Tokenize special-token text in a raw prompt (`<|im_end|>`) as plain characters instead
+    /// of as the special tokens
+    #[arg(long = "no-parse-special")]
+    pub no_parse_special: bool,
+    /// Tokens to generate; -1 = until an end-of-generation token or the context is full.
+    /// Generation always stops at the model's end-of-generation tokens
+    #[arg(short = 'n', long = "n-predict", default_value = "128", value_parser = crate::prompt::parse_n_predict, allow_negative_numbers = true)]
     pub n_predict: u32,
     /// Compute threads
     #[arg(short = 't', long = "threads", default_value_t = default_threads(), value_parser = clap::value_parser!(u32).range(1..=256))]
@@ -80,8 +115,9 @@ pub struct RunArgs {
     /// Top-p cutoff when sampling
     #[arg(long = "top-p", default_value_t = 0.95)]
     pub top_p: f32,
-    /// Sampling seed (reproducible per seed)
-    #[arg(long, default_value_t = 0)]
+    /// Sampling seed (reproducible per seed); -1 = a random seed, drawn once and reported on
+    /// stderr and in the --csv preamble
+    #[arg(long, default_value = "-1", value_parser = crate::prompt::parse_seed, allow_negative_numbers = true)]
     pub seed: u64,
     /// Write the logits of every prompt position and generated step (raw little-endian f32,
     /// one row of n_vocab per position) plus PATH.json naming the token ids
@@ -158,6 +194,21 @@ impl RunArgs {
     }
 }
 
+impl Cli {
+    /// Parse a command line the way the binary does (llama.cpp's `-sys` accepted).
+    pub fn parse_argv<I: IntoIterator<Item = S>, S: Into<std::ffi::OsString>>(
+        argv: I,
+    ) -> Result<Cli, clap::Error> {
+        let argv = crate::prompt::rewrite_llama_flags(argv.into_iter().map(Into::into).collect());
+        <Cli as Parser>::try_parse_from(argv)
+    }
+
+    /// The run flags of a command line (tests).
+    pub fn parse_run(argv: &[&str]) -> Result<RunArgs, clap::Error> {
+        Ok(Cli::parse_argv(argv.iter().copied())?.run)
+    }
+}
+
 fn default_threads() -> u32 {
     std::thread::available_parallelism()
         .map(|n| n.get() as u32)
@@ -167,7 +218,12 @@ fn default_threads() -> u32 {
 
 #[derive(Args, Debug)]
 pub struct GenArgs {
-    /// Preset shape: tiny (tests), small (benchmarks), qwen3-30b-a3b-shape (full size)
+    /// Architecture of the file (`general.architecture`); default: the preset's (qwen3moe for
+    /// tiny, tiny-odd and small). `bmoe-cli --list-archs` lists each with its presets
+    #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(gen::GenArch::NAMES))]
+    pub arch: Option<String>,
+    /// Preset shape: tiny, tiny-odd (tests), small (benchmarks), or a full-size shape of one
+    /// architecture: qwen3-30b-a3b-shape (qwen3moe), qwen1.5-moe-a2.7b-shape (qwen2moe)
     #[arg(long, default_value = "tiny", value_parser = clap::builder::PossibleValuesParser::new(Preset::NAMES))]
     pub preset: String,
     /// Seed of the weights
@@ -199,6 +255,9 @@ pub struct GenArgs {
     pub d_model: Option<u32>,
     #[arg(long = "expert-ffn")]
     pub expert_ffn: Option<u32>,
+    /// The shared expert's FFN width (qwen2moe)
+    #[arg(long = "shared-ffn")]
+    pub shared_ffn: Option<u32>,
     #[arg(long)]
     pub heads: Option<u32>,
     #[arg(long = "kv-heads")]
@@ -299,7 +358,12 @@ pub struct BenchArgs {
 pub fn gen(a: GenArgs) -> Result<()> {
     let preset =
         Preset::from_name(&a.preset).ok_or_else(|| anyhow!("unknown preset {}", a.preset))?;
-    let mut shape = preset.shape();
+    let arch = match &a.arch {
+        Some(n) => gen::GenArch::from_name(n)
+            .ok_or_else(|| anyhow!("--arch {n}: gen writes {}", gen::GenArch::NAMES.join(", ")))?,
+        None => preset.arch().unwrap_or(gen::GenArch::Qwen3Moe),
+    };
+    let mut shape = preset.shape_for(arch)?;
     macro_rules! ov {
         ($f:ident, $v:expr) => {
             if let Some(v) = $v {
@@ -312,6 +376,7 @@ pub fn gen(a: GenArgs) -> Result<()> {
     ov!(n_expert_used, a.top_k);
     ov!(d_model, a.d_model);
     ov!(n_ff_exp, a.expert_ffn);
+    ov!(n_ff_shexp, a.shared_ffn);
     ov!(n_head, a.heads);
     ov!(n_head_kv, a.kv_heads);
     ov!(head_dim, a.head_dim);
@@ -446,8 +511,9 @@ pub fn checksum(a: ChecksumArgs) -> Result<()> {
         .map(|p| crate::outputs::Named::new("MODEL", p))
         .collect();
     crate::outputs::check_distinct(&named, &[crate::outputs::Named::new("--out", &out)])?;
-    let weights = crate::arch::qwen3moe::Weights::load(file.clone())?;
-    let layout = crate::stream::layout_of(&weights)?;
+    // Mapped, not copied: only the expert tensors' places are needed.
+    let model = crate::arch::load_model(file.clone(), crate::dense::DenseMode::Mmap, 1)?;
+    let layout = crate::stream::layout_of(&model)?;
     let bar = (!a.quiet).then(|| {
         let b = indicatif::ProgressBar::new(layout.total_expert_bytes());
         b.set_style(

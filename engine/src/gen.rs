@@ -1,6 +1,8 @@
-//! The synthetic model generator behind `bmoe-cli gen`: complete, loadable `qwen3moe` GGUF
-//! files with deterministic random weights, a real tokenizer and chat template, so tests and
-//! benchmarks make the models they need and no model file is ever committed.
+//! The synthetic model generator behind `bmoe-cli gen`: complete, loadable GGUF files of every
+//! architecture the engine runs (`--arch`: qwen3moe, qwen2moe) with deterministic random
+//! weights, a real tokenizer and chat template, so tests and benchmarks make the models they
+//! need and no model file is ever committed. Each file follows llama.cpp's tensor names and
+//! metadata for its architecture, so llama.cpp loads it too (the parity gates).
 //!
 //! ## Routing realism
 //! Random weights route uniformly at random: consecutive tokens would share ~k/n of their
@@ -24,14 +26,55 @@ use rand_chacha::ChaCha8Rng;
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-/// Model dimensions of a `qwen3moe` file.
+/// The architectures `gen` writes (`general.architecture`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum GenArch {
+    /// Qwen3 MoE: q/k norms, routed experts only.
+    Qwen3Moe,
+    /// Qwen1.5/Qwen2 MoE: q/k/v biases, a sigmoid-gated shared expert, weights not
+    /// renormalised.
+    Qwen2Moe,
+}
+
+impl GenArch {
+    pub const NAMES: &'static [&'static str] = &["qwen3moe", "qwen2moe"];
+
+    pub fn from_name(s: &str) -> Option<GenArch> {
+        match s {
+            "qwen3moe" => Some(GenArch::Qwen3Moe),
+            "qwen2moe" => Some(GenArch::Qwen2Moe),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            GenArch::Qwen3Moe => "qwen3moe",
+            GenArch::Qwen2Moe => "qwen2moe",
+        }
+    }
+
+    /// The presets `gen` offers for this architecture (`--list-archs` prints them).
+    pub fn presets(self) -> Vec<&'static str> {
+        Preset::ALL
+            .iter()
+            .filter(|p| p.arch().is_none_or(|a| a == self))
+            .map(|p| p.name())
+            .collect()
+    }
+}
+
+/// Model dimensions of a generated file.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModelShape {
+    pub arch: GenArch,
     pub n_layer: u32,
     pub n_expert: u32,
     pub n_expert_used: u32,
     pub d_model: u32,
     pub n_ff_exp: u32,
+    /// The shared expert's FFN width (qwen2moe; 0 for an architecture without one).
+    pub n_ff_shexp: u32,
     pub n_head: u32,
     pub n_head_kv: u32,
     pub head_dim: u32,
@@ -57,11 +100,28 @@ pub enum Preset {
     /// every K-quant and IQ4_XS weight falls back to its 32-value stand-in, as in models like
     /// gpt-oss (2880) or those with expert widths of 1408.
     TinyOdd,
+    /// The full shape of Qwen1.5-MoE-A2.7B (qwen2moe): 24 layers, 60 experts, top-4,
+    /// d_model 2048, expert FFN 1408, shared expert FFN 5632, 16 heads of 128; ~8 GB at
+    /// Q4_K_M.
+    Qwen15MoeA27bShape,
 }
 
 impl Preset {
-    pub const NAMES: &'static [&'static str] =
-        &["tiny", "tiny-odd", "small", "qwen3-30b-a3b-shape"];
+    pub const NAMES: &'static [&'static str] = &[
+        "tiny",
+        "tiny-odd",
+        "small",
+        "qwen3-30b-a3b-shape",
+        "qwen1.5-moe-a2.7b-shape",
+    ];
+
+    pub const ALL: &'static [Preset] = &[
+        Preset::Tiny,
+        Preset::TinyOdd,
+        Preset::Small,
+        Preset::Qwen3_30bA3bShape,
+        Preset::Qwen15MoeA27bShape,
+    ];
 
     pub fn from_name(s: &str) -> Option<Preset> {
         match s {
@@ -69,6 +129,7 @@ impl Preset {
             "tiny-odd" => Some(Preset::TinyOdd),
             "small" => Some(Preset::Small),
             "qwen3-30b-a3b-shape" | "qwen3-30b-a3b" => Some(Preset::Qwen3_30bA3bShape),
+            "qwen1.5-moe-a2.7b-shape" | "qwen2moe-a2.7b-shape" => Some(Preset::Qwen15MoeA27bShape),
             _ => None,
         }
     }
@@ -79,16 +140,56 @@ impl Preset {
             Preset::TinyOdd => "tiny-odd",
             Preset::Small => "small",
             Preset::Qwen3_30bA3bShape => "qwen3-30b-a3b-shape",
+            Preset::Qwen15MoeA27bShape => "qwen1.5-moe-a2.7b-shape",
         }
     }
 
+    /// The architecture a full-shape preset is the shape of; `None` for the generic sizes,
+    /// which every architecture has.
+    pub fn arch(self) -> Option<GenArch> {
+        match self {
+            Preset::Tiny | Preset::TinyOdd | Preset::Small => None,
+            Preset::Qwen3_30bA3bShape => Some(GenArch::Qwen3Moe),
+            Preset::Qwen15MoeA27bShape => Some(GenArch::Qwen2Moe),
+        }
+    }
+
+    /// The preset's shape for architecture `arch`: a generic size gains what `arch` needs
+    /// (qwen2moe's shared expert, as wide as llama.cpp's K-quants allow: 256-multiples except
+    /// on tiny-odd); a full-shape preset of another architecture is refused.
+    pub fn shape_for(self, arch: GenArch) -> Result<ModelShape, GenError> {
+        if let Some(a) = self.arch().filter(|&a| a != arch) {
+            return Err(GenError::Invalid(format!(
+                "--preset {} is a {} shape, not {} (presets for {}: {})",
+                self.name(),
+                a.name(),
+                arch.name(),
+                arch.name(),
+                arch.presets().join(", ")
+            )));
+        }
+        let mut s = self.shape();
+        s.arch = arch;
+        if arch == GenArch::Qwen2Moe && s.n_ff_shexp == 0 {
+            s.n_ff_shexp = match self {
+                Preset::TinyOdd => 320,
+                Preset::Small => 2048,
+                _ => 512,
+            };
+        }
+        Ok(s)
+    }
+
+    /// The preset's shape for its own architecture (qwen3moe for the generic sizes).
     pub fn shape(self) -> ModelShape {
         let base = ModelShape {
+            arch: GenArch::Qwen3Moe,
             n_layer: 4,
             n_expert: 16,
             n_expert_used: 4,
             d_model: 256,
             n_ff_exp: 384,
+            n_ff_shexp: 0,
             n_head: 4,
             n_head_kv: 2,
             head_dim: 64,
@@ -130,6 +231,20 @@ impl Preset {
                 n_ctx_train: 40960,
                 ..base
             },
+            Preset::Qwen15MoeA27bShape => ModelShape {
+                arch: GenArch::Qwen2Moe,
+                n_layer: 24,
+                n_expert: 60,
+                n_expert_used: 4,
+                d_model: 2048,
+                n_ff_exp: 1408,
+                n_ff_shexp: 5632,
+                n_head: 16,
+                n_head_kv: 16,
+                head_dim: 128,
+                n_ctx_train: 8192,
+                ..base
+            },
         }
     }
 
@@ -139,7 +254,8 @@ impl Preset {
         match self {
             Preset::Tiny | Preset::TinyOdd => 0.5,
             Preset::Small => 0.4,
-            Preset::Qwen3_30bA3bShape => 0.63,
+            // Not calibrated for its own shape: qwen3-30b-a3b-shape's, the nearest measured.
+            Preset::Qwen3_30bA3bShape | Preset::Qwen15MoeA27bShape => 0.63,
         }
     }
 
@@ -149,7 +265,9 @@ impl Preset {
                 experts: Some(GgmlType::Q8_0),
                 ..TypeScheme::pure(GgmlType::F32)
             },
-            Preset::Small | Preset::Qwen3_30bA3bShape => TypeScheme::q4_k_m(),
+            Preset::Small | Preset::Qwen3_30bA3bShape | Preset::Qwen15MoeA27bShape => {
+                TypeScheme::q4_k_m()
+            }
         }
     }
 }
@@ -386,6 +504,21 @@ impl GenOptions {
         {
             return bad("d_model, expert FFN and heads x head_dim must be multiples of 32 (the smallest quant block)".into());
         }
+        match s.arch {
+            GenArch::Qwen3Moe if s.n_ff_shexp != 0 => {
+                return bad("--shared-ffn: qwen3moe has no shared expert".into());
+            }
+            GenArch::Qwen2Moe if s.n_ff_shexp == 0 || !s.n_ff_shexp.is_multiple_of(32) => {
+                return bad(format!(
+                    "--shared-ffn {} must be a positive multiple of 32 (qwen2moe's shared expert)",
+                    s.n_ff_shexp
+                ));
+            }
+            GenArch::Qwen2Moe if s.tie_output => {
+                return bad("--tie-output: llama.cpp requires qwen2moe's output.weight".into());
+            }
+            _ => {}
+        }
         if s.n_layer > 4096 || s.n_expert > 65535 {
             return bad("at most 4096 layers and 65535 experts".into());
         }
@@ -419,7 +552,7 @@ impl GenOptions {
 
     fn metadata(&self) -> Result<Vec<(String, Value)>, GenError> {
         let s = &self.shape;
-        let a = "qwen3moe";
+        let a = s.arch.name();
         let k = |n: &str| format!("{a}.{n}");
         let mut m: Vec<(String, Value)> = vec![
             ("general.architecture".into(), Value::String(a.into())),
@@ -442,7 +575,11 @@ impl GenOptions {
             (k("block_count"), Value::U32(s.n_layer)),
             (
                 k("feed_forward_length"),
-                Value::U32(s.n_ff_exp * s.n_expert_used),
+                // qwen2moe's states the shared expert's width (llama.cpp's fallback for it).
+                Value::U32(match s.arch {
+                    GenArch::Qwen2Moe => s.n_ff_shexp,
+                    GenArch::Qwen3Moe => s.n_ff_exp * s.n_expert_used,
+                }),
             ),
             (k("attention.head_count"), Value::U32(s.n_head)),
             (k("attention.head_count_kv"), Value::U32(s.n_head_kv)),
@@ -453,6 +590,14 @@ impl GenOptions {
             (k("expert_count"), Value::U32(s.n_expert)),
             (k("expert_used_count"), Value::U32(s.n_expert_used)),
             (k("expert_feed_forward_length"), Value::U32(s.n_ff_exp)),
+        ];
+        if s.arch == GenArch::Qwen2Moe {
+            m.push((
+                k("expert_shared_feed_forward_length"),
+                Value::U32(s.n_ff_shexp),
+            ));
+        }
+        m.extend([
             (
                 "bmoe.gen.preset".into(),
                 Value::String(self.preset.name().into()),
@@ -467,7 +612,7 @@ impl GenOptions {
                 "bmoe.gen.attn_sharpness".into(),
                 Value::F32(self.attn_sharpness),
             ),
-        ];
+        ]);
         for (key, v) in &self.vocab {
             if !key.starts_with("tokenizer.") {
                 continue;
@@ -546,12 +691,18 @@ impl GenOptions {
                 Fill::Const(1.0),
                 fallbacks,
             );
+            // Without q/k norms (qwen2moe) the sharpness scales the projections instead, so
+            // attention is as near-uniform as with them.
+            let qk_std = match s.arch {
+                GenArch::Qwen3Moe => inv(d),
+                GenArch::Qwen2Moe => inv(d) * self.attn_sharpness,
+            };
             push(
                 b("attn_q"),
                 &[d, q_dim],
                 Want::Weight(Some(i)),
                 Fill::Rand {
-                    std: inv(d),
+                    std: qk_std,
                     lo: 0,
                     hi: s.d_model,
                 },
@@ -562,7 +713,7 @@ impl GenOptions {
                 &[d, kv_dim],
                 Want::Weight(Some(i)),
                 Fill::Rand {
-                    std: inv(d),
+                    std: qk_std,
                     lo: 0,
                     hi: s.d_model,
                 },
@@ -579,20 +730,35 @@ impl GenOptions {
                 },
                 fallbacks,
             );
-            push(
-                b("attn_q_norm"),
-                &[s.head_dim as u64],
-                Want::Keep(GgmlType::F32),
-                Fill::Const(self.attn_sharpness),
-                fallbacks,
-            );
-            push(
-                b("attn_k_norm"),
-                &[s.head_dim as u64],
-                Want::Keep(GgmlType::F32),
-                Fill::Const(self.attn_sharpness),
-                fallbacks,
-            );
+            match s.arch {
+                GenArch::Qwen3Moe => {
+                    for n in ["attn_q_norm", "attn_k_norm"] {
+                        push(
+                            b(n),
+                            &[s.head_dim as u64],
+                            Want::Keep(GgmlType::F32),
+                            Fill::Const(self.attn_sharpness),
+                            fallbacks,
+                        );
+                    }
+                }
+                GenArch::Qwen2Moe => {
+                    // Small q/k/v biases, as trained qwen2 models have.
+                    for (n, w) in [("attn_q", q_dim), ("attn_k", kv_dim), ("attn_v", kv_dim)] {
+                        push(
+                            format!("blk.{i}.{n}.bias"),
+                            &[w],
+                            Want::Keep(GgmlType::F32),
+                            Fill::Rand {
+                                std: 0.02,
+                                lo: 0,
+                                hi: w as u32,
+                            },
+                            fallbacks,
+                        );
+                    }
+                }
+            }
             // Attention writes only the context half of the residual stream.
             push(
                 b("attn_output"),
@@ -658,6 +824,45 @@ impl GenOptions {
                 },
                 fallbacks,
             );
+            if s.arch == GenArch::Qwen2Moe {
+                // The shared expert and its gate; like the experts, it writes the token half.
+                let fs = s.n_ff_shexp as u64;
+                push(
+                    b("ffn_gate_inp_shexp"),
+                    &[d],
+                    Want::Keep(GgmlType::F32),
+                    Fill::Rand {
+                        std: inv(d),
+                        lo: 0,
+                        hi: s.d_model,
+                    },
+                    fallbacks,
+                );
+                for n in ["ffn_gate_shexp", "ffn_up_shexp"] {
+                    push(
+                        b(n),
+                        &[d, fs],
+                        Want::Weight(Some(i)),
+                        Fill::Rand {
+                            std: inv(d),
+                            lo: 0,
+                            hi: s.d_model,
+                        },
+                        fallbacks,
+                    );
+                }
+                push(
+                    b("ffn_down_shexp"),
+                    &[fs, d],
+                    Want::Weight(Some(i)),
+                    Fill::RandRows {
+                        std: inv(fs),
+                        half: Half::Token,
+                        split,
+                    },
+                    fallbacks,
+                );
+            }
         }
         push(
             "output_norm.weight".into(),
@@ -893,6 +1098,55 @@ mod tests {
         assert_eq!(ty("blk.2.ffn_down_exps.weight"), GgmlType::Q8_0);
         assert_eq!(ty("output.weight"), GgmlType::Q8_0);
         assert!(!fallbacks.is_empty());
+    }
+
+    #[test]
+    fn qwen2moe_plans_its_shared_expert_and_biases_and_no_qk_norms() {
+        let mut opts = options(Preset::Tiny, TypeScheme::pure(GgmlType::F32));
+        opts.shape = Preset::Tiny.shape_for(GenArch::Qwen2Moe).unwrap();
+        opts.validate().unwrap();
+        let plan = opts.plan(&mut Vec::new()).unwrap();
+        let dims = |n: &str| {
+            plan.iter()
+                .find(|p| p.spec.name == n)
+                .map(|p| p.spec.dims.clone())
+        };
+        assert_eq!(dims("blk.0.ffn_gate_inp_shexp.weight"), Some(vec![256]));
+        assert_eq!(dims("blk.3.ffn_down_shexp.weight"), Some(vec![512, 256]));
+        assert_eq!(dims("blk.1.attn_k.bias"), Some(vec![128]));
+        assert_eq!(dims("blk.0.attn_q_norm.weight"), None);
+        let meta = opts.metadata().unwrap();
+        let key = |k: &str| meta.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
+        assert_eq!(
+            key("general.architecture"),
+            Some(Value::String("qwen2moe".into()))
+        );
+        assert_eq!(
+            key("qwen2moe.expert_shared_feed_forward_length"),
+            Some(Value::U32(512))
+        );
+        // A full shape of another family, a qwen3moe shared expert, a tied qwen2moe head: no.
+        assert!(Preset::Qwen3_30bA3bShape
+            .shape_for(GenArch::Qwen2Moe)
+            .is_err());
+        let mut bad = options(Preset::Tiny, TypeScheme::pure(GgmlType::F32));
+        bad.shape.n_ff_shexp = 64;
+        assert!(bad.validate().is_err());
+        opts.shape.tie_output = true;
+        assert!(opts.validate().is_err());
+    }
+
+    #[test]
+    fn gen_writes_every_architecture_the_engine_runs() {
+        for e in crate::arch::REGISTRY {
+            let a = GenArch::from_name(e.name).unwrap_or_else(|| panic!("{}", e.name));
+            assert_eq!(a.name(), e.name);
+            assert!(a.presets().contains(&"tiny"), "{}", e.name);
+        }
+        assert_eq!(
+            GenArch::Qwen2Moe.presets(),
+            ["tiny", "tiny-odd", "small", "qwen1.5-moe-a2.7b-shape"]
+        );
     }
 
     #[test]

@@ -5,10 +5,9 @@
 
 use anyhow::{bail, Result};
 use bmoe_engine::cli::{self, Cli, Cmd};
-use clap::Parser;
 
 fn main() {
-    let cli = match Cli::try_parse() {
+    let cli = match Cli::parse_argv(std::env::args_os()) {
         Ok(c) => c,
         Err(e) => {
             // Unknown flag: exit 1; bad value: exit 2 (features.md §14).
@@ -26,6 +25,10 @@ fn main() {
         Some(Cmd::Inspect(a)) => cli::inspect(a).map(|_| 0),
         Some(Cmd::Bench(a)) => cli::bench(a).map(|_| 0),
         Some(Cmd::Checksum(a)) => cli::checksum(a).map(|_| 0),
+        Some(Cmd::Serve(a)) => serve(a),
+        Some(Cmd::Chat(mut a)) => {
+            env_fallbacks(&mut a.run).and_then(|_| bmoe_engine::chat_tty::chat(a))
+        }
         None => run(cli),
     };
     match r {
@@ -43,8 +46,12 @@ fn main() {
 
 fn run(cli: Cli) -> Result<i32> {
     if cli.run.list_archs {
-        for (a, what) in bmoe_engine::arch::SUPPORTED {
-            println!("{a}\t{what}");
+        // One line per architecture: its name, what it is, and the `gen --arch` presets.
+        for e in bmoe_engine::arch::REGISTRY {
+            let presets = bmoe_engine::gen::GenArch::from_name(e.name)
+                .map(|a| a.presets().join(", "))
+                .unwrap_or_else(|| "none".into());
+            println!("{}\t{}\tgen presets: {presets}", e.name, e.about);
         }
         return Ok(0);
     }
@@ -54,13 +61,12 @@ fn run(cli: Cli) -> Result<i32> {
         );
     };
     let mut run = cli.run.clone();
-    // Environment fallbacks (BMOE_CACHE_MB, ...): a flag the user typed always wins.
-    for (k, v) in bmoe_core::flags::apply_env_fallbacks(
-        std::env::vars(),
-        &mut run.stream,
-        &mut run.telemetry,
-    )? {
-        eprintln!("bmoe: {k}={v} (from the environment)");
+    env_fallbacks(&mut run)?;
+    {
+        use std::io::IsTerminal;
+        let stdin = std::io::stdin();
+        let tty = stdin.is_terminal();
+        run.resolve_prompt(&mut stdin.lock(), tty)?;
     }
     let cancel = bmoe_core::CancelFlag::new();
     watch_signals(&cancel)?;
@@ -77,6 +83,27 @@ fn run(cli: Cli) -> Result<i32> {
         );
     }
     bmoe_engine::run::generate(&run, &model, &cancel)
+}
+
+/// Environment fallbacks (BMOE_CACHE_MB, ...): a flag the user typed always wins.
+fn env_fallbacks(run: &mut bmoe_engine::cli::RunArgs) -> Result<()> {
+    for (k, v) in bmoe_core::flags::apply_env_fallbacks(
+        std::env::vars(),
+        &mut run.stream,
+        &mut run.telemetry,
+    )? {
+        eprintln!("bmoe: {k}={v} (from the environment)");
+    }
+    Ok(())
+}
+
+/// `bmoe-cli serve`: SIGINT/SIGTERM stop the server (the running generation at its next
+/// token); a second signal ends the process at once.
+fn serve(mut a: bmoe_engine::serve::ServeArgs) -> Result<i32> {
+    env_fallbacks(&mut a.run)?;
+    let cancel = bmoe_core::CancelFlag::new();
+    watch_signals(&cancel)?;
+    bmoe_engine::serve::serve(a, &cancel)
 }
 
 /// SIGINT and SIGTERM set `cancel`: the generation stops at its next token boundary, writes

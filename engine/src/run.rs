@@ -5,7 +5,7 @@
 //! is the core's loop (`bmoe_core::Session`); this file is its engine-side token source (the
 //! sampler, the detokenizer, the reasoning split) and its printing.
 
-use crate::arch::qwen3moe::{Qwen3Moe, Weights};
+use crate::arch::Model;
 use crate::arena::ArenaOptions;
 use crate::cli::RunArgs;
 use crate::flash::{LaneFlash, MonotonicClock};
@@ -115,7 +115,8 @@ pub fn load(args: &RunArgs, model_path: &Path, err: &mut dyn Write) -> Result<Lo
         ..RunConfig::default()
     };
     cfg.model = model_path.display().to_string();
-    cfg.n_predict = args.n_predict;
+    // `-n -1` is resolved against the prompt; until then the context bounds it.
+    cfg.n_predict = args.n_predict.min(args.ctx);
     cfg.threads = args.threads;
     cfg.n_ctx = args.ctx;
     cfg.chatml = args.chatml;
@@ -132,25 +133,39 @@ pub fn load(args: &RunArgs, model_path: &Path, err: &mut dyn Write) -> Result<Lo
 
     let file = Arc::new(GgufFile::open(model_path)?);
     cfg.arch = file.architecture().unwrap_or("").to_string();
-    let mut weights = Weights::load(file.clone())?;
+    if !crate::arch::is_supported(&cfg.arch) {
+        // Say what mode the run would be in (not streaming: an unknown architecture never
+        // streams) before refusing it by name.
+        let shown = RunConfig {
+            moe_stream: false,
+            ..cfg.clone()
+        };
+        writeln!(
+            err,
+            "{}",
+            bmoe_core::telemetry::report::mode_line(&shown, false)
+        )?;
+    }
     // The resident baseline is plain mmap by definition; streaming applies --dense-weights.
-    if cfg.moe_stream {
-        weights.apply_dense_mode(cfg.dense_weights.into())?;
-    } else {
+    if !cfg.moe_stream {
         cfg.dense_weights = bmoe_core::config::DenseWeights::Mmap;
     }
-    let hp = weights.hp.clone();
-    cfg.n_layer = hp.n_layer as u32;
-    cfg.n_expert = hp.n_expert as u32;
+    let arch = crate::arch::load(file.clone(), cfg.dense_weights.into())?;
+    let mut model = Model::new(arch, args.threads as usize);
+    model.set_check_finite(args.check_finite);
+    let dims = model.dims().clone();
+    cfg.gating = model.gating();
+    cfg.n_layer = dims.n_layer as u32;
+    cfg.n_expert = dims.n_expert as u32;
     cfg.n_expert_used = if cfg.n_expert_used_override > 0 {
         cfg.n_expert_used_override
     } else {
-        hp.n_expert_used as u32
+        dims.n_expert_used as u32
     };
     cfg.validate_model()?;
     let k = cfg.n_expert_used as u16;
     let tok = Tokenizer::from_gguf(&file)?;
-    let layout = layout_of(&weights)?;
+    let layout = layout_of(&model)?;
     let policy = bmoe_core::policy::by_name(cfg.eviction.name())
         .ok_or_else(|| anyhow!("unknown eviction policy {}", cfg.eviction.name()))?;
 
@@ -216,8 +231,6 @@ pub fn load(args: &RunArgs, model_path: &Path, err: &mut dyn Write) -> Result<Lo
             nth,
             fault,
         ));
-        let mut model = Qwen3Moe::new(weights, args.threads as usize);
-        model.set_check_finite(args.check_finite);
         let state = model.new_state(args.ctx as usize);
         let mut backend = EngineBackend::new(model, state, Some(arena), layout.clone());
         if args.verify_reads {
@@ -235,8 +248,6 @@ pub fn load(args: &RunArgs, model_path: &Path, err: &mut dyn Write) -> Result<Lo
         // The resident baseline: the same step over a device that reads nothing, every expert
         // computed from the map, no cache.
         let cache = ExpertCache::new(&layout, 0, k, policy)?;
-        let mut model = Qwen3Moe::new(weights, args.threads as usize);
-        model.set_check_finite(args.check_finite);
         let state = model.new_state(args.ctx as usize);
         let backend = EngineBackend::new(model, state, None, layout.clone());
         Engine::new(
@@ -248,9 +259,10 @@ pub fn load(args: &RunArgs, model_path: &Path, err: &mut dyn Write) -> Result<Lo
             StreamConfig::default(),
         )?
     };
-    // Top-k override, substitution, dropping, in that order (qwen3moe renormalises); without
-    // streaming only the top-k override can be armed (`validate` refuses the others).
-    for hook in bmoe_core::hooks::router_hooks(&cfg, hp.n_expert_used as u32, true) {
+    // Top-k override, substitution, dropping, in that order, weighing routings with the
+    // model's gating; without streaming only the top-k override can be armed (`validate`
+    // refuses the others).
+    for hook in bmoe_core::hooks::router_hooks(&cfg, dims.n_expert_used as u32, cfg.gating) {
         engine.add_hook(hook);
     }
     // --predict-log, --predict-prefetch, --route-ahead (committed before the hooks above
@@ -265,37 +277,14 @@ pub fn load(args: &RunArgs, model_path: &Path, err: &mut dyn Write) -> Result<Lo
         engine,
         tok,
         file,
-        n_vocab: hp.n_vocab,
+        n_vocab: dims.n_vocab,
         load_s: t_load.elapsed().as_secs_f64(),
     })
 }
 
-/// The prompt as the model sees it: the model's chat template applied (`--chatml`, one user
-/// message) or the text as given; and its tokens.
+/// The prompt as the model sees it, and its tokens (`crate::prompt::render`).
 fn render_prompt(args: &RunArgs, loaded: &Loaded, model_path: &Path) -> Result<(String, Vec<u32>)> {
-    let prompt = if args.chatml {
-        let tpl = loaded
-            .file
-            .get("tokenizer.chat_template")
-            .and_then(|v| v.as_str())
-            .ok_or_else(|| {
-                anyhow!(
-                    "--chatml: {} has no tokenizer.chat_template",
-                    model_path.display()
-                )
-            })?;
-        let ct =
-            crate::chat::ChatTemplate::new(tpl, &loaded.tok.bos_text(), &loaded.tok.eos_text())?;
-        ct.render(
-            &[crate::chat::Message::new("user", args.prompt.clone())],
-            true,
-            Some(!args.no_think),
-        )?
-    } else {
-        args.prompt.clone()
-    };
-    let tokens = loaded.tok.encode(&prompt, args.chatml)?;
-    Ok((prompt, tokens))
+    crate::prompt::render(args, &loaded.file, &loaded.tok, model_path)
 }
 
 /// Why the engine's token source failed.
@@ -498,6 +487,7 @@ impl Sinks {
                     n_layer: cfg.n_layer,
                     n_expert: cfg.n_expert,
                     n_expert_used: cfg.n_expert_used,
+                    gating: cfg.gating,
                     layers,
                     notes: Vec::new(),
                     extra: Vec::new(),
@@ -574,7 +564,11 @@ pub(crate) fn device_notes(engine: &EngineStep) -> Vec<String> {
 /// 250 ms).
 pub(crate) fn host_probe(engine: &EngineStep) -> impl MemProbe {
     HostProbe {
-        dense: crate::probe::DenseResidency::new(&engine.backend().model.w.dense_ranges(), 16, 250),
+        dense: crate::probe::DenseResidency::new(
+            engine.backend().model.arch.weights().dense_ranges(),
+            16,
+            250,
+        ),
     }
 }
 
@@ -625,26 +619,21 @@ pub fn generate_with_cancel(
     cancel: &CancelFlag,
 ) -> Result<Outcome> {
     args.check_modes()?;
+    let mut args = args.clone();
+    args.resolve_seed_reported(err)?;
+    let args = &args;
     // Every output checked against the model's files and each other, and created, before the
     // model loads: a bad output path costs nothing and never touches an input.
     let mut files = RunOutputs::open(model_path, args)?;
     let loaded = load(args, model_path, err)?;
     let (prompt, prompt_tokens) = render_prompt(args, &loaded, model_path)?;
     if prompt_tokens.is_empty() {
-        bail!("the prompt is empty after tokenization: pass -p TEXT");
+        bail!("the prompt is empty after tokenization: pass -p TEXT, -f FILE or pipe it on stdin");
     }
-    let n_ctx = args.ctx as usize;
-    if prompt_tokens.len() + args.n_predict as usize > n_ctx {
-        bail!(
-            "prompt of {} tokens plus -n {} exceeds the context size {} (-c {})",
-            prompt_tokens.len(),
-            args.n_predict,
-            n_ctx,
-            n_ctx
-        );
-    }
+    let n_predict =
+        crate::prompt::n_predict_for(args.n_predict, prompt_tokens.len(), args.ctx as usize)?;
     let Loaded {
-        cfg,
+        mut cfg,
         mut engine,
         tok,
         load_s,
@@ -652,6 +641,7 @@ pub fn generate_with_cancel(
         ..
     } = loaded;
 
+    cfg.n_predict = n_predict;
     let mut sinks = Sinks::open(&mut files, &cfg, &engine)?;
     let mut logits_out = files.logits.take();
     engine.backend_mut().all_logits = logits_out.is_some();
@@ -678,7 +668,7 @@ pub fn generate_with_cancel(
             &TurnRequest {
                 prompt: &prompt_tokens,
                 positions: &positions,
-                n_predict: args.n_predict,
+                n_predict,
             },
             &mut source,
             &mut outputs,
@@ -734,7 +724,7 @@ pub fn generate_with_cancel(
                 "bmoe: interrupted: stopped at a token boundary after {} of {} tokens; the CSV rows, \
                  its summary (interrupted=1) and the traces are whole up to there",
                 turn.summary.tokens(),
-                args.n_predict
+                n_predict
             )?;
             EXIT_INTERRUPTED
         }

@@ -22,7 +22,7 @@
 //! `generate` drops it. `close` and EOF end the session: a running request is stopped at its
 //! next token boundary and answered (`cancelled:true`) first.
 
-use crate::chat::{ChatFormat, ChatTemplate, Message, ThinkCtl};
+use crate::chat::{ChatFormat, Message, ThinkCtl};
 use crate::cli::RunArgs;
 use crate::run::{host_probe, load, sampler, Sampling, Sinks};
 use crate::tokenizer::Tokenizer;
@@ -82,7 +82,7 @@ pub struct RequestError {
     pub msg: String,
 }
 
-fn type_name(v: &Value) -> &'static str {
+pub(crate) fn type_name(v: &Value) -> &'static str {
     match v {
         Value::Null => "null",
         Value::Bool(_) => "a boolean",
@@ -457,7 +457,7 @@ fn read_requests(
 }
 
 /// The longest common prefix of two token sequences.
-fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+pub(crate) fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
@@ -586,12 +586,15 @@ pub fn serve(
         replies.error(0, true, &msg)?;
         bail!("{msg}")
     };
+    let mut args = args.clone();
+    args.resolve_seed_reported(err)?;
+    let args = &args;
     if let Err(e) = args.check_modes() {
         return refuse(format!("{e:#}"));
     }
-    if !args.prompt.is_empty() {
+    if !args.prompt.is_empty() || args.file.is_some() || args.system_prompt.is_some() {
         return refuse(
-            "-p has no meaning with --session: prompts arrive as generate requests on stdin".into(),
+            "-p, -f and -sys have no meaning with --session: prompts arrive as generate requests on stdin".into(),
         );
     }
     if args.logits_out.is_some() {
@@ -617,27 +620,16 @@ pub fn serve(
     };
     // How think:false is honoured is decided from the model's own template, never its name;
     // with no template there is no way to ask for reasoning, so nothing to suppress.
-    let format = match loaded
-        .file
-        .get("tokenizer.chat_template")
-        .and_then(|v| v.as_str())
-    {
-        Some(src) => {
-            let vocab_thinks = loaded.tok.token_id("<think>").is_some()
-                && loaded.tok.token_id("</think>").is_some();
-            Some(ChatFormat::new(
-                ChatTemplate::new(src, &loaded.tok.bos_text(), &loaded.tok.eos_text())?,
-                vocab_thinks,
-            ))
-        }
-        None if args.chatml => {
-            return refuse(format!(
-                "--chatml: {} has no tokenizer.chat_template",
-                model_path.display()
-            ))
-        }
-        None => None,
+    let format = match crate::prompt::chat_format(args, &loaded.file, &loaded.tok) {
+        Ok(f) => f,
+        Err(e) => return refuse(crate::run::error_text(&e)),
     };
+    if format.is_none() && args.chatml {
+        return refuse(format!(
+            "--chatml: {} has no tokenizer.chat_template (pass --chat-template-file FILE)",
+            model_path.display()
+        ));
+    }
     let think_ctl = format
         .as_ref()
         .map_or(ThinkCtl::Template, ChatFormat::think_ctl);
@@ -784,7 +776,7 @@ pub fn serve(
             Work::Generate(g) => g,
         };
         let id = g.id;
-        let n_predict = g.n_predict.unwrap_or(args.n_predict);
+        let special = !args.no_parse_special;
         let think = g.think.unwrap_or(!args.no_think);
         let clear_kv = g.clear_kv.unwrap_or(true);
         // The whole context the turn wants in the KV, and the text its generation follows.
@@ -803,10 +795,10 @@ pub fn serve(
                     let text = f.prompt(&msgs, think)?;
                     (tok.encode(&text, true)?, text, msgs)
                 }
-                None if clear_kv => (tok.encode(&g.prompt, false)?, String::new(), Vec::new()),
+                None if clear_kv => (tok.encode(&g.prompt, special)?, String::new(), Vec::new()),
                 None => {
                     let mut all = session.context().to_vec();
-                    all.extend(tok.encode_with(&g.prompt, false, false)?);
+                    all.extend(tok.encode_with(&g.prompt, false, special)?);
                     (all, String::new(), Vec::new())
                 }
             })
@@ -822,16 +814,27 @@ pub fn serve(
             refuse_request(id, "generate: the prompt is empty after tokenization")?;
             continue;
         }
-        if wanted.len() + n_predict as usize > n_ctx {
-            refuse_request(
-                id,
-                &format!(
-                    "generate: a context of {} tokens plus n_predict {n_predict} exceeds n_ctx {n_ctx}",
-                    wanted.len()
-                ),
-            )?;
-            continue;
-        }
+        let n_predict = match g.n_predict {
+            Some(n) if wanted.len() + n as usize > n_ctx => {
+                refuse_request(
+                    id,
+                    &format!(
+                        "generate: a context of {} tokens plus n_predict {n} exceeds n_ctx {n_ctx}",
+                        wanted.len()
+                    ),
+                )?;
+                continue;
+            }
+            Some(n) => n,
+            // The process's -n (-1: what the context has room for).
+            None => match crate::prompt::n_predict_for(args.n_predict, wanted.len(), n_ctx) {
+                Ok(n) => n,
+                Err(e) => {
+                    refuse_request(id, &format!("generate: {e:#}"))?;
+                    continue;
+                }
+            },
+        };
         // Reuse what the KV already holds; at least the last token is fed again, for its
         // logits.
         let reuse = if clear_kv {
@@ -891,6 +894,11 @@ pub fn serve(
         replies.line(|w| write_done(w, id, cancelled, &outcome.summary, &reasoning, &answer))?;
     };
     sinks.finish()?;
+    // What the device went through over the whole session (retried reads, injected faults),
+    // as a one-shot run reports it.
+    for n in crate::run::device_notes(session.engine()) {
+        writeln!(err, "{n}")?;
+    }
     Ok(code)
 }
 

@@ -1,7 +1,7 @@
-//! The engine's instantiation of the core: the qwen3moe forward pass as a `bmoe_core::Backend`
-//! whose experts live in the arena (filled by the O_DIRECT lanes) or, for the resident
-//! baseline, in the model's memory map; the flash device behind it (`Device`); and the expert
-//! layout read from the GGUF file.
+//! The engine's instantiation of the core: an architecture's forward pass (`arch::Model`) as a
+//! `bmoe_core::Backend` whose experts live in the arena (filled by the O_DIRECT lanes) or, for
+//! the resident baseline, in the model's memory map; the flash device behind it (`Device`);
+//! and the expert layout the architecture's tensors describe.
 //!
 //! The resident run and the streamed runs go through the same decode step: the resident one
 //! over `ResidentFlash`, which reads nothing, with every expert computed from the map. The
@@ -9,8 +9,7 @@
 //! (the arena holds the file's bytes verbatim) — which is why a streamed run's output is
 //! byte-identical to the resident one for every lossless setting.
 
-use crate::arch::qwen3moe::{KvSnapshot, Qwen3Moe, RouteOut, State, Weights};
-use crate::arch::ArchError;
+use crate::arch::{Arch, ArchError, KvSnapshot, Model, RouteOut, State};
 use crate::arena::{Arena, ArenaError, ArenaOptions, Extent, SlotAddr};
 use crate::flash::LaneFlash;
 use bmoe_core::faults::RetryFlash;
@@ -93,38 +92,35 @@ pub enum StreamError {
     },
 }
 
-/// The expert layout of a loaded qwen3moe model: per layer the (shard, offset, stride) of the
-/// stacked gate, up and down tensors, and the layer's dense bytes.
-pub fn layout_of(w: &Weights) -> Result<ExpertLayout, StreamError> {
-    let hp = &w.hp;
-    let mut layers = Vec::with_capacity(hp.n_layer);
-    for (i, lw) in w.layers.iter().enumerate() {
-        let projections = lw
-            .exps
-            .iter()
-            .map(|x| ProjExtent {
-                shard: x.info.shard,
-                base_offset: x.info.offset,
-                stride_bytes: x.stride,
-            })
-            .collect();
-        let dense = [&lw.q, &lw.k, &lw.v, &lw.o, &lw.router]
-            .iter()
-            .map(|m| m.bytes().len() as u64)
-            .sum::<u64>()
-            + 4 * (lw.attn_norm.len() + lw.ffn_norm.len() + lw.q_norm.len() + lw.k_norm.len())
-                as u64;
-        layers.push(MoeLayerLayout {
-            model_layer: i as u32,
-            n_expert: hp.n_expert as u32,
-            projections,
-            dense_bytes: dense,
-        });
-    }
+/// The expert layout of a loaded model: per MoE layer the (shard, offset, stride) of each
+/// stacked expert projection in read order, and the layer's resident bytes (attention, norms,
+/// router, shared experts, per-expert biases and scales).
+pub fn layout_of<A: Arch + ?Sized>(model: &Model<A>) -> Result<ExpertLayout, StreamError> {
+    let dims = model.dims();
+    let w = model.arch.weights();
+    let layers = model
+        .arch
+        .moe_layers()
+        .iter()
+        .map(|m| MoeLayerLayout {
+            model_layer: m.layer as u32,
+            n_expert: dims.n_expert as u32,
+            projections: m
+                .projections
+                .iter()
+                .map(|x| ProjExtent {
+                    shard: x.info.shard,
+                    base_offset: x.info.offset,
+                    stride_bytes: x.stride,
+                })
+                .collect(),
+            dense_bytes: w.layer_dense_bytes(m.layer),
+        })
+        .collect();
     Ok(ExpertLayout::new(
-        hp.n_layer as u32,
+        dims.n_layer as u32,
         layers,
-        hp.n_expert_used as u16,
+        dims.n_expert_used as u16,
     )?)
 }
 
@@ -146,9 +142,14 @@ pub fn arena_for(layout: &ExpertLayout, opts: ArenaOptions) -> Result<Arena, Str
     Ok(Arena::with_options(&layers, layout.max_n_expert(), opts)?)
 }
 
-/// The forward pass with its experts in the arena, or (resident) in the model's map.
-pub struct EngineBackend {
-    pub model: Qwen3Moe,
+/// Most projections an expert has (gate, up, down, and room for biases or scales).
+const MAX_PROJ: usize = 8;
+
+/// The forward pass with its experts in the arena, or (resident) in the model's map. Generic
+/// over the architecture; `EngineBackend` alone is the one `bmoe-cli` runs, whichever
+/// architecture the file names.
+pub struct EngineBackend<A: Arch + ?Sized = dyn Arch> {
+    pub model: Model<A>,
     pub state: State,
     /// `None`: the resident baseline; every expert is computed from the model's map.
     arena: Option<Arc<Arena>>,
@@ -170,15 +171,15 @@ pub struct EngineBackend {
     kept: Option<KvSnapshot>,
 }
 
-impl EngineBackend {
+impl<A: Arch + ?Sized> EngineBackend<A> {
     /// A backend computing experts from `arena` (streamed), or from the model's map when
     /// `arena` is `None` (resident, over `Device::Resident`).
     pub fn new(
-        model: Qwen3Moe,
+        model: Model<A>,
         state: State,
         arena: Option<Arc<Arena>>,
         layout: ExpertLayout,
-    ) -> EngineBackend {
+    ) -> EngineBackend<A> {
         EngineBackend {
             model,
             state,
@@ -224,7 +225,7 @@ fn check_sums(
     layer: LayerId,
     expert: u16,
     slot: SlotId,
-    proj: &[&[u8]; 3],
+    proj: &[&[u8]],
 ) -> Result<(), StreamError> {
     let Some((sums, checked)) = verify.as_mut() else {
         return Ok(());
@@ -263,7 +264,7 @@ fn check_sums(
     Ok(())
 }
 
-impl Backend for EngineBackend {
+impl<A: Arch + ?Sized> Backend for EngineBackend<A> {
     type Error = StreamError;
 
     fn begin(&mut self, tokens: &[u32], positions: &[u32]) -> Result<(), StreamError> {
@@ -293,7 +294,10 @@ impl Backend for EngineBackend {
         self.model
             .route(&mut self.state, layer.model as usize, &mut self.ro)?;
         let k = self.ro.k;
-        let ne = self.model.hp().n_expert;
+        let ne = self.model.dims().n_expert;
+        if let Some(b) = self.model.arch.selection_bias(layer.model as usize) {
+            routing.set_selection_bias(b);
+        }
         for (i, &row) in self.ro.rows.iter().enumerate() {
             self.ids.clear();
             self.ids
@@ -315,52 +319,54 @@ impl Backend for EngineBackend {
         slot: SlotId,
         uses: &[ExpertUse],
     ) -> Result<(), StreamError> {
+        self.uses.clear();
+        self.uses
+            .extend(uses.iter().map(|u| (u.row, u.rank, u.weight)));
+        let m = layer.model as usize;
+        let n_proj = self.model.experts(m).len().min(MAX_PROJ);
+        let mut proj: [&[u8]; MAX_PROJ] = [&[]; MAX_PROJ];
         let Some(arena) = &self.arena else {
             // Resident: the expert's bytes are the map's; the slot names no memory.
-            let (m, e) = (layer.model as usize, expert as usize);
-            let w = &self.model.w;
-            let proj = [
-                w.resident_expert(m, e, 0),
-                w.resident_expert(m, e, 1),
-                w.resident_expert(m, e, 2),
-            ];
-            self.uses.clear();
-            self.uses
-                .extend(uses.iter().map(|u| (u.row, u.rank, u.weight)));
-            return Ok(self.model.expert(&mut self.state, m, proj, &self.uses)?);
+            let w = self.model.arch.weights();
+            for (p, x) in proj.iter_mut().zip(self.model.experts(m)) {
+                *p = w.expert_bytes(x, expert as usize);
+            }
+            return Ok(self.model.expert(
+                &mut self.state,
+                m,
+                expert as usize,
+                &proj[..n_proj],
+                &self.uses,
+            )?);
         };
         let addr = match slot {
             SlotId::Canonical(key) => SlotAddr::Canonical(key.expert as u32),
             SlotId::Staging(e) => SlotAddr::Staging(e as u32),
         };
         let l = layer.moe as usize;
-        let ex = [
-            self.extent(layer.moe, expert, 0),
-            self.extent(layer.moe, expert, 1),
-            self.extent(layer.moe, expert, 2),
-        ];
-        // SAFETY: the core calls `expert` only after every read into this slot completed, and
-        // no read into it is issued until `finish_layer` (staging) or `release` (canonical).
-        let (Some(p0), Some(p1), Some(p2)) = (unsafe {
-            (
-                arena.proj_bytes(l, addr, 0, &ex[0]),
-                arena.proj_bytes(l, addr, 1, &ex[1]),
-                arena.proj_bytes(l, addr, 2, &ex[2]),
-            )
-        }) else {
-            return Err(StreamError::EmptySlot {
-                layer: layer.model,
-                expert,
-            });
-        };
-        let proj = [p0, p1, p2];
-        check_sums(&mut self.verify, layer, expert, slot, &proj)?;
-        self.uses.clear();
-        self.uses
-            .extend(uses.iter().map(|u| (u.row, u.rank, u.weight)));
-        Ok(self
-            .model
-            .expert(&mut self.state, layer.model as usize, proj, &self.uses)?)
+        for (p, out) in proj.iter_mut().enumerate().take(n_proj) {
+            let ex = self.extent(layer.moe, expert, p);
+            // SAFETY: the core calls `expert` only after every read into this slot completed,
+            // and no read into it is issued until `finish_layer` (staging) or `release`
+            // (canonical).
+            match unsafe { arena.proj_bytes(l, addr, p, &ex) } {
+                Some(b) => *out = b,
+                None => {
+                    return Err(StreamError::EmptySlot {
+                        layer: layer.model,
+                        expert,
+                    })
+                }
+            }
+        }
+        check_sums(&mut self.verify, layer, expert, slot, &proj[..n_proj])?;
+        Ok(self.model.expert(
+            &mut self.state,
+            m,
+            expert as usize,
+            &proj[..n_proj],
+            &self.uses,
+        )?)
     }
 
     fn finish_layer(&mut self, layer: LayerId) -> Result<(), StreamError> {
@@ -382,7 +388,7 @@ impl Backend for EngineBackend {
     }
 
     /// `target`'s router (f32 GEMV on the router matrix, the same path `route` takes) on the
-    /// router input `route(from)` kept for the batch's last row; see `Qwen3Moe::predict`.
+    /// router input `route(from)` kept for the batch's last row; see `Model::predict`.
     fn predict(
         &mut self,
         from: LayerId,
@@ -427,7 +433,7 @@ impl Backend for EngineBackend {
     /// The last batch row's logits: the last `n_vocab` of the head's output (every row's
     /// under `all_logits`).
     fn last_logits(&self) -> Option<&[f32]> {
-        let n_vocab = self.model.hp().n_vocab;
+        let n_vocab = self.model.dims().n_vocab;
         let l = &self.state.logits;
         (n_vocab > 0 && l.len() >= n_vocab).then(|| &l[l.len() - n_vocab..])
     }

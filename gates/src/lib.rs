@@ -1,6 +1,8 @@
 //! Shared plumbing for the gates: synthetic models made once per test binary, and runs of
 //! `bmoe-cli` in-process with their answer captured.
 
+pub mod llama;
+
 use bmoe_engine::cli::Cli;
 use clap::Parser;
 use std::path::{Path, PathBuf};

@@ -13,37 +13,12 @@
 //! so a chaotic flip at a position or two is the noise floor, not a defect.
 
 use bmoe_engine::gguf::GgufFile;
-use bmoe_gates::{model, run, scratch_dir};
+use bmoe_gates::llama::{
+    ours, parity, py_batch, py_batch_spawn, py_wait, python_ready, script, Parity,
+};
+use bmoe_gates::{model, scratch_dir};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-
-/// ~110 tokens of English, so that one chaotic top-1 flip costs under 1 % of the positions.
-const PROMPT: &str = "Phileas Fogg rose, and the cache of experts answered: streaming is the plan for tonight. \
-The router asks for eight experts at every layer; the ones already resident cost nothing, the others \
-are read from flash while the attention of the next layer waits. Passepartout counted the reads, \
-wrote them down in a small notebook, and found that the same experts came back again and again, \
-as if the model had favourite words for every sentence it was asked to finish before the train left.";
-
-fn python_ready() -> bool {
-    let ok = Command::new("python3")
-        .args(["-c", "import llama_cpp, gguf, numpy"])
-        .output()
-        .map(|o| o.status.success())
-        .unwrap_or(false);
-    if !ok {
-        if std::env::var("CI").map(|v| v == "true").unwrap_or(false) {
-            panic!("CI=true but python3 with llama_cpp, gguf and numpy is missing (scripts/test.sh installs them)");
-        }
-        eprintln!("skipping llama.cpp parity: python3 with llama-cpp-python, gguf and numpy not installed (pip install -r scripts/requirements-test.txt)");
-    }
-    ok
-}
-
-fn script() -> PathBuf {
-    bmoe_engine::testdata::project_root()
-        .join("scripts")
-        .join("llama_parity.py")
-}
 
 fn py(args: &[&str]) -> String {
     let o = Command::new("python3")
@@ -57,68 +32,6 @@ fn py(args: &[&str]) -> String {
         String::from_utf8_lossy(&o.stderr)
     );
     String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-struct Parity {
-    rows: usize,
-    cos_min: f64,
-    top1: f64,
-    /// Fraction of positions where the top-1 agrees (up to a near-tie: the reference ranks our
-    /// choice within 0.5 % of its logit range of its own best) and the cosine is ≥ 0.999.
-    good: f64,
-}
-
-/// Our teacher-forced logits for `m` (`OUT`), and the token ids beside them (`OUT.json`).
-fn ours(m: &Path, out: &Path) {
-    let r = run(
-        m,
-        &[
-            "-p",
-            PROMPT,
-            "-n",
-            "8",
-            "--logits-out",
-            out.to_str().unwrap(),
-        ],
-    );
-    assert_eq!(r.code, 0, "{}: {}", m.display(), r.stderr);
-}
-
-/// The gate's numbers from `llama_parity.py compare` JSON.
-fn parity(json: &str, tag: &str) -> Parity {
-    let v: serde_json::Value = serde_json::from_str(json).unwrap();
-    let cos: Vec<f64> = v["cos"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| c.as_f64().unwrap())
-        .collect();
-    let top: Vec<bool> = v["top1_tie"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| t.as_bool().unwrap())
-        .collect();
-    let good = cos
-        .iter()
-        .zip(&top)
-        .filter(|(c, t)| **t && **c >= 0.999)
-        .count() as f64
-        / cos.len().max(1) as f64;
-    let p = Parity {
-        rows: v["rows"].as_u64().unwrap() as usize,
-        cos_min: v["cos_min"].as_f64().unwrap(),
-        top1: v["top1_agree"].as_f64().unwrap(),
-        good,
-    };
-    eprintln!(
-        "parity {tag}: {} positions, cos_min {:.6}, strict top-1 agreement {:.1}%, top-1 (near-ties allowed) and cos >= 0.999 on {:.1}%",
-        p.rows,
-        p.cos_min,
-        100.0 * p.top1,
-        100.0 * p.good
-    );
-    p
 }
 
 fn n_vocab(ids_json: &Path) -> String {
@@ -372,31 +285,4 @@ fn every_preset_matches_llama_cpp_and_llama_quantize() {
     for src in &sources {
         let _ = std::fs::remove_file(src);
     }
-}
-
-/// Runs `llama_parity.py batch` on `jobs` (written to `DIR/NAME.json`).
-fn py_batch(dir: &Path, name: &str, jobs: &[serde_json::Value]) {
-    py_wait(py_batch_spawn(dir, name, jobs), name);
-}
-
-/// Starts `llama_parity.py batch` on `jobs` without waiting.
-fn py_batch_spawn(dir: &Path, name: &str, jobs: &[serde_json::Value]) -> std::process::Child {
-    let p = dir.join(format!("{name}.json"));
-    std::fs::write(&p, serde_json::to_vec(jobs).unwrap()).unwrap();
-    Command::new("python3")
-        .arg(script())
-        .args(["batch", p.to_str().unwrap()])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("run python3")
-}
-
-fn py_wait(child: std::process::Child, what: &str) {
-    let o = child.wait_with_output().expect("wait for python3");
-    assert!(
-        o.status.success(),
-        "llama_parity.py batch ({what}) failed:\n{}",
-        String::from_utf8_lossy(&o.stderr)
-    );
 }

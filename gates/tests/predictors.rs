@@ -254,14 +254,15 @@ fn g5c_prefetch_sync_is_byte_identical_and_prefetches() {
 /// is not the layer routed last is declined.
 #[test]
 fn engine_predict_reproduces_the_router_for_the_control() {
-    use bmoe_engine::arch::qwen3moe::{Qwen3Moe, RouteOut, Weights};
+    use bmoe_engine::arch::RouteOut;
     use bmoe_engine::gguf::GgufFile;
     use std::sync::Arc;
 
     let file = Arc::new(GgufFile::open(tiny()).expect("open tiny"));
-    let model = Qwen3Moe::new(Weights::load(file).expect("load tiny"), 1);
-    let n_layer = model.hp().n_layer;
-    let k = model.hp().n_expert_used;
+    let model = bmoe_engine::arch::load_model(file, bmoe_engine::dense::DenseMode::Mmap, 1)
+        .expect("load tiny");
+    let n_layer = model.dims().n_layer;
+    let k = model.dims().n_expert_used;
     let mut st = model.new_state(64);
     let mut ro = RouteOut::default();
     let (mut ids, mut weights) = (Vec::new(), Vec::new());

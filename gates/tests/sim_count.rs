@@ -48,33 +48,7 @@ struct Count {
 }
 
 fn python_counts(py: &str, trace: &Path, policies: &str) -> Vec<Count> {
-    let out = Command::new(py)
-        .arg(project_root().join("scripts/sim-check.py"))
-        .arg(trace)
-        .args(["--experts-per-layer", "2,4,6", "--policy", policies])
-        .output()
-        .expect("run scripts/sim-check.py");
-    assert!(
-        out.status.success(),
-        "sim-check.py failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).expect("json line");
-            let n = |k: &str| v[k].as_u64().unwrap_or_else(|| panic!("{k} in {l}"));
-            Count {
-                policy: v["policy"].as_str().expect("policy").to_string(),
-                budget_bytes: n("budget_bytes"),
-                lookups: n("lookups"),
-                hits: n("hits"),
-                misses: n("misses"),
-                evictions: n("evictions"),
-                rereads: n("rereads"),
-            }
-        })
-        .collect()
+    python_counts_at(py, trace, policies, "2,4,6")
 }
 
 /// The `sim:` line of a `bmoe-sim replay` run, as key=value pairs.
@@ -358,4 +332,125 @@ fn the_sweep_table_carries_the_independent_counts_and_its_plots() {
         );
     }
     let _ = std::fs::remove_dir_all(&out_dir);
+}
+
+/// `sim-check.py` on `trace` for `policies` at `experts_per_layer`, as counts.
+fn python_counts_at(py: &str, trace: &Path, policies: &str, experts_per_layer: &str) -> Vec<Count> {
+    let out = Command::new(py)
+        .arg(project_root().join("scripts/sim-check.py"))
+        .arg(trace)
+        .args([
+            "--experts-per-layer",
+            experts_per_layer,
+            "--policy",
+            policies,
+        ])
+        .output()
+        .expect("run scripts/sim-check.py");
+    assert!(
+        out.status.success(),
+        "sim-check.py failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).expect("json line");
+            let n = |k: &str| v[k].as_u64().unwrap_or_else(|| panic!("{k} in {l}"));
+            Count {
+                policy: v["policy"].as_str().expect("policy").to_string(),
+                budget_bytes: n("budget_bytes"),
+                lookups: n("lookups"),
+                hits: n("hits"),
+                misses: n("misses"),
+                evictions: n("evictions"),
+                rereads: n("rereads"),
+            }
+        })
+        .collect()
+}
+
+/// The layer-LRU, 2Q and LeCaR policies (`shared/src/policy/`), run by the full-timing replay
+/// of `bmoe-sim sweep`, hit exactly what `sim-check.py`'s own implementations of their written
+/// rules hit: on the whole Mixtral trace and on the first 4 prompts of the DeepSeek trace.
+#[test]
+fn new_policies_counts_agree_with_the_independent_python_count() {
+    let Some(py) = python3() else {
+        return;
+    };
+    let policies = "layer-lru,2q,lecar";
+    let dir = bmoe_gates::scratch_dir("sweep-policies");
+    let mut cases: Vec<(PathBuf, &str)> = Vec::new();
+    if let Some(t) = shared_path("traces/mixtral-8x7b-humaneval.route.csv") {
+        cases.push((t, "2,4,6"));
+    }
+    if let Some(t) = shared_path("traces/deepseek-v2-lite-puffin.route.csv") {
+        let text = std::fs::read_to_string(&t).expect("deepseek trace");
+        let slice: String = text
+            .lines()
+            .filter(|l| {
+                l.starts_with('#')
+                    || l.starts_with("turn,")
+                    || l.split(',').next().and_then(|t| t.parse::<u32>().ok()) < Some(4)
+            })
+            .map(|l| format!("{l}\n"))
+            .collect();
+        let p = dir.join("deepseek-4-turns.route.csv");
+        std::fs::write(&p, slice).expect("slice");
+        cases.push((p, "6,12,24"));
+    }
+    for (trace, per_layer) in &cases {
+        let expected = python_counts_at(py, trace, policies, per_layer);
+        assert_eq!(expected.len(), 9, "{}", trace.display());
+        let out_dir = dir.join("out");
+        let argv: Vec<String> = [
+            "bmoe-sim",
+            "sweep",
+            "--trace",
+            &trace.display().to_string(),
+            "--experts-per-layer",
+            per_layer,
+            "--policies",
+            policies,
+            "--lanes",
+            "2",
+            "--overlap",
+            "on",
+            "--out",
+            &out_dir.display().to_string(),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        let code = bmoe_sim::cli::run(argv, &[], &mut out, &mut err);
+        assert_eq!(code, 0, "{}", String::from_utf8_lossy(&err));
+        let table = std::fs::read_to_string(out_dir.join("sweep.csv")).expect("sweep.csv");
+        let mut lines = table.lines();
+        let header: Vec<&str> = lines.next().expect("header").split(',').collect();
+        let col = |name: &str| header.iter().position(|h| *h == name).expect(name);
+        let mut checked = 0;
+        for line in lines {
+            let row: Vec<&str> = line.split(',').collect();
+            let n = |name: &str| -> u64 { row[col(name)].parse().expect(name) };
+            let got = Count {
+                policy: row[col("policy")].to_string(),
+                budget_bytes: n("budget_bytes"),
+                lookups: n("lookups"),
+                hits: n("hits"),
+                misses: n("misses"),
+                evictions: n("evictions"),
+                rereads: n("rereads"),
+            };
+            assert!(
+                expected.contains(&got),
+                "{} {got:?} not in {expected:?}",
+                trace.display()
+            );
+            checked += 1;
+        }
+        assert_eq!(checked, 9);
+        eprintln!("{}: 9 cells agree with sim-check.py", trace.display());
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -52,6 +52,7 @@ fn write_trace(path: &Path) {
         n_layer: 4,
         n_expert: N_EXPERT,
         n_expert_used: K as u32,
+        gating: bmoe_core::Gating::default(),
         layers,
         notes: vec![],
         extra: vec![],

@@ -83,6 +83,7 @@ fn write_trace(path: &Path, columns: PredColumns) {
         n_layer: N_LAYERS,
         n_expert: N_EXPERT,
         n_expert_used: K as u32,
+        gating: bmoe_core::Gating::default(),
         layers: (0..N_LAYERS)
             .map(|layer| TraceLayer {
                 layer,

@@ -78,10 +78,11 @@ pub enum RoutingError {
 ///
 /// Flat, reusable arrays: the step owns one `Routing`, clears it before every `route` call
 /// and the backend appends rows, so no step allocates once capacities have grown. Row `r`
-/// holds `k` (expert id, final weight) pairs, rank 0 first, plus an optional full
-/// probability vector (`n_expert` wide) for hooks that re-rank, and a per-entry `dropped`
-/// flag set by cache-aware dropping (a dropped entry is neither read nor computed, but is
-/// still traced).
+/// holds `k` (expert id, final weight) pairs, rank 0 first, plus an optional full score
+/// vector (`n_expert` wide, in the model's gating's space: softmax probabilities, gpt-oss's
+/// raw logits, sigmoid scores — see `Gating`) for hooks that re-rank or re-weigh, and a
+/// per-entry `dropped` flag set by cache-aware dropping (a dropped entry is neither read nor
+/// computed, but is still traced). A sigmoid-gated layer may also carry its selection bias.
 ///
 /// Rows need not cover the whole batch: before the final layer a forward pass may gather only
 /// the tokens whose logits are wanted (llama.cpp routes only the last prompt token at the last
@@ -97,6 +98,7 @@ pub struct Routing {
     dropped: Vec<bool>,
     probs: Vec<f32>,
     has_probs: Option<bool>,
+    bias: Vec<f32>,
 }
 
 impl Routing {
@@ -117,6 +119,21 @@ impl Routing {
         self.dropped.clear();
         self.probs.clear();
         self.has_probs = None;
+        self.bias.clear();
+    }
+
+    /// The layer's per-expert selection bias (`n_expert` wide; sigmoid gating adds it to the
+    /// scores for selection only). A bias of the wrong width is ignored.
+    pub fn set_selection_bias(&mut self, bias: &[f32]) {
+        self.bias.clear();
+        if bias.len() == self.n_expert as usize {
+            self.bias.extend_from_slice(bias);
+        }
+    }
+
+    /// The selection bias the backend set for this layer, if any.
+    pub fn selection_bias(&self) -> Option<&[f32]> {
+        (!self.bias.is_empty()).then_some(&self.bias[..])
     }
 
     /// Append the routing of batch row `batch_row`: expert ids and final weights in rank
@@ -280,7 +297,7 @@ impl Routing {
         self.dropped[row as usize * self.k + rank] = true;
     }
 
-    /// The router's full probabilities for `row`, when the backend supplied them.
+    /// The router's full scores for `row` (the gating's space), when the backend supplied them.
     pub fn probs(&self, row: u32) -> Option<&[f32]> {
         if self.has_probs != Some(true) {
             return None;

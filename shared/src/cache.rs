@@ -373,7 +373,30 @@ impl ExpertCache {
         self.pin_index(i);
         self.policy.on_insert(i as u32);
         self.counters.inserts += 1;
+        self.debug_check();
         Ok(Admission::Admitted)
+    }
+
+    /// Debug builds hold the cache to its budget after every change that adds or shrinks
+    /// (cheap), and re-audit the whole accounting every 1024 insertions, so a long run (the
+    /// soak, the randomised simulation) trips on the first broken invariant, not on its effects.
+    #[inline]
+    fn debug_check(&self) {
+        debug_assert!(
+            self.resident_bytes <= self.budget_bytes || self.is_off(),
+            "cache over budget: {} bytes resident, budget {}",
+            self.resident_bytes,
+            self.budget_bytes
+        );
+        #[cfg(debug_assertions)]
+        if self.counters.inserts % 1024 == 0 {
+            if let Err(e) = self.audit() {
+                panic!(
+                    "cache audit failed after {} insertions: {e}",
+                    self.counters.inserts
+                );
+            }
+        }
     }
 
     fn remove_index(&mut self, i: usize) {
@@ -459,6 +482,7 @@ impl ExpertCache {
             evicted.push(self.key_at(v));
         }
         self.budget_bytes = budget_bytes;
+        self.debug_check();
         Ok(())
     }
 
@@ -574,6 +598,43 @@ mod tests {
         assert!(ExpertCache::new(&layout(), 0, 2, Box::new(Lru::new()))
             .unwrap()
             .is_off());
+    }
+
+    /// Debug builds check the budget inside the cache: a budget lowered without evicting (as a
+    /// bug in a resize would leave it) stops at the next check, and so does accounting that no
+    /// longer matches the entries, at the periodic audit.
+    #[test]
+    #[cfg(debug_assertions)]
+    #[should_panic(expected = "cache over budget: 20 bytes resident, budget 10")]
+    fn a_debug_build_asserts_the_budget_inside_the_cache() {
+        let mut c = ExpertCache::new(&layout(), 30, 2, Box::new(Lru::new())).unwrap();
+        let mut ev = Vec::new();
+        for e in 0..2 {
+            c.admit(key(0, e), &mut ev).unwrap();
+        }
+        c.debug_check();
+        c.budget_bytes = 10;
+        c.debug_check();
+    }
+
+    #[test]
+    #[cfg(debug_assertions)]
+    #[should_panic(expected = "cache audit failed after 1024 insertions")]
+    fn a_debug_build_audits_the_cache_every_1024_insertions() {
+        let mut c = ExpertCache::new(&layout(), 30, 2, Box::new(Lru::new())).unwrap();
+        let mut ev = Vec::new();
+        c.resident_count += 7; // a miscount the cheap check cannot see
+        for i in 0..1024u32 {
+            let k = key((i % 2) as u16, ((i / 2) % 4) as u16);
+            if !c.contains(k) {
+                c.admit(k, &mut ev).unwrap();
+                c.unpin(k).unwrap();
+            } else {
+                c.discard(k).unwrap();
+                c.admit(k, &mut ev).unwrap();
+                c.unpin(k).unwrap();
+            }
+        }
     }
 
     #[test]

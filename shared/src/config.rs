@@ -81,32 +81,41 @@ impl FromStr for DenseWeights {
     }
 }
 
-/// Which expert the cache evicts when it is over budget (`--eviction`). The original engine
-/// had global LRU only; policies bmoe adds are new variants here, named in the preamble's
-/// `eviction=` key.
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
-pub enum EvictionPolicy {
-    /// The globally least recently used (layer, expert).
-    #[default]
-    Lru,
-    /// The least frequently used, ties to the least recent (`policy::Lfu`).
-    Lfu,
-    /// LRFU, decayed frequency: a frequency/recency hybrid (`policy::Lrfu`).
-    Lfru,
-    /// Per-layer partitions with LFU inside (`policy::LayerLfu`).
-    #[value(name = "layer-lfu")]
-    LayerLfu,
-}
+/// Which expert the cache evicts when it is over budget (`--eviction`): the name of a policy
+/// in the registry `policy::POLICIES`, so a policy added there (one file and one line) is a
+/// flag value, a preamble `eviction=` value and a sweep policy with no edit here. The original
+/// engine had global LRU only.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct EvictionPolicy(&'static str);
 
+#[allow(non_upper_case_globals)]
 impl EvictionPolicy {
+    /// The globally least recently used (layer, expert).
+    pub const Lru: EvictionPolicy = EvictionPolicy("lru");
+    /// The least frequently used, ties to the least recent (`policy::Lfu`).
+    pub const Lfu: EvictionPolicy = EvictionPolicy("lfu");
+    /// LRFU, decayed frequency: a frequency/recency hybrid (`policy::Lrfu`).
+    pub const Lfru: EvictionPolicy = EvictionPolicy("lfru");
+    /// Per-layer partitions with LFU inside (`policy::LayerLfu`).
+    pub const LayerLfu: EvictionPolicy = EvictionPolicy("layer-lfu");
+
     /// The spelling used by the flag and the CSV preamble.
     pub fn name(self) -> &'static str {
-        match self {
-            EvictionPolicy::Lru => "lru",
-            EvictionPolicy::Lfu => "lfu",
-            EvictionPolicy::Lfru => "lfru",
-            EvictionPolicy::LayerLfu => "layer-lfu",
-        }
+        self.0
+    }
+
+    /// Every registered policy, in registry order.
+    pub fn all() -> Vec<EvictionPolicy> {
+        crate::policy::POLICIES
+            .iter()
+            .map(|p| EvictionPolicy(p.name))
+            .collect()
+    }
+}
+
+impl Default for EvictionPolicy {
+    fn default() -> Self {
+        EvictionPolicy::Lru
     }
 }
 
@@ -116,20 +125,37 @@ impl fmt::Display for EvictionPolicy {
     }
 }
 
+static POLICY_VARIANTS: std::sync::LazyLock<Vec<EvictionPolicy>> =
+    std::sync::LazyLock::new(EvictionPolicy::all);
+static POLICY_EXPECTED: std::sync::LazyLock<String> =
+    std::sync::LazyLock::new(|| crate::policy::POLICY_NAMES.join("|"));
+
 impl FromStr for EvictionPolicy {
     type Err = UnknownName;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "lru" => Ok(EvictionPolicy::Lru),
-            "lfu" => Ok(EvictionPolicy::Lfu),
-            "lfru" => Ok(EvictionPolicy::Lfru),
-            "layer-lfu" => Ok(EvictionPolicy::LayerLfu),
-            _ => Err(UnknownName {
+        crate::policy::POLICIES
+            .iter()
+            .find(|p| p.name == s)
+            .map(|p| EvictionPolicy(p.name))
+            .ok_or_else(|| UnknownName {
                 what: "eviction policy",
                 name: s.to_string(),
-                expected: "lru|lfu|lfru|layer-lfu",
-            }),
-        }
+                expected: POLICY_EXPECTED.as_str(),
+            })
+    }
+}
+
+impl clap::ValueEnum for EvictionPolicy {
+    fn value_variants<'a>() -> &'a [Self] {
+        POLICY_VARIANTS.as_slice()
+    }
+
+    fn to_possible_value(&self) -> Option<clap::builder::PossibleValue> {
+        let help = crate::policy::POLICIES
+            .iter()
+            .find(|p| p.name == self.0)
+            .map_or("", |p| p.help);
+        Some(clap::builder::PossibleValue::new(self.0).help(help))
     }
 }
 
@@ -213,6 +239,9 @@ pub struct RunConfig {
     pub model: String,
     /// GGUF `general.architecture`.
     pub arch: String,
+    /// How the model's router selects and weights experts (the architecture's, or a trace
+    /// preamble's `gating=`; qwen3moe's until a model is loaded).
+    pub gating: crate::gating::Gating,
     /// Transformer layers in the model.
     pub n_layer: u32,
     /// Experts per MoE layer; 0 on a dense model.
@@ -335,6 +364,7 @@ impl Default for RunConfig {
             engine_version: "unknown".to_string(),
             model: String::new(),
             arch: String::new(),
+            gating: crate::gating::Gating::default(),
             n_layer: 0,
             n_expert: 0,
             n_expert_used: 0,

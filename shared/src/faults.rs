@@ -439,30 +439,11 @@ impl<F: Flash> Flash for RetryFlash<F> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::SlotId;
-    use crate::flash::ReadTag;
-    use crate::layout::ExpertKey;
     use crate::testing::{ManualClock, MemFlash};
     use std::sync::Arc;
 
     fn req(offset: u64, len: u64, lane: u32) -> ReadRequest {
-        ReadRequest {
-            shard: 0,
-            offset,
-            len,
-            dest: SlotId::Canonical(ExpertKey {
-                layer: 0,
-                expert: 0,
-            }),
-            dest_offset: 0,
-            lane,
-            speculative: false,
-            tag: ReadTag {
-                layer: 0,
-                expert: 0,
-                proj: 0,
-            },
-        }
+        crate::testing::read_request(lane, offset, len)
     }
 
     #[test]

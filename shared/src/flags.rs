@@ -174,11 +174,7 @@ pub struct StreamArgs {
     #[arg(long, value_name = "K", value_parser = parse_u32_strict)]
     pub n_expert_used: Option<u32>,
 
-    /// Cache eviction policy.
-    ///
-    /// lru evicts the globally least recently used (layer, expert); lfu the least frequently
-    /// used (ties to the least recent); lfru by decayed frequency (LRFU, a frequency/recency
-    /// hybrid); layer-lfu splits the cache evenly between layers with LFU inside each.
+    /// Cache eviction policy (each one's victim rule is listed below; docs/policies.md).
     /// Policies change what is read, never what is computed.
     #[arg(long, value_name = "POLICY", value_enum, default_value_t = EvictionPolicy::Lru)]
     pub eviction: EvictionPolicy,

@@ -14,6 +14,7 @@ pub mod decide;
 pub mod faults;
 pub mod flags;
 pub mod flash;
+pub mod gating;
 pub mod generate;
 pub mod handoff;
 pub mod hooks;
@@ -35,6 +36,7 @@ pub use cache::{Admission, CacheCounters, CacheError, ExpertCache, Lookup};
 pub use clock::{Clock, Nanos};
 pub use decide::{DecideOutcome, DecideRejected, DecideRequest};
 pub use flash::{Flash, FlashError, ReadDone, ReadId, ReadRequest, ReadTag, ResidentFlash};
+pub use gating::{Gating, GatingFunc};
 pub use generate::{
     CancelFlag, GenerateError, MemProbe, NoProbe, Outputs, Session, StopReason, TokenSource,
     TurnOutcome, TurnRequest,

@@ -24,6 +24,7 @@
 use crate::backend::{Backend, BackendStage, LayerId, Prediction, Routing};
 use crate::clock::Clock;
 use crate::config::RunConfig;
+use crate::gating::Gating;
 use crate::hooks::route_ahead;
 use crate::layout::ExpertLayout;
 use crate::records::{Phase, PRED_HORIZON_MAX};
@@ -51,6 +52,9 @@ pub struct PredictConfig {
     /// `--prefetch-sync`: speculative reads are waited for inline on the eval thread, right
     /// after they are issued (tests only).
     pub sync: bool,
+    /// The model's gating: how route-ahead weighs a committed routing and how the drop-aware
+    /// filter narrows a prediction's weights.
+    pub gating: Gating,
 }
 
 impl PredictConfig {
@@ -67,6 +71,7 @@ impl PredictConfig {
                 0.0
             },
             sync: cfg.prefetch_sync,
+            gating: cfg.gating,
         }
     }
 
@@ -268,7 +273,7 @@ impl Predictors {
             None
         } else {
             self.get(layer.moe, n)
-                .and_then(|p| route_ahead::commit(routing, last, &p.ids))
+                .and_then(|p| route_ahead::commit(routing, last, &p.ids, self.cfg.gating))
         };
         match counts {
             Some(c) => {
@@ -349,7 +354,7 @@ impl Predictors {
                 if let Some(p) = self.get((l + h) as u16, h).filter(|_| l + h < self.n_moe) {
                     spec.push(SpecTarget {
                         target: (l + h) as u16,
-                        experts: drop_aware(p, k, self.cfg.drop_frac),
+                        experts: drop_aware(p, k, self.cfg.drop_frac, self.cfg.gating),
                         cap: self.cfg.spec_max,
                         committed: false,
                     });
@@ -361,7 +366,7 @@ impl Predictors {
             if let Some(p) = self.get((l + n) as u16, n) {
                 spec.push(SpecTarget {
                     target: (l + n) as u16,
-                    experts: drop_aware(p, k, self.cfg.drop_frac),
+                    experts: drop_aware(p, k, self.cfg.drop_frac, self.cfg.gating),
                     cap: u32::MAX,
                     committed: true,
                 });
@@ -391,9 +396,11 @@ impl Predictors {
 }
 
 /// The predicted experts worth reading, in rank order: the first `k` (the applied width), and
-/// with a drop threshold `F` only those whose predicted weight — renormalised over those `k` —
-/// is at least `F / k`, the top one always kept (what `--drop-cold-experts` would not drop).
-pub(crate) fn drop_aware(p: &Prediction, k: usize, frac: f32) -> Vec<u16> {
+/// with a drop threshold `F` only those whose predicted weight — as the gating weighs those
+/// `k` (`Gating::narrow`: renormalised over them for a normalising gating), as a share of
+/// their mass (`Gating::share`, as the dropping hook reads it) — is at least `F / k`, the top
+/// one always kept (what `--drop-cold-experts` would not drop).
+pub(crate) fn drop_aware(p: &Prediction, k: usize, frac: f32, gating: Gating) -> Vec<u16> {
     let k = k.min(p.ids.len());
     let ids = &p.ids[..k];
     if frac <= 0.0 || k <= 1 {
@@ -403,11 +410,14 @@ pub(crate) fn drop_aware(p: &Prediction, k: usize, frac: f32) -> Vec<u16> {
     if sum.is_nan() || sum <= 0.0 {
         return ids.to_vec();
     }
+    let mut w = p.weights[..k].to_vec();
+    gating.narrow(&mut w, k);
+    let mass: f32 = w.iter().sum();
     let threshold = frac / k as f32;
     ids.iter()
-        .zip(&p.weights[..k])
+        .zip(&w)
         .enumerate()
-        .filter(|&(j, (_, &w))| j == 0 || w / sum >= threshold)
+        .filter(|&(j, (_, &w))| j == 0 || gating.share(w, mass) >= threshold)
         .map(|(_, (&e, _))| e)
         .collect()
 }
@@ -442,23 +452,24 @@ mod tests {
 
     #[test]
     fn drop_aware_keeps_the_top_one_and_what_would_not_be_dropped() {
+        const G: Gating = Gating::SOFTMAX_RENORM;
         let p = Prediction {
             ids: vec![7, 3, 9, 1],
             weights: vec![0.5, 0.3, 0.15, 0.05],
         };
         // No threshold: the applied width's prefix.
-        assert_eq!(drop_aware(&p, 4, 0.0), vec![7, 3, 9, 1]);
-        assert_eq!(drop_aware(&p, 2, 0.0), vec![7, 3]);
+        assert_eq!(drop_aware(&p, 4, 0.0, G), vec![7, 3, 9, 1]);
+        assert_eq!(drop_aware(&p, 2, 0.0, G), vec![7, 3]);
         // F = 0.5 at k = 4: threshold 0.125, so 0.05 goes.
-        assert_eq!(drop_aware(&p, 4, 0.5), vec![7, 3, 9]);
+        assert_eq!(drop_aware(&p, 4, 0.5, G), vec![7, 3, 9]);
         // At k = 2 the weights renormalise over the two (0.625, 0.375) vs 0.5 / 2.
-        assert_eq!(drop_aware(&p, 2, 1.0), vec![7]);
+        assert_eq!(drop_aware(&p, 2, 1.0, G), vec![7]);
         // The top one survives any threshold.
         let flat = Prediction {
             ids: vec![2, 4],
             weights: vec![0.01, 0.99],
         };
-        assert_eq!(drop_aware(&flat, 2, 1.0), vec![2, 4]);
+        assert_eq!(drop_aware(&flat, 2, 1.0, G), vec![2, 4]);
     }
 
     #[test]

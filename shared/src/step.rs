@@ -11,6 +11,7 @@ use crate::backend::{Backend, BackendStage, LayerId, Routing, RoutingError, Slot
 use crate::cache::{CacheError, ExpertCache};
 use crate::clock::{Clock, Nanos};
 use crate::flash::{Flash, FlashError, ReadId, ReadTag};
+use crate::gating::Gating;
 use crate::layout::{ExpertKey, ExpertLayout};
 use crate::predict::{PredictConfig, Predictors};
 use crate::records::{Phase, RecordSink};
@@ -303,20 +304,16 @@ pub struct HookCounts {
     pub substituted: u64,
 }
 
-/// `--n-expert-used k`: keep the first `k` ranks of every routing. With `renormalize` (the
-/// architectures that divide the selected weights by their sum: qwen3moe, gemma4, gpt-oss's
-/// softmax over the selected) the kept weights are renormalised, so the result is what the
-/// router itself would give at top-k `k`: from the full probabilities when the backend
-/// supplied them (`w_j = p_j / max(Σ kept p, 6.1035e-5)`, qwen3moe's exact formula), else
-/// from the weights (`w_j / Σ kept w`).
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+/// `--n-expert-used k`: keep the first `k` ranks of every routing, weighted as the router
+/// itself would weigh them at top-k `k` under the model's gating: from the row's full scores
+/// when the backend supplied them (`Gating::weights_for`, the router's own arithmetic — for
+/// qwen3moe `p_j / max(Σ kept p, 6.1035e-5)`), else from the weights alone (`Gating::narrow`:
+/// a normalising gating divides the kept weights by their sum, the others keep them).
+#[derive(Copy, Clone, Debug, PartialEq)]
 pub struct TopKOverride {
     pub k: u16,
-    pub renormalize: bool,
+    pub gating: Gating,
 }
-
-/// qwen3moe's floor on the renormalisation denominator.
-const RENORM_MIN_SUM: f32 = 6.103_515_6e-5;
 
 impl RouterHook for TopKOverride {
     fn name(&self) -> &'static str {
@@ -328,33 +325,20 @@ impl RouterHook for TopKOverride {
         if k == 0 || k >= routing.k() {
             return Ok(());
         }
-        if self.renormalize {
-            for r in 0..routing.n_rows() {
-                let sum_probs = routing.probs(r).map(|p| {
-                    routing.ids(r)[..k]
-                        .iter()
-                        .map(|&e| p.get(e as usize).copied().unwrap_or(0.0))
-                        .sum::<f32>()
-                });
-                match sum_probs {
-                    Some(sum) => {
-                        let denom = sum.max(RENORM_MIN_SUM);
-                        for j in 0..k {
-                            let e = routing.ids(r)[j] as usize;
-                            let p = routing.probs(r).and_then(|p| p.get(e).copied());
-                            routing.weights_mut(r)[j] = p.unwrap_or(0.0) / denom;
-                        }
-                    }
-                    None => {
-                        let w = routing.weights_mut(r);
-                        let sum: f32 = w[..k].iter().sum();
-                        if sum > 0.0 && sum.is_finite() {
-                            for x in &mut w[..k] {
-                                *x /= sum;
-                            }
-                        }
-                    }
+        let mut w = [0f32; 64];
+        for r in 0..routing.n_rows() {
+            match routing.probs(r) {
+                Some(p) if k <= w.len() => {
+                    self.gating
+                        .weights_for(p, &routing.ids(r)[..k], &mut w[..k]);
+                    routing.weights_mut(r)[..k].copy_from_slice(&w[..k]);
                 }
+                Some(p) => {
+                    let mut wide = vec![0f32; k];
+                    self.gating.weights_for(p, &routing.ids(r)[..k], &mut wide);
+                    routing.weights_mut(r)[..k].copy_from_slice(&wide);
+                }
+                None => self.gating.narrow(routing.weights_mut(r), k),
             }
         }
         routing.truncate_k(k);
@@ -744,7 +728,7 @@ mod tests {
             .unwrap();
         let mut hook = TopKOverride {
             k: 2,
-            renormalize: true,
+            gating: Gating::SOFTMAX_RENORM,
         };
         hook.apply(&cx, &mut r).unwrap();
         assert_eq!(r.k(), 2);
@@ -765,7 +749,7 @@ mod tests {
         r.push_row(0, &[1, 2, 3], &[0.5, 0.3, 0.2]).unwrap();
         TopKOverride {
             k: 1,
-            renormalize: false,
+            gating: Gating::SOFTMAX,
         }
         .apply(&cx, &mut r)
         .unwrap();

@@ -927,3 +927,25 @@ impl Backend for ScriptBackend {
         Ok(())
     }
 }
+
+/// A plain read of `len` bytes at `offset` of shard 0 on `lane`, into expert (0, 0)'s canonical
+/// slot: what device tests submit when only the extent and the lane matter.
+pub fn read_request(lane: u32, offset: u64, len: u64) -> ReadRequest {
+    ReadRequest {
+        shard: 0,
+        offset,
+        len,
+        dest: crate::backend::SlotId::Canonical(crate::layout::ExpertKey {
+            layer: 0,
+            expert: 0,
+        }),
+        dest_offset: 0,
+        lane,
+        speculative: false,
+        tag: crate::flash::ReadTag {
+            layer: 0,
+            expert: 0,
+            proj: 0,
+        },
+    }
+}

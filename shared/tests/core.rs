@@ -671,7 +671,7 @@ fn n_expert_used_override_narrows_every_routing() {
     let mut e = engine(&s);
     e.add_hook(Box::new(TopKOverride {
         k: 2,
-        renormalize: true,
+        gating: bmoe_core::Gating::SOFTMAX_RENORM,
     }));
     let mut sink = RecordingSink::default();
     let stats = run_session(&mut e, 3, 6, &mut sink).unwrap();

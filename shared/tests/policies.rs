@@ -76,7 +76,7 @@ proptest! {
         let mut r = routed(&logits, k);
         let before_ids = r.ids(0).to_vec();
         let before_w = r.weights(0).to_vec();
-        let hook = DropCold { frac, renormalize, in_prefill: false };
+        let hook = DropCold { frac, renormalize, in_prefill: false, gating: bmoe_core::Gating::SOFTMAX_RENORM };
         let n = hook.drop_rows(&mut r, &|e| resident[e as usize]);
         let dropped = r.dropped(0).to_vec();
         prop_assert_eq!(n, dropped.iter().filter(|&&d| d).count() as u64);
@@ -119,7 +119,7 @@ proptest! {
         let mut r = routed(&logits, k);
         let before_ids = r.ids(0).to_vec();
         let before_w = r.weights(0).to_vec();
-        let mut hook = Substitute::new(lambda, true);
+        let mut hook = Substitute::new(lambda, bmoe_core::Gating::SOFTMAX_RENORM);
         hook.rerank_rows(&mut r, &|e| resident[e as usize]);
         let c = bmoe_core::RouterHook::take_counts(&mut hook);
         let after = r.ids(0).to_vec();

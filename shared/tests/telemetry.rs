@@ -997,6 +997,7 @@ fn route_preamble() -> RoutePreamble {
         n_layer: 4,
         n_expert: 16,
         n_expert_used: 4,
+        gating: bmoe_core::Gating::default(),
         layers: [1u32, 2, 3]
             .iter()
             .map(|&layer| TraceLayer {
@@ -1136,7 +1137,7 @@ fn route_trace_golden_and_round_trip() {
     let records = route_records();
     let text = write_route_trace(&records);
     golden("route_trace.csv", &text);
-    assert!(text.starts_with("# route_trace v1\n# model=qwen3moe-synth_tiny.gguf arch=qwen3moe n_layer=4 n_expert=16 n_expert_used=4\n"));
+    assert!(text.starts_with("# route_trace v1\n# model=qwen3moe-synth_tiny.gguf arch=qwen3moe n_layer=4 n_expert=16 n_expert_used=4 gating=softmax_topk_norm\n"));
     assert!(
         text.contains("\n# layer=1 expert_bytes=442368 dense_bytes=1572864 proj=0:4505600:147456,")
     );
@@ -1202,8 +1203,7 @@ fn drop_lines(text: &str, pred: impl Fn(&str) -> bool) -> String {
 
 #[test]
 fn route_trace_rejects_each_malformed_class() {
-    let model_line =
-        "# model=qwen3moe-synth_tiny.gguf arch=qwen3moe n_layer=4 n_expert=16 n_expert_used=4";
+    let model_line = "# model=qwen3moe-synth_tiny.gguf arch=qwen3moe n_layer=4 n_expert=16 n_expert_used=4 gating=softmax_topk_norm";
     let cases: Vec<(&str, String, &str, bool)> = vec![
         (
             "wrong magic",

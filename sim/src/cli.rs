@@ -41,7 +41,9 @@ Hits, misses, evictions and read bytes are exact; times are modelled from a devi
   bmoe-sim replay --trace T.csv --cache-mb 4000 --csv sim.csv\n\
   bmoe-sim sweep --trace T.csv --out sweep\n\
   bmoe-sim diff sim.csv measured.csv\n\
-  bmoe-sim calibrate --csv run.csv --trace run.route.csv --out profile.json"
+  bmoe-sim calibrate --csv run.csv --trace run.route.csv --out profile.json\n\
+  bmoe-sim stats --trace T.csv --out stats\n\
+  bmoe-sim convert capture.jsonl --expert-bytes 5609472 --out T.csv"
 )]
 pub struct Cli {
     #[command(subcommand)]
@@ -62,10 +64,77 @@ pub enum Cmd {
     Diff(DiffArgs),
     /// Fit a device profile to a measured bmoe-cli run
     Calibrate(CalibrateArgs),
+    /// Trace statistics: per-layer expert popularity, reuse (stack) distance = the per-layer
+    /// LRU miss-ratio curve, previous-token overlap by lag, working set vs window; with plots
+    Stats(StatsArgs),
+    /// Convert a routing capture (JSONL of per-token per-layer expert ids, or a long CSV with
+    /// one row per token and layer) into a route_trace v1 file the simulator replays
+    Convert(ConvertArgs),
     /// Randomised simulation testing of the core: each seed picks a synthetic trace, a
     /// configuration and a fault schedule, replays it, and checks the invariants after every
     /// step (docs/reliability.md). A failing seed is the bug report: --seed N reproduces it
     Fuzz(FuzzArgs),
+}
+
+/// Flags of `bmoe-sim stats`.
+#[derive(Args, Debug, Clone)]
+pub struct StatsArgs {
+    /// The route trace
+    #[arg(long, value_name = "PATH")]
+    pub trace: PathBuf,
+    /// Directory for stats.md, the CSVs (popularity, reuse, overlap, working_set) and their
+    /// charts (.svg and .png)
+    #[arg(long, value_name = "DIR", default_value = "stats")]
+    pub out: PathBuf,
+}
+
+/// Flags of `bmoe-sim convert`.
+#[derive(Args, Debug, Clone)]
+pub struct ConvertArgs {
+    /// The capture: JSONL (one object per token: {"turn", "step", "experts": [[ids per MoE
+    /// layer]], "weights"}) or CSV (one row per token and layer: turn/prompt, step/token,
+    /// layer, experts or expert_0..; see docs/simulator.md)
+    #[arg(value_name = "INPUT")]
+    pub input: PathBuf,
+    /// Where to write the route trace
+    #[arg(long, value_name = "OUT.route.csv")]
+    pub out: PathBuf,
+    /// Input format (auto: by extension, .jsonl/.json/.ndjson or .csv)
+    #[arg(long, value_name = "auto|jsonl|csv", default_value = "auto", value_parser = ["auto", "jsonl", "csv"])]
+    pub format: String,
+    /// Bytes of one expert (every projection) as the model file stores it: what a miss reads
+    #[arg(long, value_name = "BYTES", value_parser = parse_u64_strict)]
+    pub expert_bytes: u64,
+    /// Dense (non-expert) bytes per layer
+    #[arg(long, value_name = "BYTES", default_value_t = 0, value_parser = parse_u64_strict)]
+    pub dense_bytes: u64,
+    /// Experts per MoE layer [default: the largest id seen + 1]
+    #[arg(long, value_name = "N", value_parser = parse_u32_strict)]
+    pub n_expert: Option<u32>,
+    /// Routed experts per token [default: the first routing's width]
+    #[arg(long, value_name = "K", value_parser = parse_u32_strict)]
+    pub top_k: Option<u32>,
+    /// JSONL: model layer id of the first MoE layer (e.g. 1 when layer 0 is dense)
+    #[arg(long, value_name = "L", default_value_t = 0, value_parser = parse_u32_strict)]
+    pub first_layer: u32,
+    /// The model's layer count [default: last MoE layer + 1]
+    #[arg(long, value_name = "N", value_parser = parse_u32_strict)]
+    pub n_layer: Option<u32>,
+    /// Model name for the preamble [default: the input's file stem]
+    #[arg(long, value_name = "NAME")]
+    pub model: Option<String>,
+    /// Architecture name for the preamble
+    #[arg(long, value_name = "ARCH", default_value = "unknown")]
+    pub arch: String,
+    /// How the captured model's router turned logits into weights, for the preamble's
+    /// `gating=` (the hooks apply it on replay): softmax_topk_norm (qwen3moe), softmax_topk
+    /// (qwen2moe, DeepSeek-V2), topk_softmax (Mixtral, gpt-oss), sigmoid_topk[_norm], with
+    /// `*SCALE` when the weights are scaled
+    #[arg(long, value_name = "GATING", default_value = "softmax_topk_norm")]
+    pub gating: bmoe_core::gating::Gating,
+    /// Provenance lines for the trace's `# note:` (repeatable)
+    #[arg(long, value_name = "TEXT")]
+    pub note: Vec<String>,
 }
 
 /// Flags of `bmoe-sim fuzz`.
@@ -185,9 +254,19 @@ pub struct SweepArgs {
     /// Worker threads
     #[arg(long, value_name = "N", default_value_t = 2, value_parser = parse_u32_strict)]
     pub jobs: u32,
-    /// Directory for sweep.csv, hit_rate.svg and tok_s.svg
+    /// Directory for the outputs: sweep.csv (tidy, one row per cell), pivot.md (policy x
+    /// budget with deltas against LRU, Belady headroom share and intervals), per_layer.csv/.md,
+    /// and hit_rate, tok_s and per_layer charts as .svg and .png
     #[arg(long, value_name = "DIR", default_value = "sweep")]
     pub out: PathBuf,
+    /// The budget axis of the charts and the pivot: MiB, experts per MoE layer, or percent of
+    /// the expert bank
+    #[arg(long, value_name = "mib|experts|pct", default_value = "mib", value_parser = ["mib", "experts", "pct"])]
+    pub x: String,
+    /// Bootstrap resamples of the trace's turns for the 95 % intervals (0 = none; needs at
+    /// least 10 turns)
+    #[arg(long, value_name = "N", default_value_t = 1000, value_parser = parse_u32_strict)]
+    pub bootstrap: u32,
 }
 
 /// Flags of `bmoe-sim bench`.
@@ -259,6 +338,8 @@ where
         Cmd::Diff(a) => cmd_diff(a, out, err),
         Cmd::Calibrate(a) => cmd_calibrate(a, out),
         Cmd::Fuzz(a) => cmd_fuzz(a, out, err),
+        Cmd::Stats(a) => cmd_stats(a, out),
+        Cmd::Convert(a) => cmd_convert(a, out),
     };
     match result {
         Ok(code) => code,
@@ -297,6 +378,13 @@ pub struct Prepared {
     pub pred_columns: PredColumns,
     /// Approximations the replay makes (printed to stderr by `replay`).
     pub warnings: Vec<String>,
+}
+
+impl Prepared {
+    /// The model layer ids of the trace's MoE layers, in order.
+    pub fn layout_layer_ids(&self) -> Vec<u32> {
+        self.trace.preamble.layers.iter().map(|l| l.layer).collect()
+    }
 }
 
 /// Flags a route trace can never carry what they need for: refused rather than ignored, so a
@@ -370,6 +458,7 @@ pub fn prepare(
     let p = &trace.preamble;
     cfg.model = p.model.clone();
     cfg.arch = p.arch.clone();
+    cfg.gating = p.gating;
     cfg.n_layer = p.n_layer;
     cfg.n_expert = p.n_expert;
     cfg.n_expert_used = if cfg.n_expert_used_override > 0 {
@@ -717,20 +806,23 @@ fn cmd_sweep(a: SweepArgs, env: &[(String, String)], out: &mut dyn Write) -> Res
     }
     bar.finish_and_clear();
     std::fs::create_dir_all(&a.out).map_err(|e| SimError::io(&a.out, e))?;
-    let mut table = Vec::new();
-    sweep::write_table(&mut table, &rows).map_err(|e| SimError::io("sweep table", e))?;
-    let table = String::from_utf8_lossy(&table).into_owned();
-    write_file(&a.out.join("sweep.csv"), &table)?;
     let name = a.trace.file_name().map_or_else(
         || a.trace.display().to_string(),
         |n| n.to_string_lossy().into_owned(),
     );
-    let (hit_svg, tps_svg) = sweep::charts(&rows, &name);
-    write_file(&a.out.join("hit_rate.svg"), &hit_svg)?;
-    write_file(&a.out.join("tok_s.svg"), &tps_svg)?;
+    let x = sweep::report::XAxis::parse(&a.x).unwrap_or(sweep::report::XAxis::Mib);
+    let written = sweep::write_outputs(
+        &a.out,
+        &rows,
+        &p.layout_layer_ids(),
+        x,
+        a.bootstrap as usize,
+        a.seed,
+        &name,
+    )?;
     writeln!(
         out,
-        "{:>10} {:>6} {:>8} {:>16} {:>5} {:>7} {:>8} {:>8} {:>10}",
+        "{:>10} {:>6} {:>10} {:>16} {:>5} {:>7} {:>8} {:>8} {:>10}",
         "budget_MiB",
         "per_l",
         "policy",
@@ -745,7 +837,7 @@ fn cmd_sweep(a: SweepArgs, env: &[(String, String)], out: &mut dyn Write) -> Res
     for r in &rows {
         writeln!(
             out,
-            "{:>10.0} {:>6.2} {:>8} {:>16} {:>5} {:>7} {:>7.2}% {:>8.3} {:>10.0}",
+            "{:>10.0} {:>6.2} {:>10} {:>16} {:>5} {:>7} {:>7.2}% {:>8.3} {:>10.0}",
             r.budget_bytes as f64 / MIB as f64,
             r.experts_per_layer,
             r.policy,
@@ -760,10 +852,11 @@ fn cmd_sweep(a: SweepArgs, env: &[(String, String)], out: &mut dyn Write) -> Res
     }
     writeln!(
         out,
-        "sweep: {} cells, profile {}, wrote {}/sweep.csv, hit_rate.svg, tok_s.svg",
+        "sweep: {} cells, profile {}, wrote {}/{{{}}}",
         rows.len(),
         p.profile.name,
-        a.out.display()
+        a.out.display(),
+        written.join(",")
     )
     .map_err(w)?;
     Ok(0)
@@ -921,6 +1014,86 @@ fn cmd_diff(a: DiffArgs, out: &mut dyn Write, err: &mut dyn Write) -> Result<i32
         writeln!(out, "diff: every judged metric within tolerance").map_err(w)?;
         Ok(0)
     }
+}
+
+fn cmd_stats(a: StatsArgs, out: &mut dyn Write) -> Result<i32, SimError> {
+    let trace = load_trace(&a.trace)?;
+    let s = crate::stats::compute(&trace);
+    std::fs::create_dir_all(&a.out).map_err(|e| SimError::io(&a.out, e))?;
+    let name = a.trace.file_name().map_or_else(
+        || a.trace.display().to_string(),
+        |n| n.to_string_lossy().into_owned(),
+    );
+    let written = crate::stats::write_outputs(&a.out, &s, &name)?;
+    let w = |e| SimError::io("stdout", e);
+    out.write_all(crate::stats::summary_md(&s, &name).as_bytes())
+        .map_err(w)?;
+    writeln!(
+        out,
+        "\nstats: wrote {}/{{{}}}",
+        a.out.display(),
+        written.join(",")
+    )
+    .map_err(w)?;
+    Ok(0)
+}
+
+fn cmd_convert(a: ConvertArgs, out: &mut dyn Write) -> Result<i32, SimError> {
+    use crate::convert;
+    let format = convert::Format::resolve(&a.format, &a.input)?;
+    let text = std::fs::read_to_string(&a.input).map_err(|e| SimError::io(&a.input, e))?;
+    let stem = a
+        .input
+        .file_stem()
+        .map_or("capture".to_string(), |s| s.to_string_lossy().into_owned());
+    let mut notes = vec![format!(
+        "converted by bmoe-sim convert from {} ({})",
+        a.input
+            .file_name()
+            .map_or(stem.clone(), |n| n.to_string_lossy().into_owned()),
+        if format == convert::Format::Jsonl {
+            "jsonl"
+        } else {
+            "csv"
+        }
+    )];
+    notes.extend(a.note.iter().cloned());
+    let c = convert::convert(
+        &text,
+        format,
+        &convert::ConvertOptions {
+            model: a.model.clone().unwrap_or(stem),
+            arch: a.arch.clone(),
+            n_expert: a.n_expert,
+            top_k: a.top_k,
+            expert_bytes: a.expert_bytes,
+            dense_bytes: a.dense_bytes,
+            first_layer: a.first_layer,
+            n_layer: a.n_layer,
+            gating: a.gating,
+            notes,
+        },
+    )
+    .map_err(|e| match e {
+        SimError::Invalid { what, reason } => SimError::Invalid {
+            what: format!("{}: {what}", a.input.display()),
+            reason,
+        },
+        other => other,
+    })?;
+    write_file(&a.out, &c.text)?;
+    writeln!(
+        out,
+        "convert: {} tokens, {} MoE layers x {} experts, top-{}, {} routings -> {}",
+        c.tokens,
+        c.layers,
+        c.n_expert,
+        c.top_k,
+        c.routings,
+        a.out.display()
+    )
+    .map_err(|e| SimError::io("stdout", e))?;
+    Ok(0)
 }
 
 fn cmd_fuzz(a: FuzzArgs, out: &mut dyn Write, err: &mut dyn Write) -> Result<i32, SimError> {

@@ -342,8 +342,8 @@ impl Backend for TraceBackend {
     /// `pred<h>` columns, or — in a trace recorded with `--route-ahead h` — the committed
     /// routing of a committed cell. `Ok(false)` where nothing was recorded, for `from` after
     /// `target`, or when `k` is wider than what was recorded; a narrower `k` (top-k override)
-    /// keeps the first `k` in rank order with their weights renormalised to sum to 1, which
-    /// is the softmax over those `k` for proportional weights. Charges no time.
+    /// keeps the first `k` in rank order weighted as the recorded gating would
+    /// (`Gating::narrow`: renormalised for a normalising gating). Charges no time.
     fn predict(
         &mut self,
         from: LayerId,
@@ -389,12 +389,7 @@ impl Backend for TraceBackend {
         if out.ids.len() > k {
             out.ids.truncate(k);
             out.weights.truncate(k);
-            let sum: f32 = out.weights.iter().sum();
-            if sum > 0.0 && sum.is_finite() {
-                for w in &mut out.weights {
-                    *w /= sum;
-                }
-            }
+            self.trace.preamble.gating.narrow(&mut out.weights, k);
         }
         Ok(true)
     }

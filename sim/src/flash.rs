@@ -560,7 +560,6 @@ impl Flash for FlashModel {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use bmoe_core::{ExpertKey, ReadTag, SlotId};
 
     fn params(latency_us: f64, lane: f64, device: f64) -> FlashParams {
         FlashParams {
@@ -573,23 +572,7 @@ mod tests {
     }
 
     fn req(lane: u32, offset: u64, len: u64) -> ReadRequest {
-        ReadRequest {
-            shard: 0,
-            offset,
-            len,
-            dest: SlotId::Canonical(ExpertKey {
-                layer: 0,
-                expert: 0,
-            }),
-            dest_offset: 0,
-            lane,
-            speculative: false,
-            tag: ReadTag {
-                layer: 0,
-                expert: 0,
-                proj: 0,
-            },
-        }
+        bmoe_core::testing::read_request(lane, offset, len)
     }
 
     const MIB: u64 = 1 << 20;

@@ -81,6 +81,7 @@ fn synthetic_trace(rng: &mut ChaCha8Rng) -> Result<RouteTrace, String> {
         n_layer,
         n_expert,
         n_expert_used: k,
+        gating: bmoe_core::Gating::default(),
         layers: layers.clone(),
         notes: Vec::new(),
         extra: Vec::new(),
@@ -297,12 +298,8 @@ pub fn run_seed(seed: u64) -> Result<Case, String> {
     if cache_on {
         cfg.cache_mb = 1500;
         cfg.force_cache = true;
-        cfg.eviction = [
-            PolicyName::Lru,
-            PolicyName::Lfu,
-            PolicyName::Lfru,
-            PolicyName::LayerLfu,
-        ][rng.gen_range(0..4)];
+        let all = PolicyName::all();
+        cfg.eviction = all[rng.gen_range(0..all.len())];
         if rng.gen_bool(0.3) {
             cfg.prefetch = rng.gen_range(1..=2);
         }

@@ -13,6 +13,7 @@ pub mod calibrate;
 pub mod cli;
 pub mod clock;
 pub mod compute;
+pub mod convert;
 pub mod diff;
 pub mod error;
 pub mod flash;
@@ -21,6 +22,7 @@ pub mod plan;
 pub mod predictions;
 pub mod profile;
 pub mod replay;
+pub mod stats;
 pub mod svg;
 pub mod sweep;
 

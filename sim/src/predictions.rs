@@ -325,6 +325,7 @@ pub(crate) mod tests {
             n_layer: 3,
             n_expert: N_EXPERT,
             n_expert_used: 2,
+            gating: bmoe_core::Gating::default(),
             layers: (0..3)
                 .map(|layer| TraceLayer {
                     layer,

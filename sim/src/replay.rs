@@ -283,8 +283,10 @@ pub fn run(setup: ReplaySetup<'_>, out: ReplayOutputs<'_>) -> Result<ReplayResul
         },
     )?;
     // The same router hooks, in the same order, as bmoe-cli installs (top-k override,
-    // substitution, cache-aware dropping).
-    for hook in bmoe_core::hooks::router_hooks(cfg, trace.preamble.n_expert_used, true) {
+    // substitution, cache-aware dropping), weighing routings with the recorded gating.
+    for hook in
+        bmoe_core::hooks::router_hooks(cfg, trace.preamble.n_expert_used, trace.preamble.gating)
+    {
         engine.add_hook(hook);
     }
     engine.set_predictors(bmoe_core::PredictConfig::from_run_config(cfg));

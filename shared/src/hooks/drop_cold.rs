@@ -1,6 +1,9 @@
 //! `--drop-cold-experts F` (expert-dropping.md): skip a routed expert that is not resident
 //! *and* weighted below `F × 1/k`, `k` the routing's effective width (after any top-k
-//! override). Spends quality only where it buys a flash read.
+//! override). Spends quality only where it buys a flash read. The weight is the expert's share
+//! of the routing's mass as the model's gating gives it (`Gating::share`): the weight itself
+//! for the gatings whose weights sum to 1 (qwen3moe, gpt-oss), the weight over the row's sum
+//! for qwen2moe's unnormalised softmax.
 //!
 //! The top-weighted expert of a row is pinned, so a routing is never emptied even if the
 //! `F ≤ 1` bound were lifted. A dropped slot is flagged (`Routing::drop_entry`): the streamer
@@ -12,6 +15,7 @@
 //! the survivors are scaled back to the row's original mass.
 
 use crate::backend::Routing;
+use crate::gating::Gating;
 use crate::layout::ExpertKey;
 use crate::records::Phase;
 use crate::step::{HookContext, HookError, RouterHook};
@@ -26,6 +30,8 @@ pub struct DropCold {
     pub renormalize: bool,
     /// Also drop during prefill (`--drop-in-prefill`).
     pub in_prefill: bool,
+    /// The model's gating: what share of a row's mass a weight is.
+    pub gating: Gating,
 }
 
 impl DropCold {
@@ -40,6 +46,10 @@ impl DropCold {
         let mut n_dropped = 0u64;
         for r in 0..routing.n_rows() {
             let top = top_rank(routing.weights(r), routing.dropped(r));
+            let mass: f32 = (0..k)
+                .filter(|&j| !routing.dropped(r)[j])
+                .map(|j| routing.weights(r)[j])
+                .sum();
             let mut original = 0f32;
             let mut kept = 0f32;
             let mut any = false;
@@ -50,7 +60,7 @@ impl DropCold {
                 let w = routing.weights(r)[rank];
                 original += w;
                 let cold = !is_resident(routing.ids(r)[rank]);
-                if Some(rank) != top && cold && w < threshold {
+                if Some(rank) != top && cold && self.gating.share(w, mass) < threshold {
                     routing.drop_entry(r, rank);
                     n_dropped += 1;
                     any = true;
@@ -120,6 +130,7 @@ mod tests {
             frac: 1.0,
             renormalize: true,
             in_prefill: false,
+            gating: Gating::SOFTMAX_RENORM,
         };
         // k = 4: threshold 0.25. Expert 3 (0.1) is cold → dropped; expert 5 (0.2) is resident
         // → kept; expert 1 (0.4) is above the threshold.
@@ -145,11 +156,36 @@ mod tests {
     }
 
     #[test]
+    fn an_unnormalised_gating_drops_by_share_of_the_row() {
+        // qwen2moe: the k softmax probabilities sum to 0.2, so 0.06 is 30 % of the row.
+        let hook = DropCold {
+            frac: 1.0,
+            renormalize: true,
+            in_prefill: false,
+            gating: Gating::SOFTMAX,
+        };
+        let mut r = row(&[1, 2, 3, 4], &[0.08, 0.06, 0.035, 0.025]);
+        assert_eq!(hook.drop_rows(&mut r, &|_| false), 2);
+        assert_eq!(r.dropped(0), &[false, false, true, true]);
+        // The survivors carry the row's original mass.
+        let kept = r.weights(0)[0] + r.weights(0)[1];
+        assert!((kept - 0.2).abs() < 1e-6, "{kept}");
+        // Read as weights summing to 1, every one would be below 1/4 and all but the top go.
+        let hook = DropCold {
+            gating: Gating::SOFTMAX_RENORM,
+            ..hook
+        };
+        let mut r = row(&[1, 2, 3, 4], &[0.08, 0.06, 0.035, 0.025]);
+        assert_eq!(hook.drop_rows(&mut r, &|_| false), 3);
+    }
+
+    #[test]
     fn top_expert_survives_even_when_cold_and_light() {
         let hook = DropCold {
             frac: 1.0,
             renormalize: true,
             in_prefill: false,
+            gating: Gating::SOFTMAX_RENORM,
         };
         // Uniform weights: every slot sits exactly at the threshold, nothing below it.
         let mut r = row(&[1, 2], &[0.5, 0.5]);

@@ -2,21 +2,20 @@
 //!
 //! Layer L's selected ids are replaced by the top-k of L's own router applied to the router
 //! input of layer L−N (the stale gate, `predict.rs`). L's router still runs, so the committed
-//! experts get the router's **true** probabilities, renormalised exactly as qwen3moe does
-//! (`p_j / max(Σ p, 6.1035e-5)`). Lossy but deterministic: the perturbation is measured as the
-//! fraction of committed slots the router itself would not have chosen.
+//! experts get the router's **true** scores, weighted exactly as the model's gating weighs a
+//! selection (`Gating::weights_for`; qwen3moe: `p_j / max(Σ p, 6.1035e-5)`). Lossy but
+//! deterministic: the perturbation is measured as the fraction of committed slots the router
+//! itself would not have chosen.
 //!
 //! The decode step calls `commit` before every other router hook, so the top-k override,
 //! substitution, dropping, the trace and the loader all see the committed routing (a top-k
-//! override after a commit keeps the prefix of the predicted ranking and renormalises from the
-//! same probabilities, which is what committing after the override would give). It is not a
+//! override after a commit keeps the prefix of the predicted ranking and re-weighs it from the
+//! same scores, which is what committing after the override would give). It is not a
 //! boxed `RouterHook` because it needs the step's predictions, which `HookContext` does not
 //! carry.
 
 use crate::backend::Routing;
-
-/// qwen3moe's floor on the renormalisation denominator.
-const RENORM_MIN_SUM: f32 = 6.103_515_6e-5;
+use crate::gating::Gating;
 
 /// What one commit did: committed slots and how many of them the router also chose.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -26,10 +25,15 @@ pub struct CommitCounts {
 }
 
 /// Replace row `row`'s ids with the first `routing.k()` of `predicted` (rank order) and its
-/// weights with the router's probabilities of those ids renormalised. `None` (routing left
-/// as the router made it: passed through) when the row carries no router probabilities, the
+/// weights with what `gating` gives those ids from the router's scores. `None` (routing left
+/// as the router made it: passed through) when the row carries no router scores, the
 /// prediction is narrower than the routing, or it names an id out of range or twice.
-pub fn commit(routing: &mut Routing, row: u32, predicted: &[u16]) -> Option<CommitCounts> {
+pub fn commit(
+    routing: &mut Routing,
+    row: u32,
+    predicted: &[u16],
+    gating: Gating,
+) -> Option<CommitCounts> {
     let k = routing.k();
     if row >= routing.n_rows() || k == 0 || predicted.len() < k {
         return None;
@@ -42,8 +46,6 @@ pub fn commit(routing: &mut Routing, row: u32, predicted: &[u16]) -> Option<Comm
         }
     }
     let probs = routing.probs(row)?;
-    let sum: f32 = ids.iter().map(|&e| probs[e as usize]).sum();
-    let denom = sum.max(RENORM_MIN_SUM);
     let mut weights = [0f32; 64];
     let mut wide = Vec::new();
     let w: &mut [f32] = if k <= weights.len() {
@@ -52,9 +54,7 @@ pub fn commit(routing: &mut Routing, row: u32, predicted: &[u16]) -> Option<Comm
         wide.resize(k, 0.0);
         &mut wide
     };
-    for (x, &e) in w.iter_mut().zip(ids) {
-        *x = probs[e as usize] / denom;
-    }
+    gating.weights_for(probs, ids, w);
     let agreed = ids.iter().filter(|e| routing.ids(row).contains(e)).count() as u64;
     routing.ids_mut(row).copy_from_slice(ids);
     routing.weights_mut(row).copy_from_slice(w);
@@ -75,7 +75,7 @@ mod tests {
         r.reset(4, 1);
         r.push_row_with_probs(0, &[1, 2], &[0.4 / 0.7, 0.3 / 0.7], &probs)
             .unwrap();
-        let c = commit(&mut r, 0, &[3, 1, 0]).unwrap();
+        let c = commit(&mut r, 0, &[3, 1, 0], Gating::SOFTMAX_RENORM).unwrap();
         assert_eq!(
             c,
             CommitCounts {
@@ -92,7 +92,7 @@ mod tests {
         let s = 0.4f32 + 0.3f32;
         r2.push_row_with_probs(0, &[1, 2], &[0.4 / s, 0.3 / s], &probs)
             .unwrap();
-        let c = commit(&mut r2, 0, &[1, 2]).unwrap();
+        let c = commit(&mut r2, 0, &[1, 2], Gating::SOFTMAX_RENORM).unwrap();
         assert_eq!(c.agreed, 2);
         assert_eq!(r2.weights(0), &[0.4 / s, 0.3 / s]);
     }
@@ -103,15 +103,27 @@ mod tests {
         r.reset(4, 1);
         r.push_row(0, &[1, 2], &[0.6, 0.4]).unwrap();
         // No router probabilities: nothing to weight the committed ids with.
-        assert_eq!(commit(&mut r, 0, &[3, 0]), None);
+        assert_eq!(commit(&mut r, 0, &[3, 0], Gating::SOFTMAX_RENORM), None);
         assert_eq!(r.ids(0), &[1, 2]);
         let mut r = Routing::new();
         r.reset(4, 1);
         r.push_row_with_probs(0, &[1, 2], &[0.6, 0.4], &[0.1, 0.4, 0.3, 0.2])
             .unwrap();
-        assert_eq!(commit(&mut r, 0, &[3]), None, "narrower prediction");
-        assert_eq!(commit(&mut r, 0, &[3, 3]), None, "duplicate id");
-        assert_eq!(commit(&mut r, 0, &[3, 4]), None, "out of range");
+        assert_eq!(
+            commit(&mut r, 0, &[3], Gating::SOFTMAX_RENORM),
+            None,
+            "narrower prediction"
+        );
+        assert_eq!(
+            commit(&mut r, 0, &[3, 3], Gating::SOFTMAX_RENORM),
+            None,
+            "duplicate id"
+        );
+        assert_eq!(
+            commit(&mut r, 0, &[3, 4], Gating::SOFTMAX_RENORM),
+            None,
+            "out of range"
+        );
         assert_eq!(r.ids(0), &[1, 2]);
     }
 }

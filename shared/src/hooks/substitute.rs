@@ -1,38 +1,42 @@
-//! `--expert-substitute L` (features.md §7): cache-aware re-ranking. The router's
-//! probabilities are taken in log space (they are a softmax, so the log is the score up to a
-//! constant), every resident expert's score is raised by `L × (max s − min s)`, and the top-k
-//! is taken again. The chosen experts keep the router's *original* probabilities,
-//! renormalised as the model does, so a substituted expert is weighted by what the router
-//! actually thought of it. A row whose selected set does not change is left untouched, which
-//! is what makes a tiny `L` byte-identical to the unhooked run. Decode only.
+//! `--expert-substitute L` (features.md §7): cache-aware re-ranking. The router's scores are
+//! taken in the gating's ranking space (`Gating::rank_score`: the log of a softmax
+//! probability — the logit up to a constant —, gpt-oss's raw logit, a sigmoid score plus its
+//! selection bias), every resident expert's score is raised by `L × (max s − min s)`, and the
+//! top-k is taken again. The chosen experts are weighted from the router's *original* scores
+//! exactly as the router weighs a selection (`Gating::weights_for`), so a substituted expert
+//! is weighted by what the router actually thought of it. A row whose selected set does not
+//! change is left untouched, which is what makes a tiny `L` byte-identical to the unhooked
+//! run. Decode only.
 
 use crate::backend::Routing;
+use crate::gating::Gating;
 use crate::layout::ExpertKey;
 use crate::records::Phase;
 use crate::step::{HookContext, HookCounts, HookError, RouterHook};
 
-/// qwen3moe's floor on the renormalisation denominator (as `TopKOverride`).
-const RENORM_MIN_SUM: f32 = 6.103_515_6e-5;
-
 /// The substitution hook and its running counts.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct Substitute {
     /// `L`: the residency margin as a fraction of the row's score range.
     pub lambda: f32,
-    /// Divide the chosen probabilities by their sum (qwen3moe); otherwise use them as is.
-    pub renormalize: bool,
+    /// How the model's router weighs a selection.
+    pub gating: Gating,
     counts: HookCounts,
     scores: Vec<f32>,
     order: Vec<u16>,
+    weights: Vec<f32>,
 }
 
 impl Substitute {
     /// A hook with margin `lambda`; `lambda ≤ 0` makes it a no-op.
-    pub fn new(lambda: f32, renormalize: bool) -> Self {
+    pub fn new(lambda: f32, gating: Gating) -> Self {
         Substitute {
             lambda,
-            renormalize,
-            ..Default::default()
+            gating,
+            counts: HookCounts::default(),
+            scores: Vec::new(),
+            order: Vec::new(),
+            weights: Vec::new(),
         }
     }
 
@@ -54,9 +58,12 @@ impl Substitute {
             if probs.len() <= k || probs.len() > usize::from(u16::MAX) + 1 {
                 continue;
             }
+            let g = self.gating;
+            let bias = routing.selection_bias();
             self.scores.clear();
-            self.scores
-                .extend(probs.iter().map(|&p| p.max(f32::MIN_POSITIVE).ln()));
+            self.scores.extend(probs.iter().enumerate().map(|(e, &p)| {
+                g.rank_score(p, bias.and_then(|b| b.get(e).copied()).unwrap_or(0.0))
+            }));
             let (lo, hi) = self
                 .scores
                 .iter()
@@ -89,15 +96,10 @@ impl Substitute {
                 continue;
             }
             self.counts.substituted += moved;
-            let sum: f32 = chosen.iter().map(|&e| probs[e as usize]).sum();
-            let denom = if self.renormalize {
-                sum.max(RENORM_MIN_SUM)
-            } else {
-                1.0
-            };
-            let weights: Vec<f32> = chosen.iter().map(|&e| probs[e as usize] / denom).collect();
+            self.weights.resize(k, 0.0);
+            g.weights_for(probs, chosen, &mut self.weights);
             routing.ids_mut(r).copy_from_slice(chosen);
-            routing.weights_mut(r).copy_from_slice(&weights);
+            routing.weights_mut(r).copy_from_slice(&self.weights);
         }
     }
 }
@@ -144,7 +146,7 @@ mod tests {
     fn a_resident_runner_up_replaces_the_weakest_and_keeps_its_router_weight() {
         let probs = [0.5f32, 0.3, 0.15, 0.05];
         let mut r = routed(&probs, 2);
-        let mut h = Substitute::new(0.5, true);
+        let mut h = Substitute::new(0.5, Gating::SOFTMAX_RENORM);
         h.rerank_rows(&mut r, &|e| e == 2);
         let c = h.take_counts();
         assert_eq!((c.reranked, c.substituted), (2, 1));
@@ -162,13 +164,13 @@ mod tests {
         let probs = [0.5f32, 0.3, 0.15, 0.05];
         let mut r = routed(&probs, 2);
         let before = (r.ids(0).to_vec(), r.weights(0).to_vec());
-        let mut h = Substitute::new(1e-6, true);
+        let mut h = Substitute::new(1e-6, Gating::SOFTMAX_RENORM);
         h.rerank_rows(&mut r, &|e| e >= 2);
         assert_eq!((r.ids(0).to_vec(), r.weights(0).to_vec()), before);
         let c = h.take_counts();
         assert_eq!((c.reranked, c.substituted), (2, 0));
         // Nothing resident: nothing moves either.
-        let mut h = Substitute::new(1.0, true);
+        let mut h = Substitute::new(1.0, Gating::SOFTMAX_RENORM);
         h.rerank_rows(&mut r, &|_| false);
         assert_eq!(r.ids(0), &before.0[..]);
     }

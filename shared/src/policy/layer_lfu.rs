@@ -40,6 +40,13 @@ impl LayerLfu {
     }
 }
 
+/// The registry entry (`policy::POLICIES`).
+pub const INFO: super::PolicyInfo = super::PolicyInfo {
+    name: "layer-lfu",
+    help: "per-layer partitions: the fullest layer's least frequently used",
+    make: || Box::new(LayerLfu::new()),
+};
+
 impl EvictionPolicy for LayerLfu {
     fn name(&self) -> &'static str {
         "layer-lfu"

@@ -103,6 +103,13 @@ impl Lfu {
     }
 }
 
+/// The registry entry (`policy::POLICIES`).
+pub const INFO: super::PolicyInfo = super::PolicyInfo {
+    name: "lfu",
+    help: "the fewest accesses, ties to the least recent; counts survive eviction",
+    make: || Box::new(Lfu::new()),
+};
+
 impl EvictionPolicy for Lfu {
     fn name(&self) -> &'static str {
         "lfu"

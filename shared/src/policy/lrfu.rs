@@ -80,6 +80,13 @@ impl Lrfu {
     }
 }
 
+/// The registry entry (`policy::POLICIES`).
+pub const INFO: super::PolicyInfo = super::PolicyInfo {
+    name: "lfru",
+    help: "LRFU: the lowest decayed access count (half-life = the expert count, in accesses)",
+    make: || Box::new(Lrfu::new()),
+};
+
 impl EvictionPolicy for Lrfu {
     fn name(&self) -> &'static str {
         "lfru"

@@ -86,6 +86,13 @@ impl Lru {
     }
 }
 
+/// The registry entry (`policy::POLICIES`).
+pub const INFO: super::PolicyInfo = super::PolicyInfo {
+    name: "lru",
+    help: "the globally least recently used (layer, expert)",
+    make: || Box::new(Lru::new()),
+};
+
 impl EvictionPolicy for Lru {
     fn name(&self) -> &'static str {
         "lru"

@@ -4,16 +4,28 @@
 //! orders the resident keys and names a victim. Keeping that interface this small is what lets
 //! a new policy (LFU, hybrid, layer-aware) be one short file, tried in the simulator on recorded
 //! traces and then run on device unchanged.
+//!
+//! **Adding a policy** (docs/policies.md, "Add a policy in one file"): write `my_policy.rs`
+//! implementing `EvictionPolicy` with a `pub const INFO: PolicyInfo`, add `pub mod my_policy;`
+//! and `my_policy::INFO` to `POLICIES` below. That is all: `--eviction`, the CSV preamble,
+//! `bmoe-sim replay`/`sweep`, the fuzzer and the policy gates all read `POLICIES`.
 
 pub mod layer_lfu;
+pub mod layer_lru;
+pub mod lecar;
 pub mod lfu;
+pub mod lists;
 pub mod lrfu;
 pub mod lru;
+pub mod two_q;
 
 pub use layer_lfu::LayerLfu;
+pub use layer_lru::LayerLru;
+pub use lecar::LeCar;
 pub use lfu::Lfu;
 pub use lrfu::Lrfu;
 pub use lru::Lru;
+pub use two_q::TwoQ;
 
 use crate::layout::ExpertLayout;
 
@@ -45,19 +57,43 @@ pub trait EvictionPolicy: Send {
     fn victim(&self, is_evictable: &dyn Fn(u32) -> bool) -> Option<u32>;
 }
 
-/// The policy called `name`, or `None` for an unknown name.
-pub fn by_name(name: &str) -> Option<Box<dyn EvictionPolicy>> {
-    match name {
-        "lru" => Some(Box::new(Lru::new())),
-        "lfu" => Some(Box::new(Lfu::new())),
-        "lfru" => Some(Box::new(Lrfu::new())),
-        "layer-lfu" => Some(Box::new(LayerLfu::new())),
-        _ => None,
-    }
+/// A registered policy: its flag name, one line of `--help`, and a constructor.
+#[derive(Copy, Clone, Debug)]
+pub struct PolicyInfo {
+    /// The `--eviction` value, the preamble's `eviction=`, and `EvictionPolicy::name`.
+    pub name: &'static str,
+    /// The victim rule in one line (`--help`).
+    pub help: &'static str,
+    /// A fresh policy (`init` sizes it).
+    pub make: fn() -> Box<dyn EvictionPolicy>,
 }
 
-/// Names `by_name` accepts.
-pub const POLICY_NAMES: &[&str] = &["lru", "lfu", "lfru", "layer-lfu"];
+/// Every policy the engine and the simulator can run, in the order help and sweeps list them.
+pub const POLICIES: &[PolicyInfo] = &[
+    lru::INFO,
+    lfu::INFO,
+    lrfu::INFO,
+    layer_lfu::INFO,
+    layer_lru::INFO,
+    two_q::INFO,
+    lecar::INFO,
+];
+
+/// The policy called `name`, or `None` for an unknown name.
+pub fn by_name(name: &str) -> Option<Box<dyn EvictionPolicy>> {
+    POLICIES.iter().find(|p| p.name == name).map(|p| (p.make)())
+}
+
+/// Names `by_name` accepts, in registry order.
+pub const POLICY_NAMES: [&str; POLICIES.len()] = {
+    let mut names = [""; POLICIES.len()];
+    let mut i = 0;
+    while i < POLICIES.len() {
+        names[i] = POLICIES[i].name;
+        i += 1;
+    }
+    names
+};
 
 #[cfg(test)]
 pub(crate) mod tests {
@@ -83,12 +119,17 @@ pub(crate) mod tests {
 
     #[test]
     fn every_name_builds_a_policy_that_reports_it() {
-        for name in POLICY_NAMES {
+        for name in POLICY_NAMES.iter() {
             let p = by_name(name).expect("known name");
             assert_eq!(p.name(), *name);
             let parsed: crate::config::EvictionPolicy = name.parse().expect("config parses it");
             assert_eq!(parsed.name(), *name);
         }
         assert!(by_name("fifo").is_none());
+        let mut names = POLICY_NAMES.to_vec();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), POLICIES.len(), "names are unique");
+        assert!("fifo".parse::<crate::config::EvictionPolicy>().is_err());
     }
 }

@@ -209,13 +209,14 @@ impl TokenRecord {
 /// Writes the five-line run-parameter preamble (magic, `# engine=`, the model line, the
 /// streaming line, the sampling/diagnostics line). Values are the resolved configuration:
 /// `cache_mb=` is `cfg.cache_budget_mb`. `eviction=` is bmoe's addition, appended last on the
-/// streaming line.
+/// streaming line; so is `gating=` (the model's router gating, `Gating`'s name) on the model
+/// line.
 pub fn write_preamble(w: &mut dyn Write, cfg: &RunConfig) -> io::Result<()> {
     writeln!(w, "{METRICS_MAGIC}")?;
     writeln!(w, "# engine={}", kv_token(&cfg.engine_version))?;
     writeln!(
         w,
-        "# model={} arch={} n_layer={} n_expert={} n_expert_used={} threads={} n_ctx={} n_ubatch={} chatml={}",
+        "# model={} arch={} n_layer={} n_expert={} n_expert_used={} threads={} n_ctx={} n_ubatch={} chatml={} gating={}",
         kv_token(&cfg.model),
         kv_token(&cfg.arch),
         cfg.n_layer,
@@ -224,7 +225,8 @@ pub fn write_preamble(w: &mut dyn Write, cfg: &RunConfig) -> io::Result<()> {
         cfg.threads,
         cfg.n_ctx,
         cfg.n_ubatch,
-        bit(cfg.chatml)
+        bit(cfg.chatml),
+        cfg.gating
     )?;
     writeln!(
         w,

@@ -20,6 +20,7 @@ use std::io::{self, Write};
 use super::fmt::{kv_token, parse_key_values};
 use super::ParseError;
 use crate::backend::Prediction;
+use crate::gating::Gating;
 use crate::records::{Phase, RecordSink, RouteRecord, PRED_HORIZON_MAX};
 
 /// The first line of every route trace.
@@ -46,6 +47,10 @@ const WEIGHT_MAX: f32 = 1.0 + 1e-4;
 pub const ROUTER_EXPERT_COLUMN: &str = "router_expert";
 /// The model-line key naming the `--route-ahead` depth a trace was recorded with.
 pub const ROUTE_AHEAD_KEY: &str = "route_ahead";
+/// The model-line key naming the router's gating (`Gating`); a trace without it was written
+/// before gating was recorded (or by another system) and reads as qwen3moe's (softmax, top-k,
+/// renormalised).
+pub const GATING_KEY: &str = "gating";
 
 /// Horizons the stale-gate predictors record (`--predict-log` scores one and two layers
 /// early; `--predict-prefetch` reads up to two layers ahead).
@@ -133,6 +138,9 @@ pub struct RoutePreamble {
     pub n_expert: u32,
     /// Effective routing width: every routing has exactly this many slots.
     pub n_expert_used: u32,
+    /// How the router selected and weighted the experts (`gating=`), so a replay applies the
+    /// router hooks the way the recording engine did.
+    pub gating: Gating,
     /// The MoE layers in file order; a record's / cell's MoE layer index is a position here.
     pub layers: Vec<TraceLayer>,
     /// Free-form `# note: ...` lines (without the prefix).
@@ -206,14 +214,19 @@ impl<W: Write> RouteTraceWriter<W> {
         writeln!(w, "{ROUTE_MAGIC}")?;
         write!(
             w,
-            "# model={} arch={} n_layer={} n_expert={} n_expert_used={}",
+            "# model={} arch={} n_layer={} n_expert={} n_expert_used={} {GATING_KEY}={}",
             kv_token(&p.model),
             kv_token(&p.arch),
             p.n_layer,
             p.n_expert,
-            p.n_expert_used
+            p.n_expert_used,
+            p.gating
         )?;
-        for (k, v) in p.extra.iter().filter(|(k, _)| k != ROUTE_AHEAD_KEY) {
+        for (k, v) in p
+            .extra
+            .iter()
+            .filter(|(k, _)| k != ROUTE_AHEAD_KEY && k != GATING_KEY)
+        {
             write!(w, " {}={}", kv_token(k), kv_token(v))?;
         }
         if columns.route_ahead > 0 {
@@ -620,6 +633,14 @@ impl RouteTrace {
                 return Err(at(line, format!("key {k}= appears twice in the preamble")));
             }
         }
+        // `gating=` is structured; absent, the trace predates it (qwen3moe's gating).
+        let mut gating = Gating::default();
+        if let Some(i) = extra.iter().position(|(k, _)| k == GATING_KEY) {
+            let (_, v) = extra.remove(i);
+            gating = v
+                .parse::<Gating>()
+                .map_err(|e| at(model_no, e.to_string()))?;
+        }
         // `route_ahead=N` (the depth a `--route-ahead` run committed at) is structured, not
         // an opaque extra key.
         let mut route_ahead = 0u8;
@@ -737,7 +758,8 @@ impl RouteTrace {
                     format!("expert {expert} is not below n_expert={n_expert}"),
                 ));
             }
-            let weight = parse_weight(fields[columns.weight]).map_err(|reason| at(n, reason))?;
+            let weight = parse_weight_max(fields[columns.weight], gating.max_weight())
+                .map_err(|reason| at(n, reason))?;
             let residency: u8 = parse_int(fields[columns.residency], "residency", n)?;
             if residency > 2 {
                 return Err(at(n, format!("residency {residency} is not 0, 1 or 2")));
@@ -767,8 +789,14 @@ impl RouteTrace {
             }
             let mut preds = [None; PRED_HORIZON_MAX];
             for (h, &(id_col, weight_col)) in columns.preds.iter().enumerate() {
-                preds[h] = parse_pred(fields[id_col], fields[weight_col], h + 1, n_expert)
-                    .map_err(|reason| at(n, reason))?;
+                preds[h] = parse_pred(
+                    fields[id_col],
+                    fields[weight_col],
+                    h + 1,
+                    n_expert,
+                    gating.max_weight(),
+                )
+                .map_err(|reason| at(n, reason))?;
             }
             let router_expert = match columns.router_expert {
                 None => None,
@@ -809,6 +837,7 @@ impl RouteTrace {
             n_layer,
             n_expert,
             n_expert_used,
+            gating,
             layers,
             notes,
             extra,
@@ -1183,6 +1212,7 @@ fn parse_pred(
     weight: &str,
     horizon: usize,
     n_expert: u32,
+    max_weight: f32,
 ) -> Result<Option<(u16, f32)>, String> {
     match (id.is_empty(), weight.is_empty()) {
         (true, true) => return Ok(None),
@@ -1206,12 +1236,18 @@ fn parse_pred(
             "column pred{horizon}: expert {expert} is not below n_expert={n_expert}"
         ));
     }
-    let w =
-        parse_weight(weight).map_err(|reason| format!("column pred{horizon}_weight: {reason}"))?;
+    let w = parse_weight_max(weight, max_weight)
+        .map_err(|reason| format!("column pred{horizon}_weight: {reason}"))?;
     Ok(Some((expert as u16, w))) // expert < n_expert <= u16::MAX
 }
 
+#[cfg(test)]
 fn parse_weight(field: &str) -> Result<f32, String> {
+    parse_weight_max(field, 1.0)
+}
+
+/// A routing weight in `[0, max]` (plus float slack), or `nan`.
+fn parse_weight_max(field: &str, max: f32) -> Result<f32, String> {
     if field.eq_ignore_ascii_case("nan") {
         return Ok(f32::NAN);
     }
@@ -1224,8 +1260,12 @@ fn parse_weight(field: &str) -> Result<f32, String> {
     if w < 0.0 {
         return Err(format!("weight {field} is negative"));
     }
-    if w > WEIGHT_MAX {
-        return Err(format!("weight {field} is above 1"));
+    if w > max * WEIGHT_MAX {
+        return Err(if max == 1.0 {
+            format!("weight {field} is above 1")
+        } else {
+            format!("weight {field} is above the gating's scale {max}")
+        });
     }
     Ok(w)
 }
@@ -1488,6 +1528,7 @@ mod tests {
             n_layer: 2,
             n_expert: 4,
             n_expert_used: 1,
+            gating: crate::gating::Gating::default(),
             layers: vec![TraceLayer {
                 layer: 1,
                 expert_bytes: 8,
@@ -1525,6 +1566,7 @@ mod tests {
             n_layer: 3,
             n_expert: 8,
             n_expert_used: 2,
+            gating: crate::gating::Gating::default(),
             layers: (0..3)
                 .map(|layer| TraceLayer {
                     layer,
@@ -1926,6 +1968,43 @@ mod tests {
             format!("{:?}", back.records().collect::<Vec<_>>()),
             format!("{records:?}")
         );
+    }
+
+    #[test]
+    fn gating_is_recorded_and_an_old_trace_reads_as_qwen3moes() {
+        use crate::gating::Gating;
+        let text = write_trace(PredColumns::NONE, &pred_records(PredColumns::NONE));
+        assert!(
+            text.contains(" n_expert_used=2 gating=softmax_topk_norm"),
+            "{text}"
+        );
+        // Written before gating was recorded: qwen3moe's.
+        let old = text.replace(" gating=softmax_topk_norm", "");
+        assert!(!old.contains("gating"));
+        assert_eq!(
+            RouteTrace::parse(&old).expect("old trace").preamble.gating,
+            Gating::SOFTMAX_RENORM
+        );
+        // gpt-oss's round-trips; a scaled gating admits weights up to its scale.
+        let gpt = text.replace("gating=softmax_topk_norm", "gating=topk_softmax");
+        let t = RouteTrace::parse(&gpt).expect("gpt-oss trace");
+        assert_eq!(t.preamble.gating, Gating::TOPK_SOFTMAX);
+        let mut out = Vec::new();
+        RouteTraceWriter::new(&mut out, &t.preamble).expect("vec");
+        assert!(String::from_utf8(out)
+            .unwrap()
+            .contains(" gating=topk_softmax"));
+        let heavy = |g: &str| {
+            text.replace("gating=softmax_topk_norm", g)
+                .replacen(",0.750000,", ",2.000000,", 1)
+        };
+        assert!(RouteTrace::parse(&heavy("gating=softmax_topk_norm*2.5")).is_ok());
+        let e = RouteTrace::parse(&heavy("gating=softmax_topk_norm")).expect_err("above 1");
+        assert!(e.to_string().contains("above 1"), "{e}");
+        // A gating this build does not know is refused, naming the line.
+        let e = RouteTrace::parse(&text.replace("gating=softmax_topk_norm", "gating=argmax"))
+            .expect_err("unknown gating");
+        assert!(e.to_string().contains("gating 'argmax'"), "{e}");
     }
 
     #[test]

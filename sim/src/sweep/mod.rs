@@ -1,5 +1,7 @@
 //! Sweeps: one trace replayed over a grid of cache budgets × eviction policies × I/O lanes ×
-//! overlap, each cell a full-timing replay through the core, run in parallel on std threads.
+//! overlap, each cell a full-timing replay through the core, run in parallel on a `rayon`
+//! pool. Cells are independent and deterministic (seeded), and come back in grid order, so a
+//! parallel sweep writes exactly the bytes a serial one does (`--jobs 1`; a test checks it).
 //! Every budget also gets the Belady (clairvoyant) bound (`belady.rs`) as a policy, so each
 //! table row and plot shows how far a policy is from the best any policy could do.
 //!
@@ -8,24 +10,25 @@
 //! replays (`predictions::resolve`); the Belady bound runs only without a predictor, since
 //! speculative admissions are outside the demand sequence it is clairvoyant over.
 //!
-//! Outputs: a CSV table (one row per cell, grid order whatever order the threads finished
-//! in) and two SVG plots: hit rate vs budget (per policy) and predicted tok/s vs budget (per
-//! policy, lanes and overlap).
+//! Every cell also counts its decode routings per MoE layer and per turn (`CellCounter`, a
+//! route-record sink), so the outputs (`report.rs`: tidy CSV, Markdown pivot, per-layer
+//! table, bootstrap intervals over turns; `plot.rs`: SVG and PNG charts) need no second run.
 
 use crate::belady::Clairvoyant;
 use crate::error::SimError;
 use crate::plan::{AccessSeq, ReplayPlan};
 use crate::profile::DeviceProfile;
 use crate::replay::{self, ReplayOutputs, ReplaySetup};
-use crate::svg::{self, Chart, Series};
 use bmoe_core::config::{RunConfig, MIB};
 use bmoe_core::policy::{self, EvictionPolicy};
-use bmoe_core::telemetry::fmt::fixed;
+use bmoe_core::records::{Phase, RecordSink, RouteRecord};
 use bmoe_core::telemetry::route_trace::RouteTrace;
 use bmoe_core::ExpertLayout;
-use std::io::Write;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use rayon::prelude::*;
+use std::sync::Arc;
+
+pub mod plot;
+pub mod report;
 
 /// The analysis-only policy name the sweep adds to the core's.
 pub const BELADY: &str = "belady";
@@ -141,6 +144,19 @@ impl Grid {
     }
 }
 
+/// Decode routings and hits of one turn, and its modelled decode time.
+#[derive(Copy, Clone, Debug, Default, PartialEq)]
+pub struct TurnStat {
+    /// Decode routings (dropped ones excluded).
+    pub routings: u64,
+    /// Of those, found resident (a speculative prefetch's first touch included).
+    pub hits: u64,
+    /// Decode tokens.
+    pub tokens: u64,
+    /// Modelled decode seconds (Σ wall).
+    pub decode_s: f64,
+}
+
 /// One cell's result.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Row {
@@ -149,29 +165,96 @@ pub struct Row {
     pub budget_bytes: u64,
     /// The budget in experts per MoE layer (budget / (layers × largest expert)).
     pub experts_per_layer: f64,
+    /// The budget as a share of every expert's bytes (the whole expert bank), in [0, 1+].
+    pub bank_frac: f64,
     pub policy: String,
     pub lanes: u32,
     pub overlap: bool,
+    /// Cache lookups over the whole replay (prefill included).
     pub lookups: u64,
     pub hits: u64,
     pub misses: u64,
     pub evictions: u64,
     pub rereads: u64,
+    pub inserts: u64,
+    /// Flash bytes read (aligned windows; demand and speculative).
     pub read_bytes: u64,
+    /// Speculative (prefetch / route-ahead) reads: experts, of which later routed, and bytes.
+    pub spec_experts: u64,
+    pub spec_useful: u64,
+    pub spec_read_bytes: u64,
+    pub tokens: u64,
     pub tok_s: f64,
     pub s_per_tok: f64,
+    pub compute_s_per_tok: f64,
     pub io_s_per_tok: f64,
     pub stall_s_per_tok: f64,
     pub mgmt_s_per_tok: f64,
+    /// Per MoE layer (trace order): (decode routings, hits).
+    pub per_layer: Vec<(u64, u64)>,
+    /// Per turn, in replay order.
+    pub per_turn: Vec<TurnStat>,
 }
 
 impl Row {
     /// Hits over lookups (prefill included).
     pub fn hit_rate(&self) -> f64 {
-        if self.lookups == 0 {
-            0.0
-        } else {
-            self.hits as f64 / self.lookups as f64
+        ratio(self.hits, self.lookups)
+    }
+
+    /// Decode routings and hits over every turn.
+    pub fn decode_counts(&self) -> (u64, u64) {
+        self.per_turn
+            .iter()
+            .fold((0, 0), |(r, h), t| (r + t.routings, h + t.hits))
+    }
+
+    /// Decode routing hit rate (a speculative first touch counts as a hit).
+    pub fn decode_hit_rate(&self) -> f64 {
+        let (r, h) = self.decode_counts();
+        ratio(h, r)
+    }
+}
+
+/// `a / b`, 0 when `b` is 0.
+pub fn ratio(a: u64, b: u64) -> f64 {
+    if b == 0 {
+        0.0
+    } else {
+        a as f64 / b as f64
+    }
+}
+
+/// Counts a replay's decode routings per MoE layer and per turn from its route records.
+#[derive(Default)]
+struct CellCounter {
+    per_layer: Vec<(u64, u64)>,
+    /// (turn id, routings, hits), in order of first appearance.
+    per_turn: Vec<(u32, u64, u64)>,
+}
+
+impl RecordSink for CellCounter {
+    fn wants_routes(&self) -> bool {
+        true
+    }
+
+    fn route(&mut self, r: &RouteRecord) {
+        if r.phase != Phase::Decode || r.dropped {
+            return;
+        }
+        let hit = u64::from(r.residency > 0);
+        let l = r.layer as usize;
+        if self.per_layer.len() <= l {
+            self.per_layer.resize(l + 1, (0, 0));
+        }
+        self.per_layer[l].0 += 1;
+        self.per_layer[l].1 += hit;
+        match self.per_turn.last_mut() {
+            Some(t) if t.0 == r.turn => {
+                t.1 += 1;
+                t.2 += hit;
+            }
+            _ => self.per_turn.push((r.turn, 1, hit)),
         }
     }
 }
@@ -203,6 +286,18 @@ fn make_policy(
         .ok_or_else(|| SimError::invalid("--policies", format!("no policy named {name}")))
 }
 
+/// Bytes of one expert in every MoE layer (one "expert per layer" of budget).
+pub fn bytes_per_layer_expert(layout: &ExpertLayout) -> u64 {
+    u64::from(layout.n_moe_layers()) * layout.max_expert_bytes()
+}
+
+/// Bytes of every expert of every MoE layer (the whole expert bank).
+pub fn bank_bytes(layout: &ExpertLayout) -> u64 {
+    (0..layout.n_moe_layers())
+        .map(|m| layout.expert_bytes(m) * u64::from(layout.layers()[m as usize].n_expert))
+        .sum()
+}
+
 fn run_cell(
     input: &SweepInput<'_>,
     seq: &AccessSeq,
@@ -217,6 +312,7 @@ fn run_cell(
     cfg.cache_budget_mb = budget / MIB;
     cfg.validate()?;
     let (policy, desync) = make_policy(policy_name, seq, input.layout)?;
+    let mut counter = CellCounter::default();
     let r = replay::run(
         ReplaySetup {
             trace: input.trace.clone(),
@@ -228,17 +324,46 @@ fn run_cell(
             profile: input.profile,
             seed: input.seed,
         },
-        ReplayOutputs::default(),
+        ReplayOutputs {
+            route: Some(&mut counter),
+            ..ReplayOutputs::default()
+        },
     )?;
     if let Some(d) = desync {
         d.check()?;
     }
     let s = &r.summary;
-    let per_expert = u64::from(input.layout.n_moe_layers()) * input.layout.max_expert_bytes();
+    let mut per_layer = counter.per_layer;
+    per_layer.resize(usize::from(input.layout.n_moe_layers()), (0, 0));
+    // The turns that decoded, in replay order, paired with their summaries.
+    let decoding: Vec<&bmoe_core::telemetry::summary::RunSummary> =
+        r.turns.iter().filter(|t| t.tokens() > 0).collect();
+    let per_turn = if decoding.len() == counter.per_turn.len() {
+        decoding
+            .iter()
+            .zip(&counter.per_turn)
+            .map(|(t, &(_, routings, hits))| TurnStat {
+                routings,
+                hits,
+                tokens: t.tokens(),
+                decode_s: t.gen_s(),
+            })
+            .collect()
+    } else {
+        return Err(SimError::invalid(
+            "sweep",
+            format!(
+                "{} turns decoded but {} turns had decode routings",
+                decoding.len(),
+                counter.per_turn.len()
+            ),
+        ));
+    };
     Ok(Row {
         predictor: input.predictor.name(),
         budget_bytes: *budget,
-        experts_per_layer: *budget as f64 / per_expert.max(1) as f64,
+        experts_per_layer: *budget as f64 / bytes_per_layer_expert(input.layout).max(1) as f64,
+        bank_frac: *budget as f64 / bank_bytes(input.layout).max(1) as f64,
         policy: policy_name.clone(),
         lanes: *lanes,
         overlap: *overlap,
@@ -247,17 +372,26 @@ fn run_cell(
         misses: r.cache.misses,
         evictions: r.cache.evictions,
         rereads: r.cache.rereads,
+        inserts: r.cache.inserts,
         read_bytes: r.read_bytes,
+        spec_experts: s.counters.spec_experts,
+        spec_useful: s.counters.spec_useful,
+        spec_read_bytes: s.counters.spec_read_bytes,
+        tokens: s.tokens(),
         tok_s: s.tokens_per_s(),
         s_per_tok: s.s_per_token(),
+        compute_s_per_tok: s.compute_s_per_token(),
         io_s_per_tok: s.io_s_per_token(),
         stall_s_per_tok: s.stall_s_per_token(),
         mgmt_s_per_tok: s.mgmt_s_per_token(),
+        per_layer,
+        per_turn,
     })
 }
 
-/// Run every cell of `grid` on `jobs` threads. `on_done` is called (from the workers) after
-/// each cell, for a progress bar. Results come back in grid order.
+/// Run every cell of `grid` on a pool of `jobs` threads (`jobs` = 1 runs them in order on
+/// this thread). `on_done` is called (from the workers) after each cell, for a progress bar.
+/// Results come back in grid order; the first error in grid order is returned.
 pub fn run(
     input: &SweepInput<'_>,
     grid: &Grid,
@@ -268,144 +402,55 @@ pub fn run(
     let trace_k = u16::try_from(input.trace.preamble.n_expert_used).unwrap_or(0);
     let seq = AccessSeq::new(&input.trace, &input.plan, if k < trace_k { k } else { 0 });
     let cells = grid.cells();
-    let next = AtomicUsize::new(0);
-    let results: Mutex<Vec<Option<Result<Row, SimError>>>> =
-        Mutex::new((0..cells.len()).map(|_| None).collect());
-    std::thread::scope(|scope| {
-        for _ in 0..jobs.clamp(1, cells.len().max(1)) {
-            scope.spawn(|| loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some(cell) = cells.get(i) else {
-                    break;
-                };
-                let r = run_cell(input, &seq, cell);
-                let failed = r.is_err();
-                results.lock().unwrap_or_else(|e| e.into_inner())[i] = Some(r);
-                on_done();
-                if failed {
-                    // Stop handing out work; the first error is reported.
-                    next.store(cells.len(), Ordering::Relaxed);
-                    break;
-                }
-            });
-        }
-    });
-    let results = results.into_inner().unwrap_or_else(|e| e.into_inner());
-    let mut rows = Vec::with_capacity(results.len());
-    for r in results.into_iter().flatten() {
-        rows.push(r?);
+    let one = |cell: &(u64, String, u32, bool)| {
+        let r = run_cell(input, &seq, cell);
+        on_done();
+        r
+    };
+    if jobs <= 1 {
+        return cells.iter().map(one).collect();
     }
-    Ok(rows)
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(jobs)
+        .build()
+        .map_err(|e| SimError::invalid("--jobs", format!("cannot start {jobs} threads: {e}")))?;
+    pool.install(|| cells.par_iter().map(one).collect())
 }
 
-/// Column names of the sweep table.
-pub const TABLE_COLUMNS: [&str; 19] = [
-    "budget_mib",
-    "experts_per_layer",
-    "policy",
-    "lanes",
-    "overlap",
-    "lookups",
-    "hits",
-    "misses",
-    "evictions",
-    "rereads",
-    "hit_rate",
-    "read_mib",
-    "tok_s",
-    "s_per_tok",
-    "io_s_per_tok",
-    "stall_s_per_tok",
-    "mgmt_s_per_tok",
-    "budget_bytes",
-    "predictor",
-];
-
-/// Write the table as CSV.
-pub fn write_table(w: &mut dyn Write, rows: &[Row]) -> std::io::Result<()> {
-    writeln!(w, "{}", TABLE_COLUMNS.join(","))?;
-    for r in rows {
-        writeln!(
-            w,
-            "{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
-            fixed(r.budget_bytes as f64 / MIB as f64, 1),
-            fixed(r.experts_per_layer, 2),
-            r.policy,
-            r.lanes,
-            u8::from(r.overlap),
-            r.lookups,
-            r.hits,
-            r.misses,
-            r.evictions,
-            r.rereads,
-            fixed(r.hit_rate(), 4),
-            fixed(r.read_bytes as f64 / MIB as f64, 1),
-            fixed(r.tok_s, 3),
-            fixed(r.s_per_tok, 4),
-            fixed(r.io_s_per_tok, 4),
-            fixed(r.stall_s_per_tok, 4),
-            fixed(r.mgmt_s_per_tok, 4),
-            r.budget_bytes,
-            r.predictor
-        )?;
+/// Write every output of a sweep into `dir`; returns the file names written.
+pub fn write_outputs(
+    dir: &std::path::Path,
+    rows: &[Row],
+    layer_ids: &[u32],
+    x: report::XAxis,
+    bootstrap: usize,
+    seed: u64,
+    trace_name: &str,
+) -> Result<Vec<String>, SimError> {
+    let stats = report::analyse(rows, bootstrap, seed);
+    let write = |name: &str, text: &str| -> Result<String, SimError> {
+        let path = dir.join(name);
+        std::fs::write(&path, text).map_err(|e| SimError::io(&path, e))?;
+        Ok(name.to_string())
+    };
+    let mut written = vec![
+        write("sweep.csv", &report::tidy_csv(rows, &stats))?,
+        write("pivot.md", &report::pivot_md(rows, &stats, x, trace_name))?,
+        write("per_layer.csv", &report::per_layer_csv(rows, layer_ids))?,
+        write(
+            "per_layer.md",
+            &report::per_layer_md(rows, layer_ids, x, trace_name),
+        )?,
+    ];
+    let (hit, tps) = plot::sweep_figures(rows, &stats, x, trace_name);
+    plot::write_line_figure(dir, "hit_rate", &hit)?;
+    plot::write_line_figure(dir, "tok_s", &tps)?;
+    plot::write_heat_map(dir, rows, layer_ids, x, trace_name)?;
+    for stem in ["hit_rate", "tok_s", "per_layer"] {
+        written.push(format!("{stem}.svg"));
+        written.push(format!("{stem}.png"));
     }
-    Ok(())
-}
-
-/// The two plots: hit rate vs budget (one line per policy; hit rates do not depend on lanes
-/// or overlap, so the first lanes/overlap cell stands for all) and tok/s vs budget (one line
-/// per policy × lanes × overlap).
-pub fn charts(rows: &[Row], trace_name: &str) -> (String, String) {
-    let mut hit: Vec<Series> = Vec::new();
-    let mut tps: Vec<Series> = Vec::new();
-    let first = rows.first().map(|r| (r.lanes, r.overlap));
-    for r in rows {
-        let x = r.budget_bytes as f64 / MIB as f64;
-        let policy = if r.predictor == "none" {
-            r.policy.clone()
-        } else {
-            format!("{} {}", r.policy, r.predictor)
-        };
-        if Some((r.lanes, r.overlap)) == first {
-            match hit.iter_mut().find(|s| s.name == policy) {
-                Some(s) => s.points.push((x, r.hit_rate())),
-                None => hit.push(Series {
-                    name: policy.clone(),
-                    points: vec![(x, r.hit_rate())],
-                    dots: true,
-                }),
-            }
-        }
-        let name = format!(
-            "{} {} lane{}{}",
-            policy,
-            r.lanes,
-            if r.lanes == 1 { "" } else { "s" },
-            if r.overlap { " overlap" } else { "" }
-        );
-        match tps.iter_mut().find(|s| s.name == name) {
-            Some(s) => s.points.push((x, r.tok_s)),
-            None => tps.push(Series {
-                name,
-                points: vec![(x, r.tok_s)],
-                dots: true,
-            }),
-        }
-    }
-    (
-        svg::render(&Chart {
-            title: format!("cache hit rate vs budget — {trace_name}"),
-            x_label: "cache budget (MiB)".into(),
-            y_label: "hit rate".into(),
-            series: hit,
-        }),
-        svg::render(&Chart {
-            title: format!("predicted decode tok/s vs budget — {trace_name}"),
-            x_label: "cache budget (MiB)".into(),
-            y_label: "tok/s".into(),
-            series: tps,
-        }),
-    )
+    Ok(written)
 }
 
 #[cfg(test)]

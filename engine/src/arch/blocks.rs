@@ -1,0 +1,593 @@
+//! The building blocks every architecture file composes its layers from: matrix products over
+//! GGUF weights on the compute pool, RMS norms, rotary embeddings (NeoX and normal pairs,
+//! frequency factors, YaRN), attention (GQA, a sliding window, attention sinks, score
+//! soft-capping), the FFN activations (SiLU-GLU, GELU-GLU as ggml computes it, the clamped
+//! SwiGLU of gpt-oss) and logit soft-capping.
+//!
+//! Formulas follow ggml's CPU implementation (read for facts, written here): the same order of
+//! operations where it matters for the bits (norms square in f32 and sum in f64; a softmax sums
+//! its exponentials in f64 and multiplies by one reciprocal; GELU goes through f16 as ggml's
+//! table does), so our logits stay close to llama.cpp's position by position.
+
+use super::state::KvSource;
+use super::weights::Mat;
+use super::ArchError;
+use crate::gguf::GgmlType;
+use crate::kernels::{self, ActBuf, ThreadPool};
+
+/// A kernel failure as an architecture error.
+pub fn kerr(e: kernels::KernelError) -> ArchError {
+    ArchError::Tensor {
+        file: String::new(),
+        tensor: String::new(),
+        what: format!("kernel: {e}"),
+    }
+}
+
+/// The compute pool the forward pass runs its products on.
+pub struct Compute {
+    pub pool: ThreadPool,
+}
+
+impl Compute {
+    pub fn new(threads: usize) -> Compute {
+        Compute {
+            pool: ThreadPool::new(threads.max(1)),
+        }
+    }
+
+    /// `out` (token-major, `n × m.rows`) = `m` · each of the `n` rows of `input` (`n × m.cols`).
+    pub fn mat_rows(
+        &self,
+        m: &Mat,
+        input: &[f32],
+        n: usize,
+        acts: &mut Vec<ActBuf>,
+        out: &mut [f32],
+    ) -> Result<(), ArchError> {
+        self.bytes_rows(m.ty, m.bytes(), m.rows, m.cols, input, n, acts, out)
+    }
+
+    /// As [`Compute::mat_rows`] for a matrix given as bytes of type `ty` (an expert's
+    /// projection, wherever it lives).
+    #[allow(clippy::too_many_arguments)]
+    pub fn bytes_rows(
+        &self,
+        ty: GgmlType,
+        w: &[u8],
+        rows: usize,
+        cols: usize,
+        input: &[f32],
+        n: usize,
+        acts: &mut Vec<ActBuf>,
+        out: &mut [f32],
+    ) -> Result<(), ArchError> {
+        prepare_acts(&self.pool, ty, input, n, cols, acts)?;
+        mul_prepared(&self.pool, ty, w, rows, cols, &acts[..n], out)
+    }
+}
+
+/// Quantize `n` input rows of `cols` values for dot products with weights of type `ty`, once
+/// for the batch, the rows split across the pool.
+pub fn prepare_acts(
+    pool: &ThreadPool,
+    ty: GgmlType,
+    input: &[f32],
+    n: usize,
+    cols: usize,
+    acts: &mut Vec<ActBuf>,
+) -> Result<(), ArchError> {
+    if acts.len() < n {
+        acts.resize_with(n, ActBuf::new);
+    }
+    kernels::prepare_rows(pool, ty, &input[..n * cols], cols, &mut acts[..n]).map_err(kerr)
+}
+
+/// `out` (token-major, `acts.len() × rows`) = W · act for each prepared activation: one
+/// matvec for a single token, one batched matmul (same bits per row) otherwise. The
+/// activations are taken by reference, so rows prepared once serve several matrices.
+pub fn mul_prepared<A: std::borrow::Borrow<ActBuf> + Sync>(
+    pool: &ThreadPool,
+    ty: GgmlType,
+    w: &[u8],
+    rows: usize,
+    cols: usize,
+    acts: &[A],
+    out: &mut [f32],
+) -> Result<(), ArchError> {
+    let n = acts.len();
+    if n == 1 {
+        kernels::matvec(pool, ty, w, rows, cols, acts[0].borrow(), &mut out[..rows]).map_err(kerr)
+    } else {
+        kernels::matmul(pool, ty, w, rows, cols, acts, &mut out[..n * rows]).map_err(kerr)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Norms
+
+/// RMS norm of `x` into `out`, times `w` when given (ggml `rms_norm`, then `mul`): square in
+/// f32, sum widened to f64, as llama.cpp does, so the bits of the norm follow its order.
+pub fn rms_norm(x: &[f32], w: Option<&[f32]>, eps: f32, out: &mut [f32]) {
+    let ss: f64 = x.iter().map(|&v| (v * v) as f64).sum();
+    let scale = 1.0 / ((ss / x.len() as f64) as f32 + eps).sqrt();
+    match w {
+        Some(w) => {
+            for ((o, &v), &g) in out.iter_mut().zip(x).zip(w) {
+                *o = v * scale * g;
+            }
+        }
+        None => {
+            for (o, &v) in out.iter_mut().zip(x) {
+                *o = v * scale;
+            }
+        }
+    }
+}
+
+/// RMS norm of the `rows` of `x` (each `d` wide) into consecutive rows of `out`.
+pub fn rms_norm_rows(
+    x: &[f32],
+    d: usize,
+    rows: &[u32],
+    w: Option<&[f32]>,
+    eps: f32,
+    out: &mut Vec<f32>,
+) {
+    out.resize(rows.len() * d, 0.0);
+    for (i, &r) in rows.iter().enumerate() {
+        let r = r as usize;
+        rms_norm(&x[r * d..(r + 1) * d], w, eps, &mut out[i * d..(i + 1) * d]);
+    }
+}
+
+/// RMS norm of every `d`-wide row of `x` into `out` (the same number of rows).
+pub fn rms_norm_all(x: &[f32], d: usize, w: Option<&[f32]>, eps: f32, out: &mut Vec<f32>) {
+    out.resize(x.len(), 0.0);
+    for (src, dst) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+        rms_norm(src, w, eps, dst);
+    }
+}
+
+/// RMS norm of every `d`-wide row of `v`, in place (per-head q/k norms), `tmp` scratch.
+pub fn rms_norm_heads(v: &mut [f32], d: usize, w: Option<&[f32]>, eps: f32, tmp: &mut Vec<f32>) {
+    tmp.resize(d, 0.0);
+    for head in v.chunks_exact_mut(d) {
+        rms_norm(head, w, eps, tmp);
+        head.copy_from_slice(tmp);
+    }
+}
+
+/// `rows` consecutive rows of `v` (each `bias.len()` wide) plus `bias`.
+pub fn add_bias(v: &mut [f32], bias: &[f32]) {
+    for row in v.chunks_exact_mut(bias.len()) {
+        for (x, &b) in row.iter_mut().zip(bias) {
+            *x += b;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rotary embedding
+
+/// Which dimensions a rotation pairs: NeoX pairs `i` with `i + n/2` (qwen, gemma, gpt-oss),
+/// the original pairs `2i` with `2i + 1`.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum RopeKind {
+    Neox,
+    Normal,
+}
+
+/// A rotary embedding as ggml's `rope_ext` computes it: `n_dims` rotated dimensions (the rest
+/// pass through), base `base`, optional per-pair frequency divisors (`rope_freqs`), and YaRN
+/// (`freq_scale < 1` with `ext_factor`, ramp between `corr_dims`, magnitude `attn_factor`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Rope {
+    pub kind: RopeKind,
+    pub n_dims: usize,
+    pub base: f32,
+    pub freq_scale: f32,
+    pub ext_factor: f32,
+    pub attn_factor: f32,
+    pub corr_dims: [f32; 2],
+    pub freq_factors: Option<Vec<f32>>,
+}
+
+/// YaRN's parameters as a GGUF file states them (`rope.scaling.*`).
+#[derive(Copy, Clone, Debug, PartialEq)]
+pub struct Yarn {
+    /// `rope.scaling.factor`: context extension factor (`freq_scale = 1/factor`).
+    pub factor: f32,
+    /// `rope.scaling.original_context_length`.
+    pub n_ctx_orig: usize,
+    pub beta_fast: f32,
+    pub beta_slow: f32,
+    /// `rope.scaling.attn_factor` (llama.cpp's `rope_attn_factor`, 1 when absent).
+    pub attn_factor: f32,
+}
+
+fn yarn_corr_dim(n_dims: usize, n_ctx_orig: usize, n_rot: f32, base: f32) -> f32 {
+    n_dims as f32 * (n_ctx_orig as f32 / (n_rot * 2.0 * std::f32::consts::PI)).ln()
+        / (2.0 * base.ln())
+}
+
+impl Rope {
+    /// No scaling.
+    pub fn plain(kind: RopeKind, n_dims: usize, base: f32) -> Rope {
+        Rope {
+            kind,
+            n_dims,
+            base,
+            freq_scale: 1.0,
+            ext_factor: 0.0,
+            attn_factor: 1.0,
+            corr_dims: [0.0, 0.0],
+            freq_factors: None,
+        }
+    }
+
+    /// YaRN scaling as llama.cpp sets it up (`ext_factor` 1, the magnitude correction
+    /// `0.1·ln(factor) + 1` folded into `attn_factor` and cancelled by the kernel's own).
+    pub fn yarn(kind: RopeKind, n_dims: usize, base: f32, y: Yarn) -> Rope {
+        let mut r = Rope::plain(kind, n_dims, base);
+        if y.factor <= 1.0 {
+            r.attn_factor = y.attn_factor;
+            return r;
+        }
+        r.freq_scale = 1.0 / y.factor;
+        r.ext_factor = 1.0;
+        let mscale = 0.1 * y.factor.ln() + 1.0;
+        r.attn_factor = mscale * (1.0 / (1.0 + 0.1 * y.factor.ln())) * y.attn_factor;
+        let start = yarn_corr_dim(n_dims, y.n_ctx_orig, y.beta_fast, base).floor();
+        let end = yarn_corr_dim(n_dims, y.n_ctx_orig, y.beta_slow, base).ceil();
+        r.corr_dims = [start.max(0.0), end.min(n_dims as f32 - 1.0)];
+        r
+    }
+
+    /// With per-pair frequency divisors (`rope_freqs.weight`, `n_dims/2` values).
+    pub fn with_freq_factors(mut self, f: Option<Vec<f32>>) -> Rope {
+        self.freq_factors = f;
+        self
+    }
+
+    /// The (cos, sin) pairs for position `pos` into `cache` (`n_dims` values), as ggml's
+    /// `rope_cache_init`: θ starts at `pos` and is multiplied by `base^(-2/n_dims)` per pair.
+    pub fn cache(&self, pos: u32, cache: &mut Vec<f32>) {
+        cache.resize(self.n_dims, 0.0);
+        let theta_scale = self.base.powf(-2.0 / self.n_dims as f32);
+        let mut theta = pos as f32;
+        for i0 in (0..self.n_dims).step_by(2) {
+            let ff = self
+                .freq_factors
+                .as_ref()
+                .and_then(|f| f.get(i0 / 2).copied())
+                .unwrap_or(1.0);
+            let extrap = theta / ff;
+            let interp = self.freq_scale * extrap;
+            let mut th = interp;
+            let mut mscale = self.attn_factor;
+            if self.ext_factor != 0.0 {
+                let y = (i0 as f32 / 2.0 - self.corr_dims[0])
+                    / (self.corr_dims[1] - self.corr_dims[0]).max(0.001);
+                let ramp = (1.0 - y.clamp(0.0, 1.0)) * self.ext_factor;
+                th = interp * (1.0 - ramp) + extrap * ramp;
+                mscale *= 1.0 + 0.1 * (1.0 / self.freq_scale).ln();
+            }
+            cache[i0] = th.cos() * mscale;
+            cache[i0 + 1] = th.sin() * mscale;
+            theta *= theta_scale;
+        }
+    }
+
+    /// Rotate one head `v` (its first `n_dims` values) by a position's `cache`.
+    pub fn apply(&self, cache: &[f32], v: &mut [f32]) {
+        let n = self.n_dims;
+        match self.kind {
+            RopeKind::Neox => {
+                let half = n / 2;
+                for i in 0..half {
+                    let (c, s) = (cache[2 * i], cache[2 * i + 1]);
+                    let (a, b) = (v[i], v[i + half]);
+                    v[i] = a * c - b * s;
+                    v[i + half] = a * s + b * c;
+                }
+            }
+            RopeKind::Normal => {
+                for i in 0..n / 2 {
+                    let (c, s) = (cache[2 * i], cache[2 * i + 1]);
+                    let (a, b) = (v[2 * i], v[2 * i + 1]);
+                    v[2 * i] = a * c - b * s;
+                    v[2 * i + 1] = a * s + b * c;
+                }
+            }
+        }
+    }
+
+    /// Rotate every `head_dim`-wide head of each row of `rows` (row `r` at `positions[r]`).
+    pub fn apply_rows(
+        &self,
+        rows: &mut [f32],
+        row_width: usize,
+        head_dim: usize,
+        positions: &[u32],
+        cache: &mut Vec<f32>,
+    ) {
+        for (row, &pos) in rows.chunks_exact_mut(row_width).zip(positions) {
+            self.cache(pos, cache);
+            for head in row.chunks_exact_mut(head_dim) {
+                self.apply(cache, head);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attention
+
+/// One layer's attention geometry and score shaping.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AttnShape {
+    pub n_head: usize,
+    pub n_head_kv: usize,
+    pub head_dim: usize,
+    /// Multiplies every score (`1/√head_dim` for most; gemma4: 1).
+    pub scale: f32,
+    /// Sliding window: a token attends to itself and the `window − 1` before it.
+    pub window: Option<usize>,
+    /// Score soft-capping `c·tanh(s/c)`, applied to the raw dot product before `scale`.
+    pub softcap: Option<f32>,
+}
+
+struct SendPtr<T>(*mut T);
+// SAFETY: each task writes only its own disjoint region behind the pointer, and the pool's
+// `run` returns only when every task is done.
+unsafe impl<T> Send for SendPtr<T> {}
+unsafe impl<T> Sync for SendPtr<T> {}
+impl<T> SendPtr<T> {
+    fn get(&self) -> *mut T {
+        self.0
+    }
+}
+
+/// Causal multi-head attention of `q` (`positions.len()` rows × `n_head·head_dim`) over the
+/// keys and values of `kv`, GQA (query head `h` reads KV head `h / (n_head / n_head_kv)`),
+/// into `out` (same shape as `q`). `sinks` (one logit per query head) joins each softmax
+/// without a value (gpt-oss). Parallel over (row, head); `scores` is scratch.
+#[allow(clippy::too_many_arguments)]
+pub fn attend(
+    pool: &ThreadPool,
+    shape: &AttnShape,
+    q: &[f32],
+    positions: &[u32],
+    kv: &KvSource<'_>,
+    sinks: Option<&[f32]>,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    let (nh, nkv, hd) = (shape.n_head, shape.n_head_kv, shape.head_dim);
+    let qd = nh * hd;
+    let n = positions.len();
+    let span = |pos: usize| -> usize {
+        match shape.window {
+            Some(w) => (pos + 1).min(w),
+            None => pos + 1,
+        }
+    };
+    let max_span = positions
+        .iter()
+        .map(|&p| span(p as usize))
+        .max()
+        .unwrap_or(0);
+    let n_threads = pool.n_threads().max(1);
+    scores.resize(n_threads * max_span.max(1), 0.0);
+    let group = nh / nkv;
+    let out_ptr = SendPtr(out.as_mut_ptr());
+    let scores_ptr = SendPtr(scores.as_mut_ptr());
+    let n_tasks = n * nh;
+    let per = n_tasks.div_ceil(n_threads);
+    pool.run(n_threads, &|t| {
+        let lo = t * per;
+        let hi = ((t + 1) * per).min(n_tasks);
+        // SAFETY: thread t owns scores[t*max_span..] and the out slices of tasks lo..hi.
+        let sc =
+            unsafe { std::slice::from_raw_parts_mut(scores_ptr.get().add(t * max_span), max_span) };
+        for task in lo..hi {
+            let (r, hh) = (task / nh, task % nh);
+            let pos = positions[r] as usize;
+            let first = pos + 1 - span(pos);
+            let len = pos + 1 - first;
+            let qv = &q[r * qd + hh * hd..r * qd + (hh + 1) * hd];
+            let kh = hh / group;
+            let mut mx = f32::NEG_INFINITY;
+            for (i, s) in sc.iter_mut().enumerate().take(len) {
+                let key = &kv.key(first + i)[kh * hd..(kh + 1) * hd];
+                let mut d: f32 = qv.iter().zip(key).map(|(a, b)| a * b).sum::<f32>();
+                if let Some(c) = shape.softcap {
+                    d = c * (d / c).tanh();
+                }
+                let v = d * shape.scale;
+                *s = v;
+                mx = mx.max(v);
+            }
+            let sink = sinks.map(|s| s[hh]);
+            if let Some(s) = sink {
+                mx = mx.max(s);
+            }
+            let mut sum = 0f64;
+            for s in sc.iter_mut().take(len) {
+                *s = (*s - mx).exp();
+                sum += *s as f64;
+            }
+            if let Some(s) = sink {
+                sum += ((s - mx).exp()) as f64;
+            }
+            let inv = (1.0 / sum) as f32;
+            // SAFETY: this task alone writes this row's head slice.
+            let o =
+                unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(r * qd + hh * hd), hd) };
+            o.iter_mut().for_each(|x| *x = 0.0);
+            for (i, &s) in sc.iter().enumerate().take(len) {
+                let w = s * inv;
+                let val = &kv.value(first + i)[kh * hd..(kh + 1) * hd];
+                for (x, &y) in o.iter_mut().zip(val) {
+                    *x += w * y;
+                }
+            }
+        }
+    });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Activations
+
+/// SiLU: `x·σ(x)`.
+#[inline]
+pub fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// GELU (tanh approximation) as ggml's CPU computes it: through an f16 table, so the input is
+/// rounded to f16 and so is the result (`|x| ≥ 10` short-cuts to 0 or `x`).
+#[inline]
+pub fn gelu(x: f32) -> f32 {
+    if x <= -10.0 {
+        return 0.0;
+    }
+    if x >= 10.0 {
+        return x;
+    }
+    let h = half::f16::from_f32(x).to_f32();
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    const COEF_A: f32 = 0.044715;
+    let g = 0.5 * h * (1.0 + (SQRT_2_OVER_PI * h * (1.0 + COEF_A * h * h)).tanh());
+    half::f16::from_f32(g).to_f32()
+}
+
+/// gpt-oss's clamped SwiGLU: `g = min(gate, limit)`, `u = clamp(up, ±limit)`,
+/// `g·σ(alpha·g)·(u + 1)`.
+#[inline]
+pub fn swiglu_oai(gate: f32, up: f32, alpha: f32, limit: f32) -> f32 {
+    let x = gate.min(limit);
+    let y = up.clamp(-limit, limit);
+    x / (1.0 + (alpha * -x).exp()) * (y + 1.0)
+}
+
+/// The gated activation of an FFN: `act(gate)·up` for SiLU and GELU, or gpt-oss's clamped
+/// SwiGLU.
+#[derive(Copy, Clone, Debug, PartialEq)]
+pub enum Glu {
+    Silu,
+    Gelu,
+    SwigluOai { alpha: f32, limit: f32 },
+}
+
+impl Glu {
+    /// `gate[i] = glu(gate[i], up[i])`.
+    pub fn apply(self, gate: &mut [f32], up: &[f32]) {
+        match self {
+            Glu::Silu => {
+                for (g, &u) in gate.iter_mut().zip(up) {
+                    *g = silu(*g) * u;
+                }
+            }
+            Glu::Gelu => {
+                for (g, &u) in gate.iter_mut().zip(up) {
+                    *g = gelu(*g) * u;
+                }
+            }
+            Glu::SwigluOai { alpha, limit } => {
+                for (g, &u) in gate.iter_mut().zip(up) {
+                    *g = swiglu_oai(*g, u, alpha, limit);
+                }
+            }
+        }
+    }
+}
+
+/// Logit soft-capping `c·tanh(x/c)` in place (gemma's final logits), in ggml's order (scale,
+/// tanh, scale).
+pub fn softcap(v: &mut [f32], cap: f32) {
+    let inv = 1.0 / cap;
+    for x in v.iter_mut() {
+        *x = (*x * inv).tanh() * cap;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rope_rotates_pairs_and_keeps_norms() {
+        let r = Rope::plain(RopeKind::Neox, 8, 10_000.0);
+        let mut c = Vec::new();
+        r.cache(3, &mut c);
+        let mut v: Vec<f32> = (0..8).map(|i| i as f32 + 1.0).collect();
+        let n0: f32 = v.iter().map(|x| x * x).sum();
+        r.apply(&c, &mut v);
+        let n1: f32 = v.iter().map(|x| x * x).sum();
+        assert!((n0 - n1).abs() < 1e-3);
+        // Pair 0 (dims 0 and 4) turns by 3 radians.
+        let (a, b) = (1.0f32, 5.0f32);
+        assert!((v[0] - (a * 3f32.cos() - b * 3f32.sin())).abs() < 1e-5);
+        // Position 0 is the identity.
+        r.cache(0, &mut c);
+        let mut w = vec![1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0];
+        r.apply(&c, &mut w);
+        assert_eq!(w, [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]);
+    }
+
+    #[test]
+    fn yarn_interpolates_low_frequencies_and_keeps_high_ones() {
+        let y = Yarn {
+            factor: 32.0,
+            n_ctx_orig: 4096,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            attn_factor: 1.0,
+        };
+        let r = Rope::yarn(RopeKind::Neox, 64, 150_000.0, y);
+        assert!(r.corr_dims[0] < r.corr_dims[1]);
+        let mut c = Vec::new();
+        r.cache(1000, &mut c);
+        // The fastest pair is extrapolated (unscaled angle), the slowest interpolated (÷32);
+        // the magnitude is YaRN's 1 + 0.1·ln(factor) (llama.cpp folds its reciprocal into
+        // attn_factor and the kernel multiplies it back in).
+        let angle = |i: usize| c[2 * i + 1].atan2(c[2 * i]);
+        assert!((angle(0) - 1000f32.sin().atan2(1000f32.cos())).abs() < 1e-3);
+        let slow = 1000.0 * 150_000f32.powf(-62.0 / 64.0) / 32.0;
+        assert!((angle(31) - slow).abs() < 1e-4, "{} vs {slow}", angle(31));
+        assert!((c[0].hypot(c[1]) - (1.0 + 0.1 * 32f32.ln())).abs() < 1e-5);
+    }
+
+    #[test]
+    fn gelu_goes_through_f16_as_ggml_does() {
+        assert_eq!(gelu(-11.0), 0.0);
+        assert_eq!(gelu(12.0), 12.0);
+        assert!((gelu(1.0) - 0.8413).abs() < 2e-3);
+        let g = gelu(0.3);
+        assert_eq!(half::f16::from_f32(g).to_f32(), g, "an f16 value");
+    }
+
+    #[test]
+    fn swiglu_oai_clamps_both_inputs() {
+        assert_eq!(
+            swiglu_oai(100.0, 100.0, 1.702, 7.0),
+            swiglu_oai(7.0, 7.0, 1.702, 7.0)
+        );
+        assert_eq!(
+            swiglu_oai(1.0, -100.0, 1.702, 7.0),
+            swiglu_oai(1.0, -7.0, 1.702, 7.0)
+        );
+        assert!((swiglu_oai(1.0, 0.0, 1.702, 7.0) - 1.0 / (1.0 + (-1.702f32).exp())).abs() < 1e-6);
+    }
+
+    #[test]
+    fn softcap_bounds_logits() {
+        let mut v = [1000.0f32, -1000.0, 0.0, 3.0];
+        softcap(&mut v, 30.0);
+        assert!((v[0] - 30.0).abs() < 1e-4 && (v[1] + 30.0).abs() < 1e-4);
+        assert_eq!(v[2], 0.0);
+        assert!((v[3] - 30.0 * 0.1f32.tanh()).abs() < 1e-5);
+    }
+}

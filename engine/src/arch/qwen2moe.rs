@@ -1,0 +1,341 @@
+//! `qwen2moe` (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B), after llama.cpp's `src/models/qwen2moe.cpp`.
+//!
+//! Layer: `attn_norm` (RMS) → GQA attention with q/k/v biases (no q/k norms) and NeoX rotary
+//! embedding, scores scaled by 1/√head_dim → residual → `ffn_norm` (RMS) → two FFNs on the same
+//! normed input, summed:
+//! - the routed experts: router `ffn_gate_inp`, softmax over every expert, top-k, weights the
+//!   softmax's **not renormalised**, SiLU-gated experts over the stacked `ffn_{gate,up,down}_exps`;
+//! - a **shared expert** every token uses (`ffn_{gate,up,down}_shexp`, SiLU-gated, width
+//!   `expert_shared_feed_forward_length`), scaled per token by `σ(ffn_gate_inp_shexp · x)`.
+//!   It is dense: resident, counted in the layer's dense bytes, computed in the dense step.
+//!
+//! then the residual, and `output_norm` + `output` at the end. Every layer is a MoE layer.
+//! llama.cpp passes `expert_weights_scale` to its MoE block but never reads the key for this
+//! architecture, so the weights are never scaled; nor are they here.
+
+use super::blocks::{self, AttnShape, Compute, Glu, Rope, RopeKind};
+use super::meta::Meta;
+use super::qwen3moe::{
+    add_rows, attn_params, moe_params, n_vocab, norm_head, qwen_attention, split_ffn, QwenAttn,
+};
+use super::state::{LayerMemory, MemoryKind, Scratch, State};
+use super::weights::{ExpertTensor, Loader, Mat, Weights};
+use super::{Arch, ArchError, Dims, ExpertIn, MoeLayer};
+use crate::dense::DenseMode;
+use crate::gguf::GgufFile;
+use crate::kernels::ActBuf;
+use bmoe_core::Gating;
+use std::sync::Arc;
+
+pub const ARCH: &str = "qwen2moe";
+
+/// Hyper-parameters, read and checked once at load.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HParams {
+    pub n_layer: usize,
+    pub n_expert: usize,
+    pub n_expert_used: usize,
+    pub d_model: usize,
+    pub n_ff_exp: usize,
+    /// The shared expert's FFN width (`expert_shared_feed_forward_length`, else
+    /// `feed_forward_length`, as llama.cpp reads it).
+    pub n_ff_shexp: usize,
+    pub n_head: usize,
+    pub n_head_kv: usize,
+    pub head_dim: usize,
+    pub n_ctx_train: usize,
+    pub rope_base: f32,
+    pub rms_eps: f32,
+    pub n_vocab: usize,
+}
+
+impl HParams {
+    pub fn from_gguf(f: &GgufFile) -> Result<HParams, ArchError> {
+        let m = Meta::new(f, ARCH);
+        let n_layer = m.req_u("block_count")?;
+        let d_model = m.req_u("embedding_length")?;
+        if n_layer == 0 {
+            return Err(m.err("block_count", "must be positive"));
+        }
+        let a = attn_params(&m, d_model)?;
+        let (n_expert, n_expert_used, n_ff_exp) = moe_params(&m)?;
+        let n_ff_shexp = match m.opt_u("expert_shared_feed_forward_length")? {
+            Some(n) => n,
+            None => m.req_u("feed_forward_length")?,
+        };
+        if n_ff_shexp == 0 {
+            return Err(m.err("expert_shared_feed_forward_length", "is 0"));
+        }
+        Ok(HParams {
+            n_layer,
+            n_expert,
+            n_expert_used,
+            d_model,
+            n_ff_exp,
+            n_ff_shexp,
+            n_head: a.n_head,
+            n_head_kv: a.n_head_kv,
+            head_dim: a.head_dim,
+            n_ctx_train: m.req_u("context_length")?,
+            rope_base: a.rope_base,
+            rms_eps: a.rms_eps,
+            n_vocab: n_vocab(f)?,
+        })
+    }
+}
+
+/// The shared expert of one layer and its gate (one weight per input dimension).
+struct SharedExpert {
+    gate_inp: Vec<f32>,
+    gate: Mat,
+    up: Mat,
+    down: Mat,
+}
+
+struct LayerWeights {
+    attn_norm: Vec<f32>,
+    attn: QwenAttn,
+    ffn_norm: Vec<f32>,
+    router: Mat,
+    /// gate, up, down
+    exps: [ExpertTensor; 3],
+    shexp: SharedExpert,
+}
+
+/// A loaded qwen2moe model.
+pub struct Qwen2Moe {
+    pub hp: HParams,
+    dims: Dims,
+    embd: Mat,
+    output: Mat,
+    output_norm: Vec<f32>,
+    layers: Vec<LayerWeights>,
+    rope: Rope,
+    shape: AttnShape,
+    weights: Weights,
+}
+
+/// Load `file` as qwen2moe (the registry's loader).
+pub fn load(file: Arc<GgufFile>, mode: DenseMode) -> Result<Box<dyn Arch>, ArchError> {
+    Ok(Box::new(Qwen2Moe::load(file, mode)?))
+}
+
+impl Qwen2Moe {
+    /// Check every tensor's presence, shape and type, and map the dense ones.
+    pub fn load(file: Arc<GgufFile>, mode: DenseMode) -> Result<Qwen2Moe, ArchError> {
+        let hp = HParams::from_gguf(&file)?;
+        let mut ld = Loader::new(file, mode, hp.n_layer);
+        let d = hp.d_model;
+        let qd = hp.n_head * hp.head_dim;
+        let kvd = hp.n_head_kv * hp.head_dim;
+        let (ff, fs) = (hp.n_ff_exp, hp.n_ff_shexp);
+        let embd = ld.mat("token_embd.weight", d, hp.n_vocab)?;
+        let output = ld.mat_opt("output.weight", d, hp.n_vocab)?.unwrap_or(embd);
+        let output_norm = ld.vector("output_norm.weight", d)?;
+        let mut layers = Vec::with_capacity(hp.n_layer);
+        for i in 0..hp.n_layer {
+            let n = |s: &str| format!("blk.{i}.{s}.weight");
+            let b = |s: &str| format!("blk.{i}.{s}.bias");
+            layers.push(LayerWeights {
+                attn_norm: ld.vector(&n("attn_norm"), d)?,
+                attn: QwenAttn {
+                    q: ld.mat(&n("attn_q"), d, qd)?,
+                    k: ld.mat(&n("attn_k"), d, kvd)?,
+                    v: ld.mat(&n("attn_v"), d, kvd)?,
+                    o: ld.mat(&n("attn_output"), qd, d)?,
+                    q_bias: ld.floats_opt(&b("attn_q"), &[qd])?,
+                    k_bias: ld.floats_opt(&b("attn_k"), &[kvd])?,
+                    v_bias: ld.floats_opt(&b("attn_v"), &[kvd])?,
+                    q_norm: None,
+                    k_norm: None,
+                },
+                ffn_norm: ld.vector(&n("ffn_norm"), d)?,
+                router: ld.mat(&n("ffn_gate_inp"), d, hp.n_expert)?,
+                exps: [
+                    ld.experts(&n("ffn_gate_exps"), d, ff, hp.n_expert)?,
+                    ld.experts(&n("ffn_up_exps"), d, ff, hp.n_expert)?,
+                    ld.experts(&n("ffn_down_exps"), ff, d, hp.n_expert)?,
+                ],
+                shexp: SharedExpert {
+                    gate_inp: ld.vector(&n("ffn_gate_inp_shexp"), d)?,
+                    gate: ld.mat(&n("ffn_gate_shexp"), d, fs)?,
+                    up: ld.mat(&n("ffn_up_shexp"), d, fs)?,
+                    down: ld.mat(&n("ffn_down_shexp"), fs, d)?,
+                },
+            });
+        }
+        Ok(Qwen2Moe {
+            dims: Dims {
+                n_layer: hp.n_layer,
+                n_expert: hp.n_expert,
+                n_expert_used: hp.n_expert_used,
+                d_model: d,
+                n_vocab: hp.n_vocab,
+                n_ctx_train: hp.n_ctx_train,
+            },
+            rope: Rope::plain(RopeKind::Neox, hp.head_dim, hp.rope_base),
+            shape: AttnShape {
+                n_head: hp.n_head,
+                n_head_kv: hp.n_head_kv,
+                head_dim: hp.head_dim,
+                scale: 1.0 / (hp.head_dim as f32).sqrt(),
+                window: None,
+                softcap: None,
+            },
+            hp,
+            embd,
+            output,
+            output_norm,
+            layers,
+            weights: ld.finish(),
+        })
+    }
+}
+
+/// σ(x) as llama.cpp's graph computes the shared expert's gate: `silu(x) / x` (σ(0) = ½
+/// where that would divide by zero).
+fn shexp_gate(x: f32) -> f32 {
+    if x == 0.0 {
+        0.5
+    } else {
+        blocks::silu(x) / x
+    }
+}
+
+impl Arch for Qwen2Moe {
+    fn name(&self) -> &'static str {
+        ARCH
+    }
+    fn dims(&self) -> &Dims {
+        &self.dims
+    }
+    fn gating(&self) -> Gating {
+        Gating::SOFTMAX
+    }
+    fn weights(&self) -> &Weights {
+        &self.weights
+    }
+    fn moe_layers(&self) -> Vec<MoeLayer<'_>> {
+        self.layers
+            .iter()
+            .enumerate()
+            .map(|(layer, l)| MoeLayer {
+                layer,
+                projections: &l.exps,
+            })
+            .collect()
+    }
+    fn memory(&self, _layer: usize) -> LayerMemory {
+        LayerMemory {
+            kind: MemoryKind::Full,
+            n_head_kv: self.hp.n_head_kv,
+            head_dim: self.hp.head_dim,
+        }
+    }
+    fn token_embd(&self) -> &Mat {
+        &self.embd
+    }
+
+    /// Attention, the FFN norm, and the shared expert (into `st.side`).
+    fn dense(&self, cx: &Compute, st: &mut State, il: usize) -> Result<(), ArchError> {
+        let (d, eps) = (self.hp.d_model, self.hp.rms_eps);
+        let l = &self.layers[il];
+        blocks::rms_norm_all(&st.x, d, Some(&l.attn_norm), eps, &mut st.cur);
+        qwen_attention(
+            cx,
+            st,
+            il,
+            &l.attn,
+            &self.shape,
+            &self.rope,
+            eps,
+            None,
+            None,
+        )?;
+        for (x, o) in st.x.iter_mut().zip(&st.out) {
+            *x += *o;
+        }
+        let rows = std::mem::take(&mut st.ffn_rows);
+        blocks::rms_norm_rows(&st.x, d, &rows, Some(&l.ffn_norm[..]), eps, &mut st.h);
+        st.ffn_rows = rows;
+        // The shared expert on the FFN rows, scaled by its gate.
+        let m = st.ffn_rows.len();
+        let s = &l.shexp;
+        let State {
+            h, side, scratch, ..
+        } = st;
+        split_ffn(
+            cx,
+            scratch,
+            Glu::Silu,
+            (s.gate.ty, s.gate.bytes()),
+            (s.up.ty, s.up.bytes()),
+            (s.down.ty, s.down.bytes()),
+            self.hp.n_ff_shexp,
+            d,
+            h,
+            m,
+            &[],
+            side,
+        )?;
+        for (row, out) in h.chunks_exact(d).zip(side.chunks_exact_mut(d)).take(m) {
+            let logit: f32 = row.iter().zip(&s.gate_inp).map(|(a, b)| a * b).sum();
+            let g = shexp_gate(logit);
+            out.iter_mut().for_each(|v| *v *= g);
+        }
+        Ok(())
+    }
+
+    fn router_logits(
+        &self,
+        cx: &Compute,
+        layer: usize,
+        input: &[f32],
+        rows: usize,
+        acts: &mut Vec<ActBuf>,
+        out: &mut [f32],
+    ) -> Result<(), ArchError> {
+        cx.mat_rows(&self.layers[layer].router, input, rows, acts, out)
+    }
+
+    fn expert(
+        &self,
+        cx: &Compute,
+        s: &mut Scratch,
+        layer: usize,
+        _expert: usize,
+        proj: &[&[u8]],
+        input: &ExpertIn<'_>,
+        out: &mut Vec<f32>,
+    ) -> Result<(), ArchError> {
+        let [g, u, dn] = &self.layers[layer].exps;
+        split_ffn(
+            cx,
+            s,
+            Glu::Silu,
+            (g.info.ty, proj[0]),
+            (u.info.ty, proj[1]),
+            (dn.info.ty, proj[2]),
+            self.hp.n_ff_exp,
+            self.hp.d_model,
+            input.rows,
+            input.n,
+            input.prepared,
+            out,
+        )
+    }
+
+    /// The experts' sum plus the shared expert, then the residual (llama.cpp's order).
+    fn finish_layer(&self, _cx: &Compute, st: &mut State, _layer: usize) -> Result<(), ArchError> {
+        let m = st.ffn_rows.len() * self.hp.d_model;
+        for (a, &b) in st.moe_out[..m].iter_mut().zip(&st.side[..m]) {
+            *a += b;
+        }
+        add_rows(&mut st.x, self.hp.d_model, &st.ffn_rows, &st.moe_out);
+        Ok(())
+    }
+
+    fn head(&self, cx: &Compute, st: &mut State) -> Result<(), ArchError> {
+        norm_head(cx, st, &self.output_norm, &self.output, self.hp.rms_eps)
+    }
+}

@@ -1,0 +1,558 @@
+//! Per-session mutable state of a forward pass: each layer's memory (a full KV cache, or a
+//! ring that keeps only a sliding window's positions), the batch in flight, and scratch
+//! buffers sized once and reused. Shared by every architecture; what a layer keeps is the
+//! architecture's answer to [`super::Arch::memory`].
+
+use super::ArchError;
+use crate::kernels::{ActBuf, ActFormat};
+
+/// What one layer remembers between steps.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum MemoryKind {
+    /// Every position's keys and values (`n_ctx` of them).
+    Full,
+    /// Only the last `window` positions' (a sliding-window layer): slot `pos % window`.
+    Ring { window: usize },
+}
+
+/// One layer's memory as the architecture declares it.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct LayerMemory {
+    pub kind: MemoryKind,
+    pub n_head_kv: usize,
+    pub head_dim: usize,
+}
+
+/// One layer's keys and values.
+pub struct KvLayer {
+    pub kind: MemoryKind,
+    /// `n_head_kv · head_dim`: the width of one position's key (and value).
+    pub kv_dim: usize,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    /// Ring only: the position each slot holds (`u32::MAX` = none yet).
+    slot_pos: Vec<u32>,
+}
+
+/// Where attention reads a position's key and value: the layer's memory, or — for the
+/// positions of the batch in flight in a ring layer — the batch's own rows.
+pub enum KvSource<'a> {
+    Full {
+        k: &'a [f32],
+        v: &'a [f32],
+        kv_dim: usize,
+    },
+    Ring {
+        k: &'a [f32],
+        v: &'a [f32],
+        kv_dim: usize,
+        cap: usize,
+        batch_k: &'a [f32],
+        batch_v: &'a [f32],
+        /// Position of the batch's first row (rows are consecutive).
+        first: usize,
+    },
+}
+
+impl KvSource<'_> {
+    #[inline]
+    pub fn key(&self, pos: usize) -> &[f32] {
+        match self {
+            KvSource::Full { k, kv_dim, .. } => &k[pos * kv_dim..(pos + 1) * kv_dim],
+            KvSource::Ring {
+                k,
+                kv_dim,
+                cap,
+                batch_k,
+                first,
+                ..
+            } => {
+                if pos >= *first {
+                    let r = pos - first;
+                    &batch_k[r * kv_dim..(r + 1) * kv_dim]
+                } else {
+                    let s = pos % cap;
+                    &k[s * kv_dim..(s + 1) * kv_dim]
+                }
+            }
+        }
+    }
+
+    #[inline]
+    pub fn value(&self, pos: usize) -> &[f32] {
+        match self {
+            KvSource::Full { v, kv_dim, .. } => &v[pos * kv_dim..(pos + 1) * kv_dim],
+            KvSource::Ring {
+                v,
+                kv_dim,
+                cap,
+                batch_v,
+                first,
+                ..
+            } => {
+                if pos >= *first {
+                    let r = pos - first;
+                    &batch_v[r * kv_dim..(r + 1) * kv_dim]
+                } else {
+                    let s = pos % cap;
+                    &v[s * kv_dim..(s + 1) * kv_dim]
+                }
+            }
+        }
+    }
+}
+
+impl KvLayer {
+    fn new(m: LayerMemory, n_ctx: usize) -> KvLayer {
+        let kv_dim = m.n_head_kv * m.head_dim;
+        let (cap, kind) = match m.kind {
+            MemoryKind::Full => (n_ctx, MemoryKind::Full),
+            MemoryKind::Ring { window } => {
+                let w = window.min(n_ctx).max(1);
+                (w, MemoryKind::Ring { window: w })
+            }
+        };
+        KvLayer {
+            kind,
+            kv_dim,
+            k: vec![0.0; cap * kv_dim],
+            v: vec![0.0; cap * kv_dim],
+            slot_pos: match kind {
+                MemoryKind::Ring { .. } => vec![u32::MAX; cap],
+                MemoryKind::Full => Vec::new(),
+            },
+        }
+    }
+
+    /// Bytes this layer holds.
+    pub fn bytes(&self) -> usize {
+        4 * (self.k.len() + self.v.len())
+    }
+
+    /// Take the batch's keys and values (`positions.len()` rows of `kv_dim`) and give the
+    /// source attention reads them through. A full layer stores them first; a ring layer
+    /// checks it still holds the window before the batch (the batch's positions must be
+    /// consecutive) and stores the batch's last `window` rows after attention
+    /// ([`KvLayer::commit`]).
+    pub fn source<'a>(
+        &'a mut self,
+        layer: usize,
+        positions: &[u32],
+        batch_k: &'a [f32],
+        batch_v: &'a [f32],
+    ) -> Result<KvSource<'a>, ArchError> {
+        let d = self.kv_dim;
+        match self.kind {
+            MemoryKind::Full => {
+                for (r, &p) in positions.iter().enumerate() {
+                    let base = p as usize * d;
+                    self.k[base..base + d].copy_from_slice(&batch_k[r * d..(r + 1) * d]);
+                    self.v[base..base + d].copy_from_slice(&batch_v[r * d..(r + 1) * d]);
+                }
+                Ok(KvSource::Full {
+                    k: &self.k,
+                    v: &self.v,
+                    kv_dim: d,
+                })
+            }
+            MemoryKind::Ring { window } => {
+                let first = positions.first().copied().unwrap_or(0) as usize;
+                if positions
+                    .iter()
+                    .enumerate()
+                    .any(|(r, &p)| p as usize != first + r)
+                {
+                    return Err(ring_err(
+                        layer,
+                        "a sliding-window layer needs the batch's positions consecutive".into(),
+                    ));
+                }
+                // The first row looks back furthest: window − 1 positions before it.
+                for q in first.saturating_sub(window - 1)..first {
+                    if self.slot_pos[q % window] != q as u32 {
+                        return Err(ring_err(
+                            layer,
+                            format!(
+                                "its ring no longer holds position {q} (the window before position {first}); re-run the prompt"
+                            ),
+                        ));
+                    }
+                }
+                Ok(KvSource::Ring {
+                    k: &self.k,
+                    v: &self.v,
+                    kv_dim: d,
+                    cap: window,
+                    batch_k,
+                    batch_v,
+                    first,
+                })
+            }
+        }
+    }
+
+    /// After attention: a ring layer stores the batch's last `window` rows.
+    pub fn commit(&mut self, positions: &[u32], batch_k: &[f32], batch_v: &[f32]) {
+        let MemoryKind::Ring { window } = self.kind else {
+            return;
+        };
+        let d = self.kv_dim;
+        let skip = positions.len().saturating_sub(window);
+        for (r, &p) in positions.iter().enumerate().skip(skip) {
+            let s = p as usize % window;
+            self.k[s * d..(s + 1) * d].copy_from_slice(&batch_k[r * d..(r + 1) * d]);
+            self.v[s * d..(s + 1) * d].copy_from_slice(&batch_v[r * d..(r + 1) * d]);
+            self.slot_pos[s] = p;
+        }
+    }
+}
+
+fn ring_err(layer: usize, what: String) -> ArchError {
+    ArchError::Key {
+        file: String::new(),
+        key: format!("blk.{layer} KV"),
+        what,
+    }
+}
+
+/// A copy of every layer's memory of positions `0..n`: the whole sequence state of an
+/// attention-only model, as a decide keeps it after its prefix (`Backend::keep_prefix`). A
+/// full layer keeps the rows of those positions; a ring layer the slots holding positions
+/// below `n` (a ring that has since moved past them cannot give them back: restoring it
+/// leaves those slots empty and the next batch that needs them is refused by name).
+#[derive(Debug, Default)]
+pub struct KvSnapshot {
+    n: usize,
+    layers: Vec<LayerSnap>,
+}
+
+#[derive(Debug, Default)]
+struct LayerSnap {
+    k: Vec<f32>,
+    v: Vec<f32>,
+    /// Ring layers: the position of each kept slot (`u32::MAX` = not kept).
+    slot_pos: Vec<u32>,
+}
+
+impl KvSnapshot {
+    /// Positions held.
+    pub fn len(&self) -> usize {
+        self.n
+    }
+    pub fn is_empty(&self) -> bool {
+        self.n == 0
+    }
+    /// Bytes of memory held.
+    pub fn bytes(&self) -> u64 {
+        self.layers
+            .iter()
+            .map(|l| {
+                (l.k.capacity() + l.v.capacity()) * std::mem::size_of::<f32>()
+                    + l.slot_pos.capacity() * std::mem::size_of::<u32>()
+            })
+            .sum::<usize>() as u64
+    }
+}
+
+impl KvLayer {
+    fn snapshot(&self, n: usize, into: &mut LayerSnap) {
+        let d = self.kv_dim;
+        into.k.clear();
+        into.v.clear();
+        into.slot_pos.clear();
+        match self.kind {
+            MemoryKind::Full => {
+                into.k.extend_from_slice(&self.k[..n * d]);
+                into.v.extend_from_slice(&self.v[..n * d]);
+            }
+            MemoryKind::Ring { .. } => {
+                into.k.extend_from_slice(&self.k);
+                into.v.extend_from_slice(&self.v);
+                into.slot_pos.extend(self.slot_pos.iter().map(|&p| {
+                    if (p as usize) < n {
+                        p
+                    } else {
+                        u32::MAX
+                    }
+                }));
+            }
+        }
+        // Hold what this snapshot needs, not what a longer earlier one did.
+        into.k.shrink_to_fit();
+        into.v.shrink_to_fit();
+    }
+
+    fn restore(&mut self, n: usize, snap: &LayerSnap) -> bool {
+        let d = self.kv_dim;
+        match self.kind {
+            MemoryKind::Full => {
+                if snap.k.len() != n * d || snap.v.len() != n * d {
+                    return false;
+                }
+                self.k[..n * d].copy_from_slice(&snap.k);
+                self.v[..n * d].copy_from_slice(&snap.v);
+            }
+            MemoryKind::Ring { .. } => {
+                if snap.k.len() != self.k.len() || snap.slot_pos.len() != self.slot_pos.len() {
+                    return false;
+                }
+                self.k.copy_from_slice(&snap.k);
+                self.v.copy_from_slice(&snap.v);
+                self.slot_pos.copy_from_slice(&snap.slot_pos);
+            }
+        }
+        true
+    }
+}
+
+/// Scratch for a layer's matrix products and FFN.
+#[derive(Default)]
+pub struct Scratch {
+    pub acts: Vec<ActBuf>,
+    pub act2: Vec<ActBuf>,
+    pub gate: Vec<f32>,
+    pub up: Vec<f32>,
+    pub down: Vec<f32>,
+    pub tmp: Vec<f32>,
+    pub rope: Vec<f32>,
+}
+
+/// Per-session mutable state: each layer's memory and the buffers of the batch in flight.
+pub struct State {
+    pub n_ctx: usize,
+    pub mem: Vec<KvLayer>,
+    /// Batch rows in flight and their positions.
+    pub n_rows: usize,
+    pub positions: Vec<u32>,
+    /// The residual stream, `n_rows × d_model`.
+    pub x: Vec<f32>,
+    /// A layer's normed input (attention's, a dense FFN's).
+    pub cur: Vec<f32>,
+    /// Attention: projected queries, keys, values, the heads' output, score scratch.
+    pub q: Vec<f32>,
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+    pub att: Vec<f32>,
+    pub scores: Vec<f32>,
+    /// An `n_rows × d_model` output (attention's after `attn_output`, an FFN's).
+    pub out: Vec<f32>,
+    /// Rows the FFN runs for at the current layer (all, or the output rows at the last).
+    pub ffn_rows: Vec<u32>,
+    /// The experts' input, one row per FFN row.
+    pub h: Vec<f32>,
+    /// `h`'s rows quantised once per layer for the experts' first projection, and the layer
+    /// and activation format they hold (`None`: stale; `dense` makes them so).
+    pub h_acts: Vec<ActBuf>,
+    pub h_acts_for: Option<(usize, ActFormat)>,
+    /// The router's input when it is not `h` (`router_separate`), one row per FFN row.
+    pub router_in: Vec<f32>,
+    pub router_separate: bool,
+    /// A resident FFN's output for the FFN rows (a shared expert, a parallel dense MLP),
+    /// combined with the experts' by the architecture's `finish_layer`.
+    pub side: Vec<f32>,
+    /// Width of the layer's routing (experts per FFN row).
+    pub moe_k: usize,
+    /// `ffn_rows × moe_k × d` per-rank expert outputs, already weighted, and which were
+    /// computed (a dropped rank never is).
+    pub moe: Vec<f32>,
+    pub moe_filled: Vec<bool>,
+    /// The experts' sum per FFN row (rank order), for `finish_layer`.
+    pub moe_out: Vec<f32>,
+    /// An expert's input and output rows for the routings it serves.
+    pub expert_in: Vec<f32>,
+    pub expert_out: Vec<f32>,
+    pub scratch: Scratch,
+    /// Expert prediction: the router input of the batch's last routed row at the MoE layer
+    /// routed last (`pred_layer`), kept until the next `route`.
+    pub pred_in: Vec<f32>,
+    pub pred_layer: Option<usize>,
+    pub pred_acts: Vec<ActBuf>,
+    pub pred_scores: Vec<f32>,
+    pub pred_order: Vec<u32>,
+    /// Rows whose logits are wanted at the end of the batch.
+    pub out_rows: Vec<u32>,
+    /// `out_rows.len() × n_vocab` logits after `head`.
+    pub logits: Vec<f32>,
+}
+
+impl State {
+    /// State for a model whose layers remember `memory` (one entry per layer), for contexts
+    /// of up to `n_ctx` positions.
+    pub fn new(memory: &[LayerMemory], n_ctx: usize) -> State {
+        State {
+            n_ctx,
+            mem: memory.iter().map(|&m| KvLayer::new(m, n_ctx)).collect(),
+            n_rows: 0,
+            positions: Vec::new(),
+            x: Vec::new(),
+            cur: Vec::new(),
+            q: Vec::new(),
+            k: Vec::new(),
+            v: Vec::new(),
+            att: Vec::new(),
+            scores: Vec::new(),
+            out: Vec::new(),
+            ffn_rows: Vec::new(),
+            h: Vec::new(),
+            h_acts: Vec::new(),
+            h_acts_for: None,
+            router_in: Vec::new(),
+            router_separate: false,
+            side: Vec::new(),
+            moe_k: 0,
+            moe: Vec::new(),
+            moe_filled: Vec::new(),
+            moe_out: Vec::new(),
+            expert_in: Vec::new(),
+            expert_out: Vec::new(),
+            scratch: Scratch::default(),
+            pred_in: Vec::new(),
+            pred_layer: None,
+            pred_acts: Vec::new(),
+            pred_scores: Vec::new(),
+            pred_order: Vec::new(),
+            out_rows: Vec::new(),
+            logits: Vec::new(),
+        }
+    }
+
+    /// Copy every layer's memory of positions `0..n` into `into`, reusing its buffers.
+    pub fn snapshot_kv(&self, n: usize, into: &mut KvSnapshot) -> Result<(), ArchError> {
+        if n > self.n_ctx {
+            return Err(ArchError::Key {
+                file: String::new(),
+                key: "n_ctx".into(),
+                what: format!(
+                    "a snapshot of {n} positions is past the context size {}",
+                    self.n_ctx
+                ),
+            });
+        }
+        into.n = n;
+        into.layers.resize_with(self.mem.len(), LayerSnap::default);
+        for (l, s) in self.mem.iter().zip(&mut into.layers) {
+            l.snapshot(n, s);
+        }
+        Ok(())
+    }
+
+    /// Put `snap`'s memory back: positions `0..snap.len()` of every layer read exactly as they
+    /// did when it was taken, whatever was fed since.
+    pub fn restore_kv(&mut self, snap: &KvSnapshot) -> Result<(), ArchError> {
+        let n = snap.n;
+        let fits = n <= self.n_ctx
+            && snap.layers.len() == self.mem.len()
+            && self
+                .mem
+                .iter_mut()
+                .zip(&snap.layers)
+                .all(|(l, s)| l.restore(n, s));
+        if !fits {
+            return Err(ArchError::Key {
+                file: String::new(),
+                key: "kv snapshot".into(),
+                what: format!(
+                    "{n} positions of {} layers do not fit this model's {} layers",
+                    snap.layers.len(),
+                    self.mem.len()
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Bytes the layers' memories hold.
+    pub fn memory_bytes(&self) -> usize {
+        self.mem.iter().map(KvLayer::bytes).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ring(window: usize) -> KvLayer {
+        KvLayer::new(
+            LayerMemory {
+                kind: MemoryKind::Ring { window },
+                n_head_kv: 1,
+                head_dim: 1,
+            },
+            64,
+        )
+    }
+
+    #[test]
+    fn a_ring_serves_the_window_from_memory_and_the_batch() {
+        let mut l = ring(3);
+        // Prefill 0..5: everything comes from the batch.
+        let pos: Vec<u32> = (0..5).collect();
+        let bk: Vec<f32> = pos.iter().map(|&p| p as f32).collect();
+        {
+            let s = l.source(0, &pos, &bk, &bk).unwrap();
+            assert_eq!(s.key(4), &[4.0]);
+        }
+        l.commit(&pos, &bk, &bk);
+        // Decode 5: positions 3 and 4 come from the ring, 5 from the batch.
+        let one = [50.0f32];
+        let s = l.source(0, &[5], &one, &one).unwrap();
+        assert_eq!(
+            (s.key(3), s.key(4), s.key(5)),
+            (&[3.0][..], &[4.0][..], &[50.0][..])
+        );
+    }
+
+    #[test]
+    fn a_snapshot_gives_back_the_prefix_of_full_and_ring_layers() {
+        let mem = |kind| LayerMemory {
+            kind,
+            n_head_kv: 1,
+            head_dim: 1,
+        };
+        let mut st = State::new(
+            &[mem(MemoryKind::Full), mem(MemoryKind::Ring { window: 4 })],
+            16,
+        );
+        let feed = |st: &mut State, pos: &[u32], base: f32| {
+            let b: Vec<f32> = pos.iter().map(|&p| base + p as f32).collect();
+            for l in &mut st.mem {
+                l.source(0, pos, &b, &b).unwrap();
+                l.commit(pos, &b, &b);
+            }
+        };
+        feed(&mut st, &[0, 1, 2, 3, 4, 5], 0.0);
+        let mut snap = KvSnapshot::default();
+        st.snapshot_kv(6, &mut snap).unwrap();
+        assert_eq!(snap.len(), 6);
+        // Feed past the prefix (the ring overwrites positions 2..=5), then restore.
+        feed(&mut st, &[6, 7, 8, 9], 100.0);
+        st.restore_kv(&snap).unwrap();
+        let one = [7.0f32];
+        for l in &mut st.mem {
+            let s = l.source(0, &[6], &one, &one).unwrap();
+            assert_eq!(
+                (s.key(3), s.key(5), s.value(6)),
+                (&[3.0][..], &[5.0][..], &[7.0][..])
+            );
+        }
+        // A snapshot for another model shape is refused.
+        let mut other = State::new(&[mem(MemoryKind::Full)], 16);
+        assert!(other.restore_kv(&snap).is_err());
+        assert!(st.snapshot_kv(17, &mut snap).is_err());
+    }
+
+    #[test]
+    fn a_ring_refuses_what_it_no_longer_holds() {
+        let mut l = ring(2);
+        let pos: Vec<u32> = (0..4).collect();
+        let bk = vec![0f32; 4];
+        l.source(0, &pos, &bk, &bk).unwrap();
+        l.commit(&pos, &bk, &bk);
+        // Rewinding to position 1 needs position 0, long overwritten.
+        assert!(l.source(0, &[1], &bk[..1], &bk[..1]).is_err());
+        // Positions must be consecutive.
+        assert!(l.source(0, &[4, 6], &bk[..2], &bk[..2]).is_err());
+        // Re-deciding the last position is fine.
+        assert!(l.source(0, &[3], &bk[..1], &bk[..1]).is_ok());
+    }
+}

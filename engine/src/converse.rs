@@ -1,0 +1,502 @@
+//! A conversation over the one generation loop, for the front ends that hold the model for a
+//! long time and take turns from somewhere else: `bmoe-cli serve` (the OpenAI-compatible HTTP
+//! server) and `bmoe-cli chat` (the terminal chat). Each turn is one
+//! `bmoe_core::Session::generate` with the engine's `Sampling` token source inside a `Relay`
+//! that hands the text on as it grows, ends the turn at a stop string, and turns "the listener
+//! is gone" into the session's cancel at the next token boundary.
+//!
+//! KV reuse is the session protocol's: a turn's whole context is rendered and tokenized, and
+//! only the tokens past the longest common prefix with what the KV holds are prefilled (at least
+//! the last one, for its logits). A cancelled turn is rolled back to where it started.
+
+use crate::chat::{ChatFormat, Message, ThinkCtl};
+use crate::cli::RunArgs;
+use crate::run::{host_probe, load, Sampling, Sinks};
+use crate::sample::{Sampler, SamplerConfig};
+use crate::session::common_prefix;
+use crate::stream::EngineBackend;
+use crate::tokenizer::Tokenizer;
+use anyhow::{bail, Result};
+use bmoe_core::telemetry::summary::RunSummary;
+use bmoe_core::{CancelFlag, Session, StepInput, StepStats, StopReason, TokenSource, TurnRequest};
+use std::io::Write;
+use std::path::Path;
+
+/// What a turn answers.
+#[derive(Clone, Debug)]
+pub enum Prompt {
+    /// Messages rendered with the chat template; `think` as `think:false` is honoured.
+    Chat { messages: Vec<Message>, think: bool },
+    /// Raw text, tokenized as given (special tokens parsed unless `--no-parse-special`).
+    Raw(String),
+}
+
+/// Why a turn was refused before it ran (nothing changed): a client error.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Refused {
+    #[error("this model has no chat template: use /v1/completions with a raw prompt, or start the server with --chat-template-file FILE")]
+    NoTemplate,
+    #[error("the chat template failed on these messages: {0}")]
+    Template(String),
+    #[error("the prompt is empty after tokenization")]
+    Empty,
+    #[error("the prompt has {tokens} tokens, which leaves no room in the context of {n_ctx} tokens (-c) to generate one")]
+    TooLong { tokens: usize, n_ctx: usize },
+    #[error("tokenizing the prompt: {0}")]
+    Tokenize(String),
+    #[error("a step failed earlier and the engine's state is not trustworthy: {0}; restart it")]
+    Broken(String),
+}
+
+/// A turn, rendered and checked, ready to run.
+#[derive(Clone, Debug)]
+pub struct Prepared {
+    tokens: Vec<u32>,
+    text: String,
+    chat: bool,
+    /// Tokens of `tokens` the KV already holds.
+    pub reuse: usize,
+    /// Tokens the turn may generate (the request's, clamped to the context's room).
+    pub n_predict: u32,
+    /// The whole prompt's length in tokens.
+    pub prompt_tokens: usize,
+}
+
+/// The per-turn choices a client makes.
+#[derive(Clone, Debug, Default)]
+pub struct TurnOptions {
+    pub sampler: SamplerConfig,
+    /// Stop strings: the answer ends before the first of them (which is not returned).
+    pub stop: Vec<String>,
+}
+
+/// Where a turn's text goes as it grows.
+pub trait Listener {
+    /// New text; returns false when nobody is listening any more (the turn is cancelled at the
+    /// next token boundary).
+    fn delta(&mut self, reasoning: &str, content: &str) -> bool;
+    /// Whether the listener has gone away (checked after every step).
+    fn gone(&self) -> bool {
+        false
+    }
+    /// A token was generated (`n` so far this turn).
+    fn token(&mut self, _n: u32) {}
+}
+
+/// What a turn did.
+#[derive(Clone, Debug)]
+pub struct Finished {
+    pub stop: StopReason,
+    /// `"stop"` (an end-of-generation token or a stop string) or `"length"`.
+    pub finish_reason: &'static str,
+    pub reasoning: String,
+    pub content: String,
+    pub prompt_tokens: usize,
+    pub cached_tokens: usize,
+    pub completion_tokens: u32,
+    /// The turn's summary (the `BMOE_DONE` keys).
+    pub summary: RunSummary,
+    /// A failed step's error (`stop == Failed`).
+    pub error: Option<String>,
+}
+
+impl Finished {
+    /// The turn's telemetry: exactly the keys of its `BMOE_DONE` line (the contract's writer),
+    /// without `id`, `reasoning` and `text`, which the response carries its own way.
+    pub fn telemetry(&self) -> serde_json::Value {
+        let mut buf = Vec::new();
+        let cancelled = self.stop == StopReason::Cancelled;
+        if bmoe_core::telemetry::progress::write_done(&mut buf, 0, cancelled, &self.summary, "", "")
+            .is_err()
+        {
+            return serde_json::Value::Null;
+        }
+        let line = String::from_utf8_lossy(&buf);
+        let json = line.trim_end().trim_start_matches("BMOE_DONE ");
+        match serde_json::from_str::<serde_json::Value>(json) {
+            Ok(serde_json::Value::Object(mut m)) => {
+                for k in ["id", "reasoning", "text"] {
+                    m.remove(k);
+                }
+                serde_json::Value::Object(m)
+            }
+            _ => serde_json::Value::Null,
+        }
+    }
+}
+
+/// The loaded model and its warm session.
+pub struct Conversation {
+    session: Session<crate::flash::MonotonicClock, crate::stream::Device, EngineBackend>,
+    tok: Tokenizer,
+    n_vocab: usize,
+    format: Option<ChatFormat>,
+    sinks: Sinks,
+    default_n_predict: u32,
+    parse_special: bool,
+    n_ctx: usize,
+    broken: Option<String>,
+    arch: String,
+    load_s: f64,
+}
+
+impl Conversation {
+    /// Check and create the outputs (`--csv`, traces), load the model, compile the chat
+    /// template (`--chat-template-file` or the model's). Load warnings go to `err`.
+    pub fn open(args: &RunArgs, model_path: &Path, err: &mut dyn Write) -> Result<Conversation> {
+        if args.logits_out.is_some() {
+            bail!("--logits-out is a one-shot diagnostic and cannot be combined with a server or a chat");
+        }
+        let mut files = crate::outputs::RunOutputs::open(model_path, args)?;
+        let loaded = load(args, model_path, err)?;
+        let format = crate::prompt::chat_format(args, &loaded.file, &loaded.tok)?;
+        let crate::run::Loaded {
+            cfg,
+            engine,
+            tok,
+            n_vocab,
+            load_s,
+            ..
+        } = loaded;
+        let sinks = Sinks::open(&mut files, &cfg, &engine)?;
+        let probe = host_probe(&engine);
+        let n_ctx = cfg.n_ctx as usize;
+        let arch = cfg.arch.clone();
+        let session = Session::new(engine, cfg, load_s, Box::new(probe));
+        Ok(Conversation {
+            session,
+            tok,
+            n_vocab,
+            format,
+            sinks,
+            default_n_predict: args.n_predict,
+            parse_special: !args.no_parse_special,
+            n_ctx,
+            broken: None,
+            arch,
+            load_s,
+        })
+    }
+
+    /// Whether chat prompts can be rendered (the model or `--chat-template-file` has a template).
+    pub fn has_template(&self) -> bool {
+        self.format.is_some()
+    }
+    /// How `think:false` is honoured.
+    pub fn think_ctl(&self) -> ThinkCtl {
+        self.format
+            .as_ref()
+            .map_or(ThinkCtl::Template, ChatFormat::think_ctl)
+    }
+    pub fn n_ctx(&self) -> usize {
+        self.n_ctx
+    }
+    pub fn arch(&self) -> &str {
+        &self.arch
+    }
+    pub fn load_s(&self) -> f64 {
+        self.load_s
+    }
+    /// The flag that stops the running turn at its next token boundary.
+    pub fn cancel_flag(&self) -> &CancelFlag {
+        self.session.cancel_flag()
+    }
+    /// Every turn so far as one summary.
+    pub fn summary(&self) -> RunSummary {
+        self.session.summary()
+    }
+    /// Whether a step failed (the engine refuses further turns).
+    pub fn broken(&self) -> Option<&str> {
+        self.broken.as_deref()
+    }
+    /// Tokens the KV holds.
+    pub fn context_len(&self) -> usize {
+        self.session.context().len()
+    }
+    /// Forget the KV (a new chat).
+    pub fn clear(&mut self) {
+        self.session.truncate_context(0);
+    }
+    /// The tokenizer.
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tok
+    }
+
+    /// Render and tokenize a turn, and work out what the KV reuses and how many tokens it may
+    /// generate: `max_tokens`, else the process's `-n` (`-1`: the context's room), clamped to
+    /// the room the context has left.
+    pub fn prepare(&self, prompt: &Prompt, max_tokens: Option<u32>) -> Result<Prepared, Refused> {
+        if let Some(b) = &self.broken {
+            return Err(Refused::Broken(b.clone()));
+        }
+        let (text, tokens, chat) = match prompt {
+            Prompt::Chat { messages, think } => {
+                let f = self.format.as_ref().ok_or(Refused::NoTemplate)?;
+                let text = f
+                    .prompt(messages, *think)
+                    .map_err(|e| Refused::Template(e.to_string()))?;
+                let t = self
+                    .tok
+                    .encode(&text, true)
+                    .map_err(|e| Refused::Tokenize(e.to_string()))?;
+                (text, t, true)
+            }
+            Prompt::Raw(s) => {
+                let t = self
+                    .tok
+                    .encode(s, self.parse_special)
+                    .map_err(|e| Refused::Tokenize(e.to_string()))?;
+                (String::new(), t, false)
+            }
+        };
+        if tokens.is_empty() {
+            return Err(Refused::Empty);
+        }
+        if tokens.len() >= self.n_ctx {
+            return Err(Refused::TooLong {
+                tokens: tokens.len(),
+                n_ctx: self.n_ctx,
+            });
+        }
+        let room = (self.n_ctx - tokens.len()) as u32;
+        let asked = max_tokens.unwrap_or(self.default_n_predict);
+        let n_predict = asked.min(room);
+        let reuse = common_prefix(self.session.context(), &tokens).min(tokens.len() - 1);
+        Ok(Prepared {
+            prompt_tokens: tokens.len(),
+            tokens,
+            text,
+            chat,
+            reuse,
+            n_predict,
+        })
+    }
+
+    /// Run a prepared turn (prepared against the KV as it is now). The text goes to `listener`
+    /// as it grows; the turn stops at `n_predict`, an end-of-generation token, a stop string,
+    /// the cancel flag, or the listener going away.
+    pub fn run(
+        &mut self,
+        p: &Prepared,
+        opts: &TurnOptions,
+        listener: &mut dyn Listener,
+    ) -> Result<Finished> {
+        let reuse = p.reuse;
+        self.session.truncate_context(reuse as u32);
+        let positions: Vec<u32> = (reuse as u32..p.tokens.len() as u32).collect();
+        let mut sampler = Sampler::new(opts.sampler.clone());
+        let cancel = self.session.cancel_flag().clone();
+        let mut relay = Relay {
+            inner: Sampling::new(&self.tok, &mut sampler, self.n_vocab, p.chat, &p.text),
+            listener,
+            cancel,
+            stop: &opts.stop,
+            sent_reasoning: 0,
+            sent_content: 0,
+            stopped_at: None,
+            tokens: 0,
+        };
+        let outcome = self.session.generate(
+            &TurnRequest {
+                prompt: &p.tokens[reuse..],
+                positions: &positions,
+                n_predict: p.n_predict,
+            },
+            &mut relay,
+            &mut self.sinks.outputs(None),
+        )?;
+        let stopped_at = relay.stopped_at;
+        relay.send(true);
+        let (reasoning, mut content) = relay.into_text();
+        if let Some(at) = stopped_at {
+            content.truncate(at);
+        }
+        let mut error = None;
+        match outcome.stop {
+            StopReason::Cancelled => self.session.truncate_context(reuse as u32),
+            StopReason::Failed => {
+                let e = outcome
+                    .error
+                    .map_or_else(|| "a step failed".to_string(), |e| e.to_string());
+                self.broken = Some(e.clone());
+                error = Some(e);
+            }
+            StopReason::Count | StopReason::EndOfGeneration => {}
+        }
+        let finish_reason = if outcome.stop == StopReason::Count && stopped_at.is_none() {
+            "length"
+        } else {
+            "stop"
+        };
+        Ok(Finished {
+            stop: outcome.stop,
+            finish_reason,
+            reasoning,
+            content,
+            prompt_tokens: p.prompt_tokens,
+            cached_tokens: outcome.summary.counters.n_reused as usize,
+            completion_tokens: outcome.tokens.len() as u32,
+            summary: outcome.summary,
+            error,
+        })
+    }
+
+    /// Flush and close the output files.
+    pub fn finish(self) -> Result<()> {
+        self.sinks.finish()
+    }
+}
+
+/// The turn's token source: the engine's sampler and detokenizer (`Sampling`), relaying the
+/// text to a listener, ending the turn at a stop string, and cancelling it when the listener
+/// goes away.
+struct Relay<'a, 'l> {
+    inner: Sampling<'a>,
+    listener: &'l mut dyn Listener,
+    cancel: CancelFlag,
+    stop: &'a [String],
+    /// Bytes of the reasoning and the answer already handed on.
+    sent_reasoning: usize,
+    sent_content: usize,
+    /// Where the first stop string begins in the answer, once one appeared.
+    stopped_at: Option<usize>,
+    tokens: u32,
+}
+
+/// The length of the longest suffix of `text` that is a proper prefix of some stop string:
+/// text a later token may turn into a stop, so it is held back.
+fn stop_holdback(text: &str, stop: &[String]) -> usize {
+    let mut hold = 0;
+    for s in stop {
+        for k in (1..s.len().min(text.len() + 1)).rev() {
+            if k > hold && s.is_char_boundary(k) && text.ends_with(&s[..k]) {
+                hold = k;
+                break;
+            }
+        }
+    }
+    hold
+}
+
+impl Relay<'_, '_> {
+    /// Hand on what is new. `last`: nothing is held back for a stop string any more.
+    fn send(&mut self, last: bool) {
+        let (reasoning, content) = self.inner.text();
+        let content_end = match self.stopped_at {
+            Some(at) => at,
+            None if last => content.len(),
+            None => content.len() - stop_holdback(content, self.stop),
+        };
+        // A reasoning span reclassified after the fact (`reset`) cannot be taken back from a
+        // listener: only text that extends what was sent goes out.
+        let r = if reasoning.len() > self.sent_reasoning
+            && reasoning.is_char_boundary(self.sent_reasoning)
+        {
+            &reasoning[self.sent_reasoning..]
+        } else {
+            ""
+        };
+        let c = if content_end > self.sent_content
+            && content.is_char_boundary(self.sent_content)
+            && content.is_char_boundary(content_end)
+        {
+            &content[self.sent_content..content_end]
+        } else {
+            ""
+        };
+        if r.is_empty() && c.is_empty() {
+            return;
+        }
+        let (rl, cl) = (r.len(), c.len());
+        let listening = self.listener.delta(r, c);
+        self.sent_reasoning += rl;
+        self.sent_content += cl;
+        if !listening {
+            self.cancel.set();
+        }
+    }
+
+    fn into_text(self) -> (String, String) {
+        self.inner.into_text()
+    }
+}
+
+impl TokenSource<EngineBackend> for Relay<'_, '_> {
+    type Error = crate::run::SamplingError;
+
+    fn after_step(
+        &mut self,
+        backend: &EngineBackend,
+        input: &StepInput<'_>,
+        stats: &mut StepStats,
+    ) -> Result<(), Self::Error> {
+        self.inner.after_step(backend, input, stats)?;
+        if self.listener.gone() {
+            self.cancel.set();
+        }
+        Ok(())
+    }
+
+    fn next_token(
+        &mut self,
+        backend: &mut EngineBackend,
+        last: bool,
+    ) -> Result<Option<u32>, Self::Error> {
+        let Some(t) = self.inner.next_token(backend, last)? else {
+            return Ok(None);
+        };
+        if !self.stop.is_empty() {
+            let (_, content) = self.inner.text();
+            // Search from a little before the text already sent: a stop string may straddle.
+            let longest = self.stop.iter().map(String::len).max().unwrap_or(0);
+            let mut from = self.sent_content.saturating_sub(longest).min(content.len());
+            while !content.is_char_boundary(from) {
+                from -= 1;
+            }
+            let hit = self
+                .stop
+                .iter()
+                .filter(|s| !s.is_empty())
+                .filter_map(|s| content[from..].find(s.as_str()).map(|i| from + i))
+                .min();
+            if let Some(at) = hit {
+                // The token that completed the stop string is not fed: the turn ends here.
+                self.stopped_at = Some(at);
+                return Ok(None);
+            }
+        }
+        self.tokens += 1;
+        self.listener.token(self.tokens);
+        self.send(false);
+        Ok(Some(t))
+    }
+
+    fn text(&self) -> (&str, &str) {
+        self.inner.text()
+    }
+
+    fn finish(&mut self, backend: &mut EngineBackend) -> Result<(), Self::Error> {
+        self.inner.finish(backend)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stop_strings_prefix_is_held_back() {
+        let stop = vec!["</s>".to_string(), "STOP".to_string()];
+        assert_eq!(stop_holdback("hello <", &stop), 1);
+        assert_eq!(stop_holdback("hello </", &stop), 2);
+        assert_eq!(stop_holdback("hello ST", &stop), 2);
+        assert_eq!(stop_holdback("hello", &stop), 0);
+        assert_eq!(stop_holdback("", &stop), 0);
+        assert_eq!(stop_holdback("<", &stop), 1);
+        // A stop string of several-byte characters is cut only at character boundaries.
+        let stop = vec!["жёлтый".to_string()];
+        assert_eq!(stop_holdback("это жё", &stop), "жё".len());
+        assert_eq!(stop_holdback("это ж", &stop), "ж".len());
+        assert_eq!(stop_holdback("это", &stop), 0);
+    }
+}

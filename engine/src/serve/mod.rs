@@ -1,0 +1,1083 @@
+//! `bmoe-cli serve`: an OpenAI-compatible HTTP server over the one generation loop.
+//!
+//! One engine thread owns the model (`converse::Conversation`: the session, its KV and its
+//! expert cache, warm across requests) and runs one generation at a time, taking jobs from a
+//! channel. The HTTP side is axum on a single-threaded tokio runtime: it checks and parses each
+//! request, admits it to a bounded queue (full: 503 with `Retry-After`), and relays the engine's
+//! events back — a JSON response, or server-sent events ending in `data: [DONE]`. A client that
+//! disconnects cancels its generation at the next token boundary (its response stream is
+//! dropped, which sets the job's `gone` flag the engine checks after every step); a client that
+//! reads too slowly is cancelled after `--client-timeout`.
+//!
+//! Safety on a workstation: binds 127.0.0.1 unless `--host` says otherwise (with a warning);
+//! on a loopback bind a `Host` or `Origin` that is not loopback is refused (a web page cannot
+//! reach the server through DNS rebinding); `--api-key` requires `Authorization: Bearer KEY`
+//! on everything but `/health`; bodies past `--body-limit-kib` are refused (413) and bodies that
+//! do not arrive within `--read-timeout` time out (408). See docs/serving.md.
+
+pub mod api;
+pub mod metrics;
+
+use crate::cli::RunArgs;
+use crate::converse::{Conversation, Finished, Listener, Prompt, Refused, TurnOptions};
+use anyhow::{anyhow, bail, Context, Result};
+use api::{ApiError, Common};
+use axum::extract::{Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::Next;
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use bmoe_core::{CancelFlag, StopReason};
+use clap::Args;
+use metrics::Metrics;
+use rand::{RngCore, SeedableRng};
+use serde_json::{json, Value};
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{mpsc as std_mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+
+/// `bmoe-cli serve` flags: the engine's run flags plus the server's own.
+#[derive(Args, Debug, Clone)]
+pub struct ServeArgs {
+    /// Address to bind. Anything but a loopback address exposes the model to the network
+    /// (a warning is printed; use --api-key)
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on (0: any free port; the chosen one is printed)
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// Require `Authorization: Bearer KEY` on every endpoint but /health
+    #[arg(
+        long = "api-key",
+        env = "BMOE_API_KEY",
+        value_name = "KEY",
+        hide_env_values = true
+    )]
+    pub api_key: Option<String>,
+    /// Requests that may wait for the engine while one generates; more are answered 503
+    /// with Retry-After
+    #[arg(long, default_value_t = 8)]
+    pub queue: usize,
+    /// Largest request body accepted, KiB (413 past it)
+    #[arg(long = "body-limit-kib", default_value_t = 4096)]
+    pub body_limit_kib: usize,
+    /// Seconds a request body may take to arrive (408 past it)
+    #[arg(long = "read-timeout", default_value_t = 10.0, value_name = "SECONDS")]
+    pub read_timeout: f64,
+    /// Seconds a streaming client may leave the next chunk unread before its generation is
+    /// cancelled (the engine serves one request at a time)
+    #[arg(
+        long = "client-timeout",
+        default_value_t = 30.0,
+        value_name = "SECONDS"
+    )]
+    pub client_timeout: f64,
+    /// The model name /v1/models lists and responses carry [default: the model file's stem]
+    #[arg(long, value_name = "NAME")]
+    pub alias: Option<String>,
+    #[command(flatten)]
+    pub run: RunArgs,
+}
+
+/// Where a request came in, for the metrics' `endpoint` label.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum Endpoint {
+    Chat,
+    Completion,
+}
+
+/// What the engine tells a waiting request.
+enum Event {
+    /// The turn was accepted and starts: its prompt's tokens and how many the KV reused.
+    Started,
+    Delta {
+        reasoning: String,
+        content: String,
+    },
+    Done(Box<Finished>),
+    Error(ApiError),
+}
+
+/// What the HTTP side and the engine share about one job.
+struct Watch {
+    gone: AtomicBool,
+    /// Tokens generated so far, and how many there were when the client was found gone.
+    produced: AtomicU32,
+    gone_at: AtomicU32,
+}
+
+impl Watch {
+    fn new() -> Arc<Watch> {
+        Arc::new(Watch {
+            gone: AtomicBool::new(false),
+            produced: AtomicU32::new(0),
+            gone_at: AtomicU32::new(u32::MAX),
+        })
+    }
+    fn mark_gone(&self) {
+        let n = self.produced.load(Ordering::SeqCst);
+        let _ = self
+            .gone_at
+            .compare_exchange(u32::MAX, n, Ordering::SeqCst, Ordering::SeqCst);
+        self.gone.store(true, Ordering::SeqCst);
+    }
+}
+
+/// Marks the job gone when the response is dropped before it was delivered whole.
+struct GoneOnDrop {
+    watch: Arc<Watch>,
+    armed: bool,
+}
+
+impl Drop for GoneOnDrop {
+    fn drop(&mut self) {
+        if self.armed {
+            self.watch.mark_gone();
+        }
+    }
+}
+
+struct Job {
+    id: u64,
+    endpoint: Endpoint,
+    prompt: Prompt,
+    common: Common,
+    events: mpsc::Sender<Event>,
+    watch: Arc<Watch>,
+}
+
+struct AppState {
+    jobs: Mutex<Option<std_mpsc::Sender<Job>>>,
+    in_flight: Arc<AtomicUsize>,
+    capacity: usize,
+    ready: Arc<AtomicBool>,
+    metrics: Arc<Metrics>,
+    model_id: String,
+    created: u64,
+    api_key: Option<String>,
+    loopback: bool,
+    body_limit: usize,
+    read_timeout: Duration,
+    think_default: bool,
+    next_id: AtomicU64,
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// Whether a `Host` header names this machine's loopback (with any port).
+fn loopback_host(h: &str) -> bool {
+    let host = if let Some(rest) = h.strip_prefix('[') {
+        rest.split(']').next().unwrap_or("")
+    } else {
+        h.rsplit_once(':').map_or(h, |(a, p)| {
+            if p.chars().all(|c| c.is_ascii_digit()) {
+                a
+            } else {
+                h
+            }
+        })
+    };
+    let host = host.trim_end_matches('.').to_ascii_lowercase();
+    host == "localhost"
+        || host.ends_with(".localhost")
+        || host.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback())
+}
+
+/// Whether an `Origin` is a page served from this machine's loopback.
+fn loopback_origin(o: &str) -> bool {
+    let rest = o
+        .strip_prefix("http://")
+        .or_else(|| o.strip_prefix("https://"));
+    rest.is_some_and(|r| !r.contains('/') && loopback_host(r))
+}
+
+/// The metrics label of a path (known endpoints only, so a scan cannot grow the label set).
+fn endpoint_label(path: &str) -> &'static str {
+    match path {
+        "/v1/chat/completions" => "/v1/chat/completions",
+        "/v1/completions" => "/v1/completions",
+        "/v1/models" => "/v1/models",
+        "/health" => "/health",
+        "/metrics" => "/metrics",
+        _ => "other",
+    }
+}
+
+/// Constant-time equality, so a key cannot be guessed byte by byte from response times.
+fn same_key(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Every request passes here: the loopback `Host`/`Origin` check, the API key, and the count.
+async fn gatekeeper(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    let label = endpoint_label(req.uri().path());
+    let resp = match admit(&st, &req) {
+        Err(e) => e.into_response(),
+        Ok(()) => next.run(req).await,
+    };
+    st.metrics.request(label, resp.status().as_u16());
+    resp
+}
+
+fn admit(st: &AppState, req: &Request) -> Result<(), ApiError> {
+    let h = req.headers();
+    if st.loopback {
+        if let Some(host) = h.get(header::HOST) {
+            let ok = host.to_str().is_ok_and(loopback_host);
+            if !ok {
+                return Err(ApiError::new(
+                    StatusCode::FORBIDDEN,
+                    "permission_error",
+                    format!(
+                        "Host {:?} is not loopback: this server is bound to loopback and answers only requests addressed to localhost (restart it with --host to serve other names)",
+                        host.to_str().unwrap_or("?")
+                    ),
+                ));
+            }
+        }
+        if let Some(origin) = h.get(header::ORIGIN) {
+            if !origin.to_str().is_ok_and(loopback_origin) {
+                return Err(ApiError::new(
+                    StatusCode::FORBIDDEN,
+                    "permission_error",
+                    format!(
+                        "Origin {:?} is not a loopback page: requests from other sites are refused",
+                        origin.to_str().unwrap_or("?")
+                    ),
+                ));
+            }
+        }
+    }
+    if let Some(key) = &st.api_key {
+        if req.uri().path() != "/health" {
+            let given = h
+                .get(header::AUTHORIZATION)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.strip_prefix("Bearer "))
+                .map(str::trim);
+            if !given.is_some_and(|g| same_key(g.as_bytes(), key.as_bytes())) {
+                return Err(ApiError::new(
+                    StatusCode::UNAUTHORIZED,
+                    "authentication_error",
+                    if given.is_some() {
+                        "invalid API key"
+                    } else {
+                        "missing API key: send Authorization: Bearer KEY"
+                    },
+                )
+                .with_code("invalid_api_key"));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The body, at most `body_limit` bytes, within `read_timeout`.
+async fn read_body(st: &AppState, req: Request) -> Result<axum::body::Bytes, ApiError> {
+    let too_big = |n: Option<u64>| {
+        ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            match n {
+                Some(n) => format!(
+                    "the request body of {n} bytes is larger than the limit of {} bytes (--body-limit-kib)",
+                    st.body_limit
+                ),
+                None => format!(
+                    "the request body is larger than the limit of {} bytes (--body-limit-kib)",
+                    st.body_limit
+                ),
+            },
+        )
+    };
+    if let Some(n) = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+    {
+        if n > st.body_limit as u64 {
+            return Err(too_big(Some(n)));
+        }
+    }
+    let body = req.into_body();
+    match tokio::time::timeout(st.read_timeout, axum::body::to_bytes(body, st.body_limit)).await {
+        Err(_) => Err(ApiError::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "invalid_request_error",
+            format!(
+                "the request body did not arrive within {:.1} s (--read-timeout)",
+                st.read_timeout.as_secs_f64()
+            ),
+        )),
+        Ok(Err(e)) => {
+            let text = format!("{e}");
+            let mut src: Option<&dyn std::error::Error> = Some(&e);
+            let mut limit = false;
+            while let Some(s) = src {
+                limit |= s.to_string().contains("length limit");
+                src = s.source();
+            }
+            if limit || text.contains("length limit") {
+                Err(too_big(None))
+            } else {
+                Err(ApiError::bad_request(format!(
+                    "reading the request body: {text}"
+                )))
+            }
+        }
+        Ok(Ok(b)) => Ok(b),
+    }
+}
+
+async fn chat_completions(State(st): State<Arc<AppState>>, req: Request) -> Response {
+    let r = async {
+        let body = read_body(&st, req).await?;
+        let r = api::chat_request(&body)?;
+        let think = r.think.unwrap_or(st.think_default);
+        Ok::<_, ApiError>((
+            Prompt::Chat {
+                messages: r.messages,
+                think,
+            },
+            r.common,
+        ))
+    }
+    .await;
+    match r {
+        Ok((p, c)) => submit(st, Endpoint::Chat, p, c).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn completions(State(st): State<Arc<AppState>>, req: Request) -> Response {
+    let r = async {
+        let body = read_body(&st, req).await?;
+        let r = api::completion_request(&body)?;
+        Ok::<_, ApiError>((Prompt::Raw(r.prompt), r.common))
+    }
+    .await;
+    match r {
+        Ok((p, c)) => submit(st, Endpoint::Completion, p, c).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+/// The `usage` object.
+fn usage(f: &Finished) -> Value {
+    json!({
+        "prompt_tokens": f.prompt_tokens,
+        "completion_tokens": f.completion_tokens,
+        "total_tokens": f.prompt_tokens + f.completion_tokens as usize,
+        "prompt_tokens_details": {"cached_tokens": f.cached_tokens},
+    })
+}
+
+/// Queue a job and answer it: JSON, or an SSE stream.
+async fn submit(st: Arc<AppState>, endpoint: Endpoint, prompt: Prompt, common: Common) -> Response {
+    if !st.ready.load(Ordering::SeqCst) {
+        let mut e = ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            "the model is still loading: retry shortly (GET /health says when it is ready)",
+        );
+        e.retry_after = Some(1);
+        return e.into_response();
+    }
+    if st.in_flight.fetch_add(1, Ordering::SeqCst) >= st.capacity {
+        st.in_flight.fetch_sub(1, Ordering::SeqCst);
+        st.metrics.rejected_busy();
+        let mut e = ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            format!(
+                "the server is busy: one generation runs and {} wait (--queue); retry later",
+                st.capacity - 1
+            ),
+        )
+        .with_code("server_busy");
+        e.retry_after = Some(1);
+        return e.into_response();
+    }
+    let (tx, mut rx) = mpsc::channel(16);
+    let watch = Watch::new();
+    let mut guard = GoneOnDrop {
+        watch: watch.clone(),
+        armed: true,
+    };
+    let id = st.next_id.fetch_add(1, Ordering::SeqCst);
+    let stream = common.stream;
+    let include_usage = common.include_usage;
+    let job = Job {
+        id,
+        endpoint,
+        prompt,
+        common,
+        events: tx,
+        watch,
+    };
+    let sent = st
+        .jobs
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .as_ref()
+        .map(|s| s.send(job).is_ok());
+    if sent != Some(true) {
+        st.in_flight.fetch_sub(1, Ordering::SeqCst);
+        guard.armed = false;
+        return ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            "the server is shutting down",
+        )
+        .into_response();
+    }
+    let engine_gone = || {
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "server_error",
+            "the engine stopped before answering",
+        )
+    };
+    match rx.recv().await {
+        Some(Event::Started) => {}
+        Some(Event::Error(e)) => {
+            guard.armed = false;
+            return e.into_response();
+        }
+        Some(Event::Delta { .. } | Event::Done(_)) | None => {
+            guard.armed = false;
+            return engine_gone().into_response();
+        }
+    }
+    let (prefix, object) = match endpoint {
+        Endpoint::Chat => ("chatcmpl", "chat.completion"),
+        Endpoint::Completion => ("cmpl", "text_completion"),
+    };
+    let rid = format!("{prefix}-bmoe-{}-{id}", st.created);
+    let model = st.model_id.clone();
+    let created = unix_now();
+    if !stream {
+        loop {
+            match rx.recv().await {
+                Some(Event::Delta { .. } | Event::Started) => {}
+                Some(Event::Error(e)) => {
+                    guard.armed = false;
+                    return e.into_response();
+                }
+                None => {
+                    guard.armed = false;
+                    return engine_gone().into_response();
+                }
+                Some(Event::Done(f)) => {
+                    guard.armed = false;
+                    let choice = match endpoint {
+                        Endpoint::Chat => {
+                            let mut msg = json!({"role": "assistant", "content": f.content});
+                            if !f.reasoning.is_empty() {
+                                msg["reasoning_content"] = json!(f.reasoning);
+                            }
+                            json!({"index": 0, "message": msg, "finish_reason": f.finish_reason, "logprobs": null})
+                        }
+                        Endpoint::Completion => {
+                            json!({"index": 0, "text": f.content, "finish_reason": f.finish_reason, "logprobs": null})
+                        }
+                    };
+                    return Json(json!({
+                        "id": rid, "object": object, "created": created, "model": model,
+                        "choices": [choice], "usage": usage(&f), "bmoe": f.telemetry(),
+                    }))
+                    .into_response();
+                }
+            }
+        }
+    }
+    // Server-sent events. The stream owns the guard: a client that goes away drops the stream,
+    // and the guard tells the engine.
+    let chunk_object = match endpoint {
+        Endpoint::Chat => "chat.completion.chunk",
+        Endpoint::Completion => "text_completion",
+    };
+    let base = json!({"id": rid, "object": chunk_object, "created": created, "model": model});
+    let with = move |choices: Value| {
+        let mut v = base.clone();
+        v["choices"] = choices;
+        v
+    };
+    struct S {
+        rx: mpsc::Receiver<Event>,
+        guard: GoneOnDrop,
+        pending: std::collections::VecDeque<String>,
+        done: bool,
+    }
+    let mut first = std::collections::VecDeque::new();
+    if endpoint == Endpoint::Chat {
+        first.push_back(
+            with(json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}]))
+                .to_string(),
+        );
+    }
+    let state = S {
+        rx,
+        guard,
+        pending: first,
+        done: false,
+    };
+    let events = futures_util::stream::unfold((state, with), move |(mut s, with)| async move {
+        loop {
+            if let Some(data) = s.pending.pop_front() {
+                let ev = SseEvent::default().data(data);
+                return Some((Ok::<_, std::convert::Infallible>(ev), (s, with)));
+            }
+            if s.done {
+                return None;
+            }
+            match s.rx.recv().await {
+                Some(Event::Started) => {}
+                Some(Event::Delta { reasoning, content }) => {
+                    let choice = match endpoint {
+                        Endpoint::Chat => {
+                            let mut d = serde_json::Map::new();
+                            if !reasoning.is_empty() {
+                                d.insert("reasoning_content".into(), json!(reasoning));
+                            }
+                            if !content.is_empty() {
+                                d.insert("content".into(), json!(content));
+                            }
+                            json!({"index": 0, "delta": d, "finish_reason": null})
+                        }
+                        Endpoint::Completion => {
+                            if content.is_empty() {
+                                continue;
+                            }
+                            json!({"index": 0, "text": content, "finish_reason": null, "logprobs": null})
+                        }
+                    };
+                    s.pending.push_back(with(json!([choice])).to_string());
+                }
+                Some(Event::Done(f)) => {
+                    let choice = match endpoint {
+                        Endpoint::Chat => {
+                            json!({"index": 0, "delta": {}, "finish_reason": f.finish_reason})
+                        }
+                        Endpoint::Completion => {
+                            json!({"index": 0, "text": "", "finish_reason": f.finish_reason, "logprobs": null})
+                        }
+                    };
+                    let mut last = with(json!([choice]));
+                    last["bmoe"] = f.telemetry();
+                    s.pending.push_back(last.to_string());
+                    if include_usage {
+                        let mut u = with(json!([]));
+                        u["usage"] = usage(&f);
+                        s.pending.push_back(u.to_string());
+                    }
+                    s.pending.push_back("[DONE]".to_string());
+                    s.guard.armed = false;
+                    s.done = true;
+                }
+                Some(Event::Error(e)) => {
+                    // Headers are sent: the error travels as an event, then the stream ends.
+                    s.pending.push_back(e.body().to_string());
+                    s.guard.armed = false;
+                    s.done = true;
+                }
+                None => {
+                    s.guard.armed = false;
+                    s.done = true;
+                }
+            }
+        }
+    });
+    Sse::new(events).into_response()
+}
+
+async fn models(State(st): State<Arc<AppState>>) -> Response {
+    Json(json!({"object": "list", "data": [{
+        "id": st.model_id, "object": "model", "created": st.created, "owned_by": "bmoe",
+    }]}))
+    .into_response()
+}
+
+async fn health(State(st): State<Arc<AppState>>) -> Response {
+    if st.ready.load(Ordering::SeqCst) {
+        Json(json!({"status": "ready"})).into_response()
+    } else {
+        let mut r = (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "loading"})),
+        )
+            .into_response();
+        r.headers_mut()
+            .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+        r
+    }
+}
+
+async fn metrics_text(State(st): State<Arc<AppState>>) -> Response {
+    let body = st.metrics.render(
+        st.in_flight.load(Ordering::SeqCst),
+        st.ready.load(Ordering::SeqCst),
+    );
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        body,
+    )
+        .into_response()
+}
+
+async fn not_found(req: Request) -> Response {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "invalid_request_error",
+        format!(
+            "unknown path {}: this server answers POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health and GET /metrics",
+            req.uri().path()
+        ),
+    )
+    .with_code("not_found")
+    .into_response()
+}
+
+async fn wrong_method(req: Request) -> Response {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "invalid_request_error",
+        format!("{} is not allowed on {}", req.method(), req.uri().path()),
+    )
+    .into_response()
+}
+
+fn router(st: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics_text))
+        .fallback(not_found)
+        .method_not_allowed_fallback(wrong_method)
+        .layer(axum::middleware::from_fn_with_state(st.clone(), gatekeeper))
+        .with_state(st)
+}
+
+/// The engine's listener for one job: deltas to the HTTP side (streaming), with back-pressure
+/// and a deadline for a client that stops reading.
+struct JobListener<'a> {
+    job: &'a Job,
+    stream: bool,
+    client_timeout: Duration,
+    signal: &'a CancelFlag,
+}
+
+impl Listener for JobListener<'_> {
+    fn delta(&mut self, reasoning: &str, content: &str) -> bool {
+        if !self.stream {
+            return !self.gone();
+        }
+        let ev = Event::Delta {
+            reasoning: reasoning.to_string(),
+            content: content.to_string(),
+        };
+        match send_within(&self.job.events, ev, self.client_timeout, || self.gone()) {
+            Sent::Yes => true,
+            Sent::Gone => false,
+            Sent::Closed => {
+                self.job.watch.mark_gone();
+                false
+            }
+            Sent::TimedOut => {
+                eprintln!(
+                    "bmoe: serve: request {}: the client read nothing for {:.0} s; its generation is cancelled",
+                    self.job.id,
+                    self.client_timeout.as_secs_f64()
+                );
+                self.job.watch.mark_gone();
+                false
+            }
+        }
+    }
+    fn gone(&self) -> bool {
+        self.job.watch.gone.load(Ordering::SeqCst) || self.signal.is_set()
+    }
+    fn token(&mut self, n: u32) {
+        self.job.watch.produced.store(n, Ordering::SeqCst);
+    }
+}
+
+/// How a send from the engine to a request ended.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum Sent {
+    Yes,
+    /// The request's receiver is gone (its client disconnected).
+    Closed,
+    /// `gone()` said to stop waiting.
+    Gone,
+    /// The client took nothing for `timeout`.
+    TimedOut,
+}
+
+/// Send `ev`, waiting while the request's buffer is full (a client reading slowly holds the
+/// engine back rather than piling up text), at most `timeout`.
+fn send_within(
+    tx: &mpsc::Sender<Event>,
+    mut ev: Event,
+    timeout: Duration,
+    gone: impl Fn() -> bool,
+) -> Sent {
+    let deadline = Instant::now() + timeout;
+    loop {
+        match tx.try_send(ev) {
+            Ok(()) => return Sent::Yes,
+            Err(mpsc::error::TrySendError::Closed(_)) => return Sent::Closed,
+            Err(mpsc::error::TrySendError::Full(back)) => {
+                if gone() {
+                    return Sent::Gone;
+                }
+                if Instant::now() >= deadline {
+                    return Sent::TimedOut;
+                }
+                ev = back;
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        }
+    }
+}
+
+fn refused(r: &Refused) -> ApiError {
+    match r {
+        Refused::TooLong { .. } => {
+            ApiError::invalid("messages", r.to_string()).with_code("context_length_exceeded")
+        }
+        Refused::Broken(_) => ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "server_error",
+            r.to_string(),
+        ),
+        _ => ApiError::bad_request(r.to_string()),
+    }
+}
+
+/// The engine thread: load, then one job at a time until the job channel closes.
+struct Engine {
+    args: RunArgs,
+    model: PathBuf,
+    jobs: std_mpsc::Receiver<Job>,
+    in_flight: Arc<AtomicUsize>,
+    ready: Arc<AtomicBool>,
+    metrics: Arc<Metrics>,
+    client_timeout: Duration,
+    signal: CancelFlag,
+}
+
+impl Engine {
+    fn run(self) -> Result<()> {
+        let mut err = std::io::stderr();
+        let mut conv = Conversation::open(&self.args, &self.model, &mut err)?;
+        self.ready.store(true, Ordering::SeqCst);
+        eprintln!(
+            "bmoe: serve: model loaded in {:.2} s ({}, n_ctx {}, chat template: {})",
+            conv.load_s(),
+            conv.arch(),
+            conv.n_ctx(),
+            if conv.has_template() { "yes" } else { "none" }
+        );
+        // Requests without a seed draw one from a stream seeded by --seed: a server started
+        // with the same --seed answers the same sequence of requests the same way.
+        let mut seeds = rand_chacha::ChaCha20Rng::seed_from_u64(self.args.seed);
+        for job in self.jobs.iter() {
+            let last = self.serve_job(&mut conv, &job, &mut seeds);
+            // Free before the answer goes out: a client that sends its next request on seeing
+            // it finds the queue as it left it.
+            self.in_flight.fetch_sub(1, Ordering::SeqCst);
+            if let Some(ev) = last {
+                send_within(&job.events, ev, self.client_timeout, || false);
+            }
+        }
+        conv.finish()
+    }
+
+    /// Run one job; returns its last event (sent once the job no longer counts as in flight).
+    fn serve_job(
+        &self,
+        conv: &mut Conversation,
+        job: &Job,
+        seeds: &mut impl RngCore,
+    ) -> Option<Event> {
+        let seed = seeds.next_u64();
+        if job.watch.gone.load(Ordering::SeqCst) {
+            self.metrics.skipped();
+            return None;
+        }
+        let prepared = match conv.prepare(&job.prompt, job.common.max_tokens) {
+            Ok(p) => p,
+            Err(r) => {
+                let mut e = refused(&r);
+                if job.endpoint == Endpoint::Completion && e.param.as_deref() == Some("messages") {
+                    e.param = Some("prompt".into());
+                }
+                return Some(Event::Error(e));
+            }
+        };
+        if send_within(&job.events, Event::Started, self.client_timeout, || false) != Sent::Yes {
+            self.metrics.skipped();
+            return None;
+        }
+        let a = &self.args;
+        let c = &job.common;
+        let opts = TurnOptions {
+            sampler: crate::sample::SamplerConfig {
+                temp: c.temperature.unwrap_or(a.temp),
+                top_k: c.top_k.unwrap_or(a.top_k),
+                top_p: c.top_p.unwrap_or(a.top_p),
+                seed: c.seed.unwrap_or(seed),
+            },
+            stop: c.stop.clone(),
+        };
+        conv.cancel_flag().clear();
+        let mut listener = JobListener {
+            job,
+            stream: c.stream,
+            client_timeout: self.client_timeout,
+            signal: &self.signal,
+        };
+        let fin = match conv.run(&prepared, &opts, &mut listener) {
+            Ok(f) => f,
+            Err(e) => {
+                return Some(Event::Error(ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "server_error",
+                    format!("the generation failed: {}", crate::run::error_text(&e)),
+                )));
+            }
+        };
+        self.metrics.turn(
+            fin.prompt_tokens,
+            fin.cached_tokens,
+            fin.completion_tokens,
+            conv.summary(),
+        );
+        match fin.stop {
+            StopReason::Cancelled => {
+                let at = job.watch.gone_at.load(Ordering::SeqCst);
+                let overrun =
+                    (at != u32::MAX).then(|| u64::from(fin.completion_tokens.saturating_sub(at)));
+                self.metrics.cancelled(overrun);
+                eprintln!(
+                    "bmoe: serve: request {}: client gone{}; stopped after {} tokens ({} after it was noticed)",
+                    job.id,
+                    if at == u32::MAX { String::new() } else { format!(" after {at} tokens") },
+                    fin.completion_tokens,
+                    overrun.map_or_else(|| "?".into(), |o| o.to_string()),
+                );
+                Some(if self.signal.is_set() {
+                    ApiError::new(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "server_error",
+                        "the server is stopping: the generation was cancelled",
+                    )
+                } else {
+                    ApiError::new(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        "server_error",
+                        "the generation was cancelled",
+                    )
+                })
+                .map(Event::Error)
+            }
+            StopReason::Failed => {
+                let msg = fin.error.clone().unwrap_or_default();
+                eprintln!("bmoe: serve: FAILED: {msg}; the engine refuses further requests");
+                Some(Event::Error(ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "server_error",
+                    format!("a step failed: {msg}; this server's output is no longer trustworthy"),
+                )))
+            }
+            StopReason::Count | StopReason::EndOfGeneration => Some(Event::Done(Box::new(fin))),
+        }
+    }
+}
+
+/// Run the server until SIGINT/SIGTERM (`signal`). Returns the exit code.
+pub fn serve(mut a: ServeArgs, signal: &CancelFlag) -> Result<i32> {
+    let Some(model) = a.run.model.clone() else {
+        bail!("serve: no model given: pass -m MODEL.gguf");
+    };
+    if !a.run.prompt.is_empty() || a.run.file.is_some() || a.run.system_prompt.is_some() {
+        bail!("serve: -p, -f and -sys have no meaning: prompts arrive as requests (a system prompt is a system message)");
+    }
+    if a.run.session || a.run.decide {
+        bail!("serve: --session and --decide are the stdin protocol; the server speaks HTTP");
+    }
+    if a.queue > 4096 {
+        bail!("--queue {}: at most 4096", a.queue);
+    }
+    if !(a.read_timeout > 0.0 && a.read_timeout.is_finite())
+        || !(a.client_timeout > 0.0 && a.client_timeout.is_finite())
+    {
+        bail!("--read-timeout and --client-timeout take a positive number of seconds");
+    }
+    a.run.check_modes()?;
+    a.run.resolve_seed_reported(&mut std::io::stderr())?;
+    // The engine's ordinary environment fallbacks apply, as for a run.
+    let ip: IpAddr = match a.host.as_str() {
+        "localhost" => IpAddr::from([127, 0, 0, 1]),
+        h => h.parse().with_context(|| {
+            format!("--host {h}: expected an IP address (127.0.0.1, ::1, 0.0.0.0, ...)")
+        })?,
+    };
+    let loopback = ip.is_loopback();
+    let listener = std::net::TcpListener::bind(SocketAddr::new(ip, a.port))
+        .with_context(|| format!("cannot listen on {}:{}", a.host, a.port))?;
+    listener.set_nonblocking(true)?;
+    let addr = listener.local_addr()?;
+    if !loopback {
+        eprintln!(
+            "bmoe: serve: WARNING: listening on {addr}, reachable from other machines{}",
+            if a.api_key.is_some() {
+                ""
+            } else {
+                " with no --api-key: anyone who can reach this port can use the model"
+            }
+        );
+    }
+    let model_id = a.alias.clone().unwrap_or_else(|| {
+        model
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "bmoe".into())
+    });
+    let (job_tx, job_rx) = std_mpsc::channel();
+    let in_flight = Arc::new(AtomicUsize::new(0));
+    let ready = Arc::new(AtomicBool::new(false));
+    let metrics = Arc::new(Metrics::default());
+    let st = Arc::new(AppState {
+        jobs: Mutex::new(Some(job_tx)),
+        in_flight: in_flight.clone(),
+        capacity: a.queue + 1,
+        ready: ready.clone(),
+        metrics: metrics.clone(),
+        model_id,
+        created: unix_now(),
+        api_key: a.api_key.clone().filter(|k| !k.is_empty()),
+        loopback,
+        body_limit: a.body_limit_kib.max(1) * 1024,
+        read_timeout: Duration::from_secs_f64(a.read_timeout),
+        think_default: !a.run.no_think,
+        next_id: AtomicU64::new(1),
+    });
+    let engine = Engine {
+        args: a.run.clone(),
+        model,
+        jobs: job_rx,
+        in_flight,
+        ready,
+        metrics,
+        client_timeout: Duration::from_secs_f64(a.client_timeout),
+        signal: signal.clone(),
+    };
+    let engine_done = Arc::new(AtomicBool::new(false));
+    let engine_thread = {
+        let done = engine_done.clone();
+        std::thread::Builder::new()
+            .name("bmoe-engine".into())
+            .spawn(move || {
+                let r = engine.run();
+                done.store(true, Ordering::SeqCst);
+                r
+            })?
+    };
+    eprintln!("bmoe: serve: listening on http://{addr} (loading the model; GET /health says when it is ready)");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    let app = router(st.clone());
+    let stop = {
+        let signal = signal.clone();
+        let done = engine_done.clone();
+        async move {
+            while !signal.is_set() && !done.load(Ordering::SeqCst) {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    let served: Result<()> = rt.block_on(async move {
+        let listener = tokio::net::TcpListener::from_std(listener)?;
+        axum::serve(listener, app)
+            .with_graceful_shutdown(stop)
+            .await
+            .map_err(|e| anyhow!("serving HTTP: {e}"))
+    });
+    // No more jobs: the engine finishes the one it runs (a signal has cancelled it) and ends.
+    st.jobs.lock().unwrap_or_else(|e| e.into_inner()).take();
+    drop(st);
+    let engined = engine_thread
+        .join()
+        .map_err(|_| anyhow!("the engine thread panicked"))?;
+    engined?;
+    served?;
+    if signal.is_set() {
+        eprintln!("bmoe: serve: stopped by SIGINT/SIGTERM");
+    }
+    Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn loopback_names_are_recognised() {
+        for h in [
+            "localhost",
+            "localhost:8080",
+            "127.0.0.1",
+            "127.0.0.1:1",
+            "[::1]:80",
+            "[::1]",
+            "LOCALHOST.",
+            "app.localhost:3000",
+        ] {
+            assert!(loopback_host(h), "{h}");
+        }
+        for h in [
+            "example.com",
+            "evil.com:8080",
+            "10.0.0.1",
+            "127.0.0.1.evil.com",
+            "localhost.evil.com",
+            "",
+        ] {
+            assert!(!loopback_host(h), "{h}");
+        }
+        assert!(loopback_origin("http://localhost:3000"));
+        assert!(loopback_origin("https://127.0.0.1"));
+        assert!(!loopback_origin("http://evil.com"));
+        assert!(!loopback_origin("null"));
+        assert!(!loopback_origin("http://localhost:3000/x"));
+    }
+
+    #[test]
+    fn keys_compare_whole() {
+        assert!(same_key(b"abc", b"abc"));
+        assert!(!same_key(b"abc", b"abd"));
+        assert!(!same_key(b"abc", b"abcd"));
+    }
+}

@@ -1,0 +1,127 @@
+//! The llama.cpp reference for the parity gates (`parity.rs`, `archs.rs`): the prompt,
+//! whether python3 with llama-cpp-python is there, `scripts/llama_parity.py` batches, our
+//! teacher-forced logits, and the gate's numbers from a comparison.
+
+use crate::run;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+
+/// ~110 tokens of English, so that one chaotic top-1 flip costs under 1 % of the positions.
+pub const PROMPT: &str = "Phileas Fogg rose, and the cache of experts answered: streaming is the plan for tonight. \
+The router asks for eight experts at every layer; the ones already resident cost nothing, the others \
+are read from flash while the attention of the next layer waits. Passepartout counted the reads, \
+wrote them down in a small notebook, and found that the same experts came back again and again, \
+as if the model had favourite words for every sentence it was asked to finish before the train left.";
+
+/// Whether python3 with llama_cpp, gguf and numpy is installed: false skips the gate with a
+/// message, except under `CI=true`, where it panics.
+pub fn python_ready() -> bool {
+    let ok = Command::new("python3")
+        .args(["-c", "import llama_cpp, gguf, numpy"])
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
+    if !ok {
+        if std::env::var("CI").map(|v| v == "true").unwrap_or(false) {
+            panic!("CI=true but python3 with llama_cpp, gguf and numpy is missing (scripts/test.sh installs them)");
+        }
+        eprintln!("skipping llama.cpp parity: python3 with llama-cpp-python, gguf and numpy not installed (pip install -r scripts/requirements-test.txt)");
+    }
+    ok
+}
+
+/// `scripts/llama_parity.py`.
+pub fn script() -> PathBuf {
+    bmoe_engine::testdata::project_root()
+        .join("scripts")
+        .join("llama_parity.py")
+}
+
+/// Runs `llama_parity.py batch` on `jobs` (written to `DIR/NAME.json`).
+pub fn py_batch(dir: &Path, name: &str, jobs: &[serde_json::Value]) {
+    py_wait(py_batch_spawn(dir, name, jobs), name);
+}
+
+/// Starts `llama_parity.py batch` on `jobs` without waiting.
+pub fn py_batch_spawn(dir: &Path, name: &str, jobs: &[serde_json::Value]) -> Child {
+    let p = dir.join(format!("{name}.json"));
+    std::fs::write(&p, serde_json::to_vec(jobs).unwrap()).unwrap();
+    Command::new("python3")
+        .arg(script())
+        .args(["batch", p.to_str().unwrap()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run python3")
+}
+
+/// Waits for a batch started by [`py_batch_spawn`]; its failure fails the test.
+pub fn py_wait(child: Child, what: &str) {
+    let o = child.wait_with_output().expect("wait for python3");
+    assert!(
+        o.status.success(),
+        "llama_parity.py batch ({what}) failed:\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+/// Our teacher-forced logits for `m` over [`PROMPT`] into `out`, the token ids beside them
+/// (`out.json`).
+pub fn ours(m: &Path, out: &Path) {
+    let r = run(
+        m,
+        &[
+            "-p",
+            PROMPT,
+            "-n",
+            "8",
+            "--logits-out",
+            out.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(r.code, 0, "{}: {}", m.display(), r.stderr);
+}
+
+/// The gate's numbers for one file.
+pub struct Parity {
+    pub rows: usize,
+    pub cos_min: f64,
+    /// Strict top-1 agreement.
+    pub top1: f64,
+    /// Fraction of positions where the top-1 agrees (up to a near-tie: the reference ranks our
+    /// choice within 0.5 % of its logit range of its own best) and the cosine is ≥ 0.999.
+    pub good: f64,
+}
+
+/// The gate's numbers from `llama_parity.py compare` JSON, printed under `tag`.
+pub fn parity(json: &str, tag: &str) -> Parity {
+    let v: serde_json::Value = serde_json::from_str(json).unwrap();
+    let cos: Vec<f64> = v["cos"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c.as_f64().unwrap())
+        .collect();
+    let good = v["top1_tie"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(&cos)
+        .filter(|(t, c)| t.as_bool().unwrap() && **c >= 0.999)
+        .count() as f64
+        / cos.len().max(1) as f64;
+    let p = Parity {
+        rows: v["rows"].as_u64().unwrap() as usize,
+        cos_min: v["cos_min"].as_f64().unwrap(),
+        top1: v["top1_agree"].as_f64().unwrap(),
+        good,
+    };
+    eprintln!(
+        "parity {tag}: {} positions, cos_min {:.6}, strict top-1 agreement {:.1}%, top-1 (near-ties allowed) and cos >= 0.999 on {:.1}%",
+        p.rows,
+        p.cos_min,
+        100.0 * p.top1,
+        100.0 * p.good
+    );
+    p
+}

@@ -1,0 +1,390 @@
+#!/usr/bin/env python3
+"""`bmoe-cli serve` against the real `openai` Python client (issue 18, "Done when").
+
+Run by engine/tests/serve_openai.rs (CI) as
+
+    python3 scripts/serve_openai_test.py --bin BMOE_CLI --model TINY.gguf --workdir DIR
+
+It starts the server on a free loopback port in an empty working directory and checks:
+a plain and a streamed chat completion equal to the same request through `--session`; a
+3-turn conversation whose later turns report cached_tokens > 0 and prefill fewer tokens; a
+stream the client closes after 3 chunks (the next request is served, and the cancelled
+generation stopped within one token of the server learning the client had gone); the bad
+inputs (malformed JSON, wrong types, unknown roles, empty messages, a prompt over the
+context, a body over the limit, a slow client, an unknown path, a foreign Host or Origin, a
+missing or wrong API key, a full queue); /v1/completions, /v1/models, /health; and /metrics
+parsed with prometheus_client. The server must keep serving throughout, and write nothing
+in its working directory. Exit 0 when every check passed.
+"""
+
+import argparse
+import http.client
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import openai
+from prometheus_client.parser import text_string_to_metric_families
+
+KEY = "sk-bmoe-test"
+CTX = 1024
+
+
+def fail(msg):
+    print(f"FAIL: {msg}", file=sys.stderr)
+    sys.exit(1)
+
+
+def check(cond, msg):
+    if not cond:
+        fail(msg)
+    print(f"ok: {msg}")
+
+
+class Server:
+    def __init__(self, binary, model, workdir, extra):
+        self.err_path = os.path.join(os.path.dirname(workdir), "serve.stderr")
+        self.err = open(self.err_path, "w")
+        self.proc = subprocess.Popen(
+            [binary, "serve", "-m", model, "--port", "0", "-c", str(CTX), "-n", "16"] + extra,
+            cwd=workdir,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=self.err,
+        )
+        deadline = time.time() + 60
+        self.port = None
+        while time.time() < deadline and self.port is None:
+            if self.proc.poll() is not None:
+                fail(f"serve exited {self.proc.returncode}: {open(self.err_path).read()}")
+            m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", open(self.err_path).read())
+            if m:
+                self.port = int(m.group(1))
+            time.sleep(0.05)
+        if self.port is None:
+            fail("the server never said where it listens")
+        while time.time() < deadline:
+            st, body, _ = self.request("GET", "/health")
+            if st == 200 and json.loads(body)["status"] == "ready":
+                return
+            check(st == 503 and json.loads(body)["status"] == "loading", "/health says loading first")
+            time.sleep(0.05)
+        fail("the model never became ready")
+
+    def request(self, method, path, body=None, headers=None, auth=True):
+        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        h = {"Content-Type": "application/json"}
+        if auth:
+            h["Authorization"] = f"Bearer {KEY}"
+        h.update(headers or {})
+        if isinstance(body, (dict, list)):
+            body = json.dumps(body)
+        c.request(method, path, body=body, headers=h)
+        r = c.getresponse()
+        data = r.read()
+        c.close()
+        return r.status, data, dict(r.getheaders())
+
+    def metrics(self):
+        st, body, hdr = self.request("GET", "/metrics")
+        check(st == 200 and hdr.get("content-type", "").startswith("text/plain"), "/metrics answers text")
+        out = {}
+        for fam in text_string_to_metric_families(body.decode()):
+            for s in fam.samples:
+                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        return out
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            code = self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            fail("the server did not stop on SIGTERM")
+        self.err.close()
+        return code
+
+
+def metric(m, name, **labels):
+    return m.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def session_answer(binary, model, workdir, prompt, n):
+    """The same request through `bmoe-cli --session --chatml`: (reasoning, text)."""
+    req = json.dumps({"cmd": "generate", "id": 1, "prompt": prompt, "n_predict": n}) + "\n"
+    # stdin stays open until the answer: EOF would close the session and cancel the turn.
+    p = subprocess.Popen(
+        [binary, "-m", model, "--session", "--chatml", "-c", str(CTX)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=workdir,
+    )
+    p.stdin.write(req)
+    p.stdin.flush()
+    done = None
+    for line in p.stdout:
+        if line.startswith("BMOE_DONE "):
+            done = json.loads(line[len("BMOE_DONE "):])
+            break
+        if line.startswith("BMOE_ERROR "):
+            break
+    p.stdin.close()
+    p.wait(timeout=60)
+    if done is None or done["cancelled"]:
+        fail(f"--session gave no whole answer: {done}")
+    return done["reasoning"], done["text"]
+
+
+def error_of(st, body, status, needle, param=None):
+    d = json.loads(body)
+    e = d.get("error", {})
+    return (
+        st == status
+        and needle in e.get("message", "")
+        and isinstance(e.get("type"), str)
+        and (param is None or e.get("param") == param)
+    )
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bin", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--workdir", required=True)
+    a = ap.parse_args()
+    a.bin, a.model, a.workdir = (os.path.abspath(p) for p in (a.bin, a.model, a.workdir))
+    os.makedirs(a.workdir, exist_ok=True)
+    check(os.listdir(a.workdir) == [], "the server's working directory starts empty")
+    srv = Server(
+        a.bin,
+        a.model,
+        a.workdir,
+        ["--api-key", KEY, "--queue", "1", "--body-limit-kib", "64", "--read-timeout", "1"],
+    )
+    try:
+        run(a, srv)
+    finally:
+        code = srv.stop()
+    check(code == 0, f"the server stopped cleanly on SIGTERM (exit {code})")
+    left = os.listdir(a.workdir)
+    check(left == [], f"the server wrote nothing in its working directory ({left})")
+    print("all checks passed")
+
+
+def run(a, srv):
+    base = f"http://127.0.0.1:{srv.port}/v1"
+    client = openai.OpenAI(base_url=base, api_key=KEY, max_retries=0, timeout=120)
+
+    # /v1/models and /health.
+    models = client.models.list()
+    check([m.id for m in models.data] == [os.path.splitext(os.path.basename(a.model))[0]], "/v1/models lists the model")
+    st, body, _ = srv.request("GET", "/health", auth=False)
+    check(st == 200 and json.loads(body) == {"status": "ready"}, "/health needs no key and says ready")
+
+    # A plain and a streamed chat completion, equal to --session.
+    prompt, n = "Tell me about the river.", 24
+    want_reasoning, want_text = session_answer(a.bin, a.model, os.path.dirname(a.workdir), prompt, n)
+    r = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=n, temperature=0
+    )
+    msg = r.choices[0].message
+    got_reasoning = (msg.model_extra or {}).get("reasoning_content") or ""
+    check(msg.content == want_text, f"plain chat text equals --session's ({msg.content!r})")
+    check(got_reasoning == want_reasoning, "plain chat reasoning_content equals --session's reasoning")
+    check(r.choices[0].finish_reason in ("stop", "length"), "finish_reason is stop or length")
+    check(r.usage.completion_tokens <= n and r.usage.prompt_tokens > 0, "usage counts the tokens")
+    tel = r.model_extra["bmoe"]
+    check(tel["tokens"] == r.usage.completion_tokens and "tok_s" in tel and "cache_hit_pct" in tel, "the bmoe telemetry extension carries the BMOE_DONE keys")
+    check("text" not in tel and "reasoning" not in tel, "the extension does not repeat the text")
+
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=n,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    text, reasoning, finish, usage, ext = "", "", None, None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            reasoning += (c.delta.model_extra or {}).get("reasoning_content") or ""
+            finish = c.finish_reason or finish
+        ext = (chunk.model_extra or {}).get("bmoe") or ext
+    check(text == want_text, "streamed chat text equals --session's")
+    check(reasoning == want_reasoning, "streamed reasoning_content equals --session's")
+    check(finish == r.choices[0].finish_reason, "the stream ends with the same finish_reason")
+    check(usage is not None and usage.completion_tokens == r.usage.completion_tokens, "include_usage sends a usage chunk")
+    check(ext is not None and ext["tokens"] == usage.completion_tokens, "the stream's last chunk carries the telemetry")
+
+    # A 3-turn conversation: later turns reuse the KV.
+    msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+    prompts, cached = [], []
+    for turn, follow in enumerate(["And another?", "One more, please."]):
+        r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0)
+        prompts.append(r.usage.prompt_tokens)
+        cached.append(r.usage.prompt_tokens_details.cached_tokens)
+        msgs.append({"role": "assistant", "content": r.choices[0].message.content})
+        msgs.append({"role": "user", "content": follow})
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0)
+    prompts.append(r.usage.prompt_tokens)
+    cached.append(r.usage.prompt_tokens_details.cached_tokens)
+    prefilled = [p - c for p, c in zip(prompts, cached)]
+    print(f"   3 turns: prompt tokens {prompts}, cached {cached}, prefilled {prefilled}")
+    check(all(c > 0 for c in cached[1:]), "turns 2 and 3 report cached_tokens > 0")
+    check(all(prefilled[i] < prompts[i] for i in (1, 2)), "turns 2 and 3 prefill fewer tokens than their prompt")
+    check(r.model_extra["bmoe"]["n_reused"] == cached[2], "the telemetry's n_reused is cached_tokens")
+
+    # A stream the client closes after 3 chunks.
+    before = srv.metrics()
+    long_n = 900
+    stream = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Write a long story."}], max_tokens=long_n, temperature=0, stream=True
+    )
+    got = 0
+    for _ in stream:
+        got += 1
+        if got == 3:
+            break
+    stream.close()
+    r = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Still there?"}], max_tokens=5, temperature=0
+    )
+    check(r.choices[0].message.content is not None, "the request after a closed stream is served")
+    after = srv.metrics()
+    cancelled = metric(after, "bmoe_requests_cancelled_total") - metric(before, "bmoe_requests_cancelled_total")
+    check(cancelled == 1, "the closed stream's generation was cancelled")
+    overrun = metric(after, "bmoe_cancel_overrun_tokens")
+    check(overrun <= 1, f"it stopped within one token of the server noticing ({overrun:.0f} tokens after)")
+    gen = metric(after, "bmoe_completion_tokens_total") - metric(before, "bmoe_completion_tokens_total") - r.usage.completion_tokens
+    check(gen < long_n, f"the cancelled generation made {gen:.0f} of its {long_n} tokens")
+
+    # A full queue (--queue 1): one generates, one waits, a third is 503 with Retry-After.
+    def long_stream(content):
+        return client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": content}], max_tokens=long_n, temperature=0, stream=True
+        )
+
+    first = long_stream("Another long story.")
+    # One iterator kept alive: a discarded generator closes the response (and cancels it).
+    first_events = iter(first)
+    next(first_events)
+    waiting = {}
+    t = threading.Thread(target=lambda: waiting.setdefault("s", long_stream("A third long story.")))
+    t.start()
+    deadline = time.time() + 30
+    while metric(srv.metrics(), "bmoe_requests_in_flight") < 2 and time.time() < deadline:
+        time.sleep(0.02)
+    st, body, hdr = srv.request("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+    check(st == 503 and "retry-after" in {k.lower() for k in hdr} and error_of(st, body, 503, "busy"), "a request past the queue is 503 with Retry-After")
+    try:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        fail("the openai client got no error from a full queue")
+    except openai.APIStatusError as e:
+        check(e.status_code == 503, "the openai client sees the 503")
+    time.sleep(0.2)
+    check(sum(1 for _ in zip(range(5), first_events)) == 5, "the running stream kept streaming meanwhile")
+    first.close()
+    t.join(timeout=60)
+    check("s" in waiting, "the queued request starts when the one before it is cancelled")
+    next(iter(waiting["s"]))
+    waiting["s"].close()
+
+    # Bad inputs: each a clear error in the OpenAI shape.
+    chat = "/v1/chat/completions"
+    user = [{"role": "user", "content": "hi"}]
+    cases = [
+        ("malformed JSON", chat, '{"messages": [', 400, "not valid JSON", None),
+        ("wrong type", chat, {"messages": user, "max_tokens": "8"}, 400, "max_tokens", "max_tokens"),
+        ("wrong type", chat, {"messages": "hi"}, 400, "expected an array", "messages"),
+        ("unknown role", chat, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "unknown role", "messages[0].role"),
+        ("empty messages", chat, {"messages": []}, 400, "empty", "messages"),
+        ("over the context", chat, {"messages": [{"role": "user", "content": "word " * (CTX * 2)}]}, 400, "context", "messages"),
+        ("over the context", "/v1/completions", {"prompt": "word " * (CTX * 2)}, 400, "context", "prompt"),
+        ("body over the limit", chat, json.dumps({"messages": [{"role": "user", "content": "x" * 100_000}]}), 413, "limit", None),
+    ]
+    for what, path, body, status, needle, param in cases:
+        st, data, _ = srv.request("POST", path, body)
+        check(error_of(st, data, status, needle, param), f"{what}: {status} ({json.loads(data)['error']['message'][:70]})")
+    st, data, _ = srv.request("POST", chat, {"messages": [{"role": "user", "content": "word " * (CTX * 2)}]})
+    check(json.loads(data)["error"]["code"] == "context_length_exceeded", "over the context: code context_length_exceeded")
+    st, data, _ = srv.request("GET", "/v1/nothing")
+    check(error_of(st, data, 404, "unknown path"), "an unknown path is 404")
+    st, data, _ = srv.request("GET", chat)
+    check(st == 405, "a wrong method is 405")
+    st, data, _ = srv.request("GET", "/v1/models", headers={"Host": "evil.example:80"})
+    check(error_of(st, data, 403, "not loopback"), "a foreign Host on a loopback bind is 403")
+    st, data, _ = srv.request("POST", chat, {"messages": user}, headers={"Origin": "http://evil.example"})
+    check(error_of(st, data, 403, "Origin"), "a foreign Origin is 403")
+    st, data, _ = srv.request("POST", chat, {"messages": user, "max_tokens": 2}, headers={"Origin": "http://localhost:3000"})
+    check(st == 200, "a loopback Origin is served")
+    st, data, _ = srv.request("GET", "/v1/models", auth=False)
+    check(error_of(st, data, 401, "missing API key"), "no API key is 401")
+    bad = openai.OpenAI(base_url=base, api_key="sk-wrong", max_retries=0)
+    try:
+        bad.models.list()
+        fail("a wrong key was accepted")
+    except openai.AuthenticationError:
+        check(True, "a wrong API key is 401 (openai.AuthenticationError)")
+    # A slow client: headers, then part of the body, then nothing.
+    s = socket.create_connection(("127.0.0.1", srv.port))
+    s.sendall(
+        f"POST {chat} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+        "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"mess".encode()
+    )
+    s.settimeout(10)
+    t0 = time.time()
+    resp = b""
+    try:
+        while b"\r\n\r\n" not in resp:
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            resp += chunk
+    except socket.timeout:
+        pass
+    s.close()
+    check(resp.startswith(b"HTTP/1.1 408"), f"a body that does not arrive is 408 after {time.time() - t0:.1f} s")
+    # A client that disconnects mid-request (body half sent, connection closed).
+    s = socket.create_connection(("127.0.0.1", srv.port))
+    s.sendall(f"POST {chat} HTTP/1.1\r\nHost: localhost\r\nContent-Length: 50\r\n\r\n{{".encode())
+    s.close()
+
+    # Raw completions, plain and streamed.
+    r = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=8, temperature=0)
+    text = r.choices[0].text
+    check(r.usage.completion_tokens > 0 and r.choices[0].finish_reason in ("stop", "length"), "/v1/completions answers")
+    streamed = "".join(c.choices[0].text for c in client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=8, temperature=0, stream=True) if c.choices)
+    check(streamed == text, "a streamed completion equals the plain one")
+    # Stop strings end the answer before them.
+    if len(text) > 4:
+        stop = text[2:4]
+        r = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=8, temperature=0, stop=[stop])
+        check(r.choices[0].text == text[: text.index(stop)] and r.choices[0].finish_reason == "stop", f"stop {stop!r} cuts the text before it")
+
+    # Still serving; /metrics parsed.
+    r = client.chat.completions.create(model="tiny", messages=user, max_tokens=3)
+    check(r.choices[0].message.content is not None, "the server still serves after every bad input")
+    m = srv.metrics()
+    check(metric(m, "bmoe_ready") == 1, "/metrics: bmoe_ready 1")
+    check(metric(m, "bmoe_requests_total", endpoint="/v1/chat/completions", status="200") >= 8, "/metrics counts the 200s")
+    check(metric(m, "bmoe_requests_total", endpoint="/v1/chat/completions", status="400") >= 6, "/metrics counts the 400s")
+    check(metric(m, "bmoe_requests_total", endpoint="other", status="404") >= 1, "/metrics counts unknown paths under 'other'")
+    check(metric(m, "bmoe_cached_tokens_total") > 0, "/metrics counts the reused tokens")
+    check(metric(m, "bmoe_decode_tokens_per_second") > 0, "/metrics has the decode rate")
+    check(metric(m, "bmoe_requests_rejected_busy_total") >= 2, "/metrics counts the 503s")
+    check(metric(m, "bmoe_requests_in_flight") == 0, "nothing is left in flight")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,237 @@
+//! `bmoe-sim sweep` outputs: a parallel sweep writes exactly the bytes a serial one does (every
+//! file, the PNGs included), and the tidy table, pivot and per-layer table agree with each
+//! other. A synthetic 12-turn trace (written here), so the test needs nothing outside.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+/// A route trace of `turns` turns × `tokens` decode tokens over 3 MoE layers of 16 experts,
+/// top-2, skewed popularity that drifts from turn to turn.
+fn synthetic_trace(turns: u32, tokens: u32) -> String {
+    let mut t = String::from(
+        "# route_trace v1\n# model=synthetic arch=qwen3moe n_layer=3 n_expert=16 n_expert_used=2\n",
+    );
+    for l in 0..3 {
+        let _ = writeln!(t, "# layer={l} expert_bytes=1048576 dense_bytes=4096");
+    }
+    t.push_str("turn,phase,step,layer,slot,expert,weight,residency,expert_bytes,dropped\n");
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut next = || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    for turn in 0..turns {
+        for step in 0..tokens {
+            for layer in 0..3u32 {
+                let mut ids: Vec<u64> = Vec::new();
+                while ids.len() < 2 {
+                    // Squared uniform: low ids are popular; the turn shifts which.
+                    let u = (next() % 1000) as f64 / 1000.0;
+                    let e = ((u * u * 16.0) as u64 + u64::from(turn) + u64::from(layer)) % 16;
+                    if !ids.contains(&e) {
+                        ids.push(e);
+                    }
+                }
+                for (slot, e) in ids.iter().enumerate() {
+                    let _ = writeln!(
+                        t,
+                        "{turn},1,{step},{layer},{slot},{e},{},0,1048576,0",
+                        if slot == 0 { "0.6" } else { "0.4" }
+                    );
+                }
+            }
+        }
+    }
+    t
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("bmoe-sweep-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).expect("scratch dir");
+    d
+}
+
+fn sweep(trace: &Path, out: &Path, jobs: &str, extra: &[&str]) -> String {
+    let mut argv: Vec<String> = [
+        "bmoe-sim",
+        "sweep",
+        "--trace",
+        &trace.display().to_string(),
+        "--experts-per-layer",
+        "2,4,8",
+        "--lanes",
+        "1,2",
+        "--overlap",
+        "both",
+        "--predictors",
+        "none,prefetch:1",
+        "--jobs",
+        jobs,
+        "--out",
+        &out.display().to_string(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    argv.extend(extra.iter().map(|s| s.to_string()));
+    let (mut o, mut e) = (Vec::new(), Vec::new());
+    let code = bmoe_sim::cli::run(argv, &[], &mut o, &mut e);
+    assert_eq!(code, 0, "{}", String::from_utf8_lossy(&e));
+    String::from_utf8_lossy(&o).into_owned()
+}
+
+#[test]
+fn a_parallel_sweep_writes_the_bytes_a_serial_one_does() {
+    let dir = scratch("par");
+    let trace = dir.join("t.route.csv");
+    std::fs::write(&trace, synthetic_trace(12, 10)).expect("trace");
+    let (serial, parallel) = (dir.join("serial"), dir.join("parallel"));
+    let a = sweep(&trace, &serial, "1", &["--x", "experts"]);
+    let b = sweep(&trace, &parallel, "2", &["--x", "experts"]);
+    assert_eq!(a.replace("serial", "X"), b.replace("parallel", "X"));
+    let mut names: Vec<String> = std::fs::read_dir(&serial)
+        .expect("serial dir")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(
+        names,
+        [
+            "hit_rate.png",
+            "hit_rate.svg",
+            "per_layer.csv",
+            "per_layer.md",
+            "per_layer.png",
+            "per_layer.svg",
+            "pivot.md",
+            "sweep.csv",
+            "tok_s.png",
+            "tok_s.svg"
+        ]
+    );
+    for n in &names {
+        let (x, y) = (
+            std::fs::read(serial.join(n)).expect(n),
+            std::fs::read(parallel.join(n)).expect(n),
+        );
+        assert!(!x.is_empty(), "{n} is empty");
+        assert!(x == y, "{n} differs between --jobs 1 and --jobs 2");
+    }
+    let png = std::fs::read(serial.join("hit_rate.png")).expect("png");
+    assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
+
+    // The tidy table: one row per cell (3 budgets × (5 policies + belady) × 2 × 2 for none,
+    // 3 × 5 × 2 × 2 for prefetch:1), and its counts agree with the per-layer table.
+    let table = std::fs::read_to_string(serial.join("sweep.csv")).expect("sweep.csv");
+    let mut lines = table.lines();
+    let header: Vec<&str> = lines.next().expect("header").split(',').collect();
+    assert_eq!(header, bmoe_sim::sweep::report::COLUMNS);
+    let col = |n: &str| header.iter().position(|h| *h == n).expect(n);
+    let rows: Vec<Vec<&str>> = lines.map(|l| l.split(',').collect()).collect();
+    let n_policies = bmoe_core::policy::POLICY_NAMES.len();
+    assert_eq!(rows.len(), 3 * (n_policies + 1) * 4 + 3 * n_policies * 4);
+    let per_layer = std::fs::read_to_string(serial.join("per_layer.csv")).expect("per_layer");
+    for r in &rows {
+        assert_eq!(r[col("turns")], "12");
+        let key = [
+            r[col("predictor")],
+            r[col("policy")],
+            r[col("lanes")],
+            r[col("overlap")],
+            r[col("budget_bytes")],
+        ]
+        .join(",");
+        let (mut n, mut h) = (0u64, 0u64);
+        for l in per_layer
+            .lines()
+            .filter(|l| l.starts_with(&format!("{key},")))
+        {
+            let f: Vec<&str> = l.split(',').collect();
+            n += f[7].parse::<u64>().expect("routings");
+            h += f[8].parse::<u64>().expect("hits");
+        }
+        assert_eq!(n.to_string(), r[col("decode_routings")], "{key}");
+        assert_eq!(h.to_string(), r[col("decode_hits")], "{key}");
+        // Every lookup is a decode routing here (no prefill), so the two hit counts agree.
+        assert_eq!(r[col("hits")], r[col("decode_hits")], "{key}");
+        // 12 turns: intervals exist and hold the point value.
+        let f = |c: &str| {
+            r[col(c)]
+                .parse::<f64>()
+                .unwrap_or_else(|_| panic!("{c} {key}"))
+        };
+        assert!(
+            f("decode_hit_rate_lo") <= f("decode_hit_rate") + 1e-4,
+            "{key}"
+        );
+        assert!(
+            f("decode_hit_rate_hi") >= f("decode_hit_rate") - 1e-4,
+            "{key}"
+        );
+        if r[col("predictor")] == "prefetch:1" {
+            assert!(f("spec_useful") <= f("spec_experts"), "{key}");
+        } else {
+            assert_eq!(r[col("spec_experts")], "0", "{key}");
+        }
+    }
+    let pivot = std::fs::read_to_string(serial.join("pivot.md")).expect("pivot");
+    assert!(pivot.contains("## Hit rate, predictor `none`"), "{pivot}");
+    assert!(
+        pivot.contains("Share of the LRU→Belady headroom"),
+        "{pivot}"
+    );
+    assert!(pivot.contains("| 2/layer | 4/layer | 8/layer |"), "{pivot}");
+    assert!(pivot.contains("bootstrap 95 % interval over the trace's 12 turns"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn hit_rate_panels_follow_the_settings_they_differ_by() {
+    // Without a predictor the hits cannot depend on lanes or overlap: one panel, said so.
+    let dir = scratch("facets");
+    let trace = dir.join("t.route.csv");
+    std::fs::write(&trace, synthetic_trace(3, 12)).expect("trace");
+    let out = dir.join("none");
+    let mut argv: Vec<String> = [
+        "bmoe-sim",
+        "sweep",
+        "--trace",
+        &trace.display().to_string(),
+        "--experts-per-layer",
+        "2,4",
+        "--policies",
+        "lru",
+        "--lanes",
+        "1,4",
+        "--out",
+        &out.display().to_string(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let (mut o, mut e) = (Vec::new(), Vec::new());
+    assert_eq!(bmoe_sim::cli::run(argv.clone(), &[], &mut o, &mut e), 0);
+    let svg = std::fs::read_to_string(out.join("hit_rate.svg")).expect("svg");
+    assert!(svg.contains("identical under every lanes/overlap setting"));
+    let tps = std::fs::read_to_string(out.join("tok_s.svg")).expect("svg");
+    for s in [
+        "1 lane, overlap off",
+        "1 lane, overlap on",
+        "4 lanes, overlap off",
+        "4 lanes, overlap on",
+    ] {
+        assert!(tps.contains(s), "tok/s panel {s}");
+    }
+    let pivot = std::fs::read_to_string(out.join("pivot.md")).expect("pivot");
+    assert!(
+        pivot.contains("No intervals: the trace has 3 turn(s)"),
+        "{pivot}"
+    );
+    // A bad axis is a usage error.
+    argv.extend(["--x".to_string(), "bytes".to_string()]);
+    assert_eq!(bmoe_sim::cli::run(argv, &[], &mut o, &mut e), 2);
+    let _ = std::fs::remove_dir_all(&dir);
+}
