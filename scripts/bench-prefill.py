@@ -3,7 +3,7 @@
 GGUF files, side by side in one run, interleaved (bmoe, llama.cpp, bmoe, ...) so machine load
 and drift hit both alike.
 
-  bench-prefill.py MODEL... [--bin target/release/bmoe-cli] --llama-bench /work/llama-build/bin/llama-bench
+  bench-prefill.py MODEL... [--bin target/release/bmoe-cli [--bin OTHER]] --llama-bench /work/llama-build/bin/llama-bench
                    [-t 2] [-p 128] [-n 64] [--reps 3] [--repack 0,1]
 
 bmoe pp: a prompt that tokenizes to exactly -p tokens (found with llama.cpp's tokenizer for the
@@ -87,7 +87,9 @@ def fmt(xs):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("models", nargs="+")
-    ap.add_argument("--bin", default="target/release/bmoe-cli")
+    ap.add_argument("--bin", action="append",
+                    help="a bmoe-cli binary; repeat to compare builds in the same run "
+                         "(each measured in every repetition; default target/release/bmoe-cli)")
     ap.add_argument("--llama-bench", required=True)
     ap.add_argument("-t", type=int, default=2)
     ap.add_argument("-p", type=int, default=128)
@@ -96,41 +98,53 @@ def main():
     ap.add_argument("--repack", default="0,1")
     ap.add_argument("--tests", default="pp,tg", help="pp, tg or both")
     a = ap.parse_args()
+    bins = a.bin or ["target/release/bmoe-cli"]
     tests = a.tests.split(",")
     load = os.getloadavg()
     print(f"threads {a.t}, pp{a.p} / tg{a.n}, {a.reps} interleaved repetitions, "
           f"load average at start {load[0]:.1f} on {os.cpu_count()} cores")
     for model in a.models:
         prompt, n_tok = exact_prompt(model, a.p)
-        pp_b, tg_b, pp_l, tg_l, pp_r, tg_r = [], [], [], [], [], []
+        pp_b = {b: [] for b in bins}
+        tg_b = {b: [] for b in bins}
+        pp_r = {b: [] for b in bins}
+        tg_r = {b: [] for b in bins}
+        pp_l, tg_l = [], []
         for rep in range(a.reps):
-            if "pp" in tests:
-                n, v = bmoe_pp(a.bin, model, prompt, a.t)
-                if n != a.p:
-                    print(f"  note: bmoe tokenized the prompt to {n} tokens, llama.cpp to {n_tok}")
-                pp_b.append(v)
-            if "tg" in tests:
-                tg_b.append(bmoe_tg(a.bin, model, a.n, a.t))
+            for b in bins:
+                if "pp" in tests:
+                    n, v = bmoe_pp(b, model, prompt, a.t)
+                    if n != a.p:
+                        print(f"  note: bmoe tokenized the prompt to {n} tokens, llama.cpp to {n_tok}")
+                    pp_b[b].append(v)
+                if "tg" in tests:
+                    tg_b[b].append(bmoe_tg(b, model, a.n, a.t))
             r = llama_bench(a.llama_bench, model, a.p if "pp" in tests else 0,
                             a.n if "tg" in tests else 0, a.t, a.repack)
             if "pp" in tests:
                 best = max(r[f"pp{a.p}"].values())
                 pp_l.append(best)
-                pp_r.append(pp_b[-1] / best)
+                for b in bins:
+                    pp_r[b].append(pp_b[b][-1] / best)
             if "tg" in tests:
                 best = max(r[f"tg{a.n}"].values())
                 tg_l.append(best)
-                tg_r.append(tg_b[-1] / best)
+                for b in bins:
+                    tg_r[b].append(tg_b[b][-1] / best)
             detail = {k: {f"repack={rk}": round(rv, 2) for rk, rv in v.items()} for k, v in r.items()}
-            print(f"  rep {rep + 1}: bmoe pp {pp_b[-1] if pp_b else '-'} tg {tg_b[-1] if tg_b else '-'}; "
-                  f"llama.cpp {detail}", flush=True)
+            mine = "; ".join(
+                f"{b}: pp {round(pp_b[b][-1], 2) if pp_b[b] else '-'} tg {round(tg_b[b][-1], 2) if tg_b[b] else '-'}"
+                for b in bins)
+            print(f"  rep {rep + 1} (load {os.getloadavg()[0]:.1f}): {mine}; llama.cpp {detail}", flush=True)
         name = os.path.basename(model)
-        if pp_b:
-            print(f"{name} pp{a.p}: bmoe {fmt(pp_b)} tok/s, llama.cpp best {fmt(pp_l)} tok/s, "
-                  f"ratio {fmt(pp_r)}")
-        if tg_b:
-            print(f"{name} tg{a.n}: bmoe {fmt(tg_b)} tok/s, llama.cpp best {fmt(tg_l)} tok/s, "
-                  f"ratio {fmt(tg_r)}")
+        for b in bins:
+            tag = f" [{b}]" if len(bins) > 1 else ""
+            if pp_b[b]:
+                print(f"{name} pp{a.p}{tag}: bmoe {fmt(pp_b[b])} tok/s, llama.cpp best {fmt(pp_l)} tok/s, "
+                      f"ratio {fmt(pp_r[b])}")
+            if tg_b[b]:
+                print(f"{name} tg{a.n}{tag}: bmoe {fmt(tg_b[b])} tok/s, llama.cpp best {fmt(tg_l)} tok/s, "
+                      f"ratio {fmt(tg_r[b])}")
         sys.stdout.flush()
 
 

@@ -67,6 +67,50 @@ impl Compute {
     }
 }
 
+/// `out_i` (token-major, `n × mats[i].rows`) = `mats[i]` · each of the `n` rows of `input`
+/// for matrices that read the same input (attention's q, k, v): quantised once and run in one
+/// round of the pool when their activation formats agree, one by one otherwise. The bits are
+/// those of [`Compute::mat_rows`] for each.
+impl Compute {
+    pub fn mats_rows(
+        &self,
+        mats: &mut [(&Mat, &mut [f32])],
+        input: &[f32],
+        n: usize,
+        acts: &mut Vec<ActBuf>,
+    ) -> Result<(), ArchError> {
+        let Some((first, _)) = mats.first() else {
+            return Ok(());
+        };
+        let (ty, cols) = (first.ty, first.cols);
+        let fmt = kernels::ActFormat::for_weights(ty);
+        let shared = fmt.is_some()
+            && mats
+                .iter()
+                .all(|(m, _)| m.cols == cols && kernels::ActFormat::for_weights(m.ty) == fmt);
+        if !shared {
+            for (m, out) in mats.iter_mut() {
+                self.mat_rows(m, input, n, acts, out)?;
+            }
+            return Ok(());
+        }
+        prepare_acts(&self.pool, ty, input, n, cols, acts)?;
+        let acts = &acts[..n];
+        let mut products: Vec<kernels::Product<'_, ActBuf>> = mats
+            .iter_mut()
+            .map(|(m, out)| kernels::Product {
+                ty: m.ty,
+                w: m.bytes(),
+                n_rows: m.rows,
+                n_cols: m.cols,
+                acts,
+                out: &mut out[..n * m.rows],
+            })
+            .collect();
+        kernels::matmul_round(&self.pool, &mut products).map_err(kerr)
+    }
+}
+
 /// Quantize `n` input rows of `cols` values for dot products with weights of type `ty`, once
 /// for the batch, the rows split across the pool.
 pub fn prepare_acts(

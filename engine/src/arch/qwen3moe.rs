@@ -14,7 +14,7 @@ use super::weights::{ExpertTensor, Loader, Mat, Weights};
 use super::{Arch, ArchError, Dims, ExpertIn, MoeLayer};
 use crate::dense::DenseMode;
 use crate::gguf::GgufFile;
-use crate::kernels::{ActBuf, ActFormat};
+use crate::kernels::{self, ActBuf, ActFormat};
 use bmoe_core::Gating;
 use std::sync::Arc;
 
@@ -199,11 +199,12 @@ pub(crate) fn qwen_attention(
     st.k.resize(n * kvd, 0.0);
     st.v.resize(n * kvd, 0.0);
     let mut acts = std::mem::take(&mut st.scratch.acts);
-    let r = (|| {
-        cx.mat_rows(&w.q, &st.cur, n, &mut acts, &mut st.q)?;
-        cx.mat_rows(&w.k, &st.cur, n, &mut acts, &mut st.k)?;
-        cx.mat_rows(&w.v, &st.cur, n, &mut acts, &mut st.v)
-    })();
+    let r = cx.mats_rows(
+        &mut [(&w.q, &mut st.q), (&w.k, &mut st.k), (&w.v, &mut st.v)],
+        &st.cur,
+        n,
+        &mut acts,
+    );
     st.scratch.acts = acts;
     r?;
     for (buf, b) in [
@@ -303,25 +304,65 @@ pub(crate) fn split_ffn(
         pre.len() == n && f.is_some() && pre.iter().all(|a| a.format() == f && a.n_cols() == d)
     };
     let (g_pre, u_pre) = (usable(gt), usable(ut));
-    // gate and up read the same input: quantize it once when their types share an
-    // activation format and it is not prepared already.
-    if g_pre {
-        blocks::mul_prepared(&cx.pool, gt, g, ff, d, pre, &mut s.gate)?;
-    } else {
+    if g_pre && u_pre {
+        gate_up(cx, pre, (gt, g), (ut, u), ff, d, &mut s.gate, &mut s.up)?;
+    } else if !g_pre && !u_pre && ActFormat::for_weights(ut) == ActFormat::for_weights(gt) {
         blocks::prepare_acts(&cx.pool, gt, input, n, d, &mut s.acts)?;
-        blocks::mul_prepared(&cx.pool, gt, g, ff, d, &s.acts[..n], &mut s.gate)?;
-    }
-    if u_pre {
-        blocks::mul_prepared(&cx.pool, ut, u, ff, d, pre, &mut s.up)?;
+        gate_up(
+            cx,
+            &s.acts[..n],
+            (gt, g),
+            (ut, u),
+            ff,
+            d,
+            &mut s.gate,
+            &mut s.up,
+        )?;
     } else {
-        if g_pre || ActFormat::for_weights(ut) != ActFormat::for_weights(gt) {
-            blocks::prepare_acts(&cx.pool, ut, input, n, d, &mut s.acts)?;
+        // A mixed file: gate and up quantise for different activation formats.
+        for (pre_ok, ty, w, o) in [(g_pre, gt, g, &mut s.gate), (u_pre, ut, u, &mut s.up)] {
+            if pre_ok {
+                blocks::mul_prepared(&cx.pool, ty, w, ff, d, pre, o)?;
+            } else {
+                blocks::prepare_acts(&cx.pool, ty, input, n, d, &mut s.acts)?;
+                blocks::mul_prepared(&cx.pool, ty, w, ff, d, &s.acts[..n], o)?;
+            }
         }
-        blocks::mul_prepared(&cx.pool, ut, u, ff, d, &s.acts[..n], &mut s.up)?;
     }
     glu.apply(&mut s.gate, &s.up);
     blocks::prepare_acts(&cx.pool, dt, &s.gate, n, ff, &mut s.act2)?;
     blocks::mul_prepared(&cx.pool, dt, dn, d, ff, &s.act2[..n], out)
+}
+
+/// gate and up (both `ff × d`) on the same prepared rows, in one round of the pool.
+#[allow(clippy::too_many_arguments)]
+fn gate_up<A: std::borrow::Borrow<ActBuf> + Sync>(
+    cx: &Compute,
+    acts: &[A],
+    (gt, g): (crate::gguf::GgmlType, &[u8]),
+    (ut, u): (crate::gguf::GgmlType, &[u8]),
+    ff: usize,
+    d: usize,
+    gate: &mut [f32],
+    up: &mut [f32],
+) -> Result<(), ArchError> {
+    let n = acts.len();
+    let product = |ty, w, out| kernels::Product {
+        ty,
+        w,
+        n_rows: ff,
+        n_cols: d,
+        acts,
+        out,
+    };
+    kernels::matmul_round(
+        &cx.pool,
+        &mut [
+            product(gt, g, &mut gate[..n * ff]),
+            product(ut, u, &mut up[..n * ff]),
+        ],
+    )
+    .map_err(blocks::kerr)
 }
 
 pub struct LayerWeights {

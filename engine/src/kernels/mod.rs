@@ -59,7 +59,7 @@ mod testutil;
 pub use pool::ThreadPool;
 
 use crate::gguf::GgmlType;
-use format::FormatTable;
+use format::{FormatTable, LevelFns};
 use std::borrow::Borrow;
 use std::ops::Range;
 use std::sync::OnceLock;
@@ -790,57 +790,135 @@ pub fn matmul<A: Borrow<ActBuf> + Sync>(
     acts: &[A],
     out: &mut [f32],
 ) -> Result<(), KernelError> {
-    let (t, row_bytes) = check_matrix(ty, w.len(), n_rows, n_cols)?;
-    let expected = acts.len().saturating_mul(n_rows);
-    if out.len() != expected {
-        return Err(KernelError::Length {
+    matmul_round(
+        pool,
+        &mut [Product {
             ty,
-            what: "output (tokens x rows)",
-            expected,
-            actual: out.len(),
-        });
-    }
-    for act in acts {
-        act.borrow().check_for(t, n_cols)?;
-    }
-    let f = *t.at(simd_level());
-    // A band of rows of at most ~128 KiB stays in L2 while all tokens pass over it.
-    let band = (128 * 1024usize).div_ceil(row_bytes.max(1)).clamp(1, 64);
-    let chunk = rows_per_task(n_rows, row_bytes * acts.len().max(1), pool.n_threads())
-        .min(band)
+            w,
+            n_rows,
+            n_cols,
+            acts,
+            out,
+        }],
+    )
+}
+
+/// One product of a [`matmul_round`]: `out = W · acts` as [`matmul`] takes it.
+pub struct Product<'a, A> {
+    pub ty: GgmlType,
+    pub w: &'a [u8],
+    pub n_rows: usize,
+    pub n_cols: usize,
+    pub acts: &'a [A],
+    pub out: &'a mut [f32],
+}
+
+/// A checked [`Product`]'s plan: its inputs, kernels, row bytes, task split and output (as a
+/// raw pointer: the tasks write disjoint parts of it).
+struct Planned<'a, A> {
+    w: &'a [u8],
+    n_rows: usize,
+    acts: &'a [A],
+    f: LevelFns,
+    row_bytes: usize,
+    chunk: usize,
+    first_task: usize,
+    out: OutPtr,
+}
+
+/// Several independent products in one round of the pool (the projections that read the same
+/// input: attention's q, k and v; an FFN's gate and up), so the threads hand off once instead
+/// of once per product. Each product gets exactly the bits [`matmul`] (and, for one
+/// activation, [`matvec`]) gives it: the same kernels over the same rows, only the tasks of all
+/// products are claimed from one counter. Nothing is computed unless every product checks.
+pub fn matmul_round<A: Borrow<ActBuf> + Sync>(
+    pool: &ThreadPool,
+    products: &mut [Product<'_, A>],
+) -> Result<(), KernelError> {
+    let mut plans = Vec::with_capacity(products.len());
+    let mut n_tasks = 0;
+    for p in products.iter_mut() {
+        let (t, row_bytes) = check_matrix(p.ty, p.w.len(), p.n_rows, p.n_cols)?;
+        let expected = p.acts.len().saturating_mul(p.n_rows);
+        if p.out.len() != expected {
+            return Err(KernelError::Length {
+                ty: p.ty,
+                what: "output (tokens x rows)",
+                expected,
+                actual: p.out.len(),
+            });
+        }
+        for act in p.acts {
+            act.borrow().check_for(t, p.n_cols)?;
+        }
+        let chunk = if p.acts.len() <= 1 {
+            // One token: matvec's split.
+            rows_per_task(p.n_rows, row_bytes, pool.n_threads())
+        } else {
+            // A band of rows of at most ~128 KiB stays in L2 while all tokens pass over it.
+            let band = (128 * 1024usize).div_ceil(row_bytes.max(1)).clamp(1, 64);
+            rows_per_task(p.n_rows, row_bytes * p.acts.len(), pool.n_threads()).min(band)
+        }
         .max(1);
-    let n_tasks = n_rows.div_ceil(chunk);
-    let out_ptr = OutPtr(out.as_mut_ptr());
+        plans.push(Planned {
+            w: p.w,
+            n_rows: p.n_rows,
+            acts: p.acts,
+            f: *t.at(simd_level()),
+            row_bytes,
+            chunk,
+            first_task: n_tasks,
+            out: OutPtr(p.out.as_mut_ptr()),
+        });
+        n_tasks += if p.acts.is_empty() {
+            0
+        } else {
+            p.n_rows.div_ceil(chunk)
+        };
+    }
     pool.run(n_tasks, &|task| {
-        let start = task * chunk;
-        let end = (start + chunk).min(n_rows);
-        let mut t = 0;
-        // Groups of tokens through a kernel that unpacks each weight block once for all.
-        if let Some(group) = f.group {
-            while t + GROUP <= acts.len() {
-                let group_acts: [&ActBuf; GROUP] = std::array::from_fn(|k| acts[t + k].borrow());
-                // SAFETY: token t + k's rows start..end lie inside `out` (t + k < acts.len())
-                // and belong to this task only; the level is available and `w` is n_rows
-                // whole rows.
-                unsafe {
-                    let outs = std::array::from_fn(|k| {
-                        out_ptr.slice((t + k) * n_rows + start, end - start)
-                    });
-                    group(w, row_bytes, start..end, group_acts, outs);
-                }
-                t += GROUP;
-            }
-        }
-        for (t, act) in acts.iter().enumerate().skip(t) {
-            // SAFETY: t * n_rows + start .. t * n_rows + end lie inside `out` and belong to
-            // this task only; the level is available and `w` is n_rows whole rows.
-            unsafe {
-                let out = out_ptr.slice(t * n_rows + start, end - start);
-                (f.rows)(w, row_bytes, start..end, act.borrow(), out);
-            }
-        }
+        // The product owning this task: the last whose first task is at or before it.
+        let p = &plans[plans.partition_point(|p| p.first_task <= task) - 1];
+        let start = (task - p.first_task) * p.chunk;
+        let end = (start + p.chunk).min(p.n_rows);
+        // SAFETY: rows start..end of every token of this product belong to this task only;
+        // the level is available (`at` takes at most this CPU's level) and `w` is n_rows
+        // whole rows (checked above).
+        unsafe { product_task(p, start..end) };
     });
     Ok(())
+}
+
+/// Rows `rows` of planned product `p` for every token: groups of tokens through the grouped
+/// kernel where the format has one, the rest one token at a time.
+///
+/// # Safety
+/// Rows `rows` (inside `p.n_rows`) of every token are written by this call only, and `p` was
+/// planned from a checked product ([`matmul_round`]) whose output is still borrowed.
+#[inline]
+unsafe fn product_task<A: Borrow<ActBuf>>(p: &Planned<'_, A>, rows: Range<usize>) {
+    let (acts, n_rows, w, f, row_bytes, out) = (p.acts, p.n_rows, p.w, &p.f, p.row_bytes, p.out);
+    let (start, len) = (rows.start, rows.len());
+    let mut t = 0;
+    // Groups of tokens through a kernel that unpacks each weight block once for all.
+    if let Some(group) = f.group {
+        while t + GROUP <= acts.len() {
+            let group_acts: [&ActBuf; GROUP] = std::array::from_fn(|k| acts[t + k].borrow());
+            // SAFETY: the caller's; token t + k's rows lie inside `out` (t + k < acts.len()).
+            unsafe {
+                let outs = std::array::from_fn(|k| out.slice((t + k) * n_rows + start, len));
+                group(w, row_bytes, rows.clone(), group_acts, outs);
+            }
+            t += GROUP;
+        }
+    }
+    for (t, act) in acts.iter().enumerate().skip(t) {
+        // SAFETY: the caller's; t * n_rows + rows lies inside `out`.
+        unsafe {
+            let o = out.slice(t * n_rows + start, len);
+            (f.rows)(w, row_bytes, rows.clone(), act.borrow(), o);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -963,6 +1041,114 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn one_round_of_products_gives_each_its_own_bits() {
+        let pools: Vec<ThreadPool> = (1..=3).map(ThreadPool::new).collect();
+        let types = dot_types();
+        for (i, &(ty, n_cols)) in types.iter().enumerate() {
+            // A second matrix of another type with the same activation format, when there is
+            // one (Q4_K beside Q6_K: the FFN's gate and up of a mixed file), else the same.
+            let ty2 = types
+                .iter()
+                .map(|&(t, _)| t)
+                .find(|&t| {
+                    t != ty
+                        && ActFormat::for_weights(t) == ActFormat::for_weights(ty)
+                        && t.block_size() == ty.block_size()
+                })
+                .unwrap_or(ty);
+            let seed = 13000 + i as u64;
+            // Row counts that split into uneven tasks, and an empty product.
+            let shapes = [(ty, 301usize), (ty2, 67), (ty, 0), (ty2, 5)];
+            let mats: Vec<Vec<u8>> = shapes
+                .iter()
+                .enumerate()
+                .map(|(k, &(t, r))| quantized_matrix(t, r, n_cols, seed + 100 * k as u64))
+                .collect();
+            for n_tokens in [1usize, 6] {
+                let acts: Vec<ActBuf> = (0..n_tokens)
+                    .map(|t| {
+                        let mut a = ActBuf::new();
+                        a.prepare(ty, &values(seed * 5 + t as u64, n_cols, 1.0))
+                            .unwrap();
+                        a
+                    })
+                    .collect();
+                for pool in &pools {
+                    let mut outs: Vec<Vec<f32>> = shapes
+                        .iter()
+                        .map(|&(_, r)| vec![f32::NAN; r * n_tokens])
+                        .collect();
+                    let mut products: Vec<Product<'_, ActBuf>> = shapes
+                        .iter()
+                        .zip(&mats)
+                        .zip(outs.iter_mut())
+                        .map(|((&(t, r), w), out)| Product {
+                            ty: t,
+                            w,
+                            n_rows: r,
+                            n_cols,
+                            acts: &acts,
+                            out,
+                        })
+                        .collect();
+                    matmul_round(pool, &mut products).unwrap();
+                    for ((&(t, r), w), got) in shapes.iter().zip(&mats).zip(&outs) {
+                        let mut want = vec![0f32; r * n_tokens];
+                        matmul(pool, t, w, r, n_cols, &acts, &mut want).unwrap();
+                        if n_tokens == 1 {
+                            let mut one = vec![0f32; r];
+                            matvec(pool, t, w, r, n_cols, &acts[0], &mut one).unwrap();
+                            assert_eq!(want, one, "{t} matmul of one token == matvec");
+                        }
+                        assert!(
+                            got.iter()
+                                .zip(&want)
+                                .all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "{t} ({r} rows, {n_tokens} tokens, {} threads)",
+                            pool.n_threads()
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_round_with_a_bad_product_computes_nothing() {
+        let pool = ThreadPool::new(2);
+        let (ty, n_cols) = (GgmlType::Q8_0, 64);
+        let w = quantized_matrix(ty, 4, n_cols, 1);
+        let mut act = ActBuf::new();
+        act.prepare(ty, &values(2, n_cols, 1.0)).unwrap();
+        let acts = [act];
+        let (mut a, mut b) = (vec![f32::NAN; 4], vec![f32::NAN; 3]);
+        let mut products = [
+            Product {
+                ty,
+                w: &w,
+                n_rows: 4,
+                n_cols,
+                acts: &acts,
+                out: &mut a,
+            },
+            // 3 outputs for a 4-row matrix.
+            Product {
+                ty,
+                w: &w,
+                n_rows: 4,
+                n_cols,
+                acts: &acts,
+                out: &mut b,
+            },
+        ];
+        assert!(matches!(
+            matmul_round(&pool, &mut products),
+            Err(KernelError::Length { .. })
+        ));
+        assert!(a.iter().all(|v| v.is_nan()), "the good product ran");
     }
 
     #[test]
