@@ -396,7 +396,7 @@ pub fn prepare_rows(
         return Ok(());
     }
     let per = n.div_ceil(pool.n_threads() * 2).max(1);
-    let base = ActsPtr(acts.as_mut_ptr());
+    let base = OutPtr(acts.as_mut_ptr());
     pool.run(n.div_ceil(per), &|task| {
         for i in task * per..((task + 1) * per).min(n) {
             // SAFETY: row i < n belongs to this task only, and `run` returns only when every
@@ -406,20 +406,6 @@ pub fn prepare_rows(
         }
     });
     Ok(())
-}
-
-/// `acts`' base pointer, shared by the tasks of one [`prepare_rows`]; each task writes
-/// disjoint elements.
-#[derive(Copy, Clone)]
-struct ActsPtr(*mut ActBuf);
-// SAFETY: as for `OutPtr`: disjoint elements, and the pool's round outlives no borrow.
-unsafe impl Send for ActsPtr {}
-unsafe impl Sync for ActsPtr {}
-impl ActsPtr {
-    #[inline(always)]
-    fn get(self) -> *mut ActBuf {
-        self.0
-    }
 }
 
 fn check_blocks(ty: GgmlType, n_cols: usize, block_size: usize) -> Result<(), KernelError> {
@@ -676,23 +662,29 @@ pub fn dot_rows(
     Ok(())
 }
 
-/// A raw output pointer shared by the tasks of one call; each task writes disjoint elements.
-#[derive(Copy, Clone)]
-struct OutPtr(*mut f32);
+/// A raw output pointer (values, or activation buffers being prepared) shared by the tasks of
+/// one call; each task writes disjoint elements.
+struct OutPtr<T>(*mut T);
+impl<T> Clone for OutPtr<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for OutPtr<T> {}
 // SAFETY: tasks write disjoint indices, and `ThreadPool::run` returns only when all are done,
 // so the pointer never outlives the borrow it came from nor aliases another writer.
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-impl OutPtr {
+unsafe impl<T: Send> Send for OutPtr<T> {}
+unsafe impl<T: Send> Sync for OutPtr<T> {}
+impl<T> OutPtr<T> {
     #[inline(always)]
-    fn get(self) -> *mut f32 {
+    fn get(self) -> *mut T {
         self.0
     }
 
     /// # Safety
     /// `start..start + len` in bounds of the original slice and written by one task only.
     #[inline(always)]
-    unsafe fn slice<'a>(self, start: usize, len: usize) -> &'a mut [f32] {
+    unsafe fn slice<'a>(self, start: usize, len: usize) -> &'a mut [T] {
         unsafe { std::slice::from_raw_parts_mut(self.0.add(start), len) }
     }
 }
@@ -823,7 +815,7 @@ struct Planned<'a, A> {
     row_bytes: usize,
     chunk: usize,
     first_task: usize,
-    out: OutPtr,
+    out: OutPtr<f32>,
 }
 
 /// Several independent products in one round of the pool (the projections that read the same

@@ -230,6 +230,50 @@ unsafe fn dot_avx2(w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
     v
 }
 
+/// The exact integer sums (8 i32 lanes each) of block `x` against block `i` of each of `N`
+/// activations: the nibbles and scales prepared once per chunk, multiplied into every
+/// activation's own sum. Shared by the single, grouped and leftover dots.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn block_sums<const N: usize>(
+    x: &BlockQ4K,
+    scales: std::arch::x86_64::__m256i,
+    a: [&[BlockQ8K]; N],
+    i: usize,
+) -> [std::arch::x86_64::__m256i; N] {
+    use std::arch::x86_64::*;
+    let m4 = _mm256_set1_epi8(0x0F);
+    let mut sumi = [_mm256_setzero_si256(); N];
+    for c in 0..4 {
+        // SAFETY: 32-byte load inside qs (128 bytes).
+        let q = unsafe { _mm256_loadu_si256(x.qs.as_ptr().add(32 * c).cast()) };
+        let lo = _mm256_and_si256(q, m4);
+        let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+        let (sc_lo, sc_hi) = unsafe {
+            (
+                x86::scale_of(scales, 2 * c),
+                x86::scale_of(scales, 2 * c + 1),
+            )
+        };
+        for (t, s) in sumi.iter_mut().enumerate() {
+            let y = &a[t][i];
+            // SAFETY: 32-byte loads inside y.qs (256 bytes).
+            let (ylo, yhi) = unsafe {
+                (
+                    _mm256_loadu_si256(y.qs.as_ptr().add(64 * c).cast()),
+                    _mm256_loadu_si256(y.qs.as_ptr().add(64 * c + 32).cast()),
+                )
+            };
+            // ≤ 2 · 15 · 127 per i16 lane: no saturation.
+            let plo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, ylo), sc_lo);
+            let phi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, yhi), sc_hi);
+            *s = _mm256_add_epi32(*s, _mm256_add_epi32(plo, phi));
+        }
+    }
+    sumi
+}
+
 /// The grouped dot (prefill): [`dot_each_avx2`]'s integer work for 4 activations, with the
 /// per-block tail done for all 4 at once — the exact sums of the 4 tokens' lanes reduced
 /// together by horizontal adds (one transposing reduction instead of four), then both
@@ -243,37 +287,10 @@ unsafe fn dot_n_avx2(w: &[BlockQ4K], a: [&[BlockQ8K]; GROUP]) -> [f32; GROUP] {
     use std::arch::x86_64::*;
     const { assert!(GROUP == 4) };
     let n = a.iter().fold(w.len(), |n, a| n.min(a.len()));
-    let m4 = _mm256_set1_epi8(0x0F);
     let (mut acc_d, mut acc_m) = (_mm_setzero_ps(), _mm_setzero_ps());
     for (i, x) in w[..n].iter().enumerate() {
         let (scales, mins) = unsafe { x86::scales_mins(x.head()) };
-        let mut sumi = [_mm256_setzero_si256(); GROUP];
-        for c in 0..4 {
-            // SAFETY: 32-byte load inside qs (128 bytes).
-            let q = unsafe { _mm256_loadu_si256(x.qs.as_ptr().add(32 * c).cast()) };
-            let lo = _mm256_and_si256(q, m4);
-            let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-            let (sc_lo, sc_hi) = unsafe {
-                (
-                    x86::scale_of(scales, 2 * c),
-                    x86::scale_of(scales, 2 * c + 1),
-                )
-            };
-            for (t, s) in sumi.iter_mut().enumerate() {
-                let y = &a[t][i];
-                // SAFETY: 32-byte loads inside y.qs (256 bytes).
-                let (ylo, yhi) = unsafe {
-                    (
-                        _mm256_loadu_si256(y.qs.as_ptr().add(64 * c).cast()),
-                        _mm256_loadu_si256(y.qs.as_ptr().add(64 * c + 32).cast()),
-                    )
-                };
-                // ≤ 2 · 15 · 127 per i16 lane: no saturation.
-                let plo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, ylo), sc_lo);
-                let phi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, yhi), sc_hi);
-                *s = _mm256_add_epi32(*s, _mm256_add_epi32(plo, phi));
-            }
-        }
+        let sumi = unsafe { block_sums(x, scales, a, i) };
         // [sumi_0, sumi_1, sumi_2, sumi_3]: each token's 8 lanes summed (exact in i32).
         let s01 = _mm256_hadd_epi32(sumi[0], sumi[1]);
         let s23 = _mm256_hadd_epi32(sumi[2], sumi[3]);
@@ -313,37 +330,10 @@ unsafe fn dot_n_avx2(w: &[BlockQ4K], a: [&[BlockQ8K]; GROUP]) -> [f32; GROUP] {
 unsafe fn dot_each_avx2<const N: usize>(w: &[BlockQ4K], a: [&[BlockQ8K]; N]) -> [f32; N] {
     use std::arch::x86_64::*;
     let n = a.iter().fold(w.len(), |n, a| n.min(a.len()));
-    let m4 = _mm256_set1_epi8(0x0F);
     let mut acc = [_mm_setzero_ps(); N];
     for (i, x) in w[..n].iter().enumerate() {
         let (scales, mins) = unsafe { x86::scales_mins(x.head()) };
-        let mut sumi = [_mm256_setzero_si256(); N];
-        for c in 0..4 {
-            // SAFETY: 32-byte load inside qs (128 bytes).
-            let q = unsafe { _mm256_loadu_si256(x.qs.as_ptr().add(32 * c).cast()) };
-            let lo = _mm256_and_si256(q, m4);
-            let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-            let (sc_lo, sc_hi) = unsafe {
-                (
-                    x86::scale_of(scales, 2 * c),
-                    x86::scale_of(scales, 2 * c + 1),
-                )
-            };
-            for (t, s) in sumi.iter_mut().enumerate() {
-                let y = &a[t][i];
-                // SAFETY: 32-byte loads inside y.qs (256 bytes).
-                let (ylo, yhi) = unsafe {
-                    (
-                        _mm256_loadu_si256(y.qs.as_ptr().add(64 * c).cast()),
-                        _mm256_loadu_si256(y.qs.as_ptr().add(64 * c + 32).cast()),
-                    )
-                };
-                // ≤ 2 · 15 · 127 per i16 lane: no saturation.
-                let plo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, ylo), sc_lo);
-                let phi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, yhi), sc_hi);
-                *s = _mm256_add_epi32(*s, _mm256_add_epi32(plo, phi));
-            }
-        }
+        let sumi = unsafe { block_sums(x, scales, a, i) };
         for t in 0..N {
             let y = &a[t][i];
             acc[t] = unsafe { x86::accumulate(acc[t], sumi[t], mins, &y.bsums, x.d, x.dmin, y.d) };
