@@ -62,43 +62,86 @@ impl Compute {
         acts: &mut Vec<ActBuf>,
         out: &mut [f32],
     ) -> Result<(), ArchError> {
-        prepare_acts(ty, input, n, cols, acts)?;
+        prepare_acts(&self.pool, ty, input, n, cols, acts)?;
         mul_prepared(&self.pool, ty, w, rows, cols, &acts[..n], out)
     }
 }
 
-/// Quantize `n` input rows of `cols` values for dot products with weights of type `ty`.
+/// `out_i` (token-major, `n × mats[i].rows`) = `mats[i]` · each of the `n` rows of `input`
+/// for matrices that read the same input (attention's q, k, v): quantised once and run in one
+/// round of the pool when their activation formats agree, one by one otherwise. The bits are
+/// those of [`Compute::mat_rows`] for each.
+impl Compute {
+    pub fn mats_rows(
+        &self,
+        mats: &mut [(&Mat, &mut [f32])],
+        input: &[f32],
+        n: usize,
+        acts: &mut Vec<ActBuf>,
+    ) -> Result<(), ArchError> {
+        let Some((first, _)) = mats.first() else {
+            return Ok(());
+        };
+        let (ty, cols) = (first.ty, first.cols);
+        let fmt = kernels::ActFormat::for_weights(ty);
+        let shared = fmt.is_some()
+            && mats
+                .iter()
+                .all(|(m, _)| m.cols == cols && kernels::ActFormat::for_weights(m.ty) == fmt);
+        if !shared {
+            for (m, out) in mats.iter_mut() {
+                self.mat_rows(m, input, n, acts, out)?;
+            }
+            return Ok(());
+        }
+        prepare_acts(&self.pool, ty, input, n, cols, acts)?;
+        let acts = &acts[..n];
+        let mut products: Vec<kernels::Product<'_, ActBuf>> = mats
+            .iter_mut()
+            .map(|(m, out)| kernels::Product {
+                ty: m.ty,
+                w: m.bytes(),
+                n_rows: m.rows,
+                n_cols: m.cols,
+                acts,
+                out: &mut out[..n * m.rows],
+            })
+            .collect();
+        kernels::matmul_round(&self.pool, &mut products).map_err(kerr)
+    }
+}
+
+/// Quantize `n` input rows of `cols` values for dot products with weights of type `ty`, once
+/// for the batch, the rows split across the pool.
 pub fn prepare_acts(
+    pool: &ThreadPool,
     ty: GgmlType,
     input: &[f32],
     n: usize,
     cols: usize,
     acts: &mut Vec<ActBuf>,
 ) -> Result<(), ArchError> {
-    while acts.len() < n {
-        acts.push(ActBuf::new());
+    if acts.len() < n {
+        acts.resize_with(n, ActBuf::new);
     }
-    for (r, act) in acts.iter_mut().take(n).enumerate() {
-        act.prepare(ty, &input[r * cols..(r + 1) * cols])
-            .map_err(kerr)?;
-    }
-    Ok(())
+    kernels::prepare_rows(pool, ty, &input[..n * cols], cols, &mut acts[..n]).map_err(kerr)
 }
 
 /// `out` (token-major, `acts.len() × rows`) = W · act for each prepared activation: one
-/// matvec for a single token, one batched matmul (same bits per row) otherwise.
-pub fn mul_prepared(
+/// matvec for a single token, one batched matmul (same bits per row) otherwise. The
+/// activations are taken by reference, so rows prepared once serve several matrices.
+pub fn mul_prepared<A: std::borrow::Borrow<ActBuf> + Sync>(
     pool: &ThreadPool,
     ty: GgmlType,
     w: &[u8],
     rows: usize,
     cols: usize,
-    acts: &[ActBuf],
+    acts: &[A],
     out: &mut [f32],
 ) -> Result<(), ArchError> {
     let n = acts.len();
     if n == 1 {
-        kernels::matvec(pool, ty, w, rows, cols, &acts[0], &mut out[..rows]).map_err(kerr)
+        kernels::matvec(pool, ty, w, rows, cols, acts[0].borrow(), &mut out[..rows]).map_err(kerr)
     } else {
         kernels::matmul(pool, ty, w, rows, cols, acts, &mut out[..n * rows]).map_err(kerr)
     }
@@ -402,7 +445,7 @@ pub fn attend(
             let mut mx = f32::NEG_INFINITY;
             for (i, s) in sc.iter_mut().enumerate().take(len) {
                 let key = &kv.key(first + i)[kh * hd..(kh + 1) * hd];
-                let mut d: f32 = qv.iter().zip(key).map(|(a, b)| a * b).sum::<f32>();
+                let mut d = dot_lanes(qv, key);
                 if let Some(c) = shape.softcap {
                     d = c * (d / c).tanh();
                 }
@@ -436,6 +479,33 @@ pub fn attend(
             }
         }
     });
+}
+
+/// `a · b` in 8 lanes (element `i` into lane `i % 8`, then the lanes summed pairwise in a fixed
+/// tree): the compiler vectorises it where a sequential sum must wait for each add, and the
+/// order — so the bits — is the same on every machine and for any batch (a query row's
+/// scores do not depend on what else is in the batch).
+#[inline]
+pub fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let mut acc = [0f32; 8];
+    let (ac, bc) = (a[..n].chunks_exact(8), b[..n].chunks_exact(8));
+    let (ar, br) = (ac.remainder(), bc.remainder());
+    for (x, y) in ac.zip(bc) {
+        for l in 0..8 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    for (l, (x, y)) in ar.iter().zip(br).enumerate() {
+        acc[l] += x * y;
+    }
+    let q = [
+        acc[0] + acc[4],
+        acc[1] + acc[5],
+        acc[2] + acc[6],
+        acc[3] + acc[7],
+    ];
+    (q[0] + q[2]) + (q[1] + q[3])
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -517,6 +587,25 @@ pub fn softcap(v: &mut [f32], cap: f32) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn dot_lanes_is_the_dot_product_in_its_lane_order() {
+        for n in [0usize, 1, 7, 8, 9, 48, 64, 127, 128] {
+            let a: Vec<f32> = (0..n)
+                .map(|i| ((i * 37 % 17) as f32 - 8.0) * 0.37)
+                .collect();
+            let b: Vec<f32> = (0..n).map(|i| ((i * 11 % 13) as f32 - 6.0) * 1.3).collect();
+            let mut lanes = [0f32; 8];
+            for i in 0..n {
+                lanes[i % 8] += a[i] * b[i];
+            }
+            let want = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6]))
+                + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+            assert_eq!(dot_lanes(&a, &b).to_bits(), want.to_bits(), "n={n}");
+            let exact: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
+            assert!((dot_lanes(&a, &b) as f64 - exact).abs() <= 1e-4 * (1.0 + exact.abs()));
+        }
+    }
 
     #[test]
     fn rope_rotates_pairs_and_keeps_norms() {

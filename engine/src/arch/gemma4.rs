@@ -29,7 +29,7 @@ use super::meta::Meta;
 use super::qwen3moe::{add_rows, attend_layer, moe_params, n_vocab, norm_head, split_ffn};
 use super::state::{LayerMemory, MemoryKind, Scratch, State};
 use super::weights::{ExpertTensor, Loader, Mat, Weights};
-use super::{Arch, ArchError, Dims, MoeLayer};
+use super::{Arch, ArchError, Dims, ExpertIn, MoeLayer};
 use crate::dense::DenseMode;
 use crate::gguf::GgufFile;
 use crate::kernels::ActBuf;
@@ -450,6 +450,7 @@ impl Gemma4 {
             self.hp.d_model,
             input,
             m,
+            &[],
             out,
         )
     }
@@ -592,10 +593,10 @@ impl Arch for Gemma4 {
         layer: usize,
         expert: usize,
         proj: &[&[u8]],
-        input: &[f32],
-        n: usize,
+        input: &ExpertIn<'_>,
         out: &mut Vec<f32>,
     ) -> Result<(), ArchError> {
+        let (rows, n) = (input.rows, input.n);
         let moe = self.moe(layer)?;
         let (d, ff) = (self.hp.d_model, self.hp.n_ff_exp);
         if let [gu, dn] = &moe.exps[..] {
@@ -606,7 +607,7 @@ impl Arch for Gemma4 {
                 proj[0],
                 2 * ff,
                 d,
-                input,
+                rows,
                 n,
                 &mut s.acts,
                 &mut s.gate,
@@ -617,7 +618,7 @@ impl Arch for Gemma4 {
                 Glu::Gelu.apply(act, &gu_row[ff..]);
             }
             out.resize(n * d, 0.0);
-            blocks::prepare_acts(dn.info.ty, &s.up, n, ff, &mut s.act2)?;
+            blocks::prepare_acts(&cx.pool, dn.info.ty, &s.up, n, ff, &mut s.act2)?;
             blocks::mul_prepared(&cx.pool, dn.info.ty, proj[1], d, ff, &s.act2[..n], out)?;
         } else {
             let [g, u, dn] = &moe.exps[..] else {
@@ -632,8 +633,9 @@ impl Arch for Gemma4 {
                 (dn.info.ty, proj[2]),
                 ff,
                 d,
-                input,
+                rows,
                 n,
+                input.prepared,
                 out,
             )?;
         }

@@ -24,7 +24,7 @@ use super::qwen3moe::{
 };
 use super::state::{LayerMemory, MemoryKind, Scratch, State};
 use super::weights::{ExpertTensor, Loader, Mat, Weights};
-use super::{Arch, ArchError, Dims, MoeLayer};
+use super::{Arch, ArchError, Dims, ExpertIn, MoeLayer};
 use crate::dense::DenseMode;
 use crate::gguf::GgufFile;
 use crate::kernels::ActBuf;
@@ -357,8 +357,7 @@ impl Arch for GptOss {
         layer: usize,
         expert: usize,
         proj: &[&[u8]],
-        input: &[f32],
-        n: usize,
+        input: &ExpertIn<'_>,
         out: &mut Vec<f32>,
     ) -> Result<(), ArchError> {
         let l = &self.layers[layer];
@@ -389,8 +388,9 @@ impl Arch for GptOss {
             Some(bias),
             ff,
             d,
-            input,
-            n,
+            input.rows,
+            input.n,
+            input.prepared,
             out,
         )
     }

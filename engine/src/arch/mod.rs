@@ -22,7 +22,7 @@ pub mod weights;
 
 use crate::dense::DenseMode;
 use crate::gguf::GgufFile;
-use crate::kernels::ActBuf;
+use crate::kernels::{self, ActBuf};
 use blocks::Compute;
 use bmoe_core::Gating;
 pub use state::{KvSnapshot, LayerMemory, MemoryKind, Scratch, State};
@@ -129,8 +129,8 @@ pub trait Arch: Send + Sync {
     fn selection_bias(&self, _layer: usize) -> Option<&[f32]> {
         None
     }
-    /// Expert `expert` of layer `layer` on `n` input rows (`input`, `n × d_model`), its
-    /// projections' bytes in `proj` (read order); the unweighted output rows into `out`.
+    /// Expert `expert` of layer `layer` on the input rows of `input`, its projections' bytes
+    /// in `proj` (read order); the unweighted output rows into `out`.
     #[allow(clippy::too_many_arguments)]
     fn expert(
         &self,
@@ -139,14 +139,26 @@ pub trait Arch: Send + Sync {
         layer: usize,
         expert: usize,
         proj: &[&[u8]],
-        input: &[f32],
-        n: usize,
+        input: &ExpertIn<'_>,
         out: &mut Vec<f32>,
     ) -> Result<(), ArchError>;
     /// Combine `st.moe_out` (and anything `dense` left in `st.side`) into the residual stream.
     fn finish_layer(&self, cx: &Compute, st: &mut State, layer: usize) -> Result<(), ArchError>;
     /// Final norm and output head for `st.out_rows` into `st.logits`.
     fn head(&self, cx: &Compute, st: &mut State) -> Result<(), ArchError>;
+}
+
+/// The rows an expert runs on.
+pub struct ExpertIn<'a> {
+    /// `n × d_model` values: the experts' input (`State::h`) of the FFN rows routed to it.
+    pub rows: &'a [f32],
+    pub n: usize,
+    /// The same rows quantised once per layer by the driver for the weights type of the
+    /// layer's first expert projection (which reads the experts' input), shared by every
+    /// expert a row is routed to; empty when the driver did not prepare them. An
+    /// architecture uses them for a projection of `rows` whose activation format they have
+    /// ([`crate::kernels::ActBuf::format`]) and quantises `rows` itself otherwise.
+    pub prepared: &'a [&'a ActBuf],
 }
 
 /// An architecture's loader: check and map `file`'s tensors, applying a dense mode.
@@ -411,6 +423,8 @@ impl<A: Arch + ?Sized> Model<A> {
             st.ffn_rows.extend(0..st.n_rows as u32);
         }
         st.router_separate = false;
+        // `dense` rewrites the experts' input: its quantised rows are stale.
+        st.h_acts_for = None;
         self.arch.dense(&self.cx, st, layer)?;
         if self.experts(layer).is_empty() {
             // A dense layer finished itself.
@@ -571,8 +585,22 @@ impl<A: Arch + ?Sized> Model<A> {
                 });
             }
         }
+        // Every FFN row's input quantised once per layer for the first projection (a row is
+        // routed to k experts; in a batch, an expert serves many rows), the rows split across
+        // the pool; each expert takes its rows' activations by reference. The bits are those
+        // of quantising an expert's rows itself.
+        let ty = xs[0].info.ty;
+        let m = st.ffn_rows.len();
+        let fmt = kernels::ActFormat::for_weights(ty);
+        if fmt.is_some() && st.h_acts_for != fmt.map(|f| (layer, f)) {
+            st.h_acts_for = None;
+            blocks::prepare_acts(&self.cx.pool, ty, &st.h, m, d, &mut st.h_acts)?;
+            st.h_acts_for = fmt.map(|f| (layer, f));
+        }
         let State {
             h,
+            h_acts,
+            h_acts_for,
             expert_in,
             expert_out,
             scratch,
@@ -581,13 +609,29 @@ impl<A: Arch + ?Sized> Model<A> {
             ..
         } = st;
         expert_in.resize(n * d, 0.0);
+        let mut picked: Vec<&ActBuf> = Vec::with_capacity(n);
         for (i, &(row, _, _)) in uses.iter().enumerate() {
             let r = row as usize;
+            if r >= m {
+                return Err(ArchError::Tensor {
+                    file: String::new(),
+                    tensor: format!("blk.{layer} experts"),
+                    what: format!("expert use of FFN row {row}, but the layer has {m}"),
+                });
+            }
             expert_in[i * d..(i + 1) * d].copy_from_slice(&h[r * d..(r + 1) * d]);
+            if h_acts_for.is_some() {
+                picked.push(&h_acts[r]);
+            }
         }
-        self.arch.expert(
-            &self.cx, scratch, layer, expert, proj, expert_in, n, expert_out,
-        )?;
+        let input = ExpertIn {
+            rows: expert_in,
+            n,
+            prepared: &picked,
+        };
+        self.arch
+            .expert(&self.cx, scratch, layer, expert, proj, &input, expert_out)?;
+        drop(picked);
         for (i, &(row, rank, w)) in uses.iter().enumerate() {
             let slot = row as usize * k + rank as usize;
             let dst = &mut moe[slot * d..(slot + 1) * d];

@@ -20,7 +20,7 @@ use super::qwen3moe::{
 };
 use super::state::{LayerMemory, MemoryKind, Scratch, State};
 use super::weights::{ExpertTensor, Loader, Mat, Weights};
-use super::{Arch, ArchError, Dims, MoeLayer};
+use super::{Arch, ArchError, Dims, ExpertIn, MoeLayer};
 use crate::dense::DenseMode;
 use crate::gguf::GgufFile;
 use crate::kernels::ActBuf;
@@ -275,6 +275,7 @@ impl Arch for Qwen2Moe {
             d,
             h,
             m,
+            &[],
             side,
         )?;
         for (row, out) in h.chunks_exact(d).zip(side.chunks_exact_mut(d)).take(m) {
@@ -304,8 +305,7 @@ impl Arch for Qwen2Moe {
         layer: usize,
         _expert: usize,
         proj: &[&[u8]],
-        input: &[f32],
-        n: usize,
+        input: &ExpertIn<'_>,
         out: &mut Vec<f32>,
     ) -> Result<(), ArchError> {
         let [g, u, dn] = &self.layers[layer].exps;
@@ -318,8 +318,9 @@ impl Arch for Qwen2Moe {
             (dn.info.ty, proj[2]),
             self.hp.n_ff_exp,
             self.hp.d_model,
-            input,
-            n,
+            input.rows,
+            input.n,
+            input.prepared,
             out,
         )
     }

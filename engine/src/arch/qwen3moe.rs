@@ -11,10 +11,10 @@ use super::blocks::{self, AttnShape, Compute, Glu, Rope, RopeKind};
 use super::meta::Meta;
 use super::state::{LayerMemory, MemoryKind, Scratch, State};
 use super::weights::{ExpertTensor, Loader, Mat, Weights};
-use super::{Arch, ArchError, Dims, MoeLayer};
+use super::{Arch, ArchError, Dims, ExpertIn, MoeLayer};
 use crate::dense::DenseMode;
 use crate::gguf::GgufFile;
-use crate::kernels::{ActBuf, ActFormat};
+use crate::kernels::{self, ActBuf, ActFormat};
 use bmoe_core::Gating;
 use std::sync::Arc;
 
@@ -199,11 +199,12 @@ pub(crate) fn qwen_attention(
     st.k.resize(n * kvd, 0.0);
     st.v.resize(n * kvd, 0.0);
     let mut acts = std::mem::take(&mut st.scratch.acts);
-    let r = (|| {
-        cx.mat_rows(&w.q, &st.cur, n, &mut acts, &mut st.q)?;
-        cx.mat_rows(&w.k, &st.cur, n, &mut acts, &mut st.k)?;
-        cx.mat_rows(&w.v, &st.cur, n, &mut acts, &mut st.v)
-    })();
+    let r = cx.mats_rows(
+        &mut [(&w.q, &mut st.q), (&w.k, &mut st.k), (&w.v, &mut st.v)],
+        &st.cur,
+        n,
+        &mut acts,
+    );
     st.scratch.acts = acts;
     r?;
     for (buf, b) in [
@@ -277,6 +278,9 @@ pub(crate) fn add_rows(x: &mut [f32], d: usize, rows: &[u32], src: &[f32]) {
 
 /// The gated FFN of split `gate`/`up`/`down` matrices (given as bytes and types: an expert's
 /// slice or a dense matrix) on `n` rows of `input`: `down(glu(gate·x, up·x))` into `out`.
+/// `pre` may hold the same `n` rows already quantised (see [`ExpertIn::prepared`]); gate and
+/// up use them when their activation format is the one prepared, and quantise `input`
+/// themselves otherwise (the bits are the same either way).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn split_ffn(
     cx: &Compute,
@@ -289,9 +293,10 @@ pub(crate) fn split_ffn(
     d: usize,
     input: &[f32],
     n: usize,
+    pre: &[&ActBuf],
     out: &mut Vec<f32>,
 ) -> Result<(), ArchError> {
-    split_ffn_biased(cx, s, glu, g, u, dn, None, ff, d, input, n, out)
+    split_ffn_biased(cx, s, glu, g, u, dn, None, ff, d, input, n, pre, out)
 }
 
 /// One expert's biases (gpt-oss): added to the gate and up products before the activation
@@ -317,30 +322,84 @@ pub(crate) fn split_ffn_biased(
     d: usize,
     input: &[f32],
     n: usize,
+    pre: &[&ActBuf],
     out: &mut Vec<f32>,
 ) -> Result<(), ArchError> {
     s.gate.resize(n * ff, 0.0);
     s.up.resize(n * ff, 0.0);
     out.resize(n * d, 0.0);
-    // gate and up read the same input: quantize it once when their types share an
-    // activation format (the bits are the same either way).
-    blocks::prepare_acts(gt, input, n, d, &mut s.acts)?;
-    blocks::mul_prepared(&cx.pool, gt, g, ff, d, &s.acts[..n], &mut s.gate)?;
-    if ActFormat::for_weights(ut) != ActFormat::for_weights(gt) {
-        blocks::prepare_acts(ut, input, n, d, &mut s.acts)?;
+    let usable = |ty| {
+        let f = ActFormat::for_weights(ty);
+        pre.len() == n && f.is_some() && pre.iter().all(|a| a.format() == f && a.n_cols() == d)
+    };
+    let (g_pre, u_pre) = (usable(gt), usable(ut));
+    if g_pre && u_pre {
+        gate_up(cx, pre, (gt, g), (ut, u), ff, d, &mut s.gate, &mut s.up)?;
+    } else if !g_pre && !u_pre && ActFormat::for_weights(ut) == ActFormat::for_weights(gt) {
+        blocks::prepare_acts(&cx.pool, gt, input, n, d, &mut s.acts)?;
+        gate_up(
+            cx,
+            &s.acts[..n],
+            (gt, g),
+            (ut, u),
+            ff,
+            d,
+            &mut s.gate,
+            &mut s.up,
+        )?;
+    } else {
+        // A mixed file: gate and up quantise for different activation formats.
+        for (pre_ok, ty, w, o) in [(g_pre, gt, g, &mut s.gate), (u_pre, ut, u, &mut s.up)] {
+            if pre_ok {
+                blocks::mul_prepared(&cx.pool, ty, w, ff, d, pre, o)?;
+            } else {
+                blocks::prepare_acts(&cx.pool, ty, input, n, d, &mut s.acts)?;
+                blocks::mul_prepared(&cx.pool, ty, w, ff, d, &s.acts[..n], o)?;
+            }
+        }
     }
-    blocks::mul_prepared(&cx.pool, ut, u, ff, d, &s.acts[..n], &mut s.up)?;
     if let Some(b) = bias {
         blocks::add_bias(&mut s.gate[..n * ff], b.gate);
         blocks::add_bias(&mut s.up[..n * ff], b.up);
     }
     glu.apply(&mut s.gate, &s.up);
-    blocks::prepare_acts(dt, &s.gate, n, ff, &mut s.act2)?;
+    blocks::prepare_acts(&cx.pool, dt, &s.gate, n, ff, &mut s.act2)?;
     blocks::mul_prepared(&cx.pool, dt, dn, d, ff, &s.act2[..n], out)?;
     if let Some(b) = bias {
         blocks::add_bias(&mut out[..n * d], b.down);
     }
     Ok(())
+}
+
+/// gate and up (both `ff × d`) on the same prepared rows, in one round of the pool.
+#[allow(clippy::too_many_arguments)]
+fn gate_up<A: std::borrow::Borrow<ActBuf> + Sync>(
+    cx: &Compute,
+    acts: &[A],
+    (gt, g): (crate::gguf::GgmlType, &[u8]),
+    (ut, u): (crate::gguf::GgmlType, &[u8]),
+    ff: usize,
+    d: usize,
+    gate: &mut [f32],
+    up: &mut [f32],
+) -> Result<(), ArchError> {
+    let n = acts.len();
+    let product = |ty, w, out| kernels::Product {
+        ty,
+        w,
+        n_rows: ff,
+        n_cols: d,
+        acts,
+        out,
+    };
+    kernels::matmul_round(
+        &cx.pool,
+        &mut [
+            product(gt, g, &mut gate[..n * ff]),
+            product(ut, u, &mut up[..n * ff]),
+        ],
+    )
+    .map_err(blocks::kerr)
 }
 
 pub struct LayerWeights {
@@ -531,8 +590,7 @@ impl Arch for Qwen3Moe {
         layer: usize,
         _expert: usize,
         proj: &[&[u8]],
-        input: &[f32],
-        n: usize,
+        input: &ExpertIn<'_>,
         out: &mut Vec<f32>,
     ) -> Result<(), ArchError> {
         let [g, u, dn] = &self.layers[layer].exps;
@@ -545,8 +603,9 @@ impl Arch for Qwen3Moe {
             (dn.info.ty, proj[2]),
             self.hp.n_ff_exp,
             self.hp.d_model,
-            input,
-            n,
+            input.rows,
+            input.n,
+            input.prepared,
             out,
         )
     }

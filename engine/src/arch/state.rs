@@ -4,7 +4,7 @@
 //! architecture's answer to [`super::Arch::memory`].
 
 use super::ArchError;
-use crate::kernels::ActBuf;
+use crate::kernels::{ActBuf, ActFormat};
 
 /// What one layer remembers between steps.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -382,6 +382,10 @@ pub struct State {
     pub ffn_rows: Vec<u32>,
     /// The experts' input, one row per FFN row.
     pub h: Vec<f32>,
+    /// `h`'s rows quantised once per layer for the experts' first projection, and the layer
+    /// and activation format they hold (`None`: stale; `dense` makes them so).
+    pub h_acts: Vec<ActBuf>,
+    pub h_acts_for: Option<(usize, ActFormat)>,
     /// The router's input when it is not `h` (`router_separate`), one row per FFN row.
     pub router_in: Vec<f32>,
     pub router_separate: bool,
@@ -432,6 +436,8 @@ impl State {
             out: Vec::new(),
             ffn_rows: Vec::new(),
             h: Vec::new(),
+            h_acts: Vec::new(),
+            h_acts_for: None,
             router_in: Vec::new(),
             router_separate: false,
             side: Vec::new(),

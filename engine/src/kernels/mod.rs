@@ -59,7 +59,8 @@ mod testutil;
 pub use pool::ThreadPool;
 
 use crate::gguf::GgmlType;
-use format::FormatTable;
+use format::{FormatTable, LevelFns};
+use std::borrow::Borrow;
 use std::ops::Range;
 use std::sync::OnceLock;
 
@@ -327,10 +328,15 @@ impl ActBuf {
         self.format = None;
         self.n_cols = 0;
         check_blocks(ty, x.len(), t.act_block)?;
+        self.fill(t, x);
+        Ok(())
+    }
+
+    /// The conversion of [`ActBuf::prepare`], `x` already checked for `t`.
+    fn fill(&mut self, t: &FormatTable, x: &[f32]) {
         t.prepare(x, self);
         self.format = Some(t.act);
         self.n_cols = x.len();
-        Ok(())
     }
 
     /// The format of the last successful `prepare`, if any.
@@ -354,6 +360,52 @@ impl ActBuf {
         }
         Ok(())
     }
+}
+
+/// A batch's activations, quantised once: `acts[i]` is prepared for `ty` weights from row `i`
+/// of `x` (rows of `n_cols` values; `x.len() == acts.len() * n_cols`), exactly as
+/// [`ActBuf::prepare`] would, with the rows split across the pool's threads. Every row in
+/// `acts` is left unprepared when the call fails.
+pub fn prepare_rows(
+    pool: &ThreadPool,
+    ty: GgmlType,
+    x: &[f32],
+    n_cols: usize,
+    acts: &mut [ActBuf],
+) -> Result<(), KernelError> {
+    for a in acts.iter_mut() {
+        a.format = None;
+        a.n_cols = 0;
+    }
+    let t = table(ty).ok_or(KernelError::Unsupported { ty, op: "dot" })?;
+    check_blocks(ty, n_cols, t.act_block)?;
+    let n = acts.len();
+    if x.len() != n.saturating_mul(n_cols) {
+        return Err(KernelError::Length {
+            ty,
+            what: "activation rows (rows x columns)",
+            expected: n.saturating_mul(n_cols),
+            actual: x.len(),
+        });
+    }
+    // A few rows are not worth waking the workers for (decode: one row).
+    if n < 4 || n * n_cols < 8 * 1024 {
+        for (a, row) in acts.iter_mut().zip(x.chunks_exact(n_cols.max(1))) {
+            a.fill(t, row);
+        }
+        return Ok(());
+    }
+    let per = n.div_ceil(pool.n_threads() * 2).max(1);
+    let base = OutPtr(acts.as_mut_ptr());
+    pool.run(n.div_ceil(per), &|task| {
+        for i in task * per..((task + 1) * per).min(n) {
+            // SAFETY: row i < n belongs to this task only, and `run` returns only when every
+            // task is done, so the pointer does not outlive `acts`' borrow.
+            let a = unsafe { &mut *base.get().add(i) };
+            a.fill(t, &x[i * n_cols..(i + 1) * n_cols]);
+        }
+    });
+    Ok(())
 }
 
 fn check_blocks(ty: GgmlType, n_cols: usize, block_size: usize) -> Result<(), KernelError> {
@@ -483,9 +535,22 @@ fn max_by_magnitude(x: &[f32]) -> f32 {
 }
 
 /// Round to nearest, ties to even (llama.cpp's `nearest_int`).
+///
+/// Below 2^21 in magnitude (every activation quant, every weight level) it adds 1.5 · 2^23:
+/// the sum lies inside [2^23, 2^24), where the float spacing is 1, so the hardware's
+/// round-to-nearest-even addition leaves `round_ties_even(v)` in the low mantissa bits. The
+/// same integer as `round_ties_even`, but inline: the build targets baseline x86-64 (no
+/// SSE4.1 `roundss`), where `round_ties_even` is a call into libm's `rintf` per value — 8 % of
+/// a prefill's time, in the activation quantizers. Larger values and NaN take that call.
 #[inline(always)]
 fn nearest_int(v: f32) -> i32 {
-    v.round_ties_even() as i32
+    const MAGIC: f32 = 12_582_912.0; // 1.5 · 2^23
+                                     // 2^21, not 2^22: just below 2^22 the sum would round up to 2^24, where the spacing is 2.
+    if v.abs() < 2_097_152.0 {
+        ((v + MAGIC).to_bits() & 0x007f_ffff) as i32 - 0x0040_0000
+    } else {
+        v.round_ties_even() as i32
+    }
 }
 
 /// The fixed reduction of 8 lanes: the same tree a 256-bit horizontal add performs
@@ -597,23 +662,29 @@ pub fn dot_rows(
     Ok(())
 }
 
-/// A raw output pointer shared by the tasks of one call; each task writes disjoint elements.
-#[derive(Copy, Clone)]
-struct OutPtr(*mut f32);
+/// A raw output pointer (values, or activation buffers being prepared) shared by the tasks of
+/// one call; each task writes disjoint elements.
+struct OutPtr<T>(*mut T);
+impl<T> Clone for OutPtr<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for OutPtr<T> {}
 // SAFETY: tasks write disjoint indices, and `ThreadPool::run` returns only when all are done,
 // so the pointer never outlives the borrow it came from nor aliases another writer.
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-impl OutPtr {
+unsafe impl<T: Send> Send for OutPtr<T> {}
+unsafe impl<T: Send> Sync for OutPtr<T> {}
+impl<T> OutPtr<T> {
     #[inline(always)]
-    fn get(self) -> *mut f32 {
+    fn get(self) -> *mut T {
         self.0
     }
 
     /// # Safety
     /// `start..start + len` in bounds of the original slice and written by one task only.
     #[inline(always)]
-    unsafe fn slice<'a>(self, start: usize, len: usize) -> &'a mut [f32] {
+    unsafe fn slice<'a>(self, start: usize, len: usize) -> &'a mut [T] {
         unsafe { std::slice::from_raw_parts_mut(self.0.add(start), len) }
     }
 }
@@ -699,66 +770,147 @@ fn matvec_at(
 /// task takes a band of rows small enough to stay in cache and runs every token over it, so
 /// each weight byte comes from memory once; where a format has a grouped kernel (Q4_K, Q5_K, Q6_K)
 /// groups of 4 tokens share one unpacking of each weight block.
-pub fn matmul(
+///
+/// `acts` may be owned buffers or references, so a caller can pick a subset of a batch's
+/// activations prepared once ([`prepare_rows`]) — an expert's rows — without copying them.
+pub fn matmul<A: Borrow<ActBuf> + Sync>(
     pool: &ThreadPool,
     ty: GgmlType,
     w: &[u8],
     n_rows: usize,
     n_cols: usize,
-    acts: &[ActBuf],
+    acts: &[A],
     out: &mut [f32],
 ) -> Result<(), KernelError> {
-    let (t, row_bytes) = check_matrix(ty, w.len(), n_rows, n_cols)?;
-    let expected = acts.len().saturating_mul(n_rows);
-    if out.len() != expected {
-        return Err(KernelError::Length {
+    matmul_round(
+        pool,
+        &mut [Product {
             ty,
-            what: "output (tokens x rows)",
-            expected,
-            actual: out.len(),
-        });
-    }
-    for act in acts {
-        act.check_for(t, n_cols)?;
-    }
-    let f = *t.at(simd_level());
-    // A band of rows of at most ~128 KiB stays in L2 while all tokens pass over it.
-    let band = (128 * 1024usize).div_ceil(row_bytes.max(1)).clamp(1, 64);
-    let chunk = rows_per_task(n_rows, row_bytes * acts.len().max(1), pool.n_threads())
-        .min(band)
+            w,
+            n_rows,
+            n_cols,
+            acts,
+            out,
+        }],
+    )
+}
+
+/// One product of a [`matmul_round`]: `out = W · acts` as [`matmul`] takes it.
+pub struct Product<'a, A> {
+    pub ty: GgmlType,
+    pub w: &'a [u8],
+    pub n_rows: usize,
+    pub n_cols: usize,
+    pub acts: &'a [A],
+    pub out: &'a mut [f32],
+}
+
+/// A checked [`Product`]'s plan: its inputs, kernels, row bytes, task split and output (as a
+/// raw pointer: the tasks write disjoint parts of it).
+struct Planned<'a, A> {
+    w: &'a [u8],
+    n_rows: usize,
+    acts: &'a [A],
+    f: LevelFns,
+    row_bytes: usize,
+    chunk: usize,
+    first_task: usize,
+    out: OutPtr<f32>,
+}
+
+/// Several independent products in one round of the pool (the projections that read the same
+/// input: attention's q, k and v; an FFN's gate and up), so the threads hand off once instead
+/// of once per product. Each product gets exactly the bits [`matmul`] (and, for one
+/// activation, [`matvec`]) gives it: the same kernels over the same rows, only the tasks of all
+/// products are claimed from one counter. Nothing is computed unless every product checks.
+pub fn matmul_round<A: Borrow<ActBuf> + Sync>(
+    pool: &ThreadPool,
+    products: &mut [Product<'_, A>],
+) -> Result<(), KernelError> {
+    let mut plans = Vec::with_capacity(products.len());
+    let mut n_tasks = 0;
+    for p in products.iter_mut() {
+        let (t, row_bytes) = check_matrix(p.ty, p.w.len(), p.n_rows, p.n_cols)?;
+        let expected = p.acts.len().saturating_mul(p.n_rows);
+        if p.out.len() != expected {
+            return Err(KernelError::Length {
+                ty: p.ty,
+                what: "output (tokens x rows)",
+                expected,
+                actual: p.out.len(),
+            });
+        }
+        for act in p.acts {
+            act.borrow().check_for(t, p.n_cols)?;
+        }
+        let chunk = if p.acts.len() <= 1 {
+            // One token: matvec's split.
+            rows_per_task(p.n_rows, row_bytes, pool.n_threads())
+        } else {
+            // A band of rows of at most ~128 KiB stays in L2 while all tokens pass over it.
+            let band = (128 * 1024usize).div_ceil(row_bytes.max(1)).clamp(1, 64);
+            rows_per_task(p.n_rows, row_bytes * p.acts.len(), pool.n_threads()).min(band)
+        }
         .max(1);
-    let n_tasks = n_rows.div_ceil(chunk);
-    let out_ptr = OutPtr(out.as_mut_ptr());
+        plans.push(Planned {
+            w: p.w,
+            n_rows: p.n_rows,
+            acts: p.acts,
+            f: *t.at(simd_level()),
+            row_bytes,
+            chunk,
+            first_task: n_tasks,
+            out: OutPtr(p.out.as_mut_ptr()),
+        });
+        n_tasks += if p.acts.is_empty() {
+            0
+        } else {
+            p.n_rows.div_ceil(chunk)
+        };
+    }
     pool.run(n_tasks, &|task| {
-        let start = task * chunk;
-        let end = (start + chunk).min(n_rows);
-        let mut t = 0;
-        // Groups of tokens through a kernel that unpacks each weight block once for all.
-        if let Some(group) = f.group {
-            while t + GROUP <= acts.len() {
-                let group_acts: [&ActBuf; GROUP] = std::array::from_fn(|k| &acts[t + k]);
-                // SAFETY: token t + k's rows start..end lie inside `out` (t + k < acts.len())
-                // and belong to this task only; the level is available and `w` is n_rows
-                // whole rows.
-                unsafe {
-                    let outs = std::array::from_fn(|k| {
-                        out_ptr.slice((t + k) * n_rows + start, end - start)
-                    });
-                    group(w, row_bytes, start..end, group_acts, outs);
-                }
-                t += GROUP;
-            }
-        }
-        for (t, act) in acts.iter().enumerate().skip(t) {
-            // SAFETY: t * n_rows + start .. t * n_rows + end lie inside `out` and belong to
-            // this task only; the level is available and `w` is n_rows whole rows.
-            unsafe {
-                let out = out_ptr.slice(t * n_rows + start, end - start);
-                (f.rows)(w, row_bytes, start..end, act, out);
-            }
-        }
+        // The product owning this task: the last whose first task is at or before it.
+        let p = &plans[plans.partition_point(|p| p.first_task <= task) - 1];
+        let start = (task - p.first_task) * p.chunk;
+        let end = (start + p.chunk).min(p.n_rows);
+        // SAFETY: rows start..end of every token of this product belong to this task only;
+        // the level is available (`at` takes at most this CPU's level) and `w` is n_rows
+        // whole rows (checked above).
+        unsafe { product_task(p, start..end) };
     });
     Ok(())
+}
+
+/// Rows `rows` of planned product `p` for every token: groups of tokens through the grouped
+/// kernel where the format has one, the rest one token at a time.
+///
+/// # Safety
+/// Rows `rows` (inside `p.n_rows`) of every token are written by this call only, and `p` was
+/// planned from a checked product ([`matmul_round`]) whose output is still borrowed.
+#[inline]
+unsafe fn product_task<A: Borrow<ActBuf>>(p: &Planned<'_, A>, rows: Range<usize>) {
+    let (acts, n_rows, w, f, row_bytes, out) = (p.acts, p.n_rows, p.w, &p.f, p.row_bytes, p.out);
+    let (start, len) = (rows.start, rows.len());
+    let mut t = 0;
+    // Groups of tokens through a kernel that unpacks each weight block once for all.
+    if let Some(group) = f.group {
+        while t + GROUP <= acts.len() {
+            let group_acts: [&ActBuf; GROUP] = std::array::from_fn(|k| acts[t + k].borrow());
+            // SAFETY: the caller's; token t + k's rows lie inside `out` (t + k < acts.len()).
+            unsafe {
+                let outs = std::array::from_fn(|k| out.slice((t + k) * n_rows + start, len));
+                group(w, row_bytes, rows.clone(), group_acts, outs);
+            }
+            t += GROUP;
+        }
+    }
+    for (t, act) in acts.iter().enumerate().skip(t) {
+        // SAFETY: the caller's; t * n_rows + rows lies inside `out`.
+        unsafe {
+            let o = out.slice(t * n_rows + start, len);
+            (f.rows)(w, row_bytes, rows.clone(), act.borrow(), o);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -884,6 +1036,158 @@ mod tests {
     }
 
     #[test]
+    fn one_round_of_products_gives_each_its_own_bits() {
+        let pools: Vec<ThreadPool> = (1..=3).map(ThreadPool::new).collect();
+        let types = dot_types();
+        for (i, &(ty, n_cols)) in types.iter().enumerate() {
+            // A second matrix of another type with the same activation format, when there is
+            // one (Q4_K beside Q6_K: the FFN's gate and up of a mixed file), else the same.
+            let ty2 = types
+                .iter()
+                .map(|&(t, _)| t)
+                .find(|&t| {
+                    t != ty
+                        && ActFormat::for_weights(t) == ActFormat::for_weights(ty)
+                        && t.block_size() == ty.block_size()
+                })
+                .unwrap_or(ty);
+            let seed = 13000 + i as u64;
+            // Row counts that split into uneven tasks, and an empty product.
+            let shapes = [(ty, 301usize), (ty2, 67), (ty, 0), (ty2, 5)];
+            let mats: Vec<Vec<u8>> = shapes
+                .iter()
+                .enumerate()
+                .map(|(k, &(t, r))| quantized_matrix(t, r, n_cols, seed + 100 * k as u64))
+                .collect();
+            for n_tokens in [1usize, 6] {
+                let acts: Vec<ActBuf> = (0..n_tokens)
+                    .map(|t| {
+                        let mut a = ActBuf::new();
+                        a.prepare(ty, &values(seed * 5 + t as u64, n_cols, 1.0))
+                            .unwrap();
+                        a
+                    })
+                    .collect();
+                for pool in &pools {
+                    let mut outs: Vec<Vec<f32>> = shapes
+                        .iter()
+                        .map(|&(_, r)| vec![f32::NAN; r * n_tokens])
+                        .collect();
+                    let mut products: Vec<Product<'_, ActBuf>> = shapes
+                        .iter()
+                        .zip(&mats)
+                        .zip(outs.iter_mut())
+                        .map(|((&(t, r), w), out)| Product {
+                            ty: t,
+                            w,
+                            n_rows: r,
+                            n_cols,
+                            acts: &acts,
+                            out,
+                        })
+                        .collect();
+                    matmul_round(pool, &mut products).unwrap();
+                    for ((&(t, r), w), got) in shapes.iter().zip(&mats).zip(&outs) {
+                        let mut want = vec![0f32; r * n_tokens];
+                        matmul(pool, t, w, r, n_cols, &acts, &mut want).unwrap();
+                        if n_tokens == 1 {
+                            let mut one = vec![0f32; r];
+                            matvec(pool, t, w, r, n_cols, &acts[0], &mut one).unwrap();
+                            assert_eq!(want, one, "{t} matmul of one token == matvec");
+                        }
+                        assert!(
+                            got.iter()
+                                .zip(&want)
+                                .all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "{t} ({r} rows, {n_tokens} tokens, {} threads)",
+                            pool.n_threads()
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_round_with_a_bad_product_computes_nothing() {
+        let pool = ThreadPool::new(2);
+        let (ty, n_cols) = (GgmlType::Q8_0, 64);
+        let w = quantized_matrix(ty, 4, n_cols, 1);
+        let mut act = ActBuf::new();
+        act.prepare(ty, &values(2, n_cols, 1.0)).unwrap();
+        let acts = [act];
+        let (mut a, mut b) = (vec![f32::NAN; 4], vec![f32::NAN; 3]);
+        let mut products = [
+            Product {
+                ty,
+                w: &w,
+                n_rows: 4,
+                n_cols,
+                acts: &acts,
+                out: &mut a,
+            },
+            // 3 outputs for a 4-row matrix.
+            Product {
+                ty,
+                w: &w,
+                n_rows: 4,
+                n_cols,
+                acts: &acts,
+                out: &mut b,
+            },
+        ];
+        assert!(matches!(
+            matmul_round(&pool, &mut products),
+            Err(KernelError::Length { .. })
+        ));
+        assert!(a.iter().all(|v| v.is_nan()), "the good product ran");
+    }
+
+    #[test]
+    fn batch_prepared_once_gives_the_per_row_bits() {
+        let pools: Vec<ThreadPool> = (1..=2).map(ThreadPool::new).collect();
+        for (i, (ty, n_cols)) in dot_types().into_iter().enumerate() {
+            let n_rows = 37;
+            let seed = 9000 + i as u64;
+            let w = quantized_matrix(ty, n_rows, n_cols, seed);
+            // Enough tokens to take the parallel path.
+            let n_tokens = 64.max(8 * 1024 / n_cols + 1);
+            let x: Vec<f32> = (0..n_tokens)
+                .flat_map(|t| values(seed * 3 + t as u64, n_cols, 1.0))
+                .collect();
+            for pool in &pools {
+                let mut batch = vec![ActBuf::new(); n_tokens];
+                prepare_rows(pool, ty, &x, n_cols, &mut batch).unwrap();
+                // An expert's rows: a subset, by reference, in any order.
+                let pick: Vec<&ActBuf> = [5usize, 0, 63, 17, 18, 2, 40]
+                    .iter()
+                    .map(|&t| &batch[t])
+                    .collect();
+                let mut out = vec![f32::NAN; pick.len() * n_rows];
+                matmul(pool, ty, &w, n_rows, n_cols, &pick, &mut out).unwrap();
+                for (k, &t) in [5usize, 0, 63, 17, 18, 2, 40].iter().enumerate() {
+                    let mut one = ActBuf::new();
+                    one.prepare(ty, &x[t * n_cols..(t + 1) * n_cols]).unwrap();
+                    let mut want = vec![0f32; n_rows];
+                    matvec(pool, ty, &w, n_rows, n_cols, &one, &mut want).unwrap();
+                    let got = &out[k * n_rows..(k + 1) * n_rows];
+                    assert!(
+                        got.iter()
+                            .zip(&want)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{ty} token {t} threads {}",
+                        pool.n_threads()
+                    );
+                }
+            }
+            // Wrong lengths are errors, and leave nothing half-prepared.
+            let mut batch = vec![ActBuf::new(); 3];
+            assert!(prepare_rows(&pools[0], ty, &x[..n_cols * 2], n_cols, &mut batch).is_err());
+            assert!(batch.iter().all(|a| a.format().is_none()));
+        }
+    }
+
+    #[test]
     fn bad_shapes_are_errors_not_panics() {
         let pool = ThreadPool::new(2);
         let ty = GgmlType::Q4_K;
@@ -1005,6 +1309,50 @@ mod tests {
                     "{bits:#06x}"
                 );
             }
+        }
+    }
+
+    #[test]
+    fn nearest_int_is_round_ties_even() {
+        let mut vals = vec![0.0f32, -0.0, 0.5, -0.5, 1.5, -1.5, 2.5, -2.5, 126.5, -127.5];
+        vals.extend([
+            4_194_303.5,
+            -4_194_303.5,
+            4_194_304.0,
+            8_388_609.0,
+            1e30,
+            -1e30,
+        ]);
+        vals.extend([
+            f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::MIN_POSITIVE,
+        ]);
+        // Every half step and its neighbouring floats up to ±300, and a pseudo-random spread.
+        for h in -600..=600 {
+            let v = h as f32 * 0.5;
+            vals.extend([
+                v,
+                f32::from_bits(v.to_bits() + 1),
+                f32::from_bits(v.to_bits().wrapping_sub(1)),
+            ]);
+        }
+        let mut x = 0x1234_5678u32;
+        for _ in 0..200_000 {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            vals.push(f32::from_bits(x));
+            vals.push((x as f32 / u32::MAX as f32 - 0.5) * 600.0);
+        }
+        for v in vals {
+            assert_eq!(
+                nearest_int(v),
+                v.round_ties_even() as i32,
+                "{v:e} ({:#x})",
+                v.to_bits()
+            );
         }
     }
 

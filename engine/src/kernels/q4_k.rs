@@ -21,6 +21,8 @@
 //! per pair of sub-blocks instead; no single order can match both, and ours must not depend on
 //! the batch, so we take the one-token order.
 
+#[cfg(target_arch = "x86_64")]
+use super::q8_k::GROUP;
 use super::q8_k::{BlockQ8K, QK_K};
 use super::{f16_to_f32, f32_to_f16, nearest_int, RawBlock};
 
@@ -224,8 +226,99 @@ pub(super) fn dot_scalar(w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_avx2(w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
-    let [v] = unsafe { dot_n_avx2::<1>(w, [a]) };
+    let [v] = unsafe { dot_each_avx2::<1>(w, [a]) };
     v
+}
+
+/// The exact integer sums (8 i32 lanes each) of block `x` against block `i` of each of `N`
+/// activations: the nibbles and scales prepared once per chunk, multiplied into every
+/// activation's own sum. Shared by the single, grouped and leftover dots.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn block_sums<const N: usize>(
+    x: &BlockQ4K,
+    scales: std::arch::x86_64::__m256i,
+    a: [&[BlockQ8K]; N],
+    i: usize,
+) -> [std::arch::x86_64::__m256i; N] {
+    use std::arch::x86_64::*;
+    let m4 = _mm256_set1_epi8(0x0F);
+    let mut sumi = [_mm256_setzero_si256(); N];
+    for c in 0..4 {
+        // SAFETY: 32-byte load inside qs (128 bytes).
+        let q = unsafe { _mm256_loadu_si256(x.qs.as_ptr().add(32 * c).cast()) };
+        let lo = _mm256_and_si256(q, m4);
+        let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+        let (sc_lo, sc_hi) = unsafe {
+            (
+                x86::scale_of(scales, 2 * c),
+                x86::scale_of(scales, 2 * c + 1),
+            )
+        };
+        for (t, s) in sumi.iter_mut().enumerate() {
+            let y = &a[t][i];
+            // SAFETY: 32-byte loads inside y.qs (256 bytes).
+            let (ylo, yhi) = unsafe {
+                (
+                    _mm256_loadu_si256(y.qs.as_ptr().add(64 * c).cast()),
+                    _mm256_loadu_si256(y.qs.as_ptr().add(64 * c + 32).cast()),
+                )
+            };
+            // ≤ 2 · 15 · 127 per i16 lane: no saturation.
+            let plo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, ylo), sc_lo);
+            let phi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, yhi), sc_hi);
+            *s = _mm256_add_epi32(*s, _mm256_add_epi32(plo, phi));
+        }
+    }
+    sumi
+}
+
+/// The grouped dot (prefill): [`dot_each_avx2`]'s integer work for 4 activations, with the
+/// per-block tail done for all 4 at once — the exact sums of the 4 tokens' lanes reduced
+/// together by horizontal adds (one transposing reduction instead of four), then both
+/// accumulators of all 4 tokens stepped with one fused multiply-add each. Per lane that is the
+/// very `fma(sumi, d·d_a, acc_d)` and `fma(summ, dmin·d_a, acc_m)` of the scalar `accumulate`
+/// on the same exact integers, so the bits are those of 4 single dots (the tests check it).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn dot_n_avx2(w: &[BlockQ4K], a: [&[BlockQ8K]; GROUP]) -> [f32; GROUP] {
+    use std::arch::x86_64::*;
+    const { assert!(GROUP == 4) };
+    let n = a.iter().fold(w.len(), |n, a| n.min(a.len()));
+    let (mut acc_d, mut acc_m) = (_mm_setzero_ps(), _mm_setzero_ps());
+    for (i, x) in w[..n].iter().enumerate() {
+        let (scales, mins) = unsafe { x86::scales_mins(x.head()) };
+        let sumi = unsafe { block_sums(x, scales, a, i) };
+        // [sumi_0, sumi_1, sumi_2, sumi_3]: each token's 8 lanes summed (exact in i32).
+        let s01 = _mm256_hadd_epi32(sumi[0], sumi[1]);
+        let s23 = _mm256_hadd_epi32(sumi[2], sumi[3]);
+        let s = _mm256_hadd_epi32(s01, s23);
+        let sumi4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        // [summ_0, ..., summ_3]: Σ_j m_j · (bsum_2j + bsum_2j+1) per token (exact).
+        let mins_dot = |t: usize| {
+            // SAFETY: 16 i16 = 32 bytes.
+            let bs = unsafe { _mm256_loadu_si256(a[t][i].bsums.as_ptr().cast()) };
+            // Pair sums ≤ 2 · 16 · 127: no i16 overflow.
+            let pairs = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+            _mm_madd_epi16(mins, pairs)
+        };
+        let m01 = _mm_hadd_epi32(mins_dot(0), mins_dot(1));
+        let m23 = _mm_hadd_epi32(mins_dot(2), mins_dot(3));
+        let summ4 = _mm_hadd_epi32(m01, m23);
+        // [d, dmin, 0, 0] widened exactly, times each token's activation scale.
+        let dd = unsafe { x86::super_scales(x.d, x.dmin) };
+        let d_a = _mm_setr_ps(a[0][i].d, a[1][i].d, a[2][i].d, a[3][i].d);
+        let scale_d = _mm_mul_ps(_mm_shuffle_ps(dd, dd, 0b00_00_00_00), d_a);
+        let scale_m = _mm_mul_ps(_mm_shuffle_ps(dd, dd, 0b01_01_01_01), d_a);
+        acc_d = _mm_fmadd_ps(_mm_cvtepi32_ps(sumi4), scale_d, acc_d);
+        acc_m = _mm_fmadd_ps(_mm_cvtepi32_ps(summ4), scale_m, acc_m);
+    }
+    let mut out = [0f32; GROUP];
+    // SAFETY: 4 floats.
+    unsafe { _mm_storeu_ps(out.as_mut_ptr(), _mm_sub_ps(acc_d, acc_m)) };
+    out
 }
 
 /// `N` dots of one row at once: per chunk the nibbles and scales are prepared once and
@@ -234,40 +327,13 @@ unsafe fn dot_avx2(w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn dot_n_avx2<const N: usize>(w: &[BlockQ4K], a: [&[BlockQ8K]; N]) -> [f32; N] {
+unsafe fn dot_each_avx2<const N: usize>(w: &[BlockQ4K], a: [&[BlockQ8K]; N]) -> [f32; N] {
     use std::arch::x86_64::*;
     let n = a.iter().fold(w.len(), |n, a| n.min(a.len()));
-    let m4 = _mm256_set1_epi8(0x0F);
     let mut acc = [_mm_setzero_ps(); N];
     for (i, x) in w[..n].iter().enumerate() {
         let (scales, mins) = unsafe { x86::scales_mins(x.head()) };
-        let mut sumi = [_mm256_setzero_si256(); N];
-        for c in 0..4 {
-            // SAFETY: 32-byte load inside qs (128 bytes).
-            let q = unsafe { _mm256_loadu_si256(x.qs.as_ptr().add(32 * c).cast()) };
-            let lo = _mm256_and_si256(q, m4);
-            let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-            let (sc_lo, sc_hi) = unsafe {
-                (
-                    x86::scale_of(scales, 2 * c),
-                    x86::scale_of(scales, 2 * c + 1),
-                )
-            };
-            for (t, s) in sumi.iter_mut().enumerate() {
-                let y = &a[t][i];
-                // SAFETY: 32-byte loads inside y.qs (256 bytes).
-                let (ylo, yhi) = unsafe {
-                    (
-                        _mm256_loadu_si256(y.qs.as_ptr().add(64 * c).cast()),
-                        _mm256_loadu_si256(y.qs.as_ptr().add(64 * c + 32).cast()),
-                    )
-                };
-                // ≤ 2 · 15 · 127 per i16 lane: no saturation.
-                let plo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, ylo), sc_lo);
-                let phi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, yhi), sc_hi);
-                *s = _mm256_add_epi32(*s, _mm256_add_epi32(plo, phi));
-            }
-        }
+        let sumi = unsafe { block_sums(x, scales, a, i) };
         for t in 0..N {
             let y = &a[t][i];
             acc[t] = unsafe { x86::accumulate(acc[t], sumi[t], mins, &y.bsums, x.d, x.dmin, y.d) };
