@@ -19,7 +19,7 @@
 use super::blocks::{self, AttnShape, Compute, Glu, Rope, RopeKind, Yarn};
 use super::meta::Meta;
 use super::qwen3moe::{
-    add_rows, attn_params, moe_params, n_vocab, norm_head, qwen_attention, split_ffn_biased,
+    add_rows, attention_sublayer, attn_params, moe_params, n_vocab, norm_head, split_ffn_biased,
     FfnBias, QwenAttn,
 };
 use super::state::{LayerMemory, MemoryKind, Scratch, State};
@@ -306,32 +306,24 @@ impl Arch for GptOss {
 
     /// Attention with sinks (sliding or full), the residual, and the post-attention norm.
     fn dense(&self, cx: &Compute, st: &mut State, il: usize) -> Result<(), ArchError> {
-        let (d, eps) = (self.hp.d_model, self.hp.rms_eps);
         let l = &self.layers[il];
         let (shape, rope) = if self.hp.swa_layers[il] {
             (&self.shape_swa, &self.rope_swa)
         } else {
             (&self.shape, &self.rope)
         };
-        blocks::rms_norm_all(&st.x, d, Some(&l.attn_norm), eps, &mut st.cur);
-        qwen_attention(
+        attention_sublayer(
             cx,
             st,
             il,
+            (&l.attn_norm[..], &l.post_norm[..]),
             &l.attn,
             shape,
             rope,
-            eps,
+            self.hp.rms_eps,
             Some(&l.sinks),
             Some(&l.o_bias),
-        )?;
-        for (x, o) in st.x.iter_mut().zip(&st.out) {
-            *x += *o;
-        }
-        let rows = std::mem::take(&mut st.ffn_rows);
-        blocks::rms_norm_rows(&st.x, d, &rows, Some(&l.post_norm[..]), eps, &mut st.h);
-        st.ffn_rows = rows;
-        Ok(())
+        )
     }
 
     /// `ffn_gate_inp · x + ffn_gate_inp.bias`: the raw logits the gating ranks.

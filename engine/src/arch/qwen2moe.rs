@@ -16,7 +16,7 @@
 use super::blocks::{self, AttnShape, Compute, Glu, Rope, RopeKind};
 use super::meta::Meta;
 use super::qwen3moe::{
-    add_rows, attn_params, moe_params, n_vocab, norm_head, qwen_attention, split_ffn, QwenAttn,
+    add_rows, attention_sublayer, attn_params, moe_params, n_vocab, norm_head, split_ffn, QwenAttn,
 };
 use super::state::{LayerMemory, MemoryKind, Scratch, State};
 use super::weights::{ExpertTensor, Loader, Mat, Weights};
@@ -240,11 +240,11 @@ impl Arch for Qwen2Moe {
     fn dense(&self, cx: &Compute, st: &mut State, il: usize) -> Result<(), ArchError> {
         let (d, eps) = (self.hp.d_model, self.hp.rms_eps);
         let l = &self.layers[il];
-        blocks::rms_norm_all(&st.x, d, Some(&l.attn_norm), eps, &mut st.cur);
-        qwen_attention(
+        attention_sublayer(
             cx,
             st,
             il,
+            (&l.attn_norm[..], &l.ffn_norm[..]),
             &l.attn,
             &self.shape,
             &self.rope,
@@ -252,12 +252,6 @@ impl Arch for Qwen2Moe {
             None,
             None,
         )?;
-        for (x, o) in st.x.iter_mut().zip(&st.out) {
-            *x += *o;
-        }
-        let rows = std::mem::take(&mut st.ffn_rows);
-        blocks::rms_norm_rows(&st.x, d, &rows, Some(&l.ffn_norm[..]), eps, &mut st.h);
-        st.ffn_rows = rows;
         // The shared expert on the FFN rows, scaled by its gate.
         let m = st.ffn_rows.len();
         let s = &l.shexp;

@@ -179,6 +179,34 @@ pub(crate) struct QwenAttn {
 /// GQA self-attention of `st.cur` (the normed input of every batch row) into `st.out`
 /// (`n_rows × d_model`, after the output projection): projections (+ biases), per-head q/k
 /// norms, rotary embedding, the layer's memory, attention, output projection.
+/// The pre-norm attention sublayer of the llama-style families (qwen3moe, qwen2moe, gpt-oss):
+/// `attn_norm`, [`qwen_attention`], the residual, then `ffn_norm` of the FFN rows into
+/// `State::h`, the FFN's input.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attention_sublayer(
+    cx: &Compute,
+    st: &mut State,
+    layer: usize,
+    (attn_norm, ffn_norm): (&[f32], &[f32]),
+    w: &QwenAttn,
+    shape: &AttnShape,
+    rope: &Rope,
+    rms_eps: f32,
+    sinks: Option<&[f32]>,
+    o_bias: Option<&[f32]>,
+) -> Result<(), ArchError> {
+    let d = w.o.rows;
+    blocks::rms_norm_all(&st.x, d, Some(attn_norm), rms_eps, &mut st.cur);
+    qwen_attention(cx, st, layer, w, shape, rope, rms_eps, sinks, o_bias)?;
+    for (x, o) in st.x.iter_mut().zip(&st.out) {
+        *x += *o;
+    }
+    let rows = std::mem::take(&mut st.ffn_rows);
+    blocks::rms_norm_rows(&st.x, d, &rows, Some(ffn_norm), rms_eps, &mut st.h);
+    st.ffn_rows = rows;
+    Ok(())
+}
+
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn qwen_attention(
     cx: &Compute,
@@ -548,27 +576,19 @@ impl Arch for Qwen3Moe {
     }
 
     fn dense(&self, cx: &Compute, st: &mut State, il: usize) -> Result<(), ArchError> {
-        let (d, eps) = (self.hp.d_model, self.hp.rms_eps);
         let l = &self.layers[il];
-        blocks::rms_norm_all(&st.x, d, Some(&l.attn_norm), eps, &mut st.cur);
-        qwen_attention(
+        attention_sublayer(
             cx,
             st,
             il,
+            (&l.attn_norm[..], &l.ffn_norm[..]),
             &l.attn,
             &self.shape,
             &self.rope,
-            eps,
+            self.hp.rms_eps,
             None,
             None,
-        )?;
-        for (x, o) in st.x.iter_mut().zip(&st.out) {
-            *x += *o;
-        }
-        let rows = std::mem::take(&mut st.ffn_rows);
-        blocks::rms_norm_rows(&st.x, d, &rows, Some(&l.ffn_norm[..]), eps, &mut st.h);
-        st.ffn_rows = rows;
-        Ok(())
+        )
     }
 
     fn router_logits(
