@@ -136,14 +136,14 @@ fn follow_trace(
         .with_context(|| format!("--routing-from: cannot read {}", path.display()))?;
     let trace = bmoe_core::telemetry::route_trace::RouteTrace::parse(&text)
         .with_context(|| format!("--routing-from {}", path.display()))?;
-    Ok(bmoe_core::hooks::follow::FollowTrace::new(
+    bmoe_core::hooks::follow::FollowTrace::new(
         &trace,
         layout.layers().len(),
         dims.n_expert as u32,
         dims.n_expert_used as u32,
         gating,
     )
-    .with_context(|| format!("--routing-from {}", path.display()))?)
+    .with_context(|| format!("--routing-from {}", path.display()))
 }
 
 /// Resolve and validate the configuration, load the model and build its decode step:
