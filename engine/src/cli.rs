@@ -317,6 +317,12 @@ pub struct InspectArgs {
     /// Print JSON instead of text
     #[arg(long)]
     pub json: bool,
+    /// Also write the model's expert layout as a route-trace preamble with no rows (each MoE
+    /// layer's expert bytes, dense bytes and projection extents, as `--route-trace` states
+    /// them): what `bmoe-sim whatif --model` re-prices a recorded routing with, for a model
+    /// that was never run
+    #[arg(long, value_name = "PATH")]
+    pub layout_out: Option<PathBuf>,
 }
 
 #[derive(Args, Debug)]
@@ -566,6 +572,9 @@ pub fn checksum(a: ChecksumArgs) -> Result<()> {
 }
 
 pub fn inspect(a: InspectArgs) -> Result<()> {
+    if let Some(out) = &a.layout_out {
+        write_layout(&a.model, out)?;
+    }
     let f = GgufFile::open(&a.model)?;
     if a.json {
         println!(
@@ -575,6 +584,47 @@ pub fn inspect(a: InspectArgs) -> Result<()> {
     } else {
         print!("{}", crate::inspect::inspect(&f));
     }
+    Ok(())
+}
+
+/// `inspect --layout-out`: the model's layout as the preamble of a route trace with no rows.
+fn write_layout(model_path: &std::path::Path, out: &std::path::Path) -> Result<()> {
+    use bmoe_core::telemetry::route_trace::{RoutePreamble, RouteTraceWriter, TraceLayer};
+    let file = std::sync::Arc::new(GgufFile::open(model_path)?);
+    let inputs: Vec<PathBuf> = file.shard_paths().iter().map(|p| p.to_path_buf()).collect();
+    let named: Vec<crate::outputs::Named<'_>> = inputs
+        .iter()
+        .map(|p| crate::outputs::Named::new("MODEL", p))
+        .collect();
+    crate::outputs::check_distinct(&named, &[crate::outputs::Named::new("--layout-out", out)])?;
+    // Mapped, not copied: only the tensors' places and sizes are needed.
+    let model = crate::arch::load_model(file.clone(), crate::dense::DenseMode::Mmap, 1)?;
+    let layout = crate::stream::layout_of(&model)?;
+    let dims = model.dims();
+    let pre = RoutePreamble {
+        model: model_path.display().to_string(),
+        arch: file.architecture().unwrap_or("").to_string(),
+        n_layer: dims.n_layer as u32,
+        n_expert: dims.n_expert as u32,
+        n_expert_used: dims.n_expert_used as u32,
+        gating: model.gating(),
+        layers: TraceLayer::of_layout(&layout),
+        notes: vec!["layout only (bmoe-cli inspect --layout-out): no routing rows".to_string()],
+        extra: Vec::new(),
+    };
+    let f = std::fs::File::create(out).with_context(|| format!("creating {}", out.display()))?;
+    RouteTraceWriter::new(std::io::BufWriter::new(f), &pre)
+        .and_then(|w| w.finish())
+        .and_then(|mut w| std::io::Write::flush(&mut w))
+        .with_context(|| format!("writing {}", out.display()))?;
+    eprintln!(
+        "bmoe: wrote the layout of {} ({} MoE layers x {} experts, {:.1} MiB of experts) to {}",
+        model_path.display(),
+        layout.layers().len(),
+        dims.n_expert,
+        layout.total_expert_bytes() as f64 / 1048576.0,
+        out.display()
+    );
     Ok(())
 }
 

@@ -566,25 +566,7 @@ impl Sinks {
         let csv = outputs.csv.take();
         let route = match outputs.route_trace.take() {
             Some(w) if cfg.moe_stream => {
-                let layers = engine
-                    .layout()
-                    .layers()
-                    .iter()
-                    .map(|l| TraceLayer {
-                        layer: l.model_layer,
-                        expert_bytes: l.projections.iter().map(|p| p.stride_bytes).sum(),
-                        dense_bytes: l.dense_bytes,
-                        proj: l
-                            .projections
-                            .iter()
-                            .map(|p| bmoe_core::telemetry::route_trace::ProjExtent {
-                                shard: p.shard as u32,
-                                offset: p.base_offset,
-                                stride: p.stride_bytes,
-                            })
-                            .collect(),
-                    })
-                    .collect();
+                let layers = TraceLayer::of_layout(engine.layout());
                 let pre = RoutePreamble {
                     model: cfg.model.clone(),
                     arch: cfg.arch.clone(),

@@ -6,6 +6,7 @@
 
 use bmoe_engine::testdata::shared_path;
 use bmoe_gates::{model, run, scratch_dir, sim};
+use clap::Parser;
 use std::path::Path;
 
 /// `key=value` from a space-separated line.
@@ -138,6 +139,55 @@ fn engine_equals_replay(trace_rel: &str, key: &str, gen: &[&str], n_tokens: u64)
     );
     assert_eq!(field(line, "rereads"), field(summary, "rereads"), "{line}");
     assert_eq!(field(line, "read_bytes"), read_bytes, "{line}");
+
+    // `inspect --layout-out` states the layout the run used without running it: the same
+    // `# layer=` lines, and `whatif --model` with it (same routing shape: no mapping) prices the
+    // trace as the replay above did, byte for byte past its inputs statement.
+    let layout = dir.join(format!("{key}.layout.csv"));
+    let cli = bmoe_engine::cli::Cli::try_parse_from([
+        "bmoe-cli",
+        "inspect",
+        &s(&m),
+        "--layout-out",
+        &s(&layout),
+    ])
+    .expect("inspect arguments parse");
+    match cli.cmd {
+        Some(bmoe_engine::cli::Cmd::Inspect(a)) => bmoe_engine::cli::inspect(a).expect("inspect"),
+        _ => panic!("not an inspect command"),
+    }
+    let layer_lines = |p: &Path| -> Vec<String> {
+        std::fs::read_to_string(p)
+            .expect("read")
+            .lines()
+            .filter(|l| l.starts_with("# layer="))
+            .map(str::to_string)
+            .collect()
+    };
+    assert!(!layer_lines(&route).is_empty());
+    assert_eq!(layer_lines(&layout), layer_lines(&route));
+    let (code, whatif, err) = sim(&[
+        "whatif",
+        "--trace",
+        &s(&trace),
+        "--model",
+        &s(&layout),
+        "--device",
+        "origin-12gb-phone",
+        "--moe-stream",
+        "--cache-mb",
+        "20",
+        "--force-cache",
+        "--read-split",
+        "lanes",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(whatif.contains("whatif: mapping   none"), "{whatif}");
+    let report: Vec<&str> = whatif
+        .lines()
+        .filter(|l| !l.starts_with("whatif:"))
+        .collect();
+    assert_eq!(report, out.lines().collect::<Vec<_>>());
 }
 
 #[test]

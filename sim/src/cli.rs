@@ -21,7 +21,7 @@ use bmoe_core::flags::{
 };
 use bmoe_core::telemetry::io_trace::IoTraceWriter;
 use bmoe_core::telemetry::report::{write_report, ReportContext};
-use bmoe_core::telemetry::route_trace::{PredColumns, RouteTrace, RouteTraceWriter};
+use bmoe_core::telemetry::route_trace::{PredColumns, RoutePreamble, RouteTrace, RouteTraceWriter};
 use bmoe_core::{records::RecordSink, ExpertLayout};
 use clap::{Args, Parser, Subcommand};
 use std::ffi::OsString;
@@ -39,6 +39,7 @@ use std::sync::Arc;
 policies, streamer, telemetry), on a virtual clock with a modelled flash device and compute model. \
 Hits, misses, evictions and read bytes are exact; times are modelled from a device profile.\n\n\
   bmoe-sim replay --trace T.csv --cache-mb 4000 --csv sim.csv\n\
+  bmoe-sim whatif --trace T.csv --model other.layout.csv --device ufs40-phone --cache-mb 2000\n\
   bmoe-sim sweep --trace T.csv --out sweep\n\
   bmoe-sim diff sim.csv measured.csv\n\
   bmoe-sim calibrate --csv run.csv --trace run.route.csv --out profile.json\n\
@@ -56,6 +57,10 @@ pub enum Cmd {
     /// Replay a route trace and write the same CSV, traces and report lines as bmoe-cli
     /// (the simulator always streams: --moe-stream is implied)
     Replay(ReplayArgs),
+    /// Predict a model and device that were never run together: a recorded routing priced with
+    /// another model's expert and dense bytes (its layout) and another device's profile; a
+    /// routing of another shape is mapped onto the model's (stated in the output)
+    Whatif(WhatifArgs),
     /// Replay a trace over a grid of budgets x policies (with the Belady bound) x lanes x overlap
     Sweep(SweepArgs),
     /// Measure replay speed: routings per second per core, cache-only and full timing
@@ -315,6 +320,32 @@ pub struct ReplayArgs {
     pub telemetry: TelemetryArgs,
 }
 
+/// Flags of `bmoe-sim whatif`.
+#[derive(Args, Debug, Clone)]
+pub struct WhatifArgs {
+    /// The recorded routing (route_trace v1: a bmoe run's --route-trace, or a converted capture)
+    #[arg(long, value_name = "PATH")]
+    pub trace: PathBuf,
+    /// The model to price it on: its layout (`bmoe-cli inspect MODEL --layout-out L.csv`, which
+    /// reads only the file's header) or any route trace of it
+    #[arg(long, value_name = "LAYOUT.csv")]
+    pub model: PathBuf,
+    /// The device: a built-in profile (origin-12gb-phone, ufs40-phone, laptop-nvme,
+    /// this-machine) or a JSON profile (e.g. from `bmoe-sim calibrate`)
+    #[arg(long, value_name = "NAME|PATH")]
+    pub device: String,
+    /// Seed of the flash and compute jitter streams (only matters when the profile has jitter)
+    #[arg(long, value_name = "N", default_value_t = 0, value_parser = parse_u64_strict)]
+    pub seed: u64,
+    /// Override the profile's flash and compute jitter, in [0, 1)
+    #[arg(long, value_name = "F", value_parser = parse_decimal_strict)]
+    pub jitter: Option<f32>,
+    #[command(flatten)]
+    pub stream: StreamArgs,
+    #[command(flatten)]
+    pub telemetry: TelemetryArgs,
+}
+
 /// Run `bmoe-sim` with `args` (program name first) and environment `env`, writing to `out`
 /// and `err`. Returns the exit code.
 pub fn run<I, T>(args: I, env: &[(String, String)], out: &mut dyn Write, err: &mut dyn Write) -> i32
@@ -340,6 +371,7 @@ where
     };
     let result = match cli.cmd {
         Cmd::Replay(a) => cmd_replay(a, env, out, err),
+        Cmd::Whatif(a) => cmd_whatif(a, env, out, err),
         Cmd::Sweep(a) => cmd_sweep(a, env, out),
         Cmd::Bench(a) => cmd_bench(a, out),
         Cmd::Diff(a) => cmd_diff(a, out, err),
@@ -374,16 +406,50 @@ pub fn load_trace(path: &Path) -> Result<RouteTrace, SimError> {
     Ok(trace)
 }
 
-/// `--layout-from`: replace `trace`'s layer layout with the one in the route trace at `other`.
-fn reprice(trace: &mut RouteTrace, other: &Path) -> Result<(), SimError> {
-    let src = load_trace(other)?;
-    let (have, want) = (&src.preamble, &trace.preamble);
+/// Read the layout of a model: a route trace of it (its `# layer=` lines), with or without
+/// rows — `bmoe-cli inspect MODEL --layout-out` writes one with none.
+pub fn load_layout(path: &Path) -> Result<RoutePreamble, SimError> {
+    let text = std::fs::read_to_string(path).map_err(|e| SimError::io(path, e))?;
+    let trace = RouteTrace::parse(&text).map_err(|source| SimError::Parse {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    Ok(trace.preamble)
+}
+
+/// How `prepare` prices a trace's experts.
+#[derive(Clone, Copy, Debug)]
+pub enum Reprice<'a> {
+    /// With the trace's own layout.
+    Own,
+    /// `replay --layout-from`: another run's layout; the routing shape must be the same.
+    Layout(&'a Path),
+    /// `whatif --model`: another model's layout; a routing of another shape is mapped onto it
+    /// (`whatif::map_routing`).
+    Model(&'a Path),
+}
+
+/// Re-price `trace` as `how` says; returns how a routing was mapped, when it was.
+fn reprice(trace: &mut RouteTrace, how: Reprice<'_>) -> Result<Option<String>, SimError> {
+    let (other, map) = match how {
+        Reprice::Own => return Ok(None),
+        Reprice::Layout(p) => (p, false),
+        Reprice::Model(p) => (p, true),
+    };
+    let model = load_layout(other)?;
+    if map && !crate::whatif::same_shape(&trace.preamble, &model) {
+        let (mapped, how) =
+            crate::whatif::map_routing(trace, &model, &other.display().to_string())?;
+        *trace = mapped;
+        return Ok(Some(how));
+    }
+    let (have, want) = (&model, &trace.preamble);
     if have.layers.len() != want.layers.len() || have.n_expert != want.n_expert {
         return Err(SimError::invalid(
             format!("--layout-from {}", other.display()),
             format!(
                 "its layout has {} MoE layers of {} experts, the trace {} of {}: a layout re-prices \
-                 only a trace of its own routing shape",
+                 only a trace of its own routing shape (bmoe-sim whatif --model maps a routing onto another shape)",
                 have.layers.len(),
                 have.n_expert,
                 want.layers.len(),
@@ -391,12 +457,17 @@ fn reprice(trace: &mut RouteTrace, other: &Path) -> Result<(), SimError> {
             ),
         ));
     }
-    trace.preamble.layers = src.preamble.layers.clone();
+    trace.preamble.layers = model.layers.clone();
     trace.preamble.notes.push(format!(
-        "experts re-priced with the layout of {} (--layout-from)",
-        other.display()
+        "experts re-priced with the layout of {} ({})",
+        other.display(),
+        if map {
+            "whatif --model"
+        } else {
+            "--layout-from"
+        }
     ));
-    Ok(())
+    Ok(None)
 }
 
 /// A trace ready to replay: parsed, planned, its layout built, and the run configured.
@@ -410,6 +481,8 @@ pub struct Prepared {
     pub pred_columns: PredColumns,
     /// Approximations the replay makes (printed to stderr by `replay`).
     pub warnings: Vec<String>,
+    /// How the routing was mapped onto another model's shape (`whatif`), when it was.
+    pub mapping: Option<String>,
 }
 
 impl Prepared {
@@ -444,9 +517,35 @@ fn refuse_unmodelled(cfg: &RunConfig) -> Result<(), SimError> {
 /// from the trace preamble, `validate_model()`, the cache cycle and the budget (`auto` from
 /// the profile's `mem_available_mib`). The simulator always streams: `--moe-stream` is
 /// implied.
+#[allow(clippy::too_many_arguments)]
 pub fn prepare(
     trace_path: &Path,
     layout_from: Option<&Path>,
+    profile_spec: Option<&str>,
+    jitter: Option<f32>,
+    stream: &StreamArgs,
+    telemetry: &TelemetryArgs,
+    seed: u64,
+    env: &[(String, String)],
+) -> Result<Prepared, SimError> {
+    let how = layout_from.map_or(Reprice::Own, Reprice::Layout);
+    prepare_priced(
+        trace_path,
+        how,
+        profile_spec,
+        jitter,
+        stream,
+        telemetry,
+        seed,
+        env,
+    )
+}
+
+/// `prepare`, with the trace's experts priced as `how` says.
+#[allow(clippy::too_many_arguments)]
+pub fn prepare_priced(
+    trace_path: &Path,
+    how: Reprice<'_>,
     profile_spec: Option<&str>,
     jitter: Option<f32>,
     stream: &StreamArgs,
@@ -493,9 +592,7 @@ pub fn prepare(
         warnings,
     } = predictions::resolve(&cfg, load_trace(trace_path)?)?;
     let mut trace = trace;
-    if let Some(other) = layout_from {
-        reprice(&mut trace, other)?;
-    }
+    let mapping = reprice(&mut trace, how)?;
     let layout = layout_from_preamble(&trace.preamble)?;
     let plan = ReplayPlan::new(&trace)?;
     let p = &trace.preamble;
@@ -533,6 +630,7 @@ pub fn prepare(
         profile,
         pred_columns,
         warnings,
+        mapping,
     })
 }
 
@@ -607,10 +705,122 @@ fn cmd_replay(
     out: &mut dyn Write,
     err: &mut dyn Write,
 ) -> Result<i32, SimError> {
+    let how = a.layout_from.clone();
+    run_replay(
+        a,
+        how.as_deref().map_or(Reprice::Own, Reprice::Layout),
+        false,
+        env,
+        out,
+        err,
+    )
+}
+
+fn cmd_whatif(
+    a: WhatifArgs,
+    env: &[(String, String)],
+    out: &mut dyn Write,
+    err: &mut dyn Write,
+) -> Result<i32, SimError> {
+    check_replay_outputs(&a.model, &a.telemetry)?;
+    let replay = ReplayArgs {
+        trace: a.trace,
+        profile: Some(a.device),
+        seed: a.seed,
+        jitter: a.jitter,
+        layout_from: None,
+        stream: a.stream,
+        telemetry: a.telemetry,
+    };
+    run_replay(replay, Reprice::Model(&a.model), true, env, out, err)
+}
+
+/// `whatif`'s statement of where each input came from.
+fn write_inputs(out: &mut dyn Write, p: &Prepared, trace: &Path) -> std::io::Result<()> {
+    let t = &p.trace.preamble;
+    let (prefill, decode) = crate::whatif::count_tokens(&p.trace);
+    let expert_mib =
+        |l: &bmoe_core::telemetry::route_trace::TraceLayer| l.expert_bytes as f64 / MIB as f64;
+    let n = t.layers.len().max(1) as f64;
+    let mean_expert = t.layers.iter().map(expert_mib).sum::<f64>() / n;
+    let mean_dense = t
+        .layers
+        .iter()
+        .map(|l| l.dense_bytes as f64 / MIB as f64)
+        .sum::<f64>()
+        / n;
+    writeln!(
+        out,
+        "whatif: routing   from {} ({} prefill + {} decode tokens)",
+        trace.display(),
+        prefill,
+        decode
+    )?;
+    match &p.mapping {
+        Some(how) => writeln!(out, "whatif: mapping   {how}")?,
+        None => writeln!(
+            out,
+            "whatif: mapping   none: the trace has the model's routing shape, replayed as recorded"
+        )?,
+    }
+    writeln!(
+        out,
+        "whatif: bytes     from the layout of {} ({}, {} MoE layers x {} experts, top-{}): {:.3} MiB per expert, {:.1} MiB dense per MoE layer (means), {:.1} MiB of experts",
+        t.model,
+        t.arch,
+        t.layers.len(),
+        t.n_expert,
+        t.n_expert_used,
+        mean_expert,
+        mean_dense,
+        p.layout.total_expert_bytes() as f64 / MIB as f64
+    )?;
+    let (f, c) = (&p.profile.flash, &p.profile.compute);
+    writeln!(
+        out,
+        "whatif: time      from device profile {}: flash {:.0} MiB/s per lane, {:.0} MiB/s device, {:.0} us latency; compute dense {:.0} / expert {:.0} MiB/s, head {:.2} ms; {} threads",
+        p.profile.name,
+        f.lane_mib_per_s,
+        f.device_mib_per_s,
+        f.read_latency_us,
+        c.dense_mib_per_s,
+        c.expert_mib_per_s,
+        c.head_ms,
+        p.profile.threads
+    )?;
+    for src in &p.profile.sources {
+        writeln!(out, "whatif:           source: {src}")?;
+    }
+    writeln!(
+        out,
+        "whatif: budget    {} MiB expert cache ({}), policy {}",
+        p.cfg.cache_budget_mb,
+        if p.cfg.cache_auto {
+            format!(
+                "auto, from the profile's {} MiB available",
+                p.profile.mem_available_mib
+            )
+        } else {
+            "--cache-mb".to_string()
+        },
+        p.cfg.eviction.name()
+    )
+}
+
+/// `replay` and `whatif`: prepare the trace (priced as `how` says), replay it, write the
+/// outputs and the report (after `whatif`'s inputs statement when `inputs`).
+fn run_replay(
+    a: ReplayArgs,
+    how: Reprice<'_>,
+    inputs: bool,
+    env: &[(String, String)],
+    out: &mut dyn Write,
+    err: &mut dyn Write,
+) -> Result<i32, SimError> {
     check_replay_outputs(&a.trace, &a.telemetry)?;
-    let p = prepare(
+    let p = prepare_priced(
         &a.trace,
-        a.layout_from.as_deref(),
+        how,
         a.profile.as_deref(),
         a.jitter,
         &a.stream,
@@ -621,6 +831,9 @@ fn cmd_replay(
     for w in p.cfg.load_warnings().iter().chain(&p.warnings) {
         // The core's warnings carry their own "bmoe: WARNING" prefix, ours "bmoe-sim: WARNING".
         writeln!(err, "{w}").map_err(|e| SimError::io("stderr", e))?;
+    }
+    if inputs {
+        write_inputs(out, &p, &a.trace).map_err(|e| SimError::io("stdout", e))?;
     }
     let policy = bmoe_core::policy::by_name(p.cfg.eviction.name()).ok_or_else(|| {
         SimError::invalid(

@@ -5,7 +5,8 @@
 //! `bmoe_core::Engine` (cache, policies, streamer, telemetry) over a recorded route trace. So a
 //! replay reproduces an engine run's hits, misses, evictions and read bytes exactly, and only
 //! the times are modelled. Beside replay: sweeps over budgets, policies, lanes and overlap
-//! (with the clairvoyant Belady bound), a sim-vs-measured diff, and profile calibration.
+//! (with the clairvoyant Belady bound), a sim-vs-measured diff, profile calibration, and
+//! `whatif`: a recorded routing priced on another model's bytes and another device.
 
 pub mod belady;
 pub mod cache_only;
@@ -25,6 +26,7 @@ pub mod replay;
 pub mod stats;
 pub mod svg;
 pub mod sweep;
+pub mod whatif;
 
 pub use clock::VirtualClock;
 pub use compute::{ComputeParams, TraceBackend};

@@ -129,6 +129,31 @@ pub struct TraceLayer {
     pub proj: Vec<ProjExtent>,
 }
 
+impl TraceLayer {
+    /// The `# layer=` lines of `layout`: each MoE layer's id, one expert's bytes, its dense
+    /// bytes and its projection extents (what `bmoe-sim` rebuilds a layout from).
+    pub fn of_layout(layout: &crate::layout::ExpertLayout) -> Vec<TraceLayer> {
+        layout
+            .layers()
+            .iter()
+            .map(|l| TraceLayer {
+                layer: l.model_layer,
+                expert_bytes: l.projections.iter().map(|p| p.stride_bytes).sum(),
+                dense_bytes: l.dense_bytes,
+                proj: l
+                    .projections
+                    .iter()
+                    .map(|p| ProjExtent {
+                        shard: u32::from(p.shard),
+                        offset: p.base_offset,
+                        stride: p.stride_bytes,
+                    })
+                    .collect(),
+            })
+            .collect()
+    }
+}
+
 /// The `#` preamble: the run's static facts.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RoutePreamble {

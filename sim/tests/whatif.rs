@@ -1,0 +1,227 @@
+//! `bmoe-sim whatif` through the binary's entry point: a real routing (a slice of the
+//! DeepSeek-V2-Lite capture in `../shared/traces`: skipped with a message when absent, a failure
+//! under CI=true) priced on another model's layout and another device, mapped onto a smaller
+//! routing shape by the stated rule, and refused where the rule cannot apply.
+
+use bmoe_core::gating::Gating;
+use bmoe_core::telemetry::route_trace::{
+    ProjExtent, RoutePreamble, RouteTrace, RouteTraceWriter, TraceLayer,
+};
+use std::path::{Path, PathBuf};
+
+fn shared_trace(name: &str) -> Option<PathBuf> {
+    let base = std::env::var_os("BMOE_SHARED_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared"));
+    let p = base.join("traces").join(name);
+    if p.exists() {
+        return Some(p);
+    }
+    if std::env::var("CI").is_ok_and(|v| v == "true" || v == "1") {
+        panic!("CI=true but the shared trace {} is missing", p.display());
+    }
+    eprintln!("skipping: shared trace {} not found", p.display());
+    None
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("bmoe-whatif-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).expect("scratch dir");
+    d
+}
+
+fn sim(args: &[&str]) -> (i32, String, String) {
+    let mut argv = vec!["bmoe-sim".to_string()];
+    argv.extend(args.iter().map(|s| s.to_string()));
+    let (mut o, mut e) = (Vec::new(), Vec::new());
+    let code = bmoe_sim::cli::run(argv, &[], &mut o, &mut e);
+    (
+        code,
+        String::from_utf8_lossy(&o).into_owned(),
+        String::from_utf8_lossy(&e).into_owned(),
+    )
+}
+
+/// The first `turns` turns of a route trace (preamble kept).
+fn slice(text: &str, turns: u32) -> String {
+    text.lines()
+        .filter(|l| {
+            l.starts_with('#')
+                || l.starts_with("turn,")
+                || l.split(',').next().and_then(|t| t.parse::<u32>().ok()) < Some(turns)
+        })
+        .map(|l| format!("{l}\n"))
+        .collect()
+}
+
+/// A layout file (a route trace with no rows) of a model with `layers` MoE layers (model layer
+/// 1 on: layer 0 dense) of `n_expert` experts, top-`k`, three projections per expert.
+fn layout(path: &Path, layers: u32, n_expert: u32, k: u32, proj_bytes: u64) {
+    let mut offset = 1 << 20;
+    let layers = (1..=layers)
+        .map(|layer| {
+            let proj = (0..3)
+                .map(|_| {
+                    let p = ProjExtent {
+                        shard: 0,
+                        offset,
+                        stride: proj_bytes,
+                    };
+                    offset += proj_bytes * u64::from(n_expert);
+                    p
+                })
+                .collect();
+            TraceLayer {
+                layer,
+                expert_bytes: 3 * proj_bytes,
+                dense_bytes: 6 << 20,
+                proj,
+            }
+        })
+        .collect::<Vec<_>>();
+    let pre = RoutePreamble {
+        model: "other-model".into(),
+        arch: "qwen3moe".into(),
+        n_layer: 1 + layers.len() as u32,
+        n_expert,
+        n_expert_used: k,
+        gating: Gating::SOFTMAX_RENORM,
+        layers,
+        notes: vec!["layout only".into()],
+        extra: Vec::new(),
+    };
+    let f = std::fs::File::create(path).expect("layout file");
+    RouteTraceWriter::new(f, &pre)
+        .and_then(|w| w.finish())
+        .expect("write layout");
+}
+
+/// `key=value` of the `sim:` line.
+fn sim_value(out: &str, key: &str) -> u64 {
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("sim: profile="))
+        .unwrap_or_else(|| panic!("no sim: line in\n{out}"));
+    line.split_whitespace()
+        .find_map(|kv| kv.strip_prefix(&format!("{key}=")))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {key}= in {line}"))
+}
+
+#[test]
+fn whatif_maps_a_real_routing_onto_a_smaller_model_and_states_its_inputs() {
+    let Some(path) = shared_trace("deepseek-v2-lite-puffin.route.csv") else {
+        return;
+    };
+    let dir = scratch("map");
+    let text = slice(&std::fs::read_to_string(&path).expect("trace"), 3);
+    let trace_path = dir.join("t.route.csv");
+    std::fs::write(&trace_path, &text).expect("slice");
+    let source = RouteTrace::parse(&text).expect("parses");
+    let l_from = source.preamble.layers.len();
+    assert_eq!((l_from, source.preamble.n_expert), (26, 64));
+    let model = dir.join("small.layout.csv");
+    layout(&model, 8, 16, 4, 299_008);
+    let args = [
+        "whatif",
+        "--trace",
+        trace_path.to_str().unwrap(),
+        "--model",
+        model.to_str().unwrap(),
+        "--device",
+        "ufs40-phone",
+        "--cache-mb",
+        "8",
+        "--force-cache",
+    ];
+    let (code, out, err) = sim(&args);
+    assert_eq!(code, 0, "stdout:\n{out}\nstderr:\n{err}");
+    for want in [
+        "whatif: routing   from",
+        "whatif: mapping   the trace's 26 MoE layers x 64 experts (top-6) mapped onto the model's 8 x 16 (top-4)",
+        "whatif: bytes     from the layout of other-model (qwen3moe, 8 MoE layers x 16 experts, top-4): 0.855 MiB per expert",
+        "whatif: time      from device profile ufs40-phone",
+        "whatif: budget    8 MiB expert cache (--cache-mb), policy lru",
+    ] {
+        assert!(out.contains(want), "missing {want:?} in\n{out}");
+    }
+    // Every token routes 4 experts at each of the model's 8 layers, except a prefill token
+    // the trace's last layer did not route (the engine computes only the final row there):
+    // the model's last layer skips it too. Counted from the source, independently of the
+    // mapping code.
+    let mut expected = 0u64;
+    for step in source.steps() {
+        let has_last = step
+            .cells
+            .iter()
+            .any(|c| c.moe_layer as usize == l_from - 1);
+        expected += 4 * if has_last { 8 } else { 7 };
+    }
+    assert_eq!(sim_value(&out, "lookups"), expected);
+    let (hits, misses) = (sim_value(&out, "hits"), sim_value(&out, "misses"));
+    assert_eq!(hits + misses, expected);
+    // Each miss reads one expert of the model's size (3 x 292 KiB, 4096-aligned), not the trace's.
+    assert_eq!(sim_value(&out, "read_bytes"), misses * 3 * 299_008);
+    // The same inputs give the same bytes.
+    let (code2, out2, _) = sim(&args);
+    assert_eq!((code2, &out2), (0, &out));
+
+    // A model with more experts than the trace routes over is refused, naming why.
+    let wide = dir.join("wide.layout.csv");
+    layout(&wide, 8, 128, 8, 300_000);
+    let mut refused = args.to_vec();
+    refused[4] = wide.to_str().unwrap();
+    let (code, _, err) = sim(&refused);
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("128 experts per layer and the trace routes over 64"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn whatif_on_the_traces_own_shape_is_a_replay_re_priced_with_the_models_layout() {
+    let Some(path) = shared_trace("deepseek-v2-lite-puffin.route.csv") else {
+        return;
+    };
+    let dir = scratch("same");
+    let text = slice(&std::fs::read_to_string(&path).expect("trace"), 2);
+    let trace_path = dir.join("t.route.csv");
+    std::fs::write(&trace_path, &text).expect("slice");
+    let model = dir.join("same.layout.csv");
+    layout(&model, 26, 64, 6, 500_000);
+    let common = ["--cache-mb", "40", "--force-cache", "--profile"];
+    let (t, m) = (trace_path.to_str().unwrap(), model.to_str().unwrap());
+    let (code, replay, err) = sim(&[
+        &["replay", "--trace", t, "--layout-from", m][..],
+        &common,
+        &["laptop-nvme"],
+    ]
+    .concat());
+    assert_eq!(code, 0, "{err}");
+    let (code, whatif, err) = sim(&[
+        "whatif",
+        "--trace",
+        t,
+        "--model",
+        m,
+        "--device",
+        "laptop-nvme",
+        "--cache-mb",
+        "40",
+        "--force-cache",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(whatif.contains("whatif: mapping   none"), "{whatif}");
+    // Past the inputs statement, the same report, byte for byte.
+    let report: String = whatif
+        .lines()
+        .filter(|l| !l.starts_with("whatif:"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    assert_eq!(report, replay);
+    assert!(sim_value(&replay, "misses") > 0);
+    let _ = std::fs::remove_dir_all(&dir);
+}
