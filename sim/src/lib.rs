@@ -7,6 +7,7 @@
 //! the times are modelled. Beside replay: sweeps over budgets, policies, lanes and overlap
 //! (with the clairvoyant Belady bound), a sim-vs-measured diff, and profile calibration.
 
+pub mod bars;
 pub mod belady;
 pub mod cache_only;
 pub mod calibrate;
