@@ -189,7 +189,9 @@ fn draw<DB: DrawingBackend>(
             if log {
                 // Label whole powers of ten only: 0.1, 1, 10, 100.
                 if (t - t.round()).abs() < 1e-6 {
-                    label(10f64.powi(t.round() as i32))
+                    // 10^k: "0.01", "0.1", "1", "10", "100".
+                    let k = t.round() as i32;
+                    format!("{:.*}", (-k).max(0) as usize, 10f64.powi(k))
                 } else {
                     String::new()
                 }
