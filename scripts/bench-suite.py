@@ -87,7 +87,7 @@ def models_for(a):
                       "tiny preset (4 layers, 16 experts, top-4; CI smoke model)", est_gen_s=2)]
     ms = [
         Model("small", ["--preset", "small", "--seed", "1"],
-              "small preset: qwen3moe, 12 layers, 64 experts top-8, d_model 1024, Q4_K_M", est_gen_s=40),
+              "small preset: qwen3moe, 12 layers, 64 experts top-8, d_model 1024, Q4_K_M", est_gen_s=25),
         # The DeepSeek-V2-Lite capture's routing shape (26 MoE layers, 64 experts, top-6, a
         # shared expert) at half its model width and a third of its expert width, so it generates and streams in minutes; the
         # full shape (~9 GB) is the --full cell. 4 KV heads keep the KV cache of the trace's
@@ -96,7 +96,7 @@ def models_for(a):
               ["--preset", "deepseek-v2-lite-shape", "--d-model", "1024", "--expert-ffn", "512",
                "--shared-ffn", "1024", "--heads", "16", "--kv-heads", "4", "--head-dim", "64", "--seed", "1"],
               "deepseek-v2-lite-shape reduced: qwen2moe, 26 layers, 64 experts top-6 + "
-              "shared, d_model 1024, expert FFN 512, Q4_K_M", in_ram=True, routing=True, est_gen_s=90),
+              "shared, d_model 1024, expert FFN 512, Q4_K_M", in_ram=True, routing=True, est_gen_s=60),
     ]
     if a.full:
         ms.append(Model("ds-lite-full", ["--preset", "deepseek-v2-lite-shape", "--seed", "1"],
@@ -422,35 +422,18 @@ def capped_cells(r, a, m, cells, prog, llama_capped):
     # --quick has no cap, so no flags would keep the experts resident: ask for streaming.
     flags = [] if capped else ["--moe-stream", "--cache-mb", "8", "--force-cache"]
 
-    prog.step(f"{m.key}: past RAM, calibration run for the simulator")
-    # A run at the cell's budget tells the budget (auto-sized under the cap); the calibration
-    # run is then made at half of it, so the prediction at the cell's own budget is held out.
-    probe_tps, mode, probe_files, err = stream_run(r, a, m, cell, flags, "budget", capped, 8 if not a.quick else 4,
-                                                   trace=False)
-    budget = int(round(float(csv_summary(probe_files["metrics"])["cache_budget_MiB"])))
-    if "expert streaming" not in mode:
-        raise SuiteError(f"{m.key}: the capped run did not stream ({mode}); the cap is not below the model?")
-    cfg = run_config(probe_files["metrics"])
-    lanes = int(cfg["io_threads"])
-    cal_budget = max(budget // 2, 4)
-    _, _, cal_files, _ = stream_run(r, a, m, cell, ["--moe-stream", "--cache-mb", cal_budget, "--force-cache",
-                                                    *same_settings(cfg)],
-                                    "calibration", capped, a.n_stream, prompt=PROMPT)
-    profile = os.path.join(a.work, f"{m.key}.profile.json")
-    r.run(cid, [a.sim, "calibrate", "--csv", cal_files["metrics"], "--io-trace", cal_files["io"],
-                "--trace", cal_files["route"], "--out", profile], note="fit the device profile")
-
     prog.step(f"{m.key}: past RAM, bmoe (no flags) vs llama.cpp mmap, {a.reps} repetitions")
     reads, kibs = [], []
     for rep in range(a.reps):
         tps, mode, files, err = stream_run(r, a, m, cell, flags, f"rep{rep}", capped, a.n_stream,
-                                           prompt=PROMPT, trace=(rep == 0))
+                                           prompt=PROMPT, trace=False)
+        if "expert streaming" not in mode:
+            raise SuiteError(f"{m.key}: the capped run did not stream ({mode})")
         cell["bmoe"].append(tps)
         reads.append(decode_read_mib_per_token(files["metrics"]))
         kibs.append(mean_request_kib(files["io"]))
         if rep == 0:
-            route0 = files["route"]
-            cell["mode"] = mode
+            first = files
         lb = None
         if a.llama_bench:
             res = r.run(cid, [a.llama_bench, "-m", m.path, "-t", a.threads, "-p", 0, "-n", a.n_stream, "-r", 1,
@@ -460,11 +443,16 @@ def capped_cells(r, a, m, cells, prog, llama_capped):
                 lb = llama_bench_rates(res.stdout)[f"tg{a.n_stream}"][0]
                 cell["llama"].append(lb)
             else:
-                cell["notes"].append(f"llama-bench failed (exit {res.returncode})")
+                cell["notes"].append(f"llama-bench failed (exit {res.returncode}"
+                                     + (", killed: out of memory" if res.returncode in (137, -9) else "") + ")")
         print(f"    rep {rep + 1}: bmoe {tps:.2f} tok/s ({reads[-1]:.1f} MiB/token read)"
               + (f", llama.cpp mmap {lb:.2f}" if lb else ""), file=sys.stderr, flush=True)
     llama_capped[m.key] = cell["llama"]
     cell["notes"].append(mode.replace("mode: ", ""))
+    # The budget, lanes, overlap and read split the engine chose by itself.
+    budget = int(round(float(csv_summary(first["metrics"])["cache_budget_MiB"])))
+    cfg = run_config(first["metrics"])
+    lanes = int(cfg["io_threads"])
     kib = max(4, round((median(kibs) or 1024) / 4) * 4)
     raw = odirect_mib_s(r, a, cid, m.path, kib, lanes)
     mib_tok = median(reads)
@@ -473,9 +461,21 @@ def capped_cells(r, a, m, cells, prog, llama_capped):
     cell["ceiling_how"] = (f"max({m.info['active_bytes'] / MIB:.0f} MiB ÷ {a.mem_gbps:.1f} GB/s, "
                            f"{mib_tok:.1f} MiB missed ÷ {raw:.0f} MiB/s O_DIRECT at {kib} KiB × {lanes} lanes)")
     cell["budget_mib"] = budget
-    pred, text = sim_predict(r, a, cell, profile, route0, budget, same_settings(cfg))
+
+    prog.step(f"{m.key}: past RAM, calibration run and the simulator's prediction")
+    # Calibrated on a run at half the cell's budget, same prompt and settings, so the prediction
+    # at the cell's own budget is held out; a lossless run routes the same at any budget, so its
+    # route trace (not recorded in the timed runs: a traced run is slower) is the cell's routing.
+    cal_budget = max(budget // 2, 4)
+    _, _, cal_files, _ = stream_run(r, a, m, cell, ["--moe-stream", "--cache-mb", cal_budget, "--force-cache",
+                                                    *same_settings(cfg)],
+                                    "calibration", capped, a.n_stream, prompt=PROMPT)
+    profile = os.path.join(a.work, f"{m.key}.profile.json")
+    r.run(cid, [a.sim, "calibrate", "--csv", cal_files["metrics"], "--io-trace", cal_files["io"],
+                "--trace", cal_files["route"], "--out", profile], note="fit the device profile")
+    pred, text = sim_predict(r, a, cell, profile, cal_files["route"], budget, same_settings(cfg))
     cell["sim"] = pred
-    cell["sim_how"] = f"calibrated at {cal_budget} MiB, replayed at the cell's {budget} MiB"
+    cell["sim_how"] = f"calibrated on a run at {cal_budget} MiB, replayed at the cell's {budget} MiB"
     return budget, profile, cfg
 
 
@@ -706,15 +706,18 @@ def main():
     started = time.monotonic()
 
     # The plan, with estimated seconds per step (for the ETA).
-    est = [15]
+    est = [10]
+    lb = 1 if a.llama_bench else 0
     for m in models:
-        est.append(m.est_gen_s)
+        big = m.key == "ds-lite-full"
+        est.append(m.est_gen_s if not os.path.exists(os.path.join(a.models, f"{m.key}.gguf")) else 1)
         if m.in_ram:
-            est.append(10 * a.reps * (1 if a.quick else 4))
+            est.append(3 if a.quick else a.reps * (m.est_gen_s / 3 + lb * 15) + 10)
         if capped_ok and m.capped:
-            est += [10 if a.quick else 40, 5 * a.reps if a.quick else 40 * a.reps]
+            est += [3 if a.quick else a.reps * (10 + 20 * lb) * (4 if big else 1) + 15,
+                    3 if a.quick else 15 * (4 if big else 1)]
         if capped_ok and m.routing and a.trace and not a.quick:
-            est.append(150 if m.key != "ds-lite-full" else 900)
+            est.append(900 if big else 150)
     est.append(5)
     prog = Progress(est)
     cells = []
