@@ -81,16 +81,24 @@ def generation_tps(stderr):
     return float(m.group(3)) if m.group(3) else 1.0 / float(m.group(2))
 
 
-def llama_bench_rates(stdout):
-    """llama-bench `-o jsonl` output as {"ppN" | "tgN": {repack: tok/s}}."""
-    res = {}
+def llama_bench_rows(stdout):
+    """llama-bench `-o jsonl` output as [(test, repack, threads, tok/s)], test "ppN" or "tgN"."""
+    rows = []
     for line in stdout.splitlines():
         line = line.strip()
         if not line.startswith("{"):
             continue
         j = json.loads(line)
         test = f"pp{j['n_prompt']}" if j["n_gen"] == 0 else f"tg{j['n_gen']}"
-        res.setdefault(test, {})[int(j.get("repack", 0))] = float(j["avg_ts"])
+        rows.append((test, int(j.get("repack", 0)), int(j.get("n_threads", 0)), float(j["avg_ts"])))
+    return rows
+
+
+def llama_bench_rates(stdout):
+    """llama-bench `-o jsonl` output as {"ppN" | "tgN": {repack: tok/s}} (one thread count)."""
+    res = {}
+    for test, repack, _, tps in llama_bench_rows(stdout):
+        res.setdefault(test, {})[repack] = tps
     return res
 
 
