@@ -664,6 +664,9 @@ def write_outputs(a, r, cells, notes, models, started):
                  {"series": "llama.cpp", "value": median(c["llama"])},
                  {"series": "ceiling (floor)", "value": c["ceiling"]},
                  {"series": "simulator", "value": c["sim"]}]} for c in cells]}
+    if not cells:
+        print("bench-suite: no cell ran, so no plot", file=sys.stderr)
+        return
     chart_path = os.path.join(a.work, "chart.json")
     with open(chart_path, "w") as f:
         json.dump(chart, f)
