@@ -27,8 +27,12 @@ the lower of compute and flash. Streamed cells also carry the simulator's predic
 calibration run of the same model under the same cap at another cache budget, fitted by
 `bmoe-sim calibrate`, then `bmoe-sim replay` of the cell's routing at the cell's budget.
 
+Each engine runs at -t or at 1 thread, whichever a short decode probe finds faster (llama.cpp's
+spinning barrier collapses on a machine with fewer free cores than threads).
+
 Writes OUT/suite.md (the table and every command), OUT/suite.json, OUT/suite.svg and .png
-(drawn by `bmoe-sim bars`). Progress, with an ETA, goes to stderr.
+(drawn by `bmoe-sim bars`); each run's CSV and traces stay in OUT/runs/. Progress, with an
+ETA, goes to stderr.
 
 Without llama.cpp (`--llama-cpp DIR` holding llama-bench, or llama-bench on PATH) its columns
 stay empty with a note. Without root or cgroup v1, the capped cells are skipped with a message.
