@@ -10,11 +10,9 @@ every run, interleaved over --reps repetitions. Needs root.
 Prints tok/s per engine (median and range) and each ratio against llama.cpp's.
 """
 import argparse
-import json
-import re
 import statistics
 
-from benchlib import in_cgroup, set_limit
+from benchlib import generation_tps, in_cgroup, llama_bench_rates, set_limit
 
 PROMPT = "the"
 
@@ -25,9 +23,8 @@ def bmoe(bin_, model, n, t, flags):
         # Under a cap the kernel may kill a run outright (exit 137, nothing on stderr).
         print(f"bmoe-cli {' '.join(flags)} failed (exit {r.returncode}): {r.stderr.strip()[-400:]}")
         return float("nan"), ""
-    m = re.search(r"generation: (\d+) tokens, ([0-9.]+) s/token(?: \(([0-9.]+) tok/s\))?", r.stderr)
     mode = next((l for l in r.stderr.splitlines() if l.startswith("mode:")), "")
-    return (float(m.group(3)) if m.group(3) else 1.0 / float(m.group(2))), mode
+    return generation_tps(r.stderr), mode
 
 
 def llama(lb, model, n, t):
@@ -38,8 +35,7 @@ def llama(lb, model, n, t):
     if r.returncode != 0:
         print(f"llama-bench failed (exit {r.returncode}): {r.stderr.strip()[-400:]}")
         return float("nan")
-    rows = [json.loads(l) for l in r.stdout.splitlines() if l.strip().startswith("{")]
-    return float(rows[-1]["avg_ts"])
+    return llama_bench_rates(r.stdout)[f"tg{n}"][0]
 
 
 def main():

@@ -16,13 +16,13 @@ Prints per model and test the median tok/s of each engine and the ratio bmoe / l
 the median of the repetitions' ratios and their spread (min-max).
 """
 import argparse
-import json
 import os
-import re
 import statistics
 import subprocess
 import sys
 import tempfile
+
+from benchlib import generation_tps, llama_bench_rates
 
 
 def exact_prompt(model, n_tokens):
@@ -61,23 +61,14 @@ def bmoe_pp(bin_, model, prompt, t):
 def bmoe_tg(bin_, model, n, t):
     out = subprocess.run([bin_, "-m", model, "-p", "the", "-n", str(n), "-t", str(t)],
                          capture_output=True, text=True, check=True)
-    m = re.search(r"generation: (\d+) tokens, ([0-9.]+) s/token(?: \(([0-9.]+) tok/s\))?", out.stderr)
-    return float(m.group(3)) if m.group(3) else 1.0 / float(m.group(2))
+    return generation_tps(out.stderr)
 
 
 def llama_bench(lb, model, p, n, t, repack):
     out = subprocess.run([lb, "-m", model, "-t", str(t), "-p", str(p), "-n", str(n), "-r", "1",
                           "--repack", repack, "-o", "jsonl"],
                          capture_output=True, text=True, check=True).stdout
-    res = {}
-    for line in out.splitlines():
-        line = line.strip()
-        if not line.startswith("{"):
-            continue
-        j = json.loads(line)
-        test = f"pp{j['n_prompt']}" if j["n_gen"] == 0 else f"tg{j['n_gen']}"
-        res.setdefault(test, {})[int(j["repack"])] = float(j["avg_ts"])
-    return res
+    return llama_bench_rates(out)
 
 
 def fmt(xs):

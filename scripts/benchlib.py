@@ -1,11 +1,19 @@
-"""Shared helpers of the benchmark scripts that run bmoe-cli under a memory cap (stdlib only).
+"""Shared helpers of the benchmark scripts (stdlib only).
 
-`bench-stream.py` and `policy-table.py` both need the same two things: drop the page cache before
-a run, and run a command inside the cgroup v1 memory limit `CG`. Both need root.
+Running under a memory cap (`bench-stream.py`, `policy-table.py`, `bench-capped.py`,
+`bench-suite.py`): drop the page cache before a run, and run a command inside the cgroup v1
+memory limit `CG` — both need root. Reading results: bmoe-cli's `generation:` line and CSV
+`# summary` trailer, llama-bench's JSONL. And `Progress`, the suite's per-step line with an ETA.
 """
+import json
+import os
+import re
 import subprocess
+import time
 
 CG = "/sys/fs/cgroup/memory/bmoe-bench"
+
+GENERATION = re.compile(r"generation: (\d+) tokens, ([0-9.]+) s/token(?: \(([0-9.]+) tok/s\))?")
 
 
 def drop_caches():
@@ -15,18 +23,121 @@ def drop_caches():
         f.write("3\n")
 
 
-def set_limit(limit_gib):
+def set_limit(limit_gib, cg=CG):
     """Create the cgroup (if needed) and set its memory limit."""
-    import os
-    os.makedirs(CG, exist_ok=True)
-    with open(f"{CG}/memory.limit_in_bytes", "w") as f:
-        f.write(str(limit_gib << 30))
+    set_limit_bytes(limit_gib << 30, cg)
 
 
-def in_cgroup(cmd, peak_rss=False):
+def set_limit_bytes(limit, cg=CG):
+    """Create the cgroup (if needed) and set its memory limit in bytes. A limit below what the
+    cgroup still holds (page cache charged by earlier runs) is refused by the kernel (EBUSY):
+    then the cache is dropped and the group emptied before trying again."""
+    import errno
+    os.makedirs(cg, exist_ok=True)
+    for attempt in range(2):
+        try:
+            with open(f"{cg}/memory.limit_in_bytes", "w") as f:
+                f.write(str(limit))
+            return
+        except OSError as e:
+            if e.errno != errno.EBUSY or attempt:
+                raise
+            drop_caches()
+            with open(f"{cg}/memory.force_empty", "w") as f:
+                f.write("0\n")
+
+
+def cgroup_problem():
+    """Why capped runs cannot happen here (a sentence), or None when they can: they need root
+    (cgroup, drop_caches) and the cgroup v1 memory controller."""
+    if os.geteuid() != 0:
+        return "not running as root (the cgroup memory cap and dropping the page cache need root)"
+    if not os.path.isdir(os.path.dirname(CG)):
+        return (f"no cgroup v1 memory controller at {os.path.dirname(CG)} (a cgroup v2-only "
+                "system; these scripts set memory.limit_in_bytes of cgroup v1)")
+    return None
+
+
+def in_cgroup(cmd, peak_rss=False, cg=CG):
     """Run `cmd` cold inside the cgroup; with `peak_rss`, under /usr/bin/time so stderr ends with
     `PEAK_RSS_KIB <n>`. Returns the CompletedProcess (text, captured)."""
     drop_caches()
+    return subprocess.run(cgroup_argv(cmd, peak_rss, cg), capture_output=True, text=True)
+
+
+def cgroup_argv(cmd, peak_rss=False, cg=CG):
+    """`cmd` wrapped so that it joins the cgroup before it starts (no cache drop)."""
     runner = "exec /usr/bin/time -f 'PEAK_RSS_KIB %M' \"$@\"" if peak_rss else "exec \"$@\""
-    script = f"echo $$ > {CG}/cgroup.procs; {runner}"
-    return subprocess.run(["sh", "-c", script, "sh"] + cmd, capture_output=True, text=True)
+    script = f"echo $$ > {cg}/cgroup.procs; {runner}"
+    return ["sh", "-c", script, "sh"] + cmd
+
+
+def generation_tps(stderr):
+    """Decode tok/s from bmoe-cli's `generation:` line; None when the run printed none. The
+    tok/s figure has more digits than the s/token one."""
+    m = GENERATION.search(stderr)
+    if not m:
+        return None
+    return float(m.group(3)) if m.group(3) else 1.0 / float(m.group(2))
+
+
+def llama_bench_rows(stdout):
+    """llama-bench `-o jsonl` output as [(test, repack, threads, tok/s)], test "ppN" or "tgN"."""
+    rows = []
+    for line in stdout.splitlines():
+        line = line.strip()
+        if not line.startswith("{"):
+            continue
+        j = json.loads(line)
+        test = f"pp{j['n_prompt']}" if j["n_gen"] == 0 else f"tg{j['n_gen']}"
+        rows.append((test, int(j.get("repack", 0)), int(j.get("n_threads", 0)), float(j["avg_ts"])))
+    return rows
+
+
+def llama_bench_rates(stdout):
+    """llama-bench `-o jsonl` output as {"ppN" | "tgN": {repack: tok/s}} (one thread count)."""
+    res = {}
+    for test, repack, _, tps in llama_bench_rows(stdout):
+        res.setdefault(test, {})[repack] = tps
+    return res
+
+
+def csv_summary(path):
+    """The last `# summary key=value ...` trailer of a bmoe metrics CSV, as a dict of strings."""
+    with open(path) as f:
+        trailer = [line for line in f if line.startswith("# summary")]
+    if not trailer:
+        raise ValueError(f"{path}: no '# summary' trailer (did the run finish?)")
+    return dict(x.split("=", 1) for x in trailer[-1].split() if "=" in x)
+
+
+def fmt_duration(s):
+    s = max(0, int(round(s)))
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+class Progress:
+    """One line per step: `[i/n] what — elapsed, ETA`. Every step has an estimated cost in
+    seconds; the ETA is the estimate of what is left, scaled by how the steps done so far
+    compared with their own estimates (so a slow machine's ETA grows after the first steps)."""
+
+    def __init__(self, estimates, out=None):
+        self.estimates = list(estimates)
+        self.start = time.monotonic()
+        self.done_est = 0.0
+        self.i = 0
+        self.out = out
+
+    def step(self, what):
+        """Announce the next step (call once per estimate, in order)."""
+        import sys
+        elapsed = time.monotonic() - self.start
+        left = sum(self.estimates[self.i:])
+        scale = elapsed / self.done_est if self.done_est > 30 else 1.0
+        eta = left * min(max(scale, 0.3), 5.0)
+        n = len(self.estimates)
+        line = f"[{self.i + 1}/{n}] {what} — elapsed {fmt_duration(elapsed)}, ETA {fmt_duration(eta)}"
+        print(line, file=self.out or sys.stderr, flush=True)
+        if self.i < n:
+            self.done_est += self.estimates[self.i]
+        self.i += 1

@@ -333,6 +333,10 @@ pub struct BenchArgs {
     /// Matrix size per format in MiB (should exceed the last-level cache)
     #[arg(long = "size-mib", default_value_t = 256)]
     pub size_mib: usize,
+    /// Only the memory read and copy bandwidth (the floor a decode is judged against: active
+    /// weight bytes ÷ read bandwidth), not the kernels; one line, in seconds instead of minutes
+    #[arg(long = "memory-only", conflicts_with = "io_file")]
+    pub memory_only: bool,
     /// Instead of the kernels: raw read bandwidth of this file (the ceiling streaming is
     /// judged against), with the request size and lane counts below
     #[arg(long = "io-file", value_name = "PATH")]
@@ -697,6 +701,16 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             )?;
             println!("  {lanes} lanes: {mib_s:.0} MiB/s");
         }
+        return Ok(());
+    }
+    if a.memory_only {
+        let (read, copy) =
+            crate::kernels::bench::memory_only(a.threads.max(1) as usize, a.size_mib);
+        println!(
+            "memory: read {read:.1} GB/s, copy {copy:.1} GB/s (read + written), {} thread(s), {} MiB",
+            a.threads.max(1),
+            a.size_mib.max(1)
+        );
         return Ok(());
     }
     let rep = crate::kernels::bench::run_bench(a.threads.max(1) as usize, a.size_mib);

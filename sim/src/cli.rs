@@ -75,10 +75,25 @@ pub enum Cmd {
     /// Convert a routing capture (JSONL of per-token per-layer expert ids, or a long CSV with
     /// one row per token and layer) into a route_trace v1 file the simulator replays
     Convert(ConvertArgs),
+    /// Draw a grouped bar chart (SVG and PNG) from a JSON description: the benchmark suite's
+    /// plot (scripts/bench-suite.py), so it needs no Python plotting library
+    Bars(BarsArgs),
     /// Randomised simulation testing of the core: each seed picks a synthetic trace, a
     /// configuration and a fault schedule, replays it, and checks the invariants after every
     /// step (docs/reliability.md). A failing seed is the bug report: --seed N reproduces it
     Fuzz(FuzzArgs),
+}
+
+/// Flags of `bmoe-sim bars`.
+#[derive(Args, Debug, Clone)]
+pub struct BarsArgs {
+    /// The chart: {"title", "y_label", "log_y", "groups": [{"name", "bars": [{"series",
+    /// "value"}]}]} (see sim/src/bars.rs); a null value leaves its slot empty
+    #[arg(long, value_name = "CHART.json")]
+    pub json: PathBuf,
+    /// Output path without extension: writes STEM.svg and STEM.png
+    #[arg(long, value_name = "STEM")]
+    pub out: PathBuf,
 }
 
 /// Flags of `bmoe-sim stats`.
@@ -379,6 +394,7 @@ where
         Cmd::Fuzz(a) => cmd_fuzz(a, out, err),
         Cmd::Stats(a) => cmd_stats(a, out),
         Cmd::Convert(a) => cmd_convert(a, out),
+        Cmd::Bars(a) => cmd_bars(a, out),
     };
     match result {
         Ok(code) => code,
@@ -1294,6 +1310,15 @@ fn cmd_stats(a: StatsArgs, out: &mut dyn Write) -> Result<i32, SimError> {
         written.join(",")
     )
     .map_err(w)?;
+    Ok(0)
+}
+
+fn cmd_bars(a: BarsArgs, out: &mut dyn Write) -> Result<i32, SimError> {
+    let text = std::fs::read_to_string(&a.json).map_err(|e| SimError::io(&a.json, e))?;
+    let chart = crate::bars::BarChart::parse(&text, &a.json.display().to_string())?;
+    let (svg, png) = crate::bars::write_bars(&a.out, &chart)?;
+    writeln!(out, "bars: wrote {} and {}", svg.display(), png.display())
+        .map_err(|e| SimError::io("stdout", e))?;
     Ok(0)
 }
 

@@ -8,6 +8,7 @@
 //! (with the clairvoyant Belady bound), a sim-vs-measured diff, profile calibration, and
 //! `whatif`: a recorded routing priced on another model's bytes and another device.
 
+pub mod bars;
 pub mod belady;
 pub mod cache_only;
 pub mod calibrate;

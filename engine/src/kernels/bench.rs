@@ -231,6 +231,15 @@ fn best_of(mut f: impl FnMut()) -> f64 {
         .fold(f64::INFINITY, f64::min)
 }
 
+/// Only the memory bandwidth of [`run_bench`]: (read GB/s, copy GB/s) with `threads` threads
+/// over a buffer of about `size_mib` MiB (at least 1).
+pub fn memory_only(threads: usize, size_mib: usize) -> (f64, f64) {
+    let pool = ThreadPool::new(threads.max(1));
+    let size_bytes = size_mib.max(1) * 1024 * 1024;
+    let mut buf: Vec<u8> = (0..size_bytes).map(|i| (i * 131 % 251) as u8).collect();
+    memory_bandwidth(&pool, &mut buf)
+}
+
 /// (read GB/s, copy GB/s) over `buf`, split across the pool like the products are.
 fn memory_bandwidth(pool: &ThreadPool, buf: &mut [u8]) -> (f64, f64) {
     let chunk = 1 << 20;
