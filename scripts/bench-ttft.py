@@ -8,10 +8,12 @@
 
 The page cache is dropped before every capped run; repetitions are interleaved. Needs root.
 
-  bench-ttft.py MODEL --prompt-file P.txt --limit-gib 8 --llama-bench /work/llama-build/bin/llama-bench
+  bench-ttft.py MODEL [--prompt-file P.txt] --limit-gib 8 --llama-bench /work/llama-build/bin/llama-bench
                 [--bin target/release/bmoe-cli] [-t 2] [--reps 2] [--stream-flags "--cache-mb 64"]...
 
-The prompt file must tokenize to N tokens for bmoe (checked against the CSV trailer's n_prompt;
+Without --prompt-file the prompt is text made of random vocabulary pieces (seed 1), as diverse as
+llama-bench's random token ids, grown to exactly N tokens with llama.cpp's tokenizer for the file
+(bmoe's own count is checked). A prompt file must tokenize to N tokens for bmoe (checked against the CSV trailer's n_prompt;
 N is llama-bench's -p). TTFT is the prompt's processing time: bmoe's `prefill_s` (the model load,
 `load_s`, is printed apart), llama-bench's mean pp time. Prints a table of medians (ranges) and the
 ratios of each run against bmoe in RAM and against llama.cpp, from the same repetition.
@@ -56,6 +58,36 @@ def llama(lb, model, n, t):
     return {"prefill_s": float(rows[-1]["avg_ns"]) / 1e9}
 
 
+def random_prompt(model, n_tokens, seed=1):
+    """Text of random printable vocabulary pieces that tokenizes (with BOS) to n_tokens."""
+    import random
+    import llama_cpp
+    llm = llama_cpp.Llama(model_path=model, vocab_only=True, verbose=False)
+    rng = random.Random(seed)
+    text = ""
+    while True:
+        piece = llm.detokenize([rng.randrange(llm.n_vocab())])
+        try:
+            s = piece.decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        if not (s.isprintable() and s.strip()) or "<" in s:
+            continue
+        if len(llm.tokenize((text + s).encode())) > n_tokens:
+            break
+        text += s
+    n = len(llm.tokenize(text.encode()))
+    while n < n_tokens:
+        m = len(llm.tokenize((text + " a").encode()))
+        if m > n_tokens:
+            break
+        text, n = text + " a", m
+    f = tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False)
+    f.write(text)
+    f.close()
+    return f.name
+
+
 def warm(model):
     subprocess.run(["sh", "-c", f"cat '{model}' > /dev/null"], check=True)
 
@@ -63,7 +95,7 @@ def warm(model):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
-    ap.add_argument("--prompt-file", required=True)
+    ap.add_argument("--prompt-file")
     ap.add_argument("-p", type=int, default=512, help="prompt tokens (llama-bench -p; checked for bmoe)")
     ap.add_argument("--limit-gib", type=int, required=True)
     ap.add_argument("--llama-bench")
@@ -73,6 +105,8 @@ def main():
     ap.add_argument("-t", type=int, default=2)
     ap.add_argument("--reps", type=int, default=2)
     a = ap.parse_args()
+    if not a.prompt_file:
+        a.prompt_file = random_prompt(a.model, a.p)
     set_limit(a.limit_gib)
     runs = [("bmoe streamed (no flags)", lambda: bmoe(a.bin, a.model, a.prompt_file, a.t, [], True))]
     for fl in a.stream_flags:
