@@ -463,7 +463,7 @@ impl Streamer {
                 self.push_adopted();
             }
             let t = io.clock.now();
-            self.submit_reads(io, moe, wave_misses_start);
+            self.submit_reads(io, moe, wave_misses_start, 0);
             self.issue_prefetch(io, moe, first_wave)?;
             self.wait_all_in_issue_order(io)?;
             io.stats.io += io.clock.now() - t;
@@ -513,7 +513,7 @@ impl Streamer {
         self.inflight.clear();
         self.oldest = 0;
         self.push_adopted();
-        self.submit_reads(io, moe, misses_start);
+        self.submit_reads(io, moe, misses_start, 0);
         self.issue_prefetch(io, moe, true)?;
         let mut slid = false;
 
@@ -546,7 +546,10 @@ impl Streamer {
                             slid = true;
                             io.stats.extra_waves += 1;
                         }
-                        self.submit_reads(io, moe, from);
+                        // Cut as if with the reads still queued: a slid-in expert joins lanes
+                        // that are busy already, where whole extents read faster.
+                        let queued = self.outstanding;
+                        self.submit_reads(io, moe, from, queued);
                     }
                 }
                 if *next_miss < self.misses.len() && self.unpinned == self.wave.len() {
@@ -696,12 +699,15 @@ impl Streamer {
     }
 
     /// The reads of every projection extent (cut as `read_split` says) for every entry of
-    /// the wave from `from`, lanes round-robin in issue order.
+    /// the wave from `from`, lanes round-robin in issue order. `queued`: reads of this layer
+    /// still in flight, counted with the new extents when `Auto` decides whether every lane has
+    /// one.
     fn submit_reads<C, F: Flash, B>(
         &mut self,
         io: &mut LayerIo<'_, C, F, B>,
         moe: u16,
         from: usize,
+        queued: usize,
     ) {
         let lanes = io.flash.lanes().max(1);
         let layout = io.layout;
@@ -711,7 +717,7 @@ impl Streamer {
         let split = io.config.read_split.resolve(
             !io.cache.is_off(),
             io.phase == Phase::Decode,
-            self.wave.len().saturating_sub(from) * layer_layout.projections.len(),
+            self.wave.len().saturating_sub(from) * layer_layout.projections.len() + queued,
             lanes,
         );
         for w in from..self.wave.len() {
