@@ -4,7 +4,8 @@
 //! G1 resident == streamed, cache off. G2 cache off == cache on at budgets that evict every
 //! token and that hold everything. G3 selective == --load-all. G4 --overlap == serial with 1
 //! and 4 lanes. G6 every dense mode == resident. G8 slots that span huge pages, in huge and
-//! base pages, == resident.
+//! base pages, == resident. G9 a prefill in `--ubatch` steps, an overlapped window and serial
+//! waves (a union wider than the cache) == resident, each expert read once per step and layer.
 
 use bmoe_gates::{run, tiny};
 
