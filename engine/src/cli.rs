@@ -100,6 +100,11 @@ pub struct RunArgs {
     /// Context size in tokens (prompt + generation)
     #[arg(short = 'c', long = "ctx-size", default_value_t = 2048, value_parser = clap::value_parser!(u32).range(1..))]
     pub ctx: u32,
+    /// Prompt tokens per prefill step (llama.cpp's `-ub`); 0 = the whole prompt in one step.
+    /// A step reads each routed expert once per MoE layer, so smaller steps read more; they
+    /// bound the batch's activation memory. Must be <= --ctx-size
+    #[arg(long = "ubatch", default_value_t = 0)]
+    pub ubatch: u32,
     /// Apply the model's chat template to the prompt (as one user message)
     #[arg(long)]
     pub chatml: bool,

@@ -161,6 +161,7 @@ pub fn load(args: &RunArgs, model_path: &Path, err: &mut dyn Write) -> Result<Lo
     cfg.n_predict = args.n_predict.min(args.ctx);
     cfg.threads = args.threads;
     cfg.n_ctx = args.ctx;
+    cfg.n_ubatch = args.ubatch;
     cfg.chatml = args.chatml;
     cfg.temp = args.temp;
     cfg.top_k = args.top_k as u32;

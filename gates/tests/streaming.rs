@@ -4,7 +4,8 @@
 //! G1 resident == streamed, cache off. G2 cache off == cache on at budgets that evict every
 //! token and that hold everything. G3 selective == --load-all. G4 --overlap == serial with 1
 //! and 4 lanes. G6 every dense mode == resident. G8 slots that span huge pages, in huge and
-//! base pages, == resident.
+//! base pages, == resident. G9 a prefill in `--ubatch` steps, an overlapped window and serial
+//! waves (a union wider than the cache) == resident, each expert read once per step and layer.
 
 use bmoe_gates::{run, tiny};
 
@@ -389,4 +390,90 @@ fn n_expert_used_is_the_same_narrowing_resident_and_streamed() {
         assert_eq!(s.code, 0, "{}", s.stderr);
         assert_eq!(s.outcome.tokens, res.outcome.tokens, "{extra:?}");
     }
+}
+
+/// Prefill reads from an io trace: per (prefill step, MoE layer, expert, projection) the bytes
+/// asked for, and whether any piece (same offset) was read twice.
+fn prefill_reads(
+    io_trace: &std::path::Path,
+) -> (std::collections::BTreeMap<[String; 4], u64>, bool) {
+    let text = std::fs::read_to_string(io_trace).expect("io trace");
+    let mut lines = text.lines().filter(|l| !l.starts_with('#'));
+    let header: Vec<&str> = lines.next().expect("header").split(',').collect();
+    let col = |name: &str| header.iter().position(|&h| h == name).expect(name);
+    let (phase, step, layer, expert, proj, offset, req) = (
+        col("phase"),
+        col("step"),
+        col("layer"),
+        col("expert"),
+        col("proj"),
+        col("offset"),
+        col("req_bytes"),
+    );
+    let mut bytes = std::collections::BTreeMap::new();
+    let mut pieces = std::collections::BTreeSet::new();
+    let mut twice = false;
+    for l in lines {
+        let f: Vec<&str> = l.split(',').collect();
+        if f[phase] == "0" {
+            let key = [f[step], f[layer], f[expert], f[proj]].map(str::to_string);
+            *bytes.entry(key).or_insert(0) += f[req].parse::<u64>().expect("req_bytes");
+            twice |= !pieces.insert((f[step].to_string(), f[offset].to_string()));
+        }
+    }
+    (bytes, twice)
+}
+
+#[test]
+fn g9_a_prefill_in_steps_and_a_sliding_window_equal_resident_and_read_each_expert_once() {
+    let dir = bmoe_gates::scratch_dir("prefill-steps");
+    let (tokens, text) = resident();
+    let mut steps_seen = Vec::new();
+    for (name, args) in [
+        // The prompt in 3-token steps, cache off: each step reads its own union.
+        (
+            "ubatch3",
+            &["--overlap", "--cache-mb", "0", "--ubatch", "3"][..],
+        ),
+        // One step on a 2 MiB cache (~6 experts): the prefill's union per layer is wider, so
+        // the overlapped layer slides its window (serial: waves).
+        (
+            "window",
+            &["--overlap", "--cache-mb", "2", "--force-cache"][..],
+        ),
+        ("waves", &["--cache-mb", "2", "--force-cache"][..]),
+    ] {
+        let trace = dir.join(format!("io-{name}.csv"));
+        let mut a = args.to_vec();
+        a.extend_from_slice(&["--io-trace", trace.to_str().expect("utf-8")]);
+        let r = streamed(&a);
+        assert_eq!(
+            r.outcome.tokens, tokens,
+            "{name}: token ids differ from resident"
+        );
+        assert_eq!(r.stdout, text, "{name}: text differs from resident");
+        let (bytes, twice) = prefill_reads(&trace);
+        let _ = std::fs::remove_file(&trace);
+        assert!(!bytes.is_empty(), "{name}: the prefill read nothing");
+        assert!(!twice, "{name}: a piece read twice in one prefill step");
+        // Every expert's projection of a layer is the same extent: read once, each sums to it.
+        let mut per_layer_proj = std::collections::BTreeMap::new();
+        for (k, &b) in &bytes {
+            per_layer_proj
+                .entry((k[1].clone(), k[3].clone()))
+                .or_insert_with(std::collections::BTreeSet::new)
+                .insert(b);
+        }
+        assert!(
+            per_layer_proj.values().all(|v| v.len() == 1),
+            "{name}: an expert's projection read more than once in a prefill step: {per_layer_proj:?}"
+        );
+        let steps: std::collections::BTreeSet<&String> = bytes.keys().map(|k| &k[0]).collect();
+        steps_seen.push(steps.len());
+    }
+    assert!(
+        steps_seen[0] > 1,
+        "--ubatch 3 must prefill in several steps"
+    );
+    assert_eq!(steps_seen[1..], [1, 1]);
 }

@@ -608,40 +608,53 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
         if self.stopping() {
             stop = StopReason::Cancelled;
         } else if !req.prompt.is_empty() {
-            let input = StepInput {
-                turn,
-                phase: Phase::Prefill,
-                tokens: req.prompt,
-                positions: req.positions,
+            // `--ubatch`: the prompt in steps of at most that many tokens (0 = one step). Each
+            // step reads its own union of experts once per layer; the ledger sums the steps.
+            let chunk = match self.cfg.n_ubatch as usize {
+                0 => req.prompt.len(),
+                n => n,
             };
-            source
-                .before_step(self.engine.backend_mut(), &input)
-                .map_err(source_err)?;
-            let mem_before = self.probe.picture();
-            match self.engine.step(&input, &mut out.traces()) {
-                Ok(mut st) => {
-                    prev_end = self.engine.clock().now();
-                    source
-                        .after_step(self.engine.backend(), &input, &mut st)
-                        .map_err(source_err)?;
-                    source
-                        .observe(self.engine.cache(), &st)
-                        .map_err(source_err)?;
-                    let mem_after = self.probe.picture();
-                    ledger.prefill(&st, &mem_before, &mem_after);
-                    prefill_s = st.wall.as_secs_f64();
-                    n_prompt = req.prompt.len() as u64;
-                    for (&t, &p) in req.prompt.iter().zip(req.positions) {
-                        self.feed(t, p);
+            for (tokens, positions) in req.prompt.chunks(chunk).zip(req.positions.chunks(chunk)) {
+                if n_prompt > 0 && self.stopping() {
+                    stop = StopReason::Cancelled;
+                    break;
+                }
+                let input = StepInput {
+                    turn,
+                    phase: Phase::Prefill,
+                    tokens,
+                    positions,
+                };
+                source
+                    .before_step(self.engine.backend_mut(), &input)
+                    .map_err(source_err)?;
+                let mem_before = self.probe.picture();
+                match self.engine.step(&input, &mut out.traces()) {
+                    Ok(mut st) => {
+                        prev_end = self.engine.clock().now();
+                        source
+                            .after_step(self.engine.backend(), &input, &mut st)
+                            .map_err(source_err)?;
+                        source
+                            .observe(self.engine.cache(), &st)
+                            .map_err(source_err)?;
+                        let mem_after = self.probe.picture();
+                        ledger.prefill(&st, &mem_before, &mem_after);
+                        prefill_s += st.wall.as_secs_f64();
+                        n_prompt += tokens.len() as u64;
+                        for (&t, &p) in tokens.iter().zip(positions) {
+                            self.feed(t, p);
+                        }
+                    }
+                    Err(e) => {
+                        ledger.io_error();
+                        stop = StopReason::Failed;
+                        error = Some(e);
+                        break;
                     }
                 }
-                Err(e) => {
-                    ledger.io_error();
-                    stop = StopReason::Failed;
-                    error = Some(e);
-                }
+                out.flush()?;
             }
-            out.flush()?;
         }
 
         let mut i = 0u32;
@@ -952,6 +965,56 @@ mod tests {
             assert_eq!(sm.get("interrupted"), None);
             assert_eq!(o.summary.counters.n_past, u64::from(3 + n));
             assert_eq!(o.summary.counters.n_prompt, 3);
+        }
+    }
+
+    #[test]
+    fn ubatch_prefills_in_steps_each_reading_its_own_union_once() {
+        for (ubatch, steps) in [(0u32, vec![8usize]), (3, vec![3, 3, 2]), (8, vec![8])] {
+            let mut s = rig(0);
+            s.cfg.n_ubatch = ubatch;
+            let (mut p, mut c) = (Vec::new(), Vec::new());
+            let prompt: Vec<u32> = (1..=8).collect();
+            let o = turn(&mut s, &mut Counting::default(), &prompt, 2, &mut p, &mut c);
+            assert_eq!(o.stop, StopReason::Count);
+            let b = begins(&s);
+            let sizes: Vec<usize> = b.iter().map(|(t, _)| t.len()).collect();
+            assert_eq!(sizes[..steps.len()], steps[..], "ubatch {ubatch}");
+            assert_eq!(sizes.len(), steps.len() + 2);
+            let fed: Vec<u32> = b[..steps.len()]
+                .iter()
+                .flat_map(|(t, _)| t.clone())
+                .collect();
+            let pos: Vec<u32> = b[..steps.len()]
+                .iter()
+                .flat_map(|(_, q)| q.clone())
+                .collect();
+            assert_eq!((fed, pos), (prompt.clone(), (0..8).collect::<Vec<_>>()));
+            assert_eq!((o.summary.counters.n_prompt, s.n_past()), (8, 10));
+            // Per step and MoE layer every expert is computed once, and (cache off) read once:
+            // the reads are the sum of the steps' unions.
+            let mut step = 0usize;
+            let mut seen = std::collections::BTreeSet::new();
+            for call in s.engine().backend().log() {
+                match call {
+                    Call::Begin { .. } => step += 1,
+                    Call::Expert { layer, expert, .. } => {
+                        assert!(
+                            seen.insert((step, layer.moe, *expert)),
+                            "{step} {layer:?} {expert}"
+                        );
+                    }
+                    _ => {}
+                }
+            }
+            let prefill_experts = seen.iter().filter(|(st, _, _)| *st <= steps.len()).count();
+            assert_eq!(s.engine().flash().log().len(), seen.len() * 2);
+            let m = MetricsCsv::parse(&String::from_utf8(c).unwrap()).unwrap();
+            let sm = m.summary().unwrap();
+            let mib = |k: &str| sm.get(k).unwrap().parse::<f64>().unwrap();
+            let want =
+                (prefill_experts as u64 * s.engine().layout().expert_bytes(0)) as f64 / 1048576.0;
+            assert!((mib("prefill_read_mib") - want).abs() < 0.05 + want * 0.01);
         }
     }
 

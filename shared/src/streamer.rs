@@ -107,8 +107,10 @@ pub(crate) struct Streamer {
     entries: Vec<Entry>,
     uses: Vec<ExpertUse>,
     misses: Vec<u32>,
-    /// Entries pinned by the current wave, unpinned when it is over.
+    /// Entries pinned by the current wave (serial) or window (overlap), in admission order.
     wave: Vec<u32>,
+    /// `wave[..unpinned]` are unpinned already (the window's computed head).
+    unpinned: usize,
     ready: VecDeque<u32>,
     inflight: Vec<InFlight>,
     oldest: usize,
@@ -163,6 +165,7 @@ impl Streamer {
         self.uses.clear();
         self.misses.clear();
         self.wave.clear();
+        self.unpinned = 0;
         self.ready.clear();
         self.inflight.clear();
         self.oldest = 0;
@@ -336,99 +339,11 @@ impl Streamer {
             self.trace_routes(io, moe, routing, expert_bytes);
         }
 
-        let mut first_wave = true;
         let mut next_miss = 0usize;
-        loop {
-            self.wave.clear();
-            if first_wave {
-                for (i, en) in self.entries.iter().enumerate() {
-                    if en.hit {
-                        self.wave.push(i as u32);
-                    }
-                }
-            }
-            let wave_misses_start = self.wave.len();
-            let t = io.clock.now();
-            while next_miss < self.misses.len() {
-                let i = self.misses[next_miss] as usize;
-                if !cache_off {
-                    let key = ExpertKey {
-                        layer: moe,
-                        expert: self.entries[i].expert,
-                    };
-                    if io.cache.admit(key, &mut self.evicted)? == Admission::NoRoom {
-                        // Demand first: give up speculation that holds the room, then retry.
-                        if let Some(pf) = self.prefetch.as_mut() {
-                            if pf.abandon_farthest(io)? {
-                                continue;
-                            }
-                        }
-                        break;
-                    }
-                    if let (Some(pf), Some(index)) =
-                        (self.prefetch.as_mut(), io.layout.key_index(key))
-                    {
-                        pf.forget(index);
-                    }
-                    for evicted in self.evicted.drain(..) {
-                        io.backend
-                            .release(SlotId::Canonical(evicted))
-                            .map_err(be(BackendStage::Release, layer.model))?;
-                    }
-                }
-                self.entries[i].state = EntryState::Reading;
-                self.wave.push(i as u32);
-                next_miss += 1;
-            }
-            io.stats.mgmt += io.clock.now() - t;
-            if self.wave.is_empty() {
-                // Unreachable while budget >= layer_demand >= one expert: after a wave has
-                // unpinned everything, the next miss always fits. Refuse rather than spin.
-                return Err(StepError::Cache(crate::cache::CacheError::Corrupt {
-                    what: format!(
-                        "MoE layer {moe}: a miss fits nowhere even with nothing pinned (budget {} bytes, expert {} bytes)",
-                        io.cache.budget_bytes(),
-                        expert_bytes
-                    ),
-                }));
-            }
-
-            self.inflight.clear();
-            self.oldest = 0;
-            if first_wave {
-                // Adopted reads were issued before anything of this layer: oldest first.
-                for a in &self.adopt {
-                    self.inflight.push(InFlight {
-                        id: a.id,
-                        req: a.req,
-                        entry: self.pos_of[a.req.tag.expert as usize],
-                        delivered: false,
-                    });
-                    self.outstanding += 1;
-                }
-            }
-            if io.config.overlap {
-                self.submit_reads(io, moe, wave_misses_start);
-                self.issue_prefetch(io, moe, first_wave)?;
-                self.compute_overlap(io, layer)?;
-            } else {
-                let t = io.clock.now();
-                self.submit_reads(io, moe, wave_misses_start);
-                self.issue_prefetch(io, moe, first_wave)?;
-                self.wait_all_in_issue_order(io)?;
-                io.stats.io += io.clock.now() - t;
-                self.compute_ready_in_order(io, layer)?;
-            }
-            first_wave = false;
-            if next_miss >= self.misses.len() {
-                break;
-            }
-            // More misses than fit beside this wave's pins (a wide prefill batch on a small
-            // budget): the wave's experts are computed, so unpin them and admit the rest.
-            io.stats.extra_waves += 1;
-            let t = io.clock.now();
-            self.unpin_wave(io, moe)?;
-            io.stats.mgmt += io.clock.now() - t;
+        if io.config.overlap {
+            self.run_window(io, layer, &mut next_miss, expert_bytes)?;
+        } else {
+            self.run_waves(io, layer, &mut next_miss, expert_bytes)?;
         }
 
         io.backend
@@ -437,6 +352,236 @@ impl Streamer {
         let t = io.clock.now();
         self.unpin_wave(io, moe)?;
         io.stats.mgmt += io.clock.now() - t;
+        Ok(())
+    }
+
+    /// Admit the misses from `*next_miss` on, in first-use order, while the cache has room
+    /// beside what is pinned (giving up speculation that holds the room first), each joining
+    /// `self.wave` as `Reading`. Stops at the first miss that does not fit.
+    fn admit_misses<C: Clock, F: Flash, B: Backend>(
+        &mut self,
+        io: &mut LayerIo<'_, C, F, B>,
+        layer: LayerId,
+        next_miss: &mut usize,
+    ) -> Result<(), StepError> {
+        let moe = layer.moe;
+        let cache_off = io.cache.is_off();
+        let t = io.clock.now();
+        while *next_miss < self.misses.len() {
+            let i = self.misses[*next_miss] as usize;
+            if !cache_off {
+                let key = ExpertKey {
+                    layer: moe,
+                    expert: self.entries[i].expert,
+                };
+                if io.cache.admit(key, &mut self.evicted)? == Admission::NoRoom {
+                    // Demand first: give up speculation that holds the room, then retry.
+                    if let Some(pf) = self.prefetch.as_mut() {
+                        if pf.abandon_farthest(io)? {
+                            continue;
+                        }
+                    }
+                    break;
+                }
+                if let (Some(pf), Some(index)) = (self.prefetch.as_mut(), io.layout.key_index(key))
+                {
+                    pf.forget(index);
+                }
+                for evicted in self.evicted.drain(..) {
+                    io.backend
+                        .release(SlotId::Canonical(evicted))
+                        .map_err(be(BackendStage::Release, layer.model))?;
+                }
+            }
+            self.entries[i].state = EntryState::Reading;
+            self.wave.push(i as u32);
+            *next_miss += 1;
+        }
+        io.stats.mgmt += io.clock.now() - t;
+        Ok(())
+    }
+
+    /// A miss that fits nowhere even with nothing of this layer left pinned: unreachable while
+    /// budget >= layer_demand >= one expert. Refused rather than spun on.
+    fn no_room(
+        io: &LayerIo<'_, impl Clock, impl Flash, impl Backend>,
+        moe: u16,
+        expert_bytes: u64,
+    ) -> StepError {
+        StepError::Cache(crate::cache::CacheError::Corrupt {
+            what: format!(
+                "MoE layer {moe}: a miss fits nowhere even with nothing pinned (budget {} bytes, expert {} bytes)",
+                io.cache.budget_bytes(),
+                expert_bytes
+            ),
+        })
+    }
+
+    /// Adopted reads were issued before anything of this layer: they go first in `inflight`.
+    fn push_adopted(&mut self) {
+        for a in &self.adopt {
+            self.inflight.push(InFlight {
+                id: a.id,
+                req: a.req,
+                entry: self.pos_of[a.req.tag.expert as usize],
+                delivered: false,
+            });
+            self.outstanding += 1;
+        }
+    }
+
+    /// Serial: admission waves. Each wave pins what it can (the hits and as many misses as fit
+    /// beside them), reads all of its misses, then computes; a union wider than the budget
+    /// (a wide prefill batch on a small cache) takes more than one wave.
+    fn run_waves<C: Clock, F: Flash, B: Backend>(
+        &mut self,
+        io: &mut LayerIo<'_, C, F, B>,
+        layer: LayerId,
+        next_miss: &mut usize,
+        expert_bytes: u64,
+    ) -> Result<(), StepError> {
+        let moe = layer.moe;
+        let mut first_wave = true;
+        loop {
+            self.wave.clear();
+            self.unpinned = 0;
+            if first_wave {
+                for (i, en) in self.entries.iter().enumerate() {
+                    if en.hit {
+                        self.wave.push(i as u32);
+                    }
+                }
+            }
+            let wave_misses_start = self.wave.len();
+            self.admit_misses(io, layer, next_miss)?;
+            if self.wave.is_empty() {
+                return Err(Self::no_room(io, moe, expert_bytes));
+            }
+            self.inflight.clear();
+            self.oldest = 0;
+            if first_wave {
+                self.push_adopted();
+            }
+            let t = io.clock.now();
+            self.submit_reads(io, moe, wave_misses_start, 0);
+            self.issue_prefetch(io, moe, first_wave)?;
+            self.wait_all_in_issue_order(io)?;
+            io.stats.io += io.clock.now() - t;
+            self.compute_ready_in_order(io, layer)?;
+            first_wave = false;
+            if *next_miss >= self.misses.len() {
+                return Ok(());
+            }
+            // More misses than fit beside this wave's pins: the wave's experts are computed,
+            // so unpin them and admit the rest.
+            io.stats.extra_waves += 1;
+            let t = io.clock.now();
+            self.unpin_wave(io, moe)?;
+            io.stats.mgmt += io.clock.now() - t;
+        }
+    }
+
+    /// Overlap: a sliding window over the layer's union. The hits are pinned and as many
+    /// misses admitted as fit beside them; every admitted miss's reads are submitted at once,
+    /// across the lanes, and the hits are computed while they land; each missed expert is
+    /// computed as soon as its own reads are in. When the union is wider than the budget the
+    /// rest does not wait for a whole wave: as soon as the entries at the head of the window
+    /// (in admission order) are computed they are unpinned one by one, and after each unpin
+    /// the next misses are admitted and their reads submitted. Unpinning in admission order
+    /// (never in completion order) makes the sequence of cache operations independent of read
+    /// timing, so the cache after the layer is the same on every run and in the simulator.
+    fn run_window<C: Clock, F: Flash, B: Backend>(
+        &mut self,
+        io: &mut LayerIo<'_, C, F, B>,
+        layer: LayerId,
+        next_miss: &mut usize,
+        expert_bytes: u64,
+    ) -> Result<(), StepError> {
+        let moe = layer.moe;
+        self.wave.clear();
+        self.unpinned = 0;
+        for (i, en) in self.entries.iter().enumerate() {
+            if en.hit {
+                self.wave.push(i as u32);
+            }
+        }
+        let misses_start = self.wave.len();
+        self.admit_misses(io, layer, next_miss)?;
+        if self.wave.is_empty() {
+            return Err(Self::no_room(io, moe, expert_bytes));
+        }
+        self.inflight.clear();
+        self.oldest = 0;
+        self.push_adopted();
+        self.submit_reads(io, moe, misses_start, 0);
+        self.issue_prefetch(io, moe, true)?;
+        let mut slid = false;
+
+        for i in 0..self.entries.len() {
+            if self.entries[i].hit && self.entries[i].state == EntryState::Ready {
+                self.compute(io, layer, i)?;
+            }
+        }
+        loop {
+            if *next_miss < self.misses.len() {
+                // Unpin the computed head of the window, admitting after each unpin.
+                while *next_miss < self.misses.len()
+                    && self.unpinned < self.wave.len()
+                    && self.entries[self.wave[self.unpinned] as usize].state == EntryState::Done
+                {
+                    let t = io.clock.now();
+                    let e = self.entries[self.wave[self.unpinned] as usize].expert;
+                    if !io.cache.is_off() {
+                        io.cache.unpin(ExpertKey {
+                            layer: moe,
+                            expert: e,
+                        })?;
+                    }
+                    self.unpinned += 1;
+                    let from = self.wave.len();
+                    io.stats.mgmt += io.clock.now() - t;
+                    self.admit_misses(io, layer, next_miss)?;
+                    if self.wave.len() > from {
+                        if !slid {
+                            slid = true;
+                            io.stats.extra_waves += 1;
+                        }
+                        // Cut as if with the reads still queued: a slid-in expert joins lanes
+                        // that are busy already, where whole extents read faster.
+                        let queued = self.outstanding;
+                        self.submit_reads(io, moe, from, queued);
+                    }
+                }
+                if *next_miss < self.misses.len() && self.unpinned == self.wave.len() {
+                    return Err(Self::no_room(io, moe, expert_bytes));
+                }
+            }
+            while let Some((id, outcome)) = io.flash.poll() {
+                self.complete(io, id, outcome)?;
+            }
+            if let Some(i) = self.ready.pop_front() {
+                self.compute(io, layer, i as usize)?;
+                continue;
+            }
+            if self.outstanding == 0 {
+                if *next_miss < self.misses.len() {
+                    // Nothing in flight and nothing to compute: the loop above unpins and
+                    // admits on its next turn, which needs the window's head computed.
+                    if self.unpinned < self.wave.len()
+                        && self.entries[self.wave[self.unpinned] as usize].state == EntryState::Done
+                    {
+                        continue;
+                    }
+                    return Err(Self::no_room(io, moe, expert_bytes));
+                }
+                break;
+            }
+            let id = self.inflight[self.oldest].id;
+            let t = io.clock.now();
+            let outcome = io.flash.wait(id);
+            io.stats.stall += io.clock.now() - t;
+            self.complete(io, id, outcome)?;
+        }
         Ok(())
     }
 
@@ -473,12 +618,13 @@ impl Streamer {
         if io.cache.is_off() {
             return Ok(());
         }
-        for &i in &self.wave {
+        for &i in &self.wave[self.unpinned..] {
             io.cache.unpin(ExpertKey {
                 layer: moe,
                 expert: self.entries[i as usize].expert,
             })?;
         }
+        self.unpinned = self.wave.len();
         Ok(())
     }
 
@@ -553,12 +699,15 @@ impl Streamer {
     }
 
     /// The reads of every projection extent (cut as `read_split` says) for every entry of
-    /// the wave from `from`, lanes round-robin in issue order.
+    /// the wave from `from`, lanes round-robin in issue order. `queued`: reads of this layer
+    /// still in flight, counted with the new extents when `Auto` decides whether every lane has
+    /// one.
     fn submit_reads<C, F: Flash, B>(
         &mut self,
         io: &mut LayerIo<'_, C, F, B>,
         moe: u16,
         from: usize,
+        queued: usize,
     ) {
         let lanes = io.flash.lanes().max(1);
         let layout = io.layout;
@@ -568,7 +717,7 @@ impl Streamer {
         let split = io.config.read_split.resolve(
             !io.cache.is_off(),
             io.phase == Phase::Decode,
-            self.wave.len().saturating_sub(from) * layer_layout.projections.len(),
+            self.wave.len().saturating_sub(from) * layer_layout.projections.len() + queued,
             lanes,
         );
         for w in from..self.wave.len() {
@@ -708,42 +857,6 @@ impl Streamer {
             if self.entries[i].state == EntryState::Ready {
                 self.compute(io, layer, i)?;
             }
-        }
-        Ok(())
-    }
-
-    /// Overlap: resident experts first (first-use order), then each missed expert as soon as
-    /// its own reads are in. Whenever nothing is computable the loop waits for the oldest
-    /// outstanding read; each such wait is a stalled interval. The core loop is the only
-    /// thread that waits on reads (compute threads run inside `Backend::expert`, which is
-    /// only called on landed bytes), so the stalled intervals never overlap and their sum is
-    /// exactly the contract's union of stalled intervals.
-    fn compute_overlap<C: Clock, F: Flash, B: Backend>(
-        &mut self,
-        io: &mut LayerIo<'_, C, F, B>,
-        layer: LayerId,
-    ) -> Result<(), StepError> {
-        for i in 0..self.entries.len() {
-            if self.entries[i].hit && self.entries[i].state == EntryState::Ready {
-                self.compute(io, layer, i)?;
-            }
-        }
-        loop {
-            while let Some((id, outcome)) = io.flash.poll() {
-                self.complete(io, id, outcome)?;
-            }
-            if let Some(i) = self.ready.pop_front() {
-                self.compute(io, layer, i as usize)?;
-                continue;
-            }
-            if self.outstanding == 0 {
-                break;
-            }
-            let id = self.inflight[self.oldest].id;
-            let t = io.clock.now();
-            let outcome = io.flash.wait(id);
-            io.stats.stall += io.clock.now() - t;
-            self.complete(io, id, outcome)?;
         }
         Ok(())
     }
