@@ -25,10 +25,29 @@ import json
 import sys
 
 
+def plain_kernels(llama_cpp):
+    """Load models without llama.cpp's extra buffer types (weight repacking, AMX): the reference
+    is then each format's own dot products, the same on every CPU. On a CPU that advertises AMX
+    where the VM does not let a process use it (Sapphire Rapids under KVM here), the AMX path
+    faults inside libggml-cpu (a segfault on Q2_K and Q4_K files). `Llama` takes its model
+    parameters from `llama_model_default_params()`, so that is where the flag is set."""
+    import llama_cpp.llama as high_level
+
+    default = llama_cpp.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    high_level.llama_cpp.llama_model_default_params = params
+
+
 def cmd_logits(model, ids_json, out):
     import llama_cpp
     import numpy as np
 
+    plain_kernels(llama_cpp)
     ids = json.load(open(ids_json))["token_ids"]
     llm = llama_cpp.Llama(
         model_path=model,
