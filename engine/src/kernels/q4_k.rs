@@ -283,7 +283,7 @@ unsafe fn block_sums<const N: usize>(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn dot_n_avx2(w: &[BlockQ4K], a: [&[BlockQ8K]; GROUP]) -> [f32; GROUP] {
+unsafe fn dot_4_avx2(w: &[BlockQ4K], a: [&[BlockQ8K]; GROUP]) -> [f32; GROUP] {
     use std::arch::x86_64::*;
     const { assert!(GROUP == 4) };
     let n = a.iter().fold(w.len(), |n, a| n.min(a.len()));
@@ -321,6 +321,20 @@ unsafe fn dot_n_avx2(w: &[BlockQ4K], a: [&[BlockQ8K]; GROUP]) -> [f32; GROUP] {
     out
 }
 
+/// The AVX2 grouped dot for `N` activations: [`dot_4_avx2`] for a whole group, else
+/// [`dot_each_avx2`] (the tokens left over after the groups).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn dot_n_avx2<const N: usize>(w: &[BlockQ4K], a: [&[BlockQ8K]; N]) -> [f32; N] {
+    if N == GROUP {
+        let r = unsafe { dot_4_avx2(w, std::array::from_fn(|k| a[k])) };
+        std::array::from_fn(|k| r[k])
+    } else {
+        unsafe { dot_each_avx2::<N>(w, a) }
+    }
+}
+
 /// `N` dots of one row at once: per chunk the nibbles and scales are prepared once and
 /// multiplied into each activation's own exact integer sum; each activation then gets its own
 /// float steps, the same for any `N`, so the bits never depend on the grouping.
@@ -340,6 +354,143 @@ unsafe fn dot_each_avx2<const N: usize>(w: &[BlockQ4K], a: [&[BlockQ8K]; N]) -> 
         }
     }
     acc.map(|acc| _mm_cvtss_f32(_mm_sub_ss(acc, _mm_movehdup_ps(acc))))
+}
+
+#[cfg(target_arch = "x86_64")]
+impl super::format::Kernel<Q4K> for super::format::Avx512 {
+    unsafe fn dot(w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
+        // SAFETY: the caller's (the AVX-512 level's features are present).
+        let [v] = unsafe { avx512::dot_n::<1>(w, [a]) };
+        v
+    }
+
+    const GROUPED: bool = true;
+
+    unsafe fn dot_group<const N: usize>(w: &[BlockQ4K], a: [&[BlockQ8K]; N]) -> [f32; N] {
+        // SAFETY: the caller's.
+        unsafe { avx512::dot_n::<N>(w, a) }
+    }
+}
+
+/// The AVX-512 level: 64 values per instruction, and `vpdpwssd` (AVX512-VNNI) applying a
+/// sub-block's scale and adding into the sum in one step where AVX2 takes two.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::{x86, BlockQ4K, BlockQ8K};
+    use std::arch::x86_64::*;
+
+    /// `vpermw` indices: chunk `c`'s scales as 32 i16, sub-block `2c`'s in the low 256 bits
+    /// (the chunk's low nibbles) and `2c + 1`'s in the high 256 bits (its high nibbles).
+    const SCALE_IDX: [[u16; 32]; 4] = {
+        let mut m = [[0u16; 32]; 4];
+        let mut c = 0;
+        while c < 4 {
+            let mut i = 0;
+            while i < 32 {
+                m[c][i] = (2 * c + i / 16) as u16;
+                i += 1;
+            }
+            c += 1;
+        }
+        m
+    };
+
+    /// `[Σ s0, Σ s1, Σ s2, Σ s3]` over each vector's 16 i32 lanes (exact).
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    #[inline]
+    fn sum4_512(s: [__m512i; 4]) -> __m128i {
+        // Per 128-bit lane: [s0, s1, s0, s1] partials, then [s0, s1, s2, s3].
+        let u0 = _mm512_add_epi32(_mm512_unpacklo_epi32(s[0], s[1]), _mm512_unpackhi_epi32(s[0], s[1]));
+        let u1 = _mm512_add_epi32(_mm512_unpacklo_epi32(s[2], s[3]), _mm512_unpackhi_epi32(s[2], s[3]));
+        let v = _mm512_add_epi32(_mm512_unpacklo_epi64(u0, u1), _mm512_unpackhi_epi64(u0, u1));
+        let y = _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v));
+        _mm_add_epi32(_mm256_castsi256_si128(y), _mm256_extracti128_si256::<1>(y))
+    }
+
+    /// `[Σ s0, Σ s1, Σ s2, Σ s3]` over each vector's 8 i32 lanes (exact).
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    #[inline]
+    fn sum4_256(s: [__m256i; 4]) -> __m128i {
+        let u0 = _mm256_add_epi32(_mm256_unpacklo_epi32(s[0], s[1]), _mm256_unpackhi_epi32(s[0], s[1]));
+        let u1 = _mm256_add_epi32(_mm256_unpacklo_epi32(s[2], s[3]), _mm256_unpackhi_epi32(s[2], s[3]));
+        let v = _mm256_add_epi32(_mm256_unpacklo_epi64(u0, u1), _mm256_unpackhi_epi64(u0, u1));
+        _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v))
+    }
+
+    /// One row against `N` activations (`N <= 8`). Per super-block: each 32-byte chunk of
+    /// nibbles becomes one 64-value vector (low nibbles, then high: the chunk's 64 values in
+    /// order, matching 64 consecutive activation bytes), and each activation's exact sum takes
+    /// one `vpmaddubsw` and one `vpdpwssd` (times the two sub-blocks' scales) per chunk. The
+    /// sums and minimums' terms of up to 4 activations are then reduced together, and every
+    /// activation's two accumulators stepped with one fused multiply-add each: the scalar
+    /// `accumulate` on the same exact integers, so the bits of [`super::dot_scalar`].
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    #[inline]
+    pub unsafe fn dot_n<const N: usize>(w: &[BlockQ4K], a: [&[BlockQ8K]; N]) -> [f32; N] {
+        const { assert!(N >= 1 && N <= 8) };
+        let n = a.iter().fold(w.len(), |n, a| n.min(a.len()));
+        let m4 = _mm512_set1_epi8(0x0F);
+        // SAFETY: 64-byte loads of the 32 i16 of each index row.
+        let idx: [__m512i; 4] =
+            std::array::from_fn(|c| unsafe { _mm512_loadu_si512(SCALE_IDX[c].as_ptr().cast()) });
+        let mut acc_d = [_mm_setzero_ps(); 2];
+        let mut acc_m = [_mm_setzero_ps(); 2];
+        for (i, x) in w[..n].iter().enumerate() {
+            // SAFETY: AVX2 is present (implied by this level).
+            let (scales, mins) = unsafe { x86::scales_mins(x.head()) };
+            let sc = _mm512_castsi256_si512(scales);
+            let mut sumi = [_mm512_setzero_si512(); N];
+            for c in 0..4 {
+                // SAFETY: 32-byte load inside qs (128 bytes).
+                let q = unsafe { _mm256_loadu_si256(x.qs.as_ptr().add(32 * c).cast()) };
+                let both = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4));
+                let qv = _mm512_and_si512(both, m4);
+                let scv = _mm512_permutexvar_epi16(idx[c], sc);
+                for (t, s) in sumi.iter_mut().enumerate() {
+                    // SAFETY: 64-byte load inside qs (256 bytes).
+                    let y = unsafe { _mm512_loadu_si512(a[t][i].qs.as_ptr().add(64 * c).cast()) };
+                    // ≤ 2 · 15 · 127 per i16 lane: no saturation; then · scale ≤ 63, exact.
+                    *s = _mm512_dpwssd_epi32(*s, _mm512_maddubs_epi16(qv, y), scv);
+                }
+            }
+            // Each i32 lane j: m_j in both halves, so that `vpmaddwd` with the bsums gives
+            // m_j · (bsum_2j + bsum_2j+1).
+            let m32 = _mm256_cvtepu16_epi32(mins);
+            let mins2 = _mm256_or_si256(m32, _mm256_slli_epi32::<16>(m32));
+            // SAFETY: F16C is present.
+            let dd = unsafe { x86::super_scales(x.d, x.dmin) };
+            let dsc = _mm_shuffle_ps::<0b00_00_00_00>(dd, dd);
+            let msc = _mm_shuffle_ps::<0b01_01_01_01>(dd, dd);
+            for g in 0..N.div_ceil(4) {
+                let tok = |k: usize| (4 * g + k < N).then(|| &a[4 * g + k][i]);
+                let sumi4 = sum4_512(std::array::from_fn(|k| {
+                    if 4 * g + k < N {
+                        sumi[4 * g + k]
+                    } else {
+                        _mm512_setzero_si512()
+                    }
+                }));
+                let summ4 = sum4_256(std::array::from_fn(|k| match tok(k) {
+                    // SAFETY: 16 i16 = 32 bytes. Pair sums ≤ 2 · 16 · 127 fit, times ≤ 63.
+                    Some(y) => _mm256_madd_epi16(
+                        unsafe { _mm256_loadu_si256(y.bsums.as_ptr().cast()) },
+                        mins2,
+                    ),
+                    None => _mm256_setzero_si256(),
+                }));
+                let d = |k: usize| tok(k).map_or(0.0, |y| y.d);
+                let d_a = _mm_setr_ps(d(0), d(1), d(2), d(3));
+                acc_d[g] = _mm_fmadd_ps(_mm_cvtepi32_ps(sumi4), _mm_mul_ps(dsc, d_a), acc_d[g]);
+                acc_m[g] = _mm_fmadd_ps(_mm_cvtepi32_ps(summ4), _mm_mul_ps(msc, d_a), acc_m[g]);
+            }
+        }
+        let mut out = [[0f32; 4]; 2];
+        for g in 0..N.div_ceil(4) {
+            // SAFETY: 4 floats.
+            unsafe { _mm_storeu_ps(out[g].as_mut_ptr(), _mm_sub_ps(acc_d[g], acc_m[g])) };
+        }
+        std::array::from_fn(|t| out[t / 4][t % 4])
+    }
 }
 
 /// AVX2 pieces shared by Q4_K and Q5_K.
@@ -468,6 +619,13 @@ mod tests {
     #[test]
     fn simd_matches_scalar_bits() {
         check_simd_matches_scalar::<Q4K>(&[(1, 1), (2, 3), (3, 16)], 50);
+    }
+
+    /// ns per (super-block, token) at each level and group width (`--ignored --nocapture`).
+    #[test]
+    #[ignore]
+    fn group_speed() {
+        print_group_speed::<Q4K>();
     }
 
     #[test]
