@@ -122,6 +122,25 @@ pub(crate) trait Kernel<F: Format>: Level {
     /// block once for all its activations), so prefill should use it.
     const GROUPED: bool = false;
 
+    /// True when the level has [`Kernel::dot_wide`] (prefill's larger batches).
+    const WIDE: bool = false;
+
+    /// Rows `rows` of a matrix of `row_bytes`-byte rows against `1 <= a.len() <= WIDE`
+    /// activations (as [`GroupFn`]): a kernel that holds one token per vector lane. Only
+    /// called when [`Kernel::WIDE`] is true; this default gives single dots.
+    unsafe fn dot_wide(
+        w: &[u8],
+        row_bytes: usize,
+        rows: Range<usize>,
+        a: &[&ActBuf],
+        out: &mut [&mut [f32]],
+    ) {
+        for (act, o) in a.iter().zip(out.iter_mut()) {
+            // SAFETY: the caller's.
+            unsafe { Self::dot_rows(w, row_bytes, rows.clone(), F::Act::view(act), o) };
+        }
+    }
+
     /// One row against `N` activations (`1 <= N <= GROUP`): prefill's groups of [`GROUP`]
     /// tokens, and the 2 or 3 tokens left over after them.
     unsafe fn dot_group<const N: usize>(w: &[F::Block], a: [&ActView<F>; N]) -> [f32; N] {
@@ -150,6 +169,9 @@ pub(crate) struct LevelFns {
     pub rows: RowsFn,
     /// `Some` when the level has a grouped kernel worth using ([`Kernel::GROUPED`]).
     pub group: Option<GroupFn>,
+    /// `Some` when the level has a tokens-in-lanes kernel ([`Kernel::WIDE`]) for up to
+    /// [`super::q8_k::WIDE`] activations.
+    pub wide: Option<GroupFn>,
 }
 
 unsafe fn rows_of<F: Format, L: Kernel<F>>(
@@ -214,6 +236,7 @@ impl LevelFns {
             } else {
                 None
             },
+            wide: if L::WIDE { Some(L::dot_wide) } else { None },
         }
     }
 }

@@ -65,7 +65,11 @@ use std::ops::Range;
 use std::sync::OnceLock;
 
 use q8_0::Q8Act;
-use q8_k::{BlockQ8K, GROUP};
+use q8_k::{BlockQ8K, GROUP, WIDE};
+
+/// The fewest tokens worth a [`format::LevelFns::wide`] call (its lanes past the last token
+/// cost as much as real ones).
+const WIDE_MIN: usize = 8;
 
 format::registry! {
     F32 => fp32::F32 [Avx2];
@@ -912,12 +916,32 @@ unsafe fn product_task<A: Borrow<ActBuf>>(p: &Planned<'_, A>, rows: Range<usize>
     let (acts, n_rows, w, f, row_bytes, out) = (p.acts, p.n_rows, p.w, &p.f, p.row_bytes, p.out);
     let (start, len) = (rows.start, rows.len());
     let mut t = 0;
+    // Batches of up to WIDE tokens, one per vector lane, while at least WIDE_MIN are left.
+    if let Some(wide) = f.wide {
+        while acts.len() - t >= WIDE_MIN {
+            let n = (acts.len() - t).min(WIDE);
+            let batch: [&ActBuf; WIDE] = std::array::from_fn(|k| acts[t + k.min(n - 1)].borrow());
+            // SAFETY: as for the groups below.
+            unsafe {
+                let mut outs: [&mut [f32]; WIDE] = std::array::from_fn(|k| {
+                    if k < n {
+                        out.slice((t + k) * n_rows + start, len)
+                    } else {
+                        &mut []
+                    }
+                });
+                wide(w, row_bytes, rows.clone(), &batch[..n], &mut outs[..n]);
+            }
+            t += n;
+        }
+    }
     // Groups of up to GROUP tokens (the last one narrower) through a kernel that unpacks each
     // weight block once for all; a lone token left over takes the one-token kernel.
     if let Some(group) = f.group {
         while acts.len() - t >= 2 {
             let n = (acts.len() - t).min(GROUP);
-            let group_acts: [&ActBuf; GROUP] = std::array::from_fn(|k| acts[t + k.min(n - 1)].borrow());
+            let group_acts: [&ActBuf; GROUP] =
+                std::array::from_fn(|k| acts[t + k.min(n - 1)].borrow());
             // SAFETY: the caller's; token t + k's rows lie inside `out` (t + k < acts.len()),
             // and the n slices are disjoint (one per token).
             unsafe {

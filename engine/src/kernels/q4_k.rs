@@ -358,13 +358,27 @@ unsafe fn dot_each_avx2<const N: usize>(w: &[BlockQ4K], a: [&[BlockQ8K]; N]) -> 
 
 #[cfg(target_arch = "x86_64")]
 impl super::format::Kernel<Q4K> for super::format::Avx512 {
+    /// AVX2's: one token's 512-bit kernel measured slower (its per-block reduction of 16
+    /// lanes outweighs the wider multiplies).
     unsafe fn dot(w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
-        // SAFETY: the caller's (the AVX-512 level's features are present).
-        let [v] = unsafe { avx512::dot_n::<1>(w, [a]) };
-        v
+        // SAFETY: the caller's (the AVX-512 level includes AVX2's features).
+        unsafe { dot_avx2(w, a) }
     }
 
     const GROUPED: bool = true;
+
+    const WIDE: bool = true;
+
+    unsafe fn dot_wide(
+        w: &[u8],
+        row_bytes: usize,
+        rows: std::ops::Range<usize>,
+        a: &[&super::ActBuf],
+        out: &mut [&mut [f32]],
+    ) {
+        // SAFETY: the caller's.
+        unsafe { avx512::dot_wide(w, row_bytes, rows, a, out) }
+    }
 
     unsafe fn dot_group<const N: usize>(w: &[BlockQ4K], a: [&[BlockQ8K]; N]) -> [f32; N] {
         // SAFETY: the caller's.
@@ -376,6 +390,9 @@ impl super::format::Kernel<Q4K> for super::format::Avx512 {
 /// sub-block's scale and adding into the sum in one step where AVX2 takes two.
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
+    use super::super::format::Activation;
+    use super::super::q8_k::{ActQ8K, Lanes};
+    use super::super::{blocks, ActBuf};
     use super::{x86, BlockQ4K, BlockQ8K};
     use std::arch::x86_64::*;
 
@@ -395,13 +412,151 @@ mod avx512 {
         m
     };
 
+    thread_local! {
+        /// The packed tokens and the unpacked row of the current call.
+        static LANES: std::cell::RefCell<(Lanes, Vec<Unpacked>)> =
+            std::cell::RefCell::new((Lanes::default(), Vec::new()));
+    }
+
+    /// A row's nibbles unpacked to one byte per value, in value order.
+    #[repr(C, align(64))]
+    struct Unpacked([u8; 256]);
+
+    /// Rows `rows` against up to 16 activations, one per i32 lane ([`Lanes`], packed once per
+    /// call and reused by every row).
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub unsafe fn dot_wide(
+        w: &[u8],
+        row_bytes: usize,
+        rows: std::ops::Range<usize>,
+        a: &[&ActBuf],
+        out: &mut [&mut [f32]],
+    ) {
+        let nb = row_bytes / std::mem::size_of::<BlockQ4K>();
+        let views: Vec<&[BlockQ8K]> = a.iter().map(|a| ActQ8K::view(a)).collect();
+        let nb = views.iter().fold(nb, |n, v| n.min(v.len()));
+        LANES.with(|cell| {
+            let (lanes, q) = &mut *cell.borrow_mut();
+            lanes.pack(&views, nb);
+            let first = rows.start;
+            for r in rows {
+                let row: &[BlockQ4K] = blocks(&w[r * row_bytes..(r + 1) * row_bytes]);
+                // SAFETY: the caller's (this level's features are present).
+                let v = unsafe { row_lanes(&row[..nb], lanes, q) };
+                for (k, o) in out.iter_mut().enumerate() {
+                    o[r - first] = v[k];
+                }
+            }
+        });
+    }
+
+    /// Each block's nibbles of `w` as one byte per value, in value order, into `q`. Not
+    /// inlined on purpose: the main loop must read these bytes from memory (a broadcast load
+    /// costs a load port), not have the compiler forward them through vector shuffles.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    #[inline(never)]
+    unsafe fn unpack_row(w: &[BlockQ4K], q: &mut [Unpacked]) {
+        let m4 = _mm512_set1_epi8(0x0F);
+        for (x, q) in w.iter().zip(q.iter_mut()) {
+            for c in 0..4 {
+                // SAFETY: 32-byte load inside qs; 64-byte aligned store inside `q`.
+                unsafe {
+                    let v = _mm256_loadu_si256(x.qs.as_ptr().add(32 * c).cast());
+                    let both =
+                        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4));
+                    _mm512_store_si512(
+                        q.0.as_mut_ptr().add(64 * c).cast(),
+                        _mm512_and_si512(both, m4),
+                    );
+                }
+            }
+        }
+    }
+
+    /// One row against the packed tokens: per sub-block of 32 values, eight `vpdpbusd` (4
+    /// weight bytes broadcast × each token's 4 activation bytes, summed into its lane), then
+    /// times the sub-block's scale; the minimums' term by `vpdpwssd` on the pair sums. Every
+    /// lane's integers are exactly the scalar `sumi` and `summ` of its token, and its two
+    /// accumulators take the scalar `accumulate`'s fused multiply-adds, so each lane has the
+    /// bits of [`super::dot_scalar`]. `q` is scratch for the unpacked row.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    #[inline]
+    unsafe fn row_lanes(w: &[BlockQ4K], l: &Lanes, q: &mut Vec<Unpacked>) -> [f32; 16] {
+        if q.len() < w.len() {
+            q.resize_with(w.len(), || Unpacked([0; 256]));
+        }
+        // SAFETY: this level's features are present.
+        unsafe { unpack_row(w, q) };
+        let (mut acc_d, mut acc_m) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        for (b, (x, q)) in w.iter().zip(q.iter()).enumerate() {
+            // SAFETY: AVX2 is present (implied by this level).
+            let (scales, mins) = unsafe { x86::scales_mins(x.head()) };
+            let mut sc = [0i32; 8];
+            // SAFETY: 8 i32.
+            unsafe {
+                _mm256_storeu_si256(
+                    sc.as_mut_ptr().cast(),
+                    _mm256_cvtepu16_epi32(_mm256_castsi256_si128(scales)),
+                )
+            };
+            let qs = &l.qs[64 * b..64 * b + 64];
+            let mut sumi = _mm512_setzero_si512();
+            for (j, &s) in sc.iter().enumerate() {
+                let mut t = _mm512_setzero_si512();
+                for k in 0..8 {
+                    // SAFETY: 4 bytes inside `q`; 64 bytes of one packed row.
+                    unsafe {
+                        let wq = std::ptr::read_unaligned(
+                            q.0.as_ptr().add(32 * j + 4 * k).cast::<i32>(),
+                        );
+                        let y = _mm512_loadu_si512(qs[8 * j + k].as_ptr().cast());
+                        // ≤ 4 · 15 · 127 per step, ≤ 32 · 15 · 127 per sub-block: exact.
+                        t = _mm512_dpbusd_epi32(t, _mm512_set1_epi32(wq), y);
+                    }
+                }
+                sumi = _mm512_add_epi32(sumi, _mm512_mullo_epi32(t, _mm512_set1_epi32(s)));
+            }
+            // (m_2i, m_2i+1) as the i16 pair of i32 lane i.
+            let mut m = [0i32; 4];
+            // SAFETY: 4 i32.
+            unsafe { _mm_storeu_si128(m.as_mut_ptr().cast(), mins) };
+            let mut summ = _mm512_setzero_si512();
+            for (i, &mi) in m.iter().enumerate() {
+                // SAFETY: 64 bytes of one packed row.
+                let p = unsafe { _mm512_loadu_si512(l.pairs[4 * b + i].as_ptr().cast()) };
+                summ = _mm512_dpwssd_epi32(summ, p, _mm512_set1_epi32(mi));
+            }
+            // SAFETY: F16C is present; 16 floats.
+            let (dd, d_a) = unsafe {
+                (
+                    x86::super_scales(x.d, x.dmin),
+                    _mm512_loadu_ps(l.d[b].as_ptr()),
+                )
+            };
+            let d = _mm512_broadcastss_ps(dd);
+            let dmin = _mm512_broadcastss_ps(_mm_movehdup_ps(dd));
+            acc_d = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi), _mm512_mul_ps(d, d_a), acc_d);
+            acc_m = _mm512_fmadd_ps(_mm512_cvtepi32_ps(summ), _mm512_mul_ps(dmin, d_a), acc_m);
+        }
+        let mut out = [0f32; 16];
+        // SAFETY: 16 floats.
+        unsafe { _mm512_storeu_ps(out.as_mut_ptr(), _mm512_sub_ps(acc_d, acc_m)) };
+        out
+    }
+
     /// `[Σ s0, Σ s1, Σ s2, Σ s3]` over each vector's 16 i32 lanes (exact).
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     #[inline]
     fn sum4_512(s: [__m512i; 4]) -> __m128i {
         // Per 128-bit lane: [s0, s1, s0, s1] partials, then [s0, s1, s2, s3].
-        let u0 = _mm512_add_epi32(_mm512_unpacklo_epi32(s[0], s[1]), _mm512_unpackhi_epi32(s[0], s[1]));
-        let u1 = _mm512_add_epi32(_mm512_unpacklo_epi32(s[2], s[3]), _mm512_unpackhi_epi32(s[2], s[3]));
+        let u0 = _mm512_add_epi32(
+            _mm512_unpacklo_epi32(s[0], s[1]),
+            _mm512_unpackhi_epi32(s[0], s[1]),
+        );
+        let u1 = _mm512_add_epi32(
+            _mm512_unpacklo_epi32(s[2], s[3]),
+            _mm512_unpackhi_epi32(s[2], s[3]),
+        );
         let v = _mm512_add_epi32(_mm512_unpacklo_epi64(u0, u1), _mm512_unpackhi_epi64(u0, u1));
         let y = _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v));
         _mm_add_epi32(_mm256_castsi256_si128(y), _mm256_extracti128_si256::<1>(y))
@@ -411,8 +566,14 @@ mod avx512 {
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     #[inline]
     fn sum4_256(s: [__m256i; 4]) -> __m128i {
-        let u0 = _mm256_add_epi32(_mm256_unpacklo_epi32(s[0], s[1]), _mm256_unpackhi_epi32(s[0], s[1]));
-        let u1 = _mm256_add_epi32(_mm256_unpacklo_epi32(s[2], s[3]), _mm256_unpackhi_epi32(s[2], s[3]));
+        let u0 = _mm256_add_epi32(
+            _mm256_unpacklo_epi32(s[0], s[1]),
+            _mm256_unpackhi_epi32(s[0], s[1]),
+        );
+        let u1 = _mm256_add_epi32(
+            _mm256_unpacklo_epi32(s[2], s[3]),
+            _mm256_unpackhi_epi32(s[2], s[3]),
+        );
         let v = _mm256_add_epi32(_mm256_unpacklo_epi64(u0, u1), _mm256_unpackhi_epi64(u0, u1));
         _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v))
     }
@@ -443,7 +604,8 @@ mod avx512 {
             for c in 0..4 {
                 // SAFETY: 32-byte load inside qs (128 bytes).
                 let q = unsafe { _mm256_loadu_si256(x.qs.as_ptr().add(32 * c).cast()) };
-                let both = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4));
+                let both =
+                    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4));
                 let qv = _mm512_and_si512(both, m4);
                 let scv = _mm512_permutexvar_epi16(idx[c], sc);
                 for (t, s) in sumi.iter_mut().enumerate() {

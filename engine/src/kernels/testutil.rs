@@ -8,7 +8,7 @@
 
 use super::format::{Activation, Format, FormatTable};
 use super::q8_0::{self, BlockQ8_0};
-use super::q8_k::{self, BlockQ8K, GROUP};
+use super::q8_k::{self, BlockQ8K, GROUP, WIDE};
 use super::{dequantize_row, dot_row, quantize_row, ActBuf, ActFormat, SimdLevel};
 use crate::gguf::GgmlType;
 use rand::{Rng, SeedableRng};
@@ -248,9 +248,6 @@ pub fn check_group_matches_single<F: Format>(expect_grouped: bool) {
         // Untrusted bytes: any scale, any level.
         bytes(0x6a0, quantized_bytes(F::TY, &values(70, n, 0.1)).len()),
     ];
-    let acts: Vec<ActBuf> = (0..GROUP as u64)
-        .map(|t| prepared(F::TY, &values(71 + t, n, 1.0)))
-        .collect();
     let t = table_of::<F>();
     assert_eq!(
         t.at(super::simd_level()).group.is_some(),
@@ -258,26 +255,30 @@ pub fn check_group_matches_single<F: Format>(expect_grouped: bool) {
         "{}",
         F::TY
     );
+    let acts: Vec<ActBuf> = (0..WIDE as u64)
+        .map(|t| prepared(F::TY, &values(71 + t, n, 1.0)))
+        .collect();
     for level in SimdLevel::available() {
-        let Some(g) = t.at(level).group else {
-            continue;
-        };
-        for w in &rows {
-            for width in 1..=GROUP {
-                let group: Vec<&ActBuf> = acts[..width].iter().collect();
-                let mut got = vec![[f32::NAN]; width];
-                let mut outs: Vec<&mut [f32]> = got.iter_mut().map(|o| &mut o[..]).collect();
-                // SAFETY: the level is available; `w` is one row.
-                unsafe { g(w, w.len(), 0..1, &group, &mut outs) };
-                for k in 0..width {
-                    let single = dot_row(t, level, w, &acts[k]);
-                    assert!(
-                        got[k][0].to_bits() == single.to_bits()
-                            || (got[k][0].is_nan() && single.is_nan()),
-                        "{} {level:?} width {width} t={k}: {} vs {single}",
-                        F::TY,
-                        got[k][0]
-                    );
+        let fns = t.at(level);
+        let kernels = [(fns.group, GROUP), (fns.wide, WIDE)];
+        for (g, max) in kernels.into_iter().filter_map(|(g, m)| g.map(|g| (g, m))) {
+            for w in &rows {
+                for width in 1..=max {
+                    let group: Vec<&ActBuf> = acts[..width].iter().collect();
+                    let mut got = vec![[f32::NAN]; width];
+                    let mut outs: Vec<&mut [f32]> = got.iter_mut().map(|o| &mut o[..]).collect();
+                    // SAFETY: the level is available; `w` is one row.
+                    unsafe { g(w, w.len(), 0..1, &group, &mut outs) };
+                    for k in 0..width {
+                        let single = dot_row(t, level, w, &acts[k]);
+                        assert!(
+                            got[k][0].to_bits() == single.to_bits()
+                                || (got[k][0].is_nan() && single.is_nan()),
+                            "{} {level:?} width {width} t={k}: {} vs {single}",
+                            F::TY,
+                            got[k][0]
+                        );
+                    }
                 }
             }
         }
@@ -353,18 +354,18 @@ pub fn print_group_speed<F: Format>() {
         .flat_map(|r| quantized_bytes(F::TY, &values(300 + r as u64, n_cols, 0.1)))
         .collect();
     let row_bytes = w.len() / n_rows;
-    let acts: Vec<ActBuf> = (0..GROUP as u64)
+    let acts: Vec<ActBuf> = (0..WIDE as u64)
         .map(|t| prepared(F::TY, &values(400 + t, n_cols, 1.0)))
         .collect();
     let t = table_of::<F>();
-    let mut out = vec![vec![0f32; n_rows]; GROUP];
+    let mut out = vec![vec![0f32; n_rows]; WIDE];
     for level in SimdLevel::available() {
         if level == SimdLevel::Scalar {
             continue;
         }
         let f = t.at(level);
         let mut line = format!("{} {:?} ({:?})", F::TY, level, f.level);
-        for width in 0..=GROUP {
+        for width in (0..=GROUP).chain([8, 12, 16]) {
             let mut best = f64::MAX;
             for _ in 0..7 {
                 let t0 = thread_cpu_s();
@@ -373,7 +374,7 @@ pub fn print_group_speed<F: Format>() {
                     unsafe {
                         if width == 0 {
                             (f.rows)(&w, row_bytes, 0..n_rows, &acts[0], &mut out[0]);
-                        } else if let Some(g) = f.group {
+                        } else if let Some(g) = if width > GROUP { f.wide } else { f.group } {
                             let group: Vec<&ActBuf> = acts[..width].iter().collect();
                             let mut outs: Vec<&mut [f32]> =
                                 out.iter_mut().take(width).map(|o| &mut o[..]).collect();
@@ -384,7 +385,14 @@ pub fn print_group_speed<F: Format>() {
                 best = best.min(thread_cpu_s() - t0);
             }
             let per = best * 1e9 / (20 * n_rows * nb * width.max(1)) as f64;
-            line += &format!("  {}: {per:.1} ns", if width == 0 { "single".to_string() } else { format!("x{width}") });
+            line += &format!(
+                "  {}: {per:.1} ns",
+                if width == 0 {
+                    "single".to_string()
+                } else {
+                    format!("x{width}")
+                }
+            );
         }
         println!("{line}");
     }
