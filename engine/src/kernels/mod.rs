@@ -68,9 +68,9 @@ use q8_0::Q8Act;
 use q8_k::{BlockQ8K, GROUP, WIDE};
 
 /// The fewest tokens worth a [`format::LevelFns::wide`] call: its lanes past the last token
-/// cost as much as real ones, so 8 tokens ran slower in it than as two groups of 4 (Q4_K, in
-/// L2: 5.1 against 4.6 ns per block and token; 12 tokens: 3.5 against 4.6).
-const WIDE_MIN: usize = 10;
+/// cost as much as real ones (Q4_K in L2, ns per block and token: 16 tokens 2.1, 12 tokens
+/// 2.7, 8 tokens 3.9, against 4.6 in groups of 4).
+const WIDE_MIN: usize = 8;
 
 format::registry! {
     F32 => fp32::F32 [Avx2];
@@ -1065,26 +1065,29 @@ mod tests {
             let n_rows = 131;
             let seed = 5000 + i as u64;
             let w = quantized_matrix(ty, n_rows, n_cols, seed);
-            let n_tokens = 5;
-            let acts: Vec<ActBuf> = (0..n_tokens)
-                .map(|t| {
-                    let mut a = ActBuf::new();
-                    a.prepare(ty, &values(seed * 7 + t, n_cols, 1.0)).unwrap();
-                    a
-                })
-                .collect();
-            let mut out = vec![f32::NAN; n_tokens as usize * n_rows];
-            matmul(&pool, ty, &w, n_rows, n_cols, &acts, &mut out).unwrap();
-            for (t, act) in acts.iter().enumerate() {
-                let mut one = vec![0f32; n_rows];
-                matvec(&pool, ty, &w, n_rows, n_cols, act, &mut one).unwrap();
-                let row = &out[t * n_rows..(t + 1) * n_rows];
-                assert!(
-                    row.iter()
-                        .zip(&one)
-                        .all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "{ty} token {t} seed={seed}"
-                );
+            // Groups of 4 and a leftover; lanes kernels of 16 and 13 tokens (with groups and
+            // a leftover after them).
+            for n_tokens in [5u64, 13, 21] {
+                let acts: Vec<ActBuf> = (0..n_tokens)
+                    .map(|t| {
+                        let mut a = ActBuf::new();
+                        a.prepare(ty, &values(seed * 7 + t, n_cols, 1.0)).unwrap();
+                        a
+                    })
+                    .collect();
+                let mut out = vec![f32::NAN; n_tokens as usize * n_rows];
+                matmul(&pool, ty, &w, n_rows, n_cols, &acts, &mut out).unwrap();
+                for (t, act) in acts.iter().enumerate() {
+                    let mut one = vec![0f32; n_rows];
+                    matvec(&pool, ty, &w, n_rows, n_cols, act, &mut one).unwrap();
+                    let row = &out[t * n_rows..(t + 1) * n_rows];
+                    assert!(
+                        row.iter()
+                            .zip(&one)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{ty} token {t} of {n_tokens} seed={seed}"
+                    );
+                }
             }
         }
     }

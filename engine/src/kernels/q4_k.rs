@@ -439,13 +439,33 @@ mod avx512 {
             let (lanes, q) = &mut *cell.borrow_mut();
             lanes.pack(&views, nb);
             let first = rows.start;
-            for r in rows {
-                let row: &[BlockQ4K] = blocks(&w[r * row_bytes..(r + 1) * row_bytes]);
+            let row =
+                |r: usize| -> &[BlockQ4K] { &blocks(&w[r * row_bytes..(r + 1) * row_bytes])[..nb] };
+            // Four rows at a time share each activation load (then two, then one).
+            let mut r = rows.start;
+            while r < rows.end {
+                let left = rows.end - r;
+                let mut v = [[0f32; 16]; 4];
                 // SAFETY: the caller's (this level's features are present).
-                let v = unsafe { row_lanes(&row[..nb], lanes, q) };
+                let n = unsafe {
+                    if left >= 4 {
+                        v = row_lanes::<4>([row(r), row(r + 1), row(r + 2), row(r + 3)], lanes, q);
+                        4
+                    } else if left >= 2 {
+                        let [a, b] = row_lanes::<2>([row(r), row(r + 1)], lanes, q);
+                        (v[0], v[1]) = (a, b);
+                        2
+                    } else {
+                        [v[0]] = row_lanes::<1>([row(r)], lanes, q);
+                        1
+                    }
+                };
                 for (k, o) in out.iter_mut().enumerate() {
-                    o[r - first] = v[k];
+                    for i in 0..n {
+                        o[r + i - first] = v[i][k];
+                    }
                 }
+                r += n;
             }
         });
     }
@@ -473,7 +493,7 @@ mod avx512 {
         }
     }
 
-    /// One row against the packed tokens: per sub-block of 32 values, eight `vpdpbusd` (4
+    /// `R` rows against the packed tokens (each activation load serves all `R`): per sub-block of 32 values, eight `vpdpbusd` (4
     /// weight bytes broadcast × each token's 4 activation bytes, summed into its lane), then
     /// times the sub-block's scale; the minimums' term by `vpdpwssd` on the pair sums. Every
     /// lane's integers are exactly the scalar `sumi` and `summ` of its token, and its two
@@ -481,66 +501,83 @@ mod avx512 {
     /// bits of [`super::dot_scalar`]. `q` is scratch for the unpacked row.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     #[inline]
-    unsafe fn row_lanes(w: &[BlockQ4K], l: &Lanes, q: &mut Vec<Unpacked>) -> [f32; 16] {
-        if q.len() < w.len() {
-            q.resize_with(w.len(), || Unpacked([0; 256]));
+    unsafe fn row_lanes<const R: usize>(
+        w: [&[BlockQ4K]; R],
+        l: &Lanes,
+        q: &mut Vec<Unpacked>,
+    ) -> [[f32; 16]; R] {
+        let nb = w[0].len();
+        if q.len() < R * nb {
+            q.resize_with(R * nb, || Unpacked([0; 256]));
         }
-        // SAFETY: this level's features are present.
-        unsafe { unpack_row(w, q) };
-        let (mut acc_d, mut acc_m) = (_mm512_setzero_ps(), _mm512_setzero_ps());
-        for (b, (x, q)) in w.iter().zip(q.iter()).enumerate() {
-            // SAFETY: AVX2 is present (implied by this level).
-            let (scales, mins) = unsafe { x86::scales_mins(x.head()) };
-            let mut sc = [0i32; 8];
-            // SAFETY: 8 i32.
-            unsafe {
-                _mm256_storeu_si256(
-                    sc.as_mut_ptr().cast(),
-                    _mm256_cvtepu16_epi32(_mm256_castsi256_si128(scales)),
-                )
-            };
+        for (r, w) in w.iter().enumerate() {
+            // SAFETY: this level's features are present.
+            unsafe { unpack_row(w, &mut q[r * nb..(r + 1) * nb]) };
+        }
+        let mut acc_d = [_mm512_setzero_ps(); R];
+        let mut acc_m = [_mm512_setzero_ps(); R];
+        for b in 0..nb {
+            let mut sc = [[0i32; 8]; R];
+            let mut m = [[0i32; 4]; R];
+            for r in 0..R {
+                // SAFETY: AVX2 is present (implied by this level); 8 and 4 i32 stores.
+                unsafe {
+                    let (scales, mins) = x86::scales_mins(w[r][b].head());
+                    _mm256_storeu_si256(
+                        sc[r].as_mut_ptr().cast(),
+                        _mm256_cvtepu16_epi32(_mm256_castsi256_si128(scales)),
+                    );
+                    // (m_2i, m_2i+1) as the i16 pair of i32 lane i.
+                    _mm_storeu_si128(m[r].as_mut_ptr().cast(), mins);
+                }
+            }
             let qs = &l.qs[64 * b..64 * b + 64];
-            let mut sumi = _mm512_setzero_si512();
-            for (j, &s) in sc.iter().enumerate() {
-                let mut t = _mm512_setzero_si512();
+            let mut sumi = [_mm512_setzero_si512(); R];
+            for j in 0..8 {
+                let mut t = [_mm512_setzero_si512(); R];
                 for k in 0..8 {
-                    // SAFETY: 4 bytes inside `q`; 64 bytes of one packed row.
+                    // SAFETY: 64 bytes of one packed row; 4 bytes inside row r's `q`.
                     unsafe {
-                        let wq = std::ptr::read_unaligned(
-                            q.0.as_ptr().add(32 * j + 4 * k).cast::<i32>(),
-                        );
                         let y = _mm512_loadu_si512(qs[8 * j + k].as_ptr().cast());
-                        // ≤ 4 · 15 · 127 per step, ≤ 32 · 15 · 127 per sub-block: exact.
-                        t = _mm512_dpbusd_epi32(t, _mm512_set1_epi32(wq), y);
+                        for r in 0..R {
+                            let wq = std::ptr::read_unaligned(
+                                q[r * nb + b].0.as_ptr().add(32 * j + 4 * k).cast::<i32>(),
+                            );
+                            // ≤ 4 · 15 · 127 per step, ≤ 32 · 15 · 127 per sub-block: exact.
+                            t[r] = _mm512_dpbusd_epi32(t[r], _mm512_set1_epi32(wq), y);
+                        }
                     }
                 }
-                sumi = _mm512_add_epi32(sumi, _mm512_mullo_epi32(t, _mm512_set1_epi32(s)));
+                for r in 0..R {
+                    let scaled = _mm512_mullo_epi32(t[r], _mm512_set1_epi32(sc[r][j]));
+                    sumi[r] = _mm512_add_epi32(sumi[r], scaled);
+                }
             }
-            // (m_2i, m_2i+1) as the i16 pair of i32 lane i.
-            let mut m = [0i32; 4];
-            // SAFETY: 4 i32.
-            unsafe { _mm_storeu_si128(m.as_mut_ptr().cast(), mins) };
-            let mut summ = _mm512_setzero_si512();
-            for (i, &mi) in m.iter().enumerate() {
-                // SAFETY: 64 bytes of one packed row.
-                let p = unsafe { _mm512_loadu_si512(l.pairs[4 * b + i].as_ptr().cast()) };
-                summ = _mm512_dpwssd_epi32(summ, p, _mm512_set1_epi32(mi));
+            // SAFETY: 16 floats.
+            let d_a = unsafe { _mm512_loadu_ps(l.d[b].as_ptr()) };
+            for r in 0..R {
+                let mut summ = _mm512_setzero_si512();
+                for (i, &mi) in m[r].iter().enumerate() {
+                    // SAFETY: 64 bytes of one packed row.
+                    let p = unsafe { _mm512_loadu_si512(l.pairs[4 * b + i].as_ptr().cast()) };
+                    summ = _mm512_dpwssd_epi32(summ, p, _mm512_set1_epi32(mi));
+                }
+                let x = &w[r][b];
+                // SAFETY: F16C is present.
+                let dd = unsafe { x86::super_scales(x.d, x.dmin) };
+                let d = _mm512_broadcastss_ps(dd);
+                let dmin = _mm512_broadcastss_ps(_mm_movehdup_ps(dd));
+                acc_d[r] =
+                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[r]), _mm512_mul_ps(d, d_a), acc_d[r]);
+                acc_m[r] =
+                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(summ), _mm512_mul_ps(dmin, d_a), acc_m[r]);
             }
-            // SAFETY: F16C is present; 16 floats.
-            let (dd, d_a) = unsafe {
-                (
-                    x86::super_scales(x.d, x.dmin),
-                    _mm512_loadu_ps(l.d[b].as_ptr()),
-                )
-            };
-            let d = _mm512_broadcastss_ps(dd);
-            let dmin = _mm512_broadcastss_ps(_mm_movehdup_ps(dd));
-            acc_d = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi), _mm512_mul_ps(d, d_a), acc_d);
-            acc_m = _mm512_fmadd_ps(_mm512_cvtepi32_ps(summ), _mm512_mul_ps(dmin, d_a), acc_m);
         }
-        let mut out = [0f32; 16];
-        // SAFETY: 16 floats.
-        unsafe { _mm512_storeu_ps(out.as_mut_ptr(), _mm512_sub_ps(acc_d, acc_m)) };
+        let mut out = [[0f32; 16]; R];
+        for r in 0..R {
+            // SAFETY: 16 floats.
+            unsafe { _mm512_storeu_ps(out[r].as_mut_ptr(), _mm512_sub_ps(acc_d[r], acc_m[r])) };
+        }
         out
     }
 

@@ -243,11 +243,19 @@ pub fn check_float_scalar_against_reference<F: Format>(act_rel: f64) {
 /// grouped kernel.
 pub fn check_group_matches_single<F: Format>(expect_grouped: bool) {
     let n = 5 * F::TY.block_size() as usize;
-    let rows: Vec<Vec<u8>> = vec![
-        quantized_bytes(F::TY, &values(70, n, 0.1)),
-        // Untrusted bytes: any scale, any level.
-        bytes(0x6a0, quantized_bytes(F::TY, &values(70, n, 0.1)).len()),
-    ];
+    // 7 rows (kernels taking 4, 2 and 1 rows at a time): quantized ones and untrusted bytes
+    // (any scale, any level).
+    let row_bytes = quantized_bytes(F::TY, &values(70, n, 0.1)).len();
+    let w: Vec<u8> = (0..7u64)
+        .flat_map(|r| {
+            if r % 2 == 0 {
+                quantized_bytes(F::TY, &values(70 + r, n, 0.1))
+            } else {
+                bytes(0x6a0 + r, row_bytes)
+            }
+        })
+        .collect();
+    let n_rows = 7;
     let t = table_of::<F>();
     assert_eq!(
         t.at(super::simd_level()).group.is_some(),
@@ -262,22 +270,25 @@ pub fn check_group_matches_single<F: Format>(expect_grouped: bool) {
         let fns = t.at(level);
         let kernels = [(fns.group, GROUP), (fns.wide, WIDE)];
         for (g, max) in kernels.into_iter().filter_map(|(g, m)| g.map(|g| (g, m))) {
-            for w in &rows {
-                for width in 1..=max {
+            for width in 1..=max {
+                for rows in [0..n_rows, 2..3, 1..4] {
                     let group: Vec<&ActBuf> = acts[..width].iter().collect();
-                    let mut got = vec![[f32::NAN]; width];
+                    let mut got = vec![vec![f32::NAN; rows.len()]; width];
                     let mut outs: Vec<&mut [f32]> = got.iter_mut().map(|o| &mut o[..]).collect();
-                    // SAFETY: the level is available; `w` is one row.
-                    unsafe { g(w, w.len(), 0..1, &group, &mut outs) };
+                    // SAFETY: the level is available; `rows` lie inside `w`.
+                    unsafe { g(&w, row_bytes, rows.clone(), &group, &mut outs) };
                     for k in 0..width {
-                        let single = dot_row(t, level, w, &acts[k]);
-                        assert!(
-                            got[k][0].to_bits() == single.to_bits()
-                                || (got[k][0].is_nan() && single.is_nan()),
-                            "{} {level:?} width {width} t={k}: {} vs {single}",
-                            F::TY,
-                            got[k][0]
-                        );
+                        for (i, r) in rows.clone().enumerate() {
+                            let row = &w[r * row_bytes..(r + 1) * row_bytes];
+                            let single = dot_row(t, level, row, &acts[k]);
+                            let v = got[k][i];
+                            assert!(
+                                v.to_bits() == single.to_bits() || (v.is_nan() && single.is_nan()),
+                                "{} {level:?} width {width} rows {rows:?} token {k} row {r}: \
+                                 {v} vs {single}",
+                                F::TY
+                            );
+                        }
                     }
                 }
             }
