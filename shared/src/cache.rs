@@ -389,7 +389,7 @@ impl ExpertCache {
             self.budget_bytes
         );
         #[cfg(debug_assertions)]
-        if self.counters.inserts % 1024 == 0 {
+        if self.counters.inserts.is_multiple_of(1024) {
             if let Err(e) = self.audit() {
                 panic!(
                     "cache audit failed after {} insertions: {e}",

@@ -82,6 +82,15 @@ impl Level for Avx2 {
     const LEVEL: SimdLevel = SimdLevel::Avx2;
 }
 
+/// x86-64 with AVX-512 (F, BW, VL) and AVX512-VNNI, on top of [`Avx2`]'s features. Formats
+/// without a kernel of their own at this level run their AVX2 one.
+#[cfg(target_arch = "x86_64")]
+pub(crate) struct Avx512;
+#[cfg(target_arch = "x86_64")]
+impl Level for Avx512 {
+    const LEVEL: SimdLevel = SimdLevel::Avx512;
+}
+
 /// Format `F`'s products at one SIMD level. Every method gives exactly the bits of
 /// [`Format::dot`] for each (row, activation) pair; the tests check it for every format and
 /// level.
@@ -109,12 +118,32 @@ pub(crate) trait Kernel<F: Format>: Level {
         }
     }
 
-    /// True when [`Kernel::dot_group`] is faster than [`GROUP`] single dots (it unpacks each
-    /// weight block once for all of them), so prefill should use it.
+    /// True when [`Kernel::dot_group`] is faster than single dots (it unpacks each weight
+    /// block once for all its activations), so prefill should use it.
     const GROUPED: bool = false;
 
-    /// One row against [`GROUP`] activations.
-    unsafe fn dot_group(w: &[F::Block], a: [&ActView<F>; GROUP]) -> [f32; GROUP] {
+    /// True when the level has [`Kernel::dot_wide`] (prefill's larger batches).
+    const WIDE: bool = false;
+
+    /// Rows `rows` of a matrix of `row_bytes`-byte rows against `1 <= a.len() <= WIDE`
+    /// activations (as [`GroupFn`]): a kernel that holds one token per vector lane. Only
+    /// called when [`Kernel::WIDE`] is true; this default gives single dots.
+    unsafe fn dot_wide(
+        w: &[u8],
+        row_bytes: usize,
+        rows: Range<usize>,
+        a: &[&ActBuf],
+        out: &mut [&mut [f32]],
+    ) {
+        for (act, o) in a.iter().zip(out.iter_mut()) {
+            // SAFETY: the caller's.
+            unsafe { Self::dot_rows(w, row_bytes, rows.clone(), F::Act::view(act), o) };
+        }
+    }
+
+    /// One row against `N` activations (`1 <= N <= GROUP`): prefill's groups of [`GROUP`]
+    /// tokens, and the 2 or 3 tokens left over after them.
+    unsafe fn dot_group<const N: usize>(w: &[F::Block], a: [&ActView<F>; N]) -> [f32; N] {
         // SAFETY: the caller's.
         a.map(|a| unsafe { Self::dot(w, a) })
     }
@@ -129,9 +158,9 @@ impl<F: Format> Kernel<F> for Scalar {
 /// [`Kernel::dot_rows`] over raw bytes.
 pub(crate) type RowsFn = unsafe fn(&[u8], usize, Range<usize>, &ActBuf, &mut [f32]);
 /// [`Kernel::dot_group`] over the rows of a matrix of raw bytes (as [`RowsFn`]): `out[k][i]`
-/// is row `rows.start + i` against activation `k`.
-pub(crate) type GroupFn =
-    unsafe fn(&[u8], usize, Range<usize>, [&ActBuf; GROUP], [&mut [f32]; GROUP]);
+/// is row `rows.start + i` against activation `k`, for `1 <= acts.len() == out.len() <=
+/// GROUP` activations.
+pub(crate) type GroupFn = unsafe fn(&[u8], usize, Range<usize>, &[&ActBuf], &mut [&mut [f32]]);
 
 /// One format's kernels at one level, as function pointers.
 #[derive(Copy, Clone)]
@@ -140,6 +169,9 @@ pub(crate) struct LevelFns {
     pub rows: RowsFn,
     /// `Some` when the level has a grouped kernel worth using ([`Kernel::GROUPED`]).
     pub group: Option<GroupFn>,
+    /// `Some` when the level has a tokens-in-lanes kernel ([`Kernel::WIDE`]) for up to
+    /// [`super::q8_k::WIDE`] activations.
+    pub wide: Option<GroupFn>,
 }
 
 unsafe fn rows_of<F: Format, L: Kernel<F>>(
@@ -157,15 +189,36 @@ unsafe fn group_of<F: Format, L: Kernel<F>>(
     w: &[u8],
     row_bytes: usize,
     rows: Range<usize>,
-    acts: [&ActBuf; GROUP],
-    mut out: [&mut [f32]; GROUP],
+    acts: &[&ActBuf],
+    out: &mut [&mut [f32]],
+) {
+    const { assert!(GROUP == 4) };
+    // SAFETY (every arm): the caller's.
+    unsafe {
+        match acts.len() {
+            1 => group_n::<F, L, 1>(w, row_bytes, rows, acts, out),
+            2 => group_n::<F, L, 2>(w, row_bytes, rows, acts, out),
+            3 => group_n::<F, L, 3>(w, row_bytes, rows, acts, out),
+            _ => group_n::<F, L, 4>(w, row_bytes, rows, acts, out),
+        }
+    }
+}
+
+/// [`group_of`] for `N` activations (`acts` and `out` have at least `N` entries).
+#[inline(always)]
+unsafe fn group_n<F: Format, L: Kernel<F>, const N: usize>(
+    w: &[u8],
+    row_bytes: usize,
+    rows: Range<usize>,
+    acts: &[&ActBuf],
+    out: &mut [&mut [f32]],
 ) {
     // The activations' views once for all rows.
-    let views = acts.map(F::Act::view);
+    let views: [&ActView<F>; N] = std::array::from_fn(|k| F::Act::view(acts[k]));
     let first = rows.start;
     for r in rows {
         // SAFETY: the caller's (the level is available; rows lie inside `w`).
-        let v = unsafe { L::dot_group(blocks(&w[r * row_bytes..(r + 1) * row_bytes]), views) };
+        let v = unsafe { L::dot_group::<N>(blocks(&w[r * row_bytes..(r + 1) * row_bytes]), views) };
         for (o, v) in out.iter_mut().zip(v) {
             o[r - first] = v;
         }
@@ -183,12 +236,13 @@ impl LevelFns {
             } else {
                 None
             },
+            wide: if L::WIDE { Some(L::dot_wide) } else { None },
         }
     }
 }
 
 /// How many [`SimdLevel`]s there are (the slots of a [`FormatTable`]).
-const N_LEVELS: usize = 2;
+const N_LEVELS: usize = 3;
 
 /// One format, type-erased: what the entry points call.
 pub(crate) struct FormatTable {
@@ -268,9 +322,16 @@ impl FormatTable {
     }
 }
 
-/// The levels of a registry line: `Avx2` (compiled on x86-64 only).
+/// The levels of a registry line: `Avx2`, `Avx512` (compiled on x86-64 only).
 macro_rules! with_levels {
     ($t:expr, $f:ty $(,)?) => { $t };
+    ($t:expr, $f:ty, Avx512 $(, $rest:ident)*) => {{
+        #[cfg(target_arch = "x86_64")]
+        let t = $t.with($crate::kernels::format::LevelFns::of::<$f, $crate::kernels::format::Avx512>());
+        #[cfg(not(target_arch = "x86_64"))]
+        let t = $t;
+        $crate::kernels::format::with_levels!(t, $f $(, $rest)*)
+    }};
     ($t:expr, $f:ty, Avx2 $(, $rest:ident)*) => {{
         #[cfg(target_arch = "x86_64")]
         let t = $t.with($crate::kernels::format::LevelFns::of::<$f, $crate::kernels::format::Avx2>());
@@ -343,12 +404,12 @@ macro_rules! kquant_format {
         /// The weights are unpacked once for all the group's activations.
         const GROUPED: bool = true;
 
-        unsafe fn dot_group(
+        unsafe fn dot_group<const N: usize>(
             w: &[$block],
-            a: [&[$crate::kernels::q8_k::BlockQ8K]; $crate::kernels::q8_k::GROUP],
-        ) -> [f32; $crate::kernels::q8_k::GROUP] {
+            a: [&[$crate::kernels::q8_k::BlockQ8K]; N],
+        ) -> [f32; N] {
             // SAFETY: the caller's.
-            unsafe { dot_n_avx2(w, a) }
+            unsafe { dot_n_avx2::<N>(w, a) }
         }
     };
 }

@@ -65,7 +65,12 @@ use std::ops::Range;
 use std::sync::OnceLock;
 
 use q8_0::Q8Act;
-use q8_k::{BlockQ8K, GROUP};
+use q8_k::{BlockQ8K, GROUP, WIDE};
+
+/// The fewest tokens worth a [`format::LevelFns::wide`] call: its lanes past the last token
+/// cost as much as real ones (Q4_K in L2, ns per block and token: 16 tokens 2.1, 12 tokens
+/// 2.7, 8 tokens 3.9, against 4.6 in groups of 4).
+const WIDE_MIN: usize = 8;
 
 format::registry! {
     F32 => fp32::F32 [Avx2];
@@ -80,7 +85,7 @@ format::registry! {
     MXFP4 => mxfp4::Mxfp4 [Avx2];
     Q2_K => q2_k::Q2K [Avx2];
     Q3_K => q3_k::Q3K [Avx2];
-    Q4_K => q4_k::Q4K [Avx2];
+    Q4_K => q4_k::Q4K [Avx2, Avx512];
     Q5_K => q5_k::Q5K [Avx2];
     Q6_K => q6_k::Q6K [Avx2];
     IQ4_XS => iq4_xs::Iq4Xs [Avx2];
@@ -130,15 +135,18 @@ pub enum KernelError {
 
 /// The instruction-set level the kernels run at, detected once per process.
 ///
-/// There is no AVX-512 level: on the machine this was tuned on (AMD Zen 4, whose 512-bit units
-/// are double-pumped 256-bit ones) a 512-bit Q4_K kernel with VNNI measured no faster than the
-/// AVX2 one (17.8 vs 18.1 GB/s in L2), so it was not kept.
+/// `BMOE_SIMD=scalar|avx2|avx512` caps it (to compare levels with one binary; a level the CPU
+/// lacks is never used).
 #[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum SimdLevel {
     /// Portable Rust; the reference every other level matches bit for bit.
     Scalar,
     /// x86-64 AVX2 + FMA + F16C.
     Avx2,
+    /// AVX2's features plus AVX-512 F/BW/VL and AVX512-VNNI (`vpdpwssd`): the K-quant kernels
+    /// that measured faster with 512-bit vectors (Intel Sapphire Rapids); every other format
+    /// runs its AVX2 kernel at this level.
+    Avx512,
 }
 
 impl SimdLevel {
@@ -147,13 +155,14 @@ impl SimdLevel {
         match self {
             SimdLevel::Scalar => "scalar",
             SimdLevel::Avx2 => "avx2",
+            SimdLevel::Avx512 => "avx512",
         }
     }
 
     /// Every level this CPU can run, lowest first (always starts with `Scalar`).
     pub fn available() -> Vec<SimdLevel> {
         let top = simd_level();
-        [SimdLevel::Scalar, SimdLevel::Avx2]
+        [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512]
             .into_iter()
             .filter(|l| *l <= top)
             .collect()
@@ -167,12 +176,28 @@ pub fn simd_level() -> SimdLevel {
 }
 
 fn detect_level() -> SimdLevel {
+    let cap = match std::env::var("BMOE_SIMD").as_deref() {
+        Ok("scalar") => SimdLevel::Scalar,
+        Ok("avx2") => SimdLevel::Avx2,
+        _ => SimdLevel::Avx512,
+    };
+    cpu_level().min(cap)
+}
+
+fn cpu_level() -> SimdLevel {
     #[cfg(target_arch = "x86_64")]
     {
         if is_x86_feature_detected!("avx2")
             && is_x86_feature_detected!("fma")
             && is_x86_feature_detected!("f16c")
         {
+            if is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vl")
+                && is_x86_feature_detected!("avx512vnni")
+            {
+                return SimdLevel::Avx512;
+            }
             return SimdLevel::Avx2;
         }
     }
@@ -892,16 +917,45 @@ unsafe fn product_task<A: Borrow<ActBuf>>(p: &Planned<'_, A>, rows: Range<usize>
     let (acts, n_rows, w, f, row_bytes, out) = (p.acts, p.n_rows, p.w, &p.f, p.row_bytes, p.out);
     let (start, len) = (rows.start, rows.len());
     let mut t = 0;
-    // Groups of tokens through a kernel that unpacks each weight block once for all.
-    if let Some(group) = f.group {
-        while t + GROUP <= acts.len() {
-            let group_acts: [&ActBuf; GROUP] = std::array::from_fn(|k| acts[t + k].borrow());
-            // SAFETY: the caller's; token t + k's rows lie inside `out` (t + k < acts.len()).
+    // Batches of up to WIDE tokens, one per vector lane, while at least WIDE_MIN are left.
+    if let Some(wide) = f.wide {
+        while acts.len() - t >= WIDE_MIN {
+            let n = (acts.len() - t).min(WIDE);
+            let batch: [&ActBuf; WIDE] = std::array::from_fn(|k| acts[t + k.min(n - 1)].borrow());
+            // SAFETY: as for the groups below.
             unsafe {
-                let outs = std::array::from_fn(|k| out.slice((t + k) * n_rows + start, len));
-                group(w, row_bytes, rows.clone(), group_acts, outs);
+                let mut outs: [&mut [f32]; WIDE] = std::array::from_fn(|k| {
+                    if k < n {
+                        out.slice((t + k) * n_rows + start, len)
+                    } else {
+                        &mut []
+                    }
+                });
+                wide(w, row_bytes, rows.clone(), &batch[..n], &mut outs[..n]);
             }
-            t += GROUP;
+            t += n;
+        }
+    }
+    // Groups of up to GROUP tokens (the last one narrower) through a kernel that unpacks each
+    // weight block once for all; a lone token left over takes the one-token kernel.
+    if let Some(group) = f.group {
+        while acts.len() - t >= 2 {
+            let n = (acts.len() - t).min(GROUP);
+            let group_acts: [&ActBuf; GROUP] =
+                std::array::from_fn(|k| acts[t + k.min(n - 1)].borrow());
+            // SAFETY: the caller's; token t + k's rows lie inside `out` (t + k < acts.len()),
+            // and the n slices are disjoint (one per token).
+            unsafe {
+                let mut outs: [&mut [f32]; GROUP] = std::array::from_fn(|k| {
+                    if k < n {
+                        out.slice((t + k) * n_rows + start, len)
+                    } else {
+                        &mut []
+                    }
+                });
+                group(w, row_bytes, rows.clone(), &group_acts[..n], &mut outs[..n]);
+            }
+            t += n;
         }
     }
     for (t, act) in acts.iter().enumerate().skip(t) {
@@ -1011,26 +1065,29 @@ mod tests {
             let n_rows = 131;
             let seed = 5000 + i as u64;
             let w = quantized_matrix(ty, n_rows, n_cols, seed);
-            let n_tokens = 5;
-            let acts: Vec<ActBuf> = (0..n_tokens)
-                .map(|t| {
-                    let mut a = ActBuf::new();
-                    a.prepare(ty, &values(seed * 7 + t, n_cols, 1.0)).unwrap();
-                    a
-                })
-                .collect();
-            let mut out = vec![f32::NAN; n_tokens as usize * n_rows];
-            matmul(&pool, ty, &w, n_rows, n_cols, &acts, &mut out).unwrap();
-            for (t, act) in acts.iter().enumerate() {
-                let mut one = vec![0f32; n_rows];
-                matvec(&pool, ty, &w, n_rows, n_cols, act, &mut one).unwrap();
-                let row = &out[t * n_rows..(t + 1) * n_rows];
-                assert!(
-                    row.iter()
-                        .zip(&one)
-                        .all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "{ty} token {t} seed={seed}"
-                );
+            // Groups of 4 and a leftover; lanes kernels of 16 and 13 tokens (with groups and
+            // a leftover after them).
+            for n_tokens in [5u64, 13, 21] {
+                let acts: Vec<ActBuf> = (0..n_tokens)
+                    .map(|t| {
+                        let mut a = ActBuf::new();
+                        a.prepare(ty, &values(seed * 7 + t, n_cols, 1.0)).unwrap();
+                        a
+                    })
+                    .collect();
+                let mut out = vec![f32::NAN; n_tokens as usize * n_rows];
+                matmul(&pool, ty, &w, n_rows, n_cols, &acts, &mut out).unwrap();
+                for (t, act) in acts.iter().enumerate() {
+                    let mut one = vec![0f32; n_rows];
+                    matvec(&pool, ty, &w, n_rows, n_cols, act, &mut one).unwrap();
+                    let row = &out[t * n_rows..(t + 1) * n_rows];
+                    assert!(
+                        row.iter()
+                            .zip(&one)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{ty} token {t} of {n_tokens} seed={seed}"
+                    );
+                }
             }
         }
     }

@@ -283,7 +283,7 @@ unsafe fn block_sums<const N: usize>(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn dot_n_avx2(w: &[BlockQ4K], a: [&[BlockQ8K]; GROUP]) -> [f32; GROUP] {
+unsafe fn dot_4_avx2(w: &[BlockQ4K], a: [&[BlockQ8K]; GROUP]) -> [f32; GROUP] {
     use std::arch::x86_64::*;
     const { assert!(GROUP == 4) };
     let n = a.iter().fold(w.len(), |n, a| n.min(a.len()));
@@ -321,6 +321,21 @@ unsafe fn dot_n_avx2(w: &[BlockQ4K], a: [&[BlockQ8K]; GROUP]) -> [f32; GROUP] {
     out
 }
 
+/// The AVX2 grouped dot for `N` activations: [`dot_4_avx2`] for a whole group, else single
+/// dots (the 2 or 3 tokens left over after the groups: `dot_each_avx2` for 2 or 3 measured no
+/// faster than single dots, 5.8–9.5 against 7.6 ns per block and token in L2).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn dot_n_avx2<const N: usize>(w: &[BlockQ4K], a: [&[BlockQ8K]; N]) -> [f32; N] {
+    if N == GROUP {
+        let r = unsafe { dot_4_avx2(w, std::array::from_fn(|k| a[k])) };
+        std::array::from_fn(|k| r[k])
+    } else {
+        a.map(|a| unsafe { dot_avx2(w, a) })
+    }
+}
+
 /// `N` dots of one row at once: per chunk the nibbles and scales are prepared once and
 /// multiplied into each activation's own exact integer sum; each activation then gets its own
 /// float steps, the same for any `N`, so the bits never depend on the grouping.
@@ -340,6 +355,342 @@ unsafe fn dot_each_avx2<const N: usize>(w: &[BlockQ4K], a: [&[BlockQ8K]; N]) -> 
         }
     }
     acc.map(|acc| _mm_cvtss_f32(_mm_sub_ss(acc, _mm_movehdup_ps(acc))))
+}
+
+#[cfg(target_arch = "x86_64")]
+impl super::format::Kernel<Q4K> for super::format::Avx512 {
+    /// AVX2's: one token's 512-bit kernel measured slower (its per-block reduction of 16
+    /// lanes outweighs the wider multiplies).
+    unsafe fn dot(w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
+        // SAFETY: the caller's (the AVX-512 level includes AVX2's features).
+        unsafe { dot_avx2(w, a) }
+    }
+
+    const GROUPED: bool = true;
+
+    const WIDE: bool = true;
+
+    unsafe fn dot_wide(
+        w: &[u8],
+        row_bytes: usize,
+        rows: std::ops::Range<usize>,
+        a: &[&super::ActBuf],
+        out: &mut [&mut [f32]],
+    ) {
+        // SAFETY: the caller's.
+        unsafe { avx512::dot_wide(w, row_bytes, rows, a, out) }
+    }
+
+    unsafe fn dot_group<const N: usize>(w: &[BlockQ4K], a: [&[BlockQ8K]; N]) -> [f32; N] {
+        // SAFETY: the caller's.
+        unsafe { avx512::dot_n::<N>(w, a) }
+    }
+}
+
+/// The AVX-512 level: 64 values per instruction, and `vpdpwssd` (AVX512-VNNI) applying a
+/// sub-block's scale and adding into the sum in one step where AVX2 takes two.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::super::format::Activation;
+    use super::super::q8_k::{ActQ8K, Lanes};
+    use super::super::{blocks, ActBuf};
+    use super::{x86, BlockQ4K, BlockQ8K};
+    use std::arch::x86_64::*;
+
+    /// `vpermw` indices: chunk `c`'s scales as 32 i16, sub-block `2c`'s in the low 256 bits
+    /// (the chunk's low nibbles) and `2c + 1`'s in the high 256 bits (its high nibbles).
+    const SCALE_IDX: [[u16; 32]; 4] = {
+        let mut m = [[0u16; 32]; 4];
+        let mut c = 0;
+        while c < 4 {
+            let mut i = 0;
+            while i < 32 {
+                m[c][i] = (2 * c + i / 16) as u16;
+                i += 1;
+            }
+            c += 1;
+        }
+        m
+    };
+
+    thread_local! {
+        /// The packed tokens and the unpacked row of the current call.
+        static LANES: std::cell::RefCell<(Lanes, Vec<Unpacked>)> =
+            std::cell::RefCell::new((Lanes::default(), Vec::new()));
+    }
+
+    /// A row's nibbles unpacked to one byte per value, in value order.
+    #[repr(C, align(64))]
+    struct Unpacked([u8; 256]);
+
+    /// Rows `rows` against up to 16 activations, one per i32 lane ([`Lanes`], packed once per
+    /// call and reused by every row).
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub unsafe fn dot_wide(
+        w: &[u8],
+        row_bytes: usize,
+        rows: std::ops::Range<usize>,
+        a: &[&ActBuf],
+        out: &mut [&mut [f32]],
+    ) {
+        let nb = row_bytes / std::mem::size_of::<BlockQ4K>();
+        let views: Vec<&[BlockQ8K]> = a.iter().map(|a| ActQ8K::view(a)).collect();
+        let nb = views.iter().fold(nb, |n, v| n.min(v.len()));
+        LANES.with(|cell| {
+            let (lanes, q) = &mut *cell.borrow_mut();
+            lanes.pack(&views, nb);
+            let first = rows.start;
+            let row =
+                |r: usize| -> &[BlockQ4K] { &blocks(&w[r * row_bytes..(r + 1) * row_bytes])[..nb] };
+            // Four rows at a time share each activation load (then two, then one).
+            let mut r = rows.start;
+            while r < rows.end {
+                let left = rows.end - r;
+                let mut v = [[0f32; 16]; 4];
+                // SAFETY: the caller's (this level's features are present).
+                let n = unsafe {
+                    if left >= 4 {
+                        v = row_lanes::<4>([row(r), row(r + 1), row(r + 2), row(r + 3)], lanes, q);
+                        4
+                    } else if left >= 2 {
+                        let [a, b] = row_lanes::<2>([row(r), row(r + 1)], lanes, q);
+                        (v[0], v[1]) = (a, b);
+                        2
+                    } else {
+                        [v[0]] = row_lanes::<1>([row(r)], lanes, q);
+                        1
+                    }
+                };
+                for (k, o) in out.iter_mut().enumerate() {
+                    for i in 0..n {
+                        o[r + i - first] = v[i][k];
+                    }
+                }
+                r += n;
+            }
+        });
+    }
+
+    /// Each block's nibbles of `w` as one byte per value, in value order, into `q`. Not
+    /// inlined on purpose: the main loop must read these bytes from memory (a broadcast load
+    /// costs a load port), not have the compiler forward them through vector shuffles.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    #[inline(never)]
+    unsafe fn unpack_row(w: &[BlockQ4K], q: &mut [Unpacked]) {
+        let m4 = _mm512_set1_epi8(0x0F);
+        for (x, q) in w.iter().zip(q.iter_mut()) {
+            for c in 0..4 {
+                // SAFETY: 32-byte load inside qs; 64-byte aligned store inside `q`.
+                unsafe {
+                    let v = _mm256_loadu_si256(x.qs.as_ptr().add(32 * c).cast());
+                    let both =
+                        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4));
+                    _mm512_store_si512(
+                        q.0.as_mut_ptr().add(64 * c).cast(),
+                        _mm512_and_si512(both, m4),
+                    );
+                }
+            }
+        }
+    }
+
+    /// `R` rows against the packed tokens (each activation load serves all `R`): per sub-block of 32 values, eight `vpdpbusd` (4
+    /// weight bytes broadcast × each token's 4 activation bytes, summed into its lane), then
+    /// times the sub-block's scale; the minimums' term by `vpdpwssd` on the pair sums. Every
+    /// lane's integers are exactly the scalar `sumi` and `summ` of its token, and its two
+    /// accumulators take the scalar `accumulate`'s fused multiply-adds, so each lane has the
+    /// bits of [`super::dot_scalar`]. `q` is scratch for the unpacked row.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    #[inline]
+    unsafe fn row_lanes<const R: usize>(
+        w: [&[BlockQ4K]; R],
+        l: &Lanes,
+        q: &mut Vec<Unpacked>,
+    ) -> [[f32; 16]; R] {
+        let nb = w[0].len();
+        if q.len() < R * nb {
+            q.resize_with(R * nb, || Unpacked([0; 256]));
+        }
+        for (r, w) in w.iter().enumerate() {
+            // SAFETY: this level's features are present.
+            unsafe { unpack_row(w, &mut q[r * nb..(r + 1) * nb]) };
+        }
+        let mut acc_d = [_mm512_setzero_ps(); R];
+        let mut acc_m = [_mm512_setzero_ps(); R];
+        for b in 0..nb {
+            let mut sc = [[0i32; 8]; R];
+            let mut m = [[0i32; 4]; R];
+            for r in 0..R {
+                // SAFETY: AVX2 is present (implied by this level); 8 and 4 i32 stores.
+                unsafe {
+                    let (scales, mins) = x86::scales_mins(w[r][b].head());
+                    _mm256_storeu_si256(
+                        sc[r].as_mut_ptr().cast(),
+                        _mm256_cvtepu16_epi32(_mm256_castsi256_si128(scales)),
+                    );
+                    // (m_2i, m_2i+1) as the i16 pair of i32 lane i.
+                    _mm_storeu_si128(m[r].as_mut_ptr().cast(), mins);
+                }
+            }
+            let qs = &l.qs[64 * b..64 * b + 64];
+            let mut sumi = [_mm512_setzero_si512(); R];
+            for j in 0..8 {
+                let mut t = [_mm512_setzero_si512(); R];
+                for k in 0..8 {
+                    // SAFETY: 64 bytes of one packed row; 4 bytes inside row r's `q`.
+                    unsafe {
+                        let y = _mm512_loadu_si512(qs[8 * j + k].as_ptr().cast());
+                        for r in 0..R {
+                            let wq = std::ptr::read_unaligned(
+                                q[r * nb + b].0.as_ptr().add(32 * j + 4 * k).cast::<i32>(),
+                            );
+                            // ≤ 4 · 15 · 127 per step, ≤ 32 · 15 · 127 per sub-block: exact.
+                            t[r] = _mm512_dpbusd_epi32(t[r], _mm512_set1_epi32(wq), y);
+                        }
+                    }
+                }
+                for r in 0..R {
+                    let scaled = _mm512_mullo_epi32(t[r], _mm512_set1_epi32(sc[r][j]));
+                    sumi[r] = _mm512_add_epi32(sumi[r], scaled);
+                }
+            }
+            // SAFETY: 16 floats.
+            let d_a = unsafe { _mm512_loadu_ps(l.d[b].as_ptr()) };
+            for r in 0..R {
+                let mut summ = _mm512_setzero_si512();
+                for (i, &mi) in m[r].iter().enumerate() {
+                    // SAFETY: 64 bytes of one packed row.
+                    let p = unsafe { _mm512_loadu_si512(l.pairs[4 * b + i].as_ptr().cast()) };
+                    summ = _mm512_dpwssd_epi32(summ, p, _mm512_set1_epi32(mi));
+                }
+                let x = &w[r][b];
+                // SAFETY: F16C is present.
+                let dd = unsafe { x86::super_scales(x.d, x.dmin) };
+                let d = _mm512_broadcastss_ps(dd);
+                let dmin = _mm512_broadcastss_ps(_mm_movehdup_ps(dd));
+                acc_d[r] =
+                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[r]), _mm512_mul_ps(d, d_a), acc_d[r]);
+                acc_m[r] =
+                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(summ), _mm512_mul_ps(dmin, d_a), acc_m[r]);
+            }
+        }
+        let mut out = [[0f32; 16]; R];
+        for r in 0..R {
+            // SAFETY: 16 floats.
+            unsafe { _mm512_storeu_ps(out[r].as_mut_ptr(), _mm512_sub_ps(acc_d[r], acc_m[r])) };
+        }
+        out
+    }
+
+    /// `[Σ s0, Σ s1, Σ s2, Σ s3]` over each vector's 16 i32 lanes (exact).
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    #[inline]
+    fn sum4_512(s: [__m512i; 4]) -> __m128i {
+        // Per 128-bit lane: [s0, s1, s0, s1] partials, then [s0, s1, s2, s3].
+        let u0 = _mm512_add_epi32(
+            _mm512_unpacklo_epi32(s[0], s[1]),
+            _mm512_unpackhi_epi32(s[0], s[1]),
+        );
+        let u1 = _mm512_add_epi32(
+            _mm512_unpacklo_epi32(s[2], s[3]),
+            _mm512_unpackhi_epi32(s[2], s[3]),
+        );
+        let v = _mm512_add_epi32(_mm512_unpacklo_epi64(u0, u1), _mm512_unpackhi_epi64(u0, u1));
+        let y = _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v));
+        _mm_add_epi32(_mm256_castsi256_si128(y), _mm256_extracti128_si256::<1>(y))
+    }
+
+    /// `[Σ s0, Σ s1, Σ s2, Σ s3]` over each vector's 8 i32 lanes (exact).
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    #[inline]
+    fn sum4_256(s: [__m256i; 4]) -> __m128i {
+        let u0 = _mm256_add_epi32(
+            _mm256_unpacklo_epi32(s[0], s[1]),
+            _mm256_unpackhi_epi32(s[0], s[1]),
+        );
+        let u1 = _mm256_add_epi32(
+            _mm256_unpacklo_epi32(s[2], s[3]),
+            _mm256_unpackhi_epi32(s[2], s[3]),
+        );
+        let v = _mm256_add_epi32(_mm256_unpacklo_epi64(u0, u1), _mm256_unpackhi_epi64(u0, u1));
+        _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v))
+    }
+
+    /// One row against `N` activations (`N <= 8`). Per super-block: each 32-byte chunk of
+    /// nibbles becomes one 64-value vector (low nibbles, then high: the chunk's 64 values in
+    /// order, matching 64 consecutive activation bytes), and each activation's exact sum takes
+    /// one `vpmaddubsw` and one `vpdpwssd` (times the two sub-blocks' scales) per chunk. The
+    /// sums and minimums' terms of up to 4 activations are then reduced together, and every
+    /// activation's two accumulators stepped with one fused multiply-add each: the scalar
+    /// `accumulate` on the same exact integers, so the bits of [`super::dot_scalar`].
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    #[inline]
+    pub unsafe fn dot_n<const N: usize>(w: &[BlockQ4K], a: [&[BlockQ8K]; N]) -> [f32; N] {
+        const { assert!(N >= 1 && N <= 8) };
+        let n = a.iter().fold(w.len(), |n, a| n.min(a.len()));
+        let m4 = _mm512_set1_epi8(0x0F);
+        // SAFETY: 64-byte loads of the 32 i16 of each index row.
+        let idx: [__m512i; 4] =
+            std::array::from_fn(|c| unsafe { _mm512_loadu_si512(SCALE_IDX[c].as_ptr().cast()) });
+        let mut acc_d = [_mm_setzero_ps(); 2];
+        let mut acc_m = [_mm_setzero_ps(); 2];
+        for (i, x) in w[..n].iter().enumerate() {
+            // SAFETY: AVX2 is present (implied by this level).
+            let (scales, mins) = unsafe { x86::scales_mins(x.head()) };
+            let sc = _mm512_castsi256_si512(scales);
+            let mut sumi = [_mm512_setzero_si512(); N];
+            for c in 0..4 {
+                // SAFETY: 32-byte load inside qs (128 bytes).
+                let q = unsafe { _mm256_loadu_si256(x.qs.as_ptr().add(32 * c).cast()) };
+                let both =
+                    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4));
+                let qv = _mm512_and_si512(both, m4);
+                let scv = _mm512_permutexvar_epi16(idx[c], sc);
+                for (t, s) in sumi.iter_mut().enumerate() {
+                    // SAFETY: 64-byte load inside qs (256 bytes).
+                    let y = unsafe { _mm512_loadu_si512(a[t][i].qs.as_ptr().add(64 * c).cast()) };
+                    // ≤ 2 · 15 · 127 per i16 lane: no saturation; then · scale ≤ 63, exact.
+                    *s = _mm512_dpwssd_epi32(*s, _mm512_maddubs_epi16(qv, y), scv);
+                }
+            }
+            // Each i32 lane j: m_j in both halves, so that `vpmaddwd` with the bsums gives
+            // m_j · (bsum_2j + bsum_2j+1).
+            let m32 = _mm256_cvtepu16_epi32(mins);
+            let mins2 = _mm256_or_si256(m32, _mm256_slli_epi32::<16>(m32));
+            // SAFETY: F16C is present.
+            let dd = unsafe { x86::super_scales(x.d, x.dmin) };
+            let dsc = _mm_shuffle_ps::<0b00_00_00_00>(dd, dd);
+            let msc = _mm_shuffle_ps::<0b01_01_01_01>(dd, dd);
+            for g in 0..N.div_ceil(4) {
+                let tok = |k: usize| (4 * g + k < N).then(|| &a[4 * g + k][i]);
+                let sumi4 = sum4_512(std::array::from_fn(|k| {
+                    if 4 * g + k < N {
+                        sumi[4 * g + k]
+                    } else {
+                        _mm512_setzero_si512()
+                    }
+                }));
+                let summ4 = sum4_256(std::array::from_fn(|k| match tok(k) {
+                    // SAFETY: 16 i16 = 32 bytes. Pair sums ≤ 2 · 16 · 127 fit, times ≤ 63.
+                    Some(y) => _mm256_madd_epi16(
+                        unsafe { _mm256_loadu_si256(y.bsums.as_ptr().cast()) },
+                        mins2,
+                    ),
+                    None => _mm256_setzero_si256(),
+                }));
+                let d = |k: usize| tok(k).map_or(0.0, |y| y.d);
+                let d_a = _mm_setr_ps(d(0), d(1), d(2), d(3));
+                acc_d[g] = _mm_fmadd_ps(_mm_cvtepi32_ps(sumi4), _mm_mul_ps(dsc, d_a), acc_d[g]);
+                acc_m[g] = _mm_fmadd_ps(_mm_cvtepi32_ps(summ4), _mm_mul_ps(msc, d_a), acc_m[g]);
+            }
+        }
+        let mut out = [[0f32; 4]; 2];
+        for g in 0..N.div_ceil(4) {
+            // SAFETY: 4 floats.
+            unsafe { _mm_storeu_ps(out[g].as_mut_ptr(), _mm_sub_ps(acc_d[g], acc_m[g])) };
+        }
+        std::array::from_fn(|t| out[t / 4][t % 4])
+    }
 }
 
 /// AVX2 pieces shared by Q4_K and Q5_K.
@@ -468,6 +819,13 @@ mod tests {
     #[test]
     fn simd_matches_scalar_bits() {
         check_simd_matches_scalar::<Q4K>(&[(1, 1), (2, 3), (3, 16)], 50);
+    }
+
+    /// ns per (super-block, token) at each level and group width (`--ignored --nocapture`).
+    #[test]
+    #[ignore]
+    fn group_speed() {
+        print_group_speed::<Q4K>();
     }
 
     #[test]

@@ -289,6 +289,13 @@ mod tests {
         check_simd_matches_scalar::<Q6K>(&[(1, 1), (2, 3), (3, 16)], 50);
     }
 
+    /// ns per (super-block, token) at each level and group width (`--ignored --nocapture`).
+    #[test]
+    #[ignore]
+    fn group_speed() {
+        print_group_speed::<Q6K>();
+    }
+
     #[test]
     fn group_dot_matches_single_dots_bits() {
         check_group_matches_single::<Q6K>(true);

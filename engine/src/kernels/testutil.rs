@@ -8,7 +8,7 @@
 
 use super::format::{Activation, Format, FormatTable};
 use super::q8_0::{self, BlockQ8_0};
-use super::q8_k::{self, BlockQ8K, GROUP};
+use super::q8_k::{self, BlockQ8K, GROUP, WIDE};
 use super::{dequantize_row, dot_row, quantize_row, ActBuf, ActFormat, SimdLevel};
 use crate::gguf::GgmlType;
 use rand::{Rng, SeedableRng};
@@ -238,15 +238,24 @@ pub fn check_float_scalar_against_reference<F: Format>(act_rel: f64) {
     );
 }
 
-/// Every level's grouped dot gives, for each of its [`GROUP`] activations, exactly the bits
-/// of the single dot; `expect_grouped` says whether the best level has a grouped kernel.
+/// Every level's grouped dot gives, for each of its activations (1 to [`GROUP`] of them),
+/// exactly the bits of the single dot; `expect_grouped` says whether the best level has a
+/// grouped kernel.
 pub fn check_group_matches_single<F: Format>(expect_grouped: bool) {
     let n = 5 * F::TY.block_size() as usize;
-    let w = quantized_bytes(F::TY, &values(70, n, 0.1));
-    let acts: Vec<ActBuf> = (0..GROUP as u64)
-        .map(|t| prepared(F::TY, &values(71 + t, n, 1.0)))
+    // 7 rows (kernels taking 4, 2 and 1 rows at a time): quantized ones and untrusted bytes
+    // (any scale, any level).
+    let row_bytes = quantized_bytes(F::TY, &values(70, n, 0.1)).len();
+    let w: Vec<u8> = (0..7u64)
+        .flat_map(|r| {
+            if r % 2 == 0 {
+                quantized_bytes(F::TY, &values(70 + r, n, 0.1))
+            } else {
+                bytes(0x6a0 + r, row_bytes)
+            }
+        })
         .collect();
-    let group: [&ActBuf; GROUP] = std::array::from_fn(|t| &acts[t]);
+    let n_rows = 7;
     let t = table_of::<F>();
     assert_eq!(
         t.at(super::simd_level()).group.is_some(),
@@ -254,22 +263,35 @@ pub fn check_group_matches_single<F: Format>(expect_grouped: bool) {
         "{}",
         F::TY
     );
+    let acts: Vec<ActBuf> = (0..WIDE as u64)
+        .map(|t| prepared(F::TY, &values(71 + t, n, 1.0)))
+        .collect();
     for level in SimdLevel::available() {
-        let Some(g) = t.at(level).group else {
-            continue;
-        };
-        let mut got = [[f32::NAN]; GROUP];
-        let [o0, o1, o2, o3] = &mut got;
-        // SAFETY: the level is available; `w` is one row.
-        unsafe { g(&w, w.len(), 0..1, group, [o0, o1, o2, o3]) };
-        let got = got.map(|o| o[0]);
-        for k in 0..GROUP {
-            assert_eq!(
-                got[k].to_bits(),
-                dot_row(t, level, &w, &acts[k]).to_bits(),
-                "{} {level:?} t={k}",
-                F::TY
-            );
+        let fns = t.at(level);
+        let kernels = [(fns.group, GROUP), (fns.wide, WIDE)];
+        for (g, max) in kernels.into_iter().filter_map(|(g, m)| g.map(|g| (g, m))) {
+            for width in 1..=max {
+                for rows in [0..n_rows, 2..3, 1..4] {
+                    let group: Vec<&ActBuf> = acts[..width].iter().collect();
+                    let mut got = vec![vec![f32::NAN; rows.len()]; width];
+                    let mut outs: Vec<&mut [f32]> = got.iter_mut().map(|o| &mut o[..]).collect();
+                    // SAFETY: the level is available; `rows` lie inside `w`.
+                    unsafe { g(&w, row_bytes, rows.clone(), &group, &mut outs) };
+                    for k in 0..width {
+                        for (i, r) in rows.clone().enumerate() {
+                            let row = &w[r * row_bytes..(r + 1) * row_bytes];
+                            let single = dot_row(t, level, row, &acts[k]);
+                            let v = got[k][i];
+                            assert!(
+                                v.to_bits() == single.to_bits() || (v.is_nan() && single.is_nan()),
+                                "{} {level:?} width {width} rows {rows:?} token {k} row {r}: \
+                                 {v} vs {single}",
+                                F::TY
+                            );
+                        }
+                    }
+                }
+            }
         }
     }
 }
@@ -321,4 +343,69 @@ pub fn llama_rows(b: &[u8]) -> Vec<LlamaRow> {
             LlamaRow { row, act, expected }
         })
         .collect()
+}
+
+/// CPU time of the calling thread (robust to being descheduled on a shared machine), seconds.
+pub fn thread_cpu_s() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid out-pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+}
+
+/// Tuning aid: nanoseconds of thread CPU time per (super-block, token) of `F`'s grouped and
+/// single dots at every level, on a 128-row × 2048-column matrix in L2 (best of 7 passes).
+pub fn print_group_speed<F: Format>() {
+    let (n_rows, n_cols) = (128usize, 2048usize);
+    let nb = n_cols / F::TY.block_size() as usize;
+    let w: Vec<u8> = (0..n_rows)
+        .flat_map(|r| quantized_bytes(F::TY, &values(300 + r as u64, n_cols, 0.1)))
+        .collect();
+    let row_bytes = w.len() / n_rows;
+    let acts: Vec<ActBuf> = (0..WIDE as u64)
+        .map(|t| prepared(F::TY, &values(400 + t, n_cols, 1.0)))
+        .collect();
+    let t = table_of::<F>();
+    let mut out = vec![vec![0f32; n_rows]; WIDE];
+    for level in SimdLevel::available() {
+        if level == SimdLevel::Scalar {
+            continue;
+        }
+        let f = t.at(level);
+        let mut line = format!("{} {:?} ({:?})", F::TY, level, f.level);
+        for width in (0..=GROUP).chain([8, 12, 16]) {
+            let mut best = f64::MAX;
+            for _ in 0..7 {
+                let t0 = thread_cpu_s();
+                for _ in 0..20 {
+                    // SAFETY: the level is available; rows lie inside `w`.
+                    unsafe {
+                        if width == 0 {
+                            (f.rows)(&w, row_bytes, 0..n_rows, &acts[0], &mut out[0]);
+                        } else if let Some(g) = if width > GROUP { f.wide } else { f.group } {
+                            let group: Vec<&ActBuf> = acts[..width].iter().collect();
+                            let mut outs: Vec<&mut [f32]> =
+                                out.iter_mut().take(width).map(|o| &mut o[..]).collect();
+                            g(&w, row_bytes, 0..n_rows, &group, &mut outs);
+                        }
+                    }
+                }
+                best = best.min(thread_cpu_s() - t0);
+            }
+            let per = best * 1e9 / (20 * n_rows * nb * width.max(1)) as f64;
+            line += &format!(
+                "  {}: {per:.1} ns",
+                if width == 0 {
+                    "single".to_string()
+                } else {
+                    format!("x{width}")
+                }
+            );
+        }
+        println!("{line}");
+    }
+    std::hint::black_box(&out);
 }
