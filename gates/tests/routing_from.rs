@@ -103,19 +103,18 @@ fn engine_equals_replay(trace_rel: &str, key: &str, gen: &[&str], n_tokens: u64)
         .expect("a # summary line");
     assert!(text.contains(&format!("routing_from={}", s(&trace))));
 
-    let (code, out, err) = sim(&[
-        "replay",
-        "--trace",
-        &s(&trace),
-        "--layout-from",
-        &s(&route),
+    // The engine's streaming settings, for every replay of its trace below.
+    let stream = [
         "--moe-stream",
         "--cache-mb",
         "20",
         "--force-cache",
         "--read-split",
         "lanes",
-    ]);
+    ];
+    let (t, r) = (s(&trace), s(&route));
+    let (code, out, err) =
+        sim(&[&["replay", "--trace", &t, "--layout-from", &r][..], &stream].concat());
     assert_eq!(code, 0, "{err}");
     let line = out
         .lines()
@@ -167,20 +166,18 @@ fn engine_equals_replay(trace_rel: &str, key: &str, gen: &[&str], n_tokens: u64)
     assert!(!layer_lines(&route).is_empty());
     assert_eq!(layer_lines(&layout), layer_lines(&route));
     let (code, whatif, err) = sim(&[
-        "whatif",
-        "--trace",
-        &s(&trace),
-        "--model",
-        &s(&layout),
-        "--device",
-        "origin-12gb-phone",
-        "--moe-stream",
-        "--cache-mb",
-        "20",
-        "--force-cache",
-        "--read-split",
-        "lanes",
-    ]);
+        &[
+            "whatif",
+            "--trace",
+            &t,
+            "--model",
+            &s(&layout),
+            "--device",
+            "origin-12gb-phone",
+        ][..],
+        &stream,
+    ]
+    .concat());
     assert_eq!(code, 0, "{err}");
     assert!(whatif.contains("whatif: mapping   none"), "{whatif}");
     let report: Vec<&str> = whatif

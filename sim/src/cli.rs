@@ -405,14 +405,19 @@ where
     }
 }
 
+/// Read and parse a route trace, naming the file in errors.
+fn read_trace(path: &Path) -> Result<RouteTrace, SimError> {
+    let text = std::fs::read_to_string(path).map_err(|e| SimError::io(path, e))?;
+    RouteTrace::parse(&text).map_err(|source| SimError::Parse {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
 /// Read and check a route trace. A trace with a preamble and no rows is refused: replaying
 /// it would report a run of 0 tokens as a success.
 pub fn load_trace(path: &Path) -> Result<RouteTrace, SimError> {
-    let text = std::fs::read_to_string(path).map_err(|e| SimError::io(path, e))?;
-    let trace = RouteTrace::parse(&text).map_err(|source| SimError::Parse {
-        path: path.to_path_buf(),
-        source,
-    })?;
+    let trace = read_trace(path)?;
     if trace.cells.is_empty() {
         return Err(SimError::invalid(
             format!("route trace {}", path.display()),
@@ -425,12 +430,7 @@ pub fn load_trace(path: &Path) -> Result<RouteTrace, SimError> {
 /// Read the layout of a model: a route trace of it (its `# layer=` lines), with or without
 /// rows — `bmoe-cli inspect MODEL --layout-out` writes one with none.
 pub fn load_layout(path: &Path) -> Result<RoutePreamble, SimError> {
-    let text = std::fs::read_to_string(path).map_err(|e| SimError::io(path, e))?;
-    let trace = RouteTrace::parse(&text).map_err(|source| SimError::Parse {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    Ok(trace.preamble)
+    Ok(read_trace(path)?.preamble)
 }
 
 /// How `prepare` prices a trace's experts.
