@@ -794,7 +794,7 @@ mod tests {
         let (stream, telemetry) = crate::cli::default_flags().expect("flags");
         let prepared = crate::cli::prepare(
             &trace_path,
-            None,
+            crate::cli::Reprice::Own,
             Some("this-machine"),
             None,
             &stream,
@@ -863,7 +863,7 @@ mod tests {
         stream.io_threads = Some(4);
         let prepared = crate::cli::prepare(
             &trace_path,
-            None,
+            crate::cli::Reprice::Own,
             Some("this-machine"),
             None,
             &stream,

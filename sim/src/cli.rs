@@ -528,38 +528,13 @@ fn refuse_unmodelled(cfg: &RunConfig) -> Result<(), SimError> {
     Ok(())
 }
 
-/// Resolve a run configuration for `trace` the way `bmoe-cli` resolves one for a model:
-/// flags (with their environment fallbacks) into a `RunConfig`, `validate()`, the model facts
-/// from the trace preamble, `validate_model()`, the cache cycle and the budget (`auto` from
+/// Resolve a run configuration for `trace` (its experts priced as `how` says) the way
+/// `bmoe-cli` resolves one for a model: flags (with their environment fallbacks) into a
+/// `RunConfig`, `validate()`, the model facts from the trace preamble, `validate_model()`, the cache cycle and the budget (`auto` from
 /// the profile's `mem_available_mib`). The simulator always streams: `--moe-stream` is
 /// implied.
 #[allow(clippy::too_many_arguments)]
 pub fn prepare(
-    trace_path: &Path,
-    layout_from: Option<&Path>,
-    profile_spec: Option<&str>,
-    jitter: Option<f32>,
-    stream: &StreamArgs,
-    telemetry: &TelemetryArgs,
-    seed: u64,
-    env: &[(String, String)],
-) -> Result<Prepared, SimError> {
-    let how = layout_from.map_or(Reprice::Own, Reprice::Layout);
-    prepare_priced(
-        trace_path,
-        how,
-        profile_spec,
-        jitter,
-        stream,
-        telemetry,
-        seed,
-        env,
-    )
-}
-
-/// `prepare`, with the trace's experts priced as `how` says.
-#[allow(clippy::too_many_arguments)]
-pub fn prepare_priced(
     trace_path: &Path,
     how: Reprice<'_>,
     profile_spec: Option<&str>,
@@ -834,7 +809,7 @@ fn run_replay(
     err: &mut dyn Write,
 ) -> Result<i32, SimError> {
     check_replay_outputs(&a.trace, &a.telemetry)?;
-    let p = prepare_priced(
+    let p = prepare(
         &a.trace,
         how,
         a.profile.as_deref(),
@@ -969,7 +944,7 @@ fn cmd_sweep(a: SweepArgs, env: &[(String, String)], out: &mut dyn Write) -> Res
     let (stream, telemetry) = default_flags()?;
     let p = prepare(
         &a.trace,
-        None,
+        Reprice::Own,
         a.profile.as_deref(),
         a.jitter,
         &stream,
@@ -1142,7 +1117,7 @@ fn cmd_bench(a: BenchArgs, out: &mut dyn Write) -> Result<i32, SimError> {
     let (stream, telemetry) = default_flags()?;
     let p = prepare(
         &a.trace,
-        None,
+        Reprice::Own,
         a.profile.as_deref(),
         None,
         &stream,
@@ -1419,7 +1394,7 @@ fn cmd_calibrate(a: CalibrateArgs, out: &mut dyn Write) -> Result<i32, SimError>
             let (stream, telemetry) = default_flags()?;
             Some(prepare(
                 t,
-                None,
+                Reprice::Own,
                 Some(&a.base),
                 None,
                 &stream,
