@@ -430,6 +430,39 @@ impl Streamer {
         }
     }
 
+    /// Start a wave (or the window): the first one pins the layer's hits, then as many misses
+    /// as fit beside them are admitted, and the first one queues the adopted reads (issued
+    /// before anything of this layer). Returns where the wave's misses start in `wave`.
+    fn start_wave<C: Clock, F: Flash, B: Backend>(
+        &mut self,
+        io: &mut LayerIo<'_, C, F, B>,
+        layer: LayerId,
+        next_miss: &mut usize,
+        expert_bytes: u64,
+        first: bool,
+    ) -> Result<usize, StepError> {
+        self.wave.clear();
+        self.unpinned = 0;
+        if first {
+            for (i, en) in self.entries.iter().enumerate() {
+                if en.hit {
+                    self.wave.push(i as u32);
+                }
+            }
+        }
+        let misses_start = self.wave.len();
+        self.admit_misses(io, layer, next_miss)?;
+        if self.wave.is_empty() {
+            return Err(Self::no_room(io, layer.moe, expert_bytes));
+        }
+        self.inflight.clear();
+        self.oldest = 0;
+        if first {
+            self.push_adopted();
+        }
+        Ok(misses_start)
+    }
+
     /// Serial: admission waves. Each wave pins what it can (the hits and as many misses as fit
     /// beside them), reads all of its misses, then computes; a union wider than the budget
     /// (a wide prefill batch on a small cache) takes more than one wave.
@@ -443,25 +476,8 @@ impl Streamer {
         let moe = layer.moe;
         let mut first_wave = true;
         loop {
-            self.wave.clear();
-            self.unpinned = 0;
-            if first_wave {
-                for (i, en) in self.entries.iter().enumerate() {
-                    if en.hit {
-                        self.wave.push(i as u32);
-                    }
-                }
-            }
-            let wave_misses_start = self.wave.len();
-            self.admit_misses(io, layer, next_miss)?;
-            if self.wave.is_empty() {
-                return Err(Self::no_room(io, moe, expert_bytes));
-            }
-            self.inflight.clear();
-            self.oldest = 0;
-            if first_wave {
-                self.push_adopted();
-            }
+            let wave_misses_start =
+                self.start_wave(io, layer, next_miss, expert_bytes, first_wave)?;
             let t = io.clock.now();
             self.submit_reads(io, moe, wave_misses_start, 0);
             self.issue_prefetch(io, moe, first_wave)?;
@@ -498,21 +514,7 @@ impl Streamer {
         expert_bytes: u64,
     ) -> Result<(), StepError> {
         let moe = layer.moe;
-        self.wave.clear();
-        self.unpinned = 0;
-        for (i, en) in self.entries.iter().enumerate() {
-            if en.hit {
-                self.wave.push(i as u32);
-            }
-        }
-        let misses_start = self.wave.len();
-        self.admit_misses(io, layer, next_miss)?;
-        if self.wave.is_empty() {
-            return Err(Self::no_room(io, moe, expert_bytes));
-        }
-        self.inflight.clear();
-        self.oldest = 0;
-        self.push_adopted();
+        let misses_start = self.start_wave(io, layer, next_miss, expert_bytes, true)?;
         self.submit_reads(io, moe, misses_start, 0);
         self.issue_prefetch(io, moe, true)?;
         let mut slid = false;
