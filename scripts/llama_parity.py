@@ -33,6 +33,8 @@ def plain_kernels(llama_cpp):
     parameters from `llama_model_default_params()`, so that is where the flag is set."""
     import llama_cpp.llama as high_level
 
+    if getattr(high_level.llama_cpp.llama_model_default_params, "bmoe_plain", False):
+        return  # already set (a batch loads many models)
     default = llama_cpp.llama_model_default_params
 
     def params():
@@ -40,6 +42,7 @@ def plain_kernels(llama_cpp):
         p.use_extra_bufts = False
         return p
 
+    params.bmoe_plain = True
     high_level.llama_cpp.llama_model_default_params = params
 
 
