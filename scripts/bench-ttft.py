@@ -24,12 +24,7 @@ import statistics
 import subprocess
 import tempfile
 
-from benchlib import in_cgroup, set_limit
-
-
-def trailer(path):
-    line = [l for l in open(path) if l.startswith("# summary")][-1]
-    return dict(x.split("=", 1) for x in line.split() if "=" in x)
+from benchlib import csv_summary, in_cgroup, set_limit
 
 
 def bmoe(bin_, model, prompt, t, flags, capped):
@@ -43,7 +38,7 @@ def bmoe(bin_, model, prompt, t, flags, capped):
         if r.returncode != 0:
             print(f"bmoe-cli {' '.join(flags)} failed (exit {r.returncode}): {r.stderr.strip()[-400:]}")
             return None
-        kv = trailer(f.name)
+        kv = csv_summary(f.name)
     return {k: float(kv[k]) for k in ("n_prompt", "prefill_s", "load_s", "prefill_cpu_s",
                                       "prefill_read_mib", "prefill_io_s", "prefill_stall_s")}
 
