@@ -69,8 +69,9 @@ def read_trace(path):
     return n_expert, [b for _, b in layers], cells
 
 
-def access_groups(n_layers, cells):
-    """Groups of (layer_pos, expert), in the order the engine looks them up."""
+def access_groups(n_layers, cells, tags=None):
+    """Groups of (layer_pos, expert), in the order the engine looks them up. When `tags` is a
+    list, (turn, phase, step) of each group is appended to it (prefill: step None)."""
     groups = []
     by_turn = {}
     for (turn, phase, step, layer), slots in cells.items():
@@ -88,14 +89,19 @@ def access_groups(n_layers, cells):
                         if (layer, e) not in union:
                             union.append((layer, e))
                 groups.append(union)
+                if tags is not None:
+                    tags.append((turn, 0, None))
         for step in sorted(phases.get(1, {})):
             for layer in range(n_layers):
                 ids = phases[1][step][layer]
                 groups.append([(layer, e) for e in dict.fromkeys(ids)])
+                if tags is not None:
+                    tags.append((turn, 1, step))
     return groups
 
 
-def simulate(groups, expert_bytes, n_expert, budget, policy):
+def simulate(groups, expert_bytes, n_expert, budget, policy, on_misses=None):
+    """Count one policy over `groups`; `on_misses(g, misses)` sees each group's misses."""
     size = lambda k: expert_bytes[k[0]]
     index = lambda k: k[0] * n_expert + k[1]
     nxt = []
@@ -127,6 +133,8 @@ def simulate(groups, expert_bytes, n_expert, budget, policy):
                 if k in held:
                     c["rereads"] += 1
                 misses.append(k)
+        if on_misses is not None:
+            on_misses(g, misses)
         for k in misses:
             if sum(size(p) for p in pinned) + size(k) > budget:
                 if not pinned:

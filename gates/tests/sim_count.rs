@@ -454,3 +454,120 @@ fn new_policies_counts_agree_with_the_independent_python_count() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The reordering study (`bmoe-sim sweep --placements`) on the first 10 turns of the DeepSeek
+/// capture, at 6 and 12 experts per layer under LRU: misses and flash requests of every
+/// placement (separate reads, the file's order merged, the co-activation placement fitted on
+/// one half and on the other) equal the independent count of `scripts/reorder-check.py`, which
+/// re-implements the placement and the merging from their written rules over sim-check.py's
+/// cache.
+#[test]
+fn deepseek_placement_counts_agree_with_the_independent_python_count() {
+    let Some(trace_path) = shared_path("traces/deepseek-v2-lite-puffin.route.csv") else {
+        return;
+    };
+    let Some(py) = python3() else {
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("bmoe-reorder-gate-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("scratch");
+    let text = std::fs::read_to_string(&trace_path).expect("trace");
+    let ten: String = text
+        .lines()
+        .filter(|l| {
+            l.starts_with('#')
+                || l.starts_with("turn,")
+                || l.split(',').next().and_then(|t| t.parse::<u32>().ok()) < Some(10)
+        })
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let trace = dir.join("ds10.csv");
+    std::fs::write(&trace, ten).expect("slice");
+    let out = Command::new(py)
+        .arg(project_root().join("scripts/reorder-check.py"))
+        .arg(&trace)
+        .args(["--experts-per-layer", "6,12"])
+        .output()
+        .expect("run reorder-check.py");
+    assert!(
+        out.status.success(),
+        "reorder-check.py: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let field = |line: &str, key: &str| -> String {
+        let at = line.find(&format!("\"{key}\": ")).expect(key) + key.len() + 4;
+        line[at..]
+            .split([',', '}'])
+            .next()
+            .expect("value")
+            .trim_matches('"')
+            .to_string()
+    };
+    let want: Vec<(u64, String, u64, u64)> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| {
+            (
+                field(l, "budget_bytes").parse().expect("budget"),
+                field(l, "placement"),
+                field(l, "misses").parse().expect("misses"),
+                field(l, "requests").parse().expect("requests"),
+            )
+        })
+        .collect();
+    assert_eq!(want.len(), 8, "two budgets x four placements");
+
+    let sweep = dir.join("sweep");
+    let argv: Vec<String> = [
+        "bmoe-sim",
+        "sweep",
+        "--trace",
+        trace.to_str().expect("utf-8"),
+        "--experts-per-layer",
+        "6,12",
+        "--policies",
+        "lru",
+        "--lanes",
+        "1",
+        "--overlap",
+        "off",
+        "--bootstrap",
+        "0",
+        "--placements",
+        "separate,file,coact,coact-in-sample",
+        "--out",
+        sweep.to_str().expect("utf-8"),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let (mut o, mut e) = (Vec::new(), Vec::new());
+    let code = bmoe_sim::cli::run(argv, &[], &mut o, &mut e);
+    assert_eq!(code, 0, "sweep: {}", String::from_utf8_lossy(&e));
+    let layout = layout_from_preamble(&bmoe_sim::cli::load_trace(&trace).expect("trace").preamble)
+        .expect("layout");
+    let per_layer = u64::from(layout.n_moe_layers()) * layout.max_expert_bytes();
+    let csv = std::fs::read_to_string(sweep.join("placement.csv")).expect("placement.csv");
+    let mut lines = csv.lines();
+    let head: Vec<&str> = lines.next().expect("header").split(',').collect();
+    let col = |name: &str| head.iter().position(|h| *h == name).expect(name);
+    let got: Vec<(u64, String, u64, u64)> = lines
+        .map(|l| {
+            let f: Vec<&str> = l.split(',').collect();
+            let per: f64 = f[col("experts_per_layer")].parse().expect("experts");
+            (
+                per.round() as u64 * per_layer,
+                f[col("placement")].to_string(),
+                f[col("misses")].parse().expect("misses"),
+                f[col("requests")].parse().expect("requests"),
+            )
+        })
+        .collect();
+    assert_eq!(got, want, "bmoe-sim sweep --placements vs reorder-check.py");
+    let (sep, coact) = (&got[0], &got[2]);
+    assert!(
+        coact.3 < sep.3,
+        "the fitted placement merges something on a real capture: {got:?}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

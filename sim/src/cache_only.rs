@@ -34,6 +34,20 @@ pub fn run(
     k: u16,
     policy: Box<dyn EvictionPolicy>,
 ) -> Result<CacheOnlyResult, SimError> {
+    run_observed(layout, seq, budget_bytes, k, policy, &mut |_, _| {})
+}
+
+/// `run`, calling `on_misses(g, misses)` for every group `g` with the experts it missed (in
+/// lookup order; also when the group missed nothing) before they are admitted: the reads the
+/// streamer would issue for that (step, layer).
+pub fn run_observed(
+    layout: &ExpertLayout,
+    seq: &AccessSeq,
+    budget_bytes: u64,
+    k: u16,
+    policy: Box<dyn EvictionPolicy>,
+    on_misses: &mut dyn FnMut(usize, &[ExpertKey]),
+) -> Result<CacheOnlyResult, SimError> {
     let mut cache = ExpertCache::new(layout, budget_bytes, k, policy)?;
     let mut misses: Vec<ExpertKey> = Vec::new();
     let mut wave: Vec<ExpertKey> = Vec::new();
@@ -41,7 +55,7 @@ pub fn run(
     let mut miss_bytes = 0u64;
     let off = cache.is_off();
     let mut start = 0usize;
-    for &end in &seq.group_end {
+    for (g, &end) in seq.group_end.iter().enumerate() {
         let group = &seq.keys[start..end as usize];
         start = end as usize;
         misses.clear();
@@ -55,6 +69,7 @@ pub fn run(
                 }
             }
         }
+        on_misses(g, &misses);
         if off {
             continue;
         }

@@ -10,7 +10,7 @@
 //! comparison outside its tolerances; 2 a usage error (clap's code for a bad flag or value).
 
 use crate::error::SimError;
-use crate::plan::{layout_from_preamble, ReplayPlan};
+use crate::plan::{layout_from_preamble, AccessSeq, ReplayPlan};
 use crate::predictions::{self, PredictorReplay, RecordedPredictions};
 use crate::profile::{DeviceProfile, DEFAULT_PROFILE};
 use crate::replay::{self, ReplayOutputs, ReplaySetup};
@@ -245,6 +245,11 @@ pub struct SweepArgs {
     /// Override the profile's flash and compute jitter, in [0, 1)
     #[arg(long, value_name = "F", value_parser = parse_decimal_strict)]
     pub jitter: Option<f32>,
+    /// Price the trace's experts with another file's layout (`bmoe-cli inspect MODEL
+    /// --layout-out L.csv`, or a run's route trace): its MoE layers and experts per layer must
+    /// match the trace's (as `replay --layout-from`)
+    #[arg(long, value_name = "PATH")]
+    pub layout_from: Option<PathBuf>,
     /// Budgets as experts per MoE layer (N x layers x expert bytes) [default: top-k up to the
     /// whole layer]
     #[arg(long, value_name = "N,...", value_delimiter = ',', value_parser = parse_u32_strict)]
@@ -287,6 +292,14 @@ pub struct SweepArgs {
     /// least 10 turns)
     #[arg(long, value_name = "N", default_value_t = 1000, value_parser = parse_u32_strict)]
     pub bootstrap: u32,
+    /// The reordering study: for every budget and core policy, the decode read requests per
+    /// token under each placement of the experts in the file — separate (one request per
+    /// missed expert and projection, as the streamer reads today), file (the file's order,
+    /// adjacent misses merged), coact (a co-activation placement fitted on the trace's first
+    /// half, counted on its second), coact-in-sample (fitted on the counted half); writes
+    /// placement.csv and placement.md (docs/simulator.md, "Reordering study")
+    #[arg(long, value_name = "NAME,...", value_delimiter = ',')]
+    pub placements: Vec<String>,
 }
 
 /// Flags of `bmoe-sim bench`.
@@ -944,7 +957,9 @@ fn cmd_sweep(a: SweepArgs, env: &[(String, String)], out: &mut dyn Write) -> Res
     let (stream, telemetry) = default_flags()?;
     let p = prepare(
         &a.trace,
-        Reprice::Own,
+        a.layout_from
+            .as_deref()
+            .map_or(Reprice::Own, Reprice::Layout),
         a.profile.as_deref(),
         a.jitter,
         &stream,
@@ -991,6 +1006,11 @@ fn cmd_sweep(a: SweepArgs, env: &[(String, String)], out: &mut dyn Write) -> Res
         .predictors
         .iter()
         .map(|name| sweep::Predictor::parse(name))
+        .collect::<Result<Vec<_>, _>>()?;
+    let placements = a
+        .placements
+        .iter()
+        .map(|name| crate::reorder::Placement::parse(name))
         .collect::<Result<Vec<_>, _>>()?;
     // Each predictor replays its own routing (route-ahead from pred<N> commits it), checked
     // against what the trace recorded before any cell runs.
@@ -1060,7 +1080,7 @@ fn cmd_sweep(a: SweepArgs, env: &[(String, String)], out: &mut dyn Write) -> Res
         |n| n.to_string_lossy().into_owned(),
     );
     let x = sweep::report::XAxis::parse(&a.x).unwrap_or(sweep::report::XAxis::Mib);
-    let written = sweep::write_outputs(
+    let mut written = sweep::write_outputs(
         &a.out,
         &rows,
         &p.layout_layer_ids(),
@@ -1069,6 +1089,17 @@ fn cmd_sweep(a: SweepArgs, env: &[(String, String)], out: &mut dyn Write) -> Res
         a.seed,
         &name,
     )?;
+    if !placements.is_empty() {
+        written.extend(placement_study(
+            &p,
+            &a,
+            &budgets,
+            &policies,
+            &placements,
+            &name,
+            out,
+        )?);
+    }
     writeln!(
         out,
         "{:>10} {:>6} {:>10} {:>16} {:>5} {:>7} {:>8} {:>8} {:>10}",
@@ -1111,8 +1142,63 @@ fn cmd_sweep(a: SweepArgs, env: &[(String, String)], out: &mut dyn Write) -> Res
     Ok(0)
 }
 
+/// `sweep --placements`: the reordering study over the sweep's budgets and core policies
+/// (Belady is left out: its clairvoyance is over the file order's demand sequence, which a
+/// placement does not change, but it is an analysis policy, not one a reader would run).
+fn placement_study(
+    p: &Prepared,
+    a: &SweepArgs,
+    budgets: &[u64],
+    policies: &[String],
+    placements: &[crate::reorder::Placement],
+    trace_name: &str,
+    out: &mut dyn Write,
+) -> Result<Vec<String>, SimError> {
+    use crate::reorder;
+    let k = u16::try_from(p.cfg.n_expert_used).unwrap_or(0);
+    let trace_k = u16::try_from(p.trace.preamble.n_expert_used).unwrap_or(0);
+    let seq = AccessSeq::new(&p.trace, &p.plan, if k < trace_k { k } else { 0 });
+    let core: Vec<String> = policies
+        .iter()
+        .filter(|n| *n != crate::sweep::BELADY)
+        .cloned()
+        .collect();
+    let (rows, rule) = reorder::study(
+        &reorder::StudyInput {
+            layout: &p.layout,
+            plan: &p.plan,
+            seq: &seq,
+            k,
+            flash: &p.profile.flash,
+            o_direct: p.cfg.o_direct,
+        },
+        budgets,
+        &core,
+        placements,
+        &|name| {
+            bmoe_core::policy::by_name(name)
+                .ok_or_else(|| SimError::invalid("--policies", format!("no policy named {name}")))
+        },
+        a.jobs as usize,
+    )?;
+    let per_layer_expert = crate::sweep::bytes_per_layer_expert(&p.layout);
+    let write = |file: &str, text: &str| -> Result<String, SimError> {
+        let path = a.out.join(file);
+        std::fs::write(&path, text).map_err(|e| SimError::io(&path, e))?;
+        Ok(file.to_string())
+    };
+    let names = vec![
+        write("placement.csv", &reorder::csv(&rows, per_layer_expert))?,
+        write(
+            "placement.md",
+            &reorder::markdown(&rows, per_layer_expert, trace_name, &rule, &p.profile.name),
+        )?,
+    ];
+    writeln!(out, "sweep: placements {rule}").map_err(|e| SimError::io("stdout", e))?;
+    Ok(names)
+}
+
 fn cmd_bench(a: BenchArgs, out: &mut dyn Write) -> Result<i32, SimError> {
-    use crate::plan::AccessSeq;
     use std::time::Instant;
     let (stream, telemetry) = default_flags()?;
     let p = prepare(

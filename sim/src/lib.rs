@@ -23,6 +23,7 @@ pub mod fuzz;
 pub mod plan;
 pub mod predictions;
 pub mod profile;
+pub mod reorder;
 pub mod replay;
 pub mod stats;
 pub mod svg;
