@@ -75,31 +75,44 @@ fn read_csv(path: &Path, budget_mib: &str) -> BTreeMap<(String, String), (f64, f
         .collect()
 }
 
-#[test]
-fn paired_experts_halve_the_requests_when_placed_side_by_side() {
-    let dir = scratch("reorder-pairs");
-    let trace = dir.join("pairs.csv");
-    std::fs::write(&trace, paired_trace(4, 40)).expect("trace");
-    let out = dir.join("sweep");
-    let (code, stdout, stderr) = sim(&[
+/// `bmoe-sim sweep` of `trace` into `out` on one lane without overlap or bootstrap, with
+/// `extra` flags (budgets, policies, placements, jobs).
+fn sweep(trace: &Path, out: &Path, extra: &[&str]) -> (i32, String, String) {
+    let mut args = vec![
         "sweep",
         "--trace",
         trace.to_str().expect("utf-8"),
-        "--budgets-mb",
-        "0",
-        "--policies",
-        "lru",
         "--lanes",
         "1",
         "--overlap",
         "off",
         "--bootstrap",
         "0",
-        "--placements",
-        "separate,file,coact,coact-in-sample",
         "--out",
         out.to_str().expect("utf-8"),
-    ]);
+    ];
+    args.extend_from_slice(extra);
+    sim(&args)
+}
+
+#[test]
+fn paired_experts_halve_the_requests_when_placed_side_by_side() {
+    let dir = scratch("reorder-pairs");
+    let trace = dir.join("pairs.csv");
+    std::fs::write(&trace, paired_trace(4, 40)).expect("trace");
+    let out = dir.join("sweep");
+    let (code, stdout, stderr) = sweep(
+        &trace,
+        &out,
+        &[
+            "--budgets-mb",
+            "0",
+            "--policies",
+            "lru",
+            "--placements",
+            "separate,file,coact,coact-in-sample",
+        ],
+    );
     assert_eq!(code, 0, "{stdout}{stderr}");
     assert!(
         stdout.contains("fitted on the decode steps of the first 2 of 4 turns"),
@@ -123,19 +136,18 @@ fn one_decode_step_cannot_be_split() {
     let dir = scratch("reorder-short");
     let trace = dir.join("short.csv");
     std::fs::write(&trace, paired_trace(1, 1)).expect("trace");
-    let (code, stdout, stderr) = sim(&[
-        "sweep",
-        "--trace",
-        trace.to_str().expect("utf-8"),
-        "--budgets-mb",
-        "0",
-        "--policies",
-        "lru",
-        "--placements",
-        "coact",
-        "--out",
-        dir.join("sweep").to_str().expect("utf-8"),
-    ]);
+    let (code, stdout, stderr) = sweep(
+        &trace,
+        &dir.join("sweep"),
+        &[
+            "--budgets-mb",
+            "0",
+            "--policies",
+            "lru",
+            "--placements",
+            "coact",
+        ],
+    );
     assert_ne!(code, 0, "{stdout}");
     assert!(
         stderr.contains("--placements") && stderr.contains("1 decode step"),
@@ -163,27 +175,20 @@ fn deepseek_merging_never_adds_requests_and_parallel_equals_serial() {
     std::fs::write(&trace, slice(&text, 10)).expect("slice");
     let run = |jobs: &str, name: &str| {
         let out = dir.join(name);
-        let (code, stdout, stderr) = sim(&[
-            "sweep",
-            "--trace",
-            trace.to_str().expect("utf-8"),
-            "--experts-per-layer",
-            "6,12,24",
-            "--policies",
-            "lru,lfu",
-            "--lanes",
-            "1",
-            "--overlap",
-            "off",
-            "--bootstrap",
-            "0",
-            "--jobs",
-            jobs,
-            "--placements",
-            "separate,file,coact,coact-in-sample",
-            "--out",
-            out.to_str().expect("utf-8"),
-        ]);
+        let (code, stdout, stderr) = sweep(
+            &trace,
+            &out,
+            &[
+                "--experts-per-layer",
+                "6,12,24",
+                "--policies",
+                "lru,lfu",
+                "--jobs",
+                jobs,
+                "--placements",
+                "separate,file,coact,coact-in-sample",
+            ],
+        );
         assert_eq!(code, 0, "{stdout}{stderr}");
         out
     };
