@@ -2,7 +2,7 @@
 """Issue 19's prediction table, end to end: does the simulator's time hold out of sample?
 
   python3 scripts/sim-predict-table.py [MODEL] [-n 128] [-t 2] [--reps 3] [--bin-dir target/release]
-                                       [--out target/sim-predict] [--sweep-budgets 160,480]
+                                       [--out target/sim-predict] [--sweep-budgets 160,480] [--reuse]
 
 1. Runs bmoe-cli (`--moe-stream --overlap`, O_DIRECT lanes, so the page cache plays no part and
    no root is needed) in the calibration configuration (200 MiB, LRU, with `--route-trace` and
@@ -21,7 +21,8 @@
 4. Prints a markdown table: configuration, flash MiB/token, predicted tok/s, the measured tok/s
    of every rep, their median, the prediction's error against the median, and the spread of the
    reps ((max - min) / median: the machine's run-to-run noise over those minutes), plus the load
-   average before and after. stdlib only.
+   average before and after. `--reuse` skips engine runs whose files are already in `--out`
+   (re-analysis of stored runs with another bmoe-sim). stdlib only.
 """
 import argparse
 import os
@@ -105,6 +106,8 @@ def main():
     ap.add_argument("--sweep-budgets", default="",
                     help="comma-separated LRU budgets (MiB) run as extra calibration runs for "
                          "`calibrate --sweep`, e.g. 160,480")
+    ap.add_argument("--reuse", action="store_true",
+                    help="reuse engine runs already in --out (re-run only calibration and replays)")
     a = ap.parse_args()
     cli, sim = os.path.join(a.bin_dir, "bmoe-cli"), os.path.join(a.bin_dir, "bmoe-sim")
     for b in (cli, sim):
@@ -124,6 +127,7 @@ def main():
     cal_tag = tag(*CALIBRATION)
     configs = [CALIBRATION] + [(mb, "lru") for mb in sweep] + PREDICTED
     measured = {tag(*c): [] for c in configs}
+    ran = 0
     for rep in range(a.reps):
         for mb, pol in configs:
             t = tag(mb, pol)
@@ -131,7 +135,9 @@ def main():
             cmd = [cli] + common + ["--cache-mb", str(mb), "--eviction", pol, "--csv", csv]
             if t == cal_tag or (pol == "lru" and mb in sweep):
                 cmd += ["--route-trace", path(t, rep, ".route.csv"), "--io-trace", path(t, rep, ".io.csv")]
-            run(cmd)
+            if not (a.reuse and all(os.path.exists(x) for x in cmd if x.startswith(a.out))):
+                run(cmd)
+                ran += 1
             measured[t].append(decode_tok_s(csv))
             print(f"rep {rep + 1}: {t} {measured[t][-1]:.2f} tok/s, {mib_per_token(csv):.1f} MiB/token "
                   f"(load {loadavg()})", file=sys.stderr, flush=True)
@@ -169,7 +175,9 @@ def main():
     print(f"\nmodel {a.model}, -n {a.n} -t {a.t} --overlap, {a.reps} reps interleaved; calibrated on "
           f"the median 200 MiB LRU run (measured {' / '.join(f'{x:.1f}' for x in measured[cal_tag])} "
           f"tok/s, spread {100 * spread(measured[cal_tag]):.0f}%), replaying its route trace; "
-          f"load average {load_before} before, {load_after} after\n")
+          + (f"load average {load_before} before, {load_after} after\n" if ran else
+             "engine runs reused from an earlier run of this script (--reuse: see its log for their "
+             "load)\n"))
     print("| profile | budget, policy | MiB/token | predicted tok/s | measured tok/s | median | error | "
           "spread of reps |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")

@@ -817,11 +817,48 @@ fn fit_profile(
         rows.iter().map(|(_, y)| y).sum::<f64>() / rows.len().max(1) as f64
     };
     let mut how_cpu = String::new();
-    let [_, r_ms, m_ms] = if reads_known && opts.read_cpu {
+    let [_, mut r_ms, mut m_ms] = if reads_known && opts.read_cpu {
         fit_compute(&compute_rows).unwrap_or([mean_y(&compute_rows), 0.0, 0.0])
     } else {
         [mean_y(&compute_rows), 0.0, 0.0]
     };
+    if measured_cpu && reads_known {
+        // What the lanes cost in CPU, measured: the process's CPU time per token (`cpu_ms`)
+        // against the MiB it read (with the flash wait as a second regressor: threads that
+        // spin while they wait burn CPU that is not the lanes'). Only the part that lengthens
+        // the kernels is charged — the compute fit above — because a lane that runs while the
+        // kernels stall takes nothing from them; and never more than all of it: a slope above
+        // what the lanes burn is the noise of a few runs, and it would extrapolate to a compute
+        // that vanishes at small read volumes.
+        let lane_ms_per_mib = lanes_cpu_per_mib(&cpu_rows);
+        let mean_read_mib = compute_rows.iter().map(|(x, _)| x[2]).sum::<f64>()
+            / compute_rows.iter().map(|(x, _)| x[1]).sum::<f64>().max(1.0);
+        let fitted = m_ms + r_ms / mean_read_mib.max(1e-9);
+        if fitted > lane_ms_per_mib {
+            let scale = if fitted > 0.0 {
+                lane_ms_per_mib / fitted
+            } else {
+                0.0
+            };
+            r_ms *= scale;
+            m_ms *= scale;
+        }
+        let charged = m_ms + r_ms / mean_read_mib.max(1e-9);
+        how_cpu = format!(
+            "; the lanes' CPU measured by cpu_ms is {:.1} us per MiB read, {:.0}% of it charged{}",
+            lane_ms_per_mib * 1e3,
+            if lane_ms_per_mib > 0.0 {
+                100.0 * charged / lane_ms_per_mib
+            } else {
+                0.0
+            },
+            if fitted > lane_ms_per_mib {
+                format!(" (the fit asked {:.1} us per MiB: capped)", fitted * 1e3)
+            } else {
+                String::new()
+            }
+        );
+    }
     // The slopes come from the robust fit (a descheduled token must not set them); the level
     // is the mean over every token, descheduled ones included: tok/s is a mean, and on a busy
     // machine the tokens another process preempted are a steady share of it, not outliers.
@@ -830,23 +867,6 @@ fn fit_profile(
         .map(|(x, y)| y - r_ms * x[1] - m_ms * x[2])
         .sum::<f64>()
         / compute_rows.len().max(1) as f64;
-    if measured_cpu && reads_known {
-        // What the lanes cost in CPU, measured: the process's CPU time per token (`cpu_ms`)
-        // against the MiB it read (with the flash wait as a second regressor: threads that
-        // spin while they wait burn CPU that is not the lanes'). Only the part that lengthens
-        // the kernels is charged — the compute fit above — because a lane that runs while the
-        // kernels stall takes nothing from them; the note says how much of it that was.
-        let lane_ms_per_mib = lanes_cpu_per_mib(&cpu_rows);
-        let mean_read_mib = compute_rows.iter().map(|(x, _)| x[2]).sum::<f64>()
-            / compute_rows.iter().map(|(x, _)| x[1]).sum::<f64>().max(1.0);
-        let charged = m_ms + r_ms / mean_read_mib.max(1e-9);
-        how_cpu =
-            format!(
-            "; the lanes' CPU measured by cpu_ms is {:.1} us per MiB read, {:.0}% of it charged",
-            lane_ms_per_mib * 1e3,
-            if lane_ms_per_mib > 0.0 { 100.0 * charged / lane_ms_per_mib } else { 0.0 }
-        );
-    }
     let mgmt_ms: f64 = samples.iter().map(|s| s.mgmt_ms).sum();
     let evictions: u64 = samples.iter().map(|s| s.evictions).sum();
     if with_trace {
