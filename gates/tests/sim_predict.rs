@@ -17,8 +17,9 @@
 //! compute rate, the lanes' CPU folded in at the calibration run's read volume; `calibrate
 //! --single-rate`) the prediction drifts with the read volume. The test prints that fit's errors
 //! beside the gated ones, with whether each would be inside the tolerance, so a CI log shows
-//! how much the new terms buy; `BMOE_SIM_PREDICT_JUDGE=single-rate` gates that fit instead (to
-//! show the gate failing on the old model). `.config/nextest.toml` runs this test alone.
+//! how much the new terms buy. To show the gate failing on a wrong model,
+//! `BMOE_SIM_PREDICT_JUDGE=single-rate` gates that fit instead, and `BMOE_SIM_PREDICT_JUDGE=
+//! profile:NAME` a given profile (e.g. `profile:origin-12gb-phone`, a device never measured). `.config/nextest.toml` runs this test alone.
 
 use bmoe_core::telemetry::MetricsCsv;
 use bmoe_gates::{run, scratch_dir, tiny};
@@ -155,9 +156,14 @@ fn calibrated_on_one_run_the_simulator_predicts_other_budgets_and_policies() {
     calibrate(&prof, &[]);
     calibrate(&single, &["--single-rate"]);
 
-    let judge_single = std::env::var("BMOE_SIM_PREDICT_JUDGE").is_ok_and(|v| v == "single-rate");
-    if judge_single {
-        eprintln!("BMOE_SIM_PREDICT_JUDGE=single-rate: gating the single-rate fit (the old model)");
+    let judge = std::env::var("BMOE_SIM_PREDICT_JUDGE").unwrap_or_default();
+    let judge_single = judge == "single-rate";
+    let prof = match judge.strip_prefix("profile:") {
+        Some(name) => name.to_string(),
+        None => prof,
+    };
+    if !judge.is_empty() {
+        eprintln!("BMOE_SIM_PREDICT_JUDGE={judge}: gating {prof} (a deliberately wrong model)");
     }
     let mut volumes = Vec::new();
     let mut failures = Vec::new();
