@@ -78,6 +78,11 @@ pub fn run_config_from_csv(csv: &MetricsCsv) -> Result<RunConfig, SimError> {
         Some(s) => bmoe_core::ReadSplit::parse(s)
             .map_err(|e| SimError::invalid("--csv preamble", format!("read_split: {e}")))?,
     };
+    if let Some(e) = p.get("eviction") {
+        cfg.eviction = e
+            .parse()
+            .map_err(|e| SimError::invalid("--csv preamble", format!("eviction: {e}")))?;
+    }
     if let Some(t) = num("io_threads")? {
         cfg.io_threads = t as u32;
     }
@@ -178,6 +183,7 @@ fn replay_config(p: &Prepared, run: &RunConfig) -> RunConfig {
     c.read_split = run.read_split;
     c.load_all = run.load_all;
     c.cache_budget_mb = run.cache_budget_mb;
+    c.eviction = run.eviction;
     c
 }
 
@@ -244,47 +250,95 @@ fn row_keys(csv: &MetricsCsv, prepared: Option<&Prepared>) -> Vec<(u32, i64)> {
         .collect()
 }
 
-/// Fit a profile. `prepared` is the route trace (with a configuration and the base profile
-/// whose unfitted fields — alignment — are kept); `io` the measured io trace.
-pub fn calibrate(
-    csv: &MetricsCsv,
-    csv_name: &str,
-    prepared: Option<&Prepared>,
-    io: Option<&[IoRecord]>,
-    base: &DeviceProfile,
-    name: &str,
-) -> Result<Calibration, SimError> {
+/// One measured run to fit: its `--csv`, and optionally its route trace (prepared for replay)
+/// and io trace.
+#[derive(Clone, Copy)]
+pub struct RunInput<'a> {
+    pub csv: &'a MetricsCsv,
+    /// How notes name the run (its CSV path).
+    pub name: &'a str,
+    pub prepared: Option<&'a Prepared>,
+    pub io: Option<&'a [IoRecord]>,
+}
+
+/// Choices of the fit.
+#[derive(Clone, Copy, Debug)]
+pub struct FitOptions {
+    /// Fit the lanes' CPU (`read_cpu_us`, `read_cpu_us_per_mib`); false folds it into the one
+    /// compute rate at the calibration runs' read volume — the fit before issue 19, kept to
+    /// compare against (`calibrate --single-rate`).
+    pub read_cpu: bool,
+    /// Write the measured spread of read service times (`service_quantiles`) from the io
+    /// traces; false keeps the mean-rate flash model (`calibrate --single-rate` turns both off).
+    pub service_spread: bool,
+}
+
+impl Default for FitOptions {
+    fn default() -> Self {
+        FitOptions {
+            read_cpu: true,
+            service_spread: true,
+        }
+    }
+}
+
+/// How many quantiles of the service-time spread a calibration writes.
+const SERVICE_QUANTILES: usize = 100;
+
+/// What one run contributes to a fit: every per-decode-token sample the fit needs.
+struct RunSamples {
+    cfg: RunConfig,
+    /// Per token with reads: (latency weight `A_t`, bytes `B_t`, `io_ms`).
+    flash_rows: Vec<(f64, f64, f64)>,
+    /// Per token: (read bytes, `io_ms`) — the rate-only fit when reads are unknown.
+    rate_rows: Vec<(f64, f64)>,
+    /// Per token: ([1, reads, MiB read], compute residual ms).
+    compute_rows: Vec<([f64; 3], f64)>,
+    /// Per token: ([1, MiB read, flash wait ms], process CPU ms) — empty when the run did not
+    /// measure `cpu_ms` (a simulated run, an old CSV).
+    cpu_rows: Vec<([f64; 3], f64)>,
+    /// Whether `compute_rows` carry the token's reads (else only the intercept is fit).
+    reads_known: bool,
+    /// Mean MiB a token computes (every layer's dense bytes plus its routed experts'), with a
+    /// route trace.
+    work_mib: Option<f64>,
+    mgmt_ms: f64,
+    /// Evictions from the replay (with a route trace) or the trailers (without).
+    evictions: u64,
+    expert_mib: f64,
+    loop_overhead_ms: f64,
+    mem_mib: f64,
+    /// Decode tok/s as measured (tokens over Σ wall).
+    tok_s: f64,
+    /// The prefill's (reads, bytes), for subtracting their lane CPU from its compute.
+    prefill_reads: (u64, u64),
+}
+
+/// Decode tok/s of a metrics file: its rows over their summed wall time.
+pub fn decode_tok_s(csv: &MetricsCsv) -> f64 {
+    let wall_ms: f64 = csv.rows.iter().map(|r| r.wall_ms).sum();
+    if wall_ms > 0.0 {
+        csv.rows.len() as f64 / (wall_ms / 1e3)
+    } else {
+        0.0
+    }
+}
+
+fn samples(run: &RunInput, base: &DeviceProfile) -> Result<RunSamples, SimError> {
+    let csv = run.csv;
     if csv.rows.is_empty() {
-        return Err(SimError::invalid("--csv", "no decode rows to fit"));
+        return Err(SimError::invalid(
+            "--csv",
+            format!("{}: no decode rows to fit", run.name),
+        ));
     }
     let cfg = run_config_from_csv(csv)?;
-    let mut notes = Vec::new();
-    let mut flash = FlashParams {
-        jitter: 0.0,
-        ..base.flash.clone()
-    };
-    let mut compute = ComputeParams {
-        dense_mib_per_s: 0.0,
-        expert_mib_per_s: 0.0,
-        layer_fixed_us: 0.0,
-        expert_fixed_us: 0.0,
-        head_ms: 0.0,
-        batch_row_factor: base.compute.batch_row_factor,
-        release_us: 0.0,
-        release_us_per_mib: 0.0,
-        loop_overhead_ms: 0.0,
-        jitter: 0.0,
-    };
     let rows = &csv.rows;
     let n = rows.len() as f64;
-    let sum =
-        |f: &dyn Fn(&bmoe_core::telemetry::TokenRecord) -> f64| rows.iter().map(f).sum::<f64>();
-    compute.loop_overhead_ms = sum(&|r| r.loop_overhead_ms) / n;
-
     // The replay of the route trace: exact reads, evictions and routed bytes per token.
     let mut stats: Vec<StepStats> = Vec::new();
     let mut sim_io = IoCollector(Vec::new());
-    if let Some(p) = prepared {
+    if let Some(p) = run.prepared {
         let run_cfg = replay_config(p, &cfg);
         replay::run(
             ReplaySetup {
@@ -309,7 +363,8 @@ pub fn calibrate(
             return Err(SimError::invalid(
                 "--trace",
                 format!(
-                    "replays {} decode tokens but the CSV has {} rows: not the same run",
+                    "{}: the trace replays {} decode tokens but the CSV has {} rows: not the same run",
+                    run.name,
                     stats.len(),
                     rows.len()
                 ),
@@ -319,8 +374,9 @@ pub fn calibrate(
             return Err(SimError::invalid(
                 "--trace",
                 format!(
-                    "token {} reads {} bytes in the replay but {} in the CSV: not the same run, or \
-                     not the same budget",
+                    "{}: token {} reads {} bytes in the replay but {} in the CSV: not the same \
+                     run, or not the same budget",
+                    run.name,
                     i + 1,
                     stats[i].read_bytes,
                     rows[i].read_bytes
@@ -328,29 +384,28 @@ pub fn calibrate(
             ));
         }
     }
-
-    // Flash.
-    let by_token = match io {
-        Some(io) => {
-            notes.push(format!(
-                "flash: reads per token from the measured io trace ({} reads)",
-                io.len()
-            ));
-            Some(reads_by_token(io))
-        }
-        None if prepared.is_some() => Some(reads_by_token(&sim_io.0)),
+    let all_reads: Option<&[IoRecord]> = match run.io {
+        Some(io) => Some(io),
+        None if run.prepared.is_some() => Some(&sim_io.0),
         None => None,
     };
+    let by_token = all_reads.map(reads_by_token);
+    let prefill_reads = all_reads.map_or((0, 0), |io| {
+        io.iter()
+            .filter(|r| r.phase == Phase::Prefill && r.turn == io.first().map_or(0, |f| f.turn))
+            .fold((0, 0), |(n, b), r| (n + 1, b + r.read_bytes))
+    });
     let empty = BTreeMap::new();
     let reads: Vec<&BTreeMap<u32, (u64, u64)>> = match &by_token {
-        Some(m) => row_keys(csv, prepared)
+        Some(m) => row_keys(csv, run.prepared)
             .iter()
             .map(|k| m.get(k).unwrap_or(&empty))
             .collect(),
         None => Vec::new(),
     };
+    let reads_known = reads.len() == rows.len();
     let lanes = f64::from(cfg.io_threads.max(1));
-    let flash_rows: Vec<(f64, f64, f64)> = if reads.len() == rows.len() {
+    let flash_rows: Vec<(f64, f64, f64)> = if reads_known {
         rows.iter()
             .zip(&reads)
             .filter(|(_, m)| !m.is_empty())
@@ -367,6 +422,253 @@ pub fn calibrate(
     } else {
         Vec::new()
     };
+    let compute_rows: Vec<([f64; 3], f64)> = rows
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let (count, bytes) = reads.get(i).map_or((0, 0), |m| {
+                m.values()
+                    .fold((0u64, 0u64), |(n, b), &(c, x)| (n + c, b + x))
+            });
+            ([1.0, count as f64, bytes as f64 / MIB_F], r.compute_ms)
+        })
+        .collect();
+    let cpu_rows: Vec<([f64; 3], f64)> = if reads_known && rows.iter().any(|r| r.cpu_ms > 0.0) {
+        rows.iter()
+            .zip(&compute_rows)
+            .map(|(r, (x, _))| {
+                let wait = if cfg.overlap { r.stall_ms } else { r.io_ms };
+                ([1.0, x[2], wait], r.cpu_ms)
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let (work_mib, expert_mib, evictions) = match run.prepared {
+        Some(p) => {
+            let layout = &p.layout;
+            let listed: Vec<u64> = layout.layers().iter().map(|l| l.dense_bytes).collect();
+            let mean_dense = listed.iter().sum::<u64>() / listed.len().max(1) as u64;
+            let dense_total: u64 = (0..layout.n_model_layers())
+                .map(|m| {
+                    layout
+                        .moe_index(m)
+                        .and_then(|i| layout.layer(i))
+                        .map_or(mean_dense, |l| l.dense_bytes)
+                })
+                .sum();
+            let routed = mean(stats.iter().map(|s| s.routed_bytes as f64)).unwrap_or(0.0);
+            (
+                Some((dense_total as f64 + routed) / MIB_F),
+                layout.max_expert_bytes() as f64 / MIB_F,
+                stats.iter().map(|s| s.evictions).sum(),
+            )
+        }
+        None => (
+            None,
+            0.0,
+            csv.summaries
+                .iter()
+                .filter_map(|s| s.get("evictions").and_then(|v| v.parse::<u64>().ok()))
+                .sum(),
+        ),
+    };
+    Ok(RunSamples {
+        flash_rows,
+        rate_rows: rows
+            .iter()
+            .map(|r| (r.read_bytes as f64, r.io_ms))
+            .collect(),
+        compute_rows,
+        cpu_rows,
+        reads_known,
+        work_mib,
+        mgmt_ms: rows.iter().map(|r| r.mgmt_ms).sum(),
+        evictions,
+        expert_mib,
+        loop_overhead_ms: rows.iter().map(|r| r.loop_overhead_ms).sum::<f64>() / n,
+        mem_mib: rows.iter().map(|r| r.mem_available_mib).sum::<f64>() / n,
+        tok_s: decode_tok_s(csv),
+        prefill_reads,
+        cfg,
+    })
+}
+
+/// Robust least squares `y ≈ Σ c_i·x_i` over `N` regressors (outliers dropped as in `fit2`).
+fn fit_n<const N: usize>(rows: &[([f64; N], f64)]) -> Option<[f64; N]> {
+    let c = fit_n_ls(rows)?;
+    let resid = |(x, y): &([f64; N], f64)| y - x.iter().zip(&c).map(|(a, b)| a * b).sum::<f64>();
+    let kept = without_outliers(rows, resid);
+    if kept.len() == rows.len() || kept.len() < 8 {
+        return Some(c);
+    }
+    fit_n_ls(&kept).or(Some(c))
+}
+
+/// Least squares over `N` regressors by the normal equations (Gaussian elimination with
+/// partial pivoting); `None` when singular.
+fn fit_n_ls<const N: usize>(rows: &[([f64; N], f64)]) -> Option<[f64; N]> {
+    let mut a = [[0.0f64; N]; N];
+    let mut v = [0.0f64; N];
+    for (x, y) in rows {
+        for i in 0..N {
+            for j in 0..N {
+                a[i][j] += x[i] * x[j];
+            }
+            v[i] += x[i] * y;
+        }
+    }
+    let scale: f64 = (0..N).map(|i| a[i][i].abs()).fold(0.0, f64::max);
+    if scale <= 0.0 {
+        return None;
+    }
+    for col in 0..N {
+        let piv = (col..N).max_by(|&i, &j| a[i][col].abs().total_cmp(&a[j][col].abs()))?;
+        if a[piv][col].abs() <= 1e-12 * scale {
+            return None;
+        }
+        a.swap(col, piv);
+        v.swap(col, piv);
+        let (pivot_row, pivot_v) = (a[col], v[col]);
+        for r in (0..N).filter(|&r| r != col) {
+            let f = a[r][col] / pivot_row[col];
+            for (x, p) in a[r].iter_mut().zip(&pivot_row).skip(col) {
+                *x -= f * p;
+            }
+            v[r] -= f * pivot_v;
+        }
+    }
+    let c: [f64; N] = std::array::from_fn(|i| v[i] / a[i][i]);
+    Some(c)
+}
+
+/// The per-token compute fit `compute_ms ≈ K + r·reads + m·MiB`, every coefficient ≥ 0: the
+/// full fit when it is non-negative, else the better (smaller squared error) of the one-term
+/// fits that are, else `K` alone. Returns `[K, r, m]` in ms, ms per read, ms per MiB.
+fn fit_compute(rows: &[([f64; 3], f64)]) -> Option<[f64; 3]> {
+    let sse = |c: &[f64; 3]| -> f64 {
+        rows.iter()
+            .map(|(x, y)| (y - c[0] - c[1] * x[1] - c[2] * x[2]).powi(2))
+            .sum()
+    };
+    let mut best: Option<[f64; 3]> = None;
+    let consider = |c: [f64; 3], best: &mut Option<[f64; 3]>| {
+        if c.iter().all(|v| v.is_finite() && *v >= 0.0) && best.is_none_or(|b| sse(&c) < sse(&b)) {
+            *best = Some(c);
+        }
+    };
+    if let Some(c) = fit_n(rows) {
+        if c.iter().all(|v| *v >= 0.0) {
+            return Some(c);
+        }
+    }
+    let per_read: Vec<([f64; 2], f64)> = rows.iter().map(|(x, y)| ([1.0, x[1]], *y)).collect();
+    if let Some([k, r]) = fit_n(&per_read) {
+        consider([k, r, 0.0], &mut best);
+    }
+    let per_mib: Vec<([f64; 2], f64)> = rows.iter().map(|(x, y)| ([1.0, x[2]], *y)).collect();
+    if let Some([k, m]) = fit_n(&per_mib) {
+        consider([k, 0.0, m], &mut best);
+    }
+    if best.is_none() {
+        let only: Vec<([f64; 1], f64)> = rows.iter().map(|(_, y)| ([1.0], *y)).collect();
+        if let Some([k]) = fit_n(&only) {
+            consider([k.max(0.0), 0.0, 0.0], &mut best);
+        }
+    }
+    best
+}
+
+/// The lanes' CPU per MiB read, ms: `cpu_ms ≈ c + m·MiB + w·wait` (robust), `m` kept when
+/// positive (refit without the wait when `w` comes out negative), else 0.
+fn lanes_cpu_per_mib(rows: &[([f64; 3], f64)]) -> f64 {
+    match fit_n(rows) {
+        Some([_, m, w]) if w >= 0.0 => m.max(0.0),
+        _ => {
+            let two: Vec<([f64; 2], f64)> = rows.iter().map(|(x, y)| ([x[0], x[1]], *y)).collect();
+            fit_n(&two).map_or(0.0, |[_, m]| m.max(0.0))
+        }
+    }
+}
+
+/// Fit one profile to every run in `runs` (least squares over all their decode tokens).
+fn fit_profile(
+    runs: &[RunInput],
+    samples: &[RunSamples],
+    base: &DeviceProfile,
+    name: &str,
+    opts: FitOptions,
+    notes: &mut Vec<String>,
+) -> Result<DeviceProfile, SimError> {
+    let first = &samples[0];
+    let cfg = &first.cfg;
+    if let Some((i, s)) = samples
+        .iter()
+        .enumerate()
+        .find(|(_, s)| s.cfg.overlap != cfg.overlap || s.cfg.io_threads != cfg.io_threads)
+    {
+        return Err(SimError::invalid(
+            "--csv",
+            format!(
+                "{} ran {} lanes {} but {} ran {} lanes {}: a sweep fits runs of one I/O \
+                 configuration (vary the budget and policy, not lanes or overlap)",
+                runs[i].name,
+                s.cfg.io_threads,
+                if s.cfg.overlap {
+                    "overlapped"
+                } else {
+                    "serial"
+                },
+                runs[0].name,
+                cfg.io_threads,
+                if cfg.overlap { "overlapped" } else { "serial" }
+            ),
+        ));
+    }
+    let with_trace = runs.iter().all(|r| r.prepared.is_some());
+    if runs.len() > 1 && !with_trace {
+        return Err(SimError::invalid(
+            "--trace",
+            "a sweep needs every run's route trace (one --trace per --csv, in order)",
+        ));
+    }
+    let mut flash = FlashParams {
+        jitter: 0.0,
+        service_quantiles: Vec::new(),
+        ..base.flash.clone()
+    };
+    let mut compute = ComputeParams {
+        dense_mib_per_s: 0.0,
+        expert_mib_per_s: 0.0,
+        layer_fixed_us: 0.0,
+        expert_fixed_us: 0.0,
+        head_ms: 0.0,
+        batch_row_factor: base.compute.batch_row_factor,
+        release_us: 0.0,
+        release_us_per_mib: 0.0,
+        loop_overhead_ms: 0.0,
+        read_cpu_us: 0.0,
+        read_cpu_us_per_mib: 0.0,
+        jitter: 0.0,
+    };
+    let n_runs = samples.len() as f64;
+    compute.loop_overhead_ms = samples.iter().map(|s| s.loop_overhead_ms).sum::<f64>() / n_runs;
+
+    // Flash.
+    if runs.iter().any(|r| r.io.is_some()) {
+        notes.push(format!(
+            "flash: reads per token from the measured io trace ({} reads)",
+            runs.iter()
+                .filter_map(|r| r.io)
+                .map(<[IoRecord]>::len)
+                .sum::<usize>()
+        ));
+    }
+    let flash_rows: Vec<(f64, f64, f64)> = samples
+        .iter()
+        .flat_map(|s| s.flash_rows.iter().copied())
+        .collect();
+    let lanes = f64::from(cfg.io_threads.max(1));
     let mut how = if flash_rows.is_empty() {
         "rate only: no per-token reads"
     } else if cfg.overlap {
@@ -381,8 +683,9 @@ pub fn calibrate(
                 how = "the latency fit came out negative: latency 0, rate through the origin";
             }
             let through: Vec<(f64, f64)> = if flash_rows.is_empty() {
-                rows.iter()
-                    .map(|r| (r.read_bytes as f64, r.io_ms))
+                samples
+                    .iter()
+                    .flat_map(|s| s.rate_rows.iter().copied())
                     .collect()
             } else {
                 flash_rows.iter().map(|&(_, b, y)| (b, y)).collect()
@@ -410,7 +713,7 @@ pub fn calibrate(
                 flash.read_latency_us,
                 mib_s,
                 if flash_rows.is_empty() {
-                    rows.len()
+                    samples.iter().map(|s| s.rate_rows.len()).sum::<usize>()
                 } else {
                     flash_rows.len()
                 },
@@ -422,22 +725,68 @@ pub fn calibrate(
             base.name
         )),
     }
-    if let (Some(io), 1) = (io, cfg.io_threads) {
-        // One lane shares nothing: each read's own latency is request cost + bytes / lane rate.
-        let per_read: Vec<(f64, f64, f64)> = io
+    if let ([run], 1) = (runs, cfg.io_threads) {
+        if let Some(io) = run.io {
+            // One lane shares nothing: each read's own latency is request cost + bytes / lane
+            // rate.
+            let per_read: Vec<(f64, f64, f64)> = io
+                .iter()
+                .map(|r| (1.0, r.read_bytes as f64, r.latency_ns as f64 / 1e6))
+                .collect();
+            if let Some((l, x)) = fit2(&per_read).filter(|&(l, x)| l >= 0.0 && x > 0.0) {
+                notes.push(format!(
+                    "flash: per-read fit (one lane, nothing shared): {:.1} us per request + bytes at {:.0} MiB/s (the profile keeps the per-token fit above; this one separates request cost from rate)",
+                    l * 1e3,
+                    1e3 / (x * MIB_F)
+                ));
+            }
+        }
+    }
+    if ms_per_byte.is_some() && opts.service_spread {
+        // The spread of measured service times around the fitted model, as quantiles of
+        // measured / modelled per decode read (not renormalised: the robust per-token fit
+        // leaves out the tokens a preempted read slowed, and these put them back).
+        let per_ns = 1e9 / (flash.lane_mib_per_s * MIB_F);
+        let mut ratios: Vec<f64> = runs
             .iter()
-            .map(|r| (1.0, r.read_bytes as f64, r.latency_ns as f64 / 1e6))
+            .filter_map(|r| r.io)
+            .flatten()
+            .filter(|r| r.phase == Phase::Decode)
+            .map(|r| {
+                let model_ns = flash.read_latency_us * 1e3 + r.read_bytes as f64 * per_ns;
+                r.latency_ns as f64 / model_ns.max(1.0)
+            })
+            .filter(|x| x.is_finite() && *x > 0.0)
             .collect();
-        if let Some((l, x)) = fit2(&per_read).filter(|&(l, x)| l >= 0.0 && x > 0.0) {
+        if ratios.len() >= SERVICE_QUANTILES {
+            ratios.sort_by(f64::total_cmp);
+            flash.service_quantiles = (0..SERVICE_QUANTILES)
+                .map(|i| {
+                    let at = (i as f64 + 0.5) / SERVICE_QUANTILES as f64;
+                    ratios[((at * ratios.len() as f64) as usize).min(ratios.len() - 1)]
+                        .clamp(1e-3, 1e4)
+                })
+                .collect();
+            let q = &flash.service_quantiles;
             notes.push(format!(
-                "flash: per-read fit (one lane, nothing shared): {:.1} us per request + bytes at {:.0} MiB/s (the profile keeps the per-token fit above; this one separates request cost from rate)",
-                l * 1e3,
-                1e3 / (x * MIB_F)
+                "flash: service-time spread from {} measured reads, as multipliers of the model: \
+                 p10 {:.2}, p50 {:.2}, p90 {:.2}, p99 {:.2}, mean {:.2}",
+                ratios.len(),
+                q[SERVICE_QUANTILES / 10],
+                q[SERVICE_QUANTILES / 2],
+                q[SERVICE_QUANTILES * 9 / 10],
+                q[SERVICE_QUANTILES - 1],
+                q.iter().sum::<f64>() / q.len() as f64
             ));
         }
     }
-    if let Some(io) = io {
-        let mut lat: Vec<f64> = io.iter().map(|r| r.latency_ns as f64 / 1e3).collect();
+    let mut lat: Vec<f64> = runs
+        .iter()
+        .filter_map(|r| r.io)
+        .flatten()
+        .map(|r| r.latency_ns as f64 / 1e3)
+        .collect();
+    if !lat.is_empty() {
         lat.sort_by(f64::total_cmp);
         if let (Some(p50), Some(p90)) = (diff::percentile(&lat, 50.0), diff::percentile(&lat, 90.0))
         {
@@ -447,80 +796,169 @@ pub fn calibrate(
         }
     }
 
-    // Compute, management, prefill.
-    let compute_ms = sum(&|r| r.compute_ms) / n;
-    let mgmt_ms: f64 = sum(&|r| r.mgmt_ms);
-    match prepared {
-        Some(p) => {
-            let layout = &p.layout;
-            let listed: Vec<u64> = layout.layers().iter().map(|l| l.dense_bytes).collect();
-            let mean_dense = listed.iter().sum::<u64>() / listed.len().max(1) as u64;
-            let dense_total: u64 = (0..layout.n_model_layers())
-                .map(|m| {
-                    layout
-                        .moe_index(m)
-                        .and_then(|i| layout.layer(i))
-                        .map_or(mean_dense, |l| l.dense_bytes)
-                })
-                .sum();
-            let routed = mean(stats.iter().map(|s| s.routed_bytes as f64)).unwrap_or(0.0);
-            let work_bytes = dense_total as f64 + routed;
-            if compute_ms > 0.0 && work_bytes > 0.0 {
-                let rate = work_bytes / MIB_F / (compute_ms / 1e3);
-                compute.dense_mib_per_s = rate;
-                compute.expert_mib_per_s = rate;
-                notes.push(format!(
-                    "compute: {rate:.0} MiB/s over {:.2} MiB per token (dense {:.2} + routed {:.2}), mean residual {compute_ms:.3} ms",
-                    work_bytes / MIB_F,
-                    dense_total as f64 / MIB_F,
-                    routed / MIB_F
-                ));
+    // Compute: per token `compute_ms ≈ K + r·reads + m·MiB read`. Every decode token of one
+    // row computes every layer and k experts per MoE layer, so per-layer and per-expert fixed
+    // costs are the same for every token: decode tokens cannot tell them from a rate over the
+    // token's bytes, and K is spread as one rate over those bytes (which keeps profiles
+    // portable across models). What does vary from token to token, and from budget to budget,
+    // is how much the lanes read — and the lanes' CPU (O_DIRECT submission, completion, copies,
+    // checksums) runs on the kernels' cores.
+    let compute_rows: Vec<([f64; 3], f64)> = samples
+        .iter()
+        .flat_map(|s| s.compute_rows.iter().copied())
+        .collect();
+    let reads_known = samples.iter().all(|s| s.reads_known);
+    let cpu_rows: Vec<([f64; 3], f64)> = samples
+        .iter()
+        .flat_map(|s| s.cpu_rows.iter().copied())
+        .collect();
+    let measured_cpu = samples.iter().all(|s| !s.cpu_rows.is_empty());
+    let mean_y = |rows: &[([f64; 3], f64)]| {
+        rows.iter().map(|(_, y)| y).sum::<f64>() / rows.len().max(1) as f64
+    };
+    let mut how_cpu = String::new();
+    let [_, mut r_ms, mut m_ms] = if reads_known && opts.read_cpu {
+        fit_compute(&compute_rows).unwrap_or([mean_y(&compute_rows), 0.0, 0.0])
+    } else {
+        [mean_y(&compute_rows), 0.0, 0.0]
+    };
+    if measured_cpu && reads_known {
+        // What the lanes cost in CPU, measured: the process's CPU time per token (`cpu_ms`)
+        // against the MiB it read (with the flash wait as a second regressor: threads that
+        // spin while they wait burn CPU that is not the lanes'). Only the part that lengthens
+        // the kernels is charged — the compute fit above — because a lane that runs while the
+        // kernels stall takes nothing from them; and never more than all of it: a slope above
+        // what the lanes burn is the noise of a few runs, and it would extrapolate to a compute
+        // that vanishes at small read volumes.
+        let lane_ms_per_mib = lanes_cpu_per_mib(&cpu_rows);
+        let mean_read_mib = compute_rows.iter().map(|(x, _)| x[2]).sum::<f64>()
+            / compute_rows.iter().map(|(x, _)| x[1]).sum::<f64>().max(1.0);
+        let fitted = m_ms + r_ms / mean_read_mib.max(1e-9);
+        if fitted > lane_ms_per_mib {
+            let scale = if fitted > 0.0 {
+                lane_ms_per_mib / fitted
             } else {
-                notes.push("compute: no compute residual to fit; compute is free".to_string());
-            }
-            let evictions: u64 = stats.iter().map(|s| s.evictions).sum();
-            if evictions > 0 {
-                let per_eviction_us = mgmt_ms * 1e3 / evictions as f64;
-                let expert_mib = layout.max_expert_bytes() as f64 / MIB_F;
-                compute.release_us_per_mib = per_eviction_us / expert_mib.max(1e-9);
-                notes.push(format!(
-                    "cache mgmt: {per_eviction_us:.1} us per eviction ({:.1} us/MiB, {evictions} evictions)",
-                    compute.release_us_per_mib
-                ));
-            } else {
-                notes.push("cache mgmt: no evictions in the run; release cost 0".to_string());
-            }
-            fit_prefill(csv, p, &cfg, &mut compute, &mut notes);
+                0.0
+            };
+            r_ms *= scale;
+            m_ms *= scale;
         }
-        None => {
-            compute.head_ms = compute_ms;
-            notes.push(format!(
-                "compute: {compute_ms:.3} ms per token as a fixed cost (no --trace: bytes per token unknown)"
-            ));
-            let evictions = csv
-                .summaries
-                .iter()
-                .filter_map(|s| s.get("evictions").and_then(|v| v.parse::<u64>().ok()))
-                .sum::<u64>();
-            if evictions > 0 {
-                compute.release_us = mgmt_ms * 1e3 / evictions as f64;
-                notes.push(format!(
-                    "cache mgmt: {:.1} us per eviction ({evictions} evictions)",
-                    compute.release_us
-                ));
+        let charged = m_ms + r_ms / mean_read_mib.max(1e-9);
+        how_cpu = format!(
+            "; the lanes' CPU measured by cpu_ms is {:.1} us per MiB read, {:.0}% of it charged{}",
+            lane_ms_per_mib * 1e3,
+            if lane_ms_per_mib > 0.0 {
+                100.0 * charged / lane_ms_per_mib
+            } else {
+                0.0
+            },
+            if fitted > lane_ms_per_mib {
+                format!(" (the fit asked {:.1} us per MiB: capped)", fitted * 1e3)
+            } else {
+                String::new()
             }
+        );
+    }
+    // The slopes come from the robust fit (a descheduled token must not set them); the level
+    // is the mean over every token, descheduled ones included: tok/s is a mean, and on a busy
+    // machine the tokens another process preempted are a steady share of it, not outliers.
+    let k_ms = compute_rows
+        .iter()
+        .map(|(x, y)| y - r_ms * x[1] - m_ms * x[2])
+        .sum::<f64>()
+        / compute_rows.len().max(1) as f64;
+    let mgmt_ms: f64 = samples.iter().map(|s| s.mgmt_ms).sum();
+    let evictions: u64 = samples.iter().map(|s| s.evictions).sum();
+    if with_trace {
+        compute.read_cpu_us = r_ms * 1e3;
+        compute.read_cpu_us_per_mib = m_ms * 1e3;
+        let work_mib = samples.iter().filter_map(|s| s.work_mib).sum::<f64>() / n_runs;
+        if k_ms > 0.0 && work_mib > 0.0 {
+            let rate = work_mib / (k_ms / 1e3);
+            compute.dense_mib_per_s = rate;
+            compute.expert_mib_per_s = rate;
+            notes.push(format!(
+                "compute: {rate:.0} MiB/s over {work_mib:.2} MiB per token ({k_ms:.3} ms at no reads), \
+                 plus the lanes' CPU {:.1} us per read + {:.1} us per MiB read ({} tokens{}{})",
+                compute.read_cpu_us,
+                compute.read_cpu_us_per_mib,
+                compute_rows.len(),
+                how_cpu,
+                if !opts.read_cpu {
+                    "; --single-rate: the lanes' CPU folded into the rate"
+                } else if reads_known {
+                    ""
+                } else {
+                    "; reads per token unknown, not fitted"
+                }
+            ));
+        } else {
+            notes.push("compute: no compute residual to fit; compute is free".to_string());
+        }
+        if evictions > 0 {
+            let per_eviction_us = mgmt_ms * 1e3 / evictions as f64;
+            let expert_mib = samples.iter().map(|s| s.expert_mib).fold(0.0, f64::max);
+            compute.release_us_per_mib = per_eviction_us / expert_mib.max(1e-9);
+            notes.push(format!(
+                "cache mgmt: {per_eviction_us:.1} us per eviction ({:.1} us/MiB, {evictions} evictions)",
+                compute.release_us_per_mib
+            ));
+        } else {
+            notes.push("cache mgmt: no evictions in the run; release cost 0".to_string());
+        }
+        let mut factors: Vec<f64> = Vec::new();
+        for (run, s) in runs.iter().zip(samples) {
+            if let Some(p) = run.prepared {
+                let mut c = compute.clone();
+                if fit_prefill(run.csv, p, &s.cfg, s.prefill_reads, &mut c, notes) {
+                    factors.push(c.batch_row_factor);
+                }
+            }
+        }
+        if !factors.is_empty() {
+            factors.sort_by(f64::total_cmp);
+            compute.batch_row_factor = factors[factors.len() / 2];
+        }
+    } else {
+        compute.head_ms = k_ms;
+        notes.push(format!(
+            "compute: {k_ms:.3} ms per token as a fixed cost (no --trace: bytes per token unknown)"
+        ));
+        if evictions > 0 {
+            compute.release_us = mgmt_ms * 1e3 / evictions as f64;
+            notes.push(format!(
+                "cache mgmt: {:.1} us per eviction ({evictions} evictions)",
+                compute.release_us
+            ));
         }
     }
 
-    let mem = sum(&|r| r.mem_available_mib) / n;
-    let model = csv.preamble.get("model").unwrap_or("unknown");
-    let engine = csv.preamble.get("engine").unwrap_or("unknown");
-    let mut profile = DeviceProfile {
+    let mem = samples.iter().map(|s| s.mem_mib).sum::<f64>() / n_runs;
+    let model = runs[0].csv.preamble.get("model").unwrap_or("unknown");
+    let engine = runs[0].csv.preamble.get("engine").unwrap_or("unknown");
+    let from = if runs.len() == 1 {
+        format!(
+            "{} ({} decode tokens, cache {} MiB",
+            runs[0].name,
+            runs[0].csv.rows.len(),
+            cfg.cache_budget_mb
+        )
+    } else {
+        format!(
+            "{} runs ({} decode tokens, caches {} MiB",
+            runs.len(),
+            samples.iter().map(|s| s.compute_rows.len()).sum::<usize>(),
+            samples
+                .iter()
+                .map(|s| s.cfg.cache_budget_mb.to_string())
+                .collect::<Vec<_>>()
+                .join("/")
+        )
+    };
+    let profile = DeviceProfile {
         name: name.to_string(),
         description: format!(
-            "Calibrated by bmoe-sim calibrate from {csv_name} (engine {engine}, model {model}, {} decode tokens, cache {} MiB, {} lanes, {}).",
-            rows.len(),
-            cfg.cache_budget_mb,
+            "Calibrated by bmoe-sim calibrate from {from}, {} lanes, {}; engine {engine}, model {model}).",
             cfg.io_threads,
             if cfg.overlap { "overlap" } else { "serial" }
         ),
@@ -531,31 +969,75 @@ pub fn calibrate(
         threads: if cfg.threads > 0 { cfg.threads } else { base.threads },
     };
     profile.validate()?;
+    Ok(profile)
+}
 
+/// Replay `run`'s trace with `profile` and return the simulated CSV.
+fn replay_run(
+    run: &RunInput,
+    cfg: &RunConfig,
+    profile: &DeviceProfile,
+) -> Result<MetricsCsv, SimError> {
+    let Some(p) = run.prepared else {
+        return Err(SimError::invalid("--trace", "no route trace to replay"));
+    };
+    let mut csv_out = Vec::new();
+    let run_cfg = replay_config(p, cfg);
+    replay::run(
+        ReplaySetup {
+            trace: p.trace.clone(),
+            plan: p.plan.clone(),
+            layout: &p.layout,
+            cfg: &run_cfg,
+            budget_bytes: cfg.cache_budget_mb.saturating_mul(MIB),
+            policy: bmoe_core::policy::by_name(run_cfg.eviction.name())
+                .ok_or_else(|| SimError::invalid("eviction", "unknown policy"))?,
+            profile,
+            seed: 0,
+        },
+        ReplayOutputs {
+            csv: Some(&mut csv_out),
+            ..ReplayOutputs::default()
+        },
+    )?;
+    MetricsCsv::parse(&String::from_utf8_lossy(&csv_out))
+        .map_err(|e| SimError::invalid("calibration replay", e.to_string()))
+}
+
+/// Fit a profile to one run. `prepared` is the route trace (with a configuration and the base
+/// profile whose unfitted fields — alignment — are kept); `io` the measured io trace.
+pub fn calibrate(
+    csv: &MetricsCsv,
+    csv_name: &str,
+    prepared: Option<&Prepared>,
+    io: Option<&[IoRecord]>,
+    base: &DeviceProfile,
+    name: &str,
+) -> Result<Calibration, SimError> {
+    let run = RunInput {
+        csv,
+        name: csv_name,
+        prepared,
+        io,
+    };
+    calibrate_run(&run, base, name, FitOptions::default())
+}
+
+/// `calibrate` with the fit's options.
+pub fn calibrate_run(
+    run: &RunInput,
+    base: &DeviceProfile,
+    name: &str,
+    opts: FitOptions,
+) -> Result<Calibration, SimError> {
+    let s = samples(run, base)?;
+    let cfg = s.cfg.clone();
+    let mut notes = Vec::new();
+    let mut profile = fit_profile(&[*run], &[s], base, name, opts, &mut notes)?;
     // In-sample accuracy: replay with the fitted profile and compare.
-    if let Some(p) = prepared {
-        let mut csv_out = Vec::new();
-        let run_cfg = replay_config(p, &cfg);
-        replay::run(
-            ReplaySetup {
-                trace: p.trace.clone(),
-                plan: p.plan.clone(),
-                layout: &p.layout,
-                cfg: &run_cfg,
-                budget_bytes: cfg.cache_budget_mb.saturating_mul(MIB),
-                policy: bmoe_core::policy::by_name(run_cfg.eviction.name())
-                    .ok_or_else(|| SimError::invalid("eviction", "unknown policy"))?,
-                profile: &profile,
-                seed: 0,
-            },
-            ReplayOutputs {
-                csv: Some(&mut csv_out),
-                ..ReplayOutputs::default()
-            },
-        )?;
-        let sim = MetricsCsv::parse(&String::from_utf8_lossy(&csv_out))
-            .map_err(|e| SimError::invalid("calibration replay", e.to_string()))?;
-        let report = diff::compare(&sim, csv, &Tolerances::default(), false);
+    if run.prepared.is_some() {
+        let sim = replay_run(run, &cfg, &profile)?;
+        let report = diff::compare(&sim, run.csv, &Tolerances::default(), false);
         for l in report.lines.iter().filter(|l| l.kind == "time") {
             notes.push(format!("in-sample {}: {}", l.metric, l.detail));
         }
@@ -564,20 +1046,102 @@ pub fn calibrate(
     Ok(Calibration { profile, notes })
 }
 
+/// `bmoe-sim calibrate --sweep`: one profile fit over every run's decode tokens, then its
+/// accuracy twice over — in sample (each run replayed with the profile fit on all of them) and
+/// out of sample (each run replayed with the profile fit on all the others: leave one run out).
+/// Every run needs its route trace.
+pub fn calibrate_sweep(
+    runs: &[RunInput],
+    base: &DeviceProfile,
+    name: &str,
+    opts: FitOptions,
+) -> Result<Calibration, SimError> {
+    if runs.len() < 2 {
+        return Err(SimError::invalid(
+            "--sweep",
+            format!("needs at least 2 runs (--csv given {} time(s))", runs.len()),
+        ));
+    }
+    let all: Vec<RunSamples> = runs
+        .iter()
+        .map(|r| samples(r, base))
+        .collect::<Result<_, _>>()?;
+    let mut notes = Vec::new();
+    let mut profile = fit_profile(runs, &all, base, name, opts, &mut notes)?;
+    let mut errors_in = Vec::new();
+    let mut errors_out = Vec::new();
+    for (i, run) in runs.iter().enumerate() {
+        let s = &all[i];
+        let sim = replay_run(run, &s.cfg, &profile)?;
+        let e_in = decode_tok_s(&sim) / s.tok_s - 1.0;
+        // Leave run i out: fit on the others, predict it.
+        let rest_runs: Vec<RunInput> = runs
+            .iter()
+            .enumerate()
+            .filter(|&(j, _)| j != i)
+            .map(|(_, r)| *r)
+            .collect();
+        let rest: Vec<RunSamples> = runs
+            .iter()
+            .enumerate()
+            .filter(|&(j, _)| j != i)
+            .map(|(_, r)| samples(r, base))
+            .collect::<Result<_, _>>()?;
+        let held = fit_profile(&rest_runs, &rest, base, name, opts, &mut Vec::new())?;
+        let sim_out = replay_run(run, &s.cfg, &held)?;
+        let e_out = decode_tok_s(&sim_out) / s.tok_s - 1.0;
+        notes.push(format!(
+            "run {}: cache {} MiB {}, {:.1} MiB read/token, measured {:.2} tok/s; in-sample {:.2} \
+             ({:+.1}%), left out of the fit {:.2} ({:+.1}%)",
+            run.name,
+            s.cfg.cache_budget_mb,
+            run.prepared.map_or("?", |p| p.cfg.eviction.name()),
+            run.csv
+                .rows
+                .iter()
+                .map(|r| r.read_bytes as f64)
+                .sum::<f64>()
+                / MIB_F
+                / run.csv.rows.len() as f64,
+            s.tok_s,
+            decode_tok_s(&sim),
+            100.0 * e_in,
+            decode_tok_s(&sim_out),
+            100.0 * e_out
+        ));
+        errors_in.push(e_in.abs());
+        errors_out.push(e_out.abs());
+    }
+    let worst = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
+    let mean_abs = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+    notes.push(format!(
+        "accuracy: tok/s in-sample mean |error| {:.1}% (worst {:.1}%); leave-one-run-out mean \
+         |error| {:.1}% (worst {:.1}%) over {} runs",
+        100.0 * mean_abs(&errors_in),
+        100.0 * worst(&errors_in),
+        100.0 * mean_abs(&errors_out),
+        100.0 * worst(&errors_out),
+        runs.len()
+    ));
+    profile.sources = notes.clone();
+    Ok(Calibration { profile, notes })
+}
+
 /// `batch_row_factor` from the first generation's prefill, when the run had one.
 fn fit_prefill(
     csv: &MetricsCsv,
     p: &Prepared,
     cfg: &RunConfig,
+    prefill_reads: (u64, u64),
     compute: &mut ComputeParams,
     notes: &mut Vec<String>,
-) {
+) -> bool {
     let Some(first) = p.plan.turns.first() else {
-        return;
+        return false;
     };
     let (Some(index), Some(summary)) = (first.prefill, csv.summaries.first()) else {
         notes.push("prefill: none in the run; batch_row_factor kept".to_string());
-        return;
+        return false;
     };
     let get = |k: &str| summary.get(k).and_then(|v| v.parse::<f64>().ok());
     let (Some(prefill_s), Some(io_s), Some(stall_s), Some(mgmt_s)) = (
@@ -586,9 +1150,11 @@ fn fit_prefill(
         get("prefill_stall_s"),
         get("prefill_mgmt_s"),
     ) else {
-        return;
+        return false;
     };
-    let measured_ms = (prefill_s - if cfg.overlap { stall_s } else { io_s } - mgmt_s) * 1e3;
+    // The lanes' CPU during the prefill's reads is charged on top of its kernels, as in decode.
+    let measured_ms = (prefill_s - if cfg.overlap { stall_s } else { io_s } - mgmt_s) * 1e3
+        - compute.read_cpu_ns(prefill_reads.0, prefill_reads.1) / 1e6;
     let step = &p.plan.steps[index];
     let layout = &p.layout;
     let rows = step.positions.len();
@@ -622,7 +1188,9 @@ fn fit_prefill(
         notes.push(format!(
             "prefill: {rows} tokens, compute {measured_ms:.3} ms measured -> batch_row_factor {f:.3}"
         ));
+        return true;
     }
+    false
 }
 
 #[cfg(test)]
@@ -726,12 +1294,25 @@ mod tests {
         csv: &std::path::Path,
         io: Option<&std::path::Path>,
     ) {
+        measure_at(dir, trace, truth, "4", flags, csv, io);
+    }
+
+    /// `measure_with` at a budget of `mb` MiB.
+    fn measure_at(
+        dir: &std::path::Path,
+        trace: &std::path::Path,
+        truth: &DeviceProfile,
+        mb: &str,
+        flags: &[&str],
+        csv: &std::path::Path,
+        io: Option<&std::path::Path>,
+    ) {
         let truth_path = dir.join("truth.json");
         std::fs::write(&truth_path, truth.to_json()).expect("profile");
         let mut args: Vec<String> = vec!["bmoe-sim".into(), "replay".into(), "--trace".into()];
         args.push(trace.display().to_string());
         args.extend(["--profile".into(), truth_path.display().to_string()]);
-        args.extend(["--cache-mb", "4", "--force-cache"].map(String::from));
+        args.extend(["--cache-mb", mb, "--force-cache"].map(String::from));
         args.extend(flags.iter().map(|f| f.to_string()));
         args.extend(["--csv".into(), csv.display().to_string()]);
         if let Some(io) = io {
@@ -762,6 +1343,7 @@ mod tests {
                 device_mib_per_s: 900.0,
                 align_bytes: 4096,
                 jitter: 0.0,
+                service_quantiles: Vec::new(),
             },
             compute: ComputeParams {
                 dense_mib_per_s: 3000.0,
@@ -773,6 +1355,8 @@ mod tests {
                 release_us: 0.0,
                 release_us_per_mib: 150.0,
                 loop_overhead_ms: 0.5,
+                read_cpu_us: 0.0,
+                read_cpu_us_per_mib: 0.0,
                 jitter: 0.0,
             },
             mem_available_mib: 5000,
@@ -839,6 +1423,7 @@ mod tests {
             device_mib_per_s: 1200.0,
             align_bytes: 4096,
             jitter: 0.0,
+            service_quantiles: Vec::new(),
         };
         truth.compute.jitter = 0.0;
         truth.flash.jitter = 0.0;
@@ -891,6 +1476,143 @@ mod tests {
             .and_then(|t| t.trim().parse().ok())
             .expect("error figure");
         assert!(err_pct.abs() <= 10.0, "{tok_s}\n{:#?}", c.notes);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A device whose lanes take CPU from the kernels (60 µs per read): runs at three budgets
+    /// read 3× apart; one calibration recovers the per-read cost, the sweep fit over all three
+    /// predicts each run left out of it, and the single-rate fit of one run mispredicts the
+    /// others — the issue-19 error, reproduced and removed.
+    #[test]
+    fn the_lanes_cpu_is_fitted_and_holds_at_other_read_volumes() {
+        let dir = std::env::temp_dir().join(format!("bmoe-sim-cal-cpu-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let trace_path = dir.join("t.csv");
+        std::fs::write(&trace_path, synthetic_trace(200)).expect("trace");
+        let mut truth = DeviceProfile::load("this-machine").expect("base");
+        truth.flash = FlashParams {
+            read_latency_us: 100.0,
+            lane_mib_per_s: 600.0,
+            device_mib_per_s: 1200.0,
+            align_bytes: 4096,
+            jitter: 0.0,
+            service_quantiles: Vec::new(),
+        };
+        truth.compute.jitter = 0.0;
+        truth.compute.read_cpu_us = 60.0;
+        truth.compute.read_cpu_us_per_mib = 0.0;
+        truth.compute.release_us_per_mib = 20.0;
+        let (mut stream, telemetry) = crate::cli::default_flags().expect("flags");
+        stream.overlap = true;
+        stream.io_threads = Some(2);
+        let prepared = crate::cli::prepare(
+            &trace_path,
+            crate::cli::Reprice::Own,
+            Some("this-machine"),
+            None,
+            &stream,
+            &telemetry,
+            0,
+            &[],
+        )
+        .expect("prepare");
+        let base = DeviceProfile::load("this-machine").expect("base");
+        let budgets = ["2", "4", "7"];
+        let csvs: Vec<MetricsCsv> = budgets
+            .iter()
+            .map(|mb| {
+                let path = dir.join(format!("run{mb}.csv"));
+                measure_at(
+                    &dir,
+                    &trace_path,
+                    &truth,
+                    mb,
+                    &["--io-threads", "2", "--overlap"],
+                    &path,
+                    None,
+                );
+                MetricsCsv::parse(&std::fs::read_to_string(&path).expect("csv")).expect("parse")
+            })
+            .collect();
+        let volume = |c: &MetricsCsv| c.rows.iter().map(|r| r.read_bytes).sum::<u64>() as f64;
+        assert!(
+            volume(&csvs[0]) >= 3.0 * volume(&csvs[2]),
+            "the budgets must span 3x the read volume"
+        );
+        let names: Vec<String> = budgets.iter().map(|b| format!("run{b}.csv")).collect();
+        let inputs: Vec<RunInput> = csvs
+            .iter()
+            .zip(&names)
+            .map(|(csv, name)| RunInput {
+                csv,
+                name,
+                prepared: Some(&prepared),
+                io: None,
+            })
+            .collect();
+        // Budgets differ, the trace is one: the replay must use each run's own budget.
+        let predict = |profile: &DeviceProfile, i: usize| -> f64 {
+            let cfg = run_config_from_csv(&csvs[i]).expect("cfg");
+            let sim = replay_run(&inputs[i], &cfg, profile).expect("replay");
+            decode_tok_s(&sim) / decode_tok_s(&csvs[i]) - 1.0
+        };
+        // One run (the middle budget) with the lanes' CPU: recovered, and it holds elsewhere.
+        let one = calibrate_run(&inputs[1], &base, "fit", FitOptions::default()).expect("fit");
+        let k = &one.profile.compute;
+        let mean_read_mib = 102400.0 / MIB_F;
+        let per_read_us = k.read_cpu_us + k.read_cpu_us_per_mib * mean_read_mib;
+        assert!(
+            (per_read_us - 60.0).abs() <= 6.0,
+            "lanes' CPU per read: fitted {per_read_us} us, true 60\n{:#?}",
+            one.notes
+        );
+        for i in [0, 2] {
+            let e = predict(&one.profile, i);
+            assert!(
+                e.abs() <= 0.05,
+                "budget {}: {:+.1}%\n{:#?}",
+                budgets[i],
+                100.0 * e,
+                one.notes
+            );
+        }
+        // The single-rate fit folds the middle run's lanes' CPU into its rate: off at the others.
+        let single = calibrate_run(
+            &inputs[1],
+            &base,
+            "fit",
+            FitOptions {
+                read_cpu: false,
+                service_spread: false,
+            },
+        )
+        .expect("fit");
+        assert_eq!(single.profile.compute.read_cpu_us, 0.0);
+        let worst = [0, 2]
+            .iter()
+            .map(|&i| predict(&single.profile, i).abs())
+            .fold(0.0, f64::max);
+        assert!(
+            worst > 0.05,
+            "the single-rate fit should drift: worst {worst}"
+        );
+        // The sweep: one fit over all three, and each run left out still predicted.
+        let sweep = calibrate_sweep(&inputs, &base, "fit", FitOptions::default()).expect("sweep");
+        let acc = sweep
+            .notes
+            .iter()
+            .find(|n| n.starts_with("accuracy:"))
+            .expect("accuracy note");
+        let worst_out: f64 = acc
+            .split("leave-one-run-out mean |error| ")
+            .nth(1)
+            .and_then(|t| t.split("(worst ").nth(1))
+            .and_then(|t| t.split('%').next())
+            .and_then(|t| t.trim().parse().ok())
+            .expect("worst figure");
+        assert!(worst_out <= 5.0, "{acc}\n{:#?}", sweep.notes);
+        assert_eq!(sweep.profile.sources, sweep.notes);
+        assert!(calibrate_sweep(&inputs[..1], &base, "fit", FitOptions::default()).is_err());
         let _ = std::fs::remove_dir_all(&dir);
     }
 

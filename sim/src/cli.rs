@@ -174,16 +174,26 @@ pub struct FuzzArgs {
 /// Flags of `bmoe-sim calibrate`.
 #[derive(Args, Debug, Clone)]
 pub struct CalibrateArgs {
-    /// The measured run's `--csv`
-    #[arg(long, value_name = "RUN.csv")]
-    pub csv: PathBuf,
-    /// The run's `--io-trace` (the reads as measured)
+    /// The measured run's `--csv` (with --sweep: once per run)
+    #[arg(long, value_name = "RUN.csv", required = true)]
+    pub csv: Vec<PathBuf>,
+    /// The run's `--io-trace` (the reads as measured; with --sweep: none, or one per --csv in
+    /// the same order)
     #[arg(long, value_name = "IO.csv")]
-    pub io_trace: Option<PathBuf>,
+    pub io_trace: Vec<PathBuf>,
     /// The run's `--route-trace` (what each token read and computed; without it compute is a
-    /// fixed time per token)
+    /// fixed time per token; with --sweep: one per --csv in the same order)
     #[arg(long, value_name = "ROUTE.csv")]
-    pub trace: Option<PathBuf>,
+    pub trace: Vec<PathBuf>,
+    /// Fit one profile over several runs (e.g. 2-3 budgets or policies, one I/O configuration)
+    /// by least squares over all their tokens, and report its leave-one-run-out error
+    #[arg(long)]
+    pub sweep: bool,
+    /// The fit before issue 19, for comparison: compute as one rate with the lanes' CPU folded
+    /// in at the calibration run's read volume, flash a mean rate without the measured spread
+    /// of read times (it does not hold at other read volumes)
+    #[arg(long)]
+    pub single_rate: bool,
     /// Where to write the profile (JSON)
     #[arg(long, value_name = "PROFILE.json")]
     pub out: PathBuf,
@@ -1473,12 +1483,33 @@ fn cmd_fuzz(a: FuzzArgs, out: &mut dyn Write, err: &mut dyn Write) -> Result<i32
 }
 
 fn cmd_calibrate(a: CalibrateArgs, out: &mut dyn Write) -> Result<i32, SimError> {
-    let csv = load_metrics(&a.csv)?;
+    let runs = a.csv.len();
+    if !a.sweep && runs != 1 {
+        return Err(SimError::invalid(
+            "--csv",
+            format!("given {runs} times: fitting several runs needs --sweep"),
+        ));
+    }
+    for (flag, n) in [("--trace", a.trace.len()), ("--io-trace", a.io_trace.len())] {
+        if n != 0 && n != runs {
+            return Err(SimError::invalid(
+                flag,
+                format!("given {n} times for {runs} --csv: give none or one per run, in order"),
+            ));
+        }
+    }
     let base = DeviceProfile::load(&a.base)?;
-    let prepared = match &a.trace {
-        Some(t) => {
-            let (stream, telemetry) = default_flags()?;
-            Some(prepare(
+    let csvs: Vec<bmoe_core::telemetry::MetricsCsv> = a
+        .csv
+        .iter()
+        .map(|p| load_metrics(p))
+        .collect::<Result<_, _>>()?;
+    let (stream, telemetry) = default_flags()?;
+    let prepared: Vec<Prepared> = a
+        .trace
+        .iter()
+        .map(|t| {
+            prepare(
                 t,
                 Reprice::Own,
                 Some(&a.base),
@@ -1487,32 +1518,40 @@ fn cmd_calibrate(a: CalibrateArgs, out: &mut dyn Write) -> Result<i32, SimError>
                 &telemetry,
                 0,
                 &[],
-            )?)
-        }
-        None => None,
-    };
-    let io = match &a.io_trace {
-        Some(path) => {
-            let text = std::fs::read_to_string(path).map_err(|e| SimError::io(path, e))?;
-            Some(
-                bmoe_core::telemetry::io_trace::parse_io_trace(&text).map_err(|source| {
-                    SimError::Parse {
-                        path: path.clone(),
-                        source,
-                    }
-                })?,
             )
-        }
-        None => None,
+        })
+        .collect::<Result<_, _>>()?;
+    let ios: Vec<Vec<bmoe_core::records::IoRecord>> = a
+        .io_trace
+        .iter()
+        .map(|path| {
+            let text = std::fs::read_to_string(path).map_err(|e| SimError::io(path, e))?;
+            bmoe_core::telemetry::io_trace::parse_io_trace(&text).map_err(|source| {
+                SimError::Parse {
+                    path: path.clone(),
+                    source,
+                }
+            })
+        })
+        .collect::<Result<_, _>>()?;
+    let names: Vec<String> = a.csv.iter().map(|p| p.display().to_string()).collect();
+    let inputs: Vec<crate::calibrate::RunInput> = (0..runs)
+        .map(|i| crate::calibrate::RunInput {
+            csv: &csvs[i],
+            name: &names[i],
+            prepared: prepared.get(i),
+            io: ios.get(i).map(Vec::as_slice),
+        })
+        .collect();
+    let opts = crate::calibrate::FitOptions {
+        read_cpu: !a.single_rate,
+        service_spread: !a.single_rate,
     };
-    let c = crate::calibrate::calibrate(
-        &csv,
-        &a.csv.display().to_string(),
-        prepared.as_ref(),
-        io.as_deref(),
-        &base,
-        &a.name,
-    )?;
+    let c = if a.sweep {
+        crate::calibrate::calibrate_sweep(&inputs, &base, &a.name, opts)?
+    } else {
+        crate::calibrate::calibrate_run(&inputs[0], &base, &a.name, opts)?
+    };
     write_file(&a.out, &c.profile.to_json())?;
     let w = |e| SimError::io("stdout", e);
     for n in &c.notes {

@@ -12,7 +12,13 @@
 //! - `release(slot)`: `release_us + release_us_per_mib × expert MiB` per eviction — the
 //!   cache-management cost of churn (freeing a slot's pages and committing the next one's),
 //!   which is what makes churn-heavy policies lose on device;
-//! - `loop_gap()`: `loop_overhead_ms` between two decode steps (sampling, detokenisation).
+//! - `loop_gap()`: `loop_overhead_ms` between two decode steps (sampling, detokenisation);
+//! - the CPU the I/O lanes take from the kernels: `read_cpu_us` per read submitted plus
+//!   `read_cpu_us_per_mib` per MiB it reads, charged to the next compute call after the read
+//!   was submitted (a `ReadMeter` shared with the flash model counts them). On a machine whose
+//!   lanes share the kernels' cores (O_DIRECT submission, completion, copies, checksums), the
+//!   measured compute per token grows with the read volume; without this term a profile
+//!   calibrated at one read volume is fast at a larger one and slow at a smaller one.
 //!
 //! Predictions (`Backend::predict`) are replayed from the trace's `pred<h>` columns (or, for
 //! a `--route-ahead` trace, its committed routing) and cost no modelled time: the engine's
@@ -34,6 +40,8 @@ use bmoe_core::{
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
+use std::cell::Cell;
+use std::rc::Rc;
 use std::sync::Arc;
 use thiserror::Error;
 
@@ -75,6 +83,13 @@ pub struct ComputeParams {
     /// Time between two decode steps (sampling, detokenisation), milliseconds.
     #[serde(default)]
     pub loop_overhead_ms: f64,
+    /// CPU the I/O lanes take from the kernels per read submitted, microseconds (charged to
+    /// compute; 0 in profiles written before it existed).
+    #[serde(default)]
+    pub read_cpu_us: f64,
+    /// CPU the I/O lanes take from the kernels per MiB read, microseconds.
+    #[serde(default)]
+    pub read_cpu_us_per_mib: f64,
     /// Relative jitter in [0, 1): 0 = none.
     #[serde(default)]
     pub jitter: f64,
@@ -98,6 +113,8 @@ impl ComputeParams {
             ("release_us", self.release_us),
             ("release_us_per_mib", self.release_us_per_mib),
             ("loop_overhead_ms", self.loop_overhead_ms),
+            ("read_cpu_us", self.read_cpu_us),
+            ("read_cpu_us_per_mib", self.read_cpu_us_per_mib),
             ("jitter", self.jitter),
         ];
         for (name, v) in fields {
@@ -141,6 +158,11 @@ impl ComputeParams {
         (self.release_us + self.release_us_per_mib * bytes as f64 / MIB_F) * 1e3
     }
 
+    /// Modelled CPU the lanes take from the kernels for `reads` reads of `bytes` in all.
+    pub fn read_cpu_ns(&self, reads: u64, bytes: u64) -> f64 {
+        (self.read_cpu_us * reads as f64 + self.read_cpu_us_per_mib * bytes as f64 / MIB_F) * 1e3
+    }
+
     /// Cost multiplier of a batch of `rows` rows.
     pub fn batch_factor(&self, rows: usize) -> f64 {
         1.0 + rows.saturating_sub(1) as f64 * self.batch_row_factor
@@ -152,6 +174,28 @@ fn per_byte_ns(bytes: u64, mib_per_s: f64) -> f64 {
         bytes as f64 / (mib_per_s * MIB_F) * 1e9
     } else {
         0.0
+    }
+}
+
+/// Reads submitted so far and their bytes, counted by the flash model and read by the compute
+/// model (which charges their CPU to the kernels). Shared on one thread, like the clock.
+#[derive(Clone, Debug, Default)]
+pub struct ReadMeter(Rc<Cell<(u64, u64)>>);
+
+impl ReadMeter {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Count one read of `bytes`.
+    pub fn add(&self, bytes: u64) {
+        let (n, b) = self.0.get();
+        self.0.set((n + 1, b.saturating_add(bytes)));
+    }
+
+    /// (reads, bytes) counted so far.
+    pub fn get(&self) -> (u64, u64) {
+        self.0.get()
     }
 }
 
@@ -182,6 +226,9 @@ pub struct TraceBackend {
     ids: Vec<u16>,
     weights: Vec<f32>,
     busy: Nanos,
+    /// Reads the flash model counted, and how many of them were charged already.
+    reads: Option<ReadMeter>,
+    reads_charged: (u64, u64),
 }
 
 impl TraceBackend {
@@ -226,7 +273,15 @@ impl TraceBackend {
             ids: Vec::new(),
             weights: Vec::new(),
             busy: Nanos::ZERO,
+            reads: None,
+            reads_charged: (0, 0),
         }
+    }
+
+    /// Charge the lanes' CPU of the reads `meter` counts (the flash model's) to compute.
+    pub fn set_read_meter(&mut self, meter: ReadMeter) {
+        self.reads_charged = meter.get();
+        self.reads = Some(meter);
     }
 
     /// Route the next `Engine::step` from plan step `index`.
@@ -270,6 +325,25 @@ impl TraceBackend {
         let d = self.charge_ns(ns);
         self.busy += d;
     }
+
+    /// A kernel's time plus the lanes' CPU taken since the last kernel (not charged to
+    /// `release`, which the core times as cache management).
+    fn charge_kernel(&mut self, ns: f64) {
+        let ns = ns + self.pending_read_cpu_ns();
+        self.charge_busy(ns);
+    }
+
+    /// The lanes' CPU of the reads submitted since the last charge.
+    fn pending_read_cpu_ns(&mut self) -> f64 {
+        let Some(meter) = &self.reads else {
+            return 0.0;
+        };
+        let (n, b) = meter.get();
+        let (n0, b0) = self.reads_charged;
+        self.reads_charged = (n, b);
+        self.params
+            .read_cpu_ns(n.saturating_sub(n0), b.saturating_sub(b0))
+    }
 }
 
 impl Backend for TraceBackend {
@@ -286,7 +360,7 @@ impl Backend for TraceBackend {
     fn dense(&mut self, layer: u32) -> Result<(), Self::Error> {
         let bytes = self.dense_bytes.get(layer as usize).copied().unwrap_or(0);
         let ns = self.params.dense_ns(bytes) * self.params.batch_factor(self.n_tokens);
-        self.charge_busy(ns);
+        self.charge_kernel(ns);
         Ok(())
     }
 
@@ -322,7 +396,7 @@ impl Backend for TraceBackend {
             .copied()
             .unwrap_or(0);
         let ns = self.params.expert_ns(bytes) * self.params.batch_factor(uses.len());
-        self.charge_busy(ns);
+        self.charge_kernel(ns);
         Ok(())
     }
 
@@ -332,7 +406,7 @@ impl Backend for TraceBackend {
 
     fn head(&mut self) -> Result<(), Self::Error> {
         let ns = self.params.head_ms * 1e6;
-        self.charge_busy(ns);
+        self.charge_kernel(ns);
         Ok(())
     }
 
@@ -424,6 +498,8 @@ mod tests {
             release_us: 300.0,
             release_us_per_mib: 100.0,
             loop_overhead_ms: 2.0,
+            read_cpu_us: 0.0,
+            read_cpu_us_per_mib: 0.0,
             jitter: 0.0,
         }
     }

@@ -46,7 +46,19 @@ pub struct FlashParams {
     /// Relative jitter in [0, 1): 0 = none.
     #[serde(default)]
     pub jitter: f64,
+    /// The measured spread of read service times: multipliers of a read's modelled time
+    /// (latency and transfer), one per evenly spaced quantile, mean 1 (`calibrate` writes them
+    /// from an io trace). Each read draws one uniformly (seeded, stream 1) instead of the
+    /// uniform jitter. A lane preempted for a few milliseconds gives a heavy tail, and a layer
+    /// waits for its slowest read: the more reads a layer has, the more of the tail it meets,
+    /// so the stall grows faster than the mean read time — which a mean rate alone misses.
+    /// Empty (the default) = no spread beyond `jitter`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub service_quantiles: Vec<f64>,
 }
+
+/// At most this many `service_quantiles`.
+pub const MAX_SERVICE_QUANTILES: usize = 1024;
 
 impl FlashParams {
     /// Check every field is usable: positive finite rates, a non-negative finite latency, a
@@ -80,6 +92,22 @@ impl FlashParams {
             return Err(bad(format!(
                 "flash.jitter={} must be in [0, 1)",
                 self.jitter
+            )));
+        }
+        if self.service_quantiles.len() > MAX_SERVICE_QUANTILES {
+            return Err(bad(format!(
+                "flash.service_quantiles has {} values, at most {MAX_SERVICE_QUANTILES}",
+                self.service_quantiles.len()
+            )));
+        }
+        if let Some((i, v)) = self
+            .service_quantiles
+            .iter()
+            .enumerate()
+            .find(|(_, v)| !(v.is_finite() && **v > 0.0 && **v <= 1e4))
+        {
+            return Err(bad(format!(
+                "flash.service_quantiles[{i}]={v} must be a finite multiplier in (0, 10000]"
             )));
         }
         Ok(())
@@ -138,6 +166,8 @@ pub struct FlashModel {
     device_rate: f64,
     align_bytes: u64,
     jitter: f64,
+    /// `FlashParams::service_quantiles`.
+    service: Vec<f64>,
     rng: ChaCha8Rng,
     /// The model's own time: every event up to it has been processed.
     t: u64,
@@ -155,6 +185,8 @@ pub struct FlashModel {
     injector: Option<FaultInjector>,
     /// `--read-timeout-ms`, in virtual nanoseconds.
     timeout_ns: u64,
+    /// Counts every read submitted, for the compute model's lane-CPU charge.
+    meter: Option<crate::compute::ReadMeter>,
 }
 
 impl FlashModel {
@@ -183,6 +215,7 @@ impl FlashModel {
                 1
             },
             jitter: params.jitter,
+            service: params.service_quantiles.clone(),
             rng,
             t: 0,
             next_id: 0,
@@ -193,7 +226,14 @@ impl FlashModel {
             bytes_read: 0,
             injector: None,
             timeout_ns: bmoe_core::flags::READ_TIMEOUT_MS_DEFAULT * 1_000_000,
+            meter: None,
         }
+    }
+
+    /// Count every read submitted (and its aligned bytes) on `meter`: the compute model
+    /// charges the lanes' CPU from it.
+    pub fn set_read_meter(&mut self, meter: crate::compute::ReadMeter) {
+        self.meter = Some(meter);
     }
 
     /// `--inject-faults`: EIO and short reads fail at their modelled completion, a spike adds
@@ -241,7 +281,10 @@ impl FlashModel {
     }
 
     fn jitter_factor(&mut self) -> f64 {
-        if self.jitter == 0.0 {
+        if !self.service.is_empty() {
+            let i = self.rng.gen_range(0..self.service.len());
+            self.service[i]
+        } else if self.jitter == 0.0 {
             1.0
         } else {
             let u: f64 = self.rng.gen::<f64>() * 2.0 - 1.0;
@@ -469,6 +512,9 @@ impl Flash for FlashModel {
         if failed {
             self.completed.push(Reverse((now, id)));
         } else {
+            if let Some(m) = &self.meter {
+                m.add(read_bytes);
+            }
             let lane = read.lane as usize;
             self.queues[lane].push_back(id);
             if self.queues[lane].len() == 1 {
@@ -563,6 +609,7 @@ mod tests {
 
     fn params(latency_us: f64, lane: f64, device: f64) -> FlashParams {
         FlashParams {
+            service_quantiles: Vec::new(),
             read_latency_us: latency_us,
             lane_mib_per_s: lane,
             device_mib_per_s: device,
@@ -576,6 +623,43 @@ mod tests {
     }
 
     const MIB: u64 = 1 << 20;
+
+    /// Each read's service time is the model's times one of the measured multipliers, drawn
+    /// from the seeded stream: only those values occur, each about equally often, the same
+    /// sequence for the same seed; bad multipliers are refused by name.
+    #[test]
+    fn service_quantiles_spread_read_times_reproducibly() {
+        let mut p = params(0.0, 1024.0, 1024.0);
+        p.service_quantiles = vec![0.5, 1.0, 4.0];
+        let durations = |seed: u64| -> Vec<u64> {
+            let clock = VirtualClock::new();
+            let mut f = FlashModel::new(clock, &p, 1, true, seed);
+            (0..300)
+                .map(|i| {
+                    let id = f.submit(req(0, i * MIB, MIB));
+                    let d = f.wait(id).expect("read");
+                    d.end.0 - d.start.0
+                })
+                .collect()
+        };
+        let a = durations(9);
+        assert_eq!(a, durations(9), "same seed, same draws");
+        let mut counts = [0usize; 3];
+        for &d in &a {
+            // 1 MiB at 1024 MiB/s: 976 562.5 ns.
+            let m = d as f64 / 976_562.5;
+            let i = [0.5, 1.0, 4.0]
+                .iter()
+                .position(|q| (m - q).abs() < 0.01)
+                .unwrap_or_else(|| panic!("duration {d} ns is no listed multiple of 976562.5"));
+            counts[i] += 1;
+        }
+        assert!(counts.iter().all(|&c| c > 60), "{counts:?}");
+        p.service_quantiles = vec![1.0, f64::NAN];
+        assert!(p.validate("x").is_err());
+        p.service_quantiles = vec![0.0];
+        assert!(p.validate("x").is_err());
+    }
 
     #[test]
     fn injected_faults_fail_delay_or_stick_reads_and_a_stuck_wait_times_out() {

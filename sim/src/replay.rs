@@ -255,12 +255,14 @@ pub fn run(setup: ReplaySetup<'_>, out: ReplayOutputs<'_>) -> Result<ReplayResul
         seed,
     );
     flash.set_read_timeout_ms(cfg.read_timeout_ms);
+    let meter = crate::compute::ReadMeter::new();
+    flash.set_read_meter(meter.clone());
     if let Some(plan) = &cfg.inject_faults {
         flash.set_faults(plan.clone());
     }
     // As in the engine: a read failing with EIO or short is retried before it is reported.
     let flash = RetryFlash::new(flash, READ_RETRIES);
-    let backend = TraceBackend::new(
+    let mut backend = TraceBackend::new(
         clock.clone(),
         &profile.compute,
         layout,
@@ -268,6 +270,7 @@ pub fn run(setup: ReplaySetup<'_>, out: ReplayOutputs<'_>) -> Result<ReplayResul
         plan.clone(),
         seed,
     );
+    backend.set_read_meter(meter);
     let cache = ExpertCache::new(layout, budget_bytes, k, policy)?;
     let mut engine = Engine::new(
         clock.clone(),
