@@ -142,6 +142,13 @@ pub trait Arch: Send + Sync {
         input: &ExpertIn<'_>,
         out: &mut Vec<f32>,
     ) -> Result<(), ArchError>;
+    /// The activation of layer `layer`'s experts when each one is exactly
+    /// `down(glu(gate·x, up·x))` over its three projections (gate, up, down; no biases, no
+    /// scales), which lets [`Model::experts_one_row`] run a decode step's experts together.
+    /// `None` (the default) computes every expert through [`Arch::expert`].
+    fn split_glu(&self, _layer: usize) -> Option<blocks::Glu> {
+        None
+    }
     /// Combine `st.moe_out` (and anything `dense` left in `st.side`) into the residual stream.
     fn finish_layer(&self, cx: &Compute, st: &mut State, layer: usize) -> Result<(), ArchError>;
     /// Final norm and output head for `st.out_rows` into `st.logits`.
@@ -159,6 +166,17 @@ pub struct ExpertIn<'a> {
     /// architecture uses them for a projection of `rows` whose activation format they have
     /// ([`crate::kernels::ActBuf::format`]) and quantises `rows` itself otherwise.
     pub prepared: &'a [&'a ActBuf],
+}
+
+/// One routed expert of a step whose layer has a single FFN row (decode), for
+/// [`Model::experts_one_row`].
+pub struct RowExpert<'a> {
+    pub expert: usize,
+    /// The expert's projections' bytes in read order (gate, up, down).
+    pub proj: [&'a [u8]; 3],
+    /// Its rank in the row's routing and its weight.
+    pub rank: u16,
+    pub weight: f32,
 }
 
 /// An architecture's loader: check and map `file`'s tensors, applying a dense mode.
@@ -585,18 +603,8 @@ impl<A: Arch + ?Sized> Model<A> {
                 });
             }
         }
-        // Every FFN row's input quantised once per layer for the first projection (a row is
-        // routed to k experts; in a batch, an expert serves many rows), the rows split across
-        // the pool; each expert takes its rows' activations by reference. The bits are those
-        // of quantising an expert's rows itself.
-        let ty = xs[0].info.ty;
         let m = st.ffn_rows.len();
-        let fmt = kernels::ActFormat::for_weights(ty);
-        if fmt.is_some() && st.h_acts_for != fmt.map(|f| (layer, f)) {
-            st.h_acts_for = None;
-            blocks::prepare_acts(&self.cx.pool, ty, &st.h, m, d, &mut st.h_acts)?;
-            st.h_acts_for = fmt.map(|f| (layer, f));
-        }
+        self.prepare_h_acts(st, layer)?;
         let State {
             h,
             h_acts,
@@ -637,6 +645,155 @@ impl<A: Arch + ?Sized> Model<A> {
             let dst = &mut moe[slot * d..(slot + 1) * d];
             for (o, &y) in dst.iter_mut().zip(&expert_out[i * d..(i + 1) * d]) {
                 *o = y * w;
+            }
+            moe_filled[slot] = true;
+        }
+        Ok(())
+    }
+
+    /// Every FFN row's input quantised once per layer for the first expert projection (a row
+    /// is routed to k experts; in a batch, an expert serves many rows), the rows split across
+    /// the pool; each expert takes its rows' activations by reference. The bits are those of
+    /// quantising an expert's rows itself. Nothing when that projection has no activation
+    /// format.
+    fn prepare_h_acts(&self, st: &mut State, layer: usize) -> Result<(), ArchError> {
+        let Some(x) = self.experts(layer).first() else {
+            return Ok(());
+        };
+        let ty = x.info.ty;
+        let fmt = kernels::ActFormat::for_weights(ty);
+        if fmt.is_some() && st.h_acts_for != fmt.map(|f| (layer, f)) {
+            st.h_acts_for = None;
+            let (m, d) = (st.ffn_rows.len(), self.dims.d_model);
+            blocks::prepare_acts(&self.cx.pool, ty, &st.h, m, d, &mut st.h_acts)?;
+            st.h_acts_for = fmt.map(|f| (layer, f));
+        }
+        Ok(())
+    }
+
+    /// True when [`Model::experts_one_row`] runs layer `layer`'s experts together: they are
+    /// split gated FFNs ([`Arch::split_glu`]) whose gate and up read one activation format, and
+    /// the step has one FFN row.
+    pub fn experts_batchable(&self, st: &State, layer: usize) -> bool {
+        let xs = self.experts(layer);
+        st.ffn_rows.len() == 1
+            && xs.len() == 3
+            && self.arch.split_glu(layer).is_some()
+            && kernels::ActFormat::for_weights(xs[0].info.ty).is_some()
+            && kernels::ActFormat::for_weights(xs[0].info.ty)
+                == kernels::ActFormat::for_weights(xs[1].info.ty)
+    }
+
+    /// The routed experts of a layer with a single FFN row (a decode step), all at once:
+    /// every expert's gate and up in one round of the pool, the activations between them, then
+    /// every down in one more — two hand-offs per layer instead of two per expert. Each
+    /// output row gets exactly the bits [`Model::expert`] gives it (the same kernels on the
+    /// same rows and activations), lands weighted in its rank's slot, and is summed in rank
+    /// order by `finish_layer` as before. Where the layer is not [`Model::experts_batchable`]
+    /// it computes the experts one by one through [`Model::expert`].
+    pub fn experts_one_row(
+        &self,
+        st: &mut State,
+        layer: usize,
+        jobs: &[RowExpert<'_>],
+    ) -> Result<(), ArchError> {
+        let glu = match self.arch.split_glu(layer) {
+            Some(glu) if self.experts_batchable(st, layer) => glu,
+            _ => {
+                for j in jobs {
+                    self.expert(st, layer, j.expert, &j.proj, &[(0, j.rank, j.weight)])?;
+                }
+                return Ok(());
+            }
+        };
+        if jobs.is_empty() {
+            return Ok(());
+        }
+        let xs = self.experts(layer);
+        let (g, u, dn) = (&xs[0], &xs[1], &xs[2]);
+        for j in jobs {
+            for (p, x) in j.proj.iter().zip(xs) {
+                if p.len() as u64 != x.stride {
+                    return Err(ArchError::Tensor {
+                        file: String::new(),
+                        tensor: x.info.name.clone(),
+                        what: format!("expert slice of {} bytes, expected {}", p.len(), x.stride),
+                    });
+                }
+            }
+            if j.rank as usize >= st.moe_k {
+                return Err(ArchError::Tensor {
+                    file: String::new(),
+                    tensor: format!("blk.{layer} experts"),
+                    what: format!("expert rank {}, but the layer keeps {}", j.rank, st.moe_k),
+                });
+            }
+        }
+        self.prepare_h_acts(st, layer)?;
+        let (d, ff, n) = (self.dims.d_model, g.rows, jobs.len());
+        let State {
+            h_acts,
+            expert_out,
+            scratch,
+            moe,
+            moe_filled,
+            ..
+        } = st;
+        scratch.gate.resize(n * ff, 0.0);
+        scratch.up.resize(n * ff, 0.0);
+        expert_out.resize(n * d, 0.0);
+        let act = std::slice::from_ref(&h_acts[0]);
+        let mut products = Vec::with_capacity(2 * n);
+        for ((j, gate), up) in jobs
+            .iter()
+            .zip(scratch.gate.chunks_exact_mut(ff))
+            .zip(scratch.up.chunks_exact_mut(ff))
+        {
+            for (ty, w, out) in [(g.info.ty, j.proj[0], gate), (u.info.ty, j.proj[1], up)] {
+                products.push(kernels::Product {
+                    ty,
+                    w,
+                    n_rows: ff,
+                    n_cols: d,
+                    acts: act,
+                    out,
+                });
+            }
+        }
+        kernels::matmul_round(&self.cx.pool, &mut products).map_err(blocks::kerr)?;
+        drop(products);
+        if scratch.act2.len() < n {
+            scratch.act2.resize_with(n, ActBuf::new);
+        }
+        for ((gate, up), a) in scratch
+            .gate
+            .chunks_exact_mut(ff)
+            .zip(scratch.up.chunks_exact(ff))
+            .zip(scratch.act2.iter_mut())
+        {
+            glu.apply(gate, up);
+            a.prepare(dn.info.ty, gate).map_err(blocks::kerr)?;
+        }
+        let mut products: Vec<kernels::Product<'_, ActBuf>> = jobs
+            .iter()
+            .zip(expert_out.chunks_exact_mut(d))
+            .zip(&scratch.act2)
+            .map(|((j, out), a)| kernels::Product {
+                ty: dn.info.ty,
+                w: j.proj[2],
+                n_rows: d,
+                n_cols: ff,
+                acts: std::slice::from_ref(a),
+                out,
+            })
+            .collect();
+        kernels::matmul_round(&self.cx.pool, &mut products).map_err(blocks::kerr)?;
+        drop(products);
+        // The one FFN row is row 0: its rank r's slot is r.
+        for (j, y) in jobs.iter().zip(expert_out.chunks_exact(d)) {
+            let slot = j.rank as usize;
+            for (o, &v) in moe[slot * d..(slot + 1) * d].iter_mut().zip(y) {
+                *o = v * j.weight;
             }
             moe_filled[slot] = true;
         }
