@@ -63,6 +63,25 @@ pub(crate) trait Format: 'static {
     fn dot(w: &[Self::Block], a: &ActView<Self>) -> f32;
 }
 
+/// EXPERIMENT: bytes ahead of a row's end the next bytes are prefetched from (0 = off).
+pub(crate) static PF_AHEAD: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Prefetches the cache lines of `w[start..start + len]` (clipped to `w`) into every level.
+#[inline(always)]
+fn prefetch_lines(w: &[u8], start: usize, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let end = (start + len).min(w.len());
+        let mut at = start;
+        while at < end {
+            // SAFETY: `at` lies inside `w`; a prefetch never faults and changes no value.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(w.as_ptr().add(at).cast()) };
+            at += 64;
+        }
+    }
+}
+
 /// A SIMD level as a type, so that a format's kernels at that level are a trait impl.
 pub(crate) trait Level {
     const LEVEL: SimdLevel;
@@ -112,7 +131,11 @@ pub(crate) trait Kernel<F: Format>: Level {
         a: &ActView<F>,
         out: &mut [f32],
     ) {
+        let ahead = PF_AHEAD.load(std::sync::atomic::Ordering::Relaxed);
         for (o, r) in out.iter_mut().zip(rows) {
+            if ahead > 0 {
+                prefetch_lines(w, r * row_bytes + ahead, row_bytes);
+            }
             // SAFETY: the caller's (the level is available).
             *o = unsafe { Self::dot(blocks(&w[r * row_bytes..(r + 1) * row_bytes]), a) };
         }

@@ -1427,3 +1427,62 @@ mod tests {
         assert_eq!(reduce32(&l32), 496.0);
     }
 }
+
+#[cfg(test)]
+mod pf_experiment {
+    use super::*;
+
+    fn thread_cpu_ns() -> u64 {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: a valid out-pointer.
+        unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+        ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+    }
+
+    #[test]
+    #[ignore]
+    fn prefetch_distance() {
+        let pool = ThreadPool::new(1);
+        for (ty, n_cols) in [(GgmlType::Q4_K, 2048usize), (GgmlType::Q6_K, 768)] {
+            let rb = row_bytes_of(ty, n_cols).unwrap();
+            let n_rows = (256 << 20) / rb;
+            let w: Vec<u8> = (0..n_rows * rb)
+                .map(|i| (i * 2654435761usize >> 13) as u8)
+                .collect();
+            // Keep every scale small and finite: copy one real quantized row's bytes over each row.
+            let real = testutil::quantized_bytes(ty, &testutil::values(7, n_cols, 0.05));
+            let mut w = w;
+            for r in 0..n_rows {
+                w[r * rb..(r + 1) * rb].copy_from_slice(&real);
+            }
+            let mut act = ActBuf::new();
+            act.prepare(ty, &testutil::values(9, n_cols, 1.0)).unwrap();
+            let mut out = vec![0f32; n_rows];
+            let dists = [0usize, 256, 512, 768, 1024, 1536, 0];
+            let mut best = vec![(u64::MAX, 0f64); dists.len()];
+            for _round in 0..5 {
+                for (i, &d) in dists.iter().enumerate() {
+                    format::PF_AHEAD.store(d, std::sync::atomic::Ordering::Relaxed);
+                    let c0 = thread_cpu_ns();
+                    let t0 = std::time::Instant::now();
+                    matvec(&pool, ty, &w, n_rows, n_cols, &act, &mut out).unwrap();
+                    let c = thread_cpu_ns() - c0;
+                    let wall = t0.elapsed().as_secs_f64();
+                    if c < best[i].0 {
+                        best[i] = (c, wall);
+                    }
+                }
+            }
+            for (i, &d) in dists.iter().enumerate() {
+                println!(
+                    "{ty:?} ahead {d:5}: cpu {:.2} GB/s (wall {:.2} GB/s)",
+                    (n_rows * rb) as f64 / best[i].0 as f64,
+                    (n_rows * rb) as f64 / best[i].1 / 1e9
+                );
+            }
+        }
+    }
+}
