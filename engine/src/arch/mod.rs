@@ -847,3 +847,93 @@ pub fn load_model(
 ) -> Result<Model, ArchError> {
     Ok(Model::new(load(file, mode)?, threads))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gen::{self, GenOptions, Preset, TypeScheme};
+    use crate::gguf::{Value, ValueType};
+
+    /// A decode step's experts computed together ([`Model::experts_one_row`]) land in every
+    /// rank's slot with exactly the bits of computing them one by one ([`Model::expert`]), at
+    /// every layer, for K-quant experts (Q4_K gate/up, Q6_K down) and Q8_0 ones, on 2 threads.
+    #[test]
+    fn experts_together_equal_experts_one_by_one() {
+        for (scheme, types) in [
+            ("q4_k_m", TypeScheme::q4_k_m()),
+            ("q8_0", TypeScheme::from_name("q8_0").unwrap()),
+        ] {
+            let tokens = (0..300).map(|i| Value::String(format!("t{i}"))).collect();
+            let opts = GenOptions {
+                preset: Preset::Tiny,
+                shape: Preset::Tiny.shape(),
+                types,
+                seed: 3,
+                routing_context: 0.5,
+                router_gain: 6.0,
+                attn_sharpness: 0.5,
+                vocab: vec![(
+                    "tokenizer.ggml.tokens".into(),
+                    Value::Array(ValueType::String, tokens),
+                )],
+                threads: 1,
+            };
+            let path = std::env::temp_dir().join(format!(
+                "bmoe-experts-together-{}-{scheme}.gguf",
+                std::process::id()
+            ));
+            gen::generate(&opts, &path, |_, _| {}).unwrap();
+            let file = Arc::new(GgufFile::open(&path).unwrap());
+            let model = load_model(file, DenseMode::Mmap, 2).unwrap();
+            let _ = std::fs::remove_file(&path);
+            let mut st = model.new_state(16);
+            let mut ro = RouteOut::default();
+            let w = model.arch.weights();
+            for (pos, token) in [(0u32, 7u32), (1, 42), (2, 255)] {
+                model.begin(&mut st, &[token], &[pos], &[0]).unwrap();
+                for layer in 0..model.dims().n_layer {
+                    model.dense(&mut st, layer).unwrap();
+                    if model.experts(layer).is_empty() {
+                        continue;
+                    }
+                    assert!(
+                        model.experts_batchable(&st, layer),
+                        "{scheme} layer {layer}"
+                    );
+                    model.route(&mut st, layer, &mut ro).unwrap();
+                    let xs = model.experts(layer);
+                    let jobs: Vec<RowExpert<'_>> = (0..ro.k)
+                        .map(|rank| {
+                            let e = ro.ids[rank] as usize;
+                            RowExpert {
+                                expert: e,
+                                proj: [0, 1, 2].map(|p| w.expert_bytes(&xs[p], e)),
+                                rank: rank as u16,
+                                weight: ro.weights[rank],
+                            }
+                        })
+                        .collect();
+                    // One by one, in reverse rank order (as an overlapped run might).
+                    for j in jobs.iter().rev() {
+                        model
+                            .expert(&mut st, layer, j.expert, &j.proj, &[(0, j.rank, j.weight)])
+                            .unwrap();
+                    }
+                    let one_by_one: Vec<u32> = st.moe.iter().map(|v| v.to_bits()).collect();
+                    assert!(st.moe_filled.iter().all(|&f| f));
+                    st.moe.iter_mut().for_each(|v| *v = f32::NAN);
+                    st.moe_filled.iter_mut().for_each(|f| *f = false);
+                    model.experts_one_row(&mut st, layer, &jobs).unwrap();
+                    let together: Vec<u32> = st.moe.iter().map(|v| v.to_bits()).collect();
+                    assert!(st.moe_filled.iter().all(|&f| f));
+                    assert_eq!(
+                        one_by_one, together,
+                        "{scheme} position {pos} layer {layer}"
+                    );
+                    model.finish_layer(&mut st, layer).unwrap();
+                }
+                model.head(&mut st).unwrap();
+            }
+        }
+    }
+}
