@@ -9,7 +9,7 @@
 //! (the arena holds the file's bytes verbatim) — which is why a streamed run's output is
 //! byte-identical to the resident one for every lossless setting.
 
-use crate::arch::{Arch, ArchError, KvSnapshot, Model, RouteOut, State};
+use crate::arch::{Arch, ArchError, KvSnapshot, Model, RouteOut, RowExpert, State};
 use crate::arena::{Arena, ArenaError, ArenaOptions, Extent, SlotAddr};
 use crate::flash::LaneFlash;
 use bmoe_core::faults::RetryFlash;
@@ -160,6 +160,11 @@ pub struct EngineBackend<A: Arch + ?Sized = dyn Arch> {
     ids: Vec<u16>,
     pred_ids: Vec<u32>,
     uses: Vec<(u32, u16, f32)>,
+    /// Resident decode: the layer's experts (id, rank, weight) the core handed over, computed
+    /// together at `finish_layer` ([`Model::experts_one_row`]: two rounds of the pool per
+    /// layer instead of two per expert). The contract lets a backend defer an expert's work
+    /// until the layer's `finish_layer`; the bits are the same as computing each at once.
+    deferred: Vec<(u16, u16, f32)>,
     /// Produce logits for every row of the next batch (for `--logits-out`), not just the last.
     pub all_logits: bool,
     /// Rows of the previous step (0 before the first).
@@ -196,6 +201,7 @@ impl<A: Arch + ?Sized> EngineBackend<A> {
             ids: Vec::new(),
             pred_ids: Vec::new(),
             uses: Vec::new(),
+            deferred: Vec::new(),
             all_logits: false,
             last_batch: 0,
             step: String::new(),
@@ -228,6 +234,30 @@ impl<A: Arch + ?Sized> EngineBackend<A> {
             .map(|l| vec![false; l.n_expert as usize])
             .collect();
         self.verify = Some((sums, checked));
+    }
+
+    /// Computes the experts `expert` deferred for model layer `m` (resident: their bytes are
+    /// the map's).
+    fn run_deferred(&mut self, m: usize) -> Result<(), StreamError> {
+        if self.deferred.is_empty() {
+            return Ok(());
+        }
+        let w = self.model.arch.weights();
+        let xs = self.model.experts(m);
+        let jobs: Vec<RowExpert<'_>> = self
+            .deferred
+            .iter()
+            .map(|&(e, rank, weight)| RowExpert {
+                expert: e as usize,
+                proj: [0, 1, 2].map(|p| w.expert_bytes(&xs[p], e as usize)),
+                rank,
+                weight,
+            })
+            .collect();
+        let r = self.model.experts_one_row(&mut self.state, m, &jobs);
+        drop(jobs);
+        self.deferred.clear();
+        Ok(r?)
     }
 
     fn extent(&self, layer: u16, expert: u16, p: usize) -> Extent {
@@ -297,6 +327,8 @@ impl<A: Arch + ?Sized> Backend for EngineBackend<A> {
             arena.trim_staging(u32::from(self.layout.n_expert_used()));
         }
         self.last_batch = n;
+        // A step that failed may have left a layer's experts deferred.
+        self.deferred.clear();
         self.first_token = self.tokens_begun;
         self.tokens_begun += u64::from(n);
         let rows: Vec<u32> = if self.all_logits {
@@ -351,6 +383,15 @@ impl<A: Arch + ?Sized> Backend for EngineBackend<A> {
         let m = layer.model as usize;
         let n_proj = self.model.experts(m).len().min(MAX_PROJ);
         let mut proj: [&[u8]; MAX_PROJ] = [&[]; MAX_PROJ];
+        if self.arena.is_none()
+            && uses.len() == 1
+            && uses[0].row == 0
+            && self.model.experts_batchable(&self.state, m)
+        {
+            // Resident decode: computed with the layer's other experts at `finish_layer`.
+            self.deferred.push((expert, uses[0].rank, uses[0].weight));
+            return Ok(());
+        }
         let Some(arena) = &self.arena else {
             // Resident: the expert's bytes are the map's; the slot names no memory.
             let w = self.model.arch.weights();
@@ -396,6 +437,7 @@ impl<A: Arch + ?Sized> Backend for EngineBackend<A> {
     }
 
     fn finish_layer(&mut self, layer: LayerId) -> Result<(), StreamError> {
+        self.run_deferred(layer.model as usize)?;
         Ok(self
             .model
             .finish_layer(&mut self.state, layer.model as usize)?)

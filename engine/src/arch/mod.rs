@@ -142,6 +142,13 @@ pub trait Arch: Send + Sync {
         input: &ExpertIn<'_>,
         out: &mut Vec<f32>,
     ) -> Result<(), ArchError>;
+    /// The activation of layer `layer`'s experts when each one is exactly
+    /// `down(glu(gate·x, up·x))` over its three projections (gate, up, down; no biases, no
+    /// scales), which lets [`Model::experts_one_row`] run a decode step's experts together.
+    /// `None` (the default) computes every expert through [`Arch::expert`].
+    fn split_glu(&self, _layer: usize) -> Option<blocks::Glu> {
+        None
+    }
     /// Combine `st.moe_out` (and anything `dense` left in `st.side`) into the residual stream.
     fn finish_layer(&self, cx: &Compute, st: &mut State, layer: usize) -> Result<(), ArchError>;
     /// Final norm and output head for `st.out_rows` into `st.logits`.
@@ -159,6 +166,17 @@ pub struct ExpertIn<'a> {
     /// architecture uses them for a projection of `rows` whose activation format they have
     /// ([`crate::kernels::ActBuf::format`]) and quantises `rows` itself otherwise.
     pub prepared: &'a [&'a ActBuf],
+}
+
+/// One routed expert of a step whose layer has a single FFN row (decode), for
+/// [`Model::experts_one_row`].
+pub struct RowExpert<'a> {
+    pub expert: usize,
+    /// The expert's projections' bytes in read order (gate, up, down).
+    pub proj: [&'a [u8]; 3],
+    /// Its rank in the row's routing and its weight.
+    pub rank: u16,
+    pub weight: f32,
 }
 
 /// An architecture's loader: check and map `file`'s tensors, applying a dense mode.
@@ -585,18 +603,8 @@ impl<A: Arch + ?Sized> Model<A> {
                 });
             }
         }
-        // Every FFN row's input quantised once per layer for the first projection (a row is
-        // routed to k experts; in a batch, an expert serves many rows), the rows split across
-        // the pool; each expert takes its rows' activations by reference. The bits are those
-        // of quantising an expert's rows itself.
-        let ty = xs[0].info.ty;
         let m = st.ffn_rows.len();
-        let fmt = kernels::ActFormat::for_weights(ty);
-        if fmt.is_some() && st.h_acts_for != fmt.map(|f| (layer, f)) {
-            st.h_acts_for = None;
-            blocks::prepare_acts(&self.cx.pool, ty, &st.h, m, d, &mut st.h_acts)?;
-            st.h_acts_for = fmt.map(|f| (layer, f));
-        }
+        self.prepare_h_acts(st, layer)?;
         let State {
             h,
             h_acts,
@@ -637,6 +645,155 @@ impl<A: Arch + ?Sized> Model<A> {
             let dst = &mut moe[slot * d..(slot + 1) * d];
             for (o, &y) in dst.iter_mut().zip(&expert_out[i * d..(i + 1) * d]) {
                 *o = y * w;
+            }
+            moe_filled[slot] = true;
+        }
+        Ok(())
+    }
+
+    /// Every FFN row's input quantised once per layer for the first expert projection (a row
+    /// is routed to k experts; in a batch, an expert serves many rows), the rows split across
+    /// the pool; each expert takes its rows' activations by reference. The bits are those of
+    /// quantising an expert's rows itself. Nothing when that projection has no activation
+    /// format.
+    fn prepare_h_acts(&self, st: &mut State, layer: usize) -> Result<(), ArchError> {
+        let Some(x) = self.experts(layer).first() else {
+            return Ok(());
+        };
+        let ty = x.info.ty;
+        let fmt = kernels::ActFormat::for_weights(ty);
+        if fmt.is_some() && st.h_acts_for != fmt.map(|f| (layer, f)) {
+            st.h_acts_for = None;
+            let (m, d) = (st.ffn_rows.len(), self.dims.d_model);
+            blocks::prepare_acts(&self.cx.pool, ty, &st.h, m, d, &mut st.h_acts)?;
+            st.h_acts_for = fmt.map(|f| (layer, f));
+        }
+        Ok(())
+    }
+
+    /// True when [`Model::experts_one_row`] runs layer `layer`'s experts together: they are
+    /// split gated FFNs ([`Arch::split_glu`]) whose gate and up read one activation format, and
+    /// the step has one FFN row.
+    pub fn experts_batchable(&self, st: &State, layer: usize) -> bool {
+        let xs = self.experts(layer);
+        st.ffn_rows.len() == 1
+            && xs.len() == 3
+            && self.arch.split_glu(layer).is_some()
+            && kernels::ActFormat::for_weights(xs[0].info.ty).is_some()
+            && kernels::ActFormat::for_weights(xs[0].info.ty)
+                == kernels::ActFormat::for_weights(xs[1].info.ty)
+    }
+
+    /// The routed experts of a layer with a single FFN row (a decode step), all at once:
+    /// every expert's gate and up in one round of the pool, the activations between them, then
+    /// every down in one more — two hand-offs per layer instead of two per expert. Each
+    /// output row gets exactly the bits [`Model::expert`] gives it (the same kernels on the
+    /// same rows and activations), lands weighted in its rank's slot, and is summed in rank
+    /// order by `finish_layer` as before. Where the layer is not [`Model::experts_batchable`]
+    /// it computes the experts one by one through [`Model::expert`].
+    pub fn experts_one_row(
+        &self,
+        st: &mut State,
+        layer: usize,
+        jobs: &[RowExpert<'_>],
+    ) -> Result<(), ArchError> {
+        let glu = match self.arch.split_glu(layer) {
+            Some(glu) if self.experts_batchable(st, layer) => glu,
+            _ => {
+                for j in jobs {
+                    self.expert(st, layer, j.expert, &j.proj, &[(0, j.rank, j.weight)])?;
+                }
+                return Ok(());
+            }
+        };
+        if jobs.is_empty() {
+            return Ok(());
+        }
+        let xs = self.experts(layer);
+        let (g, u, dn) = (&xs[0], &xs[1], &xs[2]);
+        for j in jobs {
+            for (p, x) in j.proj.iter().zip(xs) {
+                if p.len() as u64 != x.stride {
+                    return Err(ArchError::Tensor {
+                        file: String::new(),
+                        tensor: x.info.name.clone(),
+                        what: format!("expert slice of {} bytes, expected {}", p.len(), x.stride),
+                    });
+                }
+            }
+            if j.rank as usize >= st.moe_k {
+                return Err(ArchError::Tensor {
+                    file: String::new(),
+                    tensor: format!("blk.{layer} experts"),
+                    what: format!("expert rank {}, but the layer keeps {}", j.rank, st.moe_k),
+                });
+            }
+        }
+        self.prepare_h_acts(st, layer)?;
+        let (d, ff, n) = (self.dims.d_model, g.rows, jobs.len());
+        let State {
+            h_acts,
+            expert_out,
+            scratch,
+            moe,
+            moe_filled,
+            ..
+        } = st;
+        scratch.gate.resize(n * ff, 0.0);
+        scratch.up.resize(n * ff, 0.0);
+        expert_out.resize(n * d, 0.0);
+        let act = std::slice::from_ref(&h_acts[0]);
+        let mut products = Vec::with_capacity(2 * n);
+        for ((j, gate), up) in jobs
+            .iter()
+            .zip(scratch.gate.chunks_exact_mut(ff))
+            .zip(scratch.up.chunks_exact_mut(ff))
+        {
+            for (ty, w, out) in [(g.info.ty, j.proj[0], gate), (u.info.ty, j.proj[1], up)] {
+                products.push(kernels::Product {
+                    ty,
+                    w,
+                    n_rows: ff,
+                    n_cols: d,
+                    acts: act,
+                    out,
+                });
+            }
+        }
+        kernels::matmul_round(&self.cx.pool, &mut products).map_err(blocks::kerr)?;
+        drop(products);
+        if scratch.act2.len() < n {
+            scratch.act2.resize_with(n, ActBuf::new);
+        }
+        for ((gate, up), a) in scratch
+            .gate
+            .chunks_exact_mut(ff)
+            .zip(scratch.up.chunks_exact(ff))
+            .zip(scratch.act2.iter_mut())
+        {
+            glu.apply(gate, up);
+            a.prepare(dn.info.ty, gate).map_err(blocks::kerr)?;
+        }
+        let mut products: Vec<kernels::Product<'_, ActBuf>> = jobs
+            .iter()
+            .zip(expert_out.chunks_exact_mut(d))
+            .zip(&scratch.act2)
+            .map(|((j, out), a)| kernels::Product {
+                ty: dn.info.ty,
+                w: j.proj[2],
+                n_rows: d,
+                n_cols: ff,
+                acts: std::slice::from_ref(a),
+                out,
+            })
+            .collect();
+        kernels::matmul_round(&self.cx.pool, &mut products).map_err(blocks::kerr)?;
+        drop(products);
+        // The one FFN row is row 0: its rank r's slot is r.
+        for (j, y) in jobs.iter().zip(expert_out.chunks_exact(d)) {
+            let slot = j.rank as usize;
+            for (o, &v) in moe[slot * d..(slot + 1) * d].iter_mut().zip(y) {
+                *o = v * j.weight;
             }
             moe_filled[slot] = true;
         }
@@ -689,4 +846,94 @@ pub fn load_model(
     threads: usize,
 ) -> Result<Model, ArchError> {
     Ok(Model::new(load(file, mode)?, threads))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gen::{self, GenOptions, Preset, TypeScheme};
+    use crate::gguf::{Value, ValueType};
+
+    /// A decode step's experts computed together ([`Model::experts_one_row`]) land in every
+    /// rank's slot with exactly the bits of computing them one by one ([`Model::expert`]), at
+    /// every layer, for K-quant experts (Q4_K gate/up, Q6_K down) and Q8_0 ones, on 2 threads.
+    #[test]
+    fn experts_together_equal_experts_one_by_one() {
+        for (scheme, types) in [
+            ("q4_k_m", TypeScheme::q4_k_m()),
+            ("q8_0", TypeScheme::from_name("q8_0").unwrap()),
+        ] {
+            let tokens = (0..300).map(|i| Value::String(format!("t{i}"))).collect();
+            let opts = GenOptions {
+                preset: Preset::Tiny,
+                shape: Preset::Tiny.shape(),
+                types,
+                seed: 3,
+                routing_context: 0.5,
+                router_gain: 6.0,
+                attn_sharpness: 0.5,
+                vocab: vec![(
+                    "tokenizer.ggml.tokens".into(),
+                    Value::Array(ValueType::String, tokens),
+                )],
+                threads: 1,
+            };
+            let path = std::env::temp_dir().join(format!(
+                "bmoe-experts-together-{}-{scheme}.gguf",
+                std::process::id()
+            ));
+            gen::generate(&opts, &path, |_, _| {}).unwrap();
+            let file = Arc::new(GgufFile::open(&path).unwrap());
+            let model = load_model(file, DenseMode::Mmap, 2).unwrap();
+            let _ = std::fs::remove_file(&path);
+            let mut st = model.new_state(16);
+            let mut ro = RouteOut::default();
+            let w = model.arch.weights();
+            for (pos, token) in [(0u32, 7u32), (1, 42), (2, 255)] {
+                model.begin(&mut st, &[token], &[pos], &[0]).unwrap();
+                for layer in 0..model.dims().n_layer {
+                    model.dense(&mut st, layer).unwrap();
+                    if model.experts(layer).is_empty() {
+                        continue;
+                    }
+                    assert!(
+                        model.experts_batchable(&st, layer),
+                        "{scheme} layer {layer}"
+                    );
+                    model.route(&mut st, layer, &mut ro).unwrap();
+                    let xs = model.experts(layer);
+                    let jobs: Vec<RowExpert<'_>> = (0..ro.k)
+                        .map(|rank| {
+                            let e = ro.ids[rank] as usize;
+                            RowExpert {
+                                expert: e,
+                                proj: [0, 1, 2].map(|p| w.expert_bytes(&xs[p], e)),
+                                rank: rank as u16,
+                                weight: ro.weights[rank],
+                            }
+                        })
+                        .collect();
+                    // One by one, in reverse rank order (as an overlapped run might).
+                    for j in jobs.iter().rev() {
+                        model
+                            .expert(&mut st, layer, j.expert, &j.proj, &[(0, j.rank, j.weight)])
+                            .unwrap();
+                    }
+                    let one_by_one: Vec<u32> = st.moe.iter().map(|v| v.to_bits()).collect();
+                    assert!(st.moe_filled.iter().all(|&f| f));
+                    st.moe.iter_mut().for_each(|v| *v = f32::NAN);
+                    st.moe_filled.iter_mut().for_each(|f| *f = false);
+                    model.experts_one_row(&mut st, layer, &jobs).unwrap();
+                    let together: Vec<u32> = st.moe.iter().map(|v| v.to_bits()).collect();
+                    assert!(st.moe_filled.iter().all(|&f| f));
+                    assert_eq!(
+                        one_by_one, together,
+                        "{scheme} position {pos} layer {layer}"
+                    );
+                    model.finish_layer(&mut st, layer).unwrap();
+                }
+                model.head(&mut st).unwrap();
+            }
+        }
+    }
 }

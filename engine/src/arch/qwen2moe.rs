@@ -319,6 +319,10 @@ impl Arch for Qwen2Moe {
         )
     }
 
+    fn split_glu(&self, _layer: usize) -> Option<Glu> {
+        Some(Glu::Silu)
+    }
+
     /// The experts' sum plus the shared expert, then the residual (llama.cpp's order).
     fn finish_layer(&self, _cx: &Compute, st: &mut State, _layer: usize) -> Result<(), ArchError> {
         let m = st.ffn_rows.len() * self.hp.d_model;

@@ -630,6 +630,10 @@ impl Arch for Qwen3Moe {
         )
     }
 
+    fn split_glu(&self, _layer: usize) -> Option<Glu> {
+        Some(Glu::Silu)
+    }
+
     fn finish_layer(&self, _cx: &Compute, st: &mut State, _layer: usize) -> Result<(), ArchError> {
         add_rows(&mut st.x, self.hp.d_model, &st.ffn_rows, &st.moe_out);
         Ok(())
