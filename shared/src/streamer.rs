@@ -548,9 +548,12 @@ impl Streamer {
                             slid = true;
                             io.stats.extra_waves += 1;
                         }
-                        // Cut as if with the reads still queued: a slid-in expert joins lanes
-                        // that are busy already, where whole extents read faster.
-                        let queued = self.outstanding;
+                        // Cut as if every lane were busy: a slid-in expert joins lanes that
+                        // are busy already, where whole extents read faster. Not the reads
+                        // actually in flight: how many are is timing, and the cut (with its
+                        // aligned windows, the bytes read) must be the same in the engine and
+                        // in the simulator's replay.
+                        let queued = io.flash.lanes().max(1) as usize;
                         self.submit_reads(io, moe, from, queued);
                     }
                 }

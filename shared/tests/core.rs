@@ -9,7 +9,9 @@ use bmoe_core::flash::{Flash, FlashError, ReadDone, ReadId, ReadRequest};
 use bmoe_core::layout::{ExpertKey, ExpertLayout};
 use bmoe_core::policy::Lru;
 use bmoe_core::records::{NullSink, Phase};
-use bmoe_core::step::{Engine, StepError, StepInput, StepStats, StreamConfig, TopKOverride};
+use bmoe_core::step::{
+    Engine, ReadSplit, StepError, StepInput, StepStats, StreamConfig, TopKOverride,
+};
 use bmoe_core::testing::{
     synthetic_model, Call, Fault, FaultyFlash, ManualClock, MemFlash, MemTiming, RecordingSink,
     RouteFn, ScriptBackend, ScriptCosts, SlotStore,
@@ -530,6 +532,30 @@ fn an_overlapped_prefill_wider_than_the_budget_slides_its_window_and_reads_each_
         logs.push((log, e.cache().resident_keys()));
     }
     assert!(logs.windows(2).all(|w| w[0] == w[1]));
+    // With the same lanes, the requests themselves — where each extent is cut, and so the
+    // aligned bytes read — do not depend on how fast reads land either (a slid-in expert was
+    // once cut by the count of reads in flight, which is timing: the engine under load read
+    // other bytes than the simulator's replay).
+    let requests = |latency: u64| {
+        // More lanes than one expert's three extents, extents large enough to cut, and
+        // `--read-split auto`: whether a slid-in expert is cut into lane pieces is what a
+        // count of reads in flight would decide.
+        let mut s = tight(8, latency);
+        s.proj_bytes = vec![256 << 10, 256 << 10, 512 << 10];
+        s.config.read_split = ReadSplit::Auto;
+        let mut e = engine(&s);
+        run_session(&mut e, 12, 10, &mut RecordingSink::default()).unwrap();
+        e.flash()
+            .log()
+            .iter()
+            .map(|r| (r.tag.layer, r.tag.expert, r.tag.proj, r.offset, r.len))
+            .collect::<Vec<_>>()
+    };
+    let fast = requests(1);
+    assert!(fast.len() > 3 * 12, "the prefill reads");
+    for latency in [7, 40, 400] {
+        assert_eq!(requests(latency), fast, "read latency {latency} ns");
+    }
 }
 
 /// One layer, room for 2 experts, a 2-token prefill routing experts 0, 1 | 2, 0 (union of 3
