@@ -76,18 +76,18 @@ format::registry! {
     F32 => fp32::F32 [Avx2];
     F16 => fp16::F16 [Avx2];
     BF16 => bf16::Bf16 [Avx2];
-    Q8_0 => q8_0::Q8_0 [Avx2];
+    Q8_0 => q8_0::Q8_0 [Avx2, Avx512];
     Q4_0 => q4_0::Q4_0 [Avx2];
     Q4_1 => q4_1::Q4_1 [Avx2];
     Q5_0 => q5_0::Q5_0 [Avx2];
     Q5_1 => q5_1::Q5_1 [Avx2];
     IQ4_NL => iq4_nl::Iq4Nl [Avx2];
     MXFP4 => mxfp4::Mxfp4 [Avx2];
-    Q2_K => q2_k::Q2K [Avx2];
+    Q2_K => q2_k::Q2K [Avx2, Avx512];
     Q3_K => q3_k::Q3K [Avx2];
     Q4_K => q4_k::Q4K [Avx2, Avx512];
     Q5_K => q5_k::Q5K [Avx2];
-    Q6_K => q6_k::Q6K [Avx2];
+    Q6_K => q6_k::Q6K [Avx2, Avx512];
     IQ4_XS => iq4_xs::Iq4Xs [Avx2];
 }
 

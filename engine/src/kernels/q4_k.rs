@@ -392,7 +392,7 @@ impl super::format::Kernel<Q4K> for super::format::Avx512 {
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::super::format::Activation;
-    use super::super::q8_k::{ActQ8K, Lanes};
+    use super::super::q8_k::{ActQ8K, LaneSums, Lanes};
     use super::super::{blocks, ActBuf};
     use super::{x86, BlockQ4K, BlockQ8K};
     use std::arch::x86_64::*;
@@ -438,7 +438,7 @@ mod avx512 {
         let nb = views.iter().fold(nb, |n, v| n.min(v.len()));
         LANES.with(|cell| {
             let (lanes, q) = &mut *cell.borrow_mut();
-            lanes.pack(&views, nb);
+            lanes.pack(&views, nb, LaneSums::Pairs);
             let first = rows.start;
             let row =
                 |r: usize| -> &[BlockQ4K] { &blocks(&w[r * row_bytes..(r + 1) * row_bytes])[..nb] };
@@ -560,7 +560,7 @@ mod avx512 {
                 let mut summ = _mm512_setzero_si512();
                 for (i, &mi) in m[r].iter().enumerate() {
                     // SAFETY: 64 bytes of one packed row.
-                    let p = unsafe { _mm512_loadu_si512(l.pairs[4 * b + i].as_ptr().cast()) };
+                    let p = unsafe { _mm512_loadu_si512(l.sums[4 * b + i].as_ptr().cast()) };
                     summ = _mm512_dpwssd_epi32(summ, p, _mm512_set1_epi32(mi));
                 }
                 let x = &w[r][b];
