@@ -438,7 +438,7 @@ mod avx512 {
         let nb = views.iter().fold(nb, |n, v| n.min(v.len()));
         LANES.with(|cell| {
             let (lanes, q) = &mut *cell.borrow_mut();
-            lanes.pack(&views, nb, LaneSums::Pairs);
+            lanes.pack_for(a, nb, LaneSums::Pairs);
             let first = rows.start;
             let row =
                 |r: usize| -> &[BlockQ4K] { &blocks(&w[r * row_bytes..(r + 1) * row_bytes])[..nb] };

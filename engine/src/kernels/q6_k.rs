@@ -349,7 +349,7 @@ mod avx512 {
         let nb = views.iter().fold(nb, |n, v| n.min(v.len()));
         LANES.with(|cell| {
             let (lanes, q) = &mut *cell.borrow_mut();
-            lanes.pack(&views, nb, LaneSums::Runs);
+            lanes.pack_for(a, nb, LaneSums::Runs);
             if q.len() < 2 * nb {
                 q.resize_with(2 * nb, || Unpacked {
                     q: [0; 256],

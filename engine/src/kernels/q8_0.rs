@@ -279,11 +279,14 @@ mod avx512 {
 
     /// Up to [`WIDE`] tokens' blocks with the tokens in lanes: `qs[8b + k][t]` is values
     /// `4k .. 4k + 4` of block `b` of token `t`, each byte `a + 128`; `d[b][t]` the block's
-    /// scale. Lanes past the last token are zero.
+    /// scale. Lanes past the last token are zero. Kept per thread, and reused by the next call
+    /// on the same tokens (a product's row bands are one call each).
     #[derive(Default)]
     struct Lanes {
         qs: Vec<[u32; WIDE]>,
         d: Vec<[f32; WIDE]>,
+        /// What the lanes hold: the tokens' [`ActBuf::stamp`]s and the block count.
+        key: (Vec<u64>, usize),
     }
 
     /// What a row's block needs besides its bytes: per lane `k`, `−128 · Σ w[4k .. 4k + 4]`
@@ -316,19 +319,14 @@ mod avx512 {
         let nb = views.iter().fold(nb, |n, v| n.min(v.len()));
         LANES.with(|cell| {
             let (lanes, terms) = &mut *cell.borrow_mut();
-            lanes.qs.clear();
-            lanes.qs.resize(8 * nb, [0; WIDE]);
-            lanes.d.clear();
-            lanes.d.resize(nb, [0.0; WIDE]);
-            for (t, act) in views.iter().enumerate().take(WIDE) {
-                for (b, y) in act[..nb].iter().enumerate() {
-                    for (k, q) in y.qs.chunks_exact(4).enumerate() {
-                        let v =
-                            u32::from_le_bytes([q[0] as u8, q[1] as u8, q[2] as u8, q[3] as u8]);
-                        lanes.qs[8 * b + k][t] = v ^ 0x8080_8080;
-                    }
-                    lanes.d[b][t] = f16_to_f32(y.d);
-                }
+            let same = lanes.key.1 == nb
+                && lanes.key.0.len() == a.len()
+                && lanes.key.0.iter().zip(a).all(|(s, a)| *s == a.stamp());
+            if !same {
+                lanes.key.0.clear();
+                lanes.key.0.extend(a.iter().map(|a| a.stamp()));
+                lanes.key.1 = nb;
+                pack(lanes, &views, nb);
             }
             terms.resize(2 * nb, RowBlock::default());
             let first = rows.start;
@@ -359,6 +357,23 @@ mod avx512 {
                 r += n;
             }
         });
+    }
+
+    /// Packs the first `nb` blocks of each of `acts` (at most [`WIDE`]) into `lanes`.
+    fn pack(lanes: &mut Lanes, acts: &[&[BlockQ8_0]], nb: usize) {
+        lanes.qs.clear();
+        lanes.qs.resize(8 * nb, [0; WIDE]);
+        lanes.d.clear();
+        lanes.d.resize(nb, [0.0; WIDE]);
+        for (t, act) in acts.iter().enumerate().take(WIDE) {
+            for (b, y) in act[..nb].iter().enumerate() {
+                for (k, q) in y.qs.chunks_exact(4).enumerate() {
+                    let v = u32::from_le_bytes([q[0] as u8, q[1] as u8, q[2] as u8, q[3] as u8]);
+                    lanes.qs[8 * b + k][t] = v ^ 0x8080_8080;
+                }
+                lanes.d[b][t] = f16_to_f32(y.d);
+            }
+        }
     }
 
     /// Each block's [`RowBlock`].

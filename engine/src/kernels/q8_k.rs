@@ -99,19 +99,40 @@ pub(super) enum LaneSums {
 /// Up to [`WIDE`] tokens' Q8_K blocks with the tokens in vector lanes, for the kernels that
 /// take one token per i32 lane: `qs[64b + g][t]` is values `4g .. 4g + 4` of block `b` of token
 /// `t` (4 int8 as one i32); `sums` the block sums in the layout of [`LaneSums`]; `d[b][t]` the
-/// scale. Lanes past the last token are zero. Rebuilt per call; kept per thread so it never
-/// reallocates once grown.
+/// scale. Lanes past the last token are zero. Kept per thread: it never reallocates once grown,
+/// and the next call on the same tokens (a product's row bands are one call each) reuses it.
 #[derive(Default)]
 pub(super) struct Lanes {
     pub qs: Vec<[i32; WIDE]>,
     pub sums: Vec<[i32; WIDE]>,
     pub d: Vec<[f32; WIDE]>,
+    /// What the lanes hold: the tokens' [`ActBuf::stamp`]s, the block count and the layout.
+    key: (Vec<u64>, usize, Option<LaneSums>),
 }
 
 impl Lanes {
+    /// Packs the first `nb` blocks of each of `acts` (at most [`WIDE`], each prepared as Q8_K
+    /// with at least `nb` blocks), with the block sums laid out as `sums` says; nothing to do
+    /// when the lanes already hold exactly that.
+    pub fn pack_for(&mut self, acts: &[&ActBuf], nb: usize, sums: LaneSums) {
+        let (stamps, key_nb, key_sums) = &mut self.key;
+        if *key_nb == nb
+            && *key_sums == Some(sums)
+            && stamps.len() == acts.len()
+            && stamps.iter().zip(acts).all(|(s, a)| *s == a.stamp())
+        {
+            return;
+        }
+        stamps.clear();
+        stamps.extend(acts.iter().map(|a| a.stamp()));
+        (*key_nb, *key_sums) = (nb, Some(sums));
+        let views: Vec<&[BlockQ8K]> = acts.iter().map(|a| ActQ8K::view(a)).collect();
+        self.pack(&views, nb, sums);
+    }
+
     /// Packs the first `nb` blocks of each of `acts` (at most [`WIDE`], each at least `nb`
     /// blocks long), with the block sums laid out as `sums` says.
-    pub fn pack(&mut self, acts: &[&[BlockQ8K]], nb: usize, sums: LaneSums) {
+    fn pack(&mut self, acts: &[&[BlockQ8K]], nb: usize, sums: LaneSums) {
         let per_block = match sums {
             LaneSums::Pairs => 4,
             LaneSums::Runs => 8,
