@@ -392,7 +392,7 @@ impl super::format::Kernel<Q4K> for super::format::Avx512 {
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::super::format::Activation;
-    use super::super::q8_k::{ActQ8K, LaneSums, Lanes};
+    use super::super::q8_k::{ActQ8K, LaneCache, LaneSums, Lanes};
     use super::super::{blocks, ActBuf};
     use super::{x86, BlockQ4K, BlockQ8K};
     use std::arch::x86_64::*;
@@ -415,8 +415,8 @@ mod avx512 {
 
     thread_local! {
         /// The packed tokens and the unpacked row of the current call.
-        static LANES: std::cell::RefCell<(Lanes, Vec<Unpacked>)> =
-            std::cell::RefCell::new((Lanes::default(), Vec::new()));
+        static LANES: std::cell::RefCell<(LaneCache, Vec<Unpacked>)> =
+            std::cell::RefCell::new((LaneCache::default(), Vec::new()));
     }
 
     /// A row's nibbles unpacked to one byte per value, in value order.
@@ -437,8 +437,8 @@ mod avx512 {
         let views: Vec<&[BlockQ8K]> = a.iter().map(|a| ActQ8K::view(a)).collect();
         let nb = views.iter().fold(nb, |n, v| n.min(v.len()));
         LANES.with(|cell| {
-            let (lanes, q) = &mut *cell.borrow_mut();
-            lanes.pack_for(a, nb, LaneSums::Pairs);
+            let (cache, q) = &mut *cell.borrow_mut();
+            let lanes = cache.pack_for(a, nb, LaneSums::Pairs);
             let first = rows.start;
             let row =
                 |r: usize| -> &[BlockQ4K] { &blocks(&w[r * row_bytes..(r + 1) * row_bytes])[..nb] };

@@ -313,7 +313,7 @@ impl super::format::Kernel<Q6K> for super::format::Avx512 {
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::super::format::Activation;
-    use super::super::q8_k::{ActQ8K, LaneSums, Lanes};
+    use super::super::q8_k::{ActQ8K, LaneCache, LaneSums, Lanes};
     use super::super::{blocks, ActBuf};
     use super::{levels_avx2, BlockQ6K, BlockQ8K};
     use std::arch::x86_64::*;
@@ -330,8 +330,8 @@ mod avx512 {
 
     thread_local! {
         /// The packed tokens and the unpacked rows of the current call.
-        static LANES: std::cell::RefCell<(Lanes, Vec<Unpacked>)> =
-            std::cell::RefCell::new((Lanes::default(), Vec::new()));
+        static LANES: std::cell::RefCell<(LaneCache, Vec<Unpacked>)> =
+            std::cell::RefCell::new((LaneCache::default(), Vec::new()));
     }
 
     /// Rows `rows` against up to 16 activations, one per i32 lane ([`Lanes`], packed once per
@@ -348,8 +348,8 @@ mod avx512 {
         let views: Vec<&[BlockQ8K]> = a.iter().map(|a| ActQ8K::view(a)).collect();
         let nb = views.iter().fold(nb, |n, v| n.min(v.len()));
         LANES.with(|cell| {
-            let (lanes, q) = &mut *cell.borrow_mut();
-            lanes.pack_for(a, nb, LaneSums::Runs);
+            let (cache, q) = &mut *cell.borrow_mut();
+            let lanes = cache.pack_for(a, nb, LaneSums::Runs);
             if q.len() < 2 * nb {
                 q.resize_with(2 * nb, || Unpacked {
                     q: [0; 256],

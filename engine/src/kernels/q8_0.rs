@@ -279,7 +279,7 @@ mod avx512 {
 
     /// Up to [`WIDE`] tokens' blocks with the tokens in lanes: `qs[8b + k][t]` is values
     /// `4k .. 4k + 4` of block `b` of token `t`, each byte `a + 128`; `d[b][t]` the block's
-    /// scale. Lanes past the last token are zero. Kept per thread, and reused by the next call
+    /// scale. Lanes past the last token are zero. Kept per thread, and reused by a later call
     /// on the same tokens (a product's row bands are one call each).
     #[derive(Default)]
     struct Lanes {
@@ -298,10 +298,15 @@ mod avx512 {
         d: f32,
     }
 
+    /// Packed batches kept per thread (as for the Q8_K lanes: a task runs every batch of a
+    /// product over its row band in turn, so one per batch of a 128-token prompt).
+    const CACHED_BATCHES: usize = 8;
+
     thread_local! {
-        /// The packed tokens and the current rows' per-block terms.
-        static LANES: std::cell::RefCell<(Lanes, Vec<RowBlock>)> =
-            std::cell::RefCell::new((Lanes::default(), Vec::new()));
+        /// The last packings (the oldest replaced first), the next slot to replace, and the
+        /// current rows' per-block terms.
+        static LANES: std::cell::RefCell<(Vec<Lanes>, usize, Vec<RowBlock>)> =
+            const { std::cell::RefCell::new((Vec::new(), 0, Vec::new())) };
     }
 
     /// Rows `rows` against up to 16 activations, packed once per call and reused by every
@@ -318,16 +323,32 @@ mod avx512 {
         let views: Vec<&[BlockQ8_0]> = a.iter().map(|a| &ActQ8_0::view(a).blocks[..]).collect();
         let nb = views.iter().fold(nb, |n, v| n.min(v.len()));
         LANES.with(|cell| {
-            let (lanes, terms) = &mut *cell.borrow_mut();
-            let same = lanes.key.1 == nb
-                && lanes.key.0.len() == a.len()
-                && lanes.key.0.iter().zip(a).all(|(s, a)| *s == a.stamp());
-            if !same {
-                lanes.key.0.clear();
-                lanes.key.0.extend(a.iter().map(|a| a.stamp()));
-                lanes.key.1 = nb;
-                pack(lanes, &views, nb);
-            }
+            let (slots, next, terms) = &mut *cell.borrow_mut();
+            let holds = |l: &Lanes| {
+                l.key.1 == nb
+                    && l.key.0.len() == a.len()
+                    && l.key.0.iter().zip(a).all(|(s, a)| *s == a.stamp())
+            };
+            let i = match slots.iter().position(holds) {
+                Some(i) => i,
+                None => {
+                    let i = if slots.len() < CACHED_BATCHES {
+                        slots.push(Lanes::default());
+                        slots.len() - 1
+                    } else {
+                        let i = *next;
+                        *next = (i + 1) % CACHED_BATCHES;
+                        i
+                    };
+                    let l = &mut slots[i];
+                    l.key.0.clear();
+                    l.key.0.extend(a.iter().map(|a| a.stamp()));
+                    l.key.1 = nb;
+                    pack(l, &views, nb);
+                    i
+                }
+            };
+            let lanes = &slots[i];
             terms.resize(2 * nb, RowBlock::default());
             let first = rows.start;
             let row = |r: usize| -> &[BlockQ8_0] {

@@ -99,8 +99,9 @@ pub(super) enum LaneSums {
 /// Up to [`WIDE`] tokens' Q8_K blocks with the tokens in vector lanes, for the kernels that
 /// take one token per i32 lane: `qs[64b + g][t]` is values `4g .. 4g + 4` of block `b` of token
 /// `t` (4 int8 as one i32); `sums` the block sums in the layout of [`LaneSums`]; `d[b][t]` the
-/// scale. Lanes past the last token are zero. Kept per thread: it never reallocates once grown,
-/// and the next call on the same tokens (a product's row bands are one call each) reuses it.
+/// scale. Lanes past the last token are zero. Kept per thread ([`LaneCache`]): it never
+/// reallocates once grown, and a later call on the same tokens (a product's row bands are one
+/// call each) reuses it.
 #[derive(Default)]
 pub(super) struct Lanes {
     pub qs: Vec<[i32; WIDE]>,
@@ -110,19 +111,53 @@ pub(super) struct Lanes {
     key: (Vec<u64>, usize, Option<LaneSums>),
 }
 
+/// Packed batches of tokens kept per thread ([`LaneCache`]): a task runs every batch of a
+/// product over its row band in turn, so one per batch of a 128-token prompt.
+const CACHED_BATCHES: usize = 8;
+
+/// The last [`CACHED_BATCHES`] packings one thread made (the oldest replaced first).
+#[derive(Default)]
+pub(super) struct LaneCache {
+    slots: Vec<Lanes>,
+    next: usize,
+}
+
+impl LaneCache {
+    /// The first `nb` blocks of each of `acts` (at most [`WIDE`], each prepared as Q8_K with
+    /// at least `nb` blocks) packed with the block sums laid out as `sums` says: a slot that
+    /// already holds exactly that, else the oldest slot repacked.
+    pub fn pack_for(&mut self, acts: &[&ActBuf], nb: usize, sums: LaneSums) -> &Lanes {
+        if let Some(i) = self.slots.iter().position(|l| l.holds(acts, nb, sums)) {
+            return &self.slots[i];
+        }
+        let i = if self.slots.len() < CACHED_BATCHES {
+            self.slots.push(Lanes::default());
+            self.slots.len() - 1
+        } else {
+            let i = self.next;
+            self.next = (i + 1) % CACHED_BATCHES;
+            i
+        };
+        let l = &mut self.slots[i];
+        l.pack_for(acts, nb, sums);
+        l
+    }
+}
+
 impl Lanes {
-    /// Packs the first `nb` blocks of each of `acts` (at most [`WIDE`], each prepared as Q8_K
-    /// with at least `nb` blocks), with the block sums laid out as `sums` says; nothing to do
-    /// when the lanes already hold exactly that.
-    pub fn pack_for(&mut self, acts: &[&ActBuf], nb: usize, sums: LaneSums) {
-        let (stamps, key_nb, key_sums) = &mut self.key;
-        if *key_nb == nb
+    /// True when the lanes hold exactly these tokens' first `nb` blocks in layout `sums`.
+    fn holds(&self, acts: &[&ActBuf], nb: usize, sums: LaneSums) -> bool {
+        let (stamps, key_nb, key_sums) = &self.key;
+        *key_nb == nb
             && *key_sums == Some(sums)
             && stamps.len() == acts.len()
             && stamps.iter().zip(acts).all(|(s, a)| *s == a.stamp())
-        {
-            return;
-        }
+    }
+
+    /// Packs the first `nb` blocks of each of `acts` (see [`LaneCache::pack_for`]) and
+    /// records what they are.
+    fn pack_for(&mut self, acts: &[&ActBuf], nb: usize, sums: LaneSums) {
+        let (stamps, key_nb, key_sums) = &mut self.key;
         stamps.clear();
         stamps.extend(acts.iter().map(|a| a.stamp()));
         (*key_nb, *key_sums) = (nb, Some(sums));
