@@ -367,6 +367,9 @@ mod avx512 {
     /// folded as [`super::reduce8`]: the bits of [`super::dot_scalar`].
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     #[inline]
+    // `k`, the scalar order's lane, indexes the packed tokens, the scales and every row's
+    // accumulators alike; an iterator over one of them would hide that.
+    #[allow(clippy::needless_range_loop)]
     unsafe fn row_lanes<const R: usize>(l: &Lanes, q: &[Unpacked], nb: usize) -> [[f32; 16]; R] {
         let mut acc = [[_mm512_setzero_ps(); 8]; R];
         let sign = _mm512_set1_ps(-0.0);

@@ -639,13 +639,13 @@ mod avx512 {
             let (scales, mins) = unsafe { x86::scales_mins(x.head()) };
             let sc = _mm512_castsi256_si512(scales);
             let mut sumi = [_mm512_setzero_si512(); N];
-            for c in 0..4 {
+            for (c, idx_c) in idx.iter().enumerate() {
                 // SAFETY: 32-byte load inside qs (128 bytes).
                 let q = unsafe { _mm256_loadu_si256(x.qs.as_ptr().add(32 * c).cast()) };
                 let both =
                     _mm512_inserti64x4::<1>(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4));
                 let qv = _mm512_and_si512(both, m4);
-                let scv = _mm512_permutexvar_epi16(idx[c], sc);
+                let scv = _mm512_permutexvar_epi16(*idx_c, sc);
                 for (t, s) in sumi.iter_mut().enumerate() {
                     // SAFETY: 64-byte load inside qs (256 bytes).
                     let y = unsafe { _mm512_loadu_si512(a[t][i].qs.as_ptr().add(64 * c).cast()) };

@@ -422,6 +422,9 @@ mod avx512 {
     /// [`super::dot_scalar`].
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     #[inline]
+    // `k`, the scalar order's lane, indexes the packed tokens, the scales and every row's
+    // accumulators alike; an iterator over one of them would hide that.
+    #[allow(clippy::needless_range_loop)]
     unsafe fn row_lanes<const R: usize>(
         w: [&[BlockQ6K]; R],
         l: &Lanes,
