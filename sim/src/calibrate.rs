@@ -800,7 +800,8 @@ fn fit_profile(
     // row computes every layer and k experts per MoE layer, so per-layer and per-expert fixed
     // costs are the same for every token: decode tokens cannot tell them from a rate over the
     // token's bytes, and K is spread as one rate over those bytes (which keeps profiles
-    // portable across models). What does vary from token to token, and from budget to budget,
+    // portable across models) — unless the runs are of models of different shapes, which do
+    // tell a cost per layer from the rate (`fit_across_shapes`). What does vary from token to token, and from budget to budget,
     // is how much the lanes read — and the lanes' CPU (O_DIRECT submission, completion, copies,
     // checksums) runs on the kernels' cores.
     let compute_rows: Vec<([f64; 3], f64)> = samples
@@ -873,7 +874,11 @@ fn fit_profile(
         compute.read_cpu_us = r_ms * 1e3;
         compute.read_cpu_us_per_mib = m_ms * 1e3;
         let work_mib = samples.iter().filter_map(|s| s.work_mib).sum::<f64>() / n_runs;
-        if k_ms > 0.0 && work_mib > 0.0 {
+        if let Some((layer_ms, rate)) = fit_across_shapes(runs, samples, r_ms, m_ms, notes) {
+            compute.layer_fixed_us = layer_ms * 1e3;
+            compute.dense_mib_per_s = rate;
+            compute.expert_mib_per_s = rate;
+        } else if k_ms > 0.0 && work_mib > 0.0 {
             let rate = work_mib / (k_ms / 1e3);
             compute.dense_mib_per_s = rate;
             compute.expert_mib_per_s = rate;
@@ -970,6 +975,80 @@ fn fit_profile(
     };
     profile.validate()?;
     Ok(profile)
+}
+
+/// Runs of models of different shapes can tell a fixed cost per model layer from a rate over
+/// the bytes a token computes, which no single model's decode tokens can (each computes every
+/// layer): per run, the mean compute of a token with no reads `K_i` (its residual minus the
+/// lanes' charge) ≈ `f·layers_i + work_mib_i / rate`, by least squares over the runs with
+/// both terms ≥ 0. `None` — the caller spreads `K` as one rate — when the runs are of one
+/// shape (their layers-to-bytes ratios within 5 % of each other) or the fit is degenerate.
+/// Returns (`f` ms per layer, rate MiB/s).
+fn fit_across_shapes(
+    runs: &[RunInput],
+    samples: &[RunSamples],
+    r_ms: f64,
+    m_ms: f64,
+    notes: &mut Vec<String>,
+) -> Option<(f64, f64)> {
+    let per_run: Vec<(f64, f64, f64)> = runs
+        .iter()
+        .zip(samples)
+        .filter_map(|(run, s)| {
+            let work = s.work_mib.filter(|&w| w > 0.0)?;
+            let layers = f64::from(run.prepared?.layout.n_model_layers());
+            let n = s.compute_rows.len();
+            (n > 0 && layers > 0.0).then(|| {
+                let k = s
+                    .compute_rows
+                    .iter()
+                    .map(|(x, y)| y - r_ms * x[1] - m_ms * x[2])
+                    .sum::<f64>()
+                    / n as f64;
+                (layers, work, k)
+            })
+        })
+        .collect();
+    if per_run.len() != runs.len() || per_run.len() < 2 {
+        return None;
+    }
+    let ratios: Vec<f64> = per_run.iter().map(|(l, w, _)| l / w).collect();
+    let (lo, hi) = ratios
+        .iter()
+        .fold((f64::INFINITY, 0.0f64), |(a, b), &r| (a.min(r), b.max(r)));
+    if hi <= lo * 1.05 {
+        return None;
+    }
+    let rows: Vec<([f64; 2], f64)> = per_run.iter().map(|&(l, w, k)| ([l, w], k)).collect();
+    let [f, b] = fit_n_ls(&rows)?;
+    if !(f >= 0.0 && b > 0.0 && f.is_finite() && b.is_finite()) {
+        notes.push(format!(
+            "compute across shapes: the fit gave {f:.4} ms per layer and {:.0} MiB/s, not both \
+             usable; one rate over the bytes instead",
+            if b > 0.0 { 1e3 / b } else { 0.0 }
+        ));
+        return None;
+    }
+    let rate = 1e3 / b;
+    let worst = per_run
+        .iter()
+        .map(|&(l, w, k)| ((f * l + w * b) / k - 1.0).abs())
+        .fold(0.0, f64::max);
+    notes.push(format!(
+        "compute across {} runs of {} shapes: {:.1} us per model layer + {rate:.0} MiB/s over the \
+         bytes a token computes (each run's no-read compute within {:.1}% of it); a fixed cost \
+         per layer is what makes a profile price a model of another shape",
+        per_run.len(),
+        {
+            let mut r = ratios.clone();
+            r.sort_by(f64::total_cmp);
+            r.dedup_by(|a, b| (*a / *b - 1.0).abs() < 0.05);
+            r.len()
+        },
+        f * 1e3,
+        100.0 * worst
+    ));
+    Some((f, rate))
 }
 
 /// Replay `run`'s trace with `profile` and return the simulated CSV.
@@ -1240,16 +1319,25 @@ mod tests {
     /// A synthetic trace: 2 MoE layers of 16 experts (3 projections each), top-4, a prefill of
     /// 8 tokens and `decode` steps, skewed routing from a fixed seed.
     fn synthetic_trace(decode: usize) -> String {
-        let mut t = String::from(
-            "# route_trace v1\n# model=syn arch=qwen3moe n_layer=3 n_expert=16 n_expert_used=4\n",
+        shaped_trace(2, 100_000, 2_000_000, decode)
+    }
+
+    /// `synthetic_trace` of another shape: `moe_layers` MoE layers (model layer 0 dense) whose
+    /// experts have three projections of `proj_bytes`, `dense_bytes` per layer.
+    fn shaped_trace(moe_layers: u64, proj_bytes: u64, dense_bytes: u64, decode: usize) -> String {
+        let mut t = format!(
+            "# route_trace v1\n# model=syn arch=qwen3moe n_layer={} n_expert=16 n_expert_used=4\n",
+            moe_layers + 1
         );
-        for l in 1..=2u64 {
+        for l in 1..=moe_layers {
             let base = l * 50_000_000 + 1000;
+            let stack = 16 * proj_bytes + 123;
             t.push_str(&format!(
-                "# layer={l} expert_bytes=300000 dense_bytes=2000000 proj=0:{}:100000,0:{}:100000,0:{}:100000\n",
+                "# layer={l} expert_bytes={} dense_bytes={dense_bytes} proj=0:{}:{proj_bytes},0:{}:{proj_bytes},0:{}:{proj_bytes}\n",
+                3 * proj_bytes,
                 base,
-                base + 1_600_123,
-                base + 3_200_321
+                base + stack,
+                base + 2 * stack + 75
             ));
         }
         t.push_str("turn,phase,step,layer,slot,expert,weight,residency,expert_bytes,dropped\n");
@@ -1269,15 +1357,15 @@ mod tests {
             }
         };
         for p in 0..8 {
-            for l in 1..=2 {
-                if l == 2 && p != 7 {
+            for l in 1..=moe_layers {
+                if l == moe_layers && p != 7 {
                     continue;
                 }
                 row(&mut t, 0, p, l);
             }
         }
         for d in 0..decode {
-            for l in 1..=2 {
+            for l in 1..=moe_layers {
                 row(&mut t, 1, 8 + d, l);
             }
         }
@@ -1613,6 +1701,117 @@ mod tests {
         assert!(worst_out <= 5.0, "{acc}\n{:#?}", sweep.notes);
         assert_eq!(sweep.profile.sources, sweep.notes);
         assert!(calibrate_sweep(&inputs[..1], &base, "fit", FitOptions::default()).is_err());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A device with a fixed cost per model layer (500 µs) besides its rate: a sweep over runs
+    /// of two model shapes recovers both, and prices a third shape it never saw; a profile
+    /// calibrated on one shape folds the fixed cost into its rate and misprices the others.
+    #[test]
+    fn runs_of_two_shapes_separate_a_per_layer_cost_and_price_a_third() {
+        let dir = std::env::temp_dir().join(format!("bmoe-sim-cal-shape-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let mut truth = DeviceProfile::load("this-machine").expect("base");
+        truth.flash.jitter = 0.0;
+        truth.flash.service_quantiles = Vec::new();
+        truth.compute = ComputeParams {
+            dense_mib_per_s: 4000.0,
+            expert_mib_per_s: 4000.0,
+            layer_fixed_us: 500.0,
+            expert_fixed_us: 0.0,
+            head_ms: 0.0,
+            batch_row_factor: 0.3,
+            release_us: 0.0,
+            release_us_per_mib: 0.0,
+            loop_overhead_ms: 0.0,
+            read_cpu_us: 0.0,
+            read_cpu_us_per_mib: 0.0,
+            jitter: 0.0,
+        };
+        let (mut stream, telemetry) = crate::cli::default_flags().expect("flags");
+        stream.overlap = true;
+        stream.io_threads = Some(2);
+        // (MoE layers, projection bytes, dense bytes): few large layers, many small ones, and
+        // a third shape between them that no calibration sees.
+        let shapes = [
+            (2u64, 400_000u64, 4_000_000u64),
+            (8, 60_000, 300_000),
+            (4, 150_000, 1_000_000),
+        ];
+        let mut preps = Vec::new();
+        let mut csvs = Vec::new();
+        for (i, &(layers, proj, dense)) in shapes.iter().enumerate() {
+            let trace = dir.join(format!("t{i}.csv"));
+            std::fs::write(&trace, shaped_trace(layers, proj, dense, 120)).expect("trace");
+            preps.push(
+                crate::cli::prepare(
+                    &trace,
+                    crate::cli::Reprice::Own,
+                    Some("this-machine"),
+                    None,
+                    &stream,
+                    &telemetry,
+                    0,
+                    &[],
+                )
+                .expect("prepare"),
+            );
+            let csv = dir.join(format!("run{i}.csv"));
+            measure_at(
+                &dir,
+                &trace,
+                &truth,
+                "16",
+                &["--io-threads", "2", "--overlap"],
+                &csv,
+                None,
+            );
+            csvs.push(
+                MetricsCsv::parse(&std::fs::read_to_string(&csv).expect("csv")).expect("parse"),
+            );
+        }
+        let names = ["run0.csv", "run1.csv", "run2.csv"];
+        let inputs: Vec<RunInput> = (0..3)
+            .map(|i| RunInput {
+                csv: &csvs[i],
+                name: names[i],
+                prepared: Some(&preps[i]),
+                io: None,
+            })
+            .collect();
+        let base = DeviceProfile::load("this-machine").expect("base");
+        let predict = |profile: &DeviceProfile, i: usize| -> f64 {
+            let cfg = run_config_from_csv(&csvs[i]).expect("cfg");
+            let sim = replay_run(&inputs[i], &cfg, profile).expect("replay");
+            decode_tok_s(&sim) / decode_tok_s(&csvs[i]) - 1.0
+        };
+        let two = calibrate_sweep(&inputs[..2], &base, "fit", FitOptions::default()).expect("fit");
+        let k = &two.profile.compute;
+        assert!(
+            (k.layer_fixed_us - 500.0).abs() <= 50.0 && (k.dense_mib_per_s - 4000.0).abs() <= 400.0,
+            "per layer {} us, rate {} MiB/s\n{:#?}",
+            k.layer_fixed_us,
+            k.dense_mib_per_s,
+            two.notes
+        );
+        let e = predict(&two.profile, 2);
+        assert!(
+            e.abs() <= 0.05,
+            "third shape: {:+.1}%\n{:#?}",
+            100.0 * e,
+            two.notes
+        );
+        // One shape alone: no fixed cost, and the other shapes mispriced.
+        let one = calibrate_run(&inputs[0], &base, "fit", FitOptions::default()).expect("fit");
+        assert_eq!(one.profile.compute.layer_fixed_us, 0.0);
+        let worst = [1, 2]
+            .iter()
+            .map(|&i| predict(&one.profile, i).abs())
+            .fold(0.0, f64::max);
+        assert!(
+            worst > 0.15,
+            "one shape's rate should misprice the others: {worst}"
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -76,18 +76,18 @@ format::registry! {
     F32 => fp32::F32 [Avx2];
     F16 => fp16::F16 [Avx2];
     BF16 => bf16::Bf16 [Avx2];
-    Q8_0 => q8_0::Q8_0 [Avx2];
+    Q8_0 => q8_0::Q8_0 [Avx2, Avx512];
     Q4_0 => q4_0::Q4_0 [Avx2];
     Q4_1 => q4_1::Q4_1 [Avx2];
     Q5_0 => q5_0::Q5_0 [Avx2];
     Q5_1 => q5_1::Q5_1 [Avx2];
     IQ4_NL => iq4_nl::Iq4Nl [Avx2];
     MXFP4 => mxfp4::Mxfp4 [Avx2];
-    Q2_K => q2_k::Q2K [Avx2];
-    Q3_K => q3_k::Q3K [Avx2];
+    Q2_K => q2_k::Q2K [Avx2, Avx512];
+    Q3_K => q3_k::Q3K [Avx2, Avx512];
     Q4_K => q4_k::Q4K [Avx2, Avx512];
     Q5_K => q5_k::Q5K [Avx2];
-    Q6_K => q6_k::Q6K [Avx2];
+    Q6_K => q6_k::Q6K [Avx2, Avx512];
     IQ4_XS => iq4_xs::Iq4Xs [Avx2];
 }
 
@@ -322,6 +322,10 @@ pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), K
     Ok(())
 }
 
+/// The next [`ActBuf`] stamp. Every preparation takes a fresh one, so equal stamps mean equal
+/// contents (a clone keeps its original's stamp and contents).
+static STAMPS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
 /// An activation vector prepared for dot products with weights of one type (see
 /// [`ActFormat::for_weights`]).
 ///
@@ -332,6 +336,9 @@ pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), K
 pub struct ActBuf {
     format: Option<ActFormat>,
     n_cols: usize,
+    /// Names the contents of the last successful preparation (0: none), unique in the process
+    /// ([`STAMPS`]): the lanes kernels repack their tokens only when a stamp changed.
+    stamp: u64,
     f32s: Vec<f32>,
     u16s: Vec<u16>,
     q8_0: Q8Act,
@@ -362,6 +369,12 @@ impl ActBuf {
         t.prepare(x, self);
         self.format = Some(t.act);
         self.n_cols = x.len();
+        self.stamp = STAMPS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// See the field: what a kernel caching a transformed copy of this activation keys it by.
+    pub(crate) fn stamp(&self) -> u64 {
+        self.stamp
     }
 
     /// The format of the last successful `prepare`, if any.

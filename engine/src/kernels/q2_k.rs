@@ -213,11 +213,237 @@ unsafe fn dot_avx2(w: &[BlockQ2K], a: &[BlockQ8K]) -> f32 {
 
 super::format::kquant_format!(Q2K, Q2_K, BlockQ2K);
 
+#[cfg(target_arch = "x86_64")]
+impl super::format::Kernel<Q2K> for super::format::Avx512 {
+    /// AVX2's (the lanes kernel pays off only over many tokens).
+    unsafe fn dot(w: &[BlockQ2K], a: &[BlockQ8K]) -> f32 {
+        // SAFETY: the caller's (the AVX-512 level includes AVX2's features).
+        unsafe { dot_avx2(w, a) }
+    }
+
+    const WIDE: bool = true;
+
+    unsafe fn dot_wide(
+        w: &[u8],
+        row_bytes: usize,
+        rows: std::ops::Range<usize>,
+        a: &[&super::ActBuf],
+        out: &mut [&mut [f32]],
+    ) {
+        // SAFETY: the caller's.
+        unsafe { avx512::dot_wide(w, row_bytes, rows, a, out) }
+    }
+}
+
+/// The AVX-512 level: up to 16 tokens, one per i32 lane. A level (≤ 3) times its run's
+/// 4-bit scale (≤ 15) fits a byte, so the row is decoded once per call into those products and
+/// each 4 values take one `vpdpbusd` for all tokens.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::super::format::Activation;
+    use super::super::q8_k::{ActQ8K, LaneCache, LaneSums, Lanes};
+    use super::super::{blocks, ActBuf};
+    use super::{BlockQ2K, BlockQ8K};
+    use std::arch::x86_64::*;
+
+    /// One row's super-block decoded once per call: `sc_r · q` one byte per value in value
+    /// order; the minimums' pairs `(m_2k, m_2k+1)` as two i16; `d` and `dmin` widened.
+    #[repr(C, align(64))]
+    struct Unpacked {
+        q: [u8; 256],
+        mins: [i32; 8],
+        d: f32,
+        dmin: f32,
+    }
+
+    thread_local! {
+        /// The packed tokens and the unpacked rows of the current call.
+        static LANES: std::cell::RefCell<(LaneCache, Vec<Unpacked>)> =
+            std::cell::RefCell::new((LaneCache::default(), Vec::new()));
+    }
+
+    /// Rows `rows` against up to 16 activations, one per i32 lane ([`Lanes`], packed once per
+    /// call and reused by every row), two rows at a time (each activation load serves both).
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub unsafe fn dot_wide(
+        w: &[u8],
+        row_bytes: usize,
+        rows: std::ops::Range<usize>,
+        a: &[&ActBuf],
+        out: &mut [&mut [f32]],
+    ) {
+        let nb = row_bytes / std::mem::size_of::<BlockQ2K>();
+        let views: Vec<&[BlockQ8K]> = a.iter().map(|a| ActQ8K::view(a)).collect();
+        let nb = views.iter().fold(nb, |n, v| n.min(v.len()));
+        LANES.with(|cell| {
+            let (cache, q) = &mut *cell.borrow_mut();
+            let lanes = cache.pack_for(a, nb, LaneSums::Runs);
+            if q.len() < 2 * nb {
+                q.resize_with(2 * nb, || Unpacked {
+                    q: [0; 256],
+                    mins: [0; 8],
+                    d: 0.0,
+                    dmin: 0.0,
+                });
+            }
+            let first = rows.start;
+            let row =
+                |r: usize| -> &[BlockQ2K] { &blocks(&w[r * row_bytes..(r + 1) * row_bytes])[..nb] };
+            let mut r = rows.start;
+            while r < rows.end {
+                let mut v = [[0f32; 16]; 2];
+                // SAFETY: the caller's (this level's features are present).
+                let n = unsafe {
+                    if rows.end - r >= 2 {
+                        unpack_row(row(r), &mut q[..nb]);
+                        unpack_row(row(r + 1), &mut q[nb..2 * nb]);
+                        v = row_lanes::<2>(lanes, &q[..2 * nb], nb);
+                        2
+                    } else {
+                        unpack_row(row(r), &mut q[..nb]);
+                        [v[0]] = row_lanes::<1>(lanes, &q[..nb], nb);
+                        1
+                    }
+                };
+                for (k, o) in out.iter_mut().enumerate() {
+                    for i in 0..n {
+                        o[r + i - first] = v[i][k];
+                    }
+                }
+                r += n;
+            }
+        });
+    }
+
+    /// Decodes each block of `w` into `q` (see [`Unpacked`]). Not inlined: the main loop must
+    /// read these bytes from memory as broadcast loads.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    #[inline(never)]
+    unsafe fn unpack_row(w: &[BlockQ2K], q: &mut [Unpacked]) {
+        let m3 = _mm256_set1_epi8(3);
+        for (x, u) in w.iter().zip(q.iter_mut()) {
+            for n in 0..2 {
+                // SAFETY: 32-byte load inside qs (64 bytes), n < 2.
+                let bits = unsafe { _mm256_loadu_si256(x.qs.as_ptr().add(32 * n).cast()) };
+                for t in 0..4 {
+                    // Group 4n + t: its first 16 values in run 8n + 2t, the rest in the next.
+                    let r = 8 * n + 2 * t;
+                    let sc = _mm256_setr_m128i(
+                        _mm_set1_epi16((x.scales[r] & 0x0F) as i16),
+                        _mm_set1_epi16((x.scales[r + 1] & 0x0F) as i16),
+                    );
+                    let lv = _mm256_and_si256(
+                        _mm256_srlv_epi16(bits, _mm256_set1_epi16(2 * t as i16)),
+                        m3,
+                    );
+                    // Each byte ≤ 3 · 15 < 256, so the 16-bit products never carry into the
+                    // neighbouring byte.
+                    // SAFETY: 32-byte aligned store inside `u.q`.
+                    unsafe {
+                        _mm256_store_si256(
+                            u.q.as_mut_ptr().add(128 * n + 32 * t).cast(),
+                            _mm256_mullo_epi16(lv, sc),
+                        )
+                    };
+                }
+            }
+            for (k, m) in u.mins.iter_mut().enumerate() {
+                let (lo, hi) = (x.scales[2 * k] >> 4, x.scales[2 * k + 1] >> 4);
+                *m = lo as i32 | ((hi as i32) << 16);
+            }
+            // SAFETY: F16C is present.
+            unsafe {
+                u.d = super::super::f16c(x.d);
+                u.dmin = super::super::f16c(x.dmin);
+            }
+        }
+    }
+
+    /// `R` rows (unpacked into `q`, `nb` blocks per row) against the packed tokens. Per block
+    /// and lane `k` of the scalar order: first the minimums' term (`vpdpwssd` of the run sums
+    /// with the minimum pairs) and its fused multiply-add, then the exact sum over the 8
+    /// groups of `vpdpbusd` (4 scaled levels broadcast × each token's 4 activation bytes) and
+    /// its fused multiply-add, into that token's accumulator `k`; the 8 accumulators are
+    /// folded as [`super::reduce8`]: the bits of [`super::dot_scalar`].
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    #[inline]
+    // `k`, the scalar order's lane, indexes the packed tokens, the scales and every row's
+    // accumulators alike; an iterator over one of them would hide that.
+    #[allow(clippy::needless_range_loop)]
+    unsafe fn row_lanes<const R: usize>(l: &Lanes, q: &[Unpacked], nb: usize) -> [[f32; 16]; R] {
+        let mut acc = [[_mm512_setzero_ps(); 8]; R];
+        let sign = _mm512_set1_ps(-0.0);
+        for b in 0..nb {
+            let u: [&Unpacked; R] = std::array::from_fn(|r| &q[r * nb + b]);
+            // SAFETY: 16 floats.
+            let d_a = unsafe { _mm512_loadu_ps(l.d[b].as_ptr()) };
+            let neg_d_a = _mm512_xor_ps(d_a, sign);
+            let d: [__m512; R] =
+                std::array::from_fn(|r| _mm512_mul_ps(d_a, _mm512_set1_ps(u[r].d)));
+            let dmin: [__m512; R] =
+                std::array::from_fn(|r| _mm512_mul_ps(neg_d_a, _mm512_set1_ps(u[r].dmin)));
+            for k in 0..8 {
+                // SAFETY: 64 bytes of one packed row.
+                let runs = unsafe { _mm512_loadu_si512(l.sums[8 * b + k].as_ptr().cast()) };
+                for r in 0..R {
+                    let m = _mm512_dpwssd_epi32(
+                        _mm512_setzero_si512(),
+                        runs,
+                        _mm512_set1_epi32(u[r].mins[k]),
+                    );
+                    acc[r][k] = _mm512_fmadd_ps(dmin[r], _mm512_cvtepi32_ps(m), acc[r][k]);
+                }
+                let mut s = [_mm512_setzero_si512(); R];
+                for g in 0..8 {
+                    // SAFETY: 64 bytes of one packed row; 4 bytes inside each `q`.
+                    let y = unsafe { _mm512_loadu_si512(l.qs[64 * b + 8 * g + k].as_ptr().cast()) };
+                    for r in 0..R {
+                        let wq = unsafe {
+                            std::ptr::read_unaligned(
+                                u[r].q.as_ptr().add(32 * g + 4 * k).cast::<i32>(),
+                            )
+                        };
+                        // ≤ 4 · 45 · 127 per step: exact.
+                        s[r] = _mm512_dpbusd_epi32(s[r], _mm512_set1_epi32(wq), y);
+                    }
+                }
+                for r in 0..R {
+                    acc[r][k] = _mm512_fmadd_ps(d[r], _mm512_cvtepi32_ps(s[r]), acc[r][k]);
+                }
+            }
+        }
+        std::array::from_fn(|r| {
+            let a = &acc[r];
+            // reduce8: halves, then quarters, then pairs.
+            let h: [__m512; 4] = std::array::from_fn(|i| _mm512_add_ps(a[i], a[i + 4]));
+            let v = _mm512_add_ps(_mm512_add_ps(h[0], h[2]), _mm512_add_ps(h[1], h[3]));
+            let mut o = [0f32; 16];
+            // SAFETY: 16 floats.
+            unsafe { _mm512_storeu_ps(o.as_mut_ptr(), v) };
+            o
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::testutil::*;
     use super::*;
     use crate::gguf::GgmlType;
+
+    /// The lanes kernel (AVX-512) gives each of 1 to 16 tokens the single dot's bits, for
+    /// every row step it takes.
+    #[test]
+    fn wide_dot_matches_single_dots_bits() {
+        check_group_matches_single::<Q2K>(false);
+    }
+
+    /// ns per (block, token) at each level and width (`--ignored --nocapture`).
+    #[test]
+    #[ignore]
+    fn group_speed() {
+        print_group_speed::<Q2K>();
+    }
 
     #[test]
     fn simd_matches_scalar_bits() {

@@ -223,11 +223,226 @@ unsafe fn dot_avx2(w: &[BlockQ3K], a: &[BlockQ8K]) -> f32 {
 
 super::format::kquant_format!(Q3K, Q3_K, BlockQ3K);
 
+#[cfg(target_arch = "x86_64")]
+impl super::format::Kernel<Q3K> for super::format::Avx512 {
+    /// AVX2's (the lanes kernel pays off only over many tokens).
+    unsafe fn dot(w: &[BlockQ3K], a: &[BlockQ8K]) -> f32 {
+        // SAFETY: the caller's (the AVX-512 level includes AVX2's features).
+        unsafe { dot_avx2(w, a) }
+    }
+
+    const WIDE: bool = true;
+
+    unsafe fn dot_wide(
+        w: &[u8],
+        row_bytes: usize,
+        rows: std::ops::Range<usize>,
+        a: &[&super::ActBuf],
+        out: &mut [&mut [f32]],
+    ) {
+        // SAFETY: the caller's.
+        unsafe { avx512::dot_wide(w, row_bytes, rows, a, out) }
+    }
+}
+
+/// The AVX-512 level: up to 16 tokens, one per i32 lane, the row decoded once per call. The
+/// levels go into `vpmaddubsw` as `q + 4` (0..=7, unsigned); 4 times the activations' pair
+/// sums, one `vpmaddubsw` per 4 values shared by both rows, brings each pair sum back to
+/// `Σ q·a` exactly before `vpdpwssd` applies the run's scale.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::super::format::Activation;
+    use super::super::q8_k::{ActQ8K, LaneCache, LaneSums, Lanes};
+    use super::super::{blocks, ActBuf};
+    use super::{unpack_scales, BlockQ3K, BlockQ8K};
+    use std::arch::x86_64::*;
+
+    /// One row's super-block decoded once per call: `q + 4` one byte per value in value order;
+    /// per run of 16 its scale `sc − 32` twice as an i16 pair; `d` widened.
+    #[repr(C, align(64))]
+    struct Unpacked {
+        q: [u8; 256],
+        sc: [i32; 16],
+        d: f32,
+    }
+
+    thread_local! {
+        /// The packed tokens and the unpacked rows of the current call.
+        static LANES: std::cell::RefCell<(LaneCache, Vec<Unpacked>)> =
+            std::cell::RefCell::new((LaneCache::default(), Vec::new()));
+    }
+
+    /// Rows `rows` against up to 16 activations, one per i32 lane ([`Lanes`], packed once per
+    /// call and reused by every row), two rows at a time (each activation load serves both).
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub unsafe fn dot_wide(
+        w: &[u8],
+        row_bytes: usize,
+        rows: std::ops::Range<usize>,
+        a: &[&ActBuf],
+        out: &mut [&mut [f32]],
+    ) {
+        let nb = row_bytes / std::mem::size_of::<BlockQ3K>();
+        let views: Vec<&[BlockQ8K]> = a.iter().map(|a| ActQ8K::view(a)).collect();
+        let nb = views.iter().fold(nb, |n, v| n.min(v.len()));
+        LANES.with(|cell| {
+            let (cache, q) = &mut *cell.borrow_mut();
+            // The block sums are not read; the smallest layout.
+            let lanes = cache.pack_for(a, nb, LaneSums::Pairs);
+            if q.len() < 2 * nb {
+                q.resize_with(2 * nb, || Unpacked {
+                    q: [0; 256],
+                    sc: [0; 16],
+                    d: 0.0,
+                });
+            }
+            let first = rows.start;
+            let row =
+                |r: usize| -> &[BlockQ3K] { &blocks(&w[r * row_bytes..(r + 1) * row_bytes])[..nb] };
+            let mut r = rows.start;
+            while r < rows.end {
+                let mut v = [[0f32; 16]; 2];
+                // SAFETY: the caller's (this level's features are present).
+                let n = unsafe {
+                    if rows.end - r >= 2 {
+                        unpack_row(row(r), &mut q[..nb]);
+                        unpack_row(row(r + 1), &mut q[nb..2 * nb]);
+                        v = row_lanes::<2>(lanes, &q[..2 * nb], nb);
+                        2
+                    } else {
+                        unpack_row(row(r), &mut q[..nb]);
+                        [v[0]] = row_lanes::<1>(lanes, &q[..nb], nb);
+                        1
+                    }
+                };
+                for (k, o) in out.iter_mut().enumerate() {
+                    for i in 0..n {
+                        o[r + i - first] = v[i][k];
+                    }
+                }
+                r += n;
+            }
+        });
+    }
+
+    /// Decodes each block of `w` into `q` (see [`Unpacked`]). Not inlined: the main loop must
+    /// read these bytes from memory as broadcast loads.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    #[inline(never)]
+    unsafe fn unpack_row(w: &[BlockQ3K], q: &mut [Unpacked]) {
+        let m3 = _mm256_set1_epi8(3);
+        let four = _mm256_set1_epi8(4);
+        for (x, u) in w.iter().zip(q.iter_mut()) {
+            // SAFETY: 32-byte load of hmask.
+            let hm = unsafe { _mm256_loadu_si256(x.hmask.as_ptr().cast()) };
+            for n in 0..2 {
+                // SAFETY: 32-byte load inside qs (64 bytes), n < 2.
+                let bits = unsafe { _mm256_loadu_si256(x.qs.as_ptr().add(32 * n).cast()) };
+                for t in 0..4 {
+                    let low = _mm256_and_si256(
+                        _mm256_srlv_epi16(bits, _mm256_set1_epi16(2 * t as i16)),
+                        m3,
+                    );
+                    // The high bit (4n + t of each hmask byte) moved to bit 2: + 4 when set.
+                    let shift = 4 * n as i32 + t as i32 - 2;
+                    let h = if shift >= 0 {
+                        _mm256_srlv_epi16(hm, _mm256_set1_epi16(shift as i16))
+                    } else {
+                        _mm256_sllv_epi16(hm, _mm256_set1_epi16(-shift as i16))
+                    };
+                    let u4 = _mm256_or_si256(low, _mm256_and_si256(h, four));
+                    // SAFETY: 32-byte aligned store inside `u.q`.
+                    unsafe {
+                        _mm256_store_si256(u.q.as_mut_ptr().add(128 * n + 32 * t).cast(), u4)
+                    };
+                }
+            }
+            for (s, sc) in u.sc.iter_mut().zip(unpack_scales(&x.scales)) {
+                let v = (sc as i16 - 32) as u16 as i32;
+                *s = v | (v << 16);
+            }
+            // SAFETY: F16C is present.
+            u.d = unsafe { super::super::f16c(x.d) };
+        }
+    }
+
+    /// `R` rows (unpacked into `q`, `nb` blocks per row) against the packed tokens. Lane `k`
+    /// of the scalar order (values `4k .. 4k + 4` of each group of 32) is its own loop: per
+    /// group, `vpmaddubsw` of the 4 levels `q + 4` broadcast × each token's 4 activation bytes,
+    /// minus 4 times the activations' pair sums (≤ 2 · 7 · 127 and 2 · 4 · 127: exact i16),
+    /// then one `vpdpwssd` applying the run's scale into the lane's exact sum. Each token's
+    /// lane takes the scalar fused multiply-add into its accumulator `k`; the 8 accumulators
+    /// are folded as [`super::reduce8`]: the bits of [`super::dot_scalar`].
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    #[inline]
+    // `k`, the scalar order's lane, indexes the packed tokens, the scales and every row's
+    // accumulators alike; an iterator over one of them would hide that.
+    #[allow(clippy::needless_range_loop)]
+    unsafe fn row_lanes<const R: usize>(l: &Lanes, q: &[Unpacked], nb: usize) -> [[f32; 16]; R] {
+        let four = _mm512_set1_epi8(4);
+        let mut acc = [[_mm512_setzero_ps(); 8]; R];
+        for b in 0..nb {
+            let u: [&Unpacked; R] = std::array::from_fn(|r| &q[r * nb + b]);
+            // SAFETY: 16 floats.
+            let d_a = unsafe { _mm512_loadu_ps(l.d[b].as_ptr()) };
+            let d: [__m512; R] =
+                std::array::from_fn(|r| _mm512_mul_ps(d_a, _mm512_set1_ps(u[r].d)));
+            for k in 0..8 {
+                let mut s = [_mm512_setzero_si512(); R];
+                for g in 0..8 {
+                    // SAFETY: 64 bytes of one packed row.
+                    let y = unsafe { _mm512_loadu_si512(l.qs[64 * b + 8 * g + k].as_ptr().cast()) };
+                    let y4 = _mm512_maddubs_epi16(four, y);
+                    for r in 0..R {
+                        // SAFETY: 4 bytes inside `q`.
+                        let wq = unsafe {
+                            std::ptr::read_unaligned(
+                                u[r].q.as_ptr().add(32 * g + 4 * k).cast::<i32>(),
+                            )
+                        };
+                        let p =
+                            _mm512_sub_epi16(_mm512_maddubs_epi16(_mm512_set1_epi32(wq), y), y4);
+                        s[r] =
+                            _mm512_dpwssd_epi32(s[r], p, _mm512_set1_epi32(u[r].sc[2 * g + k / 4]));
+                    }
+                }
+                for r in 0..R {
+                    acc[r][k] = _mm512_fmadd_ps(d[r], _mm512_cvtepi32_ps(s[r]), acc[r][k]);
+                }
+            }
+        }
+        std::array::from_fn(|r| {
+            let a = &acc[r];
+            // reduce8: halves, then quarters, then pairs.
+            let h: [__m512; 4] = std::array::from_fn(|i| _mm512_add_ps(a[i], a[i + 4]));
+            let v = _mm512_add_ps(_mm512_add_ps(h[0], h[2]), _mm512_add_ps(h[1], h[3]));
+            let mut o = [0f32; 16];
+            // SAFETY: 16 floats.
+            unsafe { _mm512_storeu_ps(o.as_mut_ptr(), v) };
+            o
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::testutil::*;
     use super::*;
     use crate::gguf::GgmlType;
+
+    /// The lanes kernel (AVX-512) gives each of 1 to 16 tokens the single dot's bits, for
+    /// every row step it takes.
+    #[test]
+    fn wide_dot_matches_single_dots_bits() {
+        check_group_matches_single::<Q3K>(false);
+    }
+
+    /// ns per (block, token) at each level and width (`--ignored --nocapture`).
+    #[test]
+    #[ignore]
+    fn group_speed() {
+        print_group_speed::<Q3K>();
+    }
 
     #[test]
     fn simd_matches_scalar_bits() {

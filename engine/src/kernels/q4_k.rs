@@ -392,7 +392,7 @@ impl super::format::Kernel<Q4K> for super::format::Avx512 {
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::super::format::Activation;
-    use super::super::q8_k::{ActQ8K, Lanes};
+    use super::super::q8_k::{ActQ8K, LaneCache, LaneSums, Lanes};
     use super::super::{blocks, ActBuf};
     use super::{x86, BlockQ4K, BlockQ8K};
     use std::arch::x86_64::*;
@@ -415,8 +415,8 @@ mod avx512 {
 
     thread_local! {
         /// The packed tokens and the unpacked row of the current call.
-        static LANES: std::cell::RefCell<(Lanes, Vec<Unpacked>)> =
-            std::cell::RefCell::new((Lanes::default(), Vec::new()));
+        static LANES: std::cell::RefCell<(LaneCache, Vec<Unpacked>)> =
+            std::cell::RefCell::new((LaneCache::default(), Vec::new()));
     }
 
     /// A row's nibbles unpacked to one byte per value, in value order.
@@ -437,8 +437,8 @@ mod avx512 {
         let views: Vec<&[BlockQ8K]> = a.iter().map(|a| ActQ8K::view(a)).collect();
         let nb = views.iter().fold(nb, |n, v| n.min(v.len()));
         LANES.with(|cell| {
-            let (lanes, q) = &mut *cell.borrow_mut();
-            lanes.pack(&views, nb);
+            let (cache, q) = &mut *cell.borrow_mut();
+            let lanes = cache.pack_for(a, nb, LaneSums::Pairs);
             let first = rows.start;
             let row =
                 |r: usize| -> &[BlockQ4K] { &blocks(&w[r * row_bytes..(r + 1) * row_bytes])[..nb] };
@@ -560,7 +560,7 @@ mod avx512 {
                 let mut summ = _mm512_setzero_si512();
                 for (i, &mi) in m[r].iter().enumerate() {
                     // SAFETY: 64 bytes of one packed row.
-                    let p = unsafe { _mm512_loadu_si512(l.pairs[4 * b + i].as_ptr().cast()) };
+                    let p = unsafe { _mm512_loadu_si512(l.sums[4 * b + i].as_ptr().cast()) };
                     summ = _mm512_dpwssd_epi32(summ, p, _mm512_set1_epi32(mi));
                 }
                 let x = &w[r][b];
@@ -639,13 +639,13 @@ mod avx512 {
             let (scales, mins) = unsafe { x86::scales_mins(x.head()) };
             let sc = _mm512_castsi256_si512(scales);
             let mut sumi = [_mm512_setzero_si512(); N];
-            for c in 0..4 {
+            for (c, idx_c) in idx.iter().enumerate() {
                 // SAFETY: 32-byte load inside qs (128 bytes).
                 let q = unsafe { _mm256_loadu_si256(x.qs.as_ptr().add(32 * c).cast()) };
                 let both =
                     _mm512_inserti64x4::<1>(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4));
                 let qv = _mm512_and_si512(both, m4);
-                let scv = _mm512_permutexvar_epi16(idx[c], sc);
+                let scv = _mm512_permutexvar_epi16(*idx_c, sc);
                 for (t, s) in sumi.iter_mut().enumerate() {
                     // SAFETY: 64-byte load inside qs (256 bytes).
                     let y = unsafe { _mm512_loadu_si512(a[t][i].qs.as_ptr().add(64 * c).cast()) };

@@ -278,6 +278,212 @@ unsafe fn dot_n_avx2<const N: usize>(w: &[BlockQ6K], a: [&[BlockQ8K]; N]) -> [f3
     acc.map(|v| unsafe { fold(v) })
 }
 
+#[cfg(target_arch = "x86_64")]
+impl super::format::Kernel<Q6K> for super::format::Avx512 {
+    /// AVX2's (the lanes kernel pays off only over many tokens).
+    unsafe fn dot(w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
+        // SAFETY: the caller's (the AVX-512 level includes AVX2's features).
+        unsafe { dot_avx2(w, a) }
+    }
+
+    /// AVX2's grouped dot for the token groups too narrow for the lanes kernel.
+    const GROUPED: bool = true;
+
+    const WIDE: bool = true;
+
+    unsafe fn dot_group<const N: usize>(w: &[BlockQ6K], a: [&[BlockQ8K]; N]) -> [f32; N] {
+        // SAFETY: the caller's.
+        unsafe { dot_n_avx2::<N>(w, a) }
+    }
+
+    unsafe fn dot_wide(
+        w: &[u8],
+        row_bytes: usize,
+        rows: std::ops::Range<usize>,
+        a: &[&super::ActBuf],
+        out: &mut [&mut [f32]],
+    ) {
+        // SAFETY: the caller's.
+        unsafe { avx512::dot_wide(w, row_bytes, rows, a, out) }
+    }
+}
+
+/// The AVX-512 level: up to 16 tokens, one per i32 lane, so each weight value is decoded once
+/// per row for all of them (the AVX2 dots decode it once per token or per group of 4).
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::super::format::Activation;
+    use super::super::q8_k::{ActQ8K, LaneCache, LaneSums, Lanes};
+    use super::super::{blocks, ActBuf};
+    use super::{levels_avx2, BlockQ6K, BlockQ8K};
+    use std::arch::x86_64::*;
+
+    /// One row's super-block decoded once per call: the levels (0..=63) one byte per value in
+    /// value order; per run of 16 its scale twice as an i16 pair (`vpdpwssd` applies it to
+    /// both halves of a `vpmaddubsw` result); the offset's scale pairs `(sc_2k, sc_2k+1)`.
+    #[repr(C, align(64))]
+    struct Unpacked {
+        q: [u8; 256],
+        sc: [i32; 16],
+        off: [i32; 8],
+    }
+
+    thread_local! {
+        /// The packed tokens and the unpacked rows of the current call.
+        static LANES: std::cell::RefCell<(LaneCache, Vec<Unpacked>)> =
+            std::cell::RefCell::new((LaneCache::default(), Vec::new()));
+    }
+
+    /// Rows `rows` against up to 16 activations, one per i32 lane ([`Lanes`], packed once per
+    /// call and reused by every row), two rows at a time (each activation load serves both).
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub unsafe fn dot_wide(
+        w: &[u8],
+        row_bytes: usize,
+        rows: std::ops::Range<usize>,
+        a: &[&ActBuf],
+        out: &mut [&mut [f32]],
+    ) {
+        let nb = row_bytes / std::mem::size_of::<BlockQ6K>();
+        let views: Vec<&[BlockQ8K]> = a.iter().map(|a| ActQ8K::view(a)).collect();
+        let nb = views.iter().fold(nb, |n, v| n.min(v.len()));
+        LANES.with(|cell| {
+            let (cache, q) = &mut *cell.borrow_mut();
+            let lanes = cache.pack_for(a, nb, LaneSums::Runs);
+            if q.len() < 2 * nb {
+                q.resize_with(2 * nb, || Unpacked {
+                    q: [0; 256],
+                    sc: [0; 16],
+                    off: [0; 8],
+                });
+            }
+            let first = rows.start;
+            let row =
+                |r: usize| -> &[BlockQ6K] { &blocks(&w[r * row_bytes..(r + 1) * row_bytes])[..nb] };
+            let mut r = rows.start;
+            while r < rows.end {
+                let mut v = [[0f32; 16]; 2];
+                // SAFETY: the caller's (this level's features are present).
+                let n = unsafe {
+                    if rows.end - r >= 2 {
+                        unpack_row(row(r), &mut q[..nb]);
+                        unpack_row(row(r + 1), &mut q[nb..2 * nb]);
+                        v = row_lanes::<2>([row(r), row(r + 1)], lanes, q);
+                        2
+                    } else {
+                        unpack_row(row(r), &mut q[..nb]);
+                        [v[0]] = row_lanes::<1>([row(r)], lanes, q);
+                        1
+                    }
+                };
+                for (k, o) in out.iter_mut().enumerate() {
+                    for i in 0..n {
+                        o[r + i - first] = v[i][k];
+                    }
+                }
+                r += n;
+            }
+        });
+    }
+
+    /// Decodes each block of `w` into `q` (see [`Unpacked`]). Not inlined: the main loop must
+    /// read these bytes from memory as broadcast loads.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    #[inline(never)]
+    unsafe fn unpack_row(w: &[BlockQ6K], q: &mut [Unpacked]) {
+        for (x, u) in w.iter().zip(q.iter_mut()) {
+            for h in 0..2 {
+                // SAFETY: h < 2; 32-byte stores inside `u.q` (256 bytes).
+                unsafe {
+                    let l = levels_avx2(x, h);
+                    for (t, v) in l.into_iter().enumerate() {
+                        _mm256_store_si256(u.q.as_mut_ptr().add(128 * h + 32 * t).cast(), v);
+                    }
+                }
+            }
+            for (j, s) in u.sc.iter_mut().enumerate() {
+                let v = x.scales[j] as i16 as u16 as i32;
+                *s = v | (v << 16);
+            }
+            for (k, o) in u.off.iter_mut().enumerate() {
+                let (lo, hi) = (x.scales[2 * k] as i16, x.scales[2 * k + 1] as i16);
+                *o = (lo as u16 as i32) | ((hi as u16 as i32) << 16);
+            }
+        }
+    }
+
+    /// `R` rows (unpacked into `q`, `nb` blocks per row) against the packed tokens. Lane `k`
+    /// of the scalar order (values `4k .. 4k + 4` of each group of 32) is its own loop: per
+    /// group, one `vpmaddubsw` (the 4 levels broadcast × each token's 4 activation bytes, as
+    /// two i16 pair sums ≤ 2 · 63 · 127) and one `vpdpwssd` applying the run's scale into the
+    /// lane's exact sum; minus 32 times the offset from the run sums (`vpdpwssd` with the
+    /// scale pairs). Each token's lane then takes the scalar fused multiply-add into its own
+    /// accumulator `k`, and the 8 accumulators are folded as [`super::reduce8`]: the bits of
+    /// [`super::dot_scalar`].
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    #[inline]
+    // `k`, the scalar order's lane, indexes the packed tokens, the scales and every row's
+    // accumulators alike; an iterator over one of them would hide that.
+    #[allow(clippy::needless_range_loop)]
+    unsafe fn row_lanes<const R: usize>(
+        w: [&[BlockQ6K]; R],
+        l: &Lanes,
+        q: &[Unpacked],
+    ) -> [[f32; 16]; R] {
+        let nb = w[0].len();
+        let mut acc = [[_mm512_setzero_ps(); 8]; R];
+        for b in 0..nb {
+            let u: [&Unpacked; R] = std::array::from_fn(|r| &q[r * nb + b]);
+            // SAFETY: 16 floats; F16C is present.
+            let d_a = unsafe { _mm512_loadu_ps(l.d[b].as_ptr()) };
+            let d: [__m512; R] = std::array::from_fn(|r| {
+                _mm512_mul_ps(
+                    d_a,
+                    _mm512_set1_ps(unsafe { super::super::f16c(w[r][b].d) }),
+                )
+            });
+            for k in 0..8 {
+                let mut s = [_mm512_setzero_si512(); R];
+                for g in 0..8 {
+                    // SAFETY: 64 bytes of one packed row; 4 bytes inside each `q`.
+                    let y = unsafe { _mm512_loadu_si512(l.qs[64 * b + 8 * g + k].as_ptr().cast()) };
+                    for r in 0..R {
+                        let wq = unsafe {
+                            std::ptr::read_unaligned(
+                                u[r].q.as_ptr().add(32 * g + 4 * k).cast::<i32>(),
+                            )
+                        };
+                        let p = _mm512_maddubs_epi16(_mm512_set1_epi32(wq), y);
+                        s[r] =
+                            _mm512_dpwssd_epi32(s[r], p, _mm512_set1_epi32(u[r].sc[2 * g + k / 4]));
+                    }
+                }
+                // SAFETY: 64 bytes of one packed row.
+                let runs = unsafe { _mm512_loadu_si512(l.sums[8 * b + k].as_ptr().cast()) };
+                for r in 0..R {
+                    let off = _mm512_dpwssd_epi32(
+                        _mm512_setzero_si512(),
+                        runs,
+                        _mm512_set1_epi32(u[r].off[k]),
+                    );
+                    let sumi = _mm512_sub_epi32(s[r], _mm512_slli_epi32::<5>(off));
+                    acc[r][k] = _mm512_fmadd_ps(d[r], _mm512_cvtepi32_ps(sumi), acc[r][k]);
+                }
+            }
+        }
+        std::array::from_fn(|r| {
+            let a = &acc[r];
+            // reduce8: halves, then quarters, then pairs.
+            let h: [__m512; 4] = std::array::from_fn(|i| _mm512_add_ps(a[i], a[i + 4]));
+            let v = _mm512_add_ps(_mm512_add_ps(h[0], h[2]), _mm512_add_ps(h[1], h[3]));
+            let mut o = [0f32; 16];
+            // SAFETY: 16 floats.
+            unsafe { _mm512_storeu_ps(o.as_mut_ptr(), v) };
+            o
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::testutil::*;

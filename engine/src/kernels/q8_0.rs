@@ -169,6 +169,28 @@ impl Kernel<Q8_0> for super::format::Avx2 {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+impl Kernel<Q8_0> for super::format::Avx512 {
+    /// AVX2's (the lanes kernel pays off only over many tokens).
+    unsafe fn dot(w: &[BlockQ8_0], a: &Q8Act) -> f32 {
+        // SAFETY: the caller's (the AVX-512 level includes AVX2's features).
+        unsafe { dot_avx2(w, &a.blocks) }
+    }
+
+    const WIDE: bool = true;
+
+    unsafe fn dot_wide(
+        w: &[u8],
+        row_bytes: usize,
+        rows: std::ops::Range<usize>,
+        a: &[&ActBuf],
+        out: &mut [&mut [f32]],
+    ) {
+        // SAFETY: the caller's.
+        unsafe { avx512::dot_wide(w, row_bytes, rows, a, out) }
+    }
+}
+
 /// A block's exact products summed in 8 lanes of 4 consecutive values.
 #[inline(always)]
 fn lane_sums(x: &BlockQ8_0, y: &BlockQ8_0) -> [i32; 8] {
@@ -241,10 +263,230 @@ pub(super) mod x86 {
     }
 }
 
+/// The AVX-512 level: up to 16 tokens, one per i32 lane. `vpdpbusd` multiplies unsigned by
+/// signed bytes, so the activations go in as `a + 128` (their sign bit flipped) and each sum
+/// starts from `−128 · Σ w` of its 4 weights, computed once per row: the lane's exact sum
+/// `Σ w · a` either way.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::super::format::Activation;
+    use super::super::{blocks, f16_to_f32, ActBuf};
+    use super::{ActQ8_0, BlockQ8_0, QK};
+    use std::arch::x86_64::*;
+
+    /// Activations per call: one per i32 lane.
+    const WIDE: usize = super::super::q8_k::WIDE;
+
+    /// Up to [`WIDE`] tokens' blocks with the tokens in lanes: `qs[8b + k][t]` is values
+    /// `4k .. 4k + 4` of block `b` of token `t`, each byte `a + 128`; `d[b][t]` the block's
+    /// scale. Lanes past the last token are zero. Kept per thread, and reused by a later call
+    /// on the same tokens (a product's row bands are one call each).
+    #[derive(Default)]
+    struct Lanes {
+        qs: Vec<[u32; WIDE]>,
+        d: Vec<[f32; WIDE]>,
+        /// What the lanes hold: the tokens' [`ActBuf::stamp`]s and the block count.
+        key: (Vec<u64>, usize),
+    }
+
+    /// What a row's block needs besides its bytes: per lane `k`, `−128 · Σ w[4k .. 4k + 4]`
+    /// (≥ −128 · 4 · 128), and the scale.
+    #[derive(Copy, Clone, Default)]
+    #[repr(C, align(64))]
+    struct RowBlock {
+        corr: [i32; 8],
+        d: f32,
+    }
+
+    /// Packed batches kept per thread (as for the Q8_K lanes: a task runs every batch of a
+    /// product over its row band in turn, so one per batch of a 128-token prompt).
+    const CACHED_BATCHES: usize = 8;
+
+    thread_local! {
+        /// The last packings (the oldest replaced first), the next slot to replace, and the
+        /// current rows' per-block terms.
+        static LANES: std::cell::RefCell<(Vec<Lanes>, usize, Vec<RowBlock>)> =
+            const { std::cell::RefCell::new((Vec::new(), 0, Vec::new())) };
+    }
+
+    /// Rows `rows` against up to 16 activations, packed once per call and reused by every
+    /// row, two rows at a time (each activation load serves both).
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub unsafe fn dot_wide(
+        w: &[u8],
+        row_bytes: usize,
+        rows: std::ops::Range<usize>,
+        a: &[&ActBuf],
+        out: &mut [&mut [f32]],
+    ) {
+        let nb = row_bytes / std::mem::size_of::<BlockQ8_0>();
+        let views: Vec<&[BlockQ8_0]> = a.iter().map(|a| &ActQ8_0::view(a).blocks[..]).collect();
+        let nb = views.iter().fold(nb, |n, v| n.min(v.len()));
+        LANES.with(|cell| {
+            let (slots, next, terms) = &mut *cell.borrow_mut();
+            let holds = |l: &Lanes| {
+                l.key.1 == nb
+                    && l.key.0.len() == a.len()
+                    && l.key.0.iter().zip(a).all(|(s, a)| *s == a.stamp())
+            };
+            let i = match slots.iter().position(holds) {
+                Some(i) => i,
+                None => {
+                    let i = if slots.len() < CACHED_BATCHES {
+                        slots.push(Lanes::default());
+                        slots.len() - 1
+                    } else {
+                        let i = *next;
+                        *next = (i + 1) % CACHED_BATCHES;
+                        i
+                    };
+                    let l = &mut slots[i];
+                    l.key.0.clear();
+                    l.key.0.extend(a.iter().map(|a| a.stamp()));
+                    l.key.1 = nb;
+                    pack(l, &views, nb);
+                    i
+                }
+            };
+            let lanes = &slots[i];
+            terms.resize(2 * nb, RowBlock::default());
+            let first = rows.start;
+            let row = |r: usize| -> &[BlockQ8_0] {
+                &blocks(&w[r * row_bytes..(r + 1) * row_bytes])[..nb]
+            };
+            let mut r = rows.start;
+            while r < rows.end {
+                let mut v = [[0f32; 16]; 2];
+                // SAFETY: the caller's (this level's features are present).
+                let n = unsafe {
+                    if rows.end - r >= 2 {
+                        row_terms(row(r), &mut terms[..nb]);
+                        row_terms(row(r + 1), &mut terms[nb..2 * nb]);
+                        v = row_lanes::<2>([row(r), row(r + 1)], lanes, terms);
+                        2
+                    } else {
+                        row_terms(row(r), &mut terms[..nb]);
+                        [v[0]] = row_lanes::<1>([row(r)], lanes, terms);
+                        1
+                    }
+                };
+                for (k, o) in out.iter_mut().enumerate() {
+                    for i in 0..n {
+                        o[r + i - first] = v[i][k];
+                    }
+                }
+                r += n;
+            }
+        });
+    }
+
+    /// Packs the first `nb` blocks of each of `acts` (at most [`WIDE`]) into `lanes`.
+    fn pack(lanes: &mut Lanes, acts: &[&[BlockQ8_0]], nb: usize) {
+        lanes.qs.clear();
+        lanes.qs.resize(8 * nb, [0; WIDE]);
+        lanes.d.clear();
+        lanes.d.resize(nb, [0.0; WIDE]);
+        for (t, act) in acts.iter().enumerate().take(WIDE) {
+            for (b, y) in act[..nb].iter().enumerate() {
+                for (k, q) in y.qs.chunks_exact(4).enumerate() {
+                    let v = u32::from_le_bytes([q[0] as u8, q[1] as u8, q[2] as u8, q[3] as u8]);
+                    lanes.qs[8 * b + k][t] = v ^ 0x8080_8080;
+                }
+                lanes.d[b][t] = f16_to_f32(y.d);
+            }
+        }
+    }
+
+    /// Each block's [`RowBlock`].
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    #[inline(never)]
+    unsafe fn row_terms(w: &[BlockQ8_0], terms: &mut [RowBlock]) {
+        let ones = _mm256_set1_epi8(1);
+        let m128 = _mm256_set1_epi16(-128);
+        for (x, t) in w.iter().zip(terms.iter_mut()) {
+            // SAFETY: 32 bytes; 8 i32 stored into `corr`; F16C is present.
+            unsafe {
+                let q = _mm256_loadu_si256(x.qs.as_ptr().cast());
+                // Pair sums ≥ −256, then lane k = −128 · Σ of its 4 (exact).
+                let c = _mm256_madd_epi16(_mm256_maddubs_epi16(ones, q), m128);
+                _mm256_storeu_si256(t.corr.as_mut_ptr().cast(), c);
+                t.d = super::super::f16c(x.d);
+            }
+        }
+    }
+
+    /// `R` rows against the packed tokens: per block and lane `k`, one `vpdpbusd` (the 4
+    /// weight bytes broadcast × each token's 4 shifted activation bytes, from the row's
+    /// correction) gives each token's exact lane sum, which takes the scalar fused
+    /// multiply-add into that token's accumulator `k`; the 8 accumulators are folded as
+    /// [`super::reduce8`]: the bits of [`super::dot_scalar`].
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    #[inline]
+    // `k`, the scalar order's lane, indexes the packed tokens, the scales and every row's
+    // accumulators alike; an iterator over one of them would hide that.
+    #[allow(clippy::needless_range_loop)]
+    unsafe fn row_lanes<const R: usize>(
+        w: [&[BlockQ8_0]; R],
+        l: &Lanes,
+        terms: &[RowBlock],
+    ) -> [[f32; 16]; R] {
+        const { assert!(QK == 32) };
+        let nb = w[0].len();
+        let mut acc = [[_mm512_setzero_ps(); 8]; R];
+        for b in 0..nb {
+            let t: [&RowBlock; R] = std::array::from_fn(|r| &terms[r * nb + b]);
+            // SAFETY: 16 floats.
+            let d_a = unsafe { _mm512_loadu_ps(l.d[b].as_ptr()) };
+            let d: [__m512; R] =
+                std::array::from_fn(|r| _mm512_mul_ps(_mm512_set1_ps(t[r].d), d_a));
+            for k in 0..8 {
+                // SAFETY: 64 bytes of one packed row; 4 bytes inside each block's qs.
+                let y = unsafe { _mm512_loadu_si512(l.qs[8 * b + k].as_ptr().cast()) };
+                for r in 0..R {
+                    let wq = unsafe {
+                        std::ptr::read_unaligned(w[r][b].qs.as_ptr().add(4 * k).cast::<i32>())
+                    };
+                    // ≤ 4 · 255 · 128 in magnitude per step: exact.
+                    let s = _mm512_dpbusd_epi32(
+                        _mm512_set1_epi32(t[r].corr[k]),
+                        y,
+                        _mm512_set1_epi32(wq),
+                    );
+                    acc[r][k] = _mm512_fmadd_ps(d[r], _mm512_cvtepi32_ps(s), acc[r][k]);
+                }
+            }
+        }
+        std::array::from_fn(|r| {
+            let a = &acc[r];
+            // reduce8: halves, then quarters, then pairs.
+            let h: [__m512; 4] = std::array::from_fn(|i| _mm512_add_ps(a[i], a[i + 4]));
+            let v = _mm512_add_ps(_mm512_add_ps(h[0], h[2]), _mm512_add_ps(h[1], h[3]));
+            let mut o = [0f32; 16];
+            // SAFETY: 16 floats.
+            unsafe { _mm512_storeu_ps(o.as_mut_ptr(), v) };
+            o
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::testutil::*;
     use super::*;
+
+    /// The lanes kernel (AVX-512) gives each of 1 to 16 tokens the single dot's bits, for
+    /// every row step it takes.
+    #[test]
+    fn wide_dot_matches_single_dots_bits() {
+        check_group_matches_single::<Q8_0>(false);
+    }
+
+    /// ns per (block, token) at each level and width (`--ignored --nocapture`).
+    #[test]
+    #[ignore]
+    fn group_speed() {
+        print_group_speed::<Q8_0>();
+    }
 
     #[test]
     fn simd_matches_scalar_bits() {

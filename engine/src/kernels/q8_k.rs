@@ -85,39 +85,119 @@ impl Activation for ActQ8K {
     }
 }
 
+/// Which of the block sums a [`Lanes`] kernel reads (only those are packed).
+#[derive(Copy, Clone, PartialEq, Eq, Debug)]
+pub(super) enum LaneSums {
+    /// `sums[4b + i][t]`: the pair sums `bsum_4i + bsum_4i+1` and `bsum_4i+2 + bsum_4i+3` as
+    /// two i16 (each ≤ 2 · 16 · 127): one per sub-block of 32 (Q4_K's minimums).
+    Pairs,
+    /// `sums[8b + k][t]`: `bsum_2k` and `bsum_2k+1` as two i16, the block's 16 sums as they
+    /// lie in memory (Q6_K's offset).
+    Runs,
+}
+
 /// Up to [`WIDE`] tokens' Q8_K blocks with the tokens in vector lanes, for the kernels that
 /// take one token per i32 lane: `qs[64b + g][t]` is values `4g .. 4g + 4` of block `b` of token
-/// `t` (4 int8 as one i32); `pairs[4b + i][t]` holds the pair sums `bsum_4i + bsum_4i+1` and
-/// `bsum_4i+2 + bsum_4i+3` as two i16 (each ≤ 2 · 16 · 127); `d[b][t]` the scale. Lanes past
-/// the last token are zero. Rebuilt per call; kept per thread so it never reallocates once
-/// grown.
+/// `t` (4 int8 as one i32); `sums` the block sums in the layout of [`LaneSums`]; `d[b][t]` the
+/// scale. Lanes past the last token are zero. Kept per thread ([`LaneCache`]): it never
+/// reallocates once grown, and a later call on the same tokens (a product's row bands are one
+/// call each) reuses it.
 #[derive(Default)]
 pub(super) struct Lanes {
     pub qs: Vec<[i32; WIDE]>,
-    pub pairs: Vec<[i32; WIDE]>,
+    pub sums: Vec<[i32; WIDE]>,
     pub d: Vec<[f32; WIDE]>,
+    /// What the lanes hold: the tokens' [`ActBuf::stamp`]s, the block count and the layout.
+    key: (Vec<u64>, usize, Option<LaneSums>),
+}
+
+/// Packed batches of tokens kept per thread ([`LaneCache`]): a task runs every batch of a
+/// product over its row band in turn, so one per batch of a 128-token prompt.
+const CACHED_BATCHES: usize = 8;
+
+/// The last [`CACHED_BATCHES`] packings one thread made (the oldest replaced first).
+#[derive(Default)]
+pub(super) struct LaneCache {
+    slots: Vec<Lanes>,
+    next: usize,
+}
+
+impl LaneCache {
+    /// The first `nb` blocks of each of `acts` (at most [`WIDE`], each prepared as Q8_K with
+    /// at least `nb` blocks) packed with the block sums laid out as `sums` says: a slot that
+    /// already holds exactly that, else the oldest slot repacked.
+    pub fn pack_for(&mut self, acts: &[&ActBuf], nb: usize, sums: LaneSums) -> &Lanes {
+        if let Some(i) = self.slots.iter().position(|l| l.holds(acts, nb, sums)) {
+            return &self.slots[i];
+        }
+        let i = if self.slots.len() < CACHED_BATCHES {
+            self.slots.push(Lanes::default());
+            self.slots.len() - 1
+        } else {
+            let i = self.next;
+            self.next = (i + 1) % CACHED_BATCHES;
+            i
+        };
+        let l = &mut self.slots[i];
+        l.pack_for(acts, nb, sums);
+        l
+    }
 }
 
 impl Lanes {
+    /// True when the lanes hold exactly these tokens' first `nb` blocks in layout `sums`.
+    fn holds(&self, acts: &[&ActBuf], nb: usize, sums: LaneSums) -> bool {
+        let (stamps, key_nb, key_sums) = &self.key;
+        *key_nb == nb
+            && *key_sums == Some(sums)
+            && stamps.len() == acts.len()
+            && stamps.iter().zip(acts).all(|(s, a)| *s == a.stamp())
+    }
+
+    /// Packs the first `nb` blocks of each of `acts` (see [`LaneCache::pack_for`]) and
+    /// records what they are.
+    fn pack_for(&mut self, acts: &[&ActBuf], nb: usize, sums: LaneSums) {
+        let (stamps, key_nb, key_sums) = &mut self.key;
+        stamps.clear();
+        stamps.extend(acts.iter().map(|a| a.stamp()));
+        (*key_nb, *key_sums) = (nb, Some(sums));
+        let views: Vec<&[BlockQ8K]> = acts.iter().map(|a| ActQ8K::view(a)).collect();
+        self.pack(&views, nb, sums);
+    }
+
     /// Packs the first `nb` blocks of each of `acts` (at most [`WIDE`], each at least `nb`
-    /// blocks long).
-    pub fn pack(&mut self, acts: &[&[BlockQ8K]], nb: usize) {
+    /// blocks long), with the block sums laid out as `sums` says.
+    fn pack(&mut self, acts: &[&[BlockQ8K]], nb: usize, sums: LaneSums) {
+        let per_block = match sums {
+            LaneSums::Pairs => 4,
+            LaneSums::Runs => 8,
+        };
         self.qs.clear();
         self.qs.resize(nb * 64, [0; WIDE]);
-        self.pairs.clear();
-        self.pairs.resize(nb * 4, [0; WIDE]);
+        self.sums.clear();
+        self.sums.resize(nb * per_block, [0; WIDE]);
         self.d.clear();
         self.d.resize(nb, [0.0; WIDE]);
+        let pair = |lo: i16, hi: i16| (lo as u16 as i32) | ((hi as u16 as i32) << 16);
         for (t, a) in acts.iter().enumerate().take(WIDE) {
             for (b, y) in a[..nb].iter().enumerate() {
                 let qs = &mut self.qs[64 * b..64 * b + 64];
                 for (g, q) in y.qs.chunks_exact(4).enumerate() {
                     qs[g][t] = i32::from_le_bytes([q[0] as u8, q[1] as u8, q[2] as u8, q[3] as u8]);
                 }
-                for i in 0..4 {
-                    let s = &y.bsums[4 * i..4 * i + 4];
-                    let (lo, hi) = (s[0] + s[1], s[2] + s[3]);
-                    self.pairs[4 * b + i][t] = (lo as u16 as i32) | ((hi as u16 as i32) << 16);
+                let out = &mut self.sums[per_block * b..per_block * (b + 1)];
+                match sums {
+                    LaneSums::Pairs => {
+                        for (i, o) in out.iter_mut().enumerate() {
+                            let s = &y.bsums[4 * i..4 * i + 4];
+                            o[t] = pair(s[0] + s[1], s[2] + s[3]);
+                        }
+                    }
+                    LaneSums::Runs => {
+                        for (k, o) in out.iter_mut().enumerate() {
+                            o[t] = pair(y.bsums[2 * k], y.bsums[2 * k + 1]);
+                        }
+                    }
                 }
                 self.d[b][t] = y.d;
             }

@@ -263,20 +263,47 @@ pub fn check_group_matches_single<F: Format>(expect_grouped: bool) {
         "{}",
         F::TY
     );
-    let acts: Vec<ActBuf> = (0..WIDE as u64)
+    let mut acts: Vec<ActBuf> = (0..WIDE as u64)
         .map(|t| prepared(F::TY, &values(71 + t, n, 1.0)))
         .collect();
+    for round in 0..2 {
+        if round == 1 {
+            // The same buffers prepared again with other values, and the widest call first:
+            // a lanes kernel must repack rather than reuse what it packed from the old ones.
+            for (k, a) in acts.iter_mut().enumerate() {
+                a.prepare(F::TY, &values(171 + k as u64, n, 1.0)).unwrap();
+            }
+        }
+        check_groups_once::<F>(&w, row_bytes, n_rows, &acts, round == 1);
+    }
+}
+
+/// One pass of [`check_group_matches_single`] over every level, kernel, width and row step
+/// (widths widest first when `widest_first`).
+fn check_groups_once<F: Format>(
+    w: &[u8],
+    row_bytes: usize,
+    n_rows: usize,
+    acts: &[ActBuf],
+    widest_first: bool,
+) {
+    let t = table_of::<F>();
     for level in SimdLevel::available() {
         let fns = t.at(level);
         let kernels = [(fns.group, GROUP), (fns.wide, WIDE)];
         for (g, max) in kernels.into_iter().filter_map(|(g, m)| g.map(|g| (g, m))) {
-            for width in 1..=max {
+            let widths: Vec<usize> = if widest_first {
+                (1..=max).rev().collect()
+            } else {
+                (1..=max).collect()
+            };
+            for width in widths {
                 for rows in [0..n_rows, 2..3, 1..4] {
                     let group: Vec<&ActBuf> = acts[..width].iter().collect();
                     let mut got = vec![vec![f32::NAN; rows.len()]; width];
                     let mut outs: Vec<&mut [f32]> = got.iter_mut().map(|o| &mut o[..]).collect();
                     // SAFETY: the level is available; `rows` lie inside `w`.
-                    unsafe { g(&w, row_bytes, rows.clone(), &group, &mut outs) };
+                    unsafe { g(w, row_bytes, rows.clone(), &group, &mut outs) };
                     for k in 0..width {
                         for (i, r) in rows.clone().enumerate() {
                             let row = &w[r * row_bytes..(r + 1) * row_bytes];
