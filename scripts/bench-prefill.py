@@ -87,10 +87,12 @@ def main():
     ap.add_argument("-n", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--repack", default="0,1")
-    ap.add_argument("--tests", default="pp,tg", help="pp, tg or both")
+    ap.add_argument("--tests", default="pp,tg", help="pp, tg, or both (pp,tg)")
     a = ap.parse_args()
     bins = a.bin or ["target/release/bmoe-cli"]
-    tests = a.tests.split(",")
+    tests = ["pp", "tg"] if a.tests == "both" else a.tests.split(",")
+    if not tests or any(t not in ("pp", "tg") for t in tests):
+        ap.error(f"--tests {a.tests!r}: expected pp, tg, pp,tg or both")
     load = os.getloadavg()
     print(f"threads {a.t}, pp{a.p} / tg{a.n}, {a.reps} interleaved repetitions, "
           f"load average at start {load[0]:.1f} on {os.cpu_count()} cores")
