@@ -742,10 +742,21 @@ fn fit_profile(
             }
         }
     }
-    if ms_per_byte.is_some() && opts.service_spread {
+    if ms_per_byte.is_some() && opts.service_spread && !cfg.overlap {
+        // A serial run's per-token fit is on blocked time, which already waits for each
+        // layer's slowest read; its per-read service times are not what that model prices (4
+        // lanes share the device), and a spread of them would charge the tail twice — on the
+        // CI timing gate's serial runs it slowed the replay 2-4x.
+        notes.push(
+            "flash: no service-time spread (a serial run: its fit on blocked time holds the tail already)"
+                .to_string(),
+        );
+    }
+    if ms_per_byte.is_some() && opts.service_spread && cfg.overlap {
         // The spread of measured service times around the fitted model, as quantiles of
         // measured / modelled per decode read (not renormalised: the robust per-token fit
-        // leaves out the tokens a preempted read slowed, and these put them back).
+        // leaves out the tokens a preempted read slowed, and these put them back). Overlapped
+        // runs only: their io_ms is the lanes' busy time, the same quantity per read.
         let per_ns = 1e9 / (flash.lane_mib_per_s * MIB_F);
         let mut ratios: Vec<f64> = runs
             .iter()
