@@ -313,7 +313,7 @@ impl super::format::Kernel<Q6K> for super::format::Avx512 {
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::super::format::Activation;
-    use super::super::q8_k::{ActQ8K, LaneCache, LaneSums, Lanes};
+    use super::super::q8_k::{by_row_pairs, ActQ8K, LaneCache, LaneSums, Lanes};
     use super::super::{blocks, ActBuf};
     use super::{levels_avx2, BlockQ6K, BlockQ8K};
     use std::arch::x86_64::*;
@@ -357,32 +357,22 @@ mod avx512 {
                     off: [0; 8],
                 });
             }
-            let first = rows.start;
             let row =
                 |r: usize| -> &[BlockQ6K] { &blocks(&w[r * row_bytes..(r + 1) * row_bytes])[..nb] };
-            let mut r = rows.start;
-            while r < rows.end {
+            by_row_pairs(rows, out, |r, n| {
                 let mut v = [[0f32; 16]; 2];
                 // SAFETY: the caller's (this level's features are present).
-                let n = unsafe {
-                    if rows.end - r >= 2 {
-                        unpack_row(row(r), &mut q[..nb]);
+                unsafe {
+                    unpack_row(row(r), &mut q[..nb]);
+                    if n == 2 {
                         unpack_row(row(r + 1), &mut q[nb..2 * nb]);
                         v = row_lanes::<2>([row(r), row(r + 1)], lanes, q);
-                        2
                     } else {
-                        unpack_row(row(r), &mut q[..nb]);
                         [v[0]] = row_lanes::<1>([row(r)], lanes, q);
-                        1
-                    }
-                };
-                for (k, o) in out.iter_mut().enumerate() {
-                    for i in 0..n {
-                        o[r + i - first] = v[i][k];
                     }
                 }
-                r += n;
-            }
+                v
+            });
         });
     }
 

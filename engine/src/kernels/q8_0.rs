@@ -270,6 +270,7 @@ pub(super) mod x86 {
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::super::format::Activation;
+    use super::super::q8_k::{by_row_pairs, PackRing};
     use super::super::{blocks, f16_to_f32, ActBuf};
     use super::{ActQ8_0, BlockQ8_0, QK};
     use std::arch::x86_64::*;
@@ -298,15 +299,11 @@ mod avx512 {
         d: f32,
     }
 
-    /// Packed batches kept per thread (as for the Q8_K lanes: a task runs every batch of a
-    /// product over its row band in turn, so one per batch of a 128-token prompt).
-    const CACHED_BATCHES: usize = 8;
-
     thread_local! {
-        /// The last packings (the oldest replaced first), the next slot to replace, and the
+        /// The last packings (the oldest replaced first, as for the Q8_K lanes) and the
         /// current rows' per-block terms.
-        static LANES: std::cell::RefCell<(Vec<Lanes>, usize, Vec<RowBlock>)> =
-            const { std::cell::RefCell::new((Vec::new(), 0, Vec::new())) };
+        static LANES: std::cell::RefCell<(PackRing<Lanes>, Vec<RowBlock>)> =
+            std::cell::RefCell::new((PackRing::default(), Vec::new()));
     }
 
     /// Rows `rows` against up to 16 activations, packed once per call and reused by every
@@ -323,60 +320,38 @@ mod avx512 {
         let views: Vec<&[BlockQ8_0]> = a.iter().map(|a| &ActQ8_0::view(a).blocks[..]).collect();
         let nb = views.iter().fold(nb, |n, v| n.min(v.len()));
         LANES.with(|cell| {
-            let (slots, next, terms) = &mut *cell.borrow_mut();
-            let holds = |l: &Lanes| {
-                l.key.1 == nb
-                    && l.key.0.len() == a.len()
-                    && l.key.0.iter().zip(a).all(|(s, a)| *s == a.stamp())
-            };
-            let i = match slots.iter().position(holds) {
-                Some(i) => i,
-                None => {
-                    let i = if slots.len() < CACHED_BATCHES {
-                        slots.push(Lanes::default());
-                        slots.len() - 1
-                    } else {
-                        let i = *next;
-                        *next = (i + 1) % CACHED_BATCHES;
-                        i
-                    };
-                    let l = &mut slots[i];
+            let (ring, terms) = &mut *cell.borrow_mut();
+            let lanes = ring.get(
+                |l: &Lanes| {
+                    l.key.1 == nb
+                        && l.key.0.len() == a.len()
+                        && l.key.0.iter().zip(a).all(|(s, a)| *s == a.stamp())
+                },
+                |l| {
                     l.key.0.clear();
                     l.key.0.extend(a.iter().map(|a| a.stamp()));
                     l.key.1 = nb;
                     pack(l, &views, nb);
-                    i
-                }
-            };
-            let lanes = &slots[i];
+                },
+            );
             terms.resize(2 * nb, RowBlock::default());
-            let first = rows.start;
             let row = |r: usize| -> &[BlockQ8_0] {
                 &blocks(&w[r * row_bytes..(r + 1) * row_bytes])[..nb]
             };
-            let mut r = rows.start;
-            while r < rows.end {
+            by_row_pairs(rows, out, |r, n| {
                 let mut v = [[0f32; 16]; 2];
                 // SAFETY: the caller's (this level's features are present).
-                let n = unsafe {
-                    if rows.end - r >= 2 {
-                        row_terms(row(r), &mut terms[..nb]);
+                unsafe {
+                    row_terms(row(r), &mut terms[..nb]);
+                    if n == 2 {
                         row_terms(row(r + 1), &mut terms[nb..2 * nb]);
                         v = row_lanes::<2>([row(r), row(r + 1)], lanes, terms);
-                        2
                     } else {
-                        row_terms(row(r), &mut terms[..nb]);
                         [v[0]] = row_lanes::<1>([row(r)], lanes, terms);
-                        1
-                    }
-                };
-                for (k, o) in out.iter_mut().enumerate() {
-                    for i in 0..n {
-                        o[r + i - first] = v[i][k];
                     }
                 }
-                r += n;
-            }
+                v
+            });
         });
     }
 

@@ -111,36 +111,79 @@ pub(super) struct Lanes {
     key: (Vec<u64>, usize, Option<LaneSums>),
 }
 
-/// Packed batches of tokens kept per thread ([`LaneCache`]): a task runs every batch of a
-/// product over its row band in turn, so one per batch of a 128-token prompt.
+/// Packed batches of tokens kept per thread by a lanes kernel ([`PackRing`]): a task runs
+/// every batch of a product over its row band in turn, so one per batch of a 128-token prompt.
 const CACHED_BATCHES: usize = 8;
 
-/// The last [`CACHED_BATCHES`] packings one thread made (the oldest replaced first).
-#[derive(Default)]
-pub(super) struct LaneCache {
-    slots: Vec<Lanes>,
+/// The last [`CACHED_BATCHES`] packings one thread made, the oldest replaced first: what every
+/// lanes kernel keeps its packed tokens in (Q8_K's [`Lanes`] here, Q8_0's its own).
+pub(super) struct PackRing<T> {
+    slots: Vec<T>,
     next: usize,
 }
 
-impl LaneCache {
-    /// The first `nb` blocks of each of `acts` (at most [`WIDE`], each prepared as Q8_K with
-    /// at least `nb` blocks) packed with the block sums laid out as `sums` says: a slot that
-    /// already holds exactly that, else the oldest slot repacked.
-    pub fn pack_for(&mut self, acts: &[&ActBuf], nb: usize, sums: LaneSums) -> &Lanes {
-        if let Some(i) = self.slots.iter().position(|l| l.holds(acts, nb, sums)) {
+impl<T> Default for PackRing<T> {
+    fn default() -> Self {
+        PackRing {
+            slots: Vec::new(),
+            next: 0,
+        }
+    }
+}
+
+impl<T: Default> PackRing<T> {
+    /// The slot that `holds` what the caller needs, else a fresh slot (or, once there are
+    /// [`CACHED_BATCHES`], the oldest) after `fill` packed it.
+    pub fn get(&mut self, holds: impl Fn(&T) -> bool, fill: impl FnOnce(&mut T)) -> &T {
+        if let Some(i) = self.slots.iter().position(holds) {
             return &self.slots[i];
         }
         let i = if self.slots.len() < CACHED_BATCHES {
-            self.slots.push(Lanes::default());
+            self.slots.push(T::default());
             self.slots.len() - 1
         } else {
             let i = self.next;
             self.next = (i + 1) % CACHED_BATCHES;
             i
         };
-        let l = &mut self.slots[i];
-        l.pack_for(acts, nb, sums);
-        l
+        fill(&mut self.slots[i]);
+        &self.slots[i]
+    }
+}
+
+/// Runs a lanes kernel over rows `rows` two at a time, then a last single row: `pair(r, n)`
+/// computes rows `r .. r + n` (n = 2 or 1) for every token and returns their lanes (the first
+/// `n` entries); token `t`'s result for row `r` lands in `out[t][r − rows.start]`.
+#[inline(always)]
+pub(super) fn by_row_pairs(
+    rows: std::ops::Range<usize>,
+    out: &mut [&mut [f32]],
+    mut pair: impl FnMut(usize, usize) -> [[f32; WIDE]; 2],
+) {
+    let mut r = rows.start;
+    while r < rows.end {
+        let n = if rows.end - r >= 2 { 2 } else { 1 };
+        let v = pair(r, n);
+        for (k, o) in out.iter_mut().enumerate() {
+            for i in 0..n {
+                o[r + i - rows.start] = v[i][k];
+            }
+        }
+        r += n;
+    }
+}
+
+/// The Q8_K packings of one thread.
+#[derive(Default)]
+pub(super) struct LaneCache(PackRing<Lanes>);
+
+impl LaneCache {
+    /// The first `nb` blocks of each of `acts` (at most [`WIDE`], each prepared as Q8_K with
+    /// at least `nb` blocks) packed with the block sums laid out as `sums` says: a slot that
+    /// already holds exactly that, else the oldest slot repacked.
+    pub fn pack_for(&mut self, acts: &[&ActBuf], nb: usize, sums: LaneSums) -> &Lanes {
+        self.0
+            .get(|l| l.holds(acts, nb, sums), |l| l.pack_for(acts, nb, sums))
     }
 }
 
