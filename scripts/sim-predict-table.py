@@ -30,26 +30,13 @@ import statistics
 import subprocess
 import sys
 
+from benchlib import csv_summary
+
 PROMPT = ("Write a short story about a lighthouse keeper who finds a message in a bottle, "
           "and what the message asks of her.")
 
 CALIBRATION = (200, "lru")
 PREDICTED = [(120, "lfu"), (120, "lru"), (320, "lru"), (80, "lfru")]
-
-
-def summary(csv_path):
-    """The `# summary` trailer of a bmoe_metrics CSV as a dict of floats (last one wins)."""
-    out = {}
-    with open(csv_path) as f:
-        for line in f:
-            if line.startswith("# summary "):
-                for tok in line[len("# summary "):].split():
-                    k, _, v = tok.partition("=")
-                    try:
-                        out[k] = float(v)
-                    except ValueError:
-                        pass
-    return out
 
 
 def decode_tok_s(csv_path):
@@ -69,8 +56,8 @@ def decode_tok_s(csv_path):
 
 
 def mib_per_token(csv_path):
-    s = summary(csv_path)
-    return s.get("read_MiB", 0.0) / (s.get("tokens", 0.0) or 1.0)
+    s = csv_summary(csv_path)
+    return float(s.get("read_MiB", 0)) / (float(s.get("tokens", 0)) or 1.0)
 
 
 def loadavg():
