@@ -518,8 +518,7 @@ fn deepseek_placement_counts_agree_with_the_independent_python_count() {
     assert_eq!(want.len(), 8, "two budgets x four placements");
 
     let sweep = dir.join("sweep");
-    let argv: Vec<String> = [
-        "bmoe-sim",
+    let (code, _, err) = bmoe_gates::sim(&[
         "sweep",
         "--trace",
         trace.to_str().expect("utf-8"),
@@ -537,13 +536,8 @@ fn deepseek_placement_counts_agree_with_the_independent_python_count() {
         "separate,file,coact,coact-in-sample",
         "--out",
         sweep.to_str().expect("utf-8"),
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    let (mut o, mut e) = (Vec::new(), Vec::new());
-    let code = bmoe_sim::cli::run(argv, &[], &mut o, &mut e);
-    assert_eq!(code, 0, "sweep: {}", String::from_utf8_lossy(&e));
+    ]);
+    assert_eq!(code, 0, "sweep: {err}");
     let layout = layout_from_preamble(&bmoe_sim::cli::load_trace(&trace).expect("trace").preamble)
         .expect("layout");
     let per_layer = u64::from(layout.n_moe_layers()) * layout.max_expert_bytes();

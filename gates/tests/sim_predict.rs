@@ -36,16 +36,10 @@ const PREDICTED: [(&str, &str); 3] = [("3", "lfu"), ("8", "lru"), ("12", "lfru")
 /// Allowed error on top of the measured noise.
 const MARGIN: f64 = 0.10;
 
+/// `bmoe_gates::sim` over owned arguments.
 fn sim(args: &[String]) -> (i32, String, String) {
-    let mut argv = vec!["bmoe-sim".to_string()];
-    argv.extend(args.iter().cloned());
-    let (mut out, mut err) = (Vec::new(), Vec::new());
-    let code = bmoe_sim::cli::run(argv, &[], &mut out, &mut err);
-    (
-        code,
-        String::from_utf8_lossy(&out).into_owned(),
-        String::from_utf8_lossy(&err).into_owned(),
-    )
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    bmoe_gates::sim(&args)
 }
 
 /// Decode tok/s and MiB read per token of a metrics CSV.
