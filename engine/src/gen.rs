@@ -1227,11 +1227,12 @@ pub fn generate(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::gguf::ValueType;
 
-    fn options(preset: Preset, types: TypeScheme) -> GenOptions {
+    /// Options of a test model: `preset` in `types`, seed 1, a 300-token vocabulary, one thread.
+    pub(crate) fn options(preset: Preset, types: TypeScheme) -> GenOptions {
         let tokens = (0..300).map(|i| Value::String(format!("t{i}"))).collect();
         GenOptions {
             preset,

@@ -852,7 +852,6 @@ pub fn load_model(
 mod tests {
     use super::*;
     use crate::gen::{self, GenOptions, Preset, TypeScheme};
-    use crate::gguf::{Value, ValueType};
 
     /// A decode step's experts computed together ([`Model::experts_one_row`]) land in every
     /// rank's slot with exactly the bits of computing them one by one ([`Model::expert`]), at
@@ -863,20 +862,9 @@ mod tests {
             ("q4_k_m", TypeScheme::q4_k_m()),
             ("q8_0", TypeScheme::from_name("q8_0").unwrap()),
         ] {
-            let tokens = (0..300).map(|i| Value::String(format!("t{i}"))).collect();
             let opts = GenOptions {
-                preset: Preset::Tiny,
-                shape: Preset::Tiny.shape(),
-                types,
                 seed: 3,
-                routing_context: 0.5,
-                router_gain: 6.0,
-                attn_sharpness: 0.5,
-                vocab: vec![(
-                    "tokenizer.ggml.tokens".into(),
-                    Value::Array(ValueType::String, tokens),
-                )],
-                threads: 1,
+                ..gen::tests::options(Preset::Tiny, types)
             };
             let path = std::env::temp_dir().join(format!(
                 "bmoe-experts-together-{}-{scheme}.gguf",
