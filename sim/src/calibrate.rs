@@ -1330,6 +1330,84 @@ mod tests {
         assert!((fit1_ls(&spiked).unwrap() - 2.0).abs() > 0.1);
     }
 
+    /// A test's scratch folder, removed when the test ends (pass or fail).
+    struct Scratch(std::path::PathBuf);
+
+    impl Scratch {
+        fn new(tag: &str) -> Scratch {
+            let dir =
+                std::env::temp_dir().join(format!("bmoe-sim-cal-{tag}-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).expect("dir");
+            Scratch(dir)
+        }
+
+        fn join(&self, name: &str) -> std::path::PathBuf {
+            self.0.join(name)
+        }
+
+        /// `trace` written as `name` in the folder; its path.
+        fn trace(&self, name: &str, trace: String) -> std::path::PathBuf {
+            let path = self.join(name);
+            std::fs::write(&path, trace).expect("trace");
+            path
+        }
+    }
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    /// `trace` prepared for replay at its own expert sizes on this machine's profile, with the
+    /// default flags but `overlap` and `io_threads`.
+    fn prepare_own(
+        trace: &std::path::Path,
+        overlap: bool,
+        io_threads: Option<u32>,
+    ) -> crate::cli::Prepared {
+        let (mut stream, telemetry) = crate::cli::default_flags().expect("flags");
+        stream.overlap = overlap;
+        stream.io_threads = io_threads;
+        crate::cli::prepare(
+            trace,
+            crate::cli::Reprice::Own,
+            Some("this-machine"),
+            None,
+            &stream,
+            &telemetry,
+            0,
+            &[],
+        )
+        .expect("prepare")
+    }
+
+    fn read_csv(path: &std::path::Path) -> MetricsCsv {
+        MetricsCsv::parse(&std::fs::read_to_string(path).expect("csv")).expect("parse")
+    }
+
+    /// The replay of `run` with `profile`, against the run: decode tok/s predicted ÷ measured − 1.
+    fn replay_error(run: &RunInput, profile: &DeviceProfile) -> f64 {
+        let cfg = run_config_from_csv(run.csv).expect("cfg");
+        let sim = replay_run(run, &cfg, profile).expect("replay");
+        decode_tok_s(&sim) / decode_tok_s(run.csv) - 1.0
+    }
+
+    /// The percentage in the note starting with `note`, right after the last `after` in it
+    /// (`in-sample tok/s … err +3.1%`).
+    fn note_percent(notes: &[String], note: &str, after: &str) -> f64 {
+        let line = notes
+            .iter()
+            .find(|n| n.starts_with(note))
+            .unwrap_or_else(|| panic!("no note {note:?}: {notes:#?}"));
+        line.rsplit(after)
+            .next()
+            .filter(|_| line.contains(after))
+            .and_then(|t| t.split('%').next())
+            .and_then(|t| t.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no figure after {after:?} in {line}"))
+    }
+
     /// A synthetic trace: 2 MoE layers of 16 experts (3 projections each), top-4, a prefill of
     /// 8 tokens and `decode` steps, skewed routing from a fixed seed.
     fn synthetic_trace(decode: usize) -> String {
@@ -1431,10 +1509,8 @@ mod tests {
 
     #[test]
     fn calibration_recovers_the_profile_that_produced_a_run() {
-        let dir = std::env::temp_dir().join(format!("bmoe-sim-cal-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("dir");
-        let trace_path = dir.join("t.csv");
-        std::fs::write(&trace_path, synthetic_trace(200)).expect("trace");
+        let dir = Scratch::new("fit");
+        let trace_path = dir.trace("t.csv", synthetic_trace(200));
         let truth = DeviceProfile {
             name: "truth".into(),
             description: String::new(),
@@ -1467,28 +1543,16 @@ mod tests {
         // The "measured" run: one lane, serial, a budget that churns.
         let csv_path = dir.join("run.csv");
         measure_with(
-            &dir,
+            &dir.0,
             &trace_path,
             &truth,
             &["--io-threads", "1"],
             &csv_path,
             None,
         );
-        let csv =
-            MetricsCsv::parse(&std::fs::read_to_string(&csv_path).expect("csv")).expect("parse");
+        let csv = read_csv(&csv_path);
         let base = DeviceProfile::load("this-machine").expect("base");
-        let (stream, telemetry) = crate::cli::default_flags().expect("flags");
-        let prepared = crate::cli::prepare(
-            &trace_path,
-            crate::cli::Reprice::Own,
-            Some("this-machine"),
-            None,
-            &stream,
-            &telemetry,
-            0,
-            &[],
-        )
-        .expect("prepare");
+        let prepared = prepare_own(&trace_path, false, None);
         let c = calibrate(&csv, "run.csv", Some(&prepared), None, &base, "fit").expect("fit");
         let close = |got: f64, want: f64, tol: f64, what: &str| {
             assert!(
@@ -1506,7 +1570,6 @@ mod tests {
         close(k.batch_row_factor, 0.3, 0.05, "batch factor");
         close(k.loop_overhead_ms, 0.5, 0.01, "loop overhead");
         assert!(c.notes.iter().any(|n| n.starts_with("in-sample tok/s")));
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// An overlapped run on four lanes: the fit over summed lane busy time is one lane's rate,
@@ -1514,10 +1577,8 @@ mod tests {
     /// serialise the lanes and make the replay far slower than the run it was fitted on.
     #[test]
     fn an_overlapped_run_calibrates_to_its_own_speed() {
-        let dir = std::env::temp_dir().join(format!("bmoe-sim-cal-ov-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("dir");
-        let trace_path = dir.join("t.csv");
-        std::fs::write(&trace_path, synthetic_trace(200)).expect("trace");
+        let dir = Scratch::new("ov");
+        let trace_path = dir.trace("t.csv", synthetic_trace(200));
         let mut truth = DeviceProfile::load("this-machine").expect("base");
         truth.flash = FlashParams {
             read_latency_us: 300.0,
@@ -1531,34 +1592,20 @@ mod tests {
         truth.flash.jitter = 0.0;
         let (csv_path, io_path) = (dir.join("run.csv"), dir.join("run.io.csv"));
         measure_with(
-            &dir,
+            &dir.0,
             &trace_path,
             &truth,
             &["--io-threads", "4", "--overlap"],
             &csv_path,
             Some(&io_path),
         );
-        let csv =
-            MetricsCsv::parse(&std::fs::read_to_string(&csv_path).expect("csv")).expect("parse");
+        let csv = read_csv(&csv_path);
         let io = bmoe_core::telemetry::io_trace::parse_io_trace(
             &std::fs::read_to_string(&io_path).expect("io"),
         )
         .expect("io parse");
         let base = DeviceProfile::load("this-machine").expect("base");
-        let (mut stream, telemetry) = crate::cli::default_flags().expect("flags");
-        stream.overlap = true;
-        stream.io_threads = Some(4);
-        let prepared = crate::cli::prepare(
-            &trace_path,
-            crate::cli::Reprice::Own,
-            Some("this-machine"),
-            None,
-            &stream,
-            &telemetry,
-            0,
-            &[],
-        )
-        .expect("prepare");
+        let prepared = prepare_own(&trace_path, true, Some(4));
         let c = calibrate(&csv, "run.csv", Some(&prepared), Some(&io), &base, "fit").expect("fit");
         let f = &c.profile.flash;
         assert!(
@@ -1566,19 +1613,8 @@ mod tests {
             "four lanes must be able to run at once: {f:?}\n{:#?}",
             c.notes
         );
-        let tok_s = c
-            .notes
-            .iter()
-            .find(|n| n.starts_with("in-sample tok/s"))
-            .expect("in-sample note");
-        let err_pct: f64 = tok_s
-            .split("err ")
-            .nth(1)
-            .and_then(|t| t.split('%').next())
-            .and_then(|t| t.trim().parse().ok())
-            .expect("error figure");
-        assert!(err_pct.abs() <= 10.0, "{tok_s}\n{:#?}", c.notes);
-        let _ = std::fs::remove_dir_all(&dir);
+        let err_pct = note_percent(&c.notes, "in-sample tok/s", "err ");
+        assert!(err_pct.abs() <= 10.0, "{err_pct}%\n{:#?}", c.notes);
     }
 
     /// A device whose lanes take CPU from the kernels (60 µs per read): runs at three budgets
@@ -1587,10 +1623,8 @@ mod tests {
     /// others — the issue-19 error, reproduced and removed.
     #[test]
     fn the_lanes_cpu_is_fitted_and_holds_at_other_read_volumes() {
-        let dir = std::env::temp_dir().join(format!("bmoe-sim-cal-cpu-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("dir");
-        let trace_path = dir.join("t.csv");
-        std::fs::write(&trace_path, synthetic_trace(200)).expect("trace");
+        let dir = Scratch::new("cpu");
+        let trace_path = dir.trace("t.csv", synthetic_trace(200));
         let mut truth = DeviceProfile::load("this-machine").expect("base");
         truth.flash = FlashParams {
             read_latency_us: 100.0,
@@ -1604,28 +1638,15 @@ mod tests {
         truth.compute.read_cpu_us = 60.0;
         truth.compute.read_cpu_us_per_mib = 0.0;
         truth.compute.release_us_per_mib = 20.0;
-        let (mut stream, telemetry) = crate::cli::default_flags().expect("flags");
-        stream.overlap = true;
-        stream.io_threads = Some(2);
-        let prepared = crate::cli::prepare(
-            &trace_path,
-            crate::cli::Reprice::Own,
-            Some("this-machine"),
-            None,
-            &stream,
-            &telemetry,
-            0,
-            &[],
-        )
-        .expect("prepare");
+        let prepared = prepare_own(&trace_path, true, Some(2));
         let base = DeviceProfile::load("this-machine").expect("base");
         let budgets = ["2", "4", "7"];
         let csvs: Vec<MetricsCsv> = budgets
             .iter()
             .map(|mb| {
-                let path = dir.join(format!("run{mb}.csv"));
+                let path = dir.join(&format!("run{mb}.csv"));
                 measure_at(
-                    &dir,
+                    &dir.0,
                     &trace_path,
                     &truth,
                     mb,
@@ -1633,7 +1654,7 @@ mod tests {
                     &path,
                     None,
                 );
-                MetricsCsv::parse(&std::fs::read_to_string(&path).expect("csv")).expect("parse")
+                read_csv(&path)
             })
             .collect();
         let volume = |c: &MetricsCsv| c.rows.iter().map(|r| r.read_bytes).sum::<u64>() as f64;
@@ -1653,11 +1674,7 @@ mod tests {
             })
             .collect();
         // Budgets differ, the trace is one: the replay must use each run's own budget.
-        let predict = |profile: &DeviceProfile, i: usize| -> f64 {
-            let cfg = run_config_from_csv(&csvs[i]).expect("cfg");
-            let sim = replay_run(&inputs[i], &cfg, profile).expect("replay");
-            decode_tok_s(&sim) / decode_tok_s(&csvs[i]) - 1.0
-        };
+        let predict = |profile: &DeviceProfile, i: usize| replay_error(&inputs[i], profile);
         // One run (the middle budget) with the lanes' CPU: recovered, and it holds elsewhere.
         let one = calibrate_run(&inputs[1], &base, "fit", FitOptions::default()).expect("fit");
         let k = &one.profile.compute;
@@ -1700,22 +1717,10 @@ mod tests {
         );
         // The sweep: one fit over all three, and each run left out still predicted.
         let sweep = calibrate_sweep(&inputs, &base, "fit", FitOptions::default()).expect("sweep");
-        let acc = sweep
-            .notes
-            .iter()
-            .find(|n| n.starts_with("accuracy:"))
-            .expect("accuracy note");
-        let worst_out: f64 = acc
-            .split("leave-one-run-out mean |error| ")
-            .nth(1)
-            .and_then(|t| t.split("(worst ").nth(1))
-            .and_then(|t| t.split('%').next())
-            .and_then(|t| t.trim().parse().ok())
-            .expect("worst figure");
-        assert!(worst_out <= 5.0, "{acc}\n{:#?}", sweep.notes);
+        let worst_out = note_percent(&sweep.notes, "accuracy:", "(worst ");
+        assert!(worst_out <= 5.0, "{worst_out}%\n{:#?}", sweep.notes);
         assert_eq!(sweep.profile.sources, sweep.notes);
         assert!(calibrate_sweep(&inputs[..1], &base, "fit", FitOptions::default()).is_err());
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// A device with a fixed cost per model layer (500 µs) besides its rate: a sweep over runs
@@ -1723,8 +1728,7 @@ mod tests {
     /// calibrated on one shape folds the fixed cost into its rate and misprices the others.
     #[test]
     fn runs_of_two_shapes_separate_a_per_layer_cost_and_price_a_third() {
-        let dir = std::env::temp_dir().join(format!("bmoe-sim-cal-shape-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("dir");
+        let dir = Scratch::new("shape");
         let mut truth = DeviceProfile::load("this-machine").expect("base");
         truth.flash.jitter = 0.0;
         truth.flash.service_quantiles = Vec::new();
@@ -1742,9 +1746,6 @@ mod tests {
             read_cpu_us_per_mib: 0.0,
             jitter: 0.0,
         };
-        let (mut stream, telemetry) = crate::cli::default_flags().expect("flags");
-        stream.overlap = true;
-        stream.io_threads = Some(2);
         // (MoE layers, projection bytes, dense bytes): few large layers, many small ones, and
         // a third shape between them that no calibration sees.
         let shapes = [
@@ -1755,24 +1756,11 @@ mod tests {
         let mut preps = Vec::new();
         let mut csvs = Vec::new();
         for (i, &(layers, proj, dense)) in shapes.iter().enumerate() {
-            let trace = dir.join(format!("t{i}.csv"));
-            std::fs::write(&trace, shaped_trace(layers, proj, dense, 120)).expect("trace");
-            preps.push(
-                crate::cli::prepare(
-                    &trace,
-                    crate::cli::Reprice::Own,
-                    Some("this-machine"),
-                    None,
-                    &stream,
-                    &telemetry,
-                    0,
-                    &[],
-                )
-                .expect("prepare"),
-            );
-            let csv = dir.join(format!("run{i}.csv"));
+            let trace = dir.trace(&format!("t{i}.csv"), shaped_trace(layers, proj, dense, 120));
+            preps.push(prepare_own(&trace, true, Some(2)));
+            let csv = dir.join(&format!("run{i}.csv"));
             measure_at(
-                &dir,
+                &dir.0,
                 &trace,
                 &truth,
                 "16",
@@ -1780,9 +1768,7 @@ mod tests {
                 &csv,
                 None,
             );
-            csvs.push(
-                MetricsCsv::parse(&std::fs::read_to_string(&csv).expect("csv")).expect("parse"),
-            );
+            csvs.push(read_csv(&csv));
         }
         let names = ["run0.csv", "run1.csv", "run2.csv"];
         let inputs: Vec<RunInput> = (0..3)
@@ -1794,11 +1780,7 @@ mod tests {
             })
             .collect();
         let base = DeviceProfile::load("this-machine").expect("base");
-        let predict = |profile: &DeviceProfile, i: usize| -> f64 {
-            let cfg = run_config_from_csv(&csvs[i]).expect("cfg");
-            let sim = replay_run(&inputs[i], &cfg, profile).expect("replay");
-            decode_tok_s(&sim) / decode_tok_s(&csvs[i]) - 1.0
-        };
+        let predict = |profile: &DeviceProfile, i: usize| replay_error(&inputs[i], profile);
         let two = calibrate_sweep(&inputs[..2], &base, "fit", FitOptions::default()).expect("fit");
         let k = &two.profile.compute;
         assert!(
@@ -1826,7 +1808,6 @@ mod tests {
             worst > 0.15,
             "one shape's rate should misprice the others: {worst}"
         );
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
