@@ -73,7 +73,7 @@ const PREFETCH_AHEAD: usize = 768;
 
 /// Prefetches the cache lines of `w[start..start + len]` (clipped to `w`) into every level.
 #[inline(always)]
-fn prefetch_lines(w: &[u8], start: usize, len: usize) {
+pub(super) fn prefetch_lines(w: &[u8], start: usize, len: usize) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
@@ -152,6 +152,12 @@ pub(crate) trait Kernel<F: Format>: Level {
     /// True when the level has [`Kernel::dot_wide`] (prefill's larger batches).
     const WIDE: bool = false;
 
+    /// The fewest tokens worth a [`Kernel::dot_wide`] call: its lanes past the last token cost
+    /// as much as real ones, so below this the grouped or single dots are faster (Q4_K in L2,
+    /// ns per block and token: 16 tokens 2.1, 12 tokens 2.7, 8 tokens 3.9, against 4.6 in
+    /// groups of 4).
+    const WIDE_MIN: usize = 8;
+
     /// Rows `rows` of a matrix of `row_bytes`-byte rows against `1 <= a.len() <= WIDE`
     /// activations (as [`GroupFn`]): a kernel that holds one token per vector lane. Only
     /// called when [`Kernel::WIDE`] is true; this default gives single dots.
@@ -199,6 +205,8 @@ pub(crate) struct LevelFns {
     /// `Some` when the level has a tokens-in-lanes kernel ([`Kernel::WIDE`]) for up to
     /// [`super::q8_k::WIDE`] activations.
     pub wide: Option<GroupFn>,
+    /// [`Kernel::WIDE_MIN`].
+    pub wide_min: usize,
 }
 
 unsafe fn rows_of<F: Format, L: Kernel<F>>(
@@ -264,6 +272,7 @@ impl LevelFns {
                 None
             },
             wide: if L::WIDE { Some(L::dot_wide) } else { None },
+            wide_min: L::WIDE_MIN,
         }
     }
 }

@@ -67,11 +67,6 @@ use std::sync::OnceLock;
 use q8_0::Q8Act;
 use q8_k::{BlockQ8K, GROUP, WIDE};
 
-/// The fewest tokens worth a [`format::LevelFns::wide`] call: its lanes past the last token
-/// cost as much as real ones (Q4_K in L2, ns per block and token: 16 tokens 2.1, 12 tokens
-/// 2.7, 8 tokens 3.9, against 4.6 in groups of 4).
-const WIDE_MIN: usize = 8;
-
 format::registry! {
     F32 => fp32::F32 [Avx2];
     F16 => fp16::F16 [Avx2];
@@ -930,9 +925,10 @@ unsafe fn product_task<A: Borrow<ActBuf>>(p: &Planned<'_, A>, rows: Range<usize>
     let (acts, n_rows, w, f, row_bytes, out) = (p.acts, p.n_rows, p.w, &p.f, p.row_bytes, p.out);
     let (start, len) = (rows.start, rows.len());
     let mut t = 0;
-    // Batches of up to WIDE tokens, one per vector lane, while at least WIDE_MIN are left.
+    // Batches of up to WIDE tokens, one per vector lane, while at least the kernel's
+    // `WIDE_MIN` are left.
     if let Some(wide) = f.wide {
-        while acts.len() - t >= WIDE_MIN {
+        while acts.len() - t >= f.wide_min {
             let n = (acts.len() - t).min(WIDE);
             let batch: [&ActBuf; WIDE] = std::array::from_fn(|k| acts[t + k.min(n - 1)].borrow());
             // SAFETY: as for the groups below.
@@ -1078,9 +1074,9 @@ mod tests {
             let n_rows = 131;
             let seed = 5000 + i as u64;
             let w = quantized_matrix(ty, n_rows, n_cols, seed);
-            // Groups of 4 and a leftover; lanes kernels of 16 and 13 tokens (with groups and
-            // a leftover after them).
-            for n_tokens in [5u64, 13, 21] {
+            // Groups of 4 and a leftover, of 4 and 3 (or Q8_0's lanes from 6 tokens); lanes
+            // kernels of 16 and 13 tokens (with groups and a leftover after them).
+            for n_tokens in [5u64, 6, 7, 13, 21] {
                 let acts: Vec<ActBuf> = (0..n_tokens)
                     .map(|t| {
                         let mut a = ActBuf::new();

@@ -221,6 +221,14 @@ impl super::format::Kernel<Q2K> for super::format::Avx512 {
         unsafe { dot_avx2(w, a) }
     }
 
+    /// Groups (2–4 tokens, prefill's experts with few tokens) decode each block once.
+    const GROUPED: bool = true;
+
+    unsafe fn dot_group<const N: usize>(w: &[BlockQ2K], a: [&[BlockQ8K]; N]) -> [f32; N] {
+        // SAFETY: the caller's.
+        unsafe { avx512::dot_n::<N>(w, a) }
+    }
+
     const WIDE: bool = true;
 
     unsafe fn dot_wide(
@@ -241,7 +249,7 @@ impl super::format::Kernel<Q2K> for super::format::Avx512 {
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::super::format::Activation;
-    use super::super::q8_k::{by_row_pairs, ActQ8K, LaneCache, LaneSums, Lanes};
+    use super::super::q8_k::{by_row_steps, ActQ8K, LaneCache, LaneSums, Lanes};
     use super::super::{blocks, ActBuf};
     use super::{BlockQ2K, BlockQ8K};
     use std::arch::x86_64::*;
@@ -288,7 +296,7 @@ mod avx512 {
             }
             let row =
                 |r: usize| -> &[BlockQ2K] { &blocks(&w[r * row_bytes..(r + 1) * row_bytes])[..nb] };
-            by_row_pairs(rows, out, |r, n| {
+            by_row_steps::<2>(w, row_bytes, rows, out, |r, n| {
                 let mut v = [[0f32; 16]; 2];
                 // SAFETY: the caller's (this level's features are present).
                 unsafe {
@@ -305,48 +313,114 @@ mod avx512 {
         });
     }
 
+    /// `vpermd` indices: in vector `c` of a decoded block (values `64c .. 64c + 64`), every
+    /// dword of 128-bit lane `i` selects run `4c + i` (the run of those 16 values).
+    const RUN_IDX: [[u32; 16]; 4] = {
+        let mut m = [[0u32; 16]; 4];
+        let mut c = 0;
+        while c < 4 {
+            let mut i = 0;
+            while i < 16 {
+                m[c][i] = (4 * c + i / 4) as u32;
+                i += 1;
+            }
+            c += 1;
+        }
+        m
+    };
+
+    /// One block decoded in registers: `sc_r · q` one byte per value in value order (vector
+    /// `c` holds values `64c .. 64c + 64`), and the 16 minimums as i16 (i32 lane `k` holds the
+    /// pair `(m_2k, m_2k+1)`). Vector work only: the run's product comes from a 4-entry table
+    /// per run (`sc · [0, 1, 2, 3]`, built for all 16 runs by one multiply) looked up by the
+    /// level with `vpshufb`.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    #[inline]
+    unsafe fn decode(x: &BlockQ2K) -> ([__m512i; 4], __m256i) {
+        let m4 = _mm_set1_epi8(0x0F);
+        // SAFETY: 16 bytes of scales.
+        let packed = unsafe { _mm_loadu_si128(x.scales.as_ptr().cast()) };
+        let sc = _mm512_cvtepu8_epi32(_mm_and_si128(packed, m4));
+        // Dword r: bytes (0, sc_r, 2 sc_r, 3 sc_r); each ≤ 45, so no byte carries.
+        let table = _mm512_mullo_epi32(sc, _mm512_set1_epi32(0x0302_0100));
+        let mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), m4));
+        let m3 = _mm512_set1_epi8(3);
+        let q = std::array::from_fn(|c| {
+            let (n, t) = (c / 2, 2 * (c % 2));
+            // SAFETY: 32 bytes inside qs (64 bytes), n < 2; 64-byte index rows.
+            let (bits, idx) = unsafe {
+                (
+                    _mm512_broadcast_i64x4(_mm256_loadu_si256(x.qs.as_ptr().add(32 * n).cast())),
+                    _mm512_loadu_si512(RUN_IDX[c].as_ptr().cast()),
+                )
+            };
+            // Group t's levels in the low 256 bits, group t + 1's in the high.
+            let shift = _mm512_inserti64x4::<1>(
+                _mm512_set1_epi16(2 * t as i16),
+                _mm256_set1_epi16(2 * t as i16 + 2),
+            );
+            let levels = _mm512_and_si512(_mm512_srlv_epi16(bits, shift), m3);
+            _mm512_shuffle_epi8(_mm512_permutexvar_epi32(idx, table), levels)
+        });
+        (q, mins)
+    }
+
     /// Decodes each block of `w` into `q` (see [`Unpacked`]). Not inlined: the main loop must
     /// read these bytes from memory as broadcast loads.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     #[inline(never)]
     unsafe fn unpack_row(w: &[BlockQ2K], q: &mut [Unpacked]) {
-        let m3 = _mm256_set1_epi8(3);
         for (x, u) in w.iter().zip(q.iter_mut()) {
-            for n in 0..2 {
-                // SAFETY: 32-byte load inside qs (64 bytes), n < 2.
-                let bits = unsafe { _mm256_loadu_si256(x.qs.as_ptr().add(32 * n).cast()) };
-                for t in 0..4 {
-                    // Group 4n + t: its first 16 values in run 8n + 2t, the rest in the next.
-                    let r = 8 * n + 2 * t;
-                    let sc = _mm256_setr_m128i(
-                        _mm_set1_epi16((x.scales[r] & 0x0F) as i16),
-                        _mm_set1_epi16((x.scales[r + 1] & 0x0F) as i16),
-                    );
-                    let lv = _mm256_and_si256(
-                        _mm256_srlv_epi16(bits, _mm256_set1_epi16(2 * t as i16)),
-                        m3,
-                    );
-                    // Each byte ≤ 3 · 15 < 256, so the 16-bit products never carry into the
-                    // neighbouring byte.
-                    // SAFETY: 32-byte aligned store inside `u.q`.
-                    unsafe {
-                        _mm256_store_si256(
-                            u.q.as_mut_ptr().add(128 * n + 32 * t).cast(),
-                            _mm256_mullo_epi16(lv, sc),
-                        )
-                    };
-                }
-            }
-            for (k, m) in u.mins.iter_mut().enumerate() {
-                let (lo, hi) = (x.scales[2 * k] >> 4, x.scales[2 * k + 1] >> 4);
-                *m = lo as i32 | ((hi as i32) << 16);
-            }
-            // SAFETY: F16C is present.
+            // SAFETY: this level's features are present; 64-byte aligned stores inside
+            // `u.q`, 32 bytes into `u.mins`.
             unsafe {
+                let (v, mins) = decode(x);
+                for (c, v) in v.into_iter().enumerate() {
+                    _mm512_store_si512(u.q.as_mut_ptr().add(64 * c).cast(), v);
+                }
+                _mm256_storeu_si256(u.mins.as_mut_ptr().cast(), mins);
                 u.d = super::super::f16c(x.d);
                 u.dmin = super::super::f16c(x.dmin);
             }
         }
+    }
+
+    /// One row against `N` tokens (`N <= 8`; prefill's groups and the token left over): each
+    /// block decoded once in registers ([`decode`]), then per token one `vpdpbusd` per 64
+    /// values (lane `j` of vector `c` is values `4j .. 4j + 4` of group `2c + j / 8`, so the
+    /// two 256-bit halves added give the scalar order's 8 lane sums exactly) and the
+    /// minimums' `vpmaddwd` on the block sums; then the scalar's two fused multiply-adds per
+    /// lane and the [`super::reduce8`] fold: the bits of [`super::dot_scalar`].
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    #[inline]
+    pub unsafe fn dot_n<const N: usize>(w: &[BlockQ2K], a: [&[BlockQ8K]; N]) -> [f32; N] {
+        let n = a.iter().fold(w.len(), |n, a| n.min(a.len()));
+        let mut acc = [_mm256_setzero_ps(); N];
+        for (i, x) in w[..n].iter().enumerate() {
+            // SAFETY: this level's features are present.
+            let (q, mins) = unsafe { decode(x) };
+            // SAFETY: F16C is present.
+            let (xd, xdmin) = unsafe { (super::super::f16c(x.d), super::super::f16c(x.dmin)) };
+            for (t, acc) in acc.iter_mut().enumerate() {
+                let y = &a[t][i];
+                // SAFETY: 16 i16 of bsums; 64-byte loads inside y.qs (256 bytes).
+                let bsums = unsafe { _mm256_loadu_si256(y.bsums.as_ptr().cast()) };
+                let m = _mm256_madd_epi16(mins, bsums);
+                *acc = _mm256_fmadd_ps(_mm256_set1_ps(-y.d * xdmin), _mm256_cvtepi32_ps(m), *acc);
+                let mut s = [_mm512_setzero_si512(); 2];
+                for (c, qc) in q.iter().enumerate() {
+                    let yc = unsafe { _mm512_loadu_si512(y.qs.as_ptr().add(64 * c).cast()) };
+                    // ≤ 4 · 45 · 127 per step: exact.
+                    s[c % 2] = _mm512_dpbusd_epi32(s[c % 2], *qc, yc);
+                }
+                let s = _mm512_add_epi32(s[0], s[1]);
+                let s8 =
+                    _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64::<1>(s));
+                *acc = _mm256_fmadd_ps(_mm256_set1_ps(y.d * xd), _mm256_cvtepi32_ps(s8), *acc);
+            }
+        }
+        // SAFETY: AVX2 is present.
+        acc.map(|acc| unsafe { super::super::q8_k::x86::fold(acc) })
     }
 
     /// `R` rows (unpacked into `q`, `nb` blocks per row) against the packed tokens. Per block
@@ -421,11 +495,13 @@ mod tests {
     use super::*;
     use crate::gguf::GgmlType;
 
-    /// The lanes kernel (AVX-512) gives each of 1 to 16 tokens the single dot's bits, for
-    /// every row step it takes.
+    /// The grouped kernel (1 to 4 tokens) and the lanes kernel (1 to 16 tokens, AVX-512)
+    /// give each token the single dot's bits, for every row step they take.
     #[test]
     fn wide_dot_matches_single_dots_bits() {
-        check_group_matches_single::<Q2K>(false);
+        check_group_matches_single::<Q2K>(
+            super::super::simd_level() >= super::super::SimdLevel::Avx512,
+        );
     }
 
     /// ns per (block, token) at each level and width (`--ignored --nocapture`).

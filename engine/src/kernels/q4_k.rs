@@ -392,7 +392,7 @@ impl super::format::Kernel<Q4K> for super::format::Avx512 {
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::super::format::Activation;
-    use super::super::q8_k::{ActQ8K, LaneCache, LaneSums, Lanes};
+    use super::super::q8_k::{by_row_steps, ActQ8K, LaneCache, LaneSums, Lanes};
     use super::super::{blocks, ActBuf};
     use super::{x86, BlockQ4K, BlockQ8K};
     use std::arch::x86_64::*;
@@ -439,35 +439,27 @@ mod avx512 {
         LANES.with(|cell| {
             let (cache, q) = &mut *cell.borrow_mut();
             let lanes = cache.pack_for(a, nb, LaneSums::Pairs);
-            let first = rows.start;
             let row =
                 |r: usize| -> &[BlockQ4K] { &blocks(&w[r * row_bytes..(r + 1) * row_bytes])[..nb] };
             // Four rows at a time share each activation load (then two, then one).
-            let mut r = rows.start;
-            while r < rows.end {
-                let left = rows.end - r;
+            by_row_steps::<4>(w, row_bytes, rows, out, |r, n| {
                 let mut v = [[0f32; 16]; 4];
                 // SAFETY: the caller's (this level's features are present).
-                let n = unsafe {
-                    if left >= 4 {
-                        v = row_lanes::<4>([row(r), row(r + 1), row(r + 2), row(r + 3)], lanes, q);
-                        4
-                    } else if left >= 2 {
-                        let [a, b] = row_lanes::<2>([row(r), row(r + 1)], lanes, q);
-                        (v[0], v[1]) = (a, b);
-                        2
-                    } else {
-                        [v[0]] = row_lanes::<1>([row(r)], lanes, q);
-                        1
-                    }
-                };
-                for (k, o) in out.iter_mut().enumerate() {
-                    for i in 0..n {
-                        o[r + i - first] = v[i][k];
+                unsafe {
+                    match n {
+                        4 => {
+                            v = row_lanes::<4>(
+                                [row(r), row(r + 1), row(r + 2), row(r + 3)],
+                                lanes,
+                                q,
+                            )
+                        }
+                        2 => [v[0], v[1]] = row_lanes::<2>([row(r), row(r + 1)], lanes, q),
+                        _ => [v[0]] = row_lanes::<1>([row(r)], lanes, q),
                     }
                 }
-                r += n;
-            }
+                v
+            });
         });
     }
 

@@ -313,7 +313,7 @@ impl super::format::Kernel<Q6K> for super::format::Avx512 {
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::super::format::Activation;
-    use super::super::q8_k::{by_row_pairs, ActQ8K, LaneCache, LaneSums, Lanes};
+    use super::super::q8_k::{by_row_steps, ActQ8K, LaneCache, LaneSums, Lanes};
     use super::super::{blocks, ActBuf};
     use super::{levels_avx2, BlockQ6K, BlockQ8K};
     use std::arch::x86_64::*;
@@ -359,7 +359,7 @@ mod avx512 {
             }
             let row =
                 |r: usize| -> &[BlockQ6K] { &blocks(&w[r * row_bytes..(r + 1) * row_bytes])[..nb] };
-            by_row_pairs(rows, out, |r, n| {
+            by_row_steps::<2>(w, row_bytes, rows, out, |r, n| {
                 let mut v = [[0f32; 16]; 2];
                 // SAFETY: the caller's (this level's features are present).
                 unsafe {

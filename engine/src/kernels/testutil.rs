@@ -403,7 +403,7 @@ pub fn print_group_speed<F: Format>() {
         }
         let f = t.at(level);
         let mut line = format!("{} {:?} ({:?})", F::TY, level, f.level);
-        for width in (0..=GROUP).chain([8, 12, 16]) {
+        for width in (0..=GROUP).chain([5, 6, 7, 8, 10, 12, 16]) {
             let mut best = f64::MAX;
             for _ in 0..7 {
                 let t0 = thread_cpu_s();
