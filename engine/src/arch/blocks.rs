@@ -371,11 +371,11 @@ impl Rope {
 pub use crate::kernels::attn::AttnShape;
 
 impl kernels::attn::KvRows for KvSource<'_> {
-    #[inline]
+    #[inline(always)]
     fn key(&self, pos: usize) -> &[f32] {
         KvSource::key(self, pos)
     }
-    #[inline]
+    #[inline(always)]
     fn value(&self, pos: usize) -> &[f32] {
         KvSource::value(self, pos)
     }

@@ -281,18 +281,7 @@ unsafe fn run_unit<K: KvRows>(
     let mut kb = u.k_lo;
     while kb <= u.k_hi {
         let count = (u.k_hi + 1 - kb).min(KB);
-        for l in 0..KB {
-            if l < count {
-                let key = &kv.key(kb + l)[koff..koff + hd];
-                for (d, &x) in key.iter().enumerate() {
-                    kt[d * KB + l] = x;
-                }
-            } else {
-                for d in 0..hd {
-                    kt[d * KB + l] = 0.0;
-                }
-            }
-        }
+        transpose_keys(level, kv, kb, count, koff, hd, kt);
         let col = kb - u.k_lo;
         let mut i = 0;
         while i < nq {
@@ -333,6 +322,50 @@ unsafe fn run_unit<K: KvRows>(
             }
             value_sum(level, kv, koff, hd, first, pos, &ws[..take], &os[..take]);
             h += take;
+        }
+    }
+}
+
+/// Key block `kb .. kb + count` (KV head at `koff`) into `kt`: element `d` of key `l` at
+/// `d·16 + l`, keys past `count` zero. Pure data movement: the level changes only the speed
+/// (a full block at one stride is gathered, one column per `d`).
+fn transpose_keys<K: KvRows>(
+    level: SimdLevel,
+    kv: &K,
+    kb: usize,
+    count: usize,
+    koff: usize,
+    hd: usize,
+    kt: &mut [f32],
+) {
+    let kt = &mut kt[..hd * KB];
+    #[cfg(target_arch = "x86_64")]
+    if level >= SimdLevel::Avx2 && count == KB {
+        let base = kv.key(kb)[koff..koff + hd].as_ptr() as usize;
+        let step = (kv.key(kb + 1)[koff..].as_ptr() as usize).wrapping_sub(base);
+        let even = step % 4 == 0
+            && step / 4 < (i32::MAX as usize) / KB
+            && (2..KB)
+                .all(|l| kv.key(kb + l)[koff..koff + hd].as_ptr() as usize == base + l * step);
+        if even {
+            // SAFETY: key `l`'s elements `0 .. hd` are at base + l·step + 4·d (checked above),
+            // all inside `kv`'s slices; kt holds hd·16.
+            unsafe { x86::gather_keys(level, base as *const f32, step / 4, hd, kt) };
+            return;
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = level;
+    for l in 0..KB {
+        if l < count {
+            let key = &kv.key(kb + l)[koff..koff + hd];
+            for (d, &x) in key.iter().enumerate() {
+                kt[d * KB + l] = x;
+            }
+        } else {
+            for d in 0..hd {
+                kt[d * KB + l] = 0.0;
+            }
         }
     }
 }
@@ -579,6 +612,51 @@ unsafe fn value_sum<K: KvRows>(
 mod x86 {
     use super::{KvRows, EXP_LO, EXP_P, KB, LN2_HI, LN2_LO, LOG2E, MAGIC};
     use std::arch::x86_64::*;
+
+    /// 16 keys at `base + l·stride` (floats), `hd` elements each, into `kt[d·16 + l]`.
+    pub(super) unsafe fn gather_keys(
+        level: super::SimdLevel,
+        base: *const f32,
+        stride: usize,
+        hd: usize,
+        kt: &mut [f32],
+    ) {
+        if level >= super::SimdLevel::Avx512 {
+            gather_512(base, stride, hd, kt)
+        } else {
+            gather_256(base, stride, hd, kt)
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,avx512f")]
+    unsafe fn gather_512(base: *const f32, stride: usize, hd: usize, kt: &mut [f32]) {
+        let s = stride as i32;
+        let idx = _mm512_mullo_epi32(
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+            _mm512_set1_epi32(s),
+        );
+        let out = kt.as_mut_ptr();
+        for d in 0..hd {
+            let v = _mm512_i32gather_ps::<4>(idx, base.add(d));
+            _mm512_storeu_ps(out.add(d * KB), v);
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn gather_256(base: *const f32, stride: usize, hd: usize, kt: &mut [f32]) {
+        let s = stride as i32;
+        let idx = _mm256_mullo_epi32(
+            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+            _mm256_set1_epi32(s),
+        );
+        let out = kt.as_mut_ptr();
+        for d in 0..hd {
+            let lo = _mm256_i32gather_ps::<4>(base.add(d), idx);
+            let hi = _mm256_i32gather_ps::<4>(base.add(d + 8 * stride), idx);
+            _mm256_storeu_ps(out.add(d * KB), lo);
+            _mm256_storeu_ps(out.add(d * KB + 8), hi);
+        }
+    }
 
     #[target_feature(enable = "avx2,fma,avx512f")]
     pub(super) unsafe fn scores_512<const Q: usize>(
