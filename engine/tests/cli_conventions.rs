@@ -206,10 +206,12 @@ fn n_minus_one_fills_the_context_and_an_end_of_generation_token_stops_it() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("-1 for"));
 
     // Near-uniform sampling reaches an end-of-generation token within the context for this
-    // seed (found once; the run is deterministic): the turn ends there, short of the room.
+    // seed (found once; the run is deterministic, but a change to the forward pass's bits —
+    // the tiled attention's — moves where it lands, so the seed is searched again then): the
+    // turn ends there, short of the room.
     let args = bmoe_engine::cli::Cli::parse_run(&[
         "bmoe-cli", "-p", "Tell me", "-n", "-1", "-c", "512", "--temp", "3", "--top-k", "0",
-        "--top-p", "1", "--seed", "4",
+        "--top-p", "1", "--seed", "26",
     ])
     .unwrap();
     let (mut out, mut err) = (Vec::new(), Vec::new());

@@ -368,35 +368,25 @@ impl Rope {
 // ---------------------------------------------------------------------------------------------
 // Attention
 
-/// One layer's attention geometry and score shaping.
-#[derive(Clone, Debug, PartialEq)]
-pub struct AttnShape {
-    pub n_head: usize,
-    pub n_head_kv: usize,
-    pub head_dim: usize,
-    /// Multiplies every score (`1/√head_dim` for most; gemma4: 1).
-    pub scale: f32,
-    /// Sliding window: a token attends to itself and the `window − 1` before it.
-    pub window: Option<usize>,
-    /// Score soft-capping `c·tanh(s/c)`, applied to the raw dot product before `scale`.
-    pub softcap: Option<f32>,
-}
+pub use crate::kernels::attn::AttnShape;
 
-struct SendPtr<T>(*mut T);
-// SAFETY: each task writes only its own disjoint region behind the pointer, and the pool's
-// `run` returns only when every task is done.
-unsafe impl<T> Send for SendPtr<T> {}
-unsafe impl<T> Sync for SendPtr<T> {}
-impl<T> SendPtr<T> {
-    fn get(&self) -> *mut T {
-        self.0
+impl kernels::attn::KvRows for KvSource<'_> {
+    #[inline(always)]
+    fn key(&self, pos: usize) -> &[f32] {
+        KvSource::key(self, pos)
+    }
+    #[inline(always)]
+    fn value(&self, pos: usize) -> &[f32] {
+        KvSource::value(self, pos)
     }
 }
 
 /// Causal multi-head attention of `q` (`positions.len()` rows × `n_head·head_dim`) over the
 /// keys and values of `kv`, GQA (query head `h` reads KV head `h / (n_head / n_head_kv)`),
 /// into `out` (same shape as `q`). `sinks` (one logit per query head) joins each softmax
-/// without a value (gpt-oss). Parallel over (row, head); `scores` is scratch.
+/// without a value (gpt-oss). Tiled over (KV head, its query heads, rows) on the pool by
+/// [`kernels::attn::attend`]; a row's bits do not depend on the batch, the threads or the SIMD
+/// level. `scores` is scratch.
 #[allow(clippy::too_many_arguments)]
 pub fn attend(
     pool: &ThreadPool,
@@ -408,77 +398,17 @@ pub fn attend(
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
-    let (nh, nkv, hd) = (shape.n_head, shape.n_head_kv, shape.head_dim);
-    let qd = nh * hd;
-    let n = positions.len();
-    let span = |pos: usize| -> usize {
-        match shape.window {
-            Some(w) => (pos + 1).min(w),
-            None => pos + 1,
-        }
-    };
-    let max_span = positions
-        .iter()
-        .map(|&p| span(p as usize))
-        .max()
-        .unwrap_or(0);
-    let n_threads = pool.n_threads().max(1);
-    scores.resize(n_threads * max_span.max(1), 0.0);
-    let group = nh / nkv;
-    let out_ptr = SendPtr(out.as_mut_ptr());
-    let scores_ptr = SendPtr(scores.as_mut_ptr());
-    let n_tasks = n * nh;
-    let per = n_tasks.div_ceil(n_threads);
-    pool.run(n_threads, &|t| {
-        let lo = t * per;
-        let hi = ((t + 1) * per).min(n_tasks);
-        // SAFETY: thread t owns scores[t*max_span..] and the out slices of tasks lo..hi.
-        let sc =
-            unsafe { std::slice::from_raw_parts_mut(scores_ptr.get().add(t * max_span), max_span) };
-        for task in lo..hi {
-            let (r, hh) = (task / nh, task % nh);
-            let pos = positions[r] as usize;
-            let first = pos + 1 - span(pos);
-            let len = pos + 1 - first;
-            let qv = &q[r * qd + hh * hd..r * qd + (hh + 1) * hd];
-            let kh = hh / group;
-            let mut mx = f32::NEG_INFINITY;
-            for (i, s) in sc.iter_mut().enumerate().take(len) {
-                let key = &kv.key(first + i)[kh * hd..(kh + 1) * hd];
-                let mut d = dot_lanes(qv, key);
-                if let Some(c) = shape.softcap {
-                    d = c * (d / c).tanh();
-                }
-                let v = d * shape.scale;
-                *s = v;
-                mx = mx.max(v);
-            }
-            let sink = sinks.map(|s| s[hh]);
-            if let Some(s) = sink {
-                mx = mx.max(s);
-            }
-            let mut sum = 0f64;
-            for s in sc.iter_mut().take(len) {
-                *s = (*s - mx).exp();
-                sum += *s as f64;
-            }
-            if let Some(s) = sink {
-                sum += ((s - mx).exp()) as f64;
-            }
-            let inv = (1.0 / sum) as f32;
-            // SAFETY: this task alone writes this row's head slice.
-            let o =
-                unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(r * qd + hh * hd), hd) };
-            o.iter_mut().for_each(|x| *x = 0.0);
-            for (i, &s) in sc.iter().enumerate().take(len) {
-                let w = s * inv;
-                let val = &kv.value(first + i)[kh * hd..(kh + 1) * hd];
-                for (x, &y) in o.iter_mut().zip(val) {
-                    *x += w * y;
-                }
-            }
-        }
-    });
+    kernels::attn::attend(
+        pool,
+        kernels::simd_level(),
+        shape,
+        q,
+        positions,
+        kv,
+        sinks,
+        scores,
+        out,
+    );
 }
 
 /// `a · b` in 8 lanes (element `i` into lane `i % 8`, then the lanes summed pairwise in a fixed

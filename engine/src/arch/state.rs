@@ -65,7 +65,9 @@ pub enum KvSource<'a> {
 }
 
 impl KvSource<'_> {
-    #[inline]
+    // Always: the attention kernels call these per key inside loops that keep their
+    // accumulators in registers, which a call would spill.
+    #[inline(always)]
     pub fn key(&self, pos: usize) -> &[f32] {
         match self {
             KvSource::Full { k, kv_dim, .. } => &k[pos * kv_dim..(pos + 1) * kv_dim],
@@ -88,7 +90,7 @@ impl KvSource<'_> {
         }
     }
 
-    #[inline]
+    #[inline(always)]
     pub fn value(&self, pos: usize) -> &[f32] {
         match self {
             KvSource::Full { v, kv_dim, .. } => &v[pos * kv_dim..(pos + 1) * kv_dim],

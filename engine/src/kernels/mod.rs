@@ -31,6 +31,7 @@
 // `is_multiple_of` is newer than the workspace's rust-version (1.85).
 #![allow(clippy::manual_is_multiple_of)]
 
+pub mod attn;
 pub mod bench;
 mod bf16;
 mod block32;
