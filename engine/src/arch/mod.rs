@@ -670,17 +670,31 @@ impl<A: Arch + ?Sized> Model<A> {
     /// inputs, taken by reference as [`Model::expert`] takes them), the activation, the down
     /// projections' inputs quantised in one more round (the rows split across the threads;
     /// decode's few rows on the caller), then every down in one more (each expert's biases,
-    /// where it has them, added as [`Arch::expert`] adds them) — three hand-offs per
-    /// layer instead of three per expert (two for decode). Each output row gets exactly the bits
-    /// [`Model::expert`] gives it (the same kernels on the same rows and activations), lands
-    /// weighted in its (row, rank) slot, and is summed in rank order by `finish_layer` as
-    /// before. Where the layer is not [`Model::experts_batchable`] it computes the experts one
+    /// where it has them, added as [`Arch::expert`] adds them), and the weighted rows into
+    /// their (row, rank) slots in one more (split by rows; decode's on the caller) — four
+    /// hand-offs per layer instead of three per expert (two for decode). Each output row gets
+    /// exactly the bits [`Model::expert`] gives it (the same kernels on the same rows and
+    /// activations) and is summed in rank order by `finish_layer` as before. Where the layer is not [`Model::experts_batchable`] it computes the experts one
     /// by one through [`Model::expert`].
+    ///
+    /// A long prompt's experts go in groups of at most [`GROUP_USES`] rows (an expert with
+    /// more is a group of its own), so the scratch stays bounded: a few rounds per group.
     pub fn experts_together(
         &self,
         st: &mut State,
         layer: usize,
         jobs: &[ExpertJob<'_>],
+    ) -> Result<(), ArchError> {
+        self.experts_in_groups(st, layer, jobs, GROUP_USES)
+    }
+
+    /// [`Model::experts_together`] in groups of at most `group_uses` rows.
+    fn experts_in_groups(
+        &self,
+        st: &mut State,
+        layer: usize,
+        jobs: &[ExpertJob<'_>],
+        group_uses: usize,
     ) -> Result<(), ArchError> {
         let glu = match self.arch.split_glu(layer) {
             Some(glu) if self.experts_batchable(layer) => glu,
@@ -692,8 +706,7 @@ impl<A: Arch + ?Sized> Model<A> {
             }
         };
         let xs = self.experts(layer);
-        let (g, u, dn) = (&xs[0], &xs[1], &xs[2]);
-        let (d, k, m) = (self.dims.d_model, st.moe_k, st.ffn_rows.len());
+        let (k, m) = (st.moe_k, st.ffn_rows.len());
         for j in jobs {
             if j.expert >= self.dims.n_expert {
                 return Err(ArchError::Tensor {
@@ -705,11 +718,36 @@ impl<A: Arch + ?Sized> Model<A> {
             check_slices(xs, &j.proj)?;
             check_uses(layer, m, k, j.uses)?;
         }
+        self.prepare_h_acts(st, layer)?;
+        let mut rest = jobs;
+        while !rest.is_empty() {
+            let mut n = rest[0].uses.len();
+            let mut end = 1;
+            while end < rest.len() && n + rest[end].uses.len() <= group_uses {
+                n += rest[end].uses.len();
+                end += 1;
+            }
+            self.experts_group(st, layer, glu, &rest[..end])?;
+            rest = &rest[end..];
+        }
+        Ok(())
+    }
+
+    /// One group of [`Model::experts_in_groups`], checked, its inputs prepared.
+    fn experts_group(
+        &self,
+        st: &mut State,
+        layer: usize,
+        glu: blocks::Glu,
+        jobs: &[ExpertJob<'_>],
+    ) -> Result<(), ArchError> {
+        let xs = self.experts(layer);
+        let (g, u, dn) = (&xs[0], &xs[1], &xs[2]);
+        let (d, k, m) = (self.dims.d_model, st.moe_k, st.ffn_rows.len());
         let n: usize = jobs.iter().map(|j| j.uses.len()).sum();
         if n == 0 {
             return Ok(());
         }
-        self.prepare_h_acts(st, layer)?;
         let ff = g.rows;
         let State {
             h_acts,
@@ -778,8 +816,22 @@ impl<A: Arch + ?Sized> Model<A> {
             if let Some(b) = self.arch.expert_bias(layer, j.expert) {
                 blocks::add_bias(out, b.down);
             }
-            place_weighted(moe, moe_filled, d, k, j.uses, out);
         }
+        // Each (row, rank) slot's output row and weight; the slots filled across the pool.
+        let mut source: Vec<Option<(usize, f32)>> = vec![None; m * k];
+        for (i, &(row, rank, w)) in jobs.iter().flat_map(|j| j.uses).enumerate() {
+            let slot = row as usize * k + rank as usize;
+            source[slot] = Some((i, w));
+            moe_filled[slot] = true;
+        }
+        let out = &expert_out[..];
+        rows_in_parallel(&self.cx.pool, &mut moe[..m * k * d], d, &|slot, dst| {
+            if let Some((i, w)) = source[slot] {
+                for (o, &v) in dst.iter_mut().zip(&out[i * d..(i + 1) * d]) {
+                    *o = v * w;
+                }
+            }
+        });
         Ok(())
     }
 
@@ -856,15 +908,15 @@ impl<A: Arch + ?Sized> Model<A> {
         if !self.experts(layer).is_empty() {
             st.moe_out.clear();
             st.moe_out.resize(m * d, 0.0);
-            for i in 0..m {
+            let (moe, filled) = (&st.moe, &st.moe_filled);
+            rows_in_parallel(&self.cx.pool, &mut st.moe_out, d, &|i, acc| {
                 let mut first = true;
-                let acc = &mut st.moe_out[i * d..(i + 1) * d];
                 for j in 0..k {
                     let slot = i * k + j;
-                    if !st.moe_filled[slot] {
+                    if !filled[slot] {
                         continue;
                     }
-                    let src = &st.moe[slot * d..(slot + 1) * d];
+                    let src = &moe[slot * d..(slot + 1) * d];
                     if first {
                         acc.copy_from_slice(src);
                         first = false;
@@ -874,7 +926,7 @@ impl<A: Arch + ?Sized> Model<A> {
                         }
                     }
                 }
-            }
+            });
         }
         self.arch.finish_layer(&self.cx, st, layer)?;
         self.check_l_out(st, layer)
@@ -886,6 +938,11 @@ impl<A: Arch + ?Sized> Model<A> {
         self.arch.head(&self.cx, st)
     }
 }
+
+/// Most rows (uses) [`Model::experts_together`] runs in one group: its scratch is about
+/// `(d_model + 2 · ff) · 4` bytes per row (~60 MB on the 30B-A3B shape), and a group this large
+/// (a 512-token batch at top-8) already keeps both threads busy.
+pub const GROUP_USES: usize = 4096;
 
 /// An error unless each of an expert's projection slices `proj` has its tensor's stride.
 fn check_slices(xs: &[ExpertTensor], proj: &[&[u8]]) -> Result<(), ArchError> {
@@ -938,6 +995,37 @@ fn place_weighted(
         }
         moe_filled[slot] = true;
     }
+}
+
+/// `f(i, row)` for every row `i` of `data` (rows of `len` values), the rows split across the
+/// pool in one round (a small `data`, on the caller alone). Each row is written by one call,
+/// so the bits do not depend on the threads.
+fn rows_in_parallel(
+    pool: &kernels::ThreadPool,
+    data: &mut [f32],
+    len: usize,
+    f: &(dyn Fn(usize, &mut [f32]) + Sync),
+) {
+    let len = len.max(1);
+    let n = data.len() / len;
+    // A few rows (decode's 8 slots) are not worth the hand-off: a value costs well under a
+    // nanosecond here, a round several microseconds.
+    let per = if n < 4 || data.len() < 32 * 1024 {
+        n.max(1)
+    } else {
+        n.div_ceil(pool.n_threads() * 2)
+    };
+    let pieces: Vec<std::sync::Mutex<&mut [f32]>> = data
+        .chunks_mut(per * len)
+        .map(std::sync::Mutex::new)
+        .collect();
+    pool.run(pieces.len(), &|task| {
+        // Each task locks its own piece only: never contended.
+        let mut piece = pieces[task].lock().unwrap_or_else(|e| e.into_inner());
+        for (r, row) in piece.chunks_exact_mut(len).enumerate() {
+            f(task * per + r, row);
+        }
+    });
 }
 
 /// `v` cut into consecutive pieces of `per` elements for each use of each job, job by job.
@@ -1000,10 +1088,12 @@ mod tests {
         model
     }
 
-    /// Per expert of the routing `ro`, its (FFN row, rank, weight) uses, experts in id order.
-    fn uses_of(ro: &RouteOut) -> Vec<(usize, Vec<(u32, u16, f32)>)> {
-        let mut by_expert: std::collections::BTreeMap<usize, Vec<(u32, u16, f32)>> =
-            Default::default();
+    /// An expert's (FFN row, rank, weight) uses.
+    type Uses = Vec<(u32, u16, f32)>;
+
+    /// Per expert of the routing `ro`, its uses, experts in id order.
+    fn uses_of(ro: &RouteOut) -> Vec<(usize, Uses)> {
+        let mut by_expert: std::collections::BTreeMap<usize, Uses> = Default::default();
         for i in 0..ro.rows.len() {
             for rank in 0..ro.k {
                 let e = ro.ids[i * ro.k + rank] as usize;
@@ -1022,7 +1112,8 @@ mod tests {
     /// every layer, for K-quant experts (Q4_K gate/up, Q6_K down) and Q8_0 ones, qwen3moe,
     /// qwen2moe (its shared expert beside them) and gpt-oss (biased experts), on 2 threads:
     /// decode steps (one row) and a prefill batch of 40 rows (about 10 per expert: some get
-    /// one, some more than 8, so the one-token, grouped and lanes kernels all run). The logits of the two
+    /// one, some more than 8, so the one-token, grouped and lanes kernels all run; layer 1 in
+    /// groups of at most 7 rows). The logits of the two
     /// runs, each fed its own layers' sums, agree bit for bit too. `mix` spoils the together
     /// run's jobs (a weight, a row, a rank) to show the comparison catches it.
     fn together_against_one_by_one(mix: Option<usize>) {
@@ -1081,7 +1172,11 @@ mod tests {
                         })
                         .collect();
                     together.moe.iter_mut().for_each(|v| *v = f32::NAN);
-                    model.experts_together(&mut together, layer, &jobs).unwrap();
+                    // Groups of at most 7 rows on one layer (experts of more rows alone).
+                    let group = if layer == 1 { 7 } else { GROUP_USES };
+                    model
+                        .experts_in_groups(&mut together, layer, &jobs, group)
+                        .unwrap();
                     let bits =
                         |st: &State| -> Vec<u32> { st.moe.iter().map(|v| v.to_bits()).collect() };
                     assert!(one.moe_filled.iter().all(|&f| f), "{scheme} layer {layer}");
