@@ -9,7 +9,7 @@
 //! (the arena holds the file's bytes verbatim) — which is why a streamed run's output is
 //! byte-identical to the resident one for every lossless setting.
 
-use crate::arch::{Arch, ArchError, KvSnapshot, Model, RouteOut, RowExpert, State};
+use crate::arch::{Arch, ArchError, ExpertJob, KvSnapshot, Model, RouteOut, State};
 use crate::arena::{Arena, ArenaError, ArenaOptions, Extent, SlotAddr};
 use crate::flash::LaneFlash;
 use bmoe_core::faults::RetryFlash;
@@ -160,11 +160,14 @@ pub struct EngineBackend<A: Arch + ?Sized = dyn Arch> {
     ids: Vec<u16>,
     pred_ids: Vec<u32>,
     uses: Vec<(u32, u16, f32)>,
-    /// Resident decode: the layer's experts (id, rank, weight) the core handed over, computed
-    /// together at `finish_layer` ([`Model::experts_one_row`]: two rounds of the pool per
-    /// layer instead of two per expert). The contract lets a backend defer an expert's work
-    /// until the layer's `finish_layer`; the bits are the same as computing each at once.
-    deferred: Vec<(u16, u16, f32)>,
+    /// Resident: the layer's experts the core handed over (id, and the range of its uses in
+    /// `deferred_uses`), computed together at `finish_layer` ([`Model::experts_together`]: a
+    /// few rounds of the pool per layer instead of a few per expert). The contract lets a
+    /// backend defer an expert's work until the layer's `finish_layer`; the bits are the same
+    /// as computing each at once.
+    deferred: Vec<(u16, std::ops::Range<usize>)>,
+    /// The deferred experts' (FFN row, rank, weight) uses, expert after expert.
+    deferred_uses: Vec<(u32, u16, f32)>,
     /// Produce logits for every row of the next batch (for `--logits-out`), not just the last.
     pub all_logits: bool,
     /// Rows of the previous step (0 before the first).
@@ -202,6 +205,7 @@ impl<A: Arch + ?Sized> EngineBackend<A> {
             pred_ids: Vec::new(),
             uses: Vec::new(),
             deferred: Vec::new(),
+            deferred_uses: Vec::new(),
             all_logits: false,
             last_batch: 0,
             step: String::new(),
@@ -244,19 +248,23 @@ impl<A: Arch + ?Sized> EngineBackend<A> {
         }
         let w = self.model.arch.weights();
         let xs = self.model.experts(m);
-        let jobs: Vec<RowExpert<'_>> = self
+        let mut jobs: Vec<ExpertJob<'_>> = self
             .deferred
             .iter()
-            .map(|&(e, rank, weight)| RowExpert {
-                expert: e as usize,
-                proj: [0, 1, 2].map(|p| w.expert_bytes(&xs[p], e as usize)),
-                rank,
-                weight,
+            .map(|(e, uses)| ExpertJob {
+                expert: *e as usize,
+                proj: [0, 1, 2].map(|p| w.expert_bytes(&xs[p], *e as usize)),
+                uses: &self.deferred_uses[uses.clone()],
             })
             .collect();
-        let r = self.model.experts_one_row(&mut self.state, m, &jobs);
+        // The experts with the most rows first: the threads claim a round's tasks in order,
+        // so its last tasks are the shortest and the threads finish close together. Each
+        // output row lands in its own slot, so the order changes no bits.
+        jobs.sort_by_key(|j| std::cmp::Reverse(j.uses.len()));
+        let r = self.model.experts_together(&mut self.state, m, &jobs);
         drop(jobs);
         self.deferred.clear();
+        self.deferred_uses.clear();
         Ok(r?)
     }
 
@@ -329,6 +337,7 @@ impl<A: Arch + ?Sized> Backend for EngineBackend<A> {
         self.last_batch = n;
         // A step that failed may have left a layer's experts deferred.
         self.deferred.clear();
+        self.deferred_uses.clear();
         self.first_token = self.tokens_begun;
         self.tokens_begun += u64::from(n);
         let rows: Vec<u32> = if self.all_logits {
@@ -383,13 +392,13 @@ impl<A: Arch + ?Sized> Backend for EngineBackend<A> {
         let m = layer.model as usize;
         let n_proj = self.model.experts(m).len().min(MAX_PROJ);
         let mut proj: [&[u8]; MAX_PROJ] = [&[]; MAX_PROJ];
-        if self.arena.is_none()
-            && uses.len() == 1
-            && uses[0].row == 0
-            && self.model.experts_batchable(&self.state, m)
-        {
-            // Resident decode: computed with the layer's other experts at `finish_layer`.
-            self.deferred.push((expert, uses[0].rank, uses[0].weight));
+        if self.arena.is_none() && self.model.experts_batchable(m) {
+            // Resident: computed with the layer's other experts at `finish_layer`. (Streamed,
+            // an expert is computed as its read lands: its slot may be released mid-layer.)
+            let start = self.deferred_uses.len();
+            self.deferred_uses.extend_from_slice(&self.uses);
+            self.deferred
+                .push((expert, start..self.deferred_uses.len()));
             return Ok(());
         }
         let Some(arena) = &self.arena else {

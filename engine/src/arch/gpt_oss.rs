@@ -36,6 +36,11 @@ pub const ARCH: &str = "gpt-oss";
 /// The clamped SwiGLU's constants, as llama.cpp's graph fixes them for this architecture.
 pub const SWIGLU_ALPHA: f32 = 1.702;
 pub const SWIGLU_LIMIT: f32 = 7.0;
+/// The experts' activation.
+const GLU: Glu = Glu::SwigluOai {
+    alpha: SWIGLU_ALPHA,
+    limit: SWIGLU_LIMIT,
+};
 
 /// Hyper-parameters, read and checked once at load.
 #[derive(Clone, Debug, PartialEq)]
@@ -362,22 +367,15 @@ impl Arch for GptOss {
                 what: format!("expert {expert} of {}", self.hp.n_expert),
             });
         }
-        let bias = FfnBias {
-            gate: &l.gate_b[expert * ff..(expert + 1) * ff],
-            up: &l.up_b[expert * ff..(expert + 1) * ff],
-            down: &l.down_b[expert * d..(expert + 1) * d],
-        };
+        let bias = self.expert_bias(layer, expert);
         split_ffn_biased(
             cx,
             s,
-            Glu::SwigluOai {
-                alpha: SWIGLU_ALPHA,
-                limit: SWIGLU_LIMIT,
-            },
+            GLU,
             (g.info.ty, proj[0]),
             (u.info.ty, proj[1]),
             (dn.info.ty, proj[2]),
-            Some(bias),
+            bias,
             ff,
             d,
             input.rows,
@@ -385,6 +383,19 @@ impl Arch for GptOss {
             input.prepared,
             out,
         )
+    }
+
+    fn split_glu(&self, _layer: usize) -> Option<Glu> {
+        Some(GLU)
+    }
+
+    fn expert_bias(&self, layer: usize, expert: usize) -> Option<FfnBias<'_>> {
+        let (l, ff, d) = (self.layers.get(layer)?, self.hp.n_ff_exp, self.hp.d_model);
+        (expert < self.hp.n_expert).then(|| FfnBias {
+            gate: &l.gate_b[expert * ff..(expert + 1) * ff],
+            up: &l.up_b[expert * ff..(expert + 1) * ff],
+            down: &l.down_b[expert * d..(expert + 1) * d],
+        })
     }
 
     fn finish_layer(&self, _cx: &Compute, st: &mut State, _layer: usize) -> Result<(), ArchError> {

@@ -143,10 +143,16 @@ pub trait Arch: Send + Sync {
         out: &mut Vec<f32>,
     ) -> Result<(), ArchError>;
     /// The activation of layer `layer`'s experts when each one is exactly
-    /// `down(glu(gate·x, up·x))` over its three projections (gate, up, down; no biases, no
-    /// scales), which lets [`Model::experts_one_row`] run a decode step's experts together.
-    /// `None` (the default) computes every expert through [`Arch::expert`].
+    /// `down(glu(gate·x + bg, up·x + bu)) + bd` over its three projections (gate, up, down;
+    /// the biases those of [`Arch::expert_bias`], or none; no scales), which lets
+    /// [`Model::experts_together`] run a layer's experts together. `None` (the default)
+    /// computes every expert through [`Arch::expert`].
     fn split_glu(&self, _layer: usize) -> Option<blocks::Glu> {
+        None
+    }
+    /// Expert `expert`'s biases in a layer of [`Arch::split_glu`] experts that have them
+    /// (gpt-oss); none by default.
+    fn expert_bias(&self, _layer: usize, _expert: usize) -> Option<qwen3moe::FfnBias<'_>> {
         None
     }
     /// Combine `st.moe_out` (and anything `dense` left in `st.side`) into the residual stream.
@@ -168,15 +174,13 @@ pub struct ExpertIn<'a> {
     pub prepared: &'a [&'a ActBuf],
 }
 
-/// One routed expert of a step whose layer has a single FFN row (decode), for
-/// [`Model::experts_one_row`].
-pub struct RowExpert<'a> {
+/// One routed expert of a layer and the rows routed to it, for [`Model::experts_together`].
+pub struct ExpertJob<'a> {
     pub expert: usize,
     /// The expert's projections' bytes in read order (gate, up, down).
     pub proj: [&'a [u8]; 3],
-    /// Its rank in the row's routing and its weight.
-    pub rank: u16,
-    pub weight: f32,
+    /// (FFN row index, rank, weight) of each row routed to it, as [`Model::expert`] takes them.
+    pub uses: &'a [(u32, u16, f32)],
 }
 
 /// An architecture's loader: check and map `file`'s tensors, applying a dense mode.
@@ -594,16 +598,8 @@ impl<A: Arch + ?Sized> Model<A> {
                 what: format!("{} projections given, expected {}", proj.len(), xs.len()),
             });
         }
-        for (p, x) in proj.iter().zip(xs) {
-            if p.len() as u64 != x.stride {
-                return Err(ArchError::Tensor {
-                    file: String::new(),
-                    tensor: x.info.name.clone(),
-                    what: format!("expert slice of {} bytes, expected {}", p.len(), x.stride),
-                });
-            }
-        }
-        let m = st.ffn_rows.len();
+        check_slices(xs, proj)?;
+        check_uses(layer, st.ffn_rows.len(), k, uses)?;
         self.prepare_h_acts(st, layer)?;
         let State {
             h,
@@ -620,13 +616,6 @@ impl<A: Arch + ?Sized> Model<A> {
         let mut picked: Vec<&ActBuf> = Vec::with_capacity(n);
         for (i, &(row, _, _)) in uses.iter().enumerate() {
             let r = row as usize;
-            if r >= m {
-                return Err(ArchError::Tensor {
-                    file: String::new(),
-                    tensor: format!("blk.{layer} experts"),
-                    what: format!("expert use of FFN row {row}, but the layer has {m}"),
-                });
-            }
             expert_in[i * d..(i + 1) * d].copy_from_slice(&h[r * d..(r + 1) * d]);
             if h_acts_for.is_some() {
                 picked.push(&h_acts[r]);
@@ -640,14 +629,7 @@ impl<A: Arch + ?Sized> Model<A> {
         self.arch
             .expert(&self.cx, scratch, layer, expert, proj, &input, expert_out)?;
         drop(picked);
-        for (i, &(row, rank, w)) in uses.iter().enumerate() {
-            let slot = row as usize * k + rank as usize;
-            let dst = &mut moe[slot * d..(slot + 1) * d];
-            for (o, &y) in dst.iter_mut().zip(&expert_out[i * d..(i + 1) * d]) {
-                *o = y * w;
-            }
-            moe_filled[slot] = true;
-        }
+        place_weighted(moe, moe_filled, d, k, uses, expert_out);
         Ok(())
     }
 
@@ -671,66 +653,102 @@ impl<A: Arch + ?Sized> Model<A> {
         Ok(())
     }
 
-    /// True when [`Model::experts_one_row`] runs layer `layer`'s experts together: they are
-    /// split gated FFNs ([`Arch::split_glu`]) whose gate and up read one activation format, and
-    /// the step has one FFN row.
-    pub fn experts_batchable(&self, st: &State, layer: usize) -> bool {
+    /// True when [`Model::experts_together`] runs layer `layer`'s experts in two rounds of the
+    /// pool: they are split gated FFNs ([`Arch::split_glu`]) whose gate and up read one
+    /// activation format.
+    pub fn experts_batchable(&self, layer: usize) -> bool {
         let xs = self.experts(layer);
-        st.ffn_rows.len() == 1
-            && xs.len() == 3
+        let fmt = |x: &ExpertTensor| kernels::ActFormat::for_weights(x.info.ty);
+        xs.len() == 3
             && self.arch.split_glu(layer).is_some()
-            && kernels::ActFormat::for_weights(xs[0].info.ty).is_some()
-            && kernels::ActFormat::for_weights(xs[0].info.ty)
-                == kernels::ActFormat::for_weights(xs[1].info.ty)
+            && fmt(&xs[0]).is_some()
+            && fmt(&xs[0]) == fmt(&xs[1])
     }
 
-    /// The routed experts of a layer with a single FFN row (a decode step), all at once:
-    /// every expert's gate and up in one round of the pool, the activations between them, then
-    /// every down in one more — two hand-offs per layer instead of two per expert. Each
-    /// output row gets exactly the bits [`Model::expert`] gives it (the same kernels on the
-    /// same rows and activations), lands weighted in its rank's slot, and is summed in rank
-    /// order by `finish_layer` as before. Where the layer is not [`Model::experts_batchable`]
-    /// it computes the experts one by one through [`Model::expert`].
-    pub fn experts_one_row(
+    /// A layer's routed experts, all at once (a resident step defers them to the layer's end):
+    /// every expert's gate and up in one round of the pool (each on its own rows' prepared
+    /// inputs, taken by reference as [`Model::expert`] takes them), the activation, the down
+    /// projections' inputs quantised in one more round (the rows split across the threads;
+    /// decode's few rows on the caller), then every down in one more (each expert's biases,
+    /// where it has them, added as [`Arch::expert`] adds them), and the weighted rows into
+    /// their (row, rank) slots in one more (split by rows; decode's on the caller) — four
+    /// hand-offs per layer instead of three per expert (two for decode). Each output row gets
+    /// exactly the bits [`Model::expert`] gives it (the same kernels on the same rows and
+    /// activations) and is summed in rank order by `finish_layer` as before. Where the layer is not [`Model::experts_batchable`] it computes the experts one
+    /// by one through [`Model::expert`].
+    ///
+    /// A long prompt's experts go in groups of at most [`GROUP_USES`] rows (an expert with
+    /// more is a group of its own), so the scratch stays bounded: a few rounds per group.
+    pub fn experts_together(
         &self,
         st: &mut State,
         layer: usize,
-        jobs: &[RowExpert<'_>],
+        jobs: &[ExpertJob<'_>],
+    ) -> Result<(), ArchError> {
+        self.experts_in_groups(st, layer, jobs, GROUP_USES)
+    }
+
+    /// [`Model::experts_together`] in groups of at most `group_uses` rows.
+    fn experts_in_groups(
+        &self,
+        st: &mut State,
+        layer: usize,
+        jobs: &[ExpertJob<'_>],
+        group_uses: usize,
     ) -> Result<(), ArchError> {
         let glu = match self.arch.split_glu(layer) {
-            Some(glu) if self.experts_batchable(st, layer) => glu,
+            Some(glu) if self.experts_batchable(layer) => glu,
             _ => {
                 for j in jobs {
-                    self.expert(st, layer, j.expert, &j.proj, &[(0, j.rank, j.weight)])?;
+                    self.expert(st, layer, j.expert, &j.proj, j.uses)?;
                 }
                 return Ok(());
             }
         };
-        if jobs.is_empty() {
-            return Ok(());
-        }
         let xs = self.experts(layer);
-        let (g, u, dn) = (&xs[0], &xs[1], &xs[2]);
+        let (k, m) = (st.moe_k, st.ffn_rows.len());
         for j in jobs {
-            for (p, x) in j.proj.iter().zip(xs) {
-                if p.len() as u64 != x.stride {
-                    return Err(ArchError::Tensor {
-                        file: String::new(),
-                        tensor: x.info.name.clone(),
-                        what: format!("expert slice of {} bytes, expected {}", p.len(), x.stride),
-                    });
-                }
-            }
-            if j.rank as usize >= st.moe_k {
+            if j.expert >= self.dims.n_expert {
                 return Err(ArchError::Tensor {
                     file: String::new(),
                     tensor: format!("blk.{layer} experts"),
-                    what: format!("expert rank {}, but the layer keeps {}", j.rank, st.moe_k),
+                    what: format!("expert {} of {}", j.expert, self.dims.n_expert),
                 });
             }
+            check_slices(xs, &j.proj)?;
+            check_uses(layer, m, k, j.uses)?;
         }
         self.prepare_h_acts(st, layer)?;
-        let (d, ff, n) = (self.dims.d_model, g.rows, jobs.len());
+        let mut rest = jobs;
+        while !rest.is_empty() {
+            let mut n = rest[0].uses.len();
+            let mut end = 1;
+            while end < rest.len() && n + rest[end].uses.len() <= group_uses {
+                n += rest[end].uses.len();
+                end += 1;
+            }
+            self.experts_group(st, layer, glu, &rest[..end])?;
+            rest = &rest[end..];
+        }
+        Ok(())
+    }
+
+    /// One group of [`Model::experts_in_groups`], checked, its inputs prepared.
+    fn experts_group(
+        &self,
+        st: &mut State,
+        layer: usize,
+        glu: blocks::Glu,
+        jobs: &[ExpertJob<'_>],
+    ) -> Result<(), ArchError> {
+        let xs = self.experts(layer);
+        let (g, u, dn) = (&xs[0], &xs[1], &xs[2]);
+        let (d, k, m) = (self.dims.d_model, st.moe_k, st.ffn_rows.len());
+        let n: usize = jobs.iter().map(|j| j.uses.len()).sum();
+        if n == 0 {
+            return Ok(());
+        }
+        let ff = g.rows;
         let State {
             h_acts,
             expert_out,
@@ -739,15 +757,28 @@ impl<A: Arch + ?Sized> Model<A> {
             moe_filled,
             ..
         } = st;
+        // Every use's prepared input row, expert after expert.
+        let picked: Vec<&ActBuf> = jobs
+            .iter()
+            .flat_map(|j| j.uses.iter().map(|&(row, _, _)| &h_acts[row as usize]))
+            .collect();
         scratch.gate.resize(n * ff, 0.0);
         scratch.up.resize(n * ff, 0.0);
         expert_out.resize(n * d, 0.0);
-        let act = std::slice::from_ref(&h_acts[0]);
-        let mut products = Vec::with_capacity(2 * n);
-        for ((j, gate), up) in jobs
+        if scratch.act2.len() < n {
+            scratch.act2.resize_with(n, ActBuf::new);
+        }
+        let (gate, up, act2) = (
+            &mut scratch.gate[..n * ff],
+            &mut scratch.up[..n * ff],
+            &mut scratch.act2[..n],
+        );
+        // Gate and up of one expert side by side: they share its packed tokens.
+        let mut products = Vec::with_capacity(2 * jobs.len());
+        for ((j, acts), (gate, up)) in jobs
             .iter()
-            .zip(scratch.gate.chunks_exact_mut(ff))
-            .zip(scratch.up.chunks_exact_mut(ff))
+            .zip(split_by_uses(&picked[..], jobs, 1))
+            .zip(split_mut_by_uses(gate, jobs, ff).zip(split_mut_by_uses(up, jobs, ff)))
         {
             for (ty, w, out) in [(g.info.ty, j.proj[0], gate), (u.info.ty, j.proj[1], up)] {
                 products.push(kernels::Product {
@@ -755,49 +786,118 @@ impl<A: Arch + ?Sized> Model<A> {
                     w,
                     n_rows: ff,
                     n_cols: d,
-                    acts: act,
+                    acts,
                     out,
                 });
             }
         }
         kernels::matmul_round(&self.cx.pool, &mut products).map_err(blocks::kerr)?;
         drop(products);
-        if scratch.act2.len() < n {
-            scratch.act2.resize_with(n, ActBuf::new);
-        }
-        for ((gate, up), a) in scratch
-            .gate
-            .chunks_exact_mut(ff)
-            .zip(scratch.up.chunks_exact(ff))
-            .zip(scratch.act2.iter_mut())
-        {
-            glu.apply(gate, up);
-            a.prepare(dn.info.ty, gate).map_err(blocks::kerr)?;
-        }
+        self.activate_rows(layer, glu, jobs, dn.info.ty, ff, gate, up, act2)?;
         let mut products: Vec<kernels::Product<'_, ActBuf>> = jobs
             .iter()
-            .zip(expert_out.chunks_exact_mut(d))
-            .zip(&scratch.act2)
-            .map(|((j, out), a)| kernels::Product {
+            .zip(split_by_uses(&act2[..], jobs, 1))
+            .zip(split_mut_by_uses(expert_out, jobs, d))
+            .map(|((j, acts), out)| kernels::Product {
                 ty: dn.info.ty,
                 w: j.proj[2],
                 n_rows: d,
                 n_cols: ff,
-                acts: std::slice::from_ref(a),
+                acts,
                 out,
             })
             .collect();
         kernels::matmul_round(&self.cx.pool, &mut products).map_err(blocks::kerr)?;
         drop(products);
-        // The one FFN row is row 0: its rank r's slot is r.
-        for (j, y) in jobs.iter().zip(expert_out.chunks_exact(d)) {
-            let slot = j.rank as usize;
-            for (o, &v) in moe[slot * d..(slot + 1) * d].iter_mut().zip(y) {
-                *o = v * j.weight;
+        for (j, out) in jobs
+            .iter()
+            .zip(split_mut_by_uses(&mut expert_out[..], jobs, d))
+        {
+            if let Some(b) = self.arch.expert_bias(layer, j.expert) {
+                blocks::add_bias(out, b.down);
             }
+        }
+        // Each (row, rank) slot's output row and weight; the slots filled across the pool.
+        let mut source: Vec<Option<(usize, f32)>> = vec![None; m * k];
+        for (i, &(row, rank, w)) in jobs.iter().flat_map(|j| j.uses).enumerate() {
+            let slot = row as usize * k + rank as usize;
+            source[slot] = Some((i, w));
             moe_filled[slot] = true;
         }
+        let out = &expert_out[..];
+        rows_in_parallel(&self.cx.pool, &mut moe[..m * k * d], d, &|slot, dst| {
+            if let Some((i, w)) = source[slot] {
+                for (o, &v) in dst.iter_mut().zip(&out[i * d..(i + 1) * d]) {
+                    *o = v * w;
+                }
+            }
+        });
         Ok(())
+    }
+
+    /// Every use's gate and up rows (`ff` values each, expert after expert as `jobs` lists
+    /// them) plus their expert's biases, if any, through the activation, and the result
+    /// quantised for the down projection (`ty`) into `act2`: the rows split across the pool in
+    /// one round (a few rows, as decode has, on the caller alone). Per row exactly the steps
+    /// [`Arch::expert`] takes over all its rows, so the same bits.
+    #[allow(clippy::too_many_arguments)]
+    fn activate_rows(
+        &self,
+        layer: usize,
+        glu: blocks::Glu,
+        jobs: &[ExpertJob<'_>],
+        ty: crate::gguf::GgmlType,
+        ff: usize,
+        gate: &mut [f32],
+        up: &mut [f32],
+        act2: &mut [ActBuf],
+    ) -> Result<(), ArchError> {
+        let n = act2.len();
+        let bias: Vec<Option<qwen3moe::FfnBias<'_>>> = jobs
+            .iter()
+            .flat_map(|j| std::iter::repeat_n(self.arch.expert_bias(layer, j.expert), j.uses.len()))
+            .collect();
+        // As `kernels::prepare_rows` splits a batch: a few rows are not worth the hand-off.
+        let per = if n < 4 || n * ff < 8 * 1024 {
+            n.max(1)
+        } else {
+            n.div_ceil(self.cx.pool.n_threads() * 2)
+        };
+        type Piece<'p, 'b> = (
+            &'p mut [f32],
+            &'p mut [f32],
+            &'p mut [ActBuf],
+            &'p [Option<qwen3moe::FfnBias<'b>>],
+        );
+        let pieces: Vec<std::sync::Mutex<Piece<'_, '_>>> = gate
+            .chunks_mut(per * ff)
+            .zip(up.chunks_mut(per * ff))
+            .zip(act2.chunks_mut(per))
+            .zip(bias.chunks(per))
+            .map(|(((g, u), a), b)| std::sync::Mutex::new((g, u, a, b)))
+            .collect();
+        let failed = std::sync::Mutex::new(None);
+        self.cx.pool.run(pieces.len(), &|task| {
+            // Each task locks its own piece only: never contended.
+            let mut piece = pieces[task].lock().unwrap_or_else(|e| e.into_inner());
+            let (gate, up, acts, bias) = &mut *piece;
+            let rows = gate.chunks_exact_mut(ff).zip(up.chunks_exact_mut(ff));
+            for ((g, u), (a, b)) in rows.zip(acts.iter_mut().zip(bias.iter())) {
+                if let Some(b) = b {
+                    blocks::add_bias(g, b.gate);
+                    blocks::add_bias(u, b.up);
+                }
+                glu.apply(g, u);
+                if let Err(e) = a.prepare(ty, g) {
+                    *failed.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
+                    return;
+                }
+            }
+        });
+        match failed.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            Some(e) => Err(blocks::kerr(e)),
+            None => Ok(()),
+        }
     }
 
     /// Sum each FFN row's weighted expert outputs in rank order (ranks never computed — dropped
@@ -808,15 +908,15 @@ impl<A: Arch + ?Sized> Model<A> {
         if !self.experts(layer).is_empty() {
             st.moe_out.clear();
             st.moe_out.resize(m * d, 0.0);
-            for i in 0..m {
+            let (moe, filled) = (&st.moe, &st.moe_filled);
+            rows_in_parallel(&self.cx.pool, &mut st.moe_out, d, &|i, acc| {
                 let mut first = true;
-                let acc = &mut st.moe_out[i * d..(i + 1) * d];
                 for j in 0..k {
                     let slot = i * k + j;
-                    if !st.moe_filled[slot] {
+                    if !filled[slot] {
                         continue;
                     }
-                    let src = &st.moe[slot * d..(slot + 1) * d];
+                    let src = &moe[slot * d..(slot + 1) * d];
                     if first {
                         acc.copy_from_slice(src);
                         first = false;
@@ -826,7 +926,7 @@ impl<A: Arch + ?Sized> Model<A> {
                         }
                     }
                 }
-            }
+            });
         }
         self.arch.finish_layer(&self.cx, st, layer)?;
         self.check_l_out(st, layer)
@@ -837,6 +937,121 @@ impl<A: Arch + ?Sized> Model<A> {
     pub fn head(&self, st: &mut State) -> Result<(), ArchError> {
         self.arch.head(&self.cx, st)
     }
+}
+
+/// Most rows (uses) [`Model::experts_together`] runs in one group: its scratch is about
+/// `(d_model + 2 · ff) · 4` bytes per row (~60 MB on the 30B-A3B shape), and a group this large
+/// (a 512-token batch at top-8) already keeps both threads busy.
+pub const GROUP_USES: usize = 4096;
+
+/// An error unless each of an expert's projection slices `proj` has its tensor's stride.
+fn check_slices(xs: &[ExpertTensor], proj: &[&[u8]]) -> Result<(), ArchError> {
+    for (p, x) in proj.iter().zip(xs) {
+        if p.len() as u64 != x.stride {
+            return Err(ArchError::Tensor {
+                file: String::new(),
+                tensor: x.info.name.clone(),
+                what: format!("expert slice of {} bytes, expected {}", p.len(), x.stride),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// An error unless every (row, rank, weight) use names one of the layer's `m` FFN rows and
+/// one of its `k` ranks.
+fn check_uses(layer: usize, m: usize, k: usize, uses: &[(u32, u16, f32)]) -> Result<(), ArchError> {
+    for &(row, rank, _) in uses {
+        let what = if row as usize >= m {
+            format!("expert use of FFN row {row}, but the layer has {m}")
+        } else if rank as usize >= k {
+            format!("expert rank {rank}, but the layer keeps {k}")
+        } else {
+            continue;
+        };
+        return Err(ArchError::Tensor {
+            file: String::new(),
+            tensor: format!("blk.{layer} experts"),
+            what,
+        });
+    }
+    Ok(())
+}
+
+/// An expert's output rows (`uses.len() × d`, in the order of `uses`), each times its weight
+/// into its (row, rank) slot of `moe` (`k` slots per row), marked filled.
+fn place_weighted(
+    moe: &mut [f32],
+    moe_filled: &mut [bool],
+    d: usize,
+    k: usize,
+    uses: &[(u32, u16, f32)],
+    out: &[f32],
+) {
+    for (&(row, rank, w), y) in uses.iter().zip(out.chunks_exact(d)) {
+        let slot = row as usize * k + rank as usize;
+        for (o, &v) in moe[slot * d..(slot + 1) * d].iter_mut().zip(y) {
+            *o = v * w;
+        }
+        moe_filled[slot] = true;
+    }
+}
+
+/// `f(i, row)` for every row `i` of `data` (rows of `len` values), the rows split across the
+/// pool in one round (a small `data`, on the caller alone). Each row is written by one call,
+/// so the bits do not depend on the threads.
+fn rows_in_parallel(
+    pool: &kernels::ThreadPool,
+    data: &mut [f32],
+    len: usize,
+    f: &(dyn Fn(usize, &mut [f32]) + Sync),
+) {
+    let len = len.max(1);
+    let n = data.len() / len;
+    // A few rows (decode's 8 slots) are not worth the hand-off: a value costs well under a
+    // nanosecond here, a round several microseconds.
+    let per = if n < 4 || data.len() < 32 * 1024 {
+        n.max(1)
+    } else {
+        n.div_ceil(pool.n_threads() * 2)
+    };
+    let pieces: Vec<std::sync::Mutex<&mut [f32]>> = data
+        .chunks_mut(per * len)
+        .map(std::sync::Mutex::new)
+        .collect();
+    pool.run(pieces.len(), &|task| {
+        // Each task locks its own piece only: never contended.
+        let mut piece = pieces[task].lock().unwrap_or_else(|e| e.into_inner());
+        for (r, row) in piece.chunks_exact_mut(len).enumerate() {
+            f(task * per + r, row);
+        }
+    });
+}
+
+/// `v` cut into consecutive pieces of `per` elements for each use of each job, job by job.
+fn split_by_uses<'a, T>(
+    mut v: &'a [T],
+    jobs: &'a [ExpertJob<'a>],
+    per: usize,
+) -> impl Iterator<Item = &'a [T]> + 'a {
+    jobs.iter().map(move |j| {
+        let (piece, rest) = v.split_at(j.uses.len() * per);
+        v = rest;
+        piece
+    })
+}
+
+/// [`split_by_uses`] of a mutable slice.
+fn split_mut_by_uses<'a, T>(
+    mut v: &'a mut [T],
+    jobs: &'a [ExpertJob<'a>],
+    per: usize,
+) -> impl Iterator<Item = &'a mut [T]> + 'a {
+    jobs.iter().map(move |j| {
+        let (piece, rest) = std::mem::take(&mut v).split_at_mut(j.uses.len() * per);
+        v = rest;
+        piece
+    })
 }
 
 /// Load `file` as the architecture it names and bind it to `threads` compute threads.
@@ -853,75 +1068,159 @@ mod tests {
     use super::*;
     use crate::gen::{self, GenOptions, Preset, TypeScheme};
 
-    /// A decode step's experts computed together ([`Model::experts_one_row`]) land in every
-    /// rank's slot with exactly the bits of computing them one by one ([`Model::expert`]), at
-    /// every layer, for K-quant experts (Q4_K gate/up, Q6_K down) and Q8_0 ones, on 2 threads.
-    #[test]
-    fn experts_together_equal_experts_one_by_one() {
-        for (scheme, types) in [
-            ("q4_k_m", TypeScheme::q4_k_m()),
-            ("q8_0", TypeScheme::from_name("q8_0").unwrap()),
+    /// The tiny model of `arch` and `scheme` on 2 threads (seed 3).
+    fn tiny_model(arch: gen::GenArch, scheme: &str, types: TypeScheme) -> Model {
+        let opts = GenOptions {
+            seed: 3,
+            shape: Preset::Tiny.shape_for(arch).unwrap(),
+            vocab: crate::vocab::builtin_vocab().unwrap(),
+            ..gen::tests::options(Preset::Tiny, types)
+        };
+        let path = std::env::temp_dir().join(format!(
+            "bmoe-experts-together-{}-{}-{scheme}.gguf",
+            std::process::id(),
+            arch.name()
+        ));
+        gen::generate(&opts, &path, |_, _| {}).unwrap();
+        let file = Arc::new(GgufFile::open(&path).unwrap());
+        let model = load_model(file, DenseMode::Mmap, 2).unwrap();
+        let _ = std::fs::remove_file(&path);
+        model
+    }
+
+    /// An expert's (FFN row, rank, weight) uses.
+    type Uses = Vec<(u32, u16, f32)>;
+
+    /// Per expert of the routing `ro`, its uses, experts in id order.
+    fn uses_of(ro: &RouteOut) -> Vec<(usize, Uses)> {
+        let mut by_expert: std::collections::BTreeMap<usize, Uses> = Default::default();
+        for i in 0..ro.rows.len() {
+            for rank in 0..ro.k {
+                let e = ro.ids[i * ro.k + rank] as usize;
+                by_expert.entry(e).or_default().push((
+                    i as u32,
+                    rank as u16,
+                    ro.weights[i * ro.k + rank],
+                ));
+            }
+        }
+        by_expert.into_iter().collect()
+    }
+
+    /// A layer's experts computed together ([`Model::experts_together`]) land in every (row,
+    /// rank) slot with exactly the bits of computing them one by one ([`Model::expert`]), at
+    /// every layer, for K-quant experts (Q4_K gate/up, Q6_K down) and Q8_0 ones, qwen3moe,
+    /// qwen2moe (its shared expert beside them) and gpt-oss (biased experts), on 2 threads:
+    /// decode steps (one row) and a prefill batch of 40 rows (about 10 per expert: some get
+    /// one, some more than 8, so the one-token, grouped and lanes kernels all run; layer 1 in
+    /// groups of at most 7 rows). The logits of the two
+    /// runs, each fed its own layers' sums, agree bit for bit too. `mix` spoils the together
+    /// run's jobs (a weight, a row, a rank) to show the comparison catches it.
+    fn together_against_one_by_one(mix: Option<usize>) {
+        for (arch, scheme) in [
+            (gen::GenArch::Qwen3Moe, "q4_k_m"),
+            (gen::GenArch::Qwen3Moe, "q8_0"),
+            (gen::GenArch::Qwen2Moe, "q4_k_m"),
+            (gen::GenArch::GptOss, "mxfp4_moe"),
         ] {
-            let opts = GenOptions {
-                seed: 3,
-                ..gen::tests::options(Preset::Tiny, types)
-            };
-            let path = std::env::temp_dir().join(format!(
-                "bmoe-experts-together-{}-{scheme}.gguf",
-                std::process::id()
-            ));
-            gen::generate(&opts, &path, |_, _| {}).unwrap();
-            let file = Arc::new(GgufFile::open(&path).unwrap());
-            let model = load_model(file, DenseMode::Mmap, 2).unwrap();
-            let _ = std::fs::remove_file(&path);
-            let mut st = model.new_state(16);
+            let types = TypeScheme::from_name(scheme).unwrap();
+            let model = tiny_model(arch, scheme, types);
+            let scheme = format!("{} {scheme}", arch.name());
+            let (mut one, mut together) = (model.new_state(64), model.new_state(64));
             let mut ro = RouteOut::default();
             let w = model.arch.weights();
-            for (pos, token) in [(0u32, 7u32), (1, 42), (2, 255)] {
-                model.begin(&mut st, &[token], &[pos], &[0]).unwrap();
+            let prompt: Vec<u32> = (0..40).map(|i| (i * 37 + 5) % 250).collect();
+            let positions: Vec<u32> = (0..40).collect();
+            let steps: [(&[u32], &[u32]); 3] =
+                [(&prompt, &positions), (&[42], &[40]), (&[7], &[41])];
+            for (tokens, pos) in steps {
+                let out_rows: Vec<u32> = (0..tokens.len() as u32).collect();
+                for st in [&mut one, &mut together] {
+                    model.begin(st, tokens, pos, &out_rows).unwrap();
+                }
                 for layer in 0..model.dims().n_layer {
-                    model.dense(&mut st, layer).unwrap();
+                    for st in [&mut one, &mut together] {
+                        model.dense(st, layer).unwrap();
+                    }
                     if model.experts(layer).is_empty() {
                         continue;
                     }
-                    assert!(
-                        model.experts_batchable(&st, layer),
-                        "{scheme} layer {layer}"
-                    );
-                    model.route(&mut st, layer, &mut ro).unwrap();
+                    assert!(model.experts_batchable(layer), "{scheme} layer {layer}");
+                    model.route(&mut one, layer, &mut ro).unwrap();
                     let xs = model.experts(layer);
-                    let jobs: Vec<RowExpert<'_>> = (0..ro.k)
-                        .map(|rank| {
-                            let e = ro.ids[rank] as usize;
-                            RowExpert {
-                                expert: e,
-                                proj: [0, 1, 2].map(|p| w.expert_bytes(&xs[p], e)),
-                                rank: rank as u16,
-                                weight: ro.weights[rank],
-                            }
+                    let proj = |e: usize| [0, 1, 2].map(|p| w.expert_bytes(&xs[p], e));
+                    let mut uses = uses_of(&ro);
+                    // One by one, in reverse id order (as an overlapped run might).
+                    for (e, u) in uses.iter().rev() {
+                        model.expert(&mut one, layer, *e, &proj(*e), u).unwrap();
+                    }
+                    if let (Some(which), Some((_, u))) =
+                        (mix, uses.iter_mut().find(|(_, u)| u.len() > 1))
+                    {
+                        match which {
+                            0 => u[0].2 *= 1.0 + f32::EPSILON,
+                            1 => u[0].0 = (u[0].0 + 1) % ro.rows.len() as u32,
+                            _ => u[0].1 = (u[0].1 + 1) % ro.k as u16,
+                        }
+                    }
+                    let jobs: Vec<ExpertJob<'_>> = uses
+                        .iter()
+                        .map(|(e, u)| ExpertJob {
+                            expert: *e,
+                            proj: proj(*e),
+                            uses: u,
                         })
                         .collect();
-                    // One by one, in reverse rank order (as an overlapped run might).
-                    for j in jobs.iter().rev() {
-                        model
-                            .expert(&mut st, layer, j.expert, &j.proj, &[(0, j.rank, j.weight)])
-                            .unwrap();
-                    }
-                    let one_by_one: Vec<u32> = st.moe.iter().map(|v| v.to_bits()).collect();
-                    assert!(st.moe_filled.iter().all(|&f| f));
-                    st.moe.iter_mut().for_each(|v| *v = f32::NAN);
-                    st.moe_filled.iter_mut().for_each(|f| *f = false);
-                    model.experts_one_row(&mut st, layer, &jobs).unwrap();
-                    let together: Vec<u32> = st.moe.iter().map(|v| v.to_bits()).collect();
-                    assert!(st.moe_filled.iter().all(|&f| f));
+                    together.moe.iter_mut().for_each(|v| *v = f32::NAN);
+                    // Groups of at most 7 rows on one layer (experts of more rows alone).
+                    let group = if layer == 1 { 7 } else { GROUP_USES };
+                    model
+                        .experts_in_groups(&mut together, layer, &jobs, group)
+                        .unwrap();
+                    let bits =
+                        |st: &State| -> Vec<u32> { st.moe.iter().map(|v| v.to_bits()).collect() };
+                    assert!(one.moe_filled.iter().all(|&f| f), "{scheme} layer {layer}");
                     assert_eq!(
-                        one_by_one, together,
-                        "{scheme} position {pos} layer {layer}"
+                        one.moe_filled, together.moe_filled,
+                        "{scheme} layer {layer}"
                     );
-                    model.finish_layer(&mut st, layer).unwrap();
+                    assert_eq!(
+                        bits(&one),
+                        bits(&together),
+                        "{scheme} rows {} layer {layer}",
+                        tokens.len()
+                    );
+                    for st in [&mut one, &mut together] {
+                        model.finish_layer(st, layer).unwrap();
+                    }
                 }
-                model.head(&mut st).unwrap();
+                for st in [&mut one, &mut together] {
+                    model.head(st).unwrap();
+                }
+                let logits =
+                    |st: &State| -> Vec<u32> { st.logits.iter().map(|v| v.to_bits()).collect() };
+                assert_eq!(
+                    logits(&one),
+                    logits(&together),
+                    "{scheme} rows {}",
+                    tokens.len()
+                );
             }
+        }
+    }
+
+    #[test]
+    fn experts_together_equal_experts_one_by_one() {
+        together_against_one_by_one(None);
+    }
+
+    /// The comparison above is not blind: a weight off by one ulp, a use moved to another
+    /// row's slot, or to another rank's, each break it.
+    #[test]
+    fn experts_together_test_catches_a_mixed_up_slot_or_weight() {
+        for which in 0..3 {
+            let r = std::panic::catch_unwind(|| together_against_one_by_one(Some(which)));
+            assert!(r.is_err(), "mix-up {which} went unnoticed");
         }
     }
 }

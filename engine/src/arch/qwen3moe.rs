@@ -330,7 +330,7 @@ pub(crate) fn split_ffn(
 /// One expert's biases (gpt-oss): added to the gate and up products before the activation
 /// and to the down product after it.
 #[derive(Copy, Clone)]
-pub(crate) struct FfnBias<'a> {
+pub struct FfnBias<'a> {
     pub gate: &'a [f32],
     pub up: &'a [f32],
     pub down: &'a [f32],

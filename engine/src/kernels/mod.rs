@@ -349,7 +349,8 @@ impl ActBuf {
 
     /// Converts `x` for dot products with `ty` weights. `x.len()` is the weight rows' column
     /// count and must be a whole number of the activation format's blocks (32 for Q8_0, 256 for
-    /// Q8_K). Deterministic (scalar code), so every SIMD level sees the same activation.
+    /// Q8_K). Deterministic: every SIMD level writes the scalar code's bytes (Q8_K's
+    /// vectorised quantizer included), so every level sees the same activation.
     pub fn prepare(&mut self, ty: GgmlType, x: &[f32]) -> Result<(), KernelError> {
         let t = table(ty).ok_or(KernelError::Unsupported { ty, op: "dot" })?;
         // Mark unprepared until the conversion succeeded.
