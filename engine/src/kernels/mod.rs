@@ -1076,9 +1076,10 @@ mod tests {
             let n_rows = 131;
             let seed = 5000 + i as u64;
             let w = quantized_matrix(ty, n_rows, n_cols, seed);
-            // Groups of 4 and a leftover, of 4 and 3 (or Q8_0's lanes from 6 tokens); lanes
-            // kernels of 16 and 13 tokens (with groups and a leftover after them).
-            for n_tokens in [5u64, 6, 7, 13, 21] {
+            // Groups of 4 and a leftover, of 4 and 3 (or the lanes kernel: Q8_0 and Q4_K from
+            // 6 tokens); 10 and 11 on either side of Q6_K's threshold; lanes kernels of 16
+            // and 13 tokens (with groups and a leftover after them).
+            for n_tokens in [5u64, 6, 7, 10, 11, 13, 21] {
                 let acts: Vec<ActBuf> = (0..n_tokens)
                     .map(|t| {
                         let mut a = ActBuf::new();

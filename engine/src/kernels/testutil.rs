@@ -403,20 +403,35 @@ pub fn print_group_speed<F: Format>() {
         }
         let f = t.at(level);
         let mut line = format!("{} {:?} ({:?})", F::TY, level, f.level);
-        for width in (0..=GROUP).chain([5, 6, 7, 8, 10, 12, 16]) {
+        // Width 0 is the one-token dot; then the grouped kernel at 1..=GROUP tokens, then the
+        // lanes kernel at every width it takes, so the thresholds can be read off one run.
+        let runs = (0..=GROUP)
+            .map(|w| (w, false))
+            .chain((2..=WIDE).map(|w| (w, true)));
+        for (width, lanes) in runs {
+            let kernel = if width == 0 {
+                None
+            } else if lanes {
+                f.wide
+            } else {
+                f.group
+            };
+            if width > 0 && kernel.is_none() {
+                continue;
+            }
             let mut best = f64::MAX;
             for _ in 0..7 {
                 let t0 = thread_cpu_s();
                 for _ in 0..20 {
                     // SAFETY: the level is available; rows lie inside `w`.
                     unsafe {
-                        if width == 0 {
-                            (f.rows)(&w, row_bytes, 0..n_rows, &acts[0], &mut out[0]);
-                        } else if let Some(g) = if width > GROUP { f.wide } else { f.group } {
+                        if let Some(g) = kernel {
                             let group: Vec<&ActBuf> = acts[..width].iter().collect();
                             let mut outs: Vec<&mut [f32]> =
                                 out.iter_mut().take(width).map(|o| &mut o[..]).collect();
                             g(&w, row_bytes, 0..n_rows, &group, &mut outs);
+                        } else {
+                            (f.rows)(&w, row_bytes, 0..n_rows, &acts[0], &mut out[0]);
                         }
                     }
                 }
@@ -424,11 +439,11 @@ pub fn print_group_speed<F: Format>() {
             }
             let per = best * 1e9 / (20 * n_rows * nb * width.max(1)) as f64;
             line += &format!(
-                "  {}: {per:.1} ns",
-                if width == 0 {
-                    "single".to_string()
-                } else {
-                    format!("x{width}")
+                "  {}: {per:.1}",
+                match (width, lanes) {
+                    (0, _) => "single".to_string(),
+                    (_, false) => format!("g{width}"),
+                    (_, true) => format!("L{width}"),
                 }
             );
         }
