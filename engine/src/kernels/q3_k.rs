@@ -260,10 +260,13 @@ impl super::format::Kernel<Q3K> for super::format::Avx512 {
     }
 }
 
-/// The AVX-512 level: up to 16 tokens, one per i32 lane, the row decoded once per call. The
-/// levels go into `vpmaddubsw` as `q + 4` (0..=7, unsigned); 4 times the activations' pair
-/// sums, one `vpmaddubsw` per 4 values shared by both rows, brings each pair sum back to
-/// `Σ q·a` exactly before `vpdpwssd` applies the run's scale.
+/// The AVX-512 level. The lanes kernel (up to 16 tokens, one per i32 lane) decodes each row
+/// once per call into signed bytes `−(sc − 32) · q`, the run scale folded in, and takes one
+/// `vpdpbusd` per 4 values and token against the activations offset to unsigned `a + 128`;
+/// a per-row correction from the bytes' sums removes the offset exactly ([`row_lanes`]).
+/// The grouped kernel (4 to 8 tokens) decodes in registers: `q + 4` (0..=7, unsigned) into
+/// `vpmaddubsw`, minus 4 times the activations' pair sums, then `vpdpwssd` applies the run's
+/// scale.
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::super::format::Activation;
@@ -272,12 +275,14 @@ mod avx512 {
     use super::{BlockQ3K, BlockQ8K};
     use std::arch::x86_64::*;
 
-    /// One row's super-block decoded once per call: `q + 4` one byte per value in value order;
-    /// per run of 16 its scale `sc − 32` twice as an i16 pair; `d` widened.
+    /// One row's super-block decoded once per call: per value its level times its run's
+    /// negated scale, `−(sc − 32) · q` (−124..=128 negated: −128..=124, one signed byte), in
+    /// value order; per scalar-order lane `k` the correction `−128 · Σ` of those bytes over
+    /// values `4k .. 4k + 4` of the 8 groups; `d` widened.
     #[repr(C, align(64))]
     struct Unpacked {
-        q: [u8; 256],
-        sc: [i32; 16],
+        v: [i8; 256],
+        corr: [i32; 8],
         d: f32,
     }
 
@@ -306,8 +311,8 @@ mod avx512 {
             let lanes = cache.pack_for(a, nb, LaneSums::Pairs);
             if q.len() < 2 * nb {
                 q.resize_with(2 * nb, || Unpacked {
-                    q: [0; 256],
-                    sc: [0; 16],
+                    v: [0; 256],
+                    corr: [0; 8],
                     d: 0.0,
                 });
             }
@@ -388,20 +393,50 @@ mod avx512 {
         (q, sc)
     }
 
-    /// Decodes each block of `w` into `q` (see [`Unpacked`]). Not inlined: the main loop must
-    /// read these bytes from memory as broadcast loads.
+    /// Decodes each block of `w` into `q` (see [`Unpacked`]): the levels and run scales of
+    /// [`decode`], multiplied per 16-bit word (both bytes of a word lie in one run of 16, so
+    /// share its scale), and the correction summed by `vpdpbusd` of ones. Not inlined: the
+    /// main loop must read these bytes from memory as broadcast loads.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     #[inline(never)]
     unsafe fn unpack_row(w: &[BlockQ3K], q: &mut [Unpacked]) {
+        let four = _mm512_set1_epi8(4);
+        let ones = _mm512_set1_epi8(1);
+        let low_bytes = _mm512_set1_epi16(0xFF);
+        // SAFETY: 64-byte index rows.
+        let idx: [__m512i; 4] =
+            std::array::from_fn(|c| unsafe { _mm512_loadu_si512(RUN_IDX[c].as_ptr().cast()) });
         for (x, u) in w.iter().zip(q.iter_mut()) {
             // SAFETY: this level's features are present; 64-byte aligned stores inside
-            // `u.q` and `u.sc`.
+            // `u.v`, a 32-byte aligned store of `u.corr` (offset 256).
             unsafe {
-                let (v, sc) = decode(x);
-                for (c, v) in v.into_iter().enumerate() {
-                    _mm512_store_si512(u.q.as_mut_ptr().add(64 * c).cast(), v);
+                let (lv, sc) = decode(x);
+                let mut sums = _mm512_setzero_si512();
+                for (c, lv) in lv.into_iter().enumerate() {
+                    // q (−4..=3) one signed byte; the run's −(sc − 32) in every word of
+                    // 128-bit lane i (values 64c + 16i .. + 16, run 4c + i).
+                    let qb = _mm512_sub_epi8(lv, four);
+                    let nsc = _mm512_sub_epi16(
+                        _mm512_setzero_si512(),
+                        _mm512_permutexvar_epi32(idx[c], sc),
+                    );
+                    let even = _mm512_srai_epi16::<8>(_mm512_slli_epi16::<8>(qb));
+                    let odd = _mm512_srai_epi16::<8>(qb);
+                    // Each product in −128..=124: its low byte is the signed byte.
+                    let v = _mm512_or_si512(
+                        _mm512_and_si512(_mm512_mullo_epi16(even, nsc), low_bytes),
+                        _mm512_slli_epi16::<8>(_mm512_mullo_epi16(odd, nsc)),
+                    );
+                    _mm512_store_si512(u.v.as_mut_ptr().add(64 * c).cast(), v);
+                    // Dword j: values 64c + 4j .. + 4 = lane j % 8 of group 2c + j / 8.
+                    sums = _mm512_dpbusd_epi32(sums, ones, v);
                 }
-                _mm512_store_si512(u.sc.as_mut_ptr().cast(), sc);
+                let s8 = _mm256_add_epi32(
+                    _mm512_castsi512_si256(sums),
+                    _mm512_extracti64x4_epi64::<1>(sums),
+                );
+                let corr = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32::<7>(s8));
+                _mm256_store_si256(u.corr.as_mut_ptr().cast(), corr);
                 u.d = super::super::f16c(x.d);
             }
         }
@@ -454,46 +489,53 @@ mod avx512 {
 
     /// `R` rows (unpacked into `q`, `nb` blocks per row) against the packed tokens. Lane `k`
     /// of the scalar order (values `4k .. 4k + 4` of each group of 32) is its own loop: per
-    /// group, `vpmaddubsw` of the 4 levels `q + 4` broadcast × each token's 4 activation bytes,
-    /// minus 4 times the activations' pair sums (≤ 2 · 7 · 127 and 2 · 4 · 127: exact i16),
-    /// then one `vpdpwssd` applying the run's scale into the lane's exact sum. Each token's
-    /// lane takes the scalar fused multiply-add into its accumulator `k`; the 8 accumulators
-    /// are folded as [`super::reduce8`]: the bits of [`super::dot_scalar`].
+    /// group one `vpdpbusd` of each token's 4 activation bytes offset by 128 (`a + 128`,
+    /// 0..=255, unsigned) × the 4 bytes `v = −(sc − 32) · q` broadcast (signed), into an
+    /// accumulator started at the row's `−128 · Σ v`. Since `Σ (a + 128) · v = −Σ sc·q·a +
+    /// 128 · Σ v`, it ends at exactly `−sumi_k` of the scalar order: each product is at most
+    /// 255 · 128 in magnitude, so the 32 products and the start (≤ 128 · 32 · 128) stay far
+    /// inside i32 (≤ 1.6 · 10⁶), no wrapping. The scalar's `fma(d, sumi_k, lane)` is then
+    /// `fnmadd(d, −sumi_k, lane)`: the conversion of a negated integer is the negated
+    /// conversion and the negated product is exact, one rounding either way. The 8
+    /// accumulators are folded as [`super::reduce8`]: the bits of [`super::dot_scalar`].
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     #[inline]
-    // `k`, the scalar order's lane, indexes the packed tokens, the scales and every row's
-    // accumulators alike; an iterator over one of them would hide that.
+    // `k`, the scalar order's lane, indexes the packed tokens, the corrections and every
+    // row's accumulators alike; an iterator over one of them would hide that.
     #[allow(clippy::needless_range_loop)]
     unsafe fn row_lanes<const R: usize>(l: &Lanes, q: &[Unpacked], nb: usize) -> [[f32; 16]; R] {
-        let four = _mm512_set1_epi8(4);
+        let bias = _mm512_set1_epi8(i8::MIN);
         let mut acc = [[_mm512_setzero_ps(); 8]; R];
         for b in 0..nb {
             let u: [&Unpacked; R] = std::array::from_fn(|r| &q[r * nb + b]);
+            // The block's 64 packed rows as one array: one bounds check per block, none in
+            // the loops below (they were 8 compares and branches per lane and row step).
+            let qs: &[[i32; 16]; 64] = l.qs[64 * b..64 * b + 64]
+                .try_into()
+                .expect("64 packed rows per block");
             // SAFETY: 16 floats.
             let d_a = unsafe { _mm512_loadu_ps(l.d[b].as_ptr()) };
             let d: [__m512; R] =
                 std::array::from_fn(|r| _mm512_mul_ps(d_a, _mm512_set1_ps(u[r].d)));
             for k in 0..8 {
-                let mut s = [_mm512_setzero_si512(); R];
+                let mut s: [__m512i; R] = std::array::from_fn(|r| _mm512_set1_epi32(u[r].corr[k]));
                 for g in 0..8 {
                     // SAFETY: 64 bytes of one packed row.
-                    let y = unsafe { _mm512_loadu_si512(l.qs[64 * b + 8 * g + k].as_ptr().cast()) };
-                    let y4 = _mm512_maddubs_epi16(four, y);
+                    let y = unsafe { _mm512_loadu_si512(qs[8 * g + k].as_ptr().cast()) };
+                    // a + 128 as an unsigned byte.
+                    let y = _mm512_xor_si512(y, bias);
                     for r in 0..R {
-                        // SAFETY: 4 bytes inside `q`.
-                        let wq = unsafe {
+                        // SAFETY: 4 bytes inside `v`.
+                        let wv = unsafe {
                             std::ptr::read_unaligned(
-                                u[r].q.as_ptr().add(32 * g + 4 * k).cast::<i32>(),
+                                u[r].v.as_ptr().add(32 * g + 4 * k).cast::<i32>(),
                             )
                         };
-                        let p =
-                            _mm512_sub_epi16(_mm512_maddubs_epi16(_mm512_set1_epi32(wq), y), y4);
-                        s[r] =
-                            _mm512_dpwssd_epi32(s[r], p, _mm512_set1_epi32(u[r].sc[2 * g + k / 4]));
+                        s[r] = _mm512_dpbusd_epi32(s[r], y, _mm512_set1_epi32(wv));
                     }
                 }
                 for r in 0..R {
-                    acc[r][k] = _mm512_fmadd_ps(d[r], _mm512_cvtepi32_ps(s[r]), acc[r][k]);
+                    acc[r][k] = _mm512_fnmadd_ps(d[r], _mm512_cvtepi32_ps(s[r]), acc[r][k]);
                 }
             }
         }
