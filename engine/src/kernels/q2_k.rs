@@ -313,22 +313,6 @@ mod avx512 {
         });
     }
 
-    /// `vpermd` indices: in vector `c` of a decoded block (values `64c .. 64c + 64`), every
-    /// dword of 128-bit lane `i` selects run `4c + i` (the run of those 16 values).
-    const RUN_IDX: [[u32; 16]; 4] = {
-        let mut m = [[0u32; 16]; 4];
-        let mut c = 0;
-        while c < 4 {
-            let mut i = 0;
-            while i < 16 {
-                m[c][i] = (4 * c + i / 4) as u32;
-                i += 1;
-            }
-            c += 1;
-        }
-        m
-    };
-
     /// One block decoded in registers: `sc_r · q` one byte per value in value order (vector
     /// `c` holds values `64c .. 64c + 64`), and the 16 minimums as i16 (i32 lane `k` holds the
     /// pair `(m_2k, m_2k+1)`). Vector work only: the run's product comes from a 4-entry table
@@ -351,7 +335,7 @@ mod avx512 {
             let (bits, idx) = unsafe {
                 (
                     _mm512_broadcast_i64x4(_mm256_loadu_si256(x.qs.as_ptr().add(32 * n).cast())),
-                    _mm512_loadu_si512(RUN_IDX[c].as_ptr().cast()),
+                    _mm512_loadu_si512(super::super::RUN_IDX[c].as_ptr().cast()),
                 )
             };
             // Group t's levels in the low 256 bits, group t + 1's in the high.

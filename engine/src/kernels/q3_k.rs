@@ -335,22 +335,6 @@ mod avx512 {
         });
     }
 
-    /// `vpermd` indices: in vector `c` of a decoded block (values `64c .. 64c + 64`), every
-    /// dword of 128-bit lane `i` selects run `4c + i` (the run of those 16 values).
-    const RUN_IDX: [[u32; 16]; 4] = {
-        let mut m = [[0u32; 16]; 4];
-        let mut c = 0;
-        while c < 4 {
-            let mut i = 0;
-            while i < 16 {
-                m[c][i] = (4 * c + i / 4) as u32;
-                i += 1;
-            }
-            c += 1;
-        }
-        m
-    };
-
     /// One block decoded in registers: `q + 4` one byte per value in value order (vector `c`
     /// holds values `64c .. 64c + 64`, groups `2c` and `2c + 1`), and the 16 run scales
     /// `sc − 32`, each twice as an i16 pair in i32 lane `r`. Vector work only.
@@ -404,8 +388,9 @@ mod avx512 {
         let ones = _mm512_set1_epi8(1);
         let low_bytes = _mm512_set1_epi16(0xFF);
         // SAFETY: 64-byte index rows.
-        let idx: [__m512i; 4] =
-            std::array::from_fn(|c| unsafe { _mm512_loadu_si512(RUN_IDX[c].as_ptr().cast()) });
+        let idx: [__m512i; 4] = std::array::from_fn(|c| unsafe {
+            _mm512_loadu_si512(super::super::RUN_IDX[c].as_ptr().cast())
+        });
         for (x, u) in w.iter().zip(q.iter_mut()) {
             // SAFETY: this level's features are present; 64-byte aligned stores inside
             // `u.v`, a 32-byte aligned store of `u.corr` (offset 256).
@@ -455,8 +440,9 @@ mod avx512 {
         let n = a.iter().fold(w.len(), |n, a| n.min(a.len()));
         let four = _mm512_set1_epi8(4);
         // SAFETY: 64-byte index rows.
-        let idx: [__m512i; 4] =
-            std::array::from_fn(|c| unsafe { _mm512_loadu_si512(RUN_IDX[c].as_ptr().cast()) });
+        let idx: [__m512i; 4] = std::array::from_fn(|c| unsafe {
+            _mm512_loadu_si512(super::super::RUN_IDX[c].as_ptr().cast())
+        });
         let mut acc = [_mm256_setzero_ps(); N];
         for (i, x) in w[..n].iter().enumerate() {
             // SAFETY: this level's features are present.
