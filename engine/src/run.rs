@@ -206,12 +206,6 @@ pub fn load(args: &RunArgs, model_path: &Path, err: &mut dyn Write) -> Result<Lo
             }
         }
     }
-    // A resident run over a file that fits maps it whole now, as part of the load, rather
-    // than fault by fault inside the first prompt (never when it does not fit: that would read
-    // the whole file through a page cache too small for it).
-    if !cfg.moe_stream && matches!(fit_check(&file, arch.as_ref(), &cfg), StreamChoice::Fits(_)) {
-        file.populate();
-    }
     if args.verify_reads && !cfg.moe_stream {
         bail!("--verify-reads checks the experts streaming reads from flash: add --moe-stream (a resident run reads none)");
     }

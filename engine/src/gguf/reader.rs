@@ -966,30 +966,6 @@ impl GgufFile {
     pub fn shard_map(&self, shard: usize) -> &[u8] {
         self.shards.get(shard).map(|s| &s.bytes[..]).unwrap_or(&[])
     }
-    /// Maps every page of every shard into this process now (`MADV_POPULATE_READ`), so the
-    /// first prompt does not take a minor fault per few pages of weights it touches — on the
-    /// `small` preset ~7 % of a 128-token prefill's CPU, with both threads queueing on the
-    /// page-table lock. Pages not in the page cache are read from the file first: call it
-    /// only when the whole file fits in memory. Best effort (Linux 5.14+; elsewhere, or on an
-    /// owned buffer, nothing happens and the pages fault in on use as before); returns whether
-    /// every shard was populated.
-    pub fn populate(&self) -> bool {
-        self.shards.iter().all(|s| match &s.bytes {
-            Bytes::Map(m) if !m.is_empty() => {
-                // SAFETY: the range is exactly our live read-only mapping; the advice only
-                // fills its page-table entries and never changes its contents.
-                unsafe {
-                    libc::madvise(
-                        m.as_ptr() as *mut libc::c_void,
-                        m.len(),
-                        libc::MADV_POPULATE_READ,
-                    ) == 0
-                }
-            }
-            _ => false,
-        })
-    }
-
     /// Total bytes of every shard.
     pub fn file_bytes(&self) -> u64 {
         self.shards.iter().map(|s| s.bytes.len() as u64).sum()
