@@ -291,13 +291,19 @@ pub struct GenArgs {
     #[arg(long = "tie-output")]
     pub tie_output: bool,
     /// Routing realism: router mix of context (slowly drifting) vs token identity, in [0,1].
-    /// Default per preset, calibrated to ~35-40% previous-token reuse on English text
-    /// (tiny 0.5, small 0.4, qwen3-30b-a3b-shape 0.63; see docs/models.md); 0 = random routing
+    /// Default per preset, calibrated to ~35-40% previous-token reuse on English text in every
+    /// layer (tiny 0.65, small and qwen3-30b-a3b-shape 0.7; see docs/models.md); 0 = random
+    /// routing
     #[arg(long = "routing-context")]
     pub routing_context: Option<f32>,
     /// Router logit gain (higher = sharper routing)
     #[arg(long = "router-gain", default_value_t = 6.0)]
     pub router_gain: f32,
+    /// Layer i's router reads the context at 1/(i+1)^P of its gain, offsetting the context's
+    /// growth with depth so reuse stays flat over the layers; 0 = one gain for every layer
+    /// (deep layers then route on context alone), in [0, 4]
+    #[arg(long = "routing-depth", default_value_t = 0.75, value_name = "P")]
+    pub routing_depth: f32,
     /// q/k norm weight: small = near-uniform attention (a running context mean)
     #[arg(long = "attn-sharpness", default_value_t = 0.5)]
     pub attn_sharpness: f32,
@@ -463,6 +469,7 @@ pub fn gen(a: GenArgs) -> Result<()> {
             .routing_context
             .unwrap_or(preset.default_routing_context()),
         router_gain: a.router_gain,
+        routing_depth: a.routing_depth,
         attn_sharpness: a.attn_sharpness,
         vocab,
         threads: a.threads.max(1) as usize,

@@ -14,6 +14,13 @@
 //! `routing_context` R ∈ [0, 1]: R = 0 routes on token identity alone, R = 1 on context alone.
 //! Intermediate values give the reuse and LRU hit-rate curves of real models; see
 //! `docs/models.md` for measured statistics.
+//!
+//! Every layer's attention adds to the context half, so it grows with depth while the token
+//! half's signal does not: with one gain for every layer, the deep layers of a 48-layer model
+//! routed on context alone (previous-token reuse rising from 20 % at layer 0 to 85 % past
+//! layer 20). Layer `i`'s router therefore reads the context half at a gain divided by
+//! `(i + 1)^routing_depth` — 0.75 by default, the exponent that keeps reuse flat over depth on
+//! both the `small` and the 30B-A3B shape (measured: docs/models.md).
 
 mod gemma4;
 mod gpt_oss;
@@ -373,19 +380,19 @@ impl Preset {
     }
 
     /// The `routing_context` that gives this shape ~35–40 % previous-token reuse on English
-    /// text, as real MoE models show (measured: docs/models.md).
+    /// text in every layer, as real MoE models show, with the default `routing_depth`
+    /// (measured: docs/models.md).
     pub fn default_routing_context(self) -> f32 {
         match self {
-            Preset::Tiny | Preset::TinyOdd => 0.5,
-            Preset::Small => 0.4,
-            // Not calibrated for its own shape: qwen3-30b-a3b-shape's, the nearest measured.
-            Preset::Qwen3_30bA3bShape
-            | Preset::Qwen15MoeA27bShape
+            Preset::Tiny | Preset::TinyOdd => 0.65,
+            Preset::Small | Preset::Qwen3_30bA3bShape => 0.7,
+            // Not calibrated for their own shapes: the value small and the 30B shape share.
+            Preset::Qwen15MoeA27bShape
             | Preset::DeepseekV2LiteShape
             | Preset::Mixtral8x7bShape
             | Preset::Gemma4_26bA4bShape
             | Preset::GptOss20bShape
-            | Preset::GptOss120bShape => 0.63,
+            | Preset::GptOss120bShape => 0.7,
         }
     }
 
@@ -512,6 +519,9 @@ pub struct GenOptions {
     pub routing_context: f32,
     /// Gain of the router logits (sharpness of the routing softmax).
     pub router_gain: f32,
+    /// Layer `i` reads the context half at `1 / (i + 1)^routing_depth` of its gain, to offset
+    /// the context half's growth with depth (module doc); 0 = one gain for every layer.
+    pub routing_depth: f32,
     /// q/k norm weight: small values make attention near-uniform (a running context mean).
     pub attn_sharpness: f32,
     /// Tokenizer metadata (`tokenizer.*` keys, chat template included).
@@ -685,7 +695,28 @@ impl GenOptions {
                 self.routing_context
             ));
         }
+        if !(0.0..=4.0).contains(&self.routing_depth) {
+            return bad(format!(
+                "--routing-depth {} must be in [0, 4]",
+                self.routing_depth
+            ));
+        }
         Ok(())
+    }
+
+    /// Layer `layer`'s router: token dims at `(1 − R)·gain`, context dims at `R·gain·4`
+    /// divided by `(layer + 1)^routing_depth` (module doc), each over √(its dims).
+    fn router_fill(&self, layer: u32) -> Fill {
+        let s = &self.shape;
+        let split = s.d_model / 2;
+        let r = self.routing_context;
+        let inv = |n: u32| 1.0 / (n as f32).sqrt();
+        let depth = ((layer + 1) as f32).powf(self.routing_depth);
+        Fill::Router {
+            tok: (1.0 - r) * self.router_gain * inv(split),
+            ctx: r * self.router_gain * inv(s.d_model - split) * 4.0 / depth,
+            split,
+        }
     }
 
     fn n_vocab(&self) -> Result<u64, GenError> {
@@ -737,6 +768,10 @@ impl GenOptions {
                 Value::F32(self.routing_context),
             ),
             ("bmoe.gen.router_gain".into(), Value::F32(self.router_gain)),
+            (
+                "bmoe.gen.routing_depth".into(),
+                Value::F32(self.routing_depth),
+            ),
             (
                 "bmoe.gen.attn_sharpness".into(),
                 Value::F32(self.attn_sharpness),
@@ -971,16 +1006,11 @@ impl GenOptions {
                 Fill::Const(1.0),
                 fallbacks,
             );
-            let r = self.routing_context;
             push(
                 b("ffn_gate_inp"),
                 &[d, ne],
                 Want::Keep(GgmlType::F32),
-                Fill::Router {
-                    tok: (1.0 - r) * self.router_gain * inv(split as u64),
-                    ctx: r * self.router_gain * inv((s.d_model - split) as u64) * 4.0,
-                    split,
-                },
+                self.router_fill(i),
                 fallbacks,
             );
             push(
@@ -1241,6 +1271,7 @@ pub(crate) mod tests {
             seed: 1,
             routing_context: 0.5,
             router_gain: 6.0,
+            routing_depth: 0.75,
             attn_sharpness: 0.5,
             vocab: vec![(
                 "tokenizer.ggml.tokens".into(),
@@ -1248,6 +1279,36 @@ pub(crate) mod tests {
             )],
             threads: 1,
         }
+    }
+
+    /// Layer i's router reads the context half at 1/(i+1)^routing_depth of layer 0's gain and
+    /// the token half at the same gain as layer 0; depth 0 gives every layer layer 0's gains.
+    #[test]
+    fn router_context_gain_falls_with_depth() {
+        let mut o = options(Preset::Small, TypeScheme::from_name("q8_0").unwrap());
+        let gains = |o: &GenOptions, layer| match o.router_fill(layer) {
+            Fill::Router { tok, ctx, split } => (tok, ctx, split),
+            other => panic!("{other:?}"),
+        };
+        let (tok0, ctx0, split) = gains(&o, 0);
+        assert_eq!(split, o.shape.d_model / 2);
+        for layer in [1u32, 3, 11, 47] {
+            let (tok, ctx, _) = gains(&o, layer);
+            assert_eq!(tok, tok0, "layer {layer}");
+            let want = ctx0 / ((layer + 1) as f32).powf(0.75);
+            assert!((ctx - want).abs() <= want * 1e-6, "layer {layer}: {ctx} vs {want}");
+        }
+        o.routing_depth = 0.0;
+        assert_eq!(gains(&o, 47), gains(&o, 0));
+        // The plan uses it: the routers of two layers differ only by the context gain.
+        let plan = o.plan(&mut Vec::new()).unwrap();
+        let router = |i: u32| {
+            let name = format!("blk.{i}.ffn_gate_inp.weight");
+            plan.iter().find(|p| p.spec.name == name).unwrap().fill
+        };
+        assert!(matches!(router(5), Fill::Router { ctx, .. } if ctx == ctx0));
+        o.routing_depth = 4.5;
+        assert!(o.validate().is_err(), "routing_depth above 4 is refused");
     }
 
     /// Every preset and every `--type` plans a file whose every tensor has a type the kernels

@@ -197,6 +197,8 @@ fn gen_refuses_non_finite_options() {
         ("--router-gain", "inf"),
         ("--attn-sharpness", "NaN"),
         ("--routing-context", "nan"),
+        ("--routing-depth", "nan"),
+        ("--routing-depth", "-1"),
     ] {
         let cli = Cli::try_parse_from([
             "bmoe-cli",

@@ -226,17 +226,7 @@ pub(super) fn plan(
         if i < g.dense_layers {
             continue;
         }
-        let r = o.routing_context;
-        push(
-            b("ffn_gate_inp"),
-            &[d, ne],
-            f32v,
-            Fill::Router {
-                tok: (1.0 - r) * o.router_gain * inv(split as u64),
-                ctx: r * o.router_gain * inv((s.d_model - split) as u64) * 4.0,
-                split,
-            },
-        );
+        push(b("ffn_gate_inp"), &[d, ne], f32v, o.router_fill(i));
         // The router reads rms_norm(x)/√d ⊙ scale: a scale of √d gives it the normed state.
         push(
             format!("blk.{i}.ffn_gate_inp.scale"),

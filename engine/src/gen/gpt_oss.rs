@@ -123,6 +123,7 @@ mod tests {
             seed: 1,
             routing_context: 0.5,
             router_gain: 6.0,
+            routing_depth: 0.75,
             attn_sharpness: 0.5,
             vocab: crate::vocab::builtin_vocab().unwrap(),
             threads: 1,
