@@ -91,9 +91,14 @@ pub struct RunArgs {
     #[arg(long = "no-parse-special")]
     pub no_parse_special: bool,
     /// Tokens to generate; -1 = until an end-of-generation token or the context is full.
-    /// Generation always stops at the model's end-of-generation tokens
+    /// Generation stops at the model's end-of-generation tokens unless --ignore-eos
     #[arg(short = 'n', long = "n-predict", default_value = "128", value_parser = crate::prompt::parse_n_predict, allow_negative_numbers = true)]
     pub n_predict: u32,
+    /// Keep generating past end-of-generation tokens (sampled and printed like any other) until
+    /// -n tokens or the context is full: fixed-length runs for benchmarks and gates, as
+    /// llama.cpp's --ignore-eos
+    #[arg(long = "ignore-eos")]
+    pub ignore_eos: bool,
     /// Compute threads
     #[arg(short = 't', long = "threads", default_value_t = default_threads(), value_parser = clap::value_parser!(u32).range(1..=256))]
     pub threads: u32,

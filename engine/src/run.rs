@@ -762,7 +762,7 @@ pub fn generate_with_cancel(
     let mut sampler = sampler(args);
     let mut source = Sampling::new(&tok, &mut sampler, n_vocab, args.chatml, &prompt);
     source.logits_out = logits_out.as_mut();
-    source.ignore_eog = session.engine().backend().follow().is_some();
+    source.ignore_eog = args.ignore_eos || session.engine().backend().follow().is_some();
     let positions: Vec<u32> = (0..prompt_tokens.len() as u32).collect();
     let turn = {
         let (mut answer_out, mut progress_out) = (None, None);

@@ -6,12 +6,23 @@ use crate::run;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
-/// ~110 tokens of English, so that one chaotic top-1 flip costs under 1 % of the positions.
+/// ~250 tokens of English. A random-weight model's routing sits at a near-tie at a few
+/// isolated positions, where one engine's last-bit rounding picks another expert: over the 68
+/// files of the presets gate 0.19 % of positions (18 of 9,248), each alone, cos ≥ 0.997. With
+/// ~130 positions a file fails the 98 % bar at 3 such positions, which that rate gives some
+/// file in ~16 % of runs (it happened). With this prompt (268 positions) the bar needs 6;
+/// measured over the 94 files of the parity and archs gates: 0.25 % of positions, at most 4
+/// in one file — chance alone fails ~1 % of runs. A wrong kernel moves every position.
 pub const PROMPT: &str = "Phileas Fogg rose, and the cache of experts answered: streaming is the plan for tonight. \
 The router asks for eight experts at every layer; the ones already resident cost nothing, the others \
 are read from flash while the attention of the next layer waits. Passepartout counted the reads, \
 wrote them down in a small notebook, and found that the same experts came back again and again, \
-as if the model had favourite words for every sentence it was asked to finish before the train left.";
+as if the model had favourite words for every sentence it was asked to finish before the train left. \
+At Suez the consul looked at the notebook and asked why a machine should need to remember anything \
+at all. Because memory is small and the book is large, said Passepartout, and because reading a page \
+twice costs as much as reading it once; so the clever traveller keeps the pages he will want again \
+and lets the others go. The consul shrugged, stamped the passport, and wrote in his own ledger that \
+the gentleman and his servant had arrived on time, to the minute, which nobody in the office believed.";
 
 /// Whether python3 with llama_cpp, gguf and numpy is installed: false skips the gate with a
 /// message, except under `CI=true`, where it panics.

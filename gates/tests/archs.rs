@@ -154,9 +154,10 @@ fn every_architecture_matches_llama_cpp() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// The resident run's tokens and text on the tiny Q8_0-expert file of `arch`.
+/// The resident run's tokens and text on the tiny Q8_0-expert file of `arch`: 48 of them
+/// whatever the model samples (`--ignore-eos`), so every setting decodes as many steps.
 fn resident(m: &Path) -> (Vec<u32>, String) {
-    let r = run(m, &["-p", SHORT, "-n", "48"]);
+    let r = run(m, &["-p", SHORT, "-n", "48", "--ignore-eos"]);
     assert_eq!(r.code, 0, "{}", r.stderr);
     assert!(r.stderr.contains("mode: mmap"), "{}", r.stderr);
     assert_eq!(r.outcome.tokens.len(), 48);
@@ -211,7 +212,7 @@ fn every_architecture_streams_byte_identical_to_resident() {
             ],
         ];
         for s in settings {
-            let mut a = vec!["-p", SHORT, "-n", "48", "--moe-stream"];
+            let mut a = vec!["-p", SHORT, "-n", "48", "--ignore-eos", "--moe-stream"];
             a.extend_from_slice(s);
             let r = run(&m, &a);
             assert_eq!(r.code, 0, "{arch} {s:?}: {}", r.stderr);

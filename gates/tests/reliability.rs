@@ -198,7 +198,7 @@ fn gen_refuses_non_finite_options() {
         ("--attn-sharpness", "NaN"),
         ("--routing-context", "nan"),
         ("--routing-depth", "nan"),
-        ("--routing-depth", "-1"),
+        ("--routing-depth", "4.5"),
     ] {
         let cli = Cli::try_parse_from([
             "bmoe-cli",
