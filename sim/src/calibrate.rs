@@ -832,8 +832,18 @@ fn fit_profile(
     // Serial runs read and compute at different times, so their lanes take nothing from the
     // kernels; a slope fitted there is noise (on the CI timing gate it made the replay of a
     // run with fewer reads 5-10 % fast). Overlapped runs only, as the read-time spread.
+    // Runs of models of different shapes have different compute per token, and a model that
+    // streams more is often the larger one: one intercept over them all would read the shape
+    // difference as the lanes' cost. Their slopes come from within each run instead (each
+    // run's rows taken about its own means), as `fit_across_shapes` then takes each run's level.
+    let several_shapes = shape_ratios(runs, samples).is_some_and(|r| several(&r));
+    let slope_rows = if several_shapes {
+        within_runs(samples)
+    } else {
+        compute_rows.clone()
+    };
     let [_, mut r_ms, mut m_ms] = if reads_known && opts.read_cpu && cfg.overlap {
-        fit_compute(&compute_rows).unwrap_or([mean_y(&compute_rows), 0.0, 0.0])
+        fit_compute(&slope_rows).unwrap_or([mean_y(&compute_rows), 0.0, 0.0])
     } else {
         [mean_y(&compute_rows), 0.0, 0.0]
     };
@@ -991,6 +1001,55 @@ fn fit_profile(
     Ok(profile)
 }
 
+/// Each run's model layers per MiB a token computes (its shape, as the compute model sees it),
+/// when every run has a layout and a routing.
+fn shape_ratios(runs: &[RunInput], samples: &[RunSamples]) -> Option<Vec<f64>> {
+    runs.iter()
+        .zip(samples)
+        .map(|(run, s)| {
+            let work = s.work_mib.filter(|&w| w > 0.0)?;
+            let layers = f64::from(run.prepared?.layout.n_model_layers());
+            (layers > 0.0).then_some(layers / work)
+        })
+        .collect()
+}
+
+/// Whether the ratios of [`shape_ratios`] are of more than one shape (apart by over 5 %).
+fn several(ratios: &[f64]) -> bool {
+    let (lo, hi) = ratios
+        .iter()
+        .fold((f64::INFINITY, 0.0f64), |(a, b), &r| (a.min(r), b.max(r)));
+    ratios.len() >= 2 && hi > lo * 1.05
+}
+
+/// Every run's compute rows about its own means, shifted to the means over all runs: the
+/// slopes a fit finds in them are the within-run ones, and its intercept stays the grand mean's.
+fn within_runs(samples: &[RunSamples]) -> Vec<([f64; 3], f64)> {
+    let means = |rows: &[([f64; 3], f64)]| {
+        let n = rows.len().max(1) as f64;
+        rows.iter().fold([0.0; 3], |m, (x, y)| {
+            [m[0] + x[1] / n, m[1] + x[2] / n, m[2] + y / n]
+        })
+    };
+    let all: Vec<([f64; 3], f64)> = samples
+        .iter()
+        .flat_map(|s| s.compute_rows.iter().copied())
+        .collect();
+    let g = means(&all);
+    samples
+        .iter()
+        .flat_map(|s| {
+            let m = means(&s.compute_rows);
+            s.compute_rows.iter().map(move |(x, y)| {
+                (
+                    [1.0, x[1] - m[0] + g[0], x[2] - m[1] + g[1]],
+                    y - m[2] + g[2],
+                )
+            })
+        })
+        .collect()
+}
+
 /// Runs of models of different shapes can tell a fixed cost per model layer from a rate over
 /// the bytes a token computes, which no single model's decode tokens can (each computes every
 /// layer): per run, the mean compute of a token with no reads `K_i` (its residual minus the
@@ -1027,10 +1086,7 @@ fn fit_across_shapes(
         return None;
     }
     let ratios: Vec<f64> = per_run.iter().map(|(l, w, _)| l / w).collect();
-    let (lo, hi) = ratios
-        .iter()
-        .fold((f64::INFINITY, 0.0f64), |(a, b), &r| (a.min(r), b.max(r)));
-    if hi <= lo * 1.05 {
+    if !several(&ratios) {
         return None;
     }
     let rows: Vec<([f64; 2], f64)> = per_run.iter().map(|&(l, w, k)| ([l, w], k)).collect();
@@ -1807,6 +1863,97 @@ mod tests {
         assert!(
             worst > 0.15,
             "one shape's rate should misprice the others: {worst}"
+        );
+    }
+
+    /// The lanes' CPU lengthens the kernels by 1 ms per MiB read, and the larger shape streams
+    /// far more than the smaller one (a small cache against one that holds its experts), as a
+    /// 30B-shape run beside a small model's does. One intercept over both runs would read the
+    /// two shapes' compute difference as the lanes' cost; the slopes from within each run
+    /// recover the per-layer cost, the rate and the lanes' charge, and price a third shape.
+    #[test]
+    fn a_shape_that_streams_more_does_not_bias_the_lanes_charge() {
+        let dir = Scratch::new("within");
+        let mut truth = DeviceProfile::load("this-machine").expect("base");
+        truth.flash.jitter = 0.0;
+        truth.flash.service_quantiles = Vec::new();
+        truth.compute = ComputeParams {
+            dense_mib_per_s: 4000.0,
+            expert_mib_per_s: 4000.0,
+            layer_fixed_us: 500.0,
+            expert_fixed_us: 0.0,
+            head_ms: 0.0,
+            batch_row_factor: 0.3,
+            release_us: 0.0,
+            release_us_per_mib: 0.0,
+            loop_overhead_ms: 0.0,
+            read_cpu_us: 0.0,
+            read_cpu_us_per_mib: 1000.0,
+            jitter: 0.0,
+        };
+        // (MoE layers, projection bytes, dense bytes, cache MiB): a large shape streaming
+        // through a 6 MiB cache, a small one whose experts mostly stay, one between (unseen).
+        let shapes = [
+            (4u64, 400_000u64, 4_000_000u64, "6"),
+            (8, 60_000, 300_000, "16"),
+            (6, 150_000, 1_000_000, "8"),
+        ];
+        let mut preps = Vec::new();
+        let mut csvs = Vec::new();
+        for (i, &(layers, proj, dense, mb)) in shapes.iter().enumerate() {
+            let trace = dir.trace(&format!("t{i}.csv"), shaped_trace(layers, proj, dense, 120));
+            preps.push(prepare_own(&trace, true, Some(2)));
+            let csv = dir.join(&format!("run{i}.csv"));
+            measure_at(
+                &dir.0,
+                &trace,
+                &truth,
+                mb,
+                &["--io-threads", "2", "--overlap"],
+                &csv,
+                None,
+            );
+            csvs.push(read_csv(&csv));
+        }
+        let mib_per_token = |c: &MetricsCsv| {
+            c.rows.iter().map(|r| r.read_bytes).sum::<u64>() as f64 / MIB_F / c.rows.len() as f64
+        };
+        assert!(
+            mib_per_token(&csvs[0]) > 10.0 * mib_per_token(&csvs[1]),
+            "the large shape must stream far more: {} vs {} MiB/token",
+            mib_per_token(&csvs[0]),
+            mib_per_token(&csvs[1])
+        );
+        let names = ["run0.csv", "run1.csv", "run2.csv"];
+        let inputs: Vec<RunInput> = (0..3)
+            .map(|i| RunInput {
+                csv: &csvs[i],
+                name: names[i],
+                prepared: Some(&preps[i]),
+                io: None,
+            })
+            .collect();
+        let base = DeviceProfile::load("this-machine").expect("base");
+        let two = calibrate_sweep(&inputs[..2], &base, "fit", FitOptions::default()).expect("fit");
+        let k = &two.profile.compute;
+        let lanes = k.read_cpu_us_per_mib + k.read_cpu_us / (3.0 * 400_000.0 / MIB_F);
+        assert!(
+            (k.layer_fixed_us - 500.0).abs() <= 50.0
+                && (k.dense_mib_per_s - 4000.0).abs() <= 400.0
+                && (lanes - 1000.0).abs() <= 150.0,
+            "per layer {} us, rate {} MiB/s, lanes {} us/MiB + {} us/read\n{:#?}",
+            k.layer_fixed_us,
+            k.dense_mib_per_s,
+            k.read_cpu_us_per_mib,
+            k.read_cpu_us,
+            two.notes
+        );
+        let e = replay_error(&inputs[2], &two.profile);
+        assert!(
+            e.abs() <= 0.05,
+            "third shape: {:+.1}%\n{:#?}",
+            100.0 * e,
+            two.notes
         );
     }
 
