@@ -1296,7 +1296,10 @@ pub(crate) mod tests {
             let (tok, ctx, _) = gains(&o, layer);
             assert_eq!(tok, tok0, "layer {layer}");
             let want = ctx0 / ((layer + 1) as f32).powf(0.75);
-            assert!((ctx - want).abs() <= want * 1e-6, "layer {layer}: {ctx} vs {want}");
+            assert!(
+                (ctx - want).abs() <= want * 1e-6,
+                "layer {layer}: {ctx} vs {want}"
+            );
         }
         o.routing_depth = 0.0;
         assert_eq!(gains(&o, 47), gains(&o, 0));
