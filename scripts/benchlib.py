@@ -8,7 +8,9 @@ memory limit `CG` — both need root. Reading results: bmoe-cli's `generation:` 
 import json
 import os
 import re
+import statistics
 import subprocess
+import sys
 import time
 
 CG = "/sys/fs/cgroup/memory/bmoe-bench"
@@ -141,3 +143,44 @@ class Progress:
         if self.i < n:
             self.done_est += self.estimates[self.i]
         self.i += 1
+
+
+def decode_tok_s(csv_path):
+    """Decode tok/s of a bmoe run's (or replay's) --csv as the gates compute it: its rows over
+    their summed wall_ms."""
+    walls = []
+    with open(csv_path) as f:
+        header = None
+        for line in f:
+            if line.startswith("#") or not line.strip():
+                continue
+            cells = line.strip().split(",")
+            if header is None:
+                header = cells
+                continue
+            walls.append(float(cells[header.index("wall_ms")]))
+    return len(walls) / (sum(walls) / 1000.0) if walls and sum(walls) > 0 else 0.0
+
+
+def mib_per_token(csv_path):
+    s = csv_summary(csv_path)
+    return float(s.get("read_MiB", 0)) / (float(s.get("tokens", 0)) or 1.0)
+
+
+def loadavg():
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
+
+
+def run_or_exit(cmd):
+    """Runs cmd; on failure exits naming the command and its last stderr line."""
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        tail = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else str(r.returncode)
+        sys.exit(f"{' '.join(cmd[:2])}… failed: {tail}")
+    return r
+
+
+def spread(values):
+    """(max - min) / median: the run-to-run noise of repeated measurements."""
+    return (max(values) - min(values)) / statistics.median(values)

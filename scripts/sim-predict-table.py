@@ -27,10 +27,9 @@
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 
-from benchlib import csv_summary
+from benchlib import decode_tok_s, loadavg, mib_per_token, run_or_exit as run, spread
 
 PROMPT = ("Write a short story about a lighthouse keeper who finds a message in a bottle, "
           "and what the message asks of her.")
@@ -39,47 +38,9 @@ CALIBRATION = (200, "lru")
 PREDICTED = [(120, "lfu"), (120, "lru"), (320, "lru"), (80, "lfru")]
 
 
-def decode_tok_s(csv_path):
-    """Decode tok/s as the gates compute it: rows over their summed wall_ms."""
-    walls = []
-    with open(csv_path) as f:
-        header = None
-        for line in f:
-            if line.startswith("#") or not line.strip():
-                continue
-            cells = line.strip().split(",")
-            if header is None:
-                header = cells
-                continue
-            walls.append(float(cells[header.index("wall_ms")]))
-    return len(walls) / (sum(walls) / 1000.0) if walls and sum(walls) > 0 else 0.0
-
-
-def mib_per_token(csv_path):
-    s = csv_summary(csv_path)
-    return float(s.get("read_MiB", 0)) / (float(s.get("tokens", 0)) or 1.0)
-
-
-def loadavg():
-    with open("/proc/loadavg") as f:
-        return " ".join(f.read().split()[:3])
-
-
-def run(cmd):
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        tail = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else str(r.returncode)
-        sys.exit(f"{' '.join(cmd[:2])}… failed: {tail}")
-    return r
-
-
 def median_index(values):
     m = statistics.median_low(values)
     return values.index(m)
-
-
-def spread(values):
-    return (max(values) - min(values)) / statistics.median(values)
 
 
 def main():
