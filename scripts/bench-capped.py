@@ -5,9 +5,13 @@ llama-bench (plain mmap), each inside the same cgroup v1 memory limit, page cach
 every run, interleaved over --reps repetitions. Needs root.
 
   bench-capped.py MODEL --limit-gib 5 --llama-bench /work/llama-build/bin/llama-bench
-                  [--bin target/release/bmoe-cli] [-n 32] [-t 2] [--reps 2]
+                  [--bin target/release/bmoe-cli] [-n 32] [-t 2] [--reps 2] [--temp 0.7]
 
 Prints tok/s per engine (median and range) and each ratio against llama.cpp's.
+
+`--temp T` (with `--seed 1`) samples bmoe's tokens: a random-weight model's greedy text soon
+repeats one token, and its routing repeats with it, which flatters every cache (docs/models.md);
+llama-bench's tg decodes random token ids, which its routing treats as varied text.
 """
 import argparse
 import statistics
@@ -18,7 +22,7 @@ PROMPT = "the"
 
 
 def bmoe(bin_, model, n, t, flags):
-    r = in_cgroup([bin_, "-m", model, "-p", PROMPT, "-n", str(n), "-t", str(t)] + flags)
+    r = in_cgroup([bin_, "-m", model, "-p", PROMPT, "-n", str(n), "-t", str(t), "--ignore-eos"] + flags)
     if r.returncode != 0:
         # Under a cap the kernel may kill a run outright (exit 137, nothing on stderr).
         print(f"bmoe-cli {' '.join(flags)} failed (exit {r.returncode}): {r.stderr.strip()[-400:]}")
@@ -47,16 +51,20 @@ def main():
     ap.add_argument("-n", type=int, default=32)
     ap.add_argument("-t", type=int, default=2)
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--temp", type=float, default=0.0,
+                    help="sample bmoe's tokens at this temperature (seed 1); 0 = greedy")
     a = ap.parse_args()
+    sample = ["--temp", str(a.temp), "--seed", "1"] if a.temp > 0 else []
     set_limit(a.limit_gib)
     res = {"bmoe (no flags)": [], "bmoe --no-moe-stream": [], "llama.cpp mmap": []}
     modes = {}
     print(f"{a.model}: cgroup limit {a.limit_gib} GiB, tg{a.n}, {a.t} threads, {a.reps} reps, "
-          f"page cache dropped before each run", flush=True)
+          f"page cache dropped before each run, bmoe {'--temp ' + str(a.temp) + ' --seed 1' if sample else 'greedy'}",
+          flush=True)
     for rep in range(a.reps):
-        tps, modes["bmoe (no flags)"] = bmoe(a.bin, a.model, a.n, a.t, [])
+        tps, modes["bmoe (no flags)"] = bmoe(a.bin, a.model, a.n, a.t, sample)
         res["bmoe (no flags)"].append(tps)
-        tps, modes["bmoe --no-moe-stream"] = bmoe(a.bin, a.model, a.n, a.t, ["--no-moe-stream"])
+        tps, modes["bmoe --no-moe-stream"] = bmoe(a.bin, a.model, a.n, a.t, sample + ["--no-moe-stream"])
         res["bmoe --no-moe-stream"].append(tps)
         res["llama.cpp mmap"].append(llama(a.llama_bench, a.model, a.n, a.t))
         print(f"rep {rep + 1}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in res.items()), flush=True)
