@@ -181,6 +181,15 @@ def run_or_exit(cmd):
     return r
 
 
+def bmoe_binaries(bin_dir):
+    """(bmoe-cli, bmoe-sim) in bin_dir; exits saying how to build them when one is missing."""
+    cli, sim = os.path.join(bin_dir, "bmoe-cli"), os.path.join(bin_dir, "bmoe-sim")
+    for b in (cli, sim):
+        if not os.access(b, os.X_OK):
+            sys.exit(f"{b} not found: build with `cargo build --release -p bmoe-engine -p bmoe-sim`")
+    return cli, sim
+
+
 def spread(values):
     """(max - min) / median: the run-to-run noise of repeated measurements."""
     return (max(values) - min(values)) / statistics.median(values)

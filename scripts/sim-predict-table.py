@@ -29,7 +29,7 @@ import os
 import statistics
 import sys
 
-from benchlib import decode_tok_s, loadavg, mib_per_token, run_or_exit as run, spread
+from benchlib import bmoe_binaries, decode_tok_s, loadavg, mib_per_token, run_or_exit as run, spread
 
 PROMPT = ("Write a short story about a lighthouse keeper who finds a message in a bottle, "
           "and what the message asks of her.")
@@ -57,10 +57,7 @@ def main():
     ap.add_argument("--reuse", action="store_true",
                     help="reuse engine runs already in --out (re-run only calibration and replays)")
     a = ap.parse_args()
-    cli, sim = os.path.join(a.bin_dir, "bmoe-cli"), os.path.join(a.bin_dir, "bmoe-sim")
-    for b in (cli, sim):
-        if not os.access(b, os.X_OK):
-            sys.exit(f"{b} not found: build with `cargo build --release -p bmoe-engine -p bmoe-sim`")
+    cli, sim = bmoe_binaries(a.bin_dir)
     if not os.path.exists(a.model):
         sys.exit(f"model {a.model} not found (bmoe-cli gen makes the small preset)")
     os.makedirs(a.out, exist_ok=True)

@@ -1779,12 +1779,9 @@ mod tests {
         assert!(calibrate_sweep(&inputs[..1], &base, "fit", FitOptions::default()).is_err());
     }
 
-    /// A device with a fixed cost per model layer (500 µs) besides its rate: a sweep over runs
-    /// of two model shapes recovers both, and prices a third shape it never saw; a profile
-    /// calibrated on one shape folds the fixed cost into its rate and misprices the others.
-    #[test]
-    fn runs_of_two_shapes_separate_a_per_layer_cost_and_price_a_third() {
-        let dir = Scratch::new("shape");
+    /// A jitter-free device whose compute costs 500 µs per model layer plus 4000 MiB/s, and
+    /// whose lanes take `lanes_us_per_mib` of the kernels' CPU per MiB read.
+    fn per_layer_truth(lanes_us_per_mib: f64) -> DeviceProfile {
         let mut truth = DeviceProfile::load("this-machine").expect("base");
         truth.flash.jitter = 0.0;
         truth.flash.service_quantiles = Vec::new();
@@ -1799,42 +1796,61 @@ mod tests {
             release_us_per_mib: 0.0,
             loop_overhead_ms: 0.0,
             read_cpu_us: 0.0,
-            read_cpu_us_per_mib: 0.0,
+            read_cpu_us_per_mib: lanes_us_per_mib,
             jitter: 0.0,
         };
-        // (MoE layers, projection bytes, dense bytes): few large layers, many small ones, and
-        // a third shape between them that no calibration sees.
-        let shapes = [
-            (2u64, 400_000u64, 4_000_000u64),
-            (8, 60_000, 300_000),
-            (4, 150_000, 1_000_000),
-        ];
+        truth
+    }
+
+    /// One run "measured" on `truth` per (MoE layers, projection bytes, dense bytes, cache
+    /// MiB): each shape's trace prepared, and its metrics CSV.
+    fn runs_of_shapes(
+        dir: &Scratch,
+        truth: &DeviceProfile,
+        shapes: &[(u64, u64, u64, &str)],
+    ) -> (Vec<Prepared>, Vec<MetricsCsv>) {
         let mut preps = Vec::new();
         let mut csvs = Vec::new();
-        for (i, &(layers, proj, dense)) in shapes.iter().enumerate() {
+        for (i, &(layers, proj, dense, mb)) in shapes.iter().enumerate() {
             let trace = dir.trace(&format!("t{i}.csv"), shaped_trace(layers, proj, dense, 120));
             preps.push(prepare_own(&trace, true, Some(2)));
             let csv = dir.join(&format!("run{i}.csv"));
-            measure_at(
-                &dir.0,
-                &trace,
-                &truth,
-                "16",
-                &["--io-threads", "2", "--overlap"],
-                &csv,
-                None,
-            );
+            let flags = ["--io-threads", "2", "--overlap"];
+            measure_at(&dir.0, &trace, truth, mb, &flags, &csv, None);
             csvs.push(read_csv(&csv));
         }
-        let names = ["run0.csv", "run1.csv", "run2.csv"];
-        let inputs: Vec<RunInput> = (0..3)
+        (preps, csvs)
+    }
+
+    const RUN_NAMES: [&str; 3] = ["run0.csv", "run1.csv", "run2.csv"];
+
+    /// The calibration inputs of [`runs_of_shapes`]' runs.
+    fn shape_inputs<'a>(preps: &'a [Prepared], csvs: &'a [MetricsCsv]) -> Vec<RunInput<'a>> {
+        (0..csvs.len())
             .map(|i| RunInput {
                 csv: &csvs[i],
-                name: names[i],
+                name: RUN_NAMES[i],
                 prepared: Some(&preps[i]),
                 io: None,
             })
-            .collect();
+            .collect()
+    }
+
+    /// A device with a fixed cost per model layer (500 µs) besides its rate: a sweep over runs
+    /// of two model shapes recovers both, and prices a third shape it never saw; a profile
+    /// calibrated on one shape folds the fixed cost into its rate and misprices the others.
+    #[test]
+    fn runs_of_two_shapes_separate_a_per_layer_cost_and_price_a_third() {
+        let dir = Scratch::new("shape");
+        // Few large layers, many small ones, and a third shape between them that no
+        // calibration sees.
+        let shapes = [
+            (2u64, 400_000u64, 4_000_000u64, "16"),
+            (8, 60_000, 300_000, "16"),
+            (4, 150_000, 1_000_000, "16"),
+        ];
+        let (preps, csvs) = runs_of_shapes(&dir, &per_layer_truth(0.0), &shapes);
+        let inputs = shape_inputs(&preps, &csvs);
         let base = DeviceProfile::load("this-machine").expect("base");
         let predict = |profile: &DeviceProfile, i: usize| replay_error(&inputs[i], profile);
         let two = calibrate_sweep(&inputs[..2], &base, "fit", FitOptions::default()).expect("fit");
@@ -1874,47 +1890,14 @@ mod tests {
     #[test]
     fn a_shape_that_streams_more_does_not_bias_the_lanes_charge() {
         let dir = Scratch::new("within");
-        let mut truth = DeviceProfile::load("this-machine").expect("base");
-        truth.flash.jitter = 0.0;
-        truth.flash.service_quantiles = Vec::new();
-        truth.compute = ComputeParams {
-            dense_mib_per_s: 4000.0,
-            expert_mib_per_s: 4000.0,
-            layer_fixed_us: 500.0,
-            expert_fixed_us: 0.0,
-            head_ms: 0.0,
-            batch_row_factor: 0.3,
-            release_us: 0.0,
-            release_us_per_mib: 0.0,
-            loop_overhead_ms: 0.0,
-            read_cpu_us: 0.0,
-            read_cpu_us_per_mib: 1000.0,
-            jitter: 0.0,
-        };
-        // (MoE layers, projection bytes, dense bytes, cache MiB): a large shape streaming
-        // through a 6 MiB cache, a small one whose experts mostly stay, one between (unseen).
+        // A large shape streaming through a 6 MiB cache, a small one whose experts mostly
+        // stay, one between (unseen).
         let shapes = [
             (4u64, 400_000u64, 4_000_000u64, "6"),
             (8, 60_000, 300_000, "16"),
             (6, 150_000, 1_000_000, "8"),
         ];
-        let mut preps = Vec::new();
-        let mut csvs = Vec::new();
-        for (i, &(layers, proj, dense, mb)) in shapes.iter().enumerate() {
-            let trace = dir.trace(&format!("t{i}.csv"), shaped_trace(layers, proj, dense, 120));
-            preps.push(prepare_own(&trace, true, Some(2)));
-            let csv = dir.join(&format!("run{i}.csv"));
-            measure_at(
-                &dir.0,
-                &trace,
-                &truth,
-                mb,
-                &["--io-threads", "2", "--overlap"],
-                &csv,
-                None,
-            );
-            csvs.push(read_csv(&csv));
-        }
+        let (preps, csvs) = runs_of_shapes(&dir, &per_layer_truth(1000.0), &shapes);
         let mib_per_token = |c: &MetricsCsv| {
             c.rows.iter().map(|r| r.read_bytes).sum::<u64>() as f64 / MIB_F / c.rows.len() as f64
         };
@@ -1924,15 +1907,7 @@ mod tests {
             mib_per_token(&csvs[0]),
             mib_per_token(&csvs[1])
         );
-        let names = ["run0.csv", "run1.csv", "run2.csv"];
-        let inputs: Vec<RunInput> = (0..3)
-            .map(|i| RunInput {
-                csv: &csvs[i],
-                name: names[i],
-                prepared: Some(&preps[i]),
-                io: None,
-            })
-            .collect();
+        let inputs = shape_inputs(&preps, &csvs);
         let base = DeviceProfile::load("this-machine").expect("base");
         let two = calibrate_sweep(&inputs[..2], &base, "fit", FitOptions::default()).expect("fit");
         let k = &two.profile.compute;
