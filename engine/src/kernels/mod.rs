@@ -514,8 +514,6 @@ unsafe fn f16c(bits: [u8; 2]) -> f32 {
     unsafe { f16c_mul(bits, F16_ONE) }
 }
 
-/// 1.0 as f16 bits.
-#[cfg(target_arch = "x86_64")]
 /// `vpermd` indices for the K-quants with 16 runs of 16 values (Q2_K, Q3_K): in vector `c` of a
 /// block decoded 64 values a vector (values `64c .. 64c + 64`), every dword of 128-bit lane `i`
 /// selects run `4c + i` (the run of those 16 values).
@@ -534,6 +532,8 @@ const RUN_IDX: [[u32; 16]; 4] = {
     m
 };
 
+/// 1.0 as f16 bits.
+#[cfg(target_arch = "x86_64")]
 const F16_ONE: [u8; 2] = [0x00, 0x3c];
 
 /// `f16_to_f32(a) * f16_to_f32(b)` (the same bits) with one F16C conversion of both. Both values
