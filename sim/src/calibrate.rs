@@ -837,13 +837,15 @@ fn fit_profile(
     // difference as the lanes' cost. Their slopes come from within each run instead (each
     // run's rows taken about its own means), as `fit_across_shapes` then takes each run's level.
     let several_shapes = shape_ratios(runs, samples).is_some_and(|r| several(&r));
-    let slope_rows = if several_shapes {
-        within_runs(samples)
+    let within;
+    let slope_rows: &[([f64; 3], f64)] = if several_shapes {
+        within = within_runs(samples, &compute_rows);
+        &within
     } else {
-        compute_rows.clone()
+        &compute_rows
     };
     let [_, mut r_ms, mut m_ms] = if reads_known && opts.read_cpu && cfg.overlap {
-        fit_compute(&slope_rows).unwrap_or([mean_y(&compute_rows), 0.0, 0.0])
+        fit_compute(slope_rows).unwrap_or([mean_y(&compute_rows), 0.0, 0.0])
     } else {
         [mean_y(&compute_rows), 0.0, 0.0]
     };
@@ -1022,20 +1024,17 @@ fn several(ratios: &[f64]) -> bool {
     ratios.len() >= 2 && hi > lo * 1.05
 }
 
-/// Every run's compute rows about its own means, shifted to the means over all runs: the
-/// slopes a fit finds in them are the within-run ones, and its intercept stays the grand mean's.
-fn within_runs(samples: &[RunSamples]) -> Vec<([f64; 3], f64)> {
+/// Every run's compute rows about its own means, shifted to the means over all runs (`all`,
+/// every run's rows together): the slopes a fit finds in them are the within-run ones, and its
+/// intercept stays the grand mean's.
+fn within_runs(samples: &[RunSamples], all: &[([f64; 3], f64)]) -> Vec<([f64; 3], f64)> {
     let means = |rows: &[([f64; 3], f64)]| {
         let n = rows.len().max(1) as f64;
         rows.iter().fold([0.0; 3], |m, (x, y)| {
             [m[0] + x[1] / n, m[1] + x[2] / n, m[2] + y / n]
         })
     };
-    let all: Vec<([f64; 3], f64)> = samples
-        .iter()
-        .flat_map(|s| s.compute_rows.iter().copied())
-        .collect();
-    let g = means(&all);
+    let g = means(all);
     samples
         .iter()
         .flat_map(|s| {
