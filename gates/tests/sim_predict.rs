@@ -13,8 +13,9 @@
 //! simulation inherits the one's noise and is compared with the other's median); the tolerance
 //! is that + 10 %.
 //!
-//! What makes this a test that can fail: the lanes' CPU. With the fit before issue 19 (one
-//! compute rate, the lanes' CPU folded in at the calibration run's read volume; `calibrate
+//! What makes this a test that can fail: the lanes' cost (the kernels' slowdown while reads are
+//! in flight, the lanes' dispatch time while the kernels run). With the fit before issue 19 (one
+//! compute rate, the lanes' cost folded in at the calibration run's read volume; `calibrate
 //! --single-rate`) the prediction drifts with the read volume. The test prints that fit's errors
 //! beside the gated ones, with whether each would be inside the tolerance, so a CI log shows
 //! how much the new terms buy. To show the gate failing on a wrong model,

@@ -264,9 +264,10 @@ pub struct RunInput<'a> {
 /// Choices of the fit.
 #[derive(Clone, Copy, Debug)]
 pub struct FitOptions {
-    /// Fit the lanes' CPU (`read_cpu_us`, `read_cpu_us_per_mib`); false folds it into the one
-    /// compute rate at the calibration runs' read volume — the fit before issue 19, kept to
-    /// compare against (`calibrate --single-rate`).
+    /// Fit the lanes' cost — the kernels' slowdown while reads are in flight (or, across
+    /// shapes, `read_cpu_us` and `read_cpu_us_per_mib`) and the lanes' dispatch time; false
+    /// folds it into the one compute rate at the calibration runs' read volume and fits no
+    /// dispatch — the fit before issue 19, kept to compare against (`calibrate --single-rate`).
     pub read_cpu: bool,
     /// Write the measured spread of read service times (`service_quantiles`) from the io
     /// traces; false keeps the mean-rate flash model (`calibrate --single-rate` turns both off).
@@ -635,6 +636,7 @@ fn fit_profile(
     let mut flash = FlashParams {
         jitter: 0.0,
         service_quantiles: Vec::new(),
+        dispatch_us: 0.0,
         ..base.flash.clone()
     };
     let mut compute = ComputeParams {
@@ -649,6 +651,7 @@ fn fit_profile(
         loop_overhead_ms: 0.0,
         read_cpu_us: 0.0,
         read_cpu_us_per_mib: 0.0,
+        read_slowdown: 0.0,
         jitter: 0.0,
     };
     let n_runs = samples.len() as f64;
@@ -937,19 +940,7 @@ fn fit_profile(
         } else {
             notes.push("cache mgmt: no evictions in the run; release cost 0".to_string());
         }
-        let mut factors: Vec<f64> = Vec::new();
-        for (run, s) in runs.iter().zip(samples) {
-            if let Some(p) = run.prepared {
-                let mut c = compute.clone();
-                if fit_prefill(run.csv, p, &s.cfg, s.prefill_reads, &mut c, notes) {
-                    factors.push(c.batch_row_factor);
-                }
-            }
-        }
-        if !factors.is_empty() {
-            factors.sort_by(f64::total_cmp);
-            compute.batch_row_factor = factors[factors.len() / 2];
-        }
+        fit_batch_factor(runs, samples, &mut compute, notes);
     } else {
         compute.head_ms = k_ms;
         notes.push(format!(
@@ -986,7 +977,7 @@ fn fit_profile(
                 .join("/")
         )
     };
-    let profile = DeviceProfile {
+    let mut profile = DeviceProfile {
         name: name.to_string(),
         description: format!(
             "Calibrated by bmoe-sim calibrate from {from}, {} lanes, {}; engine {engine}, model {model}).",
@@ -1000,8 +991,242 @@ fn fit_profile(
         threads: if cfg.threads > 0 { cfg.threads } else { base.threads },
     };
     profile.validate()?;
+    if with_trace && cfg.overlap && ms_per_byte.is_some() && opts.read_cpu {
+        fit_dispatch(runs, samples, &mut profile, notes)?;
+        if reads_known
+            && opts.read_cpu
+            && !several_shapes
+            && fit_slowdown(runs, samples, &mut profile, notes)?
+        {
+            fit_dispatch(runs, samples, &mut profile, notes)?;
+            let mut prefill_notes = Vec::new();
+            fit_batch_factor(runs, samples, &mut profile.compute, &mut prefill_notes);
+        }
+        profile.validate()?;
+        profile.sources = notes.clone();
+    }
     Ok(profile)
 }
+
+/// `batch_row_factor` from every run's first prefill against `compute`'s per-row costs: the
+/// median of the runs'.
+fn fit_batch_factor(
+    runs: &[RunInput],
+    samples: &[RunSamples],
+    compute: &mut ComputeParams,
+    notes: &mut Vec<String>,
+) {
+    let mut factors: Vec<f64> = Vec::new();
+    for (run, s) in runs.iter().zip(samples) {
+        if let Some(p) = run.prepared {
+            let mut c = compute.clone();
+            if fit_prefill(run.csv, p, &s.cfg, s.prefill_reads, &mut c, notes) {
+                factors.push(c.batch_row_factor);
+            }
+        }
+    }
+    if !factors.is_empty() {
+        factors.sort_by(f64::total_cmp);
+        compute.batch_row_factor = factors[factors.len() / 2];
+    }
+}
+
+/// Every decode token of every run replayed with `profile`: `(1, MiB read, compute ms)`.
+fn replayed_compute_rows(
+    runs: &[RunInput],
+    samples: &[RunSamples],
+    profile: &DeviceProfile,
+) -> Result<Vec<(f64, f64, f64)>, SimError> {
+    let mut rows = Vec::new();
+    for (run, s) in runs.iter().zip(samples) {
+        let sim = replay_run(run, &s.cfg, profile)?;
+        rows.extend(
+            sim.rows
+                .iter()
+                .map(|r| (1.0, r.read_bytes as f64 / MIB_F, r.compute_ms)),
+        );
+    }
+    Ok(rows)
+}
+
+/// The lanes' CPU as a slowdown of the kernels while reads are in flight
+/// (`compute.read_slowdown`) in place of a charge per read: on two cores the engine's compute
+/// per token rises with the read volume only until the reads cover every kernel of a layer
+/// (measured: 7.4 ms at 1.3 MiB read per token, 10.5 at 15, 11.1-11.4 from 25 to 46), where a
+/// charge per MiB keeps growing — 3 ms too much at 46 MiB — and extrapolates a compute at no
+/// reads (its intercept) 1-1.5 ms above the measured one. For a slowdown `s`, the kernels'
+/// rate is set so the replays compute as long in all as the runs did (a few replays, the rate
+/// scaled by their ratio); `s` is then the one whose replays' compute per token rises with
+/// the MiB it reads as the runs' did (the robust slope of compute on MiB over every decode
+/// token, bisected over 0-8). Runs of one model shape only (across shapes the per-read charge
+/// stays, with its per-layer split). False, profile untouched, when the runs show no slope.
+fn fit_slowdown(
+    runs: &[RunInput],
+    samples: &[RunSamples],
+    profile: &mut DeviceProfile,
+    notes: &mut Vec<String>,
+) -> Result<bool, SimError> {
+    let measured: Vec<(f64, f64, f64)> = samples
+        .iter()
+        .flat_map(|s| s.compute_rows.iter().map(|(x, y)| (1.0, x[2], *y)))
+        .collect();
+    let Some(mean_ms) = mean(measured.iter().map(|r| r.2)).filter(|m| *m > 0.0) else {
+        return Ok(false);
+    };
+    let Some((_, slope)) = fit2(&measured).filter(|&(_, b)| b > 0.0 && b.is_finite()) else {
+        notes.push(
+            "compute: the runs' tokens that read more do not compute longer: no slowdown fitted"
+                .to_string(),
+        );
+        return Ok(false);
+    };
+    let c = &profile.compute;
+    if !(c.expert_mib_per_s > 0.0
+        && c.dense_mib_per_s == c.expert_mib_per_s
+        && c.layer_fixed_us == 0.0
+        && c.expert_fixed_us == 0.0
+        && c.head_ms == 0.0)
+    {
+        // Not a single-shape profile this fit wrote: its kernels' time is not one rate.
+        return Ok(false);
+    }
+    // The profile with slowdown `s`, its rate levelled to the runs' mean compute, and the
+    // slope of its replays.
+    let level = |s: f64| -> Result<(DeviceProfile, f64), SimError> {
+        let mut p = profile.clone();
+        p.compute.read_cpu_us = 0.0;
+        p.compute.read_cpu_us_per_mib = 0.0;
+        p.compute.read_slowdown = s;
+        let mut rows = Vec::new();
+        for _ in 0..SLOWDOWN_LEVEL_ROUNDS {
+            rows = replayed_compute_rows(runs, samples, &p)?;
+            let ratio = mean(rows.iter().map(|r| r.2)).unwrap_or(mean_ms) / mean_ms;
+            if !(ratio.is_finite() && ratio > 0.0) || (ratio - 1.0).abs() < 0.002 {
+                break;
+            }
+            p.compute.dense_mib_per_s *= ratio;
+            p.compute.expert_mib_per_s *= ratio;
+        }
+        let b = fit2(&rows).map_or(0.0, |(_, b)| b);
+        Ok((p, b))
+    };
+    let (mut lo, mut hi) = (0.0f64, SLOWDOWN_MAX);
+    let (mut best, mut best_b) = level(lo)?;
+    if best_b < slope {
+        let (at_max, b_max) = level(hi)?;
+        if b_max <= slope {
+            (best, best_b) = (at_max, b_max);
+        } else {
+            while hi - lo > 0.01 {
+                let mid = 0.5 * (lo + hi);
+                let (p, b) = level(mid)?;
+                if b < slope {
+                    lo = mid;
+                } else {
+                    hi = mid;
+                }
+                if (b - slope).abs() < (best_b - slope).abs() {
+                    (best, best_b) = (p, b);
+                }
+            }
+        }
+    }
+    let c = &best.compute;
+    let work_mib = samples.iter().filter_map(|x| x.work_mib).sum::<f64>() / samples.len() as f64;
+    notes.push(format!(
+        "compute, refitted: kernels at {:.0} MiB/s ({:.3} ms per token at no reads), {:.2}x \
+         slower while reads are in flight, in place of the per-read charge above: its replays' \
+         compute rises {:.1} us per MiB read (the runs' {:.1}), at the runs' mean {mean_ms:.3} ms \
+         per token",
+        c.expert_mib_per_s,
+        work_mib / c.expert_mib_per_s * 1e3,
+        1.0 + c.read_slowdown,
+        best_b * 1e3,
+        slope * 1e3
+    ));
+    *profile = best;
+    Ok(true)
+}
+
+/// `fit_slowdown`'s bounds: the largest slowdown it fits, and the replays it takes to level
+/// the kernels' rate to the runs' mean compute.
+const SLOWDOWN_MAX: f64 = 8.0;
+const SLOWDOWN_LEVEL_ROUNDS: usize = 4;
+
+/// The lanes' dispatch time (`flash.dispatch_us`), fitted so that the replays of the runs stall
+/// as long in all as the runs did. An overlapped run's io trace times each read from the moment
+/// its lane took it up, so the fit of read latency and rate above never sees the time a lane
+/// takes to get to the next read — waking, dequeuing, issuing, while the kernels hold the
+/// cores (a read that starts while they wait pays none) — yet a layer whose misses queue
+/// several reads on each lane pays it once per read, and
+/// without it the replay lets reads overlap compute that on the device they do not: measured on
+/// this machine, the replay of the calibration run itself stalled 28 % short, and predictions
+/// at 3x its read volume were 15-18 % fast. The replayed stall grows with the dispatch time, so
+/// a bisection finds it (to 1 us, within 0-2000 us); the note says what was fitted, and a run
+/// that already stalls no more than its replay keeps 0.
+fn fit_dispatch(
+    runs: &[RunInput],
+    samples: &[RunSamples],
+    profile: &mut DeviceProfile,
+    notes: &mut Vec<String>,
+) -> Result<(), SimError> {
+    let measured: f64 = runs
+        .iter()
+        .flat_map(|r| r.csv.rows.iter())
+        .map(|r| r.stall_ms)
+        .sum();
+    let base = profile.clone();
+    let stall_at = |us: f64| -> Result<f64, SimError> {
+        let mut p = base.clone();
+        p.flash.dispatch_us = us;
+        let mut total = 0.0;
+        for (run, s) in runs.iter().zip(samples) {
+            let sim = replay_run(run, &s.cfg, &p)?;
+            total += sim.rows.iter().map(|r| r.stall_ms).sum::<f64>();
+        }
+        Ok(total)
+    };
+    let at_zero = stall_at(0.0)?;
+    let tokens: usize = runs.iter().map(|r| r.csv.rows.len()).sum::<usize>().max(1);
+    let per_token = |ms: f64| ms / tokens as f64;
+    if measured <= at_zero {
+        profile.flash.dispatch_us = 0.0;
+        notes.push(format!(
+            "flash: lane dispatch 0 us (the replay stalls {:.2} ms per token without it, the \
+             run {:.2})",
+            per_token(at_zero),
+            per_token(measured)
+        ));
+        return Ok(());
+    }
+    let (mut lo, mut hi) = (0.0f64, DISPATCH_MAX_US);
+    let at_max = stall_at(hi)?;
+    if at_max < measured {
+        lo = hi;
+    } else {
+        while hi - lo > 1.0 {
+            let mid = 0.5 * (lo + hi);
+            if stall_at(mid)? < measured {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+    }
+    profile.flash.dispatch_us = lo;
+    notes.push(format!(
+        "flash: lane dispatch {lo:.0} us per read that starts while the kernels run (the \
+         time a lane takes to get to it, in no read's measured latency): the replay then \
+         stalls {:.2} ms per token as the run's {:.2} (without it {:.2})",
+        per_token(stall_at(lo)?),
+        per_token(measured),
+        per_token(at_zero)
+    ));
+    Ok(())
+}
+
+/// `fit_dispatch`'s upper bound, microseconds.
+const DISPATCH_MAX_US: f64 = 2000.0;
 
 /// Each run's model layers per MiB a token computes (its shape, as the compute model sees it),
 /// when every run has a layout and a routing.
@@ -1577,6 +1802,7 @@ mod tests {
                 align_bytes: 4096,
                 jitter: 0.0,
                 service_quantiles: Vec::new(),
+                dispatch_us: 0.0,
             },
             compute: ComputeParams {
                 dense_mib_per_s: 3000.0,
@@ -1590,6 +1816,7 @@ mod tests {
                 loop_overhead_ms: 0.5,
                 read_cpu_us: 0.0,
                 read_cpu_us_per_mib: 0.0,
+                read_slowdown: 0.0,
                 jitter: 0.0,
             },
             mem_available_mib: 5000,
@@ -1642,6 +1869,7 @@ mod tests {
             align_bytes: 4096,
             jitter: 0.0,
             service_quantiles: Vec::new(),
+            dispatch_us: 0.0,
         };
         truth.compute.jitter = 0.0;
         truth.flash.jitter = 0.0;
@@ -1672,12 +1900,13 @@ mod tests {
         assert!(err_pct.abs() <= 10.0, "{err_pct}%\n{:#?}", c.notes);
     }
 
-    /// A device whose lanes take CPU from the kernels (60 µs per read): runs at three budgets
-    /// read 3× apart; one calibration recovers the per-read cost, the sweep fit over all three
-    /// predicts each run left out of it, and the single-rate fit of one run mispredicts the
-    /// others — the issue-19 error, reproduced and removed.
+    /// A device whose lanes take the kernels' cores: the kernels run 1.8× slower while reads
+    /// are in flight, and a lane takes 80 µs to get to a read that starts while they run.
+    /// Runs at three budgets read 3× apart; one calibration recovers both, the sweep fit over
+    /// all three predicts each run left out of it, and the single-rate fit of one run
+    /// mispredicts the others — the issue-19 error, reproduced and removed.
     #[test]
-    fn the_lanes_cpu_is_fitted_and_holds_at_other_read_volumes() {
+    fn the_kernels_slowdown_and_the_lanes_dispatch_are_fitted_and_hold_at_other_read_volumes() {
         let dir = Scratch::new("cpu");
         let trace_path = dir.trace("t.csv", synthetic_trace(200));
         let mut truth = DeviceProfile::load("this-machine").expect("base");
@@ -1688,10 +1917,14 @@ mod tests {
             align_bytes: 4096,
             jitter: 0.0,
             service_quantiles: Vec::new(),
+            dispatch_us: 80.0,
         };
         truth.compute.jitter = 0.0;
-        truth.compute.read_cpu_us = 60.0;
+        truth.compute.dense_mib_per_s = 2000.0;
+        truth.compute.expert_mib_per_s = 2000.0;
+        truth.compute.read_cpu_us = 0.0;
         truth.compute.read_cpu_us_per_mib = 0.0;
+        truth.compute.read_slowdown = 0.8;
         truth.compute.release_us_per_mib = 20.0;
         let prepared = prepare_own(&trace_path, true, Some(2));
         let base = DeviceProfile::load("this-machine").expect("base");
@@ -1730,51 +1963,63 @@ mod tests {
             .collect();
         // Budgets differ, the trace is one: the replay must use each run's own budget.
         let predict = |profile: &DeviceProfile, i: usize| replay_error(&inputs[i], profile);
-        // One run (the middle budget) with the lanes' CPU: recovered, and it holds elsewhere.
-        let one = calibrate_run(&inputs[1], &base, "fit", FitOptions::default()).expect("fit");
-        let k = &one.profile.compute;
-        let mean_read_mib = 102400.0 / MIB_F;
-        let per_read_us = k.read_cpu_us + k.read_cpu_us_per_mib * mean_read_mib;
+        // One fit over the three budgets: the kernels' slowdown and the lanes' dispatch time
+        // recovered, every run replayed within 2 %, and each run left out still predicted.
+        let sweep = calibrate_sweep(&inputs, &base, "fit", FitOptions::default()).expect("sweep");
+        let (k, f) = (&sweep.profile.compute, &sweep.profile.flash);
         assert!(
-            (per_read_us - 60.0).abs() <= 6.0,
-            "lanes' CPU per read: fitted {per_read_us} us, true 60\n{:#?}",
+            (k.read_slowdown - 0.8).abs() <= 0.2
+                && (f.dispatch_us - 80.0).abs() <= 16.0
+                && k.read_cpu_us == 0.0
+                && k.read_cpu_us_per_mib == 0.0,
+            "slowdown {} (true 0.8), dispatch {} us (true 80), per-read charge {} + {}/MiB\n{:#?}",
+            k.read_slowdown,
+            f.dispatch_us,
+            k.read_cpu_us,
+            k.read_cpu_us_per_mib,
+            sweep.notes
+        );
+        let worst_in = (0..3)
+            .map(|i| predict(&sweep.profile, i).abs())
+            .fold(0.0, f64::max);
+        assert!(worst_in <= 0.02, "{worst_in}\n{:#?}", sweep.notes);
+        let worst_out = note_percent(&sweep.notes, "accuracy:", "(worst ");
+        assert!(worst_out <= 8.0, "{worst_out}%\n{:#?}", sweep.notes);
+        assert_eq!(sweep.profile.sources, sweep.notes);
+        // The single-rate fit of the same runs has neither: it misses by more.
+        let single_opts = FitOptions {
+            read_cpu: false,
+            service_spread: false,
+        };
+        let single = calibrate_sweep(&inputs, &base, "fit", single_opts).expect("fit");
+        assert_eq!(single.profile.compute.read_cpu_us, 0.0);
+        assert_eq!(single.profile.compute.read_slowdown, 0.0);
+        let worst = (0..3)
+            .map(|i| predict(&single.profile, i).abs())
+            .fold(0.0, f64::max);
+        assert!(
+            worst > 2.0 * worst_in.max(0.02),
+            "the single-rate fit should drift: worst {worst}"
+        );
+        // One run: this synthetic trace's tokens that read more do not compute longer (its
+        // misses displace hits), so a slowdown cannot be told from one run — the fit says so,
+        // charges nothing, and still predicts the other budgets within 10 %.
+        let one = calibrate_run(&inputs[1], &base, "fit", FitOptions::default()).expect("fit");
+        assert!(
+            one.notes.iter().any(|n| n.contains("no slowdown fitted")),
+            "{:#?}",
             one.notes
         );
         for i in [0, 2] {
             let e = predict(&one.profile, i);
             assert!(
-                e.abs() <= 0.05,
+                e.abs() <= 0.10,
                 "budget {}: {:+.1}%\n{:#?}",
                 budgets[i],
                 100.0 * e,
                 one.notes
             );
         }
-        // The single-rate fit folds the middle run's lanes' CPU into its rate: off at the others.
-        let single = calibrate_run(
-            &inputs[1],
-            &base,
-            "fit",
-            FitOptions {
-                read_cpu: false,
-                service_spread: false,
-            },
-        )
-        .expect("fit");
-        assert_eq!(single.profile.compute.read_cpu_us, 0.0);
-        let worst = [0, 2]
-            .iter()
-            .map(|&i| predict(&single.profile, i).abs())
-            .fold(0.0, f64::max);
-        assert!(
-            worst > 0.05,
-            "the single-rate fit should drift: worst {worst}"
-        );
-        // The sweep: one fit over all three, and each run left out still predicted.
-        let sweep = calibrate_sweep(&inputs, &base, "fit", FitOptions::default()).expect("sweep");
-        let worst_out = note_percent(&sweep.notes, "accuracy:", "(worst ");
-        assert!(worst_out <= 5.0, "{worst_out}%\n{:#?}", sweep.notes);
-        assert_eq!(sweep.profile.sources, sweep.notes);
         assert!(calibrate_sweep(&inputs[..1], &base, "fit", FitOptions::default()).is_err());
     }
 
@@ -1796,6 +2041,7 @@ mod tests {
             loop_overhead_ms: 0.0,
             read_cpu_us: 0.0,
             read_cpu_us_per_mib: lanes_us_per_mib,
+            read_slowdown: 0.0,
             jitter: 0.0,
         };
         truth
@@ -1885,7 +2131,8 @@ mod tests {
     /// far more than the smaller one (a small cache against one that holds its experts), as a
     /// 30B-shape run beside a small model's does. One intercept over both runs would read the
     /// two shapes' compute difference as the lanes' cost; the slopes from within each run
-    /// recover the per-layer cost, the rate and the lanes' charge, and price a third shape.
+    /// recover the per-layer cost, the rate and the lanes' charge (fits across shapes keep
+    /// the per-read charge), and price a third shape.
     #[test]
     fn a_shape_that_streams_more_does_not_bias_the_lanes_charge() {
         let dir = Scratch::new("within");
@@ -1914,12 +2161,14 @@ mod tests {
         assert!(
             (k.layer_fixed_us - 500.0).abs() <= 50.0
                 && (k.dense_mib_per_s - 4000.0).abs() <= 400.0
-                && (lanes - 1000.0).abs() <= 150.0,
-            "per layer {} us, rate {} MiB/s, lanes {} us/MiB + {} us/read\n{:#?}",
+                && (lanes - 1000.0).abs() <= 150.0
+                && k.read_slowdown == 0.0,
+            "per layer {} us, rate {} MiB/s, lanes {} us/MiB + {} us/read, slowdown {}\n{:#?}",
             k.layer_fixed_us,
             k.dense_mib_per_s,
             k.read_cpu_us_per_mib,
             k.read_cpu_us,
+            k.read_slowdown,
             two.notes
         );
         let e = replay_error(&inputs[2], &two.profile);

@@ -189,9 +189,10 @@ pub struct CalibrateArgs {
     /// by least squares over all their tokens, and report its leave-one-run-out error
     #[arg(long)]
     pub sweep: bool,
-    /// The fit before issue 19, for comparison: compute as one rate with the lanes' CPU folded
-    /// in at the calibration run's read volume, flash a mean rate without the measured spread
-    /// of read times (it does not hold at other read volumes)
+    /// The fit before issue 19, for comparison: compute as one rate with the lanes' cost
+    /// folded in at the calibration run's read volume (no slowdown while reading, no lane
+    /// dispatch time), flash a mean rate without the measured spread of read times (it does not
+    /// hold at other read volumes)
     #[arg(long)]
     pub single_rate: bool,
     /// Where to write the profile (JSON)

@@ -19,6 +19,12 @@
 //!   lanes share the kernels' cores (O_DIRECT submission, completion, copies, checksums), the
 //!   measured compute per token grows with the read volume; without this term a profile
 //!   calibrated at one read volume is fast at a larger one and slow at a smaller one.
+//! - the same contention as a slowdown instead (`read_slowdown`, what `calibrate` fits for
+//!   runs of one model shape): a kernel runs `1 + read_slowdown` times slower over the part of
+//!   it during which the flash model has reads in flight (`SharedFlash::kernel_end`). It
+//!   costs nothing for reads that run while the kernels wait, so compute per token stops
+//!   growing once the reads cover every kernel of a layer, as the engine's does on two cores
+//!   (7.4 ms at 1.3 MiB read per token, 10.5 at 15, 11.1-11.4 from 25 to 46 MiB).
 //!
 //! Predictions (`Backend::predict`) are replayed from the trace's `pred<h>` columns (or, for
 //! a `--route-ahead` trace, its committed routing) and cost no modelled time: the engine's
@@ -32,10 +38,12 @@
 
 use crate::clock::VirtualClock;
 use crate::error::SimError;
+use crate::flash::SharedFlash;
 use crate::plan::ReplayPlan;
 use bmoe_core::telemetry::route_trace::RouteTrace;
 use bmoe_core::{
-    Backend, ExpertLayout, ExpertUse, LayerId, Nanos, Prediction, Routing, RoutingError, SlotId,
+    Backend, Clock, ExpertLayout, ExpertUse, LayerId, Nanos, Prediction, Routing, RoutingError,
+    SlotId,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -90,6 +98,14 @@ pub struct ComputeParams {
     /// CPU the I/O lanes take from the kernels per MiB read, microseconds.
     #[serde(default)]
     pub read_cpu_us_per_mib: f64,
+    /// How much slower a kernel runs while any lane has a read to serve: the part of a kernel
+    /// that overlaps reads takes `1 + read_slowdown` times its time alone (the lanes' threads
+    /// take the kernels' cores). Unlike the per-read charge above it costs nothing for reads
+    /// that run while the kernels wait, so it stops growing once the reads cover every kernel
+    /// of a layer — as the engine's compute per token does. 0 = off (and in profiles written
+    /// before it existed).
+    #[serde(default)]
+    pub read_slowdown: f64,
     /// Relative jitter in [0, 1): 0 = none.
     #[serde(default)]
     pub jitter: f64,
@@ -115,6 +131,7 @@ impl ComputeParams {
             ("loop_overhead_ms", self.loop_overhead_ms),
             ("read_cpu_us", self.read_cpu_us),
             ("read_cpu_us_per_mib", self.read_cpu_us_per_mib),
+            ("read_slowdown", self.read_slowdown),
             ("jitter", self.jitter),
         ];
         for (name, v) in fields {
@@ -229,6 +246,9 @@ pub struct TraceBackend {
     /// Reads the flash model counted, and how many of them were charged already.
     reads: Option<ReadMeter>,
     reads_charged: (u64, u64),
+    /// The flash model, asked which reads are in flight while a kernel runs
+    /// (`read_slowdown`).
+    flash: Option<SharedFlash>,
 }
 
 impl TraceBackend {
@@ -275,7 +295,13 @@ impl TraceBackend {
             busy: Nanos::ZERO,
             reads: None,
             reads_charged: (0, 0),
+            flash: None,
         }
+    }
+
+    /// Slow the kernels by `read_slowdown` while `flash` has reads in flight.
+    pub fn set_flash(&mut self, flash: SharedFlash) {
+        self.flash = Some(flash);
     }
 
     /// Charge the lanes' CPU of the reads `meter` counts (the flash model's) to compute.
@@ -311,14 +337,19 @@ impl TraceBackend {
         if ns <= 0.0 {
             return Nanos::ZERO;
         }
+        let d = Nanos(self.jittered(ns).round() as u64);
+        self.clock.advance(d);
+        d
+    }
+
+    /// `ns` scaled by this charge's jitter draw.
+    fn jittered(&mut self, ns: f64) -> f64 {
         let factor = if self.params.jitter > 0.0 {
             1.0 + self.params.jitter * (self.rng.gen::<f64>() * 2.0 - 1.0)
         } else {
             1.0
         };
-        let d = Nanos((ns * factor).round() as u64);
-        self.clock.advance(d);
-        d
+        ns * factor
     }
 
     fn charge_busy(&mut self, ns: f64) {
@@ -330,7 +361,20 @@ impl TraceBackend {
     /// `release`, which the core times as cache management).
     fn charge_kernel(&mut self, ns: f64) {
         let ns = ns + self.pending_read_cpu_ns();
-        self.charge_busy(ns);
+        let slowdown = self.params.read_slowdown;
+        match &self.flash {
+            Some(f) if (slowdown > 0.0 || f.dispatches()) && ns > 0.0 => {
+                let work = self.jittered(ns);
+                let t0 = self.clock.now();
+                let end = self
+                    .flash
+                    .as_ref()
+                    .map_or(t0.0, |f| f.kernel_end(t0.0, work, slowdown));
+                self.clock.advance_to(Nanos(end));
+                self.busy += Nanos(end.saturating_sub(t0.0));
+            }
+            _ => self.charge_busy(ns),
+        }
     }
 
     /// The lanes' CPU of the reads submitted since the last charge.
@@ -500,6 +544,7 @@ mod tests {
             loop_overhead_ms: 2.0,
             read_cpu_us: 0.0,
             read_cpu_us_per_mib: 0.0,
+            read_slowdown: 0.0,
             jitter: 0.0,
         }
     }

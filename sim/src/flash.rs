@@ -9,7 +9,10 @@
 //! (processor-sharing) model, so one lane alone gets its full rate and many lanes together
 //! saturate the device ceiling. Optional jitter scales each read's latency and transfer work by
 //! `1 + jitter·u`, `u` uniform in [-1, 1], drawn from a seeded `rand_chacha` stream in
-//! submission order.
+//! submission order. A read that reaches the head of its lane while the compute model's
+//! kernels run (`kernel_end`, below) first waits `dispatch_us`: the lane's thread waiting for a
+//! core the kernels hold. The compute model asks the same model (`SharedFlash`) which reads are
+//! in flight while a kernel runs, to slow the kernel by `compute.read_slowdown` over them.
 //!
 //! The model is evaluated lazily: its own time trails the virtual clock and catches up (event
 //! by event) whenever the core calls in, and `wait` advances the clock to the awaited read's
@@ -23,8 +26,10 @@ use bmoe_core::{Clock, Flash, FlashError, Nanos, ReadDone, ReadId, ReadRequest};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
+use std::cell::RefCell;
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
+use std::rc::Rc;
 
 /// The `rand_chacha` stream the flash model draws its jitter from (the compute model uses
 /// another), so turning one model's jitter on never changes the other's draws.
@@ -55,6 +60,17 @@ pub struct FlashParams {
     /// Empty (the default) = no spread beyond `jitter`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub service_quantiles: Vec<f64>,
+    /// A lane's time to get to a read that reaches the head of its queue while the kernels
+    /// hold the cores (the lane's thread waiting to be scheduled, then dequeuing and issuing),
+    /// before the read's own service time starts, microseconds. A read that starts while the
+    /// kernels wait for reads pays none: the lane finds a free core. The engine's io trace
+    /// times a read from the moment its lane picked it up, so this time is in no read's
+    /// latency, yet a layer whose reads queue behind one another while it computes pays it
+    /// once per read. Only a replay whose compute model runs its kernels through
+    /// `FlashModel::kernel_end` tells the lanes when the kernels run. 0 in profiles written
+    /// before it existed.
+    #[serde(default)]
+    pub dispatch_us: f64,
 }
 
 /// At most this many `service_quantiles`.
@@ -68,11 +84,15 @@ impl FlashParams {
             name: profile.to_string(),
             reason,
         };
-        if !(self.read_latency_us.is_finite() && self.read_latency_us >= 0.0) {
-            return Err(bad(format!(
-                "flash.read_latency_us={} must be a finite number >= 0",
-                self.read_latency_us
-            )));
+        for (name, v) in [
+            ("read_latency_us", self.read_latency_us),
+            ("dispatch_us", self.dispatch_us),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(bad(format!(
+                    "flash.{name}={v} must be a finite number >= 0"
+                )));
+            }
         }
         for (name, v) in [
             ("lane_mib_per_s", self.lane_mib_per_s),
@@ -161,6 +181,10 @@ pub struct FlashModel {
     clock: VirtualClock,
     lanes: u32,
     latency_ns: f64,
+    /// `FlashParams::dispatch_us`, in nanoseconds.
+    dispatch_ns: u64,
+    /// Inside `kernel_end`: the kernels hold the cores, and a lane taking up a read waits.
+    in_kernel: bool,
     /// Bytes per nanosecond.
     lane_rate: f64,
     device_rate: f64,
@@ -207,6 +231,8 @@ impl FlashModel {
             clock,
             lanes,
             latency_ns: params.read_latency_us * 1e3,
+            dispatch_ns: (params.dispatch_us * 1e3).round() as u64,
+            in_kernel: false,
             lane_rate: params.lane_mib_per_s * MIB_F / 1e9,
             device_rate: params.device_mib_per_s * MIB_F / 1e9,
             align_bytes: if o_direct {
@@ -292,8 +318,14 @@ impl FlashModel {
         }
     }
 
-    /// Put `id` at work on its lane at time `t` (it just reached the head).
+    /// Put `id` at work on its lane at time `t` (it just reached the head): its lane takes
+    /// it up after the dispatch time, and its service starts then.
     fn start(&mut self, id: u64, t: u64) {
+        let t = if self.in_kernel {
+            t.saturating_add(self.dispatch_ns)
+        } else {
+            t
+        };
         if let Some(r) = self.read_mut(id) {
             r.start = t;
             r.status = Status::Latency {
@@ -317,6 +349,80 @@ impl FlashModel {
         }
     }
 
+    /// The time of the next event (a latency ending, a transfer finishing; `u64::MAX` when
+    /// none is coming) and the rate every transfer in progress moves at until then.
+    fn next_event(&self) -> (u64, f64) {
+        let mut transfers = 0u32;
+        let mut next = u64::MAX;
+        for q in &self.queues {
+            let Some(&id) = q.front() else { continue };
+            match self.read(id).map(|r| &r.status) {
+                Some(Status::Latency { until }) => next = next.min(*until),
+                Some(Status::Transfer { .. }) => transfers += 1,
+                _ => {}
+            }
+        }
+        let rate = if transfers == 0 {
+            self.lane_rate
+        } else {
+            self.lane_rate.min(self.device_rate / f64::from(transfers))
+        };
+        for q in &self.queues {
+            let Some(&id) = q.front() else { continue };
+            if let Some(Status::Transfer { remaining }) = self.read(id).map(|r| &r.status) {
+                let dt = (remaining / rate).ceil().max(0.0);
+                let finish = if dt >= u64::MAX as f64 {
+                    u64::MAX
+                } else {
+                    self.t.saturating_add(dt as u64)
+                };
+                next = next.min(finish);
+            }
+        }
+        (next, rate)
+    }
+
+    /// When a kernel of `work_ns` (its time alone) started at `t0` ends, if it runs
+    /// `1 + slowdown` times slower while any lane has a read to serve (the lanes' threads
+    /// taking the kernels' cores). No read is submitted while a kernel runs, so the reads in
+    /// flight now decide it; the model is moved on to the kernel's last read event before
+    /// its end, never past it.
+    pub fn kernel_end(&mut self, t0: u64, work_ns: f64, slowdown: f64) -> u64 {
+        if t0 > self.t {
+            self.run(t0, None);
+        }
+        let alone = |t: f64, w: f64| (t + w).round().min(u64::MAX as f64) as u64;
+        if !(work_ns > 0.0) {
+            return t0;
+        }
+        let slow = 1.0 + slowdown.max(0.0);
+        let (mut t, mut remaining) = (t0 as f64, work_ns);
+        self.in_kernel = true;
+        let end = loop {
+            if self.queues.iter().all(VecDeque::is_empty) {
+                break alone(t, remaining);
+            }
+            let (next, _) = self.next_event();
+            let need = remaining * slow;
+            if next == u64::MAX || t + need <= next as f64 {
+                break alone(t, need);
+            }
+            let next = next.max(t.ceil() as u64);
+            remaining -= (next as f64 - t) / slow;
+            t = next as f64;
+            self.run(next, None);
+        };
+        self.in_kernel = false;
+        end
+    }
+
+    /// Whether reads pay a dispatch time (`FlashParams::dispatch_us` > 0): the compute model
+    /// then runs its kernels through `kernel_end`, which tells the lanes the kernels hold the
+    /// cores.
+    pub fn dispatches(&self) -> bool {
+        self.dispatch_ns > 0
+    }
+
     /// Process events until the model's time reaches `limit`, or (when `target` is given)
     /// until that read has completed, whichever comes first. `limit = u64::MAX` runs until
     /// the target completes or nothing is active.
@@ -332,33 +438,7 @@ impl FlashModel {
                     return;
                 }
             }
-            let mut transfers = 0u32;
-            let mut next = u64::MAX;
-            for q in &self.queues {
-                let Some(&id) = q.front() else { continue };
-                match self.read(id).map(|r| &r.status) {
-                    Some(Status::Latency { until }) => next = next.min(*until),
-                    Some(Status::Transfer { .. }) => transfers += 1,
-                    _ => {}
-                }
-            }
-            let rate = if transfers == 0 {
-                self.lane_rate
-            } else {
-                self.lane_rate.min(self.device_rate / f64::from(transfers))
-            };
-            for q in &self.queues {
-                let Some(&id) = q.front() else { continue };
-                if let Some(Status::Transfer { remaining }) = self.read(id).map(|r| &r.status) {
-                    let dt = (remaining / rate).ceil().max(0.0);
-                    let finish = if dt >= u64::MAX as f64 {
-                        u64::MAX
-                    } else {
-                        self.t.saturating_add(dt as u64)
-                    };
-                    next = next.min(finish);
-                }
-            }
+            let (next, rate) = self.next_event();
             if next == u64::MAX || next > limit {
                 // Nothing happens before the limit: move the transfers along and stop.
                 if limit != u64::MAX && limit > self.t {
@@ -462,6 +542,55 @@ impl FlashModel {
             self.base_id += 1;
         }
         outcome
+    }
+}
+
+/// One flash model shared by the engine (through `Flash`) and the compute model, which asks it
+/// which reads are in flight while a kernel runs (`FlashModel::kernel_end`). Single-threaded,
+/// like the virtual clock; each call borrows the model for its own duration only.
+#[derive(Clone, Debug)]
+pub struct SharedFlash(Rc<RefCell<FlashModel>>);
+
+impl SharedFlash {
+    pub fn new(model: FlashModel) -> Self {
+        SharedFlash(Rc::new(RefCell::new(model)))
+    }
+
+    /// `FlashModel::dispatches`.
+    pub fn dispatches(&self) -> bool {
+        self.0.borrow().dispatches()
+    }
+
+    /// `FlashModel::kernel_end`.
+    pub fn kernel_end(&self, t0: u64, work_ns: f64, slowdown: f64) -> u64 {
+        self.0.borrow_mut().kernel_end(t0, work_ns, slowdown)
+    }
+
+    /// Faults injected so far.
+    pub fn fault_counts(&self) -> FaultCounts {
+        self.0.borrow().fault_counts()
+    }
+}
+
+impl Flash for SharedFlash {
+    fn lanes(&self) -> u32 {
+        self.0.borrow().lanes()
+    }
+
+    fn submit(&mut self, read: ReadRequest) -> ReadId {
+        self.0.borrow_mut().submit(read)
+    }
+
+    fn wait(&mut self, id: ReadId) -> Result<ReadDone, FlashError> {
+        self.0.borrow_mut().wait(id)
+    }
+
+    fn poll(&mut self) -> Option<(ReadId, Result<ReadDone, FlashError>)> {
+        self.0.borrow_mut().poll()
+    }
+
+    fn cancel(&mut self, id: ReadId) -> bool {
+        self.0.borrow_mut().cancel(id)
     }
 }
 
@@ -610,6 +739,7 @@ mod tests {
     fn params(latency_us: f64, lane: f64, device: f64) -> FlashParams {
         FlashParams {
             service_quantiles: Vec::new(),
+            dispatch_us: 0.0,
             read_latency_us: latency_us,
             lane_mib_per_s: lane,
             device_mib_per_s: device,
@@ -907,6 +1037,60 @@ mod tests {
     }
 
     #[test]
+    fn a_kernel_runs_slower_while_reads_are_in_flight_and_not_after() {
+        let clock = VirtualClock::new();
+        // 1000 MiB/s: a 1 MiB read takes 1 ms.
+        let mut f = FlashModel::new(clock.clone(), &params(0.0, 1000.0, 1000.0), 1, true, 0);
+        assert_eq!(
+            f.kernel_end(0, 2e6, 1.0),
+            2_000_000,
+            "no read in flight: its time alone"
+        );
+        let id = f.submit(req(0, 0, MIB));
+        // 2 ms of work, twice as slow for the first 1 ms (0.5 ms done), then 1.5 ms alone.
+        let end = f.kernel_end(0, 2e6, 1.0);
+        assert!((end as i64 - 2_500_000).abs() <= 2, "{end}");
+        clock.advance_to(Nanos(end));
+        let d = f.wait(id).expect("read");
+        assert!(
+            (d.end.0 as i64 - 1_000_000).abs() <= 2,
+            "the read is not slowed: {d:?}"
+        );
+        assert_eq!(f.kernel_end(end, 1e6, 0.0), end + 1_000_000);
+    }
+
+    #[test]
+    fn a_read_that_starts_while_a_kernel_runs_waits_its_dispatch_time() {
+        let mut p = params(0.0, 1000.0, 1000.0);
+        p.dispatch_us = 100.0;
+        let run = |kernel: bool| {
+            let clock = VirtualClock::new();
+            let mut f = FlashModel::new(clock.clone(), &p, 1, true, 0);
+            let a = f.submit(req(0, 0, MIB));
+            let b = f.submit(req(0, MIB, MIB));
+            if kernel {
+                let end = f.kernel_end(0, 5e6, 0.0);
+                assert_eq!(end, 5_000_000, "no slowdown asked");
+                clock.advance_to(Nanos(end));
+            }
+            let (da, db) = (f.wait(a).expect("a"), f.wait(b).expect("b"));
+            (da.start.0, da.end.0, db.start.0, db.end.0)
+        };
+        // Submitted outside a kernel: the first read starts at once. Its successor reaches
+        // the head at 1 ms: at once while the kernels wait, 100 us later while one runs —
+        // and the read's own service time (end - start) is the same either way.
+        let (a0, a1, b0, b1) = run(false);
+        assert_eq!((a0, b0), (0, a1));
+        let (c0, c1, d0, d1) = run(true);
+        assert_eq!(c0, 0);
+        assert!(
+            (d0 as i64 - (c1 as i64 + 100_000)).abs() <= 1,
+            "{d0} vs {c1}"
+        );
+        assert_eq!(d1 - d0, b1 - b0);
+    }
+
+    #[test]
     fn params_are_checked() {
         assert!(params(1.0, 1.0, 1.0).validate("p").is_ok());
         assert!(params(-1.0, 1.0, 1.0).validate("p").is_err());
@@ -918,5 +1102,12 @@ mod tests {
         p.align_bytes = 4096;
         p.jitter = 1.0;
         assert!(p.validate("p").is_err());
+        p.jitter = 0.0;
+        p.dispatch_us = -1.0;
+        assert!(p.validate("p").is_err());
+        p.dispatch_us = f64::INFINITY;
+        assert!(p.validate("p").is_err());
+        p.dispatch_us = 50.0;
+        assert!(p.validate("p").is_ok());
     }
 }

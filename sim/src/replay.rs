@@ -260,8 +260,9 @@ pub fn run(setup: ReplaySetup<'_>, out: ReplayOutputs<'_>) -> Result<ReplayResul
     if let Some(plan) = &cfg.inject_faults {
         flash.set_faults(plan.clone());
     }
+    let flash = crate::flash::SharedFlash::new(flash);
     // As in the engine: a read failing with EIO or short is retried before it is reported.
-    let flash = RetryFlash::new(flash, READ_RETRIES);
+    let retry = RetryFlash::new(flash.clone(), READ_RETRIES);
     let mut backend = TraceBackend::new(
         clock.clone(),
         &profile.compute,
@@ -271,10 +272,11 @@ pub fn run(setup: ReplaySetup<'_>, out: ReplayOutputs<'_>) -> Result<ReplayResul
         seed,
     );
     backend.set_read_meter(meter);
+    backend.set_flash(flash);
     let cache = ExpertCache::new(layout, budget_bytes, k, policy)?;
     let mut engine = Engine::new(
         clock.clone(),
-        flash,
+        retry,
         backend,
         layout.clone(),
         cache,
