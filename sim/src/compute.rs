@@ -358,18 +358,22 @@ impl TraceBackend {
     }
 
     /// A kernel's time plus the lanes' CPU taken since the last kernel (not charged to
-    /// `release`, which the core times as cache management).
+    /// `release`, which the core times as cache management). With a slowdown while reading or
+    /// a lane dispatch time in the profile the kernel runs through the flash model
+    /// (`SharedFlash::kernel_end`), which slows it over the reads in flight and learns that the
+    /// kernels hold the cores.
     fn charge_kernel(&mut self, ns: f64) {
         let ns = ns + self.pending_read_cpu_ns();
         let slowdown = self.params.read_slowdown;
-        match &self.flash {
-            Some(f) if (slowdown > 0.0 || f.dispatches()) && ns > 0.0 => {
+        let shared = self
+            .flash
+            .clone()
+            .filter(|f| slowdown > 0.0 || f.dispatches());
+        match shared {
+            Some(flash) if ns > 0.0 => {
                 let work = self.jittered(ns);
                 let t0 = self.clock.now();
-                let end = self
-                    .flash
-                    .as_ref()
-                    .map_or(t0.0, |f| f.kernel_end(t0.0, work, slowdown));
+                let end = flash.kernel_end(t0.0, work, slowdown);
                 self.clock.advance_to(Nanos(end));
                 self.busy += Nanos(end.saturating_sub(t0.0));
             }
