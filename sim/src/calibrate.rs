@@ -1131,6 +1131,20 @@ fn fit_slowdown(
             }
         }
     }
+    if best_b < slope * (1.0 - SLOWDOWN_SLOPE_TOLERANCE) {
+        // The replays' compute does not rise with the reads as the runs' does at any slowdown
+        // (the tiny model's kernels are too short for reads to overlap them much): what makes
+        // the runs' compute rise is not this, and a slowdown pushed to its bound would price
+        // runs that read little far too fast. The per-read charge stays.
+        notes.push(format!(
+            "compute: no slowdown while reading reproduces the runs' rise of {:.1} us per MiB \
+             read (at most {:.1} at {:.2}x): the per-read charge above kept",
+            slope * 1e3,
+            best_b.max(0.0) * 1e3,
+            1.0 + best.compute.read_slowdown
+        ));
+        return Ok(false);
+    }
     let c = &best.compute;
     let work_mib = samples.iter().filter_map(|x| x.work_mib).sum::<f64>() / samples.len() as f64;
     notes.push(format!(
@@ -1151,6 +1165,9 @@ fn fit_slowdown(
 /// `fit_slowdown`'s bounds: the largest slowdown it fits, and the replays it takes to level
 /// the kernels' rate to the runs' mean compute.
 const SLOWDOWN_MAX: f64 = 8.0;
+/// How far below the runs' slope the best slowdown's replays may stay, as a share of it,
+/// before the fit gives the slowdown up.
+const SLOWDOWN_SLOPE_TOLERANCE: f64 = 0.25;
 const SLOWDOWN_LEVEL_ROUNDS: usize = 4;
 
 /// The lanes' dispatch time (`flash.dispatch_us`), fitted so that the replays of the runs stall
@@ -2020,6 +2037,123 @@ mod tests {
                 one.notes
             );
         }
+        assert!(calibrate_sweep(&inputs[..1], &base, "fit", FitOptions::default()).is_err());
+    }
+
+    /// A device whose lanes take CPU from the kernels per read (60 µs, a charge that does not
+    /// depend on what the kernels overlap): its runs' compute rises with the reads in a way no
+    /// slowdown while reading reproduces on this trace, so the fit gives the slowdown up (and
+    /// says so) and keeps the per-read charge — recovered from one run, holding at budgets
+    /// reading 3× more and less; the sweep predicts each run left out; the single-rate fit
+    /// mispredicts.
+    #[test]
+    fn a_per_read_cost_no_slowdown_reproduces_is_kept_as_a_per_read_charge() {
+        let dir = Scratch::new("cpu");
+        let trace_path = dir.trace("t.csv", synthetic_trace(200));
+        let mut truth = DeviceProfile::load("this-machine").expect("base");
+        truth.flash = FlashParams {
+            read_latency_us: 100.0,
+            lane_mib_per_s: 600.0,
+            device_mib_per_s: 1200.0,
+            align_bytes: 4096,
+            jitter: 0.0,
+            service_quantiles: Vec::new(),
+            dispatch_us: 0.0,
+        };
+        truth.compute.jitter = 0.0;
+        truth.compute.read_cpu_us = 60.0;
+        truth.compute.read_cpu_us_per_mib = 0.0;
+        truth.compute.release_us_per_mib = 20.0;
+        let prepared = prepare_own(&trace_path, true, Some(2));
+        let base = DeviceProfile::load("this-machine").expect("base");
+        let budgets = ["2", "4", "7"];
+        let csvs: Vec<MetricsCsv> = budgets
+            .iter()
+            .map(|mb| {
+                let path = dir.join(&format!("run{mb}.csv"));
+                measure_at(
+                    &dir.0,
+                    &trace_path,
+                    &truth,
+                    mb,
+                    &["--io-threads", "2", "--overlap"],
+                    &path,
+                    None,
+                );
+                read_csv(&path)
+            })
+            .collect();
+        let volume = |c: &MetricsCsv| c.rows.iter().map(|r| r.read_bytes).sum::<u64>() as f64;
+        assert!(
+            volume(&csvs[0]) >= 3.0 * volume(&csvs[2]),
+            "the budgets must span 3x the read volume"
+        );
+        let names: Vec<String> = budgets.iter().map(|b| format!("run{b}.csv")).collect();
+        let inputs: Vec<RunInput> = csvs
+            .iter()
+            .zip(&names)
+            .map(|(csv, name)| RunInput {
+                csv,
+                name,
+                prepared: Some(&prepared),
+                io: None,
+            })
+            .collect();
+        // Budgets differ, the trace is one: the replay must use each run's own budget.
+        let predict = |profile: &DeviceProfile, i: usize| replay_error(&inputs[i], profile);
+        // One run (the middle budget) with the lanes' CPU: recovered, and it holds elsewhere.
+        let one = calibrate_run(&inputs[1], &base, "fit", FitOptions::default()).expect("fit");
+        assert!(
+            one.notes
+                .iter()
+                .any(|n| n.contains("no slowdown while reading reproduces")),
+            "{:#?}",
+            one.notes
+        );
+        let k = &one.profile.compute;
+        assert_eq!(k.read_slowdown, 0.0);
+        let mean_read_mib = 102400.0 / MIB_F;
+        let per_read_us = k.read_cpu_us + k.read_cpu_us_per_mib * mean_read_mib;
+        assert!(
+            (per_read_us - 60.0).abs() <= 6.0,
+            "lanes' CPU per read: fitted {per_read_us} us, true 60\n{:#?}",
+            one.notes
+        );
+        for i in [0, 2] {
+            let e = predict(&one.profile, i);
+            assert!(
+                e.abs() <= 0.05,
+                "budget {}: {:+.1}%\n{:#?}",
+                budgets[i],
+                100.0 * e,
+                one.notes
+            );
+        }
+        // The single-rate fit folds the middle run's lanes' CPU into its rate: off at the others.
+        let single = calibrate_run(
+            &inputs[1],
+            &base,
+            "fit",
+            FitOptions {
+                read_cpu: false,
+                service_spread: false,
+            },
+        )
+        .expect("fit");
+        assert_eq!(single.profile.compute.read_cpu_us, 0.0);
+        let worst = [0, 2]
+            .iter()
+            .map(|&i| predict(&single.profile, i).abs())
+            .fold(0.0, f64::max);
+        assert!(
+            worst > 0.05,
+            "the single-rate fit should drift: worst {worst}"
+        );
+        // The sweep: one fit over all three, and each run left out still predicted.
+        let sweep = calibrate_sweep(&inputs, &base, "fit", FitOptions::default()).expect("sweep");
+        let worst_out = note_percent(&sweep.notes, "accuracy:", "(worst ");
+        assert!(worst_out <= 5.0, "{worst_out}%\n{:#?}", sweep.notes);
+        assert_eq!(sweep.profile.sources, sweep.notes);
         assert!(calibrate_sweep(&inputs[..1], &base, "fit", FitOptions::default()).is_err());
     }
 
