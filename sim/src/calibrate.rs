@@ -1917,48 +1917,33 @@ mod tests {
         assert!(err_pct.abs() <= 10.0, "{err_pct}%\n{:#?}", c.notes);
     }
 
-    /// A device whose lanes take the kernels' cores: the kernels run 1.8× slower while reads
-    /// are in flight, and a lane takes 80 µs to get to a read that starts while they run.
-    /// Runs at three budgets read 3× apart; one calibration recovers both, the sweep fit over
-    /// all three predicts each run left out of it, and the single-rate fit of one run
-    /// mispredicts the others — the issue-19 error, reproduced and removed.
-    #[test]
-    fn the_kernels_slowdown_and_the_lanes_dispatch_are_fitted_and_hold_at_other_read_volumes() {
-        let dir = Scratch::new("cpu");
-        let trace_path = dir.trace("t.csv", synthetic_trace(200));
-        let mut truth = DeviceProfile::load("this-machine").expect("base");
-        truth.flash = FlashParams {
+    /// The budgets of the lanes'-cost tests: their runs read 3× apart.
+    const THREE_BUDGETS: [&str; 3] = ["2", "4", "7"];
+
+    /// The flash of the lanes'-cost tests' devices, with `dispatch_us`.
+    fn lanes_test_flash(dispatch_us: f64) -> FlashParams {
+        FlashParams {
             read_latency_us: 100.0,
             lane_mib_per_s: 600.0,
             device_mib_per_s: 1200.0,
             align_bytes: 4096,
             jitter: 0.0,
             service_quantiles: Vec::new(),
-            dispatch_us: 80.0,
-        };
-        truth.compute.jitter = 0.0;
-        truth.compute.dense_mib_per_s = 2000.0;
-        truth.compute.expert_mib_per_s = 2000.0;
-        truth.compute.read_cpu_us = 0.0;
-        truth.compute.read_cpu_us_per_mib = 0.0;
-        truth.compute.read_slowdown = 0.8;
-        truth.compute.release_us_per_mib = 20.0;
+            dispatch_us,
+        }
+    }
+
+    /// `truth` "measured" on a 200-token synthetic trace at each of [`THREE_BUDGETS`] (2 lanes,
+    /// overlap): the prepared trace and the runs' metrics, checked to span 3× the read volume.
+    fn runs_at_three_budgets(dir: &Scratch, truth: &DeviceProfile) -> (Prepared, Vec<MetricsCsv>) {
+        let trace_path = dir.trace("t.csv", synthetic_trace(200));
         let prepared = prepare_own(&trace_path, true, Some(2));
-        let base = DeviceProfile::load("this-machine").expect("base");
-        let budgets = ["2", "4", "7"];
-        let csvs: Vec<MetricsCsv> = budgets
+        let csvs: Vec<MetricsCsv> = THREE_BUDGETS
             .iter()
             .map(|mb| {
                 let path = dir.join(&format!("run{mb}.csv"));
-                measure_at(
-                    &dir.0,
-                    &trace_path,
-                    &truth,
-                    mb,
-                    &["--io-threads", "2", "--overlap"],
-                    &path,
-                    None,
-                );
+                let flags = ["--io-threads", "2", "--overlap"];
+                measure_at(&dir.0, &trace_path, truth, mb, &flags, &path, None);
                 read_csv(&path)
             })
             .collect();
@@ -1967,17 +1952,43 @@ mod tests {
             volume(&csvs[0]) >= 3.0 * volume(&csvs[2]),
             "the budgets must span 3x the read volume"
         );
-        let names: Vec<String> = budgets.iter().map(|b| format!("run{b}.csv")).collect();
-        let inputs: Vec<RunInput> = csvs
-            .iter()
-            .zip(&names)
+        (prepared, csvs)
+    }
+
+    /// The calibration inputs of [`runs_at_three_budgets`]' runs: one trace, each run's CSV.
+    fn budget_inputs<'a>(prepared: &'a Prepared, csvs: &'a [MetricsCsv]) -> Vec<RunInput<'a>> {
+        csvs.iter()
+            .zip(RUN_NAMES)
             .map(|(csv, name)| RunInput {
                 csv,
                 name,
-                prepared: Some(&prepared),
+                prepared: Some(prepared),
                 io: None,
             })
-            .collect();
+            .collect()
+    }
+
+    /// A device whose lanes take the kernels' cores: the kernels run 1.8× slower while reads
+    /// are in flight, and a lane takes 80 µs to get to a read that starts while they run.
+    /// Runs at three budgets read 3× apart; one calibration recovers both, the sweep fit over
+    /// all three predicts each run left out of it, and the single-rate fit of one run
+    /// mispredicts the others — the issue-19 error, reproduced and removed.
+    #[test]
+    fn the_kernels_slowdown_and_the_lanes_dispatch_are_fitted_and_hold_at_other_read_volumes() {
+        let mut truth = DeviceProfile::load("this-machine").expect("base");
+        truth.flash = lanes_test_flash(80.0);
+        truth.compute.jitter = 0.0;
+        truth.compute.dense_mib_per_s = 2000.0;
+        truth.compute.expert_mib_per_s = 2000.0;
+        truth.compute.read_cpu_us = 0.0;
+        truth.compute.read_cpu_us_per_mib = 0.0;
+        truth.compute.read_slowdown = 0.8;
+        truth.compute.release_us_per_mib = 20.0;
+        let dir = Scratch::new("cpu");
+        let (prepared, csvs) = runs_at_three_budgets(&dir, &truth);
+        let inputs = budget_inputs(&prepared, &csvs);
+        let base = DeviceProfile::load("this-machine").expect("base");
+        let budgets = THREE_BUDGETS;
         // Budgets differ, the trace is one: the replay must use each run's own budget.
         let predict = |profile: &DeviceProfile, i: usize| replay_error(&inputs[i], profile);
         // One fit over the three budgets: the kernels' slowdown and the lanes' dispatch time
@@ -2048,58 +2059,17 @@ mod tests {
     /// mispredicts.
     #[test]
     fn a_per_read_cost_no_slowdown_reproduces_is_kept_as_a_per_read_charge() {
-        let dir = Scratch::new("cpu");
-        let trace_path = dir.trace("t.csv", synthetic_trace(200));
         let mut truth = DeviceProfile::load("this-machine").expect("base");
-        truth.flash = FlashParams {
-            read_latency_us: 100.0,
-            lane_mib_per_s: 600.0,
-            device_mib_per_s: 1200.0,
-            align_bytes: 4096,
-            jitter: 0.0,
-            service_quantiles: Vec::new(),
-            dispatch_us: 0.0,
-        };
+        truth.flash = lanes_test_flash(0.0);
         truth.compute.jitter = 0.0;
         truth.compute.read_cpu_us = 60.0;
         truth.compute.read_cpu_us_per_mib = 0.0;
         truth.compute.release_us_per_mib = 20.0;
-        let prepared = prepare_own(&trace_path, true, Some(2));
+        let dir = Scratch::new("cpu");
+        let (prepared, csvs) = runs_at_three_budgets(&dir, &truth);
+        let inputs = budget_inputs(&prepared, &csvs);
         let base = DeviceProfile::load("this-machine").expect("base");
-        let budgets = ["2", "4", "7"];
-        let csvs: Vec<MetricsCsv> = budgets
-            .iter()
-            .map(|mb| {
-                let path = dir.join(&format!("run{mb}.csv"));
-                measure_at(
-                    &dir.0,
-                    &trace_path,
-                    &truth,
-                    mb,
-                    &["--io-threads", "2", "--overlap"],
-                    &path,
-                    None,
-                );
-                read_csv(&path)
-            })
-            .collect();
-        let volume = |c: &MetricsCsv| c.rows.iter().map(|r| r.read_bytes).sum::<u64>() as f64;
-        assert!(
-            volume(&csvs[0]) >= 3.0 * volume(&csvs[2]),
-            "the budgets must span 3x the read volume"
-        );
-        let names: Vec<String> = budgets.iter().map(|b| format!("run{b}.csv")).collect();
-        let inputs: Vec<RunInput> = csvs
-            .iter()
-            .zip(&names)
-            .map(|(csv, name)| RunInput {
-                csv,
-                name,
-                prepared: Some(&prepared),
-                io: None,
-            })
-            .collect();
-        // Budgets differ, the trace is one: the replay must use each run's own budget.
+        let budgets = THREE_BUDGETS;
         let predict = |profile: &DeviceProfile, i: usize| replay_error(&inputs[i], profile);
         // One run (the middle budget) with the lanes' CPU: recovered, and it holds elsewhere.
         let one = calibrate_run(&inputs[1], &base, "fit", FitOptions::default()).expect("fit");

@@ -392,7 +392,7 @@ impl FlashModel {
             self.run(t0, None);
         }
         let alone = |t: f64, w: f64| (t + w).round().min(u64::MAX as f64) as u64;
-        if !(work_ns > 0.0) {
+        if work_ns.is_nan() || work_ns <= 0.0 {
             return t0;
         }
         let slow = 1.0 + slowdown.max(0.0);
