@@ -1970,9 +1970,10 @@ mod tests {
 
     /// A device whose lanes take the kernels' cores: the kernels run 1.8× slower while reads
     /// are in flight, and a lane takes 80 µs to get to a read that starts while they run.
-    /// Runs at three budgets read 3× apart; one calibration recovers both, the sweep fit over
-    /// all three predicts each run left out of it, and the single-rate fit of one run
-    /// mispredicts the others — the issue-19 error, reproduced and removed.
+    /// Runs at three budgets read 3× apart; a sweep over them recovers both, replays each run
+    /// and predicts each run left out of it, where the single-rate fit mispredicts — the
+    /// issue-19 error, reproduced and removed. One run of this trace cannot tell the slowdown,
+    /// and the fit says so.
     #[test]
     fn the_kernels_slowdown_and_the_lanes_dispatch_are_fitted_and_hold_at_other_read_volumes() {
         let mut truth = DeviceProfile::load("this-machine").expect("base");
