@@ -993,14 +993,17 @@ fn fit_profile(
     profile.validate()?;
     if with_trace && cfg.overlap && ms_per_byte.is_some() && opts.read_cpu {
         fit_dispatch(runs, samples, &mut profile, notes)?;
-        if reads_known
-            && opts.read_cpu
-            && !several_shapes
-            && fit_slowdown(runs, samples, &mut profile, notes)?
-        {
+        if reads_known && !several_shapes && fit_slowdown(runs, samples, &mut profile, notes)? {
+            // The slowdown changes which reads start while a kernel runs, and the kernels'
+            // rate the prefill's batch factor is measured against.
             fit_dispatch(runs, samples, &mut profile, notes)?;
-            let mut prefill_notes = Vec::new();
-            fit_batch_factor(runs, samples, &mut profile.compute, &mut prefill_notes);
+            let mut prefill = Vec::new();
+            fit_batch_factor(runs, samples, &mut profile.compute, &mut prefill);
+            notes.extend(
+                prefill
+                    .into_iter()
+                    .map(|n| n.replacen("prefill:", "prefill, refitted:", 1)),
+            );
         }
         profile.validate()?;
         profile.sources = notes.clone();
@@ -1162,12 +1165,13 @@ fn fit_slowdown(
     Ok(true)
 }
 
-/// `fit_slowdown`'s bounds: the largest slowdown it fits, and the replays it takes to level
-/// the kernels' rate to the runs' mean compute.
+/// The largest slowdown `fit_slowdown` fits.
 const SLOWDOWN_MAX: f64 = 8.0;
 /// How far below the runs' slope the best slowdown's replays may stay, as a share of it,
-/// before the fit gives the slowdown up.
+/// before `fit_slowdown` gives the slowdown up.
 const SLOWDOWN_SLOPE_TOLERANCE: f64 = 0.25;
+/// The replays `fit_slowdown` takes at most to level the kernels' rate to the runs' mean
+/// compute.
 const SLOWDOWN_LEVEL_ROUNDS: usize = 4;
 
 /// The lanes' dispatch time (`flash.dispatch_us`), fitted so that the replays of the runs stall
@@ -1175,10 +1179,10 @@ const SLOWDOWN_LEVEL_ROUNDS: usize = 4;
 /// its lane took it up, so the fit of read latency and rate above never sees the time a lane
 /// takes to get to the next read — waking, dequeuing, issuing, while the kernels hold the
 /// cores (a read that starts while they wait pays none) — yet a layer whose misses queue
-/// several reads on each lane pays it once per read, and
-/// without it the replay lets reads overlap compute that on the device they do not: measured on
-/// this machine, the replay of the calibration run itself stalled 28 % short, and predictions
-/// at 3x its read volume were 15-18 % fast. The replayed stall grows with the dispatch time, so
+/// several reads on each lane pays it once per read, and without it the replay lets reads
+/// overlap compute that on the device they do not: measured on this machine, the replay of the
+/// calibration run itself stalled 28 % short, and predictions at 3x its read volume were
+/// 15-18 % fast. The replayed stall grows with the dispatch time, so
 /// a bisection finds it (to 1 us, within 0-2000 us); the note says what was fitted, and a run
 /// that already stalls no more than its replay keeps 0.
 fn fit_dispatch(
