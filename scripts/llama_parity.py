@@ -22,6 +22,7 @@
 Only the standard library plus those packages and numpy.
 """
 import json
+import os
 import sys
 
 
@@ -126,6 +127,7 @@ TIE = 0.005
 def cmd_compare(a, b, n_vocab):
     import numpy as np
 
+    a_path = a
     n_vocab = int(n_vocab)
     x = np.fromfile(a, dtype=np.float32).reshape(-1, n_vocab)
     y = np.fromfile(b, dtype=np.float32).reshape(-1, n_vocab)
@@ -141,10 +143,18 @@ def cmd_compare(a, b, n_vocab):
     rows = np.arange(n)
     gap = (y[rows, b] - y[rows, a]) / (y.max(1) - y.min(1))
     tie = top | (gap <= TIE)
-    print(json.dumps({"rows": n, "cos_min": float(cos.min()), "cos_mean": float(cos.mean()),
-                      "top1_agree": float(top.mean()), "top1_tie_agree": float(tie.mean()),
-                      "tie_margin": TIE, "cos": [float(c) for c in cos],
-                      "top1": [bool(t) for t in top], "top1_tie": [bool(t) for t in tie]}))
+    out = {"rows": n, "cos_min": float(cos.min()), "cos_mean": float(cos.mean()),
+           "top1_agree": float(top.mean()), "top1_tie_agree": float(tie.mean()),
+           "tie_margin": TIE, "cos": [float(c) for c in cos],
+           "top1": [bool(t) for t in top], "top1_tie": [bool(t) for t in tie]}
+    # bmoe's sidecar beside A (`--logits-out A` writes A.json) says how close each position's
+    # routing came to a tie; passed through for the gate, which excuses routing near-ties.
+    side = a_path + ".json"
+    if os.path.exists(side):
+        margins = json.load(open(side)).get("router_margin")
+        if margins is not None:
+            out["router_margin"] = margins[:n]
+    print(json.dumps(out))
 
 
 COMMANDS = {"logits": cmd_logits, "quantize": cmd_quantize, "rewrite": cmd_rewrite,

@@ -130,7 +130,8 @@ pub struct RunArgs {
     #[arg(long, default_value = "-1", value_parser = crate::prompt::parse_seed, allow_negative_numbers = true)]
     pub seed: u64,
     /// Write the logits of every prompt position and generated step (raw little-endian f32,
-    /// one row of n_vocab per position) plus PATH.json naming the token ids
+    /// one row of n_vocab per position) plus PATH.json naming the token ids and each
+    /// position's smallest router margin (how close its routing came to a tie)
     #[arg(long = "logits-out", value_name = "PATH")]
     pub logits_out: Option<PathBuf>,
     /// Keep the model loaded and serve requests: one JSON object per line on stdin

@@ -417,6 +417,9 @@ pub(crate) struct Sampling<'a> {
     /// Where the answer is printed as it grows (no `--progress`).
     inline: Option<&'a mut dyn Write>,
     logits_out: Option<&'a mut BufWriter<NamedFile>>,
+    /// With `logits_out`: each written row's smallest router margin (`State::router_margin`),
+    /// for the sidecar.
+    router_margins: Vec<f32>,
     /// The end-of-generation token that ended the turn, if one did.
     eog: Option<u32>,
     /// Generate through end-of-generation tokens (`--routing-from`: the trace, not the
@@ -445,6 +448,7 @@ impl<'a> Sampling<'a> {
             text: String::new(),
             inline: None,
             logits_out: None,
+            router_margins: Vec::new(),
             eog: None,
             ignore_eog: false,
         }
@@ -506,6 +510,13 @@ impl TokenSource<EngineBackend> for Sampling<'_> {
                         source,
                     })?;
             }
+            let st = &backend.state;
+            self.router_margins.extend(st.out_rows.iter().map(|&r| {
+                st.router_margin
+                    .get(r as usize)
+                    .copied()
+                    .unwrap_or(f32::INFINITY)
+            }));
         }
         Ok(())
     }
@@ -786,6 +797,7 @@ pub fn generate_with_cancel(
         r?
     };
     let eog = source.eog;
+    let router_margins = std::mem::take(&mut source.router_margins);
     let (_, text) = source.into_text();
 
     if !progress {
@@ -809,9 +821,12 @@ pub fn generate_with_cancel(
         w.flush()?;
         let mut ids: Vec<u32> = prompt_tokens.clone();
         ids.extend(&turn.tokens);
+        // Infinite margins (a row no MoE layer routed) are written as null.
         let side = serde_json::json!({
             "n_vocab": n_vocab, "n_prompt": prompt_tokens.len(), "rows": ids.len(), "dtype": "f32le",
-            "token_ids": ids, "note": "row i holds the logits after feeding token_ids[..=i]"
+            "token_ids": ids, "note": "row i holds the logits after feeding token_ids[..=i]",
+            "router_margin": router_margins,
+            "router_margin_note": "per row, the smallest lead of the last chosen expert's ranking score over the best unchosen one's (logit units) over the MoE layers: a row near 0 routes on a near-tie"
         });
         json.write_all(serde_json::to_string_pretty(&side)?.as_bytes())?;
     }

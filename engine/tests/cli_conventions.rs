@@ -283,3 +283,44 @@ fn the_default_seed_is_random_reported_and_repeatable() {
     let text = std::fs::read_to_string(&csv).unwrap();
     assert!(text.contains(&format!("seed={seed} ")), "{text}");
 }
+
+/// `--logits-out`'s sidecar carries one router margin per logits row (prompt positions and
+/// generated steps): over the MoE layers that routed the row, the lead of the last chosen
+/// expert over the best unchosen one, in logit units — never negative (the chosen lead by
+/// construction), finite on a model whose every layer routes, and spread over positions.
+#[test]
+fn logits_out_reports_each_rows_router_margin() {
+    let path = dir().join("margins.logits");
+    let p = path.to_str().unwrap().to_string();
+    ok(&run(
+        &[
+            "-p",
+            "The cache of experts keeps what the router asked for.",
+            "-n",
+            "3",
+            "--ignore-eos",
+            "--logits-out",
+            &p,
+        ],
+        None,
+    ));
+    let side: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(format!("{p}.json")).unwrap()).unwrap();
+    let n_vocab = side["n_vocab"].as_u64().unwrap();
+    let rows = std::fs::metadata(&path).unwrap().len() / (4 * n_vocab);
+    let margins: Vec<f64> = side["router_margin"]
+        .as_array()
+        .expect("router_margin in the sidecar")
+        .iter()
+        .map(|m| {
+            m.as_f64()
+                .expect("a finite margin: every tiny layer routes")
+        })
+        .collect();
+    assert_eq!(margins.len() as u64, rows, "one margin per logits row");
+    assert!(margins.iter().all(|&m| m >= 0.0), "{margins:?}");
+    let (lo, hi) = margins
+        .iter()
+        .fold((f64::MAX, 0.0f64), |(a, b), &m| (a.min(m), b.max(m)));
+    assert!(hi > lo, "margins differ between positions: {margins:?}");
+}

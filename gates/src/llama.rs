@@ -134,5 +134,37 @@ pub fn parity(json: &str, tag: &str) -> Parity {
         100.0 * p.top1,
         100.0 * p.good
     );
+    // Each position off, with how close our routing came to a tie there (bmoe's router margin
+    // from the `--logits-out` sidecar, logit units; `compare` passes it through): a routing
+    // flip on a near-tie and a kernel error look alike in the logits, not in the margin.
+    let margins = v["router_margin"].as_array();
+    let off: Vec<String> = v["top1_tie"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(&cos)
+        .enumerate()
+        .filter(|(_, (t, c))| !(t.as_bool().unwrap() && **c >= 0.999))
+        .map(|(i, (_, c))| {
+            let m = margins
+                .and_then(|m| m.get(i))
+                .and_then(|m| m.as_f64())
+                .map_or("-".to_string(), |m| format!("{m:.2e}"));
+            format!("{i} (cos {c:.4}, router margin {m})")
+        })
+        .collect();
+    if !off.is_empty() {
+        let min_margin = margins
+            .map(|m| {
+                m.iter()
+                    .filter_map(|x| x.as_f64())
+                    .fold(f64::INFINITY, f64::min)
+            })
+            .unwrap_or(f64::NAN);
+        eprintln!(
+            "parity {tag}: positions off: {}; smallest router margin over all positions {min_margin:.2e}",
+            off.join(", ")
+        );
+    }
     p
 }

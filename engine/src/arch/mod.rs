@@ -413,6 +413,8 @@ impl<A: Arch + ?Sized> Model<A> {
         }
         st.n_rows = n;
         st.pred_layer = None;
+        st.router_margin.clear();
+        st.router_margin.resize(n, f32::INFINITY);
         st.positions.clear();
         st.positions.extend_from_slice(positions);
         st.out_rows.clear();
@@ -521,6 +523,19 @@ impl<A: Arch + ?Sized> Model<A> {
                 &mut out.ids[r * k..(r + 1) * k],
                 &mut out.weights[r * k..(r + 1) * k],
             );
+            // `order` is every expert by ranking score: the margin is the last chosen one's
+            // lead over the first left out.
+            if k > 0 && k < order.len() {
+                let rank = |e: u32| {
+                    let b = bias.and_then(|b| b.get(e as usize)).copied().unwrap_or(0.0);
+                    self.gating.rank_score(scores[e as usize], b)
+                };
+                let margin = rank(order[k - 1]) - rank(order[k]);
+                let row = st.ffn_rows.get(r).map_or(r, |&x| x as usize);
+                if let Some(slot) = st.router_margin.get_mut(row) {
+                    *slot = slot.min(margin);
+                }
+            }
         }
         st.pred_order = order;
         Ok(())

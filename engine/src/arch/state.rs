@@ -413,6 +413,11 @@ pub struct State {
     pub pred_acts: Vec<ActBuf>,
     pub pred_scores: Vec<f32>,
     pub pred_order: Vec<u32>,
+    /// Per batch row, the smallest router margin over the MoE layers that routed it: the
+    /// k-th chosen expert's ranking score less the best unchosen one's, in logit units
+    /// (`Gating::rank_score`); infinite for a row no layer routed. A row routed at a near-tie
+    /// flips its choice on last-bit differences — what `--logits-out` reports it for.
+    pub router_margin: Vec<f32>,
     /// Rows whose logits are wanted at the end of the batch.
     pub out_rows: Vec<u32>,
     /// `out_rows.len() × n_vocab` logits after `head`.
@@ -455,6 +460,7 @@ impl State {
             pred_acts: Vec::new(),
             pred_scores: Vec::new(),
             pred_order: Vec::new(),
+            router_margin: Vec::new(),
             out_rows: Vec::new(),
             logits: Vec::new(),
         }
