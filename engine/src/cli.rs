@@ -298,8 +298,8 @@ pub struct GenArgs {
     pub tie_output: bool,
     /// Routing realism: router mix of context (slowly drifting) vs token identity, in [0,1].
     /// Default per preset, calibrated to ~35-40% previous-token reuse on English text in every
-    /// layer (tiny 0.65, small and qwen3-30b-a3b-shape 0.7; see docs/models.md); 0 = random
-    /// routing
+    /// layer (tiny 0.65, small and qwen3-30b-a3b-shape 0.7; gemma4 files 0.2; see
+    /// docs/models.md); 0 = random routing
     #[arg(long = "routing-context")]
     pub routing_context: Option<f32>,
     /// Router logit gain (higher = sharper routing)
@@ -307,9 +307,10 @@ pub struct GenArgs {
     pub router_gain: f32,
     /// Layer i's router reads the context at 1/(i+1)^P of its gain, offsetting the context's
     /// growth with depth so reuse stays flat over the layers; 0 = one gain for every layer
-    /// (deep layers then route on context alone), in [0, 4]
-    #[arg(long = "routing-depth", default_value_t = 0.75, value_name = "P")]
-    pub routing_depth: f32,
+    /// (deep layers then route on context alone), in [0, 4]. Default 0.75; gemma4 files 0
+    /// (gemma4 normalises every sub-layer's output, so its context does not grow with depth)
+    #[arg(long = "routing-depth", value_name = "P")]
+    pub routing_depth: Option<f32>,
     /// q/k norm weight: small = near-uniform attention (a running context mean)
     #[arg(long = "attn-sharpness", default_value_t = 0.5)]
     pub attn_sharpness: f32,
@@ -424,6 +425,7 @@ pub fn gen(a: GenArgs) -> Result<()> {
     ov!(head_dim, a.head_dim);
     ov!(n_ctx_train, a.ctx);
     shape.tie_output |= a.tie_output;
+    let gemma = shape.gemma.is_some();
     let mut types = match &a.ty {
         Some(t) => TypeScheme::from_name(t)
             .ok_or_else(|| anyhow!("--type {t}: expected one of the {}", TypeScheme::NAMES))?,
@@ -471,11 +473,17 @@ pub fn gen(a: GenArgs) -> Result<()> {
         shape,
         types,
         seed: a.seed,
-        routing_context: a
-            .routing_context
-            .unwrap_or(preset.default_routing_context()),
+        routing_context: a.routing_context.unwrap_or(if gemma {
+            gen::GEMMA4_ROUTING_CONTEXT
+        } else {
+            preset.default_routing_context()
+        }),
         router_gain: a.router_gain,
-        routing_depth: a.routing_depth,
+        routing_depth: a.routing_depth.unwrap_or(if gemma {
+            0.0
+        } else {
+            gen::ROUTING_DEPTH_DEFAULT
+        }),
         attn_sharpness: a.attn_sharpness,
         vocab,
         threads: a.threads.max(1) as usize,

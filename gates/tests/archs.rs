@@ -4,9 +4,11 @@
 //! - **parity** with llama.cpp (llama-cpp-python), teacher-forced logits position by position
 //!   on ≥ 100 positions: our F32, F16 and Q8_0 files, the F32 file rewritten by the PyPI `gguf`
 //!   writer, and llama.cpp's own quantizations (`llama-quantize` Q8_0 and Q4_K_M) of it, whose
-//!   tensor types our `gen --type q4_k_m` must also match. Thresholds as `parity.rs`: F32 —
-//!   top-1 at every position and cosine ≥ 0.9999; the others — top-1 (near-ties allowed) with
-//!   cosine ≥ 0.999 on ≥ 98 % of positions. All llama.cpp work runs in two python processes.
+//!   tensor types our `gen --type q4_k_m` must also match, each from three generator seeds.
+//!   Thresholds as `parity.rs`: F32 — top-1 at every position and cosine ≥ 0.9999, on every
+//!   seed; the others — top-1 (near-ties allowed) with cosine ≥ 0.999 on ≥ 98 % of the
+//!   positions pooled over the seeds (see `SEEDS`). The llama.cpp work runs in a few python
+//!   processes per architecture and seed.
 //! - **byte identity** G1–G4 and G6 (`streaming.rs`): every lossless streaming setting gives the
 //!   resident run's tokens and text.
 //! - **replay**: `bmoe-sim replay` of the engine's route trace reproduces its hits, misses and
@@ -32,23 +34,96 @@ const EXTRA_TYPES: &[(&str, &str)] = &[("gpt-oss", "mxfp4_moe")];
 
 const SHORT: &str = "The cache of experts keeps what the router asked for";
 
-/// The tiny file of `arch` with weight types `ty` (expert FFN 512, so K-quants apply).
-fn tiny(arch: &str, ty: &str) -> PathBuf {
+/// The tiny file of `arch` with weight types `ty` (expert FFN 512, so K-quants apply),
+/// generated with `seed`.
+fn tiny(arch: &str, ty: &str, seed: u64) -> PathBuf {
+    let seed = seed.to_string();
     model(
-        &format!("arch-{arch}-{ty}"),
+        &format!("arch-{arch}-{ty}-s{seed}"),
         &[
             "--arch",
             arch,
             "--preset",
             "tiny",
             "--seed",
-            "11",
+            &seed,
             "--expert-ffn",
             "512",
             "--type",
             ty,
         ],
     )
+}
+
+/// The generator seeds of the parity files. A lossy file's positions off are pooled over all
+/// of them: about 0.9 % of positions are off on average (routing flips that last-bit
+/// differences tip, which reach later positions through attention; docs/models.md), so one
+/// seed's 268 positions exceed the 98 % bar by chance a few per cent of the time, and which
+/// seed does is luck. Lossless files are held to their bar on every seed.
+const SEEDS: [u64; 3] = [11, 12, 13];
+
+/// The parity files of `arch` generated with `seed`: ours in every type, the F32 file
+/// rewritten by the gguf writer, llama-quantize's quantizations of it (and of the
+/// architecture's extra types) — (kind, path, exact). Our Q4_K_M's tensor types are checked
+/// against llama-quantize's on the way (into `failures`).
+fn parity_files(
+    arch: &str,
+    seed: u64,
+    dir: &Path,
+    failures: &mut Vec<String>,
+) -> Vec<(String, PathBuf, bool)> {
+    let f32_file = tiny(arch, "f32", seed);
+    // Other tools' files of the same weights: the gguf writer's copy, llama-quantize's.
+    let rewritten = dir.join(format!("{arch}-s{seed}-gguf-py.gguf"));
+    let theirs_q8 = dir.join(format!("{arch}-s{seed}-llama-quantize-q8_0.gguf"));
+    let theirs_q4 = dir.join(format!("{arch}-s{seed}-llama-quantize-q4_k_m.gguf"));
+    py_batch(
+        dir,
+        &format!("{arch}-s{seed}-files"),
+        &[
+            serde_json::json!({"op": "rewrite", "args": [&f32_file, &rewritten]}),
+            serde_json::json!({"op": "quantize", "args": [&f32_file, &theirs_q8, "q8_0"]}),
+            serde_json::json!({"op": "quantize", "args": [&f32_file, &theirs_q4, "q4_k_m"]}),
+        ],
+    );
+    // Our q4_k_m has llama-quantize's types, tensor by tensor.
+    let ours_q4 = tiny(arch, "q4_k_m", seed);
+    let (t, m) = (
+        GgufFile::open(&theirs_q4).unwrap(),
+        GgufFile::open(&ours_q4).unwrap(),
+    );
+    assert_eq!(t.tensors().len(), m.tensors().len(), "{arch}");
+    for ti in t.tensors() {
+        let mi = m
+            .tensor(&ti.name)
+            .unwrap_or_else(|| panic!("{arch}: {}", ti.name));
+        if mi.ty != ti.ty {
+            failures.push(format!(
+                "{arch} q4_k_m (seed {seed}): {} is {} in ours, {} from llama-quantize",
+                ti.name, mi.ty, ti.ty
+            ));
+        }
+    }
+    let mut files: Vec<(String, PathBuf, bool)> = vec![
+        (format!("{arch} ours f32"), f32_file, true),
+        (format!("{arch} ours f16"), tiny(arch, "f16", seed), false),
+        (format!("{arch} ours q8_0"), tiny(arch, "q8_0", seed), false),
+        (format!("{arch} ours q4_k_m"), ours_q4, false),
+        (format!("{arch} gguf-py f32"), rewritten, true),
+        (format!("{arch} llama-quantize q8_0"), theirs_q8, false),
+        (format!("{arch} llama-quantize q4_k_m"), theirs_q4, false),
+    ];
+    for &(_, ty) in EXTRA_TYPES.iter().filter(|(a, _)| *a == arch) {
+        let theirs = dir.join(format!("{arch}-s{seed}-llama-quantize-{ty}.gguf"));
+        py_batch(
+            dir,
+            &format!("{arch}-s{seed}-{ty}-file"),
+            &[serde_json::json!({"op": "quantize", "args": [&files[0].1, &theirs, ty]})],
+        );
+        files.push((format!("{arch} ours {ty}"), tiny(arch, ty, seed), false));
+        files.push((format!("{arch} llama-quantize {ty}"), theirs, false));
+    }
+    files
 }
 
 #[test]
@@ -59,93 +134,64 @@ fn every_architecture_matches_llama_cpp() {
     let dir = scratch_dir("arch-parity");
     let mut failures = Vec::new();
     for (arch, _) in ARCHS {
-        let f32_file = tiny(arch, "f32");
-        // Other tools' files of the same weights: the gguf writer's copy, llama-quantize's.
-        let rewritten = dir.join(format!("{arch}-gguf-py.gguf"));
-        let theirs_q8 = dir.join(format!("{arch}-llama-quantize-q8_0.gguf"));
-        let theirs_q4 = dir.join(format!("{arch}-llama-quantize-q4_k_m.gguf"));
-        py_batch(
-            &dir,
-            &format!("{arch}-files"),
-            &[
-                serde_json::json!({"op": "rewrite", "args": [&f32_file, &rewritten]}),
-                serde_json::json!({"op": "quantize", "args": [&f32_file, &theirs_q8, "q8_0"]}),
-                serde_json::json!({"op": "quantize", "args": [&f32_file, &theirs_q4, "q4_k_m"]}),
-            ],
-        );
-        // Our q4_k_m has llama-quantize's types, tensor by tensor.
-        let ours_q4 = tiny(arch, "q4_k_m");
-        let (t, m) = (
-            GgufFile::open(&theirs_q4).unwrap(),
-            GgufFile::open(&ours_q4).unwrap(),
-        );
-        assert_eq!(t.tensors().len(), m.tensors().len(), "{arch}");
-        for ti in t.tensors() {
-            let mi = m
-                .tensor(&ti.name)
-                .unwrap_or_else(|| panic!("{arch}: {}", ti.name));
-            if mi.ty != ti.ty {
-                failures.push(format!(
-                    "{arch} q4_k_m: {} is {} in ours, {} from llama-quantize",
-                    ti.name, mi.ty, ti.ty
-                ));
+        // Per file kind (its tag without the seed): positions, positions judged good, and
+        // whether it must be exact.
+        let mut pooled: Vec<(String, usize, f64, bool)> = Vec::new();
+        for seed in SEEDS {
+            let files = parity_files(arch, seed, &dir, &mut failures);
+            let mut jobs = Vec::new();
+            let mut results = Vec::new();
+            for (i, (kind, file, exact)) in files.iter().enumerate() {
+                let stem = format!("{arch}-s{seed}-{i}");
+                let mine = dir.join(format!("{stem}.ours.f32"));
+                ours(file, &mine);
+                let ids = format!("{}.json", mine.display());
+                let side: serde_json::Value =
+                    serde_json::from_str(&std::fs::read_to_string(&ids).unwrap()).unwrap();
+                let n_vocab = side["n_vocab"].as_u64().unwrap().to_string();
+                let reference = dir.join(format!("{stem}.ref.f32"));
+                let result = dir.join(format!("{stem}.cmp.json"));
+                jobs.push(serde_json::json!({"op": "logits", "args": [file, ids, &reference]}));
+                jobs.push(serde_json::json!({"op": "compare", "out": &result,
+                    "args": [&mine, &reference, n_vocab]}));
+                results.push((kind.clone(), result, *exact));
+            }
+            py_batch(&dir, &format!("{arch}-s{seed}-logits"), &jobs);
+            for (kind, result, exact) in &results {
+                let tag = format!("{kind} (seed {seed})");
+                let Parity {
+                    rows,
+                    cos_min,
+                    top1,
+                    good,
+                } = parity(&std::fs::read_to_string(result).unwrap(), &tag);
+                if rows < 100 {
+                    failures.push(format!("{tag}: {rows} positions, fewer than 100"));
+                } else if *exact && (top1 < 1.0 || cos_min < 0.9999) {
+                    failures.push(format!(
+                        "{tag}: F32 needs top-1 at every position and cosine >= 0.9999: top-1 {:.1}%, cos min {cos_min:.6}",
+                        100.0 * top1
+                    ));
+                }
+                match pooled.iter_mut().find(|p| &p.0 == kind) {
+                    Some(p) => {
+                        p.1 += rows;
+                        p.2 += good * rows as f64;
+                    }
+                    None => pooled.push((kind.clone(), rows, good * rows as f64, *exact)),
+                }
             }
         }
-        let files: Vec<(String, PathBuf, bool)> = vec![
-            (format!("{arch} ours f32"), f32_file, true),
-            (format!("{arch} ours f16"), tiny(arch, "f16"), false),
-            (format!("{arch} ours q8_0"), tiny(arch, "q8_0"), false),
-            (format!("{arch} ours q4_k_m"), ours_q4, false),
-            (format!("{arch} gguf-py f32"), rewritten, true),
-            (format!("{arch} llama-quantize q8_0"), theirs_q8, false),
-            (format!("{arch} llama-quantize q4_k_m"), theirs_q4, false),
-        ];
-        let mut files = files;
-        for &(_, ty) in EXTRA_TYPES.iter().filter(|(a, _)| a == arch) {
-            let theirs = dir.join(format!("{arch}-llama-quantize-{ty}.gguf"));
-            py_batch(
-                &dir,
-                &format!("{arch}-{ty}-file"),
-                &[serde_json::json!({"op": "quantize", "args": [&files[0].1, &theirs, ty]})],
+        for (kind, rows, good, exact) in &pooled {
+            let share = good / (*rows).max(1) as f64;
+            eprintln!(
+                "parity {kind}: {:.1}% of {rows} positions over seeds {SEEDS:?} good",
+                100.0 * share
             );
-            files.push((format!("{arch} ours {ty}"), tiny(arch, ty), false));
-            files.push((format!("{arch} llama-quantize {ty}"), theirs, false));
-        }
-        let mut jobs = Vec::new();
-        let mut results = Vec::new();
-        for (i, (tag, file, exact)) in files.iter().enumerate() {
-            let mine = dir.join(format!("{arch}-{i}.ours.f32"));
-            ours(file, &mine);
-            let ids = format!("{}.json", mine.display());
-            let side: serde_json::Value =
-                serde_json::from_str(&std::fs::read_to_string(&ids).unwrap()).unwrap();
-            let n_vocab = side["n_vocab"].as_u64().unwrap().to_string();
-            let reference = dir.join(format!("{arch}-{i}.ref.f32"));
-            let result = dir.join(format!("{arch}-{i}.cmp.json"));
-            jobs.push(serde_json::json!({"op": "logits", "args": [file, ids, &reference]}));
-            jobs.push(serde_json::json!({"op": "compare", "out": &result,
-                "args": [&mine, &reference, n_vocab]}));
-            results.push((tag.clone(), result, *exact));
-        }
-        py_batch(&dir, &format!("{arch}-logits"), &jobs);
-        for (tag, result, exact) in &results {
-            let Parity {
-                rows,
-                cos_min,
-                top1,
-                good,
-            } = parity(&std::fs::read_to_string(result).unwrap(), tag);
-            if rows < 100 {
-                failures.push(format!("{tag}: {rows} positions, fewer than 100"));
-            } else if *exact && (top1 < 1.0 || cos_min < 0.9999) {
+            if !exact && share < 0.98 {
                 failures.push(format!(
-                    "{tag}: F32 needs top-1 at every position and cosine >= 0.9999: top-1 {:.1}%, cos min {cos_min:.6}",
-                    100.0 * top1
-                ));
-            } else if good < 0.98 {
-                failures.push(format!(
-                    "{tag}: top-1 agreement with cosine >= 0.999 on {:.1}% of positions (cos min {cos_min:.6}), below 98%",
-                    100.0 * good
+                    "{kind}: top-1 agreement with cosine >= 0.999 on {:.1}% of {rows} positions over seeds {SEEDS:?}, below 98%",
+                    100.0 * share
                 ));
             }
         }

@@ -177,12 +177,15 @@ pub(super) fn plan(
         hi: s.d_model,
     };
     let writes = |std: f32, half: Half| Fill::RandRows { std, half, split };
+    // The engine scales embedding rows by √d_model (as Gemma does): rows of 1/√d_model reach
+    // the residual stream at unit scale, where unit rows would make the token half √d_model
+    // times the context half and the router read token identity alone.
     push(
         "token_embd.weight".into(),
         &[d, nv],
         Want::Weight(None),
         Fill::Rand {
-            std: 1.0,
+            std: inv(d),
             lo: 0,
             hi: split,
         },
@@ -213,8 +216,12 @@ pub(super) fn plan(
             w,
             writes(inv(qd), Half::Context),
         );
+        // Gemma 4 scores q·k with no 1/√head_dim: q and k norms of sharpness / head_dim^¼ each
+        // give the other architectures' scale, so attention stays a near-uniform running mean
+        // of the context rather than a sharp look-up.
+        let qk_norm = o.attn_sharpness / (hd as f32).powf(0.25);
         for n in ["attn_q_norm", "attn_k_norm"] {
-            push(b(n), &[hd], f32v, Fill::Const(o.attn_sharpness));
+            push(b(n), &[hd], f32v, Fill::Const(qk_norm));
         }
         push(b("post_attention_norm"), &[d], f32v, one);
         push(b("layer_output_scale"), &[1], f32v, Fill::Const(0.9));
