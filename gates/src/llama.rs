@@ -168,3 +168,28 @@ pub fn parity(json: &str, tag: &str) -> Parity {
     }
     p
 }
+
+/// Where our file `mine` and llama-quantize's `theirs` of the same weights give a tensor
+/// different types, one line each, named by `tag` (empty: the same types throughout). Both
+/// must list the same tensors.
+pub fn type_mismatches(theirs: &Path, mine: &Path, tag: &str) -> Vec<String> {
+    let (t, m) = (
+        bmoe_engine::gguf::GgufFile::open(theirs).unwrap(),
+        bmoe_engine::gguf::GgufFile::open(mine).unwrap(),
+    );
+    assert_eq!(t.tensors().len(), m.tensors().len(), "{tag}");
+    t.tensors()
+        .iter()
+        .filter_map(|ti| {
+            let mi = m
+                .tensor(&ti.name)
+                .unwrap_or_else(|| panic!("{tag}: {}", ti.name));
+            (mi.ty != ti.ty).then(|| {
+                format!(
+                    "{tag}: {} is {} in ours, {} from llama-quantize",
+                    ti.name, mi.ty, ti.ty
+                )
+            })
+        })
+        .collect()
+}

@@ -15,8 +15,7 @@
 //!   bytes exactly, plain and with `--drop-cold-experts` and `--n-expert-used`, and the trace
 //!   names the architecture's gating.
 
-use bmoe_engine::gguf::GgufFile;
-use bmoe_gates::llama::{ours, parity, py_batch, python_ready, Parity, PROMPT};
+use bmoe_gates::llama::{ours, parity, py_batch, python_ready, type_mismatches, Parity, PROMPT};
 use bmoe_gates::{model, run, scratch_dir};
 use std::path::{Path, PathBuf};
 
@@ -88,22 +87,11 @@ fn parity_files(
     );
     // Our q4_k_m has llama-quantize's types, tensor by tensor.
     let ours_q4 = tiny(arch, "q4_k_m", seed);
-    let (t, m) = (
-        GgufFile::open(&theirs_q4).unwrap(),
-        GgufFile::open(&ours_q4).unwrap(),
-    );
-    assert_eq!(t.tensors().len(), m.tensors().len(), "{arch}");
-    for ti in t.tensors() {
-        let mi = m
-            .tensor(&ti.name)
-            .unwrap_or_else(|| panic!("{arch}: {}", ti.name));
-        if mi.ty != ti.ty {
-            failures.push(format!(
-                "{arch} q4_k_m (seed {seed}): {} is {} in ours, {} from llama-quantize",
-                ti.name, mi.ty, ti.ty
-            ));
-        }
-    }
+    failures.extend(type_mismatches(
+        &theirs_q4,
+        &ours_q4,
+        &format!("{arch} q4_k_m (seed {seed})"),
+    ));
     let mut files: Vec<(String, PathBuf, bool)> = vec![
         (format!("{arch} ours f32"), f32_file, true),
         (format!("{arch} ours f16"), tiny(arch, "f16", seed), false),

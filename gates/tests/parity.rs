@@ -12,9 +12,8 @@
 //! same file (a one-ulp difference crosses a Q8 rounding boundary and the model amplifies it),
 //! so a chaotic flip at a position or two is the noise floor, not a defect.
 
-use bmoe_engine::gguf::GgufFile;
 use bmoe_gates::llama::{
-    ours, parity, py_batch, py_batch_spawn, py_wait, python_ready, script, Parity,
+    ours, parity, py_batch, py_batch_spawn, py_wait, python_ready, script, type_mismatches, Parity,
 };
 use bmoe_gates::{model, scratch_dir};
 use std::path::{Path, PathBuf};
@@ -224,22 +223,7 @@ fn every_preset_matches_llama_cpp_and_llama_quantize() {
     // Our types are llama-quantize's, tensor by tensor.
     let mut failures = Vec::new();
     for (tag, theirs, mine) in &type_pairs {
-        let (t, m) = (
-            GgufFile::open(theirs).unwrap(),
-            GgufFile::open(mine).unwrap(),
-        );
-        assert_eq!(t.tensors().len(), m.tensors().len(), "{tag}");
-        for ti in t.tensors() {
-            let mi = m
-                .tensor(&ti.name)
-                .unwrap_or_else(|| panic!("{tag}: {}", ti.name));
-            if mi.ty != ti.ty {
-                failures.push(format!(
-                    "{tag}: {} is {} in ours, {} from llama-quantize",
-                    ti.name, mi.ty, ti.ty
-                ));
-            }
-        }
+        failures.extend(type_mismatches(theirs, mine, tag));
     }
 
     // Logits: ours now, llama.cpp's and the comparisons in one batch.
