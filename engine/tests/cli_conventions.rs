@@ -1,7 +1,9 @@
 //! The llama.cpp command line conventions (issue 18, item 3), through the real binary: `-f`,
 //! `-p -` and a piped stdin, `-sys`, `--chat-template-file`, special tokens parsed in a raw
 //! prompt (and `--no-parse-special`), `-n -1`, `--seed -1` (the default, random and reported),
-//! and generation ending at an end-of-generation token.
+//! and generation ending at an end-of-generation token. Also two of bmoe-cli's own outputs'
+//! conventions: `--logits-out`'s per-row router margins, and `gen`'s routing defaults per
+//! architecture.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -323,4 +325,50 @@ fn logits_out_reports_each_rows_router_margin() {
         .iter()
         .fold((f64::MAX, 0.0f64), |(a, b), &m| (a.min(m), b.max(m)));
     assert!(hi > lo, "margins differ between positions: {margins:?}");
+}
+
+/// `gen`'s routing defaults follow the architecture: gemma4 files route on routing context 0.2
+/// at depth 0 (its sub-layer outputs are normalised, so its context does not grow with depth),
+/// the others on their preset's context at depth 0.75 — and given flags win over both.
+#[test]
+fn gen_routing_defaults_follow_the_architecture_and_yield_to_flags() {
+    let meta = |tag: &str, args: &[&str]| -> (f64, f64) {
+        let out = dir().join(format!("gen-{tag}.gguf"));
+        let st = Command::new(BIN)
+            .args(["gen", "--preset", "tiny", "--quiet", "-o"])
+            .arg(&out)
+            .args(args)
+            .output()
+            .expect("gen");
+        assert!(
+            st.status.success(),
+            "{}",
+            String::from_utf8_lossy(&st.stderr)
+        );
+        let f = bmoe_engine::gguf::GgufFile::open(&out).unwrap();
+        let get = |k: &str| f.get(k).and_then(|v| v.as_f64()).expect(k);
+        let r = (
+            get("bmoe.gen.routing_context"),
+            get("bmoe.gen.routing_depth"),
+        );
+        let _ = std::fs::remove_file(&out);
+        r
+    };
+    let close = |a: (f64, f64), b: (f64, f64)| (a.0 - b.0).abs() < 1e-6 && (a.1 - b.1).abs() < 1e-6;
+    let g = meta("gemma4", &["--arch", "gemma4"]);
+    assert!(close(g, (0.2, 0.0)), "gemma4 defaults: {g:?}");
+    let q = meta("qwen3moe", &[]);
+    assert!(close(q, (0.65, 0.75)), "qwen3moe tiny defaults: {q:?}");
+    let given = meta(
+        "gemma4-given",
+        &[
+            "--arch",
+            "gemma4",
+            "--routing-depth",
+            "0.5",
+            "--routing-context",
+            "0.4",
+        ],
+    );
+    assert!(close(given, (0.4, 0.5)), "flags win: {given:?}");
 }
