@@ -113,14 +113,15 @@ pub fn parity(json: &str, tag: &str) -> Parity {
         .iter()
         .map(|c| c.as_f64().unwrap())
         .collect();
-    let good = v["top1_tie"]
+    // Per position: top-1 agrees (up to a near-tie) and the cosine is >= 0.999.
+    let ok: Vec<bool> = v["top1_tie"]
         .as_array()
         .unwrap()
         .iter()
         .zip(&cos)
-        .filter(|(t, c)| t.as_bool().unwrap() && **c >= 0.999)
-        .count() as f64
-        / cos.len().max(1) as f64;
+        .map(|(t, c)| t.as_bool().unwrap() && *c >= 0.999)
+        .collect();
+    let good = ok.iter().filter(|&&g| g).count() as f64 / cos.len().max(1) as f64;
     let p = Parity {
         rows: v["rows"].as_u64().unwrap() as usize,
         cos_min: v["cos_min"].as_f64().unwrap(),
@@ -138,13 +139,11 @@ pub fn parity(json: &str, tag: &str) -> Parity {
     // from the `--logits-out` sidecar, logit units; `compare` passes it through): a routing
     // flip on a near-tie and a kernel error look alike in the logits, not in the margin.
     let margins = v["router_margin"].as_array();
-    let off: Vec<String> = v["top1_tie"]
-        .as_array()
-        .unwrap()
+    let off: Vec<String> = ok
         .iter()
         .zip(&cos)
         .enumerate()
-        .filter(|(_, (t, c))| !(t.as_bool().unwrap() && **c >= 0.999))
+        .filter(|(_, (g, _))| !**g)
         .map(|(i, (_, c))| {
             let m = margins
                 .and_then(|m| m.get(i))
