@@ -469,8 +469,9 @@ pub enum Reprice<'a> {
     Model(&'a Path),
 }
 
-/// Re-price `trace` as `how` says; returns how a routing was mapped, when it was.
-fn reprice(trace: &mut RouteTrace, how: Reprice<'_>) -> Result<Option<String>, SimError> {
+/// Re-price `trace` as `how` says; returns how a routing was mapped, and the locality it
+/// carries (`whatif::locality_note`), when it was.
+fn reprice(trace: &mut RouteTrace, how: Reprice<'_>) -> Result<Option<(String, String)>, SimError> {
     let (other, map) = match how {
         Reprice::Own => return Ok(None),
         Reprice::Layout(p) => (p, false),
@@ -480,8 +481,9 @@ fn reprice(trace: &mut RouteTrace, how: Reprice<'_>) -> Result<Option<String>, S
     if map && !crate::whatif::same_shape(&trace.preamble, &model) {
         let (mapped, how) =
             crate::whatif::map_routing(trace, &model, &other.display().to_string())?;
+        let locality = crate::whatif::locality_note(trace, &mapped);
         *trace = mapped;
-        return Ok(Some(how));
+        return Ok(Some((how, locality)));
     }
     let (have, want) = (&model, &trace.preamble);
     if have.layers.len() != want.layers.len() || have.n_expert != want.n_expert {
@@ -521,8 +523,9 @@ pub struct Prepared {
     pub pred_columns: PredColumns,
     /// Approximations the replay makes (printed to stderr by `replay`).
     pub warnings: Vec<String>,
-    /// How the routing was mapped onto another model's shape (`whatif`), when it was.
-    pub mapping: Option<String>,
+    /// How the routing was mapped onto another model's shape (`whatif`), and the locality the
+    /// mapped routing carries, when it was.
+    pub mapping: Option<(String, String)>,
 }
 
 impl Prepared {
@@ -772,7 +775,10 @@ fn write_inputs(out: &mut dyn Write, p: &Prepared, trace: &Path) -> std::io::Res
         decode
     )?;
     match &p.mapping {
-        Some(how) => writeln!(out, "whatif: mapping   {how}")?,
+        Some((how, locality)) => {
+            writeln!(out, "whatif: mapping   {how}")?;
+            writeln!(out, "whatif: locality  {locality}")?;
+        }
         None => writeln!(
             out,
             "whatif: mapping   none: the trace has the model's routing shape, replayed as recorded"

@@ -153,6 +153,31 @@ pub fn map_routing(
     Ok((mapped, how))
 }
 
+/// The locality a mapped routing carries, beside the trace's own: what a whatif across shapes
+/// assumes of the model's router, said in numbers. Over the decode tokens (every token of a
+/// trace without decode): the share of a token's experts the previous token routed in the
+/// same layer, and the per-layer LRU hit rate with a quarter of each layer's experts cached.
+/// A mapped routing keeps the source model's locality (folded), not the model's own router's,
+/// and a model that keeps more of its experts from token to token runs faster than predicted
+/// (measured on two generated models: docs/simulator.md, "By budget").
+pub fn locality_note(source: &RouteTrace, mapped: &RouteTrace) -> String {
+    let of = |t: &RouteTrace| {
+        let s = crate::stats::compute(t);
+        let reuse = s.overlap.iter().find(|o| o.0 == 1).map_or(0.0, |o| o.1);
+        let quarter = (s.n_expert as usize / 4).max(1);
+        (100.0 * reuse, quarter, 100.0 * s.lru_hit_at(quarter))
+    };
+    let (m_reuse, m_q, m_hit) = of(mapped);
+    let (s_reuse, s_q, s_hit) = of(source);
+    format!(
+        "the mapped routing carries the trace model's locality, not this model's own router's: \
+         {m_reuse:.1}% of a token's experts are the previous token's (the trace: {s_reuse:.1}%), \
+         a per-layer LRU of {m_q} experts (a quarter of the layer) hits {m_hit:.1}% (the trace \
+         at {s_q}: {s_hit:.1}%); a model whose own router keeps more of its experts from token to \
+         token runs faster than predicted"
+    )
+}
+
 /// The trace's prefill and decode tokens (for the inputs summary).
 pub fn count_tokens(trace: &RouteTrace) -> (usize, usize) {
     let (mut prefill, mut decode) = (0, 0);

@@ -65,6 +65,58 @@ fn sim_value(out: &str, key: &str) -> u64 {
         .unwrap_or_else(|| panic!("no {key}= in {line}"))
 }
 
+/// Over `trace`'s decode tokens (all of them when it has none), percent: the share of each
+/// token's routed experts the previous token of its turn routed in the same layer, and the
+/// per-layer LRU hit rate with `cap` experts cached (warm across turns).
+fn reuse_and_lru(trace: &RouteTrace, cap: usize) -> (f64, f64) {
+    use bmoe_core::records::Phase;
+    let decode = trace.steps().any(|s| s.phase == Phase::Decode);
+    let n_layers = trace.preamble.layers.len();
+    let (mut shared, mut routed, mut hits, mut lookups) = (0u64, 0u64, 0u64, 0u64);
+    let mut lru: Vec<Vec<u32>> = vec![Vec::new(); n_layers];
+    let mut prev: Option<(u32, Vec<Vec<u32>>)> = None;
+    for step in trace
+        .steps()
+        .filter(|s| !decode || s.phase == Phase::Decode)
+    {
+        let mut tok: Vec<Vec<u32>> = vec![Vec::new(); n_layers];
+        for cell in step.cells {
+            for slot in trace.cell_slots(cell) {
+                let ids = &mut tok[cell.moe_layer as usize];
+                if !slot.dropped && !ids.contains(&slot.expert) {
+                    ids.push(slot.expert);
+                }
+            }
+        }
+        if let Some((turn, before)) = &prev {
+            if *turn == step.turn {
+                for (now, then) in tok.iter().zip(before) {
+                    routed += now.len() as u64;
+                    shared += now.iter().filter(|e| then.contains(e)).count() as u64;
+                }
+            }
+        }
+        for (l, ids) in tok.iter().enumerate() {
+            let stack = &mut lru[l];
+            let hit: Vec<bool> = ids
+                .iter()
+                .map(|e| stack.iter().take(cap).any(|x| x == e))
+                .collect();
+            lookups += ids.len() as u64;
+            hits += hit.iter().filter(|h| **h).count() as u64;
+            for e in ids {
+                stack.retain(|x| x != e);
+                stack.insert(0, *e);
+            }
+        }
+        prev = Some((step.turn, tok));
+    }
+    (
+        100.0 * shared as f64 / routed.max(1) as f64,
+        100.0 * hits as f64 / lookups.max(1) as f64,
+    )
+}
+
 #[test]
 fn whatif_maps_a_real_routing_onto_a_smaller_model_and_states_its_inputs() {
     let Some(path) = shared_trace("deepseek-v2-lite-puffin.route.csv") else {
@@ -122,6 +174,22 @@ fn whatif_maps_a_real_routing_onto_a_smaller_model_and_states_its_inputs() {
     // The same inputs give the same bytes.
     let (code2, out2, _) = sim(&args);
     assert_eq!((code2, &out2), (0, &out));
+
+    // The locality line: the mapped routing's previous-token reuse and its per-layer LRU hit
+    // rate at a quarter of the layer (4 of 16), counted here from the mapped routing, and the
+    // trace's own beside them.
+    let model_pre = bmoe_sim::cli::load_layout(&model).expect("layout");
+    let (mapped, _) = bmoe_sim::whatif::map_routing(&source, &model_pre, "m").expect("maps");
+    let (m_reuse, m_hit) = reuse_and_lru(&mapped, 4);
+    let (s_reuse, s_hit) = reuse_and_lru(&source, 16);
+    let want = format!(
+        "whatif: locality  the mapped routing carries the trace model's locality, not this model's \
+         own router's: {m_reuse:.1}% of a token's experts are the previous token's (the trace: \
+         {s_reuse:.1}%), a per-layer LRU of 4 experts (a quarter of the layer) hits {m_hit:.1}% \
+         (the trace at 16: {s_hit:.1}%)"
+    );
+    assert!(out.contains(&want), "missing {want:?} in\n{out}");
+    assert!(m_reuse > 0.0 && m_hit > 0.0 && s_hit > 0.0, "{want}");
 
     // A model with more experts than the trace routes over is refused, naming why.
     let wide = dir.join("wide.layout.csv");
