@@ -246,17 +246,23 @@ impl<A: Arch + ?Sized> EngineBackend<A> {
         if self.deferred.is_empty() {
             return Ok(());
         }
-        let w = self.model.arch.weights();
-        let xs = self.model.experts(m);
-        let mut jobs: Vec<ExpertJob<'_>> = self
-            .deferred
-            .iter()
-            .map(|(e, uses)| ExpertJob {
+        let model = &self.model;
+        let mut jobs: Vec<ExpertJob<'_>> = Vec::with_capacity(self.deferred.len());
+        for (e, uses) in &self.deferred {
+            // Deferred only where the layer is batchable, so its experts split (gate, up, down).
+            let Some(proj) = model.resident_job_proj(m, *e as usize) else {
+                return Err(StreamError::Arch(ArchError::Tensor {
+                    file: String::new(),
+                    tensor: format!("blk.{m} experts"),
+                    what: "projections not a gated FFN's".into(),
+                }));
+            };
+            jobs.push(ExpertJob {
                 expert: *e as usize,
-                proj: [0, 1, 2].map(|p| w.expert_bytes(&xs[p], *e as usize)),
+                proj,
                 uses: &self.deferred_uses[uses.clone()],
-            })
-            .collect();
+            });
+        }
         // The experts with the most rows first: the threads claim a round's tasks in order,
         // so its last tasks are the shortest and the threads finish close together. Each
         // output row lands in its own slot, so the order changes no bits.

@@ -599,51 +599,54 @@ impl Arch for Gemma4 {
         let (rows, n) = (input.rows, input.n);
         let moe = self.moe(layer)?;
         let (d, ff) = (self.hp.d_model, self.hp.n_ff_exp);
-        if let [gu, dn] = &moe.exps[..] {
-            // Fused: one product of 2·ff rows, gate the first half, up the second.
-            s.gate.resize(n * 2 * ff, 0.0);
-            cx.bytes_rows(
-                gu.info.ty,
-                proj[0],
-                2 * ff,
-                d,
-                rows,
-                n,
-                &mut s.acts,
-                &mut s.gate,
-            )?;
-            s.up.resize(n * ff, 0.0);
-            for (gu_row, act) in s.gate.chunks_exact(2 * ff).zip(s.up.chunks_exact_mut(ff)) {
-                act.copy_from_slice(&gu_row[..ff]);
-                Glu::Gelu.apply(act, &gu_row[ff..]);
-            }
-            out.resize(n * d, 0.0);
-            blocks::prepare_acts(&cx.pool, dn.info.ty, &s.up, n, ff, &mut s.act2)?;
-            blocks::mul_prepared(&cx.pool, dn.info.ty, proj[1], d, ff, &s.act2[..n], out)?;
-        } else {
-            let [g, u, dn] = &moe.exps[..] else {
-                unreachable!("gemma4 experts are [gate_up, down] or [gate, up, down]")
-            };
-            split_ffn(
-                cx,
-                s,
-                Glu::Gelu,
-                (g.info.ty, proj[0]),
-                (u.info.ty, proj[1]),
-                (dn.info.ty, proj[2]),
-                ff,
-                d,
-                rows,
-                n,
-                input.prepared,
-                out,
-            )?;
-        }
+        // Fused `[gate_up, down]` or split `[gate, up, down]`: either way a gate, an up and a
+        // down product — the fused one's first `ff` rows are the gate — so both go through
+        // the split FFN on the layer's prepared rows, as `Model::experts_together` does.
+        let types = match &moe.exps[..] {
+            [gu, dn] => Some([gu.info.ty, gu.info.ty, dn.info.ty]),
+            [g, u, dn] => Some([g.info.ty, u.info.ty, dn.info.ty]),
+            _ => None,
+        };
+        let (Some(ty), Some([g, u, dn])) = (types, super::gate_up_down(proj)) else {
+            return Err(ArchError::Tensor {
+                file: String::new(),
+                tensor: format!("blk.{layer} experts"),
+                what: format!(
+                    "{} projections given for {} tensors: gemma4 experts are [gate_up, down] \
+                     or [gate, up, down]",
+                    proj.len(),
+                    moe.exps.len()
+                ),
+            });
+        };
+        split_ffn(
+            cx,
+            s,
+            Glu::Gelu,
+            (ty[0], g),
+            (ty[1], u),
+            (ty[2], dn),
+            ff,
+            d,
+            rows,
+            n,
+            input.prepared,
+            out,
+        )?;
         if let Some(scale) = &moe.down_scale {
             let f = scale[expert];
             out[..n * d].iter_mut().for_each(|v| *v *= f);
         }
         Ok(())
+    }
+
+    fn split_glu(&self, layer: usize) -> Option<Glu> {
+        self.moe(layer).ok().map(|_| Glu::Gelu)
+    }
+
+    fn expert_scale(&self, layer: usize, expert: usize) -> Option<f32> {
+        let moe = self.moe(layer).ok()?;
+        moe.down_scale.as_ref().and_then(|s| s.get(expert).copied())
     }
 
     /// `post_ffw_norm_2` of the experts' sum plus the MLP's, then `post_ffw_norm`, the

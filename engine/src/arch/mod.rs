@@ -143,10 +143,12 @@ pub trait Arch: Send + Sync {
         out: &mut Vec<f32>,
     ) -> Result<(), ArchError>;
     /// The activation of layer `layer`'s experts when each one is exactly
-    /// `down(glu(gate·x + bg, up·x + bu)) + bd` over its three projections (gate, up, down;
-    /// the biases those of [`Arch::expert_bias`], or none; no scales), which lets
-    /// [`Model::experts_together`] run a layer's experts together. `None` (the default)
-    /// computes every expert through [`Arch::expert`].
+    /// `s · (down(glu(gate·x + bg, up·x + bu)) + bd)` over its three projections (gate, up,
+    /// down), or over two (a fused gate_up whose first half of rows is the gate, and down;
+    /// [`gate_up_down`]) — the biases those of [`Arch::expert_bias`] or none, the scale `s`
+    /// [`Arch::expert_scale`]'s or 1 — computed as the split FFN computes it on the layer's
+    /// prepared rows, which lets [`Model::experts_together`] run a layer's experts together.
+    /// `None` (the default) computes every expert through [`Arch::expert`].
     fn split_glu(&self, _layer: usize) -> Option<blocks::Glu> {
         None
     }
@@ -155,10 +157,30 @@ pub trait Arch: Send + Sync {
     fn expert_bias(&self, _layer: usize, _expert: usize) -> Option<qwen3moe::FfnBias<'_>> {
         None
     }
+    /// Expert `expert`'s output scale in a layer of [`Arch::split_glu`] experts that have one
+    /// (gemma4's `ffn_down_exps.scale`); none by default.
+    fn expert_scale(&self, _layer: usize, _expert: usize) -> Option<f32> {
+        None
+    }
     /// Combine `st.moe_out` (and anything `dense` left in `st.side`) into the residual stream.
     fn finish_layer(&self, cx: &Compute, st: &mut State, layer: usize) -> Result<(), ArchError>;
     /// Final norm and output head for `st.out_rows` into `st.logits`.
     fn head(&self, cx: &Compute, st: &mut State) -> Result<(), ArchError>;
+}
+
+/// One expert's projections in read order as (gate, up, down): three as they are; two — a
+/// fused gate_up whose first half of rows is the gate, and down — with the fused one split at
+/// its middle row (every row of a tensor is the same number of bytes). `None` for any other
+/// count, or a fused slice of odd length.
+pub fn gate_up_down<'a>(proj: &[&'a [u8]]) -> Option<[&'a [u8]; 3]> {
+    match *proj {
+        [g, u, d] => Some([g, u, d]),
+        [gu, d] if gu.len() % 2 == 0 => {
+            let (g, u) = gu.split_at(gu.len() / 2);
+            Some([g, u, d])
+        }
+        _ => None,
+    }
 }
 
 /// The rows an expert runs on.
@@ -177,7 +199,7 @@ pub struct ExpertIn<'a> {
 /// One routed expert of a layer and the rows routed to it, for [`Model::experts_together`].
 pub struct ExpertJob<'a> {
     pub expert: usize,
-    /// The expert's projections' bytes in read order (gate, up, down).
+    /// The expert's gate, up and down bytes ([`gate_up_down`] of its projections).
     pub proj: [&'a [u8]; 3],
     /// (FFN row index, rank, weight) of each row routed to it, as [`Model::expert`] takes them.
     pub uses: &'a [(u32, u16, f32)],
@@ -672,12 +694,34 @@ impl<A: Arch + ?Sized> Model<A> {
     /// pool: they are split gated FFNs ([`Arch::split_glu`]) whose gate and up read one
     /// activation format.
     pub fn experts_batchable(&self, layer: usize) -> bool {
+        self.arch.split_glu(layer).is_some() && self.glu_shape(layer).is_some()
+    }
+
+    /// The gate, up and down tensors' types of layer `layer`'s experts and their FFN width,
+    /// when they are a split gated FFN ([`gate_up_down`]: three projections, or a fused
+    /// gate_up of an even number of rows and a down) whose gate and up read one activation
+    /// format.
+    fn glu_shape(&self, layer: usize) -> Option<([crate::gguf::GgmlType; 3], usize)> {
         let xs = self.experts(layer);
-        let fmt = |x: &ExpertTensor| kernels::ActFormat::for_weights(x.info.ty);
-        xs.len() == 3
-            && self.arch.split_glu(layer).is_some()
-            && fmt(&xs[0]).is_some()
-            && fmt(&xs[0]) == fmt(&xs[1])
+        let (types, ff) = match xs {
+            [g, u, d] => ([g.info.ty, u.info.ty, d.info.ty], g.rows),
+            [gu, d] if gu.rows % 2 == 0 => ([gu.info.ty, gu.info.ty, d.info.ty], gu.rows / 2),
+            _ => return None,
+        };
+        let fmt = kernels::ActFormat::for_weights;
+        (fmt(types[0]).is_some() && fmt(types[0]) == fmt(types[1])).then_some((types, ff))
+    }
+
+    /// Expert `expert`'s gate, up and down bytes in layer `layer` as the map holds them
+    /// (resident), for [`ExpertJob::proj`].
+    pub fn resident_job_proj(&self, layer: usize, expert: usize) -> Option<[&[u8]; 3]> {
+        let w = self.arch.weights();
+        let proj: Vec<&[u8]> = self
+            .experts(layer)
+            .iter()
+            .map(|x| w.expert_bytes(x, expert))
+            .collect();
+        gate_up_down(&proj)
     }
 
     /// A layer's routed experts, all at once (a resident step defers them to the layer's end):
@@ -730,7 +774,25 @@ impl<A: Arch + ?Sized> Model<A> {
                     what: format!("expert {} of {}", j.expert, self.dims.n_expert),
                 });
             }
-            check_slices(xs, &j.proj)?;
+            if let [gu, d] = xs {
+                // Fused: the gate and the up are each half of the gate_up slice.
+                let half = |p: &[u8]| p.len() as u64 * 2 == gu.stride;
+                if !(half(j.proj[0]) && half(j.proj[1])) {
+                    return Err(ArchError::Tensor {
+                        file: String::new(),
+                        tensor: gu.info.name.clone(),
+                        what: format!(
+                            "expert gate and up slices of {} and {} bytes, expected {} each",
+                            j.proj[0].len(),
+                            j.proj[1].len(),
+                            gu.stride / 2
+                        ),
+                    });
+                }
+                check_slices(std::slice::from_ref(d), &j.proj[2..])?;
+            } else {
+                check_slices(xs, &j.proj)?;
+            }
             check_uses(layer, m, k, j.uses)?;
         }
         self.prepare_h_acts(st, layer)?;
@@ -756,14 +818,18 @@ impl<A: Arch + ?Sized> Model<A> {
         glu: blocks::Glu,
         jobs: &[ExpertJob<'_>],
     ) -> Result<(), ArchError> {
-        let xs = self.experts(layer);
-        let (g, u, dn) = (&xs[0], &xs[1], &xs[2]);
+        let Some(([gt, ut, dt], ff)) = self.glu_shape(layer) else {
+            return Err(ArchError::Tensor {
+                file: String::new(),
+                tensor: format!("blk.{layer} experts"),
+                what: "not a split gated FFN: cannot run together".into(),
+            });
+        };
         let (d, k, m) = (self.dims.d_model, st.moe_k, st.ffn_rows.len());
         let n: usize = jobs.iter().map(|j| j.uses.len()).sum();
         if n == 0 {
             return Ok(());
         }
-        let ff = g.rows;
         let State {
             h_acts,
             expert_out,
@@ -795,7 +861,7 @@ impl<A: Arch + ?Sized> Model<A> {
             .zip(split_by_uses(&picked[..], jobs, 1))
             .zip(split_mut_by_uses(gate, jobs, ff).zip(split_mut_by_uses(up, jobs, ff)))
         {
-            for (ty, w, out) in [(g.info.ty, j.proj[0], gate), (u.info.ty, j.proj[1], up)] {
+            for (ty, w, out) in [(gt, j.proj[0], gate), (ut, j.proj[1], up)] {
                 products.push(kernels::Product {
                     ty,
                     w,
@@ -808,13 +874,13 @@ impl<A: Arch + ?Sized> Model<A> {
         }
         kernels::matmul_round(&self.cx.pool, &mut products).map_err(blocks::kerr)?;
         drop(products);
-        self.activate_rows(layer, glu, jobs, dn.info.ty, ff, gate, up, act2)?;
+        self.activate_rows(layer, glu, jobs, dt, ff, gate, up, act2)?;
         let mut products: Vec<kernels::Product<'_, ActBuf>> = jobs
             .iter()
             .zip(split_by_uses(&act2[..], jobs, 1))
             .zip(split_mut_by_uses(expert_out, jobs, d))
             .map(|((j, acts), out)| kernels::Product {
-                ty: dn.info.ty,
+                ty: dt,
                 w: j.proj[2],
                 n_rows: d,
                 n_cols: ff,
@@ -830,6 +896,9 @@ impl<A: Arch + ?Sized> Model<A> {
         {
             if let Some(b) = self.arch.expert_bias(layer, j.expert) {
                 blocks::add_bias(out, b.down);
+            }
+            if let Some(f) = self.arch.expert_scale(layer, j.expert) {
+                out.iter_mut().for_each(|v| *v *= f);
             }
         }
         // Each (row, rank) slot's output row and weight; the slots filled across the pool.
@@ -1125,7 +1194,8 @@ mod tests {
     /// A layer's experts computed together ([`Model::experts_together`]) land in every (row,
     /// rank) slot with exactly the bits of computing them one by one ([`Model::expert`]), at
     /// every layer, for K-quant experts (Q4_K gate/up, Q6_K down) and Q8_0 ones, qwen3moe,
-    /// qwen2moe (its shared expert beside them) and gpt-oss (biased experts), on 2 threads:
+    /// qwen2moe (its shared expert beside them), gpt-oss (biased experts) and gemma4 (a fused
+    /// gate_up split in halves, GELU, a scale per expert), on 2 threads:
     /// decode steps (one row) and a prefill batch of 40 rows (about 10 per expert: some get
     /// one, some more than 8, so the one-token, grouped and lanes kernels all run; layer 1 in
     /// groups of at most 7 rows). The logits of the two
@@ -1137,6 +1207,7 @@ mod tests {
             (gen::GenArch::Qwen3Moe, "q8_0"),
             (gen::GenArch::Qwen2Moe, "q4_k_m"),
             (gen::GenArch::GptOss, "mxfp4_moe"),
+            (gen::GenArch::Gemma4, "q4_k_m"),
         ] {
             let types = TypeScheme::from_name(scheme).unwrap();
             let model = tiny_model(arch, scheme, types);
@@ -1163,11 +1234,16 @@ mod tests {
                     assert!(model.experts_batchable(layer), "{scheme} layer {layer}");
                     model.route(&mut one, layer, &mut ro).unwrap();
                     let xs = model.experts(layer);
-                    let proj = |e: usize| [0, 1, 2].map(|p| w.expert_bytes(&xs[p], e));
+                    // In read order for one by one (gemma4's fused gate_up and down: two),
+                    // split into gate, up and down for the jobs.
+                    let read = |e: usize| -> Vec<&[u8]> {
+                        xs.iter().map(|x| w.expert_bytes(x, e)).collect()
+                    };
+                    let proj = |e: usize| model.resident_job_proj(layer, e).unwrap();
                     let mut uses = uses_of(&ro);
                     // One by one, in reverse id order (as an overlapped run might).
                     for (e, u) in uses.iter().rev() {
-                        model.expert(&mut one, layer, *e, &proj(*e), u).unwrap();
+                        model.expert(&mut one, layer, *e, &read(*e), u).unwrap();
                     }
                     if let (Some(which), Some((_, u))) =
                         (mix, uses.iter_mut().find(|(_, u)| u.len() > 1))
