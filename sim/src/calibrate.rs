@@ -1949,58 +1949,10 @@ mod tests {
     /// An overlapped run on four lanes: the fit over summed lane busy time is one lane's rate,
     /// and the device must deliver four of them at once — a ceiling of one lane's rate would
     /// serialise the lanes and make the replay far slower than the run it was fitted on.
-    #[test]
-    fn an_overlapped_run_calibrates_to_its_own_speed() {
-        let dir = Scratch::new("ov");
-        let trace_path = dir.trace("t.csv", synthetic_trace(200));
-        let mut truth = DeviceProfile::load("this-machine").expect("base");
-        truth.flash = FlashParams {
-            read_latency_us: 300.0,
-            lane_mib_per_s: 300.0,
-            device_mib_per_s: 1200.0,
-            align_bytes: 4096,
-            jitter: 0.0,
-            service_quantiles: Vec::new(),
-            dispatch_us: 0.0,
-        };
-        truth.compute.jitter = 0.0;
-        truth.flash.jitter = 0.0;
-        let (csv_path, io_path) = (dir.join("run.csv"), dir.join("run.io.csv"));
-        measure_with(
-            &dir.0,
-            &trace_path,
-            &truth,
-            &["--io-threads", "4", "--overlap"],
-            &csv_path,
-            Some(&io_path),
-        );
-        let csv = read_csv(&csv_path);
-        let io = bmoe_core::telemetry::io_trace::parse_io_trace(
-            &std::fs::read_to_string(&io_path).expect("io"),
-        )
-        .expect("io parse");
-        let base = DeviceProfile::load("this-machine").expect("base");
-        let prepared = prepare_own(&trace_path, true, Some(4));
-        let c = calibrate(&csv, "run.csv", Some(&prepared), Some(&io), &base, "fit").expect("fit");
-        let f = &c.profile.flash;
-        assert!(
-            f.device_mib_per_s >= 3.0 * f.lane_mib_per_s,
-            "four lanes must be able to run at once: {f:?}\n{:#?}",
-            c.notes
-        );
-        let err_pct = note_percent(&c.notes, "in-sample tok/s", "err ");
-        assert!(err_pct.abs() <= 10.0, "{err_pct}%\n{:#?}", c.notes);
-    }
-
-    /// A run whose reads' measured service times spread wide around the model while its
-    /// stalls do not (each token's io-trace latencies alternately 0.4× and 1.6× of what the
-    /// device took, so its sums keep their level; the device itself has no spread): the spread
-    /// charged read by read makes the replay's layers wait for a tail the run never waited
-    /// for. The calibration shrinks it until the replay stalls as the run does, and replays
-    /// the run within 3 %; the measured spread, kept whole, misprices it by more.
-    #[test]
-    fn a_spread_the_runs_stalls_do_not_show_is_shrunk() {
-        let dir = Scratch::new("spread");
+    /// One run of the 200-token synthetic trace on a device of four 300 MiB/s lanes (300 µs per
+    /// request, no spread, no dispatch), overlapped: the prepared trace, its metrics and its io
+    /// trace.
+    fn overlapped_run(dir: &Scratch) -> (Prepared, MetricsCsv, Vec<IoRecord>) {
         let trace_path = dir.trace("t.csv", synthetic_trace(200));
         let mut truth = DeviceProfile::load("this-machine").expect("base");
         truth.flash = FlashParams {
@@ -2023,17 +1975,48 @@ mod tests {
             &csv_path,
             Some(&io_path),
         );
-        let csv = read_csv(&csv_path);
-        let mut io = bmoe_core::telemetry::io_trace::parse_io_trace(
+        let io = bmoe_core::telemetry::io_trace::parse_io_trace(
             &std::fs::read_to_string(&io_path).expect("io"),
         )
         .expect("io parse");
+        (
+            prepare_own(&trace_path, true, Some(4)),
+            read_csv(&csv_path),
+            io,
+        )
+    }
+
+    #[test]
+    fn an_overlapped_run_calibrates_to_its_own_speed() {
+        let dir = Scratch::new("ov");
+        let (prepared, csv, io) = overlapped_run(&dir);
+        let base = DeviceProfile::load("this-machine").expect("base");
+        let c = calibrate(&csv, "run.csv", Some(&prepared), Some(&io), &base, "fit").expect("fit");
+        let f = &c.profile.flash;
+        assert!(
+            f.device_mib_per_s >= 3.0 * f.lane_mib_per_s,
+            "four lanes must be able to run at once: {f:?}\n{:#?}",
+            c.notes
+        );
+        let err_pct = note_percent(&c.notes, "in-sample tok/s", "err ");
+        assert!(err_pct.abs() <= 10.0, "{err_pct}%\n{:#?}", c.notes);
+    }
+
+    /// A run whose reads' measured service times spread wide around the model while its
+    /// stalls do not (each token's io-trace latencies alternately 0.4× and 1.6× of what the
+    /// device took, so its sums keep their level; the device itself has no spread): the spread
+    /// charged read by read makes the replay's layers wait for a tail the run never waited
+    /// for. The calibration shrinks it until the replay stalls as the run does, and replays
+    /// the run within 3 %; the measured spread, kept whole, misprices it by more.
+    #[test]
+    fn a_spread_the_runs_stalls_do_not_show_is_shrunk() {
+        let dir = Scratch::new("spread");
+        let (prepared, csv, mut io) = overlapped_run(&dir);
         for (i, r) in io.iter_mut().enumerate() {
             let f = if i % 2 == 0 { 0.4 } else { 1.6 };
             r.latency_ns = (r.latency_ns as f64 * f) as u64;
         }
         let base = DeviceProfile::load("this-machine").expect("base");
-        let prepared = prepare_own(&trace_path, true, Some(4));
         let c = calibrate(&csv, "run.csv", Some(&prepared), Some(&io), &base, "fit").expect("fit");
         assert!(
             c.notes
