@@ -247,22 +247,31 @@ impl<A: Arch + ?Sized> EngineBackend<A> {
             return Ok(());
         }
         let model = &self.model;
-        let mut jobs: Vec<ExpertJob<'_>> = Vec::with_capacity(self.deferred.len());
-        for (e, uses) in &self.deferred {
-            // Deferred only where the layer is batchable, so its experts split (gate, up, down).
-            let Some(proj) = model.resident_job_proj(m, *e as usize) else {
-                return Err(StreamError::Arch(ArchError::Tensor {
-                    file: String::new(),
-                    tensor: format!("blk.{m} experts"),
-                    what: "projections not a gated FFN's".into(),
-                }));
-            };
-            jobs.push(ExpertJob {
+        // Deferred only where the layer is batchable, so its experts split (gate, up, down).
+        let projs: Option<Vec<[&[u8]; 3]>> = self
+            .deferred
+            .iter()
+            .map(|(e, _)| model.resident_job_proj(m, *e as usize))
+            .collect();
+        let Some(projs) = projs else {
+            self.deferred.clear();
+            self.deferred_uses.clear();
+            return Err(StreamError::Arch(ArchError::Tensor {
+                file: String::new(),
+                tensor: format!("blk.{m} experts"),
+                what: "projections not a gated FFN's".into(),
+            }));
+        };
+        let mut jobs: Vec<ExpertJob<'_>> = self
+            .deferred
+            .iter()
+            .zip(projs)
+            .map(|((e, uses), proj)| ExpertJob {
                 expert: *e as usize,
                 proj,
                 uses: &self.deferred_uses[uses.clone()],
-            });
-        }
+            })
+            .collect();
         // The experts with the most rows first: the threads claim a round's tasks in order,
         // so its last tasks are the shortest and the threads finish close together. Each
         // output row lands in its own slot, so the order changes no bits.
