@@ -59,7 +59,9 @@ pub enum Cmd {
     Replay(ReplayArgs),
     /// Predict a model and device that were never run together: a recorded routing priced with
     /// another model's expert and dense bytes (its layout) and another device's profile; a
-    /// routing of another shape is mapped onto the model's (stated in the output)
+    /// routing of another shape is mapped onto the model's (stated in the output, with the
+    /// locality the mapped routing carries: the prediction assumes the model routes like the
+    /// trace's, and one whose router keeps more experts from token to token runs faster)
     Whatif(WhatifArgs),
     /// Replay a trace over a grid of budgets x policies (with the Belady bound) x lanes x overlap
     Sweep(SweepArgs),
