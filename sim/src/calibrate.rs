@@ -840,6 +840,19 @@ fn fit_profile(
     // difference as the lanes' cost. Their slopes come from within each run instead (each
     // run's rows taken about its own means), as `fit_across_shapes` then takes each run's level.
     let several_shapes = shape_ratios(runs, samples).is_some_and(|r| several(&r));
+    let archs: std::collections::BTreeSet<&str> = runs
+        .iter()
+        .filter_map(|r| r.prepared.map(|p| p.trace.preamble.arch.as_str()))
+        .collect();
+    if archs.len() > 1 {
+        notes.push(format!(
+            "compute: runs of {} architectures ({}): one compute model is fitted over them all, \
+             though their kernels' cost per byte may differ (other activations, norms, \
+             attention); a profile for one of them is best fitted on its own runs",
+            archs.len(),
+            archs.into_iter().collect::<Vec<_>>().join(", ")
+        ));
+    }
     let within;
     let slope_rows: &[([f64; 3], f64)] = if several_shapes {
         within = within_runs(samples, &compute_rows);
@@ -2319,6 +2332,37 @@ mod tests {
                 io: None,
             })
             .collect()
+    }
+
+    /// Runs of two architectures calibrate together, and the fit says it mixed them; runs of
+    /// one architecture say nothing of it.
+    #[test]
+    fn runs_of_two_architectures_are_named_in_the_notes() {
+        let dir = Scratch::new("archs");
+        let (prepared, csvs) = runs_at_three_budgets(&dir, &per_layer_truth(0.0));
+        let base = DeviceProfile::load("this-machine").expect("base");
+        let fit = |inputs: &[RunInput]| {
+            calibrate_sweep(inputs, &base, "fit", FitOptions::default()).expect("sweep")
+        };
+        let one = fit(&budget_inputs(&prepared, &csvs));
+        assert!(
+            !one.notes.iter().any(|n| n.contains("architectures (")),
+            "{:#?}",
+            one.notes
+        );
+        // The same routing, labelled another architecture, as the third run's trace.
+        let text = synthetic_trace(200).replace("arch=qwen3moe", "arch=gemma4");
+        let other = prepare_own(&dir.trace("g.csv", text), true, Some(2));
+        let mut mixed = budget_inputs(&prepared, &csvs);
+        mixed[2].prepared = Some(&other);
+        let two = fit(&mixed);
+        assert!(
+            two.notes
+                .iter()
+                .any(|n| n.contains("runs of 2 architectures (gemma4, qwen3moe)")),
+            "{:#?}",
+            two.notes
+        );
     }
 
     /// A device with a fixed cost per model layer (500 µs) besides its rate: a sweep over runs
