@@ -1213,12 +1213,7 @@ fn fit_dispatch(
     let stall_at = |us: f64| -> Result<f64, SimError> {
         let mut p = base.clone();
         p.flash.dispatch_us = us;
-        let mut total = 0.0;
-        for (run, s) in runs.iter().zip(samples) {
-            let sim = replay_run(run, &s.cfg, &p)?;
-            total += sim.rows.iter().map(|r| r.stall_ms).sum::<f64>();
-        }
-        Ok(total)
+        replayed_stall(runs, samples, &p)
     };
     let at_zero = stall_at(0.0)?;
     let tokens: usize = runs.iter().map(|r| r.csv.rows.len()).sum::<usize>().max(1);
@@ -1262,6 +1257,20 @@ fn fit_dispatch(
     Ok(())
 }
 
+/// The stall of every run's replay with `profile`, summed over their decode tokens, ms.
+fn replayed_stall(
+    runs: &[RunInput],
+    samples: &[RunSamples],
+    profile: &DeviceProfile,
+) -> Result<f64, SimError> {
+    let mut total = 0.0;
+    for (run, s) in runs.iter().zip(samples) {
+        let sim = replay_run(run, &s.cfg, profile)?;
+        total += sim.rows.iter().map(|r| r.stall_ms).sum::<f64>();
+    }
+    Ok(total)
+}
+
 /// `fit_dispatch`'s upper bound, microseconds.
 const DISPATCH_MAX_US: f64 = 2000.0;
 
@@ -1290,14 +1299,7 @@ fn shrink_spread(
         p.flash.service_quantiles = full.iter().map(|q| 1.0 + a * (q - 1.0)).collect();
         p
     };
-    let stall = |p: &DeviceProfile| -> Result<f64, SimError> {
-        let mut total = 0.0;
-        for (run, s) in runs.iter().zip(samples) {
-            let sim = replay_run(run, &s.cfg, p)?;
-            total += sim.rows.iter().map(|r| r.stall_ms).sum::<f64>();
-        }
-        Ok(total)
-    };
+    let stall = |p: &DeviceProfile| replayed_stall(runs, samples, p);
     let tokens = runs.iter().map(|r| r.csv.rows.len()).sum::<usize>().max(1) as f64;
     let mut none = profile.clone();
     none.flash.service_quantiles = Vec::new();

@@ -716,12 +716,12 @@ impl<A: Arch + ?Sized> Model<A> {
     /// (resident), for [`ExpertJob::proj`].
     pub fn resident_job_proj(&self, layer: usize, expert: usize) -> Option<[&[u8]; 3]> {
         let w = self.arch.weights();
-        let proj: Vec<&[u8]> = self
-            .experts(layer)
-            .iter()
-            .map(|x| w.expert_bytes(x, expert))
-            .collect();
-        gate_up_down(&proj)
+        let b = |x: &ExpertTensor| w.expert_bytes(x, expert);
+        match self.experts(layer) {
+            [g, u, d] => Some([b(g), b(u), b(d)]),
+            [gu, d] => gate_up_down(&[b(gu), b(d)]),
+            _ => None,
+        }
     }
 
     /// A layer's routed experts, all at once (a resident step defers them to the layer's end):
