@@ -2083,6 +2083,31 @@ mod tests {
         }
     }
 
+    /// `fit`, calibrated on the middle of [`THREE_BUDGETS`]' runs, replays the other two within
+    /// `tol` (a share of their tok/s).
+    fn others_within(inputs: &[RunInput], fit: &Calibration, tol: f64) {
+        for i in [0, 2] {
+            let e = replay_error(&inputs[i], &fit.profile);
+            assert!(
+                e.abs() <= tol,
+                "budget {}: {:+.1}%\n{:#?}",
+                THREE_BUDGETS[i],
+                100.0 * e,
+                fit.notes
+            );
+        }
+    }
+
+    /// The lanes'-cost tests' device before its compute terms: [`lanes_test_flash`], no
+    /// jitter, 20 µs per MiB released.
+    fn lanes_truth(dispatch_us: f64) -> DeviceProfile {
+        let mut truth = DeviceProfile::load("this-machine").expect("base");
+        truth.flash = lanes_test_flash(dispatch_us);
+        truth.compute.jitter = 0.0;
+        truth.compute.release_us_per_mib = 20.0;
+        truth
+    }
+
     /// `truth` "measured" on a 200-token synthetic trace at each of [`THREE_BUDGETS`] (2 lanes,
     /// overlap): the prepared trace and the runs' metrics, checked to span 3× the read volume.
     fn runs_at_three_budgets(dir: &Scratch, truth: &DeviceProfile) -> (Prepared, Vec<MetricsCsv>) {
@@ -2126,20 +2151,16 @@ mod tests {
     /// and the fit says so.
     #[test]
     fn the_kernels_slowdown_and_the_lanes_dispatch_are_fitted_and_hold_at_other_read_volumes() {
-        let mut truth = DeviceProfile::load("this-machine").expect("base");
-        truth.flash = lanes_test_flash(80.0);
-        truth.compute.jitter = 0.0;
+        let mut truth = lanes_truth(80.0);
         truth.compute.dense_mib_per_s = 2000.0;
         truth.compute.expert_mib_per_s = 2000.0;
         truth.compute.read_cpu_us = 0.0;
         truth.compute.read_cpu_us_per_mib = 0.0;
         truth.compute.read_slowdown = 0.8;
-        truth.compute.release_us_per_mib = 20.0;
         let dir = Scratch::new("cpu");
         let (prepared, csvs) = runs_at_three_budgets(&dir, &truth);
         let inputs = budget_inputs(&prepared, &csvs);
         let base = DeviceProfile::load("this-machine").expect("base");
-        let budgets = THREE_BUDGETS;
         // Budgets differ, the trace is one: the replay must use each run's own budget.
         let predict = |profile: &DeviceProfile, i: usize| replay_error(&inputs[i], profile);
         // One fit over the three budgets: the kernels' slowdown and the lanes' dispatch time
@@ -2189,16 +2210,7 @@ mod tests {
             "{:#?}",
             one.notes
         );
-        for i in [0, 2] {
-            let e = predict(&one.profile, i);
-            assert!(
-                e.abs() <= 0.10,
-                "budget {}: {:+.1}%\n{:#?}",
-                budgets[i],
-                100.0 * e,
-                one.notes
-            );
-        }
+        others_within(&inputs, &one, 0.10);
         assert!(calibrate_sweep(&inputs[..1], &base, "fit", FitOptions::default()).is_err());
     }
 
@@ -2210,17 +2222,13 @@ mod tests {
     /// mispredicts.
     #[test]
     fn a_per_read_cost_no_slowdown_reproduces_is_kept_as_a_per_read_charge() {
-        let mut truth = DeviceProfile::load("this-machine").expect("base");
-        truth.flash = lanes_test_flash(0.0);
-        truth.compute.jitter = 0.0;
+        let mut truth = lanes_truth(0.0);
         truth.compute.read_cpu_us = 60.0;
         truth.compute.read_cpu_us_per_mib = 0.0;
-        truth.compute.release_us_per_mib = 20.0;
         let dir = Scratch::new("cpu");
         let (prepared, csvs) = runs_at_three_budgets(&dir, &truth);
         let inputs = budget_inputs(&prepared, &csvs);
         let base = DeviceProfile::load("this-machine").expect("base");
-        let budgets = THREE_BUDGETS;
         let predict = |profile: &DeviceProfile, i: usize| replay_error(&inputs[i], profile);
         // One run (the middle budget) with the lanes' CPU: recovered, and it holds elsewhere.
         let one = calibrate_run(&inputs[1], &base, "fit", FitOptions::default()).expect("fit");
@@ -2240,16 +2248,7 @@ mod tests {
             "lanes' CPU per read: fitted {per_read_us} us, true 60\n{:#?}",
             one.notes
         );
-        for i in [0, 2] {
-            let e = predict(&one.profile, i);
-            assert!(
-                e.abs() <= 0.05,
-                "budget {}: {:+.1}%\n{:#?}",
-                budgets[i],
-                100.0 * e,
-                one.notes
-            );
-        }
+        others_within(&inputs, &one, 0.05);
         // The single-rate fit folds the middle run's lanes' CPU into its rate: off at the others.
         let single = calibrate_run(
             &inputs[1],
