@@ -242,9 +242,20 @@ pub(crate) unsafe fn commit_pages(addr: *mut u8, len: usize) {
 /// for its reads or between tokens. Falling behind just means an admission faults its own
 /// pages in, as without a keeper.
 fn keeper_main(shared: Shared) {
-    let param = libc::sched_param { sched_priority: 0 };
-    // SAFETY: plain syscall on the calling thread (pid 0); failure leaves normal priority.
-    unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) };
+    // SAFETY: an all-zero `sched_param` is valid (priority 0, which SCHED_IDLE requires; musl's
+    // has reserved fields beside it).
+    let param: libc::sched_param = unsafe { std::mem::zeroed() };
+    // The raw system call: musl's `sched_setscheduler` wrapper is a stub that returns ENOSYS.
+    // SAFETY: plain syscall on the calling thread (pid 0) with a valid pointer; failure leaves
+    // normal priority.
+    unsafe {
+        libc::syscall(
+            libc::SYS_sched_setscheduler,
+            0,
+            libc::SCHED_IDLE,
+            &param as *const libc::sched_param,
+        )
+    };
     let mut pool = lock_pool(&shared);
     loop {
         if pool.stop {

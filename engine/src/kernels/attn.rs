@@ -372,6 +372,7 @@ fn transpose_keys<K: KvRows>(
 
 fn max_queries(level: SimdLevel) -> usize {
     match level {
+        #[cfg(target_arch = "x86_64")]
         SimdLevel::Avx512 => 8,
         _ => 4,
     }
@@ -379,6 +380,7 @@ fn max_queries(level: SimdLevel) -> usize {
 
 fn max_heads(level: SimdLevel) -> usize {
     match level {
+        #[cfg(target_arch = "x86_64")]
         SimdLevel::Avx512 => 4,
         _ => 2,
     }

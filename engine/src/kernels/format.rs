@@ -10,8 +10,9 @@
 //! format once with its levels; everything else looks the type up there once per call
 //! ([`FormatTable`]) and calls through plain function pointers, chosen per call, not per row.
 //!
-//! Adding a SIMD level (say ARM NEON): a marker type implementing [`Level`], a `SimdLevel`
-//! variant detected at run time, then one file per format with `impl Kernel<F> for Neon`, and
+//! Adding a SIMD level: a marker type implementing [`Level`], a `SimdLevel` variant detected at
+//! run time, then per format an `impl Kernel<F> for TheLevel` (the aarch64 levels [`Neon`],
+//! [`Dotprod`] and [`I8mm`] keep theirs in `<format>/neon.rs`, beside the format's file), and
 //! the level's name in that format's registry line. A format without it runs at the best level
 //! below that it has (always at least [`Scalar`]).
 
@@ -85,7 +86,24 @@ pub(super) fn prefetch_lines(w: &[u8], start: usize, len: usize) {
             at += 64;
         }
     }
-    #[cfg(not(target_arch = "x86_64"))]
+    #[cfg(target_arch = "aarch64")]
+    {
+        let end = (start + len).min(w.len());
+        let mut at = start;
+        while at < end {
+            // SAFETY: `at` lies inside `w`; a prefetch never faults and changes no value (and
+            // `prfm` is in every aarch64 core). 64 bytes a step: the line of most ARM cores.
+            unsafe {
+                std::arch::asm!(
+                    "prfm pldl1keep, [{p}]",
+                    p = in(reg) w.as_ptr().add(at),
+                    options(nostack, preserves_flags, readonly)
+                )
+            };
+            at += 64;
+        }
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
     let _ = (w, start, len);
 }
 
@@ -115,6 +133,32 @@ pub(crate) struct Avx512;
 #[cfg(target_arch = "x86_64")]
 impl Level for Avx512 {
     const LEVEL: SimdLevel = SimdLevel::Avx512;
+}
+
+/// aarch64 Advanced SIMD (NEON): every aarch64 core.
+#[cfg(target_arch = "aarch64")]
+pub(crate) struct Neon;
+#[cfg(target_arch = "aarch64")]
+impl Level for Neon {
+    const LEVEL: SimdLevel = SimdLevel::Neon;
+}
+
+/// NEON plus the 8-bit dot products (`sdot`/`udot`). Formats without a kernel of their own at
+/// this level run their NEON one.
+#[cfg(target_arch = "aarch64")]
+pub(crate) struct Dotprod;
+#[cfg(target_arch = "aarch64")]
+impl Level for Dotprod {
+    const LEVEL: SimdLevel = SimdLevel::Dotprod;
+}
+
+/// dotprod plus the 8-bit matrix multiply-accumulate (`smmla`). Formats without a kernel of
+/// their own at this level run their dotprod (or NEON) one.
+#[cfg(target_arch = "aarch64")]
+pub(crate) struct I8mm;
+#[cfg(target_arch = "aarch64")]
+impl Level for I8mm {
+    const LEVEL: SimdLevel = SimdLevel::I8mm;
 }
 
 /// Format `F`'s products at one SIMD level. Every method gives exactly the bits of
@@ -278,7 +322,7 @@ impl LevelFns {
 }
 
 /// How many [`SimdLevel`]s there are (the slots of a [`FormatTable`]).
-const N_LEVELS: usize = 3;
+const N_LEVELS: usize = SimdLevel::ALL.len();
 
 /// One format, type-erased: what the entry points call.
 pub(crate) struct FormatTable {
@@ -358,9 +402,26 @@ impl FormatTable {
     }
 }
 
-/// The levels of a registry line: `Avx2`, `Avx512` (compiled on x86-64 only).
+/// The levels of a registry line: `Avx2`, `Avx512` (compiled on x86-64 only), `Neon`,
+/// `Dotprod`, `I8mm` (compiled on aarch64 only).
 macro_rules! with_levels {
     ($t:expr, $f:ty $(,)?) => { $t };
+    ($t:expr, $f:ty, Neon $(, $rest:ident)*) => {
+        $crate::kernels::format::with_levels!(@arm $t, $f, Neon $(, $rest)*)
+    };
+    ($t:expr, $f:ty, Dotprod $(, $rest:ident)*) => {
+        $crate::kernels::format::with_levels!(@arm $t, $f, Dotprod $(, $rest)*)
+    };
+    ($t:expr, $f:ty, I8mm $(, $rest:ident)*) => {
+        $crate::kernels::format::with_levels!(@arm $t, $f, I8mm $(, $rest)*)
+    };
+    (@arm $t:expr, $f:ty, $level:ident $(, $rest:ident)*) => {{
+        #[cfg(target_arch = "aarch64")]
+        let t = $t.with($crate::kernels::format::LevelFns::of::<$f, $crate::kernels::format::$level>());
+        #[cfg(not(target_arch = "aarch64"))]
+        let t = $t;
+        $crate::kernels::format::with_levels!(t, $f $(, $rest)*)
+    }};
     ($t:expr, $f:ty, Avx512 $(, $rest:ident)*) => {{
         #[cfg(target_arch = "x86_64")]
         let t = $t.with($crate::kernels::format::LevelFns::of::<$f, $crate::kernels::format::Avx512>());

@@ -42,6 +42,8 @@ mod fp32;
 mod iq4_nl;
 mod iq4_xs;
 mod mxfp4;
+#[cfg(target_arch = "aarch64")]
+mod neon;
 mod pool;
 mod q2_k;
 mod q3_k;
@@ -131,37 +133,83 @@ pub enum KernelError {
 
 /// The instruction-set level the kernels run at, detected once per process.
 ///
-/// `BMOE_SIMD=scalar|avx2|avx512` caps it (to compare levels with one binary; a level the CPU
-/// lacks is never used).
+/// The variants are the levels of the target architecture (x86-64: AVX2, AVX-512; aarch64:
+/// NEON, dotprod, i8mm), lowest first, so that a level includes every level below it and a
+/// format without a kernel at one level runs its best lower one.
+///
+/// `BMOE_SIMD=scalar|avx2|avx512` (x86-64) or `scalar|neon|dotprod|i8mm` (aarch64) caps it (to
+/// compare levels with one binary; a level the CPU lacks is never used).
 #[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum SimdLevel {
     /// Portable Rust; the reference every other level matches bit for bit.
     Scalar,
     /// x86-64 AVX2 + FMA + F16C.
+    #[cfg(target_arch = "x86_64")]
     Avx2,
     /// AVX2's features plus AVX-512 F/BW/VL and AVX512-VNNI (`vpdpwssd`): the K-quant kernels
     /// that measured faster with 512-bit vectors (Intel Sapphire Rapids); every other format
     /// runs its AVX2 kernel at this level.
+    #[cfg(target_arch = "x86_64")]
     Avx512,
+    /// aarch64 Advanced SIMD (every ARMv8-A core: 128-bit vectors, fused multiply-add).
+    #[cfg(target_arch = "aarch64")]
+    Neon,
+    /// NEON plus the 8-bit dot products (`sdot`/`udot`, FEAT_DotProd: Cortex-A76/A55 and later).
+    #[cfg(target_arch = "aarch64")]
+    Dotprod,
+    /// dotprod plus the 8-bit matrix multiply-accumulate (`smmla`, FEAT_I8MM: Cortex-A710/X2
+    /// and later).
+    #[cfg(target_arch = "aarch64")]
+    I8mm,
 }
 
 impl SimdLevel {
-    /// Lower-case name, as printed by the benchmark.
+    /// Every level of this target architecture, lowest first.
+    pub const ALL: &'static [SimdLevel] = &[
+        SimdLevel::Scalar,
+        #[cfg(target_arch = "x86_64")]
+        SimdLevel::Avx2,
+        #[cfg(target_arch = "x86_64")]
+        SimdLevel::Avx512,
+        #[cfg(target_arch = "aarch64")]
+        SimdLevel::Neon,
+        #[cfg(target_arch = "aarch64")]
+        SimdLevel::Dotprod,
+        #[cfg(target_arch = "aarch64")]
+        SimdLevel::I8mm,
+    ];
+
+    /// Lower-case name, as printed by the benchmark and taken by `BMOE_SIMD`.
     pub fn name(self) -> &'static str {
         match self {
             SimdLevel::Scalar => "scalar",
+            #[cfg(target_arch = "x86_64")]
             SimdLevel::Avx2 => "avx2",
+            #[cfg(target_arch = "x86_64")]
             SimdLevel::Avx512 => "avx512",
+            #[cfg(target_arch = "aarch64")]
+            SimdLevel::Neon => "neon",
+            #[cfg(target_arch = "aarch64")]
+            SimdLevel::Dotprod => "dotprod",
+            #[cfg(target_arch = "aarch64")]
+            SimdLevel::I8mm => "i8mm",
         }
+    }
+
+    /// The level named `name` ([`SimdLevel::name`]) on this architecture, if any.
+    pub fn from_name(name: &str) -> Option<SimdLevel> {
+        SimdLevel::ALL.iter().copied().find(|l| l.name() == name)
     }
 
     /// Every level this CPU can run, lowest first (always starts with `Scalar`).
     pub fn available() -> Vec<SimdLevel> {
         let top = simd_level();
-        [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512]
-            .into_iter()
-            .filter(|l| *l <= top)
-            .collect()
+        SimdLevel::ALL.iter().copied().filter(|l| *l <= top).collect()
+    }
+
+    /// The best level of this architecture (what the kernels run when nothing caps them).
+    pub fn top() -> SimdLevel {
+        SimdLevel::ALL[SimdLevel::ALL.len() - 1]
     }
 }
 
@@ -172,12 +220,27 @@ pub fn simd_level() -> SimdLevel {
 }
 
 fn detect_level() -> SimdLevel {
-    let cap = match std::env::var("BMOE_SIMD").as_deref() {
-        Ok("scalar") => SimdLevel::Scalar,
-        Ok("avx2") => SimdLevel::Avx2,
-        _ => SimdLevel::Avx512,
+    let cap = match std::env::var("BMOE_SIMD") {
+        Ok(name) => simd_cap(&name).unwrap_or_else(|| {
+            let names: Vec<&str> = SimdLevel::ALL.iter().map(|l| l.name()).collect();
+            eprintln!(
+                "bmoe: BMOE_SIMD={name:?} is not a level of this CPU architecture ({}); \
+                 running the best level the CPU has",
+                names.join(", ")
+            );
+            SimdLevel::top()
+        }),
+        Err(_) => SimdLevel::top(),
     };
     cpu_level().min(cap)
+}
+
+/// The cap `BMOE_SIMD=name` sets (empty: none), or `None` for a name this architecture lacks.
+fn simd_cap(name: &str) -> Option<SimdLevel> {
+    if name.is_empty() {
+        return Some(SimdLevel::top());
+    }
+    SimdLevel::from_name(&name.to_ascii_lowercase())
 }
 
 fn cpu_level() -> SimdLevel {
@@ -197,6 +260,19 @@ fn cpu_level() -> SimdLevel {
             return SimdLevel::Avx2;
         }
     }
+    #[cfg(target_arch = "aarch64")]
+    {
+        // Advanced SIMD is part of every aarch64 Linux/Android target; the 8-bit dot and
+        // matrix instructions are optional (ARMv8.2+ and ARMv8.6+).
+        if std::arch::is_aarch64_feature_detected!("dotprod") {
+            if std::arch::is_aarch64_feature_detected!("i8mm") {
+                return SimdLevel::I8mm;
+            }
+            return SimdLevel::Dotprod;
+        }
+        return SimdLevel::Neon;
+    }
+    #[allow(unreachable_code)]
     SimdLevel::Scalar
 }
 
