@@ -21,7 +21,7 @@
 use super::super::blocks;
 use super::super::format::{prefetch_lines, PREFETCH_AHEAD};
 use super::super::neon as arm;
-use super::super::q8_0::Q8Act;
+use super::super::q8_0::{BlockQ8_0, Q8Act};
 use super::{Block32, Order, Scale};
 use std::arch::aarch64::*;
 use std::ops::Range;
@@ -66,15 +66,33 @@ impl LaneDot for Widen {
     }
 }
 
-/// Four f16 scales (little-endian bits) as f32: one `fcvtl` (gathered through a general
-/// register, so no vector lane inserts).
+/// A 64-bit word into the low half of a vector register (`fmov d, x`), written as assembly so
+/// that the compiler keeps a gather of small fields in general registers (it otherwise turns
+/// one into lane inserts, a vector µop each).
+#[inline(always)]
+pub(crate) fn u64_to_vec(bits: u64) -> uint64x1_t {
+    let out: uint64x1_t;
+    // SAFETY: register-only base floating-point move.
+    unsafe {
+        std::arch::asm!(
+            "fmov {o:d}, {x}",
+            o = lateout(vreg) out,
+            x = in(reg) bits,
+            options(pure, nomem, nostack, preserves_flags)
+        )
+    };
+    out
+}
+
+/// Four f16 scales (little-endian bits) as f32: one `fcvtl`, the bits gathered through a
+/// general register.
 #[inline(always)]
 pub(crate) fn f16x4(h: [[u8; 2]; 4]) -> float32x4_t {
-    let bits = u64::from_le_bytes([
-        h[0][0], h[0][1], h[1][0], h[1][1], h[2][0], h[2][1], h[3][0], h[3][1],
-    ]);
+    let bits = h.iter().enumerate().fold(0u64, |v, (k, h)| {
+        v | (u16::from_le_bytes(*h) as u64) << (16 * k)
+    });
     // SAFETY: base Advanced SIMD, register-only.
-    arm::f16x4_to_f32(unsafe { vcreate_u16(bits) })
+    arm::f16x4_to_f32(unsafe { vreinterpret_u16_u64(u64_to_vec(bits)) })
 }
 
 /// A block's scale, exactly [`Block32::scale`] (the conversion instruction for f16, a table
@@ -103,18 +121,18 @@ fn scale4<B: Block32>(x: [&B; 4]) -> float32x4_t {
             // SAFETY: base Advanced SIMD, register-only.
             unsafe {
                 vreinterpretq_f32_u64(vcombine_u64(
-                    vcreate_u64(bits[0] | bits[1] << 32),
-                    vcreate_u64(bits[2] | bits[3] << 32),
+                    u64_to_vec(bits[0] | bits[1] << 32),
+                    u64_to_vec(bits[2] | bits[3] << 32),
                 ))
             }
         }
     }
 }
 
-/// The 16 activation bytes of lanes 0–3 and of lanes 4–7 of block `i`.
+/// The 16 activation bytes of lanes 0–3 and of lanes 4–7 of a block.
 #[inline(always)]
-unsafe fn act(a: &Q8Act, i: usize) -> [int8x16_t; 2] {
-    let p = a.blocks[i].qs.as_ptr();
+unsafe fn act(y: &BlockQ8_0) -> [int8x16_t; 2] {
+    let p = y.qs.as_ptr();
     // SAFETY: 32 bytes of qs.
     unsafe { [vld1q_s8(p), vld1q_s8(p.add(16))] }
 }
@@ -153,21 +171,28 @@ unsafe fn core<B: Block32, D: LaneDot, const R: usize, const T: usize>(
     w: [&[B]; R],
     a: [&Q8Act; T],
 ) -> [[f32; T]; R] {
+    let offset = B::ORDER == Order::LanesOffset;
+    // The scalar's zips: the offset formats also stop at the activation's `s` terms.
     let n = w
         .iter()
         .map(|r| r.len())
         .chain(a.iter().map(|a| a.blocks.len()))
+        .chain(a.iter().filter(|_| offset).map(|a| a.s.len()))
         .min()
         .unwrap_or(0);
+    // Unchecked access below: every block index is below `n` (the loops' bounds).
+    let (wp, ap) = (w.map(|r| r.as_ptr()), a.map(|a| a.blocks.as_ptr()));
+    // SAFETY (both): `i < n`, inside every row and activation.
+    let x = |r: usize, i: usize| -> &B { unsafe { &*wp[r].add(i) } };
+    let y = |t: usize, i: usize| -> &BlockQ8_0 { unsafe { &*ap[t].add(i) } };
     let pairs = B::ORDER == Order::Pairs;
-    let offset = B::ORDER == Order::LanesOffset;
     let in_lanes = if pairs { n / 2 * 2 } else { n };
-    let zero = unsafe { vdupq_n_f32(0.0) };
-    // acc[set][r][t]: lanes 0–3 and 4–7; set 1 holds the odd blocks of the Pairs order.
-    let mut acc = [[[[zero; 2]; T]; R]; 2];
-    let mut m_sum = [[0f32; T]; R];
-    // SAFETY (the whole body): the caller's (the level of `D`); every block index is below `n`.
+    // SAFETY (the whole body): the caller's (the level of `D`); register-only intrinsics.
     unsafe {
+        let zero = vdupq_n_f32(0.0);
+        // acc[set][r][t]: lanes 0–3 and 4–7; set 1 holds the odd blocks of the Pairs order.
+        let mut acc = [[[[zero; 2]; T]; R]; 2];
+        let mut m_sum = [[0f32; T]; R];
         let magic = vdupq_n_s32(MAGIC);
         let mut b = 0;
         while b < in_lanes {
@@ -176,30 +201,34 @@ unsafe fn core<B: Block32, D: LaneDot, const R: usize, const T: usize>(
             // Four blocks a step: their scales converted four at a time.
             while b + 4 <= end {
                 let da: [float32x4_t; T] =
-                    std::array::from_fn(|t| f16x4(std::array::from_fn(|k| a[t].blocks[b + k].d)));
+                    std::array::from_fn(|t| f16x4(std::array::from_fn(|k| y(t, b + k).d)));
                 let mut d = [[zero; T]; R];
-                for (r, row) in w.iter().enumerate() {
-                    let dw = scale4(std::array::from_fn(|k| &row[b + k]));
+                for (r, d) in d.iter_mut().enumerate() {
+                    let dw = scale4(std::array::from_fn(|k| x(r, b + k)));
                     for t in 0..T {
-                        d[r][t] = vmulq_f32(dw, da[t]);
+                        d[t] = vmulq_f32(dw, da[t]);
                     }
                 }
                 macro_rules! step {
                     ($k:literal) => {{
                         let i = b + $k;
                         let set = if pairs { $k & 1 } else { 0 };
-                        let y: [[int8x16_t; 2]; T] = std::array::from_fn(|t| act(a[t], i));
+                        let ya: [[int8x16_t; 2]; T] = std::array::from_fn(|t| act(y(t, i)));
                         for r in 0..R {
-                            let q = w[r][i].levels_neon();
+                            let q = x(r, i).levels_neon();
                             for t in 0..T {
-                                let f = lane_sums::<D>(&mut run[r][t], q, y[t]);
+                                let f = lane_sums::<D>(&mut run[r][t], q, ya[t]);
                                 let l = &mut acc[set][r][t];
                                 l[0] = fma_lane::<$k>(l[0], f[0], d[r][t]);
                                 l[1] = fma_lane::<$k>(l[1], f[1], d[r][t]);
                             }
                         }
                         if offset {
-                            offset_step(&mut m_sum, w, a, i);
+                            offset_step(
+                                &mut m_sum,
+                                std::array::from_fn(|r| x(r, i)),
+                                std::array::from_fn(|t| *a[t].s.get_unchecked(i)),
+                            );
                         }
                     }};
                 }
@@ -212,19 +241,22 @@ unsafe fn core<B: Block32, D: LaneDot, const R: usize, const T: usize>(
             while b < end {
                 let set = if pairs { b & 1 } else { 0 };
                 for r in 0..R {
-                    let q = w[r][b].levels_neon();
-                    let dw = scale1(&w[r][b]);
+                    let q = x(r, b).levels_neon();
+                    let dw = scale1(x(r, b));
                     for t in 0..T {
-                        let y = &a[t].blocks[b];
-                        let d = vdupq_n_f32(dw * arm::f16_to_f32(y.d));
-                        let f = lane_sums::<D>(&mut run[r][t], q, act(a[t], b));
+                        let d = vdupq_n_f32(dw * arm::f16_to_f32(y(t, b).d));
+                        let f = lane_sums::<D>(&mut run[r][t], q, act(y(t, b)));
                         let l = &mut acc[set][r][t];
                         l[0] = vfmaq_f32(l[0], f[0], d);
                         l[1] = vfmaq_f32(l[1], f[1], d);
                     }
                 }
                 if offset {
-                    offset_step(&mut m_sum, w, a, b);
+                    offset_step(
+                        &mut m_sum,
+                        std::array::from_fn(|r| x(r, b)),
+                        std::array::from_fn(|t| *a[t].s.get_unchecked(b)),
+                    );
                 }
                 b += 1;
             }
@@ -246,11 +278,11 @@ unsafe fn core<B: Block32, D: LaneDot, const R: usize, const T: usize>(
                 }
                 if pairs && n % 2 == 1 {
                     // The unpaired last block, fused in whole.
-                    let (x, y) = (&w[r][n - 1], &a[t].blocks[n - 1]);
-                    let q = x.levels_neon();
-                    let ya = act(a[t], n - 1);
+                    let (xb, yb) = (x(r, n - 1), y(t, n - 1));
+                    let q = xb.levels_neon();
+                    let ya = act(yb);
                     let s = D::dot(D::dot(vdupq_n_s32(0), q[0], ya[0]), q[1], ya[1]);
-                    let d = scale1(x) * arm::f16_to_f32(y.d);
+                    let d = scale1(xb) * arm::f16_to_f32(yb.d);
                     v = d.mul_add(vaddvq_s32(s) as f32, v);
                 }
                 out[r][t] = v;
@@ -260,19 +292,19 @@ unsafe fn core<B: Block32, D: LaneDot, const R: usize, const T: usize>(
     }
 }
 
-/// The offset chains of block `i` (Order::LanesOffset): `m_sum = fma(m_w, s_a, m_sum)`.
+/// The offset chains of one block (Order::LanesOffset): `m_sum = fma(m_w, s_a, m_sum)`, with
+/// the rows' blocks `x` and the activations' `s` terms.
 #[inline(always)]
 fn offset_step<B: Block32, const R: usize, const T: usize>(
     m_sum: &mut [[f32; T]; R],
-    w: [&[B]; R],
-    a: [&Q8Act; T],
-    i: usize,
+    x: [&B; R],
+    s: [[u8; 2]; T],
 ) {
-    let s: [f32; T] = std::array::from_fn(|t| arm::f16_to_f32(a[t].s[i]));
-    for r in 0..R {
-        let m = arm::f16_to_f32(w[r][i].offset_raw());
-        for t in 0..T {
-            m_sum[r][t] = m.mul_add(s[t], m_sum[r][t]);
+    let s = s.map(arm::f16_to_f32);
+    for (m_sum, x) in m_sum.iter_mut().zip(x) {
+        let m = arm::f16_to_f32(x.offset_raw());
+        for (m_sum, s) in m_sum.iter_mut().zip(s) {
+            *m_sum = m.mul_add(s, *m_sum);
         }
     }
 }
