@@ -154,6 +154,22 @@ mod tests {
     use super::*;
     use crate::gguf::GgmlType;
 
+    /// The offset formats' activation terms (`s`) are never read: NaN there changes nothing.
+    #[test]
+    fn ignores_the_offset_terms() {
+        let n = 7 * QK;
+        let w = quantized_bytes(GgmlType::MXFP4, &values(3, n, 0.1));
+        let mut act = prepared(GgmlType::MXFP4, &values(4, n, 1.0));
+        let want = scalar_dot::<Mxfp4>(&w, &act);
+        act.q8_0.s.iter_mut().for_each(|s| *s = [0x00, 0x7E]);
+        for level in crate::kernels::SimdLevel::available() {
+            let mut out = [f32::NAN; 1];
+            // SAFETY: the level is available; one row.
+            unsafe { (table_of::<Mxfp4>().at(level).rows)(&w, w.len(), 0..1, &act, &mut out) };
+            assert_eq!(out[0].to_bits(), want.to_bits(), "{level:?}");
+        }
+    }
+
     #[test]
     fn rows_match_scalar_bits() {
         super::super::block32::checks::check_rows_match_scalar::<Mxfp4>();

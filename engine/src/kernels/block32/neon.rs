@@ -171,7 +171,7 @@ unsafe fn core<B: Block32, D: LaneDot, const R: usize, const T: usize>(
     w: [&[B]; R],
     a: [&Q8Act; T],
 ) -> [[f32; T]; R] {
-    let offset = B::ORDER == Order::LanesOffset;
+    let offset = const { matches!(B::ORDER, Order::LanesOffset) };
     // The scalar's zips: the offset formats also stop at the activation's `s` terms.
     let n = w
         .iter()
@@ -185,7 +185,7 @@ unsafe fn core<B: Block32, D: LaneDot, const R: usize, const T: usize>(
     // SAFETY (both): `i < n`, inside every row and activation.
     let x = |r: usize, i: usize| -> &B { unsafe { &*wp[r].add(i) } };
     let y = |t: usize, i: usize| -> &BlockQ8_0 { unsafe { &*ap[t].add(i) } };
-    let pairs = B::ORDER == Order::Pairs;
+    let pairs = const { matches!(B::ORDER, Order::Pairs) };
     let in_lanes = if pairs { n / 2 * 2 } else { n };
     // SAFETY (the whole body): the caller's (the level of `D`); register-only intrinsics.
     unsafe {
