@@ -8,11 +8,16 @@
 //! of the two orders llama.cpp's x86 CPU backend uses for them ([`Order`]), so the loops are
 //! shared and SIMD == scalar is proved once for all of them.
 //!
+//! The aarch64 levels (NEON, dotprod) are in `block32/neon.rs`, over the same trait.
+//!
 //! Lane layout (every order): a block's 32 products are summed exactly in 8 lanes of 4
 //! consecutive values (lane `k` holds values `4k .. 4k + 4`), as `maddubs` + `madd` leave them.
 
 use super::q8_0::{BlockQ8_0, Q8Act};
 use super::{f16_to_f32, reduce8, RawBlock};
+
+#[cfg(target_arch = "aarch64")]
+pub(super) mod neon;
 
 /// Values per block.
 pub(super) const QK: usize = 32;
@@ -74,6 +79,9 @@ pub(super) trait Block32: RawBlock {
     /// AVX2, FMA and F16C are present.
     #[cfg(target_arch = "x86_64")]
     unsafe fn levels_avx2(&self) -> std::arch::x86_64::__m256i;
+    /// [`Block32::levels`] as two vectors (values 0–15, 16–31), with base Advanced SIMD.
+    #[cfg(target_arch = "aarch64")]
+    fn levels_neon(&self) -> [std::arch::aarch64::int8x16_t; 2];
 }
 
 /// Values `d · level` (`+ m` for the offset formats), multiplied then added: gguf-py's and
@@ -323,6 +331,43 @@ macro_rules! block32_format {
                 unsafe { $crate::kernels::block32::dot_avx2(w, a) }
             }
         }
+
+        $crate::kernels::block32::block32_format!(@arm $name, $block, Neon, dot_neon, rows_neon, group_neon);
+        $crate::kernels::block32::block32_format!(
+            @arm $name, $block, Dotprod, dot_dotprod, rows_dotprod, group_dotprod
+        );
+    };
+    (@arm $name:ident, $block:ty, $level:ident, $dot:ident, $rows:ident, $group:ident) => {
+        /// Two rows at a time for one token, each weight block unpacked once for a group
+        /// of tokens (`block32/neon.rs`).
+        #[cfg(target_arch = "aarch64")]
+        impl $crate::kernels::format::Kernel<$name> for $crate::kernels::format::$level {
+            unsafe fn dot(w: &[$block], a: &$crate::kernels::q8_0::Q8Act) -> f32 {
+                // SAFETY: the caller's (the level is available).
+                unsafe { $crate::kernels::block32::neon::$dot(w, a) }
+            }
+
+            unsafe fn dot_rows(
+                w: &[u8],
+                row_bytes: usize,
+                rows: std::ops::Range<usize>,
+                a: &$crate::kernels::q8_0::Q8Act,
+                out: &mut [f32],
+            ) {
+                // SAFETY: the caller's.
+                unsafe { $crate::kernels::block32::neon::$rows::<$block>(w, row_bytes, rows, a, out) }
+            }
+
+            const GROUPED: bool = true;
+
+            unsafe fn dot_group<const N: usize>(
+                w: &[$block],
+                a: [&$crate::kernels::q8_0::Q8Act; N],
+            ) -> [f32; N] {
+                // SAFETY: the caller's.
+                unsafe { $crate::kernels::block32::neon::$group::<$block, N>(w, a) }
+            }
+        }
     };
 }
 pub(super) use block32_format;
@@ -367,5 +412,50 @@ pub(super) fn nibble(qs: &[u8; QK / 2], i: usize) -> u8 {
         qs[i] & 0x0F
     } else {
         qs[i - 16] >> 4
+    }
+}
+
+/// Checks shared by the formats' tests.
+#[cfg(test)]
+pub(super) mod checks {
+    use super::super::format::Format;
+    use super::super::testutil::*;
+    use super::super::SimdLevel;
+
+    /// Every level's `dot_rows` (which takes several rows at once where that is faster) gives
+    /// each row exactly the scalar bits: 1 to 7 rows of quantized values and random bytes, at
+    /// block counts that leave every remainder (and more than one restart of the NEON running
+    /// sums).
+    pub fn check_rows_match_scalar<F: Format>() {
+        for (seed, nb) in [(1u64, 1usize), (2, 5), (3, 67), (4, 130), (5, 131)] {
+            let n = nb * F::TY.block_size() as usize;
+            let row_bytes = quantized_bytes(F::TY, &values(seed, n, 0.1)).len();
+            let w: Vec<u8> = (0..7u64)
+                .flat_map(|r| {
+                    if r % 3 == 1 {
+                        bytes(seed * 31 + r, row_bytes)
+                    } else {
+                        quantized_bytes(F::TY, &values(seed * 31 + r, n, 0.1 + r as f32 * 0.02))
+                    }
+                })
+                .collect();
+            let act = prepared(F::TY, &values(seed + 500, n, 1.0));
+            let t = table_of::<F>();
+            for level in SimdLevel::available() {
+                for rows in [0..7, 0..1, 1..3, 2..7, 3..6] {
+                    let mut out = vec![f32::NAN; rows.len()];
+                    // SAFETY: the level is available; the rows lie inside `w`.
+                    unsafe { (t.at(level).rows)(&w, row_bytes, rows.clone(), &act, &mut out) };
+                    for (r, got) in rows.clone().zip(&out) {
+                        let want = scalar_dot::<F>(&w[r * row_bytes..(r + 1) * row_bytes], &act);
+                        assert!(
+                            got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                            "{} {level:?} nb={nb} rows {rows:?} row {r}: {got} vs {want}",
+                            F::TY
+                        );
+                    }
+                }
+            }
+        }
     }
 }

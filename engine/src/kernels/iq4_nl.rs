@@ -46,6 +46,12 @@ impl Block32 for BlockIq4Nl {
         // SAFETY: the caller's (AVX2 is present).
         unsafe { block32::x86::lookup(&LEVELS, block32::x86::nibbles(&self.qs)) }
     }
+    #[cfg(target_arch = "aarch64")]
+    #[inline(always)]
+    fn levels_neon(&self) -> [std::arch::aarch64::int8x16_t; 2] {
+        use block32::neon::levels;
+        levels::lookup(&LEVELS, levels::nibbles(&self.qs))
+    }
 }
 
 /// The table as floats, and its nearest-level search.
@@ -128,6 +134,17 @@ mod tests {
     use super::super::testutil::*;
     use super::*;
     use crate::gguf::GgmlType;
+
+    #[test]
+    fn rows_match_scalar_bits() {
+        super::super::block32::checks::check_rows_match_scalar::<Iq4Nl>();
+    }
+
+    /// Grouped dots on aarch64 (each weight block unpacked once for the group's tokens).
+    #[test]
+    fn group_matches_single_bits() {
+        check_group_matches_single::<Iq4Nl>(cfg!(target_arch = "aarch64"));
+    }
 
     #[test]
     fn simd_matches_scalar_bits() {

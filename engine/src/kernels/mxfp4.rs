@@ -37,6 +37,22 @@ pub(super) fn e8m0_half(e: u8) -> f32 {
     }
 }
 
+/// [`e8m0_half`] of every exponent byte, as f32 bits: the NEON kernels' scale (one load where
+/// the bit arithmetic takes five instructions and a move to the vector registers).
+pub(super) static E8M0_HALF_BITS: [u32; 256] = {
+    let mut t = [0u32; 256];
+    let mut e = 0;
+    while e < 256 {
+        t[e] = if e < 2 {
+            0x0020_0000 << e
+        } else {
+            (e as u32 - 1) << 23
+        };
+        e += 1;
+    }
+    t
+};
+
 impl Block32 for BlockMxfp4 {
     const ORDER: Order = Order::Pairs;
 
@@ -55,6 +71,12 @@ impl Block32 for BlockMxfp4 {
     unsafe fn levels_avx2(&self) -> std::arch::x86_64::__m256i {
         // SAFETY: the caller's (AVX2 is present).
         unsafe { block32::x86::lookup(&LEVELS, block32::x86::nibbles(&self.qs)) }
+    }
+    #[cfg(target_arch = "aarch64")]
+    #[inline(always)]
+    fn levels_neon(&self) -> [std::arch::aarch64::int8x16_t; 2] {
+        use block32::neon::levels;
+        levels::lookup(&LEVELS, levels::nibbles(&self.qs))
     }
 }
 
@@ -132,6 +154,33 @@ mod tests {
     use super::*;
     use crate::gguf::GgmlType;
 
+    /// The offset formats' activation terms (`s`) are never read: NaN there changes nothing.
+    #[test]
+    fn ignores_the_offset_terms() {
+        let n = 7 * QK;
+        let w = quantized_bytes(GgmlType::MXFP4, &values(3, n, 0.1));
+        let mut act = prepared(GgmlType::MXFP4, &values(4, n, 1.0));
+        let want = scalar_dot::<Mxfp4>(&w, &act);
+        act.q8_0.s.iter_mut().for_each(|s| *s = [0x00, 0x7E]);
+        for level in crate::kernels::SimdLevel::available() {
+            let mut out = [f32::NAN; 1];
+            // SAFETY: the level is available; one row.
+            unsafe { (table_of::<Mxfp4>().at(level).rows)(&w, w.len(), 0..1, &act, &mut out) };
+            assert_eq!(out[0].to_bits(), want.to_bits(), "{level:?}");
+        }
+    }
+
+    #[test]
+    fn rows_match_scalar_bits() {
+        super::super::block32::checks::check_rows_match_scalar::<Mxfp4>();
+    }
+
+    /// Grouped dots on aarch64 (each weight block unpacked once for the group's tokens).
+    #[test]
+    fn group_matches_single_bits() {
+        check_group_matches_single::<Mxfp4>(cfg!(target_arch = "aarch64"));
+    }
+
     #[test]
     fn simd_matches_scalar_bits() {
         check_simd_matches_scalar::<Mxfp4>(
@@ -153,6 +202,9 @@ mod tests {
         assert_eq!(e8m0_half(1), 2f32.powi(-127));
         assert_eq!(e8m0_half(0), 2f32.powi(-128));
         assert_eq!(e8m0_half(255), 2f32.powi(127));
+        for e in 0..=255u8 {
+            assert_eq!(E8M0_HALF_BITS[e as usize], e8m0_half(e).to_bits(), "{e}");
+        }
     }
 
     /// ggml's per-value decoding: `e8m0_half(e) · K[nibble]`.

@@ -109,6 +109,59 @@ impl Kernel<Q4_0> for super::format::Avx2 {
     }
 }
 
+#[cfg(target_arch = "aarch64")]
+mod neon;
+
+/// The chain one row at a time; four rows in the lanes of one vector for `dot_rows`; up to
+/// four tokens in the lanes for `dot_group` (`q4_0/neon.rs`).
+#[cfg(target_arch = "aarch64")]
+macro_rules! q4_0_arm {
+    ($level:ident, $dot:ident, $rows:ident, $group:ident $(, $wide:ident)?) => {
+        impl Kernel<Q4_0> for super::format::$level {
+            unsafe fn dot(w: &[BlockQ4_0], a: &Q8Act) -> f32 {
+                // SAFETY: the caller's (the level is available).
+                unsafe { neon::$dot(w, a) }
+            }
+
+            unsafe fn dot_rows(w: &[u8], row_bytes: usize, rows: Range<usize>, a: &Q8Act, out: &mut [f32]) {
+                // SAFETY: the caller's.
+                unsafe { neon::$rows(w, row_bytes, rows, a, out) }
+            }
+
+            const GROUPED: bool = true;
+
+            unsafe fn dot_group<const N: usize>(w: &[BlockQ4_0], a: [&Q8Act; N]) -> [f32; N] {
+                // SAFETY: the caller's.
+                unsafe { neon::$group::<N>(w, a) }
+            }
+
+            $(
+            const WIDE: bool = true;
+
+            /// `smmla`'s 2 rows × 2 tokens beat the grouped dots from 2 tokens on.
+            const WIDE_MIN: usize = 2;
+
+            unsafe fn dot_wide(
+                w: &[u8],
+                row_bytes: usize,
+                rows: Range<usize>,
+                a: &[&super::ActBuf],
+                out: &mut [&mut [f32]],
+            ) {
+                // SAFETY: the caller's (i8mm is present).
+                unsafe { neon::$wide(w, row_bytes, rows, a, out) }
+            }
+            )?
+        }
+    };
+}
+#[cfg(target_arch = "aarch64")]
+q4_0_arm!(Neon, dot_neon, rows_neon, group_neon);
+#[cfg(target_arch = "aarch64")]
+q4_0_arm!(Dotprod, dot_dotprod, rows_dotprod, group_dotprod);
+#[cfg(target_arch = "aarch64")]
+q4_0_arm!(I8mm, dot_dotprod, rows_dotprod, group_dotprod, wide_i8mm);
+
 #[inline(always)]
 fn block_sum(x: &BlockQ4_0, y: &BlockQ8_0) -> i32 {
     let mut s = 0i32;
@@ -272,6 +325,17 @@ mod tests {
     use super::super::testutil::*;
     use super::super::{ActBuf, SimdLevel};
     use super::*;
+
+    #[test]
+    fn rows_match_scalar_bits() {
+        super::super::block32::checks::check_rows_match_scalar::<Q4_0>();
+    }
+
+    /// Grouped dots on aarch64 (each weight block unpacked once for the group's tokens).
+    #[test]
+    fn group_matches_single_bits() {
+        check_group_matches_single::<Q4_0>(cfg!(target_arch = "aarch64"));
+    }
 
     #[test]
     fn simd_matches_scalar_bits() {

@@ -45,6 +45,14 @@ impl Block32 for BlockQ4_1 {
         // SAFETY: the caller's (AVX2 is present).
         unsafe { block32::x86::nibbles(&self.qs) }
     }
+    #[cfg(target_arch = "aarch64")]
+    #[inline(always)]
+    fn levels_neon(&self) -> [std::arch::aarch64::int8x16_t; 2] {
+        use std::arch::aarch64::vreinterpretq_s8_u8;
+        let q = block32::neon::levels::nibbles(&self.qs);
+        // SAFETY: base Advanced SIMD, register-only.
+        unsafe { q.map(|v| vreinterpretq_s8_u8(v)) }
+    }
 }
 
 /// Min-max quantizer with `n_max + 1` levels over [min, max] of each block (Q4_1: 15, Q5_1:
@@ -81,6 +89,17 @@ mod tests {
     use super::super::testutil::*;
     use super::*;
     use crate::gguf::GgmlType;
+
+    #[test]
+    fn rows_match_scalar_bits() {
+        super::super::block32::checks::check_rows_match_scalar::<Q4_1>();
+    }
+
+    /// Grouped dots on aarch64 (each weight block unpacked once for the group's tokens).
+    #[test]
+    fn group_matches_single_bits() {
+        check_group_matches_single::<Q4_1>(cfg!(target_arch = "aarch64"));
+    }
 
     #[test]
     fn simd_matches_scalar_bits() {

@@ -48,6 +48,21 @@ impl Block32 for BlockQ5_0 {
             _mm256_sub_epi8(q, _mm256_set1_epi8(16))
         }
     }
+    #[cfg(target_arch = "aarch64")]
+    #[inline(always)]
+    fn levels_neon(&self) -> [std::arch::aarch64::int8x16_t; 2] {
+        use block32::neon::levels;
+        use std::arch::aarch64::{vorrq_u8, vreinterpretq_s8_u8};
+        /// 0xF0 where the fifth bit is clear: `nibble | 0xF0` is `nibble − 16` as a signed
+        /// byte, `nibble | 0` is `(nibble + 16) − 16`.
+        static SPREAD: [u64; 256] = levels::spread_table(0, 0xF0);
+        let (q, h) = (
+            levels::nibbles(&self.qs),
+            levels::fifth_bits(self.qh, &SPREAD),
+        );
+        // SAFETY: base Advanced SIMD, register-only.
+        unsafe { [0, 1].map(|k| vreinterpretq_s8_u8(vorrq_u8(q[k], h[k]))) }
+    }
 }
 
 /// Absmax quantizer: the value of largest magnitude maps to −16 (as Q4_0 maps it to −8); the
@@ -70,6 +85,17 @@ mod tests {
     use super::super::testutil::*;
     use super::*;
     use crate::gguf::GgmlType;
+
+    #[test]
+    fn rows_match_scalar_bits() {
+        super::super::block32::checks::check_rows_match_scalar::<Q5_0>();
+    }
+
+    /// Grouped dots on aarch64 (each weight block unpacked once for the group's tokens).
+    #[test]
+    fn group_matches_single_bits() {
+        check_group_matches_single::<Q5_0>(cfg!(target_arch = "aarch64"));
+    }
 
     #[test]
     fn simd_matches_scalar_bits() {

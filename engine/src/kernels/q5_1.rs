@@ -66,6 +66,20 @@ impl Block32 for BlockQ5_1 {
             )
         }
     }
+    #[cfg(target_arch = "aarch64")]
+    #[inline(always)]
+    fn levels_neon(&self) -> [std::arch::aarch64::int8x16_t; 2] {
+        use block32::neon::levels;
+        use std::arch::aarch64::{vorrq_u8, vreinterpretq_s8_u8};
+        /// 0x10 where the fifth bit is set: the level's bit 4.
+        static SPREAD: [u64; 256] = levels::spread_table(0x10, 0);
+        let (q, h) = (
+            levels::nibbles(&self.qs),
+            levels::fifth_bits(self.qh, &SPREAD),
+        );
+        // SAFETY: base Advanced SIMD, register-only.
+        unsafe { [0, 1].map(|k| vreinterpretq_s8_u8(vorrq_u8(q[k], h[k]))) }
+    }
 }
 
 pub(super) fn quantize(src: &[f32], dst: &mut [BlockQ5_1]) {
@@ -84,6 +98,17 @@ mod tests {
     use super::super::testutil::*;
     use super::*;
     use crate::gguf::GgmlType;
+
+    #[test]
+    fn rows_match_scalar_bits() {
+        super::super::block32::checks::check_rows_match_scalar::<Q5_1>();
+    }
+
+    /// Grouped dots on aarch64 (each weight block unpacked once for the group's tokens).
+    #[test]
+    fn group_matches_single_bits() {
+        check_group_matches_single::<Q5_1>(cfg!(target_arch = "aarch64"));
+    }
 
     #[test]
     fn simd_matches_scalar_bits() {
