@@ -12,6 +12,7 @@
 use super::super::format::{Dotprod, I8mm, Kernel, Neon};
 use super::super::iq4_nl::LEVELS;
 use super::super::neon::{f16x4_to_f32, reduce8, sdot};
+use super::super::q4_k::neon::{lane_diffs, mla_lane, mul_lane, super_scales_bits, vector_of};
 use super::super::q8_k::BlockQ8K;
 use super::{BlockIq4Xs, Iq4Xs};
 use std::arch::aarch64::*;
@@ -42,15 +43,55 @@ unsafe fn scales(head: uint8x8_t) -> int16x8_t {
         // Bits 2i .. 2i + 2 of the byte moved to bits 4–5.
         const HIGH_SHIFT: [i8; 8] = [4, 2, 0, -2, 4, 2, 0, -2];
         let low = vand_u8(
-            vshl_u8(vtbl1_u8(head, vld1_u8(LOW_IDX.as_ptr())), vld1_s8(LOW_SHIFT.as_ptr())),
+            vshl_u8(
+                vtbl1_u8(head, vld1_u8(LOW_IDX.as_ptr())),
+                vld1_s8(LOW_SHIFT.as_ptr()),
+            ),
             vdup_n_u8(0x0F),
         );
         let high = vand_u8(
-            vshl_u8(vtbl1_u8(head, vld1_u8(HIGH_IDX.as_ptr())), vld1_s8(HIGH_SHIFT.as_ptr())),
+            vshl_u8(
+                vtbl1_u8(head, vld1_u8(HIGH_IDX.as_ptr())),
+                vld1_s8(HIGH_SHIFT.as_ptr()),
+            ),
             vdup_n_u8(0x30),
         );
-        vsubq_s16(vreinterpretq_s16_u16(vmovl_u8(vorr_u8(low, high))), vdupq_n_s16(32))
+        vsubq_s16(
+            vreinterpretq_s16_u16(vmovl_u8(vorr_u8(low, high))),
+            vdupq_n_s16(32),
+        )
     }
+}
+
+/// Per block, decoded on the scalar pipes: `ls_i − ls_i+1` (`ls_8 = 0`) as i32 lanes for
+/// i = 0..3 and 4..7. The differences of the stored 6-bit `ls + 32` are those of `ls`, and
+/// the last is `u_7 − 32`.
+///
+/// # Safety
+/// Base Advanced SIMD.
+#[inline(always)]
+unsafe fn coefficients(x: &BlockIq4Xs) -> (int32x4_t, int32x4_t) {
+    // 4 nibbles (16 bits) as the low bits of 4 u16 lanes.
+    let nibbles = |n: u32| {
+        let v = n as u64;
+        let v = (v | (v << 24)) & 0x0000_00ff_0000_00ff;
+        (v | (v << 12)) & 0x000f_000f_000f_000f
+    };
+    // 4 pairs of bits (8 bits) at bits 4–5 of 4 u16 lanes.
+    let pairs = |g: u16| {
+        let v = g as u64;
+        let v = (v | (v << 28)) & 0x0000_000f_0000_000f;
+        ((v | (v << 14)) & 0x0003_0003_0003_0003) << 4
+    };
+    // SAFETY: the block's first 8 bytes: d, scales_h, scales_l (one load).
+    let head = u64::from_le(unsafe { (x as *const BlockIq4Xs).cast::<u64>().read_unaligned() });
+    let l = (head >> 32) as u32;
+    let h = (head >> 16) as u16;
+    let u0 = nibbles(l & 0xffff) | pairs(h & 0xff);
+    let u1 = nibbles(l >> 16) | pairs(h >> 8);
+    let d = vector_of(lane_diffs(u0, u1), lane_diffs(u1, 32));
+    // SAFETY: base Advanced SIMD, register-only.
+    unsafe { (vmovl_s16(vget_low_s16(d)), vmovl_high_s16(d)) }
 }
 
 /// `d` of block `x` (lane 0; the other lanes are scale bits read as f16: never used).
@@ -110,7 +151,10 @@ unsafe fn dot_neon(w: &[BlockIq4Xs], a: &[BlockQ8K]) -> f32 {
             sub!(5);
             sub!(6);
             sub!(7);
-            let sumi = [vpaddq_s32(pairs[0], pairs[1]), vpaddq_s32(pairs[2], pairs[3])];
+            let sumi = [
+                vpaddq_s32(pairs[0], pairs[1]),
+                vpaddq_s32(pairs[2], pairs[3]),
+            ];
             let d = vmulq_n_f32(super_scale(h), y.d);
             for (l, s) in lanes.iter_mut().zip(sumi) {
                 *l = vfmaq_laneq_f32::<0>(*l, vcvtq_f32_s32(s), d);
@@ -169,12 +213,7 @@ unsafe fn dot_n<const N: usize>(w: &[BlockIq4Xs], a: [&[BlockQ8K]; N]) -> [f32; 
         let levels = vld1q_s8(LEVELS.as_ptr());
         let mut lanes = [[vdupq_n_f32(0.0); 2]; N];
         for (i, x) in w[..n].iter().enumerate() {
-            let h = head(x);
-            let ls = scales(h);
-            // ls_i − ls_i+1 (ls_8 = 0), as i32 lanes for i = 0..3 and 4..7.
-            let diff = vsubq_s16(ls, vextq_s16::<1>(ls, vdupq_n_s16(0)));
-            let dlo = vmovl_s16(vget_low_s16(diff));
-            let dhi = vmovl_high_s16(diff);
+            let (dlo, dhi) = coefficients(x);
             let mut run = [[zero; 2]; N];
             let mut sumi = [[zero; 2]; N];
             macro_rules! sub {
@@ -188,8 +227,13 @@ unsafe fn dot_n<const N: usize>(w: &[BlockIq4Xs], a: [&[BlockQ8K]; N]) -> [f32; 
                         // Running sums ≤ 8 · 4 · 127² per lane.
                         r[0] = sdot(r[0], lo, ya.0);
                         r[1] = sdot(r[1], hi, ya.1);
-                        s[0] = vmlaq_laneq_s32::<$l>(s[0], r[0], $d);
-                        s[1] = vmlaq_laneq_s32::<$l>(s[1], r[1], $d);
+                        if $i == 0 {
+                            s[0] = mul_lane::<0>(r[0], $d);
+                            s[1] = mul_lane::<0>(r[1], $d);
+                        } else {
+                            s[0] = mla_lane::<$l>(s[0], r[0], $d);
+                            s[1] = mla_lane::<$l>(s[1], r[1], $d);
+                        }
                     }
                 }};
             }
@@ -201,7 +245,9 @@ unsafe fn dot_n<const N: usize>(w: &[BlockIq4Xs], a: [&[BlockQ8K]; N]) -> [f32; 
             sub!(5, dhi, 1);
             sub!(6, dhi, 2);
             sub!(7, dhi, 3);
-            let dx = super_scale(h);
+            // From the scalar registers (a vector load of the head would overlap the scale
+            // bytes the scalar pipes decode).
+            let dx = super_scales_bits(u16::from_le_bytes(x.d) as u32);
             for t in 0..N {
                 // The scalar's `f16(d) · d_a`.
                 let d = vmulq_n_f32(dx, a[t][i].d);

@@ -10,8 +10,9 @@
 //!
 //! - NEON: per sub-block of 32 values four `smull`/`smlal` (i16 lanes, ≤ 4 · 15 · 127), then
 //!   two `smlal` by the sub-block's scale into i32.
-//! - dotprod: per sub-block two `sdot` into a fresh i32 vector and one `mla` by the scale (as a
-//!   vector lane); the grouped kernel unpacks each block once for up to 4 tokens.
+//! - dotprod: two running `sdot` chains (low- and high-nibble sub-blocks) and per sub-block one
+//!   `mla` by a scale difference (summation by parts, see [`dot_n`]), the coefficients decoded
+//!   on the scalar pipes; the grouped kernel unpacks each block once for up to 4 tokens.
 //! - i8mm (prefill, [`dot_wide`]): `smmla` takes 2 tokens × 2 rows × 8 values; per sub-block
 //!   four of them give the 2 × 2 exact sums, then one `mla` by the two rows' scales. The
 //!   minimums' term is a 2 × 2 × 8 product too (the 8 sub-blocks are its depth): each token's
@@ -26,9 +27,87 @@ use super::{BlockQ4K, Q4K};
 use std::arch::aarch64::*;
 use std::ops::Range;
 
-/// `tbl` indices that zero-extend bytes 0–3 (then 4–7) of a vector into i32 lanes.
-const SPREAD_LO: [u8; 16] = [0, 255, 255, 255, 1, 255, 255, 255, 2, 255, 255, 255, 3, 255, 255, 255];
-const SPREAD_HI: [u8; 16] = [4, 255, 255, 255, 5, 255, 255, 255, 6, 255, 255, 255, 7, 255, 255, 255];
+/// `acc + a · b[L]` in each i32 lane (`mla` by element). Inline assembly so that LLVM keeps
+/// the by-element form: it rewrites the intrinsic, when `b` is a widened vector, into a `dup`
+/// and a widening per lane (two more instructions per multiply).
+#[inline(always)]
+pub(crate) fn mla_lane<const L: i32>(mut acc: int32x4_t, a: int32x4_t, b: int32x4_t) -> int32x4_t {
+    const { assert!(L >= 0 && L < 4) };
+    // SAFETY: register-only base Advanced SIMD instruction.
+    unsafe {
+        std::arch::asm!(
+            "mla {acc:v}.4s, {a:v}.4s, {b:v}.s[{l}]",
+            acc = inout(vreg) acc,
+            a = in(vreg) a,
+            b = in(vreg) b,
+            l = const L,
+            options(pure, nomem, nostack, preserves_flags)
+        )
+    };
+    acc
+}
+
+/// `a · b[L]` in each i32 lane (`mul` by element; see [`mla_lane`]).
+#[inline(always)]
+pub(crate) fn mul_lane<const L: i32>(a: int32x4_t, b: int32x4_t) -> int32x4_t {
+    const { assert!(L >= 0 && L < 4) };
+    let out: int32x4_t;
+    // SAFETY: register-only base Advanced SIMD instruction.
+    unsafe {
+        std::arch::asm!(
+            "mul {o:v}.4s, {a:v}.4s, {b:v}.s[{l}]",
+            o = lateout(vreg) out,
+            a = in(vreg) a,
+            b = in(vreg) b,
+            l = const L,
+            options(pure, nomem, nostack, preserves_flags)
+        )
+    };
+    out
+}
+
+/// The 4 bytes of `w` as the 4 u16 lanes of a u64.
+#[inline(always)]
+pub(crate) fn spread_bytes(w: u32) -> u64 {
+    let x = w as u64;
+    let x = (x | (x << 16)) & 0x0000_ffff_0000_ffff;
+    (x | (x << 8)) & 0x00ff_00ff_00ff_00ff
+}
+
+/// `[v0 − v1, v1 − v2, v2 − v3, v3 − n0]` for the u16 lanes of `v` and `next` (each < 2^15),
+/// as i16 lanes: the differences summation by parts multiplies the running sums by. One
+/// subtraction, the borrow between lanes blocked by the top bit of each lane.
+#[inline(always)]
+pub(crate) fn lane_diffs(v: u64, next: u64) -> u64 {
+    const TOP: u64 = 0x8000_8000_8000_8000;
+    ((v | TOP) - ((v >> 16) | (next << 48))) ^ TOP
+}
+
+/// Two u64 as one vector (lanes 0–3 from `lo`), for the coefficients the scalar pipes decode.
+#[inline(always)]
+pub(crate) fn vector_of(lo: u64, hi: u64) -> int16x8_t {
+    // SAFETY: base Advanced SIMD, register-only.
+    unsafe { vreinterpretq_s16_u64(vcombine_u64(vcreate_u64(lo), vcreate_u64(hi))) }
+}
+
+/// Per block, decoded on the scalar pipes (the vector pipes are the one-token dot's bound):
+/// the differences of the scales along the two chains of [`dot_n`] (sub-blocks 0, 2, 4, 6:
+/// `[sc0 − sc2, sc2 − sc4, sc4 − sc6, sc6]`, then the odd ones) as i32 lanes, and the 8
+/// minimums as i16.
+///
+/// # Safety
+/// Base Advanced SIMD.
+#[inline(always)]
+unsafe fn chain_coefficients(scales: &[u8; 12]) -> (int32x4_t, int32x4_t, int16x8_t) {
+    const EVEN: u32 = 0x00ff_00ff;
+    let [w0, w1, w2, w3] = scale_words(scales);
+    let even = (w0 & EVEN) as u64 | (((w1 & EVEN) as u64) << 32);
+    let odd = ((w0 >> 8) & EVEN) as u64 | ((((w1 >> 8) & EVEN) as u64) << 32);
+    let d = vector_of(lane_diffs(even, 0), lane_diffs(odd, 0));
+    let m16 = vector_of(spread_bytes(w2), spread_bytes(w3));
+    // SAFETY: base Advanced SIMD, register-only.
+    unsafe { (vmovl_s16(vget_low_s16(d)), vmovl_high_s16(d), m16) }
+}
 
 /// The scales and minimums of a Q4_K/Q5_K block from its first 16 bytes (`d`, `dmin`,
 /// `scales`), as bytes: 0–7 the 8 scales, 8–15 the 8 minimums. [`super::scale_words`] done
@@ -49,7 +128,10 @@ pub(crate) unsafe fn scale_bytes(head: uint8x16_t) -> uint8x16_t {
         const HIGH: [u32; 4] = [0, 0x3030_3030, 0, 0x3030_3030];
         // [u0, u2, u1, u2 >> 4] masked: the low bits of all 16 fields.
         let a = vreinterpretq_u32_u8(vqtbl1q_u8(head, vld1q_u8(A.as_ptr())));
-        let low = vandq_u32(vshlq_u32(a, vld1q_s32(SHIFT.as_ptr())), vld1q_u32(LOW.as_ptr()));
+        let low = vandq_u32(
+            vshlq_u32(a, vld1q_s32(SHIFT.as_ptr())),
+            vld1q_u32(LOW.as_ptr()),
+        );
         // [u0, u0, u1, u1] >> 2: the top two bits of fields 0–3 moved to bits 4–5 of 4–7.
         let b = vreinterpretq_u32_u8(vqtbl1q_u8(head, vld1q_u8(B.as_ptr())));
         let high = vandq_u32(vshrq_n_u32::<2>(b), vld1q_u32(HIGH.as_ptr()));
@@ -63,6 +145,40 @@ pub(crate) unsafe fn scale_bytes(head: uint8x16_t) -> uint8x16_t {
 fn super_scales(head: uint8x16_t) -> float32x4_t {
     // SAFETY: base Advanced SIMD, register-only.
     f16x4_to_f32(unsafe { vget_low_u16(vreinterpretq_u16_u8(head)) })
+}
+
+/// `[d, dmin, 0, 0]` widened from the two f16 (one little-endian word, as loaded by the
+/// scalar pipes: a vector load of the block head would overlap the scales they decode, and
+/// LLVM then takes those from the vector lane by lane).
+#[inline(always)]
+pub(crate) fn super_scales_bits(bits: u32) -> float32x4_t {
+    // SAFETY: base Advanced SIMD, register-only.
+    f16x4_to_f32(unsafe { vcreate_u16(bits as u64) })
+}
+
+/// The little-endian u32 at byte `at` of `bytes` (one `ldr`: built from bytes, LLVM loads the
+/// scale words byte by byte).
+#[inline(always)]
+pub(crate) fn word_at<const N: usize>(bytes: &[u8; N], at: usize) -> u32 {
+    assert!(at + 4 <= N);
+    // SAFETY: 4 bytes inside the array (checked above; `at` is a constant at every call, so the
+    // check folds away); any bits are a valid u32.
+    u32::from_le(unsafe { bytes.as_ptr().add(at).cast::<u32>().read_unaligned() })
+}
+
+/// [`super::scale_words`] with the three words loaded whole.
+#[inline(always)]
+pub(crate) fn scale_words(s: &[u8; 12]) -> [u32; 4] {
+    const LOW6: u32 = 0x3f3f_3f3f;
+    const LOW4: u32 = 0x0f0f_0f0f;
+    const LOW2: u32 = 0x0303_0303;
+    let (u0, u1, u2) = (word_at(s, 0), word_at(s, 4), word_at(s, 8));
+    [
+        u0 & LOW6,
+        (u2 & LOW4) | (((u0 >> 6) & LOW2) << 4),
+        u1 & LOW6,
+        ((u2 >> 4) & LOW4) | (((u1 >> 6) & LOW2) << 4),
+    ]
 }
 
 /// The 16 head bytes of block `x`.
@@ -96,7 +212,13 @@ pub(crate) unsafe fn mins_lanes(m16: int16x8_t, y: &BlockQ8K) -> int32x4_t {
 /// # Safety
 /// Base Advanced SIMD.
 #[inline(always)]
-unsafe fn step(acc: float32x4_t, sumi: int32x4_t, summ: int32x4_t, dd: float32x4_t, d_a: f32) -> float32x4_t {
+unsafe fn step(
+    acc: float32x4_t,
+    sumi: int32x4_t,
+    summ: int32x4_t,
+    dd: float32x4_t,
+    d_a: f32,
+) -> float32x4_t {
     // SAFETY: base Advanced SIMD, register-only.
     unsafe {
         let h = vpaddq_s32(sumi, summ);
@@ -128,7 +250,9 @@ unsafe fn dot_neon(w: &[BlockQ4K], a: &[BlockQ8K]) -> f32 {
     // SAFETY (every intrinsic): base Advanced SIMD; loads stay inside the blocks (32 bytes at
     // 32c of 128 qs, 64 bytes at 64c of 256 activation bytes).
     unsafe {
-        const SC16: [u8; 16] = [0, 255, 1, 255, 2, 255, 3, 255, 4, 255, 5, 255, 6, 255, 7, 255];
+        const SC16: [u8; 16] = [
+            0, 255, 1, 255, 2, 255, 3, 255, 4, 255, 5, 255, 6, 255, 7, 255,
+        ];
         let m4 = vdupq_n_u8(0x0F);
         let sc16_idx = vld1q_u8(SC16.as_ptr());
         let mut acc = vdupq_n_f32(0.0);
@@ -200,8 +324,11 @@ impl Kernel<Q4K> for I8mm {
 
     const WIDE: bool = true;
 
-    /// See [`dot_wide`]'s cycle counts.
-    const WIDE_MIN: usize = 4;
+    /// From 2 tokens on (llvm-mca, cycles per 256 weights and token, Neoverse N2 / V1: lanes
+    /// kernel 19.3 / 10.5 at 2 tokens, 13.5 / 7.3 at 4, 11.5 / 5.8 at 8–16; grouped dotprod
+    /// kernel 23.3 / 11.7 at 2, 20.1 / 10.1 at 4; one-token dot 29.8 / 14.6; a lone token in
+    /// the lanes kernel, 38.6 / 21.1, is the one case it loses).
+    const WIDE_MIN: usize = 2;
 
     unsafe fn dot_wide(
         w: &[u8],
@@ -215,9 +342,13 @@ impl Kernel<Q4K> for I8mm {
     }
 }
 
-/// One row against `N` tokens (`1 <= N <= 4`): per block the scales are decoded and each
-/// chunk's nibbles unpacked once, then per token two `sdot` per sub-block into a fresh i32
-/// vector and one `mla` by the sub-block's scale (a lane of the zero-extended scales).
+/// One row against `N` tokens (`1 <= N <= 4`): per block the coefficients are decoded (on
+/// the scalar pipes) and each chunk's nibbles unpacked once, then per token two running
+/// `sdot` chains, one over the low-nibble sub-blocks 0, 2, 4, 6 and one over the high-nibble
+/// ones, and after each sub-block one `mla` of the chain by the difference of its scale and
+/// the chain's next (summation by parts: `Σ_j sc_j · P_j = Σ_j C_j · (sc_j − sc_j+2)` with
+/// `C_j` the running sum and `sc_8 = sc_9 = 0`, exact in wrapping i32 since the true sum
+/// fits). No fresh zero per sub-block: the vector pipes bound this loop.
 ///
 /// # Safety
 /// The CPU has FEAT_DotProd.
@@ -230,38 +361,41 @@ unsafe fn dot_n<const N: usize>(w: &[BlockQ4K], a: [&[BlockQ8K]; N]) -> [f32; N]
     unsafe {
         let m4 = vdupq_n_u8(0x0F);
         let zero = vdupq_n_s32(0);
-        let spread_lo = vld1q_u8(SPREAD_LO.as_ptr());
-        let spread_hi = vld1q_u8(SPREAD_HI.as_ptr());
         let mut acc = [vdupq_n_f32(0.0); N];
         for (i, x) in w[..n].iter().enumerate() {
-            let h = head(x);
-            let sm = scale_bytes(h);
-            let sc_lo = vreinterpretq_s32_u8(vqtbl1q_u8(sm, spread_lo));
-            let sc_hi = vreinterpretq_s32_u8(vqtbl1q_u8(sm, spread_hi));
+            let (dl, dh, m16) = chain_coefficients(&x.scales);
+            let mut run = [[zero; 2]; N];
             let mut sumi = [zero; N];
             macro_rules! chunk {
-                ($c:literal, $sc:ident, $l0:literal, $l1:literal) => {{
+                ($c:literal) => {{
                     let q = vld1q_u8_x2(x.qs.as_ptr().add(32 * $c));
                     let lo0 = vreinterpretq_s8_u8(vandq_u8(q.0, m4));
                     let lo1 = vreinterpretq_s8_u8(vandq_u8(q.1, m4));
                     let hi0 = vreinterpretq_s8_u8(vshrq_n_u8::<4>(q.0));
                     let hi1 = vreinterpretq_s8_u8(vshrq_n_u8::<4>(q.1));
-                    for (t, s) in sumi.iter_mut().enumerate() {
+                    for t in 0..N {
                         let ya = vld1q_s8_x4(a[t][i].qs.as_ptr().add(64 * $c));
-                        // ≤ 8 · 15 · 127 per lane.
-                        let tl = sdot(sdot(zero, lo0, ya.0), lo1, ya.1);
-                        let th = sdot(sdot(zero, hi0, ya.2), hi1, ya.3);
-                        *s = vmlaq_laneq_s32::<$l0>(*s, tl, $sc);
-                        *s = vmlaq_laneq_s32::<$l1>(*s, th, $sc);
+                        let r = &mut run[t];
+                        // Running sums ≤ 4 · 32 · 15 · 127 per lane.
+                        r[0] = sdot(sdot(r[0], lo0, ya.0), lo1, ya.1);
+                        r[1] = sdot(sdot(r[1], hi0, ya.2), hi1, ya.3);
+                        sumi[t] = if $c == 0 {
+                            mul_lane::<0>(r[0], dl)
+                        } else {
+                            mla_lane::<$c>(sumi[t], r[0], dl)
+                        };
+                        sumi[t] = mla_lane::<$c>(sumi[t], r[1], dh);
                     }
                 }};
             }
-            chunk!(0, sc_lo, 0, 1);
-            chunk!(1, sc_lo, 2, 3);
-            chunk!(2, sc_hi, 0, 1);
-            chunk!(3, sc_hi, 2, 3);
-            let m16 = vreinterpretq_s16_u16(vmovl_high_u8(sm));
-            let dd = super_scales(h);
+            chunk!(0);
+            chunk!(1);
+            chunk!(2);
+            chunk!(3);
+            // SAFETY: the block's first 4 bytes are d and dmin.
+            let dd = super_scales_bits(u32::from_le(
+                (x as *const BlockQ4K).cast::<u32>().read_unaligned(),
+            ));
             for t in 0..N {
                 let y = &a[t][i];
                 acc[t] = step(acc[t], sumi[t], mins_lanes(m16, y), dd, y.d);
@@ -359,7 +493,8 @@ unsafe fn dot_wide(
     PAIRS.with(|cell| {
         let ring = &mut *cell.borrow_mut();
         let pack = ring.get(|p| p.holds(a, nb), |p| p.fill(a, nb));
-        let row = |r: usize| -> &[BlockQ4K] { &blocks(&w[r * row_bytes..(r + 1) * row_bytes])[..nb] };
+        let row =
+            |r: usize| -> &[BlockQ4K] { &blocks(&w[r * row_bytes..(r + 1) * row_bytes])[..nb] };
         by_row_steps::<2>(w, row_bytes, rows, out, |r, n| {
             let (r0, r1) = (row(r), row(if n == 2 { r + 1 } else { r }));
             let mut v = [[0f32; WIDE]; 2];
@@ -428,7 +563,10 @@ unsafe fn pairs<const K: usize>(
             let (s0, s1) = (scale_bytes(h0), scale_bytes(h1));
             // [r0 sc_0, r1 sc_0, r0 sc_1, r1 sc_1, ...], then [r0 m_0..m_7 | r1 m_0..m_7].
             let sc = vzip1q_u8(s0, s1);
-            let mins = vreinterpretq_s8_u64(vzip2q_u64(vreinterpretq_u64_u8(s0), vreinterpretq_u64_u8(s1)));
+            let mins = vreinterpretq_s8_u64(vzip2q_u64(
+                vreinterpretq_u64_u8(s0),
+                vreinterpretq_u64_u8(s1),
+            ));
             let sc16 = [vmovl_u8(vget_low_u8(sc)), vmovl_high_u8(sc)];
             let mut sumi = [zero; K];
             macro_rules! chunk {
@@ -445,11 +583,20 @@ unsafe fn pairs<const K: usize>(
                     let q1 = vld1q_u8_x2(x1.qs.as_ptr().add(32 * $c));
                     let z = |a: uint8x16_t, b: uint8x16_t, high: bool| {
                         let (a, b) = (vreinterpretq_u64_u8(a), vreinterpretq_u64_u8(b));
-                        vreinterpretq_u8_u64(if high { vzip2q_u64(a, b) } else { vzip1q_u64(a, b) })
+                        vreinterpretq_u8_u64(if high {
+                            vzip2q_u64(a, b)
+                        } else {
+                            vzip1q_u64(a, b)
+                        })
                     };
                     // Bytes 8g .. 8g + 8 of both rows: values 8g .. of sub-block 2c (low
                     // nibbles) and of sub-block 2c + 1 (high nibbles).
-                    let raw = [z(q0.0, q1.0, false), z(q0.0, q1.0, true), z(q0.1, q1.1, false), z(q0.1, q1.1, true)];
+                    let raw = [
+                        z(q0.0, q1.0, false),
+                        z(q0.0, q1.0, true),
+                        z(q0.1, q1.1, false),
+                        z(q0.1, q1.1, true),
+                    ];
                     let wl = raw.map(|v| vreinterpretq_s8_u8(vandq_u8(v, m4)));
                     let wh = raw.map(|v| vreinterpretq_s8_u8(vshrq_n_u8::<4>(v)));
                     for (k, s) in sumi.iter_mut().enumerate() {

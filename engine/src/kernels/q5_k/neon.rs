@@ -16,30 +16,28 @@
 
 use super::super::format::{Dotprod, I8mm, Kernel, Neon};
 use super::super::neon::{f16x4_to_f32, reduce8, sdot};
-use super::super::q4_k::neon::{mins_lanes, scale_bytes};
+use super::super::q4_k::neon::{
+    lane_diffs, mins_lanes, mla_lane, mul_lane, scale_bytes, scale_words, spread_bytes,
+    super_scales_bits, vector_of,
+};
 use super::super::q8_k::BlockQ8K;
 use super::{BlockQ5K, Q5K};
 use std::arch::aarch64::*;
 
-/// `tbl` indices zero-extending scale bytes into i32 lanes: sub-blocks 0–3, 4–7, 1–4, and
-/// 5–7 then a zero (the next sub-block's scale for summation by parts).
-const SPREAD: [[u8; 16]; 4] = {
-    let mut m = [[255u8; 16]; 4];
-    let starts = [0u8, 4, 1, 5];
-    let mut k = 0;
-    while k < 4 {
-        let mut i = 0;
-        while i < 4 {
-            let b = starts[k] + i as u8;
-            if b < 8 {
-                m[k][4 * i] = b;
-            }
-            i += 1;
-        }
-        k += 1;
-    }
-    m
-};
+/// Per block, decoded on the scalar pipes: `sc_j − sc_j+1` (`sc_8 = 0`) as i32 lanes for
+/// j = 0..3 and 4..7, and the 8 minimums as i16.
+///
+/// # Safety
+/// Base Advanced SIMD.
+#[inline(always)]
+unsafe fn coefficients(scales: &[u8; 12]) -> (int32x4_t, int32x4_t, int16x8_t) {
+    let [w0, w1, w2, w3] = scale_words(scales);
+    let (s0, s1) = (spread_bytes(w0), spread_bytes(w1));
+    let d = vector_of(lane_diffs(s0, s1), lane_diffs(s1, 0));
+    let m16 = vector_of(spread_bytes(w2), spread_bytes(w3));
+    // SAFETY: base Advanced SIMD, register-only.
+    unsafe { (vmovl_s16(vget_low_s16(d)), vmovl_high_s16(d), m16) }
+}
 
 /// The 16 head bytes of block `x` (`d`, `dmin`, `scales`).
 ///
@@ -63,11 +61,16 @@ unsafe fn chunk_values(q: uint8x16x2_t, hb: uint8x16x2_t) -> ([int8x16_t; 2], [i
         let one = vdupq_n_u8(1);
         let two = vdupq_n_u8(2);
         // (hb & 1) << 4 | (q & 0x0F), and (q >> 4) | ((hb & 2) << 3).
-        let lo = |q: uint8x16_t, h: uint8x16_t| vreinterpretq_s8_u8(vsliq_n_u8::<4>(q, vandq_u8(h, one)));
+        let lo = |q: uint8x16_t, h: uint8x16_t| {
+            vreinterpretq_s8_u8(vsliq_n_u8::<4>(q, vandq_u8(h, one)))
+        };
         let hi = |q: uint8x16_t, h: uint8x16_t| {
             vreinterpretq_s8_u8(vsriq_n_u8::<4>(vshlq_n_u8::<3>(vandq_u8(h, two)), q))
         };
-        ([lo(q.0, hb.0), lo(q.1, hb.1)], [hi(q.0, hb.0), hi(q.1, hb.1)])
+        (
+            [lo(q.0, hb.0), lo(q.1, hb.1)],
+            [hi(q.0, hb.0), hi(q.1, hb.1)],
+        )
     }
 }
 
@@ -87,7 +90,9 @@ impl Kernel<Q5K> for Neon {
 unsafe fn dot_neon(w: &[BlockQ5K], a: &[BlockQ8K]) -> f32 {
     // SAFETY (every intrinsic): base Advanced SIMD; loads stay inside the blocks.
     unsafe {
-        const SC16: [u8; 16] = [0, 255, 1, 255, 2, 255, 3, 255, 4, 255, 5, 255, 6, 255, 7, 255];
+        const SC16: [u8; 16] = [
+            0, 255, 1, 255, 2, 255, 3, 255, 4, 255, 5, 255, 6, 255, 7, 255,
+        ];
         let sc16_idx = vld1q_u8(SC16.as_ptr());
         let mut lanes = [vdupq_n_f32(0.0); 2];
         let mut m_sum = 0f32;
@@ -125,7 +130,10 @@ unsafe fn dot_neon(w: &[BlockQ5K], a: &[BlockQ8K]) -> f32 {
             chunk!(1, 2, 3);
             chunk!(2, 4, 5);
             chunk!(3, 6, 7);
-            let sumi = [vpaddq_s32(pairs[0], pairs[1]), vpaddq_s32(pairs[2], pairs[3])];
+            let sumi = [
+                vpaddq_s32(pairs[0], pairs[1]),
+                vpaddq_s32(pairs[2], pairs[3]),
+            ];
             let dd = vmulq_n_f32(f16x4_to_f32(vget_low_u16(vreinterpretq_u16_u8(h))), y.d);
             let summ = vaddvq_s32(mins_lanes(m16, y));
             m_sum = (-vgetq_lane_f32::<1>(dd)).mul_add(summ as f32, m_sum);
@@ -180,19 +188,13 @@ unsafe fn dot_n<const N: usize>(w: &[BlockQ5K], a: [&[BlockQ8K]; N]) -> [f32; N]
     let n = a.iter().fold(w.len(), |n, a| n.min(a.len()));
     // SAFETY (every intrinsic and load): dotprod is present (the caller's); loads stay inside
     // the blocks (32 bytes at 32c of 128 qs, 32 of qh, 64 bytes at 64c of 256 activation
-    // bytes, 16 head bytes, 16-byte constant arrays).
+    // bytes, 16 head bytes).
     unsafe {
         let zero = vdupq_n_s32(0);
-        let spread = SPREAD.map(|s| vld1q_u8(s.as_ptr()));
         let mut lanes = [[vdupq_n_f32(0.0); 2]; N];
         let mut m_sum = [0f32; N];
         for (i, x) in w[..n].iter().enumerate() {
-            let h = head(x);
-            let sm = scale_bytes(h);
-            let s32 = spread.map(|s| vreinterpretq_s32_u8(vqtbl1q_u8(sm, s)));
-            // sc_j − sc_j+1 for j = 0..3 and 4..7 (sc_8 = 0).
-            let dlo = vsubq_s32(s32[0], s32[2]);
-            let dhi = vsubq_s32(s32[1], s32[3]);
+            let (dlo, dhi, m16) = coefficients(&x.scales);
             let mut hb = vld1q_u8_x2(x.qh.as_ptr());
             // Per token: the running sums of lanes 0–3 and 4–7, and their scaled totals.
             let mut run = [[zero; 2]; N];
@@ -207,12 +209,17 @@ unsafe fn dot_n<const N: usize>(w: &[BlockQ5K], a: [&[BlockQ8K]; N]) -> [f32; N]
                         // Running sums ≤ 8 · 4 · 31 · 127 per lane.
                         r[0] = sdot(r[0], lo[0], ya.0);
                         r[1] = sdot(r[1], lo[1], ya.1);
-                        s[0] = vmlaq_laneq_s32::<$l0>(s[0], r[0], $d);
-                        s[1] = vmlaq_laneq_s32::<$l0>(s[1], r[1], $d);
+                        if $c == 0 {
+                            s[0] = mul_lane::<0>(r[0], $d);
+                            s[1] = mul_lane::<0>(r[1], $d);
+                        } else {
+                            s[0] = mla_lane::<$l0>(s[0], r[0], $d);
+                            s[1] = mla_lane::<$l0>(s[1], r[1], $d);
+                        }
                         r[0] = sdot(r[0], hi[0], ya.2);
                         r[1] = sdot(r[1], hi[1], ya.3);
-                        s[0] = vmlaq_laneq_s32::<$l1>(s[0], r[0], $d);
-                        s[1] = vmlaq_laneq_s32::<$l1>(s[1], r[1], $d);
+                        s[0] = mla_lane::<$l1>(s[0], r[0], $d);
+                        s[1] = mla_lane::<$l1>(s[1], r[1], $d);
                     }
                     hb = uint8x16x2_t(vshrq_n_u8::<2>(hb.0), vshrq_n_u8::<2>(hb.1));
                 }};
@@ -221,8 +228,10 @@ unsafe fn dot_n<const N: usize>(w: &[BlockQ5K], a: [&[BlockQ8K]; N]) -> [f32; N]
             chunk!(1, dlo, 2, 3);
             chunk!(2, dhi, 0, 1);
             chunk!(3, dhi, 2, 3);
-            let m16 = vreinterpretq_s16_u16(vmovl_high_u8(sm));
-            let dx = f16x4_to_f32(vget_low_u16(vreinterpretq_u16_u8(h))); // [d, dmin, ·, ·]
+            // SAFETY: the block's first 4 bytes are d and dmin.
+            let dx = super_scales_bits(u32::from_le(
+                (x as *const BlockQ5K).cast::<u32>().read_unaligned(),
+            ));
             for t in 0..N {
                 let y = &a[t][i];
                 // [d·d_a, dmin·d_a]: the scalar's `y.d * d` and `-y.d * dmin` (negation exact).
