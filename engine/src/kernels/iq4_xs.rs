@@ -13,6 +13,9 @@
 //! lane_k)`, where `sumi_k` sums exactly, over the 8 sub-blocks, `(ls − 32) · Σ K[q]·a` over
 //! values `4k .. 4k + 4` of the sub-block; folded by [`reduce8`] at the end.
 
+#[cfg(target_arch = "aarch64")]
+mod neon;
+
 use super::iq4_nl::{fit_group, LEVELS, NEAREST};
 use super::q8_k::{BlockQ8K, QK_K};
 use super::{f16_to_f32, f32_to_f16, max_by_magnitude, nearest_int, reduce8, RawBlock};
@@ -162,6 +165,17 @@ mod tests {
     #[test]
     fn simd_matches_scalar_bits() {
         check_simd_matches_scalar::<Iq4Xs>(&[(1, 1), (2, 3), (3, 16)], 50);
+    }
+
+    /// Grouped on aarch64 from dotprod (each block's levels looked up once); x86-64 has no
+    /// grouped kernel.
+    #[test]
+    fn group_dot_matches_single_dots_bits() {
+        #[cfg(target_arch = "aarch64")]
+        let grouped = super::super::simd_level() >= super::super::SimdLevel::Dotprod;
+        #[cfg(not(target_arch = "aarch64"))]
+        let grouped = false;
+        check_group_matches_single::<Iq4Xs>(grouped);
     }
 
     #[test]

@@ -83,10 +83,10 @@ format::registry! {
     MXFP4 => mxfp4::Mxfp4 [Avx2, Neon, Dotprod];
     Q2_K => q2_k::Q2K [Avx2, Avx512];
     Q3_K => q3_k::Q3K [Avx2, Avx512];
-    Q4_K => q4_k::Q4K [Avx2, Avx512];
-    Q5_K => q5_k::Q5K [Avx2];
+    Q4_K => q4_k::Q4K [Avx2, Avx512, Neon, Dotprod, I8mm];
+    Q5_K => q5_k::Q5K [Avx2, Neon, Dotprod, I8mm];
     Q6_K => q6_k::Q6K [Avx2, Avx512];
-    IQ4_XS => iq4_xs::Iq4Xs [Avx2];
+    IQ4_XS => iq4_xs::Iq4Xs [Avx2, Neon, Dotprod, I8mm];
 }
 
 /// Everything a kernel call can reject. Kernels never panic on bad lengths or types.

@@ -14,6 +14,9 @@
 //! `reduce8(lanes) + m_sum`. SIMD only computes the integers and the same lane steps, so it
 //! matches the scalar bits.
 
+#[cfg(target_arch = "aarch64")]
+mod neon;
+
 use super::q4_k::{mins_dot, quantize_super_block, unpack_scales};
 use super::q8_k::{BlockQ8K, QK_K};
 use super::{f16_to_f32, reduce8, RawBlock};
@@ -202,9 +205,14 @@ mod tests {
         check_simd_matches_scalar::<Q5K>(&[(1, 1), (2, 3), (3, 16)], 50);
     }
 
+    /// Grouped from AVX2 on x86-64 and from dotprod on aarch64.
     #[test]
     fn group_dot_matches_single_dots_bits() {
-        check_group_matches_single::<Q5K>(true);
+        #[cfg(target_arch = "aarch64")]
+        let grouped = super::super::simd_level() >= super::super::SimdLevel::Dotprod;
+        #[cfg(not(target_arch = "aarch64"))]
+        let grouped = true;
+        check_group_matches_single::<Q5K>(grouped);
     }
 
     #[test]
