@@ -78,11 +78,11 @@ FORMATS = {
     "MXFP4": (136, "q8_0", "ggml_vec_dot_mxfp4_q8_0", "mxfp4_4x4_q8_0", False),
 }
 # Rows and tokens per traced call. Ours: decode one dot_rows over 8 rows (any multi-row
-# kernel of up to 8 rows runs whole), prefill a 4-row matmul of 16 tokens (the wide kernels'
-# full width). ggml: its repacked tiles take 8 rows (a multiple of the 4- and 8-row tiles),
+# kernel of up to 8 rows runs whole), prefill a 2-row matmul of 16 tokens (the wide kernels'
+# full width; 2 rows for a 2-row smmla tile). ggml: its repacked tiles take 8 rows (a multiple of the 4- and 8-row tiles),
 # gemm 4 tokens (llama.cpp calls it on groups of 4 tokens); vec_dot one row and token, its
 # nrc == 2 path 2 x 2.
-OURS_SHAPE = {"decode": (8, 1), "prefill": (4, 16)}
+OURS_SHAPE = {"decode": (8, 1), "prefill": (2, 16)}
 GGML_SHAPE = {"vec_dot": (1, 1), "vec_dot2": (2, 2), "gemv": (8, 1), "gemm": (8, 4)}
 
 
@@ -403,26 +403,57 @@ class Mca:
         return self.memo[key]
 
 
-def price(binary, mca, args_of, n1, n2, per_unit, env=None):
-    """Cycles and instructions per 256 weights (x token) on each CPU: two traces, their
-    difference divided by the extra 256-weight units times rows x tokens (`per_unit`)."""
-    traces = {n: binary.trace(args_of(n), env) for n in (n1, n2)}
-    asm = {n: binary.assembly(t) for n, t in traces.items()}
-    units = (n2 - n1) * per_unit
-    result = {
-        "instructions_per_256": (len(traces[n2]) - len(traces[n1])) / units,
-        "trace_instructions": {str(n): len(t) for n, t in traces.items()},
-        "cycles_total": {},
-        "cycles_per_256": {},
-    }
-    # The four llvm-mca runs two at a time (each is one single-threaded process).
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        jobs = {(cpu, n): pool.submit(mca.cycles, asm[n], cpu) for cpu in CPUS for n in (n1, n2)}
-    for cpu in CPUS:
-        c = {n: jobs[cpu, n].result() for n in (n1, n2)}
-        result["cycles_total"][cpu] = {str(n): v for n, v in c.items()}
-        result["cycles_per_256"][cpu] = (c[n2] - c[n1]) / units
-    return result, traces[n2]
+class Kernel:
+    """One kernel call of one harness (`args_of(n)`: its arguments for rows of n 256-weight
+    units; `per_unit`: rows x tokens of one call), traced at any length on demand."""
+
+    def __init__(self, binary, args_of, per_unit, env=None):
+        self.binary, self.args_of, self.per_unit, self.env = binary, args_of, per_unit, env
+        self.traces = {}
+
+    def trace(self, n):
+        if n not in self.traces:
+            self.traces[n] = self.binary.trace(self.args_of(n), self.env)
+        return self.traces[n]
+
+    def sizes(self, budget, n_max):
+        """(n1, n2): the longer trace about `budget` instructions (at most n_max units, at
+        least 2), the shorter a third of it, so that the difference spans as many units as the
+        budget allows (llvm-mca's run time grows with the trace)."""
+        t1, t2 = len(self.trace(1)), len(self.trace(2))
+        unit = max(1, t2 - t1)
+        n2 = int(max(2, min(n_max, (budget - max(0, t1 - unit)) // unit)))
+        return max(1, n2 // 3), n2
+
+    def delta(self, n1, n2):
+        """The instructions the longer call executes beyond the shorter, by address."""
+        c1, c2 = {}, {}
+        for counts, n in ((c1, n1), (c2, n2)):
+            for pc in self.trace(n):
+                counts[pc] = counts.get(pc, 0) + 1
+        return {pc: c2.get(pc, 0) - c1.get(pc, 0) for pc in set(c1) | set(c2) if c2.get(pc, 0) != c1.get(pc, 0)}
+
+    def price(self, mca, n1, n2):
+        """Cycles and instructions per 256 weights (x token) on each CPU: the two traces'
+        difference over the extra 256-weight units times rows x tokens."""
+        traces = {n: self.trace(n) for n in (n1, n2)}
+        asm = {n: self.binary.assembly(t) for n, t in traces.items()}
+        units = (n2 - n1) * self.per_unit
+        result = {
+            "n1": n1, "n2": n2,
+            "instructions_per_256": (len(traces[n2]) - len(traces[n1])) / units,
+            "trace_instructions": {str(n): len(t) for n, t in traces.items()},
+            "cycles_total": {},
+            "cycles_per_256": {},
+        }
+        # The four llvm-mca runs two at a time (each is one single-threaded process).
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            jobs = {(cpu, n): pool.submit(mca.cycles, asm[n], cpu) for cpu in CPUS for n in (n1, n2)}
+        for cpu in CPUS:
+            c = {n: jobs[cpu, n].result() for n in (n1, n2)}
+            result["cycles_total"][cpu] = {str(n): v for n, v in c.items()}
+            result["cycles_per_256"][cpu] = (c[n2] - c[n1]) / units
+        return result
 
 
 def ggml_kernels(fmt, mode):
@@ -450,8 +481,9 @@ def main():
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--levels", default=",".join(LEVELS),
                     help="our levels to price (BMOE_SIMD caps; the best one is the last)")
-    ap.add_argument("--n1", type=int, default=2, help="shorter row, in 256-weight units")
-    ap.add_argument("--n2", type=int, default=6, help="longer row, in 256-weight units")
+    ap.add_argument("--budget", type=int, default=60000,
+                    help="instructions in the longer trace (sets the row lengths; default 60000)")
+    ap.add_argument("--n-max", type=int, default=24, help="longest row, in 256-weight units")
     ap.add_argument("--llama-src", help="an unpacked vendor/llama.cpp dir (default: fetch the sdist)")
     ap.add_argument("--no-build", action="store_true", help="use the kernel_trace binary as built")
     ap.add_argument("--no-ggml-alt", action="store_true",
@@ -470,8 +502,8 @@ def main():
     levels = [l.strip() for l in a.levels.split(",") if l.strip()]
     if any(m not in MODES for m in modes) or any(l not in LEVELS for l in levels) or not levels:
         die(f"modes are {MODES}, levels {LEVELS}")
-    if not 0 < a.n1 < a.n2:
-        die("need 0 < n1 < n2")
+    if a.n_max < 2 or a.budget < 1000:
+        die("need --n-max >= 2 and --budget >= 1000")
 
     tools = Tools()
     out = Path(a.out)
@@ -491,23 +523,37 @@ def main():
             for mode in modes:
                 row = {"format": fmt, "mode": mode, "ours": {}, "ggml": {}}
                 r, t = OURS_SHAPE[mode]
-                for level in levels:
-                    log(f"{fmt} {mode}: ours at {level} ({time.time() - started:.0f} s)")
-                    res, trace = price(ours_bin, mca, lambda n: [fmt, mode, n, r, t], a.n1, a.n2,
-                                       r * t, env={"BMOE_SIMD": level})
-                    res["rows"], res["tokens"] = r, t
-                    res["source"] = [[f, round(s, 3)] for f, s in ours_bin.source_files(trace) if s >= 0.01]
+                # The best level first; a lower level whose longer call executes exactly the
+                # same extra instructions runs the same kernel code, and takes its numbers.
+                priced = []
+                for level in reversed(levels):
+                    k = Kernel(ours_bin, lambda n: [fmt, mode, n, r, t], r * t, {"BMOE_SIMD": level})
+                    if not priced:
+                        n1, n2 = k.sizes(a.budget, a.n_max)
+                    delta = k.delta(n1, n2)
+                    same = next((lv for lv, d in priced if d == delta), None)
+                    if same:
+                        log(f"{fmt} {mode}: ours at {level} runs the same code as at {same}")
+                        res = dict(row["ours"][same], same_code_as=same)
+                    else:
+                        log(f"{fmt} {mode}: ours at {level}, n = {n1} and {n2} ({time.time() - started:.0f} s)")
+                        res = k.price(mca, n1, n2)
+                        res["rows"], res["tokens"] = r, t
+                        res["source"] = [[f, round(sh, 3)] for f, sh in ours_bin.source_files(k.trace(n2))
+                                         if sh >= 0.01]
+                    priced.append((level, delta))
                     row["ours"][level] = res
+                row["ours"] = {level: row["ours"][level] for level in levels}
                 default, alt = ggml_kernels(fmt, mode)
                 for which, kernel in (("default", default), ("alt", alt)):
                     if kernel is None or (which == "alt" and a.no_ggml_alt):
                         continue
                     kind, function = kernel
                     gr, gt = GGML_SHAPE[kind]
-                    log(f"{fmt} {mode}: ggml {function} ({kind})")
-                    res, _ = price(ggml_bin, mca,
-                                   lambda n: [kind, function, n, gr, gt, wbytes, ACT_BYTES[act]],
-                                   a.n1, a.n2, gr * gt)
+                    k = Kernel(ggml_bin, lambda n: [kind, function, n, gr, gt, wbytes, ACT_BYTES[act]], gr * gt)
+                    g1, g2 = k.sizes(a.budget, a.n_max)
+                    log(f"{fmt} {mode}: ggml {function} ({kind}), n = {g1} and {g2}")
+                    res = k.price(mca, g1, g2)
                     res.update(kind=kind, function=function, rows=gr, tokens=gt,
                                kernel=describe_ggml(kind, function, mode))
                     row["ggml"][which] = res
@@ -518,7 +564,7 @@ def main():
                       "-iterations=1 at two row lengths; (cycles(n2)-cycles(n1))/((n2-n1)*rows*tokens)",
             "llvm_mca": llvm_version(tools),
             "cpus": CPUS,
-            "n1": a.n1, "n2": a.n2,
+            "budget_instructions": a.budget,
             "ggml": {"source": f"llama-cpp-python {LLAMA_CPP_PYTHON} sdist, vendor/llama.cpp/ggml",
                      "compiler": " ".join([Path(tools.gcc).name, *GGML_FLAGS])},
             "ours": {"binary": "engine/examples/kernel_trace.rs", "target": TARGET,
