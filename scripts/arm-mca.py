@@ -8,7 +8,7 @@ kernel of the same format, with the ratio ours / ggml. Writes `mca.md` (the tabl
 docs/kernels.md) and `mca.json` into the output directory.
 
   scripts/arm-mca.py [--out DIR] [--formats Q4_K,Q8_0] [--levels neon,dotprod,i8mm]
-  scripts/arm-mca.py --check-method        # the toy loop: dynamic trace vs static loop
+  scripts/arm-mca.py --check-method        # two toy loops: dynamic trace vs static loop
 
 Method (the same for both sides): a small static aarch64 program runs one kernel call on n
 256-weight units per row between two marker functions (ours: engine/examples/kernel_trace.rs
@@ -399,7 +399,9 @@ class Mca:
             m = re.search(r"Total Cycles:\s+(\d+)", p.stdout)
             if p.returncode != 0 or not m:
                 die(f"llvm-mca -mcpu={cpu} failed on a trace:\n{p.stderr[-2000:]}")
-            self.memo[key] = int(m.group(1))
+            # Instructions the model has no scheduling data for are left out (and named).
+            skipped = re.findall(r"note: instruction:\s*(.*)", p.stderr)
+            self.memo[key] = (int(m.group(1)), skipped)
         return self.memo[key]
 
 
@@ -450,9 +452,15 @@ class Kernel:
         with ThreadPoolExecutor(max_workers=2) as pool:
             jobs = {(cpu, n): pool.submit(mca.cycles, asm[n], cpu) for cpu in CPUS for n in (n1, n2)}
         for cpu in CPUS:
-            c = {n: jobs[cpu, n].result() for n in (n1, n2)}
+            c = {n: jobs[cpu, n].result()[0] for n in (n1, n2)}
             result["cycles_total"][cpu] = {str(n): v for n, v in c.items()}
             result["cycles_per_256"][cpu] = (c[n2] - c[n1]) / units
+            skipped = {n: jobs[cpu, n].result()[1] for n in (n1, n2)}
+            if skipped[n2]:
+                result.setdefault("skipped_by_mca", {})[cpu] = sorted(set(skipped[n2]))
+            if len(skipped[n2]) != len(skipped[n1]):
+                log(f"warning: llvm-mca -mcpu={cpu} has no scheduling data for instructions in "
+                    f"the loop ({', '.join(sorted(set(skipped[n2])))}): left out, so the cycles are low")
         return result
 
 
@@ -643,22 +651,32 @@ def markdown(doc, levels):
 # ---------------------------------------------------------------- the method's own check
 
 TOY = r"""
+#include <arm_neon.h>
 #include <stdio.h>
 #include <stdlib.h>
 __attribute__((noinline)) void bmoe_trace_begin(void) { __asm__ volatile("nop"); }
 __attribute__((noinline)) void bmoe_trace_end(void) { __asm__ volatile("nop\n\tnop"); }
-/* Two independent fused multiply-add chains, two elements an iteration. */
-__attribute__((noinline)) float toy_dot(const float *a, const float *b, int n) {
+/* Latency-bound: two scalar fused multiply-add chains, two elements an iteration, so an
+   iteration costs one FMA latency (4 cycles on both cores). */
+__attribute__((noinline)) float toy_chain(const float *a, const float *b, int n) {
     float s0 = 0, s1 = 0;
     for (int i = 0; i < n; i += 2) { s0 += a[i] * b[i]; s1 += a[i + 1] * b[i + 1]; }
     return s0 + s1;
 }
+/* Throughput-bound: eight vector FMA chains, 32 elements an iteration (16 loads, 8 FMAs). */
+#define FMA(k) s##k = vfmaq_f32(s##k, vld1q_f32(a + i + 4 * k), vld1q_f32(b + i + 4 * k))
+__attribute__((noinline)) float toy_wide(const float *a, const float *b, int n) {
+    float32x4_t s0 = vdupq_n_f32(0), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0, s6 = s0, s7 = s0;
+    for (int i = 0; i < n; i += 32) { FMA(0); FMA(1); FMA(2); FMA(3); FMA(4); FMA(5); FMA(6); FMA(7); }
+    s0 = vaddq_f32(vaddq_f32(vaddq_f32(s0, s1), vaddq_f32(s2, s3)), vaddq_f32(vaddq_f32(s4, s5), vaddq_f32(s6, s7)));
+    return vaddvq_f32(s0);
+}
 int main(int argc, char **argv) {
-    int n = atoi(argv[1]);
+    int wide = argv[1][0] == 'w', n = atoi(argv[2]);
     float *a = malloc(4 * n), *b = malloc(4 * n);
     for (int i = 0; i < n; i++) { a[i] = i; b[i] = 1; }
     bmoe_trace_begin();
-    volatile float r = toy_dot(a, b, n);
+    volatile float r = wide ? toy_wide(a, b, n) : toy_chain(a, b, n);
     bmoe_trace_end();
     printf("%f\n", (double)r);
     return 0;
@@ -667,8 +685,8 @@ int main(int argc, char **argv) {
 
 
 def check_method():
-    """The toy loop priced both ways: the dynamic trace's per-iteration cycles must equal the
-    static loop body's (llvm-mca -iterations=1000 over the disassembled loop)."""
+    """Two toy loops priced both ways: the dynamic trace's cycles per iteration against the
+    static loop body's (branch target to backward branch, llvm-mca -iterations=1000)."""
     tools = Tools(need_ggml=False, need_cargo=False)
     mca = Mca(tools)
     with tempfile.TemporaryDirectory() as work:
@@ -676,31 +694,31 @@ def check_method():
         src.write_text(TOY)
         run([tools.gcc, "-O2", "-static", str(src), "-o", str(exe)])
         binary = Binary(tools, exe, work)
-        # Static: the loop body (branch target up to the backward branch) of toy_dot.
-        dis = run([tools.objdump, "-d", "--no-show-raw-insn", "--disassemble-symbols=toy_dot", str(exe)])
-        body, target = [], None
-        insns = [(int(m.group(1), 16), m.group(2)) for m in map(Binary.INSN.match, dis.splitlines()) if m]
-        for pc, text in insns:
-            m = re.match(r"b\.\w+\s+0x([0-9a-f]+)", text)
-            if m and int(m.group(1), 16) < pc:
-                target = int(m.group(1), 16)
-                body = [assemblable(t, p, exe) for p, t in insns if target <= p <= pc]
-        if not body:
-            die("toy_dot: no backward branch found")
-        static_asm = ".text\n.Lt:\n" + "\n".join(body) + "\n"
-        for cpu in CPUS:
-            with tempfile.NamedTemporaryFile("w", suffix=".s", delete=False) as f:
-                f.write(static_asm)
-            outp = run([tools.mca, "-mtriple=aarch64", f"-mcpu={cpu}", "-iterations=1000", f.name])
-            os.unlink(f.name)
-            static = int(re.search(r"Total Cycles:\s+(\d+)", outp).group(1)) / 1000
-            # Dynamic: 2 elements an iteration; n1 = 512, n2 = 2560 elements.
-            n1, n2 = 512, 2560
-            c = {n: mca.cycles(binary.assembly(binary.trace([n])), cpu) for n in (n1, n2)}
-            dynamic = (c[n2] - c[n1]) / ((n2 - n1) / 2)
-            print(f"{CPU_SHORT[cpu]}: static loop {static:.3f} cycles/iteration "
-                  f"({len(body)} instructions), dynamic trace {dynamic:.3f} "
-                  f"(traces {c[n1]} and {c[n2]} cycles)")
+        for toy, per_iteration in (("toy_chain", 2), ("toy_wide", 32)):
+            dis = run([tools.objdump, "-d", "--no-show-raw-insn", f"--disassemble-symbols={toy}", str(exe)])
+            insns = [(int(m.group(1), 16), m.group(2)) for m in map(Binary.INSN.match, dis.splitlines()) if m]
+            body = []
+            for pc, text in insns:
+                m = re.match(r"(?:b\.\w+|cbn?z\s+\w+,)\s+0x([0-9a-f]+)", text)
+                if m and int(m.group(1), 16) < pc:
+                    target = int(m.group(1), 16)
+                    body = [assemblable(t, p, exe) for p, t in insns if target <= p <= pc]
+            if not body:
+                die(f"{toy}: no backward branch found")
+            static_asm = ".text\n.Lt:\n" + "\n".join(body) + "\n"
+            n1, n2 = 64 * per_iteration, 320 * per_iteration
+            asm = {n: binary.assembly(binary.trace([toy[4], n])) for n in (n1, n2)}
+            for cpu in CPUS:
+                with tempfile.NamedTemporaryFile("w", suffix=".s", delete=False) as f:
+                    f.write(static_asm)
+                outp = run([tools.mca, "-mtriple=aarch64", f"-mcpu={cpu}", "-iterations=1000", f.name])
+                os.unlink(f.name)
+                static = int(re.search(r"Total Cycles:\s+(\d+)", outp).group(1)) / 1000
+                c = {n: mca.cycles(asm[n], cpu)[0] for n in (n1, n2)}
+                dynamic = (c[n2] - c[n1]) / ((n2 - n1) / per_iteration)
+                print(f"{toy} {CPU_SHORT[cpu]}: static loop {static:.3f} cycles/iteration "
+                      f"({len(body)} instructions), dynamic trace {dynamic:.3f} "
+                      f"(traces of {n1} and {n2} elements: {c[n1]} and {c[n2]} cycles)")
 
 
 if __name__ == "__main__":

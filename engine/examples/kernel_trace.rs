@@ -42,10 +42,14 @@ pub extern "C" fn bmoe_trace_end() {
 /// Deterministic values in about [-1, 1) (a 64-bit LCG's high bits), so every run and every
 /// level sees the same data.
 fn values(seed: u64, n: usize) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
     (0..n)
         .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             // Sum of two uniforms: a bell-ish shape, as weights and activations have.
             let a = (s >> 40) as f32 / (1u64 << 24) as f32;
             let b = ((s >> 16) & 0xff_ffff) as f32 / (1u64 << 24) as f32;
@@ -81,9 +85,9 @@ fn main() {
     let (n256, n_rows, n_tokens) = (number(3), number(4), number(5));
     let n_cols = n256 * 256;
 
-    let chunk_bytes = ty
-        .row_bytes(256)
-        .unwrap_or_else(|| fail(&format!("{ty} has no 256-value rows"))) as usize;
+    let chunk_bytes =
+        ty.row_bytes(256)
+            .unwrap_or_else(|| fail(&format!("{ty} has no 256-value rows"))) as usize;
     let mut chunk = vec![0u8; chunk_bytes];
     quantize_row(ty, &values(1, 256), &mut chunk)
         .unwrap_or_else(|e| fail(&format!("quantize: {e}")));
