@@ -105,7 +105,7 @@ fn main() {
     let acts = vec![act; if prefill { n_tokens } else { 1 }];
     let mut out = vec![0f32; acts.len() * n_rows];
 
-    let mut call = |out: &mut [f32]| {
+    let call = |out: &mut [f32]| {
         let r = if prefill {
             matmul(&pool, ty, &w, n_rows, n_cols, &acts, out)
         } else {
