@@ -20,7 +20,16 @@ rewritten to one local label, are one straight-line trace, priced by llvm-mca -i
 Two lengths n1 < n2: (cycles(n2) - cycles(n1)) / ((n2 - n1) * rows * tokens) is the cost per
 256 weights (x token); the call's fixed costs (checks, prologue, final reduction) cancel.
 llvm-mca assumes every load hits L1 and every branch is predicted: this prices the core's
-work, not memory.
+work, not memory. Calls are priced as the branches they are (llvm-mca would give `bl` 100
+cycles); the row lengths are chosen per kernel so that the longer trace is about --budget
+instructions. Ours: decode is one dot_rows over 8 rows, prefill one matmul of 2 rows x 16
+tokens (grouped and wide kernels included), each level capped by BMOE_SIMD.
+
+ggml's kernel is what llama.cpp runs by default on a NEON + dotprod + i8mm core without SVE:
+the repacked tiles ggml_repack_get_optimal_repack_type picks (Q8_0, Q4_0 4x8; Q4_K, Q5_K, Q6_K
+8x8; IQ4_NL, MXFP4 4x4) as gemv for decode and gemm (4 tokens) for prefill; for the other
+formats ggml_vec_dot_<fmt> for decode and, for prefill, its nrc == 2 (i8mm) path where it has
+one (Q4_1), else vec_dot per token. The plain vec_dot of the repacked formats is priced too.
 
 ggml's source comes from the llama-cpp-python sdist on PyPI (fetched once through PyPI's JSON
 API into ~/.cache/bmoe/arm-mca, checked against its sha256; never into the repository). Tools:
@@ -497,7 +506,7 @@ def main():
     ap.add_argument("--no-ggml-alt", action="store_true",
                     help="skip ggml's non-default kernel (vec_dot beside a repacked gemv/gemm)")
     ap.add_argument("--check-method", action="store_true",
-                    help="price a toy loop both by the dynamic trace and by static loop extraction")
+                    help="price two toy loops both by the dynamic trace and by static loop extraction")
     a = ap.parse_args()
 
     if a.check_method:
