@@ -17,7 +17,7 @@ smoke=0
 for a in "$@"; do
   case $a in
     --smoke) smoke=1 ;;
-    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
     *) echo "build-phone.sh: unknown argument $a (try --help)" >&2; exit 2 ;;
   esac
 done

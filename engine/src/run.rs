@@ -158,7 +158,8 @@ fn place_threads(threads: u32, err: &mut dyn Write) -> Result<Vec<usize>> {
     match crate::cpus::pin_current_thread(&p.compute) {
         Ok(()) => {
             let io = if p.io.is_empty() {
-                "I/O lanes unpinned".to_string()
+                // Spawned from this thread, the lanes inherit its mask.
+                "I/O lanes beside them (no other core allowed)".to_string()
             } else {
                 format!("I/O lanes on cpus {}", list(&p.io))
             };
