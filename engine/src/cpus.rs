@@ -220,7 +220,11 @@ pub fn allowed_cpus() -> Option<Vec<usize>> {
     }
     let n = 8 * std::mem::size_of::<libc::cpu_set_t>();
     // SAFETY: CPU_ISSET reads bit `c` of the set, `c` below its size in bits.
-    Some((0..n).filter(|&c| unsafe { libc::CPU_ISSET(c, &set) }).collect())
+    Some(
+        (0..n)
+            .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
+            .collect(),
+    )
 }
 
 /// Pin the calling thread to `cpus` (`sched_setaffinity`). An empty list is refused, and so
@@ -302,7 +306,10 @@ mod tests {
 
     #[test]
     fn cpu_lists_parse_like_the_kernel_writes_them() {
-        assert_eq!(parse_cpu_list("0-3,6,8-9\n"), Some(vec![0, 1, 2, 3, 6, 8, 9]));
+        assert_eq!(
+            parse_cpu_list("0-3,6,8-9\n"),
+            Some(vec![0, 1, 2, 3, 6, 8, 9])
+        );
         assert_eq!(parse_cpu_list("0"), Some(vec![0]));
         assert_eq!(parse_cpu_list(""), Some(vec![]));
         assert_eq!(parse_cpu_list("3-1"), None);
@@ -328,14 +335,24 @@ mod tests {
     fn a_big_cluster_of_several_is_the_big_cores_alone() {
         // Tensor G2: 4× A55 1.8, 2× A78 2.35, 2× X1 2.85 GHz.
         let mut cpus: Vec<(usize, u64)> = (0..4).map(|c| (c, 1_803_000)).collect();
-        cpus.extend([(4, 2_348_000), (5, 2_348_000), (6, 2_850_000), (7, 2_850_000)]);
+        cpus.extend([
+            (4, 2_348_000),
+            (5, 2_348_000),
+            (6, 2_850_000),
+            (7, 2_850_000),
+        ]);
         let t = read_topology(&sys("g2", Some("0-7"), &cpus)).expect("cpufreq");
         assert_eq!(t.big(), vec![6, 7]);
         let p = placement(Some(&t), None).expect("big.LITTLE");
         assert_eq!(p.io, vec![0, 1, 2, 3, 4, 5]);
         // Dimensity 9000: X2 3.05 within 10 % of the A710s' 2.85: one class of four.
         let mut cpus: Vec<(usize, u64)> = (0..4).map(|c| (c, 1_800_000)).collect();
-        cpus.extend([(4, 2_850_000), (5, 2_850_000), (6, 2_850_000), (7, 3_050_000)]);
+        cpus.extend([
+            (4, 2_850_000),
+            (5, 2_850_000),
+            (6, 2_850_000),
+            (7, 3_050_000),
+        ]);
         let t = read_topology(&sys("d9000", None, &cpus)).expect("cpufreq");
         assert_eq!(t.classes.len(), 2);
         assert_eq!(t.big(), vec![4, 5, 6, 7]);
@@ -384,7 +401,13 @@ mod tests {
         )
         .expect("write");
         let t = read_topology(&root).expect("cpu1 reports");
-        assert_eq!(t.classes, vec![CpuClass { max_khz: 2_000_000, cpus: vec![1] }]);
+        assert_eq!(
+            t.classes,
+            vec![CpuClass {
+                max_khz: 2_000_000,
+                cpus: vec![1]
+            }]
+        );
     }
 
     #[test]
@@ -392,11 +415,10 @@ mod tests {
         let allowed = allowed_cpus().expect("sched_getaffinity");
         assert!(!allowed.is_empty());
         // In a thread of its own, so the test harness's thread keeps its mask.
-        let pinned = std::thread::spawn(move || {
-            pin_current_thread(&allowed[..1]).map(|()| allowed_cpus())
-        })
-        .join()
-        .expect("thread");
+        let pinned =
+            std::thread::spawn(move || pin_current_thread(&allowed[..1]).map(|()| allowed_cpus()))
+                .join()
+                .expect("thread");
         assert_eq!(pinned.expect("pin").map(|a| a.len()), Some(1));
         assert!(pin_current_thread(&[]).is_err());
         assert!(pin_current_thread(&[1 << 20]).is_err());

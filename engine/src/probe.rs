@@ -346,7 +346,7 @@ pub fn rlimits() -> Rlimits {
         };
         // SAFETY: getrlimit writes one struct rlimit into `r`, which is ours.
         let rc = unsafe { libc::getrlimit(resource, &mut r) };
-        (rc == 0 && r.rlim_cur != libc::RLIM_INFINITY).then_some(r.rlim_cur as u64)
+        (rc == 0 && r.rlim_cur != libc::RLIM_INFINITY).then_some(r.rlim_cur)
     };
     Rlimits {
         as_bytes: soft(libc::RLIMIT_AS),
@@ -666,7 +666,10 @@ VmData:\t  104857 kB\nVmRSS:\t  524288 kB\n";
             "v2max",
             &[
                 ("sys/fs/cgroup/uid_2000/pid_4242/memory.max", "4294967296\n"),
-                ("sys/fs/cgroup/uid_2000/pid_4242/memory.current", "1073741824\n"),
+                (
+                    "sys/fs/cgroup/uid_2000/pid_4242/memory.current",
+                    "1073741824\n",
+                ),
             ],
         );
         let limits = process_limits_under(&root, Rlimits::default());
@@ -749,8 +752,14 @@ VmData:\t  104857 kB\nVmRSS:\t  524288 kB\n";
                     "proc/self/mountinfo",
                     "35 31 0:32 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n",
                 ),
-                ("sys/fs/cgroup/memory/job/memory.limit_in_bytes", "8589934592\n"),
-                ("sys/fs/cgroup/memory/job/memory.usage_in_bytes", "7516192768\n"),
+                (
+                    "sys/fs/cgroup/memory/job/memory.limit_in_bytes",
+                    "8589934592\n",
+                ),
+                (
+                    "sys/fs/cgroup/memory/job/memory.usage_in_bytes",
+                    "7516192768\n",
+                ),
             ],
         );
         let limits = process_limits_under(
@@ -763,7 +772,10 @@ VmData:\t  104857 kB\nVmRSS:\t  524288 kB\n";
         assert_eq!(limits[0].source, MemSource::Cgroup);
         // 8 GiB - 7 GiB used leaves less than 12 GiB - 0.1 GiB.
         let room = tightest_headroom(&limits);
-        assert_eq!(room.map(|l| (l.source, l.headroom_bytes())), Some((MemSource::Cgroup, GIB)));
+        assert_eq!(
+            room.map(|l| (l.source, l.headroom_bytes())),
+            Some((MemSource::Cgroup, GIB))
+        );
         // Equal headroom: the cgroup is named (it comes first).
         let tie = [
             ProcessLimit {
@@ -777,7 +789,10 @@ VmData:\t  104857 kB\nVmRSS:\t  524288 kB\n";
                 source: MemSource::RlimitAs,
             },
         ];
-        assert_eq!(tightest_headroom(&tie).map(|l| l.source), Some(MemSource::Cgroup));
+        assert_eq!(
+            tightest_headroom(&tie).map(|l| l.source),
+            Some(MemSource::Cgroup)
+        );
     }
 
     #[test]

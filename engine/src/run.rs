@@ -338,10 +338,8 @@ pub fn load(args: &RunArgs, model_path: &Path, err: &mut dyn Write) -> Result<Lo
             // cgroup's, RLIMIT_AS, RLIMIT_DATA) where that is smaller; `mode:` names which.
             let avail = mem_available_bytes();
             let room = crate::probe::tightest_headroom(&crate::probe::process_limits());
-            cfg.cache_room_from = auto_cache_room_from(
-                avail,
-                room.map(|l| (l.headroom_bytes(), l.source)),
-            );
+            cfg.cache_room_from =
+                auto_cache_room_from(avail, room.map(|l| (l.headroom_bytes(), l.source)));
             auto_cache_budget(
                 avail,
                 room.map(|l| l.limit_bytes),

@@ -1126,7 +1126,11 @@ pub fn auto_cache_room_from(
     headroom: Option<(u64, MemSource)>,
 ) -> Option<MemSource> {
     match (mem_available_bytes, headroom) {
-        (Some(a), Some((h, from))) => Some(if h <= a { from } else { MemSource::MemAvailable }),
+        (Some(a), Some((h, from))) => Some(if h <= a {
+            from
+        } else {
+            MemSource::MemAvailable
+        }),
         (Some(_), None) => Some(MemSource::MemAvailable),
         (None, Some((_, from))) => Some(from),
         (None, None) => None,
