@@ -230,11 +230,9 @@ impl Cli {
     }
 }
 
+/// One per big core on a big.LITTLE machine, else `min(cores, 4)` (`crate::cpus`).
 fn default_threads() -> u32 {
-    std::thread::available_parallelism()
-        .map(|n| n.get() as u32)
-        .unwrap_or(4)
-        .min(4)
+    crate::cpus::default_threads()
 }
 
 #[derive(Args, Debug)]

@@ -183,6 +183,8 @@ pub struct LaneFlash {
     clock: MonotonicClock,
     next_id: u64,
     warnings: Vec<String>,
+    /// Why some shard is read buffered although O_DIRECT was asked for, in one line.
+    buffered_reason: Option<String>,
 }
 
 impl std::fmt::Debug for LaneFlash {
@@ -362,14 +364,14 @@ fn verify_direct(direct: &File, buffered: &File, offset: u64, len: u64) -> Resul
 }
 
 /// Decide one shard's mode: O_DIRECT if asked and the filesystem both accepts the flag and
-/// serves a verify read of the file's head and tail correctly; buffered otherwise (with the
-/// reason as a warning).
+/// serves a verify read of the file's head and tail correctly; buffered otherwise, with the
+/// reason (EINVAL at open: procfs, FUSE without direct I/O, older tmpfs; a failed or wrong
+/// first aligned read: some phone storage stacks).
 fn probe_shard(
     shard: usize,
     path: &Path,
     want_direct: bool,
-    warnings: &mut Vec<String>,
-) -> Result<ShardInfo, FlashOpenError> {
+) -> Result<(ShardInfo, Option<String>), FlashOpenError> {
     let buffered = open_shard(path, false).map_err(|source| FlashOpenError::Open {
         shard,
         path: path.to_owned(),
@@ -383,27 +385,14 @@ fn probe_shard(
             source,
         })?
         .len();
+    let info = |direct| ShardInfo { len_bytes, direct };
     if !want_direct {
-        return Ok(ShardInfo {
-            len_bytes,
-            direct: false,
-        });
+        return Ok((info(false), None));
     }
-    let fallback = |reason: String, warnings: &mut Vec<String>| {
-        warnings.push(format!(
-            "flash: shard {shard} ({}): O_DIRECT unavailable ({reason}); reading it buffered \
-             through the page cache",
-            path.display()
-        ));
-        ShardInfo {
-            len_bytes,
-            direct: false,
-        }
-    };
     let direct = match open_shard(path, true) {
         Ok(f) => f,
         Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-            return Ok(fallback(format!("open refused: {e}"), warnings));
+            return Ok((info(false), Some(format!("open refused: {e}"))));
         }
         Err(source) => {
             return Err(FlashOpenError::Open {
@@ -422,12 +411,24 @@ fn probe_shard(
             continue;
         }
         if let Err(reason) = verify_direct(&direct, &buffered, off, len) {
-            return Ok(fallback(format!("verify read: {reason}"), warnings));
+            return Ok((info(false), Some(format!("verify read: {reason}"))));
         }
     }
-    Ok(ShardInfo {
-        len_bytes,
-        direct: true,
+    Ok((info(true), None))
+}
+
+/// The one-line summary of the shards read buffered although O_DIRECT was asked for (`refused`:
+/// per shard, its reason or `None`), for the `mode:` line; `None` when none was.
+fn buffered_summary(refused: &[Option<String>]) -> Option<String> {
+    let first = refused.iter().flatten().next()?;
+    let n = refused.iter().flatten().count();
+    Some(if refused.len() == 1 {
+        format!("O_DIRECT refused: {first}")
+    } else {
+        format!(
+            "O_DIRECT refused on {n} of {} shards; first: {first}",
+            refused.len()
+        )
     })
 }
 
@@ -622,6 +623,20 @@ impl LaneFlash {
         arena: Arc<Arena>,
         clock: MonotonicClock,
     ) -> Result<LaneFlash, FlashOpenError> {
+        Self::open_pinned(shard_paths, lanes, o_direct, arena, clock, &[])
+    }
+
+    /// [`LaneFlash::open`] with each lane thread pinned to `lane_cpus` (empty: not pinned) —
+    /// on a big.LITTLE phone the little cores, so the lanes never take a big core from
+    /// compute (`crate::cpus`).
+    pub fn open_pinned(
+        shard_paths: &[PathBuf],
+        lanes: u32,
+        o_direct: bool,
+        arena: Arc<Arena>,
+        clock: MonotonicClock,
+        lane_cpus: &[usize],
+    ) -> Result<LaneFlash, FlashOpenError> {
         if shard_paths.is_empty() {
             return Err(FlashOpenError::NoShards);
         }
@@ -630,9 +645,20 @@ impl LaneFlash {
         }
         let mut warnings = Vec::new();
         let mut infos = Vec::with_capacity(shard_paths.len());
+        let mut refused = Vec::with_capacity(shard_paths.len());
         for (i, p) in shard_paths.iter().enumerate() {
-            infos.push(probe_shard(i, p, o_direct, &mut warnings)?);
+            let (info, why) = probe_shard(i, p, o_direct)?;
+            if let Some(reason) = &why {
+                warnings.push(format!(
+                    "flash: shard {i} ({}): O_DIRECT unavailable ({reason}); reading it buffered \
+                     through the page cache",
+                    p.display()
+                ));
+            }
+            infos.push(info);
+            refused.push(why);
         }
+        let buffered_reason = buffered_summary(&refused);
         let shards = Arc::new(infos);
         // Open every descriptor before starting any thread, so a failure leaves nothing
         // running.
@@ -671,12 +697,21 @@ impl LaneFlash {
             clock,
             next_id: 0,
             warnings,
+            buffered_reason,
         };
         for (lane, files) in (0..lanes).zip(lane_files) {
             let (sh, si, ar) = (shared.clone(), shards.clone(), arena.clone());
+            let cpus = lane_cpus.to_vec();
             let t = std::thread::Builder::new()
                 .name(format!("bmoe-io-{lane}"))
-                .spawn(move || lane_main(lane, sh, files, si, ar, clock))
+                .spawn(move || {
+                    if !cpus.is_empty() {
+                        // Best effort: refused (a sandbox, a cpuset), the lane runs wherever
+                        // the scheduler puts it, as without pinning.
+                        let _ = crate::cpus::pin_current_thread(&cpus);
+                    }
+                    lane_main(lane, sh, files, si, ar, clock)
+                })
                 .map_err(|source| FlashOpenError::Spawn { lane, source })?;
             // On a spawn error `dev` drops here, closing and joining the lanes started so far.
             dev.threads.push(t);
@@ -716,6 +751,12 @@ impl LaneFlash {
     /// Why some shard is read buffered although O_DIRECT was asked for (one line each).
     pub fn warnings(&self) -> &[String] {
         &self.warnings
+    }
+
+    /// Why some shard is read buffered although O_DIRECT was asked for, in one line (the
+    /// `mode:` line's `buffered reads (...)`); `None` when every shard got what was asked.
+    pub fn buffered_reason(&self) -> Option<&str> {
+        self.buffered_reason.as_deref()
     }
 
     /// True when every shard is read with O_DIRECT.
@@ -1240,6 +1281,49 @@ fn mix64(x: u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The two ways a filesystem refuses O_DIRECT, each with its reason: EINVAL at open
+    /// (procfs stands in for a FUSE mount without direct I/O), and a first aligned read that
+    /// fails (a descriptor that cannot read stands in for a phone storage stack that accepts
+    /// the flag and then refuses the read).
+    #[test]
+    fn a_refused_o_direct_falls_back_with_its_reason() {
+        let (info, why) = probe_shard(0, Path::new("/proc/version"), true).expect("readable");
+        assert!(!info.direct);
+        let why = why.expect("procfs refuses O_DIRECT at open");
+        assert!(why.starts_with("open refused:"), "{why}");
+        assert!(why.contains("os error 22"), "EINVAL: {why}");
+        // Not asked for: nothing probed, nothing refused.
+        let (info, why) = probe_shard(0, Path::new("/proc/version"), false).expect("readable");
+        assert!(!info.direct && why.is_none());
+
+        let dir = crate::testdata::scratch_dir("flash-verify");
+        let path = dir.join("shard.bin");
+        std::fs::write(&path, vec![7u8; 10_000]).expect("write");
+        let write_only = OpenOptions::new().write(true).open(&path).expect("open");
+        let buffered = open_shard(&path, false).expect("open");
+        let e = verify_direct(&write_only, &buffered, 0, 10_000).expect_err("cannot read");
+        assert!(e.starts_with("O_DIRECT read failed:"), "{e}");
+        // A filesystem that serves O_DIRECT (target/ is a real one) passes the same check.
+        if let Ok(direct) = open_shard(&path, true) {
+            assert_eq!(verify_direct(&direct, &buffered, 0, 10_000), Ok(()));
+            assert_eq!(verify_direct(&direct, &buffered, 4000, 6000), Ok(()));
+        }
+    }
+
+    #[test]
+    fn the_mode_line_summary_names_the_first_refusal() {
+        assert_eq!(buffered_summary(&[None, None]), None);
+        assert_eq!(buffered_summary(&[]), None);
+        assert_eq!(
+            buffered_summary(&[Some("open refused: EINVAL".into())]).as_deref(),
+            Some("O_DIRECT refused: open refused: EINVAL")
+        );
+        assert_eq!(
+            buffered_summary(&[None, Some("verify read: x".into()), Some("y".into())]).as_deref(),
+            Some("O_DIRECT refused on 2 of 3 shards; first: verify read: x")
+        );
+    }
 
     #[test]
     fn random_bench_offsets_spread_over_the_file() {

@@ -8,6 +8,7 @@ pub mod chat_tty;
 pub mod checksum;
 pub mod cli;
 pub mod converse;
+pub mod cpus;
 pub mod dense;
 pub mod finite;
 pub mod flash;

@@ -1,10 +1,18 @@
 //! Process memory and CPU probes (getrusage, /proc/self/status, /proc/meminfo, mincore, the
-//! cgroup memory limit): the engine's answers to the telemetry's memory-picture questions.
+//! cgroup memory limit, the process's own resource limits): the engine's answers to the
+//! telemetry's memory-picture questions and to "how much memory may this process use".
 //!
 //! Every probe answers "unknown" instead of failing — `0` for counters and sizes, `-1` for
 //! fractions, `None` for limits — because telemetry must never stop a generation, and the
 //! formats define those values as "unmeasured". Parsing is split into pure functions over
-//! `&str` so it is tested on fixture text, not only on whatever machine runs the tests.
+//! `&str` so it is tested on fixture text, and the file-reading probes have `_under(root)`
+//! forms that read `root/proc/...` and `root/sys/...`, so they are tested on synthetic trees
+//! (a phone's, a container's), not only on whatever machine runs the tests.
+//!
+//! Why the process limits: a shell or Termux process on Android has no memory cgroup of its
+//! own (no v1 controller; v2 `memory.max` at most on some builds), so its bounds are
+//! `MemAvailable` and whatever `ulimit -v` / `ulimit -d` set; [`process_limits`] lists every
+//! limit there is, and [`tightest_headroom`] picks the one the auto cache must fit under.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -63,18 +71,23 @@ pub struct ProcStatus {
     pub swap_mib: f64,
 }
 
-/// Value of a `Key:   1234 kB` line, in MiB; `None` when `key` is absent or malformed.
-fn kb_field_mib(text: &str, key: &str) -> Option<f64> {
+/// Value of a `Key:   1234 kB` line, in KiB; `None` when `key` is absent or malformed.
+fn kb_field(text: &str, key: &str) -> Option<u64> {
     text.lines().find_map(|line| {
         let rest = line.strip_prefix(key)?.strip_prefix(':')?;
         let mut it = rest.split_whitespace();
         let n: u64 = it.next()?.parse().ok()?;
         // Both files state kB (KiB); anything else is not what we think it is.
         match it.next() {
-            Some("kB") | None => Some(n as f64 / 1024.0),
+            Some("kB") | None => Some(n),
             Some(_) => None,
         }
     })
+}
+
+/// Value of a `Key:   1234 kB` line, in MiB; `None` when `key` is absent or malformed.
+fn kb_field_mib(text: &str, key: &str) -> Option<f64> {
+    kb_field(text, key).map(|n| n as f64 / 1024.0)
 }
 
 /// Parse `/proc/self/status` text.
@@ -116,9 +129,7 @@ pub fn parse_meminfo(text: &str) -> MemInfo {
 
 /// `/proc/meminfo` now; all zero when unreadable.
 pub fn meminfo() -> MemInfo {
-    std::fs::read_to_string("/proc/meminfo")
-        .map(|t| parse_meminfo(&t))
-        .unwrap_or_default()
+    meminfo_under(Path::new("/"))
 }
 
 /// Which cgroup hierarchy a memory controller belongs to.
@@ -295,11 +306,131 @@ fn read_cgroup_dir(version: CgroupVersion, dir: &Path) -> Option<CgroupMem> {
 /// else v2); `None` when there is no readable controller. The v2 root group has no
 /// `memory.max` and so reads as `None` too.
 pub fn cgroup_memory() -> Option<CgroupMem> {
-    let cg = std::fs::read_to_string("/proc/self/cgroup").ok()?;
-    let mi = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    cgroup_memory_under(Path::new("/"))
+}
+
+/// [`cgroup_memory`] of the tree at `root`: `root/proc/self/{cgroup,mountinfo}` and the
+/// mount points they name, under `root`.
+pub fn cgroup_memory_under(root: &Path) -> Option<CgroupMem> {
+    let cg = std::fs::read_to_string(root.join("proc/self/cgroup")).ok()?;
+    let mi = std::fs::read_to_string(root.join("proc/self/mountinfo")).ok()?;
     cgroup_candidate_dirs(&cg, &mi)
         .into_iter()
-        .find_map(|(v, dir)| read_cgroup_dir(v, &dir))
+        .find_map(|(v, dir)| read_cgroup_dir(v, &under(root, &dir)))
+}
+
+/// The absolute `path` inside the tree at `root`.
+fn under(root: &Path, path: &Path) -> PathBuf {
+    root.join(path.strip_prefix("/").unwrap_or(path))
+}
+
+/// This process's soft limits on memory (`getrlimit`), `None` where unlimited.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct Rlimits {
+    /// `RLIMIT_AS` (`ulimit -v`): the address space, every mapping counted.
+    pub as_bytes: Option<u64>,
+    /// `RLIMIT_DATA` (`ulimit -d`): private writable memory (since Linux 4.7 every private
+    /// writable mapping, the anonymous ones the cache uses included).
+    pub data_bytes: Option<u64>,
+}
+
+/// `getrlimit(RLIMIT_AS)` and `getrlimit(RLIMIT_DATA)`: the soft limits (what the kernel
+/// enforces), `None` for `RLIM_INFINITY` or a failed call.
+pub fn rlimits() -> Rlimits {
+    // A closure, not a fn: glibc types the resource as its own enum, musl (the phone build)
+    // as `c_int`, and `libc::RLIMIT_*` carry the right one.
+    let soft = |resource| {
+        let mut r = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit writes one struct rlimit into `r`, which is ours.
+        let rc = unsafe { libc::getrlimit(resource, &mut r) };
+        (rc == 0 && r.rlim_cur != libc::RLIM_INFINITY).then_some(r.rlim_cur)
+    };
+    Rlimits {
+        as_bytes: soft(libc::RLIMIT_AS),
+        data_bytes: soft(libc::RLIMIT_DATA),
+    }
+}
+
+/// One bound on the memory this process may use: a limit, what already counts against it,
+/// and where it came from.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct ProcessLimit {
+    pub limit_bytes: u64,
+    /// The cgroup's `memory.current` / `usage_in_bytes`; `VmSize` for `RLIMIT_AS`, `VmData`
+    /// for `RLIMIT_DATA` (0 when `/proc/self/status` does not say).
+    pub usage_bytes: u64,
+    pub source: bmoe_core::config::MemSource,
+}
+
+impl ProcessLimit {
+    /// What is left under the limit.
+    pub fn headroom_bytes(&self) -> u64 {
+        self.limit_bytes.saturating_sub(self.usage_bytes)
+    }
+}
+
+/// Every limit that bounds this process's memory in the tree at `root`, given its resource
+/// limits `rl`: the cgroup's (when it has a limit), `RLIMIT_AS` against `VmSize` and
+/// `RLIMIT_DATA` against `VmData` from `root/proc/self/status`. Empty on an unlimited process
+/// (a phone's shell, usually).
+pub fn process_limits_under(root: &Path, rl: Rlimits) -> Vec<ProcessLimit> {
+    use bmoe_core::config::MemSource;
+    let mut out = Vec::new();
+    if let Some(CgroupMem {
+        limit_bytes: Some(limit_bytes),
+        usage_bytes,
+        ..
+    }) = cgroup_memory_under(root)
+    {
+        out.push(ProcessLimit {
+            limit_bytes,
+            usage_bytes,
+            source: MemSource::Cgroup,
+        });
+    }
+    let status = std::fs::read_to_string(root.join("proc/self/status")).unwrap_or_default();
+    let used = |key| kb_field(&status, key).map_or(0, |k| k.saturating_mul(1024));
+    for (limit, key, source) in [
+        (rl.as_bytes, "VmSize", MemSource::RlimitAs),
+        (rl.data_bytes, "VmData", MemSource::RlimitData),
+    ] {
+        if let Some(limit_bytes) = limit {
+            out.push(ProcessLimit {
+                limit_bytes,
+                usage_bytes: used(key),
+                source,
+            });
+        }
+    }
+    out
+}
+
+/// The limit of `limits` with the least headroom (limit − usage): what the auto cache, added on
+/// top of what is already used, must fit under. The first wins a tie, so a cgroup is named
+/// before an rlimit leaving the same room.
+pub fn tightest_headroom(limits: &[ProcessLimit]) -> Option<ProcessLimit> {
+    limits.iter().copied().reduce(|best, l| {
+        if l.headroom_bytes() < best.headroom_bytes() {
+            l
+        } else {
+            best
+        }
+    })
+}
+
+/// [`process_limits_under`] of this process.
+pub fn process_limits() -> Vec<ProcessLimit> {
+    process_limits_under(Path::new("/"), rlimits())
+}
+
+/// [`meminfo`] of the tree at `root` (`root/proc/meminfo`).
+pub fn meminfo_under(root: &Path) -> MemInfo {
+    std::fs::read_to_string(root.join("proc/meminfo"))
+        .map(|t| parse_meminfo(&t))
+        .unwrap_or_default()
 }
 
 /// Most pages `resident_fraction` asks `mincore` about per call.
@@ -470,5 +601,217 @@ impl DenseResidency {
     /// Real measurements taken so far.
     pub fn measurements(&self) -> u64 {
         self.measurements
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bmoe_core::config::MemSource;
+
+    const GIB: u64 = 1 << 30;
+
+    /// A synthetic `/` holding `files` (path relative to the root, contents).
+    fn tree(name: &str, files: &[(&str, &str)]) -> PathBuf {
+        let root = crate::testdata::scratch_dir(&format!("probe-{name}"));
+        let _ = std::fs::remove_dir_all(&root);
+        for (path, text) in files {
+            let p = root.join(path);
+            std::fs::create_dir_all(p.parent().expect("a file has a parent")).expect("mkdir");
+            std::fs::write(&p, text).expect("write");
+        }
+        root
+    }
+
+    const MEMINFO: &str = "MemTotal:       11534336 kB\nMemFree:          524288 kB\n\
+MemAvailable:    6291456 kB\nSwapFree:        2097152 kB\n";
+    const STATUS: &str = "Name:\tbmoe-cli\nVmPeak:\t 9437184 kB\nVmSize:\t 5767168 kB\n\
+VmData:\t  104857 kB\nVmRSS:\t  524288 kB\n";
+
+    /// An `adb shell` process on Android 13: cgroup v2 mounted with per-uid/pid groups but no
+    /// memory controller files in them, cpu/cpuset v1 hierarchies beside it, no rlimits.
+    fn android_shell(name: &str, extra: &[(&str, &str)]) -> PathBuf {
+        let mut files = vec![
+            ("proc/meminfo", MEMINFO),
+            ("proc/self/status", STATUS),
+            (
+                "proc/self/cgroup",
+                "4:cpuset:/foreground\n3:cpu:/\n2:schedtune:/\n0::/uid_2000/pid_4242\n",
+            ),
+            (
+                "proc/self/mountinfo",
+                "20 1 0:18 / /dev/cpuset rw,nosuid - cgroup none rw,cpuset\n\
+21 1 0:19 / /dev/cpuctl rw,nosuid - cgroup none rw,cpu\n\
+22 1 0:20 / /sys/fs/cgroup rw,nosuid - cgroup2 none rw\n\
+30 1 259:5 / /data rw,lazytime - f2fs /dev/block/dm-7 rw\n",
+            ),
+            ("sys/fs/cgroup/uid_2000/pid_4242/cgroup.procs", "4242\n"),
+        ];
+        files.extend_from_slice(extra);
+        tree(name, &files)
+    }
+
+    #[test]
+    fn a_phone_shell_has_memavailable_and_no_limit() {
+        let root = android_shell("shell", &[]);
+        assert_eq!(cgroup_memory_under(&root), None);
+        assert!(process_limits_under(&root, Rlimits::default()).is_empty());
+        assert_eq!(meminfo_under(&root).mem_available_mib, 6144.0);
+        assert_eq!(tightest_headroom(&[]), None);
+    }
+
+    #[test]
+    fn a_v2_memory_max_on_the_process_group_is_its_limit() {
+        let root = android_shell(
+            "v2max",
+            &[
+                ("sys/fs/cgroup/uid_2000/pid_4242/memory.max", "4294967296\n"),
+                (
+                    "sys/fs/cgroup/uid_2000/pid_4242/memory.current",
+                    "1073741824\n",
+                ),
+            ],
+        );
+        let limits = process_limits_under(&root, Rlimits::default());
+        assert_eq!(
+            limits,
+            vec![ProcessLimit {
+                limit_bytes: 4 * GIB,
+                usage_bytes: GIB,
+                source: MemSource::Cgroup
+            }]
+        );
+        assert_eq!(limits[0].headroom_bytes(), 3 * GIB);
+        // `max` is no limit.
+        let root = android_shell(
+            "v2unlimited",
+            &[
+                ("sys/fs/cgroup/uid_2000/memory.max", "max\n"),
+                ("sys/fs/cgroup/uid_2000/memory.current", "5\n"),
+            ],
+        );
+        assert!(process_limits_under(&root, Rlimits::default()).is_empty());
+        assert_eq!(
+            cgroup_memory_under(&root).map(|c| (c.limit_bytes, c.version)),
+            Some((None, CgroupVersion::V2))
+        );
+    }
+
+    #[test]
+    fn rlimits_count_what_the_process_already_uses() {
+        let root = android_shell("rlimits", &[]);
+        let limits = process_limits_under(
+            &root,
+            Rlimits {
+                as_bytes: Some(6 * GIB),
+                data_bytes: Some(7 * GIB),
+            },
+        );
+        assert_eq!(
+            limits,
+            vec![
+                ProcessLimit {
+                    limit_bytes: 6 * GIB,
+                    usage_bytes: 5767168 * 1024,
+                    source: MemSource::RlimitAs
+                },
+                ProcessLimit {
+                    limit_bytes: 7 * GIB,
+                    usage_bytes: 104857 * 1024,
+                    source: MemSource::RlimitData
+                },
+            ]
+        );
+        // The smaller headroom (6 GiB - 5.5 GiB of address space already mapped, against
+        // 7 GiB - 0.1 GiB of data) sizes the cache.
+        let room = tightest_headroom(&limits);
+        assert_eq!(room.map(|l| l.source), Some(MemSource::RlimitAs));
+        assert_eq!(room.map(|l| l.headroom_bytes()), Some(GIB / 2));
+        // Without /proc/self/status the usage is unknown: 0.
+        let bare = tree("rlimits-bare", &[]);
+        let only = process_limits_under(
+            &bare,
+            Rlimits {
+                as_bytes: None,
+                data_bytes: Some(GIB),
+            },
+        );
+        assert_eq!(only.len(), 1);
+        assert_eq!(only[0].usage_bytes, 0);
+    }
+
+    #[test]
+    fn the_tightest_limit_beside_a_cgroup() {
+        // A v1 container (the CI machine's shape) with a cgroup limit and a `ulimit -d`.
+        let root = tree(
+            "v1",
+            &[
+                ("proc/self/status", STATUS),
+                ("proc/self/cgroup", "4:memory:/job\n0::/\n"),
+                (
+                    "proc/self/mountinfo",
+                    "35 31 0:32 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n",
+                ),
+                (
+                    "sys/fs/cgroup/memory/job/memory.limit_in_bytes",
+                    "8589934592\n",
+                ),
+                (
+                    "sys/fs/cgroup/memory/job/memory.usage_in_bytes",
+                    "7516192768\n",
+                ),
+            ],
+        );
+        let limits = process_limits_under(
+            &root,
+            Rlimits {
+                as_bytes: None,
+                data_bytes: Some(12 * GIB),
+            },
+        );
+        assert_eq!(limits[0].source, MemSource::Cgroup);
+        // 8 GiB - 7 GiB used leaves less than 12 GiB - 0.1 GiB.
+        let room = tightest_headroom(&limits);
+        assert_eq!(
+            room.map(|l| (l.source, l.headroom_bytes())),
+            Some((MemSource::Cgroup, GIB))
+        );
+        // Equal headroom: the cgroup is named (it comes first).
+        let tie = [
+            ProcessLimit {
+                limit_bytes: GIB,
+                usage_bytes: 0,
+                source: MemSource::Cgroup,
+            },
+            ProcessLimit {
+                limit_bytes: GIB,
+                usage_bytes: 0,
+                source: MemSource::RlimitAs,
+            },
+        ];
+        assert_eq!(
+            tightest_headroom(&tie).map(|l| l.source),
+            Some(MemSource::Cgroup)
+        );
+    }
+
+    #[test]
+    fn no_proc_at_all_is_unknown_not_an_error() {
+        let root = tree("empty", &[]);
+        assert_eq!(cgroup_memory_under(&root), None);
+        assert_eq!(meminfo_under(&root), MemInfo::default());
+        assert!(process_limits_under(&root, Rlimits::default()).is_empty());
+    }
+
+    #[test]
+    fn this_process_limits_are_plausible() {
+        // The live probes: an unlimited test process has no rlimits; whatever it has is > 0.
+        let rl = rlimits();
+        for b in [rl.as_bytes, rl.data_bytes].into_iter().flatten() {
+            assert!(b > 0);
+        }
+        for l in process_limits() {
+            assert!(l.limit_bytes > 0, "{l:?}");
+        }
     }
 }

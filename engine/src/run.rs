@@ -14,7 +14,9 @@ use crate::outputs::{NamedFile, RunOutputs};
 use crate::stream::{arena_for, layout_of, Device, EngineBackend};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 use anyhow::{anyhow, bail, Context, Result};
-use bmoe_core::config::{auto_cache_budget, decide_streaming, RunConfig, StreamChoice, MIB};
+use bmoe_core::config::{
+    auto_cache_budget, auto_cache_room_from, decide_streaming, RunConfig, StreamChoice, MIB,
+};
 use bmoe_core::faults::{RetryFlash, READ_RETRIES};
 use bmoe_core::ledger::MemPicture;
 use bmoe_core::records::RecordSink;
@@ -104,9 +106,17 @@ pub struct Loaded {
     pub load_s: f64,
 }
 
+/// `MemAvailable` in bytes, `None` when `/proc/meminfo` does not say.
+fn mem_available_bytes() -> Option<u64> {
+    let mi = crate::probe::meminfo();
+    (mi.mem_available_mib > 0.0).then_some((mi.mem_available_mib * MIB as f64) as u64)
+}
+
 /// The zero-config fit check for a run given no streaming flag: the model's shards and its KV
 /// cache at the run's context, with `--cache-floor-mb` kept free, against the smaller of the
-/// cgroup limit and `MemAvailable`.
+/// cgroup limit and `MemAvailable`. (Not the rlimits: streaming answers a lack of RAM, and
+/// a streamed run needs no less address space or data than a resident one; they cap the auto
+/// cache instead.)
 fn fit_check(file: &GgufFile, arch: &dyn crate::arch::Arch, cfg: &RunConfig) -> StreamChoice {
     let model_bytes: u64 = file
         .shard_paths()
@@ -114,15 +124,64 @@ fn fit_check(file: &GgufFile, arch: &dyn crate::arch::Arch, cfg: &RunConfig) -> 
         .map(|p| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0))
         .sum();
     let kv_bytes = crate::arch::kv_bytes(arch, cfg.n_ctx as usize);
-    let mi = crate::probe::meminfo();
     let cg = crate::probe::cgroup_memory();
     decide_streaming(
         model_bytes,
         kv_bytes,
         cfg.cache_floor_mb * MIB,
-        (mi.mem_available_mib > 0.0).then_some((mi.mem_available_mib * MIB as f64) as u64),
+        mem_available_bytes(),
         cg.and_then(|c| c.limit_bytes),
     )
+}
+
+/// On a big.LITTLE machine (`crate::cpus`): pin the calling thread — and so the compute pool
+/// it is about to spawn — to the big cores, and return the other CPUs for the I/O lanes; say
+/// so in one line on `err`. Nothing (and no line) on a machine with one speed class or no
+/// cpufreq. With `--threads` above the big-core count nothing is pinned: more threads than
+/// big cores would share them.
+fn place_threads(threads: u32, err: &mut dyn Write) -> Result<Vec<usize>> {
+    use crate::cpus::format_cpu_list as list;
+    let Some(p) = crate::cpus::this_placement() else {
+        return Ok(Vec::new());
+    };
+    let big = p.compute.len();
+    if threads as usize > big {
+        writeln!(
+            err,
+            "bmoe: cpus: {}: --threads {threads} is more than the {big} big cores (cpus {}), so \
+             no thread is pinned",
+            p.described,
+            list(&p.compute)
+        )?;
+        return Ok(Vec::new());
+    }
+    match crate::cpus::pin_current_thread(&p.compute) {
+        Ok(()) => {
+            let io = if p.io.is_empty() {
+                // Spawned from this thread, the lanes inherit its mask.
+                "I/O lanes beside them (no other core allowed)".to_string()
+            } else {
+                format!("I/O lanes on cpus {}", list(&p.io))
+            };
+            writeln!(
+                err,
+                "bmoe: cpus: {}: {threads} compute threads on the big cores (cpus {}), {io}",
+                p.described,
+                list(&p.compute)
+            )?;
+            Ok(p.io)
+        }
+        Err(e) => {
+            writeln!(
+                err,
+                "bmoe: cpus: {}: could not pin the compute threads to cpus {} ({e}); the \
+                 scheduler places them",
+                p.described,
+                list(&p.compute)
+            )?;
+            Ok(Vec::new())
+        }
+    }
 }
 
 /// `--routing-from`: the trace at `path`, checked against the model's routing shape.
@@ -209,6 +268,8 @@ pub fn load(args: &RunArgs, model_path: &Path, err: &mut dyn Write) -> Result<Lo
     if args.verify_reads && !cfg.moe_stream {
         bail!("--verify-reads checks the experts streaming reads from flash: add --moe-stream (a resident run reads none)");
     }
+    // The pool's workers inherit the mask of the thread that spawns them: pin this one first.
+    let lane_cpus = place_threads(args.threads, err)?;
     let mut model = Model::new(arch, args.threads as usize);
     model.set_check_finite(args.check_finite);
     let dims = model.dims().clone();
@@ -273,12 +334,16 @@ pub fn load(args: &RunArgs, model_path: &Path, err: &mut dyn Write) -> Result<Lo
             }
         }
         let budget = if cfg.cache_auto {
-            let mi = crate::probe::meminfo();
-            let cg = crate::probe::cgroup_memory();
+            // The room: MemAvailable, or the headroom under the process's tightest limit (its
+            // cgroup's, RLIMIT_AS, RLIMIT_DATA) where that is smaller; `mode:` names which.
+            let avail = mem_available_bytes();
+            let room = crate::probe::tightest_headroom(&crate::probe::process_limits());
+            cfg.cache_room_from =
+                auto_cache_room_from(avail, room.map(|l| (l.headroom_bytes(), l.source)));
             auto_cache_budget(
-                (mi.mem_available_mib > 0.0).then_some((mi.mem_available_mib * MIB as f64) as u64),
-                cg.as_ref().and_then(|c| c.limit_bytes),
-                cg.as_ref().map(|c| c.usage_bytes),
+                avail,
+                room.map(|l| l.limit_bytes),
+                room.map(|l| l.usage_bytes),
                 cfg.cache_floor_mb * MIB,
                 cfg.cache_ceil_mb * MIB,
                 layout.total_expert_bytes(),
@@ -305,8 +370,14 @@ pub fn load(args: &RunArgs, model_path: &Path, err: &mut dyn Write) -> Result<Lo
         let paths: Vec<std::path::PathBuf> =
             file.shard_paths().iter().map(|p| p.to_path_buf()).collect();
         let clock = MonotonicClock::new();
-        let mut flash =
-            LaneFlash::open(&paths, cfg.io_threads, cfg.o_direct, arena.clone(), clock)?;
+        let mut flash = LaneFlash::open_pinned(
+            &paths,
+            cfg.io_threads,
+            cfg.o_direct,
+            arena.clone(),
+            clock,
+            &lane_cpus,
+        )?;
         flash.set_read_timeout_ms(cfg.read_timeout_ms);
         if let Some(plan) = &cfg.inject_faults {
             flash.set_faults(plan.clone());
@@ -315,6 +386,7 @@ pub fn load(args: &RunArgs, model_path: &Path, err: &mut dyn Write) -> Result<Lo
             writeln!(err, "bmoe: warning: {w}")?;
         }
         cfg.o_direct = flash.o_direct_achieved();
+        cfg.o_direct_refused = flash.buffered_reason().map(str::to_string);
         let (nth, fault) = match &args.inject_read_fault {
             Some(f) => parse_fault(f)?,
             None => (u64::MAX, Fault::Eio),

@@ -153,7 +153,8 @@ fn a_model_larger_than_its_cgroup_limit_streams_without_flags_and_equals_residen
     let mode = mode_line(&streamed);
     assert!(
         mode.starts_with(
-            "mode: expert streaming, cache auto, dense anon, overlap (streaming because"
+            "mode: expert streaming, cache auto (room: its cgroup's memory limit), dense anon, \
+             overlap (streaming because"
         ),
         "{mode}"
     );

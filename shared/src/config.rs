@@ -221,13 +221,27 @@ pub enum ConfigError {
     },
 }
 
-/// Where the memory a process may use was read from.
+/// Where the memory a process may use was read from. A phone's shell or Termux process has no
+/// memory cgroup of its own (Android gives it no v1 controller); there `MemAvailable` and the
+/// process's own resource limits are what bound it.
+///
+/// The fit check ([`decide_streaming`]) weighs only the cgroup and `MemAvailable`: streaming
+/// is the answer to too little RAM, not to a resource limit. `RLIMIT_AS` counts the mapped
+/// model whether its experts stream or not (a streamed run needs more address space, not
+/// less), and `RLIMIT_DATA` does not count a resident run's file mapping at all; both bound
+/// what a run adds, so they cap the auto cache ([`auto_cache_room_from`]).
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum MemSource {
     /// The memory cgroup's limit (v1 `memory.limit_in_bytes`, v2 `memory.max`).
     Cgroup,
     /// `/proc/meminfo`'s `MemAvailable`.
     MemAvailable,
+    /// The process's `RLIMIT_AS` soft limit (`ulimit -v`): its whole address space, the
+    /// mapped model included.
+    RlimitAs,
+    /// The process's `RLIMIT_DATA` soft limit (`ulimit -d`): its private writable memory
+    /// (heap, anonymous mappings: the expert cache and the dense copy).
+    RlimitData,
 }
 
 impl MemSource {
@@ -235,13 +249,18 @@ impl MemSource {
         match self {
             MemSource::Cgroup => "cgroup",
             MemSource::MemAvailable => "memavailable",
+            MemSource::RlimitAs => "rlimit_as",
+            MemSource::RlimitData => "rlimit_data",
         }
     }
 
-    fn phrase(self) -> &'static str {
+    /// How the `mode:` line names the source.
+    pub fn phrase(self) -> &'static str {
         match self {
             MemSource::Cgroup => "its cgroup's memory limit",
             MemSource::MemAvailable => "MemAvailable",
+            MemSource::RlimitAs => "its RLIMIT_AS, ulimit -v",
+            MemSource::RlimitData => "its RLIMIT_DATA, ulimit -d",
         }
     }
 }
@@ -451,6 +470,9 @@ pub struct RunConfig {
     /// The budget the streamer settled on (MiB): `cache_mb` when fixed, the auto formula's
     /// result under auto, 0 with the cache off. What the preamble prints as `cache_mb=`.
     pub cache_budget_mb: u64,
+    /// Under auto, the figure that bounded the room the budget was sized in
+    /// ([`auto_cache_room_from`]), for the `mode:` line; `None` when unknown or not auto.
+    pub cache_room_from: Option<MemSource>,
     /// `--cache-floor-mb`: RAM auto-sizing leaves free (MiB).
     pub cache_floor_mb: u64,
     /// `--cache-ceil-mb`: upper bound on the auto budget (MiB), 0 = none.
@@ -466,6 +488,9 @@ pub struct RunConfig {
     /// Whether the expert reads bypass the page cache, as the open **achieved** it (not as
     /// asked): `--no-odirect` asks for buffered reads, and a platform may refuse O_DIRECT.
     pub o_direct: bool,
+    /// Why the reads are buffered although O_DIRECT was asked for (the filesystem refused it:
+    /// the engine's one-line summary), for the `mode:` line; `None` when nothing was refused.
+    pub o_direct_refused: Option<String>,
     /// Streamed experts in transparent huge pages where possible (`--no-hugepages` off).
     pub huge_pages: bool,
     /// `--overlap`: compute each expert as soon as its own read lands.
@@ -557,6 +582,7 @@ impl Default for RunConfig {
             cache_mb: 0,
             cache_auto: false,
             cache_budget_mb: 0,
+            cache_room_from: None,
             cache_floor_mb: CACHE_FLOOR_DEFAULT_MB,
             cache_ceil_mb: 0,
             cache_cycle_mb: 0,
@@ -564,6 +590,7 @@ impl Default for RunConfig {
             load_all: false,
             io_threads: IO_THREADS_DEFAULT,
             o_direct: true,
+            o_direct_refused: None,
             huge_pages: true,
             overlap: false,
             io_two_wave: false,
@@ -1091,6 +1118,25 @@ pub fn auto_cache_budget(
     }
 }
 
+/// Which figure bounded [`auto_cache_budget`]'s room: `MemAvailable` or the process limit's
+/// headroom (`headroom` is its limit − usage, and where the limit came from), whichever is
+/// smaller; `None` when neither is known. Ties go to the limit, as in the fit check.
+pub fn auto_cache_room_from(
+    mem_available_bytes: Option<u64>,
+    headroom: Option<(u64, MemSource)>,
+) -> Option<MemSource> {
+    match (mem_available_bytes, headroom) {
+        (Some(a), Some((h, from))) => Some(if h <= a {
+            from
+        } else {
+            MemSource::MemAvailable
+        }),
+        (Some(_), None) => Some(MemSource::MemAvailable),
+        (None, Some((_, from))) => Some(from),
+        (None, None) => None,
+    }
+}
+
 /// One token's worst-case routed bytes: `Σ_layers expert_bytes(layer) × min(top_k, n_expert)`
 /// (cache-sizing.md's cycle guard), with `per_layer_expert_bytes[l]` the bytes of one expert of
 /// MoE layer `l` (every projection). An upper bound on the measured `token_demand_MiB`.
@@ -1113,6 +1159,25 @@ mod tests {
     }
 
     const GIB: u64 = 1 << 30;
+
+    #[test]
+    fn the_auto_budget_names_the_smaller_of_memavailable_and_the_headroom() {
+        let from = auto_cache_room_from;
+        assert_eq!(from(None, None), None);
+        assert_eq!(from(Some(GIB), None), Some(MemSource::MemAvailable));
+        assert_eq!(
+            from(None, Some((GIB, MemSource::RlimitAs))),
+            Some(MemSource::RlimitAs)
+        );
+        assert_eq!(
+            from(Some(4 * GIB), Some((GIB, MemSource::Cgroup))),
+            Some(MemSource::Cgroup)
+        );
+        assert_eq!(
+            from(Some(GIB), Some((4 * GIB, MemSource::RlimitData))),
+            Some(MemSource::MemAvailable)
+        );
+    }
 
     #[test]
     fn the_fit_check_compares_model_kv_and_margin_with_the_smaller_room() {

@@ -126,14 +126,21 @@ pub fn mode_line(cfg: &RunConfig, arch_streamable: bool) -> String {
 fn mode_line_flags(cfg: &RunConfig, arch_streamable: bool) -> String {
     if cfg.moe_stream {
         let cache = if cfg.cache_auto {
-            "cache auto".to_string()
+            match cfg.cache_room_from {
+                Some(from) => format!("cache auto (room: {})", from.phrase()),
+                None => "cache auto".to_string(),
+            }
         } else if cfg.cache_mb > 0 {
             format!("cache {} MiB", cfg.cache_mb)
         } else {
             "cache off".to_string()
         };
+        let buffered = match &cfg.o_direct_refused {
+            Some(why) => format!(", buffered reads ({why})"),
+            None => String::new(),
+        };
         format!(
-            "mode: expert streaming, {cache}, dense {}{}",
+            "mode: expert streaming, {cache}, dense {}{}{buffered}",
             cfg.dense_weights.name(),
             if cfg.overlap { ", overlap" } else { "" }
         )
@@ -433,6 +440,12 @@ mod tests {
             mode_line(&cfg, true),
             "mode: expert streaming, cache auto, dense anon"
         );
+        cfg.cache_room_from = Some(crate::config::MemSource::MemAvailable);
+        assert_eq!(
+            mode_line(&cfg, true),
+            "mode: expert streaming, cache auto (room: MemAvailable), dense anon"
+        );
+        cfg.cache_room_from = None;
         cfg.cache_auto = false;
         cfg.cache_mb = 3000;
         cfg.overlap = true;
@@ -440,6 +453,13 @@ mod tests {
             mode_line(&cfg, true),
             "mode: expert streaming, cache 3000 MiB, dense anon, overlap"
         );
+        cfg.o_direct_refused = Some("O_DIRECT refused: open refused: EINVAL".into());
+        assert_eq!(
+            mode_line(&cfg, true),
+            "mode: expert streaming, cache 3000 MiB, dense anon, overlap, buffered reads \
+             (O_DIRECT refused: open refused: EINVAL)"
+        );
+        cfg.o_direct_refused = None;
         cfg.cache_mb = 0;
         cfg.overlap = false;
         cfg.dense_weights = crate::config::DenseWeights::Mmap;
