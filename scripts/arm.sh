@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install what the ARM work needs on a Debian machine, and nothing that is already there:
 # the aarch64 Rust targets (glibc for the test binaries, musl for the static phone binary),
-# the cross linker (`aarch64-linux-gnu-gcc`, named in .cargo/config.toml), qemu-user (the
+# the cross linker (`aarch64-linux-gnu-gcc`, named in .cargo/config.toml; its g++ builds
+# ggml's repack.cpp for scripts/arm-mca.py), qemu-user (the
 # runner .cargo/config.toml names, so `cargo test --target aarch64-...` runs under emulation)
 # and llvm-19 (llvm-mca with the Neoverse-N2/V1 models the kernels are priced on).
 # Idempotent and silent when everything is present; apt-get needs root (or sudo).
@@ -21,11 +22,12 @@ fi
 # some other way counts as present too).
 declare -A probe=(
   [gcc-aarch64-linux-gnu]=aarch64-linux-gnu-gcc
+  [g++-aarch64-linux-gnu]=aarch64-linux-gnu-g++
   [qemu-user-static]=qemu-aarch64-static
   [llvm-19]=/usr/lib/llvm-19/bin/llvm-mca
 )
 need_pkgs=()
-for p in gcc-aarch64-linux-gnu qemu-user-static llvm-19; do
+for p in gcc-aarch64-linux-gnu g++-aarch64-linux-gnu qemu-user-static llvm-19; do
   f=${probe[$p]}
   if [[ $f == /* ]]; then [[ -x $f ]] && continue; else command -v "$f" >/dev/null && continue; fi
   need_pkgs+=("$p")
