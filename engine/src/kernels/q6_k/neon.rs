@@ -1,0 +1,535 @@
+//! Q6_K on aarch64: the one-token and grouped dots at the NEON and dotprod levels, the
+//! `smmla` prefill kernel at i8mm, and the token packing the K-quants' `smmla` kernels share
+//! ([`MmTokens`], also used by Q2_K and Q3_K).
+//!
+//! Why this shape: the scalar order keeps 8 lane sums per super-block, lane `k` holding values
+//! `4k .. 4k + 4` of each group of 32; a 16-value `sdot` gives exactly four of them (values
+//! 16j .. 16j + 16 are lanes 0–3 of a group for even j, lanes 4–7 for odd j), so a group's
+//! two runs go into the two halves of the 8 lanes, each run's sum times its scale by one
+//! `mla` by element. Without dotprod the same four lane sums come from `smull` + pairwise
+//! adds (pair sums ≤ 2 · 63 · 127 fit an i16). The offset `32 · (sc_2k·bsum_2k +
+//! sc_2k+1·bsum_2k+1)` comes from the block sums, then the scalar's fused multiply-add per lane
+//! and the [`reduce8`] tree: the bits of [`super::dot_scalar`].
+//!
+//! `smmla` multiplies 2 × 8 bytes by 2 × 8 bytes, so its 8-deep sums must stay inside one lane
+//! and share one scale; a lane has only 4 values per run, so the run scale goes into the
+//! weights instead: `w = sc · q` (|w| ≤ 8064) split into two byte planes `w = 128 · hi + lo`
+//! (lo 0..=127), each a plain 8-bit dot. Each row pair is unpacked once per call into those
+//! planes with the 8 bytes of an `smmla` row being lane `k` of two groups of 32 ([`Q6Pair`]),
+//! and the tokens are packed the same way once per call ([`MmTokens`]); then per lane, row
+//! pair and token pair 4 `smmla` on the high plane, a shift by 7, the offset by `smlal`, 4
+//! `smmla` on the low plane: the 2 × 2 exact lane sums, each taking its (row, token)'s fused
+//! multiply-add.
+
+use super::super::format::{Activation, Dotprod, I8mm, Kernel, Neon};
+use super::super::neon::{f16_to_f32, reduce8, sdot, smmla};
+use super::super::q8_k::{by_row_steps, ActQ8K, BlockQ8K, PackRing, WIDE};
+use super::super::{blocks, ActBuf};
+use super::{BlockQ6K, Q6K};
+use std::arch::aarch64::*;
+use std::ops::Range;
+
+/// The four lane sums of a 16-value product (`Σ_{i<4} q[4l + i] · a[4l + i]` in lane `l`),
+/// exactly, for weights whose pair products fit an i16 (|q| ≤ 63).
+pub(in crate::kernels) trait Dot16 {
+    /// # Safety
+    /// The CPU has the implementing level.
+    unsafe fn dot16(q: int8x16_t, a: int8x16_t) -> int32x4_t;
+}
+
+/// Every aarch64 core: widening multiplies and pairwise adds.
+pub(in crate::kernels) struct ByMull;
+impl Dot16 for ByMull {
+    #[inline(always)]
+    unsafe fn dot16(q: int8x16_t, a: int8x16_t) -> int32x4_t {
+        // SAFETY (every intrinsic): base Advanced SIMD, register-only.
+        unsafe {
+            let lo = vmull_s8(vget_low_s8(q), vget_low_s8(a));
+            let hi = vmull_high_s8(q, a);
+            // Pair sums ≤ 2 · 63 · 127: exact in i16; then pairs of pairs widened.
+            vpaddlq_s16(vpaddq_s16(lo, hi))
+        }
+    }
+}
+
+/// FEAT_DotProd: one `sdot`.
+pub(in crate::kernels) struct BySdot;
+impl Dot16 for BySdot {
+    #[inline(always)]
+    unsafe fn dot16(q: int8x16_t, a: int8x16_t) -> int32x4_t {
+        // SAFETY: the caller's (dotprod is present).
+        unsafe { sdot(vdupq_n_s32(0), q, a) }
+    }
+}
+
+/// `acc + p · s[lane]` (`mla` by element; `lane` < 4 is a constant after inlining).
+#[inline(always)]
+pub(in crate::kernels) unsafe fn mla_lane(
+    acc: int32x4_t,
+    p: int32x4_t,
+    s: int32x4_t,
+    lane: usize,
+) -> int32x4_t {
+    // SAFETY (every arm): base Advanced SIMD, register-only.
+    unsafe {
+        match lane & 3 {
+            0 => vmlaq_laneq_s32::<0>(acc, p, s),
+            1 => vmlaq_laneq_s32::<1>(acc, p, s),
+            2 => vmlaq_laneq_s32::<2>(acc, p, s),
+            _ => vmlaq_laneq_s32::<3>(acc, p, s),
+        }
+    }
+}
+
+/// The levels (0..=63) of half `h` (< 2) of `x`: vector `j` holds values `128h + 16j ..
+/// 128h + 16j + 16` (run `8h + j`). The low nibbles keep their place under the high bits
+/// shifted in by `sli`; the high nibbles shift down into the masked high bits by `sri`.
+#[inline(always)]
+unsafe fn levels(x: &BlockQ6K, h: usize) -> [int8x16_t; 8] {
+    // SAFETY: 64 bytes inside ql (128) and 32 inside qh (64), as h < 2; the rest is
+    // register-only base Advanced SIMD.
+    unsafe {
+        let q = vld1q_u8_x4(x.ql.as_ptr().add(64 * h));
+        let hb = vld1q_u8_x2(x.qh.as_ptr().add(32 * h));
+        let (m3, m30) = (vdupq_n_u8(3), vdupq_n_u8(0x30));
+        let (h0s, h1s) = (vshrq_n_u8::<2>(hb.0), vshrq_n_u8::<2>(hb.1));
+        [
+            vsliq_n_u8::<4>(q.0, vandq_u8(hb.0, m3)),
+            vsliq_n_u8::<4>(q.1, vandq_u8(hb.1, m3)),
+            vsliq_n_u8::<4>(q.2, vandq_u8(h0s, m3)),
+            vsliq_n_u8::<4>(q.3, vandq_u8(h1s, m3)),
+            vsriq_n_u8::<4>(vandq_u8(hb.0, m30), q.0),
+            vsriq_n_u8::<4>(vandq_u8(hb.1, m30), q.1),
+            vsriq_n_u8::<4>(vandq_u8(h0s, m30), q.2),
+            vsriq_n_u8::<4>(vandq_u8(h1s, m30), q.3),
+        ]
+        .map(|v| vreinterpretq_s8_u8(v))
+    }
+}
+
+/// The exact lane sums (lanes 0–3, 4–7) of one super-block against `N` activation blocks,
+/// the weights decoded once for all.
+#[inline(always)]
+unsafe fn block_sums<D: Dot16, const N: usize>(
+    x: &BlockQ6K,
+    y: [&BlockQ8K; N],
+) -> [[int32x4_t; 2]; N] {
+    // SAFETY (every block): 16-byte scale and 32-byte bsums loads, 64-byte loads inside
+    // y.qs (256) at 128h + 64c < 256; the rest is register-only; the caller's level.
+    unsafe {
+        let sc8 = vld1q_s8(x.scales.as_ptr());
+        let sc16 = [vmovl_s8(vget_low_s8(sc8)), vmovl_high_s8(sc8)];
+        let sc32 = [
+            vmovl_s16(vget_low_s16(sc16[0])),
+            vmovl_high_s16(sc16[0]),
+            vmovl_s16(vget_low_s16(sc16[1])),
+            vmovl_high_s16(sc16[1]),
+        ];
+        let mut acc = [[vdupq_n_s32(0); 2]; N];
+        for h in 0..2 {
+            let v = levels(x, h);
+            for (t, acc) in acc.iter_mut().enumerate() {
+                let a0 = vld1q_s8_x4(y[t].qs.as_ptr().add(128 * h));
+                let a1 = vld1q_s8_x4(y[t].qs.as_ptr().add(128 * h + 64));
+                let a = [a0.0, a0.1, a0.2, a0.3, a1.0, a1.1, a1.2, a1.3];
+                for j in 0..8 {
+                    // Run 8h + j; even j: lanes 0–3 of its group, odd: lanes 4–7.
+                    let p = D::dot16(v[j], a[j]);
+                    acc[j % 2] = mla_lane(acc[j % 2], p, sc32[2 * h + j / 4], j % 4);
+                }
+            }
+        }
+        for (t, acc) in acc.iter_mut().enumerate() {
+            let bs = vld1q_s16_x2(y[t].bsums.as_ptr());
+            // Lane k: sc_2k·bsum_2k + sc_2k+1·bsum_2k+1 (lanes 0–3 from runs 0–7, 4–7 from 8–15).
+            let off = [
+                vpaddq_s32(
+                    vmull_s16(vget_low_s16(sc16[0]), vget_low_s16(bs.0)),
+                    vmull_high_s16(sc16[0], bs.0),
+                ),
+                vpaddq_s32(
+                    vmull_s16(vget_low_s16(sc16[1]), vget_low_s16(bs.1)),
+                    vmull_high_s16(sc16[1], bs.1),
+                ),
+            ];
+            for i in 0..2 {
+                acc[i] = vsubq_s32(acc[i], vshlq_n_s32::<5>(off[i]));
+            }
+        }
+        acc
+    }
+}
+
+/// `N` dots of one row (the scalar order for each), each block decoded once.
+#[inline(always)]
+unsafe fn dot_n<D: Dot16, const N: usize>(w: &[BlockQ6K], a: [&[BlockQ8K]; N]) -> [f32; N] {
+    let n = a.iter().fold(w.len(), |n, a| n.min(a.len()));
+    // SAFETY (every intrinsic): register-only base Advanced SIMD; the caller's level.
+    unsafe {
+        let mut lanes = [[vdupq_n_f32(0.0); 2]; N];
+        for (i, x) in w[..n].iter().enumerate() {
+            let y: [&BlockQ8K; N] = std::array::from_fn(|t| &a[t][i]);
+            let s = block_sums::<D, N>(x, y);
+            let xd = f16_to_f32(x.d);
+            for t in 0..N {
+                let d = y[t].d * xd;
+                for k in 0..2 {
+                    lanes[t][k] = vfmaq_n_f32(lanes[t][k], vcvtq_f32_s32(s[t][k]), d);
+                }
+            }
+        }
+        lanes.map(|l| reduce8(l[0], l[1]))
+    }
+}
+
+#[target_feature(enable = "dotprod")]
+unsafe fn dot_n_dotprod<const N: usize>(w: &[BlockQ6K], a: [&[BlockQ8K]; N]) -> [f32; N] {
+    // SAFETY: dotprod is present (this function's feature).
+    unsafe { dot_n::<BySdot, N>(w, a) }
+}
+
+impl Kernel<Q6K> for Neon {
+    unsafe fn dot(w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
+        // SAFETY: base Advanced SIMD only.
+        let [v] = unsafe { dot_n::<ByMull, 1>(w, [a]) };
+        v
+    }
+
+    /// The 6-bit decoding is a fifth of the work here: shared by a group's tokens.
+    const GROUPED: bool = true;
+
+    unsafe fn dot_group<const N: usize>(w: &[BlockQ6K], a: [&[BlockQ8K]; N]) -> [f32; N] {
+        // SAFETY: base Advanced SIMD only.
+        unsafe { dot_n::<ByMull, N>(w, a) }
+    }
+}
+
+impl Kernel<Q6K> for Dotprod {
+    unsafe fn dot(w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
+        // SAFETY: the caller's (dotprod is present).
+        let [v] = unsafe { dot_n_dotprod::<1>(w, [a]) };
+        v
+    }
+
+    const GROUPED: bool = true;
+
+    unsafe fn dot_group<const N: usize>(w: &[BlockQ6K], a: [&[BlockQ8K]; N]) -> [f32; N] {
+        // SAFETY: the caller's.
+        unsafe { dot_n_dotprod::<N>(w, a) }
+    }
+}
+
+impl Kernel<Q6K> for I8mm {
+    unsafe fn dot(w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
+        // SAFETY: the caller's (i8mm includes dotprod).
+        let [v] = unsafe { dot_n_dotprod::<1>(w, [a]) };
+        v
+    }
+
+    const GROUPED: bool = true;
+
+    unsafe fn dot_group<const N: usize>(w: &[BlockQ6K], a: [&[BlockQ8K]; N]) -> [f32; N] {
+        // SAFETY: the caller's.
+        unsafe { dot_n_dotprod::<N>(w, a) }
+    }
+
+    const WIDE: bool = true;
+
+    const WIDE_MIN: usize = 6;
+
+    unsafe fn dot_wide(
+        w: &[u8],
+        row_bytes: usize,
+        rows: Range<usize>,
+        a: &[&ActBuf],
+        out: &mut [&mut [f32]],
+    ) {
+        // SAFETY: the caller's.
+        unsafe { dot_wide(w, row_bytes, rows, a, out) }
+    }
+}
+
+/// Up to [`WIDE`] tokens' Q8_K blocks laid out for `smmla` by the K-quants' 8 lanes, tokens in
+/// pairs (`2tp`, `2tp + 1`; a missing last token is zeros):
+/// - `qs[((8b + k) · pairs + tp) · 4 + p]`: 16 bytes, per token of the pair (first 8 bytes the
+///   even one) values `64p + 4k .. + 4` and `64p + 32 + 4k .. + 4` of block `b`: lane `k` of
+///   groups `2p` and `2p + 1`, an `smmla` operand row each;
+/// - `bs[(8b + k) · pairs + tp]`: the block sums as i16 `[t0, t1, t0, t1]` of run `2k`, then
+///   of run `2k + 1` (the layout of the 2 × 2 `smmla` result, rows × tokens);
+/// - `d[b · pairs + tp]`: the scales `[t0, t1, t0, t1]`.
+///
+/// Kept per thread ([`PackRing`], keyed by the tokens' stamps) like the x86 lanes.
+#[derive(Default)]
+pub(in crate::kernels) struct MmTokens {
+    pub qs: Vec<[i8; 16]>,
+    pub bs: Vec<[i16; 8]>,
+    pub d: Vec<[f32; 4]>,
+    /// Token pairs.
+    pub pairs: usize,
+    /// What it holds: the tokens' stamps and the block count.
+    key: (Vec<u64>, usize),
+}
+
+impl MmTokens {
+    fn holds(&self, acts: &[&ActBuf], nb: usize) -> bool {
+        self.key.1 == nb
+            && self.key.0.len() == acts.len()
+            && self.key.0.iter().zip(acts).all(|(s, a)| *s == a.stamp())
+    }
+
+    /// Packs the first `nb` blocks of each of `acts` (at most [`WIDE`], each at least `nb`
+    /// blocks long).
+    fn pack(&mut self, acts: &[&ActBuf], nb: usize) {
+        self.key.0.clear();
+        self.key.0.extend(acts.iter().map(|a| a.stamp()));
+        self.key.1 = nb;
+        let pairs = acts.len().min(WIDE).div_ceil(2);
+        self.pairs = pairs;
+        self.qs.clear();
+        self.qs.resize(nb * 8 * pairs * 4, [0; 16]);
+        self.bs.clear();
+        self.bs.resize(nb * 8 * pairs, [0; 8]);
+        self.d.clear();
+        self.d.resize(nb * pairs, [0.0; 4]);
+        for (t, act) in acts.iter().enumerate().take(WIDE) {
+            let (tp, side) = (t / 2, t % 2);
+            for (b, y) in ActQ8K::view(act)[..nb].iter().enumerate() {
+                for k in 0..8 {
+                    for p in 0..4 {
+                        let o = &mut self.qs[((8 * b + k) * pairs + tp) * 4 + p];
+                        for i in 0..4 {
+                            o[8 * side + i] = y.qs[64 * p + 4 * k + i];
+                            o[8 * side + 4 + i] = y.qs[64 * p + 32 + 4 * k + i];
+                        }
+                    }
+                    let s = &mut self.bs[(8 * b + k) * pairs + tp];
+                    (s[side], s[2 + side]) = (y.bsums[2 * k], y.bsums[2 * k]);
+                    (s[4 + side], s[6 + side]) = (y.bsums[2 * k + 1], y.bsums[2 * k + 1]);
+                }
+                let d = &mut self.d[b * pairs + tp];
+                (d[side], d[2 + side]) = (y.d, y.d);
+            }
+        }
+    }
+}
+
+/// The packed tokens of one call: a slot of `ring` that holds them, else one repacked.
+pub(in crate::kernels) fn mm_tokens<'a>(
+    ring: &'a mut PackRing<MmTokens>,
+    acts: &[&ActBuf],
+    nb: usize,
+) -> &'a MmTokens {
+    ring.get(|l| l.holds(acts, nb), |l| l.pack(acts, nb))
+}
+
+/// The lanes of the 2 × 2 results `[r0·t0, r0·t1, r1·t0, r1·t1]` folded as [`reduce8`]
+/// (halves, then quarters, then pairs), each (row, token) on its own.
+#[inline(always)]
+pub(in crate::kernels) unsafe fn fold_tile(f: &[float32x4_t; 8]) -> [f32; 4] {
+    // SAFETY (every intrinsic): register-only base Advanced SIMD; a 4-float store.
+    unsafe {
+        let h: [float32x4_t; 4] = std::array::from_fn(|i| vaddq_f32(f[i], f[i + 4]));
+        let v = vaddq_f32(vaddq_f32(h[0], h[2]), vaddq_f32(h[1], h[3]));
+        let mut o = [0f32; 4];
+        vst1q_f32(o.as_mut_ptr(), v);
+        o
+    }
+}
+
+/// Byte rows `[r0 (8 bytes), r1 (8 bytes)]` per lane `k` (index `k`) from two rows' planes of
+/// one pair of groups: `g[r]` = the row's vectors of groups `2p` (lanes 0–3, 4–7) and `2p + 1`
+/// (lanes 0–3, 4–7), 4 bytes per lane.
+#[inline(always)]
+pub(in crate::kernels) unsafe fn lane_rows(g: [[int8x16_t; 4]; 2]) -> [int8x16_t; 8] {
+    // SAFETY (every intrinsic): register-only base Advanced SIMD.
+    unsafe {
+        // Per row, lanes (k, k + 1) of both groups: [g0.k, g1.k, g0.k+1, g1.k+1].
+        let per_row = g.map(|g| {
+            let (a0, b0) = (vreinterpretq_s32_s8(g[0]), vreinterpretq_s32_s8(g[1]));
+            let (a1, b1) = (vreinterpretq_s32_s8(g[2]), vreinterpretq_s32_s8(g[3]));
+            [
+                vreinterpretq_s64_s32(vzip1q_s32(a0, a1)),
+                vreinterpretq_s64_s32(vzip2q_s32(a0, a1)),
+                vreinterpretq_s64_s32(vzip1q_s32(b0, b1)),
+                vreinterpretq_s64_s32(vzip2q_s32(b0, b1)),
+            ]
+        });
+        std::array::from_fn(|k| {
+            let (r0, r1) = (per_row[0][k / 2], per_row[1][k / 2]);
+            vreinterpretq_s8_s64(if k % 2 == 0 {
+                vzip1q_s64(r0, r1)
+            } else {
+                vzip2q_s64(r0, r1)
+            })
+        })
+    }
+}
+
+/// A row pair's super-blocks unpacked once per call for [`pair_tokens`]:
+/// - `w[((8b + k) · 4 + p) · 2 + plane]`: plane 0 the high bytes `w >> 7` of `w = sc · q`,
+///   plane 1 the low 7 bits, as [`lane_rows`] lays them out (lane `k`, groups `2p`, `2p + 1`);
+/// - `sc[8b + k]`: `−32 · sc` as i16 `[r0, r0, r1, r1]` of run `2k`, then of run `2k + 1`;
+/// - `d[b]`: the rows' scales `[r0, r0, r1, r1]`.
+#[derive(Default)]
+struct Q6Pair {
+    w: Vec<[i8; 16]>,
+    sc: Vec<[i16; 8]>,
+    d: Vec<[f32; 4]>,
+}
+
+/// Unpacks rows `x0`, `x1` (`nb` blocks each) into `u`.
+#[inline(never)]
+fn unpack_pair(x: [&[BlockQ6K]; 2], u: &mut Q6Pair) {
+    let nb = x[0].len().min(x[1].len());
+    u.w.resize(nb * 64, [0; 16]);
+    u.sc.resize(nb * 8, [0; 8]);
+    u.d.resize(nb, [0.0; 4]);
+    for b in 0..nb {
+        let xb = [&x[0][b], &x[1][b]];
+        // SAFETY (every intrinsic): base Advanced SIMD; stores of 16 bytes into `u.w` at
+        // indices below 64 (b + 1) ≤ its length.
+        unsafe {
+            // Per row and run, the two planes in value order.
+            let planes: [[[int8x16_t; 16]; 2]; 2] = xb.map(|x| {
+                let lv = [levels(x, 0), levels(x, 1)];
+                let mut hi = [vdupq_n_s8(0); 16];
+                let mut lo = [vdupq_n_s8(0); 16];
+                for r in 0..16 {
+                    let v = lv[r / 8][r % 8];
+                    let s = vdupq_n_s8(x.scales[r]);
+                    // |sc · q| ≤ 128 · 63: exact in i16.
+                    let w0 = vmull_s8(vget_low_s8(v), vget_low_s8(s));
+                    let w1 = vmull_high_s8(v, s);
+                    hi[r] = vshrn_high_n_s16::<7>(vshrn_n_s16::<7>(w0), w1);
+                    let low = vuzp1q_s8(vreinterpretq_s8_s16(w0), vreinterpretq_s8_s16(w1));
+                    lo[r] = vandq_s8(low, vdupq_n_s8(0x7f));
+                }
+                [hi, lo]
+            });
+            for p in 0..4 {
+                for plane in 0..2 {
+                    // Runs 4p .. 4p + 4: groups 2p (lanes 0–3, 4–7), 2p + 1 (the same).
+                    let g = [0, 1].map(|r| {
+                        let v = &planes[r][plane];
+                        [v[4 * p], v[4 * p + 1], v[4 * p + 2], v[4 * p + 3]]
+                    });
+                    for (k, v) in lane_rows(g).into_iter().enumerate() {
+                        vst1q_s8(u.w[((8 * b + k) * 4 + p) * 2 + plane].as_mut_ptr(), v);
+                    }
+                }
+            }
+        }
+        for k in 0..8 {
+            let s = |r: usize, j: usize| -32 * xb[r].scales[j] as i16;
+            let (j0, j1) = (2 * k, 2 * k + 1);
+            u.sc[8 * b + k] = [
+                s(0, j0),
+                s(0, j0),
+                s(1, j0),
+                s(1, j0),
+                s(0, j1),
+                s(0, j1),
+                s(1, j1),
+                s(1, j1),
+            ];
+        }
+        let d = xb.map(|x| f16_to_f32(x.d));
+        u.d[b] = [d[0], d[0], d[1], d[1]];
+    }
+}
+
+/// Token pairs `tp0 .. tp0 + TPN` of `l` against the unpacked row pair `u` (`nb` blocks):
+/// per pair the 8 lane accumulators of the 2 × 2 (rows × tokens) results, folded.
+#[target_feature(enable = "dotprod,i8mm")]
+#[inline]
+unsafe fn pair_tokens<const TPN: usize>(
+    u: &Q6Pair,
+    l: &MmTokens,
+    tp0: usize,
+    nb: usize,
+) -> [[f32; 4]; TPN] {
+    let pairs = l.pairs;
+    debug_assert!(tp0 + TPN <= pairs && u.w.len() >= nb * 64 && l.qs.len() >= nb * 32 * pairs);
+    // SAFETY: every index below is inside its vector by the lengths above (`w`: 64 per block,
+    // `sc`: 8, `d`: 1; `qs`: 32 · pairs per block, `bs`: 8 · pairs, `d`: pairs); i8mm and
+    // dotprod are present (this function's features).
+    unsafe {
+        let mut f = [[vdupq_n_f32(0.0); 8]; TPN];
+        for b in 0..nb {
+            let dx = vld1q_f32(u.d.get_unchecked(b).as_ptr());
+            let d: [float32x4_t; TPN] = std::array::from_fn(|i| {
+                vmulq_f32(vld1q_f32(l.d.get_unchecked(b * pairs + tp0 + i).as_ptr()), dx)
+            });
+            for k in 0..8 {
+                let wp = u.w.as_ptr().add((8 * b + k) * 8).cast::<i8>();
+                let sc = vld1q_s16(u.sc.get_unchecked(8 * b + k).as_ptr());
+                for (i, f) in f.iter_mut().enumerate() {
+                    let at = (8 * b + k) * pairs + tp0 + i;
+                    let bp = l.qs.as_ptr().add(4 * at).cast::<i8>();
+                    let bs = vld1q_s16(l.bs.get_unchecked(at).as_ptr());
+                    let mut acc = vdupq_n_s32(0);
+                    for p in 0..4 {
+                        acc = smmla(acc, vld1q_s8(wp.add(32 * p)), vld1q_s8(bp.add(16 * p)));
+                    }
+                    // 128 · Σ hi·a − 32 · Σ sc·bsum, then + Σ lo·a: the lane's exact sum.
+                    acc = vshlq_n_s32::<7>(acc);
+                    acc = vmlal_s16(acc, vget_low_s16(sc), vget_low_s16(bs));
+                    acc = vmlal_high_s16(acc, sc, bs);
+                    for p in 0..4 {
+                        acc = smmla(acc, vld1q_s8(wp.add(32 * p + 16)), vld1q_s8(bp.add(16 * p)));
+                    }
+                    f[k] = vfmaq_f32(f[k], vcvtq_f32_s32(acc), d[i]);
+                }
+            }
+        }
+        f.map(|f| fold_tile(&f))
+    }
+}
+
+thread_local! {
+    /// The packed tokens and the unpacked row pair of the current call.
+    static MM: std::cell::RefCell<(PackRing<MmTokens>, Q6Pair)> =
+        std::cell::RefCell::new((PackRing::default(), Q6Pair::default()));
+}
+
+/// Rows `rows` against up to 16 activations: two rows a step (the second repeated for a last
+/// odd row), the tokens two pairs at a time.
+#[target_feature(enable = "dotprod,i8mm")]
+unsafe fn dot_wide(
+    w: &[u8],
+    row_bytes: usize,
+    rows: Range<usize>,
+    a: &[&ActBuf],
+    out: &mut [&mut [f32]],
+) {
+    let nb = row_bytes / std::mem::size_of::<BlockQ6K>();
+    let nb = a.iter().fold(nb, |n, a| n.min(ActQ8K::view(a).len()));
+    MM.with(|cell| {
+        let (ring, u) = &mut *cell.borrow_mut();
+        let l = mm_tokens(ring, a, nb);
+        let row = |r: usize| -> &[BlockQ6K] { &blocks(&w[r * row_bytes..(r + 1) * row_bytes])[..nb] };
+        by_row_steps::<2>(w, row_bytes, rows, out, |r, n| {
+            unpack_pair([row(r), row(r + n - 1)], u);
+            let mut v = [[0f32; WIDE]; 2];
+            let mut tp = 0;
+            while tp < l.pairs {
+                let put = |v: &mut [[f32; WIDE]; 2], tp: usize, o: [f32; 4]| {
+                    (v[0][2 * tp], v[0][2 * tp + 1]) = (o[0], o[1]);
+                    (v[1][2 * tp], v[1][2 * tp + 1]) = (o[2], o[3]);
+                };
+                // SAFETY: the caller's (i8mm is present); tp + 2 or + 1 ≤ pairs.
+                if l.pairs - tp >= 2 {
+                    let o = unsafe { pair_tokens::<2>(u, l, tp, nb) };
+                    put(&mut v, tp, o[0]);
+                    put(&mut v, tp + 1, o[1]);
+                    tp += 2;
+                } else {
+                    let [o] = unsafe { pair_tokens::<1>(u, l, tp, nb) };
+                    put(&mut v, tp, o);
+                    tp += 1;
+                }
+            }
+            v
+        });
+    });
+}
