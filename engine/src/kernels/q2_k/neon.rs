@@ -14,7 +14,8 @@
 use super::super::format::{Activation, Dotprod, I8mm, Kernel, Neon};
 use super::super::neon::{f16_to_f32, reduce8, smmla};
 use super::super::q6_k::neon::{
-    fold_tile, lane_rows, mla_lane, mm_tokens, ByMull, BySdot, Dot16, MmTokens,
+    fold_tile, from_magic, half_sums, lane_rows, mm_tokens, pair_runs, run_multipliers, ByMull, BySdot,
+    Dot16, MmTokens, MAGIC,
 };
 use super::super::q8_k::{by_row_steps, ActQ8K, BlockQ8K, PackRing, WIDE};
 use super::super::{blocks, ActBuf};
@@ -45,14 +46,15 @@ unsafe fn levels(x: &BlockQ2K, n: usize) -> [int8x16_t; 8] {
 }
 
 /// Per activation block, the minimums' lane terms and the exact lane sums (lanes 0–3,
-/// 4–7) of one super-block, the weights decoded once for all.
+/// 4–7) of one super-block, each plus [`MAGIC`] (≤ 2 · 15 · 2032 and 32 · 45 · 127 in
+/// magnitude: inside its range), the weights decoded once for all.
 #[inline(always)]
 unsafe fn block_sums<D: Dot16, const N: usize>(
     x: &BlockQ2K,
     y: [&BlockQ8K; N],
 ) -> [([int32x4_t; 2], [int32x4_t; 2]); N] {
-    // SAFETY (every block): 16 bytes of scales, 32 of bsums, 64-byte loads inside y.qs at
-    // 128n + 64c < 256; the rest is register-only; the caller's level.
+    // SAFETY (every block): 16 bytes of scales, 32 of bsums; the rest is register-only; the
+    // caller's level.
     unsafe {
         let packed = vld1q_u8(x.scales.as_ptr());
         let sc = vandq_u8(packed, vdupq_n_u8(0x0f));
@@ -60,24 +62,11 @@ unsafe fn block_sums<D: Dot16, const N: usize>(
         let sc16 = [vmovl_u8(vget_low_u8(sc)), vmovl_high_u8(sc)].map(|v| vreinterpretq_s16_u16(v));
         let m16 =
             [vmovl_u8(vget_low_u8(mins)), vmovl_high_u8(mins)].map(|v| vreinterpretq_s16_u16(v));
-        let sc32 = [
-            vmovl_s16(vget_low_s16(sc16[0])),
-            vmovl_high_s16(sc16[0]),
-            vmovl_s16(vget_low_s16(sc16[1])),
-            vmovl_high_s16(sc16[1]),
-        ];
-        let mut acc = [[vdupq_n_s32(0); 2]; N];
+        let mult = run_multipliers(sc16);
+        // Offset by MAGIC for the conversion (see `from_magic`).
+        let mut acc = [[vdupq_n_s32(MAGIC); 2]; N];
         for n in 0..2 {
-            let v = levels(x, n);
-            for (t, acc) in acc.iter_mut().enumerate() {
-                let a0 = vld1q_s8_x4(y[t].qs.as_ptr().add(128 * n));
-                let a1 = vld1q_s8_x4(y[t].qs.as_ptr().add(128 * n + 64));
-                let a = [a0.0, a0.1, a0.2, a0.3, a1.0, a1.1, a1.2, a1.3];
-                for j in 0..8 {
-                    let p = D::dot16(v[j], a[j]);
-                    acc[j % 2] = mla_lane(acc[j % 2], p, sc32[2 * n + j / 4], j % 4);
-                }
-            }
+            half_sums::<D, N>(&levels(x, n), y, n, &mult, &mut acc);
         }
         std::array::from_fn(|t| {
             let bs = vld1q_s16_x2(y[t].bsums.as_ptr());
@@ -91,7 +80,7 @@ unsafe fn block_sums<D: Dot16, const N: usize>(
                     vmull_high_s16(m16[1], bs.1),
                 ),
             ];
-            (m, acc[t])
+            (m.map(|m| vaddq_s32(m, vdupq_n_s32(MAGIC))), acc[t])
         })
     }
 }
@@ -100,6 +89,8 @@ unsafe fn block_sums<D: Dot16, const N: usize>(
 #[inline(always)]
 unsafe fn dot_n<D: Dot16, const N: usize>(w: &[BlockQ2K], a: [&[BlockQ8K]; N]) -> [f32; N] {
     let n = a.iter().fold(w.len(), |n, a| n.min(a.len()));
+    // Every row cut to n blocks: no bounds checks in the loop.
+    let a = a.map(|a| &a[..n]);
     // SAFETY (every intrinsic): register-only base Advanced SIMD; the caller's level.
     unsafe {
         let mut lanes = [[vdupq_n_f32(0.0); 2]; N];
@@ -111,8 +102,8 @@ unsafe fn dot_n<D: Dot16, const N: usize>(w: &[BlockQ2K], a: [&[BlockQ8K]; N]) -
                 let (d, dmin) = (y[t].d * xd, -y[t].d * xdmin);
                 let (m, sumi) = s[t];
                 for k in 0..2 {
-                    lanes[t][k] = vfmaq_n_f32(lanes[t][k], vcvtq_f32_s32(m[k]), dmin);
-                    lanes[t][k] = vfmaq_n_f32(lanes[t][k], vcvtq_f32_s32(sumi[k]), d);
+                    lanes[t][k] = vfmaq_n_f32(lanes[t][k], from_magic(m[k]), dmin);
+                    lanes[t][k] = vfmaq_n_f32(lanes[t][k], from_magic(sumi[k]), d);
                 }
             }
         }
@@ -209,39 +200,43 @@ fn unpack_pair(x: [&[BlockQ2K]; 2], u: &mut Q2Pair) {
     u.dmin.resize(nb, [0.0; 4]);
     for b in 0..nb {
         let xb = [&x[0][b], &x[1][b]];
-        // SAFETY (every intrinsic): base Advanced SIMD; 16-byte stores into `u.w` at indices
-        // below 32 (b + 1) ≤ its length.
+        let wb = &mut u.w[32 * b..32 * b + 32];
+        // SAFETY (every intrinsic): base Advanced SIMD; 16-byte stores into `wb` (32 entries,
+        // indices below 32).
         unsafe {
-            let scaled: [[int8x16_t; 16]; 2] = xb.map(|x| {
-                let lv = [levels(x, 0), levels(x, 1)];
-                // ≤ 3 · 15: one byte.
-                std::array::from_fn(|r| {
-                    vmulq_s8(lv[r / 8][r % 8], vdupq_n_s8((x.scales[r] & 0x0f) as i8))
-                })
-            });
-            for p in 0..4 {
-                let g = [0, 1].map(|r| {
-                    let v = &scaled[r];
-                    [v[4 * p], v[4 * p + 1], v[4 * p + 2], v[4 * p + 3]]
-                });
-                for (k, v) in lane_rows(g).into_iter().enumerate() {
-                    vst1q_s8(u.w[(8 * b + k) * 4 + p].as_mut_ptr(), v);
+            for n in 0..2 {
+                // Runs 8n .. 8n + 8 (group pairs 2n, 2n + 1) of both rows: [row][run].
+                let mut scaled = [[vdupq_n_s8(0); 8]; 2];
+                for (r, x) in xb.iter().enumerate() {
+                    let v = levels(x, n);
+                    for j in 0..8 {
+                        // ≤ 3 · 15: one byte.
+                        let sc = vdupq_n_s8((x.scales[8 * n + j] & 0x0f) as i8);
+                        scaled[r][j] = vmulq_s8(v[j], sc);
+                    }
+                }
+                for half in 0..2 {
+                    let p = 2 * n + half;
+                    let g = [0, 1].map(|r| {
+                        let v = &scaled[r];
+                        [v[4 * half], v[4 * half + 1], v[4 * half + 2], v[4 * half + 3]]
+                    });
+                    for (k, v) in lane_rows(g).into_iter().enumerate() {
+                        vst1q_s8(wb[4 * k + p].as_mut_ptr(), v);
+                    }
                 }
             }
         }
-        for k in 0..8 {
-            let m = |r: usize, j: usize| (xb[r].scales[j] >> 4) as i16;
-            let (j0, j1) = (2 * k, 2 * k + 1);
-            u.mins[8 * b + k] = [
-                m(0, j0),
-                m(0, j0),
-                m(1, j0),
-                m(1, j0),
-                m(0, j1),
-                m(0, j1),
-                m(1, j1),
-                m(1, j1),
-            ];
+        // SAFETY (every intrinsic): base Advanced SIMD; a 16-byte load of scales; 16-byte
+        // stores into `u.mins` at 8b + k < its length.
+        unsafe {
+            let v = xb.map(|x| {
+                let m = vshrq_n_u8::<4>(vld1q_u8(x.scales.as_ptr()));
+                [vmovl_u8(vget_low_u8(m)), vmovl_high_u8(m)].map(|h| vreinterpretq_s16_u16(h))
+            });
+            for (k, v) in pair_runs(v).into_iter().enumerate() {
+                vst1q_s16(u.mins[8 * b + k].as_mut_ptr(), v);
+            }
         }
         let d = xb.map(|x| f16_to_f32(x.d));
         let dmin = xb.map(|x| f16_to_f32(x.dmin));
@@ -283,13 +278,15 @@ unsafe fn pair_tokens<const TPN: usize>(
                     let at = (8 * b + k) * pairs + tp0 + i;
                     let bp = l.qs.as_ptr().add(4 * at).cast::<i8>();
                     let bs = vld1q_s16(l.bs.get_unchecked(at).as_ptr());
-                    let m = vmlal_high_s16(vmull_s16(vget_low_s16(mins), vget_low_s16(bs)), mins, bs);
-                    f[k] = vfmaq_f32(f[k], vcvtq_f32_s32(m), dmin[i]);
-                    let mut acc = vdupq_n_s32(0);
+                    // Both integers offset by MAGIC for the conversion (see `from_magic`).
+                    let m = vmlal_s16(vdupq_n_s32(MAGIC), vget_low_s16(mins), vget_low_s16(bs));
+                    let m = vmlal_high_s16(m, mins, bs);
+                    f[k] = vfmaq_f32(f[k], from_magic(m), dmin[i]);
+                    let mut acc = vdupq_n_s32(MAGIC);
                     for p in 0..4 {
                         acc = smmla(acc, vld1q_s8(wp.add(16 * p)), vld1q_s8(bp.add(16 * p)));
                     }
-                    f[k] = vfmaq_f32(f[k], vcvtq_f32_s32(acc), d[i]);
+                    f[k] = vfmaq_f32(f[k], from_magic(acc), d[i]);
                 }
             }
         }

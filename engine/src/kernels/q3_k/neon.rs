@@ -15,7 +15,8 @@
 use super::super::format::{Activation, Dotprod, I8mm, Kernel, Neon};
 use super::super::neon::{f16_to_f32, reduce8, smmla};
 use super::super::q6_k::neon::{
-    fold_tile, lane_rows, mla_lane, mm_tokens, ByMull, BySdot, Dot16, MmTokens,
+    fold_tile, from_magic, half_sums, lane_rows, mm_tokens, run_multipliers, ByMull, BySdot, Dot16,
+    MmTokens, MAGIC,
 };
 use super::super::q8_k::{by_row_steps, ActQ8K, BlockQ8K, PackRing, WIDE};
 use super::super::{blocks, ActBuf};
@@ -34,11 +35,14 @@ fn scales(x: &BlockQ3K) -> uint8x16_t {
     unsafe { vreinterpretq_u8_u64(vcombine_u64(vcreate_u64(lo), vcreate_u64(hi))) }
 }
 
-/// The levels (−4..=3) of half `n` (< 2) of `x`: vector `j` holds values `128n + 16j ..
-/// 128n + 16j + 16` (run `8n + j`). `nh` is the inverted `hmask` (its two 16-byte halves):
-/// 4 is subtracted where the value's high bit (`4n + j / 2`) is clear.
+/// The levels (−4..=3) of half `N` (< 2) of `x`: vector `j` holds values `128N + 16j ..
+/// 128N + 16j + 16` (run `8N + j`). `nh` is the inverted `hmask` (its two 16-byte halves):
+/// 4 is subtracted where the value's high bit (`4N + j / 2`) is clear. (`N` a constant: each
+/// group's shift is then one instruction, not a branch.)
 #[inline(always)]
-unsafe fn levels(x: &BlockQ3K, nh: [uint8x16_t; 2], n: usize) -> [int8x16_t; 8] {
+unsafe fn levels<const N: usize>(x: &BlockQ3K, nh: [uint8x16_t; 2]) -> [int8x16_t; 8] {
+    const { assert!(N < 2) };
+    let n = N;
     // SAFETY: 32 bytes inside qs (64) as n < 2; the rest is register-only.
     unsafe {
         let q = vld1q_u8_x2(x.qs.as_ptr().add(32 * n));
@@ -83,37 +87,22 @@ unsafe fn inverted_hmask(x: &BlockQ3K) -> [uint8x16_t; 2] {
 }
 
 /// The exact lane sums (lanes 0–3, 4–7) of one super-block against `N` activation blocks,
-/// the weights decoded once for all.
+/// plus [`MAGIC`], the weights decoded once for all.
 #[inline(always)]
 unsafe fn block_sums<D: Dot16, const N: usize>(
     x: &BlockQ3K,
     y: [&BlockQ8K; N],
 ) -> [[int32x4_t; 2]; N] {
-    // SAFETY (every block): 64-byte loads inside y.qs at 128n + 64c < 256; the rest is
-    // register-only; the caller's level.
+    // SAFETY (every block): register-only base Advanced SIMD; the caller's level.
     unsafe {
         let sc = vsubq_s8(vreinterpretq_s8_u8(scales(x)), vdupq_n_s8(32));
         let sc16 = [vmovl_s8(vget_low_s8(sc)), vmovl_high_s8(sc)];
-        let sc32 = [
-            vmovl_s16(vget_low_s16(sc16[0])),
-            vmovl_high_s16(sc16[0]),
-            vmovl_s16(vget_low_s16(sc16[1])),
-            vmovl_high_s16(sc16[1]),
-        ];
+        let mult = run_multipliers(sc16);
         let nh = inverted_hmask(x);
-        let mut acc = [[vdupq_n_s32(0); 2]; N];
-        for n in 0..2 {
-            let v = levels(x, nh, n);
-            for (t, acc) in acc.iter_mut().enumerate() {
-                let a0 = vld1q_s8_x4(y[t].qs.as_ptr().add(128 * n));
-                let a1 = vld1q_s8_x4(y[t].qs.as_ptr().add(128 * n + 64));
-                let a = [a0.0, a0.1, a0.2, a0.3, a1.0, a1.1, a1.2, a1.3];
-                for j in 0..8 {
-                    let p = D::dot16(v[j], a[j]);
-                    acc[j % 2] = mla_lane(acc[j % 2], p, sc32[2 * n + j / 4], j % 4);
-                }
-            }
-        }
+        // Offset by MAGIC for the conversion (see `from_magic`; ≤ 32 · 128 · 127).
+        let mut acc = [[vdupq_n_s32(MAGIC); 2]; N];
+        half_sums::<D, N>(&levels::<0>(x, nh), y, 0, &mult, &mut acc);
+        half_sums::<D, N>(&levels::<1>(x, nh), y, 1, &mult, &mut acc);
         acc
     }
 }
@@ -122,6 +111,8 @@ unsafe fn block_sums<D: Dot16, const N: usize>(
 #[inline(always)]
 unsafe fn dot_n<D: Dot16, const N: usize>(w: &[BlockQ3K], a: [&[BlockQ8K]; N]) -> [f32; N] {
     let n = a.iter().fold(w.len(), |n, a| n.min(a.len()));
+    // Every row cut to n blocks: no bounds checks in the loop.
+    let a = a.map(|a| &a[..n]);
     // SAFETY (every intrinsic): register-only base Advanced SIMD; the caller's level.
     unsafe {
         let mut lanes = [[vdupq_n_f32(0.0); 2]; N];
@@ -132,7 +123,7 @@ unsafe fn dot_n<D: Dot16, const N: usize>(w: &[BlockQ3K], a: [&[BlockQ8K]; N]) -
             for t in 0..N {
                 let d = y[t].d * xd;
                 for k in 0..2 {
-                    lanes[t][k] = vfmaq_n_f32(lanes[t][k], vcvtq_f32_s32(s[t][k]), d);
+                    lanes[t][k] = vfmaq_n_f32(lanes[t][k], from_magic(s[t][k]), d);
                 }
             }
         }
@@ -224,28 +215,40 @@ fn unpack_pair(x: [&[BlockQ3K]; 2], u: &mut Q3Pair) {
     u.d.resize(nb, [0.0; 4]);
     for b in 0..nb {
         let xb = [&x[0][b], &x[1][b]];
-        // SAFETY (every intrinsic): base Advanced SIMD; 16-byte stores into `u.w` at indices
-        // below 32 (b + 1) ≤ its length; 16-byte store into a 16-byte array.
+        let wb = &mut u.w[32 * b..32 * b + 32];
+        // SAFETY (every intrinsic): base Advanced SIMD; 16-byte stores into `wb` (32 entries,
+        // indices below 32) and into a 16-byte array.
         unsafe {
-            let scaled: [[int8x16_t; 16]; 2] = xb.map(|x| {
-                let mut neg = [0i8; 16];
-                // 32 − sc: −31..=32.
-                vst1q_s8(
-                    neg.as_mut_ptr(),
-                    vsubq_s8(vdupq_n_s8(32), vreinterpretq_s8_u8(scales(x))),
-                );
-                let nh = inverted_hmask(x);
-                let lv = [levels(x, nh, 0), levels(x, nh, 1)];
-                // −(sc − 32) · q in −128..=124: exact in a byte.
-                std::array::from_fn(|r| vmulq_s8(lv[r / 8][r % 8], vdupq_n_s8(neg[r])))
-            });
-            for p in 0..4 {
-                let g = [0, 1].map(|r| {
-                    let v = &scaled[r];
-                    [v[4 * p], v[4 * p + 1], v[4 * p + 2], v[4 * p + 3]]
-                });
-                for (k, v) in lane_rows(g).into_iter().enumerate() {
-                    vst1q_s8(u.w[(8 * b + k) * 4 + p].as_mut_ptr(), v);
+            // Per row, 32 − sc (−31..=32), the negated run scales.
+            let mut neg = [[0i8; 16]; 2];
+            for (r, x) in xb.iter().enumerate() {
+                let v = vsubq_s8(vdupq_n_s8(32), vreinterpretq_s8_u8(scales(x)));
+                vst1q_s8(neg[r].as_mut_ptr(), v);
+            }
+            let nh = xb.map(|x| inverted_hmask(x));
+            for n in 0..2 {
+                // Runs 8n .. 8n + 8 (group pairs 2n, 2n + 1) of both rows: [row][run].
+                let mut scaled = [[vdupq_n_s8(0); 8]; 2];
+                for (r, x) in xb.iter().enumerate() {
+                    let v = if n == 0 {
+                        levels::<0>(x, nh[r])
+                    } else {
+                        levels::<1>(x, nh[r])
+                    };
+                    for j in 0..8 {
+                        // −(sc − 32) · q in −128..=124: exact in a byte.
+                        scaled[r][j] = vmulq_s8(v[j], vld1q_dup_s8(&neg[r][8 * n + j]));
+                    }
+                }
+                for half in 0..2 {
+                    let p = 2 * n + half;
+                    let g = [0, 1].map(|r| {
+                        let v = &scaled[r];
+                        [v[4 * half], v[4 * half + 1], v[4 * half + 2], v[4 * half + 3]]
+                    });
+                    for (k, v) in lane_rows(g).into_iter().enumerate() {
+                        vst1q_s8(wb[4 * k + p].as_mut_ptr(), v);
+                    }
                 }
             }
         }
@@ -280,12 +283,13 @@ unsafe fn pair_tokens<const TPN: usize>(
                 let wp = u.w.as_ptr().add((8 * b + k) * 4).cast::<i8>();
                 for (i, f) in f.iter_mut().enumerate() {
                     let bp = l.qs.as_ptr().add(4 * ((8 * b + k) * pairs + tp0 + i)).cast::<i8>();
-                    let mut acc = vdupq_n_s32(0);
+                    // Offset by MAGIC for the conversion (see `from_magic`).
+                    let mut acc = vdupq_n_s32(MAGIC);
                     for p in 0..4 {
                         acc = smmla(acc, vld1q_s8(wp.add(16 * p)), vld1q_s8(bp.add(16 * p)));
                     }
-                    // acc = −sumi: lane − d · (−sumi) is the scalar's fma(d, sumi, lane).
-                    f[k] = vfmsq_f32(f[k], vcvtq_f32_s32(acc), d[i]);
+                    // acc = MAGIC − sumi: lane − d · (−sumi) is the scalar's fma(d, sumi, lane).
+                    f[k] = vfmsq_f32(f[k], from_magic(acc), d[i]);
                 }
             }
         }

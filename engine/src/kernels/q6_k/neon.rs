@@ -29,25 +29,25 @@ use super::{BlockQ6K, Q6K};
 use std::arch::aarch64::*;
 use std::ops::Range;
 
-/// The four lane sums of a 16-value product (`Σ_{i<4} q[4l + i] · a[4l + i]` in lane `l`),
+/// A 16-value product added into four lane sums (`acc[l] + Σ_{i<4} q[4l + i] · a[4l + i]`),
 /// exactly, for weights whose pair products fit an i16 (|q| ≤ 63).
 pub(in crate::kernels) trait Dot16 {
     /// # Safety
     /// The CPU has the implementing level.
-    unsafe fn dot16(q: int8x16_t, a: int8x16_t) -> int32x4_t;
+    unsafe fn dot16(acc: int32x4_t, q: int8x16_t, a: int8x16_t) -> int32x4_t;
 }
 
 /// Every aarch64 core: widening multiplies and pairwise adds.
 pub(in crate::kernels) struct ByMull;
 impl Dot16 for ByMull {
     #[inline(always)]
-    unsafe fn dot16(q: int8x16_t, a: int8x16_t) -> int32x4_t {
+    unsafe fn dot16(acc: int32x4_t, q: int8x16_t, a: int8x16_t) -> int32x4_t {
         // SAFETY (every intrinsic): base Advanced SIMD, register-only.
         unsafe {
             let lo = vmull_s8(vget_low_s8(q), vget_low_s8(a));
             let hi = vmull_high_s8(q, a);
-            // Pair sums ≤ 2 · 63 · 127: exact in i16; then pairs of pairs widened.
-            vpaddlq_s16(vpaddq_s16(lo, hi))
+            // Pair sums ≤ 2 · 63 · 127: exact in i16; then pairs of pairs widened and added.
+            vpadalq_s16(acc, vpaddq_s16(lo, hi))
         }
     }
 }
@@ -56,20 +56,15 @@ impl Dot16 for ByMull {
 pub(in crate::kernels) struct BySdot;
 impl Dot16 for BySdot {
     #[inline(always)]
-    unsafe fn dot16(q: int8x16_t, a: int8x16_t) -> int32x4_t {
+    unsafe fn dot16(acc: int32x4_t, q: int8x16_t, a: int8x16_t) -> int32x4_t {
         // SAFETY: the caller's (dotprod is present).
-        unsafe { sdot(vdupq_n_s32(0), q, a) }
+        unsafe { sdot(acc, q, a) }
     }
 }
 
 /// `acc + p · s[lane]` (`mla` by element; `lane` < 4 is a constant after inlining).
 #[inline(always)]
-pub(in crate::kernels) unsafe fn mla_lane(
-    acc: int32x4_t,
-    p: int32x4_t,
-    s: int32x4_t,
-    lane: usize,
-) -> int32x4_t {
+unsafe fn mla_lane(acc: int32x4_t, p: int32x4_t, s: int32x4_t, lane: usize) -> int32x4_t {
     // SAFETY (every arm): base Advanced SIMD, register-only.
     unsafe {
         match lane & 3 {
@@ -77,6 +72,67 @@ pub(in crate::kernels) unsafe fn mla_lane(
             1 => vmlaq_laneq_s32::<1>(acc, p, s),
             2 => vmlaq_laneq_s32::<2>(acc, p, s),
             _ => vmlaq_laneq_s32::<3>(acc, p, s),
+        }
+    }
+}
+
+/// `v` unchanged, hidden from the optimizer: without it LLVM sees that the multipliers are
+/// widened bytes and replaces each `mla` by element with a `dup` and a widening of its own
+/// (twice the instructions).
+#[inline(always)]
+fn opaque(mut v: int32x4_t) -> int32x4_t {
+    // SAFETY: an empty instruction sequence (a comment naming the register).
+    unsafe { std::arch::asm!("// {v:v}", v = inout(vreg) v, options(pure, nomem, nostack, preserves_flags)) };
+    v
+}
+
+/// The 16 run scales (`sc16[0]`: runs 0–7, `[1]`: 8–15, as i16) as the multipliers of
+/// [`half_sums`]' running sums, as i32 vectors of four runs each: run `r`'s is
+/// `sc_r − sc_{r+2}`, except for the last two runs of each half, `sc_r`.
+#[inline(always)]
+pub(in crate::kernels) unsafe fn run_multipliers(sc16: [int16x8_t; 2]) -> [int32x4_t; 4] {
+    // SAFETY (every intrinsic): base Advanced SIMD, register-only.
+    unsafe {
+        let zero = vdupq_n_s16(0);
+        let m = sc16.map(|s| vsubq_s16(s, vextq_s16::<2>(s, zero)));
+        [
+            vmovl_s16(vget_low_s16(m[0])),
+            vmovl_high_s16(m[0]),
+            vmovl_s16(vget_low_s16(m[1])),
+            vmovl_high_s16(m[1]),
+        ]
+        .map(opaque)
+    }
+}
+
+/// Adds half `h` of a super-block (its levels `v`, vector `j` = values `128h + 16j ..` = run
+/// `8h + j`) against each of `y` into the exact lane sums `acc` (lanes 0–3, 4–7): even `j`
+/// are lanes 0–3 of a group of 32, odd `j` lanes 4–7. `mult` from [`run_multipliers`]: the
+/// runs of one lane half `c` of half `h` (`8h + c + 2i`, i < 4) are summed in a running
+/// total `P_i` (no zeroing between runs), and `Σ_i sc_i · p_i = Σ_{i<3} (sc_i − sc_{i+1}) ·
+/// P_i + sc_3 · P_3`: one `mla` per run all the same, exact in i32 (|P_i| ≤ 4 · 32004, the
+/// multipliers ≤ 255 in magnitude).
+#[inline(always)]
+pub(in crate::kernels) unsafe fn half_sums<D: Dot16, const N: usize>(
+    v: &[int8x16_t; 8],
+    y: [&BlockQ8K; N],
+    h: usize,
+    mult: &[int32x4_t; 4],
+    acc: &mut [[int32x4_t; 2]; N],
+) {
+    // SAFETY: 64-byte loads inside y.qs (256) at 128h + 64c < 256 (h < 2); the rest is
+    // register-only; the caller's level.
+    unsafe {
+        for (t, acc) in acc.iter_mut().enumerate() {
+            let a0 = vld1q_s8_x4(y[t].qs.as_ptr().add(128 * h));
+            let a1 = vld1q_s8_x4(y[t].qs.as_ptr().add(128 * h + 64));
+            let a = [a0.0, a0.1, a0.2, a0.3, a1.0, a1.1, a1.2, a1.3];
+            let mut p = [vdupq_n_s32(0); 2];
+            for j in 0..8 {
+                let c = j % 2;
+                p[c] = D::dot16(p[c], v[j], a[j]);
+                acc[c] = mla_lane(acc[c], p[c], mult[2 * h + j / 4], j % 4);
+            }
         }
     }
 }
@@ -114,30 +170,15 @@ unsafe fn block_sums<D: Dot16, const N: usize>(
     x: &BlockQ6K,
     y: [&BlockQ8K; N],
 ) -> [[int32x4_t; 2]; N] {
-    // SAFETY (every block): 16-byte scale and 32-byte bsums loads, 64-byte loads inside
-    // y.qs (256) at 128h + 64c < 256; the rest is register-only; the caller's level.
+    // SAFETY (every block): 16-byte scale and 32-byte bsums loads; the rest is register-only;
+    // the caller's level.
     unsafe {
         let sc8 = vld1q_s8(x.scales.as_ptr());
         let sc16 = [vmovl_s8(vget_low_s8(sc8)), vmovl_high_s8(sc8)];
-        let sc32 = [
-            vmovl_s16(vget_low_s16(sc16[0])),
-            vmovl_high_s16(sc16[0]),
-            vmovl_s16(vget_low_s16(sc16[1])),
-            vmovl_high_s16(sc16[1]),
-        ];
+        let mult = run_multipliers(sc16);
         let mut acc = [[vdupq_n_s32(0); 2]; N];
         for h in 0..2 {
-            let v = levels(x, h);
-            for (t, acc) in acc.iter_mut().enumerate() {
-                let a0 = vld1q_s8_x4(y[t].qs.as_ptr().add(128 * h));
-                let a1 = vld1q_s8_x4(y[t].qs.as_ptr().add(128 * h + 64));
-                let a = [a0.0, a0.1, a0.2, a0.3, a1.0, a1.1, a1.2, a1.3];
-                for j in 0..8 {
-                    // Run 8h + j; even j: lanes 0–3 of its group, odd: lanes 4–7.
-                    let p = D::dot16(v[j], a[j]);
-                    acc[j % 2] = mla_lane(acc[j % 2], p, sc32[2 * h + j / 4], j % 4);
-                }
-            }
+            half_sums::<D, N>(&levels(x, h), y, h, &mult, &mut acc);
         }
         for (t, acc) in acc.iter_mut().enumerate() {
             let bs = vld1q_s16_x2(y[t].bsums.as_ptr());
@@ -164,6 +205,8 @@ unsafe fn block_sums<D: Dot16, const N: usize>(
 #[inline(always)]
 unsafe fn dot_n<D: Dot16, const N: usize>(w: &[BlockQ6K], a: [&[BlockQ8K]; N]) -> [f32; N] {
     let n = a.iter().fold(w.len(), |n, a| n.min(a.len()));
+    // Every row cut to n blocks: no bounds checks in the loop.
+    let a = a.map(|a| &a[..n]);
     // SAFETY (every intrinsic): register-only base Advanced SIMD; the caller's level.
     unsafe {
         let mut lanes = [[vdupq_n_f32(0.0); 2]; N];
@@ -336,6 +379,41 @@ pub(in crate::kernels) unsafe fn fold_tile(f: &[float32x4_t; 8]) -> [f32; 4] {
     }
 }
 
+/// Two rows' 16 per-run i16 values (`v[r][0]`: runs 0–7, `[1]`: 8–15) as the operands of
+/// the `smlal` / `smlal2` pair of lane `k` (index `k`): `[r0, r0, r1, r1]` of run `2k`, then
+/// of run `2k + 1` (the 2 × 2 result layout, rows × tokens).
+#[inline(always)]
+pub(in crate::kernels) unsafe fn pair_runs(v: [[int16x8_t; 2]; 2]) -> [int16x8_t; 8] {
+    // SAFETY (every intrinsic): register-only base Advanced SIMD.
+    unsafe {
+        let mut out = [vdupq_n_s16(0); 8];
+        for half in 0..2 {
+            // Each run's value twice: runs 8·half + 4q .. + 4 in vector q.
+            let dup = |x: int16x8_t| [vzip1q_s16(x, x), vzip2q_s16(x, x)];
+            let (a, b) = (dup(v[0][half]), dup(v[1][half]));
+            for q in 0..2 {
+                let (a, b) = (vreinterpretq_s32_s16(a[q]), vreinterpretq_s32_s16(b[q]));
+                out[4 * half + 2 * q] = vreinterpretq_s16_s32(vzip1q_s32(a, b));
+                out[4 * half + 2 * q + 1] = vreinterpretq_s16_s32(vzip2q_s32(a, b));
+            }
+        }
+        out
+    }
+}
+
+/// `1.5 · 2^23` as f32 bits: an integer `x` with `|x| < 2^22` added to it is the float
+/// `1.5 · 2^23 + x` exactly, so subtracting the float gives `x as f32` (both exact) in two
+/// cheap instructions (`scvtf` takes a pipe for two cycles on Neoverse N2). Q2_K's and
+/// Q3_K's lane sums stay far inside that range (≤ 32 · 128 · 127).
+pub(in crate::kernels) const MAGIC: i32 = 0x4b40_0000;
+
+/// `v − MAGIC` as f32, for `v` holding `MAGIC + x`, `|x| < 2^22`: exactly `x as f32`.
+#[inline(always)]
+pub(in crate::kernels) unsafe fn from_magic(v: int32x4_t) -> float32x4_t {
+    // SAFETY: register-only base Advanced SIMD.
+    unsafe { vsubq_f32(vreinterpretq_f32_s32(v), vdupq_n_f32(12_582_912.0)) }
+}
+
 /// Byte rows `[r0 (8 bytes), r1 (8 bytes)]` per lane `k` (index `k`) from two rows' planes of
 /// one pair of groups: `g[r]` = the row's vectors of groups `2p` (lanes 0–3, 4–7) and `2p + 1`
 /// (lanes 0–3, 4–7), 4 bytes per lane.
@@ -377,7 +455,7 @@ struct Q6Pair {
     d: Vec<[f32; 4]>,
 }
 
-/// Unpacks rows `x0`, `x1` (`nb` blocks each) into `u`.
+/// Unpacks rows `x[0]`, `x[1]` (`nb` blocks each) into `u`.
 #[inline(never)]
 fn unpack_pair(x: [&[BlockQ6K]; 2], u: &mut Q6Pair) {
     let nb = x[0].len().min(x[1].len());
@@ -386,52 +464,52 @@ fn unpack_pair(x: [&[BlockQ6K]; 2], u: &mut Q6Pair) {
     u.d.resize(nb, [0.0; 4]);
     for b in 0..nb {
         let xb = [&x[0][b], &x[1][b]];
-        // SAFETY (every intrinsic): base Advanced SIMD; stores of 16 bytes into `u.w` at
-        // indices below 64 (b + 1) ≤ its length.
+        let wb = &mut u.w[64 * b..64 * b + 64];
+        // SAFETY (every intrinsic): base Advanced SIMD; one-byte broadcast loads inside
+        // scales; 16-byte stores into `wb` (64 entries, indices below 64).
         unsafe {
-            // Per row and run, the two planes in value order.
-            let planes: [[[int8x16_t; 16]; 2]; 2] = xb.map(|x| {
-                let lv = [levels(x, 0), levels(x, 1)];
-                let mut hi = [vdupq_n_s8(0); 16];
-                let mut lo = [vdupq_n_s8(0); 16];
-                for r in 0..16 {
-                    let v = lv[r / 8][r % 8];
-                    let s = vdupq_n_s8(x.scales[r]);
-                    // |sc · q| ≤ 128 · 63: exact in i16.
-                    let w0 = vmull_s8(vget_low_s8(v), vget_low_s8(s));
-                    let w1 = vmull_high_s8(v, s);
-                    hi[r] = vshrn_high_n_s16::<7>(vshrn_n_s16::<7>(w0), w1);
-                    let low = vuzp1q_s8(vreinterpretq_s8_s16(w0), vreinterpretq_s8_s16(w1));
-                    lo[r] = vandq_s8(low, vdupq_n_s8(0x7f));
+            for h in 0..2 {
+                // Runs 8h .. 8h + 8 (group pairs 2h, 2h + 1) of both rows: [row][plane][run].
+                let mut planes = [[[vdupq_n_s8(0); 8]; 2]; 2];
+                for (r, x) in xb.iter().enumerate() {
+                    let v = levels(x, h);
+                    for j in 0..8 {
+                        let s = vld1q_dup_s8(&x.scales[8 * h + j]);
+                        // |sc · q| ≤ 128 · 63: exact in i16.
+                        let w0 = vmull_s8(vget_low_s8(v[j]), vget_low_s8(s));
+                        let w1 = vmull_high_s8(v[j], s);
+                        planes[r][0][j] = vshrn_high_n_s16::<7>(vshrn_n_s16::<7>(w0), w1);
+                        let low = vuzp1q_s8(vreinterpretq_s8_s16(w0), vreinterpretq_s8_s16(w1));
+                        planes[r][1][j] = vandq_s8(low, vdupq_n_s8(0x7f));
+                    }
                 }
-                [hi, lo]
-            });
-            for p in 0..4 {
-                for plane in 0..2 {
-                    // Runs 4p .. 4p + 4: groups 2p (lanes 0–3, 4–7), 2p + 1 (the same).
-                    let g = [0, 1].map(|r| {
-                        let v = &planes[r][plane];
-                        [v[4 * p], v[4 * p + 1], v[4 * p + 2], v[4 * p + 3]]
-                    });
-                    for (k, v) in lane_rows(g).into_iter().enumerate() {
-                        vst1q_s8(u.w[((8 * b + k) * 4 + p) * 2 + plane].as_mut_ptr(), v);
+                for half in 0..2 {
+                    let p = 2 * h + half;
+                    for plane in 0..2 {
+                        // Groups 2p (runs 4p, 4p + 1) and 2p + 1 (4p + 2, 4p + 3).
+                        let g = [0, 1].map(|r| {
+                            let v = &planes[r][plane];
+                            [v[4 * half], v[4 * half + 1], v[4 * half + 2], v[4 * half + 3]]
+                        });
+                        for (k, v) in lane_rows(g).into_iter().enumerate() {
+                            vst1q_s8(wb[(4 * k + p) * 2 + plane].as_mut_ptr(), v);
+                        }
                     }
                 }
             }
         }
-        for k in 0..8 {
-            let s = |r: usize, j: usize| -32 * xb[r].scales[j] as i16;
-            let (j0, j1) = (2 * k, 2 * k + 1);
-            u.sc[8 * b + k] = [
-                s(0, j0),
-                s(0, j0),
-                s(1, j0),
-                s(1, j0),
-                s(0, j1),
-                s(0, j1),
-                s(1, j1),
-                s(1, j1),
-            ];
+        // −32 · sc per run as i16 (|−32 · −128| = 4096).
+        // SAFETY (every intrinsic): base Advanced SIMD; a 16-byte load of scales; 16-byte
+        // stores into `u.sc` at 8b + k < its length.
+        unsafe {
+            let v = xb.map(|x| {
+                let s = vld1q_s8(x.scales.as_ptr());
+                [vmovl_s8(vget_low_s8(s)), vmovl_high_s8(s)]
+                    .map(|h| vshlq_n_s16::<5>(vnegq_s16(h)))
+            });
+            for (k, v) in pair_runs(v).into_iter().enumerate() {
+                vst1q_s16(u.sc[8 * b + k].as_mut_ptr(), v);
+            }
         }
         let d = xb.map(|x| f16_to_f32(x.d));
         u.d[b] = [d[0], d[0], d[1], d[1]];
