@@ -3,10 +3,11 @@
 //!
 //! Why this shape: as Q6_K's (`q6_k/neon.rs`, whose 16-value products and token packing these
 //! share): values `16j .. 16j + 16` of a half are one run and four of the scalar order's 8
-//! lanes, so per run one 16-value product (`sdot`, or `smull` + pairwise adds) and one `mla`
-//! by the run's 4-bit scale; the minimums' lane terms `m_2k·bsum_2k + m_2k+1·bsum_2k+1` come
-//! from the block sums; then the scalar's two fused multiply-adds per lane (minimums first)
-//! and the [`reduce8`] tree: the bits of [`super::dot_scalar`]. At i8mm a level times its
+//! lanes, so per run one 16-value product (`sdot`, or `smull` + pairwise adds) into a running
+//! sum and one `mla` by the telescoped 4-bit scales (`q6_k::neon::half_sums`); the minimums'
+//! lane terms `m_2k·bsum_2k + m_2k+1·bsum_2k+1` come from the block sums; all are converted
+//! to f32 by the `1.5 · 2^23` trick (`q6_k::neon::from_magic`); then the scalar's two fused
+//! multiply-adds per lane (minimums first) and the [`reduce8`] tree: the bits of [`super::dot_scalar`]. At i8mm a level times its
 //! run's scale fits a byte (≤ 45), so each row pair is unpacked once per call into those
 //! products laid out for `smmla` (8 bytes = lane `k` of two groups) and each lane's exact
 //! sum over 2 rows × 2 tokens is 4 `smmla`.
@@ -14,8 +15,8 @@
 use super::super::format::{Activation, Dotprod, I8mm, Kernel, Neon};
 use super::super::neon::{f16_to_f32, reduce8, smmla};
 use super::super::q6_k::neon::{
-    fold_tile, from_magic, half_sums, lane_rows, mm_tokens, pair_runs, run_multipliers, ByMull, BySdot,
-    Dot16, MmTokens, MAGIC,
+    fold_tile, from_magic, half_sums, lane_rows, mm_tokens, pair_runs, run_multipliers_i8, ByMull,
+    BySdot, Dot16, MmTokens, MAGIC,
 };
 use super::super::q8_k::{by_row_steps, ActQ8K, BlockQ8K, PackRing, WIDE};
 use super::super::{blocks, ActBuf};
@@ -59,14 +60,14 @@ unsafe fn block_sums<D: Dot16, const N: usize>(
         let packed = vld1q_u8(x.scales.as_ptr());
         let sc = vandq_u8(packed, vdupq_n_u8(0x0f));
         let mins = vshrq_n_u8::<4>(packed);
-        let sc16 = [vmovl_u8(vget_low_u8(sc)), vmovl_high_u8(sc)].map(|v| vreinterpretq_s16_u16(v));
         let m16 =
             [vmovl_u8(vget_low_u8(mins)), vmovl_high_u8(mins)].map(|v| vreinterpretq_s16_u16(v));
-        let mult = run_multipliers(sc16);
+        let mult = run_multipliers_i8(vreinterpretq_s8_u8(sc));
         // Offset by MAGIC for the conversion (see `from_magic`).
         let mut acc = [[vdupq_n_s32(MAGIC); 2]; N];
+        let mut p = [[vdupq_n_s32(0); 2]; N];
         for n in 0..2 {
-            half_sums::<D, N>(&levels(x, n), y, n, &mult, &mut acc);
+            half_sums::<D, N>(&levels(x, n), y, n, &mult, &mut p, &mut acc);
         }
         std::array::from_fn(|t| {
             let bs = vld1q_s16_x2(y[t].bsums.as_ptr());
@@ -163,7 +164,10 @@ impl Kernel<Q2K> for I8mm {
 
     const WIDE: bool = true;
 
-    const WIDE_MIN: usize = 6;
+    /// llvm-mca (Neoverse N2 / V1), cycles per row and super-block at 4 tokens: one call 110
+    /// / 53 (the row pair's unpacking, 113 / 52, included), the dotprod group of 4 145 / 72;
+    /// at 3 tokens the group of 3 is as fast (107 / 52).
+    const WIDE_MIN: usize = 4;
 
     unsafe fn dot_wide(
         w: &[u8],
@@ -219,7 +223,12 @@ fn unpack_pair(x: [&[BlockQ2K]; 2], u: &mut Q2Pair) {
                     let p = 2 * n + half;
                     let g = [0, 1].map(|r| {
                         let v = &scaled[r];
-                        [v[4 * half], v[4 * half + 1], v[4 * half + 2], v[4 * half + 3]]
+                        [
+                            v[4 * half],
+                            v[4 * half + 1],
+                            v[4 * half + 2],
+                            v[4 * half + 3],
+                        ]
                     });
                     for (k, v) in lane_rows(g).into_iter().enumerate() {
                         vst1q_s8(wb[4 * k + p].as_mut_ptr(), v);
@@ -265,9 +274,8 @@ unsafe fn pair_tokens<const TPN: usize>(
         for b in 0..nb {
             let dx = vld1q_f32(u.d.get_unchecked(b).as_ptr());
             let dmx = vld1q_f32(u.dmin.get_unchecked(b).as_ptr());
-            let dy: [float32x4_t; TPN] = std::array::from_fn(|i| {
-                vld1q_f32(l.d.get_unchecked(b * pairs + tp0 + i).as_ptr())
-            });
+            let dy: [float32x4_t; TPN] =
+                std::array::from_fn(|i| vld1q_f32(l.d.get_unchecked(b * pairs + tp0 + i).as_ptr()));
             // The scalar's d = d_a · d and dmin = −d_a · dmin, per (row, token).
             let d = dy.map(|dy| vmulq_f32(dy, dx));
             let dmin = dy.map(|dy| vmulq_f32(vnegq_f32(dy), dmx));
@@ -315,7 +323,8 @@ unsafe fn dot_wide(
     MM.with(|cell| {
         let (ring, u) = &mut *cell.borrow_mut();
         let l = mm_tokens(ring, a, nb);
-        let row = |r: usize| -> &[BlockQ2K] { &blocks(&w[r * row_bytes..(r + 1) * row_bytes])[..nb] };
+        let row =
+            |r: usize| -> &[BlockQ2K] { &blocks(&w[r * row_bytes..(r + 1) * row_bytes])[..nb] };
         by_row_steps::<2>(w, row_bytes, rows, out, |r, n| {
             unpack_pair([row(r), row(r + n - 1)], u);
             let mut v = [[0f32; WIDE]; 2];

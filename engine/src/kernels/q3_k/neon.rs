@@ -4,7 +4,9 @@
 //! Why this shape: as Q6_K's (`q6_k/neon.rs`, whose 16-value products and token packing these
 //! share): values `16j .. 16j + 16` of a half are one run and four of the scalar order's 8
 //! lanes, so per run one 16-value product of the signed levels (`low − 4` where the high bit
-//! is clear: −4..=3) and one `mla` by the run's scale `sc − 32`; then the scalar's fused
+//! is clear: −4..=3) into a running sum and one `mla` by the telescoped run scales `sc − 32`
+//! (`q6_k::neon::half_sums`), converted to f32 by the `1.5 · 2^23` trick
+//! (`q6_k::neon::from_magic`); then the scalar's fused
 //! multiply-add per lane and the [`reduce8`] tree: the bits of [`super::dot_scalar`]. At
 //! i8mm each row pair is unpacked once per call into the signed bytes `−(sc − 32) · q`
 //! (−128..=124: `(sc − 32) · q` itself reaches +128) laid out for `smmla` (8 bytes = lane `k`
@@ -15,8 +17,8 @@
 use super::super::format::{Activation, Dotprod, I8mm, Kernel, Neon};
 use super::super::neon::{f16_to_f32, reduce8, smmla};
 use super::super::q6_k::neon::{
-    fold_tile, from_magic, half_sums, lane_rows, mm_tokens, run_multipliers, ByMull, BySdot, Dot16,
-    MmTokens, MAGIC,
+    fold_tile, from_magic, half_sums, lane_rows, mm_tokens, run_multipliers_i8, ByMull, BySdot,
+    Dot16, MmTokens, MAGIC,
 };
 use super::super::q8_k::{by_row_steps, ActQ8K, BlockQ8K, PackRing, WIDE};
 use super::super::{blocks, ActBuf};
@@ -36,11 +38,11 @@ fn scales(x: &BlockQ3K) -> uint8x16_t {
 }
 
 /// The levels (−4..=3) of half `N` (< 2) of `x`: vector `j` holds values `128N + 16j ..
-/// 128N + 16j + 16` (run `8N + j`). `nh` is the inverted `hmask` (its two 16-byte halves):
-/// 4 is subtracted where the value's high bit (`4N + j / 2`) is clear. (`N` a constant: each
+/// 128N + 16j + 16` (run `8N + j`). `hm` is the `hmask` (its two 16-byte halves): 4 is
+/// subtracted where the value's high bit (`4N + j / 2`) is clear. (`N` a constant: each
 /// group's shift is then one instruction, not a branch.)
 #[inline(always)]
-unsafe fn levels<const N: usize>(x: &BlockQ3K, nh: [uint8x16_t; 2]) -> [int8x16_t; 8] {
+unsafe fn levels<const N: usize>(x: &BlockQ3K, hm: [uint8x16_t; 2]) -> [int8x16_t; 8] {
     const { assert!(N < 2) };
     let n = N;
     // SAFETY: 32 bytes inside qs (64) as n < 2; the rest is register-only.
@@ -56,9 +58,10 @@ unsafe fn levels<const N: usize>(x: &BlockQ3K, nh: [uint8x16_t; 2]) -> [int8x16_
                 2 => vandq_u8(vshrq_n_u8::<4>(q[half]), m3),
                 _ => vshrq_n_u8::<6>(q[half]),
             };
-            // Bit 4n + t of the inverted mask moved to bit 2: 4 where the high bit is clear.
-            let h = nh[half];
-            let four = vandq_u8(
+            // Bit 4n + t of the mask moved to bit 2 and cleared from 4: 4 where it is clear.
+            let h = hm[half];
+            let four = vbicq_u8(
+                m4,
                 match 4 * n + t {
                     0 => vshlq_n_u8::<2>(h),
                     1 => vshlq_n_u8::<1>(h),
@@ -69,20 +72,19 @@ unsafe fn levels<const N: usize>(x: &BlockQ3K, nh: [uint8x16_t; 2]) -> [int8x16_
                     6 => vshrq_n_u8::<4>(h),
                     _ => vshrq_n_u8::<5>(h),
                 },
-                m4,
             );
             vreinterpretq_s8_u8(vsubq_u8(low, four))
         })
     }
 }
 
-/// The inverted high-bit mask of `x`, as [`levels`] takes it.
+/// The high-bit mask of `x`, as [`levels`] takes it.
 #[inline(always)]
-unsafe fn inverted_hmask(x: &BlockQ3K) -> [uint8x16_t; 2] {
-    // SAFETY: 32 bytes of hmask; register-only.
+unsafe fn hmask(x: &BlockQ3K) -> [uint8x16_t; 2] {
+    // SAFETY: 32 bytes of hmask.
     unsafe {
         let h = vld1q_u8_x2(x.hmask.as_ptr());
-        [vmvnq_u8(h.0), vmvnq_u8(h.1)]
+        [h.0, h.1]
     }
 }
 
@@ -96,13 +98,13 @@ unsafe fn block_sums<D: Dot16, const N: usize>(
     // SAFETY (every block): register-only base Advanced SIMD; the caller's level.
     unsafe {
         let sc = vsubq_s8(vreinterpretq_s8_u8(scales(x)), vdupq_n_s8(32));
-        let sc16 = [vmovl_s8(vget_low_s8(sc)), vmovl_high_s8(sc)];
-        let mult = run_multipliers(sc16);
-        let nh = inverted_hmask(x);
+        let mult = run_multipliers_i8(sc);
+        let hm = hmask(x);
         // Offset by MAGIC for the conversion (see `from_magic`; ≤ 32 · 128 · 127).
         let mut acc = [[vdupq_n_s32(MAGIC); 2]; N];
-        half_sums::<D, N>(&levels::<0>(x, nh), y, 0, &mult, &mut acc);
-        half_sums::<D, N>(&levels::<1>(x, nh), y, 1, &mult, &mut acc);
+        let mut p = [[vdupq_n_s32(0); 2]; N];
+        half_sums::<D, N>(&levels::<0>(x, hm), y, 0, &mult, &mut p, &mut acc);
+        half_sums::<D, N>(&levels::<1>(x, hm), y, 1, &mult, &mut p, &mut acc);
         acc
     }
 }
@@ -183,7 +185,10 @@ impl Kernel<Q3K> for I8mm {
 
     const WIDE: bool = true;
 
-    const WIDE_MIN: usize = 6;
+    /// llvm-mca (Neoverse N2 / V1), cycles per row and super-block at 4 tokens: one call 123
+    /// / 65 (the row pair's unpacking, 180 / 86, included), the dotprod group of 4 148 / 73;
+    /// at 3 tokens the group of 3 is faster (119 / 59).
+    const WIDE_MIN: usize = 4;
 
     unsafe fn dot_wide(
         w: &[u8],
@@ -225,15 +230,15 @@ fn unpack_pair(x: [&[BlockQ3K]; 2], u: &mut Q3Pair) {
                 let v = vsubq_s8(vdupq_n_s8(32), vreinterpretq_s8_u8(scales(x)));
                 vst1q_s8(neg[r].as_mut_ptr(), v);
             }
-            let nh = xb.map(|x| inverted_hmask(x));
+            let hm = xb.map(|x| hmask(x));
             for n in 0..2 {
                 // Runs 8n .. 8n + 8 (group pairs 2n, 2n + 1) of both rows: [row][run].
                 let mut scaled = [[vdupq_n_s8(0); 8]; 2];
                 for (r, x) in xb.iter().enumerate() {
                     let v = if n == 0 {
-                        levels::<0>(x, nh[r])
+                        levels::<0>(x, hm[r])
                     } else {
-                        levels::<1>(x, nh[r])
+                        levels::<1>(x, hm[r])
                     };
                     for j in 0..8 {
                         // −(sc − 32) · q in −128..=124: exact in a byte.
@@ -244,7 +249,12 @@ fn unpack_pair(x: [&[BlockQ3K]; 2], u: &mut Q3Pair) {
                     let p = 2 * n + half;
                     let g = [0, 1].map(|r| {
                         let v = &scaled[r];
-                        [v[4 * half], v[4 * half + 1], v[4 * half + 2], v[4 * half + 3]]
+                        [
+                            v[4 * half],
+                            v[4 * half + 1],
+                            v[4 * half + 2],
+                            v[4 * half + 3],
+                        ]
                     });
                     for (k, v) in lane_rows(g).into_iter().enumerate() {
                         vst1q_s8(wb[4 * k + p].as_mut_ptr(), v);
@@ -277,12 +287,18 @@ unsafe fn pair_tokens<const TPN: usize>(
         for b in 0..nb {
             let dx = vld1q_f32(u.d.get_unchecked(b).as_ptr());
             let d: [float32x4_t; TPN] = std::array::from_fn(|i| {
-                vmulq_f32(vld1q_f32(l.d.get_unchecked(b * pairs + tp0 + i).as_ptr()), dx)
+                vmulq_f32(
+                    vld1q_f32(l.d.get_unchecked(b * pairs + tp0 + i).as_ptr()),
+                    dx,
+                )
             });
             for k in 0..8 {
                 let wp = u.w.as_ptr().add((8 * b + k) * 4).cast::<i8>();
                 for (i, f) in f.iter_mut().enumerate() {
-                    let bp = l.qs.as_ptr().add(4 * ((8 * b + k) * pairs + tp0 + i)).cast::<i8>();
+                    let bp =
+                        l.qs.as_ptr()
+                            .add(4 * ((8 * b + k) * pairs + tp0 + i))
+                            .cast::<i8>();
                     // Offset by MAGIC for the conversion (see `from_magic`).
                     let mut acc = vdupq_n_s32(MAGIC);
                     for p in 0..4 {
@@ -318,7 +334,8 @@ unsafe fn dot_wide(
     MM.with(|cell| {
         let (ring, u) = &mut *cell.borrow_mut();
         let l = mm_tokens(ring, a, nb);
-        let row = |r: usize| -> &[BlockQ3K] { &blocks(&w[r * row_bytes..(r + 1) * row_bytes])[..nb] };
+        let row =
+            |r: usize| -> &[BlockQ3K] { &blocks(&w[r * row_bytes..(r + 1) * row_bytes])[..nb] };
         by_row_steps::<2>(w, row_bytes, rows, out, |r, n| {
             unpack_pair([row(r), row(r + n - 1)], u);
             let mut v = [[0f32; WIDE]; 2];

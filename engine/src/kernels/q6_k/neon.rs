@@ -5,9 +5,11 @@
 //! Why this shape: the scalar order keeps 8 lane sums per super-block, lane `k` holding values
 //! `4k .. 4k + 4` of each group of 32; a 16-value `sdot` gives exactly four of them (values
 //! 16j .. 16j + 16 are lanes 0–3 of a group for even j, lanes 4–7 for odd j), so a group's
-//! two runs go into the two halves of the 8 lanes, each run's sum times its scale by one
-//! `mla` by element. Without dotprod the same four lane sums come from `smull` + pairwise
-//! adds (pair sums ≤ 2 · 63 · 127 fit an i16). The offset `32 · (sc_2k·bsum_2k +
+//! two runs go into the two halves of the 8 lanes. Each half's runs accumulate in one running
+//! `sdot` sum (no zeroing per run), and one `mla` by element per run applies the difference of
+//! consecutive run scales to it ([`half_sums`]: the telescoped form of Σ sc · sum, exact in
+//! i32). Without dotprod the same four lane sums come from `smull` + pairwise adds (pair sums
+//! ≤ 2 · 63 · 127 fit an i16) accumulated by `sadalp`. The offset `32 · (sc_2k·bsum_2k +
 //! sc_2k+1·bsum_2k+1)` comes from the block sums, then the scalar's fused multiply-add per lane
 //! and the [`reduce8`] tree: the bits of [`super::dot_scalar`].
 //!
@@ -82,19 +84,23 @@ unsafe fn mla_lane(acc: int32x4_t, p: int32x4_t, s: int32x4_t, lane: usize) -> i
 #[inline(always)]
 fn opaque(mut v: int32x4_t) -> int32x4_t {
     // SAFETY: an empty instruction sequence (a comment naming the register).
-    unsafe { std::arch::asm!("// {v:v}", v = inout(vreg) v, options(pure, nomem, nostack, preserves_flags)) };
+    unsafe {
+        std::arch::asm!("// {v:v}", v = inout(vreg) v, options(pure, nomem, nostack, preserves_flags))
+    };
     v
 }
 
 /// The 16 run scales (`sc16[0]`: runs 0–7, `[1]`: 8–15, as i16) as the multipliers of
 /// [`half_sums`]' running sums, as i32 vectors of four runs each: run `r`'s is
-/// `sc_r − sc_{r+2}`, except for the last two runs of each half, `sc_r`.
+/// `sc_r − sc_{r+2}`, except for the last two runs, `sc_r`.
 #[inline(always)]
-pub(in crate::kernels) unsafe fn run_multipliers(sc16: [int16x8_t; 2]) -> [int32x4_t; 4] {
+unsafe fn run_multipliers(sc16: [int16x8_t; 2]) -> [int32x4_t; 4] {
     // SAFETY (every intrinsic): base Advanced SIMD, register-only.
     unsafe {
-        let zero = vdupq_n_s16(0);
-        let m = sc16.map(|s| vsubq_s16(s, vextq_s16::<2>(s, zero)));
+        let m = [
+            vsubq_s16(sc16[0], vextq_s16::<2>(sc16[0], sc16[1])),
+            vsubq_s16(sc16[1], vextq_s16::<2>(sc16[1], vdupq_n_s16(0))),
+        ];
         [
             vmovl_s16(vget_low_s16(m[0])),
             vmovl_high_s16(m[0]),
@@ -105,29 +111,47 @@ pub(in crate::kernels) unsafe fn run_multipliers(sc16: [int16x8_t; 2]) -> [int32
     }
 }
 
+/// [`run_multipliers`] of scales of magnitude at most 63 (their differences fit a byte): the
+/// differences taken on bytes, then widened.
+#[inline(always)]
+pub(in crate::kernels) unsafe fn run_multipliers_i8(sc: int8x16_t) -> [int32x4_t; 4] {
+    // SAFETY (every intrinsic): base Advanced SIMD, register-only.
+    unsafe {
+        let m = vsubq_s8(sc, vextq_s8::<2>(sc, vdupq_n_s8(0)));
+        let m16 = [vmovl_s8(vget_low_s8(m)), vmovl_high_s8(m)];
+        [
+            vmovl_s16(vget_low_s16(m16[0])),
+            vmovl_high_s16(m16[0]),
+            vmovl_s16(vget_low_s16(m16[1])),
+            vmovl_high_s16(m16[1]),
+        ]
+        .map(opaque)
+    }
+}
+
 /// Adds half `h` of a super-block (its levels `v`, vector `j` = values `128h + 16j ..` = run
 /// `8h + j`) against each of `y` into the exact lane sums `acc` (lanes 0–3, 4–7): even `j`
-/// are lanes 0–3 of a group of 32, odd `j` lanes 4–7. `mult` from [`run_multipliers`]: the
-/// runs of one lane half `c` of half `h` (`8h + c + 2i`, i < 4) are summed in a running
-/// total `P_i` (no zeroing between runs), and `Σ_i sc_i · p_i = Σ_{i<3} (sc_i − sc_{i+1}) ·
-/// P_i + sc_3 · P_3`: one `mla` per run all the same, exact in i32 (|P_i| ≤ 4 · 32004, the
-/// multipliers ≤ 255 in magnitude).
+/// are lanes 0–3 of a group of 32, odd `j` lanes 4–7. The runs of one lane half `c`
+/// (`c + 2i`, i < 8, over both halves) are summed in a running total `p[c]` (no zeroing
+/// between runs; zero before half 0), and with `mult` from [`run_multipliers`] `Σ_i sc_i ·
+/// p_i = Σ_{i<7} (sc_i − sc_{i+1}) · P_i + sc_7 · P_7`: one `mla` per run all the same. Exact:
+/// i32 arithmetic wraps modulo 2^32 and the result, the lane sum, fits.
 #[inline(always)]
 pub(in crate::kernels) unsafe fn half_sums<D: Dot16, const N: usize>(
     v: &[int8x16_t; 8],
     y: [&BlockQ8K; N],
     h: usize,
     mult: &[int32x4_t; 4],
+    p: &mut [[int32x4_t; 2]; N],
     acc: &mut [[int32x4_t; 2]; N],
 ) {
     // SAFETY: 64-byte loads inside y.qs (256) at 128h + 64c < 256 (h < 2); the rest is
     // register-only; the caller's level.
     unsafe {
-        for (t, acc) in acc.iter_mut().enumerate() {
+        for (t, (acc, p)) in acc.iter_mut().zip(p.iter_mut()).enumerate() {
             let a0 = vld1q_s8_x4(y[t].qs.as_ptr().add(128 * h));
             let a1 = vld1q_s8_x4(y[t].qs.as_ptr().add(128 * h + 64));
             let a = [a0.0, a0.1, a0.2, a0.3, a1.0, a1.1, a1.2, a1.3];
-            let mut p = [vdupq_n_s32(0); 2];
             for j in 0..8 {
                 let c = j % 2;
                 p[c] = D::dot16(p[c], v[j], a[j]);
@@ -177,8 +201,9 @@ unsafe fn block_sums<D: Dot16, const N: usize>(
         let sc16 = [vmovl_s8(vget_low_s8(sc8)), vmovl_high_s8(sc8)];
         let mult = run_multipliers(sc16);
         let mut acc = [[vdupq_n_s32(0); 2]; N];
+        let mut p = acc;
         for h in 0..2 {
-            half_sums::<D, N>(&levels(x, h), y, h, &mult, &mut acc);
+            half_sums::<D, N>(&levels(x, h), y, h, &mult, &mut p, &mut acc);
         }
         for (t, acc) in acc.iter_mut().enumerate() {
             let bs = vld1q_s16_x2(y[t].bsums.as_ptr());
@@ -278,7 +303,11 @@ impl Kernel<Q6K> for I8mm {
 
     const WIDE: bool = true;
 
-    const WIDE_MIN: usize = 6;
+    /// llvm-mca (Neoverse N2 / V1), cycles per row and super-block: a call unpacks each row
+    /// pair once (276 / 131 per pair) and then costs 141 / 83 per 4 tokens, against the
+    /// dotprod groups of 4 at 140 / 69: even at 8 tokens (279 / 148 a row against 279 / 138)
+    /// the groups are no slower; from 10 (N2) or 11 (V1) tokens the lanes are.
+    const WIDE_MIN: usize = 10;
 
     unsafe fn dot_wide(
         w: &[u8],
@@ -489,7 +518,12 @@ fn unpack_pair(x: [&[BlockQ6K]; 2], u: &mut Q6Pair) {
                         // Groups 2p (runs 4p, 4p + 1) and 2p + 1 (4p + 2, 4p + 3).
                         let g = [0, 1].map(|r| {
                             let v = &planes[r][plane];
-                            [v[4 * half], v[4 * half + 1], v[4 * half + 2], v[4 * half + 3]]
+                            [
+                                v[4 * half],
+                                v[4 * half + 1],
+                                v[4 * half + 2],
+                                v[4 * half + 3],
+                            ]
                         });
                         for (k, v) in lane_rows(g).into_iter().enumerate() {
                             vst1q_s8(wb[(4 * k + p) * 2 + plane].as_mut_ptr(), v);
@@ -504,8 +538,7 @@ fn unpack_pair(x: [&[BlockQ6K]; 2], u: &mut Q6Pair) {
         unsafe {
             let v = xb.map(|x| {
                 let s = vld1q_s8(x.scales.as_ptr());
-                [vmovl_s8(vget_low_s8(s)), vmovl_high_s8(s)]
-                    .map(|h| vshlq_n_s16::<5>(vnegq_s16(h)))
+                [vmovl_s8(vget_low_s8(s)), vmovl_high_s8(s)].map(|h| vshlq_n_s16::<5>(vnegq_s16(h)))
             });
             for (k, v) in pair_runs(v).into_iter().enumerate() {
                 vst1q_s16(u.sc[8 * b + k].as_mut_ptr(), v);
@@ -536,7 +569,10 @@ unsafe fn pair_tokens<const TPN: usize>(
         for b in 0..nb {
             let dx = vld1q_f32(u.d.get_unchecked(b).as_ptr());
             let d: [float32x4_t; TPN] = std::array::from_fn(|i| {
-                vmulq_f32(vld1q_f32(l.d.get_unchecked(b * pairs + tp0 + i).as_ptr()), dx)
+                vmulq_f32(
+                    vld1q_f32(l.d.get_unchecked(b * pairs + tp0 + i).as_ptr()),
+                    dx,
+                )
             });
             for k in 0..8 {
                 let wp = u.w.as_ptr().add((8 * b + k) * 8).cast::<i8>();
@@ -585,7 +621,8 @@ unsafe fn dot_wide(
     MM.with(|cell| {
         let (ring, u) = &mut *cell.borrow_mut();
         let l = mm_tokens(ring, a, nb);
-        let row = |r: usize| -> &[BlockQ6K] { &blocks(&w[r * row_bytes..(r + 1) * row_bytes])[..nb] };
+        let row =
+            |r: usize| -> &[BlockQ6K] { &blocks(&w[r * row_bytes..(r + 1) * row_bytes])[..nb] };
         by_row_steps::<2>(w, row_bytes, rows, out, |r, n| {
             unpack_pair([row(r), row(r + n - 1)], u);
             let mut v = [[0f32; WIDE]; 2];
