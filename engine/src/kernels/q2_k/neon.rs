@@ -7,10 +7,10 @@
 //! sum and one `mla` by the telescoped 4-bit scales (`q6_k::neon::half_sums`); the minimums'
 //! lane terms `m_2k·bsum_2k + m_2k+1·bsum_2k+1` come from the block sums; all are converted
 //! to f32 by the `1.5 · 2^23` trick (`q6_k::neon::from_magic`); then the scalar's two fused
-//! multiply-adds per lane (minimums first) and the [`reduce8`] tree: the bits of [`super::dot_scalar`]. At i8mm a level times its
-//! run's scale fits a byte (≤ 45), so each row pair is unpacked once per call into those
-//! products laid out for `smmla` (8 bytes = lane `k` of two groups) and each lane's exact
-//! sum over 2 rows × 2 tokens is 4 `smmla`.
+//! multiply-adds per lane (minimums first) and the [`reduce8`] tree: the bits of
+//! [`super::dot_scalar`]. At i8mm a level times its run's scale fits a byte (≤ 45), so each
+//! row pair is unpacked once per call into those products laid out for `smmla` (8 bytes =
+//! lane `k` of two groups) and each lane's exact sum over 2 rows × 2 tokens is 4 `smmla`.
 
 use super::super::format::{Activation, Dotprod, I8mm, Kernel, Neon};
 use super::super::neon::{f16_to_f32, reduce8, smmla};
