@@ -81,11 +81,11 @@ format::registry! {
     Q5_1 => q5_1::Q5_1 [Avx2, Neon, Dotprod];
     IQ4_NL => iq4_nl::Iq4Nl [Avx2, Neon, Dotprod];
     MXFP4 => mxfp4::Mxfp4 [Avx2, Neon, Dotprod];
-    Q2_K => q2_k::Q2K [Avx2, Avx512];
-    Q3_K => q3_k::Q3K [Avx2, Avx512];
+    Q2_K => q2_k::Q2K [Avx2, Avx512, Neon, Dotprod, I8mm];
+    Q3_K => q3_k::Q3K [Avx2, Avx512, Neon, Dotprod, I8mm];
     Q4_K => q4_k::Q4K [Avx2, Avx512, Neon, Dotprod, I8mm];
     Q5_K => q5_k::Q5K [Avx2, Neon, Dotprod, I8mm];
-    Q6_K => q6_k::Q6K [Avx2, Avx512];
+    Q6_K => q6_k::Q6K [Avx2, Avx512, Neon, Dotprod, I8mm];
     IQ4_XS => iq4_xs::Iq4Xs [Avx2, Neon, Dotprod, I8mm];
 }
 

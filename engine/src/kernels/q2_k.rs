@@ -213,6 +213,9 @@ unsafe fn dot_avx2(w: &[BlockQ2K], a: &[BlockQ8K]) -> f32 {
 
 super::format::kquant_format!(Q2K, Q2_K, BlockQ2K);
 
+#[cfg(target_arch = "aarch64")]
+mod neon;
+
 #[cfg(target_arch = "x86_64")]
 impl super::format::Kernel<Q2K> for super::format::Avx512 {
     /// AVX2's (the lanes kernel pays off only over many tokens).
@@ -489,8 +492,9 @@ mod tests {
     #[test]
     fn wide_dot_matches_single_dots_bits() {
         check_group_matches_single::<Q2K>(
-            // Grouped only at AVX-512 (other levels run single dots).
-            super::super::simd_level().name() == "avx512",
+            // Grouped at AVX-512 (the other x86-64 levels run single dots) and at every aarch64
+            // level.
+            cfg!(target_arch = "aarch64") || super::super::simd_level().name() == "avx512",
         );
     }
 

@@ -223,6 +223,9 @@ unsafe fn dot_avx2(w: &[BlockQ3K], a: &[BlockQ8K]) -> f32 {
 
 super::format::kquant_format!(Q3K, Q3_K, BlockQ3K);
 
+#[cfg(target_arch = "aarch64")]
+mod neon;
+
 #[cfg(target_arch = "x86_64")]
 impl super::format::Kernel<Q3K> for super::format::Avx512 {
     /// AVX2's (the lanes kernel pays off only over many tokens).
@@ -549,8 +552,9 @@ mod tests {
     #[test]
     fn wide_dot_matches_single_dots_bits() {
         check_group_matches_single::<Q3K>(
-            // Grouped only at AVX-512 (other levels run single dots).
-            super::super::simd_level().name() == "avx512",
+            // Grouped at AVX-512 (the other x86-64 levels run single dots) and at every aarch64
+            // level.
+            cfg!(target_arch = "aarch64") || super::super::simd_level().name() == "avx512",
         );
     }
 

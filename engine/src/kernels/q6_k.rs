@@ -104,6 +104,9 @@ pub(super) fn dequantize(src: &[BlockQ6K], dst: &mut [f32]) {
 
 super::format::kquant_format!(Q6K, Q6_K, BlockQ6K, grouped);
 
+#[cfg(target_arch = "aarch64")]
+pub(super) mod neon;
+
 pub(super) fn dot_scalar(w: &[BlockQ6K], a: &[BlockQ8K]) -> f32 {
     let mut lanes = [0f32; 8];
     for (x, y) in w.iter().zip(a) {
@@ -498,6 +501,7 @@ mod tests {
         print_group_speed::<Q6K>();
     }
 
+    /// Every level above scalar has a grouped kernel (AVX2, NEON, dotprod), so the best does.
     #[test]
     fn group_dot_matches_single_dots_bits() {
         check_group_matches_single::<Q6K>(true);
