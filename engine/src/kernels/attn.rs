@@ -12,7 +12,8 @@
 //! thread count or the SIMD level, so a row computed inside a prefill equals the same row
 //! computed alone in a decode step, and every [`SimdLevel`] equals the scalar reference:
 //! - score `j`: from `acc = 0`, `acc = fma(q[d], k_j[d], acc)` for `d = 0 .. head_dim` in order;
-//!   a soft-cap `c·tanh(s/c)` (libm, scalar at every level), then `× scale`;
+//!   a soft-cap `c·tanh(s/c)` (the `libm` crate's `tanhf`, the same bits on every target;
+//!   scalar at every level), then `× scale`;
 //! - `m` = the largest score (and the sink); `e_j = exp_neg(s_j − m)` ([`exp_neg`]);
 //! - the sum: `e_j` (as f64) joins lane `(j − first) % 16`, each lane in key order, the 16
 //!   lanes folded by a fixed tree, the sink's exponential added last; `w_j = e_j · (1/sum)`;
@@ -491,7 +492,7 @@ fn softmax(level: SimdLevel, row: &mut [f32], cap: Option<f32>, scale: f32, sink
     }
     if let Some(c) = cap {
         for s in row.iter_mut() {
-            *s = c * (*s / c).tanh();
+            *s = c * libm::tanhf(*s / c);
         }
     }
     let mut lanes = [0f64; 16];
