@@ -15,6 +15,13 @@
 //! code; `sqrt` is exact), while `tanh`, `sin` and `cos`, whose platform versions differ between
 //! x86 glibc, aarch64 glibc and musl, come from the pure-Rust `libm` crate (musl's code, the same
 //! operations on every target). `transcendentals_give_the_same_bits_on_every_target` pins them.
+//!
+//! SIMD: the norms, rope and the GLU products are plain loops that the compiler vectorises
+//! without reordering (on aarch64, NEON is the baseline: the RMS norm's squares and widenings
+//! four at a time, its f64 sum one add after another in the scalar order, which no vector form
+//! keeps; rope's pairs by `ld2`/`st2`). SiLU and gpt-oss's SwiGLU call the platform's `expf`
+//! per value, which no vector code reproduces bit for bit, so those calls stay scalar. GELU's
+//! f16 rounding and ±10 short-cuts have a NEON path ([`gelu_glu`]), the table read per lane.
 
 use super::state::KvSource;
 use super::weights::Mat;
@@ -469,13 +476,68 @@ pub fn gelu(x: f32) -> f32 {
     if x >= 10.0 {
         return x;
     }
+    gelu_table()[half::f16::from_f32(x).to_bits() as usize]
+}
+
+/// [`gelu`]'s table, by f16 bit pattern.
+fn gelu_table() -> &'static [f32] {
     static TABLE: std::sync::OnceLock<Box<[f32]>> = std::sync::OnceLock::new();
-    let table = TABLE.get_or_init(|| {
+    TABLE.get_or_init(|| {
         (0..=u16::MAX)
             .map(|bits| gelu_of_f16(half::f16::from_bits(bits)))
             .collect()
-    });
-    table[half::f16::from_f32(x).to_bits() as usize]
+    })
+}
+
+/// `gate[i] = gelu(gate[i])·up[i]` at `level`: the scalar loop, or on aarch64 four values a
+/// step with the f16 rounding by `fcvtn` (round to nearest even, as `half`'s conversion) and
+/// the ±10 short-cuts by selects; the table is read one lane at a time (NEON has no gather).
+/// The same bits at every level.
+fn gelu_glu(level: kernels::SimdLevel, gate: &mut [f32], up: &[f32]) {
+    let n = gate.len().min(up.len());
+    #[cfg(target_arch = "aarch64")]
+    let done = if level >= kernels::SimdLevel::Neon {
+        gelu_glu_neon(&mut gate[..n], &up[..n])
+    } else {
+        0
+    };
+    #[cfg(not(target_arch = "aarch64"))]
+    let done = {
+        let _ = level;
+        0
+    };
+    for (g, &u) in gate[done..n].iter_mut().zip(&up[done..n]) {
+        *g = gelu(*g) * u;
+    }
+}
+
+/// [`gelu_glu`]'s NEON steps over the whole fours of `gate` (as long as `up`); returns how
+/// many values it did.
+#[cfg(target_arch = "aarch64")]
+fn gelu_glu_neon(gate: &mut [f32], up: &[f32]) -> usize {
+    use std::arch::aarch64::*;
+    let table = gelu_table();
+    let n = gate.len().min(up.len()) / 4 * 4;
+    let (gp, upp) = (gate.as_mut_ptr(), up.as_ptr());
+    // SAFETY: base Advanced SIMD; every access is inside `gate[..n]`/`up[..n]` (i + 4 ≤ n),
+    // and the table has an entry for each of the 65536 f16 patterns.
+    unsafe {
+        let (lo, hi) = (vdupq_n_f32(-10.0), vdupq_n_f32(10.0));
+        for i in (0..n).step_by(4) {
+            let x = vld1q_f32(gp.add(i));
+            let h = kernels::neon::f32x4_to_f16(x);
+            let t = [
+                *table.get_unchecked(vget_lane_u16::<0>(h) as usize),
+                *table.get_unchecked(vget_lane_u16::<1>(h) as usize),
+                *table.get_unchecked(vget_lane_u16::<2>(h) as usize),
+                *table.get_unchecked(vget_lane_u16::<3>(h) as usize),
+            ];
+            let g = vbslq_f32(vcgeq_f32(x, hi), x, vld1q_f32(t.as_ptr()));
+            let g = vbslq_f32(vcleq_f32(x, lo), vdupq_n_f32(0.0), g);
+            vst1q_f32(gp.add(i), vmulq_f32(g, vld1q_f32(upp.add(i))));
+        }
+    }
+    n
 }
 
 /// One entry of [`gelu`]'s table: the tanh-approximated GELU of an f16 input, computed in f32
@@ -509,7 +571,9 @@ pub enum Glu {
 }
 
 impl Glu {
-    /// `gate[i] = glu(gate[i], up[i])`.
+    /// `gate[i] = glu(gate[i], up[i])`. SiLU and the SwiGLU call the platform's `expf` per
+    /// value, which no vector code reproduces bit for bit, so they stay scalar (the compiler
+    /// vectorises the divisions and products around the calls); GELU has a NEON path.
     pub fn apply(self, gate: &mut [f32], up: &[f32]) {
         match self {
             Glu::Silu => {
@@ -517,11 +581,7 @@ impl Glu {
                     *g = silu(*g) * u;
                 }
             }
-            Glu::Gelu => {
-                for (g, &u) in gate.iter_mut().zip(up) {
-                    *g = gelu(*g) * u;
-                }
-            }
+            Glu::Gelu => gelu_glu(kernels::simd_level(), gate, up),
             Glu::SwigluOai { alpha, limit } => {
                 for (g, &u) in gate.iter_mut().zip(up) {
                     *g = swiglu_oai(*g, u, alpha, limit);
@@ -644,6 +704,47 @@ mod tests {
             assert_eq!(gelu(x).to_bits(), by_formula(x).to_bits(), "gelu({x:e})");
         }
         assert!(checked > 16_000_000);
+    }
+
+    /// The GELU-GLU gives the scalar bits at every SIMD level: every 2^8th f32 pattern (the
+    /// ±10 edges, f16 rounding ties and overflow included) times a spread of `up` values.
+    #[test]
+    fn gelu_glu_gives_the_scalar_bits_at_every_level() {
+        let mut gate: Vec<f32> = (0..1u32 << 24)
+            .map(|hi| f32::from_bits(hi << 8 | (hi & 0xff)))
+            .filter(|x| !x.is_nan())
+            .collect();
+        gate.extend([
+            -10.0f32, -9.999, 9.997, 9.999, 10.0, 0.0, -0.0, 65504.0, -65520.0,
+        ]);
+        let up: Vec<f32> = (0..gate.len())
+            .map(|i| ((i * 7919 % 2001) as f32 - 1000.0) * 0.013)
+            .collect();
+        let want: Vec<u32> = gate
+            .iter()
+            .zip(&up)
+            .map(|(&g, &u)| (gelu(g) * u).to_bits())
+            .collect();
+        for level in kernels::SimdLevel::available() {
+            // Odd lengths: the scalar tail after the vectors.
+            for len in [gate.len(), 4099, 3] {
+                let mut got = gate[..len].to_vec();
+                gelu_glu(level, &mut got, &up[..len]);
+                for (i, (g, w)) in got.iter().zip(&want[..len]).enumerate() {
+                    assert_eq!(
+                        g.to_bits(),
+                        *w,
+                        "{}: gelu({:e})·{}",
+                        level.name(),
+                        gate[i],
+                        up[i]
+                    );
+                }
+            }
+            let mut nan = [f32::NAN; 4];
+            gelu_glu(level, &mut nan, &[1.0; 4]);
+            assert!(nan.iter().all(|x| x.is_nan()), "{}", level.name());
+        }
     }
 
     #[test]
