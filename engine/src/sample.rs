@@ -77,7 +77,8 @@ impl Sampler {
         let mx = c[0].0;
         let mut probs: Vec<f64> = c
             .iter()
-            .map(|&(v, _)| (((v - mx) / self.cfg.temp) as f64).exp())
+            // libm: f64 `exp` differs between glibc and musl; the draw must not.
+            .map(|&(v, _)| libm::exp(((v - mx) / self.cfg.temp) as f64))
             .collect();
         let sum: f64 = probs.iter().sum();
         probs.iter_mut().for_each(|p| *p /= sum);

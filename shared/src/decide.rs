@@ -99,9 +99,11 @@ pub fn choice_logp(logits: &[f32], tokens: &[u32]) -> Vec<Option<f64>> {
         let sum: f64 = logits
             .iter()
             .filter(|l| l.is_finite())
-            .map(|&l| (f64::from(l) - max).exp())
+            .map(|&l| libm::exp(f64::from(l) - max))
             .sum();
-        max + sum.ln()
+        // libm: f64 `exp`/`ln` differ between glibc and musl; a choice's log-probability is
+        // part of what an aarch64 build must reproduce.
+        max + libm::log(sum)
     } else {
         f64::NAN
     };

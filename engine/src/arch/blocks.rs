@@ -8,6 +8,20 @@
 //! operations where it matters for the bits (norms square in f32 and sum in f64; a softmax sums
 //! its exponentials in f64 and multiplies by one reciprocal; GELU goes through f16 as ggml's
 //! table does), so our logits stay close to llama.cpp's position by position.
+//!
+//! Every transcendental function here gives the same bits on every target, so an aarch64 (musl
+//! or glibc) build writes the x86 build's logits: `exp`, `ln`, `powf` and `sqrt` of f32 are the
+//! platform's (glibc's and musl's agree bit for bit: the same correctly-rounding-in-practice
+//! code; `sqrt` is exact), while `tanh`, `sin` and `cos`, whose platform versions differ between
+//! x86 glibc, aarch64 glibc and musl, come from the pure-Rust `libm` crate (musl's code, the same
+//! operations on every target). `transcendentals_give_the_same_bits_on_every_target` pins them.
+//!
+//! SIMD: the norms, rope and the GLU products are plain loops that the compiler vectorises
+//! without reordering (on aarch64, NEON is the baseline: the RMS norm's squares and widenings
+//! four at a time, its f64 sum one add after another in the scalar order, which no vector form
+//! keeps; rope's pairs by `ld2`/`st2`). SiLU and gpt-oss's SwiGLU call the platform's `expf`
+//! per value, which no vector code reproduces bit for bit, so those calls stay scalar. GELU's
+//! f16 rounding and ±10 short-cuts have a NEON path ([`gelu_glu`]), the table read per lane.
 
 use super::state::KvSource;
 use super::weights::Mat;
@@ -317,8 +331,10 @@ impl Rope {
                 th = interp * (1.0 - ramp) + extrap * ramp;
                 mscale *= 1.0 + 0.1 * (1.0 / self.freq_scale).ln();
             }
-            cache[i0] = th.cos() * mscale;
-            cache[i0 + 1] = th.sin() * mscale;
+            // libm, not the platform's sinf/cosf (musl's differ from glibc's).
+            let (sin, cos) = libm::sincosf(th);
+            cache[i0] = cos * mscale;
+            cache[i0 + 1] = sin * mscale;
             theta *= theta_scale;
         }
     }
@@ -460,13 +476,68 @@ pub fn gelu(x: f32) -> f32 {
     if x >= 10.0 {
         return x;
     }
+    gelu_table()[half::f16::from_f32(x).to_bits() as usize]
+}
+
+/// [`gelu`]'s table, by f16 bit pattern.
+fn gelu_table() -> &'static [f32] {
     static TABLE: std::sync::OnceLock<Box<[f32]>> = std::sync::OnceLock::new();
-    let table = TABLE.get_or_init(|| {
+    TABLE.get_or_init(|| {
         (0..=u16::MAX)
             .map(|bits| gelu_of_f16(half::f16::from_bits(bits)))
             .collect()
-    });
-    table[half::f16::from_f32(x).to_bits() as usize]
+    })
+}
+
+/// `gate[i] = gelu(gate[i])·up[i]` at `level`: the scalar loop, or on aarch64 four values a
+/// step with the f16 rounding by `fcvtn` (round to nearest even, as `half`'s conversion) and
+/// the ±10 short-cuts by selects; the table is read one lane at a time (NEON has no gather).
+/// The same bits at every level.
+fn gelu_glu(level: kernels::SimdLevel, gate: &mut [f32], up: &[f32]) {
+    let n = gate.len().min(up.len());
+    #[cfg(target_arch = "aarch64")]
+    let done = if level >= kernels::SimdLevel::Neon {
+        gelu_glu_neon(&mut gate[..n], &up[..n])
+    } else {
+        0
+    };
+    #[cfg(not(target_arch = "aarch64"))]
+    let done = {
+        let _ = level;
+        0
+    };
+    for (g, &u) in gate[done..n].iter_mut().zip(&up[done..n]) {
+        *g = gelu(*g) * u;
+    }
+}
+
+/// [`gelu_glu`]'s NEON steps over the whole fours of `gate` (as long as `up`); returns how
+/// many values it did.
+#[cfg(target_arch = "aarch64")]
+fn gelu_glu_neon(gate: &mut [f32], up: &[f32]) -> usize {
+    use std::arch::aarch64::*;
+    let table = gelu_table();
+    let n = gate.len().min(up.len()) / 4 * 4;
+    let (gp, upp) = (gate.as_mut_ptr(), up.as_ptr());
+    // SAFETY: base Advanced SIMD; every access is inside `gate[..n]`/`up[..n]` (i + 4 ≤ n),
+    // and the table has an entry for each of the 65536 f16 patterns.
+    unsafe {
+        let (lo, hi) = (vdupq_n_f32(-10.0), vdupq_n_f32(10.0));
+        for i in (0..n).step_by(4) {
+            let x = vld1q_f32(gp.add(i));
+            let h = kernels::neon::f32x4_to_f16(x);
+            let t = [
+                *table.get_unchecked(vget_lane_u16::<0>(h) as usize),
+                *table.get_unchecked(vget_lane_u16::<1>(h) as usize),
+                *table.get_unchecked(vget_lane_u16::<2>(h) as usize),
+                *table.get_unchecked(vget_lane_u16::<3>(h) as usize),
+            ];
+            let g = vbslq_f32(vcgeq_f32(x, hi), x, vld1q_f32(t.as_ptr()));
+            let g = vbslq_f32(vcleq_f32(x, lo), vdupq_n_f32(0.0), g);
+            vst1q_f32(gp.add(i), vmulq_f32(g, vld1q_f32(upp.add(i))));
+        }
+    }
+    n
 }
 
 /// One entry of [`gelu`]'s table: the tanh-approximated GELU of an f16 input, computed in f32
@@ -475,7 +546,9 @@ fn gelu_of_f16(h: half::f16) -> f32 {
     const SQRT_2_OVER_PI: f32 = 0.797_884_6;
     const COEF_A: f32 = 0.044715;
     let h = h.to_f32();
-    let g = 0.5 * h * (1.0 + (SQRT_2_OVER_PI * h * (1.0 + COEF_A * h * h)).tanh());
+    // libm's tanhf (the platform's differs between targets); the f16 rounding hides the change
+    // from glibc's: every entry of the table is unchanged on x86.
+    let g = 0.5 * h * (1.0 + libm::tanhf(SQRT_2_OVER_PI * h * (1.0 + COEF_A * h * h)));
     half::f16::from_f32(g).to_f32()
 }
 
@@ -498,7 +571,9 @@ pub enum Glu {
 }
 
 impl Glu {
-    /// `gate[i] = glu(gate[i], up[i])`.
+    /// `gate[i] = glu(gate[i], up[i])`. SiLU and the SwiGLU call the platform's `expf` per
+    /// value, which no vector code reproduces bit for bit, so they stay scalar (the compiler
+    /// vectorises the divisions and products around the calls); GELU has a NEON path.
     pub fn apply(self, gate: &mut [f32], up: &[f32]) {
         match self {
             Glu::Silu => {
@@ -506,11 +581,7 @@ impl Glu {
                     *g = silu(*g) * u;
                 }
             }
-            Glu::Gelu => {
-                for (g, &u) in gate.iter_mut().zip(up) {
-                    *g = gelu(*g) * u;
-                }
-            }
+            Glu::Gelu => gelu_glu(kernels::simd_level(), gate, up),
             Glu::SwigluOai { alpha, limit } => {
                 for (g, &u) in gate.iter_mut().zip(up) {
                     *g = swiglu_oai(*g, u, alpha, limit);
@@ -521,11 +592,11 @@ impl Glu {
 }
 
 /// Logit soft-capping `c·tanh(x/c)` in place (gemma's final logits), in ggml's order (scale,
-/// tanh, scale).
+/// tanh, scale); libm's `tanhf`, the same bits on every target.
 pub fn softcap(v: &mut [f32], cap: f32) {
     let inv = 1.0 / cap;
     for x in v.iter_mut() {
-        *x = (*x * inv).tanh() * cap;
+        *x = libm::tanhf(*x * inv) * cap;
     }
 }
 
@@ -635,6 +706,47 @@ mod tests {
         assert!(checked > 16_000_000);
     }
 
+    /// The GELU-GLU gives the scalar bits at every SIMD level: every 2^8th f32 pattern (the
+    /// ±10 edges, f16 rounding ties and overflow included) times a spread of `up` values.
+    #[test]
+    fn gelu_glu_gives_the_scalar_bits_at_every_level() {
+        let mut gate: Vec<f32> = (0..1u32 << 24)
+            .map(|hi| f32::from_bits(hi << 8 | (hi & 0xff)))
+            .filter(|x| !x.is_nan())
+            .collect();
+        gate.extend([
+            -10.0f32, -9.999, 9.997, 9.999, 10.0, 0.0, -0.0, 65504.0, -65520.0,
+        ]);
+        let up: Vec<f32> = (0..gate.len())
+            .map(|i| ((i * 7919 % 2001) as f32 - 1000.0) * 0.013)
+            .collect();
+        let want: Vec<u32> = gate
+            .iter()
+            .zip(&up)
+            .map(|(&g, &u)| (gelu(g) * u).to_bits())
+            .collect();
+        for level in kernels::SimdLevel::available() {
+            // Odd lengths: the scalar tail after the vectors.
+            for len in [gate.len(), 4099, 3] {
+                let mut got = gate[..len].to_vec();
+                gelu_glu(level, &mut got, &up[..len]);
+                for (i, (g, w)) in got.iter().zip(&want[..len]).enumerate() {
+                    assert_eq!(
+                        g.to_bits(),
+                        *w,
+                        "{}: gelu({:e})·{}",
+                        level.name(),
+                        gate[i],
+                        up[i]
+                    );
+                }
+            }
+            let mut nan = [f32::NAN; 4];
+            gelu_glu(level, &mut nan, &[1.0; 4]);
+            assert!(nan.iter().all(|x| x.is_nan()), "{}", level.name());
+        }
+    }
+
     #[test]
     fn swiglu_oai_clamps_both_inputs() {
         assert_eq!(
@@ -646,6 +758,101 @@ mod tests {
             swiglu_oai(1.0, -7.0, 1.702, 7.0)
         );
         assert!((swiglu_oai(1.0, 0.0, 1.702, 7.0) - 1.0 / (1.0 + (-1.702f32).exp())).abs() < 1e-6);
+    }
+
+    /// Hashes of the bits every transcendental function of the forward pass, the sampler, the
+    /// choice scores and the cache policies returns over a sweep: the same constants on every
+    /// target (x86-64 glibc, aarch64 glibc and musl under qemu), so a target whose platform
+    /// `expf`/`logf`/`powf` differ, or a change of libm, fails here rather than as a logit
+    /// difference between builds. The sweep: every 4093rd f32 bit pattern (all exponents, both
+    /// signs, subnormals, infinities and NaNs), then 2^19 values spread over [−12, 12]. (On the
+    /// sweeps that chose these functions, the platform `tanhf`, `sinf`/`cosf` and the f64
+    /// functions differed between targets on 0.03–1 % of such inputs.)
+    #[test]
+    fn transcendentals_give_the_same_bits_on_every_target() {
+        fn mix(h: u64, bits: u64) -> u64 {
+            (h ^ bits).wrapping_mul(0x0000_0100_0000_01b3)
+        }
+        // NaN results hash as one value: their payloads are not part of the contract.
+        fn h32(h: u64, x: f32) -> u64 {
+            let bits = if x.is_nan() { 0x7fc0_0000 } else { x.to_bits() };
+            mix(h, bits as u64)
+        }
+        fn h64(h: u64, x: f64) -> u64 {
+            let bits = if x.is_nan() {
+                0x7ff8 << 48
+            } else {
+                x.to_bits()
+            };
+            mix(h, bits)
+        }
+        let wide = (0..=u32::MAX / 4093).map(|i| f32::from_bits(i * 4093));
+        let dense = (0..1u32 << 19).map(|i| i as f32 * (24.0 / (1u32 << 19) as f32) - 12.0);
+        let xs: Vec<f32> = wide.chain(dense).collect();
+        let powers = [-2.0f32 / 128.0, -2.0 / 64.0, 0.25, 0.75, 1.5, -0.5];
+        let mut got: Vec<(&str, u64)> = Vec::new();
+        let mut put = |name, f: &dyn Fn(u64, f32) -> u64| {
+            got.push((name, xs.iter().fold(0xcbf2_9ce4_8422_2325, |h, &x| f(h, x))));
+        };
+        put("f32 exp", &|h, x| h32(h, x.exp()));
+        put("f32 ln", &|h, x| h32(h, x.ln()));
+        put("f32 sqrt", &|h, x| h32(h, x.sqrt()));
+        put("f32 powf", &|h, x| {
+            powers.iter().fold(h, |h, &y| h32(h, x.powf(y)))
+        });
+        put("libm tanhf", &|h, x| h32(h, libm::tanhf(x)));
+        put("libm sincosf", &|h, x| {
+            let (s, c) = libm::sincosf(x);
+            h32(h32(h, s), c)
+        });
+        put("libm exp", &|h, x| h64(h, libm::exp(x as f64)));
+        put("libm log", &|h, x| h64(h, libm::log(x as f64)));
+        put("libm pow", &|h, x| h64(h, libm::pow(0.005, 1.0 / x as f64)));
+        put("libm exp2 log2", &|h, x| {
+            h64(h64(h, libm::exp2(x as f64)), libm::log2(x as f64))
+        });
+        // The forward pass's own uses: the GELU table and a YaRN rope cache.
+        let gelu_table = (0..=u16::MAX).fold(0xcbf2_9ce4_8422_2325, |h, b| {
+            h32(h, gelu_of_f16(half::f16::from_bits(b)))
+        });
+        got.push(("gelu table", gelu_table));
+        let y = Yarn {
+            factor: 32.0,
+            n_ctx_orig: 4096,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            attn_factor: 1.0,
+        };
+        let rope = Rope::yarn(RopeKind::Neox, 64, 150_000.0, y);
+        let mut cache = Vec::new();
+        let rope_hash = (0..4096u32)
+            .step_by(7)
+            .fold(0xcbf2_9ce4_8422_2325, |h, pos| {
+                rope.cache(pos, &mut cache);
+                cache.iter().fold(h, |h, &c| h32(h, c))
+            });
+        got.push(("rope cache", rope_hash));
+        let want: &[(&str, u64)] = &[
+            ("f32 exp", 0xde57243ab132444f),
+            ("f32 ln", 0x45e5f775434168cb),
+            ("f32 sqrt", 0xabaa13095337d8a8),
+            ("f32 powf", 0x9407074c1e786237),
+            ("libm tanhf", 0x93cb8b6740ef89ca),
+            ("libm sincosf", 0xe64153a166ab252f),
+            ("libm exp", 0xe531c2a21f81dd5d),
+            ("libm log", 0xe043b752c580c780),
+            ("libm pow", 0xe36caa2cca7dfe18),
+            ("libm exp2 log2", 0x4b194e575a7ece94),
+            ("gelu table", 0x37f6008cfa23c325),
+            ("rope cache", 0x36e93c2e4503f48f),
+        ];
+        for ((name, hash), (_, expected)) in got.iter().zip(want) {
+            assert_eq!(
+                hash, expected,
+                "{name}: {hash:#018x}, pinned {expected:#018x}"
+            );
+        }
+        assert_eq!(got.len(), want.len());
     }
 
     #[test]

@@ -12,7 +12,8 @@
 //! thread count or the SIMD level, so a row computed inside a prefill equals the same row
 //! computed alone in a decode step, and every [`SimdLevel`] equals the scalar reference:
 //! - score `j`: from `acc = 0`, `acc = fma(q[d], k_j[d], acc)` for `d = 0 .. head_dim` in order;
-//!   a soft-cap `c·tanh(s/c)` (libm, scalar at every level), then `× scale`;
+//!   a soft-cap `c·tanh(s/c)` (the `libm` crate's `tanhf`, the same bits on every target;
+//!   scalar at every level), then `× scale`;
 //! - `m` = the largest score (and the sink); `e_j = exp_neg(s_j − m)` ([`exp_neg`]);
 //! - the sum: `e_j` (as f64) joins lane `(j − first) % 16`, each lane in key order, the 16
 //!   lanes folded by a fixed tree, the sink's exponential added last; `w_j = e_j · (1/sum)`;
@@ -354,7 +355,15 @@ fn transpose_keys<K: KvRows>(
             return;
         }
     }
-    #[cfg(not(target_arch = "x86_64"))]
+    #[cfg(target_arch = "aarch64")]
+    if level >= SimdLevel::Neon && count == KB {
+        let keys: [*const f32; KB] =
+            std::array::from_fn(|l| kv.key(kb + l)[koff..koff + hd].as_ptr());
+        // SAFETY: each key pointer reads `hd` floats (sliced above); kt holds hd·16.
+        unsafe { aarch64::transpose_keys(&keys, hd, kt) };
+        return;
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
     let _ = level;
     for l in 0..KB {
         if l < count {
@@ -464,6 +473,13 @@ unsafe fn score_block(level: SimdLevel, kt: &[f32], hd: usize, qs: &[*const f32]
             2 => x86::scores_256::<2>(kt, hd, qs, ss),
             _ => x86::scores_256::<1>(kt, hd, qs, ss),
         },
+        #[cfg(target_arch = "aarch64")]
+        SimdLevel::Neon | SimdLevel::Dotprod | SimdLevel::I8mm => match qs.len() {
+            4 => aarch64::scores::<4>(kt, hd, qs, ss),
+            3 => aarch64::scores::<3>(kt, hd, qs, ss),
+            2 => aarch64::scores::<2>(kt, hd, qs, ss),
+            _ => aarch64::scores::<1>(kt, hd, qs, ss),
+        },
         _ => {
             for (&qp, &sp) in qs.iter().zip(ss) {
                 let qv = std::slice::from_raw_parts(qp, hd);
@@ -491,7 +507,7 @@ fn softmax(level: SimdLevel, row: &mut [f32], cap: Option<f32>, scale: f32, sink
     }
     if let Some(c) = cap {
         for s in row.iter_mut() {
-            *s = c * (*s / c).tanh();
+            *s = c * libm::tanhf(*s / c);
         }
     }
     let mut lanes = [0f64; 16];
@@ -501,6 +517,11 @@ fn softmax(level: SimdLevel, row: &mut [f32], cap: Option<f32>, scale: f32, sink
         SimdLevel::Avx512 => unsafe { x86::softmax_512(row, scale, sink, &mut lanes) },
         #[cfg(target_arch = "x86_64")]
         SimdLevel::Avx2 => unsafe { x86::softmax_256(row, scale, sink, &mut lanes) },
+        // SAFETY: base Advanced SIMD (every aarch64 core).
+        #[cfg(target_arch = "aarch64")]
+        SimdLevel::Neon | SimdLevel::Dotprod | SimdLevel::I8mm => unsafe {
+            aarch64::softmax(row, scale, sink, &mut lanes)
+        },
         _ => softmax_scalar(row, scale, sink, &mut lanes),
     };
     let mut sum = fold16(&lanes);
@@ -511,6 +532,11 @@ fn softmax(level: SimdLevel, row: &mut [f32], cap: Option<f32>, scale: f32, sink
     match level {
         #[cfg(target_arch = "x86_64")]
         SimdLevel::Avx512 | SimdLevel::Avx2 => unsafe { x86::scale_256(row, inv) },
+        // SAFETY: base Advanced SIMD.
+        #[cfg(target_arch = "aarch64")]
+        SimdLevel::Neon | SimdLevel::Dotprod | SimdLevel::I8mm => unsafe {
+            aarch64::scale(row, inv)
+        },
         _ => row.iter_mut().for_each(|s| *s *= inv),
     }
 }
@@ -590,6 +616,26 @@ unsafe fn value_sum<K: KvRows>(
                     (_, _) => x86::values_256::<K, 1, 1>(kv, o, d0, first, last, ws, os),
                 }
                 d0 += chunks * 8;
+            }
+            d0
+        }
+        #[cfg(target_arch = "aarch64")]
+        SimdLevel::Neon | SimdLevel::Dotprod | SimdLevel::I8mm => {
+            let mut d0 = 0;
+            while d0 + 4 <= hd {
+                let chunks = ((hd - d0) / 4).min(8);
+                let o = koff + d0;
+                macro_rules! run {
+                    ($($c:literal)*) => {
+                        match (ws.len(), chunks) {
+                            $((2, $c) => aarch64::values::<K, 2, $c>(kv, o, d0, first, last, ws, os),)*
+                            $((_, $c) => aarch64::values::<K, 1, $c>(kv, o, d0, first, last, ws, os),)*
+                            _ => unreachable!("1 ..= 8 chunks"),
+                        }
+                    };
+                }
+                run!(8 7 6 5 4 3 2 1);
+                d0 += chunks * 4;
             }
             d0
         }
@@ -938,6 +984,252 @@ mod x86 {
         for (a, &op) in acc.iter().zip(os) {
             for (c, x) in a.iter().enumerate() {
                 _mm256_storeu_ps(op.add(d0 + 8 * c), *x);
+            }
+        }
+    }
+}
+
+/// The NEON paths (every aarch64 core; the dotprod and i8mm levels run these too: attention has
+/// no 8-bit products). Each follows the scalar definition's operations exactly: `vfmaq_f32` is
+/// the scalar `mul_add`, and the lanes of the softmax sum are the scalar's 16 lanes.
+#[cfg(target_arch = "aarch64")]
+mod aarch64 {
+    use super::{KvRows, EXP_LO, EXP_P, KB, LN2_HI, LN2_LO, LOG2E, MAGIC};
+    use std::arch::aarch64::*;
+
+    /// 16 keys (`keys[l]`, `hd` floats each) into `kt[d·16 + l]`: 4×4 blocks transposed in
+    /// registers (`trn1`/`trn2` on 32- then 64-bit lanes), the last `hd % 4` elements one by one.
+    ///
+    /// # Safety
+    /// Each `keys[l]` reads `hd` floats; `kt` holds `hd·16`.
+    pub(super) unsafe fn transpose_keys(keys: &[*const f32; KB], hd: usize, kt: &mut [f32]) {
+        let out = kt.as_mut_ptr();
+        for l0 in (0..KB).step_by(4) {
+            let k = [keys[l0], keys[l0 + 1], keys[l0 + 2], keys[l0 + 3]];
+            let mut d = 0;
+            while d + 4 <= hd {
+                let r0 = vld1q_f32(k[0].add(d));
+                let r1 = vld1q_f32(k[1].add(d));
+                let r2 = vld1q_f32(k[2].add(d));
+                let r3 = vld1q_f32(k[3].add(d));
+                // t0 = [r0.0 r1.0 r0.2 r1.2], t1 = [r0.1 r1.1 r0.3 r1.3], likewise t2, t3.
+                let t0 = vreinterpretq_f64_f32(vtrn1q_f32(r0, r1));
+                let t1 = vreinterpretq_f64_f32(vtrn2q_f32(r0, r1));
+                let t2 = vreinterpretq_f64_f32(vtrn1q_f32(r2, r3));
+                let t3 = vreinterpretq_f64_f32(vtrn2q_f32(r2, r3));
+                let c = [
+                    vtrn1q_f64(t0, t2),
+                    vtrn1q_f64(t1, t3),
+                    vtrn2q_f64(t0, t2),
+                    vtrn2q_f64(t1, t3),
+                ];
+                for (i, c) in c.iter().enumerate() {
+                    vst1q_f32(out.add((d + i) * KB + l0), vreinterpretq_f32_f64(*c));
+                }
+                d += 4;
+            }
+            for d in d..hd {
+                for (i, &p) in k.iter().enumerate() {
+                    *out.add(d * KB + l0 + i) = *p.add(d);
+                }
+            }
+        }
+    }
+
+    /// The 16 scores of `Q` queries: four accumulators of 4 keys each per query, one fused
+    /// step per element `d` in order (the query element taken from a register lane).
+    ///
+    /// # Safety
+    /// As `score_block`.
+    pub(super) unsafe fn scores<const Q: usize>(
+        kt: &[f32],
+        hd: usize,
+        qs: &[*const f32],
+        ss: &[*mut f32],
+    ) {
+        let k = kt.as_ptr();
+        let mut acc = [[vdupq_n_f32(0.0); 4]; Q];
+        macro_rules! step {
+            ($d:expr, $qv:expr, $lane:literal) => {{
+                let kd = k.add($d * KB);
+                let kv = [
+                    vld1q_f32(kd),
+                    vld1q_f32(kd.add(4)),
+                    vld1q_f32(kd.add(8)),
+                    vld1q_f32(kd.add(12)),
+                ];
+                for b in 0..Q {
+                    for c in 0..4 {
+                        acc[b][c] = vfmaq_laneq_f32::<$lane>(acc[b][c], kv[c], $qv[b]);
+                    }
+                }
+            }};
+        }
+        let mut d = 0;
+        while d + 4 <= hd {
+            let qv: [float32x4_t; Q] = std::array::from_fn(|b| vld1q_f32(qs[b].add(d)));
+            step!(d, qv, 0);
+            step!(d + 1, qv, 1);
+            step!(d + 2, qv, 2);
+            step!(d + 3, qv, 3);
+            d += 4;
+        }
+        while d < hd {
+            let qv: [float32x4_t; Q] = std::array::from_fn(|b| vld1q_dup_f32(qs[b].add(d)));
+            step!(d, qv, 0);
+            d += 1;
+        }
+        for b in 0..Q {
+            for c in 0..4 {
+                vst1q_f32(ss[b].add(4 * c), acc[b][c]);
+            }
+        }
+    }
+
+    /// [`super::exp_neg`] on four lanes, the same operations.
+    #[inline(always)]
+    unsafe fn exp4(x: float32x4_t) -> float32x4_t {
+        let lo = vdupq_n_f32(EXP_LO);
+        // `x < lo ? lo : x`, as the scalar (a NaN stays).
+        let x = vbslq_f32(vcltq_f32(x, lo), lo, x);
+        let magic = vdupq_n_f32(MAGIC);
+        let t = vfmaq_f32(magic, x, vdupq_n_f32(LOG2E));
+        let n = vsubq_f32(t, magic);
+        let r = vfmaq_f32(x, n, vdupq_n_f32(-LN2_HI));
+        let r = vfmaq_f32(r, n, vdupq_n_f32(-LN2_LO));
+        let mut p = vdupq_n_f32(EXP_P[0]);
+        for &c in &EXP_P[1..] {
+            p = vfmaq_f32(vdupq_n_f32(c), p, r);
+        }
+        let y = vaddq_f32(vfmaq_f32(r, p, vmulq_f32(r, r)), vdupq_n_f32(1.0));
+        let e = vsubq_s32(
+            vreinterpretq_s32_f32(t),
+            vdupq_n_s32(MAGIC.to_bits() as i32),
+        );
+        let e = vshlq_n_s32::<23>(vaddq_s32(e, vdupq_n_s32(127)));
+        vmulq_f32(y, vreinterpretq_f32_s32(e))
+    }
+
+    /// See `softmax_scalar`: 4 scores a step for the scale and the maximum (`fmaxnm`, which
+    /// like `f32::max` ignores a NaN) and for the exponentials, then 16 a step for the 16 f64
+    /// lanes (8 vectors of 2); the last `n % 16` scores one by one into their lanes.
+    ///
+    /// # Safety
+    /// Base Advanced SIMD.
+    pub(super) unsafe fn softmax(
+        row: &mut [f32],
+        scale: f32,
+        sink: Option<f32>,
+        lanes: &mut [f64; 16],
+    ) -> f32 {
+        let n = row.len();
+        let (src, dst) = read_write(row);
+        let sc = vdupq_n_f32(scale);
+        let mut mv = vdupq_n_f32(sink.unwrap_or(f32::NEG_INFINITY));
+        let mut j = 0;
+        while j + 4 <= n {
+            let s = vmulq_f32(vld1q_f32(src.add(j)), sc);
+            vst1q_f32(dst.add(j), s);
+            mv = vmaxnmq_f32(mv, s);
+            j += 4;
+        }
+        let mut m = vmaxnmvq_f32(mv);
+        for s in &mut row[j..] {
+            *s *= scale;
+            m = m.max(*s);
+        }
+        let mb = vdupq_n_f32(m);
+        // Taken again: the tail above borrowed the row.
+        let (src, dst) = read_write(row);
+        // The exponentials 4 a step, then their sum 16 a step: one pass doing both holds more
+        // live vectors than NEON has registers (16 scores in flight beside 8 sum vectors and
+        // the constants) and spilled.
+        let mut j = 0;
+        while j + 4 <= n {
+            vst1q_f32(dst.add(j), exp4(vsubq_f32(vld1q_f32(src.add(j)), mb)));
+            j += 4;
+        }
+        for s in &mut row[j..] {
+            *s = super::exp_neg(*s - m);
+        }
+        let p = row.as_ptr();
+        let mut acc = [vdupq_n_f64(0.0); 8];
+        let mut j = 0;
+        while j + 16 <= n {
+            for c in 0..4 {
+                let e = vld1q_f32(p.add(j + 4 * c));
+                acc[2 * c] = vaddq_f64(acc[2 * c], vcvt_f64_f32(vget_low_f32(e)));
+                acc[2 * c + 1] = vaddq_f64(acc[2 * c + 1], vcvt_high_f64_f32(e));
+            }
+            j += 16;
+        }
+        for (c, a) in acc.iter().enumerate() {
+            vst1q_f64(lanes.as_mut_ptr().add(2 * c), *a);
+        }
+        for (l, s) in row[j..].iter().enumerate() {
+            lanes[l] += *s as f64;
+        }
+        m
+    }
+
+    /// The row's start as two pointers the compiler cannot prove equal, one to read through and
+    /// one to write through. With one pointer the compiler folds its increment into the store
+    /// (`str q, [x], #16`), and the next load's address then waits for the store's data in
+    /// llvm-mca's models of the cores (an instruction issues when all its operands are ready),
+    /// which serialises the iterations of the exponential loop (56 cycles per 4 scores there
+    /// instead of 13 on Neoverse-N2).
+    #[inline(always)]
+    fn read_write(row: &mut [f32]) -> (*const f32, *mut f32) {
+        let w = row.as_mut_ptr();
+        (std::hint::black_box(w) as *const f32, w)
+    }
+
+    /// `row *= inv`, elementwise.
+    ///
+    /// # Safety
+    /// Base Advanced SIMD.
+    pub(super) unsafe fn scale(row: &mut [f32], inv: f32) {
+        let n = row.len();
+        let (src, dst) = read_write(row);
+        let iv = vdupq_n_f32(inv);
+        let mut j = 0;
+        while j + 4 <= n {
+            vst1q_f32(dst.add(j), vmulq_f32(vld1q_f32(src.add(j)), iv));
+            j += 4;
+        }
+        for s in &mut row[j..] {
+            *s *= inv;
+        }
+    }
+
+    /// Value sums of `H` heads over dims `d0 .. d0 + 4·C` (value offset `o`): per key, the
+    /// `C` value vectors loaded once for the `H` heads, one fused step each.
+    ///
+    /// # Safety
+    /// As `value_sum`.
+    pub(super) unsafe fn values<K: KvRows, const H: usize, const C: usize>(
+        kv: &K,
+        o: usize,
+        d0: usize,
+        first: usize,
+        last: usize,
+        ws: &[*const f32],
+        os: &[*mut f32],
+    ) {
+        let mut acc = [[vdupq_n_f32(0.0); C]; H];
+        for j in first..=last {
+            let v = kv.value(j)[o..o + 4 * C].as_ptr();
+            let vv: [float32x4_t; C] = std::array::from_fn(|c| vld1q_f32(v.add(4 * c)));
+            for (a, &wp) in acc.iter_mut().zip(ws) {
+                let w = vld1q_dup_f32(wp.add(j - first));
+                for (x, &v) in a.iter_mut().zip(&vv) {
+                    *x = vfmaq_f32(*x, w, v);
+                }
+            }
+        }
+        for (a, &op) in acc.iter().zip(os) {
+            for (c, x) in a.iter().enumerate() {
+                vst1q_f32(op.add(d0 + 4 * c), *x);
             }
         }
     }

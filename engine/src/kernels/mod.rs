@@ -43,7 +43,7 @@ mod iq4_nl;
 mod iq4_xs;
 mod mxfp4;
 #[cfg(target_arch = "aarch64")]
-mod neon;
+pub(crate) mod neon;
 mod pool;
 mod q2_k;
 mod q3_k;

@@ -146,12 +146,14 @@ impl EvictionPolicy for LeCar {
             if by != 0 {
                 // The expert that evicted it was wrong: reward the other one.
                 let n = (self.n_resident.max(1)) as f64;
-                let d = 0.005f64.powf(1.0 / n);
-                let r = d.powf((self.tick + 1 - self.hist_time[k]) as f64);
+                // libm: f64 `powf`/`exp` differ between glibc and musl, and the weights decide
+                // evictions, so every target must compute them alike.
+                let d = libm::pow(0.005, 1.0 / n);
+                let r = libm::pow(d, (self.tick + 1 - self.hist_time[k]) as f64);
                 if by == BY_LRU {
-                    self.w_lfu *= (LAMBDA * r).exp();
+                    self.w_lfu *= libm::exp(LAMBDA * r);
                 } else {
-                    self.w_lru *= (LAMBDA * r).exp();
+                    self.w_lru *= libm::exp(LAMBDA * r);
                 }
                 let s = self.w_lru + self.w_lfu;
                 self.w_lru /= s;

@@ -68,7 +68,9 @@ impl Lrfu {
         } else {
             self.log_crf[k] - (self.tick - self.last[k]) as f64 / self.half_life
         };
-        self.log_crf[k] = (1.0 + decayed.exp2()).log2();
+        // libm: f64 `exp2`/`log2` are the platform's otherwise (glibc's and musl's may differ),
+        // and the scores order evictions.
+        self.log_crf[k] = libm::log2(1.0 + libm::exp2(decayed));
         self.last[k] = self.tick;
         self.resident[k] = true;
         self.order.insert(self.priority(i));
