@@ -70,7 +70,7 @@ pub(crate) trait Format: 'static {
 /// rows (2048 columns) went from 6.1 to 8.2 GB/s of thread CPU time, Q6_K (768 columns) from
 /// 6.5 to 8.2 (one thread; 512-1024 bytes were all within 2 % of the best, none and 4096+ were
 /// back at the start; docs/benchmarks.md, "Decode profile"). Prefetches change no value.
-const PREFETCH_AHEAD: usize = 768;
+pub(super) const PREFETCH_AHEAD: usize = 768;
 
 /// Prefetches the cache lines of `w[start..start + len]` (clipped to `w`) into every level.
 #[inline(always)]
