@@ -111,9 +111,29 @@ impl Kernel<Q8_0> for Dotprod {
 /// is spread over more tokens than a group's 4.
 const WIDE_TOKENS: usize = 6;
 
+/// Tokens in the next pass of the wide kernel when `left` are left: the passes as even as
+/// they can be (16 tokens: 6, 5, 5, not 6, 6, 4), as passes of fewer tokens spread the row's
+/// block loads over fewer of them.
+fn pass_len(left: usize) -> usize {
+    left.div_ceil(left.div_ceil(WIDE_TOKENS))
+}
+
+/// The wide kernel's scales, kept per thread (grown once, never shrunk).
+#[derive(Default)]
+struct WideScales {
+    /// The current row's scales widened to f32 ([`row_scales`]).
+    row: Vec<f32>,
+    /// The tokens' f32 scales four blocks at a time, per pass of tokens: for the pass of
+    /// tokens `t0 .. t0 + m`, from `4 · t0 · steps`, step `q`'s `m` tokens' scales of blocks
+    /// `4q .. 4q + 4` one after the other, so that a pass reads them through one pointer
+    /// (six tokens' own pointers left too few general registers and were reloaded from the
+    /// stack, load slots the loop is short of).
+    tokens: Vec<f32>,
+}
+
 thread_local! {
-    /// The current row's scales widened to f32 ([`row_scales`]), for the wide kernel.
-    static ROW_SCALES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    static WIDE_SCALES: std::cell::RefCell<WideScales> =
+        std::cell::RefCell::new(WideScales::default());
 }
 
 /// Rows `rows` against `a` (at most [`super::super::WIDE`] tokens), each row read once per
@@ -133,17 +153,35 @@ unsafe fn wide_sdot(
     let views: [&Q8Act; WIDE] = std::array::from_fn(|k| ActQ8_0::view(a[k.min(n - 1)]));
     let first = rows.start;
     let nb = row_bytes / std::mem::size_of::<BlockQ8_0>();
-    ROW_SCALES.with(|cell| {
-        let dw = &mut *cell.borrow_mut();
+    // Four-block steps every token has (a token of another length takes single dots).
+    let steps = views[..n]
+        .iter()
+        .fold(nb, |m, v| m.min(v.blocks.len()).min(v.d.len()))
+        / 4;
+    WIDE_SCALES.with(|cell| {
+        let scales = &mut *cell.borrow_mut();
+        let WideScales { row: dw, tokens } = scales;
         dw.resize(nb, 0.0);
+        tokens.clear();
+        let mut t0 = 0;
+        while t0 < n {
+            let m = pass_len(n - t0);
+            for q in 0..steps {
+                for v in &views[t0..t0 + m] {
+                    tokens.extend_from_slice(&v.d[4 * q..4 * q + 4]);
+                }
+            }
+            t0 += m;
+        }
         for r in rows {
             prefetch_lines(w, (r + 1) * row_bytes, row_bytes);
             let row: &[BlockQ8_0] = blocks(&w[r * row_bytes..(r + 1) * row_bytes]);
             row_scales(row, dw);
             let mut t = 0;
             while t < n {
-                let m = (n - t).min(WIDE_TOKENS);
+                let m = pass_len(n - t);
                 let v = &views[t..];
+                let pack = &tokens[4 * t * steps..4 * (t + m) * steps];
                 let mut put = |vals: &[f32]| {
                     for (k, val) in vals.iter().enumerate() {
                         out[t + k][r - first] = *val;
@@ -157,6 +195,7 @@ unsafe fn wide_sdot(
                             row,
                             std::array::from_fn(at),
                             dw,
+                            pack,
                         ))
                     };
                 }
@@ -255,10 +294,11 @@ unsafe fn by_rows<const DOT: bool>(
 #[inline(always)]
 unsafe fn group<const DOT: bool, const N: usize>(w: &[BlockQ8_0], a: [&Q8Act; N]) -> [f32; N] {
     // SAFETY: the caller's.
-    unsafe { group_with::<DOT, N, false>(w, a, &[]) }
+    unsafe { group_with::<DOT, N, false>(w, a, &[], &[]) }
 }
 
-/// [`group`], with the row's scales widened beforehand (`PRE`, as [`dots_with`]).
+/// [`group`], with the row's and the tokens' scales laid out beforehand (`PRE`, as
+/// [`dots_with`]).
 ///
 /// # Safety
 /// With `DOT`, the CPU has dotprod.
@@ -267,6 +307,7 @@ unsafe fn group_with<const DOT: bool, const N: usize, const PRE: bool>(
     w: &[BlockQ8_0],
     a: [&Q8Act; N],
     dw: &[f32],
+    pack: &[f32],
 ) -> [f32; N] {
     const { assert!(N >= 1 && N <= WIDE_TOKENS) };
     let nb = w.len().min(a[0].blocks.len());
@@ -281,7 +322,7 @@ unsafe fn group_with<const DOT: bool, const N: usize, const PRE: bool>(
         return v;
     }
     // SAFETY: the caller's.
-    let [v] = unsafe { dots_with::<DOT, 1, N, PRE>([w], a, dw) };
+    let [v] = unsafe { dots_with::<DOT, 1, N, PRE>([w], a, dw, pack) };
     v
 }
 
@@ -446,12 +487,15 @@ unsafe fn dots<const DOT: bool, const R: usize, const N: usize>(
     a: [&Q8Act; N],
 ) -> [[f32; N]; R] {
     // SAFETY: the caller's.
-    unsafe { dots_with::<DOT, R, N, false>(w, a, &[]) }
+    unsafe { dots_with::<DOT, R, N, false>(w, a, &[], &[]) }
 }
 
 /// [`dots`], with the row's scales already widened (`PRE`, one row: `dw[b]` is
 /// `f16_to_f32(w[0][b].d)`, at least as many as the row's blocks) when the row is dotted
-/// with more tokens than one call takes, so that they are widened once per row.
+/// with more tokens than one call takes, so that they are widened once per row, and the
+/// tokens' scales packed four blocks a step (`pack[4 · (N · q + t) + j]` is token `t`'s
+/// scale of block `4q + j`; the steps it holds are taken four blocks at a time, the rest one
+/// block at a time).
 ///
 /// # Safety
 /// With `DOT`, the CPU has dotprod.
@@ -460,6 +504,7 @@ unsafe fn dots_with<const DOT: bool, const R: usize, const N: usize, const PRE: 
     w: [&[BlockQ8_0]; R],
     a: [&Q8Act; N],
     dw: &[f32],
+    pack: &[f32],
 ) -> [[f32; N]; R] {
     const { assert!(!PRE || R == 1) };
     let nb = w
@@ -468,18 +513,32 @@ unsafe fn dots_with<const DOT: bool, const R: usize, const N: usize, const PRE: 
         .chain(a.iter().map(|a| a.blocks.len().min(a.d.len())));
     let nb = nb.min().unwrap_or(0);
     let nb = if PRE { nb.min(dw.len()) } else { nb };
+    // Blocks taken four at a time.
+    let main = if PRE {
+        (nb / 4).min(pack.len() / (4 * N)) * 4
+    } else {
+        nb / 4 * 4
+    };
     let wp: [*const BlockQ8_0; R] = w.map(|w| w.as_ptr());
     let yp: [*const BlockQ8_0; N] = a.map(|a| a.blocks.as_ptr());
     let dp: [*const f32; N] = a.map(|a| a.d.as_ptr());
     let pre = dw.as_ptr();
+    let packed = pack.as_ptr();
     // SAFETY (the whole body): every pointer is read below `nb` blocks (or scales), which all
-    // the slices have; the rest is register-only NEON; `step`'s other contract is the caller's.
+    // the slices have, and `packed` below `N · main <= pack.len()`; the rest is register-only
+    // NEON; `step`'s other contract is the caller's.
     unsafe {
         let magic = vdupq_n_f32(MAGIC);
         let mut acc = [[[vdupq_n_f32(0.0); 2]; N]; R];
         let mut b = 0;
-        while b + 4 <= nb {
-            let da: [float32x4_t; N] = std::array::from_fn(|t| vld1q_f32(dp[t].add(b)));
+        while b < main {
+            let da: [float32x4_t; N] = std::array::from_fn(|t| {
+                if PRE {
+                    vld1q_f32(packed.add(N * b + 4 * t))
+                } else {
+                    vld1q_f32(dp[t].add(b))
+                }
+            });
             let dd: [[float32x4_t; N]; R] = std::array::from_fn(|r| {
                 let dw = if PRE {
                     vld1q_f32(pre.add(b))
