@@ -4,9 +4,13 @@
 //! added to lane `i % 32`, the 32 lanes are folded by [`super::reduce32`], products are rounded
 //! before the add (no FMA) — and differ only in how a weight or an activation value becomes an
 //! f32 (always exactly). Each format supplies that conversion ([`FloatFormat`]); the loops, the
-//! AVX2 path (4 × 8 lanes, the same bits as the scalar one) and the tail live here.
+//! AVX2 path (4 × 8 lanes, the same bits as the scalar one) and the tail live here; the NEON
+//! paths (8 × 4 lanes) in `float_dot/neon.rs`.
 
 use super::reduce32;
+
+#[cfg(target_arch = "aarch64")]
+mod neon;
 
 /// How one float format's weights and activations become f32 (exactly).
 pub(super) trait FloatFormat {

@@ -71,10 +71,10 @@ use q8_0::Q8Act;
 use q8_k::{BlockQ8K, GROUP, WIDE};
 
 format::registry! {
-    F32 => fp32::F32 [Avx2];
-    F16 => fp16::F16 [Avx2];
-    BF16 => bf16::Bf16 [Avx2];
-    Q8_0 => q8_0::Q8_0 [Avx2, Avx512];
+    F32 => fp32::F32 [Avx2, Neon];
+    F16 => fp16::F16 [Avx2, Neon];
+    BF16 => bf16::Bf16 [Avx2, Neon];
+    Q8_0 => q8_0::Q8_0 [Avx2, Avx512, Neon, Dotprod];
     Q4_0 => q4_0::Q4_0 [Avx2, Neon, Dotprod, I8mm];
     Q4_1 => q4_1::Q4_1 [Avx2, Neon, Dotprod];
     Q5_0 => q5_0::Q5_0 [Avx2, Neon, Dotprod];

@@ -17,6 +17,9 @@ use super::format::{Activation, Format, Kernel};
 use super::{f16_to_f32, f32_to_f16, nearest_int, reduce8, ActBuf, ActFormat, RawBlock};
 use crate::gguf::GgmlType;
 
+#[cfg(target_arch = "aarch64")]
+mod neon;
+
 /// Values per block.
 pub(super) const QK: usize = 32;
 
@@ -46,6 +49,17 @@ impl BlockQ8_0 {
 /// within an ulp of a half step, and exact half steps are common in real activations.
 /// Returns each block's unrounded scale `absmax / 127` (Q8_1's sum term uses it).
 pub(super) fn quantize_activations(src: &[f32], dst: &mut [BlockQ8_0], d_f32: &mut [f32]) {
+    #[cfg(target_arch = "aarch64")]
+    {
+        // Every aarch64 core has NEON; the same bytes (the tests compare them).
+        neon::quantize_activations(src, dst, d_f32);
+    }
+    #[cfg(not(target_arch = "aarch64"))]
+    quantize_activations_scalar(src, dst, d_f32);
+}
+
+/// [`quantize_activations`] value by value: the reference the vectorised forms match.
+pub(super) fn quantize_activations_scalar(src: &[f32], dst: &mut [BlockQ8_0], d_f32: &mut [f32]) {
     for ((x, b), d) in src.chunks_exact(QK).zip(dst.iter_mut()).zip(d_f32) {
         let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
         let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
@@ -69,6 +83,9 @@ pub(crate) struct Q8Act {
     /// (its x86 Q8_1 quantizer makes the same quants and scale as its Q8_0 one), the
     /// activation's share of a Q4_1/Q5_1 block's minimum term.
     pub(super) s: Vec<[u8; 2]>,
+    /// Each block's scale `d` widened to f32 (exactly), so a kernel loads four blocks' scales
+    /// with one load instead of converting each block's f16 (the NEON kernels).
+    pub(super) d: Vec<f32>,
     /// Scratch: the unrounded scales.
     d_f32: Vec<f32>,
 }
@@ -88,11 +105,7 @@ impl Activation for ActQ8_0 {
         a.d_f32.resize(n, 0.0);
         quantize_activations(x, &mut a.blocks, &mut a.d_f32);
         a.sums.clear();
-        a.sums.extend(
-            a.blocks
-                .iter()
-                .map(|b| b.qs.iter().map(|&v| v as i32).sum::<i32>()),
-        );
+        a.sums.extend(a.blocks.iter().map(block_sum));
         a.s.clear();
         a.s.extend(
             a.sums
@@ -100,11 +113,24 @@ impl Activation for ActQ8_0 {
                 .zip(&a.d_f32)
                 .map(|(&sum, &d)| f32_to_f16(d * sum as f32)),
         );
+        a.d.clear();
+        a.d.extend(a.blocks.iter().map(|b| f16_to_f32(b.d)));
     }
 
     fn view(buf: &ActBuf) -> &Q8Act {
         &buf.q8_0
     }
+}
+
+/// Σ qs of a block (exact in i32).
+#[inline(always)]
+fn block_sum(b: &BlockQ8_0) -> i32 {
+    #[cfg(target_arch = "aarch64")]
+    {
+        neon::block_sum(b)
+    }
+    #[cfg(not(target_arch = "aarch64"))]
+    b.qs.iter().map(|&v| v as i32).sum::<i32>()
 }
 
 /// llama.cpp's reference quantizer (`quantize_row_q8_0_ref`, what `llama-quantize` writes):
@@ -454,10 +480,10 @@ mod tests {
     use super::*;
 
     /// The lanes kernel (AVX-512) gives each of 1 to 16 tokens the single dot's bits, for
-    /// every row step it takes.
+    /// every row step it takes; so does the grouped one (aarch64 dotprod).
     #[test]
     fn wide_dot_matches_single_dots_bits() {
-        check_group_matches_single::<Q8_0>(false);
+        check_group_matches_single::<Q8_0>(cfg!(target_arch = "aarch64"));
     }
 
     /// ns per (block, token) at each level and width (`--ignored --nocapture`).

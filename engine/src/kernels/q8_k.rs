@@ -60,7 +60,7 @@ pub(super) fn quantize(src: &[f32], dst: &mut [BlockQ8K]) {
 
 /// [`quantize`] at the best level this CPU runs: the same bytes (the tests compare every
 /// level on random and edge inputs), AVX2 where available (also at AVX-512: 256-bit vectors
-/// keep up with the loads here).
+/// keep up with the loads here), NEON on aarch64 (`q8_k/neon.rs`).
 fn quantize_fast(src: &[f32], dst: &mut [BlockQ8K]) {
     #[cfg(target_arch = "x86_64")]
     if super::simd_level() >= super::SimdLevel::Avx2 {
@@ -68,8 +68,16 @@ fn quantize_fast(src: &[f32], dst: &mut [BlockQ8K]) {
         unsafe { avx2::quantize(src, dst) };
         return;
     }
+    #[cfg(target_arch = "aarch64")]
+    if super::simd_level() >= super::SimdLevel::Neon {
+        neon::quantize(src, dst);
+        return;
+    }
     quantize(src, dst)
 }
+
+#[cfg(target_arch = "aarch64")]
+mod neon;
 
 /// [`quantize`] eight values a step. The scalar's arithmetic lane by lane: the absmax by
 /// `vmaxps` (a NaN lane keeps the running maximum, as the scalar's `>` skips it), the first
@@ -586,6 +594,12 @@ mod tests {
             assert_eq!(block_bytes(&q8_k_blocks(&all)), block_bytes(&got));
         } else {
             eprintln!("no AVX2 here: only the scalar quantizer was compared with itself");
+        }
+        #[cfg(target_arch = "aarch64")]
+        {
+            let mut got = vec![BlockQ8K::ZERO; blocks.len()];
+            neon::quantize(&all, &mut got);
+            assert_eq!(block_bytes(&q8_k_blocks(&all)), block_bytes(&got));
         }
     }
 
