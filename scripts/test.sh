@@ -10,10 +10,35 @@ if ! python3 -c "import gguf, jinja2, numpy, llama_cpp, openai, prometheus_clien
   python3 -m pip install -q --disable-pip-version-check -r scripts/requirements-test.txt
 fi
 status=0
+# ARM (issue 31): the phone binary the cross-architecture gate runs under qemu
+# (gates/tests/arm_identity.rs), built before the suite, and the aarch64 kernel tests under qemu
+# after it. CI installs the tools (scripts/arm.sh: rustup targets, cross gcc, qemu-user); on
+# another machine this part runs when they are present and says how to get them when not.
+arm=0
+if [ "${CI:-}" = true ]; then
+  bash scripts/arm.sh
+  arm=1
+elif command -v qemu-aarch64-static >/dev/null && command -v aarch64-linux-gnu-gcc >/dev/null \
+    && rustup target list --installed 2>/dev/null | grep -qx aarch64-unknown-linux-musl; then
+  arm=1
+else
+  echo "test.sh: skipping the ARM build and tests (scripts/arm.sh installs qemu-user and the aarch64 toolchain)" >&2
+fi
+if [ "$arm" = 1 ]; then
+  echo "test.sh: building the aarch64 phone binary (scripts/build-phone.sh)" >&2
+  bash scripts/build-phone.sh >&2 || status=$?
+fi
 if cargo nextest --version >/dev/null 2>&1; then
   cargo nextest run --workspace --no-fail-fast "$@" || status=$?
 else
   cargo test --workspace --no-fail-fast "$@" || status=$?
+fi
+if [ "$arm" = 1 ]; then
+  # Every kernel at every ARM level (qemu's default CPU has dotprod and i8mm, so the per-level
+  # checks cover scalar, neon, dotprod and i8mm), plus the other aarch64-only code.
+  echo "test.sh: aarch64 engine unit tests under qemu-aarch64-static" >&2
+  cargo test -q --release --target aarch64-unknown-linux-musl -p bmoe-engine --lib -- \
+    kernels:: cpus:: probe:: arch:: || status=$?
 fi
 # The lane -> compute handoff, model-checked with loom (its own cfg, so its own target dir).
 echo "test.sh: loom model check of the I/O lane handoff" >&2
