@@ -142,7 +142,7 @@ pub(crate) unsafe fn scale_bytes(head: uint8x16_t) -> uint8x16_t {
 /// `[d, dmin, ·, ·]` widened from the block head's first two f16 (lanes 2 and 3 are scale bits
 /// read as f16: never used).
 #[inline(always)]
-fn super_scales(head: uint8x16_t) -> float32x4_t {
+pub(crate) fn super_scales(head: uint8x16_t) -> float32x4_t {
     // SAFETY: base Advanced SIMD, register-only.
     f16x4_to_f32(unsafe { vget_low_u16(vreinterpretq_u16_u8(head)) })
 }
@@ -410,31 +410,34 @@ unsafe fn dot_n<const N: usize>(w: &[BlockQ4K], a: [&[BlockQ8K]; N]) -> [f32; N]
 const PASS: usize = 4;
 
 /// Up to [`WIDE`] tokens' Q8_K blocks packed for `smmla`, by pairs of tokens (an odd last
-/// token is paired with zeros). For pair `p` and block `b`, at `k = p · nb + b`:
-/// `qs[32k + g]` = the two tokens' values `8g .. 8g + 8` (first token in bytes 0–7), `lo[k]` /
-/// `hi[k]` = their 8 pair sums `bsum_2j + bsum_2j+1` as `lo + 256 · hi` (a byte, a signed
-/// byte; each token's 8 in its half), `d[k]` = `[d_0, d_0, d_1, d_1]`, the layout of the
+/// token is paired with zeros): shared by the Q4_K and Q5_K lanes kernels, which differ only in
+/// the order of the values (`groups`, see [`Pairs::fill`]). For pair `p` and block `b`, at `k =
+/// p · nb + b`: `qs[32k + g]` = the two tokens' values of group `g` (first token in bytes 0–7),
+/// `lo[k]` / `hi[k]` = their 8 pair sums `bsum_2j + bsum_2j+1` as `lo + 256 · hi` (a byte, a
+/// signed byte; each token's 8 in its half), `d[k]` = `[d_0, d_0, d_1, d_1]`, the layout of the
 /// `smmla` results `[t0·r0, t0·r1, t1·r0, t1·r1]`.
 #[derive(Default)]
-struct Pairs {
-    qs: Vec<[i8; 16]>,
-    lo: Vec<[u8; 16]>,
-    hi: Vec<[i8; 16]>,
-    d: Vec<[f32; 4]>,
-    nb: usize,
+pub(crate) struct Pairs {
+    pub qs: Vec<[i8; 16]>,
+    pub lo: Vec<[u8; 16]>,
+    pub hi: Vec<[i8; 16]>,
+    pub d: Vec<[f32; 4]>,
+    pub nb: usize,
     /// The tokens' [`ActBuf::stamp`]s and block count these hold.
     key: (Vec<u64>, usize),
 }
 
 impl Pairs {
-    fn holds(&self, acts: &[&ActBuf], nb: usize) -> bool {
+    pub fn holds(&self, acts: &[&ActBuf], nb: usize) -> bool {
         let (stamps, key_nb) = &self.key;
         *key_nb == nb
             && stamps.len() == acts.len()
             && stamps.iter().zip(acts).all(|(s, a)| *s == a.stamp())
     }
 
-    fn fill(&mut self, acts: &[&ActBuf], nb: usize) {
+    /// Packs the first `nb` blocks of `acts`; group `g` (0..32) of a block is the 4 values
+    /// from `groups(g)[0]` and the 4 from `groups(g)[1]` (both `<= 252`).
+    pub fn fill(&mut self, acts: &[&ActBuf], nb: usize, groups: impl Fn(usize) -> [usize; 2]) {
         self.key.0.clear();
         self.key.0.extend(acts.iter().map(|a| a.stamp()));
         self.key.1 = nb;
@@ -448,12 +451,15 @@ impl Pairs {
         self.hi.resize(n, [0; 16]);
         self.d.clear();
         self.d.resize(n, [0.0; 4]);
+        let starts: [[usize; 2]; 32] = std::array::from_fn(&groups);
         for (t, act) in acts.iter().enumerate().take(WIDE) {
             let (p, half) = (t / 2, t % 2);
             for (b, y) in ActQ8K::view(act)[..nb].iter().enumerate() {
                 let k = p * nb + b;
-                for (g, v) in y.qs.chunks_exact(8).enumerate() {
-                    self.qs[32 * k + g][8 * half..8 * half + 8].copy_from_slice(v);
+                for (g, [s0, s1]) in starts.iter().enumerate() {
+                    let q = &mut self.qs[32 * k + g][8 * half..8 * half + 8];
+                    q[..4].copy_from_slice(&y.qs[*s0..*s0 + 4]);
+                    q[4..].copy_from_slice(&y.qs[*s1..*s1 + 4]);
                 }
                 for j in 0..8 {
                     // ≤ 2 · 16 · 127 in magnitude: lo + 256 · hi with hi in -16..=15.
@@ -492,7 +498,11 @@ unsafe fn dot_wide(
     let n_pairs = a.len().min(WIDE).div_ceil(2);
     PAIRS.with(|cell| {
         let ring = &mut *cell.borrow_mut();
-        let pack = ring.get(|p| p.holds(a, nb), |p| p.fill(a, nb));
+        // Group g: values 8g .. 8g + 8.
+        let pack = ring.get(
+            |p| p.holds(a, nb),
+            |p| p.fill(a, nb, |g| [8 * g, 8 * g + 4]),
+        );
         let row =
             |r: usize| -> &[BlockQ4K] { &blocks(&w[r * row_bytes..(r + 1) * row_bytes])[..nb] };
         by_row_steps::<2>(w, row_bytes, rows, out, |r, n| {
@@ -523,7 +533,10 @@ unsafe fn dot_wide(
 
 /// Stores `K` result vectors into `res`; returns `K`.
 #[inline(always)]
-fn spill<const K: usize>(res: &mut [[f32; 4]; PASS], v: [float32x4_t; K]) -> usize {
+pub(crate) fn spill<const K: usize, const N: usize>(
+    res: &mut [[f32; 4]; N],
+    v: [float32x4_t; K],
+) -> usize {
     for (r, v) in res.iter_mut().zip(v) {
         // SAFETY: 4 floats.
         unsafe { vst1q_f32(r.as_mut_ptr(), v) };
