@@ -1160,8 +1160,12 @@ mod tests {
             vocab: crate::vocab::builtin_vocab().unwrap(),
             ..gen::tests::options(Preset::Tiny, types)
         };
+        // One file per call: `cargo test` runs this module's tests as threads of one process
+        // (the aarch64 run under qemu does), and two of them build the same arch and scheme.
+        static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let path = std::env::temp_dir().join(format!(
-            "bmoe-experts-together-{}-{}-{scheme}.gguf",
+            "bmoe-experts-together-{}-{call}-{}-{scheme}.gguf",
             std::process::id(),
             arch.name()
         ));
