@@ -599,18 +599,37 @@ pub fn checksum(a: ChecksumArgs) -> Result<()> {
     Ok(())
 }
 
+/// Writes `text` to standard output. A reader that has gone (`bmoe-cli inspect M | head`)
+/// ends the process quietly with status 0, as Unix tools stop when their pipe closes;
+/// `println!` would panic there. Any other write error is returned.
+pub fn stdout_text(text: &str) -> Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|_| out.flush()) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => std::process::exit(0),
+        r => Ok(r.context("writing to standard output")?),
+    }
+}
+
+/// [`stdout_text`] of a formatted line.
+macro_rules! say {
+    ($($arg:tt)*) => {
+        stdout_text(&format!("{}\n", format_args!($($arg)*)))
+    };
+}
+
 pub fn inspect(a: InspectArgs) -> Result<()> {
     if let Some(out) = &a.layout_out {
         write_layout(&a.model, out)?;
     }
     let f = GgufFile::open(&a.model)?;
     if a.json {
-        println!(
+        say!(
             "{}",
             serde_json::to_string_pretty(&crate::inspect::inspect_json(&f))?
-        );
+        )?;
     } else {
-        print!("{}", crate::inspect::inspect(&f));
+        stdout_text(&crate::inspect::inspect(&f))?;
     }
     Ok(())
 }
@@ -664,7 +683,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 a.io_gap_ms
             ));
         }
-        println!(
+        say!(
             "raw {} {} reads of {} KiB into {} from {}",
             if a.no_odirect { "buffered" } else { "O_DIRECT" },
             if a.io_random || a.io_burst > 0 {
@@ -679,12 +698,12 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 "huge pages"
             },
             path.display()
-        );
+        )?;
         if a.io_burst > 0 {
-            println!(
+            say!(
                 "in bursts of {} reads ({} adjacent), {} ms idle between bursts",
                 a.io_burst, a.io_adjacent, a.io_gap_ms
-            );
+            )?;
         }
         let io = crate::flash::RawIo {
             o_direct: !a.no_odirect,
@@ -709,10 +728,10 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                         gap: std::time::Duration::from_secs_f64(a.io_gap_ms / 1e3),
                     },
                 )?;
-                println!(
+                say!(
                     "  {lanes} lanes: {:.0} MiB/s (mean read {:.2} ms, {} bursts)",
                     r.mib_s, r.mean_read_ms, r.bursts
-                );
+                )?;
                 continue;
             }
             let mib_s = crate::flash::raw_read_bench(
@@ -723,21 +742,21 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 a.io_total_mib << 20,
                 a.io_random.then_some(a.io_seed),
             )?;
-            println!("  {lanes} lanes: {mib_s:.0} MiB/s");
+            say!("  {lanes} lanes: {mib_s:.0} MiB/s")?;
         }
         return Ok(());
     }
     if a.memory_only {
         let (read, copy) =
             crate::kernels::bench::memory_only(a.threads.max(1) as usize, a.size_mib);
-        println!(
+        say!(
             "memory: read {read:.1} GB/s, copy {copy:.1} GB/s (read + written), {} thread(s), {} MiB",
             a.threads.max(1),
             a.size_mib.max(1)
-        );
+        )?;
         return Ok(());
     }
     let rep = crate::kernels::bench::run_bench(a.threads.max(1) as usize, a.size_mib);
-    println!("{rep}");
+    say!("{rep}")?;
     Ok(())
 }
