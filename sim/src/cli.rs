@@ -381,6 +381,13 @@ pub struct WhatifArgs {
     /// Override the profile's flash and compute jitter, in [0, 1)
     #[arg(long, value_name = "F", value_parser = parse_decimal_strict)]
     pub jitter: Option<f32>,
+    /// Price a model with MORE experts per layer than the trace (refused without it): each of
+    /// the trace's experts becomes a group of the model's neighbouring experts, and a routing
+    /// takes its groups' first members in rank order, then their second members. The trace's
+    /// reuse is kept; how the model's own router spreads inside a group is invented, and the
+    /// `whatif: mapping` line says so
+    #[arg(long)]
+    pub split_experts: bool,
     #[command(flatten)]
     pub stream: StreamArgs,
     #[command(flatten)]
@@ -467,22 +474,23 @@ pub enum Reprice<'a> {
     /// `replay --layout-from`: another run's layout; the routing shape must be the same.
     Layout(&'a Path),
     /// `whatif --model`: another model's layout; a routing of another shape is mapped onto it
-    /// (`whatif::map_routing`).
-    Model(&'a Path),
+    /// (`whatif::map_routing`; onto more experts per layer only with `--split-experts`, the
+    /// flag).
+    Model(&'a Path, bool),
 }
 
 /// Re-price `trace` as `how` says; returns how a routing was mapped, and the locality it
 /// carries (`whatif::locality_note`), when it was.
 fn reprice(trace: &mut RouteTrace, how: Reprice<'_>) -> Result<Option<(String, String)>, SimError> {
-    let (other, map) = match how {
+    let (other, map, split) = match how {
         Reprice::Own => return Ok(None),
-        Reprice::Layout(p) => (p, false),
-        Reprice::Model(p) => (p, true),
+        Reprice::Layout(p) => (p, false, false),
+        Reprice::Model(p, split) => (p, true, split),
     };
     let model = load_layout(other)?;
     if map && !crate::whatif::same_shape(&trace.preamble, &model) {
         let (mapped, how) =
-            crate::whatif::map_routing(trace, &model, &other.display().to_string())?;
+            crate::whatif::map_routing(trace, &model, &other.display().to_string(), split)?;
         let locality = crate::whatif::locality_note(trace, &mapped);
         *trace = mapped;
         return Ok(Some((how, locality)));
@@ -752,7 +760,14 @@ fn cmd_whatif(
         stream: a.stream,
         telemetry: a.telemetry,
     };
-    run_replay(replay, Reprice::Model(&a.model), true, env, out, err)
+    run_replay(
+        replay,
+        Reprice::Model(&a.model, a.split_experts),
+        true,
+        env,
+        out,
+        err,
+    )
 }
 
 /// `whatif`'s statement of where each input came from.

@@ -17,7 +17,13 @@
 //! that routes more experts per token than the trace takes the following free ids; a model
 //! that routes fewer keeps the first ones in rank order. A model with more experts per layer
 //! than the trace is refused: a recording cannot say how a routing spreads over experts it never
-//! had. Routing weights are dropped (`nan`) in a mapped trace, since they belonged to other ids.
+//! had — unless the user asks for an invented spread (`--split-experts`, `split_routing`): each
+//! trace expert `e` becomes the group of the model's experts `⌊e·E'/E⌋ .. ⌊(e+1)·E'/E⌋`, and a
+//! routing takes its groups' first members in rank order, then their second members, and so
+//! on, so a token that routes the trace's experts again routes the same members again (the
+//! recording's reuse is kept), while how a real router of that width spreads inside a group is
+//! made up, and the mapping line says so. Routing weights are dropped (`nan`) in a mapped trace,
+//! since they belonged to other ids.
 
 use crate::error::SimError;
 use bmoe_core::records::{Phase, RouteRecord, PRED_HORIZON_MAX};
@@ -65,12 +71,53 @@ pub fn fold_routing(ids: &[u32], e_from: u32, e_to: u32, k_to: usize) -> Vec<u32
     out
 }
 
+/// One routing spread onto `e_to ≥ e_from` experts (`--split-experts`): trace expert `e` owns
+/// the group `⌊e·e_to/e_from⌋ .. ⌊(e+1)·e_to/e_from⌋` (at least one id), and the `k_to` ids are
+/// taken round by round — every rank's group's first member in rank order, then every group's
+/// second member, … — so the same trace experts at the same ranks give the same ids. Should
+/// the groups run out (more ids per token than they hold), the next free ids follow the last.
+pub fn split_routing(ids: &[u32], e_from: u32, e_to: u32, k_to: usize) -> Vec<u32> {
+    let group = |e: u32| {
+        let start = (u64::from(e) * u64::from(e_to) / u64::from(e_from)) as u32;
+        let end = ((u64::from(e) + 1) * u64::from(e_to) / u64::from(e_from)) as u32;
+        start..end.max(start + 1).min(e_to)
+    };
+    let mut used = vec![false; e_to as usize];
+    let mut out = Vec::with_capacity(k_to);
+    let widest = ids.iter().map(|&e| group(e).len()).max().unwrap_or(0);
+    'rounds: for round in 0..widest {
+        for &e in ids {
+            if out.len() == k_to {
+                break 'rounds;
+            }
+            let g = group(e);
+            if let Some(id) = g.clone().nth(round) {
+                if !used[id as usize] {
+                    used[id as usize] = true;
+                    out.push(id);
+                }
+            }
+        }
+    }
+    while out.len() < k_to {
+        let mut next = out.last().map_or(0, |&l| (l + 1) % e_to);
+        while used[next as usize] {
+            next = (next + 1) % e_to;
+        }
+        used[next as usize] = true;
+        out.push(next);
+    }
+    out
+}
+
 /// `trace`'s routing on `model`'s shape (see the module docs), with `model`'s preamble (its
 /// layers, bytes and extents), plus a sentence describing the mapping for the output.
+/// `allow_split` allows a model with more experts per layer than the trace ([`split_routing`]).
 pub fn map_routing(
     trace: &RouteTrace,
     model: &RoutePreamble,
     model_name: &str,
+    allow_split: bool,
 ) -> Result<(RouteTrace, String), SimError> {
     let src = &trace.preamble;
     let (l_from, l_to) = (src.layers.len(), model.layers.len());
@@ -80,9 +127,10 @@ pub fn map_routing(
     if l_to == 0 {
         return Err(bad("its layout lists no MoE layer".into()));
     }
-    if e_to > e_from {
+    let split = e_to > e_from;
+    if split && !allow_split {
         return Err(bad(format!(
-            "the model has {e_to} experts per layer and the trace routes over {e_from}: a recording cannot say how a routing spreads over experts it never had (record one on a model with at least {e_to} experts)"
+            "the model has {e_to} experts per layer and the trace routes over {e_from}: a recording cannot say how a routing spreads over experts it never had (record one on a model with at least {e_to} experts, or pass --split-experts to spread each of the trace's experts over a group of the model's, an invented spread the output names)"
         )));
     }
     if k_to as u32 > e_to {
@@ -110,10 +158,12 @@ pub fn map_routing(
             }
             let Some(cell) = by_layer(l) else { continue };
             let ids: Vec<u32> = trace.cell_slots(cell).iter().map(|s| s.expert).collect();
-            for (slot, expert) in fold_routing(&ids, e_from, e_to, k_to)
-                .into_iter()
-                .enumerate()
-            {
+            let routed = if split {
+                split_routing(&ids, e_from, e_to, k_to)
+            } else {
+                fold_routing(&ids, e_from, e_to, k_to)
+            };
+            for (slot, expert) in routed.into_iter().enumerate() {
                 w.write(&RouteRecord {
                     turn: step.turn,
                     phase: step.phase,
@@ -139,16 +189,28 @@ pub fn map_routing(
             "the mapped routing does not parse as a route trace ({e}): please report this"
         ))
     })?;
+    let experts = if split {
+        format!(
+            "expert e becomes the group floor(e*{e_to}/{e_from})..floor((e+1)*{e_to}/{e_from}) \
+             and a routing takes its groups' first members in rank order, then their second \
+             members (--split-experts: how a router of {e_to} experts spreads inside a group \
+             is invented, the trace's reuse is kept)"
+        )
+    } else {
+        format!(
+            "expert e becomes floor(e*{e_to}/{e_from}) (collisions move to the next free id{})",
+            if k_to as u32 > src.n_expert_used {
+                "; the extra ids per token are the next free ones"
+            } else {
+                ""
+            }
+        )
+    };
     let how = format!(
-        "the trace's {l_from} MoE layers x {e_from} experts (top-{}) mapped onto the model's {l_to} x {e_to} (top-{k_to}): layer j takes the trace's layer round(j*{}/{}), expert e becomes floor(e*{e_to}/{e_from}) (collisions move to the next free id{}), weights dropped",
+        "the trace's {l_from} MoE layers x {e_from} experts (top-{}) mapped onto the model's {l_to} x {e_to} (top-{k_to}): layer j takes the trace's layer round(j*{}/{}), {experts}, weights dropped",
         src.n_expert_used,
         l_from.saturating_sub(1),
         l_to.saturating_sub(1).max(1),
-        if k_to as u32 > src.n_expert_used {
-            "; the extra ids per token are the next free ones"
-        } else {
-            ""
-        }
     );
     Ok((mapped, how))
 }
@@ -229,6 +291,36 @@ mod tests {
             s.dedup();
             assert_eq!(s.len(), 4);
             assert!(r.iter().all(|&x| x < 4));
+        }
+    }
+
+    #[test]
+    fn splitting_takes_first_members_in_rank_order_then_second() {
+        // 64 -> 128: expert e owns {2e, 2e + 1}; top-6 -> top-8 takes the six first members in
+        // rank order, then the second members of the two highest ranks.
+        assert_eq!(
+            split_routing(&[5, 0, 63, 7, 1, 2], 64, 128, 8),
+            vec![10, 0, 126, 14, 2, 4, 11, 1]
+        );
+        // The same experts at the same ranks give the same ids; other ranks, other extras.
+        assert_eq!(
+            split_routing(&[5, 0, 63, 7, 1, 2], 64, 128, 8),
+            split_routing(&[5, 0, 63, 7, 1, 2], 64, 128, 8)
+        );
+        assert_eq!(split_routing(&[0, 5], 64, 128, 3), vec![0, 10, 1]);
+        // Uneven groups (3 -> 8: {0, 1}, {2, 3, 4}, {5, 6, 7}) and fewer ids than the trace's.
+        assert_eq!(split_routing(&[2, 1, 0], 3, 8, 5), vec![5, 2, 0, 6, 3]);
+        assert_eq!(split_routing(&[2, 1, 0], 3, 8, 2), vec![5, 2]);
+        // More ids than the groups hold: the next free ones after the last.
+        assert_eq!(split_routing(&[1], 2, 4, 3), vec![2, 3, 0]);
+        // Every routing stays distinct and in range.
+        for a in 0..16u32 {
+            let r = split_routing(&[a, (a * 7 + 3) % 16, 15 - a], 16, 40, 6);
+            let mut s = r.clone();
+            s.sort_unstable();
+            s.dedup();
+            assert_eq!(s.len(), 6, "{r:?}");
+            assert!(r.iter().all(|&x| x < 40));
         }
     }
 }

@@ -179,7 +179,7 @@ fn whatif_maps_a_real_routing_onto_a_smaller_model_and_states_its_inputs() {
     // rate at a quarter of the layer (4 of 16), counted here from the mapped routing, and the
     // trace's own beside them.
     let model_pre = bmoe_sim::cli::load_layout(&model).expect("layout");
-    let (mapped, _) = bmoe_sim::whatif::map_routing(&source, &model_pre, "m").expect("maps");
+    let (mapped, _) = bmoe_sim::whatif::map_routing(&source, &model_pre, "m", false).expect("maps");
     let (m_reuse, m_hit) = reuse_and_lru(&mapped, 4);
     let (s_reuse, s_hit) = reuse_and_lru(&source, 16);
     let want = format!(
@@ -202,6 +202,45 @@ fn whatif_maps_a_real_routing_onto_a_smaller_model_and_states_its_inputs() {
         err.contains("128 experts per layer and the trace routes over 64"),
         "{err}"
     );
+    assert!(err.contains("--split-experts"), "{err}");
+
+    // With --split-experts it is priced: every token routes 8 distinct experts of the model at
+    // each of its 8 layers, and a trace expert routed again keeps its group's first member (all
+    // six ranks' first members are taken before any second one), so the mapped routing keeps
+    // at least 6/8 of the trace's previous-token reuse (the layers compared differ: 8 of the
+    // 26 are mapped, hence the looser bound below).
+    let mut split = refused.clone();
+    split.push("--split-experts");
+    let (code, out, err) = sim(&split);
+    assert_eq!(code, 0, "stdout:\n{out}\nstderr:\n{err}");
+    assert!(
+        out.contains("(top-8): layer j takes the trace's layer round(j*25/7), expert e becomes the group floor(e*128/64)..floor((e+1)*128/64)"),
+        "{out}"
+    );
+    assert!(out.contains("invented"), "{out}");
+    let mut expected = 0u64;
+    for step in source.steps() {
+        let has_last = step
+            .cells
+            .iter()
+            .any(|c| c.moe_layer as usize == l_from - 1);
+        expected += 8 * if has_last { 8 } else { 7 };
+    }
+    assert_eq!(sim_value(&out, "lookups"), expected);
+    let wide_pre = bmoe_sim::cli::load_layout(&wide).expect("layout");
+    let (mapped, _) = bmoe_sim::whatif::map_routing(&source, &wide_pre, "m", true).expect("maps");
+    for step in mapped.steps() {
+        for cell in step.cells {
+            let mut ids: Vec<u32> = mapped.cell_slots(cell).iter().map(|s| s.expert).collect();
+            assert_eq!(ids.len(), 8);
+            ids.sort_unstable();
+            ids.dedup();
+            assert_eq!(ids.len(), 8, "a mapped routing repeats an expert");
+        }
+    }
+    let (m_reuse, _) = reuse_and_lru(&mapped, 32);
+    let (s_reuse, _) = reuse_and_lru(&source, 16);
+    assert!(m_reuse > 0.5 * s_reuse && m_reuse > 0.0, "{m_reuse} vs {s_reuse}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
