@@ -338,8 +338,8 @@ pub struct ReplayArgs {
     /// The route trace to replay (route_trace v1, from bmoe-cli --route-trace or another system)
     #[arg(long, value_name = "PATH")]
     pub trace: PathBuf,
-    /// Device profile: a built-in name (origin-12gb-phone, ufs40-phone, laptop-nvme,
-    /// this-machine) or a JSON file [default: origin-12gb-phone]
+    /// Device profile: a built-in name (origin-12gb-phone, ufs40-phone, ufs40-phone-cycles,
+    /// laptop-nvme, this-machine) or a JSON file [default: origin-12gb-phone]
     #[arg(long, value_name = "NAME|PATH")]
     pub profile: Option<String>,
     /// Seed of the flash and compute jitter streams (only matters when the profile has jitter)
@@ -371,8 +371,8 @@ pub struct WhatifArgs {
     /// reads only the file's header) or any route trace of it
     #[arg(long, value_name = "LAYOUT.csv")]
     pub model: PathBuf,
-    /// The device: a built-in profile (origin-12gb-phone, ufs40-phone, laptop-nvme,
-    /// this-machine) or a JSON profile (e.g. from `bmoe-sim calibrate`)
+    /// The device: a built-in profile (origin-12gb-phone, ufs40-phone, ufs40-phone-cycles,
+    /// laptop-nvme, this-machine) or a JSON profile (e.g. from `bmoe-sim calibrate`)
     #[arg(long, value_name = "NAME|PATH")]
     pub device: String,
     /// Seed of the flash and compute jitter streams (only matters when the profile has jitter)

@@ -21,12 +21,16 @@ use std::path::Path;
 pub const DEFAULT_PROFILE: &str = "origin-12gb-phone";
 
 /// Built-in profiles: (name, JSON text).
-pub const BUILTIN: [(&str, &str); 4] = [
+pub const BUILTIN: [(&str, &str); 5] = [
     (
         "origin-12gb-phone",
         include_str!("../profiles/origin-12gb-phone.json"),
     ),
     ("ufs40-phone", include_str!("../profiles/ufs40-phone.json")),
+    (
+        "ufs40-phone-cycles",
+        include_str!("../profiles/ufs40-phone-cycles.json"),
+    ),
     ("laptop-nvme", include_str!("../profiles/laptop-nvme.json")),
     (
         "this-machine",
