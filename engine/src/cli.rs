@@ -702,7 +702,9 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         if a.io_burst > 0 {
             say!(
                 "in bursts of {} reads ({} adjacent), {} ms idle between bursts",
-                a.io_burst, a.io_adjacent, a.io_gap_ms
+                a.io_burst,
+                a.io_adjacent,
+                a.io_gap_ms
             )?;
         }
         let io = crate::flash::RawIo {
@@ -730,7 +732,9 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 )?;
                 say!(
                     "  {lanes} lanes: {:.0} MiB/s (mean read {:.2} ms, {} bursts)",
-                    r.mib_s, r.mean_read_ms, r.bursts
+                    r.mib_s,
+                    r.mean_read_ms,
+                    r.bursts
                 )?;
                 continue;
             }
