@@ -51,7 +51,10 @@ fn run(cli: Cli) -> Result<i32> {
             let presets = bmoe_engine::gen::GenArch::from_name(e.name)
                 .map(|a| a.presets().join(", "))
                 .unwrap_or_else(|| "none".into());
-            cli::stdout_text(&format!("{}\t{}\tgen presets: {presets}\n", e.name, e.about))?;
+            cli::stdout_text(&format!(
+                "{}\t{}\tgen presets: {presets}\n",
+                e.name, e.about
+            ))?;
         }
         return Ok(0);
     }

@@ -48,7 +48,10 @@ fn arm_cli() -> Option<PathBuf> {
         (_, false) => Some("no qemu-aarch64-static (scripts/arm.sh installs it)".to_string()),
     };
     if let Some(why) = missing {
-        assert!(!ci, "CI=true: the cross-architecture gate cannot run: {why}");
+        assert!(
+            !ci,
+            "CI=true: the cross-architecture gate cannot run: {why}"
+        );
         eprintln!("skipping the cross-architecture gate: {why}");
         return None;
     }
@@ -153,7 +156,10 @@ fn both(bin: &Path, file: &Path, what: &str, extra: &[&str]) -> (Output, Output)
         "{what}: the aarch64 binary failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let arm = read_output(&arm_logits, String::from_utf8_lossy(&out.stdout).into_owned());
+    let arm = read_output(
+        &arm_logits,
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+    );
     (x86, arm)
 }
 
@@ -247,7 +253,16 @@ fn gemma4_on_aarch64_writes_the_x86_bytes() {
 
 #[test]
 fn gpt_oss_on_aarch64_writes_the_x86_bytes() {
-    check_arch("gpt-oss", &[Some("f16"), Some("q8_0"), Some("q4_k_m"), Some("mxfp4_moe"), None]);
+    check_arch(
+        "gpt-oss",
+        &[
+            Some("f16"),
+            Some("q8_0"),
+            Some("q4_k_m"),
+            Some("mxfp4_moe"),
+            None,
+        ],
+    );
 }
 
 /// Every other weight format the kernels take, resident, on qwen3moe: each one's NEON kernels
@@ -298,14 +313,27 @@ fn aarch64_gen_and_every_arm_level_agree_with_x86() {
     let (x86, _) = both(&bin, &x86_file, "tiny levels (x86)", &["--no-moe-stream"]);
     let mut failures = Vec::new();
     // (qemu CPU model, the level the binary must detect on it)
-    for (cpu, level) in [("cortex-a72", "neon"), ("cortex-a76", "dotprod"), ("max", "i8mm")] {
+    for (cpu, level) in [
+        ("cortex-a72", "neon"),
+        ("cortex-a76", "dotprod"),
+        ("max", "i8mm"),
+    ] {
         let logits = dir.join(format!("levels-{cpu}.bin"));
         let out = Command::new("qemu-aarch64-static")
             .args(["-cpu", cpu])
             .arg(&bin)
             .arg("-m")
             .arg(&x86_file)
-            .args(["-p", PROMPT, "-n", N, "--temp", "0", "--no-moe-stream", "--logits-out"])
+            .args([
+                "-p",
+                PROMPT,
+                "-n",
+                N,
+                "--temp",
+                "0",
+                "--no-moe-stream",
+                "--logits-out",
+            ])
             .arg(&logits)
             .output()
             .expect("run qemu-aarch64-static");

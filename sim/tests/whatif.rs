@@ -240,7 +240,10 @@ fn whatif_maps_a_real_routing_onto_a_smaller_model_and_states_its_inputs() {
     }
     let (m_reuse, _) = reuse_and_lru(&mapped, 32);
     let (s_reuse, _) = reuse_and_lru(&source, 16);
-    assert!(m_reuse > 0.5 * s_reuse && m_reuse > 0.0, "{m_reuse} vs {s_reuse}");
+    assert!(
+        m_reuse > 0.5 * s_reuse && m_reuse > 0.0,
+        "{m_reuse} vs {s_reuse}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
