@@ -25,8 +25,8 @@
 //! input embeddings (`embedding_length_per_layer_input` > 0), the small E2B/E4B models' parts.
 
 use super::blocks::{self, AttnShape, Compute, Glu, Rope, RopeKind};
-use super::meta::Meta;
-use super::qwen3moe::{add_rows, attend_layer, moe_params, n_vocab, norm_head, split_ffn};
+use super::layers::{add_rows, attend_layer, norm_head, split_ffn};
+use super::meta::{moe_params, n_vocab, Meta};
 use super::state::{LayerMemory, MemoryKind, Scratch, State};
 use super::weights::{ExpertTensor, Loader, Mat, Weights};
 use super::{Arch, ArchError, Dims, ExpertIn, MoeLayer};

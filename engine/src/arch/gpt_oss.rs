@@ -17,11 +17,10 @@
 //! shared expert; `expert_weights_scale` is not applied (llama.cpp never reads it here).
 
 use super::blocks::{self, AttnShape, Compute, Glu, Rope, RopeKind, Yarn};
-use super::meta::Meta;
-use super::qwen3moe::{
-    add_rows, attention_sublayer, attn_params, moe_params, n_vocab, norm_head, split_ffn_biased,
-    FfnBias, QwenAttn,
+use super::layers::{
+    add_rows, attention_sublayer, norm_head, split_ffn_biased, AttnWeights, FfnBias,
 };
+use super::meta::{attn_params, moe_params, n_vocab, Meta};
 use super::state::{LayerMemory, MemoryKind, Scratch, State};
 use super::weights::{ExpertTensor, Loader, Mat, Weights};
 use super::{Arch, ArchError, Dims, ExpertIn, MoeLayer};
@@ -151,7 +150,7 @@ fn swa_pattern(m: &Meta, n_layer: usize) -> Result<Vec<bool>, ArchError> {
 
 struct LayerWeights {
     attn_norm: Vec<f32>,
-    attn: QwenAttn,
+    attn: AttnWeights,
     o_bias: Vec<f32>,
     sinks: Vec<f32>,
     post_norm: Vec<f32>,
@@ -204,7 +203,7 @@ impl GptOss {
             let b = |s: &str| format!("blk.{i}.{s}.bias");
             layers.push(LayerWeights {
                 attn_norm: ld.vector(&n("attn_norm"), d)?,
-                attn: QwenAttn {
+                attn: AttnWeights {
                     q: ld.mat(&n("attn_q"), d, qd)?,
                     k: ld.mat(&n("attn_k"), d, kvd)?,
                     v: ld.mat(&n("attn_v"), d, kvd)?,

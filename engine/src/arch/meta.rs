@@ -168,3 +168,103 @@ impl<'a> Meta<'a> {
         Ok(())
     }
 }
+
+/// The attention hyper-parameters the llama-style families (qwen3moe, qwen2moe, gpt-oss) state
+/// the same way: head counts,
+/// head dim (`key_length`, defaulting to d/heads; `value_length` must agree), rotary base and
+/// dimension (the whole head: partial rotary is refused), RMS epsilon.
+pub(crate) struct AttnParams {
+    pub n_head: usize,
+    pub n_head_kv: usize,
+    pub head_dim: usize,
+    pub rope_base: f32,
+    pub rms_eps: f32,
+}
+
+pub(crate) fn attn_params(m: &Meta, d_model: usize) -> Result<AttnParams, ArchError> {
+    let n_head = m.req_u("attention.head_count")?;
+    if n_head == 0 || d_model == 0 {
+        return Err(m.err(
+            "attention.head_count",
+            "embedding_length and head_count must be positive",
+        ));
+    }
+    let n_head_kv = m.opt_u("attention.head_count_kv")?.unwrap_or(n_head);
+    if n_head_kv == 0 || n_head % n_head_kv != 0 {
+        return Err(m.err(
+            "attention.head_count_kv",
+            format!("{n_head_kv} must divide head_count {n_head}"),
+        ));
+    }
+    let head_dim = m.opt_u("attention.key_length")?.unwrap_or(d_model / n_head);
+    let v_dim = m.opt_u("attention.value_length")?.unwrap_or(head_dim);
+    if v_dim != head_dim {
+        return Err(m.err(
+            "attention.value_length",
+            format!("{v_dim} differs from key_length {head_dim}; unsupported"),
+        ));
+    }
+    if head_dim == 0 || head_dim % 2 != 0 {
+        return Err(m.err(
+            "attention.key_length",
+            format!("{head_dim} must be even and positive for rotary embedding"),
+        ));
+    }
+    if let Some(rd) = m.opt_u("rope.dimension_count")? {
+        if rd != head_dim {
+            return Err(m.err(
+                "rope.dimension_count",
+                format!(
+                    "{rd} differs from the head dim {head_dim}; partial rotary is not supported"
+                ),
+            ));
+        }
+    }
+    Ok(AttnParams {
+        n_head,
+        n_head_kv,
+        head_dim,
+        rope_base: m.opt_f("rope.freq_base", 10_000.0)?,
+        rms_eps: m.req_f("attention.layer_norm_rms_epsilon")?,
+    })
+}
+
+/// The MoE counts: `expert_count` (a MoE model has at least one), `expert_used_count` in
+/// `1..=expert_count`, the expert FFN width (`expert_feed_forward_length`, or
+/// `feed_forward_length / expert_used_count` as older files state it).
+pub(crate) fn moe_params(m: &Meta) -> Result<(usize, usize, usize), ArchError> {
+    let n_expert = m.req_u("expert_count")?;
+    let n_expert_used = m.req_u("expert_used_count")?;
+    if n_expert == 0 {
+        return Err(ArchError::NotMoe {
+            file: m.f.path().display().to_string(),
+            arch: m.arch.into(),
+        });
+    }
+    if n_expert_used == 0 || n_expert_used > n_expert {
+        return Err(m.err(
+            "expert_used_count",
+            format!("{n_expert_used}, expected 1..={n_expert}"),
+        ));
+    }
+    let n_ff_exp = match m.opt_u("expert_feed_forward_length")? {
+        Some(n) => n,
+        None => m.req_u("feed_forward_length")? / n_expert_used,
+    };
+    if n_ff_exp == 0 {
+        return Err(m.err("expert_feed_forward_length", "is 0"));
+    }
+    Ok((n_expert, n_expert_used, n_ff_exp))
+}
+
+/// The vocabulary size, from `token_embd.weight`'s second dimension.
+pub(crate) fn n_vocab(f: &GgufFile) -> Result<usize, ArchError> {
+    let embd = f
+        .tensor("token_embd.weight")
+        .ok_or_else(|| ArchError::Tensor {
+            file: f.path().display().to_string(),
+            tensor: "token_embd.weight".into(),
+            what: "is missing".into(),
+        })?;
+    Ok(embd.dims.get(1).copied().unwrap_or(0) as usize)
+}

@@ -14,6 +14,7 @@
 pub mod blocks;
 pub mod gemma4;
 pub mod gpt_oss;
+pub mod layers;
 pub mod meta;
 pub mod qwen2moe;
 pub mod qwen3moe;
@@ -154,7 +155,7 @@ pub trait Arch: Send + Sync {
     }
     /// Expert `expert`'s biases in a layer of [`Arch::split_glu`] experts that have them
     /// (gpt-oss); none by default.
-    fn expert_bias(&self, _layer: usize, _expert: usize) -> Option<qwen3moe::FfnBias<'_>> {
+    fn expert_bias(&self, _layer: usize, _expert: usize) -> Option<layers::FfnBias<'_>> {
         None
     }
     /// Expert `expert`'s output scale in a layer of [`Arch::split_glu`] experts that have one
@@ -937,7 +938,7 @@ impl<A: Arch + ?Sized> Model<A> {
         act2: &mut [ActBuf],
     ) -> Result<(), ArchError> {
         let n = act2.len();
-        let bias: Vec<Option<qwen3moe::FfnBias<'_>>> = jobs
+        let bias: Vec<Option<layers::FfnBias<'_>>> = jobs
             .iter()
             .flat_map(|j| std::iter::repeat_n(self.arch.expert_bias(layer, j.expert), j.uses.len()))
             .collect();
@@ -951,7 +952,7 @@ impl<A: Arch + ?Sized> Model<A> {
             &'p mut [f32],
             &'p mut [f32],
             &'p mut [ActBuf],
-            &'p [Option<qwen3moe::FfnBias<'b>>],
+            &'p [Option<layers::FfnBias<'b>>],
         );
         let pieces: Vec<std::sync::Mutex<Piece<'_, '_>>> = gate
             .chunks_mut(per * ff)

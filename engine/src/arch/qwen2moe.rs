@@ -14,10 +14,8 @@
 //! architecture, so the weights are never scaled; nor are they here.
 
 use super::blocks::{self, AttnShape, Compute, Glu, Rope, RopeKind};
-use super::meta::Meta;
-use super::qwen3moe::{
-    add_rows, attention_sublayer, attn_params, moe_params, n_vocab, norm_head, split_ffn, QwenAttn,
-};
+use super::layers::{add_rows, attention_sublayer, norm_head, split_ffn, AttnWeights};
+use super::meta::{attn_params, moe_params, n_vocab, Meta};
 use super::state::{LayerMemory, MemoryKind, Scratch, State};
 use super::weights::{ExpertTensor, Loader, Mat, Weights};
 use super::{Arch, ArchError, Dims, ExpertIn, MoeLayer};
@@ -94,7 +92,7 @@ struct SharedExpert {
 
 struct LayerWeights {
     attn_norm: Vec<f32>,
-    attn: QwenAttn,
+    attn: AttnWeights,
     ffn_norm: Vec<f32>,
     router: Mat,
     /// gate, up, down
@@ -138,7 +136,7 @@ impl Qwen2Moe {
             let b = |s: &str| format!("blk.{i}.{s}.bias");
             layers.push(LayerWeights {
                 attn_norm: ld.vector(&n("attn_norm"), d)?,
-                attn: QwenAttn {
+                attn: AttnWeights {
                     q: ld.mat(&n("attn_q"), d, qd)?,
                     k: ld.mat(&n("attn_k"), d, kvd)?,
                     v: ld.mat(&n("attn_v"), d, kvd)?,

@@ -7,14 +7,15 @@
 //! `output_norm` and the head (`output`, or `token_embd` when the file ties them). No shared
 //! expert; every layer is a MoE layer.
 
-use super::blocks::{self, AttnShape, Compute, Glu, Rope, RopeKind};
-use super::meta::Meta;
+use super::blocks::{AttnShape, Compute, Glu, Rope, RopeKind};
+use super::layers::{add_rows, attention_sublayer, norm_head, split_ffn, AttnWeights};
+use super::meta::{attn_params, moe_params, n_vocab, Meta};
 use super::state::{LayerMemory, MemoryKind, Scratch, State};
 use super::weights::{ExpertTensor, Loader, Mat, Weights};
 use super::{Arch, ArchError, Dims, ExpertIn, MoeLayer};
 use crate::dense::DenseMode;
 use crate::gguf::GgufFile;
-use crate::kernels::{self, ActBuf, ActFormat};
+use crate::kernels::ActBuf;
 use bmoe_core::Gating;
 use std::sync::Arc;
 
@@ -35,105 +36,6 @@ pub struct HParams {
     pub rope_base: f32,
     pub rms_eps: f32,
     pub n_vocab: usize,
-}
-
-/// The attention hyper-parameters every qwen-family file states the same way: head counts,
-/// head dim (`key_length`, defaulting to d/heads; `value_length` must agree), rotary base and
-/// dimension (the whole head: partial rotary is refused), RMS epsilon.
-pub(crate) struct AttnParams {
-    pub n_head: usize,
-    pub n_head_kv: usize,
-    pub head_dim: usize,
-    pub rope_base: f32,
-    pub rms_eps: f32,
-}
-
-pub(crate) fn attn_params(m: &Meta, d_model: usize) -> Result<AttnParams, ArchError> {
-    let n_head = m.req_u("attention.head_count")?;
-    if n_head == 0 || d_model == 0 {
-        return Err(m.err(
-            "attention.head_count",
-            "embedding_length and head_count must be positive",
-        ));
-    }
-    let n_head_kv = m.opt_u("attention.head_count_kv")?.unwrap_or(n_head);
-    if n_head_kv == 0 || n_head % n_head_kv != 0 {
-        return Err(m.err(
-            "attention.head_count_kv",
-            format!("{n_head_kv} must divide head_count {n_head}"),
-        ));
-    }
-    let head_dim = m.opt_u("attention.key_length")?.unwrap_or(d_model / n_head);
-    let v_dim = m.opt_u("attention.value_length")?.unwrap_or(head_dim);
-    if v_dim != head_dim {
-        return Err(m.err(
-            "attention.value_length",
-            format!("{v_dim} differs from key_length {head_dim}; unsupported"),
-        ));
-    }
-    if head_dim == 0 || head_dim % 2 != 0 {
-        return Err(m.err(
-            "attention.key_length",
-            format!("{head_dim} must be even and positive for rotary embedding"),
-        ));
-    }
-    if let Some(rd) = m.opt_u("rope.dimension_count")? {
-        if rd != head_dim {
-            return Err(m.err(
-                "rope.dimension_count",
-                format!(
-                    "{rd} differs from the head dim {head_dim}; partial rotary is not supported"
-                ),
-            ));
-        }
-    }
-    Ok(AttnParams {
-        n_head,
-        n_head_kv,
-        head_dim,
-        rope_base: m.opt_f("rope.freq_base", 10_000.0)?,
-        rms_eps: m.req_f("attention.layer_norm_rms_epsilon")?,
-    })
-}
-
-/// The MoE counts: `expert_count` (a MoE model has at least one), `expert_used_count` in
-/// `1..=expert_count`, the expert FFN width (`expert_feed_forward_length`, or
-/// `feed_forward_length / expert_used_count` as older files state it).
-pub(crate) fn moe_params(m: &Meta) -> Result<(usize, usize, usize), ArchError> {
-    let n_expert = m.req_u("expert_count")?;
-    let n_expert_used = m.req_u("expert_used_count")?;
-    if n_expert == 0 {
-        return Err(ArchError::NotMoe {
-            file: m.f.path().display().to_string(),
-            arch: m.arch.into(),
-        });
-    }
-    if n_expert_used == 0 || n_expert_used > n_expert {
-        return Err(m.err(
-            "expert_used_count",
-            format!("{n_expert_used}, expected 1..={n_expert}"),
-        ));
-    }
-    let n_ff_exp = match m.opt_u("expert_feed_forward_length")? {
-        Some(n) => n,
-        None => m.req_u("feed_forward_length")? / n_expert_used,
-    };
-    if n_ff_exp == 0 {
-        return Err(m.err("expert_feed_forward_length", "is 0"));
-    }
-    Ok((n_expert, n_expert_used, n_ff_exp))
-}
-
-/// The vocabulary size, from `token_embd.weight`'s second dimension.
-pub(crate) fn n_vocab(f: &GgufFile) -> Result<usize, ArchError> {
-    let embd = f
-        .tensor("token_embd.weight")
-        .ok_or_else(|| ArchError::Tensor {
-            file: f.path().display().to_string(),
-            tensor: "token_embd.weight".into(),
-            what: "is missing".into(),
-        })?;
-    Ok(embd.dims.get(1).copied().unwrap_or(0) as usize)
 }
 
 impl HParams {
@@ -163,276 +65,9 @@ impl HParams {
     }
 }
 
-/// One layer's attention weights as the qwen family names them.
-pub(crate) struct QwenAttn {
-    pub q: Mat,
-    pub k: Mat,
-    pub v: Mat,
-    pub o: Mat,
-    pub q_bias: Option<Vec<f32>>,
-    pub k_bias: Option<Vec<f32>>,
-    pub v_bias: Option<Vec<f32>>,
-    pub q_norm: Option<Vec<f32>>,
-    pub k_norm: Option<Vec<f32>>,
-}
-
-/// GQA self-attention of `st.cur` (the normed input of every batch row) into `st.out`
-/// (`n_rows × d_model`, after the output projection): projections (+ biases), per-head q/k
-/// norms, rotary embedding, the layer's memory, attention, output projection.
-/// The pre-norm attention sublayer of the llama-style families (qwen3moe, qwen2moe, gpt-oss):
-/// `attn_norm`, [`qwen_attention`], the residual, then `ffn_norm` of the FFN rows into
-/// `State::h`, the FFN's input.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn attention_sublayer(
-    cx: &Compute,
-    st: &mut State,
-    layer: usize,
-    (attn_norm, ffn_norm): (&[f32], &[f32]),
-    w: &QwenAttn,
-    shape: &AttnShape,
-    rope: &Rope,
-    rms_eps: f32,
-    sinks: Option<&[f32]>,
-    o_bias: Option<&[f32]>,
-) -> Result<(), ArchError> {
-    let d = w.o.rows;
-    blocks::rms_norm_all(&st.x, d, Some(attn_norm), rms_eps, &mut st.cur);
-    qwen_attention(cx, st, layer, w, shape, rope, rms_eps, sinks, o_bias)?;
-    for (x, o) in st.x.iter_mut().zip(&st.out) {
-        *x += *o;
-    }
-    let rows = std::mem::take(&mut st.ffn_rows);
-    blocks::rms_norm_rows(&st.x, d, &rows, Some(ffn_norm), rms_eps, &mut st.h);
-    st.ffn_rows = rows;
-    Ok(())
-}
-
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn qwen_attention(
-    cx: &Compute,
-    st: &mut State,
-    layer: usize,
-    w: &QwenAttn,
-    shape: &AttnShape,
-    rope: &Rope,
-    rms_eps: f32,
-    sinks: Option<&[f32]>,
-    o_bias: Option<&[f32]>,
-) -> Result<(), ArchError> {
-    let n = st.n_rows;
-    let hd = shape.head_dim;
-    let (qd, kvd) = (shape.n_head * hd, shape.n_head_kv * hd);
-    let d = w.o.rows;
-    st.q.resize(n * qd, 0.0);
-    st.k.resize(n * kvd, 0.0);
-    st.v.resize(n * kvd, 0.0);
-    let mut acts = std::mem::take(&mut st.scratch.acts);
-    let r = cx.mats_rows(
-        &mut [(&w.q, &mut st.q), (&w.k, &mut st.k), (&w.v, &mut st.v)],
-        &st.cur,
-        n,
-        &mut acts,
-    );
-    st.scratch.acts = acts;
-    r?;
-    for (buf, b) in [
-        (&mut st.q, &w.q_bias),
-        (&mut st.k, &w.k_bias),
-        (&mut st.v, &w.v_bias),
-    ] {
-        if let Some(b) = b {
-            blocks::add_bias(buf, b);
-        }
-    }
-    if let Some(qn) = &w.q_norm {
-        blocks::rms_norm_heads(&mut st.q, hd, Some(&qn[..]), rms_eps, &mut st.scratch.tmp);
-    }
-    if let Some(kn) = &w.k_norm {
-        blocks::rms_norm_heads(&mut st.k, hd, Some(&kn[..]), rms_eps, &mut st.scratch.tmp);
-    }
-    rope.apply_rows(&mut st.q, qd, hd, &st.positions, &mut st.scratch.rope);
-    rope.apply_rows(&mut st.k, kvd, hd, &st.positions, &mut st.scratch.rope);
-    attend_layer(cx, st, layer, shape, sinks)?;
-    st.out.resize(n * d, 0.0);
-    let mut acts = std::mem::take(&mut st.scratch.acts);
-    let r = cx.mat_rows(&w.o, &st.att, n, &mut acts, &mut st.out);
-    st.scratch.acts = acts;
-    r?;
-    if let Some(b) = o_bias {
-        blocks::add_bias(&mut st.out, b);
-    }
-    Ok(())
-}
-
-/// Attention of `st.q` over layer `layer`'s memory and the batch's `st.k` / `st.v` into
-/// `st.att`; the memory keeps what it must afterwards.
-pub(crate) fn attend_layer(
-    cx: &Compute,
-    st: &mut State,
-    layer: usize,
-    shape: &AttnShape,
-    sinks: Option<&[f32]>,
-) -> Result<(), ArchError> {
-    let n = st.n_rows;
-    st.att.resize(n * shape.n_head * shape.head_dim, 0.0);
-    let State {
-        mem,
-        q,
-        k,
-        v,
-        att,
-        scores,
-        positions,
-        ..
-    } = st;
-    let kv = mem[layer].source(layer, positions, k, v)?;
-    blocks::attend(&cx.pool, shape, q, positions, &kv, sinks, scores, att);
-    mem[layer].commit(positions, k, v);
-    Ok(())
-}
-
-/// Add `src` (rows of `st.ffn_rows`, consecutive) into those rows of the residual `x`.
-pub(crate) fn add_rows(x: &mut [f32], d: usize, rows: &[u32], src: &[f32]) {
-    for (i, &r) in rows.iter().enumerate() {
-        let r = r as usize;
-        for (a, &b) in x[r * d..(r + 1) * d]
-            .iter_mut()
-            .zip(&src[i * d..(i + 1) * d])
-        {
-            *a += b;
-        }
-    }
-}
-
-/// The gated FFN of split `gate`/`up`/`down` matrices (given as bytes and types: an expert's
-/// slice or a dense matrix) on `n` rows of `input`: `down(glu(gate·x, up·x))` into `out`.
-/// `pre` may hold the same `n` rows already quantised (see [`ExpertIn::prepared`]); gate and
-/// up use them when their activation format is the one prepared, and quantise `input`
-/// themselves otherwise (the bits are the same either way).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn split_ffn(
-    cx: &Compute,
-    s: &mut Scratch,
-    glu: Glu,
-    g: (crate::gguf::GgmlType, &[u8]),
-    u: (crate::gguf::GgmlType, &[u8]),
-    dn: (crate::gguf::GgmlType, &[u8]),
-    ff: usize,
-    d: usize,
-    input: &[f32],
-    n: usize,
-    pre: &[&ActBuf],
-    out: &mut Vec<f32>,
-) -> Result<(), ArchError> {
-    split_ffn_biased(cx, s, glu, g, u, dn, None, ff, d, input, n, pre, out)
-}
-
-/// One expert's biases (gpt-oss): added to the gate and up products before the activation
-/// and to the down product after it.
-#[derive(Copy, Clone)]
-pub struct FfnBias<'a> {
-    pub gate: &'a [f32],
-    pub up: &'a [f32],
-    pub down: &'a [f32],
-}
-
-/// [`split_ffn`] with per-projection biases: `down(glu(gate·x + bg, up·x + bu)) + bd`.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn split_ffn_biased(
-    cx: &Compute,
-    s: &mut Scratch,
-    glu: Glu,
-    (gt, g): (crate::gguf::GgmlType, &[u8]),
-    (ut, u): (crate::gguf::GgmlType, &[u8]),
-    (dt, dn): (crate::gguf::GgmlType, &[u8]),
-    bias: Option<FfnBias<'_>>,
-    ff: usize,
-    d: usize,
-    input: &[f32],
-    n: usize,
-    pre: &[&ActBuf],
-    out: &mut Vec<f32>,
-) -> Result<(), ArchError> {
-    s.gate.resize(n * ff, 0.0);
-    s.up.resize(n * ff, 0.0);
-    out.resize(n * d, 0.0);
-    let usable = |ty| {
-        let f = ActFormat::for_weights(ty);
-        pre.len() == n && f.is_some() && pre.iter().all(|a| a.format() == f && a.n_cols() == d)
-    };
-    let (g_pre, u_pre) = (usable(gt), usable(ut));
-    if g_pre && u_pre {
-        gate_up(cx, pre, (gt, g), (ut, u), ff, d, &mut s.gate, &mut s.up)?;
-    } else if !g_pre && !u_pre && ActFormat::for_weights(ut) == ActFormat::for_weights(gt) {
-        blocks::prepare_acts(&cx.pool, gt, input, n, d, &mut s.acts)?;
-        gate_up(
-            cx,
-            &s.acts[..n],
-            (gt, g),
-            (ut, u),
-            ff,
-            d,
-            &mut s.gate,
-            &mut s.up,
-        )?;
-    } else {
-        // A mixed file: gate and up quantise for different activation formats.
-        for (pre_ok, ty, w, o) in [(g_pre, gt, g, &mut s.gate), (u_pre, ut, u, &mut s.up)] {
-            if pre_ok {
-                blocks::mul_prepared(&cx.pool, ty, w, ff, d, pre, o)?;
-            } else {
-                blocks::prepare_acts(&cx.pool, ty, input, n, d, &mut s.acts)?;
-                blocks::mul_prepared(&cx.pool, ty, w, ff, d, &s.acts[..n], o)?;
-            }
-        }
-    }
-    if let Some(b) = bias {
-        blocks::add_bias(&mut s.gate[..n * ff], b.gate);
-        blocks::add_bias(&mut s.up[..n * ff], b.up);
-    }
-    glu.apply(&mut s.gate, &s.up);
-    blocks::prepare_acts(&cx.pool, dt, &s.gate, n, ff, &mut s.act2)?;
-    blocks::mul_prepared(&cx.pool, dt, dn, d, ff, &s.act2[..n], out)?;
-    if let Some(b) = bias {
-        blocks::add_bias(&mut out[..n * d], b.down);
-    }
-    Ok(())
-}
-
-/// gate and up (both `ff × d`) on the same prepared rows, in one round of the pool.
-#[allow(clippy::too_many_arguments)]
-fn gate_up<A: std::borrow::Borrow<ActBuf> + Sync>(
-    cx: &Compute,
-    acts: &[A],
-    (gt, g): (crate::gguf::GgmlType, &[u8]),
-    (ut, u): (crate::gguf::GgmlType, &[u8]),
-    ff: usize,
-    d: usize,
-    gate: &mut [f32],
-    up: &mut [f32],
-) -> Result<(), ArchError> {
-    let n = acts.len();
-    let product = |ty, w, out| kernels::Product {
-        ty,
-        w,
-        n_rows: ff,
-        n_cols: d,
-        acts,
-        out,
-    };
-    kernels::matmul_round(
-        &cx.pool,
-        &mut [
-            product(gt, g, &mut gate[..n * ff]),
-            product(ut, u, &mut up[..n * ff]),
-        ],
-    )
-    .map_err(blocks::kerr)
-}
-
 pub struct LayerWeights {
     attn_norm: Vec<f32>,
-    attn: QwenAttn,
+    attn: AttnWeights,
     ffn_norm: Vec<f32>,
     router: Mat,
     /// gate, up, down
@@ -473,7 +108,7 @@ impl Qwen3Moe {
             let n = |s: &str| format!("blk.{i}.{s}.weight");
             layers.push(LayerWeights {
                 attn_norm: ld.vector(&n("attn_norm"), d)?,
-                attn: QwenAttn {
+                attn: AttnWeights {
                     q: ld.mat(&n("attn_q"), d, qd)?,
                     k: ld.mat(&n("attn_k"), d, kvd)?,
                     v: ld.mat(&n("attn_v"), d, kvd)?,
@@ -519,26 +154,6 @@ impl Qwen3Moe {
             weights: ld.finish(),
         })
     }
-}
-
-/// Final norm and output head of the `out_rows` (the qwen family's head).
-pub(crate) fn norm_head(
-    cx: &Compute,
-    st: &mut State,
-    norm: &[f32],
-    output: &Mat,
-    eps: f32,
-) -> Result<(), ArchError> {
-    let d = norm.len();
-    let rows = std::mem::take(&mut st.out_rows);
-    blocks::rms_norm_rows(&st.x, d, &rows, Some(norm), eps, &mut st.cur);
-    st.out_rows = rows;
-    let m = st.out_rows.len();
-    st.logits.resize(m * output.rows, 0.0);
-    let mut acts = std::mem::take(&mut st.scratch.acts);
-    let r = cx.mat_rows(output, &st.cur, m, &mut acts, &mut st.logits);
-    st.scratch.acts = acts;
-    r
 }
 
 impl Arch for Qwen3Moe {

@@ -1,0 +1,301 @@
+//! The sub-layers the architecture files compose their graphs from, over the operations of
+//! [`super::blocks`]: the pre-norm attention sub-layer and GQA attention over a layer's
+//! memory, the split gated FFN (with per-projection biases where a family has them), the
+//! residual add of the FFN rows, and the final norm and head. An architecture file is its
+//! graph over these (as llama.cpp's `src/models/<arch>.cpp` are over `llm_graph_context`'s
+//! builders); what only one family does stays in its file.
+
+use super::blocks::{self, AttnShape, Compute, Glu, Rope};
+use super::state::{Scratch, State};
+use super::weights::Mat;
+use super::ArchError;
+use crate::kernels::{self, ActBuf, ActFormat};
+
+/// One layer's attention projections (`attn_q`, `attn_k`, `attn_v`, `attn_output`), with the
+/// biases (qwen2moe, gpt-oss) and per-head q/k norms (qwen3moe) a family has.
+pub(crate) struct AttnWeights {
+    pub q: Mat,
+    pub k: Mat,
+    pub v: Mat,
+    pub o: Mat,
+    pub q_bias: Option<Vec<f32>>,
+    pub k_bias: Option<Vec<f32>>,
+    pub v_bias: Option<Vec<f32>>,
+    pub q_norm: Option<Vec<f32>>,
+    pub k_norm: Option<Vec<f32>>,
+}
+
+/// The pre-norm attention sub-layer of the llama-style families (qwen3moe, qwen2moe, gpt-oss):
+/// `attn_norm`, [`attention`], the residual, then `ffn_norm` of the FFN rows into `State::h`,
+/// the FFN's input.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attention_sublayer(
+    cx: &Compute,
+    st: &mut State,
+    layer: usize,
+    (attn_norm, ffn_norm): (&[f32], &[f32]),
+    w: &AttnWeights,
+    shape: &AttnShape,
+    rope: &Rope,
+    rms_eps: f32,
+    sinks: Option<&[f32]>,
+    o_bias: Option<&[f32]>,
+) -> Result<(), ArchError> {
+    let d = w.o.rows;
+    blocks::rms_norm_all(&st.x, d, Some(attn_norm), rms_eps, &mut st.cur);
+    attention(cx, st, layer, w, shape, rope, rms_eps, sinks, o_bias)?;
+    for (x, o) in st.x.iter_mut().zip(&st.out) {
+        *x += *o;
+    }
+    let rows = std::mem::take(&mut st.ffn_rows);
+    blocks::rms_norm_rows(&st.x, d, &rows, Some(ffn_norm), rms_eps, &mut st.h);
+    st.ffn_rows = rows;
+    Ok(())
+}
+
+/// GQA self-attention of `st.cur` (the normed input of every batch row) into `st.out`
+/// (`n_rows × d_model`, after the output projection): projections (+ biases), per-head q/k
+/// norms, rotary embedding, the layer's memory, attention, output projection.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attention(
+    cx: &Compute,
+    st: &mut State,
+    layer: usize,
+    w: &AttnWeights,
+    shape: &AttnShape,
+    rope: &Rope,
+    rms_eps: f32,
+    sinks: Option<&[f32]>,
+    o_bias: Option<&[f32]>,
+) -> Result<(), ArchError> {
+    let n = st.n_rows;
+    let hd = shape.head_dim;
+    let (qd, kvd) = (shape.n_head * hd, shape.n_head_kv * hd);
+    let d = w.o.rows;
+    st.q.resize(n * qd, 0.0);
+    st.k.resize(n * kvd, 0.0);
+    st.v.resize(n * kvd, 0.0);
+    let mut acts = std::mem::take(&mut st.scratch.acts);
+    let r = cx.mats_rows(
+        &mut [(&w.q, &mut st.q), (&w.k, &mut st.k), (&w.v, &mut st.v)],
+        &st.cur,
+        n,
+        &mut acts,
+    );
+    st.scratch.acts = acts;
+    r?;
+    for (buf, b) in [
+        (&mut st.q, &w.q_bias),
+        (&mut st.k, &w.k_bias),
+        (&mut st.v, &w.v_bias),
+    ] {
+        if let Some(b) = b {
+            blocks::add_bias(buf, b);
+        }
+    }
+    if let Some(qn) = &w.q_norm {
+        blocks::rms_norm_heads(&mut st.q, hd, Some(&qn[..]), rms_eps, &mut st.scratch.tmp);
+    }
+    if let Some(kn) = &w.k_norm {
+        blocks::rms_norm_heads(&mut st.k, hd, Some(&kn[..]), rms_eps, &mut st.scratch.tmp);
+    }
+    rope.apply_rows(&mut st.q, qd, hd, &st.positions, &mut st.scratch.rope);
+    rope.apply_rows(&mut st.k, kvd, hd, &st.positions, &mut st.scratch.rope);
+    attend_layer(cx, st, layer, shape, sinks)?;
+    st.out.resize(n * d, 0.0);
+    let mut acts = std::mem::take(&mut st.scratch.acts);
+    let r = cx.mat_rows(&w.o, &st.att, n, &mut acts, &mut st.out);
+    st.scratch.acts = acts;
+    r?;
+    if let Some(b) = o_bias {
+        blocks::add_bias(&mut st.out, b);
+    }
+    Ok(())
+}
+
+/// Attention of `st.q` over layer `layer`'s memory and the batch's `st.k` / `st.v` into
+/// `st.att`; the memory keeps what it must afterwards.
+pub(crate) fn attend_layer(
+    cx: &Compute,
+    st: &mut State,
+    layer: usize,
+    shape: &AttnShape,
+    sinks: Option<&[f32]>,
+) -> Result<(), ArchError> {
+    let n = st.n_rows;
+    st.att.resize(n * shape.n_head * shape.head_dim, 0.0);
+    let State {
+        mem,
+        q,
+        k,
+        v,
+        att,
+        scores,
+        positions,
+        ..
+    } = st;
+    let kv = mem[layer].source(layer, positions, k, v)?;
+    blocks::attend(&cx.pool, shape, q, positions, &kv, sinks, scores, att);
+    mem[layer].commit(positions, k, v);
+    Ok(())
+}
+
+/// Add `src` (rows of `st.ffn_rows`, consecutive) into those rows of the residual `x`.
+pub(crate) fn add_rows(x: &mut [f32], d: usize, rows: &[u32], src: &[f32]) {
+    for (i, &r) in rows.iter().enumerate() {
+        let r = r as usize;
+        for (a, &b) in x[r * d..(r + 1) * d]
+            .iter_mut()
+            .zip(&src[i * d..(i + 1) * d])
+        {
+            *a += b;
+        }
+    }
+}
+
+/// The gated FFN of split `gate`/`up`/`down` matrices (given as bytes and types: an expert's
+/// slice or a dense matrix) on `n` rows of `input`: `down(glu(gate·x, up·x))` into `out`.
+/// `pre` may hold the same `n` rows already quantised (see [`super::ExpertIn::prepared`]); gate and
+/// up use them when their activation format is the one prepared, and quantise `input`
+/// themselves otherwise (the bits are the same either way).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn split_ffn(
+    cx: &Compute,
+    s: &mut Scratch,
+    glu: Glu,
+    g: (crate::gguf::GgmlType, &[u8]),
+    u: (crate::gguf::GgmlType, &[u8]),
+    dn: (crate::gguf::GgmlType, &[u8]),
+    ff: usize,
+    d: usize,
+    input: &[f32],
+    n: usize,
+    pre: &[&ActBuf],
+    out: &mut Vec<f32>,
+) -> Result<(), ArchError> {
+    split_ffn_biased(cx, s, glu, g, u, dn, None, ff, d, input, n, pre, out)
+}
+
+/// One expert's biases (gpt-oss): added to the gate and up products before the activation
+/// and to the down product after it.
+#[derive(Copy, Clone)]
+pub struct FfnBias<'a> {
+    pub gate: &'a [f32],
+    pub up: &'a [f32],
+    pub down: &'a [f32],
+}
+
+/// [`split_ffn`] with per-projection biases: `down(glu(gate·x + bg, up·x + bu)) + bd`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn split_ffn_biased(
+    cx: &Compute,
+    s: &mut Scratch,
+    glu: Glu,
+    (gt, g): (crate::gguf::GgmlType, &[u8]),
+    (ut, u): (crate::gguf::GgmlType, &[u8]),
+    (dt, dn): (crate::gguf::GgmlType, &[u8]),
+    bias: Option<FfnBias<'_>>,
+    ff: usize,
+    d: usize,
+    input: &[f32],
+    n: usize,
+    pre: &[&ActBuf],
+    out: &mut Vec<f32>,
+) -> Result<(), ArchError> {
+    s.gate.resize(n * ff, 0.0);
+    s.up.resize(n * ff, 0.0);
+    out.resize(n * d, 0.0);
+    let usable = |ty| {
+        let f = ActFormat::for_weights(ty);
+        pre.len() == n && f.is_some() && pre.iter().all(|a| a.format() == f && a.n_cols() == d)
+    };
+    let (g_pre, u_pre) = (usable(gt), usable(ut));
+    if g_pre && u_pre {
+        gate_up(cx, pre, (gt, g), (ut, u), ff, d, &mut s.gate, &mut s.up)?;
+    } else if !g_pre && !u_pre && ActFormat::for_weights(ut) == ActFormat::for_weights(gt) {
+        blocks::prepare_acts(&cx.pool, gt, input, n, d, &mut s.acts)?;
+        gate_up(
+            cx,
+            &s.acts[..n],
+            (gt, g),
+            (ut, u),
+            ff,
+            d,
+            &mut s.gate,
+            &mut s.up,
+        )?;
+    } else {
+        // A mixed file: gate and up quantise for different activation formats.
+        for (pre_ok, ty, w, o) in [(g_pre, gt, g, &mut s.gate), (u_pre, ut, u, &mut s.up)] {
+            if pre_ok {
+                blocks::mul_prepared(&cx.pool, ty, w, ff, d, pre, o)?;
+            } else {
+                blocks::prepare_acts(&cx.pool, ty, input, n, d, &mut s.acts)?;
+                blocks::mul_prepared(&cx.pool, ty, w, ff, d, &s.acts[..n], o)?;
+            }
+        }
+    }
+    if let Some(b) = bias {
+        blocks::add_bias(&mut s.gate[..n * ff], b.gate);
+        blocks::add_bias(&mut s.up[..n * ff], b.up);
+    }
+    glu.apply(&mut s.gate, &s.up);
+    blocks::prepare_acts(&cx.pool, dt, &s.gate, n, ff, &mut s.act2)?;
+    blocks::mul_prepared(&cx.pool, dt, dn, d, ff, &s.act2[..n], out)?;
+    if let Some(b) = bias {
+        blocks::add_bias(&mut out[..n * d], b.down);
+    }
+    Ok(())
+}
+
+/// gate and up (both `ff × d`) on the same prepared rows, in one round of the pool.
+#[allow(clippy::too_many_arguments)]
+fn gate_up<A: std::borrow::Borrow<ActBuf> + Sync>(
+    cx: &Compute,
+    acts: &[A],
+    (gt, g): (crate::gguf::GgmlType, &[u8]),
+    (ut, u): (crate::gguf::GgmlType, &[u8]),
+    ff: usize,
+    d: usize,
+    gate: &mut [f32],
+    up: &mut [f32],
+) -> Result<(), ArchError> {
+    let n = acts.len();
+    let product = |ty, w, out| kernels::Product {
+        ty,
+        w,
+        n_rows: ff,
+        n_cols: d,
+        acts,
+        out,
+    };
+    kernels::matmul_round(
+        &cx.pool,
+        &mut [
+            product(gt, g, &mut gate[..n * ff]),
+            product(ut, u, &mut up[..n * ff]),
+        ],
+    )
+    .map_err(blocks::kerr)
+}
+
+/// Final RMS norm and output head of the `out_rows` into `st.logits` (every family's head but
+/// gemma4's soft-capped one, which adds its cap after this).
+pub(crate) fn norm_head(
+    cx: &Compute,
+    st: &mut State,
+    norm: &[f32],
+    output: &Mat,
+    eps: f32,
+) -> Result<(), ArchError> {
+    let d = norm.len();
+    let rows = std::mem::take(&mut st.out_rows);
+    blocks::rms_norm_rows(&st.x, d, &rows, Some(norm), eps, &mut st.cur);
+    st.out_rows = rows;
+    let m = st.out_rows.len();
+    st.logits.resize(m * output.rows, 0.0);
+    let mut acts = std::mem::take(&mut st.scratch.acts);
+    let r = cx.mat_rows(output, &st.cur, m, &mut acts, &mut st.logits);
+    st.scratch.acts = acts;
+    r
+}
