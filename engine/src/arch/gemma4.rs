@@ -25,14 +25,14 @@
 //! input embeddings (`embedding_length_per_layer_input` > 0), the small E2B/E4B models' parts.
 
 use super::blocks::{self, AttnShape, Compute, Glu, Rope, RopeKind};
-use super::layers::{add_rows, attend_layer, norm_head, split_ffn};
+use super::common;
+use super::layers::{add_rows, attend_layer, split_ffn};
 use super::meta::{moe_params, n_vocab, Meta};
 use super::state::{LayerMemory, MemoryKind, Scratch, State};
-use super::weights::{ExpertTensor, Loader, Mat, Weights};
-use super::{Arch, ArchError, Dims, ExpertIn, MoeLayer};
+use super::weights::{Loader, Mat};
+use super::{Arch, ArchError, Common, CommonLayer, Dims, Experts};
 use crate::dense::DenseMode;
 use crate::gguf::GgufFile;
-use crate::kernels::ActBuf;
 use bmoe_core::Gating;
 use std::sync::Arc;
 
@@ -210,15 +210,14 @@ struct Mlp {
 }
 
 /// The routed side of a MoE layer.
+/// A MoE layer's own parts beside its router and experts (those are in [`Common`]: the
+/// experts `[gate_up, down]` (fused) or `[gate, up, down]`, in read order).
 struct Moe {
-    router: Mat,
     /// `ffn_gate_inp.scale`, one factor per input dimension.
     router_scale: Vec<f32>,
     pre_norm_2: Vec<f32>,
     post_norm_1: Vec<f32>,
     post_norm_2: Vec<f32>,
-    /// `[gate_up, down]` (fused) or `[gate, up, down]`, in read order.
-    exps: Vec<ExpertTensor>,
     /// `ffn_down_exps.scale`: each expert's output factor.
     down_scale: Option<Vec<f32>>,
 }
@@ -245,12 +244,8 @@ struct LayerWeights {
 /// A loaded gemma4 model.
 pub struct Gemma4 {
     pub hp: HParams,
-    dims: Dims,
-    embd: Mat,
-    output: Mat,
-    output_norm: Vec<f32>,
+    common: Common,
     layers: Vec<LayerWeights>,
-    weights: Weights,
 }
 
 /// Load `file` as gemma4 (the registry's loader).
@@ -274,12 +269,13 @@ impl Gemma4 {
             None => None,
         };
         let mut layers = Vec::with_capacity(hp.n_layer);
+        let mut common_layers = Vec::with_capacity(hp.n_layer);
         let mut n_moe = 0;
         for (i, a) in hp.attn.iter().enumerate() {
             let n = |s: &str| format!("blk.{i}.{s}.weight");
             let (qd, kvd) = (a.n_head * a.head_dim, a.n_head_kv * a.head_dim);
             let ff = hp.n_ff[i];
-            let moe = if ld.has(&n("ffn_gate_inp")) {
+            let (moe, experts) = if ld.has(&n("ffn_gate_inp")) {
                 n_moe += 1;
                 let fe = hp.n_ff_exp;
                 let ne = hp.n_expert;
@@ -302,18 +298,35 @@ impl Gemma4 {
                         });
                     }
                 }
-                Some(Moe {
-                    router: ld.mat(&n("ffn_gate_inp"), d, ne)?,
+                let router = ld.mat(&n("ffn_gate_inp"), d, ne)?;
+                let moe = Moe {
                     router_scale: ld.vector(&format!("blk.{i}.ffn_gate_inp.scale"), d)?,
                     pre_norm_2: ld.vector(&n("pre_ffw_norm_2"), d)?,
                     post_norm_1: ld.vector(&n("post_ffw_norm_1"), d)?,
                     post_norm_2: ld.vector(&n("post_ffw_norm_2"), d)?,
-                    exps,
                     down_scale: ld.floats_opt(&format!("blk.{i}.ffn_down_exps.scale"), &[ne])?,
-                })
+                };
+                let experts = Experts {
+                    router,
+                    router_bias: None,
+                    exps,
+                };
+                (Some(moe), Some(experts))
             } else {
-                None
+                (None, None)
             };
+            common_layers.push(CommonLayer {
+                memory: LayerMemory {
+                    kind: if a.swa {
+                        MemoryKind::Ring { window: hp.window }
+                    } else {
+                        MemoryKind::Full
+                    },
+                    n_head_kv: a.n_head_kv,
+                    head_dim: a.head_dim,
+                },
+                moe: experts,
+            });
             let rope = if a.swa {
                 Rope::plain(RopeKind::Neox, a.n_rot, hp.rope_base_swa)
             } else {
@@ -356,34 +369,29 @@ impl Gemma4 {
             });
         }
         Ok(Gemma4 {
-            dims: Dims {
-                n_layer: hp.n_layer,
-                n_expert: hp.n_expert,
-                n_expert_used: hp.n_expert_used,
-                d_model: d,
-                n_vocab: hp.n_vocab,
-                n_ctx_train: hp.n_ctx_train,
+            common: Common {
+                name: ARCH,
+                dims: Dims {
+                    n_layer: hp.n_layer,
+                    n_expert: hp.n_expert,
+                    n_expert_used: hp.n_expert_used,
+                    d_model: d,
+                    n_vocab: hp.n_vocab,
+                    n_ctx_train: hp.n_ctx_train,
+                },
+                gating: Gating::SOFTMAX_RENORM,
+                embd,
+                output,
+                output_norm,
+                rms_eps: hp.rms_eps,
+                n_ff_exp: hp.n_ff_exp,
+                glu: Glu::Gelu,
+                layers: common_layers,
+                weights: ld.finish(),
             },
             hp,
-            embd,
-            output,
-            output_norm,
             layers,
-            weights: ld.finish(),
         })
-    }
-
-    /// The routed side of MoE layer `layer` (an error for a dense layer: the core routes only
-    /// `moe_layers`).
-    fn moe(&self, layer: usize) -> Result<&Moe, ArchError> {
-        self.layers[layer]
-            .moe
-            .as_ref()
-            .ok_or_else(|| ArchError::Tensor {
-                file: String::new(),
-                tensor: format!("blk.{layer}.ffn_gate_inp.weight"),
-                what: format!("is missing: layer {layer} is dense and has no router"),
-            })
     }
 
     /// Self-attention of `st.cur` into `st.out`: projections, per-head norms (q, k weighted;
@@ -473,46 +481,8 @@ impl Gemma4 {
 }
 
 impl Arch for Gemma4 {
-    fn name(&self) -> &'static str {
-        ARCH
-    }
-    fn dims(&self) -> &Dims {
-        &self.dims
-    }
-    fn gating(&self) -> Gating {
-        Gating::SOFTMAX_RENORM
-    }
-    fn weights(&self) -> &Weights {
-        &self.weights
-    }
-    fn moe_layers(&self) -> Vec<MoeLayer<'_>> {
-        self.layers
-            .iter()
-            .enumerate()
-            .filter_map(|(layer, l)| {
-                l.moe.as_ref().map(|m| MoeLayer {
-                    layer,
-                    projections: &m.exps,
-                })
-            })
-            .collect()
-    }
-    fn memory(&self, layer: usize) -> LayerMemory {
-        let a = &self.hp.attn[layer];
-        LayerMemory {
-            kind: if a.swa {
-                MemoryKind::Ring {
-                    window: self.hp.window,
-                }
-            } else {
-                MemoryKind::Full
-            },
-            n_head_kv: a.n_head_kv,
-            head_dim: a.head_dim,
-        }
-    }
-    fn token_embd(&self) -> &Mat {
-        &self.embd
+    fn common(&self) -> &Common {
+        &self.common
     }
     fn embed_scale(&self) -> Option<f32> {
         Some((self.hp.d_model as f32).sqrt())
@@ -573,79 +543,8 @@ impl Arch for Gemma4 {
         Ok(())
     }
 
-    fn router_logits(
-        &self,
-        cx: &Compute,
-        layer: usize,
-        input: &[f32],
-        rows: usize,
-        acts: &mut Vec<ActBuf>,
-        out: &mut [f32],
-    ) -> Result<(), ArchError> {
-        let moe = self.moe(layer)?;
-        cx.mat_rows(&moe.router, input, rows, acts, out)
-    }
-
-    fn expert(
-        &self,
-        cx: &Compute,
-        s: &mut Scratch,
-        layer: usize,
-        expert: usize,
-        proj: &[&[u8]],
-        input: &ExpertIn<'_>,
-        out: &mut Vec<f32>,
-    ) -> Result<(), ArchError> {
-        let (rows, n) = (input.rows, input.n);
-        let moe = self.moe(layer)?;
-        let (d, ff) = (self.hp.d_model, self.hp.n_ff_exp);
-        // Fused `[gate_up, down]` or split `[gate, up, down]`: either way a gate, an up and a
-        // down product — the fused one's first `ff` rows are the gate — so both go through
-        // the split FFN on the layer's prepared rows, as `Model::experts_together` does.
-        let types = match &moe.exps[..] {
-            [gu, dn] => Some([gu.info.ty, gu.info.ty, dn.info.ty]),
-            [g, u, dn] => Some([g.info.ty, u.info.ty, dn.info.ty]),
-            _ => None,
-        };
-        let (Some(ty), Some([g, u, dn])) = (types, super::gate_up_down(proj)) else {
-            return Err(ArchError::Tensor {
-                file: String::new(),
-                tensor: format!("blk.{layer} experts"),
-                what: format!(
-                    "{} projections given for {} tensors: gemma4 experts are [gate_up, down] \
-                     or [gate, up, down]",
-                    proj.len(),
-                    moe.exps.len()
-                ),
-            });
-        };
-        split_ffn(
-            cx,
-            s,
-            Glu::Gelu,
-            (ty[0], g),
-            (ty[1], u),
-            (ty[2], dn),
-            ff,
-            d,
-            rows,
-            n,
-            input.prepared,
-            out,
-        )?;
-        if let Some(scale) = &moe.down_scale {
-            let f = scale[expert];
-            out[..n * d].iter_mut().for_each(|v| *v *= f);
-        }
-        Ok(())
-    }
-
-    fn split_glu(&self, layer: usize) -> Option<Glu> {
-        self.moe(layer).ok().map(|_| Glu::Gelu)
-    }
-
     fn expert_scale(&self, layer: usize, expert: usize) -> Option<f32> {
-        let moe = self.moe(layer).ok()?;
+        let moe = self.layers.get(layer)?.moe.as_ref()?;
         moe.down_scale.as_ref().and_then(|s| s.get(expert).copied())
     }
 
@@ -674,8 +573,9 @@ impl Arch for Gemma4 {
         Ok(())
     }
 
+    /// The final norm and head, then the logits' soft-cap.
     fn head(&self, cx: &Compute, st: &mut State) -> Result<(), ArchError> {
-        norm_head(cx, st, &self.output_norm, &self.output, self.hp.rms_eps)?;
+        common::head(&self.common, cx, st)?;
         if let Some(c) = self.hp.softcap {
             blocks::softcap(&mut st.logits, c);
         }

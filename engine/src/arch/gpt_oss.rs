@@ -16,17 +16,14 @@
 //! residual. Then `output_norm` and `output` (never tied). Every layer is a MoE layer; no
 //! shared expert; `expert_weights_scale` is not applied (llama.cpp never reads it here).
 
-use super::blocks::{self, AttnShape, Compute, Glu, Rope, RopeKind, Yarn};
-use super::layers::{
-    add_rows, attention_sublayer, norm_head, split_ffn_biased, AttnWeights, FfnBias,
-};
+use super::blocks::{AttnShape, Compute, Glu, Rope, RopeKind, Yarn};
+use super::layers::{attention_sublayer, AttnWeights, FfnBias};
 use super::meta::{attn_params, moe_params, n_vocab, Meta};
-use super::state::{LayerMemory, MemoryKind, Scratch, State};
-use super::weights::{ExpertTensor, Loader, Mat, Weights};
-use super::{Arch, ArchError, Dims, ExpertIn, MoeLayer};
+use super::state::{LayerMemory, MemoryKind, State};
+use super::weights::Loader;
+use super::{Arch, ArchError, Common, CommonLayer, Dims, Experts};
 use crate::dense::DenseMode;
 use crate::gguf::GgufFile;
-use crate::kernels::ActBuf;
 use bmoe_core::Gating;
 use std::sync::Arc;
 
@@ -154,10 +151,6 @@ struct LayerWeights {
     o_bias: Vec<f32>,
     sinks: Vec<f32>,
     post_norm: Vec<f32>,
-    router: Mat,
-    router_bias: Vec<f32>,
-    /// gate, up, down
-    exps: [ExpertTensor; 3],
     /// Per expert, resident: gate and up (`n_expert × n_ff_exp`), down (`n_expert × d`).
     gate_b: Vec<f32>,
     up_b: Vec<f32>,
@@ -167,17 +160,13 @@ struct LayerWeights {
 /// A loaded gpt-oss model.
 pub struct GptOss {
     pub hp: HParams,
-    dims: Dims,
-    embd: Mat,
-    output: Mat,
-    output_norm: Vec<f32>,
+    common: Common,
     layers: Vec<LayerWeights>,
     /// Full-attention layers' rotation and shape; the sliding layers'.
     rope: Rope,
     rope_swa: Rope,
     shape: AttnShape,
     shape_swa: AttnShape,
-    weights: Weights,
 }
 
 /// Load `file` as gpt-oss (the registry's loader).
@@ -198,32 +187,52 @@ impl GptOss {
         let output = ld.mat("output.weight", d, hp.n_vocab)?;
         let output_norm = ld.vector("output_norm.weight", d)?;
         let mut layers = Vec::with_capacity(hp.n_layer);
+        let mut common_layers = Vec::with_capacity(hp.n_layer);
         for i in 0..hp.n_layer {
             let n = |s: &str| format!("blk.{i}.{s}.weight");
             let b = |s: &str| format!("blk.{i}.{s}.bias");
-            layers.push(LayerWeights {
-                attn_norm: ld.vector(&n("attn_norm"), d)?,
-                attn: AttnWeights {
-                    q: ld.mat(&n("attn_q"), d, qd)?,
-                    k: ld.mat(&n("attn_k"), d, kvd)?,
-                    v: ld.mat(&n("attn_v"), d, kvd)?,
-                    o: ld.mat(&n("attn_output"), qd, d)?,
-                    q_bias: ld.floats_opt(&b("attn_q"), &[qd])?,
-                    k_bias: ld.floats_opt(&b("attn_k"), &[kvd])?,
-                    v_bias: ld.floats_opt(&b("attn_v"), &[kvd])?,
-                    q_norm: None,
-                    k_norm: None,
+            let attn_norm = ld.vector(&n("attn_norm"), d)?;
+            let attn = AttnWeights {
+                q: ld.mat(&n("attn_q"), d, qd)?,
+                k: ld.mat(&n("attn_k"), d, kvd)?,
+                v: ld.mat(&n("attn_v"), d, kvd)?,
+                o: ld.mat(&n("attn_output"), qd, d)?,
+                q_bias: ld.floats_opt(&b("attn_q"), &[qd])?,
+                k_bias: ld.floats_opt(&b("attn_k"), &[kvd])?,
+                v_bias: ld.floats_opt(&b("attn_v"), &[kvd])?,
+                q_norm: None,
+                k_norm: None,
+            };
+            let o_bias = ld.vector(&b("attn_output"), d)?;
+            let sinks = ld.vector(&format!("blk.{i}.attn_sinks.weight"), hp.n_head)?;
+            let post_norm = ld.vector(&n("post_attention_norm"), d)?;
+            common_layers.push(CommonLayer {
+                // A sliding layer keeps a ring of its window; a full layer every position.
+                memory: LayerMemory {
+                    kind: if hp.swa_layers[i] {
+                        MemoryKind::Ring { window: hp.n_swa }
+                    } else {
+                        MemoryKind::Full
+                    },
+                    n_head_kv: hp.n_head_kv,
+                    head_dim: hp.head_dim,
                 },
-                o_bias: ld.vector(&b("attn_output"), d)?,
-                sinks: ld.vector(&format!("blk.{i}.attn_sinks.weight"), hp.n_head)?,
-                post_norm: ld.vector(&n("post_attention_norm"), d)?,
-                router: ld.mat(&n("ffn_gate_inp"), d, ne)?,
-                router_bias: ld.vector(&b("ffn_gate_inp"), ne)?,
-                exps: [
-                    ld.experts(&n("ffn_gate_exps"), d, ff, ne)?,
-                    ld.experts(&n("ffn_up_exps"), d, ff, ne)?,
-                    ld.experts(&n("ffn_down_exps"), ff, d, ne)?,
-                ],
+                moe: Some(Experts {
+                    router: ld.mat(&n("ffn_gate_inp"), d, ne)?,
+                    router_bias: Some(ld.vector(&b("ffn_gate_inp"), ne)?),
+                    exps: vec![
+                        ld.experts(&n("ffn_gate_exps"), d, ff, ne)?,
+                        ld.experts(&n("ffn_up_exps"), d, ff, ne)?,
+                        ld.experts(&n("ffn_down_exps"), ff, d, ne)?,
+                    ],
+                }),
+            });
+            layers.push(LayerWeights {
+                attn_norm,
+                attn,
+                o_bias,
+                sinks,
+                post_norm,
                 gate_b: ld.floats(&b("ffn_gate_exps"), &[ff, ne])?,
                 up_b: ld.floats(&b("ffn_up_exps"), &[ff, ne])?,
                 down_b: ld.floats(&b("ffn_down_exps"), &[d, ne])?,
@@ -242,13 +251,25 @@ impl GptOss {
             softcap: None,
         };
         Ok(GptOss {
-            dims: Dims {
-                n_layer: hp.n_layer,
-                n_expert: ne,
-                n_expert_used: hp.n_expert_used,
-                d_model: d,
-                n_vocab: hp.n_vocab,
-                n_ctx_train: hp.n_ctx_train,
+            common: Common {
+                name: ARCH,
+                dims: Dims {
+                    n_layer: hp.n_layer,
+                    n_expert: ne,
+                    n_expert_used: hp.n_expert_used,
+                    d_model: d,
+                    n_vocab: hp.n_vocab,
+                    n_ctx_train: hp.n_ctx_train,
+                },
+                gating: Gating::TOPK_SOFTMAX,
+                embd,
+                output,
+                output_norm,
+                rms_eps: hp.rms_eps,
+                n_ff_exp: ff,
+                glu: GLU,
+                layers: common_layers,
+                weights: ld.finish(),
             },
             rope: rope_for(hp.rope_base),
             rope_swa: rope_for(hp.rope_base_swa),
@@ -258,54 +279,14 @@ impl GptOss {
             },
             shape,
             hp,
-            embd,
-            output,
-            output_norm,
             layers,
-            weights: ld.finish(),
         })
     }
 }
 
 impl Arch for GptOss {
-    fn name(&self) -> &'static str {
-        ARCH
-    }
-    fn dims(&self) -> &Dims {
-        &self.dims
-    }
-    fn gating(&self) -> Gating {
-        Gating::TOPK_SOFTMAX
-    }
-    fn weights(&self) -> &Weights {
-        &self.weights
-    }
-    fn moe_layers(&self) -> Vec<MoeLayer<'_>> {
-        self.layers
-            .iter()
-            .enumerate()
-            .map(|(layer, l)| MoeLayer {
-                layer,
-                projections: &l.exps,
-            })
-            .collect()
-    }
-    /// A sliding layer keeps a ring of its window; a full layer every position.
-    fn memory(&self, layer: usize) -> LayerMemory {
-        LayerMemory {
-            kind: if self.hp.swa_layers[layer] {
-                MemoryKind::Ring {
-                    window: self.hp.n_swa,
-                }
-            } else {
-                MemoryKind::Full
-            },
-            n_head_kv: self.hp.n_head_kv,
-            head_dim: self.hp.head_dim,
-        }
-    }
-    fn token_embd(&self) -> &Mat {
-        &self.embd
+    fn common(&self) -> &Common {
+        &self.common
     }
 
     /// Attention with sinks (sliding or full), the residual, and the post-attention norm.
@@ -330,64 +311,6 @@ impl Arch for GptOss {
         )
     }
 
-    /// `ffn_gate_inp · x + ffn_gate_inp.bias`: the raw logits the gating ranks.
-    fn router_logits(
-        &self,
-        cx: &Compute,
-        layer: usize,
-        input: &[f32],
-        rows: usize,
-        acts: &mut Vec<ActBuf>,
-        out: &mut [f32],
-    ) -> Result<(), ArchError> {
-        let l = &self.layers[layer];
-        cx.mat_rows(&l.router, input, rows, acts, out)?;
-        blocks::add_bias(&mut out[..rows * self.hp.n_expert], &l.router_bias);
-        Ok(())
-    }
-
-    fn expert(
-        &self,
-        cx: &Compute,
-        s: &mut Scratch,
-        layer: usize,
-        expert: usize,
-        proj: &[&[u8]],
-        input: &ExpertIn<'_>,
-        out: &mut Vec<f32>,
-    ) -> Result<(), ArchError> {
-        let l = &self.layers[layer];
-        let [g, u, dn] = &l.exps;
-        let (ff, d) = (self.hp.n_ff_exp, self.hp.d_model);
-        if expert >= self.hp.n_expert {
-            return Err(ArchError::Tensor {
-                file: String::new(),
-                tensor: format!("blk.{layer}.ffn_down_exps"),
-                what: format!("expert {expert} of {}", self.hp.n_expert),
-            });
-        }
-        let bias = self.expert_bias(layer, expert);
-        split_ffn_biased(
-            cx,
-            s,
-            GLU,
-            (g.info.ty, proj[0]),
-            (u.info.ty, proj[1]),
-            (dn.info.ty, proj[2]),
-            bias,
-            ff,
-            d,
-            input.rows,
-            input.n,
-            input.prepared,
-            out,
-        )
-    }
-
-    fn split_glu(&self, _layer: usize) -> Option<Glu> {
-        Some(GLU)
-    }
-
     fn expert_bias(&self, layer: usize, expert: usize) -> Option<FfnBias<'_>> {
         let (l, ff, d) = (self.layers.get(layer)?, self.hp.n_ff_exp, self.hp.d_model);
         (expert < self.hp.n_expert).then(|| FfnBias {
@@ -395,14 +318,5 @@ impl Arch for GptOss {
             up: &l.up_b[expert * ff..(expert + 1) * ff],
             down: &l.down_b[expert * d..(expert + 1) * d],
         })
-    }
-
-    fn finish_layer(&self, _cx: &Compute, st: &mut State, _layer: usize) -> Result<(), ArchError> {
-        add_rows(&mut st.x, self.hp.d_model, &st.ffn_rows, &st.moe_out);
-        Ok(())
-    }
-
-    fn head(&self, cx: &Compute, st: &mut State) -> Result<(), ArchError> {
-        norm_head(cx, st, &self.output_norm, &self.output, self.hp.rms_eps)
     }
 }

@@ -12,6 +12,7 @@
 //! loader; an unknown architecture is refused by name.
 
 pub mod blocks;
+pub mod common;
 pub mod gemma4;
 pub mod gpt_oss;
 pub mod layers;
@@ -28,6 +29,7 @@ use blocks::Compute;
 use bmoe_core::Gating;
 pub use state::{KvSnapshot, LayerMemory, MemoryKind, Scratch, State};
 use std::sync::Arc;
+pub use common::{Common, CommonLayer, Experts};
 pub use weights::{ExpertTensor, Loader, Mat, Weights};
 
 /// Errors loading or running a model of an architecture.
@@ -93,20 +95,50 @@ pub struct MoeLayer<'a> {
 /// for a MoE layer then the router (`router_logits` on the input `dense` left), any number of
 /// `expert` calls, and `finish_layer(l)` once [`Model`] summed the experts' weighted outputs
 /// in rank order into `State::moe_out`; finally `head`. Errors stop the step.
+///
+/// A family holds what every family has in a [`Common`] (`common()`); the default methods
+/// read it, so a family file writes its hyper-parameters, its loader and `dense`, and
+/// overrides only what it computes its own way.
 pub trait Arch: Send + Sync {
+    /// The family's shared part.
+    fn common(&self) -> &Common;
     /// `general.architecture`.
-    fn name(&self) -> &'static str;
-    fn dims(&self) -> &Dims;
+    fn name(&self) -> &'static str {
+        self.common().name
+    }
+    fn dims(&self) -> &Dims {
+        &self.common().dims
+    }
     /// How the router selects and weights its experts.
-    fn gating(&self) -> Gating;
+    fn gating(&self) -> Gating {
+        self.common().gating
+    }
     /// The dense side (the file, the dense bytes per layer, their address ranges).
-    fn weights(&self) -> &Weights;
+    fn weights(&self) -> &Weights {
+        &self.common().weights
+    }
     /// The MoE layers in model order.
-    fn moe_layers(&self) -> Vec<MoeLayer<'_>>;
+    fn moe_layers(&self) -> Vec<MoeLayer<'_>> {
+        self.common()
+            .layers
+            .iter()
+            .enumerate()
+            .filter_map(|(layer, l)| {
+                l.moe.as_ref().map(|m| MoeLayer {
+                    layer,
+                    projections: &m.exps,
+                })
+            })
+            .collect()
+    }
     /// What model layer `layer` remembers between steps.
-    fn memory(&self, layer: usize) -> LayerMemory;
+    fn memory(&self, layer: usize) -> LayerMemory {
+        self.common().layers[layer].memory
+    }
     /// The token embedding matrix.
-    fn token_embd(&self) -> &Mat;
+    fn token_embd(&self) -> &Mat {
+        &self.common().embd
+    }
     /// A factor the embedded rows are multiplied by (gemma: √d_model).
     fn embed_scale(&self) -> Option<f32> {
         None
@@ -116,7 +148,8 @@ pub trait Arch: Send + Sync {
     /// `st.router_in` with `st.router_separate` when they differ), one row per `st.ffn_rows`;
     /// a dense layer finishes itself.
     fn dense(&self, cx: &Compute, st: &mut State, layer: usize) -> Result<(), ArchError>;
-    /// The router's logits of layer `layer` for `rows` rows of router input.
+    /// The router's logits of layer `layer` for `rows` rows of router input:
+    /// `ffn_gate_inp · x`, plus its bias where the family has one ([`common::router_logits`]).
     fn router_logits(
         &self,
         cx: &Compute,
@@ -125,13 +158,16 @@ pub trait Arch: Send + Sync {
         rows: usize,
         acts: &mut Vec<ActBuf>,
         out: &mut [f32],
-    ) -> Result<(), ArchError>;
+    ) -> Result<(), ArchError> {
+        common::router_logits(self.common(), cx, layer, input, rows, acts, out)
+    }
     /// A per-expert bias added for selection only (sigmoid gating); none by default.
     fn selection_bias(&self, _layer: usize) -> Option<&[f32]> {
         None
     }
     /// Expert `expert` of layer `layer` on the input rows of `input`, its projections' bytes
-    /// in `proj` (read order); the unweighted output rows into `out`.
+    /// in `proj` (read order); the unweighted output rows into `out`. By default the split
+    /// gated FFN with the family's activation, biases and scale ([`common::expert`]).
     #[allow(clippy::too_many_arguments)]
     fn expert(
         &self,
@@ -142,16 +178,23 @@ pub trait Arch: Send + Sync {
         proj: &[&[u8]],
         input: &ExpertIn<'_>,
         out: &mut Vec<f32>,
-    ) -> Result<(), ArchError>;
+    ) -> Result<(), ArchError> {
+        common::expert(self, cx, scratch, layer, expert, proj, input, out)
+    }
     /// The activation of layer `layer`'s experts when each one is exactly
     /// `s · (down(glu(gate·x + bg, up·x + bu)) + bd)` over its three projections (gate, up,
     /// down), or over two (a fused gate_up whose first half of rows is the gate, and down;
     /// [`gate_up_down`]) — the biases those of [`Arch::expert_bias`] or none, the scale `s`
     /// [`Arch::expert_scale`]'s or 1 — computed as the split FFN computes it on the layer's
     /// prepared rows, which lets [`Model::experts_together`] run a layer's experts together.
-    /// `None` (the default) computes every expert through [`Arch::expert`].
-    fn split_glu(&self, _layer: usize) -> Option<blocks::Glu> {
-        None
+    /// By default the family's activation on every MoE layer (the default [`Arch::expert`]
+    /// computes exactly that); `None` computes every expert through [`Arch::expert`].
+    fn split_glu(&self, layer: usize) -> Option<blocks::Glu> {
+        let c = self.common();
+        c.layers
+            .get(layer)
+            .and_then(|l| l.moe.as_ref())
+            .map(|_| c.glu)
     }
     /// Expert `expert`'s biases in a layer of [`Arch::split_glu`] experts that have them
     /// (gpt-oss); none by default.
@@ -164,9 +207,15 @@ pub trait Arch: Send + Sync {
         None
     }
     /// Combine `st.moe_out` (and anything `dense` left in `st.side`) into the residual stream.
-    fn finish_layer(&self, cx: &Compute, st: &mut State, layer: usize) -> Result<(), ArchError>;
+    /// By default the residual add of the experts' sum.
+    fn finish_layer(&self, _cx: &Compute, st: &mut State, _layer: usize) -> Result<(), ArchError> {
+        common::finish_layer(self.common(), st);
+        Ok(())
+    }
     /// Final norm and output head for `st.out_rows` into `st.logits`.
-    fn head(&self, cx: &Compute, st: &mut State) -> Result<(), ArchError>;
+    fn head(&self, cx: &Compute, st: &mut State) -> Result<(), ArchError> {
+        common::head(self.common(), cx, st)
+    }
 }
 
 /// One expert's projections in read order as (gate, up, down): three as they are; two — a

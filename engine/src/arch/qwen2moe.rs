@@ -14,14 +14,13 @@
 //! architecture, so the weights are never scaled; nor are they here.
 
 use super::blocks::{self, AttnShape, Compute, Glu, Rope, RopeKind};
-use super::layers::{add_rows, attention_sublayer, norm_head, split_ffn, AttnWeights};
+use super::layers::{add_rows, attention_sublayer, split_ffn, AttnWeights};
 use super::meta::{attn_params, moe_params, n_vocab, Meta};
-use super::state::{LayerMemory, MemoryKind, Scratch, State};
-use super::weights::{ExpertTensor, Loader, Mat, Weights};
-use super::{Arch, ArchError, Dims, ExpertIn, MoeLayer};
+use super::state::{LayerMemory, MemoryKind, State};
+use super::weights::{Loader, Mat};
+use super::{Arch, ArchError, Common, CommonLayer, Dims, Experts};
 use crate::dense::DenseMode;
 use crate::gguf::GgufFile;
-use crate::kernels::ActBuf;
 use bmoe_core::Gating;
 use std::sync::Arc;
 
@@ -94,23 +93,16 @@ struct LayerWeights {
     attn_norm: Vec<f32>,
     attn: AttnWeights,
     ffn_norm: Vec<f32>,
-    router: Mat,
-    /// gate, up, down
-    exps: [ExpertTensor; 3],
     shexp: SharedExpert,
 }
 
 /// A loaded qwen2moe model.
 pub struct Qwen2Moe {
     pub hp: HParams,
-    dims: Dims,
-    embd: Mat,
-    output: Mat,
-    output_norm: Vec<f32>,
+    common: Common,
     layers: Vec<LayerWeights>,
     rope: Rope,
     shape: AttnShape,
-    weights: Weights,
 }
 
 /// Load `file` as qwen2moe (the registry's loader).
@@ -131,29 +123,43 @@ impl Qwen2Moe {
         let output = ld.mat_opt("output.weight", d, hp.n_vocab)?.unwrap_or(embd);
         let output_norm = ld.vector("output_norm.weight", d)?;
         let mut layers = Vec::with_capacity(hp.n_layer);
+        let mut common_layers = Vec::with_capacity(hp.n_layer);
         for i in 0..hp.n_layer {
             let n = |s: &str| format!("blk.{i}.{s}.weight");
             let b = |s: &str| format!("blk.{i}.{s}.bias");
-            layers.push(LayerWeights {
-                attn_norm: ld.vector(&n("attn_norm"), d)?,
-                attn: AttnWeights {
-                    q: ld.mat(&n("attn_q"), d, qd)?,
-                    k: ld.mat(&n("attn_k"), d, kvd)?,
-                    v: ld.mat(&n("attn_v"), d, kvd)?,
-                    o: ld.mat(&n("attn_output"), qd, d)?,
-                    q_bias: ld.floats_opt(&b("attn_q"), &[qd])?,
-                    k_bias: ld.floats_opt(&b("attn_k"), &[kvd])?,
-                    v_bias: ld.floats_opt(&b("attn_v"), &[kvd])?,
-                    q_norm: None,
-                    k_norm: None,
+            let attn_norm = ld.vector(&n("attn_norm"), d)?;
+            let attn = AttnWeights {
+                q: ld.mat(&n("attn_q"), d, qd)?,
+                k: ld.mat(&n("attn_k"), d, kvd)?,
+                v: ld.mat(&n("attn_v"), d, kvd)?,
+                o: ld.mat(&n("attn_output"), qd, d)?,
+                q_bias: ld.floats_opt(&b("attn_q"), &[qd])?,
+                k_bias: ld.floats_opt(&b("attn_k"), &[kvd])?,
+                v_bias: ld.floats_opt(&b("attn_v"), &[kvd])?,
+                q_norm: None,
+                k_norm: None,
+            };
+            let ffn_norm = ld.vector(&n("ffn_norm"), d)?;
+            common_layers.push(CommonLayer {
+                memory: LayerMemory {
+                    kind: MemoryKind::Full,
+                    n_head_kv: hp.n_head_kv,
+                    head_dim: hp.head_dim,
                 },
-                ffn_norm: ld.vector(&n("ffn_norm"), d)?,
-                router: ld.mat(&n("ffn_gate_inp"), d, hp.n_expert)?,
-                exps: [
-                    ld.experts(&n("ffn_gate_exps"), d, ff, hp.n_expert)?,
-                    ld.experts(&n("ffn_up_exps"), d, ff, hp.n_expert)?,
-                    ld.experts(&n("ffn_down_exps"), ff, d, hp.n_expert)?,
-                ],
+                moe: Some(Experts {
+                    router: ld.mat(&n("ffn_gate_inp"), d, hp.n_expert)?,
+                    router_bias: None,
+                    exps: vec![
+                        ld.experts(&n("ffn_gate_exps"), d, ff, hp.n_expert)?,
+                        ld.experts(&n("ffn_up_exps"), d, ff, hp.n_expert)?,
+                        ld.experts(&n("ffn_down_exps"), ff, d, hp.n_expert)?,
+                    ],
+                }),
+            });
+            layers.push(LayerWeights {
+                attn_norm,
+                attn,
+                ffn_norm,
                 shexp: SharedExpert {
                     gate_inp: ld.vector(&n("ffn_gate_inp_shexp"), d)?,
                     gate: ld.mat(&n("ffn_gate_shexp"), d, fs)?,
@@ -163,13 +169,25 @@ impl Qwen2Moe {
             });
         }
         Ok(Qwen2Moe {
-            dims: Dims {
-                n_layer: hp.n_layer,
-                n_expert: hp.n_expert,
-                n_expert_used: hp.n_expert_used,
-                d_model: d,
-                n_vocab: hp.n_vocab,
-                n_ctx_train: hp.n_ctx_train,
+            common: Common {
+                name: ARCH,
+                dims: Dims {
+                    n_layer: hp.n_layer,
+                    n_expert: hp.n_expert,
+                    n_expert_used: hp.n_expert_used,
+                    d_model: d,
+                    n_vocab: hp.n_vocab,
+                    n_ctx_train: hp.n_ctx_train,
+                },
+                gating: Gating::SOFTMAX,
+                embd,
+                output,
+                output_norm,
+                rms_eps: hp.rms_eps,
+                n_ff_exp: hp.n_ff_exp,
+                glu: Glu::Silu,
+                layers: common_layers,
+                weights: ld.finish(),
             },
             rope: Rope::plain(RopeKind::Neox, hp.head_dim, hp.rope_base),
             shape: AttnShape {
@@ -181,11 +199,7 @@ impl Qwen2Moe {
                 softcap: None,
             },
             hp,
-            embd,
-            output,
-            output_norm,
             layers,
-            weights: ld.finish(),
         })
     }
 }
@@ -201,37 +215,8 @@ fn shexp_gate(x: f32) -> f32 {
 }
 
 impl Arch for Qwen2Moe {
-    fn name(&self) -> &'static str {
-        ARCH
-    }
-    fn dims(&self) -> &Dims {
-        &self.dims
-    }
-    fn gating(&self) -> Gating {
-        Gating::SOFTMAX
-    }
-    fn weights(&self) -> &Weights {
-        &self.weights
-    }
-    fn moe_layers(&self) -> Vec<MoeLayer<'_>> {
-        self.layers
-            .iter()
-            .enumerate()
-            .map(|(layer, l)| MoeLayer {
-                layer,
-                projections: &l.exps,
-            })
-            .collect()
-    }
-    fn memory(&self, _layer: usize) -> LayerMemory {
-        LayerMemory {
-            kind: MemoryKind::Full,
-            n_head_kv: self.hp.n_head_kv,
-            head_dim: self.hp.head_dim,
-        }
-    }
-    fn token_embd(&self) -> &Mat {
-        &self.embd
+    fn common(&self) -> &Common {
+        &self.common
     }
 
     /// Attention, the FFN norm, and the shared expert (into `st.side`).
@@ -278,49 +263,6 @@ impl Arch for Qwen2Moe {
         Ok(())
     }
 
-    fn router_logits(
-        &self,
-        cx: &Compute,
-        layer: usize,
-        input: &[f32],
-        rows: usize,
-        acts: &mut Vec<ActBuf>,
-        out: &mut [f32],
-    ) -> Result<(), ArchError> {
-        cx.mat_rows(&self.layers[layer].router, input, rows, acts, out)
-    }
-
-    fn expert(
-        &self,
-        cx: &Compute,
-        s: &mut Scratch,
-        layer: usize,
-        _expert: usize,
-        proj: &[&[u8]],
-        input: &ExpertIn<'_>,
-        out: &mut Vec<f32>,
-    ) -> Result<(), ArchError> {
-        let [g, u, dn] = &self.layers[layer].exps;
-        split_ffn(
-            cx,
-            s,
-            Glu::Silu,
-            (g.info.ty, proj[0]),
-            (u.info.ty, proj[1]),
-            (dn.info.ty, proj[2]),
-            self.hp.n_ff_exp,
-            self.hp.d_model,
-            input.rows,
-            input.n,
-            input.prepared,
-            out,
-        )
-    }
-
-    fn split_glu(&self, _layer: usize) -> Option<Glu> {
-        Some(Glu::Silu)
-    }
-
     /// The experts' sum plus the shared expert, then the residual (llama.cpp's order).
     fn finish_layer(&self, _cx: &Compute, st: &mut State, _layer: usize) -> Result<(), ArchError> {
         let m = st.ffn_rows.len() * self.hp.d_model;
@@ -329,9 +271,5 @@ impl Arch for Qwen2Moe {
         }
         add_rows(&mut st.x, self.hp.d_model, &st.ffn_rows, &st.moe_out);
         Ok(())
-    }
-
-    fn head(&self, cx: &Compute, st: &mut State) -> Result<(), ArchError> {
-        norm_head(cx, st, &self.output_norm, &self.output, self.hp.rms_eps)
     }
 }

@@ -8,14 +8,13 @@
 //! expert; every layer is a MoE layer.
 
 use super::blocks::{AttnShape, Compute, Glu, Rope, RopeKind};
-use super::layers::{add_rows, attention_sublayer, norm_head, split_ffn, AttnWeights};
+use super::layers::{attention_sublayer, AttnWeights};
 use super::meta::{attn_params, moe_params, n_vocab, Meta};
-use super::state::{LayerMemory, MemoryKind, Scratch, State};
-use super::weights::{ExpertTensor, Loader, Mat, Weights};
-use super::{Arch, ArchError, Dims, ExpertIn, MoeLayer};
+use super::state::{LayerMemory, MemoryKind, State};
+use super::weights::Loader;
+use super::{Arch, ArchError, Common, CommonLayer, Dims, Experts};
 use crate::dense::DenseMode;
 use crate::gguf::GgufFile;
-use crate::kernels::ActBuf;
 use bmoe_core::Gating;
 use std::sync::Arc;
 
@@ -69,22 +68,15 @@ pub struct LayerWeights {
     attn_norm: Vec<f32>,
     attn: AttnWeights,
     ffn_norm: Vec<f32>,
-    router: Mat,
-    /// gate, up, down
-    exps: [ExpertTensor; 3],
 }
 
 /// A loaded qwen3moe model.
 pub struct Qwen3Moe {
     pub hp: HParams,
-    dims: Dims,
-    embd: Mat,
-    output: Mat,
-    output_norm: Vec<f32>,
+    common: Common,
     layers: Vec<LayerWeights>,
     rope: Rope,
     shape: AttnShape,
-    weights: Weights,
 }
 
 /// Load `file` as qwen3moe (the registry's loader).
@@ -104,6 +96,7 @@ impl Qwen3Moe {
         let output = ld.mat_opt("output.weight", d, hp.n_vocab)?.unwrap_or(embd);
         let output_norm = ld.vector("output_norm.weight", d)?;
         let mut layers = Vec::with_capacity(hp.n_layer);
+        let mut common_layers = Vec::with_capacity(hp.n_layer);
         for i in 0..hp.n_layer {
             let n = |s: &str| format!("blk.{i}.{s}.weight");
             layers.push(LayerWeights {
@@ -120,22 +113,44 @@ impl Qwen3Moe {
                     k_norm: Some(ld.vector(&n("attn_k_norm"), hp.head_dim)?),
                 },
                 ffn_norm: ld.vector(&n("ffn_norm"), d)?,
-                router: ld.mat(&n("ffn_gate_inp"), d, hp.n_expert)?,
-                exps: [
-                    ld.experts(&n("ffn_gate_exps"), d, hp.n_ff_exp, hp.n_expert)?,
-                    ld.experts(&n("ffn_up_exps"), d, hp.n_ff_exp, hp.n_expert)?,
-                    ld.experts(&n("ffn_down_exps"), hp.n_ff_exp, d, hp.n_expert)?,
-                ],
+            });
+            common_layers.push(CommonLayer {
+                memory: LayerMemory {
+                    kind: MemoryKind::Full,
+                    n_head_kv: hp.n_head_kv,
+                    head_dim: hp.head_dim,
+                },
+                moe: Some(Experts {
+                    router: ld.mat(&n("ffn_gate_inp"), d, hp.n_expert)?,
+                    router_bias: None,
+                    exps: vec![
+                        ld.experts(&n("ffn_gate_exps"), d, hp.n_ff_exp, hp.n_expert)?,
+                        ld.experts(&n("ffn_up_exps"), d, hp.n_ff_exp, hp.n_expert)?,
+                        ld.experts(&n("ffn_down_exps"), hp.n_ff_exp, d, hp.n_expert)?,
+                    ],
+                }),
             });
         }
         Ok(Qwen3Moe {
-            dims: Dims {
-                n_layer: hp.n_layer,
-                n_expert: hp.n_expert,
-                n_expert_used: hp.n_expert_used,
-                d_model: d,
-                n_vocab: hp.n_vocab,
-                n_ctx_train: hp.n_ctx_train,
+            common: Common {
+                name: ARCH,
+                dims: Dims {
+                    n_layer: hp.n_layer,
+                    n_expert: hp.n_expert,
+                    n_expert_used: hp.n_expert_used,
+                    d_model: d,
+                    n_vocab: hp.n_vocab,
+                    n_ctx_train: hp.n_ctx_train,
+                },
+                gating: Gating::SOFTMAX_RENORM,
+                embd,
+                output,
+                output_norm,
+                rms_eps: hp.rms_eps,
+                n_ff_exp: hp.n_ff_exp,
+                glu: Glu::Silu,
+                layers: common_layers,
+                weights: ld.finish(),
             },
             rope: Rope::plain(RopeKind::Neox, hp.head_dim, hp.rope_base),
             shape: AttnShape {
@@ -147,47 +162,14 @@ impl Qwen3Moe {
                 softcap: None,
             },
             hp,
-            embd,
-            output,
-            output_norm,
             layers,
-            weights: ld.finish(),
         })
     }
 }
 
 impl Arch for Qwen3Moe {
-    fn name(&self) -> &'static str {
-        ARCH
-    }
-    fn dims(&self) -> &Dims {
-        &self.dims
-    }
-    fn gating(&self) -> Gating {
-        Gating::SOFTMAX_RENORM
-    }
-    fn weights(&self) -> &Weights {
-        &self.weights
-    }
-    fn moe_layers(&self) -> Vec<MoeLayer<'_>> {
-        self.layers
-            .iter()
-            .enumerate()
-            .map(|(layer, l)| MoeLayer {
-                layer,
-                projections: &l.exps,
-            })
-            .collect()
-    }
-    fn memory(&self, _layer: usize) -> LayerMemory {
-        LayerMemory {
-            kind: MemoryKind::Full,
-            n_head_kv: self.hp.n_head_kv,
-            head_dim: self.hp.head_dim,
-        }
-    }
-    fn token_embd(&self) -> &Mat {
-        &self.embd
+    fn common(&self) -> &Common {
+        &self.common
     }
 
     fn dense(&self, cx: &Compute, st: &mut State, il: usize) -> Result<(), ArchError> {
@@ -204,57 +186,5 @@ impl Arch for Qwen3Moe {
             None,
             None,
         )
-    }
-
-    fn router_logits(
-        &self,
-        cx: &Compute,
-        layer: usize,
-        input: &[f32],
-        rows: usize,
-        acts: &mut Vec<ActBuf>,
-        out: &mut [f32],
-    ) -> Result<(), ArchError> {
-        cx.mat_rows(&self.layers[layer].router, input, rows, acts, out)
-    }
-
-    fn expert(
-        &self,
-        cx: &Compute,
-        s: &mut Scratch,
-        layer: usize,
-        _expert: usize,
-        proj: &[&[u8]],
-        input: &ExpertIn<'_>,
-        out: &mut Vec<f32>,
-    ) -> Result<(), ArchError> {
-        let [g, u, dn] = &self.layers[layer].exps;
-        split_ffn(
-            cx,
-            s,
-            Glu::Silu,
-            (g.info.ty, proj[0]),
-            (u.info.ty, proj[1]),
-            (dn.info.ty, proj[2]),
-            self.hp.n_ff_exp,
-            self.hp.d_model,
-            input.rows,
-            input.n,
-            input.prepared,
-            out,
-        )
-    }
-
-    fn split_glu(&self, _layer: usize) -> Option<Glu> {
-        Some(Glu::Silu)
-    }
-
-    fn finish_layer(&self, _cx: &Compute, st: &mut State, _layer: usize) -> Result<(), ArchError> {
-        add_rows(&mut st.x, self.hp.d_model, &st.ffn_rows, &st.moe_out);
-        Ok(())
-    }
-
-    fn head(&self, cx: &Compute, st: &mut State) -> Result<(), ArchError> {
-        norm_head(cx, st, &self.output_norm, &self.output, self.hp.rms_eps)
     }
 }
