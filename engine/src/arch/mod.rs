@@ -27,9 +27,9 @@ use crate::gguf::GgufFile;
 use crate::kernels::{self, ActBuf};
 use blocks::Compute;
 use bmoe_core::Gating;
+pub use common::{Common, CommonLayer, Experts};
 pub use state::{KvSnapshot, LayerMemory, MemoryKind, Scratch, State};
 use std::sync::Arc;
-pub use common::{Common, CommonLayer, Experts};
 pub use weights::{ExpertTensor, Loader, Mat, Weights};
 
 /// Errors loading or running a model of an architecture.
