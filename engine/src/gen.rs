@@ -24,7 +24,10 @@
 
 mod gemma4;
 mod gpt_oss;
+mod llama;
 mod mix;
+mod qwen2moe;
+mod qwen3moe;
 
 pub use gemma4::GemmaShape;
 
@@ -82,6 +85,36 @@ impl GenArch {
             .filter(|p| p.arch().is_none_or(|a| a == self))
             .map(|p| p.name())
             .collect()
+    }
+}
+
+/// What one architecture writes (`gen/<arch>.rs`): its checks, its `<arch>.*` keys and its
+/// tensors in llama.cpp's order, and what a generic size (tiny, tiny-odd, small) gains to be
+/// one of its files. Everything else — the routing realism, the type scheme, the weights'
+/// streams, the file — is shared.
+trait Family: Sync {
+    /// A generic preset's shape (`s`, the qwen3moe one) made this architecture's.
+    fn generic(&self, _preset: Preset, _s: &mut ModelShape) {}
+    /// Refuse what would not make a working file of this architecture.
+    fn validate(&self, s: &ModelShape) -> Result<(), String>;
+    /// The `<arch>.*` metadata keys.
+    fn metadata(&self, o: &GenOptions) -> Result<Vec<(String, Value)>, GenError>;
+    /// Every tensor of the file, in llama.cpp's order.
+    fn plan(&self, o: &GenOptions, fallbacks: &mut Fallbacks) -> Result<Vec<Planned>, GenError>;
+}
+
+/// Tensors whose wanted type could not hold their rows: (name, wanted, written).
+type Fallbacks = Vec<(String, GgmlType, GgmlType)>;
+
+impl GenArch {
+    /// The architecture's part of the generator.
+    fn family(self) -> &'static dyn Family {
+        match self {
+            GenArch::Qwen3Moe => &qwen3moe::Qwen3Moe,
+            GenArch::Qwen2Moe => &qwen2moe::Qwen2Moe,
+            GenArch::Gemma4 => &gemma4::Gemma4,
+            GenArch::GptOss => &gpt_oss::GptOss,
+        }
     }
 }
 
@@ -248,26 +281,9 @@ impl Preset {
             )));
         }
         let mut s = self.shape();
-        s.arch = arch;
-        if arch == GenArch::Qwen2Moe && s.n_ff_shexp == 0 {
-            s.n_ff_shexp = match self {
-                Preset::TinyOdd => 320,
-                Preset::Small => 2048,
-                _ => 512,
-            };
-        }
-        if arch == GenArch::Gemma4 && s.gemma.is_none() {
-            // A generic size gains gemma4's parts: a dense MLP as wide as qwen2moe's shared
-            // expert, a first dense-only layer, global layers every other one.
-            s.gemma = Some(GemmaShape::generic(&s));
-            s.n_ff_shexp = match self {
-                Preset::TinyOdd => 320,
-                Preset::Small => 2048,
-                _ => 512,
-            };
-        }
-        if arch == GenArch::GptOss && s.n_swa == 0 {
-            gpt_oss::tiny_extras(&mut s);
+        if self.arch().is_none() {
+            s.arch = arch;
+            arch.family().generic(self, &mut s);
         }
         Ok(s)
     }
@@ -664,28 +680,7 @@ impl GenOptions {
         {
             return bad("d_model, expert FFN and heads x head_dim must be multiples of 32 (the smallest quant block)".into());
         }
-        match s.arch {
-            GenArch::Qwen3Moe if s.n_ff_shexp != 0 => {
-                return bad("--shared-ffn: qwen3moe has no shared expert".into());
-            }
-            GenArch::Qwen2Moe if s.n_ff_shexp == 0 || !s.n_ff_shexp.is_multiple_of(32) => {
-                return bad(format!(
-                    "--shared-ffn {} must be a positive multiple of 32 (qwen2moe's shared expert)",
-                    s.n_ff_shexp
-                ));
-            }
-            GenArch::Qwen2Moe if s.tie_output => {
-                return bad("--tie-output: llama.cpp requires qwen2moe's output.weight".into());
-            }
-            GenArch::Gemma4 => gemma4::validate(s).map_err(GenError::Invalid)?,
-            GenArch::GptOss if s.n_ff_shexp != 0 => {
-                return bad("--shared-ffn: gpt-oss has no shared expert".into());
-            }
-            GenArch::GptOss if s.tie_output => {
-                return bad("--tie-output: llama.cpp requires gpt-oss's output.weight".into());
-            }
-            _ => {}
-        }
+        s.arch.family().validate(s).map_err(GenError::Invalid)?;
         if s.n_layer > 4096 || s.n_expert > 65535 {
             return bad("at most 4096 layers and 65535 experts".into());
         }
@@ -758,14 +753,7 @@ impl GenOptions {
             ("general.quantization_version".into(), Value::U32(2)),
             ("general.alignment".into(), Value::U32(32)),
         ];
-        if s.arch == GenArch::Gemma4 {
-            m.extend(gemma4::metadata(s)?);
-        } else {
-            m.extend(self.qwen_metadata());
-        }
-        if s.arch == GenArch::GptOss {
-            m.extend(gpt_oss::metadata(s));
-        }
+        m.extend(s.arch.family().metadata(self)?);
         m.extend([
             (
                 "bmoe.gen.preset".into(),
@@ -800,43 +788,6 @@ impl GenOptions {
             m.push((key.clone(), v.clone()));
         }
         Ok(m)
-    }
-
-    /// The `<arch>.*` keys of the qwen family.
-    fn qwen_metadata(&self) -> Vec<(String, Value)> {
-        let s = &self.shape;
-        let a = s.arch.name();
-        let k = |n: &str| format!("{a}.{n}");
-        let mut m: Vec<(String, Value)> = vec![
-            (k("context_length"), Value::U32(s.n_ctx_train)),
-            (k("embedding_length"), Value::U32(s.d_model)),
-            (k("block_count"), Value::U32(s.n_layer)),
-            (
-                k("feed_forward_length"),
-                // qwen2moe's states the shared expert's width (llama.cpp's fallback for it).
-                Value::U32(match s.arch {
-                    GenArch::Qwen2Moe | GenArch::Gemma4 => s.n_ff_shexp,
-                    GenArch::Qwen3Moe => s.n_ff_exp * s.n_expert_used,
-                    GenArch::GptOss => s.n_ff_exp,
-                }),
-            ),
-            (k("attention.head_count"), Value::U32(s.n_head)),
-            (k("attention.head_count_kv"), Value::U32(s.n_head_kv)),
-            (k("attention.key_length"), Value::U32(s.head_dim)),
-            (k("attention.value_length"), Value::U32(s.head_dim)),
-            (k("rope.freq_base"), Value::F32(s.rope_base)),
-            (k("attention.layer_norm_rms_epsilon"), Value::F32(s.rms_eps)),
-            (k("expert_count"), Value::U32(s.n_expert)),
-            (k("expert_used_count"), Value::U32(s.n_expert_used)),
-            (k("expert_feed_forward_length"), Value::U32(s.n_ff_exp)),
-        ];
-        if s.arch == GenArch::Qwen2Moe {
-            m.push((
-                k("expert_shared_feed_forward_length"),
-                Value::U32(s.n_ff_shexp),
-            ));
-        }
-        m
     }
 
     /// The model facts llama-quantize's choices depend on.
@@ -881,247 +832,12 @@ impl GenOptions {
         }
     }
 
+    /// Every tensor of the file, in llama.cpp's order (the family's plan).
     fn plan(
         &self,
         fallbacks: &mut Vec<(String, GgmlType, GgmlType)>,
     ) -> Result<Vec<Planned>, GenError> {
-        let s = &self.shape;
-        let d = s.d_model as u64;
-        let nv = self.n_vocab()?;
-        let split = s.d_model / 2;
-        let q_dim = (s.n_head * s.head_dim) as u64;
-        let kv_dim = (s.n_head_kv * s.head_dim) as u64;
-        let ff = s.n_ff_exp as u64;
-        let ne = s.n_expert as u64;
-        let inv = |n: u64| 1.0 / (n as f32).sqrt();
-        if s.arch == GenArch::Gemma4 {
-            return gemma4::plan(self, fallbacks);
-        }
-        let mut out = Vec::new();
-        let model = self.mix_model();
-        let mut push =
-            |name: String, dims: &[u64], want: Want, fill: Fill, fallbacks: &mut Vec<_>| {
-                out.push(self.planned(&model, name, dims, want, fill, fallbacks));
-            };
-        push(
-            "token_embd.weight".into(),
-            &[d, nv],
-            Want::Weight(None),
-            Fill::Rand {
-                std: 1.0,
-                lo: 0,
-                hi: split,
-            },
-            fallbacks,
-        );
-        for i in 0..s.n_layer {
-            let b = |n: &str| format!("blk.{i}.{n}.weight");
-            push(
-                b("attn_norm"),
-                &[d],
-                Want::Keep(GgmlType::F32),
-                Fill::Const(1.0),
-                fallbacks,
-            );
-            // Without q/k norms (qwen2moe) the sharpness scales the projections instead, so
-            // attention is as near-uniform as with them.
-            let qk_std = match s.arch {
-                GenArch::Qwen3Moe | GenArch::Gemma4 => inv(d),
-                GenArch::Qwen2Moe | GenArch::GptOss => inv(d) * self.attn_sharpness,
-            };
-            push(
-                b("attn_q"),
-                &[d, q_dim],
-                Want::Weight(Some(i)),
-                Fill::Rand {
-                    std: qk_std,
-                    lo: 0,
-                    hi: s.d_model,
-                },
-                fallbacks,
-            );
-            push(
-                b("attn_k"),
-                &[d, kv_dim],
-                Want::Weight(Some(i)),
-                Fill::Rand {
-                    std: qk_std,
-                    lo: 0,
-                    hi: s.d_model,
-                },
-                fallbacks,
-            );
-            push(
-                b("attn_v"),
-                &[d, kv_dim],
-                Want::Weight(Some(i)),
-                Fill::Rand {
-                    std: inv(d),
-                    lo: 0,
-                    hi: s.d_model,
-                },
-                fallbacks,
-            );
-            match s.arch {
-                GenArch::Qwen3Moe | GenArch::Gemma4 => {
-                    for n in ["attn_q_norm", "attn_k_norm"] {
-                        push(
-                            b(n),
-                            &[s.head_dim as u64],
-                            Want::Keep(GgmlType::F32),
-                            Fill::Const(self.attn_sharpness),
-                            fallbacks,
-                        );
-                    }
-                }
-                GenArch::Qwen2Moe | GenArch::GptOss => {
-                    // Small q/k/v biases, as trained qwen2 models have.
-                    for (n, w) in [("attn_q", q_dim), ("attn_k", kv_dim), ("attn_v", kv_dim)] {
-                        push(
-                            format!("blk.{i}.{n}.bias"),
-                            &[w],
-                            Want::Keep(GgmlType::F32),
-                            Fill::Rand {
-                                std: 0.02,
-                                lo: 0,
-                                hi: w as u32,
-                            },
-                            fallbacks,
-                        );
-                    }
-                }
-            }
-            // Attention writes only the context half of the residual stream.
-            push(
-                b("attn_output"),
-                &[q_dim, d],
-                Want::Weight(Some(i)),
-                Fill::RandRows {
-                    std: inv(q_dim),
-                    half: Half::Context,
-                    split,
-                },
-                fallbacks,
-            );
-            // gpt-oss names its FFN norm after the attention it follows.
-            let ffn_norm = match s.arch {
-                GenArch::GptOss => "post_attention_norm",
-                _ => "ffn_norm",
-            };
-            push(
-                b(ffn_norm),
-                &[d],
-                Want::Keep(GgmlType::F32),
-                Fill::Const(1.0),
-                fallbacks,
-            );
-            push(
-                b("ffn_gate_inp"),
-                &[d, ne],
-                Want::Keep(GgmlType::F32),
-                self.router_fill(i),
-                fallbacks,
-            );
-            push(
-                b("ffn_gate_exps"),
-                &[d, ff, ne],
-                Want::Weight(Some(i)),
-                Fill::Rand {
-                    std: inv(d),
-                    lo: 0,
-                    hi: s.d_model,
-                },
-                fallbacks,
-            );
-            push(
-                b("ffn_up_exps"),
-                &[d, ff, ne],
-                Want::Weight(Some(i)),
-                Fill::Rand {
-                    std: inv(d),
-                    lo: 0,
-                    hi: s.d_model,
-                },
-                fallbacks,
-            );
-            // Experts write only the token half, so the context half stays a pure running mean.
-            push(
-                b("ffn_down_exps"),
-                &[ff, d, ne],
-                Want::Weight(Some(i)),
-                Fill::RandRows {
-                    std: inv(ff),
-                    half: Half::Token,
-                    split,
-                },
-                fallbacks,
-            );
-            if s.arch == GenArch::GptOss {
-                for (name, dims, fill) in gpt_oss::layer_extras(s, i) {
-                    push(name, &dims, Want::Keep(GgmlType::F32), fill, fallbacks);
-                }
-            }
-            if s.arch == GenArch::Qwen2Moe {
-                // The shared expert and its gate; like the experts, it writes the token half.
-                let fs = s.n_ff_shexp as u64;
-                push(
-                    b("ffn_gate_inp_shexp"),
-                    &[d],
-                    Want::Keep(GgmlType::F32),
-                    Fill::Rand {
-                        std: inv(d),
-                        lo: 0,
-                        hi: s.d_model,
-                    },
-                    fallbacks,
-                );
-                for n in ["ffn_gate_shexp", "ffn_up_shexp"] {
-                    push(
-                        b(n),
-                        &[d, fs],
-                        Want::Weight(Some(i)),
-                        Fill::Rand {
-                            std: inv(d),
-                            lo: 0,
-                            hi: s.d_model,
-                        },
-                        fallbacks,
-                    );
-                }
-                push(
-                    b("ffn_down_shexp"),
-                    &[fs, d],
-                    Want::Weight(Some(i)),
-                    Fill::RandRows {
-                        std: inv(fs),
-                        half: Half::Token,
-                        split,
-                    },
-                    fallbacks,
-                );
-            }
-        }
-        push(
-            "output_norm.weight".into(),
-            &[d],
-            Want::Keep(GgmlType::F32),
-            Fill::Const(1.0),
-            fallbacks,
-        );
-        if !s.tie_output {
-            push(
-                "output.weight".into(),
-                &[d, nv],
-                Want::Weight(None),
-                Fill::Rand {
-                    std: inv(d),
-                    lo: 0,
-                    hi: s.d_model,
-                },
-                fallbacks,
-            );
-        }
-        Ok(out)
+        self.shape.arch.family().plan(self, fallbacks)
     }
 }
 

@@ -7,8 +7,37 @@
 //! `ffn_down_exps.scale`). Weights follow the generator's two halves: attention writes the
 //! context half, the MLP and the experts the token half.
 
-use super::{Fill, GenOptions, Half, ModelShape, Planned, Want};
+use super::{
+    Fallbacks, Family, Fill, GenError, GenOptions, Half, ModelShape, Planned, Preset, Want,
+};
 use crate::gguf::{GgmlType, Value, ValueType};
+
+pub(super) struct Gemma4;
+
+impl Family for Gemma4 {
+    /// A generic size gains gemma4's parts: a dense MLP as wide as qwen2moe's shared expert,
+    /// a first dense-only layer, global layers every other one.
+    fn generic(&self, preset: Preset, s: &mut ModelShape) {
+        s.gemma = Some(GemmaShape::generic(s));
+        s.n_ff_shexp = match preset {
+            Preset::TinyOdd => 320,
+            Preset::Small => 2048,
+            _ => 512,
+        };
+    }
+
+    fn validate(&self, s: &ModelShape) -> Result<(), String> {
+        validate(s)
+    }
+
+    fn metadata(&self, o: &GenOptions) -> Result<Vec<(String, Value)>, GenError> {
+        metadata(&o.shape)
+    }
+
+    fn plan(&self, o: &GenOptions, fallbacks: &mut Fallbacks) -> Result<Vec<Planned>, GenError> {
+        plan(o, fallbacks)
+    }
+}
 
 /// What gemma4 adds to a [`ModelShape`].
 #[derive(Clone, Debug, PartialEq)]
@@ -70,7 +99,7 @@ fn gemma(s: &ModelShape) -> Result<&GemmaShape, String> {
 }
 
 /// Refuse what would not make a working gemma4 file.
-pub(super) fn validate(s: &ModelShape) -> Result<(), String> {
+fn validate(s: &ModelShape) -> Result<(), String> {
     let g = gemma(s)?;
     if s.n_ff_shexp == 0 || !s.n_ff_shexp.is_multiple_of(32) {
         return Err(format!(
@@ -103,7 +132,7 @@ pub(super) fn validate(s: &ModelShape) -> Result<(), String> {
 }
 
 /// The `gemma4.*` keys.
-pub(super) fn metadata(s: &ModelShape) -> Result<Vec<(String, Value)>, super::GenError> {
+fn metadata(s: &ModelShape) -> Result<Vec<(String, Value)>, GenError> {
     let g = gemma(s).map_err(super::GenError::Invalid)?;
     let k = |n: &str| format!("gemma4.{n}");
     let per_layer =
@@ -151,7 +180,7 @@ pub(super) fn metadata(s: &ModelShape) -> Result<Vec<(String, Value)>, super::Ge
 }
 
 /// Every tensor of the file, in llama.cpp's order.
-pub(super) fn plan(
+fn plan(
     o: &GenOptions,
     fallbacks: &mut Vec<(String, GgmlType, GgmlType)>,
 ) -> Result<Vec<Planned>, super::GenError> {

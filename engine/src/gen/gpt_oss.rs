@@ -1,15 +1,54 @@
-//! What `gen --arch gpt-oss` writes beyond the generic layer (llama.cpp's
-//! `src/models/openai-moe.cpp` names and keys): the sliding window and YaRN keys, and per
-//! layer the attention output bias, the sinks, the router bias and the experts' biases. The
-//! FFN norm is `post_attention_norm` and q/k/v carry biases (planned with qwen2moe's).
+//! `gen --arch gpt-oss` (llama.cpp's `src/models/openai-moe.cpp` names and keys): the
+//! llama-style file with q/k/v biases, the FFN norm named `post_attention_norm`, the sliding
+//! window and YaRN keys, and per layer the attention output bias, the sinks, the router bias
+//! and the experts' biases.
 
-use super::{Fill, ModelShape};
-use crate::gguf::Value;
+use super::llama::{self, Style};
+use super::{Fallbacks, Family, Fill, GenError, GenOptions, ModelShape, Planned, Preset, Want};
+use crate::gguf::{GgmlType, Value};
+
+pub(super) struct GptOss;
+
+impl Family for GptOss {
+    fn generic(&self, _preset: Preset, s: &mut ModelShape) {
+        tiny_extras(s);
+    }
+
+    fn validate(&self, s: &ModelShape) -> Result<(), String> {
+        if s.n_ff_shexp != 0 {
+            return Err("--shared-ffn: gpt-oss has no shared expert".into());
+        }
+        if s.tie_output {
+            return Err("--tie-output: llama.cpp requires gpt-oss's output.weight".into());
+        }
+        Ok(())
+    }
+
+    fn metadata(&self, o: &GenOptions) -> Result<Vec<(String, Value)>, GenError> {
+        let mut m = llama::metadata(o, o.shape.n_ff_exp);
+        m.extend(metadata(&o.shape));
+        Ok(m)
+    }
+
+    fn plan(&self, o: &GenOptions, fallbacks: &mut Fallbacks) -> Result<Vec<Planned>, GenError> {
+        let style = Style {
+            qk_norms: false,
+            ffn_norm: "post_attention_norm",
+        };
+        let extras = |i: u32| {
+            layer_extras(&o.shape, i)
+                .into_iter()
+                .map(|(name, dims, fill)| (name, dims, Want::Keep(GgmlType::F32), fill))
+                .collect()
+        };
+        llama::plan(o, fallbacks, &style, &extras)
+    }
+}
 
 /// gpt-oss's own on a generic size (tiny, tiny-odd, small): a window that prompts of the
 /// gates outgrow (so the ring is exercised), the real rotary base, and YaRN ×32 over an
 /// original context the gates' positions pass.
-pub(super) fn tiny_extras(s: &mut ModelShape) {
+fn tiny_extras(s: &mut ModelShape) {
     s.n_swa = 32;
     s.rope_base = 150_000.0;
     s.rms_eps = 1e-5;
@@ -44,7 +83,7 @@ pub(super) fn full_shape(n_layer: u32, n_expert: u32) -> ModelShape {
 }
 
 /// The keys gpt-oss states besides the generic ones.
-pub(super) fn metadata(s: &ModelShape) -> Vec<(String, Value)> {
+fn metadata(s: &ModelShape) -> Vec<(String, Value)> {
     let k = |n: &str| format!("gpt-oss.{n}");
     let mut m = vec![(k("attention.sliding_window"), Value::U32(s.n_swa))];
     if s.yarn_factor > 0.0 {
@@ -63,7 +102,7 @@ pub(super) fn metadata(s: &ModelShape) -> Vec<(String, Value)> {
 /// Layer `i`'s F32 extras: name, dims (GGUF order), fill. Biases are small, as trained ones
 /// are; the attention output bias writes only the context half of the residual stream and
 /// the experts' down bias only the token half (the generator's two halves, see `gen`).
-pub(super) fn layer_extras(s: &ModelShape, i: u32) -> Vec<(String, Vec<u64>, Fill)> {
+fn layer_extras(s: &ModelShape, i: u32) -> Vec<(String, Vec<u64>, Fill)> {
     let (d, ff, ne) = (s.d_model as u64, s.n_ff_exp as u64, s.n_expert as u64);
     let split = s.d_model / 2;
     let bias = |lo: u32, hi: u32| Fill::Rand { std: 0.02, lo, hi };
