@@ -316,15 +316,15 @@ impl Gemma4 {
                 (None, None)
             };
             common_layers.push(CommonLayer {
-                memory: LayerMemory {
-                    kind: if a.swa {
+                memory: LayerMemory::kv(
+                    if a.swa {
                         MemoryKind::Ring { window: hp.window }
                     } else {
                         MemoryKind::Full
                     },
-                    n_head_kv: a.n_head_kv,
-                    head_dim: a.head_dim,
-                },
+                    a.n_head_kv,
+                    a.head_dim,
+                ),
                 moe: experts,
             });
             let rope = if a.swa {

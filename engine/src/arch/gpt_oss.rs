@@ -208,15 +208,15 @@ impl GptOss {
             let post_norm = ld.vector(&n("post_attention_norm"), d)?;
             common_layers.push(CommonLayer {
                 // A sliding layer keeps a ring of its window; a full layer every position.
-                memory: LayerMemory {
-                    kind: if hp.swa_layers[i] {
+                memory: LayerMemory::kv(
+                    if hp.swa_layers[i] {
                         MemoryKind::Ring { window: hp.n_swa }
                     } else {
                         MemoryKind::Full
                     },
-                    n_head_kv: hp.n_head_kv,
-                    head_dim: hp.head_dim,
-                },
+                    hp.n_head_kv,
+                    hp.head_dim,
+                ),
                 moe: Some(Experts {
                     router: ld.mat(&n("ffn_gate_inp"), d, ne)?,
                     router_bias: Some(ld.vector(&b("ffn_gate_inp"), ne)?),

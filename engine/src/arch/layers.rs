@@ -134,9 +134,10 @@ pub(crate) fn attend_layer(
         positions,
         ..
     } = st;
-    let kv = mem[layer].source(layer, positions, k, v)?;
+    let memory = mem[layer].kv(layer)?;
+    let kv = memory.source(layer, positions, k, v)?;
     blocks::attend(&cx.pool, shape, q, positions, &kv, sinks, scores, att);
-    mem[layer].commit(positions, k, v);
+    memory.commit(positions, k, v);
     Ok(())
 }
 

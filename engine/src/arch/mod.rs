@@ -28,7 +28,9 @@ use crate::kernels::{self, ActBuf};
 use blocks::Compute;
 use bmoe_core::Gating;
 pub use common::{Common, CommonLayer, Experts};
-pub use state::{KvSnapshot, LayerMemory, MemoryKind, Scratch, State};
+pub use state::{
+    KvSnapshot, LayerMemory, Memory, MemoryKind, RecurrentLayer, RecurrentShape, Scratch, State,
+};
 use std::sync::Arc;
 pub use weights::{ExpertTensor, Loader, Mat, Weights};
 

@@ -115,11 +115,7 @@ impl Qwen3Moe {
                 ffn_norm: ld.vector(&n("ffn_norm"), d)?,
             });
             common_layers.push(CommonLayer {
-                memory: LayerMemory {
-                    kind: MemoryKind::Full,
-                    n_head_kv: hp.n_head_kv,
-                    head_dim: hp.head_dim,
-                },
+                memory: LayerMemory::kv(MemoryKind::Full, hp.n_head_kv, hp.head_dim),
                 moe: Some(Experts {
                     router: ld.mat(&n("ffn_gate_inp"), d, hp.n_expert)?,
                     router_bias: None,

@@ -1,12 +1,12 @@
-//! Per-session mutable state of a forward pass: each layer's memory (a full KV cache, or a
-//! ring that keeps only a sliding window's positions), the batch in flight, and scratch
-//! buffers sized once and reused. Shared by every architecture; what a layer keeps is the
-//! architecture's answer to [`super::Arch::memory`].
+//! Per-session mutable state of a forward pass: each layer's memory (a full KV cache, a
+//! ring that keeps only a sliding window's positions, or a recurrent layer's state), the
+//! batch in flight, and scratch buffers sized once and reused. Shared by every architecture;
+//! what a layer keeps is the architecture's answer to [`super::Arch::memory`].
 
 use super::ArchError;
 use crate::kernels::{ActBuf, ActFormat};
 
-/// What one layer remembers between steps.
+/// What an attention layer's keys and values cover.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum MemoryKind {
     /// Every position's keys and values (`n_ctx` of them).
@@ -25,10 +25,42 @@ pub const RING_SLACK: usize = 256;
 
 /// One layer's memory as the architecture declares it.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub struct LayerMemory {
-    pub kind: MemoryKind,
-    pub n_head_kv: usize,
-    pub head_dim: usize,
+pub enum LayerMemory {
+    /// An attention layer's keys and values.
+    Kv {
+        kind: MemoryKind,
+        n_head_kv: usize,
+        head_dim: usize,
+    },
+    /// A recurrent layer's state, which folds every position fed into a fixed size and so
+    /// cannot be rolled back: a short causal convolution's last inputs and, for a gated
+    /// delta-rule layer, one state matrix per head (see [`RecurrentShape`]).
+    Recurrent(RecurrentShape),
+    /// Nothing kept between steps (a layer whose mixing sees only its own position).
+    None,
+}
+
+/// The size of a recurrent layer's state.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct RecurrentShape {
+    /// Channels of the causal convolution (0: none) and its kernel width: the state keeps the
+    /// last `conv_kernel − 1` inputs of every channel.
+    pub conv_channels: usize,
+    pub conv_kernel: usize,
+    /// Heads of the delta rule (0: none), each a `key_dim × value_dim` state matrix.
+    pub heads: usize,
+    pub key_dim: usize,
+    pub value_dim: usize,
+}
+
+impl RecurrentShape {
+    /// f32 values of the convolution's window and of the state matrices.
+    fn lens(&self) -> (usize, usize) {
+        (
+            self.conv_channels * self.conv_kernel.saturating_sub(1),
+            self.heads * self.key_dim * self.value_dim,
+        )
+    }
 }
 
 /// One layer's keys and values.
@@ -115,36 +147,58 @@ impl KvSource<'_> {
 }
 
 impl LayerMemory {
-    /// The positions this memory holds at a context of `n_ctx` — a ring its window plus
-    /// `slack` positions a turn may roll back — and its kind as built.
-    fn capacity(&self, n_ctx: usize, slack: usize) -> (usize, MemoryKind) {
-        match self.kind {
-            MemoryKind::Full => (n_ctx, MemoryKind::Full),
-            MemoryKind::Ring { window } => {
-                let w = window.min(n_ctx).max(1);
-                (
-                    (w + slack).min(n_ctx.max(w)),
-                    MemoryKind::Ring { window: w },
-                )
-            }
+    /// A full or ring attention memory of `n_head_kv` heads of `head_dim`.
+    pub fn kv(kind: MemoryKind, n_head_kv: usize, head_dim: usize) -> LayerMemory {
+        LayerMemory::Kv {
+            kind,
+            n_head_kv,
+            head_dim,
         }
     }
 
-    /// Bytes of keys and values (f32) this memory holds at a context of `n_ctx`.
+    /// Bytes (f32) this memory holds at a context of `n_ctx`: keys and values of the
+    /// positions a full or ring layer keeps; a recurrent layer's state whatever the context.
     pub fn bytes(&self, n_ctx: usize) -> u64 {
-        let (cap, _) = self.capacity(n_ctx, RING_SLACK);
-        8 * (cap * self.n_head_kv * self.head_dim) as u64
+        match *self {
+            LayerMemory::Kv {
+                kind,
+                n_head_kv,
+                head_dim,
+            } => {
+                let (cap, _) = capacity(kind, n_ctx, RING_SLACK);
+                8 * (cap * n_head_kv * head_dim) as u64
+            }
+            LayerMemory::Recurrent(r) => {
+                let (conv, state) = r.lens();
+                4 * (conv + state) as u64
+            }
+            LayerMemory::None => 0,
+        }
+    }
+}
+
+/// The positions a KV memory of `kind` holds at a context of `n_ctx` — a ring its window plus
+/// `slack` positions a turn may roll back — and its kind as built.
+fn capacity(kind: MemoryKind, n_ctx: usize, slack: usize) -> (usize, MemoryKind) {
+    match kind {
+        MemoryKind::Full => (n_ctx, MemoryKind::Full),
+        MemoryKind::Ring { window } => {
+            let w = window.min(n_ctx).max(1);
+            (
+                (w + slack).min(n_ctx.max(w)),
+                MemoryKind::Ring { window: w },
+            )
+        }
     }
 }
 
 impl KvLayer {
-    fn new(m: LayerMemory, n_ctx: usize) -> KvLayer {
-        KvLayer::with_slack(m, n_ctx, RING_SLACK)
+    fn new(kind: MemoryKind, kv_dim: usize, n_ctx: usize) -> KvLayer {
+        KvLayer::with_slack(kind, kv_dim, n_ctx, RING_SLACK)
     }
 
-    fn with_slack(m: LayerMemory, n_ctx: usize, slack: usize) -> KvLayer {
-        let kv_dim = m.n_head_kv * m.head_dim;
-        let (cap, kind) = m.capacity(n_ctx, slack);
+    fn with_slack(kind: MemoryKind, kv_dim: usize, n_ctx: usize, slack: usize) -> KvLayer {
+        let (cap, kind) = capacity(kind, n_ctx, slack);
         KvLayer {
             kind,
             kv_dim,
@@ -259,11 +313,154 @@ fn ring_err(layer: usize, what: String) -> ArchError {
     }
 }
 
-/// A copy of every layer's memory of positions `0..n`: the whole sequence state of an
-/// attention-only model, as a decide keeps it after its prefix (`Backend::keep_prefix`). A
-/// full layer keeps the rows of those positions; a ring layer the slots holding positions
-/// below `n` (a ring that has since moved past them cannot give them back: restoring it
-/// leaves those slots empty and the next batch that needs them is refused by name).
+/// One layer's memory as a session holds it (built from its [`LayerMemory`]).
+pub enum Memory {
+    Kv(KvLayer),
+    Recurrent(RecurrentLayer),
+    None,
+}
+
+/// A recurrent layer's state: the convolution's last inputs and the delta rule's matrices,
+/// as they stand after the positions folded in so far.
+pub struct RecurrentLayer {
+    pub shape: RecurrentShape,
+    /// The last `conv_kernel − 1` inputs of every channel, oldest first
+    /// (`(conv_kernel − 1) × conv_channels`).
+    pub conv: Vec<f32>,
+    /// Per head, its `key_dim × value_dim` state matrix.
+    pub state: Vec<f32>,
+    /// Positions folded in: the state is the one after position `seen − 1`.
+    seen: usize,
+}
+
+impl RecurrentLayer {
+    fn new(shape: RecurrentShape) -> RecurrentLayer {
+        let (conv, state) = shape.lens();
+        RecurrentLayer {
+            shape,
+            conv: vec![0.0; conv],
+            state: vec![0.0; state],
+            seen: 0,
+        }
+    }
+
+    /// Positions folded in so far.
+    pub fn seen(&self) -> usize {
+        self.seen
+    }
+
+    /// Start a batch of consecutive `positions`: from a zero state when it starts at 0,
+    /// from the state as it stands when it starts at the next position; anything else is
+    /// refused by name — a recurrent state cannot be rolled back (a session restores a
+    /// snapshot or feeds the prompt again). The caller folds the batch in, then
+    /// [`RecurrentLayer::finish`]es it.
+    pub fn begin(&mut self, layer: usize, positions: &[u32]) -> Result<(), ArchError> {
+        let first = positions.first().copied().unwrap_or(0) as usize;
+        if positions
+            .iter()
+            .enumerate()
+            .any(|(r, &p)| p as usize != first + r)
+        {
+            return Err(recurrent_err(
+                layer,
+                "a recurrent layer needs the batch's positions consecutive".into(),
+            ));
+        }
+        if first == 0 {
+            self.conv.fill(0.0);
+            self.state.fill(0.0);
+            self.seen = 0;
+        } else if first != self.seen {
+            return Err(recurrent_err(
+                layer,
+                format!(
+                    "its state is the one after position {} and cannot start a batch at \
+                     position {first} (a recurrent state cannot roll back); re-run the prompt",
+                    self.seen as i64 - 1
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// After folding in the batch `begin` accepted.
+    pub fn finish(&mut self, positions: &[u32]) {
+        if let Some(&last) = positions.last() {
+            self.seen = last as usize + 1;
+        }
+    }
+}
+
+fn recurrent_err(layer: usize, what: String) -> ArchError {
+    ArchError::Key {
+        file: String::new(),
+        key: format!("blk.{layer} recurrent state"),
+        what,
+    }
+}
+
+impl Memory {
+    fn new(m: LayerMemory, n_ctx: usize) -> Memory {
+        match m {
+            LayerMemory::Kv {
+                kind,
+                n_head_kv,
+                head_dim,
+            } => Memory::Kv(KvLayer::new(kind, n_head_kv * head_dim, n_ctx)),
+            LayerMemory::Recurrent(r) => Memory::Recurrent(RecurrentLayer::new(r)),
+            LayerMemory::None => Memory::None,
+        }
+    }
+
+    /// The layer's keys and values, or an error naming a layer that keeps none.
+    pub fn kv(&mut self, layer: usize) -> Result<&mut KvLayer, ArchError> {
+        match self {
+            Memory::Kv(kv) => Ok(kv),
+            _ => Err(ArchError::Key {
+                file: String::new(),
+                key: format!("blk.{layer} KV"),
+                what: "is not kept: the architecture declared no attention memory for this layer"
+                    .into(),
+            }),
+        }
+    }
+
+    /// The layer's recurrent state, or an error naming a layer that keeps none.
+    pub fn recurrent(&mut self, layer: usize) -> Result<&mut RecurrentLayer, ArchError> {
+        match self {
+            Memory::Recurrent(r) => Ok(r),
+            _ => Err(recurrent_err(
+                layer,
+                "is not kept: the architecture declared no recurrent memory for this layer".into(),
+            )),
+        }
+    }
+
+    /// Bytes this layer holds.
+    pub fn bytes(&self) -> usize {
+        match self {
+            Memory::Kv(kv) => kv.bytes(),
+            Memory::Recurrent(r) => 4 * (r.conv.len() + r.state.len()),
+            Memory::None => 0,
+        }
+    }
+
+    /// Whether a batch may start at position `n`: a full layer always, a ring while it holds
+    /// the window before `n`, a recurrent state at 0 or where it stands.
+    fn holds_before(&self, n: usize) -> bool {
+        match self {
+            Memory::Kv(kv) => kv.holds_window_before(n),
+            Memory::Recurrent(r) => n == 0 || n == r.seen,
+            Memory::None => true,
+        }
+    }
+}
+
+/// A copy of every layer's memory of positions `0..n`: the whole sequence state, as a decide
+/// keeps it after its prefix (`Backend::keep_prefix`). A full layer keeps the rows of those
+/// positions; a ring layer the slots holding positions below `n` (a ring that has since moved
+/// past them cannot give them back: restoring it leaves those slots empty and the next batch
+/// that needs them is refused by name); a recurrent layer its state, which must stand at `n`.
 #[derive(Debug, Default)]
 pub struct KvSnapshot {
     n: usize,
@@ -276,6 +473,9 @@ struct LayerSnap {
     v: Vec<f32>,
     /// Ring layers: the position of each kept slot (`u32::MAX` = not kept).
     slot_pos: Vec<u32>,
+    /// Recurrent layers: the state after the snapshot's last position.
+    conv: Vec<f32>,
+    state: Vec<f32>,
 }
 
 impl KvSnapshot {
@@ -291,7 +491,8 @@ impl KvSnapshot {
         self.layers
             .iter()
             .map(|l| {
-                (l.k.capacity() + l.v.capacity()) * std::mem::size_of::<f32>()
+                (l.k.capacity() + l.v.capacity() + l.conv.capacity() + l.state.capacity())
+                    * std::mem::size_of::<f32>()
                     + l.slot_pos.capacity() * std::mem::size_of::<u32>()
             })
             .sum::<usize>() as u64
@@ -349,6 +550,59 @@ impl KvLayer {
     }
 }
 
+impl Memory {
+    /// Copy this layer's memory of positions `0..n` into `into`; a recurrent state must stand
+    /// at `n` (a state that moved on is gone).
+    fn snapshot(&self, layer: usize, n: usize, into: &mut LayerSnap) -> Result<(), ArchError> {
+        into.conv.clear();
+        into.state.clear();
+        match self {
+            Memory::Kv(kv) => kv.snapshot(n, into),
+            Memory::Recurrent(r) => {
+                if r.seen != n {
+                    return Err(recurrent_err(
+                        layer,
+                        format!(
+                            "cannot be copied at position {n}: it stands after position {}",
+                            r.seen as i64 - 1
+                        ),
+                    ));
+                }
+                into.k.clear();
+                into.v.clear();
+                into.slot_pos.clear();
+                into.conv.extend_from_slice(&r.conv);
+                into.state.extend_from_slice(&r.state);
+            }
+            Memory::None => {
+                into.k.clear();
+                into.v.clear();
+                into.slot_pos.clear();
+            }
+        }
+        into.conv.shrink_to_fit();
+        into.state.shrink_to_fit();
+        Ok(())
+    }
+
+    /// Put `snap` (of `n` positions) back; false when it is not this layer's shape.
+    fn restore(&mut self, n: usize, snap: &LayerSnap) -> bool {
+        match self {
+            Memory::Kv(kv) => kv.restore(n, snap),
+            Memory::Recurrent(r) => {
+                if snap.conv.len() != r.conv.len() || snap.state.len() != r.state.len() {
+                    return false;
+                }
+                r.conv.copy_from_slice(&snap.conv);
+                r.state.copy_from_slice(&snap.state);
+                r.seen = n;
+                true
+            }
+            Memory::None => true,
+        }
+    }
+}
+
 /// Scratch for a layer's matrix products and FFN.
 #[derive(Default)]
 pub struct Scratch {
@@ -364,7 +618,7 @@ pub struct Scratch {
 /// Per-session mutable state: each layer's memory and the buffers of the batch in flight.
 pub struct State {
     pub n_ctx: usize,
-    pub mem: Vec<KvLayer>,
+    pub mem: Vec<Memory>,
     /// Batch rows in flight and their positions.
     pub n_rows: usize,
     pub positions: Vec<u32>,
@@ -430,7 +684,7 @@ impl State {
     pub fn new(memory: &[LayerMemory], n_ctx: usize) -> State {
         State {
             n_ctx,
-            mem: memory.iter().map(|&m| KvLayer::new(m, n_ctx)).collect(),
+            mem: memory.iter().map(|&m| Memory::new(m, n_ctx)).collect(),
             n_rows: 0,
             positions: Vec::new(),
             x: Vec::new(),
@@ -480,8 +734,8 @@ impl State {
         }
         into.n = n;
         into.layers.resize_with(self.mem.len(), LayerSnap::default);
-        for (l, s) in self.mem.iter().zip(&mut into.layers) {
-            l.snapshot(n, s);
+        for (layer, (l, s)) in self.mem.iter().zip(&mut into.layers).enumerate() {
+            l.snapshot(layer, n, s)?;
         }
         Ok(())
     }
@@ -513,9 +767,10 @@ impl State {
 
     /// The longest prefix of at most `n` positions the next batch can continue from: `n`
     /// when every layer holds what a batch starting there reads, else 0 (a ring that moved on
-    /// past its slack: the prompt is fed again, as llama.cpp does for its sliding layers).
+    /// past its slack, a recurrent state that stands elsewhere: the prompt is fed again, as
+    /// llama.cpp does for its sliding and recurrent layers).
     pub fn reusable_prefix(&self, n: usize) -> usize {
-        if self.mem.iter().all(|l| l.holds_window_before(n)) {
+        if self.mem.iter().all(|l| l.holds_before(n)) {
             n
         } else {
             0
@@ -524,7 +779,7 @@ impl State {
 
     /// Bytes the layers' memories hold.
     pub fn memory_bytes(&self) -> usize {
-        self.mem.iter().map(KvLayer::bytes).sum()
+        self.mem.iter().map(Memory::bytes).sum()
     }
 }
 
@@ -533,28 +788,17 @@ mod tests {
     use super::*;
 
     fn ring(window: usize) -> KvLayer {
-        KvLayer::with_slack(
-            LayerMemory {
-                kind: MemoryKind::Ring { window },
-                n_head_kv: 1,
-                head_dim: 1,
-            },
-            64,
-            0,
-        )
+        KvLayer::with_slack(MemoryKind::Ring { window }, 1, 64, 0)
+    }
+
+    /// The KV of layer `l` of `st`.
+    fn kv(st: &mut State, l: usize) -> &mut KvLayer {
+        st.mem[l].kv(l).unwrap()
     }
 
     #[test]
     fn a_ring_with_slack_rolls_back_that_far_and_no_further() {
-        let mut l = KvLayer::with_slack(
-            LayerMemory {
-                kind: MemoryKind::Ring { window: 3 },
-                n_head_kv: 1,
-                head_dim: 1,
-            },
-            64,
-            2,
-        );
+        let mut l = KvLayer::with_slack(MemoryKind::Ring { window: 3 }, 1, 64, 2);
         let pos: Vec<u32> = (0..10).collect();
         let bk: Vec<f32> = pos.iter().map(|&p| p as f32).collect();
         l.source(0, &pos, &bk, &bk).unwrap();
@@ -571,18 +815,11 @@ mod tests {
         );
         assert!(l.source(0, &[6], &one, &one).is_err());
         // A state built from such layers reuses all of a prefix or, past the slack, none.
-        let mut st = State::new(
-            &[LayerMemory {
-                kind: MemoryKind::Ring { window: 3 },
-                n_head_kv: 1,
-                head_dim: 1,
-            }],
-            4096,
-        );
+        let mut st = State::new(&[LayerMemory::kv(MemoryKind::Ring { window: 3 }, 1, 1)], 4096);
         let pos: Vec<u32> = (0..600).collect();
         let bk = vec![0f32; 600];
-        st.mem[0].source(0, &pos, &bk, &bk).unwrap();
-        st.mem[0].commit(&pos, &bk, &bk);
+        kv(&mut st, 0).source(0, &pos, &bk, &bk).unwrap();
+        kv(&mut st, 0).commit(&pos, &bk, &bk);
         // The ring's 3 + RING_SLACK slots hold positions from `oldest` on; a batch at `n`
         // reads back to n − 2.
         let oldest = 600 - (3 + RING_SLACK);
@@ -613,20 +850,16 @@ mod tests {
 
     #[test]
     fn a_snapshot_gives_back_the_prefix_of_full_and_ring_layers() {
-        let mem = |kind| LayerMemory {
-            kind,
-            n_head_kv: 1,
-            head_dim: 1,
-        };
+        let mem = |kind| LayerMemory::kv(kind, 1, 1);
         let mut st = State::new(
             &[mem(MemoryKind::Full), mem(MemoryKind::Ring { window: 4 })],
             16,
         );
         let feed = |st: &mut State, pos: &[u32], base: f32| {
             let b: Vec<f32> = pos.iter().map(|&p| base + p as f32).collect();
-            for l in &mut st.mem {
-                l.source(0, pos, &b, &b).unwrap();
-                l.commit(pos, &b, &b);
+            for l in 0..st.mem.len() {
+                kv(st, l).source(0, pos, &b, &b).unwrap();
+                kv(st, l).commit(pos, &b, &b);
             }
         };
         feed(&mut st, &[0, 1, 2, 3, 4, 5], 0.0);
@@ -637,8 +870,8 @@ mod tests {
         feed(&mut st, &[6, 7, 8, 9], 100.0);
         st.restore_kv(&snap).unwrap();
         let one = [7.0f32];
-        for l in &mut st.mem {
-            let s = l.source(0, &[6], &one, &one).unwrap();
+        for l in 0..st.mem.len() {
+            let s = kv(&mut st, l).source(0, &[6], &one, &one).unwrap();
             assert_eq!(
                 (s.key(3), s.key(5), s.value(6)),
                 (&[3.0][..], &[5.0][..], &[7.0][..])
@@ -663,5 +896,68 @@ mod tests {
         assert!(l.source(0, &[4, 6], &bk[..2], &bk[..2]).is_err());
         // Re-deciding the last position is fine.
         assert!(l.source(0, &[3], &bk[..1], &bk[..1]).is_ok());
+    }
+
+    /// A layer's recurrent state with its two parts numbered by what was folded in.
+    fn fold(r: &mut RecurrentLayer, positions: &[u32]) {
+        for &p in positions {
+            r.conv.iter_mut().for_each(|v| *v = *v * 0.5 + p as f32);
+            r.state.iter_mut().for_each(|v| *v += p as f32);
+        }
+    }
+
+    #[test]
+    fn a_recurrent_state_continues_or_restarts_and_never_rolls_back() {
+        let shape = RecurrentShape {
+            conv_channels: 3,
+            conv_kernel: 4,
+            heads: 2,
+            key_dim: 2,
+            value_dim: 3,
+        };
+        let mut st = State::new(
+            &[
+                LayerMemory::Recurrent(shape),
+                LayerMemory::kv(MemoryKind::Full, 1, 1),
+                LayerMemory::None,
+            ],
+            32,
+        );
+        assert_eq!(st.memory_bytes(), 4 * (3 * 3 + 2 * 2 * 3) + 2 * 4 * 32);
+        assert_eq!(
+            LayerMemory::Recurrent(shape).bytes(32),
+            4 * (3 * 3 + 2 * 2 * 3)
+        );
+        let r = st.mem[0].recurrent(0).unwrap();
+        r.begin(0, &[0, 1, 2]).unwrap();
+        fold(r, &[0, 1, 2]);
+        r.finish(&[0, 1, 2]);
+        assert_eq!(r.seen(), 3);
+        let after3 = (r.conv.clone(), r.state.clone());
+        // Where it stands, and from the start, a batch may begin; nowhere else.
+        assert_eq!(st.reusable_prefix(3), 3);
+        assert_eq!(st.reusable_prefix(2), 0);
+        let r = st.mem[0].recurrent(0).unwrap();
+        let e = r.begin(0, &[2]).unwrap_err().to_string();
+        assert!(e.contains("cannot roll back"), "{e}");
+        assert!(r.begin(0, &[3, 5]).is_err(), "positions must be consecutive");
+        // A snapshot at 3 brings the state after position 2 back.
+        let mut snap = KvSnapshot::default();
+        st.snapshot_kv(3, &mut snap).unwrap();
+        assert!(st.snapshot_kv(2, &mut snap).is_err(), "the state after 1 is gone");
+        st.snapshot_kv(3, &mut snap).unwrap();
+        let r = st.mem[0].recurrent(0).unwrap();
+        r.begin(0, &[3, 4]).unwrap();
+        fold(r, &[3, 4]);
+        r.finish(&[3, 4]);
+        assert_ne!((r.conv.clone(), r.state.clone()), after3);
+        st.restore_kv(&snap).unwrap();
+        let r = st.mem[0].recurrent(0).unwrap();
+        assert_eq!((r.seen(), (r.conv.clone(), r.state.clone())), (3, after3));
+        // Starting at 0 starts from a zero state.
+        r.begin(0, &[0]).unwrap();
+        assert!(r.conv.iter().chain(&r.state).all(|&v| v == 0.0));
+        // Asking a layer for the memory it does not keep names it.
+        assert!(st.mem[2].kv(2).is_err() && st.mem[1].recurrent(1).is_err());
     }
 }
