@@ -815,7 +815,10 @@ mod tests {
         );
         assert!(l.source(0, &[6], &one, &one).is_err());
         // A state built from such layers reuses all of a prefix or, past the slack, none.
-        let mut st = State::new(&[LayerMemory::kv(MemoryKind::Ring { window: 3 }, 1, 1)], 4096);
+        let mut st = State::new(
+            &[LayerMemory::kv(MemoryKind::Ring { window: 3 }, 1, 1)],
+            4096,
+        );
         let pos: Vec<u32> = (0..600).collect();
         let bk = vec![0f32; 600];
         kv(&mut st, 0).source(0, &pos, &bk, &bk).unwrap();
@@ -940,11 +943,17 @@ mod tests {
         let r = st.mem[0].recurrent(0).unwrap();
         let e = r.begin(0, &[2]).unwrap_err().to_string();
         assert!(e.contains("cannot roll back"), "{e}");
-        assert!(r.begin(0, &[3, 5]).is_err(), "positions must be consecutive");
+        assert!(
+            r.begin(0, &[3, 5]).is_err(),
+            "positions must be consecutive"
+        );
         // A snapshot at 3 brings the state after position 2 back.
         let mut snap = KvSnapshot::default();
         st.snapshot_kv(3, &mut snap).unwrap();
-        assert!(st.snapshot_kv(2, &mut snap).is_err(), "the state after 1 is gone");
+        assert!(
+            st.snapshot_kv(2, &mut snap).is_err(),
+            "the state after 1 is gone"
+        );
         st.snapshot_kv(3, &mut snap).unwrap();
         let r = st.mem[0].recurrent(0).unwrap();
         r.begin(0, &[3, 4]).unwrap();
