@@ -406,20 +406,13 @@ impl Gemma4 {
         st.q.resize(n * qd, 0.0);
         st.k.resize(n * kvd, 0.0);
         st.v.resize(n * kvd, 0.0);
-        let mut acts = std::mem::take(&mut st.scratch.acts);
-        let r = (|| {
-            cx.mat_rows(&l.q, &st.cur, n, &mut acts, &mut st.q)?;
-            cx.mat_rows(&l.k, &st.cur, n, &mut acts, &mut st.k)?;
-            match &l.v {
-                Some(v) => cx.mat_rows(v, &st.cur, n, &mut acts, &mut st.v),
-                None => {
-                    st.v.copy_from_slice(&st.k);
-                    Ok(())
-                }
-            }
-        })();
-        st.scratch.acts = acts;
-        r?;
+        let acts = &mut st.scratch.acts;
+        cx.mat_rows(&l.q, &st.cur, n, acts, &mut st.q)?;
+        cx.mat_rows(&l.k, &st.cur, n, acts, &mut st.k)?;
+        match &l.v {
+            Some(v) => cx.mat_rows(v, &st.cur, n, acts, &mut st.v)?,
+            None => st.v.copy_from_slice(&st.k),
+        }
         let tmp = &mut st.scratch.tmp;
         blocks::rms_norm_heads(&mut st.q, hd, Some(&l.q_norm[..]), eps, tmp);
         blocks::rms_norm_heads(&mut st.k, hd, Some(&l.k_norm[..]), eps, tmp);
@@ -430,10 +423,7 @@ impl Gemma4 {
             .apply_rows(&mut st.k, kvd, hd, &st.positions, &mut st.scratch.rope);
         attend_layer(cx, st, il, shape, None)?;
         st.out.resize(n * self.hp.d_model, 0.0);
-        let mut acts = std::mem::take(&mut st.scratch.acts);
-        let r = cx.mat_rows(&l.o, &st.att, n, &mut acts, &mut st.out);
-        st.scratch.acts = acts;
-        r
+        cx.mat_rows(&l.o, &st.att, n, &mut st.scratch.acts, &mut st.out)
     }
 
     /// The dense MLP of layer `il` on `m` rows of `input` into `out`.
@@ -463,18 +453,24 @@ impl Gemma4 {
         )
     }
 
-    /// `post_ffw_norm` of the FFN rows' output `ffn` into the residual, then the layer scale.
-    fn close_layer(&self, st: &mut State, il: usize, ffn: &[f32]) {
+    /// `post_ffw_norm` of the FFN rows' output `ffn` (normed in `normed`) into those `rows`
+    /// of the residual `x`, then the layer scale.
+    fn close_layer(
+        &self,
+        x: &mut [f32],
+        rows: &[u32],
+        normed: &mut Vec<f32>,
+        il: usize,
+        ffn: &[f32],
+    ) {
         let l = &self.layers[il];
         let d = self.hp.d_model;
-        let mut normed = std::mem::take(&mut st.scratch.down);
-        blocks::rms_norm_all(ffn, d, Some(&l.post_ffw_norm), self.hp.rms_eps, &mut normed);
-        add_rows(&mut st.x, d, &st.ffn_rows, &normed);
-        st.scratch.down = normed;
+        blocks::rms_norm_all(ffn, d, Some(&l.post_ffw_norm), self.hp.rms_eps, normed);
+        add_rows(x, d, rows, normed);
         if let Some(s) = l.out_scale {
-            for &r in &st.ffn_rows {
+            for &r in rows {
                 let r = r as usize;
-                st.x[r * d..(r + 1) * d].iter_mut().for_each(|v| *v *= s);
+                x[r * d..(r + 1) * d].iter_mut().for_each(|v| *v *= s);
             }
         }
     }
@@ -496,43 +492,39 @@ impl Arch for Gemma4 {
         let l = &self.layers[il];
         blocks::rms_norm_all(&st.x, d, Some(&l.attn_norm), eps, &mut st.cur);
         self.attention(cx, st, il)?;
-        let mut normed = std::mem::take(&mut st.cur);
-        blocks::rms_norm_all(&st.out, d, Some(&l.post_attn_norm), eps, &mut normed);
-        for (x, o) in st.x.iter_mut().zip(&normed) {
+        blocks::rms_norm_all(&st.out, d, Some(&l.post_attn_norm), eps, &mut st.cur);
+        for (x, o) in st.x.iter_mut().zip(&st.cur) {
             *x += *o;
         }
-        st.cur = normed;
-        let rows = std::mem::take(&mut st.ffn_rows);
-        let m = rows.len();
+        let m = st.ffn_rows.len();
         // The dense MLP on ffn_norm(a).
-        blocks::rms_norm_rows(&st.x, d, &rows, Some(&l.ffn_norm[..]), eps, &mut st.cur);
-        let mut mlp_out = std::mem::take(&mut st.side);
-        let r = self.mlp(cx, &mut st.scratch, il, &st.cur, m, &mut mlp_out);
-        st.side = mlp_out;
-        st.ffn_rows = rows;
-        r?;
+        blocks::rms_norm_rows(
+            &st.x,
+            d,
+            &st.ffn_rows,
+            Some(&l.ffn_norm[..]),
+            eps,
+            &mut st.cur,
+        );
+        self.mlp(cx, &mut st.scratch, il, &st.cur, m, &mut st.side)?;
         let Some(moe) = &l.moe else {
-            let out = std::mem::take(&mut st.side);
-            self.close_layer(st, il, &out[..m * d]);
-            st.side = out;
+            let rows = &st.ffn_rows;
+            self.close_layer(&mut st.x, rows, &mut st.scratch.down, il, &st.side[..m * d]);
             return Ok(());
         };
         // post_ffw_norm_1 of the MLP, kept for finish_layer.
-        let mut normed = std::mem::take(&mut st.cur);
         blocks::rms_norm_all(
             &st.side[..m * d],
             d,
             Some(&moe.post_norm_1),
             eps,
-            &mut normed,
+            &mut st.cur,
         );
-        std::mem::swap(&mut st.side, &mut normed);
-        st.cur = normed;
+        std::mem::swap(&mut st.side, &mut st.cur);
         // The experts' input, and the router's: rms_norm(a) / √d ⊙ scale (ggml's order).
-        let rows = std::mem::take(&mut st.ffn_rows);
-        blocks::rms_norm_rows(&st.x, d, &rows, Some(&moe.pre_norm_2[..]), eps, &mut st.h);
-        blocks::rms_norm_rows(&st.x, d, &rows, None, eps, &mut st.router_in);
-        st.ffn_rows = rows;
+        let rows = &st.ffn_rows;
+        blocks::rms_norm_rows(&st.x, d, rows, Some(&moe.pre_norm_2[..]), eps, &mut st.h);
+        blocks::rms_norm_rows(&st.x, d, rows, None, eps, &mut st.router_in);
         let inv = 1.0 / (d as f32).sqrt();
         for row in st.router_in[..m * d].chunks_exact_mut(d) {
             for (v, &s) in row.iter_mut().zip(&moe.router_scale) {
@@ -556,20 +548,20 @@ impl Arch for Gemma4 {
         };
         let d = self.hp.d_model;
         let m = st.ffn_rows.len() * d;
-        let mut normed = std::mem::take(&mut st.cur);
+        let eps = self.hp.rms_eps;
         blocks::rms_norm_all(
             &st.moe_out[..m],
             d,
             Some(&moe.post_norm_2),
-            self.hp.rms_eps,
-            &mut normed,
+            eps,
+            &mut st.cur,
         );
         // llama.cpp adds mlp + moe.
-        for (a, &b) in normed[..m].iter_mut().zip(&st.side[..m]) {
+        for (a, &b) in st.cur[..m].iter_mut().zip(&st.side[..m]) {
             *a += b;
         }
-        self.close_layer(st, layer, &normed[..m]);
-        st.cur = normed;
+        let rows = &st.ffn_rows;
+        self.close_layer(&mut st.x, rows, &mut st.scratch.down, layer, &st.cur[..m]);
         Ok(())
     }
 

@@ -47,9 +47,7 @@ pub(crate) fn attention_sublayer(
     for (x, o) in st.x.iter_mut().zip(&st.out) {
         *x += *o;
     }
-    let rows = std::mem::take(&mut st.ffn_rows);
-    blocks::rms_norm_rows(&st.x, d, &rows, Some(ffn_norm), rms_eps, &mut st.h);
-    st.ffn_rows = rows;
+    blocks::rms_norm_rows(&st.x, d, &st.ffn_rows, Some(ffn_norm), rms_eps, &mut st.h);
     Ok(())
 }
 
@@ -75,15 +73,12 @@ pub(crate) fn attention(
     st.q.resize(n * qd, 0.0);
     st.k.resize(n * kvd, 0.0);
     st.v.resize(n * kvd, 0.0);
-    let mut acts = std::mem::take(&mut st.scratch.acts);
-    let r = cx.mats_rows(
+    cx.mats_rows(
         &mut [(&w.q, &mut st.q), (&w.k, &mut st.k), (&w.v, &mut st.v)],
         &st.cur,
         n,
-        &mut acts,
-    );
-    st.scratch.acts = acts;
-    r?;
+        &mut st.scratch.acts,
+    )?;
     for (buf, b) in [
         (&mut st.q, &w.q_bias),
         (&mut st.k, &w.k_bias),
@@ -103,10 +98,7 @@ pub(crate) fn attention(
     rope.apply_rows(&mut st.k, kvd, hd, &st.positions, &mut st.scratch.rope);
     attend_layer(cx, st, layer, shape, sinks)?;
     st.out.resize(n * d, 0.0);
-    let mut acts = std::mem::take(&mut st.scratch.acts);
-    let r = cx.mat_rows(&w.o, &st.att, n, &mut acts, &mut st.out);
-    st.scratch.acts = acts;
-    r?;
+    cx.mat_rows(&w.o, &st.att, n, &mut st.scratch.acts, &mut st.out)?;
     if let Some(b) = o_bias {
         blocks::add_bias(&mut st.out, b);
     }
@@ -290,13 +282,8 @@ pub(crate) fn norm_head(
     eps: f32,
 ) -> Result<(), ArchError> {
     let d = norm.len();
-    let rows = std::mem::take(&mut st.out_rows);
-    blocks::rms_norm_rows(&st.x, d, &rows, Some(norm), eps, &mut st.cur);
-    st.out_rows = rows;
+    blocks::rms_norm_rows(&st.x, d, &st.out_rows, Some(norm), eps, &mut st.cur);
     let m = st.out_rows.len();
     st.logits.resize(m * output.rows, 0.0);
-    let mut acts = std::mem::take(&mut st.scratch.acts);
-    let r = cx.mat_rows(output, &st.cur, m, &mut acts, &mut st.logits);
-    st.scratch.acts = acts;
-    r
+    cx.mat_rows(output, &st.cur, m, &mut st.scratch.acts, &mut st.logits)
 }

@@ -551,16 +551,19 @@ impl<A: Arch + ?Sized> Model<A> {
         out.rows.extend_from_slice(&st.ffn_rows);
         out.k = k;
         out.probs.resize(m * ne, 0.0);
-        let mut acts = std::mem::take(&mut st.scratch.acts);
         let input = if st.router_separate {
-            std::mem::take(&mut st.router_in)
+            &st.router_in
         } else {
-            std::mem::take(&mut st.h)
+            &st.h
         };
-        let r = self
-            .arch
-            .router_logits(&self.cx, layer, &input, m, &mut acts, &mut out.probs);
-        st.scratch.acts = acts;
+        let r = self.arch.router_logits(
+            &self.cx,
+            layer,
+            input,
+            m,
+            &mut st.scratch.acts,
+            &mut out.probs,
+        );
         // Keep the last row's router input for `predict` (a later layer's router on it).
         st.pred_in.clear();
         if m > 0 {
@@ -568,11 +571,6 @@ impl<A: Arch + ?Sized> Model<A> {
             st.pred_layer = Some(layer);
         } else {
             st.pred_layer = None;
-        }
-        if st.router_separate {
-            st.router_in = input;
-        } else {
-            st.h = input;
         }
         r?;
         self.check(
@@ -586,14 +584,14 @@ impl<A: Arch + ?Sized> Model<A> {
         out.ids.resize(m * k, 0);
         out.weights.resize(m * k, 0.0);
         let bias = self.arch.selection_bias(layer);
-        let mut order = std::mem::take(&mut st.pred_order);
+        let order = &mut st.pred_order;
         for r in 0..m {
             let scores = &mut out.probs[r * ne..(r + 1) * ne];
             self.gating.scores_in_place(scores);
             self.gating.select(
                 scores,
                 bias,
-                &mut order,
+                order,
                 &mut out.ids[r * k..(r + 1) * k],
                 &mut out.weights[r * k..(r + 1) * k],
             );
@@ -611,7 +609,6 @@ impl<A: Arch + ?Sized> Model<A> {
                 }
             }
         }
-        st.pred_order = order;
         Ok(())
     }
 
@@ -637,29 +634,24 @@ impl<A: Arch + ?Sized> Model<A> {
             return Ok(false);
         }
         st.pred_scores.resize(ne, 0.0);
-        let mut scores = std::mem::take(&mut st.pred_scores);
-        let mut acts = std::mem::take(&mut st.pred_acts);
-        let r = self
-            .arch
-            .router_logits(&self.cx, target, &st.pred_in, 1, &mut acts, &mut scores);
-        st.pred_acts = acts;
-        if let Err(e) = r {
-            st.pred_scores = scores;
-            return Err(e);
-        }
+        self.arch.router_logits(
+            &self.cx,
+            target,
+            &st.pred_in,
+            1,
+            &mut st.pred_acts,
+            &mut st.pred_scores,
+        )?;
         ids.resize(k, 0);
         weights.resize(k, 0.0);
-        let mut order = std::mem::take(&mut st.pred_order);
-        self.gating.scores_in_place(&mut scores);
+        self.gating.scores_in_place(&mut st.pred_scores);
         self.gating.select(
-            &scores,
+            &st.pred_scores,
             self.arch.selection_bias(target),
-            &mut order,
+            &mut st.pred_order,
             ids,
             weights,
         );
-        st.pred_order = order;
-        st.pred_scores = scores;
         Ok(true)
     }
 
