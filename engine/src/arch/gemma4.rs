@@ -403,27 +403,27 @@ impl Gemma4 {
         let n = st.n_rows;
         let hd = shape.head_dim;
         let (qd, kvd) = (shape.n_head * hd, shape.n_head_kv * hd);
-        st.q.resize(n * qd, 0.0);
-        st.k.resize(n * kvd, 0.0);
-        st.v.resize(n * kvd, 0.0);
+        st.attn.q.resize(n * qd, 0.0);
+        st.attn.k.resize(n * kvd, 0.0);
+        st.attn.v.resize(n * kvd, 0.0);
         let acts = &mut st.scratch.acts;
-        cx.mat_rows(&l.q, &st.cur, n, acts, &mut st.q)?;
-        cx.mat_rows(&l.k, &st.cur, n, acts, &mut st.k)?;
+        cx.mat_rows(&l.q, &st.cur, n, acts, &mut st.attn.q)?;
+        cx.mat_rows(&l.k, &st.cur, n, acts, &mut st.attn.k)?;
         match &l.v {
-            Some(v) => cx.mat_rows(v, &st.cur, n, acts, &mut st.v)?,
-            None => st.v.copy_from_slice(&st.k),
+            Some(v) => cx.mat_rows(v, &st.cur, n, acts, &mut st.attn.v)?,
+            None => st.attn.v.copy_from_slice(&st.attn.k),
         }
         let tmp = &mut st.scratch.tmp;
-        blocks::rms_norm_heads(&mut st.q, hd, Some(&l.q_norm[..]), eps, tmp);
-        blocks::rms_norm_heads(&mut st.k, hd, Some(&l.k_norm[..]), eps, tmp);
-        blocks::rms_norm_heads(&mut st.v, hd, None, eps, tmp);
+        blocks::rms_norm_heads(&mut st.attn.q, hd, Some(&l.q_norm[..]), eps, tmp);
+        blocks::rms_norm_heads(&mut st.attn.k, hd, Some(&l.k_norm[..]), eps, tmp);
+        blocks::rms_norm_heads(&mut st.attn.v, hd, None, eps, tmp);
         l.rope
-            .apply_rows(&mut st.q, qd, hd, &st.positions, &mut st.scratch.rope);
+            .apply_rows(&mut st.attn.q, qd, hd, &st.positions, &mut st.scratch.rope);
         l.rope
-            .apply_rows(&mut st.k, kvd, hd, &st.positions, &mut st.scratch.rope);
+            .apply_rows(&mut st.attn.k, kvd, hd, &st.positions, &mut st.scratch.rope);
         attend_layer(cx, st, il, shape, None)?;
         st.out.resize(n * self.hp.d_model, 0.0);
-        cx.mat_rows(&l.o, &st.att, n, &mut st.scratch.acts, &mut st.out)
+        cx.mat_rows(&l.o, &st.attn.att, n, &mut st.scratch.acts, &mut st.out)
     }
 
     /// The dense MLP of layer `il` on `m` rows of `input` into `out`.

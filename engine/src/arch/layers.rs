@@ -6,7 +6,7 @@
 //! builders); what only one family does stays in its file.
 
 use super::blocks::{self, AttnShape, Compute, Glu, Rope};
-use super::state::{Scratch, State};
+use super::state::{AttnBufs, Scratch, State};
 use super::weights::Mat;
 use super::ArchError;
 use crate::kernels::{self, ActBuf, ActFormat};
@@ -70,43 +70,59 @@ pub(crate) fn attention(
     let hd = shape.head_dim;
     let (qd, kvd) = (shape.n_head * hd, shape.n_head_kv * hd);
     let d = w.o.rows;
-    st.q.resize(n * qd, 0.0);
-    st.k.resize(n * kvd, 0.0);
-    st.v.resize(n * kvd, 0.0);
+    st.attn.q.resize(n * qd, 0.0);
+    st.attn.k.resize(n * kvd, 0.0);
+    st.attn.v.resize(n * kvd, 0.0);
     cx.mats_rows(
-        &mut [(&w.q, &mut st.q), (&w.k, &mut st.k), (&w.v, &mut st.v)],
+        &mut [
+            (&w.q, &mut st.attn.q),
+            (&w.k, &mut st.attn.k),
+            (&w.v, &mut st.attn.v),
+        ],
         &st.cur,
         n,
         &mut st.scratch.acts,
     )?;
     for (buf, b) in [
-        (&mut st.q, &w.q_bias),
-        (&mut st.k, &w.k_bias),
-        (&mut st.v, &w.v_bias),
+        (&mut st.attn.q, &w.q_bias),
+        (&mut st.attn.k, &w.k_bias),
+        (&mut st.attn.v, &w.v_bias),
     ] {
         if let Some(b) = b {
             blocks::add_bias(buf, b);
         }
     }
     if let Some(qn) = &w.q_norm {
-        blocks::rms_norm_heads(&mut st.q, hd, Some(&qn[..]), rms_eps, &mut st.scratch.tmp);
+        blocks::rms_norm_heads(
+            &mut st.attn.q,
+            hd,
+            Some(&qn[..]),
+            rms_eps,
+            &mut st.scratch.tmp,
+        );
     }
     if let Some(kn) = &w.k_norm {
-        blocks::rms_norm_heads(&mut st.k, hd, Some(&kn[..]), rms_eps, &mut st.scratch.tmp);
+        blocks::rms_norm_heads(
+            &mut st.attn.k,
+            hd,
+            Some(&kn[..]),
+            rms_eps,
+            &mut st.scratch.tmp,
+        );
     }
-    rope.apply_rows(&mut st.q, qd, hd, &st.positions, &mut st.scratch.rope);
-    rope.apply_rows(&mut st.k, kvd, hd, &st.positions, &mut st.scratch.rope);
+    rope.apply_rows(&mut st.attn.q, qd, hd, &st.positions, &mut st.scratch.rope);
+    rope.apply_rows(&mut st.attn.k, kvd, hd, &st.positions, &mut st.scratch.rope);
     attend_layer(cx, st, layer, shape, sinks)?;
     st.out.resize(n * d, 0.0);
-    cx.mat_rows(&w.o, &st.att, n, &mut st.scratch.acts, &mut st.out)?;
+    cx.mat_rows(&w.o, &st.attn.att, n, &mut st.scratch.acts, &mut st.out)?;
     if let Some(b) = o_bias {
         blocks::add_bias(&mut st.out, b);
     }
     Ok(())
 }
 
-/// Attention of `st.q` over layer `layer`'s memory and the batch's `st.k` / `st.v` into
-/// `st.att`; the memory keeps what it must afterwards.
+/// Attention of `st.attn.q` over layer `layer`'s memory and the batch's `st.attn.k` /
+/// `st.attn.v` into `st.attn.att`; the memory keeps what it must afterwards.
 pub(crate) fn attend_layer(
     cx: &Compute,
     st: &mut State,
@@ -115,14 +131,17 @@ pub(crate) fn attend_layer(
     sinks: Option<&[f32]>,
 ) -> Result<(), ArchError> {
     let n = st.n_rows;
-    st.att.resize(n * shape.n_head * shape.head_dim, 0.0);
+    st.attn.att.resize(n * shape.n_head * shape.head_dim, 0.0);
     let State {
         mem,
-        q,
-        k,
-        v,
-        att,
-        scores,
+        attn:
+            AttnBufs {
+                q,
+                k,
+                v,
+                att,
+                scores,
+            },
         positions,
         ..
     } = st;

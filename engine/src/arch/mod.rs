@@ -29,7 +29,8 @@ use blocks::Compute;
 use bmoe_core::Gating;
 pub use common::{Common, CommonLayer, Experts};
 pub use state::{
-    KvSnapshot, LayerMemory, Memory, MemoryKind, RecurrentLayer, RecurrentShape, Scratch, State,
+    AttnBufs, ExpertBufs, KvSnapshot, LayerMemory, Memory, MemoryKind, Prediction, RecurrentLayer,
+    RecurrentShape, Scratch, State,
 };
 use std::sync::Arc;
 pub use weights::{ExpertTensor, Loader, Mat, Weights};
@@ -486,7 +487,7 @@ impl<A: Arch + ?Sized> Model<A> {
             }
         }
         st.n_rows = n;
-        st.pred_layer = None;
+        st.pred.layer = None;
         st.router_margin.clear();
         st.router_margin.resize(n, f32::INFINITY);
         st.positions.clear();
@@ -522,7 +523,7 @@ impl<A: Arch + ?Sized> Model<A> {
         }
         st.router_separate = false;
         // `dense` rewrites the experts' input: its quantised rows are stale.
-        st.h_acts_for = None;
+        st.experts.h_acts_for = None;
         self.arch.dense(&self.cx, st, layer)?;
         if self.experts(layer).is_empty() {
             // A dense layer finished itself.
@@ -533,10 +534,10 @@ impl<A: Arch + ?Sized> Model<A> {
             self.dims.n_expert_used,
             self.dims.d_model,
         );
-        st.moe_k = k;
-        st.moe.resize(m * k * d, 0.0);
-        st.moe_filled.clear();
-        st.moe_filled.resize(m * k, false);
+        st.experts.k = k;
+        st.experts.per_rank.resize(m * k * d, 0.0);
+        st.experts.filled.clear();
+        st.experts.filled.resize(m * k, false);
         self.check(st, layer, "ffn_inp", &st.x, d, None)?;
         self.check(st, layer, "ffn_norm", &st.h, d, Some(&st.ffn_rows))
     }
@@ -565,12 +566,12 @@ impl<A: Arch + ?Sized> Model<A> {
             &mut out.probs,
         );
         // Keep the last row's router input for `predict` (a later layer's router on it).
-        st.pred_in.clear();
+        st.pred.input.clear();
         if m > 0 {
-            st.pred_in.extend_from_slice(&input[(m - 1) * d..m * d]);
-            st.pred_layer = Some(layer);
+            st.pred.input.extend_from_slice(&input[(m - 1) * d..m * d]);
+            st.pred.layer = Some(layer);
         } else {
-            st.pred_layer = None;
+            st.pred.layer = None;
         }
         r?;
         self.check(
@@ -584,7 +585,7 @@ impl<A: Arch + ?Sized> Model<A> {
         out.ids.resize(m * k, 0);
         out.weights.resize(m * k, 0.0);
         let bias = self.arch.selection_bias(layer);
-        let order = &mut st.pred_order;
+        let order = &mut st.pred.order;
         for r in 0..m {
             let scores = &mut out.probs[r * ne..(r + 1) * ne];
             self.gating.scores_in_place(scores);
@@ -630,25 +631,25 @@ impl<A: Arch + ?Sized> Model<A> {
         let ne = self.dims.n_expert;
         ids.clear();
         weights.clear();
-        if st.pred_layer != Some(from) || self.experts(target).is_empty() || k == 0 || k > ne {
+        if st.pred.layer != Some(from) || self.experts(target).is_empty() || k == 0 || k > ne {
             return Ok(false);
         }
-        st.pred_scores.resize(ne, 0.0);
+        st.pred.scores.resize(ne, 0.0);
         self.arch.router_logits(
             &self.cx,
             target,
-            &st.pred_in,
+            &st.pred.input,
             1,
-            &mut st.pred_acts,
-            &mut st.pred_scores,
+            &mut st.pred.acts,
+            &mut st.pred.scores,
         )?;
         ids.resize(k, 0);
         weights.resize(k, 0.0);
-        self.gating.scores_in_place(&mut st.pred_scores);
+        self.gating.scores_in_place(&mut st.pred.scores);
         self.gating.select(
-            &st.pred_scores,
+            &st.pred.scores,
             self.arch.selection_bias(target),
-            &mut st.pred_order,
+            &mut st.pred.order,
             ids,
             weights,
         );
@@ -666,7 +667,7 @@ impl<A: Arch + ?Sized> Model<A> {
         proj: &[&[u8]],
         uses: &[(u32, u16, f32)],
     ) -> Result<(), ArchError> {
-        let (d, k) = (self.dims.d_model, st.moe_k);
+        let (d, k) = (self.dims.d_model, st.experts.k);
         let n = uses.len();
         if n == 0 {
             return Ok(());
@@ -684,13 +685,17 @@ impl<A: Arch + ?Sized> Model<A> {
         self.prepare_h_acts(st, layer)?;
         let State {
             h,
-            h_acts,
-            h_acts_for,
-            expert_in,
-            expert_out,
+            experts:
+                ExpertBufs {
+                    h_acts,
+                    h_acts_for,
+                    expert_in,
+                    expert_out,
+                    per_rank: moe,
+                    filled: moe_filled,
+                    ..
+                },
             scratch,
-            moe,
-            moe_filled,
             ..
         } = st;
         expert_in.resize(n * d, 0.0);
@@ -725,11 +730,11 @@ impl<A: Arch + ?Sized> Model<A> {
         };
         let ty = x.info.ty;
         let fmt = kernels::ActFormat::for_weights(ty);
-        if fmt.is_some() && st.h_acts_for != fmt.map(|f| (layer, f)) {
-            st.h_acts_for = None;
+        if fmt.is_some() && st.experts.h_acts_for != fmt.map(|f| (layer, f)) {
+            st.experts.h_acts_for = None;
             let (m, d) = (st.ffn_rows.len(), self.dims.d_model);
-            blocks::prepare_acts(&self.cx.pool, ty, &st.h, m, d, &mut st.h_acts)?;
-            st.h_acts_for = fmt.map(|f| (layer, f));
+            blocks::prepare_acts(&self.cx.pool, ty, &st.h, m, d, &mut st.experts.h_acts)?;
+            st.experts.h_acts_for = fmt.map(|f| (layer, f));
         }
         Ok(())
     }
@@ -809,7 +814,7 @@ impl<A: Arch + ?Sized> Model<A> {
             }
         };
         let xs = self.experts(layer);
-        let (k, m) = (st.moe_k, st.ffn_rows.len());
+        let (k, m) = (st.experts.k, st.ffn_rows.len());
         for j in jobs {
             if j.expert >= self.dims.n_expert {
                 return Err(ArchError::Tensor {
@@ -869,17 +874,21 @@ impl<A: Arch + ?Sized> Model<A> {
                 what: "not a split gated FFN: cannot run together".into(),
             });
         };
-        let (d, k, m) = (self.dims.d_model, st.moe_k, st.ffn_rows.len());
+        let (d, k, m) = (self.dims.d_model, st.experts.k, st.ffn_rows.len());
         let n: usize = jobs.iter().map(|j| j.uses.len()).sum();
         if n == 0 {
             return Ok(());
         }
         let State {
-            h_acts,
-            expert_out,
+            experts:
+                ExpertBufs {
+                    h_acts,
+                    expert_out,
+                    per_rank: moe,
+                    filled: moe_filled,
+                    ..
+                },
             scratch,
-            moe,
-            moe_filled,
             ..
         } = st;
         // Every use's prepared input row, expert after expert.
@@ -1031,12 +1040,12 @@ impl<A: Arch + ?Sized> Model<A> {
     /// Sum each FFN row's weighted expert outputs in rank order (ranks never computed — dropped
     /// by a policy — contribute nothing) into `st.moe_out`, then the architecture's finish.
     pub fn finish_layer(&self, st: &mut State, layer: usize) -> Result<(), ArchError> {
-        let (d, k) = (self.dims.d_model, st.moe_k);
+        let (d, k) = (self.dims.d_model, st.experts.k);
         let m = st.ffn_rows.len();
         if !self.experts(layer).is_empty() {
             st.moe_out.clear();
             st.moe_out.resize(m * d, 0.0);
-            let (moe, filled) = (&st.moe, &st.moe_filled);
+            let (moe, filled) = (&st.experts.per_rank, &st.experts.filled);
             rows_in_parallel(&self.cx.pool, &mut st.moe_out, d, &|i, acc| {
                 let mut first = true;
                 for j in 0..k {
@@ -1310,17 +1319,25 @@ mod tests {
                             uses: u,
                         })
                         .collect();
-                    together.moe.iter_mut().for_each(|v| *v = f32::NAN);
+                    together
+                        .experts
+                        .per_rank
+                        .iter_mut()
+                        .for_each(|v| *v = f32::NAN);
                     // Groups of at most 7 rows on one layer (experts of more rows alone).
                     let group = if layer == 1 { 7 } else { GROUP_USES };
                     model
                         .experts_in_groups(&mut together, layer, &jobs, group)
                         .unwrap();
-                    let bits =
-                        |st: &State| -> Vec<u32> { st.moe.iter().map(|v| v.to_bits()).collect() };
-                    assert!(one.moe_filled.iter().all(|&f| f), "{scheme} layer {layer}");
+                    let bits = |st: &State| -> Vec<u32> {
+                        st.experts.per_rank.iter().map(|v| v.to_bits()).collect()
+                    };
+                    assert!(
+                        one.experts.filled.iter().all(|&f| f),
+                        "{scheme} layer {layer}"
+                    );
                     assert_eq!(
-                        one.moe_filled, together.moe_filled,
+                        one.experts.filled, together.experts.filled,
                         "{scheme} layer {layer}"
                     );
                     assert_eq!(

@@ -615,6 +615,51 @@ pub struct Scratch {
     pub rope: Vec<f32>,
 }
 
+/// Attention's buffers for the batch in flight.
+#[derive(Default)]
+pub struct AttnBufs {
+    /// Projected queries, keys and values, one row per batch row.
+    pub q: Vec<f32>,
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+    /// The heads' output, before the output projection.
+    pub att: Vec<f32>,
+    /// Score scratch.
+    pub scores: Vec<f32>,
+}
+
+/// The routed experts' buffers of the MoE layer in flight, written by [`super::Model`] (an
+/// architecture reads only their sum, [`State::moe_out`]).
+#[derive(Default)]
+pub struct ExpertBufs {
+    /// Width of the layer's routing (experts per FFN row).
+    pub k: usize,
+    /// `ffn_rows × k × d` per-rank expert outputs, already weighted, and which were computed
+    /// (a dropped rank never is).
+    pub per_rank: Vec<f32>,
+    pub filled: Vec<bool>,
+    /// An expert's input and output rows for the routings it serves.
+    pub expert_in: Vec<f32>,
+    pub expert_out: Vec<f32>,
+    /// `h`'s rows quantised once per layer for the experts' first projection, and the layer
+    /// and activation format they hold (`None`: stale; `dense` makes them so).
+    pub h_acts: Vec<ActBuf>,
+    pub h_acts_for: Option<(usize, ActFormat)>,
+}
+
+/// Expert prediction's buffers: the router input of the batch's last routed row at the MoE
+/// layer routed last (`layer`), kept until the next `route`, and the scratch of a later
+/// layer's router applied to it.
+#[derive(Default)]
+pub struct Prediction {
+    pub input: Vec<f32>,
+    pub layer: Option<usize>,
+    pub acts: Vec<ActBuf>,
+    pub scores: Vec<f32>,
+    /// Every expert by ranking score (the gating's selection order; `route` uses it too).
+    pub order: Vec<u32>,
+}
+
 /// Per-session mutable state: each layer's memory and the buffers of the batch in flight.
 pub struct State {
     pub n_ctx: usize,
@@ -626,47 +671,24 @@ pub struct State {
     pub x: Vec<f32>,
     /// A layer's normed input (attention's, a dense FFN's).
     pub cur: Vec<f32>,
-    /// Attention: projected queries, keys, values, the heads' output, score scratch.
-    pub q: Vec<f32>,
-    pub k: Vec<f32>,
-    pub v: Vec<f32>,
-    pub att: Vec<f32>,
-    pub scores: Vec<f32>,
+    pub attn: AttnBufs,
     /// An `n_rows × d_model` output (attention's after `attn_output`, an FFN's).
     pub out: Vec<f32>,
     /// Rows the FFN runs for at the current layer (all, or the output rows at the last).
     pub ffn_rows: Vec<u32>,
     /// The experts' input, one row per FFN row.
     pub h: Vec<f32>,
-    /// `h`'s rows quantised once per layer for the experts' first projection, and the layer
-    /// and activation format they hold (`None`: stale; `dense` makes them so).
-    pub h_acts: Vec<ActBuf>,
-    pub h_acts_for: Option<(usize, ActFormat)>,
     /// The router's input when it is not `h` (`router_separate`), one row per FFN row.
     pub router_in: Vec<f32>,
     pub router_separate: bool,
     /// A resident FFN's output for the FFN rows (a shared expert, a parallel dense MLP),
     /// combined with the experts' by the architecture's `finish_layer`.
     pub side: Vec<f32>,
-    /// Width of the layer's routing (experts per FFN row).
-    pub moe_k: usize,
-    /// `ffn_rows × moe_k × d` per-rank expert outputs, already weighted, and which were
-    /// computed (a dropped rank never is).
-    pub moe: Vec<f32>,
-    pub moe_filled: Vec<bool>,
+    pub experts: ExpertBufs,
     /// The experts' sum per FFN row (rank order), for `finish_layer`.
     pub moe_out: Vec<f32>,
-    /// An expert's input and output rows for the routings it serves.
-    pub expert_in: Vec<f32>,
-    pub expert_out: Vec<f32>,
     pub scratch: Scratch,
-    /// Expert prediction: the router input of the batch's last routed row at the MoE layer
-    /// routed last (`pred_layer`), kept until the next `route`.
-    pub pred_in: Vec<f32>,
-    pub pred_layer: Option<usize>,
-    pub pred_acts: Vec<ActBuf>,
-    pub pred_scores: Vec<f32>,
-    pub pred_order: Vec<u32>,
+    pub pred: Prediction,
     /// Per batch row, the smallest router margin over the MoE layers that routed it: the
     /// k-th chosen expert's ranking score less the best unchosen one's, in logit units
     /// (`Gating::rank_score`); infinite for a row no layer routed. A row routed at a near-tie
@@ -689,31 +711,17 @@ impl State {
             positions: Vec::new(),
             x: Vec::new(),
             cur: Vec::new(),
-            q: Vec::new(),
-            k: Vec::new(),
-            v: Vec::new(),
-            att: Vec::new(),
-            scores: Vec::new(),
+            attn: AttnBufs::default(),
             out: Vec::new(),
             ffn_rows: Vec::new(),
             h: Vec::new(),
-            h_acts: Vec::new(),
-            h_acts_for: None,
             router_in: Vec::new(),
             router_separate: false,
             side: Vec::new(),
-            moe_k: 0,
-            moe: Vec::new(),
-            moe_filled: Vec::new(),
+            experts: ExpertBufs::default(),
             moe_out: Vec::new(),
-            expert_in: Vec::new(),
-            expert_out: Vec::new(),
             scratch: Scratch::default(),
-            pred_in: Vec::new(),
-            pred_layer: None,
-            pred_acts: Vec::new(),
-            pred_scores: Vec::new(),
-            pred_order: Vec::new(),
+            pred: Prediction::default(),
             router_margin: Vec::new(),
             out_rows: Vec::new(),
             logits: Vec::new(),
