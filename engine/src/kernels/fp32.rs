@@ -128,6 +128,12 @@ mod tests {
         check_simd_matches_scalar::<F32>(&[(1, 1), (2, 31), (3, 32), (4, 333), (5, 4096)], 100);
     }
 
+    /// Every level's `dot_rows` (two rows a step on aarch64) gives each row the scalar bits.
+    #[test]
+    fn rows_match_scalar() {
+        super::super::block32::checks::check_rows_match_scalar::<F32>();
+    }
+
     #[test]
     fn scalar_is_close_to_f64_reference() {
         // Products and adds round in f32; the activation is exact.
