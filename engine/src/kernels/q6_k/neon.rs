@@ -310,8 +310,9 @@ impl Kernel<Q6K> for I8mm {
     /// V1, per pair and super-block) and then cost 141 / 83 per row and 4 tokens, against the
     /// dotprod groups of 4 at 140 / 69: from 10 (N2) or 11 (V1) tokens the lanes were faster.
     /// Both parts now cost less (the unpacking half the vector instructions, the token pairs
-    /// 14 instead of 16 per lane: 16 tokens 22.0 / 12.1 cycles per row, token and super-block
-    /// against 26.6 / 14.5), so the break-even is lower; not measured again.
+    /// 14 instead of 16 per lane, their accumulators in registers: 16 tokens 21.1 / 11.2
+    /// cycles per row, token and super-block against 26.6 / 14.5), so the break-even is
+    /// lower; not measured again.
     const WIDE_MIN: usize = 10;
 
     unsafe fn dot_wide(
@@ -610,7 +611,12 @@ fn unpack_pair(x: [&[BlockQ6K]; 2], u: &mut Q6Pair) {
 }
 
 /// Token pairs `tp0 .. tp0 + TPN` of `l` against the unpacked row pair `u` (`nb` blocks):
-/// per pair the 8 lane accumulators of the 2 × 2 (rows × tokens) results, folded.
+/// per pair the 8 lane accumulators of the 2 × 2 (rows × tokens) results, folded. A lane at
+/// a time over all the blocks, so that its `TPN` accumulators stay in registers (block-major,
+/// the 8 · `TPN` of them went to the stack and back each block: load slots, which Neoverse
+/// V1 ran short of); `dd[b · TPN + i]` is pair `tp0 + i`'s `d_token · d_row` of block `b`
+/// (computed once per pass instead of once per lane). Each lane still takes its blocks in
+/// order: the same fused multiply-adds.
 #[target_feature(enable = "dotprod,i8mm")]
 #[inline]
 unsafe fn pair_tokens<const TPN: usize>(
@@ -618,28 +624,24 @@ unsafe fn pair_tokens<const TPN: usize>(
     l: &MmTokens,
     tp0: usize,
     nb: usize,
+    dd: &[[f32; 4]],
 ) -> [[f32; 4]; TPN] {
     let pairs = l.pairs;
-    debug_assert!(tp0 + TPN <= pairs && u.w.len() >= nb * 64 && l.qs.len() >= nb * 32 * pairs);
+    assert!(tp0 + TPN <= pairs && u.w.len() >= nb * 64 && l.qs.len() >= nb * 32 * pairs);
+    assert!(u.sc.len() >= nb * 8 && l.bs.len() >= nb * 8 * pairs && dd.len() >= nb * TPN);
     // SAFETY: every index below is inside its vector by the lengths above (`w`: 64 per block,
-    // `sc`: 8, `d`: 1; `qs`: 32 · pairs per block, `bs`: 8 · pairs, `d`: pairs); i8mm and
-    // dotprod are present (this function's features).
+    // `sc`: 8; `qs`: 32 · pairs per block, `bs`: 8 · pairs; `dd`: TPN); i8mm and dotprod are
+    // present (this function's features).
     unsafe {
         // 256 in lane 0, the multiplier of the high plane's sums.
         let k256 = vsetq_lane_s32::<0>(256, vdupq_n_s32(0));
         let mut f = [[vdupq_n_f32(0.0); 8]; TPN];
-        for b in 0..nb {
-            let dx = vld1q_f32(u.d.get_unchecked(b).as_ptr());
-            let d: [float32x4_t; TPN] = std::array::from_fn(|i| {
-                vmulq_f32(
-                    vld1q_f32(l.d.get_unchecked(b * pairs + tp0 + i).as_ptr()),
-                    dx,
-                )
-            });
-            for k in 0..8 {
+        for k in 0..8 {
+            let mut fk = [vdupq_n_f32(0.0); TPN];
+            for b in 0..nb {
                 let wp = u.w.as_ptr().add((8 * b + k) * 8).cast::<i8>();
                 let sc = vld1q_s16(u.sc.get_unchecked(8 * b + k).as_ptr());
-                for (i, f) in f.iter_mut().enumerate() {
+                for (i, fk) in fk.iter_mut().enumerate() {
                     let at = (8 * b + k) * pairs + tp0 + i;
                     let bp = l.qs.as_ptr().add(4 * at).cast::<i8>();
                     let bs = vld1q_s16(l.bs.get_unchecked(at).as_ptr());
@@ -655,18 +657,39 @@ unsafe fn pair_tokens<const TPN: usize>(
                         acc = usmmla(acc, vld1q_u8(wp.add(32 * p + 16).cast::<u8>()), a);
                     }
                     acc = mla_lane_const::<0>(acc, hi, k256);
-                    f[k] = vfmaq_f32(f[k], vcvtq_f32_s32(acc), d[i]);
+                    let d = vld1q_f32(dd.get_unchecked(b * TPN + i).as_ptr());
+                    *fk = vfmaq_f32(*fk, vcvtq_f32_s32(acc), d);
                 }
+            }
+            for (f, fk) in f.iter_mut().zip(fk) {
+                f[k] = fk;
             }
         }
         f.map(|f| fold_tile(&f))
     }
 }
 
+/// `dd[b · TPN + i] = d_token · d_row` of block `b` for token pairs `tp0 + i` (`i < TPN`):
+/// the scalar's `y.d · f16(x.d)` per lane of the 2 × 2 layout.
+fn pair_scales<const TPN: usize>(u: &Q6Pair, l: &MmTokens, tp0: usize, nb: usize, dd: &mut Vec<[f32; 4]>) {
+    dd.clear();
+    dd.resize(nb * TPN, [0.0; 4]);
+    for b in 0..nb {
+        // SAFETY: base Advanced SIMD; 4-float loads and stores of array entries.
+        unsafe {
+            let dx = vld1q_f32(u.d[b].as_ptr());
+            for i in 0..TPN {
+                let dt = vld1q_f32(l.d[b * l.pairs + tp0 + i].as_ptr());
+                vst1q_f32(dd[b * TPN + i].as_mut_ptr(), vmulq_f32(dt, dx));
+            }
+        }
+    }
+}
+
 thread_local! {
     /// The packed tokens and the unpacked row pair of the current call.
-    static MM: std::cell::RefCell<(PackRing<MmTokens>, Q6Pair)> =
-        std::cell::RefCell::new((PackRing::default(), Q6Pair::default()));
+    static MM: std::cell::RefCell<(PackRing<MmTokens>, Q6Pair, Vec<[f32; 4]>)> =
+        std::cell::RefCell::new((PackRing::default(), Q6Pair::default(), Vec::new()));
 }
 
 /// Rows `rows` against up to 16 activations: two rows a step (the second repeated for a last
@@ -682,7 +705,7 @@ unsafe fn dot_wide(
     let nb = row_bytes / std::mem::size_of::<BlockQ6K>();
     let nb = a.iter().fold(nb, |n, a| n.min(ActQ8K::view(a).len()));
     MM.with(|cell| {
-        let (ring, u) = &mut *cell.borrow_mut();
+        let (ring, u, dd) = &mut *cell.borrow_mut();
         let l = mm_tokens(ring, a, nb);
         let row =
             |r: usize| -> &[BlockQ6K] { &blocks(&w[r * row_bytes..(r + 1) * row_bytes])[..nb] };
@@ -697,12 +720,14 @@ unsafe fn dot_wide(
                 };
                 // SAFETY: the caller's (i8mm is present); tp + 2 or + 1 ≤ pairs.
                 if l.pairs - tp >= 2 {
-                    let o = unsafe { pair_tokens::<2>(u, l, tp, nb) };
+                    pair_scales::<2>(u, l, tp, nb, dd);
+                    let o = unsafe { pair_tokens::<2>(u, l, tp, nb, dd) };
                     put(&mut v, tp, o[0]);
                     put(&mut v, tp + 1, o[1]);
                     tp += 2;
                 } else {
-                    let [o] = unsafe { pair_tokens::<1>(u, l, tp, nb) };
+                    pair_scales::<1>(u, l, tp, nb, dd);
+                    let [o] = unsafe { pair_tokens::<1>(u, l, tp, nb, dd) };
                     put(&mut v, tp, o);
                     tp += 1;
                 }
