@@ -20,9 +20,9 @@
 //! each), each a plain 8-bit dot. Each row pair is unpacked once per call into those planes
 //! with the 8 bytes of an `smmla` row being lane `k` of two groups of 32 ([`Q6Pair`]), and
 //! the tokens are packed the same way once per call ([`MmTokens`]); then per lane, row pair
-//! and token pair the offset by `smull`/`smlal2`, 4 `usmmla` on the low plane onto it and
-//! beside them 4 `smmla` on the high plane, added times 256 by one `mla`: the 2 × 2 exact
-//! lane sums, each taking its (row, token)'s fused multiply-add.
+//! and token pair the offset (`smull`, `smull2`, `add`), 4 `usmmla` on the low plane onto it
+//! and beside them 4 `smmla` on the high plane, added times 256 by one `mla`: the 2 × 2
+//! exact lane sums, each taking its (row, token)'s fused multiply-add.
 
 use super::super::format::{Activation, Dotprod, I8mm, Kernel, Neon};
 use super::super::neon::{f16_to_f32, reduce8, sdot, smmla, usmmla, zeros_by_load};
@@ -310,9 +310,9 @@ impl Kernel<Q6K> for I8mm {
     /// V1, per pair and super-block) and then cost 141 / 83 per row and 4 tokens, against the
     /// dotprod groups of 4 at 140 / 69: from 10 (N2) or 11 (V1) tokens the lanes were faster.
     /// Both parts now cost less (the unpacking half the vector instructions, the token pairs
-    /// 14 instead of 16 per lane, their accumulators in registers: 16 tokens 21.1 / 11.2
-    /// cycles per row, token and super-block against 26.6 / 14.5), so the break-even is
-    /// lower; not measured again.
+    /// 15 shorter-chained instead of 16 per lane, their accumulators in registers: 16 tokens
+    /// 20.4 / 11.1 cycles per row, token and super-block against 26.6 / 14.5), so the
+    /// break-even is lower; not measured again.
     const WIDE_MIN: usize = 10;
 
     unsafe fn dot_wide(
@@ -645,11 +645,15 @@ unsafe fn pair_tokens<const TPN: usize>(
                     let at = (8 * b + k) * pairs + tp0 + i;
                     let bp = l.qs.as_ptr().add(4 * at).cast::<i8>();
                     let bs = vld1q_s16(l.bs.get_unchecked(at).as_ptr());
-                    // −32 · Σ sc·bsum (a fresh accumulator) + Σ lo·a (`usmmla`: `lo` is
-                    // unsigned), and beside it Σ hi·a (from zeros loaded, not a vector
-                    // `movi`), added times 256 by one `mla`: the lane's exact sum.
-                    let mut acc = vmull_s16(vget_low_s16(sc), vget_low_s16(bs));
-                    acc = vmlal_high_s16(acc, sc, bs);
+                    // −32 · Σ sc·bsum (a fresh accumulator: the two runs' products side by
+                    // side and added, where `smlal2` after `smull` made a longer chain and
+                    // took the pipe the `mla` and `scvtf` need on Neoverse N2) + Σ lo·a
+                    // (`usmmla`: `lo` is unsigned), and beside it Σ hi·a (from zeros loaded,
+                    // not a vector `movi`), added times 256 by one `mla`: the exact lane sum.
+                    let mut acc = vaddq_s32(
+                        vmull_s16(vget_low_s16(sc), vget_low_s16(bs)),
+                        opaque(vmull_high_s16(sc, bs)),
+                    );
                     let mut hi = zeros_by_load();
                     for p in 0..4 {
                         let a = vld1q_s8(bp.add(16 * p));
@@ -671,7 +675,13 @@ unsafe fn pair_tokens<const TPN: usize>(
 
 /// `dd[b · TPN + i] = d_token · d_row` of block `b` for token pairs `tp0 + i` (`i < TPN`):
 /// the scalar's `y.d · f16(x.d)` per lane of the 2 × 2 layout.
-fn pair_scales<const TPN: usize>(u: &Q6Pair, l: &MmTokens, tp0: usize, nb: usize, dd: &mut Vec<[f32; 4]>) {
+fn pair_scales<const TPN: usize>(
+    u: &Q6Pair,
+    l: &MmTokens,
+    tp0: usize,
+    nb: usize,
+    dd: &mut Vec<[f32; 4]>,
+) {
     dd.clear();
     dd.resize(nb * TPN, [0.0; 4]);
     for b in 0..nb {
