@@ -55,7 +55,9 @@ impl Kernel<F32> for Neon {
             }
             // The loop's prefetches stay below `w.len()`: a step at byte `b` of the second
             // row reaches `(r + 1) · row_bytes + b + PREFETCH_AHEAD + 127`.
-            let room = w.len().saturating_sub((r + 1) * row_bytes + PREFETCH_AHEAD + 128);
+            let room = w
+                .len()
+                .saturating_sub((r + 1) * row_bytes + PREFETCH_AHEAD + 128);
             // SAFETY: NEON only; the prefetches as just said.
             let (v, done) = unsafe { dot_f32_rows([row(0), row(1)], a, room / 128 * 32) };
             o[..2].copy_from_slice(&v);

@@ -19,7 +19,9 @@
 //!   8 pair sums split as `lo + 256 · hi` (a byte and a signed byte, packed once per call), so
 //!   `usmmla` and `smmla` against the rows' 8 minimums give `summ` exactly.
 
-use super::super::format::{prefetch_lines, Activation, Dotprod, I8mm, Kernel, Neon, PREFETCH_AHEAD};
+use super::super::format::{
+    prefetch_lines, Activation, Dotprod, I8mm, Kernel, Neon, PREFETCH_AHEAD,
+};
 use super::super::neon::{f16x4_to_f32, sdot, smmla, usmmla, zeros_by_load};
 use super::super::q8_k::{by_row_steps, ActQ8K, BlockQ8K, PackRing, WIDE};
 use super::super::{blocks, ActBuf};
@@ -300,7 +302,13 @@ impl Kernel<Q4K> for Dotprod {
     }
 
     /// Two rows a step ([`dot_rows2`]).
-    unsafe fn dot_rows(w: &[u8], row_bytes: usize, rows: Range<usize>, a: &[BlockQ8K], out: &mut [f32]) {
+    unsafe fn dot_rows(
+        w: &[u8],
+        row_bytes: usize,
+        rows: Range<usize>,
+        a: &[BlockQ8K],
+        out: &mut [f32],
+    ) {
         // SAFETY: the caller's (dotprod is present).
         unsafe { rows_dotprod(w, row_bytes, rows, a, out) }
     }
@@ -322,7 +330,13 @@ impl Kernel<Q4K> for I8mm {
     }
 
     /// Two rows a step ([`dot_rows2`]).
-    unsafe fn dot_rows(w: &[u8], row_bytes: usize, rows: Range<usize>, a: &[BlockQ8K], out: &mut [f32]) {
+    unsafe fn dot_rows(
+        w: &[u8],
+        row_bytes: usize,
+        rows: Range<usize>,
+        a: &[BlockQ8K],
+        out: &mut [f32],
+    ) {
         // SAFETY: the caller's (the i8mm level includes dotprod).
         unsafe { rows_dotprod(w, row_bytes, rows, a, out) }
     }
@@ -423,7 +437,13 @@ unsafe fn dot_n<const N: usize>(w: &[BlockQ4K], a: [&[BlockQ8K]; N]) -> [f32; N]
 /// # Safety
 /// The CPU has FEAT_DotProd; `rows` lie inside `w` (whole `row_bytes` rows).
 #[target_feature(enable = "dotprod")]
-unsafe fn rows_dotprod(w: &[u8], row_bytes: usize, rows: Range<usize>, a: &[BlockQ8K], out: &mut [f32]) {
+unsafe fn rows_dotprod(
+    w: &[u8],
+    row_bytes: usize,
+    rows: Range<usize>,
+    a: &[BlockQ8K],
+    out: &mut [f32],
+) {
     let row = |r: usize| -> &[BlockQ4K] { blocks(&w[r * row_bytes..(r + 1) * row_bytes]) };
     let (first, mut r) = (rows.start, rows.start);
     while r < rows.end {
@@ -505,12 +525,10 @@ unsafe fn dot_rows2(w: [&[BlockQ4K]; 2], a: &[BlockQ8K]) -> [f32; 2] {
             let summ = coef.map(|(_, _, m16)| {
                 vmlal_high_s16(vmull_s16(vget_low_s16(p), vget_low_s16(m16)), p, m16)
             });
-            let tot = vpaddq_s32(
-                vpaddq_s32(sumi[0], summ[0]),
-                vpaddq_s32(sumi[1], summ[1]),
-            );
+            let tot = vpaddq_s32(vpaddq_s32(sumi[0], summ[0]), vpaddq_s32(sumi[1], summ[1]));
             // The rows' first 4 bytes: d and dmin.
-            let head = x.map(|x| u32::from_le((x as *const BlockQ4K).cast::<u32>().read_unaligned()));
+            let head =
+                x.map(|x| u32::from_le((x as *const BlockQ4K).cast::<u32>().read_unaligned()));
             let dd = f16x4_to_f32(vcreate_u16(head[0] as u64 | (head[1] as u64) << 32));
             acc = vfmaq_f32(acc, vcvtq_f32_s32(tot), vmulq_n_f32(dd, y.d));
         }
