@@ -306,14 +306,13 @@ impl Kernel<Q6K> for I8mm {
 
     const WIDE: bool = true;
 
-    /// Set when a call unpacked each row pair for 276 / 131 cycles (llvm-mca, Neoverse N2 /
-    /// V1, per pair and super-block) and then cost 141 / 83 per row and 4 tokens, against the
-    /// dotprod groups of 4 at 140 / 69: from 10 (N2) or 11 (V1) tokens the lanes were faster.
-    /// Both parts now cost less (the unpacking half the vector instructions, the token pairs
-    /// 15 shorter-chained instead of 16 per lane, their accumulators in registers: 16 tokens
-    /// 20.4 / 11.1 cycles per row, token and super-block against 26.6 / 14.5), so the
-    /// break-even is lower; not measured again.
-    const WIDE_MIN: usize = 10;
+    /// llvm-mca (Neoverse N2 / V1), cycles per row, token and super-block of a 2-row
+    /// product, this lanes kernel against the dotprod groups of 4 (and the 2 or 3, or the
+    /// lone token, left over): 4 tokens 36.8 / 19.0 against 34.9 / 17.2; 5 tokens 36.8 /
+    /// 19.8 against 38.0 / 18.8; 6 tokens 30.7 / 16.5 against 35.8 / 17.7; 8 tokens 26.4 /
+    /// 14.2 against 34.9 / 17.2; 16 tokens 20.4 / 11.1. (It was 10, when the row pair's
+    /// unpacking and the token pairs cost about twice as much.)
+    const WIDE_MIN: usize = 6;
 
     unsafe fn dot_wide(
         w: &[u8],
