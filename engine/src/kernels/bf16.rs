@@ -8,7 +8,9 @@
 //! bits.
 
 use super::float_dot::{self, FloatFormat};
-use super::format::{Activation, Format, Kernel};
+#[cfg(target_arch = "x86_64")]
+use super::format::Kernel;
+use super::format::{Activation, Format};
 use super::{ActBuf, ActFormat};
 use crate::gguf::GgmlType;
 

@@ -6,7 +6,9 @@
 //! bits.
 
 use super::float_dot::{self, FloatFormat};
-use super::format::{Activation, Format, Kernel};
+#[cfg(target_arch = "x86_64")]
+use super::format::Kernel;
+use super::format::{Activation, Format};
 use super::{ActBuf, ActFormat};
 use crate::gguf::GgmlType;
 
@@ -126,6 +128,12 @@ mod tests {
     #[test]
     fn simd_matches_scalar_bits() {
         check_simd_matches_scalar::<F32>(&[(1, 1), (2, 31), (3, 32), (4, 333), (5, 4096)], 100);
+    }
+
+    /// Every level's `dot_rows` (two rows a step on aarch64) gives each row the scalar bits.
+    #[test]
+    fn rows_match_scalar() {
+        super::super::block32::checks::check_rows_match_scalar::<F32>();
     }
 
     #[test]

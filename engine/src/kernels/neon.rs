@@ -164,6 +164,26 @@ pub(crate) unsafe fn ummla(mut acc: uint32x4_t, a: uint8x16_t, b: uint8x16_t) ->
     acc
 }
 
+/// Four zero i32 lanes, loaded (`ldr q` of a static): a fresh accumulator from a load pipe
+/// where `movi` would take one of the vector pipes a kernel is bound by. Not `pure`, so
+/// that every call is its own load (merged ones would need a vector `mov` per use, as each
+/// use overwrites its accumulator).
+#[inline(always)]
+pub(crate) fn zeros_by_load() -> int32x4_t {
+    static ZEROS: [i32; 4] = [0; 4];
+    let out: int32x4_t;
+    // SAFETY: reads the 16 bytes of `ZEROS`.
+    unsafe {
+        asm!(
+            "ldr {o:q}, [{p}]",
+            p = in(reg) ZEROS.as_ptr(),
+            o = lateout(vreg) out,
+            options(readonly, nostack, preserves_flags)
+        )
+    };
+    out
+}
+
 /// Four f16 values (their bits) widened to f32 (`fcvtl`): exact, the same bits as
 /// [`super::f16_to_f32`] for every input (NaNs quieted with their payload kept; the tests
 /// check all 65536).

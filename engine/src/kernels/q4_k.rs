@@ -821,6 +821,13 @@ mod tests {
         check_simd_matches_scalar::<Q4K>(&[(1, 1), (2, 3), (3, 16)], 50);
     }
 
+    /// Every level's `dot_rows` (two rows a step at dotprod and i8mm) gives each row the
+    /// scalar bits.
+    #[test]
+    fn rows_match_scalar() {
+        super::super::block32::checks::check_rows_match_scalar::<Q4K>();
+    }
+
     /// ns per (super-block, token) at each level and group width (`--ignored --nocapture`).
     #[test]
     #[ignore]

@@ -13,7 +13,9 @@
 //! one-ulp difference can otherwise move a later activation across a rounding boundary and grow
 //! into a visible logit difference.
 
-use super::format::{Activation, Format, Kernel};
+#[cfg(target_arch = "x86_64")]
+use super::format::Kernel;
+use super::format::{Activation, Format};
 use super::{f16_to_f32, f32_to_f16, nearest_int, reduce8, ActBuf, ActFormat, RawBlock};
 use crate::gguf::GgmlType;
 

@@ -11,11 +11,11 @@
 
 use super::super::format::{Dotprod, I8mm, Kernel, Neon};
 use super::super::iq4_nl::LEVELS;
-use super::super::neon::{f16x4_to_f32, reduce8, sdot};
-use super::super::q4_k::neon::{lane_diffs, mla_lane, mul_lane, super_scales_bits, vector_of};
+use super::super::neon::{f16x4_to_f32, reduce8, sdot, zeros_by_load};
 use super::super::q8_k::BlockQ8K;
 use super::{BlockIq4Xs, Iq4Xs};
 use std::arch::aarch64::*;
+use std::arch::asm;
 
 /// The first 8 bytes of block `x` (`d`, `scales_h`, `scales_l`).
 ///
@@ -63,35 +63,70 @@ unsafe fn scales(head: uint8x8_t) -> int16x8_t {
     }
 }
 
-/// Per block, decoded on the scalar pipes: `ls_i − ls_i+1` (`ls_8 = 0`) as i32 lanes for
-/// i = 0..3 and 4..7. The differences of the stored 6-bit `ls + 32` are those of `ls`, and
-/// the last is `u_7 − 32`.
-///
-/// # Safety
-/// Base Advanced SIMD.
+/// Per block, decoded on the scalar pipes: `ls_i − ls_i+1` (`ls_8 = 0`) as four pairs of i32
+/// lanes (sub-blocks `2j`, `2j + 1` in pair `j`), each moved over by one `fmov` into the low
+/// half of a vector (the `mla` by element reads lane 0 or 1): no vector instruction, where
+/// widening i16 lanes took two. The differences of the stored 6-bit `ls + 32` are those of
+/// `ls`, and the last is `u_7 − 32`.
 #[inline(always)]
-unsafe fn coefficients(x: &BlockIq4Xs) -> (int32x4_t, int32x4_t) {
-    // 4 nibbles (16 bits) as the low bits of 4 u16 lanes.
-    let nibbles = |n: u32| {
-        let v = n as u64;
-        let v = (v | (v << 24)) & 0x0000_00ff_0000_00ff;
-        (v | (v << 12)) & 0x000f_000f_000f_000f
-    };
-    // 4 pairs of bits (8 bits) at bits 4–5 of 4 u16 lanes.
-    let pairs = |g: u16| {
-        let v = g as u64;
-        let v = (v | (v << 28)) & 0x0000_000f_0000_000f;
-        ((v | (v << 14)) & 0x0003_0003_0003_0003) << 4
-    };
+fn coefficients(x: &BlockIq4Xs) -> [int32x2_t; 4] {
     // SAFETY: the block's first 8 bytes: d, scales_h, scales_l (one load).
     let head = u64::from_le(unsafe { (x as *const BlockIq4Xs).cast::<u64>().read_unaligned() });
-    let l = (head >> 32) as u32;
-    let h = (head >> 16) as u16;
-    let u0 = nibbles(l & 0xffff) | pairs(h & 0xff);
-    let u1 = nibbles(l >> 16) | pairs(h >> 8);
-    let d = vector_of(lane_diffs(u0, u1), lane_diffs(u1, 32));
-    // SAFETY: base Advanced SIMD, register-only.
-    unsafe { (vmovl_s16(vget_low_s16(d)), vmovl_high_s16(d)) }
+    let l = head >> 32;
+    let h = (head >> 16) & 0xffff;
+    // `u_2j | u_2j+1 << 32`: the two nibbles of byte j of `l` and the bit pairs 4j .. 4j + 4
+    // of `h` above them.
+    let pair = |j: u32| {
+        let n = (l >> (8 * j)) & 0xff;
+        let g = (h >> (4 * j)) & 0xf;
+        ((n | (n << 28)) & 0x0000_000f_0000_000f) | (((g | (g << 30)) & 0x0000_0003_0000_0003) << 4)
+    };
+    let u = [pair(0), pair(1), pair(2), pair(3), 32];
+    const TOP: u64 = 0x8000_0000_8000_0000;
+    std::array::from_fn(|j| {
+        // [u_2j − u_2j+1, u_2j+1 − u_2j+2], the borrow between lanes blocked by bit 31.
+        let next = (u[j] >> 32) | (u[j + 1] << 32);
+        let d = ((u[j] | TOP) - next) ^ TOP;
+        // SAFETY: base Advanced SIMD, register-only.
+        unsafe { vcreate_s32(d) }
+    })
+}
+
+/// `acc + a · b[L]` in each i32 lane, `b` a 64-bit vector (`mla` by element).
+#[inline(always)]
+fn mla_lane2<const L: i32>(mut acc: int32x4_t, a: int32x4_t, b: int32x2_t) -> int32x4_t {
+    const { assert!(L >= 0 && L < 2) };
+    // SAFETY: register-only base Advanced SIMD instruction.
+    unsafe {
+        asm!(
+            "mla {acc:v}.4s, {a:v}.4s, {b:v}.s[{l}]",
+            acc = inout(vreg) acc,
+            a = in(vreg) a,
+            b = in(vreg) b,
+            l = const L,
+            options(pure, nomem, nostack, preserves_flags)
+        )
+    };
+    acc
+}
+
+/// `a · b[L]` in each i32 lane, `b` a 64-bit vector (`mul` by element).
+#[inline(always)]
+fn mul_lane2<const L: i32>(a: int32x4_t, b: int32x2_t) -> int32x4_t {
+    const { assert!(L >= 0 && L < 2) };
+    let out: int32x4_t;
+    // SAFETY: register-only base Advanced SIMD instruction.
+    unsafe {
+        asm!(
+            "mul {o:v}.4s, {a:v}.4s, {b:v}.s[{l}]",
+            o = lateout(vreg) out,
+            a = in(vreg) a,
+            b = in(vreg) b,
+            l = const L,
+            options(pure, nomem, nostack, preserves_flags)
+        )
+    };
+    out
 }
 
 /// `d` of block `x` (lane 0; the other lanes are scale bits read as f16: never used).
@@ -195,6 +230,29 @@ impl Kernel<Iq4Xs> for I8mm {
     }
 }
 
+/// The f16 at `d` widened to f32, loaded straight into a vector register (`ldr h`) and
+/// converted there (`fcvt`): two instructions, one of them on a vector pipe, where the word
+/// moved over from a general register took a lane insert and a vector `fcvtl` (three).
+/// Exact: the same bits as [`super::super::f16_to_f32`] (the conversion instruction's,
+/// tested for all 65536 values in `neon.rs`).
+#[inline(always)]
+fn load_f16(d: &[u8; 2]) -> f32 {
+    let out: f32;
+    // SAFETY: reads the 2 bytes of `d` (`ldr h` of an unaligned address is allowed on
+    // normal memory, as Linux maps it); base floating-point instructions.
+    unsafe {
+        asm!(
+            "ldr {t:h}, [{p}]",
+            "fcvt {o:s}, {t:h}",
+            p = in(reg) d.as_ptr(),
+            t = out(vreg) _,
+            o = lateout(vreg) out,
+            options(pure, readonly, nostack, preserves_flags)
+        )
+    };
+    out
+}
+
 /// One row against `N` tokens (`1 <= N <= 4`): per block the scales and their differences
 /// and the 16 level vectors built once; per token two running `sdot` chains (lanes 0–3, 4–7)
 /// and after each sub-block two `mla` by `ls_i − ls_i+1` (`ls_8 = 0`).
@@ -213,14 +271,17 @@ unsafe fn dot_n<const N: usize>(w: &[BlockIq4Xs], a: [&[BlockQ8K]; N]) -> [f32; 
         let levels = vld1q_s8(LEVELS.as_ptr());
         let mut lanes = [[vdupq_n_f32(0.0); 2]; N];
         for (i, x) in w[..n].iter().enumerate() {
-            let (dlo, dhi) = coefficients(x);
-            let mut run = [[zero; 2]; N];
+            let c = coefficients(x);
+            // Fresh running sums from a load pipe (see `zeros_by_load`).
+            let mut run: [[int32x4_t; 2]; N] =
+                std::array::from_fn(|_| [zeros_by_load(), zeros_by_load()]);
             let mut sumi = [[zero; 2]; N];
             macro_rules! sub {
-                ($i:literal, $d:ident, $l:literal) => {{
+                ($i:literal, $l:literal) => {{
                     let q = vld1q_u8(x.qs.as_ptr().add(16 * $i));
                     let lo = vqtbl1q_s8(levels, vandq_u8(q, m4));
                     let hi = vqtbl1q_s8(levels, vshrq_n_u8::<4>(q));
+                    let d = c[$i / 2];
                     for t in 0..N {
                         let ya = vld1q_s8_x2(a[t][i].qs.as_ptr().add(32 * $i));
                         let (r, s) = (&mut run[t], &mut sumi[t]);
@@ -228,31 +289,29 @@ unsafe fn dot_n<const N: usize>(w: &[BlockIq4Xs], a: [&[BlockQ8K]; N]) -> [f32; 
                         r[0] = sdot(r[0], lo, ya.0);
                         r[1] = sdot(r[1], hi, ya.1);
                         if $i == 0 {
-                            s[0] = mul_lane::<0>(r[0], $d);
-                            s[1] = mul_lane::<0>(r[1], $d);
+                            s[0] = mul_lane2::<0>(r[0], d);
+                            s[1] = mul_lane2::<0>(r[1], d);
                         } else {
-                            s[0] = mla_lane::<$l>(s[0], r[0], $d);
-                            s[1] = mla_lane::<$l>(s[1], r[1], $d);
+                            s[0] = mla_lane2::<$l>(s[0], r[0], d);
+                            s[1] = mla_lane2::<$l>(s[1], r[1], d);
                         }
                     }
                 }};
             }
-            sub!(0, dlo, 0);
-            sub!(1, dlo, 1);
-            sub!(2, dlo, 2);
-            sub!(3, dlo, 3);
-            sub!(4, dhi, 0);
-            sub!(5, dhi, 1);
-            sub!(6, dhi, 2);
-            sub!(7, dhi, 3);
-            // From the scalar registers (a vector load of the head would overlap the scale
-            // bytes the scalar pipes decode).
-            let dx = super_scales_bits(u16::from_le_bytes(x.d) as u32);
+            sub!(0, 0);
+            sub!(1, 1);
+            sub!(2, 0);
+            sub!(3, 1);
+            sub!(4, 0);
+            sub!(5, 1);
+            sub!(6, 0);
+            sub!(7, 1);
+            let dx = load_f16(&x.d);
             for t in 0..N {
                 // The scalar's `f16(d) · d_a`.
-                let d = vmulq_n_f32(dx, a[t][i].d);
+                let d = dx * a[t][i].d;
                 for (l, s) in lanes[t].iter_mut().zip(sumi[t]) {
-                    *l = vfmaq_laneq_f32::<0>(*l, vcvtq_f32_s32(s), d);
+                    *l = vfmaq_n_f32(*l, vcvtq_f32_s32(s), d);
                 }
             }
         }

@@ -15,20 +15,23 @@
 //!
 //! `smmla` multiplies 2 × 8 bytes by 2 × 8 bytes, so its 8-deep sums must stay inside one lane
 //! and share one scale; a lane has only 4 values per run, so the run scale goes into the
-//! weights instead: `w = sc · q` (|w| ≤ 8064) split into two byte planes `w = 128 · hi + lo`
-//! (lo 0..=127), each a plain 8-bit dot. Each row pair is unpacked once per call into those
-//! planes with the 8 bytes of an `smmla` row being lane `k` of two groups of 32 ([`Q6Pair`]),
-//! and the tokens are packed the same way once per call ([`MmTokens`]); then per lane, row
-//! pair and token pair 4 `smmla` on the high plane, a shift by 7, the offset by `smlal`, 4
-//! `smmla` on the low plane: the 2 × 2 exact lane sums, each taking its (row, token)'s fused
-//! multiply-add.
+//! weights instead: `w = sc · q` (|w| ≤ 8064) split into two byte planes `w = 256 · hi + lo`
+//! (hi −32..=31 signed, lo 0..=255 unsigned: the i16 product's two bytes, split by one `uzp`
+//! each), each a plain 8-bit dot. Each row pair is unpacked once per call into those planes
+//! with the 8 bytes of an `smmla` row being lane `k` of two groups of 32 ([`Q6Pair`]), and
+//! the tokens are packed the same way once per call ([`MmTokens`]); then per lane, row pair
+//! and token pair the offset (`smull`, `smull2`, `add`), 4 `usmmla` on the low plane onto it
+//! and beside them 4 `smmla` on the high plane, added times 256 by one `mla`: the 2 × 2
+//! exact lane sums, each taking its (row, token)'s fused multiply-add.
 
 use super::super::format::{Activation, Dotprod, I8mm, Kernel, Neon};
-use super::super::neon::{f16_to_f32, reduce8, sdot, smmla};
+use super::super::neon::{f16_to_f32, reduce8, sdot, smmla, usmmla, zeros_by_load};
+use super::super::q4_k::neon::mla_lane as mla_lane_const;
 use super::super::q8_k::{by_row_steps, ActQ8K, BlockQ8K, PackRing, WIDE};
 use super::super::{blocks, ActBuf};
 use super::{BlockQ6K, Q6K};
 use std::arch::aarch64::*;
+use std::arch::asm;
 use std::ops::Range;
 
 /// A 16-value product added into four lane sums (`acc[l] + Σ_{i<4} q[4l + i] · a[4l + i]`),
@@ -303,11 +306,13 @@ impl Kernel<Q6K> for I8mm {
 
     const WIDE: bool = true;
 
-    /// llvm-mca (Neoverse N2 / V1), cycles per row and super-block: a call unpacks each row
-    /// pair once (276 / 131 per pair) and then costs 141 / 83 per 4 tokens, against the
-    /// dotprod groups of 4 at 140 / 69: even at 8 tokens (279 / 148 a row against 279 / 138)
-    /// the groups are no slower; from 10 (N2) or 11 (V1) tokens the lanes are.
-    const WIDE_MIN: usize = 10;
+    /// llvm-mca (Neoverse N2 / V1), cycles per row, token and super-block of a 2-row
+    /// product, this lanes kernel against the dotprod groups of 4 (and the 2 or 3, or the
+    /// lone token, left over): 4 tokens 36.8 / 19.0 against 34.9 / 17.2; 5 tokens 36.8 /
+    /// 19.8 against 38.0 / 18.8; 6 tokens 30.7 / 16.5 against 35.8 / 17.7; 8 tokens 26.4 /
+    /// 14.2 against 34.9 / 17.2; 16 tokens 20.4 / 11.1. (It was 10, when the row pair's
+    /// unpacking and the token pairs cost about twice as much.)
+    const WIDE_MIN: usize = 6;
 
     unsafe fn dot_wide(
         w: &[u8],
@@ -473,8 +478,10 @@ pub(in crate::kernels) unsafe fn lane_rows(g: [[int8x16_t; 4]; 2]) -> [int8x16_t
 }
 
 /// A row pair's super-blocks unpacked once per call for [`pair_tokens`]:
-/// - `w[((8b + k) · 4 + p) · 2 + plane]`: plane 0 the high bytes `w >> 7` of `w = sc · q`,
-///   plane 1 the low 7 bits, as [`lane_rows`] lays them out (lane `k`, groups `2p`, `2p + 1`);
+/// - `w[((8b + k) · 4 + p) · 2 + plane]`: of `w = sc · q = 256 · hi + lo` (`hi` −32..=31,
+///   `lo` 0..=255), plane 0 the bytes `hi` (signed), plane 1 the bytes `lo` (unsigned, for
+///   `usmmla`), as [`lane_rows`] lays them out: 16 bytes per (lane `k`, group pair `p`), row
+///   0's 8 then row 1's, each lane `k` of group `2p` then of group `2p + 1`;
 /// - `sc[8b + k]`: `−32 · sc` as i16 `[r0, r0, r1, r1]` of run `2k`, then of run `2k + 1`;
 /// - `d[b]`: the rows' scales `[r0, r0, r1, r1]`.
 #[derive(Default)]
@@ -484,7 +491,63 @@ struct Q6Pair {
     d: Vec<[f32; 4]>,
 }
 
-/// Unpacks rows `x[0]`, `x[1]` (`nb` blocks each) into `u`.
+/// `tbl` indices into a block's 16 scales: for group pair `p` and lane half `s` (lanes
+/// `4s .. 4s + 4`), the scale of run `A = 4p + s` (lane half `s` of group `2p`) in bytes 0–3
+/// and 8–11, of run `C = 4p + 2 + s` (of group `2p + 1`) in bytes 4–7 and 12–15: the layout
+/// of `zip1`/`zip2` of the two runs' levels by 32-bit lanes.
+const SCALE_IDX: [[u8; 16]; 8] = {
+    let mut m = [[0u8; 16]; 8];
+    let mut i = 0;
+    while i < 8 {
+        let (p, s) = (i / 2, i % 2);
+        let mut j = 0;
+        while j < 16 {
+            m[i][j] = (4 * p + s + if j % 8 < 4 { 0 } else { 2 }) as u8;
+            j += 1;
+        }
+        i += 1;
+    }
+    m
+};
+
+/// The 8 i16 products of the low (`HIGH` false: `smull`) or high (`smull2`) 8 bytes of `a`
+/// and `b`, as 16 bytes. Inline assembly: LLVM, seeing levels that cannot be negative,
+/// rewrote some `smull` into two widenings and a 16-bit `mul` (three vector instructions).
+#[inline(always)]
+fn smull8<const HIGH: bool>(a: int8x16_t, b: int8x16_t) -> int8x16_t {
+    let out: int8x16_t;
+    // SAFETY (both arms): register-only base Advanced SIMD instructions.
+    unsafe {
+        if HIGH {
+            asm!(
+                "smull2 {o:v}.8h, {a:v}.16b, {b:v}.16b",
+                o = lateout(vreg) out,
+                a = in(vreg) a,
+                b = in(vreg) b,
+                options(pure, nomem, nostack, preserves_flags)
+            )
+        } else {
+            asm!(
+                "smull {o:v}.8h, {a:v}.8b, {b:v}.8b",
+                o = lateout(vreg) out,
+                a = in(vreg) a,
+                b = in(vreg) b,
+                options(pure, nomem, nostack, preserves_flags)
+            )
+        }
+    };
+    out
+}
+
+/// Unpacks rows `x[0]`, `x[1]` (`nb` blocks each) into `u`. Per half super-block and row
+/// the 8 run vectors of levels ([`levels`]); the two runs of a lane half in a group pair
+/// (`4p + s`, `4p + 2 + s`) interleaved by 32-bit lanes (`zip1`/`zip2`: 8-byte chunks that
+/// are one lane `k` of groups `2p` and `2p + 1`, the order of an `smmla` operand row); each
+/// chunk times its scales (`smull`/`smull2` by a `tbl` of the block's scales) as i16, and
+/// the two rows' chunks of a lane split into planes by `uzp2` (high bytes) and `uzp1` (low
+/// bytes): the two operands, rows side by side, in four instructions per 8 values of each
+/// row. (The earlier unpacking, per run `smull`, narrowing shifts, a mask, then the
+/// operands' permutations, took twice the vector instructions: llvm-mca, Neoverse N2.)
 #[inline(never)]
 fn unpack_pair(x: [&[BlockQ6K]; 2], u: &mut Q6Pair) {
     let nb = x[0].len().min(x[1].len());
@@ -494,39 +557,36 @@ fn unpack_pair(x: [&[BlockQ6K]; 2], u: &mut Q6Pair) {
     for b in 0..nb {
         let xb = [&x[0][b], &x[1][b]];
         let wb = &mut u.w[64 * b..64 * b + 64];
-        // SAFETY (every intrinsic): base Advanced SIMD; one-byte broadcast loads inside
-        // scales; 16-byte stores into `wb` (64 entries, indices below 64).
+        // SAFETY (every intrinsic): base Advanced SIMD; 16-byte loads of the scales and of
+        // `SCALE_IDX` rows; 16-byte stores into `wb` (64 entries, indices below 64).
         unsafe {
+            let sc = xb.map(|x| vld1q_s8(x.scales.as_ptr()));
             for h in 0..2 {
-                // Runs 8h .. 8h + 8 (group pairs 2h, 2h + 1) of both rows: [row][plane][run].
-                let mut planes = [[[vdupq_n_s8(0); 8]; 2]; 2];
-                for (r, x) in xb.iter().enumerate() {
-                    let v = levels(x, h);
-                    for j in 0..8 {
-                        let s = vld1q_dup_s8(&x.scales[8 * h + j]);
-                        // |sc · q| ≤ 128 · 63: exact in i16.
-                        let w0 = vmull_s8(vget_low_s8(v[j]), vget_low_s8(s));
-                        let w1 = vmull_high_s8(v[j], s);
-                        planes[r][0][j] = vshrn_high_n_s16::<7>(vshrn_n_s16::<7>(w0), w1);
-                        let low = vuzp1q_s8(vreinterpretq_s8_s16(w0), vreinterpretq_s8_s16(w1));
-                        planes[r][1][j] = vandq_s8(low, vdupq_n_s8(0x7f));
-                    }
-                }
-                for half in 0..2 {
-                    let p = 2 * h + half;
-                    for plane in 0..2 {
-                        // Groups 2p (runs 4p, 4p + 1) and 2p + 1 (4p + 2, 4p + 3).
-                        let g = [0, 1].map(|r| {
-                            let v = &planes[r][plane];
-                            [
-                                v[4 * half],
-                                v[4 * half + 1],
-                                v[4 * half + 2],
-                                v[4 * half + 3],
-                            ]
+                // Runs 8h .. 8h + 8 (group pairs 2h, 2h + 1) of both rows.
+                let v = xb.map(|x| levels(x, h).map(|v| vreinterpretq_s32_s8(v)));
+                for ph in 0..2 {
+                    let p = 2 * h + ph;
+                    for s in 0..2 {
+                        let (a, c) = (4 * ph + s, 4 * ph + 2 + s);
+                        let z = [0, 1].map(|r| {
+                            [vzip1q_s32(v[r][a], v[r][c]), vzip2q_s32(v[r][a], v[r][c])]
+                                .map(|v| vreinterpretq_s8_s32(v))
                         });
-                        for (k, v) in lane_rows(g).into_iter().enumerate() {
-                            vst1q_s8(wb[(4 * k + p) * 2 + plane].as_mut_ptr(), v);
+                        let idx = vld1q_u8(SCALE_IDX[2 * p + s].as_ptr());
+                        let scv = sc.map(|sc| vqtbl1q_s8(sc, idx));
+                        for l in 0..4 {
+                            // Lane 4s + l of both rows: |sc · q| ≤ 128 · 63, exact in i16.
+                            let w = [0, 1].map(|r| {
+                                let zz = z[r][l / 2];
+                                if l % 2 == 0 {
+                                    smull8::<false>(zz, scv[r])
+                                } else {
+                                    smull8::<true>(zz, scv[r])
+                                }
+                            });
+                            let k = 4 * s + l;
+                            vst1q_s8(wb[(4 * k + p) * 2].as_mut_ptr(), vuzp2q_s8(w[0], w[1]));
+                            vst1q_s8(wb[(4 * k + p) * 2 + 1].as_mut_ptr(), vuzp1q_s8(w[0], w[1]));
                         }
                     }
                 }
@@ -550,7 +610,12 @@ fn unpack_pair(x: [&[BlockQ6K]; 2], u: &mut Q6Pair) {
 }
 
 /// Token pairs `tp0 .. tp0 + TPN` of `l` against the unpacked row pair `u` (`nb` blocks):
-/// per pair the 8 lane accumulators of the 2 × 2 (rows × tokens) results, folded.
+/// per pair the 8 lane accumulators of the 2 × 2 (rows × tokens) results, folded. A lane at
+/// a time over all the blocks, so that its `TPN` accumulators stay in registers (block-major,
+/// the 8 · `TPN` of them went to the stack and back each block: load slots, which Neoverse
+/// V1 ran short of); `dd[b · TPN + i]` is pair `tp0 + i`'s `d_token · d_row` of block `b`
+/// (computed once per pass instead of once per lane). Each lane still takes its blocks in
+/// order: the same fused multiply-adds.
 #[target_feature(enable = "dotprod,i8mm")]
 #[inline]
 unsafe fn pair_tokens<const TPN: usize>(
@@ -558,52 +623,82 @@ unsafe fn pair_tokens<const TPN: usize>(
     l: &MmTokens,
     tp0: usize,
     nb: usize,
+    dd: &[[f32; 4]],
 ) -> [[f32; 4]; TPN] {
     let pairs = l.pairs;
-    debug_assert!(tp0 + TPN <= pairs && u.w.len() >= nb * 64 && l.qs.len() >= nb * 32 * pairs);
+    assert!(tp0 + TPN <= pairs && u.w.len() >= nb * 64 && l.qs.len() >= nb * 32 * pairs);
+    assert!(u.sc.len() >= nb * 8 && l.bs.len() >= nb * 8 * pairs && dd.len() >= nb * TPN);
     // SAFETY: every index below is inside its vector by the lengths above (`w`: 64 per block,
-    // `sc`: 8, `d`: 1; `qs`: 32 · pairs per block, `bs`: 8 · pairs, `d`: pairs); i8mm and
-    // dotprod are present (this function's features).
+    // `sc`: 8; `qs`: 32 · pairs per block, `bs`: 8 · pairs; `dd`: TPN); i8mm and dotprod are
+    // present (this function's features).
     unsafe {
+        // 256 in lane 0, the multiplier of the high plane's sums.
+        let k256 = vsetq_lane_s32::<0>(256, vdupq_n_s32(0));
         let mut f = [[vdupq_n_f32(0.0); 8]; TPN];
-        for b in 0..nb {
-            let dx = vld1q_f32(u.d.get_unchecked(b).as_ptr());
-            let d: [float32x4_t; TPN] = std::array::from_fn(|i| {
-                vmulq_f32(
-                    vld1q_f32(l.d.get_unchecked(b * pairs + tp0 + i).as_ptr()),
-                    dx,
-                )
-            });
-            for k in 0..8 {
+        for k in 0..8 {
+            let mut fk = [vdupq_n_f32(0.0); TPN];
+            for b in 0..nb {
                 let wp = u.w.as_ptr().add((8 * b + k) * 8).cast::<i8>();
                 let sc = vld1q_s16(u.sc.get_unchecked(8 * b + k).as_ptr());
-                for (i, f) in f.iter_mut().enumerate() {
+                for (i, fk) in fk.iter_mut().enumerate() {
                     let at = (8 * b + k) * pairs + tp0 + i;
                     let bp = l.qs.as_ptr().add(4 * at).cast::<i8>();
                     let bs = vld1q_s16(l.bs.get_unchecked(at).as_ptr());
-                    let mut acc = vdupq_n_s32(0);
+                    // −32 · Σ sc·bsum (a fresh accumulator: the two runs' products side by
+                    // side and added, where `smlal2` after `smull` made a longer chain and
+                    // took the pipe the `mla` and `scvtf` need on Neoverse N2) + Σ lo·a
+                    // (`usmmla`: `lo` is unsigned), and beside it Σ hi·a (from zeros loaded,
+                    // not a vector `movi`), added times 256 by one `mla`: the exact lane sum.
+                    let mut acc = vaddq_s32(
+                        vmull_s16(vget_low_s16(sc), vget_low_s16(bs)),
+                        opaque(vmull_high_s16(sc, bs)),
+                    );
+                    let mut hi = zeros_by_load();
                     for p in 0..4 {
-                        acc = smmla(acc, vld1q_s8(wp.add(32 * p)), vld1q_s8(bp.add(16 * p)));
+                        let a = vld1q_s8(bp.add(16 * p));
+                        hi = smmla(hi, vld1q_s8(wp.add(32 * p)), a);
+                        acc = usmmla(acc, vld1q_u8(wp.add(32 * p + 16).cast::<u8>()), a);
                     }
-                    // 128 · Σ hi·a − 32 · Σ sc·bsum, then + Σ lo·a: the lane's exact sum.
-                    acc = vshlq_n_s32::<7>(acc);
-                    acc = vmlal_s16(acc, vget_low_s16(sc), vget_low_s16(bs));
-                    acc = vmlal_high_s16(acc, sc, bs);
-                    for p in 0..4 {
-                        acc = smmla(acc, vld1q_s8(wp.add(32 * p + 16)), vld1q_s8(bp.add(16 * p)));
-                    }
-                    f[k] = vfmaq_f32(f[k], vcvtq_f32_s32(acc), d[i]);
+                    acc = mla_lane_const::<0>(acc, hi, k256);
+                    let d = vld1q_f32(dd.get_unchecked(b * TPN + i).as_ptr());
+                    *fk = vfmaq_f32(*fk, vcvtq_f32_s32(acc), d);
                 }
+            }
+            for (f, fk) in f.iter_mut().zip(fk) {
+                f[k] = fk;
             }
         }
         f.map(|f| fold_tile(&f))
     }
 }
 
+/// `dd[b · TPN + i] = d_token · d_row` of block `b` for token pairs `tp0 + i` (`i < TPN`):
+/// the scalar's `y.d · f16(x.d)` per lane of the 2 × 2 layout.
+fn pair_scales<const TPN: usize>(
+    u: &Q6Pair,
+    l: &MmTokens,
+    tp0: usize,
+    nb: usize,
+    dd: &mut Vec<[f32; 4]>,
+) {
+    dd.clear();
+    dd.resize(nb * TPN, [0.0; 4]);
+    for b in 0..nb {
+        // SAFETY: base Advanced SIMD; 4-float loads and stores of array entries.
+        unsafe {
+            let dx = vld1q_f32(u.d[b].as_ptr());
+            for i in 0..TPN {
+                let dt = vld1q_f32(l.d[b * l.pairs + tp0 + i].as_ptr());
+                vst1q_f32(dd[b * TPN + i].as_mut_ptr(), vmulq_f32(dt, dx));
+            }
+        }
+    }
+}
+
 thread_local! {
     /// The packed tokens and the unpacked row pair of the current call.
-    static MM: std::cell::RefCell<(PackRing<MmTokens>, Q6Pair)> =
-        std::cell::RefCell::new((PackRing::default(), Q6Pair::default()));
+    static MM: std::cell::RefCell<(PackRing<MmTokens>, Q6Pair, Vec<[f32; 4]>)> =
+        std::cell::RefCell::new((PackRing::default(), Q6Pair::default(), Vec::new()));
 }
 
 /// Rows `rows` against up to 16 activations: two rows a step (the second repeated for a last
@@ -619,7 +714,7 @@ unsafe fn dot_wide(
     let nb = row_bytes / std::mem::size_of::<BlockQ6K>();
     let nb = a.iter().fold(nb, |n, a| n.min(ActQ8K::view(a).len()));
     MM.with(|cell| {
-        let (ring, u) = &mut *cell.borrow_mut();
+        let (ring, u, dd) = &mut *cell.borrow_mut();
         let l = mm_tokens(ring, a, nb);
         let row =
             |r: usize| -> &[BlockQ6K] { &blocks(&w[r * row_bytes..(r + 1) * row_bytes])[..nb] };
@@ -634,12 +729,14 @@ unsafe fn dot_wide(
                 };
                 // SAFETY: the caller's (i8mm is present); tp + 2 or + 1 ≤ pairs.
                 if l.pairs - tp >= 2 {
-                    let o = unsafe { pair_tokens::<2>(u, l, tp, nb) };
+                    pair_scales::<2>(u, l, tp, nb, dd);
+                    let o = unsafe { pair_tokens::<2>(u, l, tp, nb, dd) };
                     put(&mut v, tp, o[0]);
                     put(&mut v, tp + 1, o[1]);
                     tp += 2;
                 } else {
-                    let [o] = unsafe { pair_tokens::<1>(u, l, tp, nb) };
+                    pair_scales::<1>(u, l, tp, nb, dd);
+                    let [o] = unsafe { pair_tokens::<1>(u, l, tp, nb, dd) };
                     put(&mut v, tp, o);
                     tp += 1;
                 }
