@@ -7,16 +7,24 @@
 //! FEAT_DotProd, so both levels share one loop ([`LaneDot`] is the only difference).
 //!
 //! The lane sums are never converted with `scvtf` (two µops on one pipe of Neoverse N2 and
-//! V1): each row keeps a running integer sum per lane started at `MAGIC` = 1.5 · 2^23, whose
-//! bits read as a float are exactly `MAGIC + sum` while `|sum| < 2^22`; a block's sums are then
-//! the float difference of two consecutive running sums (exact: both lie in [2^23, 2^24)).
-//! Sums restart every [`CHUNK`] blocks, which keeps `|sum| ≤ 64 · 4 · 127 · 127 < 2^22`. That
-//! turns "zero the accumulator, convert" into one `fsub` per 4 lanes, and changes no bit: the
-//! float steps are the scalar's (`lane = fma(d_w·d_a, sum, lane)` per block, [`Order`]).
+//! V1): each block half's `sdot` accumulates into a fresh register holding `MAGIC` = 1.5 · 2^23
+//! in every lane, whose bits read as a float are then exactly `MAGIC + sum` (|sum| < 2^22), so
+//! one `fsub` of `MAGIC` converts the four lane sums. The fresh register is a load (a load-pipe
+//! µop; a copy of a kept register would be a vector µop, and the vector pipes are what these
+//! loops are bound by), and the load, `sdot`, `fsub` and the scalar's fused step
+//! (`lane = fma(d_w·d_a, sum, lane)` per block, [`Order`]) are one piece of assembly, so the
+//! compiler cannot hoist the products away from their float steps and spill the results
+//! between them. No bit changes: the float steps are the scalar's.
+//!
+//! Per block, row and token that is 6 vector instructions (2 `sdot`, 2 `fsub`, 2 `fmla` for
+//! the 8 lanes), which the scalar order fixes; the weights' unpacking is shared by the tokens
+//! of a group, the activations' loads by the rows. Scales come four blocks at a time: the
+//! activation's as f32 from [`Q8Act`] (one load), the weights' gathered through a general
+//! register and converted by one `fcvtl`.
 //!
 //! Prefill: [`dot_group`] unpacks each weight block once for up to 4 tokens; decode:
-//! [`dot_rows`] runs two rows at once (two independent chains of fused steps, and one
-//! activation load for both).
+//! [`dot_rows`] runs 2 rows at once (4 for the offset formats, whose offset chains then fill
+//! a vector: one `fmla` by element per block for all 4 rows).
 
 use super::super::blocks;
 use super::super::format::{prefetch_lines, PREFETCH_AHEAD};
@@ -26,12 +34,33 @@ use super::{Block32, Order, Scale};
 use std::arch::aarch64::*;
 use std::ops::Range;
 
-/// 1.5 · 2^23 as f32 bits: the running lane sums' start (see the module header).
+/// 1.5 · 2^23 as f32 bits: the lane sums' start (see the module header).
 const MAGIC: i32 = 0x4B40_0000;
-/// Blocks between restarts of the running sums: 64 blocks of lane sums of at most 4 · 127 ·
-/// 127 stay below 2^22 in magnitude.
-const CHUNK: usize = 64;
-const _: () = assert!(CHUNK as i64 * 4 * 127 * 127 < 1 << 22);
+/// [`MAGIC`] in every lane, in memory: [`magic_fresh`] loads it.
+static MAGIC4: [i32; 4] = [MAGIC; 4];
+
+/// A fresh register holding [`MAGIC`] in every lane, for one `sdot` to accumulate into.
+///
+/// Why a load: `sdot` overwrites its accumulator, so a block's sums started from a register
+/// kept for the purpose (or run on from the previous block's, which the subtraction still
+/// needs) cost a vector `mov` each — a µop on the vector pipes, the bottleneck here. A load
+/// is a µop on the load pipes, which have room. Written as assembly that is not `pure`, so
+/// that the compiler keeps one load per use instead of hoisting one out of the loop and
+/// copying it.
+#[inline(always)]
+fn magic_fresh() -> int32x4_t {
+    let out: int32x4_t;
+    // SAFETY: a 16-byte load from a static of 16 bytes; no other effect.
+    unsafe {
+        std::arch::asm!(
+            "ldr {o:q}, [{p}]",
+            p = in(reg) MAGIC4.as_ptr(),
+            o = lateout(vreg) out,
+            options(nostack, readonly, preserves_flags)
+        )
+    };
+    out
+}
 
 /// One instruction set's 4-value dot: `acc[i] + Σ_{k<4} w[4i + k] · a[4i + k]` in each i32
 /// lane, exactly (products of levels within ±127 and activations within ±127).
@@ -39,6 +68,26 @@ pub(crate) trait LaneDot {
     /// # Safety
     /// The CPU has what the implementation needs.
     unsafe fn dot(acc: int32x4_t, w: int8x16_t, a: int8x16_t) -> int32x4_t;
+
+    /// One block half's float step: `acc + d[K] · s`, fused, with `s` the exact lane sums of
+    /// `w · a` (started from a fresh [`MAGIC`], converted by subtracting `magic`).
+    ///
+    /// # Safety
+    /// As [`LaneDot::dot`].
+    #[inline(always)]
+    unsafe fn fma_sums<const K: i32>(
+        acc: float32x4_t,
+        w: int8x16_t,
+        a: int8x16_t,
+        magic: float32x4_t,
+        d: float32x4_t,
+    ) -> float32x4_t {
+        // SAFETY: the caller's; register-only.
+        unsafe {
+            let s = Self::dot(magic_fresh(), w, a);
+            fma_lane::<K>(acc, vsubq_f32(vreinterpretq_f32_s32(s), magic), d)
+        }
+    }
 }
 
 /// FEAT_DotProd's `sdot`.
@@ -49,6 +98,55 @@ impl LaneDot for Sdot {
         // SAFETY: the caller's (dotprod is present).
         unsafe { arm::sdot(acc, w, a) }
     }
+
+    #[inline(always)]
+    unsafe fn fma_sums<const K: i32>(
+        acc: float32x4_t,
+        w: int8x16_t,
+        a: int8x16_t,
+        magic: float32x4_t,
+        d: float32x4_t,
+    ) -> float32x4_t {
+        // SAFETY: the caller's (dotprod is present).
+        unsafe { sdot_fma::<K>(acc, w, a, magic, d) }
+    }
+}
+
+/// [`LaneDot::fma_sums`] with `sdot`, as one piece of assembly: load `MAGIC`, `sdot` into it,
+/// subtract `magic`, `fmla` by element. Why: given the four as separate operations, the
+/// compiler's scheduler hoists every `sdot` of a step ahead of the float steps, and the
+/// results it holds then spill (stores are vector µops on Neoverse N2); the core reorders
+/// them anyway.
+#[inline]
+#[target_feature(enable = "dotprod")]
+unsafe fn sdot_fma<const K: i32>(
+    mut acc: float32x4_t,
+    w: int8x16_t,
+    a: int8x16_t,
+    magic: float32x4_t,
+    d: float32x4_t,
+) -> float32x4_t {
+    const { assert!(K >= 0 && K < 4) };
+    // SAFETY: a 16-byte load from a static of 16 bytes, then register-only instructions of a
+    // feature this function requires.
+    unsafe {
+        std::arch::asm!(
+            "ldr {s:q}, [{p}]",
+            "sdot {s:v}.4s, {w:v}.16b, {a:v}.16b",
+            "fsub {s:v}.4s, {s:v}.4s, {magic:v}.4s",
+            "fmla {acc:v}.4s, {s:v}.4s, {d:v}.s[{k}]",
+            p = in(reg) MAGIC4.as_ptr(),
+            s = out(vreg) _,
+            w = in(vreg) w,
+            a = in(vreg) a,
+            magic = in(vreg) magic,
+            d = in(vreg) d,
+            acc = inout(vreg) acc,
+            k = const K,
+            options(nostack, readonly, preserves_flags)
+        )
+    };
+    acc
 }
 
 /// Base Advanced SIMD: 16-bit products, pairs added (|pair| ≤ 2 · 127 · 127 < 2^15, exact),
@@ -144,137 +242,152 @@ fn fma_lane<const K: i32>(acc: float32x4_t, f: float32x4_t, d: float32x4_t) -> f
     unsafe { vfmaq_laneq_f32::<K>(acc, f, d) }
 }
 
-/// What one block contributes per (row, token): the exact lane sums as floats, from the
-/// running sums `run` (updated).
-#[inline(always)]
-unsafe fn lane_sums<D: LaneDot>(
-    run: &mut [int32x4_t; 2],
-    q: [int8x16_t; 2],
-    y: [int8x16_t; 2],
-) -> [float32x4_t; 2] {
-    // SAFETY: the caller's (the level of `D`); register-only.
-    unsafe {
-        let s = [D::dot(run[0], q[0], y[0]), D::dot(run[1], q[1], y[1])];
-        let f = [
-            vsubq_f32(vreinterpretq_f32_s32(s[0]), vreinterpretq_f32_s32(run[0])),
-            vsubq_f32(vreinterpretq_f32_s32(s[1]), vreinterpretq_f32_s32(run[1])),
-        ];
-        *run = s;
-        f
-    }
-}
-
 /// The dot products of `R` rows with `T` activations, `out[r][t]`, each with the bits of
-/// [`super::dot_scalar`] (see the module header). `R · T` is small (at most 4).
+/// [`super::dot_scalar`] (see the module header). One of `R`, `T` is 1, the other at most 4.
+///
+/// The offset chains of [`Order::LanesOffset`] (`m_sum = fma(m_w, s_a, m_sum)` per block)
+/// run side by side in the lanes of one vector, lane `r` (one token) or `t` (one row): per
+/// block one `fmla` by element with the four rows' `m` (or four tokens' `s`) gathered and
+/// converted by one `fcvtl`, against the other side's four blocks converted once.
 #[inline(always)]
 unsafe fn core<B: Block32, D: LaneDot, const R: usize, const T: usize>(
     w: [&[B]; R],
     a: [&Q8Act; T],
 ) -> [[f32; T]; R] {
+    const { assert!((R == 1 || T == 1) && R <= 4 && T <= 4) };
     let offset = const { matches!(B::ORDER, Order::LanesOffset) };
     // The scalar's zips: the offset formats also stop at the activation's `s` terms.
     let n = w
         .iter()
         .map(|r| r.len())
-        .chain(a.iter().map(|a| a.blocks.len()))
+        .chain(a.iter().map(|a| a.blocks.len().min(a.d.len())))
         .chain(a.iter().filter(|_| offset).map(|a| a.s.len()))
         .min()
         .unwrap_or(0);
     // Unchecked access below: every block index is below `n` (the loops' bounds).
     let (wp, ap) = (w.map(|r| r.as_ptr()), a.map(|a| a.blocks.as_ptr()));
-    // SAFETY (both): `i < n`, inside every row and activation.
+    let (dp, sp) = (a.map(|a| a.d.as_ptr()), a.map(|a| a.s.as_ptr()));
+    // SAFETY (all): `i < n`, inside every row and activation.
     let x = |r: usize, i: usize| -> &B { unsafe { &*wp[r].add(i) } };
     let y = |t: usize, i: usize| -> &BlockQ8_0 { unsafe { &*ap[t].add(i) } };
+    let s_of = |t: usize, i: usize| -> [u8; 2] { unsafe { *sp[t].add(i) } };
     let pairs = const { matches!(B::ORDER, Order::Pairs) };
     let in_lanes = if pairs { n / 2 * 2 } else { n };
-    // SAFETY (the whole body): the caller's (the level of `D`); register-only intrinsics.
+    // The offset terms of block `i` across the rows (one token) or the tokens (one row), and
+    // of four blocks from `i` on the other side.
+    let m_across = |i: usize| -> float32x4_t {
+        if T == 1 {
+            f16x4(std::array::from_fn(|r| x(r.min(R - 1), i).offset_raw()))
+        } else {
+            f16x4(std::array::from_fn(|t| s_of(t.min(T - 1), i)))
+        }
+    };
+    let m_four = |i: usize| -> float32x4_t {
+        if T == 1 {
+            f16x4(std::array::from_fn(|k| s_of(0, i + k)))
+        } else {
+            f16x4(std::array::from_fn(|k| x(0, i + k).offset_raw()))
+        }
+    };
+    // SAFETY (the whole body): the caller's (the level of `D`); register-only intrinsics and
+    // loads of blocks below `n`.
     unsafe {
         let zero = vdupq_n_f32(0.0);
-        // acc[set][r][t]: lanes 0–3 and 4–7; set 1 holds the odd blocks of the Pairs order.
-        let mut acc = [[[[zero; 2]; T]; R]; 2];
-        let mut m_sum = [[0f32; T]; R];
-        let magic = vdupq_n_s32(MAGIC);
+        let magic = vreinterpretq_f32_s32(vdupq_n_s32(MAGIC));
+        // acc[r][t]: lanes 0–3 and 4–7; `odd` the odd blocks' of the Pairs order (two arrays,
+        // not one indexed by the block's parity: the compiler then keeps them in registers).
+        let mut acc = [[[zero; 2]; T]; R];
+        let mut odd = [[[zero; 2]; T]; R];
+        // The offset chains: lane r (T == 1) or t (R == 1).
+        let mut m_sum = zero;
         let mut b = 0;
-        while b < in_lanes {
-            let end = (b + CHUNK).min(in_lanes);
-            let mut run = [[[magic; 2]; T]; R];
-            // Four blocks a step: their scales converted four at a time.
-            while b + 4 <= end {
-                let da: [float32x4_t; T] =
-                    std::array::from_fn(|t| f16x4(std::array::from_fn(|k| y(t, b + k).d)));
-                let mut d = [[zero; T]; R];
-                for (r, d) in d.iter_mut().enumerate() {
-                    let dw = scale4(std::array::from_fn(|k| x(r, b + k)));
-                    for t in 0..T {
-                        d[t] = vmulq_f32(dw, da[t]);
-                    }
+        // Four blocks a step: their scales converted four at a time.
+        while b + 4 <= in_lanes {
+            let da: [float32x4_t; T] = std::array::from_fn(|t| vld1q_f32(dp[t].add(b)));
+            let mut d = [[zero; T]; R];
+            for (r, d) in d.iter_mut().enumerate() {
+                let dw = scale4(std::array::from_fn(|k| x(r, b + k)));
+                for t in 0..T {
+                    d[t] = vmulq_f32(dw, da[t]);
                 }
-                macro_rules! step {
-                    ($k:literal) => {{
-                        let i = b + $k;
-                        let set = if pairs { $k & 1 } else { 0 };
-                        let ya: [[int8x16_t; 2]; T] = std::array::from_fn(|t| act(y(t, i)));
+            }
+            let m4 = if offset { m_four(b) } else { zero };
+            macro_rules! step {
+                ($k:literal, $acc:ident) => {{
+                    let i = b + $k;
+                    let q: [[int8x16_t; 2]; R] = std::array::from_fn(|r| x(r, i).levels_neon());
+                    // Each token's activation loaded where it is used (loaded all at once
+                    // they would take the registers the accumulators need).
+                    for t in 0..T {
+                        let ya = act(y(t, i));
                         for r in 0..R {
-                            let q = x(r, i).levels_neon();
-                            for t in 0..T {
-                                let f = lane_sums::<D>(&mut run[r][t], q, ya[t]);
-                                let l = &mut acc[set][r][t];
-                                l[0] = fma_lane::<$k>(l[0], f[0], d[r][t]);
-                                l[1] = fma_lane::<$k>(l[1], f[1], d[r][t]);
+                            let l = &mut $acc[r][t];
+                            for h in 0..2 {
+                                l[h] = D::fma_sums::<$k>(l[h], q[r][h], ya[h], magic, d[r][t]);
                             }
                         }
-                        if offset {
-                            offset_step(
-                                &mut m_sum,
-                                std::array::from_fn(|r| x(r, i)),
-                                std::array::from_fn(|t| *a[t].s.get_unchecked(i)),
-                            );
-                        }
-                    }};
-                }
-                step!(0);
-                step!(1);
-                step!(2);
-                step!(3);
-                b += 4;
+                    }
+                    if offset {
+                        m_sum = fma_lane::<$k>(m_sum, m_across(i), m4);
+                    }
+                }};
             }
-            while b < end {
-                let set = if pairs { b & 1 } else { 0 };
-                for r in 0..R {
-                    let q = x(r, b).levels_neon();
-                    let dw = scale1(x(r, b));
-                    for t in 0..T {
-                        let d = vdupq_n_f32(dw * arm::f16_to_f32(y(t, b).d));
-                        let f = lane_sums::<D>(&mut run[r][t], q, act(y(t, b)));
-                        let l = &mut acc[set][r][t];
-                        l[0] = vfmaq_f32(l[0], f[0], d);
-                        l[1] = vfmaq_f32(l[1], f[1], d);
+            step!(0, acc);
+            if pairs {
+                step!(1, odd);
+                step!(2, acc);
+                step!(3, odd);
+            } else {
+                step!(1, acc);
+                step!(2, acc);
+                step!(3, acc);
+            }
+            b += 4;
+        }
+        while b < in_lanes {
+            let set = if pairs && b % 2 == 1 {
+                &mut odd
+            } else {
+                &mut acc
+            };
+            for r in 0..R {
+                let q = x(r, b).levels_neon();
+                let dw = scale1(x(r, b));
+                for t in 0..T {
+                    let d = vdupq_n_f32(dw * *dp[t].add(b));
+                    let ya = act(y(t, b));
+                    let l = &mut set[r][t];
+                    for h in 0..2 {
+                        l[h] = D::fma_sums::<0>(l[h], q[h], ya[h], magic, d);
                     }
                 }
-                if offset {
-                    offset_step(
-                        &mut m_sum,
-                        std::array::from_fn(|r| x(r, b)),
-                        std::array::from_fn(|t| *a[t].s.get_unchecked(b)),
-                    );
-                }
-                b += 1;
             }
+            if offset {
+                let other = if T == 1 {
+                    arm::f16_to_f32(s_of(0, b))
+                } else {
+                    arm::f16_to_f32(x(0, b).offset_raw())
+                };
+                m_sum = vfmaq_f32(m_sum, m_across(b), vdupq_n_f32(other));
+            }
+            b += 1;
         }
+        let mut m_lanes = [0f32; 4];
+        vst1q_f32(m_lanes.as_mut_ptr(), m_sum);
         let mut out = [[0f32; T]; R];
         for r in 0..R {
             for t in 0..T {
                 let l = if pairs {
                     [
-                        vaddq_f32(acc[0][r][t][0], acc[1][r][t][0]),
-                        vaddq_f32(acc[0][r][t][1], acc[1][r][t][1]),
+                        vaddq_f32(acc[r][t][0], odd[r][t][0]),
+                        vaddq_f32(acc[r][t][1], odd[r][t][1]),
                     ]
                 } else {
-                    acc[0][r][t]
+                    acc[r][t]
                 };
                 let mut v = arm::reduce8(l[0], l[1]);
                 if offset {
-                    v += m_sum[r][t];
+                    v += m_lanes[r + t];
                 }
                 if pairs && n % 2 == 1 {
                     // The unpaired last block, fused in whole.
@@ -282,7 +395,7 @@ unsafe fn core<B: Block32, D: LaneDot, const R: usize, const T: usize>(
                     let q = xb.levels_neon();
                     let ya = act(yb);
                     let s = D::dot(D::dot(vdupq_n_s32(0), q[0], ya[0]), q[1], ya[1]);
-                    let d = scale1(xb) * arm::f16_to_f32(yb.d);
+                    let d = scale1(xb) * *dp[t].add(n - 1);
                     v = d.mul_add(vaddvq_s32(s) as f32, v);
                 }
                 out[r][t] = v;
@@ -292,25 +405,10 @@ unsafe fn core<B: Block32, D: LaneDot, const R: usize, const T: usize>(
     }
 }
 
-/// The offset chains of one block (Order::LanesOffset): `m_sum = fma(m_w, s_a, m_sum)`, with
-/// the rows' blocks `x` and the activations' `s` terms.
-#[inline(always)]
-fn offset_step<B: Block32, const R: usize, const T: usize>(
-    m_sum: &mut [[f32; T]; R],
-    x: [&B; R],
-    s: [[u8; 2]; T],
-) {
-    let s = s.map(arm::f16_to_f32);
-    for (m_sum, x) in m_sum.iter_mut().zip(x) {
-        let m = arm::f16_to_f32(x.offset_raw());
-        for (m_sum, s) in m_sum.iter_mut().zip(s) {
-            *m_sum = m.mul_add(s, *m_sum);
-        }
-    }
-}
-
-/// Rows `rows` of a matrix of `row_bytes`-byte rows, two at a time (`out` as
-/// [`super::super::format::Kernel::dot_rows`]).
+/// Rows `rows` of a matrix of `row_bytes`-byte rows, `STEP` at a time, then halving (`out`
+/// as [`super::super::format::Kernel::dot_rows`]): 4 for the offset formats (their chains
+/// fill a vector), else 2 (as fast, and the Pairs order's 16 accumulators of 4 rows would
+/// not leave registers for the rest).
 #[inline(always)]
 unsafe fn rows_core<B: Block32, D: LaneDot>(
     w: &[u8],
@@ -320,19 +418,39 @@ unsafe fn rows_core<B: Block32, D: LaneDot>(
     out: &mut [f32],
 ) {
     let row = |r: usize| -> &[B] { blocks(&w[r * row_bytes..(r + 1) * row_bytes]) };
+    let step = const {
+        if matches!(B::ORDER, Order::LanesOffset) {
+            4
+        } else {
+            2
+        }
+    };
     let first = rows.start;
     let mut r = rows.start;
-    while r + 2 <= rows.end {
-        prefetch_lines(w, r * row_bytes + PREFETCH_AHEAD, 2 * row_bytes);
-        // SAFETY: the caller's (the level of `D`).
-        let v = unsafe { core::<B, D, 2, 1>([row(r), row(r + 1)], [a]) };
-        out[r - first] = v[0][0];
-        out[r + 1 - first] = v[1][0];
-        r += 2;
-    }
-    if r < rows.end {
-        // SAFETY: as above.
-        out[r - first] = unsafe { core::<B, D, 1, 1>([row(r)], [a]) }[0][0];
+    while r < rows.end {
+        let mut n = step;
+        while n > rows.end - r {
+            n /= 2;
+        }
+        prefetch_lines(w, r * row_bytes + PREFETCH_AHEAD, n * row_bytes);
+        // SAFETY (every arm): the caller's (the level of `D`).
+        unsafe {
+            match n {
+                4 => {
+                    let v = core::<B, D, 4, 1>([row(r), row(r + 1), row(r + 2), row(r + 3)], [a]);
+                    for k in 0..4 {
+                        out[r + k - first] = v[k][0];
+                    }
+                }
+                2 => {
+                    let v = core::<B, D, 2, 1>([row(r), row(r + 1)], [a]);
+                    out[r - first] = v[0][0];
+                    out[r + 1 - first] = v[1][0];
+                }
+                _ => out[r - first] = core::<B, D, 1, 1>([row(r)], [a])[0][0],
+            }
+        }
+        r += n;
     }
 }
 
