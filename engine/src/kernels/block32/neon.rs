@@ -88,6 +88,27 @@ pub(crate) trait LaneDot {
             fma_lane::<K>(acc, vsubq_f32(vreinterpretq_f32_s32(s), magic), d)
         }
     }
+
+    /// `[*c, 0, 0, 0]` plus the 4-lane dot of a whole block, `w[h] · a[h]` for both halves:
+    /// the start loaded into a fresh register (as [`magic_fresh`], for the same reason), so
+    /// the lanes' total is `*c` plus the block's exact sum.
+    ///
+    /// # Safety
+    /// As [`LaneDot::dot`]; `c` points at an i32.
+    #[inline(always)]
+    unsafe fn dot32_from(c: *const i32, w: [int8x16_t; 2], a: [int8x16_t; 2]) -> int32x4_t {
+        let s: int32x4_t;
+        // SAFETY: a 4-byte load from the caller's pointer (`ldr s` zeroes the other lanes).
+        unsafe {
+            std::arch::asm!(
+                "ldr {s:s}, [{c}]",
+                c = in(reg) c,
+                s = lateout(vreg) s,
+                options(nostack, readonly, preserves_flags)
+            );
+            Self::dot(Self::dot(s, w[0], a[0]), w[1], a[1])
+        }
+    }
 }
 
 /// FEAT_DotProd's `sdot`.
@@ -110,6 +131,36 @@ impl LaneDot for Sdot {
         // SAFETY: the caller's (dotprod is present).
         unsafe { sdot_fma::<K>(acc, w, a, magic, d) }
     }
+
+    #[inline(always)]
+    unsafe fn dot32_from(c: *const i32, w: [int8x16_t; 2], a: [int8x16_t; 2]) -> int32x4_t {
+        // SAFETY: the caller's (dotprod is present, `c` points at an i32).
+        unsafe { sdot32_from(c, w, a) }
+    }
+}
+
+/// [`LaneDot::dot32_from`] with `sdot`: the load and both `sdot`s as one piece of assembly.
+#[inline]
+#[target_feature(enable = "dotprod")]
+unsafe fn sdot32_from(c: *const i32, w: [int8x16_t; 2], a: [int8x16_t; 2]) -> int32x4_t {
+    let s: int32x4_t;
+    // SAFETY: a 4-byte load from the caller's pointer, then register-only instructions of a
+    // feature this function requires.
+    unsafe {
+        std::arch::asm!(
+            "ldr {s:s}, [{c}]",
+            "sdot {s:v}.4s, {w0:v}.16b, {a0:v}.16b",
+            "sdot {s:v}.4s, {w1:v}.16b, {a1:v}.16b",
+            c = in(reg) c,
+            s = out(vreg) s,
+            w0 = in(vreg) w[0],
+            a0 = in(vreg) a[0],
+            w1 = in(vreg) w[1],
+            a1 = in(vreg) a[1],
+            options(nostack, readonly, preserves_flags)
+        )
+    };
+    s
 }
 
 /// [`LaneDot::fma_sums`] with `sdot`, as one piece of assembly: load `MAGIC`, `sdot` into it,
