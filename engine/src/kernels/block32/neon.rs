@@ -628,17 +628,37 @@ pub(crate) mod levels {
     }
 
     /// The 32 bytes `spread[qh byte]` of a little-endian fifth-bit word: byte `i` comes from
-    /// bit `i` of `qh` (values 0–15, 16–31). Table loads through general registers: no
-    /// vector shuffles.
+    /// bit `i` of `qh` (values 0–15, 16–31). Loads straight into the vector registers (`ldr d`)
+    /// and one `zip1` per 16 bytes: none of the moves from general registers that cost three
+    /// cycles of Neoverse N2's one M0 pipe each (loading into the upper half, `ld1 {v.d}[1]`,
+    /// is as many vector µops with a longer latency, and priced slower).
     #[inline(always)]
     pub fn fifth_bits(qh: [u8; 4], spread: &[u64; 256]) -> [uint8x16_t; 2] {
-        let v = qh.map(|b| spread[b as usize]);
-        // SAFETY: base Advanced SIMD, register-only.
+        let p = qh.map(|b| &spread[b as usize] as *const u64);
+        // SAFETY: each pointer is an entry of `spread`; base Advanced SIMD.
         unsafe {
-            [
-                vcombine_u8(vcreate_u8(v[0]), vcreate_u8(v[1])),
-                vcombine_u8(vcreate_u8(v[2]), vcreate_u8(v[3])),
-            ]
+            [0, 2].map(|k| {
+                let lo = vcombine_u64(vld1_u64(p[k]), vdup_n_u64(0));
+                let hi = vcombine_u64(vld1_u64(p[k + 1]), vdup_n_u64(0));
+                vreinterpretq_u8_u64(vzip1q_u64(lo, hi))
+            })
+        }
+    }
+
+    /// The 32 five-bit levels of a block from its nibbles `qs` and its fifth-bit word `qh`
+    /// spread by `spread` (the high four bits of each byte: the fifth bit and, for Q5_0, the
+    /// offset). Two instructions for the 32 bytes past the loads: `bit` inserts the low
+    /// nibbles under the spread bytes' high halves, `sri` the high nibbles shifted down (where
+    /// `and`, `ushr` and two `orr` would be four).
+    #[inline(always)]
+    pub fn five(qs: &[u8; 16], qh: [u8; 4], spread: &[u64; 256]) -> [int8x16_t; 2] {
+        let h = fifth_bits(qh, spread);
+        // SAFETY: 16 bytes; base Advanced SIMD, register-only past the load.
+        unsafe {
+            let x = vld1q_u8(qs.as_ptr());
+            let lo = vbslq_u8(vdupq_n_u8(0x0F), x, h[0]);
+            let hi = vsriq_n_u8::<4>(h[1], x);
+            [vreinterpretq_s8_u8(lo), vreinterpretq_s8_u8(hi)]
         }
     }
 }
