@@ -22,11 +22,13 @@
 //! activation's as f32 from [`Q8Act`] (one load), the weights' gathered through a general
 //! register and converted by one `fcvtl`.
 //!
-//! Prefill: [`dot_group`] unpacks each weight block once for up to 4 tokens; decode:
+//! Prefill: from 5 tokens on, [`wide_dotprod`] unpacks each row once into a per-thread
+//! buffer (levels, scales, offsets) and runs the tokens over it in groups of 4; below that
+//! [`dot_group`] unpacks each weight block once for up to 4 tokens; decode:
 //! [`dot_rows`] runs 2 rows at once (4 for the offset formats, whose offset chains then fill
 //! a vector: one `fmla` by element per block for all 4 rows).
 
-use super::super::blocks;
+use super::super::{blocks, ActBuf};
 use super::super::format::{prefetch_lines, PREFETCH_AHEAD};
 use super::super::neon as arm;
 use super::super::q8_0::{BlockQ8_0, Q8Act};
@@ -293,6 +295,101 @@ fn fma_lane<const K: i32>(acc: float32x4_t, f: float32x4_t, d: float32x4_t) -> f
     unsafe { vfmaq_laneq_f32::<K>(acc, f, d) }
 }
 
+/// Where [`core`] reads a row from: its blocks, or the row unpacked once for many tokens
+/// ([`Unpacked`]).
+trait RowSrc<B: Block32>: Copy {
+    /// Blocks in the row.
+    fn len(&self) -> usize;
+    /// Block `i`'s levels (`i < len`).
+    unsafe fn levels(&self, i: usize) -> [int8x16_t; 2];
+    /// Block `i`'s scale, [`scale1`].
+    unsafe fn scale1(&self, i: usize) -> f32;
+    /// Blocks `i .. i + 4`'s scales, [`scale4`].
+    unsafe fn scale4(&self, i: usize) -> float32x4_t;
+    /// Block `i`'s offset, f16 bits.
+    unsafe fn offset_raw(&self, i: usize) -> [u8; 2];
+    /// Blocks `i .. i + 4`'s offsets as f32.
+    unsafe fn offset4(&self, i: usize) -> float32x4_t;
+}
+
+impl<B: Block32> RowSrc<B> for &[B] {
+    #[inline(always)]
+    fn len(&self) -> usize {
+        <[B]>::len(self)
+    }
+    #[inline(always)]
+    unsafe fn levels(&self, i: usize) -> [int8x16_t; 2] {
+        // SAFETY: the caller's (`i < len`).
+        unsafe { self.get_unchecked(i) }.levels_neon()
+    }
+    #[inline(always)]
+    unsafe fn scale1(&self, i: usize) -> f32 {
+        // SAFETY: the caller's.
+        scale1(unsafe { self.get_unchecked(i) })
+    }
+    #[inline(always)]
+    unsafe fn scale4(&self, i: usize) -> float32x4_t {
+        // SAFETY: the caller's (`i + 4 <= len`).
+        scale4(std::array::from_fn(|k| unsafe { self.get_unchecked(i + k) }))
+    }
+    #[inline(always)]
+    unsafe fn offset_raw(&self, i: usize) -> [u8; 2] {
+        // SAFETY: the caller's.
+        unsafe { self.get_unchecked(i) }.offset_raw()
+    }
+    #[inline(always)]
+    unsafe fn offset4(&self, i: usize) -> float32x4_t {
+        // SAFETY: the caller's.
+        f16x4(std::array::from_fn(|k| unsafe { self.get_unchecked(i + k) }.offset_raw()))
+    }
+}
+
+/// A row unpacked by [`unpack`]: each block's 32 levels, scale and offset (as f32 and as its
+/// f16 bits), so the tokens' passes over the row load them instead of decoding the blocks
+/// again.
+#[derive(Copy, Clone)]
+struct Unpacked<'a> {
+    q: &'a [[i8; 32]],
+    d: &'a [f32],
+    m: &'a [f32],
+    m_raw: &'a [[u8; 2]],
+}
+
+impl<B: Block32> RowSrc<B> for Unpacked<'_> {
+    #[inline(always)]
+    fn len(&self) -> usize {
+        self.q.len()
+    }
+    #[inline(always)]
+    unsafe fn levels(&self, i: usize) -> [int8x16_t; 2] {
+        // SAFETY: the caller's (`i < len`): 32 bytes.
+        unsafe {
+            let p = self.q.get_unchecked(i).as_ptr();
+            [vld1q_s8(p), vld1q_s8(p.add(16))]
+        }
+    }
+    #[inline(always)]
+    unsafe fn scale1(&self, i: usize) -> f32 {
+        // SAFETY: the caller's.
+        unsafe { *self.d.get_unchecked(i) }
+    }
+    #[inline(always)]
+    unsafe fn scale4(&self, i: usize) -> float32x4_t {
+        // SAFETY: the caller's (`i + 4 <= len`).
+        unsafe { vld1q_f32(self.d.as_ptr().add(i)) }
+    }
+    #[inline(always)]
+    unsafe fn offset_raw(&self, i: usize) -> [u8; 2] {
+        // SAFETY: the caller's.
+        unsafe { *self.m_raw.get_unchecked(i) }
+    }
+    #[inline(always)]
+    unsafe fn offset4(&self, i: usize) -> float32x4_t {
+        // SAFETY: the caller's.
+        unsafe { vld1q_f32(self.m.as_ptr().add(i)) }
+    }
+}
+
 /// The dot products of `R` rows with `T` activations, `out[r][t]`, each with the bits of
 /// [`super::dot_scalar`] (see the module header). One of `R`, `T` is 1, the other at most 4.
 ///
@@ -301,8 +398,8 @@ fn fma_lane<const K: i32>(acc: float32x4_t, f: float32x4_t, d: float32x4_t) -> f
 /// block one `fmla` by element with the four rows' `m` (or four tokens' `s`) gathered and
 /// converted by one `fcvtl`, against the other side's four blocks converted once.
 #[inline(always)]
-unsafe fn core<B: Block32, D: LaneDot, const R: usize, const T: usize>(
-    w: [&[B]; R],
+unsafe fn core<B: Block32, D: LaneDot, S: RowSrc<B>, const R: usize, const T: usize>(
+    w: [S; R],
     a: [&Q8Act; T],
 ) -> [[f32; T]; R] {
     const { assert!((R == 1 || T == 1) && R <= 4 && T <= 4) };
@@ -316,10 +413,9 @@ unsafe fn core<B: Block32, D: LaneDot, const R: usize, const T: usize>(
         .min()
         .unwrap_or(0);
     // Unchecked access below: every block index is below `n` (the loops' bounds).
-    let (wp, ap) = (w.map(|r| r.as_ptr()), a.map(|a| a.blocks.as_ptr()));
+    let ap = a.map(|a| a.blocks.as_ptr());
     let (dp, sp) = (a.map(|a| a.d.as_ptr()), a.map(|a| a.s.as_ptr()));
     // SAFETY (all): `i < n`, inside every row and activation.
-    let x = |r: usize, i: usize| -> &B { unsafe { &*wp[r].add(i) } };
     let y = |t: usize, i: usize| -> &BlockQ8_0 { unsafe { &*ap[t].add(i) } };
     let s_of = |t: usize, i: usize| -> [u8; 2] { unsafe { *sp[t].add(i) } };
     let pairs = const { matches!(B::ORDER, Order::Pairs) };
@@ -328,7 +424,7 @@ unsafe fn core<B: Block32, D: LaneDot, const R: usize, const T: usize>(
     // of four blocks from `i` on the other side.
     let m_across = |i: usize| -> float32x4_t {
         if T == 1 {
-            f16x4(std::array::from_fn(|r| x(r.min(R - 1), i).offset_raw()))
+            f16x4(std::array::from_fn(|r| unsafe { w[r.min(R - 1)].offset_raw(i) }))
         } else {
             f16x4(std::array::from_fn(|t| s_of(t.min(T - 1), i)))
         }
@@ -337,7 +433,7 @@ unsafe fn core<B: Block32, D: LaneDot, const R: usize, const T: usize>(
         if T == 1 {
             f16x4(std::array::from_fn(|k| s_of(0, i + k)))
         } else {
-            f16x4(std::array::from_fn(|k| x(0, i + k).offset_raw()))
+            unsafe { w[0].offset4(i) }
         }
     };
     // SAFETY (the whole body): the caller's (the level of `D`); register-only intrinsics and
@@ -357,7 +453,7 @@ unsafe fn core<B: Block32, D: LaneDot, const R: usize, const T: usize>(
             let da: [float32x4_t; T] = std::array::from_fn(|t| vld1q_f32(dp[t].add(b)));
             let mut d = [[zero; T]; R];
             for (r, d) in d.iter_mut().enumerate() {
-                let dw = scale4(std::array::from_fn(|k| x(r, b + k)));
+                let dw = w[r].scale4(b);
                 for t in 0..T {
                     d[t] = vmulq_f32(dw, da[t]);
                 }
@@ -366,7 +462,7 @@ unsafe fn core<B: Block32, D: LaneDot, const R: usize, const T: usize>(
             macro_rules! step {
                 ($k:literal, $acc:ident) => {{
                     let i = b + $k;
-                    let q: [[int8x16_t; 2]; R] = std::array::from_fn(|r| x(r, i).levels_neon());
+                    let q: [[int8x16_t; 2]; R] = std::array::from_fn(|r| w[r].levels(i));
                     // Each token's activation loaded where it is used (loaded all at once
                     // they would take the registers the accumulators need).
                     for t in 0..T {
@@ -402,8 +498,8 @@ unsafe fn core<B: Block32, D: LaneDot, const R: usize, const T: usize>(
                 &mut acc
             };
             for r in 0..R {
-                let q = x(r, b).levels_neon();
-                let dw = scale1(x(r, b));
+                let q = w[r].levels(b);
+                let dw = w[r].scale1(b);
                 for t in 0..T {
                     let d = vdupq_n_f32(dw * *dp[t].add(b));
                     let ya = act(y(t, b));
@@ -417,7 +513,7 @@ unsafe fn core<B: Block32, D: LaneDot, const R: usize, const T: usize>(
                 let other = if T == 1 {
                     arm::f16_to_f32(s_of(0, b))
                 } else {
-                    arm::f16_to_f32(x(0, b).offset_raw())
+                    arm::f16_to_f32(w[0].offset_raw(b))
                 };
                 m_sum = vfmaq_f32(m_sum, m_across(b), vdupq_n_f32(other));
             }
@@ -442,11 +538,11 @@ unsafe fn core<B: Block32, D: LaneDot, const R: usize, const T: usize>(
                 }
                 if pairs && n % 2 == 1 {
                     // The unpaired last block, fused in whole.
-                    let (xb, yb) = (x(r, n - 1), y(t, n - 1));
-                    let q = xb.levels_neon();
+                    let yb = y(t, n - 1);
+                    let q = w[r].levels(n - 1);
                     let ya = act(yb);
                     let s = D::dot(D::dot(vdupq_n_s32(0), q[0], ya[0]), q[1], ya[1]);
-                    let d = scale1(xb) * *dp[t].add(n - 1);
+                    let d = w[r].scale1(n - 1) * *dp[t].add(n - 1);
                     v = d.mul_add(vaddvq_s32(s) as f32, v);
                 }
                 out[r][t] = v;
@@ -488,17 +584,17 @@ unsafe fn rows_core<B: Block32, D: LaneDot>(
         unsafe {
             match n {
                 4 => {
-                    let v = core::<B, D, 4, 1>([row(r), row(r + 1), row(r + 2), row(r + 3)], [a]);
+                    let v = core::<B, D, &[B], 4, 1>([row(r), row(r + 1), row(r + 2), row(r + 3)], [a]);
                     for k in 0..4 {
                         out[r + k - first] = v[k][0];
                     }
                 }
                 2 => {
-                    let v = core::<B, D, 2, 1>([row(r), row(r + 1)], [a]);
+                    let v = core::<B, D, &[B], 2, 1>([row(r), row(r + 1)], [a]);
                     out[r - first] = v[0][0];
                     out[r + 1 - first] = v[1][0];
                 }
-                _ => out[r - first] = core::<B, D, 1, 1>([row(r)], [a])[0][0],
+                _ => out[r - first] = core::<B, D, &[B], 1, 1>([row(r)], [a])[0][0],
             }
         }
         r += n;
@@ -509,7 +605,7 @@ unsafe fn rows_core<B: Block32, D: LaneDot>(
 #[inline(always)]
 unsafe fn group_core<B: Block32, D: LaneDot, const N: usize>(w: &[B], a: [&Q8Act; N]) -> [f32; N] {
     // SAFETY: the caller's.
-    unsafe { core::<B, D, 1, N>([w], a)[0] }
+    unsafe { core::<B, D, &[B], 1, N>([w], a)[0] }
 }
 
 /// [`super::dot_scalar`] with base Advanced SIMD.
@@ -518,7 +614,7 @@ unsafe fn group_core<B: Block32, D: LaneDot, const N: usize>(w: &[B], a: [&Q8Act
 /// None beyond aarch64 (every aarch64 core has Advanced SIMD).
 pub(crate) unsafe fn dot_neon<B: Block32>(w: &[B], a: &Q8Act) -> f32 {
     // SAFETY: base Advanced SIMD.
-    unsafe { core::<B, Widen, 1, 1>([w], [a])[0][0] }
+    unsafe { core::<B, Widen, &[B], 1, 1>([w], [a])[0][0] }
 }
 
 /// [`Kernel::dot_rows`](super::super::format::Kernel::dot_rows) with base Advanced SIMD.
@@ -552,7 +648,7 @@ pub(crate) unsafe fn group_neon<B: Block32, const N: usize>(w: &[B], a: [&Q8Act;
 #[target_feature(enable = "dotprod")]
 pub(crate) unsafe fn dot_dotprod<B: Block32>(w: &[B], a: &Q8Act) -> f32 {
     // SAFETY: dotprod is present (this function's contract).
-    unsafe { core::<B, Sdot, 1, 1>([w], [a])[0][0] }
+    unsafe { core::<B, Sdot, &[B], 1, 1>([w], [a])[0][0] }
 }
 
 /// [`rows_neon`] with `sdot`.
@@ -582,6 +678,139 @@ pub(crate) unsafe fn group_dotprod<B: Block32, const N: usize>(
 ) -> [f32; N] {
     // SAFETY: the caller's.
     unsafe { group_core::<B, Sdot, N>(w, a) }
+}
+
+/// A row's blocks unpacked for [`Unpacked`]; kept per thread and reused (its vectors grow to
+/// the longest row and stay).
+#[derive(Default)]
+struct UnpackBuf {
+    q: Vec<[i8; 32]>,
+    d: Vec<f32>,
+    m: Vec<f32>,
+    m_raw: Vec<[u8; 2]>,
+}
+
+thread_local! {
+    static UNPACKED: std::cell::RefCell<UnpackBuf> = std::cell::RefCell::new(UnpackBuf::default());
+}
+
+impl UnpackBuf {
+    /// Room for rows of `nb` blocks (the buffers then hold `nb` entries each).
+    fn size(&mut self, nb: usize) {
+        self.q.resize(nb, [0; 32]);
+        self.d.resize(nb, 0.0);
+        self.m.resize(nb, 0.0);
+        self.m_raw.resize(nb, [0; 2]);
+    }
+
+    /// `row` (at most the sized block count) unpacked: the same levels, scales and offsets
+    /// the blocks give.
+    #[inline(always)]
+    fn unpack<B: Block32>(&mut self, row: &[B]) -> Unpacked<'_> {
+        let nb = row.len().min(self.q.len());
+        let offset = const { matches!(B::ORDER, Order::LanesOffset) };
+        let (q, d, m) = (self.q.as_mut_ptr(), self.d.as_mut_ptr(), self.m.as_mut_ptr());
+        // SAFETY: block indices below `nb`, inside `row` and every buffer; base Advanced SIMD.
+        unsafe {
+            let mut i = 0;
+            while i + 4 <= nb {
+                let x: [&B; 4] = std::array::from_fn(|k| row.get_unchecked(i + k));
+                for (k, x) in x.iter().enumerate() {
+                    let v = x.levels_neon();
+                    let p = (*q.add(i + k)).as_mut_ptr();
+                    vst1q_s8(p, v[0]);
+                    vst1q_s8(p.add(16), v[1]);
+                }
+                vst1q_f32(d.add(i), scale4(x));
+                if offset {
+                    let raw = x.map(|x| x.offset_raw());
+                    vst1q_f32(m.add(i), f16x4(raw));
+                    self.m_raw[i..i + 4].copy_from_slice(&raw);
+                }
+                i += 4;
+            }
+            for i in i..nb {
+                let x = row.get_unchecked(i);
+                let v = x.levels_neon();
+                let p = (*q.add(i)).as_mut_ptr();
+                vst1q_s8(p, v[0]);
+                vst1q_s8(p.add(16), v[1]);
+                *d.add(i) = scale1(x);
+                if offset {
+                    *m.add(i) = arm::f16_to_f32(x.offset_raw());
+                    self.m_raw[i] = x.offset_raw();
+                }
+            }
+        }
+        Unpacked {
+            q: &self.q[..nb],
+            d: &self.d[..nb],
+            m: &self.m[..nb],
+            m_raw: &self.m_raw[..nb],
+        }
+    }
+}
+
+/// [`Kernel::dot_wide`](super::super::format::Kernel::dot_wide) with `sdot`: each row is
+/// unpacked once ([`UnpackBuf`]) and every group of 4 of the tokens (then the 1–3 left)
+/// dotted with it as [`dot_group`] would (the same steps, so the same bits), reading the
+/// levels and scales back instead of decoding the blocks once per group: for 16 tokens the
+/// unpacking (IQ4_NL, MXFP4: `and`, `ushr` and two `tbl` per block) and its two stores are
+/// paid once per row instead of four times.
+///
+/// # Safety
+/// The CPU has FEAT_DotProd; `rows` lie inside `w`; `out[t].len() == rows.len()`.
+#[target_feature(enable = "dotprod")]
+pub(crate) unsafe fn wide_dotprod<B: Block32>(
+    w: &[u8],
+    row_bytes: usize,
+    rows: Range<usize>,
+    a: &[&ActBuf],
+    out: &mut [&mut [f32]],
+) {
+    use super::super::format::Activation;
+    use super::super::q8_0::ActQ8_0;
+    let Some(last) = a.len().checked_sub(1) else {
+        return;
+    };
+    let views: [&Q8Act; super::super::q8_k::WIDE] =
+        std::array::from_fn(|k| ActQ8_0::view(a[k.min(last)]));
+    let row = |r: usize| -> &[B] { blocks(&w[r * row_bytes..(r + 1) * row_bytes]) };
+    UNPACKED.with(|cell| {
+        let buf = &mut *cell.borrow_mut();
+        buf.size(row_bytes / std::mem::size_of::<B>());
+        let first = rows.start;
+        for r in rows.clone() {
+            if r + 1 < rows.end {
+                prefetch_lines(w, (r + 1) * row_bytes, row_bytes);
+            }
+            let u = buf.unpack(row(r));
+            let mut t = 0;
+            while t < a.len() {
+                let n = (a.len() - t).min(4);
+                let v = &views[t..];
+                // SAFETY (every arm): dotprod is present (this function's contract).
+                let got: [f32; 4] = unsafe {
+                    match n {
+                        4 => core::<B, Sdot, _, 1, 4>([u], [v[0], v[1], v[2], v[3]])[0],
+                        3 => {
+                            let [x, y, z] = core::<B, Sdot, _, 1, 3>([u], [v[0], v[1], v[2]])[0];
+                            [x, y, z, 0.0]
+                        }
+                        2 => {
+                            let [x, y] = core::<B, Sdot, _, 1, 2>([u], [v[0], v[1]])[0];
+                            [x, y, 0.0, 0.0]
+                        }
+                        _ => [core::<B, Sdot, _, 1, 1>([u], [v[0]])[0][0], 0.0, 0.0, 0.0],
+                    }
+                };
+                for k in 0..n {
+                    out[t + k][r - first] = got[k];
+                }
+                t += n;
+            }
+        }
+    });
 }
 
 /// NEON pieces the formats build their levels from.
