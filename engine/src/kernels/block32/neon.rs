@@ -28,10 +28,10 @@
 //! [`dot_rows`] runs 2 rows at once (4 for the offset formats, whose offset chains then fill
 //! a vector: one `fmla` by element per block for all 4 rows).
 
-use super::super::{blocks, ActBuf};
 use super::super::format::{prefetch_lines, PREFETCH_AHEAD};
 use super::super::neon as arm;
 use super::super::q8_0::{BlockQ8_0, Q8Act};
+use super::super::{blocks, ActBuf};
 use super::{Block32, Order, Scale};
 use std::arch::aarch64::*;
 use std::ops::Range;
@@ -330,7 +330,9 @@ impl<B: Block32> RowSrc<B> for &[B] {
     #[inline(always)]
     unsafe fn scale4(&self, i: usize) -> float32x4_t {
         // SAFETY: the caller's (`i + 4 <= len`).
-        scale4(std::array::from_fn(|k| unsafe { self.get_unchecked(i + k) }))
+        scale4(std::array::from_fn(|k| unsafe {
+            self.get_unchecked(i + k)
+        }))
     }
     #[inline(always)]
     unsafe fn offset_raw(&self, i: usize) -> [u8; 2] {
@@ -340,7 +342,9 @@ impl<B: Block32> RowSrc<B> for &[B] {
     #[inline(always)]
     unsafe fn offset4(&self, i: usize) -> float32x4_t {
         // SAFETY: the caller's.
-        f16x4(std::array::from_fn(|k| unsafe { self.get_unchecked(i + k) }.offset_raw()))
+        f16x4(std::array::from_fn(|k| {
+            unsafe { self.get_unchecked(i + k) }.offset_raw()
+        }))
     }
 }
 
@@ -424,7 +428,9 @@ unsafe fn core<B: Block32, D: LaneDot, S: RowSrc<B>, const R: usize, const T: us
     // of four blocks from `i` on the other side.
     let m_across = |i: usize| -> float32x4_t {
         if T == 1 {
-            f16x4(std::array::from_fn(|r| unsafe { w[r.min(R - 1)].offset_raw(i) }))
+            f16x4(std::array::from_fn(|r| unsafe {
+                w[r.min(R - 1)].offset_raw(i)
+            }))
         } else {
             f16x4(std::array::from_fn(|t| s_of(t.min(T - 1), i)))
         }
@@ -584,7 +590,8 @@ unsafe fn rows_core<B: Block32, D: LaneDot>(
         unsafe {
             match n {
                 4 => {
-                    let v = core::<B, D, &[B], 4, 1>([row(r), row(r + 1), row(r + 2), row(r + 3)], [a]);
+                    let v =
+                        core::<B, D, &[B], 4, 1>([row(r), row(r + 1), row(r + 2), row(r + 3)], [a]);
                     for k in 0..4 {
                         out[r + k - first] = v[k][0];
                     }
@@ -709,7 +716,11 @@ impl UnpackBuf {
     fn unpack<B: Block32>(&mut self, row: &[B]) -> Unpacked<'_> {
         let nb = row.len().min(self.q.len());
         let offset = const { matches!(B::ORDER, Order::LanesOffset) };
-        let (q, d, m) = (self.q.as_mut_ptr(), self.d.as_mut_ptr(), self.m.as_mut_ptr());
+        let (q, d, m) = (
+            self.q.as_mut_ptr(),
+            self.d.as_mut_ptr(),
+            self.m.as_mut_ptr(),
+        );
         // SAFETY: block indices below `nb`, inside `row` and every buffer; base Advanced SIMD.
         unsafe {
             let mut i = 0;

@@ -153,8 +153,15 @@ unsafe fn dot_core<D: LaneDot>(w: &[BlockQ4_0], a: &Q8Act) -> f32 {
 unsafe fn rows4_core<D: LaneDot>(w: [&[BlockQ4_0]; 4], a: &Q8Act, c: &[i32]) -> [f32; 4] {
     let n = w
         .iter()
-        .fold(a.blocks.len().min(a.d.len()).min(c.len()), |n, r| n.min(r.len()));
-    let (wp, y, dp, cp) = (w.map(|r| r.as_ptr()), a.blocks.as_ptr(), a.d.as_ptr(), c.as_ptr());
+        .fold(a.blocks.len().min(a.d.len()).min(c.len()), |n, r| {
+            n.min(r.len())
+        });
+    let (wp, y, dp, cp) = (
+        w.map(|r| r.as_ptr()),
+        a.blocks.as_ptr(),
+        a.d.as_ptr(),
+        c.as_ptr(),
+    );
     let mut out = [0f32; 4];
     // SAFETY (the whole body): the caller's (the level of `D`); block indices are below `n`.
     unsafe {
@@ -168,7 +175,11 @@ unsafe fn rows4_core<D: LaneDot>(w: [&[BlockQ4_0]; 4], a: &Q8Act, c: &[i32]) -> 
                 let s: [int32x4_t; 4] =
                     std::array::from_fn(|r| D::dot32_from(cp.add(i), nibbles(x(r, i)), ya));
                 let dw = f16x4(std::array::from_fn(|r| x(r, i).d));
-                acc = vfmaq_f32(acc, from_magic(lane_totals(s)), vmulq_laneq_f32::<$k>(dw, $da));
+                acc = vfmaq_f32(
+                    acc,
+                    from_magic(lane_totals(s)),
+                    vmulq_laneq_f32::<$k>(dw, $da),
+                );
             }};
         }
         while b + 4 <= n {
@@ -219,7 +230,8 @@ unsafe fn rows_core<D: LaneDot>(
             while r + 4 <= rows.end {
                 prefetch_lines(w, r * row_bytes + PREFETCH_AHEAD, 4 * row_bytes);
                 // SAFETY: the caller's (the level of `D`).
-                let v = unsafe { rows4_core::<D>([row(r), row(r + 1), row(r + 2), row(r + 3)], a, c) };
+                let v =
+                    unsafe { rows4_core::<D>([row(r), row(r + 1), row(r + 2), row(r + 3)], a, c) };
                 out[r - first..r - first + 4].copy_from_slice(&v);
                 r += 4;
             }
