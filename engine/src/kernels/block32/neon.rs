@@ -787,41 +787,43 @@ pub(crate) unsafe fn wide_dotprod<B: Block32>(
     let views: [&Q8Act; super::super::q8_k::WIDE] =
         std::array::from_fn(|k| ActQ8_0::view(a[k.min(last)]));
     let row = |r: usize| -> &[B] { blocks(&w[r * row_bytes..(r + 1) * row_bytes]) };
-    UNPACKED.with(|cell| {
-        let buf = &mut *cell.borrow_mut();
-        buf.size(row_bytes / std::mem::size_of::<B>());
-        let first = rows.start;
-        for r in rows.clone() {
-            if r + 1 < rows.end {
-                prefetch_lines(w, (r + 1) * row_bytes, row_bytes);
-            }
-            let u = buf.unpack(row(r));
-            let mut t = 0;
-            while t < a.len() {
-                let n = (a.len() - t).min(4);
-                let v = &views[t..];
-                // SAFETY (every arm): dotprod is present (this function's contract).
-                let got: [f32; 4] = unsafe {
-                    match n {
-                        4 => core::<B, Sdot, _, 1, 4>([u], [v[0], v[1], v[2], v[3]])[0],
-                        3 => {
-                            let [x, y, z] = core::<B, Sdot, _, 1, 3>([u], [v[0], v[1], v[2]])[0];
-                            [x, y, z, 0.0]
-                        }
-                        2 => {
-                            let [x, y] = core::<B, Sdot, _, 1, 2>([u], [v[0], v[1]])[0];
-                            [x, y, 0.0, 0.0]
-                        }
-                        _ => [core::<B, Sdot, _, 1, 1>([u], [v[0]])[0][0], 0.0, 0.0, 0.0],
-                    }
-                };
-                for k in 0..n {
-                    out[t + k][r - first] = got[k];
-                }
-                t += n;
-            }
+    // The buffer taken out of the thread-local and put back after: the loop stays in this
+    // function (a closure has no target features, so the `sdot` steps, which need
+    // FEAT_DotProd, would not be inlined into it).
+    let mut buf = UNPACKED.with(|cell| std::mem::take(&mut *cell.borrow_mut()));
+    buf.size(row_bytes / std::mem::size_of::<B>());
+    let first = rows.start;
+    for r in rows.clone() {
+        if r + 1 < rows.end {
+            prefetch_lines(w, (r + 1) * row_bytes, row_bytes);
         }
-    });
+        let u = buf.unpack(row(r));
+        let mut t = 0;
+        while t < a.len() {
+            let n = (a.len() - t).min(4);
+            let v = &views[t..];
+            // SAFETY (every arm): dotprod is present (this function's contract).
+            let got: [f32; 4] = unsafe {
+                match n {
+                    4 => core::<B, Sdot, _, 1, 4>([u], [v[0], v[1], v[2], v[3]])[0],
+                    3 => {
+                        let [x, y, z] = core::<B, Sdot, _, 1, 3>([u], [v[0], v[1], v[2]])[0];
+                        [x, y, z, 0.0]
+                    }
+                    2 => {
+                        let [x, y] = core::<B, Sdot, _, 1, 2>([u], [v[0], v[1]])[0];
+                        [x, y, 0.0, 0.0]
+                    }
+                    _ => [core::<B, Sdot, _, 1, 1>([u], [v[0]])[0][0], 0.0, 0.0, 0.0],
+                }
+            };
+            for k in 0..n {
+                out[t + k][r - first] = got[k];
+            }
+            t += n;
+        }
+    }
+    UNPACKED.with(|cell| *cell.borrow_mut() = buf);
 }
 
 /// NEON pieces the formats build their levels from.

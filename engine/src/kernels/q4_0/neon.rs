@@ -224,18 +224,19 @@ unsafe fn rows_core<D: LaneDot>(
     let first = rows.start;
     let mut r = rows.start;
     if rows.len() >= 4 && a.sums.len() >= a.blocks.len() {
-        STARTS.with(|cell| {
-            let c = &mut *cell.borrow_mut();
-            starts(a, c);
-            while r + 4 <= rows.end {
-                prefetch_lines(w, r * row_bytes + PREFETCH_AHEAD, 4 * row_bytes);
-                // SAFETY: the caller's (the level of `D`).
-                let v =
-                    unsafe { rows4_core::<D>([row(r), row(r + 1), row(r + 2), row(r + 3)], a, c) };
-                out[r - first..r - first + 4].copy_from_slice(&v);
-                r += 4;
-            }
-        });
+        // The buffer taken out of the thread-local and put back after: the loop stays in
+        // this function (a closure has no target features, so the `sdot` wrappers, which
+        // need FEAT_DotProd, would not be inlined into it).
+        let mut c = STARTS.with(|cell| std::mem::take(&mut *cell.borrow_mut()));
+        starts(a, &mut c);
+        while r + 4 <= rows.end {
+            prefetch_lines(w, r * row_bytes + PREFETCH_AHEAD, 4 * row_bytes);
+            // SAFETY: the caller's (the level of `D`).
+            let v = unsafe { rows4_core::<D>([row(r), row(r + 1), row(r + 2), row(r + 3)], a, &c) };
+            out[r - first..r - first + 4].copy_from_slice(&v);
+            r += 4;
+        }
+        STARTS.with(|cell| *cell.borrow_mut() = c);
     }
     for r in r..rows.end {
         prefetch_lines(w, r * row_bytes + PREFETCH_AHEAD, row_bytes);
