@@ -39,6 +39,7 @@ pub(super) fn e8m0_half(e: u8) -> f32 {
 
 /// [`e8m0_half`] of every exponent byte, as f32 bits: the NEON kernels' scale (one load where
 /// the bit arithmetic takes five instructions and a move to the vector registers).
+#[cfg_attr(not(target_arch = "aarch64"), allow(dead_code))]
 pub(super) static E8M0_HALF_BITS: [u32; 256] = {
     let mut t = [0u32; 256];
     let mut e = 0;

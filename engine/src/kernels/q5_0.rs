@@ -52,16 +52,10 @@ impl Block32 for BlockQ5_0 {
     #[inline(always)]
     fn levels_neon(&self) -> [std::arch::aarch64::int8x16_t; 2] {
         use block32::neon::levels;
-        use std::arch::aarch64::{vorrq_u8, vreinterpretq_s8_u8};
         /// 0xF0 where the fifth bit is clear: `nibble | 0xF0` is `nibble − 16` as a signed
         /// byte, `nibble | 0` is `(nibble + 16) − 16`.
         static SPREAD: [u64; 256] = levels::spread_table(0, 0xF0);
-        let (q, h) = (
-            levels::nibbles(&self.qs),
-            levels::fifth_bits(self.qh, &SPREAD),
-        );
-        // SAFETY: base Advanced SIMD, register-only.
-        unsafe { [0, 1].map(|k| vreinterpretq_s8_u8(vorrq_u8(q[k], h[k]))) }
+        levels::five(&self.qs, self.qh, &SPREAD)
     }
 }
 

@@ -70,15 +70,9 @@ impl Block32 for BlockQ5_1 {
     #[inline(always)]
     fn levels_neon(&self) -> [std::arch::aarch64::int8x16_t; 2] {
         use block32::neon::levels;
-        use std::arch::aarch64::{vorrq_u8, vreinterpretq_s8_u8};
         /// 0x10 where the fifth bit is set: the level's bit 4.
         static SPREAD: [u64; 256] = levels::spread_table(0x10, 0);
-        let (q, h) = (
-            levels::nibbles(&self.qs),
-            levels::fifth_bits(self.qh, &SPREAD),
-        );
-        // SAFETY: base Advanced SIMD, register-only.
-        unsafe { [0, 1].map(|k| vreinterpretq_s8_u8(vorrq_u8(q[k], h[k]))) }
+        levels::five(&self.qs, self.qh, &SPREAD)
     }
 }
 

@@ -11,9 +11,13 @@
 //! activation, [`Q8Act::sums`]) where the weights are not shared, and `Σ (q − 8)·a` where they
 //! are (grouped, wide).
 //!
-//! The integer sums run on over the blocks without being zeroed (wrapping; a block's sum is
-//! the difference of two running sums, exact in i32), which saves a zeroing per accumulator
-//! and block.
+//! Block sums as floats without `scvtf` (two µops on one pipe of Neoverse N2 and V1): where
+//! the sums of 4 rows or 4 tokens end up side by side, each starts from a fresh register
+//! loaded with `MAGIC` (1.5 · 2^23; for the rows, `MAGIC − 8·Σ a`) in one lane, so the
+//! lanes' totals read as floats are `MAGIC + sum` and one `fsub` converts them; a load, not
+//! a vector `mov`, because the vector pipes are the bound. The one-row chain ([`dot_core`])
+//! runs its sums on over the blocks instead (wrapping; a block's sum is the difference of two
+//! running sums, exact in i32).
 
 use super::super::block32::neon::{f16x4, LaneDot, Sdot, Widen};
 use super::super::format::{prefetch_lines, PREFETCH_AHEAD};
@@ -84,6 +88,8 @@ fn step(acc: f32, sum: i32, d_w: [u8; 2], d_a: [u8; 2]) -> f32 {
 /// float `MAGIC + v` exactly, so `(MAGIC + v) − MAGIC` converts it in one `fsub` (`scvtf` is two
 /// µops on one pipe of Neoverse N2 and V1). Every block sum here is below 2^17.
 const MAGIC: i32 = 0x4B40_0000;
+/// [`MAGIC`] in every lane, in memory (the `smmla` steps load a fresh copy of it).
+static MAGIC4: [i32; 4] = [MAGIC; 4];
 
 /// Block sums (integers, lanes) as floats: `bits − MAGIC` for `bits = MAGIC + sum`.
 #[inline(always)]
@@ -138,57 +144,71 @@ unsafe fn dot_core<D: LaneDot>(w: &[BlockQ4_0], a: &Q8Act) -> f32 {
     acc
 }
 
-/// Four rows (row `r` in lane `r`; the same bits as [`dot_core`] on each). A block's sums are
-/// `T_b − T_{b−1} − 8·Σ a` with `T` the rows' running totals: computed as
-/// `T_b − (T_{b−1} − c_b)`, `c_b = MAGIC − 8·Σ a` prepared four blocks at a time, which leaves
-/// `MAGIC + sum` for [`from_magic`].
+/// Four rows (row `r` in lane `r`; the same bits as [`dot_core`] on each). Each row's block
+/// sum starts from a fresh `[c_b, 0, 0, 0]`, `c_b = MAGIC − 8·Σ a` ([`starts`]), so the
+/// lanes' totals (one `addp` tree for the 4 rows) are `MAGIC + Σ (q − 8)·a` for
+/// [`from_magic`]: per block and row 2 `sdot` + the nibbles' `and` and `ushr`, and per block
+/// for the 4 rows 3 `addp`, the conversion, the scales and the fused step.
 #[inline(always)]
-unsafe fn rows4_core<D: LaneDot>(w: [&[BlockQ4_0]; 4], a: &Q8Act) -> [f32; 4] {
+unsafe fn rows4_core<D: LaneDot>(w: [&[BlockQ4_0]; 4], a: &Q8Act, c: &[i32]) -> [f32; 4] {
     let n = w
         .iter()
-        .fold(a.blocks.len().min(a.sums.len()), |n, r| n.min(r.len()));
-    let (wp, y, sums) = (w.map(|r| r.as_ptr()), a.blocks.as_ptr(), a.sums.as_ptr());
+        .fold(a.blocks.len().min(a.d.len()).min(c.len()), |n, r| {
+            n.min(r.len())
+        });
+    let (wp, y, dp, cp) = (
+        w.map(|r| r.as_ptr()),
+        a.blocks.as_ptr(),
+        a.d.as_ptr(),
+        c.as_ptr(),
+    );
     let mut out = [0f32; 4];
     // SAFETY (the whole body): the caller's (the level of `D`); block indices are below `n`.
     unsafe {
         let x = |r: usize, i: usize| -> &BlockQ4_0 { &*wp[r].add(i) };
-        let mut run = [vdupq_n_s32(0); 4];
-        let mut prev = vdupq_n_s32(0);
         let mut acc = vdupq_n_f32(0.0);
-        let (one, magic) = (vdupq_n_s32(1), vdupq_n_s32(MAGIC));
         let mut b = 0;
         macro_rules! step {
-            ($i:expr, $k:literal, $c:expr, $da:expr) => {{
+            ($i:expr, $k:literal, $da:expr) => {{
                 let i = $i;
                 let ya = act(&*y.add(i));
-                for (r, run) in run.iter_mut().enumerate() {
-                    *run = block_dot::<D>(*run, nibbles(x(r, i)), ya);
-                }
-                let t = lane_totals(run);
-                let s = vsubq_s32(t, vmlsq_laneq_s32::<$k>(prev, one, $c));
-                prev = t;
+                let s: [int32x4_t; 4] =
+                    std::array::from_fn(|r| D::dot32_from(cp.add(i), nibbles(x(r, i)), ya));
                 let dw = f16x4(std::array::from_fn(|r| x(r, i).d));
-                acc = vfmaq_f32(acc, from_magic(s), vmulq_laneq_f32::<$k>(dw, $da));
+                acc = vfmaq_f32(
+                    acc,
+                    from_magic(lane_totals(s)),
+                    vmulq_laneq_f32::<$k>(dw, $da),
+                );
             }};
         }
         while b + 4 <= n {
-            let c = vmlsq_n_s32(magic, vld1q_s32(sums.add(b)), 8);
-            let da = f16x4(std::array::from_fn(|k| (*y.add(b + k)).d));
-            step!(b, 0, c, da);
-            step!(b + 1, 1, c, da);
-            step!(b + 2, 2, c, da);
-            step!(b + 3, 3, c, da);
+            let da = vld1q_f32(dp.add(b));
+            step!(b, 0, da);
+            step!(b + 1, 1, da);
+            step!(b + 2, 2, da);
+            step!(b + 3, 3, da);
             b += 4;
         }
         while b < n {
-            let c = vdupq_n_s32(MAGIC - 8 * *sums.add(b));
-            let da = vdupq_n_f32(arm::f16_to_f32((*y.add(b)).d));
-            step!(b, 0, c, da);
+            let da = vdupq_n_f32(*dp.add(b));
+            step!(b, 0, da);
             b += 1;
         }
         vst1q_f32(out.as_mut_ptr(), acc);
     }
     out
+}
+
+thread_local! {
+    /// [`starts`] of the current activation.
+    static STARTS: std::cell::RefCell<Vec<i32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// `MAGIC − 8·Σ a` of every block of `a` into `c`: where [`rows4_core`]'s block sums start.
+fn starts(a: &Q8Act, c: &mut Vec<i32>) {
+    c.clear();
+    c.extend(a.sums.iter().take(a.blocks.len()).map(|&s| MAGIC - 8 * s));
 }
 
 /// Rows `rows` (as [`super::super::format::Kernel::dot_rows`]): four at a time, the rest one by one.
@@ -203,12 +223,20 @@ unsafe fn rows_core<D: LaneDot>(
     let row = |r: usize| -> &[BlockQ4_0] { blocks(&w[r * row_bytes..(r + 1) * row_bytes]) };
     let first = rows.start;
     let mut r = rows.start;
-    while r + 4 <= rows.end && a.sums.len() >= a.blocks.len() {
-        prefetch_lines(w, r * row_bytes + PREFETCH_AHEAD, 4 * row_bytes);
-        // SAFETY: the caller's (the level of `D`).
-        let v = unsafe { rows4_core::<D>([row(r), row(r + 1), row(r + 2), row(r + 3)], a) };
-        out[r - first..r - first + 4].copy_from_slice(&v);
-        r += 4;
+    if rows.len() >= 4 && a.sums.len() >= a.blocks.len() {
+        // The buffer taken out of the thread-local and put back after: the loop stays in
+        // this function (a closure has no target features, so the `sdot` wrappers, which
+        // need FEAT_DotProd, would not be inlined into it).
+        let mut c = STARTS.with(|cell| std::mem::take(&mut *cell.borrow_mut()));
+        starts(a, &mut c);
+        while r + 4 <= rows.end {
+            prefetch_lines(w, r * row_bytes + PREFETCH_AHEAD, 4 * row_bytes);
+            // SAFETY: the caller's (the level of `D`).
+            let v = unsafe { rows4_core::<D>([row(r), row(r + 1), row(r + 2), row(r + 3)], a, &c) };
+            out[r - first..r - first + 4].copy_from_slice(&v);
+            r += 4;
+        }
+        STARTS.with(|cell| *cell.borrow_mut() = c);
     }
     for r in r..rows.end {
         prefetch_lines(w, r * row_bytes + PREFETCH_AHEAD, row_bytes);
@@ -217,7 +245,9 @@ unsafe fn rows_core<D: LaneDot>(
     }
 }
 
-/// One row against `N ≤ 4` tokens, token `t` in lane `t` (signed levels, unpacked once).
+/// One row against `N ≤ 4` tokens, token `t` in lane `t` (signed levels, unpacked once; each
+/// token's block sum from a fresh `[MAGIC, 0, 0, 0]`, so the lanes' totals need no more than
+/// [`from_magic`]).
 #[inline(always)]
 unsafe fn group_core<D: LaneDot, const N: usize>(w: &[BlockQ4_0], a: [&Q8Act; N]) -> [f32; N] {
     let n = a.iter().fold(w.len(), |n, a| n.min(a.blocks.len()));
@@ -225,23 +255,21 @@ unsafe fn group_core<D: LaneDot, const N: usize>(w: &[BlockQ4_0], a: [&Q8Act; N]
     let mut out = [0f32; 4];
     // SAFETY (the whole body): the caller's (the level of `D`); block indices are below `n`.
     unsafe {
-        let mut run = [vdupq_n_s32(0); 4];
-        // The running totals less MAGIC: `T_b − pm` is `MAGIC + sum`.
-        let mut pm = vnegq_s32(vdupq_n_s32(MAGIC));
-        let magic = vdupq_n_s32(MAGIC);
         let mut acc = vdupq_n_f32(0.0);
         for (i, x) in w[..n].iter().enumerate() {
             let q = levels(x);
             let y: [&BlockQ8_0; N] = std::array::from_fn(|t| &*yp[t].add(i));
-            for t in 0..N {
-                run[t] = block_dot::<D>(run[t], q, act(y[t]));
-            }
-            let tot = lane_totals(run);
-            let s = vsubq_s32(tot, pm);
-            pm = vsubq_s32(tot, magic);
+            // Each token's sum from a fresh `[MAGIC, 0, 0, 0]`: the totals are `MAGIC + sum`.
+            let s: [int32x4_t; 4] = std::array::from_fn(|t| {
+                if t < N {
+                    D::dot32_from(&MAGIC, q, act(y[t]))
+                } else {
+                    vdupq_n_s32(0)
+                }
+            });
             let da = f16x4(std::array::from_fn(|t| if t < N { y[t].d } else { [0; 2] }));
             let d = vmulq_n_f32(da, arm::f16_to_f32(x.d));
-            acc = vfmaq_f32(acc, from_magic(s), d);
+            acc = vfmaq_f32(acc, from_magic(lane_totals(s)), d);
         }
         vst1q_f32(out.as_mut_ptr(), acc);
     }
@@ -321,21 +349,64 @@ pub(super) unsafe fn group_dotprod<const N: usize>(w: &[BlockQ4_0], a: [&Q8Act; 
 /// 2 rows and of 2 tokens and leaves the 4 (row, token) dots, so the 4 lanes of one
 /// accumulator are 4 chains, each one fused step per block in block order (the bits of
 /// [`dot_core`]). Each row pair's block is unpacked once for all the token pairs.
+///
+/// The token pairs are packed once per batch of tokens and kept per thread ([`PackRing`],
+/// keyed by the tokens' stamps, as the K-quants' lanes): a product's row bands after the
+/// first reuse them. Per row pair, block and token pair the work is 4 `smmla` into a fresh
+/// `MAGIC` (a load), one `fsub` converting the 4 sums, one `fmul` for the 4 scales
+/// `d_w · d_a` and the 4 chains' fused step: 7 vector instructions for 4 (row, token) blocks.
 mod mm {
+    use super::super::super::q8_k::PackRing;
     use super::*;
 
     /// A token pair's block: the 4 vectors `smmla` takes (values 8c..8c+8 of token 0, then of
     /// token 1, for c = 0..4) and `[d_0, d_1, d_0, d_1]`.
     #[derive(Copy, Clone)]
+    #[repr(C)]
     pub(super) struct PairBlock {
         q: [int8x16_t; 4],
         d: float32x4_t,
     }
 
+    /// A batch of tokens packed in pairs, block-major (`blocks[i · pairs + p]`; a last pair
+    /// of one token holds it twice), and what it holds: the tokens' stamps and the block count.
+    #[derive(Default)]
+    pub(super) struct Packed {
+        blocks: Vec<PairBlock>,
+        pairs: usize,
+        key: (Vec<u64>, usize),
+    }
+
+    impl Packed {
+        fn holds(&self, acts: &[&ActBuf], nb: usize) -> bool {
+            self.key.1 == nb
+                && self.key.0.len() == acts.len()
+                && self.key.0.iter().zip(acts).all(|(s, a)| *s == a.stamp())
+        }
+
+        /// Packs the first `nb` blocks of `views` (the tokens of `acts`, at least `nb` blocks
+        /// each).
+        fn pack(&mut self, acts: &[&ActBuf], views: &[&Q8Act], nb: usize) {
+            self.key.0.clear();
+            self.key.0.extend(acts.iter().map(|a| a.stamp()));
+            self.key.1 = nb;
+            let pairs = views.len().div_ceil(2);
+            self.pairs = pairs;
+            self.blocks.clear();
+            self.blocks.reserve(nb * pairs);
+            for i in 0..nb {
+                for p in 0..pairs {
+                    let t1 = (2 * p + 1).min(views.len() - 1);
+                    self.blocks.push(pack(views[2 * p], views[t1], i));
+                }
+            }
+        }
+    }
+
     thread_local! {
-        /// The token pairs of the current call, packed block-major (`[block][pair]`).
-        static PACKED: std::cell::RefCell<Vec<PairBlock>> =
-            const { std::cell::RefCell::new(Vec::new()) };
+        /// The last packings of this thread (the oldest replaced first).
+        static PACKED: std::cell::RefCell<PackRing<Packed>> =
+            std::cell::RefCell::new(PackRing::default());
     }
 
     /// `[u.d[0], v.d[0]]` and `[u.d[1], v.d[1]]`.
@@ -364,9 +435,59 @@ mod mm {
         }
     }
 
+    /// One row pair's block (levels `q`, scales `dw = [d_r0, d_r0, d_r1, d_r1]`) against one
+    /// packed token pair: `acc + (Σ q·a) · (dw · d_a)`, fused, per lane. Written as one piece
+    /// of assembly for the reason [`super::super::super::block32::neon`] gives (given separate
+    /// operations the compiler hoists the products and spills them): load the pair's 4
+    /// vectors and scales, `MAGIC` into a fresh register, 4 `smmla`, `fsub` of `MAGIC` (exact:
+    /// |block sum| ≤ 32 · 8 · 128 < 2^22), `fmul` of the scales, `fmla`.
+    #[target_feature(enable = "i8mm,dotprod")]
+    #[inline]
+    unsafe fn pair_step(
+        acc: float32x4_t,
+        q: &[int8x16_t; 4],
+        dw: float32x4_t,
+        magic: float32x4_t,
+        pb: *const PairBlock,
+    ) -> float32x4_t {
+        let mut acc = acc;
+        // SAFETY: `pb` points at a PairBlock (80 bytes: 4 vectors, then the scales), and
+        // MAGIC4 at 16 bytes; register-only instructions of features this function requires.
+        unsafe {
+            std::arch::asm!(
+                "ldp {a0:q}, {a1:q}, [{pb}]",
+                "ldr {s:q}, [{m}]",
+                "ldp {a2:q}, {a3:q}, [{pb}, #32]",
+                "smmla {s:v}.4s, {q0:v}.16b, {a0:v}.16b",
+                "ldr {da:q}, [{pb}, #64]",
+                "smmla {s:v}.4s, {q1:v}.16b, {a1:v}.16b",
+                "smmla {s:v}.4s, {q2:v}.16b, {a2:v}.16b",
+                "smmla {s:v}.4s, {q3:v}.16b, {a3:v}.16b",
+                "fmul {da:v}.4s, {da:v}.4s, {dw:v}.4s",
+                "fsub {s:v}.4s, {s:v}.4s, {magic:v}.4s",
+                "fmla {acc:v}.4s, {s:v}.4s, {da:v}.4s",
+                pb = in(reg) pb,
+                m = in(reg) MAGIC4.as_ptr(),
+                a0 = out(vreg) _,
+                a1 = out(vreg) _,
+                a2 = out(vreg) _,
+                a3 = out(vreg) _,
+                s = out(vreg) _,
+                da = out(vreg) _,
+                q0 = in(vreg) q[0],
+                q1 = in(vreg) q[1],
+                q2 = in(vreg) q[2],
+                q3 = in(vreg) q[3],
+                dw = in(vreg) dw,
+                magic = in(vreg) magic,
+                acc = inout(vreg) acc,
+                options(nostack, readonly, preserves_flags)
+            )
+        };
+        acc
+    }
+
     /// Two rows against `P` packed token pairs: lane `[r0·t0, r0·t1, r1·t0, r1·t1]` per pair.
-    /// The integer sums run on (wrapping), started at MAGIC; |block sum| ≤ 32 · 8 · 127, so 64
-    /// blocks between restarts keep the running sums within 2^22 of MAGIC.
     #[target_feature(enable = "i8mm,dotprod")]
     #[inline]
     unsafe fn rows2<const P: usize>(
@@ -378,40 +499,27 @@ mod mm {
         // are below `nb`, pair blocks below `nb · P`.
         unsafe {
             let (x0, x1, pk) = (w[0].as_ptr(), w[1].as_ptr(), packed.as_ptr());
-            let magic = vdupq_n_s32(MAGIC);
+            let magic = vreinterpretq_f32_s32(vdupq_n_s32(MAGIC));
             let mut acc = [vdupq_n_f32(0.0); P];
             let (m4, eight) = (vdupq_n_u8(0x0F), vdupq_n_s8(8));
-            let mut b = 0;
-            while b < nb {
-                let end = (b + 64).min(nb);
-                let mut run = [magic; P];
-                for i in b..end {
-                    let (r0, r1) = (&*x0.add(i), &*x1.add(i));
-                    let z = zip(
-                        vreinterpretq_s8_u8(vld1q_u8(r0.qs.as_ptr())),
-                        vreinterpretq_s8_u8(vld1q_u8(r1.qs.as_ptr())),
-                    )
-                    .map(|v| vreinterpretq_u8_s8(v));
-                    let lv = |v: uint8x16_t| vsubq_s8(vreinterpretq_s8_u8(v), eight);
-                    let q = [
-                        lv(vandq_u8(z[0], m4)),
-                        lv(vandq_u8(z[1], m4)),
-                        lv(vshrq_n_u8::<4>(z[0])),
-                        lv(vshrq_n_u8::<4>(z[1])),
-                    ];
-                    let dw = f16x4([r0.d, r0.d, r1.d, r1.d]);
-                    for (p, (run, acc)) in run.iter_mut().zip(acc.iter_mut()).enumerate() {
-                        let pb = &*pk.add(i * P + p);
-                        let mut s = *run;
-                        for c in 0..4 {
-                            s = arm::smmla(s, q[c], pb.q[c]);
-                        }
-                        let f = vsubq_f32(vreinterpretq_f32_s32(s), vreinterpretq_f32_s32(*run));
-                        *run = s;
-                        *acc = vfmaq_f32(*acc, f, vmulq_f32(dw, pb.d));
-                    }
+            for i in 0..nb {
+                let (r0, r1) = (&*x0.add(i), &*x1.add(i));
+                let z = zip(
+                    vreinterpretq_s8_u8(vld1q_u8(r0.qs.as_ptr())),
+                    vreinterpretq_s8_u8(vld1q_u8(r1.qs.as_ptr())),
+                )
+                .map(|v| vreinterpretq_u8_s8(v));
+                let lv = |v: uint8x16_t| vsubq_s8(vreinterpretq_s8_u8(v), eight);
+                let q = [
+                    lv(vandq_u8(z[0], m4)),
+                    lv(vandq_u8(z[1], m4)),
+                    lv(vshrq_n_u8::<4>(z[0])),
+                    lv(vshrq_n_u8::<4>(z[1])),
+                ];
+                let dw = f16x4([r0.d, r0.d, r1.d, r1.d]);
+                for (p, acc) in acc.iter_mut().enumerate() {
+                    *acc = pair_step(*acc, &q, dw, magic, pk.add(i * P + p));
                 }
-                b = end;
             }
             acc
         }
@@ -451,9 +559,28 @@ mod mm {
             r += 2;
         }
         if r < rows.end {
-            for (t, v) in views.iter().enumerate() {
-                // SAFETY: dotprod is present (this function's contract).
-                out[t][r - first] = unsafe { dot_core::<Sdot>(row(r), v) };
+            // The last of an odd number of rows: its tokens four at a time in lanes.
+            for (g, v) in views.chunks(4).enumerate() {
+                let t = 4 * g;
+                // SAFETY (every arm): dotprod is present (this function's contract).
+                let got: [f32; 4] = unsafe {
+                    match *v {
+                        [a] => [group_core::<Sdot, 1>(row(r), [a])[0], 0.0, 0.0, 0.0],
+                        [a, b] => {
+                            let [u, v] = group_core::<Sdot, 2>(row(r), [a, b]);
+                            [u, v, 0.0, 0.0]
+                        }
+                        [a, b, c] => {
+                            let [u, v, w] = group_core::<Sdot, 3>(row(r), [a, b, c]);
+                            [u, v, w, 0.0]
+                        }
+                        [a, b, c, d] => group_core::<Sdot, 4>(row(r), [a, b, c, d]),
+                        _ => unreachable!("chunks of at most 4"),
+                    }
+                };
+                for (k, g) in got.iter().enumerate().take(v.len()) {
+                    out[t + k][r - first] = *g;
+                }
             }
         }
     }
@@ -492,20 +619,13 @@ mod mm {
             .fold(row_bytes / std::mem::size_of::<BlockQ4_0>(), |n, v| {
                 n.min(v.blocks.len())
             });
-        let n_pairs = views.len().div_ceil(2);
         PACKED.with(|cell| {
-            let packed = &mut *cell.borrow_mut();
-            packed.clear();
-            for i in 0..nb {
-                for p in 0..n_pairs {
-                    let t1 = (2 * p + 1).min(views.len() - 1);
-                    packed.push(pack(views[2 * p], views[t1], i));
-                }
-            }
+            let ring = &mut *cell.borrow_mut();
+            let packed = ring.get(|p| p.holds(a, nb), |p| p.pack(a, &views, nb));
             // SAFETY (every arm): i8mm is present (this function's contract).
             unsafe {
-                let args = (w, row_bytes, nb, rows, &views[..], &packed[..]);
-                match n_pairs {
+                let args = (w, row_bytes, nb, rows, &views[..], &packed.blocks[..]);
+                match packed.pairs {
                     1 => rows_pairs::<1>(args.0, args.1, args.2, args.3, args.4, args.5, out),
                     2 => rows_pairs::<2>(args.0, args.1, args.2, args.3, args.4, args.5, out),
                     3 => rows_pairs::<3>(args.0, args.1, args.2, args.3, args.4, args.5, out),
