@@ -204,7 +204,11 @@ impl SimdLevel {
     /// Every level this CPU can run, lowest first (always starts with `Scalar`).
     pub fn available() -> Vec<SimdLevel> {
         let top = simd_level();
-        SimdLevel::ALL.iter().copied().filter(|l| *l <= top).collect()
+        SimdLevel::ALL
+            .iter()
+            .copied()
+            .filter(|l| *l <= top)
+            .collect()
     }
 
     /// The best level of this architecture (what the kernels run when nothing caps them).

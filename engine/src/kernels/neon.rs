@@ -35,73 +35,6 @@ pub(crate) unsafe fn sdot(mut acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int
     acc
 }
 
-/// [`sdot`] with the four bytes of `b`'s i32 lane `L` against every lane of `a` (`sdot` by
-/// element): `acc[i] + Σ_{k<4} a[4i + k] · b[4L + k]`.
-///
-/// # Safety
-/// The CPU has FEAT_DotProd.
-#[inline]
-#[target_feature(enable = "dotprod")]
-pub(crate) unsafe fn sdot_lane<const L: i32>(
-    mut acc: int32x4_t,
-    a: int8x16_t,
-    b: int8x16_t,
-) -> int32x4_t {
-    const { assert!(L >= 0 && L < 4) };
-    // SAFETY: register-only instruction of a feature this function requires.
-    unsafe {
-        asm!(
-            "sdot {acc:v}.4s, {a:v}.16b, {b:v}.4b[{l}]",
-            acc = inout(vreg) acc,
-            a = in(vreg) a,
-            b = in(vreg) b,
-            l = const L,
-            options(pure, nomem, nostack, preserves_flags)
-        )
-    };
-    acc
-}
-
-/// The unsigned [`sdot`] (`udot`).
-///
-/// # Safety
-/// The CPU has FEAT_DotProd.
-#[inline]
-#[target_feature(enable = "dotprod")]
-pub(crate) unsafe fn udot(mut acc: uint32x4_t, a: uint8x16_t, b: uint8x16_t) -> uint32x4_t {
-    // SAFETY: register-only instruction of a feature this function requires.
-    unsafe {
-        asm!(
-            "udot {acc:v}.4s, {a:v}.16b, {b:v}.16b",
-            acc = inout(vreg) acc,
-            a = in(vreg) a,
-            b = in(vreg) b,
-            options(pure, nomem, nostack, preserves_flags)
-        )
-    };
-    acc
-}
-
-/// Unsigned `a` by signed `b` [`sdot`] (`usdot`, part of FEAT_I8MM).
-///
-/// # Safety
-/// The CPU has FEAT_I8MM.
-#[inline]
-#[target_feature(enable = "i8mm")]
-pub(crate) unsafe fn usdot(mut acc: int32x4_t, a: uint8x16_t, b: int8x16_t) -> int32x4_t {
-    // SAFETY: register-only instruction of a feature this function requires.
-    unsafe {
-        asm!(
-            "usdot {acc:v}.4s, {a:v}.16b, {b:v}.16b",
-            acc = inout(vreg) acc,
-            a = in(vreg) a,
-            b = in(vreg) b,
-            options(pure, nomem, nostack, preserves_flags)
-        )
-    };
-    acc
-}
-
 /// The 2×2 product of two 2×8 signed byte matrices (`smmla`): with `a` = rows `a0 | a1` (bytes
 /// 0–7 and 8–15) and `b` = rows `b0 | b1`, `acc + [a0·b0, a0·b1, a1·b0, a1·b1]` (8-value dots,
 /// exact in i32).
@@ -135,26 +68,6 @@ pub(crate) unsafe fn usmmla(mut acc: int32x4_t, a: uint8x16_t, b: int8x16_t) -> 
     unsafe {
         asm!(
             "usmmla {acc:v}.4s, {a:v}.16b, {b:v}.16b",
-            acc = inout(vreg) acc,
-            a = in(vreg) a,
-            b = in(vreg) b,
-            options(pure, nomem, nostack, preserves_flags)
-        )
-    };
-    acc
-}
-
-/// [`smmla`] with both sides unsigned (`ummla`).
-///
-/// # Safety
-/// The CPU has FEAT_I8MM.
-#[inline]
-#[target_feature(enable = "i8mm")]
-pub(crate) unsafe fn ummla(mut acc: uint32x4_t, a: uint8x16_t, b: uint8x16_t) -> uint32x4_t {
-    // SAFETY: register-only instruction of a feature this function requires.
-    unsafe {
-        asm!(
-            "ummla {acc:v}.4s, {a:v}.16b, {b:v}.16b",
             acc = inout(vreg) acc,
             a = in(vreg) a,
             b = in(vreg) b,
@@ -324,39 +237,30 @@ mod tests {
         let a: [i8; 16] = std::array::from_fn(|i| (i as i8).wrapping_mul(37).wrapping_sub(100));
         let b: [i8; 16] = std::array::from_fn(|i| (i as i8).wrapping_mul(91).wrapping_add(7));
         let ua: [u8; 16] = std::array::from_fn(|i| (i as u8).wrapping_mul(201));
-        let lane = |i: usize| (0..4).map(|k| a[4 * i + k] as i32 * b[4 * i + k] as i32).sum();
+        let lane = |i: usize| {
+            (0..4)
+                .map(|k| a[4 * i + k] as i32 * b[4 * i + k] as i32)
+                .sum()
+        };
         let want: [i32; 4] = std::array::from_fn(lane);
         let mut got = [0i32; 4];
-        let mut got_lane = [0i32; 4];
-        let mut got_u = [0u32; 4];
         // SAFETY: dotprod is present (checked); the arrays hold 16 bytes / 4 lanes.
         unsafe {
             let (va, vb) = (vld1q_s8(a.as_ptr()), vld1q_s8(b.as_ptr()));
             vst1q_s32(got.as_mut_ptr(), sdot(vdupq_n_s32(1), va, vb));
-            vst1q_s32(got_lane.as_mut_ptr(), sdot_lane::<2>(vdupq_n_s32(0), va, vb));
-            let vu = vld1q_u8(ua.as_ptr());
-            vst1q_u32(got_u.as_mut_ptr(), udot(vdupq_n_u32(0), vu, vu));
         }
         assert_eq!(got, want.map(|v| v + 1));
-        let by_lane: [i32; 4] =
-            std::array::from_fn(|i| (0..4).map(|k| a[4 * i + k] as i32 * b[8 + k] as i32).sum());
-        assert_eq!(got_lane, by_lane);
-        let sq: [u32; 4] =
-            std::array::from_fn(|i| (0..4).map(|k| (ua[4 * i + k] as u32).pow(2)).sum());
-        assert_eq!(got_u, sq);
         if !std::arch::is_aarch64_feature_detected!("i8mm") {
             eprintln!("no i8mm on this CPU: its wrappers are not run");
             return;
         }
         let mut mm = [0i32; 4];
-        let mut us = [0i32; 4];
         let mut usm = [0i32; 4];
         // SAFETY: i8mm is present (checked).
         unsafe {
             let (va, vb) = (vld1q_s8(a.as_ptr()), vld1q_s8(b.as_ptr()));
             vst1q_s32(mm.as_mut_ptr(), smmla(vdupq_n_s32(0), va, vb));
             let vu = vld1q_u8(ua.as_ptr());
-            vst1q_s32(us.as_mut_ptr(), usdot(vdupq_n_s32(0), vu, vb));
             vst1q_s32(usm.as_mut_ptr(), usmmla(vdupq_n_s32(0), vu, vb));
         }
         let dot8 = |x: &dyn Fn(usize) -> i32, r: usize, c: usize| -> i32 {
@@ -364,11 +268,24 @@ mod tests {
         };
         let sa = |i: usize| a[i] as i32;
         let ub = |i: usize| ua[i] as i32;
-        assert_eq!(mm, [dot8(&sa, 0, 0), dot8(&sa, 0, 1), dot8(&sa, 1, 0), dot8(&sa, 1, 1)]);
-        assert_eq!(usm, [dot8(&ub, 0, 0), dot8(&ub, 0, 1), dot8(&ub, 1, 0), dot8(&ub, 1, 1)]);
-        let us_want: [i32; 4] =
-            std::array::from_fn(|i| (0..4).map(|k| ub(4 * i + k) * b[4 * i + k] as i32).sum());
-        assert_eq!(us, us_want);
+        assert_eq!(
+            mm,
+            [
+                dot8(&sa, 0, 0),
+                dot8(&sa, 0, 1),
+                dot8(&sa, 1, 0),
+                dot8(&sa, 1, 1)
+            ]
+        );
+        assert_eq!(
+            usm,
+            [
+                dot8(&ub, 0, 0),
+                dot8(&ub, 0, 1),
+                dot8(&ub, 1, 0),
+                dot8(&ub, 1, 1)
+            ]
+        );
     }
 
     /// [`reduce8`] is the scalar tree.

@@ -251,6 +251,7 @@ impl Activation for ActQ8K {
 }
 
 /// Which of the block sums a [`Lanes`] kernel reads (only those are packed).
+#[cfg(target_arch = "x86_64")]
 #[derive(Copy, Clone, PartialEq, Eq, Debug)]
 pub(super) enum LaneSums {
     /// `sums[4b + i][t]`: the pair sums `bsum_4i + bsum_4i+1` and `bsum_4i+2 + bsum_4i+3` as
@@ -267,6 +268,7 @@ pub(super) enum LaneSums {
 /// scale. Lanes past the last token are zero. Kept per thread ([`LaneCache`]): it never
 /// reallocates once grown, and a later call on the same tokens (a product's row bands are one
 /// call each) reuses it.
+#[cfg(target_arch = "x86_64")]
 #[derive(Default)]
 pub(super) struct Lanes {
     pub qs: Vec<[i32; WIDE]>,
@@ -350,9 +352,11 @@ pub(super) fn by_row_steps<const STEP: usize>(
 }
 
 /// The Q8_K packings of one thread.
+#[cfg(target_arch = "x86_64")]
 #[derive(Default)]
 pub(super) struct LaneCache(PackRing<Lanes>);
 
+#[cfg(target_arch = "x86_64")]
 impl LaneCache {
     /// The first `nb` blocks of each of `acts` (at most [`WIDE`], each prepared as Q8_K with
     /// at least `nb` blocks) packed with the block sums laid out as `sums` says: a slot that
@@ -363,6 +367,7 @@ impl LaneCache {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
 impl Lanes {
     /// True when the lanes hold exactly these tokens' first `nb` blocks in layout `sums`.
     fn holds(&self, acts: &[&ActBuf], nb: usize, sums: LaneSums) -> bool {
