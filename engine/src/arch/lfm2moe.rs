@@ -198,7 +198,10 @@ struct ShortConv {
 /// How a layer mixes its positions.
 enum Mixer {
     Conv(ShortConv),
-    Attn { w: AttnWeights, shape: AttnShape },
+    Attn {
+        w: Box<AttnWeights>,
+        shape: AttnShape,
+    },
 }
 
 /// A leading dense layer's FFN.
@@ -265,7 +268,7 @@ impl Lfm2Moe {
                     });
                 }
                 let kv = hp.n_head_kv[i];
-                let w = AttnWeights {
+                let w = Box::new(AttnWeights {
                     q: ld.mat(&n("attn_q"), d, d)?,
                     k: ld.mat(&n("attn_k"), d, kv * hd)?,
                     v: ld.mat(&n("attn_v"), d, kv * hd)?,
@@ -275,7 +278,7 @@ impl Lfm2Moe {
                     v_bias: None,
                     q_norm: Some(ld.vector(&n("attn_q_norm"), hd)?),
                     k_norm: Some(ld.vector(&n("attn_k_norm"), hd)?),
-                };
+                });
                 let shape = AttnShape {
                     n_head: hp.n_head,
                     n_head_kv: kv,
@@ -559,7 +562,7 @@ mod tests {
                 "attention.head_count_kv",
             ),
         ] {
-            let e = error(&file_with(&[change.clone()]));
+            let e = error(&file_with(std::slice::from_ref(&change)));
             assert!(e.contains(&format!("{ARCH}.{key}")), "{change:?}: {e}");
         }
     }
