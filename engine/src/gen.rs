@@ -1,5 +1,5 @@
 //! The synthetic model generator behind `bmoe-cli gen`: complete, loadable GGUF files of every
-//! architecture the engine runs (`--arch`: qwen3moe, qwen2moe, gemma4, gpt-oss) with deterministic random
+//! architecture the engine runs (`--arch`: qwen3moe, qwen2moe, gemma4, gpt-oss, lfm2moe) with deterministic random
 //! weights, a real tokenizer and chat template, so tests and benchmarks make the models they
 //! need and no model file is ever committed. Each file follows llama.cpp's tensor names and
 //! metadata for its architecture, so llama.cpp loads it too (the parity gates).
@@ -24,12 +24,14 @@
 
 mod gemma4;
 mod gpt_oss;
+mod lfm2moe;
 mod llama;
 mod mix;
 mod qwen2moe;
 mod qwen3moe;
 
 pub use gemma4::GemmaShape;
+pub use lfm2moe::Lfm2Shape;
 
 pub use mix::Ftype;
 
@@ -54,10 +56,14 @@ pub enum GenArch {
     /// gpt-oss: attention sinks, sliding-window layers, YaRN, biases everywhere, clamped
     /// SwiGLU experts, top-k then softmax.
     GptOss,
+    /// LFM2 MoE: short-convolution and attention layers, leading dense FFN layers, sigmoid
+    /// routing with a selection bias.
+    Lfm2Moe,
 }
 
 impl GenArch {
-    pub const NAMES: &'static [&'static str] = &["qwen3moe", "qwen2moe", "gemma4", "gpt-oss"];
+    pub const NAMES: &'static [&'static str] =
+        &["qwen3moe", "qwen2moe", "gemma4", "gpt-oss", "lfm2moe"];
 
     pub fn from_name(s: &str) -> Option<GenArch> {
         match s {
@@ -65,6 +71,7 @@ impl GenArch {
             "qwen2moe" => Some(GenArch::Qwen2Moe),
             "gemma4" => Some(GenArch::Gemma4),
             "gpt-oss" => Some(GenArch::GptOss),
+            "lfm2moe" => Some(GenArch::Lfm2Moe),
             _ => None,
         }
     }
@@ -75,6 +82,7 @@ impl GenArch {
             GenArch::Qwen2Moe => "qwen2moe",
             GenArch::Gemma4 => "gemma4",
             GenArch::GptOss => "gpt-oss",
+            GenArch::Lfm2Moe => "lfm2moe",
         }
     }
 
@@ -114,6 +122,7 @@ impl GenArch {
             GenArch::Qwen2Moe => &qwen2moe::Qwen2Moe,
             GenArch::Gemma4 => &gemma4::Gemma4,
             GenArch::GptOss => &gpt_oss::GptOss,
+            GenArch::Lfm2Moe => &lfm2moe::Lfm2Moe,
         }
     }
 }
@@ -140,6 +149,8 @@ pub struct ModelShape {
     pub tie_output: bool,
     /// gemma4's layer pattern and global-layer attention (`None` for other architectures).
     pub gemma: Option<GemmaShape>,
+    /// lfm2moe's layer pattern, convolution and dense layers (`None` for other architectures).
+    pub lfm2: Option<Lfm2Shape>,
     /// Sliding window of the sliding layers (gpt-oss; 0 = every layer attends fully).
     pub n_swa: u32,
     /// YaRN context extension factor (gpt-oss; 0 = no rope scaling) and its original
@@ -185,6 +196,10 @@ pub enum Preset {
     GptOss20bShape,
     /// The full shape of gpt-oss-120b: as 20b with 36 layers and 128 experts (~62 GB).
     GptOss120bShape,
+    /// The full shape of LFM2-8B-A1B (lfm2moe): 24 layers (attention at 2, 6, 10, 14, 18, 21,
+    /// short convolutions of width 3 elsewhere), the first two dense (FFN 7168), 32 experts,
+    /// top-4, d_model 2048, expert FFN 1792, 32 heads of 64 with 8 KV heads; ~5 GB at Q4_K_M.
+    Lfm2_8bA1bShape,
 }
 
 /// `--routing-depth`'s default: flat previous-token reuse over depth on the pre-norm
@@ -208,6 +223,7 @@ impl Preset {
         "gemma-4-26b-a4b-shape",
         "gpt-oss-20b-shape",
         "gpt-oss-120b-shape",
+        "lfm2-8b-a1b-shape",
     ];
 
     pub const ALL: &'static [Preset] = &[
@@ -221,6 +237,7 @@ impl Preset {
         Preset::Gemma4_26bA4bShape,
         Preset::GptOss20bShape,
         Preset::GptOss120bShape,
+        Preset::Lfm2_8bA1bShape,
     ];
 
     pub fn from_name(s: &str) -> Option<Preset> {
@@ -235,6 +252,7 @@ impl Preset {
             "gemma-4-26b-a4b-shape" => Some(Preset::Gemma4_26bA4bShape),
             "gpt-oss-20b-shape" => Some(Preset::GptOss20bShape),
             "gpt-oss-120b-shape" => Some(Preset::GptOss120bShape),
+            "lfm2-8b-a1b-shape" => Some(Preset::Lfm2_8bA1bShape),
             _ => None,
         }
     }
@@ -251,6 +269,7 @@ impl Preset {
             Preset::Gemma4_26bA4bShape => "gemma-4-26b-a4b-shape",
             Preset::GptOss20bShape => "gpt-oss-20b-shape",
             Preset::GptOss120bShape => "gpt-oss-120b-shape",
+            Preset::Lfm2_8bA1bShape => "lfm2-8b-a1b-shape",
         }
     }
 
@@ -263,6 +282,7 @@ impl Preset {
             Preset::Qwen15MoeA27bShape | Preset::DeepseekV2LiteShape => Some(GenArch::Qwen2Moe),
             Preset::Gemma4_26bA4bShape => Some(GenArch::Gemma4),
             Preset::GptOss20bShape | Preset::GptOss120bShape => Some(GenArch::GptOss),
+            Preset::Lfm2_8bA1bShape => Some(GenArch::Lfm2Moe),
         }
     }
 
@@ -306,6 +326,7 @@ impl Preset {
             rms_eps: 1e-6,
             tie_output: false,
             gemma: None,
+            lfm2: None,
             n_swa: 0,
             yarn_factor: 0.0,
             yarn_orig_ctx: 0,
@@ -401,6 +422,7 @@ impl Preset {
             },
             Preset::GptOss20bShape => gpt_oss::full_shape(24, 32),
             Preset::GptOss120bShape => gpt_oss::full_shape(36, 128),
+            Preset::Lfm2_8bA1bShape => lfm2moe::full_shape(),
         }
     }
 
@@ -417,7 +439,8 @@ impl Preset {
             | Preset::Mixtral8x7bShape
             | Preset::Gemma4_26bA4bShape
             | Preset::GptOss20bShape
-            | Preset::GptOss120bShape => 0.7,
+            | Preset::GptOss120bShape
+            | Preset::Lfm2_8bA1bShape => 0.7,
         }
     }
 
@@ -432,7 +455,8 @@ impl Preset {
             | Preset::Qwen15MoeA27bShape
             | Preset::DeepseekV2LiteShape
             | Preset::Mixtral8x7bShape
-            | Preset::Gemma4_26bA4bShape => TypeScheme::q4_k_m(),
+            | Preset::Gemma4_26bA4bShape
+            | Preset::Lfm2_8bA1bShape => TypeScheme::q4_k_m(),
             // As the published files: MXFP4 experts, Q8_0 elsewhere.
             Preset::GptOss20bShape | Preset::GptOss120bShape => TypeScheme::ftype(Ftype::MXFP4_MOE),
         }
@@ -640,6 +664,13 @@ enum Want {
     Keep(GgmlType),
     /// A weight `llama-quantize` would quantize, of this layer (`None` outside the layers).
     Weight(Option<u32>),
+    /// An `attn_v` weight of layer `layer` in a file where not every layer has one
+    /// (lfm2moe): llama-quantize ranks it among the file's `of` attn_v tensors.
+    AttnV {
+        layer: u32,
+        rank: u32,
+        of: u32,
+    },
 }
 
 impl GenOptions {
@@ -796,7 +827,12 @@ impl GenOptions {
         mix::Model {
             n_layer: s.n_layer,
             n_expert: s.n_expert,
-            n_gqa: s.n_head / s.n_head_kv.max(1),
+            // llama.cpp's `n_gqa()` is layer 0's: 0 where layer 0 has no KV heads (an lfm2moe
+            // convolution).
+            n_gqa: match &s.lfm2 {
+                Some(l) if !l.attends(0) => 0,
+                _ => s.n_head / s.n_head_kv.max(1),
+            },
             tied: s.tie_output,
         }
     }
@@ -813,11 +849,17 @@ impl GenOptions {
     ) -> Planned {
         let ty = match want {
             Want::Keep(t) => t,
-            Want::Weight(layer) => {
+            Want::Weight(_) | Want::AttnV { .. } => {
+                let (layer, attn_v_rank) = match want {
+                    Want::AttnV { layer, rank, of } => (Some(layer), Some((rank, of))),
+                    Want::Weight(layer) => (layer, None),
+                    Want::Keep(_) => (None, None),
+                };
                 let w = mix::Weight {
                     name: &name,
                     layer,
                     dims,
+                    attn_v_rank,
                 };
                 let (wanted, ty) = self.types.choose(&w, model);
                 if ty != wanted {

@@ -534,7 +534,16 @@ impl<A: Arch + ?Sized> Backend for EngineBackend<A> {
         self.state.reusable_prefix(n as usize) as u32
     }
 
-    /// A copy of every layer's KV rows `0..n` (this architecture has no recurrent state).
+    /// Whether any layer holds a recurrent state (lfm2moe's convolutions), which stands only
+    /// where the last step ended.
+    fn keeps_prefix_where_it_stands(&self) -> bool {
+        self.state
+            .mem
+            .iter()
+            .any(|m| matches!(m, crate::arch::Memory::Recurrent(_)))
+    }
+
+    /// A copy of every layer's KV rows `0..n`, and of a recurrent state standing at `n`.
     fn keep_prefix(&mut self, n: u32) -> Result<Option<u64>, StreamError> {
         // A sliding-window ring fed far past `n` no longer holds the window before it: such a
         // copy could not be continued from, so none is kept (the next decide feeds it all).

@@ -27,6 +27,14 @@ const ARCHS: &[(&str, &str)] = &[
     ("gpt-oss", "topk_softmax"),
 ];
 
+/// Architectures held to the byte-identity gates only, not yet to parity and replay (issue 32):
+/// lfm2moe's lossless files match llama.cpp (F32, F16, the gguf-py rewrite: top-1 and cos
+/// 1.000000 on every position of seeds 11-13), but its sigmoid routing flips near-ties more
+/// often than the softmax families', so llama-quantize's Q4_K_M sat at 97.8 % of positions,
+/// under the 98 % bar (ours: Q8_0 98.8 %, Q4_K_M 99.3 %); and `bmoe-sim replay` of its route
+/// trace reads other bytes than the engine from the first decode step on.
+const STREAMED_ONLY: &[&str] = &["lfm2moe"];
+
 /// Further weight types an architecture's files come in, held to parity ours and
 /// llama-quantize's (gpt-oss ships MXFP4 experts with Q8_0 elsewhere).
 const EXTRA_TYPES: &[(&str, &str)] = &[("gpt-oss", "mxfp4_moe")];
@@ -200,7 +208,11 @@ fn resident(m: &Path) -> (Vec<u32>, String) {
 
 #[test]
 fn every_architecture_streams_byte_identical_to_resident() {
-    for (arch, _) in ARCHS {
+    for arch in ARCHS
+        .iter()
+        .map(|(a, _)| *a)
+        .chain(STREAMED_ONLY.iter().copied())
+    {
         let m = model(
             &format!("arch-{arch}-default"),
             &["--arch", arch, "--preset", "tiny", "--seed", "7"],

@@ -459,6 +459,14 @@ pub trait Backend {
         Ok(None)
     }
 
+    /// Whether [`Backend::keep_prefix`]`(n)` can keep a state only right after a step that
+    /// ended at position `n - 1` (a recurrent layer's state stands where it was last fed):
+    /// then a decide splits its prefill at the prefix and keeps it between the two steps.
+    /// False by default (every layer's memory of `0..n` outlives later positions).
+    fn keeps_prefix_where_it_stands(&self) -> bool {
+        false
+    }
+
     /// Put the kept state back: afterwards positions `0..n` read exactly as they did when
     /// `keep_prefix(n)` copied them, whatever was fed since. Returns `n`, or `None` when
     /// nothing is kept (the default).

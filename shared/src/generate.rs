@@ -297,6 +297,12 @@ pub struct Session<C: Clock, F: Flash, B: Backend> {
     kept_prefix: Option<Vec<u32>>,
     /// The bytes that state holds.
     kept_bytes: u64,
+    /// A decide's prefix length when its prefix state must be kept during the prefill (a
+    /// backend whose recurrent state stands only where the last step ended): the prefill
+    /// splits there and keeps it ([`Backend::keeps_prefix_where_it_stands`]).
+    keep_during_prefill: Option<u32>,
+    /// What keeping it during the prefill returned (`keep_prefix`'s bytes, or `None`).
+    kept_during_prefill: Option<Option<u64>>,
 }
 
 impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
@@ -324,6 +330,8 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
             prefix_cache: true,
             kept_prefix: None,
             kept_bytes: 0,
+            keep_during_prefill: None,
+            kept_during_prefill: None,
         }
     }
 
@@ -503,6 +511,15 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
             self.truncate_context(0);
         }
         let positions: Vec<u32> = (reuse..n as u32).collect();
+        let p = req.prefix_len;
+        // A recurrent state stands only where the last step ended: the prefix state is kept
+        // between two steps of the prefill, split at the prefix.
+        self.kept_during_prefill = None;
+        self.keep_during_prefill = (self.prefix_cache
+            && p > reuse
+            && (p as usize) < n
+            && self.engine.backend().keeps_prefix_where_it_stands())
+        .then_some(p);
         let turn = self.run_turn(
             &TurnRequest {
                 prompt: &req.tokens[reuse as usize..],
@@ -511,7 +528,10 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
             },
             &mut Prefill,
             out,
-        )?;
+        );
+        self.keep_during_prefill = None;
+        let kept_early = self.kept_during_prefill.take();
+        let turn = turn?;
         let mut outcome = DecideOutcome {
             turn: turn.turn,
             cancelled: turn.stop == StopReason::Cancelled,
@@ -527,7 +547,13 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
             error: turn.error,
         };
         if outcome.error.is_some() || outcome.cancelled {
-            // Nothing ran past the restore: the kept state is as it was.
+            if kept_early.is_some() {
+                // The prefill replaced the kept state before it stopped: keep nothing.
+                self.engine.backend_mut().drop_prefix();
+                self.kept_prefix = None;
+                self.kept_bytes = 0;
+            }
+            // Otherwise nothing ran past the restore: the kept state is as it was.
             outcome.prefix_state_bytes = self.kept_bytes;
             return Ok(Ok(outcome));
         }
@@ -536,18 +562,20 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
         })?;
         outcome.choice_logp = choice_logp(logits, req.choices);
         outcome.best = best(&outcome.choice_logp);
-        let p = req.prefix_len;
         if !self.prefix_cache || p == 0 {
             self.forget_prefix();
         } else if reuse != p {
             // The kept state becomes this prefix's (when the prefix equals the kept one, the
             // kept copy already is exactly that).
             let t0 = self.engine.clock().now();
-            let kept = self
-                .engine
-                .backend_mut()
-                .keep_prefix(p)
-                .map_err(|e| GenerateError::State(Box::new(e)))?;
+            let kept = match kept_early {
+                Some(kept) => kept,
+                None => self
+                    .engine
+                    .backend_mut()
+                    .keep_prefix(p)
+                    .map_err(|e| GenerateError::State(Box::new(e)))?,
+            };
             outcome.store_s = (self.engine.clock().now() - t0).as_secs_f64();
             match kept {
                 Some(bytes) => {
@@ -614,7 +642,19 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
                 0 => req.prompt.len(),
                 n => n,
             };
+            // A decide keeping its prefix state during the prefill: the steps split there too.
+            let keep_at = self.keep_during_prefill;
+            let mut steps: Vec<(&[u32], &[u32])> = Vec::new();
             for (tokens, positions) in req.prompt.chunks(chunk).zip(req.positions.chunks(chunk)) {
+                match keep_at.and_then(|p| positions.iter().position(|&q| q == p)) {
+                    Some(i) if i > 0 => {
+                        steps.push((&tokens[..i], &positions[..i]));
+                        steps.push((&tokens[i..], &positions[i..]));
+                    }
+                    _ => steps.push((tokens, positions)),
+                }
+            }
+            for (tokens, positions) in steps {
                 if n_prompt > 0 && self.stopping() {
                     stop = StopReason::Cancelled;
                     break;
@@ -644,6 +684,14 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
                         n_prompt += tokens.len() as u64;
                         for (&t, &p) in tokens.iter().zip(positions) {
                             self.feed(t, p);
+                        }
+                        if let Some(p) = keep_at.filter(|&p| positions.last() == Some(&(p - 1))) {
+                            let kept = self
+                                .engine
+                                .backend_mut()
+                                .keep_prefix(p)
+                                .map_err(|e| GenerateError::State(Box::new(e)))?;
+                            self.kept_during_prefill = Some(kept);
                         }
                     }
                     Err(e) => {

@@ -16,6 +16,7 @@ pub mod common;
 pub mod gemma4;
 pub mod gpt_oss;
 pub mod layers;
+pub mod lfm2moe;
 pub mod meta;
 pub mod qwen2moe;
 pub mod qwen3moe;
@@ -290,6 +291,11 @@ pub const REGISTRY: &[ArchEntry] = &[
         name: gpt_oss::ARCH,
         about: "gpt-oss (gpt-oss-20b, gpt-oss-120b): top-k on the raw router logits (biased), softmax over the k, clamped-SwiGLU experts with per-expert biases, attention sinks, sliding-window layers on a ring KV",
         load: gpt_oss::load,
+    },
+    ArchEntry {
+        name: lfm2moe::ARCH,
+        about: "LFM2 MoE (LFM2-8B-A1B): short-convolution layers (a recurrent window) and GQA attention layers, leading dense FFN layers, sigmoid routing selected with a per-expert bias and renormalised without it, SiLU-gated split experts",
+        load: lfm2moe::load,
     },
 ];
 
@@ -1251,8 +1257,9 @@ mod tests {
     /// A layer's experts computed together ([`Model::experts_together`]) land in every (row,
     /// rank) slot with exactly the bits of computing them one by one ([`Model::expert`]), at
     /// every layer, for K-quant experts (Q4_K gate/up, Q6_K down) and Q8_0 ones, qwen3moe,
-    /// qwen2moe (its shared expert beside them), gpt-oss (biased experts) and gemma4 (a fused
-    /// gate_up split in halves, GELU, a scale per expert), on 2 threads:
+    /// qwen2moe (its shared expert beside them), gpt-oss (biased experts), gemma4 (a fused
+    /// gate_up split in halves, GELU, a scale per expert) and lfm2moe (sigmoid routing with a
+    /// selection bias, a dense first layer, short-conv layers), on 2 threads:
     /// decode steps (one row) and a prefill batch of 40 rows (about 10 per expert: some get
     /// one, some more than 8, so the one-token, grouped and lanes kernels all run; layer 1 in
     /// groups of at most 7 rows). The logits of the two
@@ -1265,6 +1272,7 @@ mod tests {
             (gen::GenArch::Qwen2Moe, "q4_k_m"),
             (gen::GenArch::GptOss, "mxfp4_moe"),
             (gen::GenArch::Gemma4, "q4_k_m"),
+            (gen::GenArch::Lfm2Moe, "q4_k_m"),
         ] {
             let types = TypeScheme::from_name(scheme).unwrap();
             let model = tiny_model(arch, scheme, types);

@@ -774,14 +774,22 @@ impl State {
     }
 
     /// The longest prefix of at most `n` positions the next batch can continue from: `n`
-    /// when every layer holds what a batch starting there reads, else 0 (a ring that moved on
-    /// past its slack, a recurrent state that stands elsewhere: the prompt is fed again, as
-    /// llama.cpp does for its sliding and recurrent layers).
+    /// when every layer holds what a batch starting there reads; else where the recurrent
+    /// layers stand, when that is below `n` and every layer holds what a batch starting there
+    /// reads (a chat whose last sampled token was never fed: its state stands one short of the
+    /// context); else 0 (a ring that moved on past its slack, a recurrent state past `n`: the
+    /// prompt is fed again, as llama.cpp does for its sliding and recurrent layers).
     pub fn reusable_prefix(&self, n: usize) -> usize {
         if self.mem.iter().all(|l| l.holds_before(n)) {
-            n
-        } else {
-            0
+            return n;
+        }
+        let stands = self.mem.iter().find_map(|l| match l {
+            Memory::Recurrent(r) => Some(r.seen),
+            _ => None,
+        });
+        match stands {
+            Some(m) if m < n && self.mem.iter().all(|l| l.holds_before(m)) => m,
+            _ => 0,
         }
     }
 
@@ -948,6 +956,8 @@ mod tests {
         // Where it stands, and from the start, a batch may begin; nowhere else.
         assert_eq!(st.reusable_prefix(3), 3);
         assert_eq!(st.reusable_prefix(2), 0);
+        // A longer prefix continues where the state stands.
+        assert_eq!(st.reusable_prefix(5), 3);
         let r = st.mem[0].recurrent(0).unwrap();
         let e = r.begin(0, &[2]).unwrap_err().to_string();
         assert!(e.contains("cannot roll back"), "{e}");

@@ -154,6 +154,10 @@ pub struct Weight<'a> {
     pub layer: Option<u32>,
     /// GGUF dims, `dims[0]` the row length.
     pub dims: &'a [u64],
+    /// An `attn_v` weight in a file where only some layers attend (lfm2moe): its rank among
+    /// the file's attn_v tensors and their count, which llama-quantize's choice reads in
+    /// place of the layer and the layer count.
+    pub attn_v_rank: Option<(u32, u32)>,
 }
 
 /// llama-quantize's `use_more_bits`: the layers its mixes give more bits (the first and last
@@ -204,8 +208,9 @@ fn preset_choice(ftype: Ftype, base: GgmlType, w: &Weight, m: &Model) -> GgmlTyp
     }
     match cat {
         Category::AttnV => {
-            // llama-quantize counts attn_v tensors in layer order: one per layer here.
-            let i = layer;
+            // llama-quantize counts attn_v tensors in file order: one per layer, or as the
+            // file ranks them where only some layers attend.
+            let (i, n_layer) = w.attn_v_rank.unwrap_or((layer, n_layer));
             let mut t = match ftype {
                 F::Q2_K if m.n_gqa >= 4 => T::Q4_K,
                 F::Q2_K => T::Q3_K,
@@ -337,6 +342,7 @@ mod tests {
             name,
             layer: Some(layer),
             dims,
+            attn_v_rank: None,
         }
     }
 
