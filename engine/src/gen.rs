@@ -27,9 +27,11 @@ mod gpt_oss;
 mod llama;
 mod mix;
 mod qwen2moe;
+mod qwen35moe;
 mod qwen3moe;
 
 pub use gemma4::GemmaShape;
+pub use qwen35moe::Qwen35Shape;
 
 pub use mix::Ftype;
 
@@ -54,10 +56,14 @@ pub enum GenArch {
     /// gpt-oss: attention sinks, sliding-window layers, YaRN, biases everywhere, clamped
     /// SwiGLU experts, top-k then softmax.
     GptOss,
+    /// Qwen3.5/3.6 MoE: Gated DeltaNet layers with gated full attention every few, a
+    /// sigmoid-gated shared expert, an MTP block.
+    Qwen35Moe,
 }
 
 impl GenArch {
-    pub const NAMES: &'static [&'static str] = &["qwen3moe", "qwen2moe", "gemma4", "gpt-oss"];
+    pub const NAMES: &'static [&'static str] =
+        &["qwen3moe", "qwen2moe", "gemma4", "gpt-oss", "qwen35moe"];
 
     pub fn from_name(s: &str) -> Option<GenArch> {
         match s {
@@ -65,6 +71,7 @@ impl GenArch {
             "qwen2moe" => Some(GenArch::Qwen2Moe),
             "gemma4" => Some(GenArch::Gemma4),
             "gpt-oss" => Some(GenArch::GptOss),
+            "qwen35moe" => Some(GenArch::Qwen35Moe),
             _ => None,
         }
     }
@@ -75,6 +82,7 @@ impl GenArch {
             GenArch::Qwen2Moe => "qwen2moe",
             GenArch::Gemma4 => "gemma4",
             GenArch::GptOss => "gpt-oss",
+            GenArch::Qwen35Moe => "qwen35moe",
         }
     }
 
@@ -114,6 +122,7 @@ impl GenArch {
             GenArch::Qwen2Moe => &qwen2moe::Qwen2Moe,
             GenArch::Gemma4 => &gemma4::Gemma4,
             GenArch::GptOss => &gpt_oss::GptOss,
+            GenArch::Qwen35Moe => &qwen35moe::Qwen35Moe,
         }
     }
 }
@@ -140,6 +149,8 @@ pub struct ModelShape {
     pub tie_output: bool,
     /// gemma4's layer pattern and global-layer attention (`None` for other architectures).
     pub gemma: Option<GemmaShape>,
+    /// qwen35moe's layer pattern, DeltaNet and rope dimensions (`None` for other architectures).
+    pub qwen35: Option<Qwen35Shape>,
     /// Sliding window of the sliding layers (gpt-oss; 0 = every layer attends fully).
     pub n_swa: u32,
     /// YaRN context extension factor (gpt-oss; 0 = no rope scaling) and its original
@@ -185,6 +196,10 @@ pub enum Preset {
     GptOss20bShape,
     /// The full shape of gpt-oss-120b: as 20b with 36 layers and 128 experts (~62 GB).
     GptOss120bShape,
+    /// The full shape of Qwen3.6-35B-A3B (qwen35moe; Qwen3.5-35B-A3B is the same): 40 layers
+    /// (three Gated DeltaNet to one gated attention) and an MTP block, 256 experts, top-8,
+    /// d_model 2048, expert FFN 512, shared expert 512, 16 heads of 256 (2 KV).
+    Qwen36_35bA3bShape,
 }
 
 /// `--routing-depth`'s default: flat previous-token reuse over depth on the pre-norm
@@ -208,6 +223,7 @@ impl Preset {
         "gemma-4-26b-a4b-shape",
         "gpt-oss-20b-shape",
         "gpt-oss-120b-shape",
+        "qwen3.6-35b-a3b-shape",
     ];
 
     pub const ALL: &'static [Preset] = &[
@@ -221,6 +237,7 @@ impl Preset {
         Preset::Gemma4_26bA4bShape,
         Preset::GptOss20bShape,
         Preset::GptOss120bShape,
+        Preset::Qwen36_35bA3bShape,
     ];
 
     pub fn from_name(s: &str) -> Option<Preset> {
@@ -235,6 +252,7 @@ impl Preset {
             "gemma-4-26b-a4b-shape" => Some(Preset::Gemma4_26bA4bShape),
             "gpt-oss-20b-shape" => Some(Preset::GptOss20bShape),
             "gpt-oss-120b-shape" => Some(Preset::GptOss120bShape),
+            "qwen3.6-35b-a3b-shape" | "qwen3.5-35b-a3b-shape" => Some(Preset::Qwen36_35bA3bShape),
             _ => None,
         }
     }
@@ -251,6 +269,7 @@ impl Preset {
             Preset::Gemma4_26bA4bShape => "gemma-4-26b-a4b-shape",
             Preset::GptOss20bShape => "gpt-oss-20b-shape",
             Preset::GptOss120bShape => "gpt-oss-120b-shape",
+            Preset::Qwen36_35bA3bShape => "qwen3.6-35b-a3b-shape",
         }
     }
 
@@ -263,6 +282,7 @@ impl Preset {
             Preset::Qwen15MoeA27bShape | Preset::DeepseekV2LiteShape => Some(GenArch::Qwen2Moe),
             Preset::Gemma4_26bA4bShape => Some(GenArch::Gemma4),
             Preset::GptOss20bShape | Preset::GptOss120bShape => Some(GenArch::GptOss),
+            Preset::Qwen36_35bA3bShape => Some(GenArch::Qwen35Moe),
         }
     }
 
@@ -306,6 +326,7 @@ impl Preset {
             rms_eps: 1e-6,
             tie_output: false,
             gemma: None,
+            qwen35: None,
             n_swa: 0,
             yarn_factor: 0.0,
             yarn_orig_ctx: 0,
@@ -401,6 +422,28 @@ impl Preset {
             },
             Preset::GptOss20bShape => gpt_oss::full_shape(24, 32),
             Preset::GptOss120bShape => gpt_oss::full_shape(36, 128),
+            // Qwen/Qwen3.6-35B-A3B's config.json (`text_config`): hidden_size 2048,
+            // num_hidden_layers 40, num_experts 256, num_experts_per_tok 8,
+            // moe_intermediate_size 512, shared_expert_intermediate_size 512,
+            // num_attention_heads 16, num_key_value_heads 2, head_dim 256, rope_theta 1e7,
+            // max_position_embeddings 262144, rms_norm_eps 1e-6 (llama.cpp names a 40-layer
+            // qwen35moe 35B-A3B).
+            Preset::Qwen36_35bA3bShape => ModelShape {
+                arch: GenArch::Qwen35Moe,
+                n_layer: 40,
+                n_expert: 256,
+                n_expert_used: 8,
+                d_model: 2048,
+                n_ff_exp: 512,
+                n_ff_shexp: 512,
+                n_head: 16,
+                n_head_kv: 2,
+                head_dim: 256,
+                n_ctx_train: 262_144,
+                rope_base: 10_000_000.0,
+                qwen35: Some(Qwen35Shape::qwen36_35b_a3b()),
+                ..base
+            },
         }
     }
 
@@ -417,7 +460,8 @@ impl Preset {
             | Preset::Mixtral8x7bShape
             | Preset::Gemma4_26bA4bShape
             | Preset::GptOss20bShape
-            | Preset::GptOss120bShape => 0.7,
+            | Preset::GptOss120bShape
+            | Preset::Qwen36_35bA3bShape => 0.7,
         }
     }
 
@@ -432,7 +476,8 @@ impl Preset {
             | Preset::Qwen15MoeA27bShape
             | Preset::DeepseekV2LiteShape
             | Preset::Mixtral8x7bShape
-            | Preset::Gemma4_26bA4bShape => TypeScheme::q4_k_m(),
+            | Preset::Gemma4_26bA4bShape
+            | Preset::Qwen36_35bA3bShape => TypeScheme::q4_k_m(),
             // As the published files: MXFP4 experts, Q8_0 elsewhere.
             Preset::GptOss20bShape | Preset::GptOss120bShape => TypeScheme::ftype(Ftype::MXFP4_MOE),
         }

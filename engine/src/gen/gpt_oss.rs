@@ -79,6 +79,7 @@ pub(super) fn full_shape(n_layer: u32, n_expert: u32) -> ModelShape {
         yarn_factor: 32.0,
         yarn_orig_ctx: 4096,
         gemma: None,
+        qwen35: None,
     }
 }
 
