@@ -25,6 +25,7 @@ const ARCHS: &[(&str, &str)] = &[
     ("qwen2moe", "softmax_topk"),
     ("gemma4", "softmax_topk_norm"),
     ("gpt-oss", "topk_softmax"),
+    ("qwen35moe", "softmax_topk_norm"),
 ];
 
 /// Further weight types an architecture's files come in, held to parity ours and
