@@ -470,6 +470,47 @@ mod tests {
         }
     }
 
+    /// A file whose qwen35moe keys this build does not run is refused with the key named,
+    /// never a panic.
+    #[test]
+    fn bad_keys_are_refused_by_name() {
+        let mut o = options(Preset::Tiny, TypeScheme::q4_k_m());
+        o.shape = Preset::Tiny.shape_for(GenArch::Qwen35Moe).unwrap();
+        let meta = o.metadata().unwrap();
+        let dir = crate::testdata::scratch_dir("qwen35moe-keys");
+        let k = |n: &str| format!("qwen35moe.{n}");
+        let cases: Vec<(String, Option<Value>)> = vec![
+            (k("ssm.time_step_rank"), Some(Value::U32(3))),
+            (k("ssm.inner_size"), Some(Value::U32(100))),
+            (k("ssm.conv_kernel"), None),
+            (k("ssm.group_count"), Some(Value::U32(0))),
+            (k("nextn_predict_layers"), Some(Value::U32(2))),
+            (k("block_count"), Some(Value::U32(1))),
+            (k("rope.dimension_sections"), None),
+            (
+                k("rope.dimension_sections"),
+                Some(Value::Array(ValueType::I32, vec![Value::I32(9); 3])),
+            ),
+            (k("rope.dimension_count"), Some(Value::U32(15))),
+            (k("rope.scaling.type"), Some(Value::String("yarn".into()))),
+            (k("expert_weights_scale"), Some(Value::F32(2.5))),
+            (k("full_attention_interval"), Some(Value::U32(0))),
+        ];
+        for (key, value) in cases {
+            let mut m: Vec<(String, Value)> =
+                meta.iter().filter(|(n, _)| *n != key).cloned().collect();
+            if let Some(v) = value.clone() {
+                m.push((key.clone(), v));
+            }
+            let path = dir.join("meta.gguf");
+            crate::gguf::GgufWriter::write_file(&path, &m, &[]).expect("write");
+            let f = GgufFile::open(&path).expect("open");
+            let err = HParams::from_gguf(&f).unwrap_err().to_string();
+            assert!(err.contains(&key), "{key} = {value:?}: {err}");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     #[test]
     fn shapes_it_cannot_make_are_refused() {
         let base = Preset::Tiny.shape_for(GenArch::Qwen35Moe).unwrap();
