@@ -1,5 +1,5 @@
 //! The synthetic model generator behind `bmoe-cli gen`: complete, loadable GGUF files of every
-//! architecture the engine runs (`--arch`: qwen3moe, qwen2moe, gemma4, gpt-oss, lfm2moe) with deterministic random
+//! architecture the engine runs (`--arch`: qwen3moe, qwen2moe, qwen35moe, gemma4, gpt-oss, lfm2moe) with deterministic random
 //! weights, a real tokenizer and chat template, so tests and benchmarks make the models they
 //! need and no model file is ever committed. Each file follows llama.cpp's tensor names and
 //! metadata for its architecture, so llama.cpp loads it too (the parity gates).
@@ -28,10 +28,12 @@ mod lfm2moe;
 mod llama;
 mod mix;
 mod qwen2moe;
+mod qwen35moe;
 mod qwen3moe;
 
 pub use gemma4::GemmaShape;
 pub use lfm2moe::Lfm2Shape;
+pub use qwen35moe::Qwen35Shape;
 
 pub use mix::Ftype;
 
@@ -59,11 +61,14 @@ pub enum GenArch {
     /// LFM2 MoE: short-convolution and attention layers, leading dense FFN layers, sigmoid
     /// routing with a selection bias.
     Lfm2Moe,
+    /// Qwen3.5/3.6 MoE: Gated DeltaNet layers with gated full attention every few, a
+    /// sigmoid-gated shared expert, an MTP block.
+    Qwen35Moe,
 }
 
 impl GenArch {
     pub const NAMES: &'static [&'static str] =
-        &["qwen3moe", "qwen2moe", "gemma4", "gpt-oss", "lfm2moe"];
+        &["qwen3moe", "qwen2moe", "qwen35moe", "gemma4", "gpt-oss", "lfm2moe"];
 
     pub fn from_name(s: &str) -> Option<GenArch> {
         match s {
@@ -72,6 +77,7 @@ impl GenArch {
             "gemma4" => Some(GenArch::Gemma4),
             "gpt-oss" => Some(GenArch::GptOss),
             "lfm2moe" => Some(GenArch::Lfm2Moe),
+            "qwen35moe" => Some(GenArch::Qwen35Moe),
             _ => None,
         }
     }
@@ -83,6 +89,7 @@ impl GenArch {
             GenArch::Gemma4 => "gemma4",
             GenArch::GptOss => "gpt-oss",
             GenArch::Lfm2Moe => "lfm2moe",
+            GenArch::Qwen35Moe => "qwen35moe",
         }
     }
 
@@ -123,6 +130,7 @@ impl GenArch {
             GenArch::Gemma4 => &gemma4::Gemma4,
             GenArch::GptOss => &gpt_oss::GptOss,
             GenArch::Lfm2Moe => &lfm2moe::Lfm2Moe,
+            GenArch::Qwen35Moe => &qwen35moe::Qwen35Moe,
         }
     }
 }
@@ -151,6 +159,8 @@ pub struct ModelShape {
     pub gemma: Option<GemmaShape>,
     /// lfm2moe's layer pattern, convolution and dense layers (`None` for other architectures).
     pub lfm2: Option<Lfm2Shape>,
+    /// qwen35moe's layer pattern, DeltaNet and rope dimensions (`None` for other architectures).
+    pub qwen35: Option<Qwen35Shape>,
     /// Sliding window of the sliding layers (gpt-oss; 0 = every layer attends fully).
     pub n_swa: u32,
     /// YaRN context extension factor (gpt-oss; 0 = no rope scaling) and its original
@@ -200,6 +210,10 @@ pub enum Preset {
     /// short convolutions of width 3 elsewhere), the first two dense (FFN 7168), 32 experts,
     /// top-4, d_model 2048, expert FFN 1792, 32 heads of 64 with 8 KV heads; ~5 GB at Q4_K_M.
     Lfm2_8bA1bShape,
+    /// The full shape of Qwen3.6-35B-A3B (qwen35moe; Qwen3.5-35B-A3B is the same): 40 layers
+    /// (three Gated DeltaNet to one gated attention) and an MTP block, 256 experts, top-8,
+    /// d_model 2048, expert FFN 512, shared expert 512, 16 heads of 256 (2 KV).
+    Qwen36_35bA3bShape,
 }
 
 /// `--routing-depth`'s default: flat previous-token reuse over depth on the pre-norm
@@ -224,6 +238,7 @@ impl Preset {
         "gpt-oss-20b-shape",
         "gpt-oss-120b-shape",
         "lfm2-8b-a1b-shape",
+        "qwen3.6-35b-a3b-shape",
     ];
 
     pub const ALL: &'static [Preset] = &[
@@ -238,6 +253,7 @@ impl Preset {
         Preset::GptOss20bShape,
         Preset::GptOss120bShape,
         Preset::Lfm2_8bA1bShape,
+        Preset::Qwen36_35bA3bShape,
     ];
 
     pub fn from_name(s: &str) -> Option<Preset> {
@@ -253,6 +269,7 @@ impl Preset {
             "gpt-oss-20b-shape" => Some(Preset::GptOss20bShape),
             "gpt-oss-120b-shape" => Some(Preset::GptOss120bShape),
             "lfm2-8b-a1b-shape" => Some(Preset::Lfm2_8bA1bShape),
+            "qwen3.6-35b-a3b-shape" | "qwen3.5-35b-a3b-shape" => Some(Preset::Qwen36_35bA3bShape),
             _ => None,
         }
     }
@@ -270,6 +287,7 @@ impl Preset {
             Preset::GptOss20bShape => "gpt-oss-20b-shape",
             Preset::GptOss120bShape => "gpt-oss-120b-shape",
             Preset::Lfm2_8bA1bShape => "lfm2-8b-a1b-shape",
+            Preset::Qwen36_35bA3bShape => "qwen3.6-35b-a3b-shape",
         }
     }
 
@@ -283,6 +301,7 @@ impl Preset {
             Preset::Gemma4_26bA4bShape => Some(GenArch::Gemma4),
             Preset::GptOss20bShape | Preset::GptOss120bShape => Some(GenArch::GptOss),
             Preset::Lfm2_8bA1bShape => Some(GenArch::Lfm2Moe),
+            Preset::Qwen36_35bA3bShape => Some(GenArch::Qwen35Moe),
         }
     }
 
@@ -327,6 +346,7 @@ impl Preset {
             tie_output: false,
             gemma: None,
             lfm2: None,
+            qwen35: None,
             n_swa: 0,
             yarn_factor: 0.0,
             yarn_orig_ctx: 0,
@@ -423,6 +443,28 @@ impl Preset {
             Preset::GptOss20bShape => gpt_oss::full_shape(24, 32),
             Preset::GptOss120bShape => gpt_oss::full_shape(36, 128),
             Preset::Lfm2_8bA1bShape => lfm2moe::full_shape(),
+            // Qwen/Qwen3.6-35B-A3B's config.json (`text_config`): hidden_size 2048,
+            // num_hidden_layers 40, num_experts 256, num_experts_per_tok 8,
+            // moe_intermediate_size 512, shared_expert_intermediate_size 512,
+            // num_attention_heads 16, num_key_value_heads 2, head_dim 256, rope_theta 1e7,
+            // max_position_embeddings 262144, rms_norm_eps 1e-6 (llama.cpp names a 40-layer
+            // qwen35moe 35B-A3B).
+            Preset::Qwen36_35bA3bShape => ModelShape {
+                arch: GenArch::Qwen35Moe,
+                n_layer: 40,
+                n_expert: 256,
+                n_expert_used: 8,
+                d_model: 2048,
+                n_ff_exp: 512,
+                n_ff_shexp: 512,
+                n_head: 16,
+                n_head_kv: 2,
+                head_dim: 256,
+                n_ctx_train: 262_144,
+                rope_base: 10_000_000.0,
+                qwen35: Some(Qwen35Shape::qwen36_35b_a3b()),
+                ..base
+            },
         }
     }
 
@@ -440,7 +482,8 @@ impl Preset {
             | Preset::Gemma4_26bA4bShape
             | Preset::GptOss20bShape
             | Preset::GptOss120bShape
-            | Preset::Lfm2_8bA1bShape => 0.7,
+            | Preset::Lfm2_8bA1bShape
+            | Preset::Qwen36_35bA3bShape => 0.7,
         }
     }
 
@@ -456,7 +499,8 @@ impl Preset {
             | Preset::DeepseekV2LiteShape
             | Preset::Mixtral8x7bShape
             | Preset::Gemma4_26bA4bShape
-            | Preset::Lfm2_8bA1bShape => TypeScheme::q4_k_m(),
+            | Preset::Lfm2_8bA1bShape
+            | Preset::Qwen36_35bA3bShape => TypeScheme::q4_k_m(),
             // As the published files: MXFP4 experts, Q8_0 elsewhere.
             Preset::GptOss20bShape | Preset::GptOss120bShape => TypeScheme::ftype(Ftype::MXFP4_MOE),
         }

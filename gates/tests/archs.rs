@@ -25,6 +25,7 @@ const ARCHS: &[(&str, &str)] = &[
     ("qwen2moe", "softmax_topk"),
     ("gemma4", "softmax_topk_norm"),
     ("gpt-oss", "topk_softmax"),
+    ("qwen35moe", "softmax_topk_norm"),
 ];
 
 /// Architectures held to the byte-identity gates only, not yet to parity and replay (issue 32):

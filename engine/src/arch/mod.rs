@@ -19,6 +19,7 @@ pub mod layers;
 pub mod lfm2moe;
 pub mod meta;
 pub mod qwen2moe;
+pub mod qwen35moe;
 pub mod qwen3moe;
 pub mod state;
 pub mod weights;
@@ -281,6 +282,11 @@ pub const REGISTRY: &[ArchEntry] = &[
         name: qwen2moe::ARCH,
         about: "Qwen1.5/Qwen2 MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): softmax top-k routing, not renormalised, SiLU-gated split experts, a sigmoid-gated shared expert (resident)",
         load: qwen2moe::load,
+    },
+    ArchEntry {
+        name: qwen35moe::ARCH,
+        about: "Qwen3.5/3.6 MoE (Qwen3.6-35B-A3B): Gated DeltaNet layers (recurrent state) with gated full attention every 4th, softmax top-k routing (renormalised), SiLU-gated experts, a sigmoid-gated shared expert (resident), MTP block loaded not run",
+        load: qwen35moe::load,
     },
     ArchEntry {
         name: gemma4::ARCH,
@@ -1273,6 +1279,7 @@ mod tests {
             (gen::GenArch::GptOss, "mxfp4_moe"),
             (gen::GenArch::Gemma4, "q4_k_m"),
             (gen::GenArch::Lfm2Moe, "q4_k_m"),
+            (gen::GenArch::Qwen35Moe, "q4_k_m"),
         ] {
             let types = TypeScheme::from_name(scheme).unwrap();
             let model = tiny_model(arch, scheme, types);

@@ -80,6 +80,7 @@ pub(super) fn full_shape(n_layer: u32, n_expert: u32) -> ModelShape {
         yarn_orig_ctx: 4096,
         gemma: None,
         lfm2: None,
+        qwen35: None,
     }
 }
 

@@ -115,7 +115,8 @@ fn category(name: &str) -> Category {
         Category::Output
     } else if name == "token_embd.weight" {
         Category::TokenEmbd
-    } else if name.contains("attn_v.weight") {
+    } else if name.contains("attn_v.weight") || name.contains("attn_qkv.weight") {
+        // llama-quantize treats a fused qkv as attention-v-like (qwen35moe's DeltaNet layers).
         Category::AttnV
     } else if name.contains("attn_k.weight") {
         Category::AttnK
