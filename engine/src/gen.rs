@@ -67,8 +67,14 @@ pub enum GenArch {
 }
 
 impl GenArch {
-    pub const NAMES: &'static [&'static str] =
-        &["qwen3moe", "qwen2moe", "qwen35moe", "gemma4", "gpt-oss", "lfm2moe"];
+    pub const NAMES: &'static [&'static str] = &[
+        "qwen3moe",
+        "qwen2moe",
+        "qwen35moe",
+        "gemma4",
+        "gpt-oss",
+        "lfm2moe",
+    ];
 
     pub fn from_name(s: &str) -> Option<GenArch> {
         match s {
