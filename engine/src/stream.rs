@@ -534,8 +534,8 @@ impl<A: Arch + ?Sized> Backend for EngineBackend<A> {
         self.state.reusable_prefix(n as usize) as u32
     }
 
-    /// Whether any layer holds a recurrent state (lfm2moe's convolutions), which stands only
-    /// where the last step ended.
+    /// Whether any layer holds a recurrent state (lfm2moe's convolutions, qwen35moe's delta
+    /// rule), which stands only where the last step ended.
     fn keeps_prefix_where_it_stands(&self) -> bool {
         self.state
             .mem
