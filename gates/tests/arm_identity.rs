@@ -1,6 +1,7 @@
 //! Cross-architecture identity (issue 31): the static aarch64 phone binary, run under
 //! `qemu-aarch64-static` (bit-exact emulation), writes byte for byte the logits, token ids,
-//! router margins and text this x86-64 build writes, for every architecture in F16, Q8_0,
+//! router margins and text this x86-64 build writes, for every architecture (the hybrids
+//! qwen35moe and lfm2moe with their recurrent states too) in F16, Q8_0,
 //! Q4_K_M and its preset's types, resident and streamed (an evicting cache, serial and
 //! overlapped), and resident in every other weight type the kernels take.
 //!
@@ -263,6 +264,16 @@ fn gpt_oss_on_aarch64_writes_the_x86_bytes() {
             None,
         ],
     );
+}
+
+#[test]
+fn qwen35moe_on_aarch64_writes_the_x86_bytes() {
+    check_arch("qwen35moe", TYPES);
+}
+
+#[test]
+fn lfm2moe_on_aarch64_writes_the_x86_bytes() {
+    check_arch("lfm2moe", TYPES);
 }
 
 /// Every other weight format the kernels take, resident, on qwen3moe: each one's NEON kernels
