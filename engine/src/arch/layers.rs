@@ -306,3 +306,60 @@ pub(crate) fn norm_head(
     st.logits.resize(m * output.rows, 0.0);
     cx.mat_rows(output, &st.cur, m, &mut st.scratch.acts, &mut st.logits)
 }
+
+/// A layer's shared expert and its gate (one weight per input dimension): qwen2moe's and
+/// qwen35moe's, run on every FFN row beside the routed experts.
+pub struct SharedExpert {
+    pub gate_inp: Vec<f32>,
+    pub gate: Mat,
+    pub up: Mat,
+    pub down: Mat,
+}
+
+impl SharedExpert {
+    /// The SiLU-gated FFN of `st.h`'s FFN rows into `st.side`, each row scaled by
+    /// `gate(gate_inp · row)` (the family's sigmoid: its bits are the family's).
+    pub fn run(
+        &self,
+        cx: &Compute,
+        st: &mut State,
+        n_ff: usize,
+        d: usize,
+        gate: fn(f32) -> f32,
+    ) -> Result<(), ArchError> {
+        let m = st.ffn_rows.len();
+        let State {
+            h, side, scratch, ..
+        } = st;
+        split_ffn(
+            cx,
+            scratch,
+            Glu::Silu,
+            (self.gate.ty, self.gate.bytes()),
+            (self.up.ty, self.up.bytes()),
+            (self.down.ty, self.down.bytes()),
+            n_ff,
+            d,
+            h,
+            m,
+            &[],
+            side,
+        )?;
+        for (row, out) in h.chunks_exact(d).zip(side.chunks_exact_mut(d)).take(m) {
+            let logit: f32 = row.iter().zip(&self.gate_inp).map(|(a, b)| a * b).sum();
+            let g = gate(logit);
+            out.iter_mut().for_each(|v| *v *= g);
+        }
+        Ok(())
+    }
+}
+
+/// The experts' sum plus the shared expert's output (`st.side`), then the residual
+/// (llama.cpp's order).
+pub fn finish_with_shared(st: &mut State, d: usize) {
+    let m = st.ffn_rows.len() * d;
+    for (a, &b) in st.moe_out[..m].iter_mut().zip(&st.side[..m]) {
+        *a += b;
+    }
+    add_rows(&mut st.x, d, &st.ffn_rows, &st.moe_out);
+}

@@ -14,10 +14,10 @@
 //! architecture, so the weights are never scaled; nor are they here.
 
 use super::blocks::{self, AttnShape, Compute, Glu, Rope, RopeKind};
-use super::layers::{add_rows, attention_sublayer, split_ffn, AttnWeights};
+use super::layers::{attention_sublayer, finish_with_shared, AttnWeights, SharedExpert};
 use super::meta::{attn_params, moe_params, n_vocab, Meta};
 use super::state::{LayerMemory, MemoryKind, State};
-use super::weights::{Loader, Mat};
+use super::weights::Loader;
 use super::{Arch, ArchError, Common, CommonLayer, Dims, Experts};
 use crate::dense::DenseMode;
 use crate::gguf::GgufFile;
@@ -79,14 +79,6 @@ impl HParams {
             n_vocab: n_vocab(f)?,
         })
     }
-}
-
-/// The shared expert of one layer and its gate (one weight per input dimension).
-struct SharedExpert {
-    gate_inp: Vec<f32>,
-    gate: Mat,
-    up: Mat,
-    down: Mat,
 }
 
 struct LayerWeights {
@@ -232,40 +224,12 @@ impl Arch for Qwen2Moe {
             None,
         )?;
         // The shared expert on the FFN rows, scaled by its gate.
-        let m = st.ffn_rows.len();
-        let s = &l.shexp;
-        let State {
-            h, side, scratch, ..
-        } = st;
-        split_ffn(
-            cx,
-            scratch,
-            Glu::Silu,
-            (s.gate.ty, s.gate.bytes()),
-            (s.up.ty, s.up.bytes()),
-            (s.down.ty, s.down.bytes()),
-            self.hp.n_ff_shexp,
-            d,
-            h,
-            m,
-            &[],
-            side,
-        )?;
-        for (row, out) in h.chunks_exact(d).zip(side.chunks_exact_mut(d)).take(m) {
-            let logit: f32 = row.iter().zip(&s.gate_inp).map(|(a, b)| a * b).sum();
-            let g = shexp_gate(logit);
-            out.iter_mut().for_each(|v| *v *= g);
-        }
-        Ok(())
+        l.shexp.run(cx, st, self.hp.n_ff_shexp, d, shexp_gate)
     }
 
     /// The experts' sum plus the shared expert, then the residual (llama.cpp's order).
     fn finish_layer(&self, _cx: &Compute, st: &mut State, _layer: usize) -> Result<(), ArchError> {
-        let m = st.ffn_rows.len() * self.hp.d_model;
-        for (a, &b) in st.moe_out[..m].iter_mut().zip(&st.side[..m]) {
-            *a += b;
-        }
-        add_rows(&mut st.x, self.hp.d_model, &st.ffn_rows, &st.moe_out);
+        finish_with_shared(st, self.hp.d_model);
         Ok(())
     }
 }

@@ -33,7 +33,7 @@
 //! ([`Qwen35Moe::mtp`]), not run.
 
 use super::blocks::{self, AttnShape, Compute, Glu, Rope, RopeKind};
-use super::layers::{add_rows, attend_layer, split_ffn};
+use super::layers::{attend_layer, finish_with_shared, SharedExpert};
 use super::meta::{moe_params, n_vocab, Meta};
 use super::state::{LayerMemory, MemoryKind, RecurrentShape, State};
 use super::weights::{ExpertTensor, Loader, Mat};
@@ -303,14 +303,6 @@ pub struct DeltaNet {
 pub enum Mixer {
     Attention(FullAttn),
     DeltaNet(DeltaNet),
-}
-
-/// The shared expert of one layer and its gate (one weight per input dimension).
-pub struct SharedExpert {
-    pub gate_inp: Vec<f32>,
-    pub gate: Mat,
-    pub up: Mat,
-    pub down: Mat,
 }
 
 pub struct LayerWeights {
@@ -751,40 +743,12 @@ impl Arch for Qwen35Moe {
             *x += *o;
         }
         blocks::rms_norm_rows(&st.x, d, &st.ffn_rows, Some(&l.post_norm), eps, &mut st.h);
-        let m = st.ffn_rows.len();
-        let s = &l.shexp;
-        let State {
-            h, side, scratch, ..
-        } = st;
-        split_ffn(
-            cx,
-            scratch,
-            Glu::Silu,
-            (s.gate.ty, s.gate.bytes()),
-            (s.up.ty, s.up.bytes()),
-            (s.down.ty, s.down.bytes()),
-            self.hp.n_ff_shexp,
-            d,
-            h,
-            m,
-            &[],
-            side,
-        )?;
-        for (row, out) in h.chunks_exact(d).zip(side.chunks_exact_mut(d)).take(m) {
-            let logit: f32 = row.iter().zip(&s.gate_inp).map(|(a, b)| a * b).sum();
-            let g = sigmoid(logit);
-            out.iter_mut().for_each(|v| *v *= g);
-        }
-        Ok(())
+        l.shexp.run(cx, st, self.hp.n_ff_shexp, d, sigmoid)
     }
 
     /// The experts' sum plus the shared expert, then the residual (llama.cpp's order).
     fn finish_layer(&self, _cx: &Compute, st: &mut State, _layer: usize) -> Result<(), ArchError> {
-        let m = st.ffn_rows.len() * self.hp.d_model;
-        for (a, &b) in st.moe_out[..m].iter_mut().zip(&st.side[..m]) {
-            *a += b;
-        }
-        add_rows(&mut st.x, self.hp.d_model, &st.ffn_rows, &st.moe_out);
+        finish_with_shared(st, self.hp.d_model);
         Ok(())
     }
 }
