@@ -278,7 +278,10 @@ fn every_architecture_streams_byte_identical_to_resident() {
 #[test]
 fn every_architecture_replays_exactly_with_its_gating() {
     let dir = scratch_dir("arch-replay");
-    for (arch, gating) in ARCHS.iter().chain(&[("qwen3moe", "softmax_topk_norm")]) {
+    for (arch, gating) in ARCHS
+        .iter()
+        .chain(&[("qwen3moe", "softmax_topk_norm"), ("lfm2moe", "sigmoid_topk_norm")])
+    {
         let m = model(
             &format!("arch-{arch}-default"),
             &["--arch", arch, "--preset", "tiny", "--seed", "7"],

@@ -211,11 +211,14 @@ fn invalid_input(reason: String) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidInput, reason)
 }
 
+/// The weight's shortest decimal that parses back to the same `f32`: a replay that thresholds
+/// on it (`--drop-cold-experts`, whose cut is often exactly `1/k`) must see the bits the engine
+/// saw — six fixed decimals turned a sigmoid router's `0.2499999` into `0.250000`.
 fn format_weight(w: f32) -> String {
     if w.is_nan() {
         "nan".to_string()
     } else {
-        super::fmt::fixed(f64::from(w), 6)
+        format!("{w}")
     }
 }
 
@@ -1505,6 +1508,27 @@ mod tests {
     }
 
     #[test]
+    fn written_weights_parse_back_to_the_same_bits() {
+        // 1/k thresholds are where a replay decides: one ulp below and above 0.25 must survive.
+        let quarter = 0.25f32;
+        let ws = [
+            f32::from_bits(quarter.to_bits() - 1),
+            quarter,
+            f32::from_bits(quarter.to_bits() + 1),
+            1.0 / 3.0,
+            0.695_958,
+            1e-9,
+            1.0,
+        ];
+        for w in ws {
+            let text = format_weight(w);
+            assert_eq!(parse_weight(&text).map(f32::to_bits), Ok(w.to_bits()), "{w} as {text}");
+        }
+        assert_eq!(format_weight(0.75), "0.75");
+        assert_eq!(format_weight(f32::NAN), "nan");
+    }
+
+    #[test]
     fn projection_extents() {
         assert_eq!(
             parse_proj("0:4096:128,1:0:64"),
@@ -1746,7 +1770,7 @@ mod tests {
             "\nturn,phase,step,layer,slot,expert,weight,residency,expert_bytes,dropped\n"
         ));
         assert!(
-            text.contains("\n1,1,10,0,0,6,0.750000,1,0,0\n") || text.contains(",0.750000,1,0,0\n")
+            text.contains("\n1,1,10,0,0,6,0.75,1,0,0\n") || text.contains(",0.75,1,0,0\n")
         );
         assert!(!text.contains("route_ahead"));
         let t = RouteTrace::parse(&text).expect("parses");
@@ -2021,7 +2045,7 @@ mod tests {
             .contains(" gating=topk_softmax"));
         let heavy = |g: &str| {
             text.replace("gating=softmax_topk_norm", g)
-                .replacen(",0.750000,", ",2.000000,", 1)
+                .replacen(",0.75,", ",2.000000,", 1)
         };
         assert!(RouteTrace::parse(&heavy("gating=softmax_topk_norm*2.5")).is_ok());
         let e = RouteTrace::parse(&heavy("gating=softmax_topk_norm")).expect_err("above 1");
