@@ -10,12 +10,17 @@
                                                   q3_k_s, iq4_xs, ...: LLAMA_FTYPE_MOSTLY_<TYPE>)
   llama_parity.py rewrite IN OUT                  copy a GGUF through the gguf package's writer
                                                   (another tool's file layout, same weights)
+  llama_parity.py write ARCH SHAPE TOK.gguf OUT SEED
+                                                  a random-weight F32 qwen35moe or lfm2moe file
+                                                  of a shape unlike our presets, written by the
+                                                  gguf package's writer, with TOK.gguf's
+                                                  tokenizer (scripts/gguf_write_hybrid.py)
   llama_parity.py compare A.f32 B.f32 N_VOCAB     per-position cosine and top-1 agreement, as JSON
                                                   (strict, and up to a near-tie of 0.5 % of the
                                                   reference's logit range)
   llama_parity.py batch JOBS.json                 many of the above in one process (one start-up
                                                   and one library load for a whole gate): a list
-                                                  of {"op": "quantize"|"logits"|"compare",
+                                                  of {"op": "quantize"|"logits"|"write"|"compare",
                                                   "args": [...]} run in order; a job's stdout
                                                   goes to its "out" file when one is given
 
@@ -91,6 +96,19 @@ def cmd_quantize(inp, out, ty):
         sys.exit(f"llama_model_quantize failed with {rc}")
 
 
+def field_kv(gguf, field):
+    """A GGUFReader field as (value, type, sub_type), as `GGUFWriter.add_key_value` takes it."""
+    vt = field.types[0]
+    if vt == gguf.GGUFValueType.ARRAY:
+        et = field.types[1]
+        if et == gguf.GGUFValueType.STRING:
+            return [bytes(field.parts[i]).decode("utf-8") for i in field.data], vt, et
+        return [field.parts[i].tolist()[0] for i in field.data], vt, et
+    if vt == gguf.GGUFValueType.STRING:
+        return bytes(field.parts[field.data[0]]).decode("utf-8"), vt, None
+    return field.parts[field.data[0]].tolist()[0], vt, None
+
+
 def cmd_rewrite(inp, out):
     import gguf
 
@@ -101,24 +119,26 @@ def cmd_rewrite(inp, out):
     for name, field in r.fields.items():
         if name.startswith("GGUF.") or name == "general.architecture":
             continue
-        vt = field.types[0]
-        if vt == gguf.GGUFValueType.ARRAY:
-            et = field.types[1]
-            if et == gguf.GGUFValueType.STRING:
-                val = [bytes(field.parts[i]).decode("utf-8") for i in field.data]
-            else:
-                val = [field.parts[i].tolist()[0] for i in field.data]
-            w.add_key_value(name, val, vt, sub_type=et)
-        elif vt == gguf.GGUFValueType.STRING:
-            w.add_key_value(name, bytes(field.parts[field.data[0]]).decode("utf-8"), vt)
-        else:
-            w.add_key_value(name, field.parts[field.data[0]].tolist()[0], vt)
+        val, vt, et = field_kv(gguf, field)
+        w.add_key_value(name, val, vt, sub_type=et)
     for t in r.tensors:
         w.add_tensor(t.name, t.data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def cmd_write(arch, shape, tokenizer_source, out, seed):
+    import gguf
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import gguf_write_hybrid
+
+    r = gguf.GGUFReader(tokenizer_source)
+    tokenizer = [(name, *field_kv(gguf, field)) for name, field in r.fields.items()
+                 if name.startswith("tokenizer.")]
+    gguf_write_hybrid.write(arch, shape, tokenizer, out, int(seed))
 
 
 TIE = 0.005
@@ -158,7 +178,7 @@ def cmd_compare(a, b, n_vocab):
 
 
 COMMANDS = {"logits": cmd_logits, "quantize": cmd_quantize, "rewrite": cmd_rewrite,
-            "compare": cmd_compare}
+            "write": cmd_write, "compare": cmd_compare}
 
 
 def cmd_batch(jobs_json):

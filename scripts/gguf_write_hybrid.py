@@ -1,0 +1,267 @@
+"""Random-weight F32 models of the two hybrid families, qwen35moe and lfm2moe, written through
+the PyPI `gguf` package's `GGUFWriter`: another tool's files, in shapes unlike the presets of
+bmoe's own generator (`bmoe-cli gen`, engine/src/gen/qwen35moe.rs and lfm2moe.rs), for the
+parity gate (gates/tests/archs.rs). `llama_parity.py write` calls `write` with the tokenizer
+keys of one of our files, so llama.cpp and bmoe tokenize the prompt alike.
+
+What differs from `gen --preset tiny` (SHAPES has every number):
+  qwen35moe: d_model 512 (tiny 256); 8 query heads of 32 over one KV head (tiny 4 of 64 over
+    2); half of each head rotated, in sections 2/2/2/2, so a quarter of the rotated pairs fall
+    to the e section and stay put (tiny 3/3/2/0); every third layer attends (tiny every
+    second); DeltaNet of 4 value heads of 64 reading one key head, a convolution of 3 (tiny 4
+    of 32 reading 2, convolution 4); 6 experts, top-2, split gate/up (tiny 16, top-4, fused);
+    a shared expert of 256 (tiny 512); no MTP block (tiny has one); rope base 5e5.
+  lfm2moe: d_model 512 as 16 heads of 32 over 4 KV heads (tiny 4 of 64 over 2); attention at
+    layers 0, 3 and 4 of 6 (tiny: layer 2 of 4); a convolution of 4 (tiny 3); two dense
+    layers of 768 (tiny one of 512); 10 experts, top-3 (tiny 16, top-4); the head tied to the
+    embedding (tiny has its own); the per-layer KV head counts as the writer's default INT32
+    array (ours: UINT32).
+Both: expert FFN 256 (the gate's tiny files: 512), a multiple of 256, so llama-quantize's
+K-quants apply to every expert; rms eps 1e-5 (tiny 1e-6).
+
+Weights follow the scheme of our generator (engine/src/gen.rs, module doc), so activations stay
+at unit scale through the layers and routing is not a coin toss at every position: uniform
+noise of standard deviation 1/sqrt(fan-in); the residual stream in two halves, the embedding
+and the experts writing the first ("token") half, the mixers (attention, DeltaNet, the short
+convolution) the second ("context") half; routers reading the token half at (1 - R) * gain and
+the context half at 4 * R * gain / (layer + 1)^0.75 (R 0.65, gain 6, as `gen --preset tiny`;
+lfm2moe's at twice that gain with a selection bias of std 0.01, as gen/lfm2moe.rs says why);
+q/k norms of 0.5, so attention is near-uniform. Each tensor's noise comes from its own numpy
+stream seeded by (seed, crc32 of its name): the file depends on the seed alone.
+
+Only the standard library, numpy and the gguf package.
+"""
+import zlib
+
+import numpy as np
+
+ROUTING_CONTEXT = 0.65
+ROUTER_GAIN = 6.0
+ROUTING_DEPTH = 0.75
+ATTN_SHARPNESS = 0.5
+
+SHAPES = {
+    ("qwen35moe", "wide"): {
+        "n_layer": 6, "full_attention_interval": 3, "d_model": 512,
+        "n_head": 8, "n_head_kv": 1, "head_dim": 32, "n_rot": 16, "rope_sections": [2, 2, 2, 2],
+        "d_conv": 3, "d_state": 64, "n_k_heads": 1, "n_v_heads": 4,
+        "n_expert": 6, "n_expert_used": 2, "n_ff_exp": 256, "n_ff_shexp": 256,
+        "fused_gate_up": False, "rope_base": 500000.0, "rms_eps": 1e-5, "n_ctx_train": 2048,
+    },
+    ("lfm2moe", "wide"): {
+        "n_layer": 6, "attn_layers": [0, 3, 4], "d_model": 512,
+        "n_head": 16, "n_head_kv": 4, "head_dim": 32, "l_cache": 4,
+        "dense_layers": 2, "n_ff_dense": 768,
+        "n_expert": 10, "n_expert_used": 3, "n_ff_exp": 256,
+        "rope_base": 10000.0, "rms_eps": 1e-5, "n_ctx_train": 2048,
+    },
+}
+
+
+class Weights:
+    """The tensors of one file, in order (`tensors`): `dims` in GGUF order (row length first),
+    arrays in numpy's (reversed) order, as `GGUFWriter.add_tensor` takes them."""
+
+    def __init__(self, seed, d_model):
+        self.seed = int(seed)
+        self.split = d_model // 2
+        self.tensors = []
+
+    def noise(self, name, dims, std):
+        rng = np.random.default_rng([self.seed, zlib.crc32(name.encode())])
+        # Uniform on [-sqrt(3), sqrt(3)] has unit variance.
+        return (std * np.sqrt(3.0) * rng.uniform(-1.0, 1.0, dims[::-1])).astype(np.float32)
+
+    def rand(self, name, dims, std):
+        self.tensors.append((name, self.noise(name, dims, std)))
+
+    def const(self, name, dims, value=1.0):
+        self.tensors.append((name, np.full(dims[::-1], value, dtype=np.float32)))
+
+    def writes(self, name, dims, std, half):
+        """A matrix that writes only one half of the residual stream (its output dim is
+        dims[1])."""
+        w = self.noise(name, dims, std)
+        token = np.arange(dims[1]) < self.split
+        live = token if half == "token" else ~token
+        w[..., ~live, :] = 0.0
+        self.tensors.append((name, w))
+
+    def embedding(self, d_model, n_vocab):
+        w = self.noise("token_embd.weight", [d_model, n_vocab], 1.0)
+        w[:, self.split:] = 0.0
+        self.tensors.append(("token_embd.weight", w))
+
+    def router(self, layer, d_model, n_expert, gain):
+        tok = (1.0 - ROUTING_CONTEXT) * gain / np.sqrt(self.split)
+        ctx = ROUTING_CONTEXT * gain / np.sqrt(d_model - self.split) * 4.0
+        ctx /= (layer + 1) ** ROUTING_DEPTH
+        name = f"blk.{layer}.ffn_gate_inp.weight"
+        w = self.noise(name, [d_model, n_expert], 1.0)
+        w[:, : self.split] *= tok
+        w[:, self.split:] *= ctx
+        self.tensors.append((name, w.astype(np.float32)))
+
+
+def inv(n):
+    return 1.0 / np.sqrt(n)
+
+
+def qwen35moe(s, w, n_vocab):
+    """The metadata of a qwen35moe file, its tensors into `w`: llama.cpp's qwen35moe.cpp
+    (`load_arch_hparams`, `load_arch_tensors`)."""
+    d, ff, fs, ne = s["d_model"], s["n_ff_exp"], s["n_ff_shexp"], s["n_expert"]
+    qd, kvd = s["n_head"] * s["head_dim"], s["n_head_kv"] * s["head_dim"]
+    vd, heads = s["n_v_heads"] * s["d_state"], s["n_v_heads"]
+    channels = 2 * s["n_k_heads"] * s["d_state"] + vd
+    a = "qwen35moe."
+    meta = [
+        ("u32", a + "context_length", s["n_ctx_train"]),
+        ("u32", a + "embedding_length", d),
+        ("u32", a + "block_count", s["n_layer"]),
+        ("u32", a + "attention.head_count", s["n_head"]),
+        ("u32", a + "attention.head_count_kv", s["n_head_kv"]),
+        ("u32", a + "attention.key_length", s["head_dim"]),
+        ("u32", a + "attention.value_length", s["head_dim"]),
+        ("u32", a + "rope.dimension_count", s["n_rot"]),
+        ("arr", a + "rope.dimension_sections", s["rope_sections"]),
+        ("f32", a + "rope.freq_base", s["rope_base"]),
+        ("f32", a + "attention.layer_norm_rms_epsilon", s["rms_eps"]),
+        ("u32", a + "expert_count", ne),
+        ("u32", a + "expert_used_count", s["n_expert_used"]),
+        ("u32", a + "expert_feed_forward_length", ff),
+        ("u32", a + "expert_shared_feed_forward_length", fs),
+        ("u32", a + "ssm.conv_kernel", s["d_conv"]),
+        ("u32", a + "ssm.state_size", s["d_state"]),
+        ("u32", a + "ssm.group_count", s["n_k_heads"]),
+        ("u32", a + "ssm.time_step_rank", heads),
+        ("u32", a + "ssm.inner_size", vd),
+        ("u32", a + "full_attention_interval", s["full_attention_interval"]),
+    ]
+    w.embedding(d, n_vocab)
+    for i in range(s["n_layer"]):
+        def b(n, i=i):
+            return f"blk.{i}.{n}"
+
+        w.const(b("attn_norm.weight"), [d])
+        if (i + 1) % s["full_attention_interval"] == 0:
+            w.rand(b("attn_q.weight"), [d, 2 * qd], inv(d))
+            w.rand(b("attn_k.weight"), [d, kvd], inv(d))
+            w.rand(b("attn_v.weight"), [d, kvd], inv(d))
+            w.writes(b("attn_output.weight"), [qd, d], inv(qd), "context")
+            w.const(b("attn_q_norm.weight"), [s["head_dim"]], ATTN_SHARPNESS)
+            w.const(b("attn_k_norm.weight"), [s["head_dim"]], ATTN_SHARPNESS)
+        else:
+            w.rand(b("attn_qkv.weight"), [d, channels], inv(d))
+            w.rand(b("attn_gate.weight"), [d, vd], inv(d))
+            w.rand(b("ssm_conv1d.weight"), [s["d_conv"], channels], 0.5)
+            w.rand(b("ssm_dt.bias"), [heads], 0.5)
+            # -exp(A_log): negative, so every head's state decays.
+            w.tensors.append((b("ssm_a"), np.linspace(-1.0, -0.1, heads, dtype=np.float32)))
+            w.rand(b("ssm_beta.weight"), [d, heads], inv(d))
+            w.rand(b("ssm_alpha.weight"), [d, heads], inv(d))
+            w.const(b("ssm_norm.weight"), [s["d_state"]])
+            w.writes(b("ssm_out.weight"), [vd, d], inv(vd), "context")
+        w.const(b("post_attention_norm.weight"), [d])
+        w.router(i, d, ne, ROUTER_GAIN)
+        if s["fused_gate_up"]:
+            w.rand(b("ffn_gate_up_exps.weight"), [d, 2 * ff, ne], inv(d))
+        else:
+            w.rand(b("ffn_gate_exps.weight"), [d, ff, ne], inv(d))
+            w.rand(b("ffn_up_exps.weight"), [d, ff, ne], inv(d))
+        w.writes(b("ffn_down_exps.weight"), [ff, d, ne], inv(ff), "token")
+        w.rand(b("ffn_gate_inp_shexp.weight"), [d], inv(d))
+        w.rand(b("ffn_gate_shexp.weight"), [d, fs], inv(d))
+        w.rand(b("ffn_up_shexp.weight"), [d, fs], inv(d))
+        w.writes(b("ffn_down_shexp.weight"), [fs, d], inv(fs), "token")
+    w.const("output_norm.weight", [d])
+    w.rand("output.weight", [d, n_vocab], inv(d))
+    return meta
+
+
+def lfm2moe(s, w, n_vocab):
+    """The metadata of an lfm2moe file, its tensors into `w`: llama.cpp's lfm2moe.cpp."""
+    d, ff, fd, ne = s["d_model"], s["n_ff_exp"], s["n_ff_dense"], s["n_expert"]
+    kvd, taps = s["n_head_kv"] * s["head_dim"], s["l_cache"]
+    a = "lfm2moe."
+    kv_heads = [s["n_head_kv"] if i in s["attn_layers"] else 0 for i in range(s["n_layer"])]
+    meta = [
+        ("u32", a + "context_length", s["n_ctx_train"]),
+        ("u32", a + "embedding_length", d),
+        ("u32", a + "block_count", s["n_layer"]),
+        ("u32", a + "feed_forward_length", fd),
+        ("u32", a + "attention.head_count", s["n_head"]),
+        ("arr", a + "attention.head_count_kv", kv_heads),
+        ("f32", a + "rope.freq_base", s["rope_base"]),
+        ("f32", a + "attention.layer_norm_rms_epsilon", s["rms_eps"]),
+        ("u32", a + "expert_count", ne),
+        ("u32", a + "expert_used_count", s["n_expert_used"]),
+        ("u32", a + "expert_feed_forward_length", ff),
+        ("u32", a + "leading_dense_block_count", s["dense_layers"]),
+        ("u32", a + "expert_gating_func", 2),  # LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
+        ("u32", a + "shortconv.l_cache", taps),
+    ]
+    w.embedding(d, n_vocab)
+    for i in range(s["n_layer"]):
+        def b(n, i=i):
+            return f"blk.{i}.{n}"
+
+        w.const(b("attn_norm.weight"), [d])
+        if kv_heads[i]:
+            w.rand(b("attn_q.weight"), [d, d], inv(d))
+            w.rand(b("attn_k.weight"), [d, kvd], inv(d))
+            w.rand(b("attn_v.weight"), [d, kvd], inv(d))
+            w.const(b("attn_q_norm.weight"), [s["head_dim"]], ATTN_SHARPNESS)
+            w.const(b("attn_k_norm.weight"), [s["head_dim"]], ATTN_SHARPNESS)
+            w.writes(b("attn_output.weight"), [d, d], inv(d), "context")
+        else:
+            w.rand(b("shortconv.in_proj.weight"), [d, 3 * d], inv(d))
+            w.rand(b("shortconv.conv.weight"), [taps, d], inv(taps))
+            w.writes(b("shortconv.out_proj.weight"), [d, d], inv(d), "context")
+        w.const(b("ffn_norm.weight"), [d])
+        if i < s["dense_layers"]:
+            w.rand(b("ffn_gate.weight"), [d, fd], inv(d))
+            w.rand(b("ffn_up.weight"), [d, fd], inv(d))
+            w.writes(b("ffn_down.weight"), [fd, d], inv(fd), "token")
+            continue
+        w.router(i, d, ne, 2.0 * ROUTER_GAIN)
+        w.rand(b("exp_probs_b.bias"), [ne], 0.01)
+        w.rand(b("ffn_gate_exps.weight"), [d, ff, ne], inv(d))
+        w.rand(b("ffn_up_exps.weight"), [d, ff, ne], inv(d))
+        w.writes(b("ffn_down_exps.weight"), [ff, d, ne], inv(ff), "token")
+    w.const("token_embd_norm.weight", [d])
+    return meta
+
+
+FAMILIES = {"qwen35moe": qwen35moe, "lfm2moe": lfm2moe}
+
+
+def write(arch, shape_name, tokenizer_kv, out, seed):
+    """Write the F32 model `arch` of shape `shape_name` to `out`, with the tokenizer entries
+    `tokenizer_kv` ((name, value, type, sub_type), as `gguf.GGUFWriter.add_key_value` takes
+    them) and the weights of `seed`."""
+    import gguf
+
+    key = (arch, shape_name)
+    if key not in SHAPES:
+        raise SystemExit(f"gguf_write_hybrid: no shape {shape_name!r} for {arch!r} "
+                         f"(have: {sorted(SHAPES)})")
+    s = SHAPES[key]
+    tokens = [v for name, v, _, _ in tokenizer_kv if name == "tokenizer.ggml.tokens"]
+    if not tokens:
+        raise SystemExit("gguf_write_hybrid: the tokenizer source has no tokenizer.ggml.tokens")
+    weights = Weights(seed, s["d_model"])
+    meta = FAMILIES[arch](s, weights, len(tokens[0]))
+    w = gguf.GGUFWriter(out, arch)
+    w.add_name(f"bmoe gguf-py {arch} {shape_name} (seed {seed})")
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    for ty, name, value in meta:
+        {"u32": w.add_uint32, "f32": w.add_float32, "arr": w.add_array}[ty](name, value)
+    for name, value, vtype, sub_type in tokenizer_kv:
+        w.add_key_value(name, value, vtype, sub_type=sub_type)
+    for name, data in weights.tensors:
+        w.add_tensor(name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
