@@ -236,7 +236,8 @@ const GGUF_PY_TYPES: &[&str] = &["f16", "q8_0", "q4_k_m", "q4_0"];
 /// Q4_K_M 96.8 % and Q4_0 97.8 %: single positions at cos 0.97-0.99 with a router margin
 /// under 6e-3 (sigmoid near-ties, as its tiny file's); and its Q4_K_M already differs from
 /// position 0 (1 − cos 2e-4) when layer 0 attends with a Q4_K `attn_v` (exact when that tensor
-/// is Q6_K or Q5_K), a lead not yet followed.
+/// is Q6_K or Q5_K, or when layer 0's input has no all-zero 256-wide block), a lead not yet
+/// followed.
 const NOT_HELD: &[&str] = &[
     "qwen35moe gguf-py wide llama-quantize q4_k_m",
     "lfm2moe gguf-py wide llama-quantize q4_k_m",
