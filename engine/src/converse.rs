@@ -18,9 +18,26 @@ use crate::stream::EngineBackend;
 use crate::tokenizer::Tokenizer;
 use anyhow::{bail, Result};
 use bmoe_core::telemetry::summary::RunSummary;
-use bmoe_core::{CancelFlag, Session, StepInput, StepStats, StopReason, TokenSource, TurnRequest};
+use bmoe_core::{
+    Backend, CancelFlag, Session, StepInput, StepStats, StopReason, TokenSource, TurnRequest,
+};
 use std::io::Write;
 use std::path::Path;
+
+/// A chat turn's boundary: the tokens `prompt` (the rendered `messages` with the generation
+/// prompt) shares with the messages rendered alone — where the next turn, which re-renders
+/// this one's answer its own way, still agrees with this one.
+pub fn chat_boundary(
+    format: &ChatFormat,
+    tok: &Tokenizer,
+    messages: &[Message],
+    think: bool,
+    prompt: &[u32],
+) -> Option<u32> {
+    let text = format.history(messages, think).ok()?;
+    let history = tok.encode(&text, true).ok()?;
+    Some(common_prefix(&history, prompt) as u32)
+}
 
 /// What a turn answers.
 #[derive(Clone, Debug)]
@@ -60,6 +77,10 @@ pub struct Prepared {
     pub n_predict: u32,
     /// The whole prompt's length in tokens.
     pub prompt_tokens: usize,
+    /// Where a recurrent state is copied during the prefill (`Session::generate_marked`):
+    /// the end of a chat's messages (its tokens shared with the prompt), a raw prompt's last
+    /// token; `None` for a model that keeps every position anyway.
+    boundary: Option<u32>,
 }
 
 /// The per-turn choices a client makes.
@@ -225,6 +246,29 @@ impl Conversation {
     /// Render and tokenize a turn, and work out what the KV reuses and how many tokens it may
     /// generate: `max_tokens`, else the process's `-n` (`-1`: the context's room), clamped to
     /// the room the context has left.
+    /// Where the next turn may want to continue from, for a model whose recurrent state
+    /// cannot roll back (`None` for the others, which keep every position): a chat's
+    /// messages without the generation prompt (the next turn re-renders this turn's answer,
+    /// and may render it otherwise than it was generated), as far as their tokens agree
+    /// with the prompt's; a raw prompt's last token (a regenerated answer shares all
+    /// before it).
+    fn boundary(&self, prompt: &Prompt, tokens: &[u32]) -> Option<u32> {
+        if !self
+            .session
+            .engine()
+            .backend()
+            .keeps_prefix_where_it_stands()
+        {
+            return None;
+        }
+        match prompt {
+            Prompt::Chat { messages, think } => {
+                chat_boundary(self.format.as_ref()?, &self.tok, messages, *think, tokens)
+            }
+            Prompt::Raw(_) => Some(tokens.len().saturating_sub(1) as u32),
+        }
+    }
+
     pub fn prepare(&self, prompt: &Prompt, max_tokens: Option<u32>) -> Result<Prepared, Refused> {
         if let Some(b) = &self.broken {
             return Err(Refused::Broken(b.clone()));
@@ -263,7 +307,9 @@ impl Conversation {
         let n_predict = asked.min(room);
         let common = common_prefix(self.session.context(), &tokens).min(tokens.len() - 1);
         let reuse = self.session.reusable_prefix(common as u32) as usize;
+        let boundary = self.boundary(prompt, &tokens);
         Ok(Prepared {
+            boundary,
             prompt_tokens: tokens.len(),
             tokens,
             text,
@@ -297,12 +343,13 @@ impl Conversation {
             stopped_at: None,
             tokens: 0,
         };
-        let outcome = self.session.generate(
+        let outcome = self.session.generate_marked(
             &TurnRequest {
                 prompt: &p.tokens[reuse..],
                 positions: &positions,
                 n_predict: p.n_predict,
             },
+            p.boundary,
             &mut relay,
             &mut self.sinks.outputs(None),
         )?;

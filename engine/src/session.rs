@@ -31,7 +31,7 @@ use bmoe_core::telemetry::progress::ThinkControl;
 use bmoe_core::telemetry::progress::{
     write_begin, write_decide, write_done, write_error, write_ready, Ready,
 };
-use bmoe_core::{CancelFlag, DecideRejected, Session, StopReason, TurnRequest};
+use bmoe_core::{Backend, CancelFlag, DecideRejected, Session, StopReason, TurnRequest};
 use serde_json::Value;
 use std::io::{self, BufRead, Write};
 use std::path::Path;
@@ -810,6 +810,14 @@ pub fn serve(
                 continue;
             }
         };
+        // A chat turn's boundary, for a recurrent state that cannot roll back to it (raw
+        // turns here only append).
+        let boundary = match chat {
+            Some(f) if session.engine().backend().keeps_prefix_where_it_stands() => {
+                crate::converse::chat_boundary(f, &tok, &msgs, think, &wanted)
+            }
+            _ => None,
+        };
         if wanted.is_empty() {
             refuse_request(id, "generate: the prompt is empty after tokenization")?;
             continue;
@@ -855,12 +863,13 @@ pub fn serve(
             replies: replies.clone(),
             buf: Vec::new(),
         };
-        let outcome = match session.generate(
+        let outcome = match session.generate_marked(
             &TurnRequest {
                 prompt: &wanted[reuse..],
                 positions: &positions,
                 n_predict,
             },
+            boundary,
             &mut source,
             &mut sinks.outputs(Some(&mut progress)),
         ) {

@@ -558,6 +558,10 @@ impl<A: Arch + ?Sized> Backend for EngineBackend<A> {
         Ok(Some(bytes))
     }
 
+    fn mark_boundary(&mut self, n: u32) -> Result<bool, StreamError> {
+        Ok(self.state.mark_boundary(n as usize))
+    }
+
     fn restore_prefix(&mut self) -> Result<Option<u32>, StreamError> {
         let Some(snap) = &self.kept else {
             return Ok(None);

@@ -267,3 +267,66 @@ pub fn assert_session_replays_exactly(
     let _ = std::fs::remove_file(sim_csv);
     measured
 }
+
+/// A recurrent model served as the server serves it (each request the whole prompt; the warm
+/// state reused up to the common prefix): a request that keeps the last one's prompt but not
+/// its answer — the same prompt again (a regenerated reply), or the prompt with other text
+/// after it (an edited reply; a chat template that re-renders the answer is the same case) —
+/// cannot continue from where the answer left the state, which cannot roll back, so it
+/// continues from the copy kept at the raw prompt's boundary, its last token — every
+/// position before it reused — and answers as a fresh conversation given its prompt does.
+/// A request that rolls back into the first prompt finds no copy there and is fed from 0.
+/// `args`: the flags.
+pub fn assert_turn_boundary_reuse(model: &Path, args: &[&str]) {
+    use bmoe_engine::converse::{Conversation, Listener, Prompt, TurnOptions};
+    struct Text(String);
+    impl Listener for Text {
+        fn delta(&mut self, reasoning: &str, content: &str) -> bool {
+            self.0.push_str(reasoning);
+            self.0.push_str(content);
+            true
+        }
+    }
+    let open = || {
+        let mut argv = vec!["bmoe-cli", "-m", model.to_str().expect("utf-8 path")];
+        argv.extend_from_slice(args);
+        let cli = Cli::try_parse_from(&argv).unwrap_or_else(|e| panic!("arguments {args:?}: {e}"));
+        Conversation::open(&cli.run, model, &mut std::io::sink()).expect("open")
+    };
+    // (text, tokens reused, prompt tokens)
+    let turn = |c: &mut Conversation, prompt: &str| {
+        let p = c
+            .prepare(&Prompt::Raw(prompt.to_string()), Some(8))
+            .expect("prepare");
+        let mut t = Text(String::new());
+        let f = c.run(&p, &TurnOptions::default(), &mut t).expect("run");
+        assert_eq!(f.completion_tokens, 8, "{prompt}: {:?}", f.error);
+        (t.0, f.cached_tokens, f.prompt_tokens)
+    };
+    let first = "The fox lived by the river and every morning it walked";
+    let second = format!("{first} to the old mill where the miller kept his grain");
+    let third = "The fox lived by the sea";
+    let mut warm = open();
+    let a = turn(&mut warm, first);
+    let again = turn(&mut warm, first);
+    let b = turn(&mut warm, &second);
+    let r = turn(&mut warm, third);
+    assert_eq!(
+        again.1,
+        a.2 - 1,
+        "a regenerated reply reuses the prompt: {again:?}"
+    );
+    assert_eq!(again.0, a.0, "and answers alike (greedy)");
+    assert_eq!(
+        b.1,
+        a.2 - 1,
+        "an edited reply reuses the prompt: {a:?} {b:?}"
+    );
+    assert_eq!(r.1, 0, "{r:?}");
+    let mut fresh = open();
+    let c = turn(&mut fresh, &second);
+    let mut fresh = open();
+    let q = turn(&mut fresh, third);
+    assert_eq!(b.0, c.0, "continued {b:?}\nfresh {c:?}");
+    assert_eq!(r.0, q.0, "re-fed {r:?}\nfresh {q:?}");
+}

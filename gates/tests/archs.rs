@@ -32,13 +32,11 @@ const ARCHS: &[(&str, &str)] = &[
     ("qwen35moe", "softmax_topk_norm"),
 ];
 
-/// Architectures held to the byte-identity gates only, not yet to parity and replay (issue 32):
+/// Architectures held to the byte-identity gates and replay, not yet to parity (issue 32):
 /// lfm2moe's lossless files match llama.cpp (F32, F16, the gguf-py rewrite: top-1 and cos
 /// 1.000000 on every position of seeds 11-13), but its sigmoid routing flips near-ties more
 /// often than the softmax families', so llama-quantize's Q4_K_M sat at 97.8 % of positions,
-/// under the 98 % bar (ours: Q8_0 98.8 %, Q4_K_M 99.3 %); and `bmoe-sim replay` of its route
-/// trace decides `--drop-cold-experts 1.0` otherwise than the engine: its weights, written with
-/// 6 decimals, cluster at the threshold 1/k there (plain and top-k replays match exactly).
+/// under the 98 % bar (ours: Q8_0 98.8 %, Q4_K_M 99.3 %).
 const STREAMED_ONLY: &[&str] = &["lfm2moe"];
 
 /// Further weight types an architecture's files come in, held to parity ours and

@@ -245,3 +245,22 @@ fn its_templates_chat_in_a_session_with_their_reasoning_control() {
         assert_eq!(code, 0, "{stem}: {err}");
     }
 }
+
+/// A turn that keeps the previous prompt but not its answer continues from the state copied
+/// at the prompt's end (`bmoe_gates::assert_turn_boundary_reuse`), resident and streamed.
+#[test]
+fn a_turn_that_shares_only_the_prompt_continues_from_the_turn_boundary() {
+    let m = lfm2();
+    bmoe_gates::assert_turn_boundary_reuse(&m, &["-t", "2"]);
+    bmoe_gates::assert_turn_boundary_reuse(
+        &m,
+        &[
+            "-t",
+            "2",
+            "--moe-stream",
+            "--cache-mb",
+            "2",
+            "--force-cache",
+        ],
+    );
+}

@@ -188,7 +188,11 @@ fn qwen35_chat_sessions_and_decides() {
             let (done, _) = s.generate(&req.to_string());
             assert_eq!(done["tokens"], 16, "{done}");
             // A re-rendered chat is not a pure append (the template drops the empty think
-            // block of the answered turn), so the state is recomputed: never a wrong one.
+            // block of the answered turn): the turn continues from the state copied at the
+            // previous prompt's end, never from a wrong one.
+            if i > 0 {
+                assert!(done["n_reused"].as_u64() > Some(0), "{done}");
+            }
             got.push(done["text"].clone());
             got.push(done["n_reused"].clone());
         }
@@ -268,4 +272,13 @@ fn the_full_qwen35moe_shape_loads_in_llama_cpp_and_matches() {
         p.cos_min
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A turn that keeps the previous prompt but not its answer continues from the state copied
+/// at the prompt's end (`bmoe_gates::assert_turn_boundary_reuse`), resident and streamed.
+#[test]
+fn a_turn_that_shares_only_the_prompt_continues_from_the_turn_boundary() {
+    let m = tiny35();
+    bmoe_gates::assert_turn_boundary_reuse(&m, &["-t", "2"]);
+    bmoe_gates::assert_turn_boundary_reuse(&m, &[&["-t", "2"][..], &STREAMED[..]].concat());
 }

@@ -467,6 +467,17 @@ pub trait Backend {
         false
     }
 
+    /// Keep a copy of a recurrent state standing at `n` (a turn boundary: called between two
+    /// steps of a prefill split there, only when [`Backend::keeps_prefix_where_it_stands`]),
+    /// replacing any copy kept before, so that [`Backend::reusable_prefix`] may later answer
+    /// `n` after positions past it were fed. Cheap beside `keep_prefix`: no attention rows are
+    /// copied (they outlive later positions). Returns whether a copy is kept; the default
+    /// keeps none.
+    fn mark_boundary(&mut self, n: u32) -> Result<bool, Self::Error> {
+        let _ = n;
+        Ok(false)
+    }
+
     /// Put the kept state back: afterwards positions `0..n` read exactly as they did when
     /// `keep_prefix(n)` copied them, whatever was fed since. Returns `n`, or `None` when
     /// nothing is kept (the default).

@@ -303,6 +303,10 @@ pub struct Session<C: Clock, F: Flash, B: Backend> {
     keep_during_prefill: Option<u32>,
     /// What keeping it during the prefill returned (`keep_prefix`'s bytes, or `None`).
     kept_during_prefill: Option<Option<u64>>,
+    /// A turn boundary inside the prompt where a backend whose recurrent state stands only
+    /// where the last step ended keeps a copy of it ([`Backend::mark_boundary`]): the prefill
+    /// splits there.
+    mark_during_prefill: Option<u32>,
 }
 
 impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
@@ -332,6 +336,7 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
             kept_bytes: 0,
             keep_during_prefill: None,
             kept_during_prefill: None,
+            mark_during_prefill: None,
         }
     }
 
@@ -455,6 +460,32 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
     ) -> Result<TurnOutcome, GenerateError> {
         self.forget_prefix();
         self.run_turn(req, source, out)
+    }
+
+    /// [`Session::generate`], leaving the backend a copy of the state at `boundary` (a
+    /// context position inside this turn's prompt: where a chat's messages end and the
+    /// generation prompt begins, or a raw prompt's last token) when its state is one that
+    /// stands only where the last step ended ([`Backend::keeps_prefix_where_it_stands`]):
+    /// the prefill splits there, so a later turn that shares the prompt up to the boundary but
+    /// not what followed it — a template that re-renders the answer, a regenerated reply —
+    /// continues from it ([`Backend::reusable_prefix`]) instead of from 0. Other backends
+    /// keep every position anyway, and their prefill is not split.
+    pub fn generate_marked<S: TokenSource<B>>(
+        &mut self,
+        req: &TurnRequest<'_>,
+        boundary: Option<u32>,
+        source: &mut S,
+        out: &mut Outputs<'_>,
+    ) -> Result<TurnOutcome, GenerateError> {
+        let inside = |p: u32| {
+            req.positions.first().is_some_and(|&f| p > f)
+                && req.positions.last().is_some_and(|&l| p <= l)
+        };
+        self.mark_during_prefill =
+            boundary.filter(|&p| inside(p) && self.engine.backend().keeps_prefix_where_it_stands());
+        let r = self.generate(req, source, out);
+        self.mark_during_prefill = None;
+        r
     }
 
     /// Drop the kept decide prefix state (and its memory in the backend).
@@ -642,17 +673,26 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
                 0 => req.prompt.len(),
                 n => n,
             };
-            // A decide keeping its prefix state during the prefill: the steps split there too.
+            // A decide keeping its prefix state, or a turn boundary marked, during the
+            // prefill: the steps split there too.
             let keep_at = self.keep_during_prefill;
+            let mark_at = self.mark_during_prefill;
             let mut steps: Vec<(&[u32], &[u32])> = Vec::new();
             for (tokens, positions) in req.prompt.chunks(chunk).zip(req.positions.chunks(chunk)) {
-                match keep_at.and_then(|p| positions.iter().position(|&q| q == p)) {
-                    Some(i) if i > 0 => {
-                        steps.push((&tokens[..i], &positions[..i]));
-                        steps.push((&tokens[i..], &positions[i..]));
-                    }
-                    _ => steps.push((tokens, positions)),
+                let mut cuts: Vec<usize> = [keep_at, mark_at]
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|p| positions.iter().position(|&q| q == p))
+                    .filter(|&i| i > 0)
+                    .collect();
+                cuts.sort_unstable();
+                cuts.dedup();
+                let mut start = 0;
+                for i in cuts {
+                    steps.push((&tokens[start..i], &positions[start..i]));
+                    start = i;
                 }
+                steps.push((&tokens[start..], &positions[start..]));
             }
             for (tokens, positions) in steps {
                 if n_prompt > 0 && self.stopping() {
@@ -692,6 +732,12 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
                                 .keep_prefix(p)
                                 .map_err(|e| GenerateError::State(Box::new(e)))?;
                             self.kept_during_prefill = Some(kept);
+                        }
+                        if let Some(p) = mark_at.filter(|&p| positions.last() == Some(&(p - 1))) {
+                            self.engine
+                                .backend_mut()
+                                .mark_boundary(p)
+                                .map_err(|e| GenerateError::State(Box::new(e)))?;
                         }
                     }
                     Err(e) => {

@@ -157,7 +157,8 @@ impl LayerMemory {
     }
 
     /// Bytes (f32) this memory holds at a context of `n_ctx`: keys and values of the
-    /// positions a full or ring layer keeps; a recurrent layer's state whatever the context.
+    /// positions a full or ring layer keeps; a recurrent layer's state and its turn-boundary
+    /// copy, whatever the context.
     pub fn bytes(&self, n_ctx: usize) -> u64 {
         match *self {
             LayerMemory::Kv {
@@ -170,7 +171,7 @@ impl LayerMemory {
             }
             LayerMemory::Recurrent(r) => {
                 let (conv, state) = r.lens();
-                4 * (conv + state) as u64
+                2 * 4 * (conv + state) as u64
             }
             LayerMemory::None => 0,
         }
@@ -331,6 +332,17 @@ pub struct RecurrentLayer {
     pub state: Vec<f32>,
     /// Positions folded in: the state is the one after position `seen − 1`.
     seen: usize,
+    /// The state at a turn boundary ([`State::mark_boundary`]), kept so that a later turn
+    /// whose prompt shares that much but not what followed it (a template that re-renders
+    /// the answer, a regenerated reply) continues from there instead of from 0.
+    mark: Option<Mark>,
+}
+
+/// A recurrent state as it stood after position `at − 1`.
+struct Mark {
+    at: usize,
+    conv: Vec<f32>,
+    state: Vec<f32>,
 }
 
 impl RecurrentLayer {
@@ -341,7 +353,13 @@ impl RecurrentLayer {
             conv: vec![0.0; conv],
             state: vec![0.0; state],
             seen: 0,
+            mark: None,
         }
+    }
+
+    /// Where the turn-boundary copy stands, if one is kept.
+    pub fn mark(&self) -> Option<usize> {
+        self.mark.as_ref().map(|m| m.at)
     }
 
     /// Positions folded in so far.
@@ -350,10 +368,10 @@ impl RecurrentLayer {
     }
 
     /// Start a batch of consecutive `positions`: from a zero state when it starts at 0,
-    /// from the state as it stands when it starts at the next position; anything else is
-    /// refused by name — a recurrent state cannot be rolled back (a session restores a
-    /// snapshot or feeds the prompt again). The caller folds the batch in, then
-    /// [`RecurrentLayer::finish`]es it.
+    /// from the state as it stands when it starts at the next position, from the kept
+    /// turn-boundary copy when it starts where that stands; anything else is refused by name
+    /// — a recurrent state cannot be rolled back (a session restores a snapshot or feeds the
+    /// prompt again). The caller folds the batch in, then [`RecurrentLayer::finish`]es it.
     pub fn begin(&mut self, layer: usize, positions: &[u32]) -> Result<(), ArchError> {
         let first = positions.first().copied().unwrap_or(0) as usize;
         if positions
@@ -370,6 +388,15 @@ impl RecurrentLayer {
             self.conv.fill(0.0);
             self.state.fill(0.0);
             self.seen = 0;
+            // The attention layers' rows before the copy are about to be rewritten: it would
+            // describe a past that is gone. (No other accepted start lies below it: the copy
+            // never stands past `seen`.)
+            self.mark = None;
+        } else if first != self.seen && self.mark.as_ref().is_some_and(|m| m.at == first) {
+            let m = self.mark.as_ref().expect("checked");
+            self.conv.copy_from_slice(&m.conv);
+            self.state.copy_from_slice(&m.state);
+            self.seen = first;
         } else if first != self.seen {
             return Err(recurrent_err(
                 layer,
@@ -388,6 +415,18 @@ impl RecurrentLayer {
         if let Some(&last) = positions.last() {
             self.seen = last as usize + 1;
         }
+    }
+
+    /// Copy the state as it stands into the turn-boundary copy (replacing the last).
+    fn mark_here(&mut self) {
+        let m = self.mark.get_or_insert_with(|| Mark {
+            at: 0,
+            conv: Vec::new(),
+            state: Vec::new(),
+        });
+        m.at = self.seen;
+        m.conv.clone_from(&self.conv);
+        m.state.clone_from(&self.state);
     }
 }
 
@@ -440,7 +479,12 @@ impl Memory {
     pub fn bytes(&self) -> usize {
         match self {
             Memory::Kv(kv) => kv.bytes(),
-            Memory::Recurrent(r) => 4 * (r.conv.len() + r.state.len()),
+            Memory::Recurrent(r) => {
+                4 * (r.conv.len() + r.state.len())
+                    + r.mark
+                        .as_ref()
+                        .map_or(0, |m| 4 * (m.conv.len() + m.state.len()))
+            }
             Memory::None => 0,
         }
     }
@@ -450,7 +494,7 @@ impl Memory {
     fn holds_before(&self, n: usize) -> bool {
         match self {
             Memory::Kv(kv) => kv.holds_window_before(n),
-            Memory::Recurrent(r) => n == 0 || n == r.seen,
+            Memory::Recurrent(r) => n == 0 || n == r.seen || r.mark() == Some(n),
             Memory::None => true,
         }
     }
@@ -596,6 +640,9 @@ impl Memory {
                 r.conv.copy_from_slice(&snap.conv);
                 r.state.copy_from_slice(&snap.state);
                 r.seen = n;
+                // The snapshot may come from another history than the copy (a decide kept
+                // before a new prompt): the attention rows under it are the snapshot's now.
+                r.mark = None;
                 true
             }
             Memory::None => true,
@@ -775,22 +822,52 @@ impl State {
 
     /// The longest prefix of at most `n` positions the next batch can continue from: `n`
     /// when every layer holds what a batch starting there reads; else where the recurrent
-    /// layers stand, when that is below `n` and every layer holds what a batch starting there
-    /// reads (a chat whose last sampled token was never fed: its state stands one short of the
-    /// context); else 0 (a ring that moved on past its slack, a recurrent state past `n`: the
-    /// prompt is fed again, as llama.cpp does for its sliding and recurrent layers).
+    /// layers stand (a chat whose last sampled token was never fed: its state stands one
+    /// short of the context), or their turn-boundary copy (the end of the last prefill: a
+    /// template that re-renders the previous answer shares the prompt, not what followed),
+    /// the longer of the two that is at most `n` and that every layer holds what a batch
+    /// starting there reads; else 0 (a ring that moved on past its slack, a recurrent state
+    /// past `n` with no copy below: the prompt is fed again, as llama.cpp does for its
+    /// sliding and recurrent layers).
     pub fn reusable_prefix(&self, n: usize) -> usize {
         if self.mem.iter().all(|l| l.holds_before(n)) {
             return n;
         }
-        let stands = self.mem.iter().find_map(|l| match l {
-            Memory::Recurrent(r) => Some(r.seen),
+        let Some(r) = self.mem.iter().find_map(|l| match l {
+            Memory::Recurrent(r) => Some(r),
             _ => None,
-        });
-        match stands {
-            Some(m) if m < n && self.mem.iter().all(|l| l.holds_before(m)) => m,
-            _ => 0,
+        }) else {
+            return 0;
+        };
+        [Some(r.seen), r.mark()]
+            .into_iter()
+            .flatten()
+            .filter(|&m| m < n && self.mem.iter().all(|l| l.holds_before(m)))
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Keep a copy of every recurrent layer's state standing at `n` (a turn boundary),
+    /// replacing the copies kept before; a batch may then start at `n` again
+    /// ([`State::reusable_prefix`]) until one starts at 0 or a snapshot is restored. False
+    /// (and nothing changed) when the model has no recurrent layer or its states do not stand
+    /// at `n`. The copy's bytes are the state's own: qwen35moe's full shape keeps 60 MiB
+    /// beside 60.
+    pub fn mark_boundary(&mut self, n: usize) -> bool {
+        let stands = |l: &Memory| match l {
+            Memory::Recurrent(r) => Some(r.seen == n),
+            _ => None,
+        };
+        let states: Vec<bool> = self.mem.iter().filter_map(stands).collect();
+        if n == 0 || states.is_empty() || states.contains(&false) {
+            return false;
         }
+        for l in &mut self.mem {
+            if let Memory::Recurrent(r) = l {
+                r.mark_here();
+            }
+        }
+        true
     }
 
     /// Bytes the layers' memories hold.
@@ -945,13 +1022,19 @@ mod tests {
         assert_eq!(st.memory_bytes(), 4 * (3 * 3 + 2 * 2 * 3) + 2 * 4 * 32);
         assert_eq!(
             LayerMemory::Recurrent(shape).bytes(32),
-            4 * (3 * 3 + 2 * 2 * 3)
+            2 * 4 * (3 * 3 + 2 * 2 * 3),
+            "the state and its turn-boundary copy"
         );
         let r = st.mem[0].recurrent(0).unwrap();
         r.begin(0, &[0, 1, 2]).unwrap();
         fold(r, &[0, 1, 2]);
         r.finish(&[0, 1, 2]);
         assert_eq!(r.seen(), 3);
+        assert_eq!(r.mark(), None);
+        assert!(!st.mark_boundary(2), "the state does not stand at 2");
+        assert!(st.mark_boundary(3));
+        let r = st.mem[0].recurrent(0).unwrap();
+        assert_eq!(r.mark(), Some(3));
         let after3 = (r.conv.clone(), r.state.clone());
         // Where it stands, and from the start, a batch may begin; nowhere else.
         assert_eq!(st.reusable_prefix(3), 3);
@@ -980,7 +1063,43 @@ mod tests {
         assert_ne!((r.conv.clone(), r.state.clone()), after3);
         st.restore_kv(&snap).unwrap();
         let r = st.mem[0].recurrent(0).unwrap();
-        assert_eq!((r.seen(), (r.conv.clone(), r.state.clone())), (3, after3));
+        assert_eq!(
+            (r.seen(), (r.conv.clone(), r.state.clone())),
+            (3, after3.clone())
+        );
+        assert_eq!(r.mark(), None, "a restore forgets the copy (at 5)");
+        r.begin(0, &[0, 1, 2]).unwrap();
+        fold(r, &[0, 1, 2]);
+        r.finish(&[0, 1, 2]);
+        assert!(st.mark_boundary(3));
+        let r = st.mem[0].recurrent(0).unwrap();
+        // Decoding on (one position a batch) keeps the copy at the prefill's end, and a batch
+        // may start there again: a turn whose prompt shares only the prompt.
+        for p in 3..6u32 {
+            r.begin(0, &[p]).unwrap();
+            fold(r, &[p]);
+            r.finish(&[p]);
+        }
+        assert_eq!((r.seen(), r.mark()), (6, Some(3)));
+        assert_eq!(st.reusable_prefix(5), 3);
+        assert_eq!(st.reusable_prefix(6), 6);
+        let r = st.mem[0].recurrent(0).unwrap();
+        assert!(r.begin(0, &[4]).is_err(), "no copy at 4");
+        r.begin(0, &[3, 4]).unwrap();
+        assert_eq!(
+            ((r.conv.clone(), r.state.clone()), r.seen()),
+            (after3.clone(), 3)
+        );
+        fold(r, &[3, 4]);
+        r.finish(&[3, 4]);
+        assert!(st.mark_boundary(5));
+        let r = st.mem[0].recurrent(0).unwrap();
+        assert_eq!(r.mark(), Some(5));
+        // A refused batch changes nothing; one that rewrites positions before the copy drops it.
+        r.begin(0, &[3]).unwrap_err();
+        assert_eq!(r.mark(), Some(5));
+        r.begin(0, &[0]).unwrap();
+        assert_eq!(r.mark(), None);
         // Starting at 0 starts from a zero state.
         r.begin(0, &[0]).unwrap();
         assert!(r.conv.iter().chain(&r.state).all(|&v| v == 0.0));

@@ -1522,7 +1522,11 @@ mod tests {
         ];
         for w in ws {
             let text = format_weight(w);
-            assert_eq!(parse_weight(&text).map(f32::to_bits), Ok(w.to_bits()), "{w} as {text}");
+            assert_eq!(
+                parse_weight(&text).map(f32::to_bits),
+                Ok(w.to_bits()),
+                "{w} as {text}"
+            );
         }
         assert_eq!(format_weight(0.75), "0.75");
         assert_eq!(format_weight(f32::NAN), "nan");
@@ -1769,9 +1773,7 @@ mod tests {
         assert!(text.contains(
             "\nturn,phase,step,layer,slot,expert,weight,residency,expert_bytes,dropped\n"
         ));
-        assert!(
-            text.contains("\n1,1,10,0,0,6,0.75,1,0,0\n") || text.contains(",0.75,1,0,0\n")
-        );
+        assert!(text.contains("\n1,1,10,0,0,6,0.75,1,0,0\n") || text.contains(",0.75,1,0,0\n"));
         assert!(!text.contains("route_ahead"));
         let t = RouteTrace::parse(&text).expect("parses");
         assert_eq!(t.pred_columns(), PredColumns::NONE);
