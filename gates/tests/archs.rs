@@ -40,8 +40,9 @@ const ARCHS: &[(&str, &str)] = &[
 const STREAMED_ONLY: &[&str] = &["lfm2moe"];
 
 /// Further weight types an architecture's files come in, held to parity ours and
-/// llama-quantize's (gpt-oss ships MXFP4 experts with Q8_0 elsewhere).
-const EXTRA_TYPES: &[(&str, &str)] = &[("gpt-oss", "mxfp4_moe")];
+/// llama-quantize's (gpt-oss ships MXFP4 experts with Q8_0 elsewhere; the hybrids' issue asks
+/// for Q4_0 too).
+const EXTRA_TYPES: &[(&str, &str)] = &[("gpt-oss", "mxfp4_moe"), ("qwen35moe", "q4_0")];
 
 const SHORT: &str = "The cache of experts keeps what the router asked for";
 
