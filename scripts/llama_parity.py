@@ -5,6 +5,12 @@
   llama_parity.py logits MODEL IDS_JSON OUT_F32   teacher-forced logits of the token ids in
                                                   IDS_JSON["token_ids"], one row per position
                                                   (KV cache f32, flash attention off)
+  llama_parity.py logits-repacked MODEL IDS_JSON OUT_F32
+                                                  the same with llama.cpp's extra buffer types
+                                                  (weight repacking) on, as its own tools run:
+                                                  the path bmoe's Q4_0 / Q4_K order follows (see
+                                                  plain_kernels). A diagnostic for CPUs without
+                                                  AMX; not in a batch after plain logits
   llama_parity.py quantize IN OUT TYPE            llama.cpp's own quantizer (llama-quantize),
                                                   TYPE any of its presets (f16, q8_0, q4_k_m,
                                                   q3_k_s, iq4_xs, ...: LLAMA_FTYPE_MOSTLY_<TYPE>)
@@ -36,7 +42,13 @@ def plain_kernels(llama_cpp):
     is then each format's own dot products, the same on every CPU. On a CPU that advertises AMX
     where the VM does not let a process use it (Sapphire Rapids under KVM here), the AMX path
     faults inside libggml-cpu (a segfault on Q2_K and Q4_K files). `Llama` takes its model
-    parameters from `llama_model_default_params()`, so that is where the flag is set."""
+    parameters from `llama_model_default_params()`, so that is where the flag is set.
+
+    The cost: without the CPU_REPACK buffer type no Q4_0 or Q4_K weight is repacked, so llama.cpp
+    runs `ggml_vec_dot_q4_0_q8_0` / `ggml_vec_dot_q4_K_q8_K` here, while bmoe's Q4_0 and Q4_K
+    kernels follow the float order of the repacked gemv its default x86 path runs. On those
+    formats this reference differs from ours in the last bits by construction (measured in
+    docs/architectures.md, lfm2moe's "gguf-py" paragraph)."""
     import llama_cpp.llama as high_level
 
     if getattr(high_level.llama_cpp.llama_model_default_params, "bmoe_plain", False):
@@ -52,11 +64,12 @@ def plain_kernels(llama_cpp):
     high_level.llama_cpp.llama_model_default_params = params
 
 
-def cmd_logits(model, ids_json, out):
+def cmd_logits(model, ids_json, out, plain=True):
     import llama_cpp
     import numpy as np
 
-    plain_kernels(llama_cpp)
+    if plain:
+        plain_kernels(llama_cpp)
     ids = json.load(open(ids_json))["token_ids"]
     # One token per graph (n_ubatch=1): llama.cpp's decode kernels. Its batched graphs take
     # other kernels for some products, and on this CPU the two disagree with each other by as
@@ -80,6 +93,14 @@ def cmd_logits(model, ids_json, out):
     scores = np.asarray(llm.scores[: len(ids)], dtype=np.float32)
     scores.tofile(out)
     print(json.dumps({"rows": int(scores.shape[0]), "n_vocab": int(scores.shape[1])}))
+
+
+def cmd_logits_repacked(model, ids_json, out):
+    import llama_cpp.llama as high_level
+
+    if getattr(high_level.llama_cpp.llama_model_default_params, "bmoe_plain", False):
+        sys.exit("llama_parity.py: logits-repacked after plain logits in one process; run it alone")
+    cmd_logits(model, ids_json, out, plain=False)
 
 
 def cmd_quantize(inp, out, ty):
@@ -177,8 +198,9 @@ def cmd_compare(a, b, n_vocab):
     print(json.dumps(out))
 
 
-COMMANDS = {"logits": cmd_logits, "quantize": cmd_quantize, "rewrite": cmd_rewrite,
-            "write": cmd_write, "compare": cmd_compare}
+COMMANDS = {"logits": cmd_logits, "logits-repacked": cmd_logits_repacked,
+            "quantize": cmd_quantize, "rewrite": cmd_rewrite, "write": cmd_write,
+            "compare": cmd_compare}
 
 
 def cmd_batch(jobs_json):
