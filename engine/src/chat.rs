@@ -512,16 +512,16 @@ impl ChatFormat {
         self.think_ctl
     }
 
-    /// The prompt of a turn answering `messages`: the template with its generation prompt and
-    /// `enable_thinking = think`; with `think` false on a `prefill` template, followed by the
-    /// marker that starts the answer past the reasoning section. (`template` templates read the
-    /// flag themselves; a `none` model cannot be asked.)
     /// The messages alone, without the generation prompt: where a turn boundary stands (a
     /// template that re-renders the answer next turn still renders these the same way).
     pub fn history(&self, messages: &[Message], think: bool) -> Result<String, ChatError> {
         self.template.render(messages, false, Some(think))
     }
 
+    /// The prompt of a turn answering `messages`: the template with its generation prompt and
+    /// `enable_thinking = think`; with `think` false on a `prefill` template, followed by the
+    /// marker that starts the answer past the reasoning section. (`template` templates read the
+    /// flag themselves; a `none` model cannot be asked.)
     pub fn prompt(&self, messages: &[Message], think: bool) -> Result<String, ChatError> {
         let mut text = self.template.render(messages, true, Some(think))?;
         if !think {

@@ -243,9 +243,6 @@ impl Conversation {
         &self.tok
     }
 
-    /// Render and tokenize a turn, and work out what the KV reuses and how many tokens it may
-    /// generate: `max_tokens`, else the process's `-n` (`-1`: the context's room), clamped to
-    /// the room the context has left.
     /// Where the next turn may want to continue from, for a model whose recurrent state
     /// cannot roll back (`None` for the others, which keep every position): a chat's
     /// messages without the generation prompt (the next turn re-renders this turn's answer,
@@ -269,6 +266,9 @@ impl Conversation {
         }
     }
 
+    /// Render and tokenize a turn, and work out what the KV reuses and how many tokens it may
+    /// generate: `max_tokens`, else the process's `-n` (`-1`: the context's room), clamped to
+    /// the room the context has left.
     pub fn prepare(&self, prompt: &Prompt, max_tokens: Option<u32>) -> Result<Prepared, Refused> {
         if let Some(b) = &self.broken {
             return Err(Refused::Broken(b.clone()));

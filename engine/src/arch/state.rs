@@ -823,8 +823,8 @@ impl State {
     /// The longest prefix of at most `n` positions the next batch can continue from: `n`
     /// when every layer holds what a batch starting there reads; else where the recurrent
     /// layers stand (a chat whose last sampled token was never fed: its state stands one
-    /// short of the context), or their turn-boundary copy (the end of the last prefill: a
-    /// template that re-renders the previous answer shares the prompt, not what followed),
+    /// short of the context), or their turn-boundary copy ([`State::mark_boundary`]: a
+    /// template that re-renders the previous answer shares the messages, not what followed),
     /// the longer of the two that is at most `n` and that every layer holds what a batch
     /// starting there reads; else 0 (a ring that moved on past its slack, a recurrent state
     /// past `n` with no copy below: the prompt is fed again, as llama.cpp does for its
