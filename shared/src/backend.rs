@@ -5,33 +5,7 @@
 //! a route trace and charges modelled time to its clock. The decode step (`step.rs`) is the
 //! only caller, in a fixed order, so *what happens when* is written once.
 
-use crate::layout::ExpertKey;
-use thiserror::Error;
-
-/// Where an expert's bytes live while a layer computes. The core decides slots; the engine
-/// maps them to memory; the simulator has no memory at all.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum SlotId {
-    /// A cached expert: the engine's arena reserves one address range per (layer, expert)
-    /// (per projection, native GGUF layout) and commits its pages lazily. Valid from the read
-    /// that fills it until `Backend::release` of the same slot.
-    Canonical(ExpertKey),
-    /// Cache off: a place in the shared staging buffers (`max n_expert` expert slots), reused
-    /// by every layer. The number is the expert's position in the layer's union of routed
-    /// experts (0..k-1 in a decode step), not its id, so that only as many slots as a layer
-    /// reads at once are ever touched. Valid from the read that fills it until the layer's
-    /// `finish_layer` returns; the next layer's reads may overwrite it.
-    Staging(u16),
-}
-
-/// A model layer that has routed experts: its model layer number and its MoE index.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct LayerId {
-    /// Model layer (`blk.N`).
-    pub model: u32,
-    /// MoE layer index (what `ExpertKey::layer`, traces and the cache use).
-    pub moe: u16,
-}
+pub use crate::vocab::{BackendStage, LayerId, RoutingError, SlotId};
 
 /// One routing of a batch row to an expert, as handed to `Backend::expert`.
 #[derive(Copy, Clone, Debug, PartialEq)]
@@ -42,36 +16,6 @@ pub struct ExpertUse {
     pub rank: u16,
     /// Final applied weight.
     pub weight: f32,
-}
-
-/// Why a routing was refused. A router that breaks these is a bug in the backend, and the
-/// step stops rather than read or compute something arbitrary.
-#[derive(Debug, Clone, PartialEq, Error)]
-pub enum RoutingError {
-    #[error("routing row has {ids} expert ids but {weights} weights")]
-    LengthMismatch { ids: usize, weights: usize },
-    #[error("routing row is {got} experts wide; earlier rows of this layer are {expected} wide")]
-    WidthMismatch { expected: usize, got: usize },
-    #[error("routing row is {width} experts wide; expected 1..=65535")]
-    BadWidth { width: usize },
-    #[error("routing row carries {got} router probabilities; the layer has {n_expert} experts")]
-    ProbsLength { n_expert: u32, got: usize },
-    #[error("either every routing row of a layer carries router probabilities or none does")]
-    ProbsMixed,
-    #[error("routing row for batch row {batch_row}, but the batch has {n_tokens} tokens")]
-    RowOutOfBatch { batch_row: u32, n_tokens: u32 },
-    #[error("layer {layer} row {row} rank {rank}: expert {expert} is out of range (n_expert={n_expert})")]
-    ExpertOutOfRange {
-        layer: u16,
-        row: u32,
-        rank: u16,
-        expert: u16,
-        n_expert: u32,
-    },
-    #[error("layer {layer} row {row}: expert {expert} is routed twice")]
-    DuplicateExpert { layer: u16, row: u32, expert: u16 },
-    #[error("routing has {rows} rows; at most 2^32-1 are supported")]
-    TooManyRows { rows: usize },
 }
 
 /// One layer's routing for a batch, in the router's rank order.
@@ -329,32 +273,6 @@ impl Routing {
     }
 }
 
-/// Which backend call failed (for error messages).
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum BackendStage {
-    Begin,
-    Dense,
-    Route,
-    Expert,
-    FinishLayer,
-    Head,
-    Release,
-}
-
-impl std::fmt::Display for BackendStage {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            BackendStage::Begin => "begin",
-            BackendStage::Dense => "dense",
-            BackendStage::Route => "route",
-            BackendStage::Expert => "expert",
-            BackendStage::FinishLayer => "finish_layer",
-            BackendStage::Head => "head",
-            BackendStage::Release => "release",
-        })
-    }
-}
-
 /// The compute side of one step over a batch of tokens.
 ///
 /// Call order, per step (the decode step is the only caller):
@@ -381,7 +299,7 @@ pub trait Backend {
 
     /// What the step calls to start: `begin`, with the whole input, so a backend can name the
     /// step (turn, prefill or decode) in its errors. Default: `begin(tokens, positions)`.
-    fn begin_step(&mut self, input: &crate::step::StepInput<'_>) -> Result<(), Self::Error> {
+    fn begin_step(&mut self, input: &crate::vocab::StepInput<'_>) -> Result<(), Self::Error> {
         self.begin(input.tokens, input.positions)
     }
 

@@ -7,42 +7,7 @@
 
 use crate::layout::{ExpertKey, ExpertLayout};
 use crate::policy::EvictionPolicy;
-use thiserror::Error;
-
-const MIB: f64 = 1048576.0;
-
-/// Why the cache refused something.
-#[derive(Debug, Clone, PartialEq, Eq, Error)]
-pub enum CacheError {
-    #[error(
-        "cache budget {budget_mib:.1} MiB ({budget_bytes} bytes) is below one layer's routed experts: \
-         the layer_demand floor is {demand_mib:.1} MiB ({layer_demand_bytes} bytes at top-k {k}); \
-         give it at least {floor_mib} MiB, or 0 (cache off)",
-        budget_mib = *.budget_bytes as f64 / MIB,
-        demand_mib = *.layer_demand_bytes as f64 / MIB,
-        floor_mib = .layer_demand_bytes.div_ceil(1 << 20)
-    )]
-    BudgetBelowLayerDemand {
-        budget_bytes: u64,
-        layer_demand_bytes: u64,
-        k: u16,
-    },
-    #[error("cannot resize to {budget_bytes} bytes: {pinned_bytes} bytes are pinned")]
-    BudgetBelowPinned {
-        budget_bytes: u64,
-        pinned_bytes: u64,
-    },
-    #[error("the cache is off (budget 0): nothing can be admitted")]
-    Off,
-    #[error("expert {expert} of MoE layer {layer} is not in the layout")]
-    UnknownKey { layer: u16, expert: u16 },
-    #[error("expert {expert} of MoE layer {layer} is already resident")]
-    AlreadyResident { layer: u16, expert: u16 },
-    #[error("expert {expert} of MoE layer {layer} is not pinned")]
-    NotPinned { layer: u16, expert: u16 },
-    #[error("cache invariant broken: {what}")]
-    Corrupt { what: String },
-}
+pub use crate::vocab::CacheError;
 
 /// Cumulative cache counters. `hits + misses` = lookups.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]

@@ -6,19 +6,9 @@
 //! and fault-injecting devices in `testing`. Destinations are cache slots, not pointers: the
 //! engine maps a slot to memory, the simulator has none.
 
-use crate::backend::SlotId;
 use crate::clock::Nanos;
-use thiserror::Error;
-
-/// What a read serves, for the io trace and error messages.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
-pub struct ReadTag {
-    /// MoE layer index.
-    pub layer: u16,
-    pub expert: u16,
-    /// Projection index in `MoeLayerLayout::projections` (0 gate, 1 up, 2 down for qwen3moe).
-    pub proj: u8,
-}
+use crate::vocab::SlotId;
+pub use crate::vocab::{FlashError, ReadId, ReadTag};
 
 /// One read: `len` bytes at `offset` of file `shard`, landing in projection `tag.proj` of
 /// slot `dest` at byte `dest_offset` of that projection's slice for this expert.
@@ -41,16 +31,6 @@ pub struct ReadRequest {
     pub tag: ReadTag,
 }
 
-/// A submitted read's handle, unique for the lifetime of the device.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct ReadId(pub u64);
-
-impl std::fmt::Display for ReadId {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "#{}", self.0)
-    }
-}
-
 /// A successful read's completion.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct ReadDone {
@@ -66,46 +46,6 @@ pub struct ReadDone {
     pub submit: Nanos,
     pub start: Nanos,
     pub end: Nanos,
-}
-
-/// Why a read failed. Errors are sticky and loud (STYLE 12): the step that sees one stops,
-/// and its engine refuses further steps — the output can no longer be trusted.
-#[derive(Debug, Clone, PartialEq, Eq, Error)]
-pub enum FlashError {
-    #[error("read of {len} bytes at offset {offset} of shard {shard} failed: {message}")]
-    Io {
-        shard: u16,
-        offset: u64,
-        len: u64,
-        message: String,
-    },
-    #[error(
-        "short read at offset {offset} of shard {shard}: expected {expected} bytes, got {got}"
-    )]
-    Short {
-        shard: u16,
-        offset: u64,
-        expected: u64,
-        got: u64,
-    },
-    #[error("read {id} was cancelled")]
-    Cancelled { id: ReadId },
-    #[error("read {id} is unknown or its completion was already delivered")]
-    UnknownRead { id: ReadId },
-    #[error("read {id} asked for lane {lane}, but the device has {lanes} lanes")]
-    BadLane { id: ReadId, lane: u32, lanes: u32 },
-    #[error("flash device is closed: {reason}")]
-    Closed { reason: String },
-    /// The read did not complete within the device's read timeout (`--read-timeout-ms`): a
-    /// stuck lane or device. Never retried — the read may still write its destination.
-    #[error(
-        "read {id} on lane {lane} did not complete within {timeout_ms} ms (a stuck lane or device)"
-    )]
-    Timeout {
-        id: ReadId,
-        lane: u32,
-        timeout_ms: u64,
-    },
 }
 
 /// A flash device with `lanes()` parallel read lanes.

@@ -28,6 +28,7 @@ pub mod step;
 mod streamer;
 pub mod telemetry;
 pub mod testing;
+pub mod vocab;
 
 pub use backend::{
     Backend, BackendStage, ExpertUse, LayerId, Prediction, Routing, RoutingError, SlotId,

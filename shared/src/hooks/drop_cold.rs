@@ -14,11 +14,12 @@
 //! stays as the router produced it, `dropped` says what the policy did). With `renormalize`
 //! the survivors are scaled back to the row's original mass.
 
+use super::{HookContext, RouterHook};
 use crate::backend::Routing;
 use crate::gating::Gating;
 use crate::layout::ExpertKey;
 use crate::records::Phase;
-use crate::step::{HookContext, HookError, RouterHook};
+use crate::vocab::HookError;
 
 /// The dropping hook. `frac` in (0, 1] (validated by `RunConfig::validate`); `frac ≤ 0` makes
 /// it a no-op.

@@ -8,11 +8,12 @@
 //! change is left untouched, which is what makes a tiny `L` byte-identical to the unhooked
 //! run. Decode only.
 
+use super::{HookContext, HookCounts, RouterHook};
 use crate::backend::Routing;
 use crate::gating::Gating;
 use crate::layout::ExpertKey;
 use crate::records::Phase;
-use crate::step::{HookContext, HookCounts, HookError, RouterHook};
+use crate::vocab::HookError;
 
 /// The substitution hook and its running counts.
 #[derive(Clone, Debug)]

@@ -5,6 +5,7 @@
 
 use super::csv::TokenRecord;
 use super::fmt::mib;
+pub use crate::vocab::{PredictReport, PredictorStats};
 
 /// Sums over the generation's `TokenRecord`s (one per generated token).
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -87,80 +88,6 @@ pub struct PrefillCounters {
     /// Union of stalled intervals (overlap).
     pub stall_s: f64,
     pub mgmt_s: f64,
-}
-
-/// One expert predictor's score (`--predict-log`): routings and routed slots it was scored on,
-/// slots it predicted, and routings it predicted exactly.
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
-pub struct PredictorStats {
-    pub rows: u64,
-    pub slots: u64,
-    pub hit_slots: u64,
-    pub exact_rows: u64,
-}
-
-impl PredictorStats {
-    /// Fraction of routed slots predicted (0 with no slots).
-    pub fn hit_frac(&self) -> f64 {
-        if self.slots == 0 {
-            0.0
-        } else {
-            self.hit_slots as f64 / self.slots as f64
-        }
-    }
-    /// Fraction of routings predicted exactly (0 with no routings).
-    pub fn exact_frac(&self) -> f64 {
-        if self.rows == 0 {
-            0.0
-        } else {
-            self.exact_rows as f64 / self.rows as f64
-        }
-    }
-
-    /// Adds another run's scores.
-    pub fn merge(&mut self, s: &PredictorStats) {
-        self.rows += s.rows;
-        self.slots += s.slots;
-        self.hit_slots += s.hit_slots;
-        self.exact_rows += s.exact_rows;
-    }
-}
-
-/// The prediction probe's results, whole-run and per MoE layer.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct PredictReport {
-    /// Next layer's router on this layer's input.
-    pub stale: PredictorStats,
-    /// Two layers early (printed only when scored).
-    pub stale2: PredictorStats,
-    /// What this layer routed for the previous token.
-    pub prev: PredictorStats,
-    /// This layer's own router on its own input: should read 100%.
-    pub ctrl: PredictorStats,
-    /// Routings the stale gate structurally could not rank (layer 0, the first token).
-    pub unscored: u64,
-    /// Per MoE layer: [stale, prev, ctrl].
-    pub by_layer: Vec<[PredictorStats; 3]>,
-}
-
-impl PredictReport {
-    /// Adds another run's probe results (a session's turns): every score adds, per layer too.
-    pub fn merge(&mut self, r: &PredictReport) {
-        self.stale.merge(&r.stale);
-        self.stale2.merge(&r.stale2);
-        self.prev.merge(&r.prev);
-        self.ctrl.merge(&r.ctrl);
-        self.unscored += r.unscored;
-        if self.by_layer.len() < r.by_layer.len() {
-            self.by_layer
-                .resize(r.by_layer.len(), [PredictorStats::default(); 3]);
-        }
-        for (mine, theirs) in self.by_layer.iter_mut().zip(&r.by_layer) {
-            for (a, b) in mine.iter_mut().zip(theirs) {
-                a.merge(b);
-            }
-        }
-    }
 }
 
 /// Cumulative counters of one generation, handed over by the decode step (cache, streamer,
