@@ -20,6 +20,8 @@ pub const CACHE_FLOOR_DEFAULT_MB: u64 = 1536;
 pub const IO_THREADS_MAX: u32 = 8;
 /// Default `--io-threads`.
 pub const IO_THREADS_DEFAULT: u32 = 4;
+/// Default of `--read-timeout-ms`.
+pub const READ_TIMEOUT_MS_DEFAULT: u64 = 30_000;
 /// Deepest `--prefetch` horizon (layers).
 pub const PREFETCH_MAX: u32 = 8;
 /// Largest `--predict-spec-max` (predicted misses read per layer).
@@ -514,7 +516,7 @@ pub struct RunConfig {
     /// `--eviction`.
     pub eviction: EvictionPolicy,
     /// `--read-split`: how an expert's projection extents are cut into reads.
-    pub read_split: crate::step::ReadSplit,
+    pub read_split: crate::vocab::ReadSplit,
     /// `--drop-cold-experts F`: drop a missed expert weighted below F/top-k, 0 = off.
     pub drop_cold_frac: f32,
     /// Rescale the survivors of a drop to the routing's original mass (`--drop-no-renorm` off).
@@ -602,12 +604,12 @@ impl Default for RunConfig {
             prefetch_sync: false,
             dense_weights: DenseWeights::Anon,
             eviction: EvictionPolicy::Lru,
-            read_split: crate::step::ReadSplit::Auto,
+            read_split: crate::vocab::ReadSplit::Auto,
             drop_cold_frac: 0.0,
             drop_renorm: true,
             drop_prefill: false,
             substitute_lambda: 0.0,
-            read_timeout_ms: crate::flags::READ_TIMEOUT_MS_DEFAULT,
+            read_timeout_ms: READ_TIMEOUT_MS_DEFAULT,
             inject_faults: None,
             temp: 0.0,
             top_k: 40,

@@ -13,6 +13,7 @@
 //! and the backend keeps and restores the state itself (`Backend::keep_prefix`,
 //! `restore_prefix`, `drop_prefix`), because only it knows what its state is.
 
+pub use crate::telemetry::progress::DecideOutcome;
 use thiserror::Error;
 
 /// Why a decide request is refused before anything runs. Each leaves the session as it was.
@@ -168,31 +169,6 @@ pub fn check(req: &DecideRequest<'_>) -> Result<(), DecideRejected> {
     }
     let first: Vec<Option<u32>> = req.choices.iter().map(|&t| Some(t)).collect();
     check_choices(&first).map(|_| ())
-}
-
-/// What a decide did: the contract's `BMOE_DECIDE` fields.
-#[derive(Debug)]
-pub struct DecideOutcome {
-    /// The turn number its prefill's trace rows carry.
-    pub turn: u32,
-    /// Stopped before its prefill ran (a cancel): no logits, `best` is `None`.
-    pub cancelled: bool,
-    pub choice_logp: Vec<Option<f64>>,
-    pub best: Option<usize>,
-    /// Tokens of the render, how many were restored from the kept state, how many prefilled.
-    pub n_tokens: u32,
-    pub n_reused: u32,
-    pub n_prefilled: u32,
-    /// Seconds to restore the kept state before the prefill, and to keep the new one after.
-    pub restore_s: f64,
-    pub store_s: f64,
-    /// Bytes the kept state holds after the call (0 when none is kept).
-    pub prefix_state_bytes: u64,
-    /// The turn's summary: its prefill figures (`prefill_s`, `prefill.*`), no tokens.
-    pub summary: crate::telemetry::summary::RunSummary,
-    /// The failed step's error, when the prefill failed (the engine then refuses further
-    /// steps, and the outcome carries no scores).
-    pub error: Option<crate::step::StepError>,
 }
 
 #[cfg(test)]

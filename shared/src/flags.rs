@@ -12,7 +12,10 @@
 
 use std::path::PathBuf;
 
-use crate::step::ReadSplit;
+use crate::vocab::ReadSplit;
+
+/// Default of `--read-timeout-ms` (defined in `config`, below this module).
+pub use crate::config::READ_TIMEOUT_MS_DEFAULT;
 
 use crate::config::{
     DenseWeights, EvictionPolicy, RunConfig, StreamChoice, CACHE_FLOOR_DEFAULT_MB, CACHE_MIN_MB,
@@ -275,9 +278,6 @@ pub struct StreamArgs {
     #[arg(long, value_name = "SPEC", hide = true, value_parser = parse_fault_plan)]
     pub inject_faults: Option<crate::faults::FaultPlan>,
 }
-
-/// Default of `--read-timeout-ms`.
-pub const READ_TIMEOUT_MS_DEFAULT: u64 = 30_000;
 
 fn parse_fault_plan(s: &str) -> Result<crate::faults::FaultPlan, String> {
     crate::faults::FaultPlan::parse(s).map_err(|e| e.reason)

@@ -28,8 +28,7 @@ use crate::gating::Gating;
 use crate::hooks::route_ahead;
 use crate::layout::ExpertLayout;
 use crate::records::{Phase, PRED_HORIZON_MAX};
-use crate::step::{be, StepError, StepStats};
-use crate::telemetry::summary::{PredictReport, PredictorStats};
+use crate::vocab::{be, PredictReport, PredictorStats, StepError, StepStats};
 
 /// Routings wider than this are declined by the probe (features.md §5).
 pub const PREDICT_SCORE_MAX_K: usize = 32;

@@ -32,13 +32,44 @@
 
 use crate::backend::{Backend, BackendStage, Routing, SlotId};
 use crate::cache::Admission;
+use crate::cache::ExpertCache;
 use crate::clock::{Clock, Nanos};
 use crate::flash::{Flash, FlashError, ReadDone, ReadId, ReadRequest, ReadTag};
+use crate::layout::ExpertLayout;
 use crate::layout::{ExpertKey, MoeLayerLayout};
+use crate::predict::{PredictConfig, SpecTarget};
 use crate::records::IoRecord;
-use crate::step::ReadSplit;
-use crate::step::{be, StepError};
-use crate::streamer::LayerIo;
+use crate::records::{Phase, RecordSink, PRED_HORIZON_MAX};
+use crate::vocab::{be, ReadSplit, StepError};
+use crate::vocab::{StepStats, StreamConfig};
+
+/// Everything the streamer touches while it runs one layer, borrowed from the engine. It lives
+/// here, below the streamer, because the prefetcher reads and accounts through it too.
+pub(crate) struct LayerIo<'a, C, F, B> {
+    pub clock: &'a C,
+    pub flash: &'a mut F,
+    pub backend: &'a mut B,
+    pub cache: &'a mut ExpertCache,
+    pub layout: &'a ExpertLayout,
+    pub config: &'a StreamConfig,
+    pub sink: &'a mut dyn RecordSink,
+    pub stats: &'a mut StepStats,
+    pub turn: u32,
+    pub phase: Phase,
+    pub positions: &'a [u32],
+    /// The MoE layer being streamed (set by `run_layer`).
+    pub layer_moe: u16,
+    /// The armed predictors (`--prefetch-sync` rides here too).
+    pub predict: &'a PredictConfig,
+    /// This layer's predicted speculation (`--predict-prefetch`, route-ahead's early reads).
+    pub spec: &'a [SpecTarget],
+    /// Per routing slot of the batch's last row (decode): the predictions recorded in the
+    /// route trace (`RouteRecord::preds`). Empty when none were made.
+    pub trace_preds: &'a [[Option<(u16, f32)>; PRED_HORIZON_MAX]],
+    /// Route-ahead committed this layer's last row: the router's own ids per slot
+    /// (`RouteRecord::router_expert`). Empty otherwise.
+    pub router_ids: &'a [u16],
+}
 
 /// Every read of one expert: each projection extent cut as `split` says, lanes round-robin
 /// from `lane_cursor`. Demand and speculation both use this, which

@@ -14,9 +14,10 @@ use crate::flash::Flash;
 pub use crate::hooks::{HookContext, HookCounts, RouterHook, TopKOverride};
 use crate::layout::{ExpertKey, ExpertLayout};
 use crate::predict::{PredictConfig, Predictors};
+use crate::prefetch::LayerIo;
 use crate::records::RecordSink;
-use crate::streamer::{LayerIo, Streamer};
-pub(crate) use crate::vocab::be;
+use crate::streamer::Streamer;
+use crate::vocab::be;
 use crate::vocab::{BackendStage, LayerId, SlotId};
 pub use crate::vocab::{
     HookError, ReadSplit, StepError, StepInput, StepStats, StreamConfig, SPLIT_MIN_BYTES,

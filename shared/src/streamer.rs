@@ -17,14 +17,13 @@
 //! `StepError::UnexpectedCompletion`.
 
 use crate::backend::{Backend, BackendStage, ExpertUse, LayerId, Routing, SlotId};
-use crate::cache::{Admission, ExpertCache, Lookup};
+use crate::cache::{Admission, Lookup};
 use crate::clock::Clock;
 use crate::flash::{Flash, FlashError, ReadDone, ReadId, ReadRequest};
 use crate::layout::{ExpertKey, ExpertLayout};
-use crate::predict::{PredictConfig, SpecTarget};
-use crate::prefetch::{account_read, checked, expert_reads, Adopted, Prefetcher};
-use crate::records::{Phase, RecordSink, RouteRecord, PRED_HORIZON_MAX};
-use crate::step::{be, StepError, StepStats, StreamConfig};
+use crate::prefetch::{account_read, checked, expert_reads, Adopted, LayerIo, Prefetcher};
+use crate::records::{Phase, RouteRecord};
+use crate::vocab::{be, StepError};
 use std::collections::VecDeque;
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -67,33 +66,6 @@ struct InFlight {
     req: ReadRequest,
     entry: u32,
     delivered: bool,
-}
-
-/// Everything the streamer touches while it runs one layer, borrowed from the engine.
-pub(crate) struct LayerIo<'a, C, F, B> {
-    pub clock: &'a C,
-    pub flash: &'a mut F,
-    pub backend: &'a mut B,
-    pub cache: &'a mut ExpertCache,
-    pub layout: &'a ExpertLayout,
-    pub config: &'a StreamConfig,
-    pub sink: &'a mut dyn RecordSink,
-    pub stats: &'a mut StepStats,
-    pub turn: u32,
-    pub phase: Phase,
-    pub positions: &'a [u32],
-    /// The MoE layer being streamed (set by `run_layer`).
-    pub layer_moe: u16,
-    /// The armed predictors (`--prefetch-sync` rides here too).
-    pub predict: &'a PredictConfig,
-    /// This layer's predicted speculation (`--predict-prefetch`, route-ahead's early reads).
-    pub spec: &'a [SpecTarget],
-    /// Per routing slot of the batch's last row (decode): the predictions recorded in the
-    /// route trace (`RouteRecord::preds`). Empty when none were made.
-    pub trace_preds: &'a [[Option<(u16, f32)>; PRED_HORIZON_MAX]],
-    /// Route-ahead committed this layer's last row: the router's own ids per slot
-    /// (`RouteRecord::router_expert`). Empty otherwise.
-    pub router_ids: &'a [u16],
 }
 
 /// Reusable per-layer scratch. No allocation once capacities have grown.

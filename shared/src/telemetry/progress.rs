@@ -10,7 +10,6 @@ use std::io::{self, Write};
 use super::csv::TokenRecord;
 use super::fmt::{json_fixed, json_str, mib};
 use super::summary::RunSummary;
-use crate::decide::DecideOutcome;
 
 /// The newly generated text since the previous `BMOE_PROGRESS` line. With `reset` the fields
 /// are full snapshots that replace what the reader accumulated.
@@ -234,6 +233,32 @@ pub fn write_done(
         json_str(reasoning),
         json_str(text)
     )
+}
+
+/// What a decide did: the contract's `BMOE_DECIDE` fields. Defined here, beside the line
+/// that reports it, so telemetry needs nothing from `decide`; `decide` re-exports it.
+#[derive(Debug)]
+pub struct DecideOutcome {
+    /// The turn number its prefill's trace rows carry.
+    pub turn: u32,
+    /// Stopped before its prefill ran (a cancel): no logits, `best` is `None`.
+    pub cancelled: bool,
+    pub choice_logp: Vec<Option<f64>>,
+    pub best: Option<usize>,
+    /// Tokens of the render, how many were restored from the kept state, how many prefilled.
+    pub n_tokens: u32,
+    pub n_reused: u32,
+    pub n_prefilled: u32,
+    /// Seconds to restore the kept state before the prefill, and to keep the new one after.
+    pub restore_s: f64,
+    pub store_s: f64,
+    /// Bytes the kept state holds after the call (0 when none is kept).
+    pub prefix_state_bytes: u64,
+    /// The turn's summary: its prefill figures (`prefill_s`, `prefill.*`), no tokens.
+    pub summary: RunSummary,
+    /// The failed step's error, when the prefill failed (the engine then refuses further
+    /// steps, and the outcome carries no scores).
+    pub error: Option<crate::vocab::StepError>,
 }
 
 /// A log-probability as JSON: the shortest text that reads back as the same `f64` (so two
