@@ -10,6 +10,8 @@ if ! python3 -c "import gguf, jinja2, numpy, llama_cpp, openai, prometheus_clien
   python3 -m pip install -q --disable-pip-version-check -r scripts/requirements-test.txt
 fi
 status=0
+# Issue 33: the core's modules form a stack with no import cycle (stdlib-only, instant).
+python3 scripts/check-layers.py || status=$?
 # ARM (issue 31): the phone binary the cross-architecture gate runs under qemu
 # (gates/tests/arm_identity.rs), built before the suite, and the aarch64 kernel tests under qemu
 # after it. CI installs the tools (scripts/arm.sh: rustup targets, cross gcc, qemu-user); on

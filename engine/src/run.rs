@@ -17,13 +17,13 @@ use anyhow::{anyhow, bail, Context, Result};
 use bmoe_core::config::{
     auto_cache_budget, auto_cache_room_from, decide_streaming, RunConfig, StreamChoice, MIB,
 };
+use bmoe_core::faults::{Fault, FaultyFlash};
 use bmoe_core::faults::{RetryFlash, READ_RETRIES};
 use bmoe_core::ledger::MemPicture;
 use bmoe_core::records::RecordSink;
 use bmoe_core::telemetry::io_trace::IoTraceWriter;
 use bmoe_core::telemetry::report::ReportContext;
 use bmoe_core::telemetry::route_trace::{RoutePreamble, RouteTraceWriter, TraceLayer};
-use bmoe_core::testing::{Fault, FaultyFlash};
 use bmoe_core::{
     CancelFlag, Engine, ExpertCache, MemProbe, Outputs, ResidentFlash, Session, StepInput,
     StepStats, StopReason, StreamConfig, TokenSource, TurnRequest,

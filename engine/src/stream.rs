@@ -12,8 +12,8 @@
 use crate::arch::{Arch, ArchError, ExpertJob, KvSnapshot, Model, RouteOut, State};
 use crate::arena::{Arena, ArenaError, ArenaOptions, Extent, SlotAddr};
 use crate::flash::LaneFlash;
+use bmoe_core::faults::FaultyFlash;
 use bmoe_core::faults::RetryFlash;
-use bmoe_core::testing::FaultyFlash;
 use bmoe_core::{
     Backend, ExpertLayout, ExpertUse, Flash, FlashError, LayerId, LayoutError, MoeLayerLayout,
     Prediction, ProjExtent, ReadDone, ReadId, ReadRequest, ResidentFlash, Routing, SlotId,

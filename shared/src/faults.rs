@@ -20,7 +20,6 @@
 //! time (real or virtual).
 
 use crate::flash::{Flash, FlashError, ReadDone, ReadId, ReadRequest};
-use crate::testing::splitmix64;
 use std::collections::HashMap;
 use thiserror::Error;
 
@@ -434,6 +433,124 @@ impl<F: Flash> Flash for RetryFlash<F> {
             false
         }
     }
+}
+
+/// What `FaultyFlash` does to its chosen read.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// The read fails with an I/O error (EIO).
+    Eio,
+    /// The read reports a short read error: `got` bytes instead of the request.
+    Short { got: u64 },
+    /// The read "succeeds" but reports fewer bytes than requested, as a buggy device might:
+    /// the step must catch it itself.
+    SilentShort { got: u64 },
+}
+
+/// Wraps a device and spoils its `nth` submitted read (0-based) with `fault`.
+#[derive(Debug)]
+pub struct FaultyFlash<F> {
+    inner: F,
+    nth: u64,
+    fault: Fault,
+    submitted: u64,
+    target: Option<ReadId>,
+    target_req: Option<ReadRequest>,
+    injected: bool,
+}
+
+impl<F: Flash> FaultyFlash<F> {
+    /// Spoil read number `nth` (counting every `submit` from now, from 0) with `fault`.
+    pub fn new(inner: F, nth: u64, fault: Fault) -> Self {
+        FaultyFlash {
+            inner,
+            nth,
+            fault,
+            submitted: 0,
+            target: None,
+            target_req: None,
+            injected: false,
+        }
+    }
+    /// The wrapped device.
+    pub fn inner(&self) -> &F {
+        &self.inner
+    }
+    /// Whether the fault has been delivered.
+    pub fn injected(&self) -> bool {
+        self.injected
+    }
+
+    fn spoil(
+        &mut self,
+        id: ReadId,
+        outcome: Result<ReadDone, FlashError>,
+        req: Option<ReadRequest>,
+    ) -> Result<ReadDone, FlashError> {
+        if self.target != Some(id) {
+            return outcome;
+        }
+        self.injected = true;
+        let (shard, offset, len) = req.map_or((0, 0, 0), |r| (r.shard, r.offset, r.len));
+        match self.fault {
+            Fault::Eio => Err(FlashError::Io {
+                shard,
+                offset,
+                len,
+                message: "EIO (injected)".into(),
+            }),
+            Fault::Short { got } => Err(FlashError::Short {
+                shard,
+                offset,
+                expected: len,
+                got,
+            }),
+            Fault::SilentShort { got } => outcome.map(|mut d| {
+                d.req_bytes = got.min(d.req_bytes);
+                d
+            }),
+        }
+    }
+}
+
+/// Requests are remembered so an injected error can name its extent.
+impl<F: Flash> Flash for FaultyFlash<F> {
+    fn lanes(&self) -> u32 {
+        self.inner.lanes()
+    }
+    fn submit(&mut self, read: ReadRequest) -> ReadId {
+        let id = self.inner.submit(read);
+        if self.submitted == self.nth {
+            self.target = Some(id);
+            self.target_req = Some(read);
+        }
+        self.submitted += 1;
+        id
+    }
+    fn wait(&mut self, id: ReadId) -> Result<ReadDone, FlashError> {
+        let outcome = self.inner.wait(id);
+        let req = self.target_req;
+        self.spoil(id, outcome, req)
+    }
+    fn poll(&mut self) -> Option<(ReadId, Result<ReadDone, FlashError>)> {
+        let (id, outcome) = self.inner.poll()?;
+        let req = self.target_req;
+        Some((id, self.spoil(id, outcome, req)))
+    }
+    fn cancel(&mut self, id: ReadId) -> bool {
+        self.inner.cancel(id)
+    }
+    fn resident(&self) -> bool {
+        self.inner.resident()
+    }
+}
+
+/// SplitMix64: a tiny deterministic mixer for test data and scripted routings.
+pub fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }
 
 #[cfg(test)]

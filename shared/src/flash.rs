@@ -2,8 +2,8 @@
 //!
 //! The streamer submits reads and later waits for (or polls) their completions, so the same
 //! code drives O_DIRECT lanes in the engine, a modelled device in the simulator (which
-//! completes a read at its modelled time by advancing its virtual clock), and the in-memory
-//! and fault-injecting devices in `testing`. Destinations are cache slots, not pointers: the
+//! completes a read at its modelled time by advancing its virtual clock), the in-memory
+//! device in `testing` and the fault-injecting ones in `faults`. Destinations are cache slots, not pointers: the
 //! engine maps a slot to memory, the simulator has none.
 
 use crate::clock::Nanos;

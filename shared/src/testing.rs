@@ -16,6 +16,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use thiserror::Error;
 
+/// The fault-injecting device and the mixer live in `faults` (production code uses them);
+/// re-exported here, where tests have always found them.
+pub use crate::faults::{splitmix64, Fault, FaultyFlash};
+
 /// A clock that moves only when told to. Clones share the same time, so a test hands one
 /// clone to the flash device, one to the backend and one to the engine.
 #[derive(Clone, Debug, Default)]
@@ -317,116 +321,6 @@ impl Flash for MemFlash {
     }
 }
 
-/// What `FaultyFlash` does to its chosen read.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum Fault {
-    /// The read fails with an I/O error (EIO).
-    Eio,
-    /// The read reports a short read error: `got` bytes instead of the request.
-    Short { got: u64 },
-    /// The read "succeeds" but reports fewer bytes than requested, as a buggy device might:
-    /// the step must catch it itself.
-    SilentShort { got: u64 },
-}
-
-/// Wraps a device and spoils its `nth` submitted read (0-based) with `fault`.
-#[derive(Debug)]
-pub struct FaultyFlash<F> {
-    inner: F,
-    nth: u64,
-    fault: Fault,
-    submitted: u64,
-    target: Option<ReadId>,
-    target_req: Option<ReadRequest>,
-    injected: bool,
-}
-
-impl<F: Flash> FaultyFlash<F> {
-    /// Spoil read number `nth` (counting every `submit` from now, from 0) with `fault`.
-    pub fn new(inner: F, nth: u64, fault: Fault) -> Self {
-        FaultyFlash {
-            inner,
-            nth,
-            fault,
-            submitted: 0,
-            target: None,
-            target_req: None,
-            injected: false,
-        }
-    }
-    /// The wrapped device.
-    pub fn inner(&self) -> &F {
-        &self.inner
-    }
-    /// Whether the fault has been delivered.
-    pub fn injected(&self) -> bool {
-        self.injected
-    }
-
-    fn spoil(
-        &mut self,
-        id: ReadId,
-        outcome: Result<ReadDone, FlashError>,
-        req: Option<ReadRequest>,
-    ) -> Result<ReadDone, FlashError> {
-        if self.target != Some(id) {
-            return outcome;
-        }
-        self.injected = true;
-        let (shard, offset, len) = req.map_or((0, 0, 0), |r| (r.shard, r.offset, r.len));
-        match self.fault {
-            Fault::Eio => Err(FlashError::Io {
-                shard,
-                offset,
-                len,
-                message: "EIO (injected)".into(),
-            }),
-            Fault::Short { got } => Err(FlashError::Short {
-                shard,
-                offset,
-                expected: len,
-                got,
-            }),
-            Fault::SilentShort { got } => outcome.map(|mut d| {
-                d.req_bytes = got.min(d.req_bytes);
-                d
-            }),
-        }
-    }
-}
-
-/// Requests are remembered so an injected error can name its extent.
-impl<F: Flash> Flash for FaultyFlash<F> {
-    fn lanes(&self) -> u32 {
-        self.inner.lanes()
-    }
-    fn submit(&mut self, read: ReadRequest) -> ReadId {
-        let id = self.inner.submit(read);
-        if self.submitted == self.nth {
-            self.target = Some(id);
-            self.target_req = Some(read);
-        }
-        self.submitted += 1;
-        id
-    }
-    fn wait(&mut self, id: ReadId) -> Result<ReadDone, FlashError> {
-        let outcome = self.inner.wait(id);
-        let req = self.target_req;
-        self.spoil(id, outcome, req)
-    }
-    fn poll(&mut self) -> Option<(ReadId, Result<ReadDone, FlashError>)> {
-        let (id, outcome) = self.inner.poll()?;
-        let req = self.target_req;
-        Some((id, self.spoil(id, outcome, req)))
-    }
-    fn cancel(&mut self, id: ReadId) -> bool {
-        self.inner.cancel(id)
-    }
-    fn resident(&self) -> bool {
-        self.inner.resident()
-    }
-}
-
 /// A synthetic model's expert layout and flash contents: `n_model_layers` layers, the ones in
 /// `moe_layers` with `n_expert` experts whose projections have the given strides, all in shard
 /// 0 after a small header, filled with seeded pseudo-random bytes (distinct per expert).
@@ -468,14 +362,6 @@ pub fn synthetic_model(
         *b = (s >> 56) as u8;
     }
     Ok((layout, Arc::new(vec![bytes])))
-}
-
-/// SplitMix64: a tiny deterministic mixer for test data and scripted routings.
-pub fn splitmix64(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
 }
 
 /// FNV-1a over bytes: a slot's content in one number.
