@@ -228,8 +228,8 @@ const GGUF_PY_HYBRIDS: &[(&str, &str)] = &[("qwen35moe", "wide"), ("lfm2moe", "w
 const GGUF_PY_TYPES: &[&str] = &["f16", "q8_0", "q4_k_m", "q4_0"];
 
 /// The gguf-py files measured under the 98 % bar (docs/architectures.md, each family's
-/// "Parity"; measured 2026-12-06, seeds 11-13 pooled): printed by the gate, not failed, until
-/// the cause is found. qwen35moe Q4_K_M 96.5 %: the two engines' logits drift apart with the
+/// "Parity"; measured 2026-12-06, seeds 11-13 pooled): printed by the gate, not failed, while
+/// the reference disagrees with itself as much (below). qwen35moe Q4_K_M 96.5 %: the two engines' logits drift apart with the
 /// position (1 − cos, averaged over 54 positions, from 1e-4 to 9e-4 on seed 11), through the
 /// DeltaNet state and attention, until routing flips at margins of 1e-2 to 1e-1. lfm2moe
 /// Q4_K_M 96.8 % and Q4_0 97.8 %: single positions at cos 0.97-0.99 with a router margin

@@ -392,12 +392,13 @@ impl RecurrentLayer {
             // describe a past that is gone. (No other accepted start lies below it: the copy
             // never stands past `seen`.)
             self.mark = None;
-        } else if first != self.seen && self.mark.as_ref().is_some_and(|m| m.at == first) {
-            let m = self.mark.as_ref().expect("checked");
+        } else if first == self.seen {
+            // Continues where it stands.
+        } else if let Some(m) = self.mark.as_ref().filter(|m| m.at == first) {
             self.conv.copy_from_slice(&m.conv);
             self.state.copy_from_slice(&m.state);
             self.seen = first;
-        } else if first != self.seen {
+        } else {
             return Err(recurrent_err(
                 layer,
                 format!(
@@ -854,12 +855,15 @@ impl State {
     /// at `n`. The copy's bytes are the state's own: qwen35moe's full shape keeps 60 MiB
     /// beside 60.
     pub fn mark_boundary(&mut self, n: usize) -> bool {
-        let stands = |l: &Memory| match l {
-            Memory::Recurrent(r) => Some(r.seen == n),
-            _ => None,
-        };
-        let states: Vec<bool> = self.mem.iter().filter_map(stands).collect();
-        if n == 0 || states.is_empty() || states.contains(&false) {
+        let seen: Vec<usize> = self
+            .mem
+            .iter()
+            .filter_map(|l| match l {
+                Memory::Recurrent(r) => Some(r.seen),
+                _ => None,
+            })
+            .collect();
+        if n == 0 || seen.is_empty() || seen.iter().any(|&s| s != n) {
             return false;
         }
         for l in &mut self.mem {
