@@ -259,6 +259,7 @@ pub fn chat(mut a: ChatArgs) -> Result<i32> {
                 seed: args.seed.wrapping_add(u64::from(turns)),
             },
             stop: Vec::new(),
+            speculation: args.ngram.then(|| conv.ngram_params()),
         };
         let mut printer = Printer {
             out: std::io::stdout(),

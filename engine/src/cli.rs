@@ -169,6 +169,37 @@ pub struct RunArgs {
     /// (bmoe has no prefill device, the one case where auto means off)
     #[arg(long = "decide-prefix-cache", value_enum, value_name = "MODE")]
     pub decide_prefix_cache: Option<PrefixCacheMode>,
+    /// Speculative decoding by prompt lookup: draft the continuation of the longest earlier
+    /// match of the last tokens (prompt and output) and verify the whole group in one decode
+    /// step. Output is the plain run's, greedy or sampled (docs/speculation.md); pays on text
+    /// that repeats its context (code edits, quotes, lists), costs little where nothing matches
+    #[arg(long, help_heading = "Speculation")]
+    pub ngram: bool,
+    /// Tokens drafted per speculative step, 1-8
+    #[arg(
+        long = "draft",
+        visible_alias = "spec-draft-max",
+        value_name = "N",
+        default_value_t = 3,
+        help_heading = "Speculation"
+    )]
+    pub draft: u32,
+    /// --ngram drafts only after a match of at least N trailing tokens, 1 to --ngram-max-match
+    #[arg(
+        long = "ngram-min-match",
+        value_name = "N",
+        default_value_t = 3,
+        help_heading = "Speculation"
+    )]
+    pub ngram_min_match: u32,
+    /// Longest suffix --ngram matches, 1-64
+    #[arg(
+        long = "ngram-max-match",
+        value_name = "N",
+        default_value_t = 12,
+        help_heading = "Speculation"
+    )]
+    pub ngram_max_match: u32,
     /// Print the architectures this build runs and exit
     #[arg(long = "list-archs")]
     pub list_archs: bool,
@@ -199,6 +230,11 @@ impl RunArgs {
         if self.decide && !self.session {
             return Err(anyhow!(
                 "config error: --decide needs --session (decide requests arrive on a session's stdin)"
+            ));
+        }
+        if self.ngram && self.logits_out.is_some() {
+            return Err(anyhow!(
+                "config error: --logits-out writes one row per fed position, and --ngram feeds drafts a verify step may reject; run one without the other"
             ));
         }
         if self.decide_prefix_cache.is_some() && !self.decide {

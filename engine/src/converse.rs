@@ -89,6 +89,8 @@ pub struct TurnOptions {
     pub sampler: SamplerConfig,
     /// Stop strings: the answer ends before the first of them (which is not returned).
     pub stop: Vec<String>,
+    /// `--ngram` for this turn (`None`: plain decoding).
+    pub speculation: Option<bmoe_core::speculate::NgramParams>,
 }
 
 /// Where a turn's text goes as it grows.
@@ -319,6 +321,12 @@ impl Conversation {
         })
     }
 
+    /// The `--ngram` settings of the flags the conversation was opened with (what a turn that
+    /// asks for speculation drafts with).
+    pub fn ngram_params(&self) -> bmoe_core::speculate::NgramParams {
+        bmoe_core::generate::ngram_params(self.session.config())
+    }
+
     /// Run a prepared turn (prepared against the KV as it is now). The text goes to `listener`
     /// as it grows; the turn stops at `n_predict`, an end-of-generation token, a stop string,
     /// the cancel flag, or the listener going away.
@@ -329,6 +337,7 @@ impl Conversation {
         listener: &mut dyn Listener,
     ) -> Result<Finished> {
         let reuse = p.reuse;
+        self.session.set_speculation(opts.speculation);
         self.session.truncate_context(reuse as u32);
         let positions: Vec<u32> = (reuse as u32..p.tokens.len() as u32).collect();
         let mut sampler = Sampler::new(opts.sampler.clone());
@@ -490,9 +499,38 @@ impl TokenSource<EngineBackend> for Relay<'_, '_> {
         backend: &mut EngineBackend,
         last: bool,
     ) -> Result<Option<u32>, Self::Error> {
-        let Some(t) = self.inner.next_token(backend, last)? else {
-            return Ok(None);
-        };
+        let t = self.inner.next_token(backend, last)?;
+        Ok(self.relay(t))
+    }
+
+    fn verifies(&self) -> bool {
+        self.inner.verifies()
+    }
+
+    fn next_token_at(
+        &mut self,
+        backend: &mut EngineBackend,
+        row: u32,
+        last: bool,
+    ) -> Result<Option<u32>, Self::Error> {
+        let t = self.inner.next_token_at(backend, row, last)?;
+        Ok(self.relay(t))
+    }
+
+    fn text(&self) -> (&str, &str) {
+        self.inner.text()
+    }
+
+    fn finish(&mut self, backend: &mut EngineBackend) -> Result<(), Self::Error> {
+        self.inner.finish(backend)
+    }
+}
+
+impl Relay<'_, '_> {
+    /// A token the sampler chose, relayed: `None` (the turn ends) at an end of generation or
+    /// where it completed a stop string; otherwise counted and its text sent.
+    fn relay(&mut self, t: Option<u32>) -> Option<u32> {
+        let t = t?;
         if !self.stop.is_empty() {
             let (_, content) = self.inner.text();
             // Search from a little before the text already sent: a stop string may straddle.
@@ -510,21 +548,13 @@ impl TokenSource<EngineBackend> for Relay<'_, '_> {
             if let Some(at) = hit {
                 // The token that completed the stop string is not fed: the turn ends here.
                 self.stopped_at = Some(at);
-                return Ok(None);
+                return None;
             }
         }
         self.tokens += 1;
         self.listener.token(self.tokens);
         self.send(false);
-        Ok(Some(t))
-    }
-
-    fn text(&self) -> (&str, &str) {
-        self.inner.text()
-    }
-
-    fn finish(&mut self, backend: &mut EngineBackend) -> Result<(), Self::Error> {
-        self.inner.finish(backend)
+        Some(t)
     }
 }
 

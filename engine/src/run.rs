@@ -226,9 +226,25 @@ pub fn load(args: &RunArgs, model_path: &Path, err: &mut dyn Write) -> Result<Lo
     cfg.top_k = args.top_k as u32;
     cfg.top_p = args.top_p;
     cfg.seed = args.seed;
+    if args.ngram {
+        cfg.spec = bmoe_core::config::SpecMode::Ngram;
+    }
+    cfg.spec_draft_max = args.draft;
+    cfg.ngram_min_match = args.ngram_min_match;
+    cfg.ngram_max_match = args.ngram_max_match;
     args.stream.apply(&mut cfg);
     args.telemetry.apply(&mut cfg);
     cfg.validate()?;
+    if cfg.spec == bmoe_core::config::SpecMode::Off {
+        // A session's or server's request may turn --ngram on: its settings must hold then.
+        RunConfig {
+            spec: bmoe_core::config::SpecMode::Ngram,
+            n_ubatch: 0,
+            route_ahead: 0,
+            ..cfg.clone()
+        }
+        .validate()?;
+    }
 
     let file = Arc::new(GgufFile::open(model_path)?);
     cfg.arch = file.architecture().unwrap_or("").to_string();
@@ -441,6 +457,18 @@ pub fn load(args: &RunArgs, model_path: &Path, err: &mut dyn Write) -> Result<Lo
     // --predict-log, --predict-prefetch, --route-ahead (committed before the hooks above
     // run), --prefetch-sync.
     engine.set_predictors(bmoe_core::PredictConfig::from_run_config(&cfg));
+    use bmoe_core::backend::Backend as _;
+    if cfg.spec != bmoe_core::config::SpecMode::Off && !engine.backend().verifies_rows() {
+        // A recurrent state cannot give back a rejected draft's positions: decode plainly,
+        // and say so (the preamble then says spec=off).
+        writeln!(
+            err,
+            "warning: --{}: {}'s recurrent layers cannot take back a rejected draft; decoding without speculation",
+            cfg.spec.name(),
+            cfg.arch
+        )?;
+        cfg.spec = bmoe_core::config::SpecMode::Off;
+    }
     // The drop-at-narrow-top-k and cache-cycle warnings, once, each already a full line.
     for w in cfg.load_warnings() {
         writeln!(err, "{w}")?;
@@ -598,25 +626,21 @@ impl TokenSource<EngineBackend> for Sampling<'_> {
         backend: &mut EngineBackend,
         last: bool,
     ) -> Result<Option<u32>, SamplingError> {
-        let logits = &backend.state.logits;
-        if logits.len() < self.n_vocab {
-            return Err(SamplingError::NoLogits {
-                got: logits.len(),
-                n_vocab: self.n_vocab,
-            });
-        }
-        let next = self.sampler.sample(&logits[logits.len() - self.n_vocab..]);
-        if self.tok.is_eog(next) && !self.ignore_eog {
-            self.eog = Some(next);
-            return Ok(None);
-        }
-        let mut piece = self.dec.push(self.tok, next);
-        if last {
-            // The turn's last token: its line carries everything, an unfinished character too.
-            piece.push_str(&self.dec.flush());
-        }
-        self.push_text(&piece, last)?;
-        Ok(Some(next))
+        let rows = backend.state.logits.len() / self.n_vocab.max(1);
+        self.choose(backend, rows.max(1) as u32 - 1, last)
+    }
+
+    fn verifies(&self) -> bool {
+        true
+    }
+
+    fn next_token_at(
+        &mut self,
+        backend: &mut EngineBackend,
+        row: u32,
+        last: bool,
+    ) -> Result<Option<u32>, SamplingError> {
+        self.choose(backend, row, last)
     }
 
     fn text(&self) -> (&str, &str) {
@@ -628,6 +652,38 @@ impl TokenSource<EngineBackend> for Sampling<'_> {
         // After `last` the splitter and the decoder hold nothing; otherwise (end of
         // generation, a cancel, a failure) whatever they held joins the answer here.
         self.push_text(&tail, true)
+    }
+}
+
+impl Sampling<'_> {
+    /// The token sampled from the logits of the last step's batch row `row` (the head's
+    /// output rows, in order), its text pushed; `None` at an end-of-generation token.
+    fn choose(
+        &mut self,
+        backend: &EngineBackend,
+        row: u32,
+        last: bool,
+    ) -> Result<Option<u32>, SamplingError> {
+        let logits = &backend.state.logits;
+        let at = row as usize * self.n_vocab;
+        if self.n_vocab == 0 || logits.len() < at + self.n_vocab {
+            return Err(SamplingError::NoLogits {
+                got: logits.len(),
+                n_vocab: self.n_vocab,
+            });
+        }
+        let next = self.sampler.sample(&logits[at..at + self.n_vocab]);
+        if self.tok.is_eog(next) && !self.ignore_eog {
+            self.eog = Some(next);
+            return Ok(None);
+        }
+        let mut piece = self.dec.push(self.tok, next);
+        if last {
+            // The turn's last token: its line carries everything, an unfinished character too.
+            piece.push_str(&self.dec.flush());
+        }
+        self.push_text(&piece, last)?;
+        Ok(Some(next))
     }
 }
 
@@ -664,7 +720,13 @@ impl Sinks {
                         .iter()
                         .map(|t| format!("routing followed the recorded trace {t} (--routing-from): an instrumented run"))
                         .collect(),
-                    extra: Vec::new(),
+                    // A speculative run's decode steps verify groups: marked, so the
+                    // simulator refuses to replay it as plain decoding.
+                    extra: if cfg.spec == bmoe_core::config::SpecMode::Off {
+                        Vec::new()
+                    } else {
+                        vec![("spec".to_string(), cfg.spec.name().to_string())]
+                    },
                 };
                 Some(RouteTraceWriter::with_predictions(
                     w,

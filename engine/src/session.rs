@@ -52,6 +52,8 @@ pub struct GenerateRequest {
     pub n_predict: Option<u32>,
     pub think: Option<bool>,
     pub clear_kv: Option<bool>,
+    /// `--ngram` for this turn (default: the session's flag).
+    pub ngram: Option<bool>,
 }
 
 /// A `decide` request (answered only by a session opened with `--decide`).
@@ -203,6 +205,7 @@ pub fn parse_request(line: &[u8]) -> Result<Request, RequestError> {
                 n_predict,
                 think: boolean(cmd, "think")?,
                 clear_kv: boolean(cmd, "clear_kv")?,
+                ngram: boolean(cmd, "ngram")?,
             }))
         }
         "decide" => {
@@ -779,6 +782,11 @@ pub fn serve(
         let special = !args.no_parse_special;
         let think = g.think.unwrap_or(!args.no_think);
         let clear_kv = g.clear_kv.unwrap_or(true);
+        let speculation = g
+            .ngram
+            .unwrap_or(args.ngram)
+            .then(|| bmoe_core::generate::ngram_params(session.config()));
+        session.set_speculation(speculation);
         // The whole context the turn wants in the KV, and the text its generation follows.
         let wanted: Result<(Vec<u32>, String, Vec<Message>)> = (|| {
             if g.prompt.is_empty() {
@@ -930,11 +938,12 @@ mod tests {
                 n_predict: None,
                 think: None,
                 clear_kv: None,
+                ngram: None,
             })
         );
         assert_eq!(
             parse_request(
-                br#"{"cmd":"generate","id":-1,"prompt":"x","n_predict":3,"think":false,"clear_kv":false,"extra":1}"#
+                br#"{"cmd":"generate","id":-1,"prompt":"x","n_predict":3,"think":false,"clear_kv":false,"ngram":true,"extra":1}"#
             )
             .unwrap(),
             Request::Generate(GenerateRequest {
@@ -943,6 +952,7 @@ mod tests {
                 n_predict: Some(3),
                 think: Some(false),
                 clear_kv: Some(false),
+                ngram: Some(true),
             })
         );
         assert_eq!(
@@ -953,6 +963,7 @@ mod tests {
                 n_predict: None,
                 think: None,
                 clear_kv: None,
+                ngram: None,
             })
         );
         assert_eq!(

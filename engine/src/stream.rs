@@ -170,6 +170,8 @@ pub struct EngineBackend<A: Arch + ?Sized = dyn Arch> {
     deferred_uses: Vec<(u32, u16, f32)>,
     /// Produce logits for every row of the next batch (for `--logits-out`), not just the last.
     pub all_logits: bool,
+    /// A speculative verify decode's logits at every row (`Backend::logits_at_every_row`).
+    verify_rows: bool,
     /// Rows of the previous step (0 before the first).
     last_batch: u32,
     /// The running step, named for errors (`prefill step (positions 0..=7)`).
@@ -207,6 +209,7 @@ impl<A: Arch + ?Sized> EngineBackend<A> {
             deferred: Vec::new(),
             deferred_uses: Vec::new(),
             all_logits: false,
+            verify_rows: false,
             last_batch: 0,
             step: String::new(),
             verify: None,
@@ -355,7 +358,7 @@ impl<A: Arch + ?Sized> Backend for EngineBackend<A> {
         self.deferred_uses.clear();
         self.first_token = self.tokens_begun;
         self.tokens_begun += u64::from(n);
-        let rows: Vec<u32> = if self.all_logits {
+        let rows: Vec<u32> = if self.all_logits || self.verify_rows {
             (0..n).collect()
         } else {
             vec![n - 1]
@@ -556,6 +559,17 @@ impl<A: Arch + ?Sized> Backend for EngineBackend<A> {
         let bytes = snap.bytes();
         self.kept = Some(snap);
         Ok(Some(bytes))
+    }
+
+    fn logits_at_every_row(&mut self, on: bool) {
+        self.verify_rows = on;
+    }
+
+    /// Every row's logits are a one-token decode's bits (the kernels are row-invariant) and
+    /// attention rows past the accepted ones are simply fed again; a recurrent state cannot be
+    /// taken back past positions it has absorbed, so a hybrid decodes plainly.
+    fn verifies_rows(&self) -> bool {
+        !self.keeps_prefix_where_it_stands()
     }
 
     fn mark_boundary(&mut self, n: u32) -> Result<bool, StreamError> {

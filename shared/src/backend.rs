@@ -352,6 +352,23 @@ pub trait Backend {
         Ok(false)
     }
 
+    /// Whether the steps that follow compute logits at every batch row (`true`: a speculative
+    /// verify decode, whose rows each choose a token) or at the last row only (`false`, the
+    /// default state). A backend that cannot is never asked: see
+    /// [`Backend::verifies_rows`]. Default: nothing.
+    fn logits_at_every_row(&mut self, on: bool) {
+        let _ = on;
+    }
+
+    /// Whether this backend computes every row's logits on request
+    /// ([`Backend::logits_at_every_row`]) with each row's bits equal to a one-token decode's at
+    /// its position, and whether its memory outlives a rejected draft (positions past the
+    /// accepted ones are simply fed again). Speculative decoding runs only where it does.
+    /// Default: no (the simulator, and a backend with recurrent state).
+    fn verifies_rows(&self) -> bool {
+        false
+    }
+
     /// The logits of the last step's last batch row over the whole vocabulary, after `head`
     /// (what a `decide` scores its choices on). `None` when the backend computes no logits
     /// (the default: the simulator).

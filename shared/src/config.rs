@@ -715,17 +715,6 @@ impl RunConfig {
         if self.spec == SpecMode::Off {
             return Ok(());
         }
-        let flag = match self.spec {
-            SpecMode::Mtp => "--mtp",
-            _ => "--ngram",
-        };
-        if self.temp > 0.0 {
-            return Err(excludes(
-                flag,
-                "--temp > 0",
-                "verification is token-identical to single-token decode only under argmax",
-            ));
-        }
         if !(1..=DRAFT_MAX_LIMIT).contains(&self.spec_draft_max) {
             return Err(out_of_range(
                 "--draft",

@@ -28,13 +28,14 @@
 use crate::backend::Backend;
 use crate::cache::ExpertCache;
 use crate::clock::{Clock, Nanos};
-use crate::config::RunConfig;
+use crate::config::{RunConfig, SpecMode};
 use crate::decide::{
     best, check, choice_logp, reusable, DecideOutcome, DecideRejected, DecideRequest,
 };
 use crate::flash::Flash;
 use crate::ledger::{Ledger, MemPicture};
 use crate::records::{Phase, RecordSink};
+use crate::speculate::{ngram_draft, NgramParams, SpecCounters};
 use crate::step::{Engine, StepError, StepInput, StepStats};
 use crate::telemetry::report::{write_report, ReportContext};
 use crate::telemetry::run::RunTelemetry;
@@ -89,6 +90,21 @@ impl MemProbe for NoProbe {
     }
 }
 
+/// The n-gram draft settings `cfg` asks for (`--ngram`), or none.
+pub fn ngram_of(cfg: &RunConfig) -> Option<NgramParams> {
+    (cfg.spec == SpecMode::Ngram).then(|| ngram_params(cfg))
+}
+
+/// The n-gram draft settings of `cfg`'s flags, whether or not `--ngram` is on (what a request
+/// that asks for speculation gets).
+pub fn ngram_params(cfg: &RunConfig) -> NgramParams {
+    NgramParams {
+        draft_max: cfg.spec_draft_max,
+        min_match: cfg.ngram_min_match,
+        max_match: cfg.ngram_max_match,
+    }
+}
+
 /// Where a turn's tokens come from, and what a front end does around each step. The engine
 /// samples from the backend's logits and detokenizes; the simulator replays recorded steps.
 pub trait TokenSource<B: Backend> {
@@ -122,6 +138,27 @@ pub trait TokenSource<B: Backend> {
     /// reached), so text held back for an incomplete character must be released with it.
     /// The time spent here is the token's loop overhead.
     fn next_token(&mut self, backend: &mut B, last: bool) -> Result<Option<u32>, Self::Error>;
+
+    /// Whether this source can choose a token from any row of a verify decode
+    /// ([`TokenSource::next_token_at`]): speculative decoding runs only where it can.
+    /// Default: no.
+    fn verifies(&self) -> bool {
+        false
+    }
+
+    /// [`TokenSource::next_token`] from the logits of batch row `row` of the last step (a
+    /// speculative verify decode with logits at every row) instead of its last row: the same
+    /// choice, text and end-of-generation handling. Called only when
+    /// [`TokenSource::verifies`]; the default takes the last row.
+    fn next_token_at(
+        &mut self,
+        backend: &mut B,
+        row: u32,
+        last: bool,
+    ) -> Result<Option<u32>, Self::Error> {
+        let _ = row;
+        self.next_token(backend, last)
+    }
 
     /// The context position to feed the token just chosen at; `next_free` is the position
     /// after the context's last token. A live source takes it; a replayer returns the
@@ -307,6 +344,8 @@ pub struct Session<C: Clock, F: Flash, B: Backend> {
     /// where the last step ended keeps a copy of it ([`Backend::mark_boundary`]): the prefill
     /// splits there.
     mark_during_prefill: Option<u32>,
+    /// `--ngram`: the draft source's settings for the turns that follow (`None`: plain decode).
+    speculation: Option<NgramParams>,
 }
 
 impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
@@ -318,6 +357,7 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
         load_s: f64,
         probe: Box<dyn MemProbe>,
     ) -> Self {
+        let speculation = ngram_of(&cfg);
         Session {
             engine,
             cfg,
@@ -337,7 +377,19 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
             keep_during_prefill: None,
             kept_during_prefill: None,
             mark_during_prefill: None,
+            speculation,
         }
+    }
+
+    /// Speculative decoding for the turns that follow (`None`: every step plain): a session's
+    /// or server's request may ask for it, or for none, whatever the run's flags said.
+    pub fn set_speculation(&mut self, spec: Option<NgramParams>) {
+        self.speculation = spec;
+    }
+
+    /// The speculation the next turn runs with.
+    pub fn speculation(&self) -> Option<NgramParams> {
+        self.speculation
     }
 
     /// Whether a decide keeps its prefix state for the next one (default: yes).
@@ -751,33 +803,78 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
             }
         }
 
+        // Speculation (`--ngram`) runs where both the source and the backend can verify a
+        // drafted group in one step (see `crate::speculate`); elsewhere every step is plain.
+        let spec = self
+            .speculation
+            .filter(|_| source.verifies() && self.engine.backend().verifies_rows());
+        let mut spec_counts = SpecCounters::default();
+        // A token chosen from a verify decode's row that rejected its draft: the next one fed.
+        let mut pending: Option<u32> = None;
+        let (mut draft, mut group, mut group_pos) = (Vec::new(), Vec::new(), Vec::new());
+        // A verify decode's rows are written once its group is known, each with the source's
+        // text as its token left it: snapshots taken before each row's choice (a snapshot does
+        // not always extend the last: a chat parser may rewrite it).
+        let mut snaps: Vec<(String, String)> = Vec::new();
         let mut i = 0u32;
         while stop == StopReason::Count && i < req.n_predict {
-            if self.stopping() {
+            // A pending token's text is already out: it is fed whatever happens.
+            if pending.is_none() && self.stopping() {
                 stop = StopReason::Cancelled;
                 break;
             }
             let last = i + 1 == req.n_predict;
-            let Some(token) = source
-                .next_token(self.engine.backend_mut(), last)
-                .map_err(source_err)?
-            else {
-                stop = StopReason::EndOfGeneration;
-                break;
+            let token = match pending.take() {
+                Some(t) => t,
+                None => match source
+                    .next_token(self.engine.backend_mut(), last)
+                    .map_err(source_err)?
+                {
+                    Some(t) => t,
+                    None => {
+                        stop = StopReason::EndOfGeneration;
+                        break;
+                    }
+                },
             };
             let position = source.position(self.n_past);
-            let (tok, pos) = ([token], [position]);
+            let drafting = self.engine.clock().now();
+            draft.clear();
+            if let Some(sp) = spec {
+                let room = (req.n_predict - i - 1).min(sp.draft_max) as usize;
+                let known = (position as usize).min(self.context.len());
+                if room > 0 {
+                    ngram_draft(
+                        &self.context[..known],
+                        token,
+                        sp.min_match,
+                        sp.max_match,
+                        room,
+                        &mut draft,
+                    );
+                }
+            }
+            let draft_ms = (self.engine.clock().now() - drafting).as_ms_f64();
+            group.clear();
+            group.push(token);
+            group.extend_from_slice(&draft);
+            group_pos.clear();
+            group_pos.extend((0..group.len() as u32).map(|j| position + j));
+            let verify = !draft.is_empty();
             let input = StepInput {
                 turn,
                 phase: Phase::Decode,
-                tokens: &tok,
-                positions: &pos,
+                tokens: &group,
+                positions: &group_pos,
             };
             source
                 .before_step(self.engine.backend_mut(), &input)
                 .map_err(source_err)?;
             let loop_overhead = self.engine.clock().now() - prev_end;
-            let mut st = match self.engine.step(&input, &mut out.traces()) {
+            self.engine.backend_mut().logits_at_every_row(verify);
+            let stepped = self.engine.step(&input, &mut out.traces());
+            self.engine.backend_mut().logits_at_every_row(false);
+            let mut st = match stepped {
                 Ok(st) => st,
                 Err(e) => {
                     ledger.io_error();
@@ -796,19 +893,74 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
                 .map_err(source_err)?;
             tokens.push(token);
             self.feed(token, position);
-            let rec = ledger.token(&st, &self.probe.picture(), loop_overhead.as_ms_f64());
-            let (reasoning, text) = source.text();
-            self.telemetry
-                .token(
-                    &rec,
-                    reasoning,
-                    text,
-                    reborrow_w(&mut out.progress),
-                    reborrow_w(&mut out.csv),
-                )
-                .map_err(io_err("--csv/--progress"))?;
+            let snap = |s: &S| {
+                let (r, t) = s.text();
+                (r.to_string(), t.to_string())
+            };
+            snaps.clear();
+            let mut confirmed = 1u32;
+            // Walk the verify decode's rows: row j chooses the token after the group's j-th;
+            // a choice equal to the next draft confirms it, the first that differs is fed next.
+            for (j, &d) in draft.iter().enumerate() {
+                snaps.push(snap(source));
+                // The token chosen here is the turn's (i + confirmed so far)-th.
+                let last = i + confirmed + 1 == req.n_predict;
+                match source
+                    .next_token_at(self.engine.backend_mut(), j as u32, last)
+                    .map_err(source_err)?
+                {
+                    None => {
+                        stop = StopReason::EndOfGeneration;
+                        break;
+                    }
+                    Some(s) if s == d => {
+                        confirmed += 1;
+                        tokens.push(s);
+                        self.feed(s, position + 1 + j as u32);
+                    }
+                    Some(s) => {
+                        pending = Some(s);
+                        break;
+                    }
+                }
+            }
+            if spec.is_some() {
+                spec_counts.decodes += 1;
+                if verify {
+                    spec_counts.drafted_steps += 1;
+                    spec_counts.drafted += draft.len() as u64;
+                    spec_counts.accepted += u64::from(confirmed - 1);
+                }
+            }
+            // The group's rows: the first carries the whole decode's cost and the drafting,
+            // the rest zeros; every row says how many tokens its decode confirmed.
+            let mem = self.probe.picture();
+            let live = source.text();
+            for k in 0..confirmed as usize {
+                // The last row of a group whose every draft was confirmed: nothing was chosen
+                // after its token, so the text as it stands is its own.
+                let (reasoning, text) =
+                    snaps.get(k).map_or(live, |(r, t)| (r.as_str(), t.as_str()));
+                let mut rec = if k == 0 {
+                    let mut r = ledger.token(&st, &mem, loop_overhead.as_ms_f64());
+                    r.mtp_draft_ms = if spec.is_some() { draft_ms } else { 0.0 };
+                    r
+                } else {
+                    ledger.group_row(&mem)
+                };
+                rec.mtp_batch = confirmed;
+                self.telemetry
+                    .token(
+                        &rec,
+                        reasoning,
+                        text,
+                        reborrow_w(&mut out.progress),
+                        reborrow_w(&mut out.csv),
+                    )
+                    .map_err(io_err("--csv/--progress"))?;
+            }
             out.flush()?;
-            i += 1;
+            i += confirmed;
         }
         source
             .finish(self.engine.backend_mut())
@@ -830,6 +982,10 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
         );
         counters.interrupted = stop == StopReason::Cancelled;
         counters.n_reused = u64::from(n_reused);
+        counters.mtp_drafted = spec_counts.drafted;
+        counters.mtp_accepted = spec_counts.accepted;
+        counters.mtp_decodes = spec_counts.decodes;
+        counters.drafted_steps = spec_counts.drafted_steps;
         let summary = self
             .telemetry
             .finish(counters, reborrow_w(&mut out.csv))

@@ -210,6 +210,29 @@ impl Ledger {
         r
     }
 
+    /// A row of a speculative group after its first: a token the group's verify decode
+    /// confirmed, whose cost the first row carries (zeros here, so no token reads as free
+    /// twice); the memory picture is the group's.
+    pub fn group_row(&mut self, mem: &MemPicture) -> TokenRecord {
+        self.step += 1;
+        TokenRecord {
+            step: self.step,
+            steps: self.steps,
+            cache_hit_pct: self.cache_hit_pct(),
+            dense_resident_frac: mem.dense_resident_frac,
+            turn: self.turn,
+            cache_budget_mib: self.cache_budget_bytes as f64 / MIB,
+            rss_mib: mem.rss_mib,
+            rss_anon_mib: mem.rss_anon_mib,
+            rss_file_mib: mem.rss_file_mib,
+            swap_mib: mem.swap_mib,
+            mem_available_mib: mem.mem_available_mib,
+            mem_free_mib: mem.mem_free_mib,
+            swap_free_mib: mem.swap_free_mib,
+            ..TokenRecord::default()
+        }
+    }
+
     /// A read failed: the run's output is not trustworthy (reported in the summary).
     pub fn io_error(&mut self) {
         self.io_errors += 1;

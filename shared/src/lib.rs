@@ -24,6 +24,7 @@ pub mod policy;
 pub mod predict;
 mod prefetch;
 pub mod records;
+pub mod speculate;
 pub mod step;
 mod streamer;
 pub mod telemetry;

@@ -457,6 +457,16 @@ pub fn load_trace(path: &Path) -> Result<RouteTrace, SimError> {
             "it has a preamble but no rows: nothing to replay (was its run stopped before the first step?)",
         ));
     }
+    if let Some((_, v)) = trace.preamble.extra.iter().find(|(k, _)| k == "spec") {
+        return Err(SimError::invalid(
+            format!("route trace {}", path.display()),
+            format!(
+                "it was recorded with speculative decoding (spec={v}): its decode steps verify \
+                 drafted groups and feed rejected positions again, which bmoe-sim does not \
+                 replay yet; record the run without --ngram"
+            ),
+        ));
+    }
     Ok(trace)
 }
 

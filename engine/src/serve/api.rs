@@ -80,6 +80,9 @@ pub struct Common {
     pub stop: Vec<String>,
     pub stream: bool,
     pub include_usage: bool,
+    /// bmoe's extension: `"ngram": true|false` turns prompt-lookup speculation on or off for
+    /// this request (default: the server's `--ngram`).
+    pub ngram: Option<bool>,
 }
 
 /// A chat completion request.
@@ -251,6 +254,7 @@ fn common(m: &Map<String, Value>) -> Result<Common, ApiError> {
         stop,
         stream: f.bool("stream")?.unwrap_or(false),
         include_usage,
+        ngram: f.bool("ngram")?,
     })
 }
 

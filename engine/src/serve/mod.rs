@@ -848,6 +848,7 @@ impl Engine {
                 seed: c.seed.unwrap_or(seed),
             },
             stop: c.stop.clone(),
+            speculation: c.ngram.unwrap_or(a.ngram).then(|| conv.ngram_params()),
         };
         conv.cancel_flag().clear();
         let mut listener = JobListener {

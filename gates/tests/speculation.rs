@@ -1,0 +1,380 @@
+//! Speculative decoding (`--ngram`, issue 33): a verify decode over a drafted group must give
+//! exactly the plain run's tokens — greedy and sampled, resident and streamed, on every
+//! attention memory kind (a full KV and a sliding-window ring that rolls back) — and report
+//! what it did in the contract's lines, columns and keys. A hybrid (recurrent state) decodes
+//! plainly and says so.
+
+use bmoe_gates::{model, run, scratch_dir, tiny};
+use std::path::Path;
+
+/// A prompt that repeats itself, so prompt lookup finds matches from the first step; the tiny
+/// models also fall into loops of their own, which it drafts from.
+const PROMPT: &str = "one two three four five six one two three four five six one two three four five six one two three";
+
+/// The run's stderr line that starts with `prefix`.
+fn line<'a>(stderr: &'a str, prefix: &str) -> &'a str {
+    stderr
+        .lines()
+        .find(|l| l.starts_with(prefix))
+        .unwrap_or_else(|| panic!("no {prefix} line in:\n{stderr}"))
+}
+
+/// Run plain and with `--ngram` (plus `spec`), assert the same tokens and text, and return
+/// the speculated run's summary counters.
+fn same_with_ngram(
+    m: &Path,
+    args: &[&str],
+    spec: &[&str],
+) -> bmoe_core::telemetry::summary::RunCounters {
+    let mut a = vec!["-p", PROMPT, "-n", "64", "--ignore-eos"];
+    a.extend_from_slice(args);
+    let plain = run(m, &a);
+    assert_eq!(plain.code, 0, "{}", plain.stderr);
+    a.push("--ngram");
+    a.extend_from_slice(spec);
+    let ngram = run(m, &a);
+    assert_eq!(ngram.code, 0, "{}", ngram.stderr);
+    assert_eq!(
+        ngram.outcome.tokens, plain.outcome.tokens,
+        "--ngram {spec:?} {args:?} changed the tokens"
+    );
+    assert_eq!(ngram.stdout, plain.stdout);
+    let s = ngram.outcome.summary.expect("a summary");
+    assert_eq!(s.tokens(), 64);
+    s.counters
+}
+
+#[test]
+fn greedy_ngram_equals_plain_decoding_resident_and_streamed() {
+    let m = tiny();
+    for args in [
+        &["--no-moe-stream"][..],
+        &["--moe-stream", "--cache-mb", "0"],
+        &[
+            "--moe-stream",
+            "--cache-mb",
+            "2",
+            "--force-cache",
+            "--overlap",
+        ],
+    ] {
+        for spec in [&["--ngram-min-match", "1", "--draft", "8"][..], &[]] {
+            let c = same_with_ngram(&m, args, spec);
+            // The run really verified drafts, some of them confirmed: otherwise equality
+            // would say nothing about verification.
+            assert!(
+                c.drafted_steps > 0 && c.mtp_drafted > 0,
+                "{args:?} {spec:?}: {c:?}"
+            );
+            assert!(
+                c.mtp_accepted > 0,
+                "{args:?} {spec:?}: nothing accepted: {c:?}"
+            );
+            assert!(
+                c.mtp_accepted < c.mtp_drafted,
+                "{args:?}: every draft accepted"
+            );
+            assert_eq!(
+                64 - c.mtp_accepted,
+                c.mtp_decodes,
+                "each decode confirms its token and the accepted drafts"
+            );
+        }
+    }
+}
+
+#[test]
+fn sampled_ngram_draws_the_plain_runs_tokens_seed_by_seed() {
+    // Verification draws once per output token from the row a plain decode would have drawn
+    // from (crate::speculate): with a seeded sampler the tokens are the same, seed by seed,
+    // so the output distribution over seeds is the plain one.
+    let m = tiny();
+    let (mut drafted, mut accepted) = (0, 0);
+    for seed in 1..=24 {
+        let seed = seed.to_string();
+        let args = [
+            "--no-moe-stream",
+            "--temp",
+            "0.7",
+            "--top-k",
+            "8",
+            "--seed",
+            &seed,
+        ];
+        let c = same_with_ngram(&m, &args, &["--ngram-min-match", "1"]);
+        drafted += c.mtp_drafted;
+        accepted += c.mtp_accepted;
+    }
+    assert!(
+        drafted > 0 && accepted > 0,
+        "sampled runs verified nothing: {drafted} {accepted}"
+    );
+    assert!(accepted < drafted, "sampling accepted every draft");
+}
+
+#[test]
+fn a_sliding_window_rolls_back_a_rejected_draft() {
+    // Window 16: 83 positions wrap each ring several times, and every rejected draft is
+    // fed again over ring slots a verify decode wrote.
+    for arch in ["gemma4", "gpt-oss"] {
+        let m = model(
+            &format!("spec-{arch}"),
+            &["--arch", arch, "--preset", "tiny", "--seed", "7"],
+        );
+        let c = same_with_ngram(&m, &["--no-moe-stream"], &["--ngram-min-match", "1"]);
+        assert!(
+            c.mtp_drafted > c.mtp_accepted,
+            "{arch}: nothing rejected: {c:?}"
+        );
+        let c = same_with_ngram(
+            &m,
+            &["--moe-stream", "--cache-mb", "2", "--force-cache"],
+            &["--ngram-min-match", "1", "--draft", "4"],
+        );
+        assert!(c.mtp_drafted > 0, "{arch} streamed: nothing drafted");
+    }
+}
+
+#[test]
+fn the_report_csv_and_done_keys_say_what_speculation_did() {
+    let m = tiny();
+    let dir = scratch_dir("speculation");
+    let csv = dir.join("ngram.csv");
+    let r = run(
+        &m,
+        &[
+            "-p",
+            PROMPT,
+            "-n",
+            "48",
+            "--ignore-eos",
+            "--moe-stream",
+            "--cache-mb",
+            "2",
+            "--force-cache",
+            "--ngram",
+            "--ngram-min-match",
+            "1",
+            "--draft",
+            "4",
+            "--csv",
+            csv.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let c = r
+        .outcome
+        .summary
+        .as_ref()
+        .expect("summary")
+        .counters
+        .clone();
+    let first = line(&r.stderr, "ngram: ");
+    assert!(
+        first.contains(&format!(
+            "{}/{} drafts accepted",
+            c.mtp_accepted, c.mtp_drafted
+        )),
+        "{first}"
+    );
+    assert!(
+        first.contains(&format!("({} decodes for 48 tokens)", c.mtp_decodes)),
+        "{first}"
+    );
+    assert!(r.stderr.contains("ngram: drafting costs "), "{}", r.stderr);
+    assert!(
+        r.stderr.contains(&format!(
+            "ngram: drafted on {} of {} steps",
+            c.drafted_steps, c.mtp_decodes
+        )),
+        "{}",
+        r.stderr
+    );
+    let text = std::fs::read_to_string(&csv).unwrap();
+    assert!(
+        text.contains(" spec=ngram spec_draft_max=4 "),
+        "preamble: {text}"
+    );
+    let header = text
+        .lines()
+        .find(|l| l.starts_with("step,"))
+        .expect("a header");
+    let cols: Vec<&str> = header.split(',').collect();
+    let col = |name: &str| cols.iter().position(|c| *c == name).unwrap();
+    let (batch, wall, read, draft) = (
+        col("mtp_batch"),
+        col("wall_ms"),
+        col("read_bytes"),
+        col("mtp_draft_ms"),
+    );
+    let rows: Vec<Vec<&str>> = text
+        .lines()
+        .filter(|l| l.chars().next().is_some_and(|c| c.is_ascii_digit()))
+        .map(|l| l.split(',').collect())
+        .collect();
+    assert_eq!(rows.len(), 48);
+    // Groups: a row with mtp_batch = m opens a group of m rows; the first carries the decode's
+    // cost, the rest zeros; the groups are the decodes.
+    let (mut i, mut groups, mut widest) = (0, 0u64, 0);
+    while i < rows.len() {
+        let m: usize = rows[i][batch].parse().unwrap();
+        assert!(m >= 1 && i + m <= rows.len(), "row {i}: mtp_batch {m}");
+        assert!(
+            rows[i][wall].parse::<f64>().unwrap() > 0.0,
+            "row {i} carries no cost"
+        );
+        for r in &rows[i + 1..i + m] {
+            assert_eq!(r[batch], rows[i][batch], "a group's rows say its width");
+            assert_eq!(r[wall].parse::<f64>().unwrap(), 0.0);
+            assert_eq!(r[read], "0");
+            assert_eq!(r[draft].parse::<f64>().unwrap(), 0.0);
+        }
+        widest = widest.max(m);
+        groups += 1;
+        i += m;
+    }
+    assert_eq!(groups, c.mtp_decodes);
+    assert!(widest > 1, "no group confirmed more than its first token");
+    for key in [
+        "mtp_drafted=",
+        "mtp_accepted=",
+        "mtp_decodes=",
+        "mtp_draft_s/tok=",
+        "drafted_steps=",
+    ] {
+        assert!(text.contains(key), "trailer lacks {key}");
+    }
+    assert!(text.contains(&format!("mtp_decodes={}", c.mtp_decodes)));
+}
+
+/// Each `BMOE_PROGRESS` line's (reasoning, text) delta, in order.
+fn deltas(stdout: &str) -> Vec<(String, String)> {
+    stdout
+        .lines()
+        .filter_map(|l| l.strip_prefix("BMOE_PROGRESS "))
+        .map(|j| {
+            let v: serde_json::Value = serde_json::from_str(j).expect("progress JSON");
+            let s = |k: &str| v[k].as_str().unwrap_or_default().to_string();
+            (s("delta_reasoning"), s("delta_text"))
+        })
+        .collect()
+}
+
+#[test]
+fn each_row_of_a_group_carries_its_own_tokens_text() {
+    // A group's rows are written after its verify decode, yet each line's text is the one its
+    // token added, line for line as in the plain run.
+    let m = tiny();
+    let a = [
+        "-p",
+        PROMPT,
+        "-n",
+        "40",
+        "--ignore-eos",
+        "--no-moe-stream",
+        "--progress",
+    ];
+    let plain = run(&m, &a);
+    let mut b = a.to_vec();
+    b.extend_from_slice(&["--ngram", "--ngram-min-match", "1", "--draft", "6"]);
+    let spec = run(&m, &b);
+    let c = &spec.outcome.summary.as_ref().unwrap().counters;
+    assert!(c.mtp_accepted > 0, "{c:?}");
+    let (p, s) = (deltas(&plain.stdout), deltas(&spec.stdout));
+    assert_eq!(p.len(), 40);
+    assert_eq!(s, p);
+}
+
+#[test]
+fn without_speculation_nothing_is_drafted_and_rows_are_single() {
+    let r = run(
+        &tiny(),
+        &["-p", PROMPT, "-n", "16", "--ignore-eos", "--no-moe-stream"],
+    );
+    let c = &r.outcome.summary.as_ref().unwrap().counters;
+    assert_eq!((c.mtp_drafted, c.mtp_decodes, c.drafted_steps), (0, 0, 0));
+    assert!(!r.stderr.contains("ngram:"), "{}", r.stderr);
+}
+
+#[test]
+fn a_hybrid_decodes_plainly_and_says_why() {
+    let m = model(
+        "spec-qwen35moe",
+        &["--arch", "qwen35moe", "--preset", "tiny", "--seed", "7"],
+    );
+    let a = ["-p", PROMPT, "-n", "16", "--ignore-eos", "--no-moe-stream"];
+    let plain = run(&m, &a);
+    let mut b = a.to_vec();
+    b.push("--ngram");
+    let spec = run(&m, &b);
+    assert_eq!(spec.outcome.tokens, plain.outcome.tokens);
+    assert!(
+        spec.stderr
+            .contains("recurrent layers cannot take back a rejected draft"),
+        "{}",
+        spec.stderr
+    );
+    let c = &spec.outcome.summary.as_ref().unwrap().counters;
+    assert_eq!(c.mtp_decodes, 0);
+}
+
+#[test]
+fn bad_speculation_flags_are_refused_by_name() {
+    let m = tiny();
+    for (args, needle) in [
+        (&["--ngram", "--draft", "9"][..], "--draft"),
+        (&["--ngram", "--draft", "0"], "--draft"),
+        (&["--ngram", "--ngram-min-match", "13"], "--ngram-min-match"),
+        (&["--ngram", "--ngram-max-match", "65"], "--ngram-max-match"),
+        (&["--ngram", "--logits-out", "/dev/null"], "--logits-out"),
+    ] {
+        let mut argv = vec!["bmoe-cli", "-m", m.to_str().unwrap(), "-p", "x", "-n", "2"];
+        argv.extend_from_slice(args);
+        let cli = bmoe_engine::cli::Cli::parse_argv(argv.iter().copied()).expect("parses");
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        let e = bmoe_engine::run::generate_with(&cli.run, &m, &mut out, &mut err)
+            .expect_err(&format!("{args:?} was accepted"));
+        assert!(format!("{e:#}").contains(needle), "{args:?}: {e:#}");
+    }
+}
+
+#[test]
+fn a_session_request_turns_speculation_on_and_off() {
+    // The session was opened without --ngram; each request says. Every turn starts from a
+    // cleared KV, so the three answers must be the same text.
+    let m = tiny();
+    let mut s = bmoe_gates::SessionDriver::start(
+        &m,
+        &[
+            "-n",
+            "40",
+            "--ignore-eos",
+            "--no-moe-stream",
+            "--ngram-min-match",
+            "1",
+        ],
+    );
+    let prompt = serde_json::to_string(PROMPT).unwrap();
+    let mut texts = Vec::new();
+    for (id, ngram) in [(1, "true"), (2, "false"), (3, "true")] {
+        let (done, _) = s.generate(&format!(
+            r#"{{"cmd":"generate","id":{id},"prompt":{prompt},"ngram":{ngram}}}"#
+        ));
+        let decodes = done["mtp_decodes"].as_u64().expect("mtp_decodes");
+        if ngram == "true" {
+            assert!(decodes > 0 && decodes < 40, "request {id}: {done}");
+            assert!(done["mtp_accepted"].as_u64().unwrap() > 0, "{done}");
+            assert_eq!(
+                done["mtp_decodes"].as_u64().unwrap() + done["mtp_accepted"].as_u64().unwrap(),
+                40
+            );
+        } else {
+            assert_eq!(decodes, 0, "request {id}: {done}");
+        }
+        texts.push(done["text"].as_str().unwrap().to_string());
+    }
+    assert_eq!(texts[0], texts[1]);
+    assert_eq!(texts[1], texts[2]);
+    let (code, err) = s.close();
+    assert_eq!(code, 0, "{err}");
+}
