@@ -200,6 +200,11 @@ pub struct RunArgs {
         help_heading = "Speculation"
     )]
     pub ngram_max_match: u32,
+    /// Test hook (benchmarks): draft the tokens a recorded run generated next (FILE: its
+    /// --logits-out JSON) instead of by prompt lookup, --draft at a time; a repeat of that run
+    /// accepts every draft: the ceiling of speculation. Implies --ngram's reporting
+    #[arg(long = "draft-replay", value_name = "FILE", hide = true)]
+    pub draft_replay: Option<PathBuf>,
     /// Print the architectures this build runs and exit
     #[arg(long = "list-archs")]
     pub list_archs: bool,

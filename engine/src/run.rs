@@ -205,6 +205,28 @@ fn follow_trace(
     .with_context(|| format!("--routing-from {}", path.display()))
 }
 
+/// `--draft-replay FILE`: the generated tokens of a recorded run (its `--logits-out` JSON:
+/// `token_ids` past `n_prompt`).
+fn recorded_tokens(path: &Path) -> Result<Vec<u32>> {
+    let what = || format!("--draft-replay {}", path.display());
+    let text = std::fs::read_to_string(path).with_context(what)?;
+    let v: serde_json::Value = serde_json::from_str(&text).with_context(what)?;
+    let ids = v["token_ids"]
+        .as_array()
+        .ok_or_else(|| anyhow!("{}: no token_ids array (a --logits-out JSON file)", what()))?;
+    let n_prompt = v["n_prompt"]
+        .as_u64()
+        .ok_or_else(|| anyhow!("{}: no n_prompt", what()))? as usize;
+    ids.iter()
+        .skip(n_prompt)
+        .map(|t| {
+            t.as_u64()
+                .and_then(|t| u32::try_from(t).ok())
+                .ok_or_else(|| anyhow!("{}: token id {t} is not a u32", what()))
+        })
+        .collect()
+}
+
 /// Resolve and validate the configuration, load the model and build its decode step:
 /// streamed (`--moe-stream`: expert cache, arena, O_DIRECT lanes, router hooks, predictors)
 /// or resident (every expert computed from the model's map, through the same step). Load-time
@@ -226,7 +248,7 @@ pub fn load(args: &RunArgs, model_path: &Path, err: &mut dyn Write) -> Result<Lo
     cfg.top_k = args.top_k as u32;
     cfg.top_p = args.top_p;
     cfg.seed = args.seed;
-    if args.ngram {
+    if args.ngram || args.draft_replay.is_some() {
         cfg.spec = bmoe_core::config::SpecMode::Ngram;
     }
     cfg.spec_draft_max = args.draft;
@@ -904,6 +926,9 @@ pub fn generate_with_cancel(
     let probe = host_probe(&engine);
     let mut session =
         Session::new(engine, cfg, load_s, Box::new(probe)).with_cancel(cancel.clone());
+    if let Some(path) = &args.draft_replay {
+        session.set_replay_drafts(recorded_tokens(path)?, args.draft);
+    }
     let mut sampler = sampler(args);
     let mut source = Sampling::new(&tok, &mut sampler, n_vocab, args.chatml, &prompt);
     source.logits_out = logits_out.as_mut();

@@ -378,3 +378,25 @@ fn a_session_request_turns_speculation_on_and_off() {
     let (code, err) = s.close();
     assert_eq!(code, 0, "{err}");
 }
+
+#[test]
+fn replayed_drafts_of_the_same_run_are_all_accepted() {
+    // The benchmark's ceiling hook (--draft-replay): drafting what a recorded greedy run
+    // generated next accepts every draft and changes nothing.
+    let m = tiny();
+    let dir = scratch_dir("speculation-replay");
+    let rec = dir.join("rec");
+    let a = ["-p", PROMPT, "-n", "33", "--ignore-eos", "--no-moe-stream"];
+    let mut r = a.to_vec();
+    r.extend_from_slice(&["--logits-out", rec.to_str().unwrap()]);
+    let plain = run(&m, &r);
+    assert_eq!(plain.code, 0, "{}", plain.stderr);
+    let json = dir.join("rec.json");
+    let mut b = a.to_vec();
+    b.extend_from_slice(&["--draft-replay", json.to_str().unwrap(), "--draft", "4"]);
+    let replay = run(&m, &b);
+    assert_eq!(replay.outcome.tokens, plain.outcome.tokens);
+    let c = &replay.outcome.summary.as_ref().unwrap().counters;
+    assert_eq!(c.mtp_accepted, c.mtp_drafted);
+    assert_eq!(c.mtp_decodes, 33 / 5 + 1, "groups of 5 and a last token: {c:?}");
+}

@@ -346,6 +346,10 @@ pub struct Session<C: Clock, F: Flash, B: Backend> {
     mark_during_prefill: Option<u32>,
     /// `--ngram`: the draft source's settings for the turns that follow (`None`: plain decode).
     speculation: Option<NgramParams>,
+    /// Test hook (`--draft-replay`): draft the tokens a recorded run generated next, at most
+    /// this many, instead of by prompt lookup — every draft accepted when the run repeats the
+    /// recorded one: the ceiling of speculation, and a verify decode of a fixed width.
+    replay_drafts: Option<(Vec<u32>, u32)>,
 }
 
 impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
@@ -378,6 +382,7 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
             kept_during_prefill: None,
             mark_during_prefill: None,
             speculation,
+            replay_drafts: None,
         }
     }
 
@@ -385,6 +390,12 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
     /// or server's request may ask for it, or for none, whatever the run's flags said.
     pub fn set_speculation(&mut self, spec: Option<NgramParams>) {
         self.speculation = spec;
+    }
+
+    /// Test hook: draft from `recorded` (a recorded run's generated tokens), at most `k` per
+    /// step, in place of prompt lookup (see `replay_drafts`).
+    pub fn set_replay_drafts(&mut self, recorded: Vec<u32>, k: u32) {
+        self.replay_drafts = Some((recorded, k));
     }
 
     /// The speculation the next turn runs with.
@@ -805,9 +816,11 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
 
         // Speculation (`--ngram`) runs where both the source and the backend can verify a
         // drafted group in one step (see `crate::speculate`); elsewhere every step is plain.
-        let spec = self
-            .speculation
-            .filter(|_| source.verifies() && self.engine.backend().verifies_rows());
+        let verifiable = source.verifies() && self.engine.backend().verifies_rows();
+        let spec = self.speculation.filter(|_| verifiable);
+        // Taken for the turn (and put back after it): the loop feeds `self` as it drafts.
+        let replay = self.replay_drafts.take().filter(|_| verifiable);
+        let speculating = spec.is_some() || replay.is_some();
         let mut spec_counts = SpecCounters::default();
         // A token chosen from a verify decode's row that rejected its draft: the next one fed.
         let mut pending: Option<u32> = None;
@@ -840,8 +853,16 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
             let position = source.position(self.n_past);
             let drafting = self.engine.clock().now();
             draft.clear();
-            if let Some(sp) = spec {
-                let room = (req.n_predict - i - 1).min(sp.draft_max) as usize;
+            let room = req.n_predict - i - 1;
+            if let Some((recorded, k)) = &replay {
+                // The recorded run's next tokens, while this turn has followed it so far.
+                let n = tokens.len();
+                if recorded.get(..n) == Some(&tokens[..]) && recorded.get(n) == Some(&token) {
+                    let end = recorded.len().min(n + 1 + room.min(*k) as usize);
+                    draft.extend_from_slice(&recorded[(n + 1).min(end)..end]);
+                }
+            } else if let Some(sp) = spec {
+                let room = room.min(sp.draft_max) as usize;
                 let known = (position as usize).min(self.context.len());
                 if room > 0 {
                     ngram_draft(
@@ -924,7 +945,7 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
                     }
                 }
             }
-            if spec.is_some() {
+            if speculating {
                 spec_counts.decodes += 1;
                 if verify {
                     spec_counts.drafted_steps += 1;
@@ -943,7 +964,7 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
                     snaps.get(k).map_or(live, |(r, t)| (r.as_str(), t.as_str()));
                 let mut rec = if k == 0 {
                     let mut r = ledger.token(&st, &mem, loop_overhead.as_ms_f64());
-                    r.mtp_draft_ms = if spec.is_some() { draft_ms } else { 0.0 };
+                    r.mtp_draft_ms = if speculating { draft_ms } else { 0.0 };
                     r
                 } else {
                     ledger.group_row(&mem)
@@ -961,6 +982,9 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
             }
             out.flush()?;
             i += confirmed;
+        }
+        if replay.is_some() {
+            self.replay_drafts = replay;
         }
         source
             .finish(self.engine.backend_mut())
