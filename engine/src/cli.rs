@@ -4,7 +4,7 @@ use crate::gen::{self, GenOptions, Preset, TypeScheme};
 use crate::gguf::{GgmlType, GgufFile};
 use anyhow::{anyhow, Context, Result};
 use clap::{Args, Parser, Subcommand};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -200,6 +200,20 @@ pub struct RunArgs {
         help_heading = "Speculation"
     )]
     pub ngram_max_match: u32,
+    /// Write a `compute_trace v1` file: one row per op of every step (norms, attention, router,
+    /// each routed expert, the head, and WAIT: the core's time between two ops, waiting on
+    /// expert reads), with the major faults of each. A diagnostic: a barrier per op, so a
+    /// traced run is not a benchmark run; `scripts/decode-analyze.py compute PATH` reads it
+    #[arg(
+        long = "compute-trace",
+        value_name = "PATH",
+        conflicts_with = "compute_trace_layers"
+    )]
+    pub compute_trace: Option<PathBuf>,
+    /// Write a `compute_trace v1` file with one row per layer segment (`pre`, `blk.<il>`,
+    /// `post`): ~n_layer clock reads per step, close to an untraced run's speed
+    #[arg(long = "compute-trace-layers", value_name = "PATH")]
+    pub compute_trace_layers: Option<PathBuf>,
     /// Test hook (benchmarks): draft the tokens a recorded run generated next (FILE: its
     /// --logits-out JSON) instead of by prompt lookup, --draft at a time; a repeat of that run
     /// accepts every draft: the ceiling of speculation. Implies --ngram's reporting
@@ -229,6 +243,16 @@ pub enum PrefixCacheMode {
 }
 
 impl RunArgs {
+    /// `--compute-trace` or `--compute-trace-layers`: the granularity and the path.
+    pub fn compute_trace(&self) -> Option<(crate::optrace::Granularity, &Path)> {
+        use crate::optrace::Granularity;
+        match (&self.compute_trace, &self.compute_trace_layers) {
+            (Some(p), _) => Some((Granularity::Op, p)),
+            (None, Some(p)) => Some((Granularity::Layers, p)),
+            (None, None) => None,
+        }
+    }
+
     /// Flags that only mean something together: `--decide` needs `--session`, and
     /// `--decide-prefix-cache` needs `--decide`.
     pub fn check_modes(&self) -> Result<()> {

@@ -175,13 +175,14 @@ impl Conversation {
         let format = crate::prompt::chat_format(args, &loaded.file, &loaded.tok)?;
         let crate::run::Loaded {
             cfg,
-            engine,
+            mut engine,
             tok,
             n_vocab,
             load_s,
             ..
         } = loaded;
         let sinks = Sinks::open(&mut files, &cfg, &engine)?;
+        Sinks::install_compute_trace(&mut files, &cfg, &mut engine)?;
         let probe = host_probe(&engine);
         let n_ctx = cfg.n_ctx as usize;
         let arch = cfg.arch.clone();

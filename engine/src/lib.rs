@@ -17,6 +17,7 @@ pub mod gen;
 pub mod gguf;
 pub mod inspect;
 pub mod kernels;
+pub mod optrace;
 pub mod outputs;
 pub mod probe;
 pub mod prompt;

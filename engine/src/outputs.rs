@@ -185,6 +185,8 @@ pub struct RunOutputs {
     pub csv: Option<BufWriter<NamedFile>>,
     pub route_trace: Option<BufWriter<NamedFile>>,
     pub io_trace: Option<BufWriter<NamedFile>>,
+    /// `--compute-trace` / `--compute-trace-layers`, with its granularity.
+    pub compute_trace: Option<(crate::optrace::Granularity, BufWriter<NamedFile>)>,
     /// `--logits-out PATH` and its `PATH.json` sidecar.
     pub logits: Option<BufWriter<NamedFile>>,
     pub logits_json: Option<NamedFile>,
@@ -219,6 +221,11 @@ impl RunOutputs {
             ("--csv", t.csv.as_deref()),
             ("--route-trace", t.route_trace.as_deref()),
             ("--io-trace", t.io_trace.as_deref()),
+            ("--compute-trace", args.compute_trace.as_deref()),
+            (
+                "--compute-trace-layers",
+                args.compute_trace_layers.as_deref(),
+            ),
             ("--logits-out", args.logits_out.as_deref()),
             ("--logits-out (its .json sidecar)", sidecar.as_deref()),
         ] {
@@ -235,6 +242,16 @@ impl RunOutputs {
             csv: open("--csv", t.csv.as_deref())?,
             route_trace: open("--route-trace", t.route_trace.as_deref())?,
             io_trace: open("--io-trace", t.io_trace.as_deref())?,
+            compute_trace: match args.compute_trace() {
+                Some((g, p)) => {
+                    let flag = match g {
+                        crate::optrace::Granularity::Op => "--compute-trace",
+                        crate::optrace::Granularity::Layers => "--compute-trace-layers",
+                    };
+                    Some((g, BufWriter::new(NamedFile::create(flag, p)?)))
+                }
+                None => None,
+            },
             logits: open("--logits-out", args.logits_out.as_deref())?,
             logits_json: sidecar
                 .as_deref()

@@ -256,6 +256,8 @@ pub fn load(args: &RunArgs, model_path: &Path, err: &mut dyn Write) -> Result<Lo
     cfg.ngram_max_match = args.ngram_max_match;
     args.stream.apply(&mut cfg);
     args.telemetry.apply(&mut cfg);
+    cfg.compute_trace_layers =
+        crate::optrace::Granularity::preamble_value(args.compute_trace().map(|(g, _)| g));
     cfg.validate()?;
     if cfg.spec == bmoe_core::config::SpecMode::Off {
         // A session's or server's request may turn --ngram on: its settings must hold then.
@@ -718,6 +720,33 @@ pub(crate) struct Sinks {
 }
 
 impl Sinks {
+    /// `--compute-trace` / `--compute-trace-layers`: hand the opened file to `engine`'s
+    /// backend, which writes its rows at the end of every step.
+    pub(crate) fn install_compute_trace(
+        outputs: &mut RunOutputs,
+        cfg: &RunConfig,
+        engine: &mut EngineStep,
+    ) -> Result<()> {
+        let Some((g, w)) = outputs.compute_trace.take() else {
+            return Ok(());
+        };
+        let preamble = format!(
+            "model={} arch={} n_layer={} n_threads={} io_threads={} o_direct={} overlap={} moe_stream={}",
+            cfg.model,
+            cfg.arch,
+            cfg.n_layer,
+            cfg.threads,
+            cfg.io_threads,
+            u8::from(cfg.o_direct),
+            u8::from(cfg.overlap),
+            u8::from(cfg.moe_stream)
+        );
+        let trace = crate::optrace::OpTrace::new(g, Box::new(w), &preamble)
+            .context("--compute-trace: writing its preamble")?;
+        engine.backend_mut().state.trace = Some(Box::new(trace));
+        Ok(())
+    }
+
     /// Take the files `outputs` opened (checked and created before the model loaded); the
     /// route trace's preamble describes `engine`'s layout.
     pub(crate) fn open(
@@ -918,6 +947,7 @@ pub fn generate_with_cancel(
 
     cfg.n_predict = n_predict;
     let mut sinks = Sinks::open(&mut files, &cfg, &engine)?;
+    Sinks::install_compute_trace(&mut files, &cfg, &mut engine)?;
     let mut logits_out = files.logits.take();
     engine.backend_mut().all_logits = logits_out.is_some();
     let progress = args.telemetry.progress;

@@ -641,13 +641,14 @@ pub fn serve(
 
     let crate::run::Loaded {
         cfg,
-        engine,
+        mut engine,
         tok,
         n_vocab,
         load_s,
         ..
     } = loaded;
     let mut sinks = Sinks::open(&mut files, &cfg, &engine)?;
+    Sinks::install_compute_trace(&mut files, &cfg, &mut engine)?;
     let n_ctx = cfg.n_ctx as usize;
     replies.line(|w| {
         write_ready(

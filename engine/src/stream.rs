@@ -79,6 +79,8 @@ pub enum StreamError {
     Routing(#[from] bmoe_core::RoutingError),
     #[error(transparent)]
     Follow(#[from] bmoe_core::hooks::follow::FollowError),
+    #[error("--compute-trace: {0}")]
+    Trace(std::io::Error),
     #[error("layer {layer} expert {expert}: asked to compute an expert slot no read ever filled")]
     EmptySlot { layer: u32, expert: u16 },
     #[error(transparent)]
@@ -369,12 +371,21 @@ impl<A: Arch + ?Sized> Backend for EngineBackend<A> {
     }
 
     fn dense(&mut self, layer: u32) -> Result<(), StreamError> {
-        Ok(self.model.dense(&mut self.state, layer as usize)?)
+        if let Some(t) = self.state.trace.as_mut() {
+            t.layer_starts(layer as i32);
+        }
+        self.model.dense(&mut self.state, layer as usize)?;
+        // What of the layer's non-expert part the finer marks did not name: a dense FFN, a
+        // shared expert, the checks.
+        self.state.mark(layer as usize, "DENSE", "dense");
+        Ok(())
     }
 
     fn route(&mut self, layer: LayerId, routing: &mut Routing) -> Result<(), StreamError> {
-        self.model
-            .route(&mut self.state, layer.model as usize, &mut self.ro)?;
+        let m = layer.model as usize;
+        self.state.mark(m, "WAIT", "wait");
+        self.model.route(&mut self.state, m, &mut self.ro)?;
+        self.state.mark(m, "ROUTER", "ffn_moe_router");
         let k = self.ro.k;
         let ne = self.model.dims().n_expert;
         if let Some(b) = self.model.arch.selection_bias(layer.model as usize) {
@@ -404,79 +415,62 @@ impl<A: Arch + ?Sized> Backend for EngineBackend<A> {
         slot: SlotId,
         uses: &[ExpertUse],
     ) -> Result<(), StreamError> {
-        self.uses.clear();
-        self.uses
-            .extend(uses.iter().map(|u| (u.row, u.rank, u.weight)));
         let m = layer.model as usize;
-        let n_proj = self.model.experts(m).len().min(MAX_PROJ);
-        let mut proj: [&[u8]; MAX_PROJ] = [&[]; MAX_PROJ];
-        if self.arena.is_none() && self.model.experts_batchable(m) {
-            // Resident: computed with the layer's other experts at `finish_layer`. (Streamed,
-            // an expert is computed as its read lands: its slot may be released mid-layer.)
-            let start = self.deferred_uses.len();
-            self.deferred_uses.extend_from_slice(&self.uses);
-            self.deferred
-                .push((expert, start..self.deferred_uses.len()));
-            return Ok(());
-        }
-        let Some(arena) = &self.arena else {
-            // Resident: the expert's bytes are the map's; the slot names no memory.
-            let w = self.model.arch.weights();
-            for (p, x) in proj.iter_mut().zip(self.model.experts(m)) {
-                *p = w.expert_bytes(x, expert as usize);
-            }
-            return Ok(self.model.expert(
-                &mut self.state,
-                m,
-                expert as usize,
-                &proj[..n_proj],
-                &self.uses,
-            )?);
-        };
-        let addr = match slot {
-            SlotId::Canonical(key) => SlotAddr::Canonical(key.expert as u32),
-            SlotId::Staging(e) => SlotAddr::Staging(e as u32),
-        };
-        let l = layer.moe as usize;
-        for (p, out) in proj.iter_mut().enumerate().take(n_proj) {
-            let ex = self.extent(layer.moe, expert, p);
-            // SAFETY: the core calls `expert` only after every read into this slot completed,
-            // and no read into it is issued until `finish_layer` (staging) or `release`
-            // (canonical).
-            match unsafe { arena.proj_bytes(l, addr, p, &ex) } {
-                Some(b) => *out = b,
-                None => {
-                    return Err(StreamError::EmptySlot {
-                        layer: layer.model,
-                        expert,
-                    })
-                }
+        self.state.mark(m, "WAIT", "wait");
+        let deferred = self.deferred.len();
+        self.compute_expert(layer, expert, slot, uses)?;
+        if self.deferred.len() == deferred {
+            if let Some(t) = self.state.trace.as_mut() {
+                t.mark_expert(m as i32, expert);
             }
         }
-        check_sums(&mut self.verify, layer, expert, slot, &proj[..n_proj])?;
-        Ok(self.model.expert(
-            &mut self.state,
-            m,
-            expert as usize,
-            &proj[..n_proj],
-            &self.uses,
-        )?)
+        Ok(())
     }
 
     fn finish_layer(&mut self, layer: LayerId) -> Result<(), StreamError> {
-        self.run_deferred(layer.model as usize)?;
-        Ok(self
-            .model
-            .finish_layer(&mut self.state, layer.model as usize)?)
+        let m = layer.model as usize;
+        self.state.mark(m, "WAIT", "wait");
+        let deferred = !self.deferred.is_empty();
+        self.run_deferred(m)?;
+        if deferred {
+            // Resident: the layer's experts computed together (ggml's MUL_MAT_ID).
+            self.state.mark(m, "MOE", "ffn_moe");
+        }
+        self.model.finish_layer(&mut self.state, m)?;
+        self.state.mark(m, "ADD", "ffn_out");
+        Ok(())
     }
 
     fn begin_step(&mut self, input: &StepInput<'_>) -> Result<(), StreamError> {
         self.step = crate::finite::describe(input);
-        self.begin(input.tokens, input.positions)
+        if let Some(t) = self.state.trace.as_mut() {
+            let phase = match input.phase {
+                bmoe_core::records::Phase::Prefill => 0,
+                bmoe_core::records::Phase::Decode => 1,
+            };
+            t.begin(
+                input.turn,
+                phase,
+                input.positions.first().copied().unwrap_or(0),
+            );
+        }
+        self.begin(input.tokens, input.positions)?;
+        if let Some(t) = self.state.trace.as_mut() {
+            t.mark(-1, "GET_ROWS", "embd");
+        }
+        Ok(())
     }
 
     fn head(&mut self) -> Result<(), StreamError> {
+        if let Some(t) = self.state.trace.as_mut() {
+            t.head_starts();
+        }
         self.model.head(&mut self.state)?;
+        if let Some(t) = self.state.trace.as_mut() {
+            t.mark(-1, "HEAD", "result_output");
+            t.end();
+            t.flush_step().map_err(StreamError::Trace)?;
+        }
         // NaN logits would sample token 0 forever and exit 0: stop, naming the step.
         crate::finite::check_logits_of(&self.state.logits, || self.step.clone())?;
         Ok(())
@@ -586,5 +580,75 @@ impl<A: Arch + ?Sized> Backend for EngineBackend<A> {
 
     fn drop_prefix(&mut self) {
         self.kept = None;
+    }
+}
+
+impl<A: Arch + ?Sized> EngineBackend<A> {
+    /// [`Backend::expert`]'s work: compute expert `expert` of `layer` from `slot` now, or (a
+    /// resident batchable layer) defer it to the layer's `finish_layer`.
+    fn compute_expert(
+        &mut self,
+        layer: LayerId,
+        expert: u16,
+        slot: SlotId,
+        uses: &[ExpertUse],
+    ) -> Result<(), StreamError> {
+        self.uses.clear();
+        self.uses
+            .extend(uses.iter().map(|u| (u.row, u.rank, u.weight)));
+        let m = layer.model as usize;
+        let n_proj = self.model.experts(m).len().min(MAX_PROJ);
+        let mut proj: [&[u8]; MAX_PROJ] = [&[]; MAX_PROJ];
+        if self.arena.is_none() && self.model.experts_batchable(m) {
+            // Resident: computed with the layer's other experts at `finish_layer`. (Streamed,
+            // an expert is computed as its read lands: its slot may be released mid-layer.)
+            let start = self.deferred_uses.len();
+            self.deferred_uses.extend_from_slice(&self.uses);
+            self.deferred
+                .push((expert, start..self.deferred_uses.len()));
+            return Ok(());
+        }
+        let Some(arena) = &self.arena else {
+            // Resident: the expert's bytes are the map's; the slot names no memory.
+            let w = self.model.arch.weights();
+            for (p, x) in proj.iter_mut().zip(self.model.experts(m)) {
+                *p = w.expert_bytes(x, expert as usize);
+            }
+            return Ok(self.model.expert(
+                &mut self.state,
+                m,
+                expert as usize,
+                &proj[..n_proj],
+                &self.uses,
+            )?);
+        };
+        let addr = match slot {
+            SlotId::Canonical(key) => SlotAddr::Canonical(key.expert as u32),
+            SlotId::Staging(e) => SlotAddr::Staging(e as u32),
+        };
+        let l = layer.moe as usize;
+        for (p, out) in proj.iter_mut().enumerate().take(n_proj) {
+            let ex = self.extent(layer.moe, expert, p);
+            // SAFETY: the core calls `expert` only after every read into this slot completed,
+            // and no read into it is issued until `finish_layer` (staging) or `release`
+            // (canonical).
+            match unsafe { arena.proj_bytes(l, addr, p, &ex) } {
+                Some(b) => *out = b,
+                None => {
+                    return Err(StreamError::EmptySlot {
+                        layer: layer.model,
+                        expert,
+                    })
+                }
+            }
+        }
+        check_sums(&mut self.verify, layer, expert, slot, &proj[..n_proj])?;
+        Ok(self.model.expert(
+            &mut self.state,
+            m,
+            expert as usize,
+            &proj[..n_proj],
+            &self.uses,
+        )?)
     }
 }

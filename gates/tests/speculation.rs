@@ -398,5 +398,9 @@ fn replayed_drafts_of_the_same_run_are_all_accepted() {
     assert_eq!(replay.outcome.tokens, plain.outcome.tokens);
     let c = &replay.outcome.summary.as_ref().unwrap().counters;
     assert_eq!(c.mtp_accepted, c.mtp_drafted);
-    assert_eq!(c.mtp_decodes, 33 / 5 + 1, "groups of 5 and a last token: {c:?}");
+    assert_eq!(
+        c.mtp_decodes,
+        33 / 5 + 1,
+        "groups of 5 and a last token: {c:?}"
+    );
 }

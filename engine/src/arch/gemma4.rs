@@ -491,7 +491,9 @@ impl Arch for Gemma4 {
         let (d, eps) = (self.hp.d_model, self.hp.rms_eps);
         let l = &self.layers[il];
         blocks::rms_norm_all(&st.x, d, Some(&l.attn_norm), eps, &mut st.cur);
+        st.mark(il, "RMS_NORM", "attn_norm");
         self.attention(cx, st, il)?;
+        st.mark(il, "ATTN", "attn");
         blocks::rms_norm_all(&st.out, d, Some(&l.post_attn_norm), eps, &mut st.cur);
         for (x, o) in st.x.iter_mut().zip(&st.cur) {
             *x += *o;

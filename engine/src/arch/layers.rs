@@ -43,11 +43,14 @@ pub(crate) fn attention_sublayer(
 ) -> Result<(), ArchError> {
     let d = w.o.rows;
     blocks::rms_norm_all(&st.x, d, Some(attn_norm), rms_eps, &mut st.cur);
+    st.mark(layer, "RMS_NORM", "attn_norm");
     attention(cx, st, layer, w, shape, rope, rms_eps, sinks, o_bias)?;
+    st.mark(layer, "ATTN", "attn");
     for (x, o) in st.x.iter_mut().zip(&st.out) {
         *x += *o;
     }
     blocks::rms_norm_rows(&st.x, d, &st.ffn_rows, Some(ffn_norm), rms_eps, &mut st.h);
+    st.mark(layer, "RMS_NORM", "ffn_norm");
     Ok(())
 }
 

@@ -420,10 +420,15 @@ impl Arch for Lfm2Moe {
         let (d, eps) = (self.hp.d_model, self.hp.rms_eps);
         let l = &self.layers[il];
         blocks::rms_norm_all(&st.x, d, Some(&l.attn_norm), eps, &mut st.cur);
+        st.mark(il, "RMS_NORM", "attn_norm");
         match &l.mixer {
-            Mixer::Conv(w) => self.short_conv(cx, st, il, w)?,
+            Mixer::Conv(w) => {
+                self.short_conv(cx, st, il, w)?;
+                st.mark(il, "SSM_CONV", "shortconv");
+            }
             Mixer::Attn { w, shape } => {
-                attention(cx, st, il, w, shape, &self.rope, eps, None, None)?
+                attention(cx, st, il, w, shape, &self.rope, eps, None, None)?;
+                st.mark(il, "ATTN", "attn");
             }
         }
         for (x, o) in st.x.iter_mut().zip(&st.out) {

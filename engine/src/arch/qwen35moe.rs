@@ -735,15 +735,25 @@ impl Arch for Qwen35Moe {
         let (d, eps) = (self.hp.d_model, self.hp.rms_eps);
         let l = &self.layers[il];
         blocks::rms_norm_all(&st.x, d, Some(&l.attn_norm), eps, &mut st.cur);
+        st.mark(il, "RMS_NORM", "attn_norm");
         match &l.mixer {
-            Mixer::Attention(w) => self.full_attention(cx, st, il, w)?,
-            Mixer::DeltaNet(w) => self.delta_net(cx, st, il, w)?,
+            Mixer::Attention(w) => {
+                self.full_attention(cx, st, il, w)?;
+                st.mark(il, "ATTN", "attn");
+            }
+            Mixer::DeltaNet(w) => {
+                self.delta_net(cx, st, il, w)?;
+                st.mark(il, "GATED_DELTA_NET", "delta_net");
+            }
         }
         for (x, o) in st.x.iter_mut().zip(&st.out) {
             *x += *o;
         }
         blocks::rms_norm_rows(&st.x, d, &st.ffn_rows, Some(&l.post_norm), eps, &mut st.h);
-        l.shexp.run(cx, st, self.hp.n_ff_shexp, d, sigmoid)
+        st.mark(il, "RMS_NORM", "ffn_norm");
+        l.shexp.run(cx, st, self.hp.n_ff_shexp, d, sigmoid)?;
+        st.mark(il, "FFN", "ffn_shexp");
+        Ok(())
     }
 
     /// The experts' sum plus the shared expert, then the residual (llama.cpp's order).

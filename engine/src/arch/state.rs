@@ -746,6 +746,8 @@ pub struct State {
     pub out_rows: Vec<u32>,
     /// `out_rows.len() × n_vocab` logits after `head`.
     pub logits: Vec<f32>,
+    /// `--compute-trace` / `--compute-trace-layers`: the op clock, when tracing.
+    pub trace: Option<Box<crate::optrace::OpTrace>>,
 }
 
 impl State {
@@ -773,6 +775,15 @@ impl State {
             router_margin: Vec::new(),
             out_rows: Vec::new(),
             logits: Vec::new(),
+            trace: None,
+        }
+    }
+
+    /// `--compute-trace`: the op of `layer` named `name` ends here (nothing when not tracing).
+    #[inline]
+    pub fn mark(&mut self, layer: usize, op: &'static str, name: &'static str) {
+        if let Some(t) = self.trace.as_mut() {
+            t.mark(layer as i32, op, name);
         }
     }
 
