@@ -181,7 +181,7 @@ impl Conversation {
             load_s,
             ..
         } = loaded;
-        let sinks = Sinks::open(&mut files, &cfg, &engine)?;
+        let sinks = Sinks::open(&mut files, &cfg, &engine, true)?;
         Sinks::install_compute_trace(&mut files, &cfg, &mut engine)?;
         let probe = host_probe(&engine);
         let n_ctx = cfg.n_ctx as usize;

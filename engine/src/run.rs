@@ -748,11 +748,14 @@ impl Sinks {
     }
 
     /// Take the files `outputs` opened (checked and created before the model loaded); the
-    /// route trace's preamble describes `engine`'s layout.
+    /// route trace's preamble describes `engine`'s layout. `per_request` says requests may
+    /// turn speculation on (a session, a server): the route trace then numbers its steps
+    /// (the `group` column) whatever the flags say, so a verify decode replays as one step.
     pub(crate) fn open(
         outputs: &mut RunOutputs,
         cfg: &RunConfig,
         engine: &EngineStep,
+        per_request: bool,
     ) -> Result<Sinks> {
         let csv = outputs.csv.take();
         let route = match outputs.route_trace.take() {
@@ -779,10 +782,11 @@ impl Sinks {
                         vec![("spec".to_string(), cfg.spec.name().to_string())]
                     },
                 };
-                Some(RouteTraceWriter::with_predictions(
+                Some(RouteTraceWriter::with_columns(
                     w,
                     &pre,
                     bmoe_core::telemetry::route_trace::PredColumns::for_config(cfg),
+                    per_request || cfg.spec != bmoe_core::config::SpecMode::Off,
                 )?)
             }
             _ => None,
@@ -946,7 +950,7 @@ pub fn generate_with_cancel(
     } = loaded;
 
     cfg.n_predict = n_predict;
-    let mut sinks = Sinks::open(&mut files, &cfg, &engine)?;
+    let mut sinks = Sinks::open(&mut files, &cfg, &engine, false)?;
     Sinks::install_compute_trace(&mut files, &cfg, &mut engine)?;
     let mut logits_out = files.logits.take();
     engine.backend_mut().all_logits = logits_out.is_some();

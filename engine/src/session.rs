@@ -647,7 +647,7 @@ pub fn serve(
         load_s,
         ..
     } = loaded;
-    let mut sinks = Sinks::open(&mut files, &cfg, &engine)?;
+    let mut sinks = Sinks::open(&mut files, &cfg, &engine, true)?;
     Sinks::install_compute_trace(&mut files, &cfg, &mut engine)?;
     let n_ctx = cfg.n_ctx as usize;
     replies.line(|w| {

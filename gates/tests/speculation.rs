@@ -404,3 +404,146 @@ fn replayed_drafts_of_the_same_run_are_all_accepted() {
         "groups of 5 and a last token: {c:?}"
     );
 }
+
+/// Each data row of a `bmoe_metrics` CSV as (mtp_batch, read_bytes, cache_hit_pct).
+fn csv_rows(text: &str) -> Vec<(String, String, String)> {
+    let mut lines = text.lines().filter(|l| !l.starts_with('#'));
+    let header: Vec<&str> = lines.next().expect("header").split(',').collect();
+    let col = |n: &str| header.iter().position(|c| *c == n).expect(n);
+    let (b, r, h) = (col("mtp_batch"), col("read_bytes"), col("cache_hit_pct"));
+    lines
+        .map(|l| {
+            let c: Vec<&str> = l.split(',').collect();
+            (c[b].to_string(), c[r].to_string(), c[h].to_string())
+        })
+        .collect()
+}
+
+/// The `# summary` trailer's value of `key`.
+fn trailer<'a>(text: &'a str, key: &str) -> &'a str {
+    text.lines()
+        .find(|l| l.starts_with("# summary"))
+        .and_then(|l| {
+            l.split(' ')
+                .find_map(|kv| kv.strip_prefix(key).and_then(|v| v.strip_prefix('=')))
+        })
+        .unwrap_or_else(|| panic!("no {key} in the trailer"))
+}
+
+#[test]
+fn the_simulator_replays_a_speculative_run_exactly() {
+    // The route trace numbers its steps (group column), so each verify decode replays as the
+    // one step it was, its rejected positions fed again by the next: the same reads, hits and
+    // evictions, the same groups and counters.
+    let m = tiny();
+    let dir = scratch_dir("speculation-sim");
+    for (tag, extra) in [
+        ("serial", &["--cache-mb", "3"][..]),
+        ("overlap", &["--cache-mb", "5", "--overlap"]),
+    ] {
+        let (ecsv, eroute) = (
+            dir.join(format!("{tag}-e.csv")),
+            dir.join(format!("{tag}-e.route.csv")),
+        );
+        let (scsv, sroute) = (
+            dir.join(format!("{tag}-s.csv")),
+            dir.join(format!("{tag}-s.route.csv")),
+        );
+        let mut a = vec![
+            "-p",
+            PROMPT,
+            "-n",
+            "40",
+            "--ignore-eos",
+            "-t",
+            "2",
+            "--moe-stream",
+            "--force-cache",
+            "--io-threads",
+            "3",
+            "--ngram",
+            "--ngram-min-match",
+            "1",
+            "--draft",
+            "4",
+            "--csv",
+            ecsv.to_str().unwrap(),
+            "--route-trace",
+            eroute.to_str().unwrap(),
+        ];
+        a.extend_from_slice(extra);
+        let e = run(&m, &a);
+        assert_eq!(e.code, 0, "{}", e.stderr);
+        let mut s = vec![
+            "replay",
+            "--trace",
+            eroute.to_str().unwrap(),
+            "--profile",
+            "this-machine",
+            "--force-cache",
+            "--io-threads",
+            "3",
+            "--csv",
+            scsv.to_str().unwrap(),
+            "--route-trace",
+            sroute.to_str().unwrap(),
+        ];
+        s.extend_from_slice(extra);
+        let (code, out, err) = bmoe_gates::sim(&s);
+        assert_eq!(code, 0, "{tag}: {err}");
+        assert!(out.contains("ngram: "), "{tag}: {out}");
+        let (et, st) = (
+            std::fs::read_to_string(&eroute).unwrap(),
+            std::fs::read_to_string(&sroute).unwrap(),
+        );
+        assert!(et.lines().nth(3).unwrap_or("").ends_with(",group") || et.contains(",group\n"));
+        assert!(et == st, "{tag}: the replayed route trace differs");
+        let (ec, sc) = (
+            std::fs::read_to_string(&ecsv).unwrap(),
+            std::fs::read_to_string(&scsv).unwrap(),
+        );
+        assert_eq!(csv_rows(&ec), csv_rows(&sc), "{tag}: rows");
+        for key in [
+            "tokens",
+            "read_MiB",
+            "evictions",
+            "mtp_drafted",
+            "mtp_accepted",
+            "mtp_decodes",
+            "drafted_steps",
+        ] {
+            assert_eq!(trailer(&ec, key), trailer(&sc, key), "{tag}: {key}");
+        }
+        assert!(
+            trailer(&ec, "mtp_accepted") != "0",
+            "{tag}: nothing accepted"
+        );
+        for key in bmoe_sim::diff::EXACT_SUMMARY_KEYS {
+            assert_eq!(trailer(&ec, key), trailer(&sc, key), "{tag}: {key}");
+        }
+    }
+    // A speculative trace without the group column (an older writer's) is refused, by name.
+    let text = std::fs::read_to_string(dir.join("serial-e.route.csv")).unwrap();
+    let stripped: String = text
+        .lines()
+        .map(|l| match l.starts_with('#') {
+            true => l.to_string(),
+            false => l.rsplit_once(',').map_or(l, |(h, _)| h).to_string(),
+        })
+        .map(|l| l + "\n")
+        .collect();
+    let old = dir.join("old.route.csv");
+    std::fs::write(&old, stripped).unwrap();
+    let (code, _, err) = bmoe_gates::sim(&[
+        "replay",
+        "--trace",
+        old.to_str().unwrap(),
+        "--profile",
+        "this-machine",
+        "--cache-mb",
+        "3",
+        "--force-cache",
+    ]);
+    assert_ne!(code, 0);
+    assert!(err.contains("group column"), "{err}");
+}

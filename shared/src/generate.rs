@@ -160,6 +160,22 @@ pub trait TokenSource<B: Backend> {
         self.next_token(backend, last)
     }
 
+    /// A replayer of a speculative run: the drafts its recorded step fed after the token just
+    /// chosen (placeholders; [`TokenSource::next_token_at`] then confirms as many as the
+    /// recording did), written into `out`. `None` (the default): this source drafts nothing
+    /// itself and the session's draft source (`--ngram`) is asked instead.
+    fn recorded_draft(&mut self, out: &mut Vec<u32>) -> Option<()> {
+        let _ = out;
+        None
+    }
+
+    /// Whether this source replays a speculative run's recorded steps (then the turn counts
+    /// its decodes as the recording did, and [`TokenSource::recorded_draft`] gives every
+    /// draft). Default: no.
+    fn replays_drafts(&self) -> bool {
+        false
+    }
+
     /// The context position to feed the token just chosen at; `next_free` is the position
     /// after the context's last token. A live source takes it; a replayer returns the
     /// recorded one.
@@ -820,7 +836,11 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
         let spec = self.speculation.filter(|_| verifiable);
         // Taken for the turn (and put back after it): the loop feeds `self` as it drafts.
         let replay = self.replay_drafts.take().filter(|_| verifiable);
-        let speculating = spec.is_some() || replay.is_some();
+        // A replayed speculative run drafts what it recorded, and counts its decodes as the
+        // recording did (`spec=` on).
+        let replaying = verifiable && source.replays_drafts();
+        let speculating =
+            spec.is_some() || replay.is_some() || (replaying && self.cfg.spec != SpecMode::Off);
         let mut spec_counts = SpecCounters::default();
         // A token chosen from a verify decode's row that rejected its draft: the next one fed.
         let mut pending: Option<u32> = None;
@@ -854,7 +874,9 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
             let drafting = self.engine.clock().now();
             draft.clear();
             let room = req.n_predict - i - 1;
-            if let Some((recorded, k)) = &replay {
+            if replaying && source.recorded_draft(&mut draft).is_some() {
+                // A replay: the recorded group's width, whatever the flags say.
+            } else if let Some((recorded, k)) = &replay {
                 // The recorded run's next tokens, while this turn has followed it so far.
                 let n = tokens.len();
                 if recorded.get(..n) == Some(&tokens[..]) && recorded.get(n) == Some(&token) {

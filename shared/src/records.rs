@@ -72,6 +72,9 @@ pub trait RecordSink {
     fn wants_io(&self) -> bool {
         false
     }
+    /// A step starts (before any of its records): a speculative run's route trace numbers
+    /// its steps, so a verify decode's positions replay as the one step they were.
+    fn begin_step(&mut self, _turn: u32, _phase: Phase) {}
     fn route(&mut self, _r: &RouteRecord) {}
     fn io(&mut self, _r: &IoRecord) {}
     /// Push everything recorded so far to its file. The generation loop calls it at every

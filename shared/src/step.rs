@@ -123,6 +123,7 @@ impl<C: Clock, F: Flash, B: Backend> Engine<C, F, B> {
             ..Default::default()
         };
         let before = self.cache.counters();
+        sink.begin_step(input.turn, input.phase);
         let start = self.clock.now();
         if let Err(e) = self.run(input, sink, &mut stats) {
             self.failed = Some(e.to_string());

@@ -457,13 +457,14 @@ pub fn load_trace(path: &Path) -> Result<RouteTrace, SimError> {
             "it has a preamble but no rows: nothing to replay (was its run stopped before the first step?)",
         ));
     }
-    if let Some((_, v)) = trace.preamble.extra.iter().find(|(k, _)| k == "spec") {
+    let spec = trace.preamble.extra.iter().find(|(k, _)| k == "spec");
+    if let (Some((_, v)), false) = (spec, trace.has_group_column()) {
         return Err(SimError::invalid(
             format!("route trace {}", path.display()),
             format!(
-                "it was recorded with speculative decoding (spec={v}): its decode steps verify \
-                 drafted groups and feed rejected positions again, which bmoe-sim does not \
-                 replay yet; record the run without --ngram"
+                "it was recorded with speculative decoding (spec={v}) but has no group column: \
+                 its verify decodes cannot be told from plain ones; record it with this \
+                 bmoe-cli, which numbers its steps"
             ),
         ));
     }
@@ -637,6 +638,11 @@ pub fn prepare(
     cfg.model = p.model.clone();
     cfg.arch = p.arch.clone();
     cfg.gating = p.gating;
+    if p.extra.iter().any(|(k, v)| k == "spec" && v == "ngram") {
+        // A speculative run's verify decodes replay as the groups they were, and its
+        // counters (`mtp_*`) are counted as the recording counted them.
+        cfg.spec = bmoe_core::config::SpecMode::Ngram;
+    }
     cfg.n_layer = p.n_layer;
     cfg.n_expert = p.n_expert;
     cfg.n_expert_used = if cfg.n_expert_used_override > 0 {
@@ -895,8 +901,13 @@ fn run_replay(
             let mut pre = p.trace.preamble.clone();
             pre.n_expert_used = p.cfg.n_expert_used;
             Some(
-                RouteTraceWriter::with_predictions(create(path)?, &pre, p.pred_columns)
-                    .map_err(|e| SimError::io(path, e))?,
+                RouteTraceWriter::with_columns(
+                    create(path)?,
+                    &pre,
+                    p.pred_columns,
+                    p.trace.has_group_column(),
+                )
+                .map_err(|e| SimError::io(path, e))?,
             )
         }
         None => None,

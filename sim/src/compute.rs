@@ -397,6 +397,12 @@ impl TraceBackend {
 impl Backend for TraceBackend {
     type Error = TraceBackendError;
 
+    /// A recorded verify decode replays as the one step it was: its rows are priced as a
+    /// batch and routed as recorded (the replayer says which drafts were confirmed).
+    fn verifies_rows(&self) -> bool {
+        true
+    }
+
     fn begin(&mut self, tokens: &[u32], _positions: &[u32]) -> Result<(), Self::Error> {
         if self.step.is_none() {
             return Err(TraceBackendError::NoStep);

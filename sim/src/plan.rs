@@ -188,16 +188,21 @@ impl ReplayPlan {
             steps.push(p);
             Ok(())
         };
-        // Cells are sorted by (turn, phase, step, MoE layer): walk them a token at a time.
+        // Cells are sorted by (turn, phase, group, step, MoE layer): walk them a token at a time.
         let cells = &trace.cells;
         let mut first = 0usize;
+        // The (turn, group) of the decode step last planned.
+        let mut open_group: Option<(u32, u32)> = None;
         while first < cells.len() {
             let head = cells[first];
             let end = first
                 + cells[first..]
                     .iter()
                     .take_while(|c| {
-                        c.turn == head.turn && c.phase == head.phase && c.step == head.step
+                        c.turn == head.turn
+                            && c.phase == head.phase
+                            && c.group == head.group
+                            && c.step == head.step
                     })
                     .count();
             let token = first..end;
@@ -247,6 +252,22 @@ impl ReplayPlan {
                             decode: steps.len()..steps.len(),
                         });
                     }
+                    // A speculative run's verify decode: the positions of one group are the
+                    // batch rows of one step (sorted by layer below).
+                    if trace.has_group_column()
+                        && turns.last().is_some_and(|t| !t.decode.is_empty())
+                        && open_group == Some((ts.turn, ts.group))
+                    {
+                        let s = steps.last_mut().expect("the group's step");
+                        let batch_row = s.positions.len() as u32;
+                        s.positions.push(position(ts.step, ts.turn)?);
+                        s.rows.extend(token.map(|i| RowRef {
+                            batch_row,
+                            cell: i as u32,
+                        }));
+                        continue;
+                    }
+                    open_group = Some((ts.turn, ts.group));
                     let rows = token
                         .map(|i| RowRef {
                             batch_row: 0,
@@ -267,6 +288,22 @@ impl ReplayPlan {
             }
         }
         flush_prefill(&mut prefill, &mut steps, &mut turns)?;
+        // A verify decode's rows in (MoE layer, batch row) order, as every step's.
+        for s in steps
+            .iter_mut()
+            .filter(|s| s.positions.len() > 1 && s.phase == Phase::Decode)
+        {
+            s.rows
+                .sort_by_key(|r| (trace.cells[r.cell as usize].moe_layer, r.batch_row));
+            let mut layer_start = vec![0u32; n_moe + 1];
+            for r in &s.rows {
+                layer_start[trace.cells[r.cell as usize].moe_layer as usize + 1] += 1;
+            }
+            for m in 0..n_moe {
+                layer_start[m + 1] += layer_start[m];
+            }
+            s.layer_start = layer_start;
+        }
         Ok(ReplayPlan {
             steps,
             turns,

@@ -280,6 +280,9 @@ impl RecordSink for RecordedPredictions<'_> {
     fn wants_io(&self) -> bool {
         self.inner.wants_io()
     }
+    fn begin_step(&mut self, turn: u32, phase: bmoe_core::records::Phase) {
+        self.inner.begin_step(turn, phase);
+    }
     fn route(&mut self, r: &RouteRecord) {
         let stamped = self.stamp(r);
         self.inner.route(&stamped);

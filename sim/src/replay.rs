@@ -125,6 +125,9 @@ struct Replayer<'a, 'o> {
     decode_wall: Nanos,
     decode_stats: Option<&'a mut Vec<StepStats>>,
     on_step: Option<&'o mut StepObserver<'o>>,
+    /// The trace numbers its steps (a speculative run's `group` column): a decode step may
+    /// verify several positions.
+    groups: bool,
 }
 
 impl Replayer<'_, '_> {
@@ -206,10 +209,70 @@ impl TokenSource<TraceBackend> for Replayer<'_, '_> {
         self.plan.steps[self.current].positions[0]
     }
 
+    fn replays_drafts(&self) -> bool {
+        self.groups
+    }
+
+    fn verifies(&self) -> bool {
+        self.groups
+    }
+
+    /// The recorded step's positions after its first: placeholders the rows confirm as the
+    /// recording did.
+    fn recorded_draft(&mut self, out: &mut Vec<u32>) -> Option<()> {
+        out.clear();
+        let n = self.plan.steps[self.current].positions.len();
+        out.resize(n.saturating_sub(1), 0);
+        Some(())
+    }
+
+    /// Row `row` confirms its draft while the recording did: a group's confirmed positions are
+    /// those before the position the turn's next decode step starts at (all of them for the
+    /// turn's last step, which ended it). The first rejection moves to that next step.
+    fn next_token_at(
+        &mut self,
+        backend: &mut TraceBackend,
+        row: u32,
+        _last: bool,
+    ) -> Result<Option<u32>, SimError> {
+        let first = self.plan.steps[self.current].positions[0];
+        let confirmed = match self.decode.clone().next() {
+            Some(next) => self.plan.steps[next].positions[0].saturating_sub(first + 1),
+            None => u32::MAX,
+        };
+        if row < confirmed {
+            return Ok(Some(0));
+        }
+        if self.decode.is_empty() {
+            return Ok(None);
+        }
+        self.current = self.decode.start;
+        self.decode.start += 1;
+        backend.loop_gap();
+        Ok(Some(1))
+    }
+
     fn finish(&mut self, backend: &mut TraceBackend) -> Result<(), SimError> {
         backend.loop_gap();
         Ok(())
     }
+}
+
+/// The tokens a recorded turn generated: one per decode step, and for a speculative run's
+/// verify decode the positions it confirmed — all but those the turn's next step feeds again.
+fn turn_tokens(plan: &ReplayPlan, turn: &PlanTurn) -> u32 {
+    let steps = &plan.steps[turn.decode.clone()];
+    let mut n = 0u32;
+    for (i, s) in steps.iter().enumerate() {
+        let width = s.positions.len() as u32;
+        n += match steps.get(i + 1) {
+            Some(next) => next.positions[0]
+                .saturating_sub(s.positions[0])
+                .clamp(1, width),
+            None => width,
+        };
+    }
+    n
 }
 
 /// A `GenerateError` as the simulator reports it: its own errors come back as they were.
@@ -307,6 +370,7 @@ pub fn run(setup: ReplaySetup<'_>, out: ReplayOutputs<'_>) -> Result<ReplayResul
         decode_wall: Nanos::ZERO,
         decode_stats,
         on_step,
+        groups: trace.has_group_column(),
     };
     let mut outputs = Outputs {
         progress,
@@ -330,7 +394,7 @@ pub fn run(setup: ReplaySetup<'_>, out: ReplayOutputs<'_>) -> Result<ReplayResul
                 &TurnRequest {
                     prompt: &prompt,
                     positions,
-                    n_predict: turn.decode.len() as u32,
+                    n_predict: turn_tokens(&plan, turn),
                 },
                 &mut source,
                 &mut outputs,

@@ -45,6 +45,10 @@ pub const MAX_TRACE_INDEX: u32 = u16::MAX as u32;
 const WEIGHT_MAX: f32 = 1.0 + 1e-4;
 /// The column holding the router's own choice under `--route-ahead`.
 pub const ROUTER_EXPERT_COLUMN: &str = "router_expert";
+/// The optional column a speculative run's trace numbers its steps in (the step's index within
+/// its turn), so the positions of one verify decode replay as one step, and a position fed again
+/// after a rejected draft as another.
+pub const GROUP_COLUMN: &str = "group";
 /// The model-line key naming the `--route-ahead` depth a trace was recorded with.
 pub const ROUTE_AHEAD_KEY: &str = "route_ahead";
 /// The model-line key naming the router's gating (`Gating`); a trace without it was written
@@ -204,6 +208,8 @@ pub struct RouteTraceWriter<W: Write> {
     layer_ids: Vec<u32>,
     n_expert: u32,
     columns: PredColumns,
+    /// With the `group` column: the turn and the index within it of the step being written.
+    group: Option<(Option<u32>, u32)>,
     error: Option<io::Error>,
 }
 
@@ -231,7 +237,18 @@ impl<W: Write> RouteTraceWriter<W> {
     /// Writes the preamble and the header row with the prediction columns `columns` declares.
     /// `InvalidInput` when a horizon or the route-ahead depth exceeds `PRED_HORIZON_MAX`.
     /// A `route_ahead` key in `p.extra` is not copied: `columns` is authoritative.
-    pub fn with_predictions(mut w: W, p: &RoutePreamble, columns: PredColumns) -> io::Result<Self> {
+    pub fn with_predictions(w: W, p: &RoutePreamble, columns: PredColumns) -> io::Result<Self> {
+        Self::with_columns(w, p, columns, false)
+    }
+
+    /// [`RouteTraceWriter::with_predictions`], and with `groups` the `group` column (a
+    /// speculative run: see [`GROUP_COLUMN`]), numbered from the steps' `begin_step`.
+    pub fn with_columns(
+        mut w: W,
+        p: &RoutePreamble,
+        columns: PredColumns,
+        groups: bool,
+    ) -> io::Result<Self> {
         if usize::from(columns.horizons) > PRED_HORIZON_MAX
             || usize::from(columns.route_ahead) > PRED_HORIZON_MAX
         {
@@ -285,12 +302,17 @@ impl<W: Write> RouteTraceWriter<W> {
             header.push(',');
             header.push_str(&name);
         }
+        if groups {
+            header.push(',');
+            header.push_str(GROUP_COLUMN);
+        }
         writeln!(w, "{header}")?;
         Ok(RouteTraceWriter {
             w,
             layer_ids: p.layers.iter().map(|l| l.layer).collect(),
             n_expert: p.n_expert,
             columns,
+            group: groups.then_some((None, 0)),
             error: None,
         })
     }
@@ -368,6 +390,9 @@ impl<W: Write> RouteTraceWriter<W> {
                 tail.push_str(&id.to_string());
             }
         }
+        if let Some((_, g)) = self.group {
+            tail.push_str(&format!(",{g}"));
+        }
         writeln!(
             self.w,
             "{},{},{},{},{},{},{},{},{},{}{}",
@@ -398,6 +423,16 @@ impl<W: Write> RouteTraceWriter<W> {
 impl<W: Write> RecordSink for RouteTraceWriter<W> {
     fn wants_routes(&self) -> bool {
         self.error.is_none()
+    }
+    fn begin_step(&mut self, turn: u32, _phase: Phase) {
+        if let Some((t, g)) = self.group.as_mut() {
+            if *t == Some(turn) {
+                *g += 1;
+            } else {
+                *t = Some(turn);
+                *g = 0;
+            }
+        }
     }
     fn route(&mut self, r: &RouteRecord) {
         if self.error.is_none() {
@@ -431,6 +466,9 @@ pub struct RouteSlot {
 pub struct RouteCell {
     pub turn: u32,
     pub phase: Phase,
+    /// The step's index within its turn (the `group` column of a speculative run's trace; 0
+    /// in a trace without it, where a decode step is one position).
+    pub group: u32,
     pub step: i64,
     /// Position of the layer in `RoutePreamble::layers`.
     pub moe_layer: u16,
@@ -462,6 +500,8 @@ pub struct RouteTrace {
     pred_columns: PredColumns,
     /// Whether the file had the `router_expert` column.
     has_router_expert_column: bool,
+    /// Whether the file had the `group` column (a speculative run's).
+    has_group_column: bool,
     /// Per slot (parallel to `slots`), `pred_columns.horizons` entries: horizon `h` at
     /// `slot_index · H + h − 1`.
     preds: Vec<Option<(u16, f32)>>,
@@ -472,6 +512,7 @@ pub struct RouteTrace {
 struct Entry {
     turn: u32,
     phase: u8,
+    group: u32,
     step: i64,
     moe_layer: u16,
     slot: u16,
@@ -482,8 +523,8 @@ struct Entry {
 }
 
 impl Entry {
-    fn cell_key(&self) -> (u32, u8, i64, u16) {
-        (self.turn, self.phase, self.step, self.moe_layer)
+    fn cell_key(&self) -> (u32, u8, u32, i64, u16) {
+        (self.turn, self.phase, self.group, self.step, self.moe_layer)
     }
 }
 
@@ -501,6 +542,7 @@ struct Columns {
     /// `(pred<h>, pred<h>_weight)` for `h = 1..=H`.
     preds: Vec<(usize, usize)>,
     router_expert: Option<usize>,
+    group: Option<usize>,
     count: usize,
 }
 
@@ -840,9 +882,14 @@ impl RouteTrace {
                     Some(id as u16) // id < n_expert <= u16::MAX
                 }
             };
+            let group: u32 = match columns.group {
+                None => 0,
+                Some(i) => parse_int(fields[i], GROUP_COLUMN, n)?,
+            };
             entries.push(Entry {
                 turn,
                 phase: phase_raw,
+                group,
                 step,
                 moe_layer,
                 slot: slot as u16, // slot < n_expert_used <= u16::MAX
@@ -881,6 +928,7 @@ impl RouteTrace {
                 dropped: columns.dropped.is_some(),
                 preds: pred_columns,
                 router_expert: columns.router_expert.is_some(),
+                group: columns.group.is_some(),
             },
             entries,
         )?;
@@ -903,7 +951,10 @@ impl RouteTrace {
             let len = rest
                 .iter()
                 .take_while(|c| {
-                    c.turn == first.turn && c.phase == first.phase && c.step == first.step
+                    c.turn == first.turn
+                        && c.phase == first.phase
+                        && c.group == first.group
+                        && c.step == first.step
                 })
                 .count();
             let (cells, tail) = rest.split_at(len);
@@ -950,6 +1001,12 @@ impl RouteTrace {
     /// Whether the file had the `router_expert` column.
     pub fn has_router_expert_column(&self) -> bool {
         self.has_router_expert_column
+    }
+
+    /// Whether the file had the `group` column: a speculative run's, whose decode steps may
+    /// hold several positions and feed a position again ([`GROUP_COLUMN`]).
+    pub fn has_group_column(&self) -> bool {
+        self.has_group_column
     }
 
     /// The recorded prediction at `slot` of `cell` for `horizon` (1-based): `None` where
@@ -1230,6 +1287,7 @@ fn parse_header(header: &str, line: usize) -> Result<Columns, ParseError> {
         dropped: names.iter().position(|n| *n == "dropped"),
         preds,
         router_expert: names.iter().position(|n| *n == ROUTER_EXPERT_COLUMN),
+        group: names.iter().position(|n| *n == GROUP_COLUMN),
         count: names.len(),
     })
 }
@@ -1324,6 +1382,7 @@ struct FileColumns {
     dropped: bool,
     preds: PredColumns,
     router_expert: bool,
+    group: bool,
 }
 
 fn build_cells(
@@ -1332,7 +1391,17 @@ fn build_cells(
     mut entries: Vec<Entry>,
 ) -> Result<RouteTrace, ParseError> {
     let horizons = usize::from(file.preds.horizons);
-    entries.sort_unstable_by_key(|e| (e.turn, e.phase, e.step, e.moe_layer, e.slot, e.line));
+    entries.sort_unstable_by_key(|e| {
+        (
+            e.turn,
+            e.phase,
+            e.group,
+            e.step,
+            e.moe_layer,
+            e.slot,
+            e.line,
+        )
+    });
     let k = preamble.n_expert_used as usize;
     let mut cells = Vec::with_capacity(entries.len() / k.max(1));
     let mut cell_lines = Vec::with_capacity(entries.len() / k.max(1));
@@ -1354,13 +1423,24 @@ fn build_cells(
                 return Err(at(
                     pair[1].line as usize,
                     format!(
-                        "duplicate (turn {}, phase {}, step {}, layer {}, slot {}): first on line {}",
+                        "duplicate (turn {}, phase {}, {}step {}, layer {}, slot {}): first on line {}{}",
                         pair[1].turn,
                         pair[1].phase,
+                        if file.group {
+                            format!("group {}, ", pair[1].group)
+                        } else {
+                            String::new()
+                        },
                         pair[1].step,
                         preamble.layers[pair[1].moe_layer as usize].layer,
                         pair[1].slot,
-                        pair[0].line
+                        pair[0].line,
+                        if !file.group && preamble.extra.iter().any(|(k, _)| k == "spec") {
+                            " — a speculative run feeds a position again after a rejected draft, \
+                             and its trace needs the group column to tell the two steps apart"
+                        } else {
+                            ""
+                        }
                     ),
                 ));
             }
@@ -1368,7 +1448,7 @@ fn build_cells(
         let describe = || {
             format!(
                 "routing (turn {}, phase {}, step {}, layer {})",
-                key.0, key.1, key.2, preamble.layers[key.3 as usize].layer
+                key.0, key.1, key.3, preamble.layers[key.4 as usize].layer
             )
         };
         if group.len() != k {
@@ -1411,8 +1491,9 @@ fn build_cells(
         cells.push(RouteCell {
             turn: key.0,
             phase,
-            step: key.2,
-            moe_layer: key.3,
+            group: key.2,
+            step: key.3,
+            moe_layer: key.4,
             first_slot,
             n_slots: k as u16, // k <= n_expert <= u16::MAX; checked at the model line
         });
@@ -1434,6 +1515,7 @@ fn build_cells(
         cell_lines,
         pred_columns: file.preds,
         has_router_expert_column: file.router_expert,
+        has_group_column: file.group,
         preds,
         router_experts,
     })

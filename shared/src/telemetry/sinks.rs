@@ -17,6 +17,14 @@ impl RecordSink for TraceTee<'_> {
     fn wants_io(&self) -> bool {
         self.io.as_ref().is_some_and(|s| s.wants_io())
     }
+    fn begin_step(&mut self, turn: u32, phase: crate::records::Phase) {
+        if let Some(s) = self.route.as_mut() {
+            s.begin_step(turn, phase);
+        }
+        if let Some(s) = self.io.as_mut() {
+            s.begin_step(turn, phase);
+        }
+    }
     fn route(&mut self, r: &RouteRecord) {
         if let Some(s) = self.route.as_mut() {
             s.route(r);
