@@ -227,9 +227,9 @@ pub struct RunArgs {
     #[arg(long = "inject-read-fault", value_name = "KIND:N", hide = true)]
     pub inject_read_fault: Option<String>,
     #[command(flatten)]
-    pub stream: bmoe_core::flags::StreamArgs,
+    pub stream: bmoe_flags::StreamArgs,
     #[command(flatten)]
-    pub telemetry: bmoe_core::flags::TelemetryArgs,
+    pub telemetry: bmoe_flags::TelemetryArgs,
 }
 
 /// `--decide-prefix-cache`.
@@ -259,6 +259,11 @@ impl RunArgs {
         if self.decide && !self.session {
             return Err(anyhow!(
                 "config error: --decide needs --session (decide requests arrive on a session's stdin)"
+            ));
+        }
+        if (self.ngram || self.draft_replay.is_some()) && self.routing_from.is_some() {
+            return Err(anyhow!(
+                "config error: --routing-from gives the n-th token computed the trace's n-th routing, and --ngram computes drafts a verify step may reject; run one without the other"
             ));
         }
         if self.ngram && self.logits_out.is_some() {

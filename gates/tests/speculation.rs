@@ -327,6 +327,10 @@ fn bad_speculation_flags_are_refused_by_name() {
         (&["--ngram", "--ngram-min-match", "13"], "--ngram-min-match"),
         (&["--ngram", "--ngram-max-match", "65"], "--ngram-max-match"),
         (&["--ngram", "--logits-out", "/dev/null"], "--logits-out"),
+        (
+            &["--ngram", "--routing-from", "/dev/null"],
+            "--routing-from",
+        ),
     ] {
         let mut argv = vec!["bmoe-cli", "-m", m.to_str().unwrap(), "-p", "x", "-n", "2"];
         argv.extend_from_slice(args);
