@@ -684,7 +684,7 @@ impl LaneFlash {
             busy: (0..lanes)
                 .map(|_| (AtomicU64::new(0), AtomicU64::new(0)))
                 .collect(),
-            timeout_ms: AtomicU64::new(bmoe_core::flags::READ_TIMEOUT_MS_DEFAULT),
+            timeout_ms: AtomicU64::new(bmoe_core::config::READ_TIMEOUT_MS_DEFAULT),
             shutdown: AtomicBool::new(false),
         });
         let mut dev = LaneFlash {

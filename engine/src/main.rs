@@ -90,11 +90,9 @@ fn run(cli: Cli) -> Result<i32> {
 
 /// Environment fallbacks (BMOE_CACHE_MB, ...): a flag the user typed always wins.
 fn env_fallbacks(run: &mut bmoe_engine::cli::RunArgs) -> Result<()> {
-    for (k, v) in bmoe_core::flags::apply_env_fallbacks(
-        std::env::vars(),
-        &mut run.stream,
-        &mut run.telemetry,
-    )? {
+    for (k, v) in
+        bmoe_flags::apply_env_fallbacks(std::env::vars(), &mut run.stream, &mut run.telemetry)?
+    {
         eprintln!("bmoe: {k}={v} (from the environment)");
     }
     Ok(())

@@ -12,12 +12,12 @@
 
 use std::path::PathBuf;
 
-use crate::vocab::ReadSplit;
+use bmoe_core::vocab::ReadSplit;
 
 /// Default of `--read-timeout-ms` (defined in `config`, below this module).
-pub use crate::config::READ_TIMEOUT_MS_DEFAULT;
+pub use bmoe_core::config::READ_TIMEOUT_MS_DEFAULT;
 
-use crate::config::{
+use bmoe_core::config::{
     DenseWeights, EvictionPolicy, RunConfig, StreamChoice, CACHE_FLOOR_DEFAULT_MB, CACHE_MIN_MB,
     IO_THREADS_DEFAULT, IO_THREADS_MAX, PREDICT_SPEC_MAX_DEFAULT,
 };
@@ -178,7 +178,7 @@ pub struct StreamArgs {
     /// mmap leaves them to the page cache (the kernel may drop and re-fault them); warm adds
     /// one sequential read at load; anon copies them into anonymous memory with O_DIRECT so
     /// reclaim goes to swap/zram rather than back to flash.
-    #[arg(long, value_name = "MODE", value_enum, default_value_t = DenseWeights::Anon)]
+    #[arg(long, value_name = "MODE", default_value_t = DenseWeights::Anon, value_parser = dense_weights_parser())]
     pub dense_weights: DenseWeights,
 
     /// Override the routing width top-k, 0 = the model's own [default: 0; env BMOE_N_EXPERT_USED].
@@ -190,7 +190,7 @@ pub struct StreamArgs {
 
     /// Cache eviction policy (each one's victim rule is listed below; docs/policies.md).
     /// Policies change what is read, never what is computed.
-    #[arg(long, value_name = "POLICY", value_enum, default_value_t = EvictionPolicy::Lru)]
+    #[arg(long, value_name = "POLICY", default_value_t = EvictionPolicy::Lru, value_parser = eviction_parser())]
     pub eviction: EvictionPolicy,
 
     /// Temporal prefetch: read the experts the previous token routed at the next K layers,
@@ -276,11 +276,35 @@ pub struct StreamArgs {
     /// spike-ms=20,torn=0.01,stuck=LANE@AFTER,persistent` (docs/reliability.md). Not for
     /// normal use.
     #[arg(long, value_name = "SPEC", hide = true, value_parser = parse_fault_plan)]
-    pub inject_faults: Option<crate::faults::FaultPlan>,
+    pub inject_faults: Option<bmoe_core::faults::FaultPlan>,
 }
 
-fn parse_fault_plan(s: &str) -> Result<crate::faults::FaultPlan, String> {
-    crate::faults::FaultPlan::parse(s).map_err(|e| e.reason)
+/// `--dense-weights`: the core's `DenseWeights` by name, each value with its help.
+fn dense_weights_parser() -> impl clap::builder::TypedValueParser<Value = DenseWeights> {
+    use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
+    PossibleValuesParser::new([
+        PossibleValue::new("mmap").help("Leave them on the model's mmap: the baseline"),
+        PossibleValue::new("warm").help("mmap plus one sequential buffered sweep at load"),
+        PossibleValue::new("anon").help(
+            "Read into anonymous buffers with O_DIRECT; reclaim then goes to swap/zram, not flash",
+        ),
+    ])
+    .map(|s| s.parse::<DenseWeights>().unwrap_or_default())
+}
+
+/// `--eviction`: a policy of the core's registry by name, each with its help.
+fn eviction_parser() -> impl clap::builder::TypedValueParser<Value = EvictionPolicy> {
+    use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
+    PossibleValuesParser::new(
+        bmoe_core::policy::POLICIES
+            .iter()
+            .map(|p| PossibleValue::new(p.name).help(p.help)),
+    )
+    .map(|s| s.parse::<EvictionPolicy>().unwrap_or_default())
+}
+
+fn parse_fault_plan(s: &str) -> Result<bmoe_core::faults::FaultPlan, String> {
+    bmoe_core::faults::FaultPlan::parse(s).map_err(|e| e.reason)
 }
 
 /// Flags that choose what a run reports and where. Shared verbatim by `bmoe-cli` and

@@ -39,7 +39,7 @@ pub const NGRAM_MATCH_LIMIT: u32 = 64;
 pub const DROP_LOW_TOPK_WARN: u32 = 4;
 
 /// How the dense (non-expert) weights are held in RAM (`--dense-weights`).
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
 pub enum DenseWeights {
     /// Leave them on the model's mmap: the baseline.
     Mmap,
@@ -127,8 +127,6 @@ impl fmt::Display for EvictionPolicy {
     }
 }
 
-static POLICY_VARIANTS: std::sync::LazyLock<Vec<EvictionPolicy>> =
-    std::sync::LazyLock::new(EvictionPolicy::all);
 static POLICY_EXPECTED: std::sync::LazyLock<String> =
     std::sync::LazyLock::new(|| crate::policy::POLICY_NAMES.join("|"));
 
@@ -144,20 +142,6 @@ impl FromStr for EvictionPolicy {
                 name: s.to_string(),
                 expected: POLICY_EXPECTED.as_str(),
             })
-    }
-}
-
-impl clap::ValueEnum for EvictionPolicy {
-    fn value_variants<'a>() -> &'a [Self] {
-        POLICY_VARIANTS.as_slice()
-    }
-
-    fn to_possible_value(&self) -> Option<clap::builder::PossibleValue> {
-        let help = crate::policy::POLICIES
-            .iter()
-            .find(|p| p.name == self.0)
-            .map_or("", |p| p.help);
-        Some(clap::builder::PossibleValue::new(self.0).help(help))
     }
 }
 

@@ -12,7 +12,6 @@ pub mod clock;
 pub mod config;
 pub mod decide;
 pub mod faults;
-pub mod flags;
 pub mod flash;
 pub mod gating;
 pub mod generate;

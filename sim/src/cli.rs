@@ -15,14 +15,14 @@ use crate::predictions::{self, PredictorReplay, RecordedPredictions};
 use crate::profile::{DeviceProfile, DEFAULT_PROFILE};
 use crate::replay::{self, ReplayOutputs, ReplaySetup};
 use bmoe_core::config::{auto_cache_budget, RunConfig, MIB};
-use bmoe_core::flags::{
-    apply_env_fallbacks, parse_decimal_strict, parse_u32_strict, parse_u64_strict, StreamArgs,
-    TelemetryArgs,
-};
 use bmoe_core::telemetry::io_trace::IoTraceWriter;
 use bmoe_core::telemetry::report::{write_report, ReportContext};
 use bmoe_core::telemetry::route_trace::{PredColumns, RoutePreamble, RouteTrace, RouteTraceWriter};
 use bmoe_core::{records::RecordSink, ExpertLayout};
+use bmoe_flags::{
+    apply_env_fallbacks, parse_decimal_strict, parse_u32_strict, parse_u64_strict, StreamArgs,
+    TelemetryArgs,
+};
 use clap::{Args, Parser, Subcommand};
 use std::ffi::OsString;
 use std::fs::File;

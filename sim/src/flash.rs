@@ -251,7 +251,7 @@ impl FlashModel {
             completed: BinaryHeap::new(),
             bytes_read: 0,
             injector: None,
-            timeout_ns: bmoe_core::flags::READ_TIMEOUT_MS_DEFAULT * 1_000_000,
+            timeout_ns: bmoe_core::config::READ_TIMEOUT_MS_DEFAULT * 1_000_000,
             meter: None,
         }
     }
