@@ -342,6 +342,30 @@ impl ExpertCache {
         Ok(Admission::Admitted)
     }
 
+    /// Admit `keys` in order while each fits beside what is pinned: the one admission rule of
+    /// a layer's wave, which the streamer and the simulator's cache-only replay both run. Each
+    /// admitted key (now resident and pinned) is handed to `admitted` with the keys its
+    /// admission evicted (`evicted`, which `admitted` drains: the caller releases them); the
+    /// first key that does not fit stops the wave, evicting nothing. Returns how many were
+    /// admitted.
+    pub fn admit_wave<E: From<CacheError>>(
+        &mut self,
+        keys: impl IntoIterator<Item = ExpertKey>,
+        evicted: &mut Vec<ExpertKey>,
+        mut admitted: impl FnMut(ExpertKey, &mut Vec<ExpertKey>) -> Result<(), E>,
+    ) -> Result<usize, E> {
+        let mut n = 0;
+        for key in keys {
+            if self.admit(key, evicted)? == Admission::NoRoom {
+                break;
+            }
+            admitted(key, evicted)?;
+            evicted.clear();
+            n += 1;
+        }
+        Ok(n)
+    }
+
     /// Debug builds hold the cache to its budget after every change that adds or shrinks
     /// (cheap), and re-audit the whole accounting every 1024 insertions, so a long run (the
     /// soak, the randomised simulation) trips on the first broken invariant, not on its effects.
@@ -600,6 +624,42 @@ mod tests {
                 c.unpin(k).unwrap();
             }
         }
+    }
+
+    #[test]
+    fn a_wave_admits_in_order_until_a_key_finds_no_room_beside_the_pinned() {
+        // Room for 3 experts of 10 bytes; one pinned resident (a hit of this layer).
+        let mut c = ExpertCache::new(&layout(), 30, 2, Box::new(Lru::new())).unwrap();
+        let mut ev = Vec::new();
+        c.admit(key(0, 0), &mut ev).unwrap();
+        let mut got = Vec::new();
+        let keys = [key(0, 1), key(0, 2), key(0, 3), key(1, 0)];
+        let n = c
+            .admit_wave(keys, &mut ev, |k, evicted| {
+                got.push((k, evicted.len()));
+                evicted.clear();
+                Ok::<(), CacheError>(())
+            })
+            .unwrap();
+        // Two fit beside the pin; the third would need an unpinned victim and there is none.
+        assert_eq!(n, 2);
+        assert_eq!(got, [(key(0, 1), 0), (key(0, 2), 0)]);
+        assert!(
+            !c.contains(key(0, 3)),
+            "the key that did not fit evicted nothing"
+        );
+        // Unpin one: the rest of the wave fits again, evicting by policy (LRU: key(0, 0)).
+        c.unpin(key(0, 0)).unwrap();
+        let mut again = Vec::new();
+        let n = c
+            .admit_wave(keys[2..].iter().copied(), &mut ev, |k, evicted| {
+                again.push((k, evicted.clone()));
+                evicted.clear();
+                Ok::<(), CacheError>(())
+            })
+            .unwrap();
+        assert_eq!(n, 1, "key(1, 0) finds (0,1), (0,2), (0,3) all pinned");
+        assert_eq!(again, [(key(0, 3), vec![key(0, 0)])]);
     }
 
     #[test]

@@ -17,7 +17,7 @@
 //! `StepError::UnexpectedCompletion`.
 
 use crate::backend::{Backend, BackendStage, ExpertUse, LayerId, Routing, SlotId};
-use crate::cache::{Admission, Lookup};
+use crate::cache::Lookup;
 use crate::clock::Clock;
 use crate::flash::{Flash, FlashError, ReadDone, ReadId, ReadRequest};
 use crate::layout::{ExpertKey, ExpertLayout};
@@ -88,6 +88,8 @@ pub(crate) struct Streamer {
     oldest: usize,
     outstanding: usize,
     evicted: Vec<ExpertKey>,
+    /// The keys of the misses a wave tries to admit (reused: no allocation per layer).
+    admit_keys: Vec<ExpertKey>,
     lane_cursor: u32,
     /// `--prefetch`: made on the first layer that runs with a horizon and the cache on.
     prefetch: Option<Prefetcher>,
@@ -337,37 +339,59 @@ impl Streamer {
         next_miss: &mut usize,
     ) -> Result<(), StepError> {
         let moe = layer.moe;
-        let cache_off = io.cache.is_off();
         let t = io.clock.now();
-        while *next_miss < self.misses.len() {
-            let i = self.misses[*next_miss] as usize;
-            if !cache_off {
-                let key = ExpertKey {
-                    layer: moe,
-                    expert: self.entries[i].expert,
-                };
-                if io.cache.admit(key, &mut self.evicted)? == Admission::NoRoom {
-                    // Demand first: give up speculation that holds the room, then retry.
-                    if let Some(pf) = self.prefetch.as_mut() {
-                        if pf.abandon_farthest(io)? {
-                            continue;
-                        }
-                    }
-                    break;
-                }
-                if let (Some(pf), Some(index)) = (self.prefetch.as_mut(), io.layout.key_index(key))
-                {
-                    pf.forget(index);
-                }
-                for evicted in self.evicted.drain(..) {
-                    io.backend
-                        .release(SlotId::Canonical(evicted))
-                        .map_err(be(BackendStage::Release, layer.model))?;
-                }
+        if io.cache.is_off() {
+            // Nothing is admitted: every miss reads into staging.
+            for &i in &self.misses[*next_miss..] {
+                self.entries[i as usize].state = EntryState::Reading;
+                self.wave.push(i);
             }
-            self.entries[i].state = EntryState::Reading;
-            self.wave.push(i as u32);
-            *next_miss += 1;
+            *next_miss = self.misses.len();
+            io.stats.mgmt += io.clock.now() - t;
+            return Ok(());
+        }
+        while *next_miss < self.misses.len() {
+            let entries = &mut self.entries;
+            let mut keys = std::mem::take(&mut self.admit_keys);
+            keys.clear();
+            keys.extend(self.misses[*next_miss..].iter().map(|&i| ExpertKey {
+                layer: moe,
+                expert: entries[i as usize].expert,
+            }));
+            let (misses, wave, prefetch) = (&self.misses, &mut self.wave, &mut self.prefetch);
+            let (backend, layout, from) = (&mut *io.backend, io.layout, *next_miss);
+            let mut at = from;
+            let n = io
+                .cache
+                .admit_wave(keys.iter().copied(), &mut self.evicted, |key, evicted| {
+                    if let (Some(pf), Some(index)) = (prefetch.as_mut(), layout.key_index(key)) {
+                        pf.forget(index);
+                    }
+                    for e in evicted.drain(..) {
+                        backend
+                            .release(SlotId::Canonical(e))
+                            .map_err(be(BackendStage::Release, layer.model))?;
+                    }
+                    let i = misses[at];
+                    entries[i as usize].state = EntryState::Reading;
+                    wave.push(i);
+                    at += 1;
+                    Ok::<(), StepError>(())
+                });
+            self.admit_keys = keys;
+            *next_miss = from + n?;
+            if *next_miss == self.misses.len() {
+                break;
+            }
+            // No room beside what is pinned. Demand first: give up speculation that holds the
+            // room, then retry.
+            let abandoned = match self.prefetch.as_mut() {
+                Some(pf) => pf.abandon_farthest(io)?,
+                None => false,
+            };
+            if !abandoned {
+                break;
+            }
         }
         io.stats.mgmt += io.clock.now() - t;
         Ok(())

@@ -4,16 +4,16 @@
 //! It answers "what would this budget and policy hit" at tens of millions of routings per
 //! second, for sweeps and the replay-speed benchmark. It calls the cache in exactly the order
 //! the streamer does for a layer — every expert looked up (hits pinned) before any miss is
-//! admitted; a miss that finds no room beside the pinned entries ends the wave, the wave is
-//! unpinned, and admission resumes — so its counters equal a full replay's; a test checks that
-//! on both real traces. Nothing here decides residency: the core's cache and policy do.
+//! admitted; misses admitted through the core's one admission rule
+//! (`ExpertCache::admit_wave`, which the streamer runs too): a miss that finds no room beside
+//! the pinned entries ends the wave, the wave is unpinned, and admission resumes — so its
+//! counters equal a full replay's; a test checks that on both real traces. Nothing here decides
+//! residency: the core's cache and policy do.
 
 use crate::error::SimError;
 use crate::plan::AccessSeq;
 use bmoe_core::policy::EvictionPolicy;
-use bmoe_core::{
-    Admission, CacheCounters, CacheError, ExpertCache, ExpertKey, ExpertLayout, Lookup,
-};
+use bmoe_core::{CacheCounters, CacheError, ExpertCache, ExpertKey, ExpertLayout, Lookup};
 
 /// What a cache-only replay counted.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
@@ -73,30 +73,33 @@ pub fn run_observed(
         if off {
             continue;
         }
-        for &key in &misses {
-            loop {
-                match cache.admit(key, &mut evicted)? {
-                    Admission::Admitted => {
-                        wave.push(key);
-                        break;
-                    }
-                    Admission::NoRoom => {
-                        if wave.is_empty() {
-                            return Err(SimError::Cache(CacheError::Corrupt {
-                                what: format!(
-                                    "expert {} of MoE layer {} fits nowhere even with nothing pinned",
-                                    key.expert, key.layer
-                                ),
-                            }));
-                        }
-                        for &w in &wave {
-                            cache.unpin(w)?;
-                        }
-                        wave.clear();
-                    }
-                }
+        // The core's admission rule (`ExpertCache::admit_wave`, the streamer's): admit in
+        // order while room; a miss that finds none ends the wave, whose experts are then
+        // computed and unpinned, and admission resumes with it.
+        let mut next = 0;
+        while next < misses.len() {
+            let n = cache.admit_wave(misses[next..].iter().copied(), &mut evicted, |key, ev| {
+                ev.clear();
+                wave.push(key);
+                Ok::<(), SimError>(())
+            })?;
+            next += n;
+            if next == misses.len() {
+                break;
             }
-            evicted.clear();
+            if n == 0 && wave.is_empty() {
+                let key = misses[next];
+                return Err(SimError::Cache(CacheError::Corrupt {
+                    what: format!(
+                        "expert {} of MoE layer {} fits nowhere even with nothing pinned",
+                        key.expert, key.layer
+                    ),
+                }));
+            }
+            for &w in &wave {
+                cache.unpin(w)?;
+            }
+            wave.clear();
         }
         for &w in &wave {
             cache.unpin(w)?;
