@@ -180,30 +180,16 @@ impl Ledger {
         let prev = self.last_mem.unwrap_or(*mem);
         let majflt = mem.majflt_total.saturating_sub(prev.majflt_total);
         let mut r = TokenRecord {
-            step: self.step,
-            steps: self.steps,
             wall_ms: s.wall.as_ms_f64(),
             io_ms: s.io.as_ms_f64(),
             read_bytes: s.read_bytes,
-            cache_hit_pct: self.cache_hit_pct(),
             stall_ms: s.stall.as_ms_f64(),
             mgmt_ms: s.mgmt.as_ms_f64(),
             majflt,
             cpu_ms: (mem.cpu_ms_total - prev.cpu_ms_total).max(0.0),
-            dense_resident_frac: mem.dense_resident_frac,
-            turn: self.turn,
             majflt_mib: majflt as f64 * mem.page_bytes as f64 / MIB,
-            cache_budget_mib: self.cache_budget_bytes as f64 / MIB,
-            rss_mib: mem.rss_mib,
-            rss_anon_mib: mem.rss_anon_mib,
-            rss_file_mib: mem.rss_file_mib,
-            swap_mib: mem.swap_mib,
-            mem_available_mib: mem.mem_available_mib,
-            mem_free_mib: mem.mem_free_mib,
-            swap_free_mib: mem.swap_free_mib,
             loop_overhead_ms,
-            mtp_batch: 1,
-            ..TokenRecord::default()
+            ..self.row(mem)
         };
         r.set_compute_residual(self.overlap);
         self.last_mem = Some(*mem);
@@ -215,6 +201,12 @@ impl Ledger {
     /// twice); the memory picture is the group's.
     pub fn group_row(&mut self, mem: &MemPicture) -> TokenRecord {
         self.step += 1;
+        self.row(mem)
+    }
+
+    /// A row of the current step with no cost in it: its place in the turn, the cache's hit
+    /// rate and budget, and the memory picture `mem`.
+    fn row(&self, mem: &MemPicture) -> TokenRecord {
         TokenRecord {
             step: self.step,
             steps: self.steps,
@@ -229,6 +221,7 @@ impl Ledger {
             mem_available_mib: mem.mem_available_mib,
             mem_free_mib: mem.mem_free_mib,
             swap_free_mib: mem.swap_free_mib,
+            mtp_batch: 1,
             ..TokenRecord::default()
         }
     }

@@ -143,6 +143,17 @@ fn position(step: i64, turn: u32) -> Result<u32, SimError> {
     })
 }
 
+/// Sort a multi-row step's `rows` by (MoE layer, batch row) and count each layer's: entry
+/// `m + 1` of the result is layer `m`'s row count (the caller sums it into `layer_start`).
+fn order_rows(trace: &RouteTrace, n_moe: usize, rows: &mut [RowRef]) -> Vec<u32> {
+    rows.sort_by_key(|r| (trace.cells[r.cell as usize].moe_layer, r.batch_row));
+    let mut counts = vec![0u32; n_moe + 1];
+    for r in rows.iter() {
+        counts[trace.cells[r.cell as usize].moe_layer as usize + 1] += 1;
+    }
+    counts
+}
+
 impl ReplayPlan {
     /// Plan the replay of `trace`. Refuses a decode step that lacks a routing at some MoE
     /// layer, and a prefill in which some layer routes no token: the engine routes every
@@ -162,12 +173,7 @@ impl ReplayPlan {
             let Some(mut p) = prefill.take() else {
                 return Ok(());
             };
-            p.rows
-                .sort_by_key(|r| (trace.cells[r.cell as usize].moe_layer, r.batch_row));
-            let mut layer_start = vec![0u32; n_moe + 1];
-            for r in &p.rows {
-                layer_start[trace.cells[r.cell as usize].moe_layer as usize + 1] += 1;
-            }
+            let mut layer_start = order_rows(trace, n_moe, &mut p.rows);
             for m in 0..n_moe {
                 if layer_start[m + 1] == 0 {
                     return Err(SimError::Trace {
@@ -293,12 +299,7 @@ impl ReplayPlan {
             .iter_mut()
             .filter(|s| s.positions.len() > 1 && s.phase == Phase::Decode)
         {
-            s.rows
-                .sort_by_key(|r| (trace.cells[r.cell as usize].moe_layer, r.batch_row));
-            let mut layer_start = vec![0u32; n_moe + 1];
-            for r in &s.rows {
-                layer_start[trace.cells[r.cell as usize].moe_layer as usize + 1] += 1;
-            }
+            let mut layer_start = order_rows(trace, n_moe, &mut s.rows);
             for m in 0..n_moe {
                 layer_start[m + 1] += layer_start[m];
             }
