@@ -19,13 +19,12 @@ Stdlib only; needs target/release/bmoe-cli (cargo build --release).
 """
 import argparse
 import csv
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
+
+from benchlib import cpu_name, csv_summary, timed_or_exit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLI = os.path.join(ROOT, "target", "release", "bmoe-cli")
@@ -33,12 +32,7 @@ PROMPT = "The cache of experts keeps what the router asked for, and the rest wai
 
 
 def run(args, csv_path=None):
-    cmd = [CLI] + args + (["--csv", csv_path] if csv_path else [])
-    t = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    wall = time.perf_counter() - t
-    if p.returncode != 0:
-        sys.exit(f"bench-spec: {' '.join(cmd)} failed:\n{p.stderr}")
+    wall, p = timed_or_exit([CLI] + args + (["--csv", csv_path] if csv_path else []))
     return wall, p.stdout, p.stderr
 
 
@@ -49,14 +43,7 @@ def rows(path):
 
 
 def trailer(path, key):
-    with open(path) as f:
-        for l in f:
-            if l.startswith("# summary"):
-                for kv in l.split()[2:]:
-                    k, _, v = kv.partition("=")
-                    if k == key:
-                        return float(v)
-    return float("nan")
+    return float(csv_summary(path)[key])
 
 
 def group_costs(path):
@@ -94,13 +81,7 @@ def main():
     rec = os.path.join(tmp, "rec")
     run(base + ["-n", str(a.n + 1), "--no-moe-stream", "--logits-out", rec])
     rec_json = rec + ".json"
-    cpu = "unknown CPU"
-    with open("/proc/cpuinfo") as f:
-        for l in f:
-            if l.startswith("model name"):
-                cpu = l.split(":", 1)[1].strip()
-                break
-    print(f"# bench-spec: {os.path.basename(a.model)}, {cpu}, -t {a.threads}, -n {a.n + 1}, {a.reps} reps interleaved")
+    print(f"# bench-spec: {os.path.basename(a.model)}, {cpu_name()}, -t {a.threads}, -n {a.n + 1}, {a.reps} reps interleaved")
     for mode, flags in modes.items():
         plain_step, verify, demand, reads = [], {k: [] for k in ks}, {}, {}
         outside = {"plain": [], **{k: [] for k in ks}}

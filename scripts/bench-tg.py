@@ -18,20 +18,14 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
-from benchlib import llama_bench_rates
+from benchlib import cpu_name, llama_bench_rates, timed_or_exit
 
 PROMPT = "Hello"
 
 
 def wall(cmd):
-    t = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    w = time.perf_counter() - t
-    if p.returncode != 0:
-        sys.exit(f"bench-tg: {' '.join(cmd)} failed:\n{p.stderr}")
-    return w
+    return timed_or_exit(cmd)[0]
 
 
 def bmoe_tps(bin_, model, n, t):
@@ -63,13 +57,7 @@ def main():
                          "RAM size wants 0 alone: repacking copies the weights to anonymous "
                          "memory and evicts the file's page cache that bmoe's next run reads")
     a = ap.parse_args()
-    cpu = "unknown CPU"
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    print(f"# bench-tg: {cpu}, -t {a.t}, tg{a.n}, {a.reps} reps interleaved; bmoe timed from outside")
+    print(f"# bench-tg: {cpu_name()}, -t {a.t}, tg{a.n}, {a.reps} reps interleaved; bmoe timed from outside")
     print("| model | bmoe tok/s | llama.cpp best tok/s (repack 0 / 1) | bmoe / best (median) | spread |")
     print("| --- | --- | --- | --- | --- |")
     for model in a.models:

@@ -172,6 +172,25 @@ def loadavg():
         return " ".join(f.read().split()[:3])
 
 
+def cpu_name():
+    """The CPU's model name (every figure is named with it), or "unknown CPU"."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def timed_or_exit(cmd):
+    """run_or_exit, and the wall seconds it took (timed from outside the process)."""
+    t = time.perf_counter()
+    r = run_or_exit(cmd)
+    return time.perf_counter() - t, r
+
+
 def run_or_exit(cmd):
     """Runs cmd; on failure exits naming the command and its last stderr line."""
     r = subprocess.run(cmd, capture_output=True, text=True)
