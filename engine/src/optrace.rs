@@ -132,14 +132,8 @@ impl OpTrace {
     /// The output head starts: the layer trace closes the last layer's segment (so `post` is
     /// the final norm and head alone); the op trace closes the core's gap before it.
     pub fn head_starts(&mut self) {
-        match self.granularity {
-            Granularity::Op => self.close(-1, "WAIT", "wait", None),
-            Granularity::Layers => {
-                let open = self.segment;
-                self.close_segment(open);
-                self.segment = -1;
-            }
-        }
+        // The head is no layer's: the same boundary as a layer's start, with layer −1.
+        self.layer_starts(-1);
     }
 
     /// The batch closes (after the head): the layer trace's `post` segment.

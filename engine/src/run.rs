@@ -779,7 +779,10 @@ impl Sinks {
                     extra: if cfg.spec == bmoe_core::config::SpecMode::Off {
                         Vec::new()
                     } else {
-                        vec![("spec".to_string(), cfg.spec.name().to_string())]
+                        vec![(
+                            bmoe_core::telemetry::route_trace::SPEC_KEY.to_string(),
+                            cfg.spec.name().to_string(),
+                        )]
                     },
                 };
                 Some(RouteTraceWriter::with_columns(

@@ -414,11 +414,6 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
         self.replay_drafts = Some((recorded, k));
     }
 
-    /// The speculation the next turn runs with.
-    pub fn speculation(&self) -> Option<NgramParams> {
-        self.speculation
-    }
-
     /// Whether a decide keeps its prefix state for the next one (default: yes).
     pub fn with_prefix_cache(mut self, on: bool) -> Self {
         self.prefix_cache = on;

@@ -14,10 +14,12 @@ use crate::plan::{layout_from_preamble, AccessSeq, ReplayPlan};
 use crate::predictions::{self, PredictorReplay, RecordedPredictions};
 use crate::profile::{DeviceProfile, DEFAULT_PROFILE};
 use crate::replay::{self, ReplayOutputs, ReplaySetup};
-use bmoe_core::config::{auto_cache_budget, RunConfig, MIB};
+use bmoe_core::config::{auto_cache_budget, RunConfig, SpecMode, MIB};
 use bmoe_core::telemetry::io_trace::IoTraceWriter;
 use bmoe_core::telemetry::report::{write_report, ReportContext};
-use bmoe_core::telemetry::route_trace::{PredColumns, RoutePreamble, RouteTrace, RouteTraceWriter};
+use bmoe_core::telemetry::route_trace::{
+    PredColumns, RoutePreamble, RouteTrace, RouteTraceWriter, SPEC_KEY,
+};
 use bmoe_core::{records::RecordSink, ExpertLayout};
 use bmoe_flags::{
     apply_env_fallbacks, parse_decimal_strict, parse_u32_strict, parse_u64_strict, StreamArgs,
@@ -457,7 +459,7 @@ pub fn load_trace(path: &Path) -> Result<RouteTrace, SimError> {
             "it has a preamble but no rows: nothing to replay (was its run stopped before the first step?)",
         ));
     }
-    let spec = trace.preamble.extra.iter().find(|(k, _)| k == "spec");
+    let spec = trace.preamble.extra.iter().find(|(k, _)| k == SPEC_KEY);
     if let (Some((_, v)), false) = (spec, trace.has_group_column()) {
         return Err(SimError::invalid(
             format!("route trace {}", path.display()),
@@ -638,10 +640,13 @@ pub fn prepare(
     cfg.model = p.model.clone();
     cfg.arch = p.arch.clone();
     cfg.gating = p.gating;
-    if p.extra.iter().any(|(k, v)| k == "spec" && v == "ngram") {
+    if p.extra
+        .iter()
+        .any(|(k, v)| k == SPEC_KEY && v == SpecMode::Ngram.name())
+    {
         // A speculative run's verify decodes replay as the groups they were, and its
         // counters (`mtp_*`) are counted as the recording counted them.
-        cfg.spec = bmoe_core::config::SpecMode::Ngram;
+        cfg.spec = SpecMode::Ngram;
     }
     cfg.n_layer = p.n_layer;
     cfg.n_expert = p.n_expert;

@@ -49,6 +49,8 @@ pub const ROUTER_EXPERT_COLUMN: &str = "router_expert";
 /// its turn), so the positions of one verify decode replay as one step, and a position fed again
 /// after a rejected draft as another.
 pub const GROUP_COLUMN: &str = "group";
+/// The model-line key a speculative run's trace carries: its draft source (`spec=ngram`).
+pub const SPEC_KEY: &str = "spec";
 /// The model-line key naming the `--route-ahead` depth a trace was recorded with.
 pub const ROUTE_AHEAD_KEY: &str = "route_ahead";
 /// The model-line key naming the router's gating (`Gating`); a trace without it was written
@@ -1435,7 +1437,7 @@ fn build_cells(
                         preamble.layers[pair[1].moe_layer as usize].layer,
                         pair[1].slot,
                         pair[0].line,
-                        if !file.group && preamble.extra.iter().any(|(k, _)| k == "spec") {
+                        if !file.group && preamble.extra.iter().any(|(k, _)| k == SPEC_KEY) {
                             " — a speculative run feeds a position again after a rejected draft, \
                              and its trace needs the group column to tell the two steps apart"
                         } else {
