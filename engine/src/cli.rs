@@ -214,9 +214,10 @@ pub struct RunArgs {
     /// `post`): ~n_layer clock reads per step, close to an untraced run's speed
     #[arg(long = "compute-trace-layers", value_name = "PATH")]
     pub compute_trace_layers: Option<PathBuf>,
-    /// Test hook (benchmarks): draft the tokens a recorded run generated next (FILE: its
-    /// --logits-out JSON) instead of by prompt lookup, --draft at a time; a repeat of that run
-    /// accepts every draft: the ceiling of speculation. Implies --ngram's reporting
+    /// Test hook (benchmarks, gates): draft the tokens a recorded run generated next (FILE: its
+    /// --logits-out JSON) wherever the token just chosen is the recorded one at its index,
+    /// --draft at a time, instead of by prompt lookup; a repeat of that run accepts every
+    /// draft: the ceiling of speculation. Implies --ngram's reporting
     #[arg(long = "draft-replay", value_name = "FILE", hide = true)]
     pub draft_replay: Option<PathBuf>,
     /// Print the architectures this build runs and exit

@@ -483,11 +483,11 @@ pub fn load(args: &RunArgs, model_path: &Path, err: &mut dyn Write) -> Result<Lo
     engine.set_predictors(bmoe_core::PredictConfig::from_run_config(&cfg));
     use bmoe_core::backend::Backend as _;
     if cfg.spec != bmoe_core::config::SpecMode::Off && !engine.backend().verifies_rows() {
-        // A recurrent state cannot give back a rejected draft's positions: decode plainly,
-        // and say so (the preamble then says spec=off).
+        // A backend that cannot verify a drafted group: decode plainly, and say so (the
+        // preamble then says spec=off). Every architecture of this build verifies.
         writeln!(
             err,
-            "warning: --{}: {}'s recurrent layers cannot take back a rejected draft; decoding without speculation",
+            "warning: --{}: this backend cannot verify a drafted group on {}; decoding without speculation",
             cfg.spec.name(),
             cfg.arch
         )?;

@@ -557,13 +557,15 @@ impl<A: Arch + ?Sized> Backend for EngineBackend<A> {
 
     fn logits_at_every_row(&mut self, on: bool) {
         self.verify_rows = on;
+        self.state.keep_rows(on);
     }
 
-    /// Every row's logits are a one-token decode's bits (the kernels are row-invariant) and
-    /// attention rows past the accepted ones are simply fed again; a recurrent state cannot be
-    /// taken back past positions it has absorbed, so a hybrid decodes plainly.
+    /// Every row's logits are a one-token decode's bits (the kernels are row-invariant, and a
+    /// recurrent layer folds a batch in token by token), attention rows past the accepted
+    /// ones are simply fed again, and a recurrent layer keeps its state after each row of a
+    /// verify decode (`State::keep_rows`) for the next step to start from.
     fn verifies_rows(&self) -> bool {
-        !self.keeps_prefix_where_it_stands()
+        true
     }
 
     fn mark_boundary(&mut self, n: u32) -> Result<bool, StreamError> {

@@ -362,9 +362,10 @@ pub trait Backend {
 
     /// Whether this backend computes every row's logits on request
     /// ([`Backend::logits_at_every_row`]) with each row's bits equal to a one-token decode's at
-    /// its position, and whether its memory outlives a rejected draft (positions past the
-    /// accepted ones are simply fed again). Speculative decoding runs only where it does.
-    /// Default: no (the simulator, and a backend with recurrent state).
+    /// its position, and whether its memory outlives a rejected draft: the next step may
+    /// start after any row of a verify decode (attention rows past it are simply fed again;
+    /// a recurrent state comes back from a copy kept after that row). Speculative decoding
+    /// runs only where it does. Default: no.
     fn verifies_rows(&self) -> bool {
         false
     }

@@ -400,7 +400,11 @@ impl Lfm2Moe {
                 y[r * d + ch] = c[ch] * sum;
             }
         }
-        // The state becomes the window's last `keep` rows.
+        // A verify decode keeps the window after each row (`State::keep_rows`); the state
+        // becomes the window's last `keep` rows.
+        for r in 0..n {
+            state.row_conv_is(r, &win[(r + 1) * d..(r + 1 + keep) * d]);
+        }
         let rows = win.len() / d;
         state
             .conv

@@ -558,6 +558,7 @@ impl Qwen35Moe {
                 let last = (k_taps - 2) * channels;
                 r.conv[last..last + channels].copy_from_slice(raw);
             }
+            r.row_conv_done(t);
         }
         // q and k L2-normed per head as ggml's graph does it: an RMS norm with eps/n, × 1/√n.
         let ds = hp.d_state;
@@ -600,6 +601,7 @@ impl Qwen35Moe {
                     o[j] = blocks::dot_lanes(m, q) * scale;
                 }
             }
+            r.row_state_done(t);
         }
         r.finish(positions);
         // Each head RMS-normed with `ssm_norm`, times SiLU(z).

@@ -336,6 +336,30 @@ pub struct RecurrentLayer {
     /// whose prompt shares that much but not what followed it (a template that re-renders
     /// the answer, a regenerated reply) continues from there instead of from 0.
     mark: Option<Mark>,
+    /// Keep [`RowMarks`] for the batches that follow (a speculative verify decode:
+    /// [`State::keep_rows`]).
+    keep_rows: bool,
+    /// The state after each row but the last of the last batch, while `keep_rows` asked for
+    /// them: the next batch may start after any of its rows (a verify decode whose later
+    /// drafts were rejected), as an attention layer simply writes over the rows past it.
+    rows: RowMarks,
+}
+
+/// The states a batch of `n` rows from position `first` left after each of its rows but the
+/// last (`n − 1` copies, row `t` after position `first + t`); none when `n` is 0.
+#[derive(Default)]
+struct RowMarks {
+    first: usize,
+    n: usize,
+    conv: Vec<f32>,
+    state: Vec<f32>,
+}
+
+impl RowMarks {
+    /// The row whose state stands before position `at`, if one is kept.
+    fn row_before(&self, at: usize) -> Option<usize> {
+        (at > self.first && at < self.first + self.n).then(|| at - self.first - 1)
+    }
 }
 
 /// A recurrent state as it stood after position `at − 1`.
@@ -354,7 +378,15 @@ impl RecurrentLayer {
             state: vec![0.0; state],
             seen: 0,
             mark: None,
+            keep_rows: false,
+            rows: RowMarks::default(),
         }
+    }
+
+    /// Positions a batch may start at beside 0 and `seen`: after a kept row of the last
+    /// batch.
+    fn row_mark_at(&self, at: usize) -> bool {
+        self.rows.row_before(at).is_some()
     }
 
     /// Where the turn-boundary copy stands, if one is kept.
@@ -398,6 +430,15 @@ impl RecurrentLayer {
             self.conv.copy_from_slice(&m.conv);
             self.state.copy_from_slice(&m.state);
             self.seen = first;
+        } else if let Some(t) = self.rows.row_before(first) {
+            // A verify decode's rows past `first − 1` were rejected: the state after its
+            // row `t`, as a decode of just those rows would have left it.
+            let (c, s) = (self.conv.len(), self.state.len());
+            self.conv
+                .copy_from_slice(&self.rows.conv[t * c..(t + 1) * c]);
+            self.state
+                .copy_from_slice(&self.rows.state[t * s..(t + 1) * s]);
+            self.seen = first;
         } else {
             return Err(recurrent_err(
                 layer,
@@ -408,7 +449,41 @@ impl RecurrentLayer {
                 ),
             ));
         }
+        // The rows kept describe the batch before this one: gone now, or kept anew.
+        let n = if self.keep_rows { positions.len() } else { 0 };
+        let (c, s) = (self.conv.len(), self.state.len());
+        let kept = n.saturating_sub(1);
+        self.rows.first = first;
+        self.rows.n = n;
+        self.rows.conv.resize(kept * c, 0.0);
+        self.rows.state.resize(kept * s, 0.0);
         Ok(())
+    }
+
+    /// While a batch folds in: its row `t` has updated the convolution's window (`conv`).
+    /// Kept when the batch keeps its rows ([`State::keep_rows`]) and `t` is not its last.
+    pub fn row_conv_done(&mut self, t: usize) {
+        if t + 1 < self.rows.n {
+            let c = self.conv.len();
+            self.rows.conv[t * c..(t + 1) * c].copy_from_slice(&self.conv);
+        }
+    }
+
+    /// As [`RecurrentLayer::row_conv_done`], for a layer that keeps its window elsewhere
+    /// while the batch folds in: `window` is the window after row `t`.
+    pub fn row_conv_is(&mut self, t: usize, window: &[f32]) {
+        if t + 1 < self.rows.n {
+            let c = self.conv.len();
+            self.rows.conv[t * c..(t + 1) * c].copy_from_slice(window);
+        }
+    }
+
+    /// While a batch folds in: its row `t` has updated every state matrix (`state`).
+    pub fn row_state_done(&mut self, t: usize) {
+        if t + 1 < self.rows.n {
+            let s = self.state.len();
+            self.rows.state[t * s..(t + 1) * s].copy_from_slice(&self.state);
+        }
     }
 
     /// After folding in the batch `begin` accepted.
@@ -481,7 +556,7 @@ impl Memory {
         match self {
             Memory::Kv(kv) => kv.bytes(),
             Memory::Recurrent(r) => {
-                4 * (r.conv.len() + r.state.len())
+                4 * (r.conv.len() + r.state.len() + r.rows.conv.len() + r.rows.state.len())
                     + r.mark
                         .as_ref()
                         .map_or(0, |m| 4 * (m.conv.len() + m.state.len()))
@@ -495,7 +570,9 @@ impl Memory {
     fn holds_before(&self, n: usize) -> bool {
         match self {
             Memory::Kv(kv) => kv.holds_window_before(n),
-            Memory::Recurrent(r) => n == 0 || n == r.seen || r.mark() == Some(n),
+            Memory::Recurrent(r) => {
+                n == 0 || n == r.seen || r.mark() == Some(n) || r.row_mark_at(n)
+            }
             Memory::None => true,
         }
     }
@@ -644,6 +721,7 @@ impl Memory {
                 // The snapshot may come from another history than the copy (a decide kept
                 // before a new prompt): the attention rows under it are the snapshot's now.
                 r.mark = None;
+                r.rows.n = 0;
                 true
             }
             Memory::None => true,
@@ -787,6 +865,17 @@ impl State {
         }
     }
 
+    /// Keep, or stop keeping, each recurrent layer's state after every row of the batches
+    /// that follow (a speculative verify decode), so that the next batch may start after any
+    /// of them: what lets a hybrid verify a drafted group and take back the rejected rows.
+    pub fn keep_rows(&mut self, on: bool) {
+        for l in &mut self.mem {
+            if let Memory::Recurrent(r) = l {
+                r.keep_rows = on;
+            }
+        }
+    }
+
     /// Copy every layer's memory of positions `0..n` into `into`, reusing its buffers.
     pub fn snapshot_kv(&self, n: usize, into: &mut KvSnapshot) -> Result<(), ArchError> {
         if n > self.n_ctx {
@@ -851,7 +940,9 @@ impl State {
         }) else {
             return 0;
         };
-        [Some(r.seen), r.mark()]
+        // The latest start a kept row allows below `n`.
+        let row = (r.rows.n > 1).then(|| (r.rows.first + r.rows.n - 1).min(n.saturating_sub(1)));
+        [Some(r.seen), r.mark(), row.filter(|&m| r.row_mark_at(m))]
             .into_iter()
             .flatten()
             .filter(|&m| m < n && self.mem.iter().all(|l| l.holds_before(m)))
@@ -1015,6 +1106,65 @@ mod tests {
             r.conv.iter_mut().for_each(|v| *v = *v * 0.5 + p as f32);
             r.state.iter_mut().for_each(|v| *v += p as f32);
         }
+    }
+
+    /// Fold `positions` in one at a time as a layer does, telling `r` after each row.
+    fn fold_rows(r: &mut RecurrentLayer, positions: &[u32]) {
+        for (t, &p) in positions.iter().enumerate() {
+            fold(r, &[p]);
+            r.row_conv_done(t);
+            r.row_state_done(t);
+        }
+    }
+
+    #[test]
+    fn a_verify_decode_keeps_the_state_after_each_row_for_the_next_step() {
+        let shape = RecurrentShape {
+            conv_channels: 2,
+            conv_kernel: 3,
+            heads: 1,
+            key_dim: 2,
+            value_dim: 2,
+        };
+        let mut st = State::new(&[LayerMemory::Recurrent(shape)], 32);
+        let r = st.mem[0].recurrent(0).unwrap();
+        r.begin(0, &[0, 1, 2]).unwrap();
+        fold_rows(r, &[0, 1, 2]);
+        r.finish(&[0, 1, 2]);
+        let mut after = vec![(r.conv.clone(), r.state.clone())];
+        // What a plain decode of positions 3 and 4 leaves.
+        for p in [3, 4] {
+            r.begin(0, &[p]).unwrap();
+            fold_rows(r, &[p]);
+            r.finish(&[p]);
+            after.push((r.conv.clone(), r.state.clone()));
+        }
+        // Back to 3 (a snapshot would do; here: a fresh fold), then a verify decode of 3..=6.
+        let mut st = State::new(&[LayerMemory::Recurrent(shape)], 32);
+        let r = st.mem[0].recurrent(0).unwrap();
+        r.begin(0, &[0, 1, 2]).unwrap();
+        fold_rows(r, &[0, 1, 2]);
+        r.finish(&[0, 1, 2]);
+        st.keep_rows(true);
+        let r = st.mem[0].recurrent(0).unwrap();
+        r.begin(0, &[3, 4, 5, 6]).unwrap();
+        fold_rows(r, &[3, 4, 5, 6]);
+        r.finish(&[3, 4, 5, 6]);
+        st.keep_rows(false);
+        assert!(st.memory_bytes() > 4 * (2 * 2 + 4), "the row copies are counted");
+        // Rows 4.. rejected: the next step starts at 5 from the state after 4, and only
+        // starts inside the verified rows are allowed.
+        assert_eq!(st.reusable_prefix(5), 5);
+        assert_eq!(st.reusable_prefix(8), 7, "where the state stands");
+        let r = st.mem[0].recurrent(0).unwrap();
+        assert!(r.begin(0, &[3]).is_err(), "the group's first row is never rejected");
+        r.begin(0, &[5]).unwrap();
+        assert_eq!((r.conv.clone(), r.state.clone()), after[2]);
+        // The copies were of the verify decode: a plain step drops them.
+        fold_rows(r, &[5]);
+        r.finish(&[5]);
+        assert!(r.begin(0, &[5]).is_err());
+        assert_eq!(st.reusable_prefix(5), 0);
     }
 
     #[test]
