@@ -175,6 +175,25 @@ pub struct RunArgs {
     /// that repeats its context (code edits, quotes, lists), costs little where nothing matches
     #[arg(long, help_heading = "Speculation")]
     pub ngram: bool,
+    /// Speculative decoding with the model's own MTP head (qwen35moe's block at n_layer): it
+    /// drafts up to --draft tokens from the trunk's last hidden state, and one decode step
+    /// verifies the group. Output is the plain run's, greedy or sampled (docs/speculation.md).
+    /// A file without an MTP head is refused at load
+    #[arg(long, help_heading = "Speculation", conflicts_with = "ngram")]
+    pub mtp: bool,
+    /// --mtp stops drafting at a token whose probability under the head is below F, 0-1
+    #[arg(
+        long = "mtp-p-min",
+        value_name = "F",
+        default_value_t = 0.0,
+        help_heading = "Speculation"
+    )]
+    pub mtp_p_min: f32,
+    /// Test hook (gates): write the MTP head's logits of every position it catches up on as
+    /// f32 rows (row p: the head's prediction from token p and the trunk's hidden state of
+    /// position p-1), the reference llama_parity.py mtp-logits computes
+    #[arg(long = "mtp-logits-out", value_name = "FILE", hide = true)]
+    pub mtp_logits_out: Option<PathBuf>,
     /// Tokens drafted per speculative step, 1-8
     #[arg(
         long = "draft",
@@ -271,6 +290,14 @@ impl RunArgs {
             return Err(anyhow!(
                 "config error: --logits-out writes one row per fed position, and --ngram feeds drafts a verify step may reject; run one without the other"
             ));
+        }
+        if self.mtp && (self.logits_out.is_some() || self.routing_from.is_some()) {
+            return Err(anyhow!(
+                "config error: --mtp feeds drafts a verify step may reject; --logits-out and --routing-from need one fed position per token: run one without the other"
+            ));
+        }
+        if self.mtp_logits_out.is_some() && !self.mtp {
+            return Err(anyhow!("config error: --mtp-logits-out needs --mtp"));
         }
         if self.decide_prefix_cache.is_some() && !self.decide {
             return Err(anyhow!(

@@ -250,6 +250,9 @@ pub fn load(args: &RunArgs, model_path: &Path, err: &mut dyn Write) -> Result<Lo
     cfg.seed = args.seed;
     if args.ngram || args.draft_replay.is_some() {
         cfg.spec = bmoe_core::config::SpecMode::Ngram;
+    } else if args.mtp {
+        cfg.spec = bmoe_core::config::SpecMode::Mtp;
+        cfg.mtp_p_min = args.mtp_p_min;
     }
     cfg.spec_draft_max = args.draft;
     cfg.ngram_min_match = args.ngram_min_match;
@@ -482,6 +485,13 @@ pub fn load(args: &RunArgs, model_path: &Path, err: &mut dyn Write) -> Result<Lo
     // run), --prefetch-sync.
     engine.set_predictors(bmoe_core::PredictConfig::from_run_config(&cfg));
     use bmoe_core::backend::Backend as _;
+    if cfg.spec == bmoe_core::config::SpecMode::Mtp {
+        // A file without a head this build runs is refused here, by key.
+        engine
+            .backend_mut()
+            .enable_mtp(args.mtp_logits_out.as_deref())
+            .with_context(|| format!("--mtp on {}", model_path.display()))?;
+    }
     if cfg.spec != bmoe_core::config::SpecMode::Off && !engine.backend().verifies_rows() {
         // A backend that cannot verify a drafted group: decode plainly, and say so (the
         // preamble then says spec=off). Every architecture of this build verifies.

@@ -81,6 +81,8 @@ pub enum StreamError {
     Follow(#[from] bmoe_core::hooks::follow::FollowError),
     #[error("--compute-trace: {0}")]
     Trace(std::io::Error),
+    #[error("--mtp-logits-out: {0}")]
+    MtpLogits(std::io::Error),
     #[error("layer {layer} expert {expert}: asked to compute an expert slot no read ever filled")]
     EmptySlot { layer: u32, expert: u16 },
     #[error(transparent)]
@@ -152,6 +154,42 @@ const MAX_PROJ: usize = 8;
 /// The forward pass with its experts in the arena, or (resident) in the model's map. Generic
 /// over the architecture; `EngineBackend` alone is the one `bmoe-cli` runs, whichever
 /// architecture the file names.
+/// `--mtp`'s draft head at work (see [`EngineBackend::enable_mtp`]).
+struct MtpRun {
+    /// The head's own state: the memory of its one attention layer, and its buffers.
+    state: State,
+    /// The step in flight's tokens.
+    tokens: Vec<u32>,
+    /// The last step's first position and each of its rows' normed final hidden state
+    /// (llama.cpp's `h_nextn`): the `h` a row at the position after it pairs with.
+    last_first: u32,
+    last_h: Vec<f32>,
+    /// The last step's rows the head has not caught up with: tokens, positions, and each
+    /// row's `h` (the hidden state of the position before it).
+    pending: Option<(Vec<u32>, Vec<u32>, Vec<f32>)>,
+    h: Vec<f32>,
+    h_out: Vec<f32>,
+    /// `--mtp-logits-out`.
+    logits_out: Option<std::io::BufWriter<std::fs::File>>,
+}
+
+impl MtpRun {
+    /// The trunk's hidden state at position `p` (zeros when the last step did not hold it:
+    /// position −1, or a session that moved elsewhere; the draft is then only worse).
+    /// Into `h` (replacing it).
+    fn h_after(&mut self, p: i64, d: usize) {
+        let rows = (self.last_h.len() / d.max(1)) as i64;
+        let r = p - i64::from(self.last_first);
+        self.h.clear();
+        if p >= 0 && (0..rows).contains(&r) {
+            let r = r as usize;
+            self.h.extend_from_slice(&self.last_h[r * d..(r + 1) * d]);
+        } else {
+            self.h.extend(std::iter::repeat_n(0.0, d));
+        }
+    }
+}
+
 pub struct EngineBackend<A: Arch + ?Sized = dyn Arch> {
     pub model: Model<A>,
     pub state: State,
@@ -183,6 +221,8 @@ pub struct EngineBackend<A: Arch + ?Sized = dyn Arch> {
     verify: Option<(crate::checksum::ExpertSums, Vec<Vec<bool>>)>,
     /// The decide prefix state (`Backend::keep_prefix`), when one is kept.
     kept: Option<KvSnapshot>,
+    /// `--mtp`: the model's MTP head as the draft source ([`EngineBackend::enable_mtp`]).
+    mtp: Option<Box<MtpRun>>,
     /// `--routing-from`: the recorded routing the router follows, and the run's index of the
     /// current step's first token (tokens computed before it).
     follow: Option<bmoe_core::hooks::follow::FollowTrace>,
@@ -216,10 +256,79 @@ impl<A: Arch + ?Sized> EngineBackend<A> {
             step: String::new(),
             verify: None,
             kept: None,
+            mtp: None,
             follow: None,
             first_token: 0,
             tokens_begun: 0,
         }
+    }
+
+    /// `--mtp`: draft with the model's MTP head (`Backend::mtp_draft`). Every step then
+    /// keeps each row's final hidden state (the last layer's FFN runs for every row) and the
+    /// head catches up on the step's rows before it next drafts, as llama.cpp's draft context
+    /// does. An error names a model without a head this build runs.
+    /// `logits_out` (`--mtp-logits-out`, a test hook): the head catches up on each step at
+    /// once and writes the logits of every row there, as f32 rows.
+    pub fn enable_mtp(&mut self, logits_out: Option<&std::path::Path>) -> Result<(), StreamError> {
+        let n_ctx = self.state.n_ctx;
+        let state = self.model.new_mtp_state(n_ctx).ok_or_else(|| {
+            StreamError::Arch(crate::arch::ArchError::Key {
+                file: String::new(),
+                key: "nextn_predict_layers".into(),
+                what: format!(
+                    "is 0 or absent: this {} file has no MTP head to draft with (--mtp)",
+                    self.model.arch.name()
+                ),
+            })
+        })?;
+        let logits_out = match logits_out {
+            Some(p) => Some(std::io::BufWriter::new(
+                std::fs::File::create(p).map_err(StreamError::MtpLogits)?,
+            )),
+            None => None,
+        };
+        self.state.every_row_out = true;
+        self.mtp = Some(Box::new(MtpRun {
+            state,
+            logits_out,
+            tokens: Vec::new(),
+            last_first: 0,
+            last_h: Vec::new(),
+            pending: None,
+            h: Vec::new(),
+            h_out: Vec::new(),
+        }));
+        Ok(())
+    }
+
+    /// The MTP head's catch-up on the last step's rows, if it has not run yet: each row's
+    /// token with the hidden state of the position before it fills the head's attention
+    /// memory at its position (what a draft from a later position attends to).
+    fn mtp_catch_up(&mut self) -> Result<(), StreamError> {
+        let Some(m) = self.mtp.as_mut() else {
+            return Ok(());
+        };
+        if let Some((tokens, positions, h)) = m.pending.take() {
+            let rows: Vec<u32> = match m.logits_out {
+                Some(_) => (0..tokens.len() as u32).collect(),
+                None => Vec::new(),
+            };
+            self.model
+                .mtp(&mut m.state, &tokens, &positions, &h, &rows, &mut m.h_out)?;
+            if let Some(w) = m.logits_out.as_mut() {
+                use std::io::Write as _;
+                let bytes: Vec<u8> = m
+                    .state
+                    .logits
+                    .iter()
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect();
+                w.write_all(&bytes)
+                    .and_then(|_| w.flush())
+                    .map_err(StreamError::MtpLogits)?;
+            }
+        }
+        Ok(())
     }
 
     /// `--routing-from`: route every token as the recorded trace did (see
@@ -355,6 +464,12 @@ impl<A: Arch + ?Sized> Backend for EngineBackend<A> {
             arena.trim_staging(u32::from(self.layout.n_expert_used()));
         }
         self.last_batch = n;
+        // The head catches up on the last step before this one moves the trunk on.
+        self.mtp_catch_up()?;
+        if let Some(m) = self.mtp.as_mut() {
+            m.tokens.clear();
+            m.tokens.extend_from_slice(tokens);
+        }
         // A step that failed may have left a layer's experts deferred.
         self.deferred.clear();
         self.deferred_uses.clear();
@@ -473,6 +588,36 @@ impl<A: Arch + ?Sized> Backend for EngineBackend<A> {
         }
         // NaN logits would sample token 0 forever and exit 0: stop, naming the step.
         crate::finite::check_logits_of(&self.state.logits, || self.step.clone())?;
+        if let Some(m) = self.mtp.as_mut() {
+            // Every row's hidden state (`h_nextn`: the final norm of the residual), and the
+            // head's catch-up input: row r pairs with the hidden state of the row before.
+            let c = self.model.arch.common();
+            let d = c.dims.d_model;
+            let st = &self.state;
+            let all: Vec<u32> = (0..st.n_rows as u32).collect();
+            let mut rows = Vec::new();
+            crate::arch::blocks::rms_norm_rows(
+                &st.x,
+                d,
+                &all,
+                Some(&c.output_norm),
+                c.rms_eps,
+                &mut rows,
+            );
+            let first = st.positions.first().copied().unwrap_or(0);
+            m.h_after(i64::from(first) - 1, d);
+            m.h.extend_from_slice(&rows[..rows.len().saturating_sub(d)]);
+            m.pending = Some((
+                std::mem::take(&mut m.tokens),
+                st.positions.clone(),
+                std::mem::take(&mut m.h),
+            ));
+            m.last_first = first;
+            m.last_h = rows;
+            if m.logits_out.is_some() {
+                self.mtp_catch_up()?;
+            }
+        }
         Ok(())
     }
 
@@ -566,6 +711,63 @@ impl<A: Arch + ?Sized> Backend for EngineBackend<A> {
     /// verify decode (`State::keep_rows`) for the next step to start from.
     fn verifies_rows(&self) -> bool {
         true
+    }
+
+    fn has_draft_head(&self) -> bool {
+        self.mtp.is_some()
+    }
+
+    /// Catch the head up on the last step, then draft greedily: the token at `position` with
+    /// the trunk's hidden state of the position before, then each draft with the head's own
+    /// hidden state, until `max` or a best probability below `p_min`.
+    fn draft_with_head(
+        &mut self,
+        token: u32,
+        position: u32,
+        max: usize,
+        p_min: f32,
+        out: &mut Vec<u32>,
+    ) -> Result<(), StreamError> {
+        out.clear();
+        self.mtp_catch_up()?;
+        let Some(m) = self.mtp.as_mut() else {
+            return Ok(());
+        };
+        let d = self.model.dims().d_model;
+        m.h_after(i64::from(position) - 1, d);
+        let mut tok = token;
+        for i in 0..max as u32 {
+            let MtpRun {
+                state, h, h_out, ..
+            } = &mut **m;
+            self.model
+                .mtp(state, &[tok], &[position + i], h, &[0], h_out)?;
+            let logits = &state.logits;
+            crate::finite::check_logits_of(logits, || {
+                format!("MTP draft at position {}", position + i)
+            })?;
+            let (best, top) =
+                logits
+                    .iter()
+                    .enumerate()
+                    .fold((0usize, f32::NEG_INFINITY), |(b, v), (j, &x)| {
+                        if x > v {
+                            (j, x)
+                        } else {
+                            (b, v)
+                        }
+                    });
+            if p_min > 0.0 {
+                let sum: f64 = logits.iter().map(|&x| f64::from(x - top).exp()).sum();
+                if ((1.0 / sum) as f32) < p_min {
+                    break;
+                }
+            }
+            out.push(best as u32);
+            tok = best as u32;
+            std::mem::swap(h, h_out);
+        }
+        Ok(())
     }
 
     fn mark_boundary(&mut self, n: u32) -> Result<bool, StreamError> {

@@ -282,3 +282,77 @@ fn a_turn_that_shares_only_the_prompt_continues_from_the_turn_boundary() {
     bmoe_gates::assert_turn_boundary_reuse(&m, &["-t", "2"]);
     bmoe_gates::assert_turn_boundary_reuse(&m, &[&["-t", "2"][..], &STREAMED[..]].concat());
 }
+
+/// `--mtp`'s draft head computes what llama.cpp's MTP graph (`graph_mtp`) does: the head's
+/// logits at every prompt position (token p with the trunk's hidden state of position p−1),
+/// ours (`--mtp-logits-out`) against `llama_parity.py mtp-logits`, on the tiny file (F32 with
+/// Q8_0 experts) and its Q4_K_M.
+#[test]
+fn the_mtp_head_computes_what_llama_cpps_mtp_graph_does() {
+    use bmoe_gates::llama::{ours, parity, py_batch, python_ready, PROMPT};
+    if !python_ready() {
+        return;
+    }
+    let dir = bmoe_gates::scratch_dir("qwen35moe-mtp-parity");
+    for ty in ["default", "q4_k_m"] {
+        let mut gen = vec!["--arch", "qwen35moe", "--preset", "tiny", "--seed", "7"];
+        if ty != "default" {
+            gen.extend_from_slice(&["--type", ty]);
+        }
+        let m = model(&format!("qwen35moe-mtp-{ty}"), &gen);
+        // The prompt's token ids, from a plain teacher-forced run.
+        let plain = dir.join(format!("{ty}.plain.f32"));
+        ours(&m, &plain);
+        let side: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(format!("{}.json", plain.display())).unwrap(),
+        )
+        .unwrap();
+        let n_prompt = side["n_prompt"].as_u64().unwrap() as usize;
+        let n_vocab = side["n_vocab"].as_u64().unwrap().to_string();
+        let ids = dir.join(format!("{ty}.ids.json"));
+        let prompt_ids = &side["token_ids"].as_array().unwrap()[..n_prompt];
+        std::fs::write(
+            &ids,
+            serde_json::json!({ "token_ids": prompt_ids }).to_string(),
+        )
+        .unwrap();
+        let mine = dir.join(format!("{ty}.mtp.f32"));
+        let r = bmoe_gates::run(
+            &m,
+            &[
+                "-p",
+                PROMPT,
+                "-n",
+                "1",
+                "--no-moe-stream",
+                "--mtp",
+                "--mtp-logits-out",
+                mine.to_str().unwrap(),
+            ],
+        );
+        assert_eq!(r.code, 0, "{}", r.stderr);
+        let reference = dir.join(format!("{ty}.ref.f32"));
+        let result = dir.join(format!("{ty}.cmp.json"));
+        py_batch(
+            &dir,
+            &format!("mtp-{ty}"),
+            &[
+                serde_json::json!({"op": "mtp-logits", "args": [&m, &ids, &reference]}),
+                serde_json::json!({"op": "compare", "out": &result,
+                    "args": [&mine, &reference, n_vocab]}),
+            ],
+        );
+        let p = parity(
+            &std::fs::read_to_string(&result).unwrap(),
+            &format!("qwen35moe tiny {ty}: the MTP head"),
+        );
+        assert_eq!(p.rows, n_prompt, "one row per prompt position");
+        assert!(
+            p.good >= 0.98,
+            "{ty}: top-1 with cos >= 0.999 on {:.1}% (cos min {:.6})",
+            100.0 * p.good,
+            p.cos_min
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

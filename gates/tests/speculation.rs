@@ -381,6 +381,71 @@ fn a_hybrid_takes_back_a_rejected_drafts_recurrent_state() {
 }
 
 #[test]
+fn greedy_mtp_equals_plain_decoding_resident_and_streamed() {
+    // The MTP head drafts from the trunk's hidden state; verification keeps the plain run's
+    // tokens (a random head's drafts are almost all rejected: the recurrent state comes back
+    // after the group's first row every time).
+    let m = model(
+        "spec-qwen35moe",
+        &["--arch", "qwen35moe", "--preset", "tiny", "--seed", "7"],
+    );
+    for args in [
+        &["--no-moe-stream"][..],
+        &[
+            "--moe-stream",
+            "--cache-mb",
+            "2",
+            "--force-cache",
+            "--overlap",
+        ],
+    ] {
+        let mut a = vec!["-p", PROMPT, "-n", "40", "--ignore-eos"];
+        a.extend_from_slice(args);
+        let plain = run(&m, &a);
+        assert_eq!(plain.code, 0, "{}", plain.stderr);
+        for draft in ["1", "3", "8"] {
+            let mut b = a.clone();
+            b.extend_from_slice(&["--mtp", "--draft", draft]);
+            let mtp = run(&m, &b);
+            assert_eq!(mtp.code, 0, "{}", mtp.stderr);
+            assert_eq!(
+                mtp.outcome.tokens, plain.outcome.tokens,
+                "{args:?} --draft {draft}"
+            );
+            assert_eq!(mtp.stdout, plain.stdout);
+            let s = mtp.outcome.summary.as_ref().unwrap();
+            let c = &s.counters;
+            assert!(c.mtp_drafted > 0 && c.drafted_steps > 0, "{args:?}: {c:?}");
+            assert_eq!(40 - c.mtp_accepted, c.mtp_decodes, "{args:?}: {c:?}");
+            assert!(
+                s.mtp_draft_s_per_token() > 0.0,
+                "drafting is a decode of the head"
+            );
+            let acc = line(&mtp.stderr, "mtp: ");
+            assert!(acc.contains("drafts accepted"), "{acc}");
+            assert!(mtp.stderr.contains("mtp: drafting costs"), "{}", mtp.stderr);
+            assert!(!mtp.stderr.contains("ngram:"), "{}", mtp.stderr);
+        }
+    }
+    // A floor no draft reaches: nothing drafted, every step plain.
+    let b = [
+        "-p",
+        PROMPT,
+        "-n",
+        "12",
+        "--ignore-eos",
+        "--no-moe-stream",
+        "--mtp",
+        "--mtp-p-min",
+        "1",
+    ];
+    let r = run(&m, &b);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let c = &r.outcome.summary.as_ref().unwrap().counters;
+    assert_eq!((c.mtp_drafted, c.mtp_decodes), (0, 12), "{c:?}");
+}
+
+#[test]
 fn bad_speculation_flags_are_refused_by_name() {
     let m = tiny();
     for (args, needle) in [
@@ -393,6 +458,11 @@ fn bad_speculation_flags_are_refused_by_name() {
             &["--ngram", "--routing-from", "/dev/null"],
             "--routing-from",
         ),
+        // The tiny qwen3moe file has no MTP head.
+        (&["--mtp"], "nextn_predict_layers"),
+        (&["--mtp", "--mtp-p-min", "1.5"], "--mtp-p-min"),
+        (&["--mtp", "--logits-out", "/dev/null"], "--logits-out"),
+        (&["--mtp-logits-out", "/dev/null"], "needs --mtp"),
     ] {
         let mut argv = vec!["bmoe-cli", "-m", m.to_str().unwrap(), "-p", "x", "-n", "2"];
         argv.extend_from_slice(args);
@@ -402,6 +472,12 @@ fn bad_speculation_flags_are_refused_by_name() {
             .expect_err(&format!("{args:?} was accepted"));
         assert!(format!("{e:#}").contains(needle), "{args:?}: {e:#}");
     }
+    // Two draft sources: refused by the parser (exit 2).
+    let argv = ["bmoe-cli", "-m", m.to_str().unwrap(), "--mtp", "--ngram"];
+    let Err(e) = bmoe_engine::cli::Cli::parse_argv(argv.iter().copied()) else {
+        panic!("--mtp with --ngram was accepted");
+    };
+    assert!(e.to_string().contains("--ngram"), "{e}");
 }
 
 #[test]

@@ -360,6 +360,29 @@ pub trait Backend {
         let _ = on;
     }
 
+    /// Whether this backend drafts with the model's own head ([`Backend::draft_with_head`],
+    /// `--mtp`). Default: no.
+    fn has_draft_head(&self) -> bool {
+        false
+    }
+
+    /// Up to `max` draft tokens to follow `token`, about to be fed at `position`, from the
+    /// model's own draft head (`--mtp`), into `out`; fewer where the head's best probability
+    /// falls below `p_min`. Where the head must catch up on the steps it has not seen, it does
+    /// so here (what a speculative run's drafting time includes). Default: none.
+    fn draft_with_head(
+        &mut self,
+        token: u32,
+        position: u32,
+        max: usize,
+        p_min: f32,
+        out: &mut Vec<u32>,
+    ) -> Result<(), Self::Error> {
+        let _ = (token, position, max, p_min);
+        out.clear();
+        Ok(())
+    }
+
     /// Whether this backend computes every row's logits on request
     /// ([`Backend::logits_at_every_row`]) with each row's bits equal to a one-token decode's at
     /// its position, and whether its memory outlives a rejected draft: the next step may

@@ -362,6 +362,9 @@ pub struct Session<C: Clock, F: Flash, B: Backend> {
     mark_during_prefill: Option<u32>,
     /// `--ngram`: the draft source's settings for the turns that follow (`None`: plain decode).
     speculation: Option<NgramParams>,
+    /// `--mtp`: draft with the backend's head ([`Backend::draft_with_head`]), at most this
+    /// many tokens per step, while its best probability is at least the floor.
+    head_drafts: Option<(u32, f32)>,
     /// Test hook (`--draft-replay`): draft the tokens a recorded run generated next, at most
     /// this many, instead of by prompt lookup — every draft accepted when the run repeats the
     /// recorded one: the ceiling of speculation, and a verify decode of a fixed width. A
@@ -380,6 +383,8 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
         probe: Box<dyn MemProbe>,
     ) -> Self {
         let speculation = ngram_of(&cfg);
+        let head_drafts =
+            (cfg.spec == SpecMode::Mtp).then_some((cfg.spec_draft_max, cfg.mtp_p_min));
         Session {
             engine,
             cfg,
@@ -400,6 +405,7 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
             kept_during_prefill: None,
             mark_during_prefill: None,
             speculation,
+            head_drafts,
             replay_drafts: None,
         }
     }
@@ -831,13 +837,18 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
         // drafted group in one step (see `crate::speculate`); elsewhere every step is plain.
         let verifiable = source.verifies() && self.engine.backend().verifies_rows();
         let spec = self.speculation.filter(|_| verifiable);
+        let head = self
+            .head_drafts
+            .filter(|_| verifiable && self.engine.backend().has_draft_head());
         // Taken for the turn (and put back after it): the loop feeds `self` as it drafts.
         let replay = self.replay_drafts.take().filter(|_| verifiable);
         // A replayed speculative run drafts what it recorded, and counts its decodes as the
         // recording did (`spec=` on).
         let replaying = verifiable && source.replays_drafts();
-        let speculating =
-            spec.is_some() || replay.is_some() || (replaying && self.cfg.spec != SpecMode::Off);
+        let speculating = spec.is_some()
+            || head.is_some()
+            || replay.is_some()
+            || (replaying && self.cfg.spec != SpecMode::Off);
         let mut spec_counts = SpecCounters::default();
         // A token chosen from a verify decode's row that rejected its draft: the next one fed.
         let mut pending: Option<u32> = None;
@@ -881,6 +892,24 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
                 if recorded.get(n) == Some(&token) {
                     let end = recorded.len().min(n + 1 + room.min(*k) as usize);
                     draft.extend_from_slice(&recorded[(n + 1).min(end)..end]);
+                }
+            } else if let Some((max, p_min)) = head {
+                let room = room.min(max) as usize;
+                if room > 0 {
+                    if let Err(e) = self
+                        .engine
+                        .backend_mut()
+                        .draft_with_head(token, position, room, p_min, &mut draft)
+                    {
+                        ledger.io_error();
+                        stop = StopReason::Failed;
+                        error = Some(StepError::Backend {
+                            stage: crate::vocab::BackendStage::Draft,
+                            layer: self.cfg.n_layer,
+                            source: Box::new(e),
+                        });
+                        break;
+                    }
                 }
             } else if let Some(sp) = spec {
                 let room = room.min(sp.draft_max) as usize;

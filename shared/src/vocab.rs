@@ -138,6 +138,8 @@ pub enum BackendStage {
     FinishLayer,
     Head,
     Release,
+    /// Drafting with the model's own head (`--mtp`), at the head's layer.
+    Draft,
 }
 
 impl std::fmt::Display for BackendStage {
@@ -150,6 +152,7 @@ impl std::fmt::Display for BackendStage {
             BackendStage::FinishLayer => "finish_layer",
             BackendStage::Head => "head",
             BackendStage::Release => "release",
+            BackendStage::Draft => "draft",
         })
     }
 }

@@ -221,6 +221,31 @@ pub trait Arch: Send + Sync {
     fn head(&self, cx: &Compute, st: &mut State) -> Result<(), ArchError> {
         common::head(self.common(), cx, st)
     }
+    /// The memory of the model's MTP (next-token prediction) head, a layer at index
+    /// `n_layer`, when the file has one this build runs; `None` by default.
+    fn mtp_memory(&self) -> Option<LayerMemory> {
+        None
+    }
+    /// The MTP head on `tokens` at `positions`, each row paired with `h` (`n × d_model`): the
+    /// normed final hidden state (the head's input, llama.cpp's `h_nextn`) of the position
+    /// before it. `st` is the head's own state ([`Model::new_mtp_state`]): its attention
+    /// memory takes every row's keys and values. For `st.out_rows` the head's own normed
+    /// hidden lands in `h_out` (what the next draft step takes as its `h`) and its logits in
+    /// `st.logits`. Only called where [`Arch::mtp_memory`] is `Some`.
+    fn mtp_forward(
+        &self,
+        _cx: &Compute,
+        _st: &mut State,
+        _tokens: &[u32],
+        _h: &[f32],
+        _h_out: &mut Vec<f32>,
+    ) -> Result<(), ArchError> {
+        Err(ArchError::Key {
+            file: String::new(),
+            key: "nextn_predict_layers".into(),
+            what: format!("{} has no MTP head this build runs", self.name()),
+        })
+    }
 }
 
 /// One expert's projections in read order as (gate, up, down): three as they are; two — a
@@ -471,6 +496,57 @@ impl<A: Arch + ?Sized> Model<A> {
         self.experts.get(layer).map(|v| &v[..]).unwrap_or(&[])
     }
 
+    /// The state of the MTP head (the memory of its layer at index `n_layer`; nothing for
+    /// the trunk's), when the model has one.
+    pub fn new_mtp_state(&self, n_ctx: usize) -> Option<State> {
+        let head = self.arch.mtp_memory()?;
+        let mut mem = vec![LayerMemory::None; self.dims.n_layer];
+        mem.push(head);
+        Some(State::new(&mem, n_ctx))
+    }
+
+    /// The MTP head ([`Arch::mtp_forward`]) on `tokens` at `positions` with the previous
+    /// positions' hidden states `h`; `out_rows` are the rows whose logits (into `st.logits`)
+    /// and head hidden state (into `h_out`) are wanted.
+    pub fn mtp(
+        &self,
+        st: &mut State,
+        tokens: &[u32],
+        positions: &[u32],
+        h: &[f32],
+        out_rows: &[u32],
+        h_out: &mut Vec<f32>,
+    ) -> Result<(), ArchError> {
+        let (n, d) = (tokens.len(), self.dims.d_model);
+        let bad = |what: String| ArchError::Key {
+            file: String::new(),
+            key: "MTP head input".into(),
+            what,
+        };
+        if positions.len() != n || h.len() != n * d {
+            return Err(bad(format!(
+                "{n} tokens, {} positions and {} hidden values (d_model {d})",
+                positions.len(),
+                h.len()
+            )));
+        }
+        if let Some(&p) = positions.iter().find(|&&p| p as usize >= st.n_ctx) {
+            return Err(bad(format!(
+                "position {p} is past the context size {}",
+                st.n_ctx
+            )));
+        }
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= self.dims.n_vocab) {
+            return Err(bad(format!("token {t} is outside the vocabulary")));
+        }
+        st.n_rows = n;
+        st.positions.clear();
+        st.positions.extend_from_slice(positions);
+        st.out_rows.clear();
+        st.out_rows.extend_from_slice(out_rows);
+        self.arch.mtp_forward(&self.cx, st, tokens, h, h_out)
+    }
+
     pub fn new_state(&self, n_ctx: usize) -> State {
         let mem: Vec<LayerMemory> = (0..self.dims.n_layer)
             .map(|l| self.arch.memory(l))
@@ -528,7 +604,7 @@ impl<A: Arch + ?Sized> Model<A> {
     /// only the rows whose logits are wanted matter (as llama.cpp gathers `inp_out_ids`).
     pub fn dense(&self, st: &mut State, layer: usize) -> Result<(), ArchError> {
         st.ffn_rows.clear();
-        if layer + 1 == self.dims.n_layer {
+        if layer + 1 == self.dims.n_layer && !st.every_row_out {
             st.ffn_rows.extend_from_slice(&st.out_rows);
         } else {
             st.ffn_rows.extend(0..st.n_rows as u32);

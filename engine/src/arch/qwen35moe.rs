@@ -29,8 +29,9 @@
 //! uses a chunked form): a prompt gives the same bits however it is split into batches, so a
 //! session that continues a state matches a fresh prefill exactly.
 //!
-//! The MTP block (`nextn_predict_layers` = 1, at layer index `n_layer`) is loaded and kept
-//! ([`Qwen35Moe::mtp`]), not run.
+//! The MTP block (`nextn_predict_layers` = 1, at layer index `n_layer`) is the draft head of
+//! `--mtp` ([`Arch::mtp_forward`], llama.cpp's `graph_mtp`): its experts are computed from the
+//! file's map, not streamed.
 
 use super::blocks::{self, AttnShape, Compute, Glu, Rope, RopeKind};
 use super::layers::{attend_layer, finish_with_shared, SharedExpert};
@@ -616,6 +617,105 @@ impl Qwen35Moe {
     }
 }
 
+impl Qwen35Moe {
+    /// The MTP block's routed experts on `st.h` (every row): softmax over the experts, top-k,
+    /// renormalised, each expert's rows computed together from the file's map, the weighted
+    /// outputs summed in rank order into `st.moe_out` (the trunk's arithmetic).
+    fn mtp_experts(&self, cx: &Compute, st: &mut State, b: &MtpBlock) -> Result<(), ArchError> {
+        let (d, ne, k) = (self.hp.d_model, self.hp.n_expert, self.hp.n_expert_used);
+        let n = st.ffn_rows.len();
+        let gating = self.common.gating;
+        let mut probs = vec![0.0f32; n * ne];
+        cx.mat_rows(&b.router, &st.h, n, &mut st.scratch.acts, &mut probs)?;
+        let (mut ids, mut weights) = (vec![0u32; n * k], vec![0.0f32; n * k]);
+        for r in 0..n {
+            let scores = &mut probs[r * ne..(r + 1) * ne];
+            gating.scores_in_place(scores);
+            gating.select(
+                scores,
+                None,
+                &mut st.pred.order,
+                &mut ids[r * k..(r + 1) * k],
+                &mut weights[r * k..(r + 1) * k],
+            );
+        }
+        // (row, rank) slots, filled expert by expert.
+        let mut per_rank = vec![0.0f32; n * k * d];
+        let mut rows: Vec<usize> = Vec::new();
+        let mut input: Vec<f32> = Vec::new();
+        let mut out: Vec<f32> = Vec::new();
+        let ty = |x: &ExpertTensor| x.info.ty;
+        for e in 0..ne {
+            rows.clear();
+            rows.extend((0..n * k).filter(|&slot| ids[slot] as usize == e));
+            if rows.is_empty() {
+                continue;
+            }
+            input.clear();
+            for &slot in &rows {
+                let r = slot / k;
+                input.extend_from_slice(&st.h[r * d..(r + 1) * d]);
+            }
+            let proj: Vec<&[u8]> = b
+                .experts
+                .iter()
+                .map(|x| self.common.weights.expert_bytes(x, e))
+                .collect();
+            let (Some([g, u, dn]), types) = (
+                super::gate_up_down(&proj),
+                match &b.experts[..] {
+                    [gu, dn] => [ty(gu), ty(gu), ty(dn)],
+                    [g, u, dn] => [ty(g), ty(u), ty(dn)],
+                    _ => unreachable!("loaded as [gate_up, down] or [gate, up, down]"),
+                },
+            ) else {
+                return Err(ArchError::Tensor {
+                    file: String::new(),
+                    tensor: wname(self.hp.n_layer, "ffn_gate_up_exps"),
+                    what: "an expert's fused gate_up slice has an odd length".into(),
+                });
+            };
+            super::layers::split_ffn_biased(
+                cx,
+                &mut st.scratch,
+                Glu::Silu,
+                (types[0], g),
+                (types[1], u),
+                (types[2], dn),
+                None,
+                self.hp.n_ff_exp,
+                d,
+                &input,
+                rows.len(),
+                &[],
+                &mut out,
+            )?;
+            for (i, &slot) in rows.iter().enumerate() {
+                let w = weights[slot];
+                for (a, &v) in per_rank[slot * d..(slot + 1) * d]
+                    .iter_mut()
+                    .zip(&out[i * d..(i + 1) * d])
+                {
+                    *a = v * w;
+                }
+            }
+        }
+        st.moe_out.clear();
+        st.moe_out.resize(n * d, 0.0);
+        for r in 0..n {
+            let acc = &mut st.moe_out[r * d..(r + 1) * d];
+            acc.copy_from_slice(&per_rank[r * k * d..(r * k + 1) * d]);
+            for j in 1..k {
+                let src = &per_rank[(r * k + j) * d..(r * k + j + 1) * d];
+                for (x, &y) in acc.iter_mut().zip(src) {
+                    *x += y;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 /// σ(x) as ggml computes it.
 fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())
@@ -729,6 +829,88 @@ fn mtp_block(ld: &mut Loader, hp: &HParams) -> Result<MtpBlock, ArchError> {
 impl Arch for Qwen35Moe {
     fn common(&self) -> &Common {
         &self.common
+    }
+
+    fn mtp_memory(&self) -> Option<LayerMemory> {
+        self.mtp
+            .as_ref()
+            .map(|_| LayerMemory::kv(MemoryKind::Full, self.hp.n_head_kv, self.hp.head_dim))
+    }
+
+    /// llama.cpp's `graph_mtp`: the token's embedding and `h`, each RMS-normed (`enorm`,
+    /// `hnorm`), concatenated (embedding first) through `eh_proj`; then a full-attention
+    /// layer with its routed experts and sigmoid-gated shared expert, as the trunk's; then
+    /// `shared_head_norm` (else `output_norm`) and `shared_head_head` (else the output head).
+    fn mtp_forward(
+        &self,
+        cx: &Compute,
+        st: &mut State,
+        tokens: &[u32],
+        h: &[f32],
+        h_out: &mut Vec<f32>,
+    ) -> Result<(), ArchError> {
+        let Some(b) = self.mtp.as_ref() else {
+            return Err(ArchError::Key {
+                file: String::new(),
+                key: "nextn_predict_layers".into(),
+                what: "is 0: the file has no MTP block".into(),
+            });
+        };
+        let (d, eps, il) = (self.hp.d_model, self.hp.rms_eps, self.hp.n_layer);
+        let n = tokens.len();
+        // [enorm(embedding) | hnorm(h)] per row, into `st.out` (attention rewrites it).
+        let embd = b.embed_tokens.as_ref().unwrap_or(&self.common.embd);
+        st.scratch.tmp.resize(d, 0.0);
+        st.out.resize(n * 2 * d, 0.0);
+        for (r, &t) in tokens.iter().enumerate() {
+            embd.row_f32(t as usize, &mut st.scratch.tmp)?;
+            let row = &mut st.out[r * 2 * d..(r + 1) * 2 * d];
+            blocks::rms_norm(&st.scratch.tmp, Some(&b.enorm), eps, &mut row[..d]);
+            blocks::rms_norm(&h[r * d..(r + 1) * d], Some(&b.hnorm), eps, &mut row[d..]);
+        }
+        st.x.resize(n * d, 0.0);
+        let State {
+            out, x, scratch, ..
+        } = &mut *st;
+        cx.mat_rows(&b.eh_proj, out, n, &mut scratch.acts, x)?;
+        // The layer: gated attention, the residual, post_attention_norm into the experts.
+        let l = &b.layer;
+        blocks::rms_norm_all(&st.x, d, Some(&l.attn_norm), eps, &mut st.cur);
+        let Mixer::Attention(w) = &l.mixer else {
+            unreachable!("the MTP block is loaded as an attention layer")
+        };
+        self.full_attention(cx, st, il, w)?;
+        for (x, o) in st.x.iter_mut().zip(&st.out) {
+            *x += *o;
+        }
+        st.ffn_rows.clear();
+        st.ffn_rows.extend(0..n as u32);
+        blocks::rms_norm_rows(&st.x, d, &st.ffn_rows, Some(&l.post_norm), eps, &mut st.h);
+        l.shexp.run(cx, st, self.hp.n_ff_shexp, d, sigmoid)?;
+        self.mtp_experts(cx, st, b)?;
+        finish_with_shared(st, d);
+        // The head, for the rows asked for.
+        let norm = b
+            .shared_head_norm
+            .as_deref()
+            .unwrap_or(&self.common.output_norm);
+        let head = b.shared_head_head.as_ref().unwrap_or(&self.common.output);
+        blocks::rms_norm_rows(&st.x, d, &st.out_rows, Some(norm), eps, &mut st.cur);
+        let m = st.out_rows.len();
+        h_out.clear();
+        h_out.extend_from_slice(&st.cur[..m * d]);
+        if m == 0 {
+            st.logits.clear();
+            return Ok(());
+        }
+        st.logits.resize(m * head.rows, 0.0);
+        let State {
+            cur,
+            scratch,
+            logits,
+            ..
+        } = &mut *st;
+        cx.mat_rows(head, cur, m, &mut scratch.acts, logits)
     }
 
     /// The mixer (DeltaNet or gated attention), the residual, `post_attention_norm` into the

@@ -822,6 +822,9 @@ pub struct State {
     pub router_margin: Vec<f32>,
     /// Rows whose logits are wanted at the end of the batch.
     pub out_rows: Vec<u32>,
+    /// Run the last layer's FFN for every row, not just `out_rows`: every row's final hidden
+    /// state is wanted (the MTP head's input).
+    pub every_row_out: bool,
     /// `out_rows.len() × n_vocab` logits after `head`.
     pub logits: Vec<f32>,
     /// `--compute-trace` / `--compute-trace-layers`: the op clock, when tracing.
@@ -852,6 +855,7 @@ impl State {
             pred: Prediction::default(),
             router_margin: Vec::new(),
             out_rows: Vec::new(),
+            every_row_out: false,
             logits: Vec::new(),
             trace: None,
         }
@@ -1151,13 +1155,19 @@ mod tests {
         fold_rows(r, &[3, 4, 5, 6]);
         r.finish(&[3, 4, 5, 6]);
         st.keep_rows(false);
-        assert!(st.memory_bytes() > 4 * (2 * 2 + 4), "the row copies are counted");
+        assert!(
+            st.memory_bytes() > 4 * (2 * 2 + 4),
+            "the row copies are counted"
+        );
         // Rows 4.. rejected: the next step starts at 5 from the state after 4, and only
         // starts inside the verified rows are allowed.
         assert_eq!(st.reusable_prefix(5), 5);
         assert_eq!(st.reusable_prefix(8), 7, "where the state stands");
         let r = st.mem[0].recurrent(0).unwrap();
-        assert!(r.begin(0, &[3]).is_err(), "the group's first row is never rejected");
+        assert!(
+            r.begin(0, &[3]).is_err(),
+            "the group's first row is never rejected"
+        );
         r.begin(0, &[5]).unwrap();
         assert_eq!((r.conv.clone(), r.state.clone()), after[2]);
         // The copies were of the verify decode: a plain step drops them.

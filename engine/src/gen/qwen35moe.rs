@@ -324,7 +324,13 @@ fn plan(o: &GenOptions, fallbacks: &mut Fallbacks) -> Result<Vec<Planned>, GenEr
             writes(inv(fs), Half::Token),
         );
         if mtp {
-            push(b("nextn.eh_proj"), &[2 * d, d], w, rand(inv(2 * d)));
+            // Both halves of the input (the token's embedding, then the trunk's hidden).
+            let both = Fill::Rand {
+                std: inv(2 * d),
+                lo: 0,
+                hi: 2 * s.d_model,
+            };
+            push(b("nextn.eh_proj"), &[2 * d, d], w, both);
             push(b("nextn.enorm"), &[d], f32v, one);
             push(b("nextn.hnorm"), &[d], f32v, one);
             push(b("nextn.shared_head_norm"), &[d], f32v, one);
