@@ -260,6 +260,7 @@ pub fn chat(mut a: ChatArgs) -> Result<i32> {
             },
             stop: Vec::new(),
             speculation: args.ngram.then(|| conv.ngram_params()),
+            head_drafts: args.mtp,
         };
         let mut printer = Printer {
             out: std::io::stdout(),

@@ -91,6 +91,8 @@ pub struct TurnOptions {
     pub stop: Vec<String>,
     /// `--ngram` for this turn (`None`: plain decoding).
     pub speculation: Option<bmoe_core::speculate::NgramParams>,
+    /// `--mtp` for this turn (a conversation opened with `--mtp` only).
+    pub head_drafts: bool,
 }
 
 /// Where a turn's text goes as it grows.
@@ -339,6 +341,9 @@ impl Conversation {
     ) -> Result<Finished> {
         let reuse = p.reuse;
         self.session.set_speculation(opts.speculation);
+        if !self.session.set_head_drafts(opts.head_drafts) {
+            bail!("mtp: this conversation was not started with --mtp (the MTP head follows every step from the first)");
+        }
         self.session.truncate_context(reuse as u32);
         let positions: Vec<u32> = (reuse as u32..p.tokens.len() as u32).collect();
         let mut sampler = Sampler::new(opts.sampler.clone());

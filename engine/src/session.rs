@@ -54,6 +54,9 @@ pub struct GenerateRequest {
     pub clear_kv: Option<bool>,
     /// `--ngram` for this turn (default: the session's flag).
     pub ngram: Option<bool>,
+    /// `--mtp` for this turn (default: the session's flag; true needs a session started with
+    /// `--mtp`).
+    pub mtp: Option<bool>,
 }
 
 /// A `decide` request (answered only by a session opened with `--decide`).
@@ -206,6 +209,7 @@ pub fn parse_request(line: &[u8]) -> Result<Request, RequestError> {
                 think: boolean(cmd, "think")?,
                 clear_kv: boolean(cmd, "clear_kv")?,
                 ngram: boolean(cmd, "ngram")?,
+                mtp: boolean(cmd, "mtp")?,
             }))
         }
         "decide" => {
@@ -783,10 +787,22 @@ pub fn serve(
         let special = !args.no_parse_special;
         let think = g.think.unwrap_or(!args.no_think);
         let clear_kv = g.clear_kv.unwrap_or(true);
-        let speculation = g
-            .ngram
-            .unwrap_or(args.ngram)
-            .then(|| bmoe_core::generate::ngram_params(session.config()));
+        let (ngram, mtp) = (g.ngram.unwrap_or(args.ngram), g.mtp.unwrap_or(args.mtp));
+        if mtp && ngram {
+            refuse_request(
+                id,
+                "generate: one draft source per request: \"ngram\": true needs \"mtp\": false in a --mtp session",
+            )?;
+            continue;
+        }
+        if !session.set_head_drafts(mtp) {
+            refuse_request(
+                id,
+                "generate: \"mtp\": true needs a session started with --mtp (the MTP head follows every step from the first)",
+            )?;
+            continue;
+        }
+        let speculation = ngram.then(|| bmoe_core::generate::ngram_params(session.config()));
         session.set_speculation(speculation);
         // The whole context the turn wants in the KV, and the text its generation follows.
         let wanted: Result<(Vec<u32>, String, Vec<Message>)> = (|| {
@@ -940,6 +956,7 @@ mod tests {
                 think: None,
                 clear_kv: None,
                 ngram: None,
+                mtp: None,
             })
         );
         assert_eq!(
@@ -954,6 +971,7 @@ mod tests {
                 think: Some(false),
                 clear_kv: Some(false),
                 ngram: Some(true),
+                mtp: None,
             })
         );
         assert_eq!(
@@ -965,6 +983,7 @@ mod tests {
                 think: None,
                 clear_kv: None,
                 ngram: None,
+                mtp: None,
             })
         );
         assert_eq!(

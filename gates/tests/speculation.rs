@@ -522,6 +522,56 @@ fn a_session_request_turns_speculation_on_and_off() {
 }
 
 #[test]
+fn a_session_request_turns_the_mtp_head_on_and_off() {
+    // A --mtp session drafts by default; a request may turn the head off (or ask for n-gram
+    // drafts instead, saying so). Every turn starts from a cleared KV: the same text each time.
+    let m = model(
+        "spec-qwen35moe",
+        &["--arch", "qwen35moe", "--preset", "tiny", "--seed", "7"],
+    );
+    let args = ["-n", "24", "--ignore-eos", "--no-moe-stream"];
+    let mut s = bmoe_gates::SessionDriver::start(&m, &[&args[..], &["--mtp"]].concat());
+    let prompt = serde_json::to_string(PROMPT).unwrap();
+    let mut texts = Vec::new();
+    for (id, extra, drafts) in [
+        (1, "", true),
+        (2, r#","mtp":false"#, false),
+        (3, r#","mtp":false,"ngram":true"#, false),
+        (4, r#","mtp":true"#, true),
+    ] {
+        let (done, _) = s.generate(&format!(
+            r#"{{"cmd":"generate","id":{id},"prompt":{prompt}{extra}}}"#
+        ));
+        let drafted = done["mtp_drafted"].as_u64().expect("mtp_drafted");
+        if drafts {
+            assert!(drafted > 0, "request {id}: {done}");
+        }
+        if id == 2 {
+            assert_eq!(done["mtp_decodes"].as_u64(), Some(0), "{done}");
+        }
+        texts.push(done["text"].as_str().unwrap().to_string());
+    }
+    assert!(texts.iter().all(|t| *t == texts[0]), "{texts:?}");
+    // Both sources at once: refused, and the session goes on.
+    s.send(&format!(
+        r#"{{"cmd":"generate","id":5,"prompt":{prompt},"ngram":true}}"#
+    ));
+    let l = s.read_until(&["BMOE_DONE", "BMOE_ERROR"]);
+    assert!(l.last().unwrap().contains("one draft source"), "{l:?}");
+    let (code, err) = s.close();
+    assert_eq!(code, 0, "{err}");
+    // A session without --mtp refuses a request for the head by name.
+    let mut s = bmoe_gates::SessionDriver::start(&m, &args);
+    s.send(&format!(
+        r#"{{"cmd":"generate","id":1,"prompt":{prompt},"mtp":true}}"#
+    ));
+    let l = s.read_until(&["BMOE_DONE", "BMOE_ERROR"]);
+    assert!(l.last().unwrap().contains("started with --mtp"), "{l:?}");
+    let (code, err) = s.close();
+    assert_eq!(code, 0, "{err}");
+}
+
+#[test]
 fn replayed_drafts_of_the_same_run_are_all_accepted() {
     // The benchmark's ceiling hook (--draft-replay): drafting what a recorded greedy run
     // generated next accepts every draft and changes nothing.
@@ -664,6 +714,78 @@ fn the_simulator_replays_a_speculative_run_exactly() {
             assert_eq!(trailer(&ec, key), trailer(&sc, key), "{tag}: {key}");
         }
     }
+    // An --mtp run on a hybrid: every step's last layer routes every row (the head's input),
+    // and the verify groups replay as they were.
+    let m = model(
+        "spec-qwen35moe",
+        &["--arch", "qwen35moe", "--preset", "tiny", "--seed", "7"],
+    );
+    let (ecsv, eroute, scsv, sroute) = (
+        dir.join("mtp-e.csv"),
+        dir.join("mtp-e.route.csv"),
+        dir.join("mtp-s.csv"),
+        dir.join("mtp-s.route.csv"),
+    );
+    let e = run(
+        &m,
+        &[
+            "-p",
+            PROMPT,
+            "-n",
+            "24",
+            "--ignore-eos",
+            "--moe-stream",
+            "--cache-mb",
+            "3",
+            "--force-cache",
+            "--io-threads",
+            "3",
+            "--mtp",
+            "--csv",
+            ecsv.to_str().unwrap(),
+            "--route-trace",
+            eroute.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(e.code, 0, "{}", e.stderr);
+    let (code, out, err) = bmoe_gates::sim(&[
+        "replay",
+        "--trace",
+        eroute.to_str().unwrap(),
+        "--profile",
+        "this-machine",
+        "--cache-mb",
+        "3",
+        "--force-cache",
+        "--io-threads",
+        "3",
+        "--csv",
+        scsv.to_str().unwrap(),
+        "--route-trace",
+        sroute.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "mtp: {err}");
+    assert!(out.contains("mtp: "), "{out}");
+    assert!(
+        std::fs::read_to_string(&eroute).unwrap() == std::fs::read_to_string(&sroute).unwrap(),
+        "mtp: the replayed route trace differs"
+    );
+    let (ec, sc) = (
+        std::fs::read_to_string(&ecsv).unwrap(),
+        std::fs::read_to_string(&scsv).unwrap(),
+    );
+    assert!(ec.contains("spec=mtp"), "{ec}");
+    assert_eq!(csv_rows(&ec), csv_rows(&sc), "mtp: rows");
+    for key in [
+        "tokens",
+        "read_MiB",
+        "evictions",
+        "mtp_drafted",
+        "mtp_decodes",
+    ] {
+        assert_eq!(trailer(&ec, key), trailer(&sc, key), "mtp: {key}");
+    }
+    assert_ne!(trailer(&ec, "mtp_drafted"), "0");
     // A speculative trace without the group column (an older writer's) is refused, by name.
     let text = std::fs::read_to_string(dir.join("serial-e.route.csv")).unwrap();
     let stripped: String = text

@@ -416,6 +416,17 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
         self.speculation = spec;
     }
 
+    /// `--mtp` for the turns that follow: draft with the backend's head or not. Only a session
+    /// whose configuration says `--mtp` has a head that followed every step (false, and
+    /// nothing changed, otherwise).
+    pub fn set_head_drafts(&mut self, on: bool) -> bool {
+        if self.cfg.spec != SpecMode::Mtp {
+            return !on;
+        }
+        self.head_drafts = on.then_some((self.cfg.spec_draft_max, self.cfg.mtp_p_min));
+        true
+    }
+
     /// Test hook: draft from `recorded` (a recorded run's generated tokens), at most `k` per
     /// step, in place of prompt lookup (see `replay_drafts`).
     pub fn set_replay_drafts(&mut self, recorded: Vec<u32>, k: u32) {

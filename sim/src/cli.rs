@@ -640,13 +640,18 @@ pub fn prepare(
     cfg.model = p.model.clone();
     cfg.arch = p.arch.clone();
     cfg.gating = p.gating;
-    if p.extra
-        .iter()
-        .any(|(k, v)| k == SPEC_KEY && v == SpecMode::Ngram.name())
-    {
-        // A speculative run's verify decodes replay as the groups they were, and its
-        // counters (`mtp_*`) are counted as the recording counted them.
-        cfg.spec = SpecMode::Ngram;
+    // A speculative run's verify decodes replay as the groups they were, and its counters
+    // (`mtp_*`) are counted as the recording counted them, under the source's name.
+    if let Some(spec) = p.extra.iter().find_map(|(k, v)| {
+        (k == SPEC_KEY)
+            .then(|| {
+                [SpecMode::Ngram, SpecMode::Mtp]
+                    .into_iter()
+                    .find(|m| v == m.name())
+            })
+            .flatten()
+    }) {
+        cfg.spec = spec;
     }
     cfg.n_layer = p.n_layer;
     cfg.n_expert = p.n_expert;

@@ -83,6 +83,9 @@ pub struct Common {
     /// bmoe's extension: `"ngram": true|false` turns prompt-lookup speculation on or off for
     /// this request (default: the server's `--ngram`).
     pub ngram: Option<bool>,
+    /// bmoe's extension: `"mtp": true|false` drafts with the model's MTP head for this request
+    /// or not (default: the server's `--mtp`; true needs a server started with `--mtp`).
+    pub mtp: Option<bool>,
 }
 
 /// A chat completion request.
@@ -255,6 +258,7 @@ fn common(m: &Map<String, Value>) -> Result<Common, ApiError> {
         stream: f.bool("stream")?.unwrap_or(false),
         include_usage,
         ngram: f.bool("ngram")?,
+        mtp: f.bool("mtp")?,
     })
 }
 

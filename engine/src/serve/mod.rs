@@ -840,6 +840,17 @@ impl Engine {
         }
         let a = &self.args;
         let c = &job.common;
+        let (ngram, mtp) = (c.ngram.unwrap_or(a.ngram), c.mtp.unwrap_or(a.mtp));
+        let refusal = if mtp && !a.mtp {
+            Some("the server was not started with --mtp (the MTP head follows every step from the first)")
+        } else if mtp && ngram {
+            Some("one draft source per request: \"ngram\": true needs \"mtp\": false on a --mtp server")
+        } else {
+            None
+        };
+        if let Some(why) = refusal {
+            return Some(Event::Error(ApiError::invalid("mtp", why)));
+        }
         let opts = TurnOptions {
             sampler: crate::sample::SamplerConfig {
                 temp: c.temperature.unwrap_or(a.temp),
@@ -848,7 +859,8 @@ impl Engine {
                 seed: c.seed.unwrap_or(seed),
             },
             stop: c.stop.clone(),
-            speculation: c.ngram.unwrap_or(a.ngram).then(|| conv.ngram_params()),
+            speculation: ngram.then(|| conv.ngram_params()),
+            head_drafts: mtp,
         };
         conv.cancel_flag().clear();
         let mut listener = JobListener {
