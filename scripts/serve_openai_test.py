@@ -311,6 +311,7 @@ def run(a, srv):
         ("empty messages", chat, {"messages": []}, 400, "empty", "messages"),
         ("over the context", chat, {"messages": [{"role": "user", "content": "word " * (CTX * 2)}]}, 400, "context", "messages"),
         ("over the context", "/v1/completions", {"prompt": "word " * (CTX * 2)}, 400, "context", "prompt"),
+        ("the MTP head on a server without --mtp", chat, {"messages": user, "mtp": True}, 400, "started with --mtp", "mtp"),
         ("body over the limit", chat, json.dumps({"messages": [{"role": "user", "content": "x" * 100_000}]}), 413, "limit", None),
     ]
     for what, path, body, status, needle, param in cases:
