@@ -14,7 +14,13 @@ This measures the two things that decide the speed-up instead:
 Then, from (a), the speed-up each acceptance rate would give (a draft of k tokens each accepted
 with probability a, independently: expected tokens per decode (1 - a^(k+1)) / (1 - a)).
 
-Usage: scripts/bench-spec.py MODEL [--reps 3] [-n 64] [--threads 2] [--stream-cache-mb 256]
+With --mtp (a file with an MTP head): (a) the same verify costs with the head drafting, and what
+drafting costs per decode (mtp_draft_ms: k head decodes and the head's catch-up on the last
+step's rows); a random head's drafts are rejected, so every decode is a verify of k + 1 rows
+confirming one token; then the speed-up each acceptance rate would give, drafting included.
+No ceiling (the head drafts what it drafts).
+
+Usage: scripts/bench-spec.py MODEL [--reps 3] [-n 64] [--threads 2] [--stream-cache-mb 256] [--mtp]
 Stdlib only; needs target/release/bmoe-cli (cargo build --release).
 """
 import argparse
@@ -58,6 +64,44 @@ def group_costs(path):
     return out
 
 
+def mtp_mode(a, ks, base, modes, tmp):
+    """--mtp: verify and drafting costs per decode, plain and speculated runs interleaved."""
+    for mode, flags in modes.items():
+        plain_step, verify, draft = [], {k: [] for k in ks}, {k: [] for k in ks}
+        for rep in range(a.reps):
+            for what in ["plain"] + ks:
+                extra = [] if what == "plain" else ["--mtp", "--draft", str(what)]
+                c = os.path.join(tmp, f"mtp-{what}.csv")
+                run(base + flags + extra + ["-n", str(a.n + 1)], c)
+                r = rows(c)
+                # Each decode's first row (decodes after the first, which follows the prefill).
+                firsts, i = [], 0
+                while i < len(r):
+                    firsts.append(r[i])
+                    i += int(r[i]["mtp_batch"])
+                if what == "plain":
+                    plain_step += [float(x["wall_ms"]) for x in firsts[1:]]
+                else:
+                    verify[what] += [float(x["wall_ms"]) for x in firsts[1:]]
+                    draft[what] += [float(x["mtp_draft_ms"]) for x in firsts[1:]]
+        p = statistics.median(plain_step)
+        print(f"\n## {mode}, --mtp")
+        print(f"plain decode step: median {p:.2f} ms over {len(plain_step)} steps")
+        print("| k drafted | verify decode (ms) | × plain | drafting per decode (ms) | × plain | per drafted token (ms) | verify + drafting × plain |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
+        cost = {}
+        for k in ks:
+            v, d = statistics.median(verify[k]), statistics.median(draft[k])
+            cost[k] = (v + d) / p
+            print(f"| {k} | {v:.2f} | {v / p:.2f} | {d:.2f} | {d / p:.2f} | {d / k:.2f} | {cost[k]:.2f} |")
+        print("\nspeed-up an acceptance rate a would give, drafting included:")
+        print("| a | " + " | ".join(f"k={k}" for k in ks) + " |")
+        print("| --- |" + " --- |" * len(ks))
+        for acc in [0.5, 0.6, 0.7, 0.8, 0.9]:
+            cells = [f"{(1 - acc ** (k + 1)) / (1 - acc) / cost[k]:.2f}x" for k in ks]
+            print(f"| {acc:.1f} | " + " | ".join(cells) + " |")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
@@ -67,6 +111,7 @@ def main():
     ap.add_argument("--stream-cache-mb", type=int, default=256,
                     help="the streamed runs' expert cache (MiB): the model streams past it")
     ap.add_argument("--ks", default="2,4,8")
+    ap.add_argument("--mtp", action="store_true", help="draft with the file's MTP head")
     a = ap.parse_args()
     if not os.path.exists(CLI):
         sys.exit("bench-spec: build first: cargo build --release -p bmoe-engine")
@@ -77,6 +122,10 @@ def main():
         "in RAM": ["--no-moe-stream"],
         f"streamed, {a.stream_cache_mb} MiB cache": ["--moe-stream", "--cache-mb", str(a.stream_cache_mb), "--force-cache", "--overlap"],
     }
+    if a.mtp:
+        print(f"# bench-spec --mtp: {os.path.basename(a.model)}, {cpu_name()}, -t {a.threads}, -n {a.n + 1}, {a.reps} reps interleaved")
+        mtp_mode(a, ks, base, modes, tmp)
+        return
     # The recorded greedy run the replay drafts from (its tokens are the same in every mode).
     rec = os.path.join(tmp, "rec")
     run(base + ["-n", str(a.n + 1), "--no-moe-stream", "--logits-out", rec])

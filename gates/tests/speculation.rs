@@ -427,6 +427,31 @@ fn greedy_mtp_equals_plain_decoding_resident_and_streamed() {
             assert!(!mtp.stderr.contains("ngram:"), "{}", mtp.stderr);
         }
     }
+    // Sampled: one draw per output token from the row a plain decode draws from, so a seeded
+    // run gives the plain run's tokens, seed by seed.
+    for seed in ["1", "2", "3", "4"] {
+        let a = [
+            "-p",
+            PROMPT,
+            "-n",
+            "24",
+            "--ignore-eos",
+            "--no-moe-stream",
+            "--temp",
+            "0.9",
+            "--top-k",
+            "4",
+            "--seed",
+            seed,
+        ];
+        let plain = run(&m, &a);
+        let mut b = a.to_vec();
+        b.extend_from_slice(&["--mtp", "--draft", "3"]);
+        let mtp = run(&m, &b);
+        assert_eq!(mtp.outcome.tokens, plain.outcome.tokens, "--seed {seed}");
+        let c = &mtp.outcome.summary.as_ref().unwrap().counters;
+        assert!(c.mtp_drafted > 0, "--seed {seed}: {c:?}");
+    }
     // A floor no draft reaches: nothing drafted, every step plain.
     let b = [
         "-p",
