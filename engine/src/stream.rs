@@ -151,9 +151,6 @@ pub fn arena_for(layout: &ExpertLayout, opts: ArenaOptions) -> Result<Arena, Str
 /// Most projections an expert has (gate, up, down, and room for biases or scales).
 const MAX_PROJ: usize = 8;
 
-/// The forward pass with its experts in the arena, or (resident) in the model's map. Generic
-/// over the architecture; `EngineBackend` alone is the one `bmoe-cli` runs, whichever
-/// architecture the file names.
 /// `--mtp`'s draft head at work (see [`EngineBackend::enable_mtp`]).
 struct MtpRun {
     /// The head's own state: the memory of its one attention layer, and its buffers.
@@ -174,9 +171,9 @@ struct MtpRun {
 }
 
 impl MtpRun {
-    /// The trunk's hidden state at position `p` (zeros when the last step did not hold it:
-    /// position −1, or a session that moved elsewhere; the draft is then only worse).
-    /// Into `h` (replacing it).
+    /// The trunk's hidden state at position `p` into `h`, replacing it (zeros when the last
+    /// step did not hold it: position −1, or a session that moved elsewhere; the draft is then
+    /// only worse, never wrong: verification decides).
     fn h_after(&mut self, p: i64, d: usize) {
         let rows = (self.last_h.len() / d.max(1)) as i64;
         let r = p - i64::from(self.last_first);
@@ -190,6 +187,9 @@ impl MtpRun {
     }
 }
 
+/// The forward pass with its experts in the arena, or (resident) in the model's map. Generic
+/// over the architecture; `EngineBackend` alone is the one `bmoe-cli` runs, whichever
+/// architecture the file names.
 pub struct EngineBackend<A: Arch + ?Sized = dyn Arch> {
     pub model: Model<A>,
     pub state: State,
@@ -263,7 +263,7 @@ impl<A: Arch + ?Sized> EngineBackend<A> {
         }
     }
 
-    /// `--mtp`: draft with the model's MTP head (`Backend::mtp_draft`). Every step then
+    /// `--mtp`: draft with the model's MTP head (`Backend::draft_with_head`). Every step then
     /// keeps each row's final hidden state (the last layer's FFN runs for every row) and the
     /// head catches up on the step's rows before it next drafts, as llama.cpp's draft context
     /// does. An error names a model without a head this build runs.

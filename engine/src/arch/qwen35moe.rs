@@ -661,18 +661,18 @@ impl Qwen35Moe {
                 .iter()
                 .map(|x| self.common.weights.expert_bytes(x, e))
                 .collect();
-            let (Some([g, u, dn]), types) = (
-                super::gate_up_down(&proj),
-                match &b.experts[..] {
-                    [gu, dn] => [ty(gu), ty(gu), ty(dn)],
-                    [g, u, dn] => [ty(g), ty(u), ty(dn)],
-                    _ => unreachable!("loaded as [gate_up, down] or [gate, up, down]"),
-                },
-            ) else {
+            let types = match &b.experts[..] {
+                [gu, dn] => Some([ty(gu), ty(gu), ty(dn)]),
+                [g, u, dn] => Some([ty(g), ty(u), ty(dn)]),
+                _ => None,
+            };
+            let (Some([g, u, dn]), Some(types)) = (super::gate_up_down(&proj), types) else {
                 return Err(ArchError::Tensor {
                     file: String::new(),
                     tensor: wname(self.hp.n_layer, "ffn_gate_up_exps"),
-                    what: "an expert's fused gate_up slice has an odd length".into(),
+                    what: "the MTP block's experts are not [gate_up, down] or [gate, up, down] of \
+                           whole halves"
+                        .into(),
                 });
             };
             super::layers::split_ffn_biased(
@@ -877,7 +877,11 @@ impl Arch for Qwen35Moe {
         let l = &b.layer;
         blocks::rms_norm_all(&st.x, d, Some(&l.attn_norm), eps, &mut st.cur);
         let Mixer::Attention(w) = &l.mixer else {
-            unreachable!("the MTP block is loaded as an attention layer")
+            return Err(ArchError::Tensor {
+                file: String::new(),
+                tensor: wname(il, "attn_q"),
+                what: "the MTP block's layer is not an attention layer".into(),
+            });
         };
         self.full_attention(cx, st, il, w)?;
         for (x, o) in st.x.iter_mut().zip(&st.out) {
