@@ -11,6 +11,14 @@ use std::path::Path;
 /// models also fall into loops of their own, which it drafts from.
 const PROMPT: &str = "one two three four five six one two three four five six one two three four five six one two three";
 
+/// The tiny file of `arch` (seed 7) the gates speculate on.
+fn spec_model(arch: &str) -> std::path::PathBuf {
+    model(
+        &format!("spec-{arch}"),
+        &["--arch", arch, "--preset", "tiny", "--seed", "7"],
+    )
+}
+
 /// The run's stderr line that starts with `prefix`.
 fn line<'a>(stderr: &'a str, prefix: &str) -> &'a str {
     stderr
@@ -117,10 +125,7 @@ fn a_sliding_window_rolls_back_a_rejected_draft() {
     // Window 16: 83 positions wrap each ring several times, and every rejected draft is
     // fed again over ring slots a verify decode wrote.
     for arch in ["gemma4", "gpt-oss"] {
-        let m = model(
-            &format!("spec-{arch}"),
-            &["--arch", arch, "--preset", "tiny", "--seed", "7"],
-        );
+        let m = spec_model(arch);
         let c = same_with_ngram(&m, &["--no-moe-stream"], &["--ngram-min-match", "1"]);
         assert!(
             c.mtp_drafted > c.mtp_accepted,
@@ -337,10 +342,7 @@ fn a_hybrid_takes_back_a_rejected_drafts_recurrent_state() {
     // changed: groups confirmed in part, rejected at a changed token. Any wrong state
     // shows in the tokens.
     for arch in ["qwen35moe", "lfm2moe"] {
-        let m = model(
-            &format!("spec-{arch}"),
-            &["--arch", arch, "--preset", "tiny", "--seed", "7"],
-        );
+        let m = spec_model(arch);
         for (args, draft) in [
             (&["--no-moe-stream"][..], "3"),
             (&["--no-moe-stream"], "8"),
@@ -385,10 +387,7 @@ fn greedy_mtp_equals_plain_decoding_resident_and_streamed() {
     // The MTP head drafts from the trunk's hidden state; verification keeps the plain run's
     // tokens (a random head's drafts are almost all rejected: the recurrent state comes back
     // after the group's first row every time).
-    let m = model(
-        "spec-qwen35moe",
-        &["--arch", "qwen35moe", "--preset", "tiny", "--seed", "7"],
-    );
+    let m = spec_model("qwen35moe");
     for args in [
         &["--no-moe-stream"][..],
         &[
@@ -550,10 +549,7 @@ fn a_session_request_turns_speculation_on_and_off() {
 fn a_session_request_turns_the_mtp_head_on_and_off() {
     // A --mtp session drafts by default; a request may turn the head off (or ask for n-gram
     // drafts instead, saying so). Every turn starts from a cleared KV: the same text each time.
-    let m = model(
-        "spec-qwen35moe",
-        &["--arch", "qwen35moe", "--preset", "tiny", "--seed", "7"],
-    );
+    let m = spec_model("qwen35moe");
     let args = ["-n", "24", "--ignore-eos", "--no-moe-stream"];
     let mut s = bmoe_gates::SessionDriver::start(&m, &[&args[..], &["--mtp"]].concat());
     let prompt = serde_json::to_string(PROMPT).unwrap();
@@ -741,10 +737,7 @@ fn the_simulator_replays_a_speculative_run_exactly() {
     }
     // An --mtp run on a hybrid: every step's last layer routes every row (the head's input),
     // and the verify groups replay as they were.
-    let m = model(
-        "spec-qwen35moe",
-        &["--arch", "qwen35moe", "--preset", "tiny", "--seed", "7"],
-    );
+    let m = spec_model("qwen35moe");
     let (ecsv, eroute, scsv, sroute) = (
         dir.join("mtp-e.csv"),
         dir.join("mtp-e.route.csv"),
