@@ -618,6 +618,52 @@ impl Qwen35Moe {
 }
 
 impl Qwen35Moe {
+    /// The keys and values of the MTP layer `il` for the rows of `st.cur` (its normed input)
+    /// into its memory, as [`Qwen35Moe::full_attention`] computes and commits them; nothing
+    /// else (no output row is wanted).
+    fn mtp_keys_values(
+        &self,
+        cx: &Compute,
+        st: &mut State,
+        il: usize,
+        w: &FullAttn,
+        h_out: &mut Vec<f32>,
+    ) -> Result<(), ArchError> {
+        let n = st.n_rows;
+        let hd = self.hp.head_dim;
+        let kvd = self.hp.n_head_kv * hd;
+        st.attn.k.resize(n * kvd, 0.0);
+        st.attn.v.resize(n * kvd, 0.0);
+        cx.mats_rows(
+            &mut [(&w.k, &mut st.attn.k), (&w.v, &mut st.attn.v)],
+            &st.cur,
+            n,
+            &mut st.scratch.acts,
+        )?;
+        blocks::rms_norm_heads(
+            &mut st.attn.k,
+            hd,
+            Some(&w.k_norm),
+            self.hp.rms_eps,
+            &mut st.scratch.tmp,
+        );
+        self.rope
+            .apply_rows(&mut st.attn.k, kvd, hd, &st.positions, &mut st.scratch.rope);
+        let State {
+            mem,
+            attn,
+            positions,
+            ..
+        } = st;
+        // What `attend_layer` writes of them (a full layer as it reads them, a ring after).
+        let kv = mem[il].kv(il)?;
+        kv.source(il, positions, &attn.k, &attn.v)?;
+        kv.commit(positions, &attn.k, &attn.v);
+        h_out.clear();
+        st.logits.clear();
+        Ok(())
+    }
+
     /// The MTP block's routed experts on `st.h` (every row): softmax over the experts, top-k,
     /// renormalised, each expert's rows computed together from the file's map, the weighted
     /// outputs summed in rank order into `st.moe_out` (the trunk's arithmetic).
@@ -883,6 +929,11 @@ impl Arch for Qwen35Moe {
                 what: "the MTP block's layer is not an attention layer".into(),
             });
         };
+        if st.out_rows.is_empty() {
+            // A catch-up: what a later draft reads of these rows is their keys and values,
+            // which need only the projections that make them (the bits full attention makes).
+            return self.mtp_keys_values(cx, st, il, w, h_out);
+        }
         self.full_attention(cx, st, il, w)?;
         for (x, o) in st.x.iter_mut().zip(&st.out) {
             *x += *o;
@@ -1101,6 +1152,40 @@ mod tests {
         // 8 pairs in sections 2/2/2/2: sectors 6 (t, 6 ≥ 3·2) and 7 (h, 7 ≥ 3·2) go to e.
         let r = f(16, [2, 2, 2, 2]).rotating_pairs();
         assert_eq!(r, [true, true, true, true, true, true, false, false]);
+    }
+
+    /// A catch-up that wants no output row writes only the MTP layer's keys and values, with
+    /// the bits the whole layer writes: a draft after it gives the same logits either way.
+    #[test]
+    fn an_mtp_catch_up_without_outputs_writes_the_same_keys_and_values() {
+        let model = tiny(Preset::Tiny, "q8_0");
+        let d = model.dims().d_model;
+        let tokens = [3u32, 77, 1000, 5, 42, 9];
+        let positions: Vec<u32> = (0..tokens.len() as u32).collect();
+        let h: Vec<f32> = (0..tokens.len() * d)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
+            .collect();
+        let draft = |rows: &[u32]| {
+            let mut st = model.new_mtp_state(32).expect("an MTP head");
+            let mut h_out = Vec::new();
+            model
+                .mtp(&mut st, &tokens, &positions, &h, rows, &mut h_out)
+                .unwrap();
+            assert_eq!(h_out.len(), rows.len() * d);
+            model
+                .mtp(&mut st, &[11], &[6], &h[..d], &[0], &mut h_out)
+                .unwrap();
+            (bits(&st.logits), bits(&h_out))
+        };
+        let all: Vec<u32> = (0..tokens.len() as u32).collect();
+        assert_eq!(draft(&[]), draft(&all));
+        // And the keys and values matter: a draft from an empty memory differs.
+        let mut st = model.new_mtp_state(32).unwrap();
+        let mut h_out = Vec::new();
+        model
+            .mtp(&mut st, &[11], &[6], &h[..d], &[0], &mut h_out)
+            .unwrap();
+        assert_ne!(bits(&st.logits), draft(&[]).0);
     }
 
     /// The MTP block is loaded and kept, and the file's keys come back as written.
