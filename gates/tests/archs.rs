@@ -129,12 +129,12 @@ fn parity_files(
 
 /// Holds the parity files of `arch` (`files(seed, failures)` for each of `SEEDS`) to
 /// llama.cpp's logits on the same files, into `failures`: an exact file on every seed, a lossy
-/// one on ≥ 98 % of its positions pooled over the seeds (the module doc's thresholds). The
-/// kinds in `not_held` are measured and printed but not failed.
+/// one on ≥ 98 % of its positions pooled over the seeds (the module doc's thresholds), or on
+/// the share `lower_bars` names for its kind.
 fn hold_to_llama_cpp(
     arch: &str,
     dir: &Path,
-    not_held: &[&str],
+    lower_bars: &[(&str, f64)],
     failures: &mut Vec<String>,
     mut files_of: impl FnMut(u64, &mut Vec<String>) -> Vec<(String, PathBuf, bool)>,
 ) {
@@ -192,12 +192,15 @@ fn hold_to_llama_cpp(
             "parity {kind}: {:.1}% of {rows} positions over seeds {SEEDS:?} good",
             100.0 * share
         );
-        if not_held.contains(&kind.as_str()) {
-            eprintln!("parity {kind}: not held to the 98% bar yet (NOT_HELD)");
-        } else if !exact && share < 0.98 {
+        let bar = lower_bars
+            .iter()
+            .find(|(k, _)| k == kind)
+            .map_or(0.98, |&(_, b)| b);
+        if !exact && share < bar {
             failures.push(format!(
-                "{kind}: top-1 agreement with cosine >= 0.999 on {:.1}% of {rows} positions over seeds {SEEDS:?}, below 98%",
-                100.0 * share
+                "{kind}: top-1 agreement with cosine >= 0.999 on {:.1}% of {rows} positions over seeds {SEEDS:?}, below {:.0}%",
+                100.0 * share,
+                100.0 * bar
             ));
         }
     }
@@ -227,9 +230,10 @@ const GGUF_PY_HYBRIDS: &[(&str, &str)] = &[("qwen35moe", "wide"), ("lfm2moe", "w
 /// llama.cpp's file types the gguf-py files are quantized to, besides the F32 original.
 const GGUF_PY_TYPES: &[&str] = &["f16", "q8_0", "q4_k_m", "q4_0"];
 
-/// The gguf-py files measured under the 98 % bar (docs/architectures.md, each family's
-/// "Parity"; measured 2026-12-06, seeds 11-13 pooled): printed by the gate, not failed, while
-/// the reference disagrees with itself as much (below). qwen35moe Q4_K_M 96.5 %: the two engines' logits drift apart with the
+/// The gguf-py files held to 95 % instead of 98 % (docs/architectures.md, each family's
+/// "Parity"; measured 2026-12-06, seeds 11-13 pooled): the bar sits under the agreement of
+/// llama.cpp's own two CPU paths with each other on these files (below), which 98 % exceeds; a
+/// wrong kernel or graph moves every position, far under either. qwen35moe Q4_K_M 96.5 %: the two engines' logits drift apart with the
 /// position (1 − cos, averaged over 54 positions, from 1e-4 to 9e-4 on seed 11), through the
 /// DeltaNet state and attention, until routing flips at margins of 1e-2 to 1e-1. lfm2moe
 /// Q4_K_M 96.8 % and Q4_0 97.8 %: single positions at cos 0.97-0.99 with a router margin
@@ -239,10 +243,10 @@ const GGUF_PY_TYPES: &[&str] = &["f16", "q8_0", "q4_k_m", "q4_0"];
 /// path there bit for bit), amplified by Q8_K rounding ties in that file's half-filled
 /// embedding. On all three files llama.cpp's two paths agree with each other no better than
 /// with us (lfm2moe Q4_K_M 96.9 %, Q4_0 96.4 %, qwen35moe Q4_K_M 96.8 % pooled): the lfm2moe "gguf-py" paragraph of docs/architectures.md.
-const NOT_HELD: &[&str] = &[
-    "qwen35moe gguf-py wide llama-quantize q4_k_m",
-    "lfm2moe gguf-py wide llama-quantize q4_k_m",
-    "lfm2moe gguf-py wide llama-quantize q4_0",
+const CHAOTIC: &[(&str, f64)] = &[
+    ("qwen35moe gguf-py wide llama-quantize q4_k_m", 0.95),
+    ("lfm2moe gguf-py wide llama-quantize q4_k_m", 0.95),
+    ("lfm2moe gguf-py wide llama-quantize q4_0", 0.95),
 ];
 
 /// The gguf-py files of `arch` for `seed`: the F32 file the PyPI `gguf` writer makes with
@@ -285,7 +289,7 @@ fn hybrids_written_by_gguf_py_match_llama_cpp() {
     let dir = scratch_dir("arch-gguf-py");
     let mut failures = Vec::new();
     for &(arch, shape) in GGUF_PY_HYBRIDS {
-        hold_to_llama_cpp(arch, &dir, NOT_HELD, &mut failures, |seed, _| {
+        hold_to_llama_cpp(arch, &dir, CHAOTIC, &mut failures, |seed, _| {
             gguf_py_files(arch, shape, seed, &dir)
         });
     }
