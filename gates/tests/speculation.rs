@@ -546,6 +546,43 @@ fn a_session_request_turns_speculation_on_and_off() {
 }
 
 #[test]
+fn a_session_whose_requests_turn_speculation_on_and_off_replays_exactly() {
+    // Session traces always number their steps; each turn's end line says whether it
+    // speculated, so the replay counts `mtp_*` for the turns that did and for no other.
+    let m = tiny();
+    let dir = scratch_dir("speculation-session-replay");
+    let (csv, route) = (dir.join("e.csv"), dir.join("e.route.csv"));
+    let cache = ["--moe-stream", "--cache-mb", "3", "--force-cache"];
+    let mut args = vec![
+        "-n",
+        "24",
+        "--ignore-eos",
+        "--ngram-min-match",
+        "1",
+        "--csv",
+    ];
+    args.push(csv.to_str().unwrap());
+    args.extend_from_slice(&["--route-trace", route.to_str().unwrap()]);
+    args.extend_from_slice(&cache);
+    let mut s = bmoe_gates::SessionDriver::start(&m, &args);
+    let prompt = serde_json::to_string(PROMPT).unwrap();
+    let mut drafted = Vec::new();
+    for (id, ngram) in [(1, "true"), (2, "false"), (3, "true")] {
+        let (done, _) = s.generate(&format!(
+            r#"{{"cmd":"generate","id":{id},"prompt":{prompt},"ngram":{ngram}}}"#
+        ));
+        drafted.push(done["mtp_decodes"].as_u64().unwrap());
+    }
+    let (code, err) = s.close();
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        drafted[0] > 0 && drafted[1] == 0 && drafted[2] > 0,
+        "{drafted:?}"
+    );
+    bmoe_gates::assert_session_replays_exactly(&csv, &route, &cache[1..]);
+}
+
+#[test]
 fn a_session_request_turns_the_mtp_head_on_and_off() {
     // A --mtp session drafts by default; a request may turn the head off (or ask for n-gram
     // drafts instead, saying so). Every turn starts from a cleared KV: the same text each time.
@@ -804,6 +841,86 @@ fn the_simulator_replays_a_speculative_run_exactly() {
         assert_eq!(trailer(&ec, key), trailer(&sc, key), "mtp: {key}");
     }
     assert_ne!(trailer(&ec, "mtp_drafted"), "0");
+    // A turn that meets its end-of-generation token inside a verify decode: the drafts come
+    // from a recording of the plain run (which stops at that token) with one token appended,
+    // so the last group feeds a row past the end. The trace's turn-end line says how many
+    // tokens the turn generated; the replay confirms no more.
+    let m = tiny();
+    let rec = dir.join("eog");
+    let short = ["-p", "a b c d e f g", "-n", "200", "--no-moe-stream"];
+    let plain = run(
+        &m,
+        &[&short[..], &["--logits-out", rec.to_str().unwrap()]].concat(),
+    );
+    assert_eq!(plain.code, 0, "{}", plain.stderr);
+    let n_plain = plain.outcome.tokens.len();
+    assert!(
+        n_plain < 200,
+        "the tiny model must stop at its end-of-generation token"
+    );
+    let json = dir.join("eog.json");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    v["token_ids"]
+        .as_array_mut()
+        .unwrap()
+        .push(serde_json::json!(5));
+    let plus = dir.join("eog-plus.json");
+    std::fs::write(&plus, v.to_string()).unwrap();
+    let (ecsv, eroute, scsv) = (
+        dir.join("eog-e.csv"),
+        dir.join("eog-e.route.csv"),
+        dir.join("eog-s.csv"),
+    );
+    let e = run(
+        &m,
+        &[
+            "-p",
+            "a b c d e f g",
+            "-n",
+            "200",
+            "--moe-stream",
+            "--cache-mb",
+            "3",
+            "--force-cache",
+            "--draft-replay",
+            plus.to_str().unwrap(),
+            "--draft",
+            "4",
+            "--csv",
+            ecsv.to_str().unwrap(),
+            "--route-trace",
+            eroute.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(e.code, 0, "{}", e.stderr);
+    assert_eq!(e.outcome.tokens, plain.outcome.tokens);
+    let (code, _, err) = bmoe_gates::sim(&[
+        "replay",
+        "--trace",
+        eroute.to_str().unwrap(),
+        "--profile",
+        "this-machine",
+        "--cache-mb",
+        "3",
+        "--force-cache",
+        "--csv",
+        scsv.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "eog: {err}");
+    let (ec, sc) = (
+        std::fs::read_to_string(&ecsv).unwrap(),
+        std::fs::read_to_string(&scsv).unwrap(),
+    );
+    assert!(trailer(&ec, "tokens").parse::<usize>().unwrap() < 200);
+    assert_ne!(
+        trailer(&ec, "mtp_accepted"),
+        trailer(&ec, "mtp_drafted"),
+        "the row past the end was drafted and not confirmed"
+    );
+    for key in bmoe_sim::diff::EXACT_SUMMARY_KEYS {
+        assert_eq!(trailer(&ec, key), trailer(&sc, key), "eog: {key}");
+    }
     // A speculative trace without the group column (an older writer's) is refused, by name.
     let text = std::fs::read_to_string(dir.join("serial-e.route.csv")).unwrap();
     let stripped: String = text

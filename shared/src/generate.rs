@@ -176,6 +176,13 @@ pub trait TokenSource<B: Backend> {
         false
     }
 
+    /// A replayer of a speculative run: whether the recording's turn speculated (its trace's
+    /// turn-end line), which decides whether the turn counts its decodes (`mtp_*`). `None`
+    /// (the default, and a trace without the line): as the configuration's `spec` says.
+    fn recorded_speculating(&self) -> Option<bool> {
+        None
+    }
+
     /// The context position to feed the token just chosen at; `next_free` is the position
     /// after the context's last token. A live source takes it; a replayer returns the
     /// recorded one.
@@ -859,7 +866,10 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
         let speculating = spec.is_some()
             || head.is_some()
             || replay.is_some()
-            || (replaying && self.cfg.spec != SpecMode::Off);
+            || (replaying
+                && source
+                    .recorded_speculating()
+                    .unwrap_or(self.cfg.spec != SpecMode::Off));
         let mut spec_counts = SpecCounters::default();
         // A token chosen from a verify decode's row that rejected its draft: the next one fed.
         let mut pending: Option<u32> = None;
@@ -1047,6 +1057,10 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
         if replay.is_some() {
             self.replay_drafts = replay;
         }
+        // A speculative trace says how many tokens the turn generated and whether it
+        // speculated: a replay cannot tell either from the steps alone.
+        out.traces()
+            .end_turn(turn, tokens.len() as u32, speculating);
         source
             .finish(self.engine.backend_mut())
             .map_err(source_err)?;

@@ -77,6 +77,11 @@ pub trait RecordSink {
     fn begin_step(&mut self, _turn: u32, _phase: Phase) {}
     fn route(&mut self, _r: &RouteRecord) {}
     fn io(&mut self, _r: &IoRecord) {}
+    /// A turn ended, having generated `tokens` tokens, with speculation on or not: what a
+    /// speculative run's route trace cannot say from its steps alone (a verify decode that
+    /// met an end-of-generation token confirmed fewer rows than it fed; a turn whose steps
+    /// each fed one row may or may not have been speculating).
+    fn end_turn(&mut self, _turn: u32, _tokens: u32, _speculating: bool) {}
     /// Push everything recorded so far to its file. The generation loop calls it at every
     /// token boundary, so a file ends on a whole step whenever the run stops (an interrupt, a
     /// failure, even SIGKILL leaves at most one partial last line). A writer whose earlier

@@ -17,7 +17,7 @@ use bmoe_core::telemetry::fmt::fixed;
 use bmoe_core::telemetry::MetricsCsv;
 
 /// Summary keys that count or size what the core decided: equal in a faithful replay.
-pub const EXACT_SUMMARY_KEYS: [&str; 16] = [
+pub const EXACT_SUMMARY_KEYS: [&str; 20] = [
     "tokens",
     "read_MiB",
     "cache_hit_pct",
@@ -34,6 +34,11 @@ pub const EXACT_SUMMARY_KEYS: [&str; 16] = [
     "spec_useful",
     "cache_budget_MiB",
     "cache_resident_MiB",
+    // Speculation's counters: the trace's groups and turn-end lines say them.
+    "mtp_drafted",
+    "mtp_accepted",
+    "mtp_decodes",
+    "drafted_steps",
 ];
 
 /// Relative tolerances of the modelled metrics (0.15 = 15%).

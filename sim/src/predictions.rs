@@ -290,6 +290,9 @@ impl RecordSink for RecordedPredictions<'_> {
     fn io(&mut self, r: &bmoe_core::records::IoRecord) {
         self.inner.io(r);
     }
+    fn end_turn(&mut self, turn: u32, tokens: u32, speculating: bool) {
+        self.inner.end_turn(turn, tokens, speculating);
+    }
     fn flush(&mut self) -> std::io::Result<()> {
         self.inner.flush()
     }

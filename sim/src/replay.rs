@@ -21,7 +21,7 @@ use bmoe_core::config::RunConfig;
 use bmoe_core::faults::{FaultCounts, RetryFlash, READ_RETRIES};
 use bmoe_core::policy::EvictionPolicy;
 use bmoe_core::records::{Phase, RecordSink};
-use bmoe_core::telemetry::route_trace::RouteTrace;
+use bmoe_core::telemetry::route_trace::{RouteTrace, TurnEnd};
 use bmoe_core::telemetry::summary::RunSummary;
 use bmoe_core::{
     CacheCounters, Clock, Engine, ExpertCache, ExpertLayout, GenerateError, Nanos, NoProbe,
@@ -128,12 +128,19 @@ struct Replayer<'a, 'o> {
     /// The trace numbers its steps (a speculative run's `group` column): a decode step may
     /// verify several positions.
     groups: bool,
+    /// The turn's end line (the tokens it generated, whether it speculated), when the trace
+    /// has one.
+    turn_end: Option<TurnEnd>,
+    /// Tokens this turn has given so far.
+    emitted: u32,
 }
 
 impl Replayer<'_, '_> {
-    fn start_turn(&mut self, turn: &PlanTurn) {
+    fn start_turn(&mut self, turn: &PlanTurn, end: Option<TurnEnd>) {
         self.prefill = turn.prefill;
         self.decode = turn.decode.clone();
+        self.turn_end = end;
+        self.emitted = 0;
     }
 }
 
@@ -202,6 +209,7 @@ impl TokenSource<TraceBackend> for Replayer<'_, '_> {
         self.decode.start += 1;
         debug_assert_eq!(self.plan.steps[self.current].phase, Phase::Decode);
         backend.loop_gap();
+        self.emitted += 1;
         Ok(Some(0))
     }
 
@@ -217,6 +225,10 @@ impl TokenSource<TraceBackend> for Replayer<'_, '_> {
         self.groups
     }
 
+    fn recorded_speculating(&self) -> Option<bool> {
+        self.turn_end.map(|e| e.speculating)
+    }
+
     /// The recorded step's positions after its first: placeholders the rows confirm as the
     /// recording did.
     fn recorded_draft(&mut self, out: &mut Vec<u32>) -> Option<()> {
@@ -227,8 +239,10 @@ impl TokenSource<TraceBackend> for Replayer<'_, '_> {
     }
 
     /// Row `row` confirms its draft while the recording did: a group's confirmed positions are
-    /// those before the position the turn's next decode step starts at (all of them for the
-    /// turn's last step, which ended it). The first rejection moves to that next step.
+    /// those before the position the turn's next decode step starts at; for the turn's last
+    /// step, as many as the turn's end line says it generated (all of them without the line).
+    /// The first rejection moves to that next step; in the last step it is the
+    /// end-of-generation token the recording met there.
     fn next_token_at(
         &mut self,
         backend: &mut TraceBackend,
@@ -238,9 +252,14 @@ impl TokenSource<TraceBackend> for Replayer<'_, '_> {
         let first = self.plan.steps[self.current].positions[0];
         let confirmed = match self.decode.clone().next() {
             Some(next) => self.plan.steps[next].positions[0].saturating_sub(first + 1),
-            None => u32::MAX,
+            None => match self.turn_end {
+                // The rows of the last step this turn still generates.
+                Some(e) => row + e.tokens.saturating_sub(self.emitted),
+                None => u32::MAX,
+            },
         };
         if row < confirmed {
+            self.emitted += 1;
             return Ok(Some(0));
         }
         if self.decode.is_empty() {
@@ -371,6 +390,8 @@ pub fn run(setup: ReplaySetup<'_>, out: ReplayOutputs<'_>) -> Result<ReplayResul
         decode_stats,
         on_step,
         groups: trace.has_group_column(),
+        turn_end: None,
+        emitted: 0,
     };
     let mut outputs = Outputs {
         progress,
@@ -381,7 +402,7 @@ pub fn run(setup: ReplaySetup<'_>, out: ReplayOutputs<'_>) -> Result<ReplayResul
     let mut turns = Vec::with_capacity(plan.turns.len());
     let mut prompt: Vec<u32> = Vec::new();
     for turn in &plan.turns {
-        source.start_turn(turn);
+        source.start_turn(turn, trace.turn_end(turn.turn));
         let positions: &[u32] = match turn.prefill {
             Some(p) => &plan.steps[p].positions,
             None => &[],
@@ -394,7 +415,9 @@ pub fn run(setup: ReplaySetup<'_>, out: ReplayOutputs<'_>) -> Result<ReplayResul
                 &TurnRequest {
                     prompt: &prompt,
                     positions,
-                    n_predict: turn_tokens(&plan, turn),
+                    n_predict: trace
+                        .turn_end(turn.turn)
+                        .map_or_else(|| turn_tokens(&plan, turn), |e| e.tokens),
                 },
                 &mut source,
                 &mut outputs,

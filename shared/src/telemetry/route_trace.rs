@@ -205,6 +205,17 @@ fn phase_name(p: Phase) -> &'static str {
 /// Writes a route trace: the preamble and header at creation, then one row per routed expert.
 /// A `RecordSink`, so the decode step can feed it directly; the sink interface cannot return
 /// errors, so the first write error is kept and reported by `finish` (and the rest skipped).
+/// A speculative-capable trace's line after each turn's rows: `# turn=<t> tokens=<n>
+/// speculating=<0|1>` (the tokens the turn generated, and whether it speculated).
+pub const TURN_END_PREFIX: &str = "# turn=";
+
+/// What a trace's [`TURN_END_PREFIX`] line says of its turn.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct TurnEnd {
+    pub tokens: u32,
+    pub speculating: bool,
+}
+
 pub struct RouteTraceWriter<W: Write> {
     w: W,
     layer_ids: Vec<u32>,
@@ -443,6 +454,19 @@ impl<W: Write> RecordSink for RouteTraceWriter<W> {
             }
         }
     }
+    /// With the `group` column, `# turn=<t> tokens=<n> speculating=<0|1>` after the turn's
+    /// rows ([`TURN_END_PREFIX`]).
+    fn end_turn(&mut self, turn: u32, tokens: u32, speculating: bool) {
+        if self.error.is_none() && self.group.is_some() {
+            if let Err(e) = writeln!(
+                self.w,
+                "{TURN_END_PREFIX}{turn} tokens={tokens} speculating={}",
+                u8::from(speculating)
+            ) {
+                self.error = Some(e);
+            }
+        }
+    }
     fn flush(&mut self) -> io::Result<()> {
         match &self.error {
             // The first failure stays for `finish`; this reports it as it was.
@@ -504,6 +528,8 @@ pub struct RouteTrace {
     has_router_expert_column: bool,
     /// Whether the file had the `group` column (a speculative run's).
     has_group_column: bool,
+    /// Each turn's [`TURN_END_PREFIX`] line, by turn (a trace whose writer had none: empty).
+    turn_ends: std::collections::BTreeMap<u32, TurnEnd>,
     /// Per slot (parallel to `slots`), `pred_columns.horizons` entries: horizon `h` at
     /// `slot_index · H + h − 1`.
     preds: Vec<Option<(u16, f32)>>,
@@ -778,8 +804,21 @@ impl RouteTrace {
 
         // Rows.
         let mut entries: Vec<Entry> = Vec::new();
+        let mut turn_ends = std::collections::BTreeMap::new();
         let mut fields: Vec<&str> = Vec::with_capacity(columns.count);
         for (n, l) in lines {
+            if let Some(rest) = l.strip_prefix(TURN_END_PREFIX) {
+                let (turn, end) = parse_turn_end(rest).ok_or_else(|| {
+                    at(
+                        n,
+                        format!("expected `{TURN_END_PREFIX}<turn> tokens=<n> speculating=<0|1>`"),
+                    )
+                })?;
+                if turn_ends.insert(turn, end).is_some() {
+                    return Err(at(n, format!("a second end line for turn {turn}")));
+                }
+                continue;
+            }
             if l.is_empty() || l.starts_with('#') || l.trim().is_empty() {
                 continue;
             }
@@ -924,7 +963,7 @@ impl RouteTrace {
             horizons: columns.preds.len() as u8,
             route_ahead,
         };
-        let trace = build_cells(
+        let mut trace = build_cells(
             preamble,
             FileColumns {
                 dropped: columns.dropped.is_some(),
@@ -934,6 +973,7 @@ impl RouteTrace {
             },
             entries,
         )?;
+        trace.turn_ends = turn_ends;
         trace.check_layer_token_counts()?;
         trace.check_not_constant()?;
         Ok(trace)
@@ -1009,6 +1049,11 @@ impl RouteTrace {
     /// hold several positions and feed a position again ([`GROUP_COLUMN`]).
     pub fn has_group_column(&self) -> bool {
         self.has_group_column
+    }
+
+    /// What turn `turn`'s end line says, if the trace has one.
+    pub fn turn_end(&self, turn: u32) -> Option<TurnEnd> {
+        self.turn_ends.get(&turn).copied()
     }
 
     /// The recorded prediction at `slot` of `cell` for `horizon` (1-based): `None` where
@@ -1518,9 +1563,29 @@ fn build_cells(
         pred_columns: file.preds,
         has_router_expert_column: file.router_expert,
         has_group_column: file.group,
+        turn_ends: Default::default(),
         preds,
         router_experts,
     })
+}
+
+/// `<turn> tokens=<n> speculating=<0|1>` (after [`TURN_END_PREFIX`]).
+fn parse_turn_end(rest: &str) -> Option<(u32, TurnEnd)> {
+    let mut it = rest.split_whitespace();
+    let turn = it.next()?.parse().ok()?;
+    let tokens = it.next()?.strip_prefix("tokens=")?.parse().ok()?;
+    let speculating = match it.next()?.strip_prefix("speculating=")? {
+        "0" => false,
+        "1" => true,
+        _ => return None,
+    };
+    it.next().is_none().then_some((
+        turn,
+        TurnEnd {
+            tokens,
+            speculating,
+        },
+    ))
 }
 
 /// Within one routing, each prediction horizon and the router's own choice are known for
@@ -1654,6 +1719,31 @@ mod tests {
             let e = RouteTrace::parse(&format!("{model}{extra}\n{body}")).expect_err(extra);
             assert!(e.to_string().contains("appears twice"), "{extra}: {e}");
             assert_eq!(e.line(), Some(line), "{extra}: {e}");
+        }
+    }
+
+    #[test]
+    fn a_turn_end_line_is_read_and_a_malformed_one_refused() {
+        let head = "# route_trace v1\n# model=m arch=a n_layer=1 n_expert=4 n_expert_used=1\n# layer=0 expert_bytes=8 dense_bytes=4\nturn,phase,step,layer,slot,expert,weight,residency,expert_bytes,dropped,group\n0,1,0,0,0,1,1.0,0,8,0,0\n0,1,1,0,0,2,1.0,0,8,0,0\n";
+        let t =
+            RouteTrace::parse(&format!("{head}# turn=0 tokens=1 speculating=1\n")).expect("parses");
+        assert_eq!(
+            t.turn_end(0),
+            Some(TurnEnd {
+                tokens: 1,
+                speculating: true
+            })
+        );
+        assert_eq!(t.turn_end(1), None);
+        for bad in [
+            "# turn=0 tokens=1",
+            "# turn=x tokens=1 speculating=0",
+            "# turn=0 tokens=1 speculating=2",
+            "# turn=0 tokens=1 speculating=0 more",
+            "# turn=0 tokens=1 speculating=0\n# turn=0 tokens=2 speculating=0",
+        ] {
+            let e = RouteTrace::parse(&format!("{head}{bad}\n")).expect_err(bad);
+            assert_eq!(e.line(), Some(7 + bad.matches('\n').count()), "{bad}: {e}");
         }
     }
 

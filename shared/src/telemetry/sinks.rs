@@ -35,6 +35,14 @@ impl RecordSink for TraceTee<'_> {
             s.io(r);
         }
     }
+    fn end_turn(&mut self, turn: u32, tokens: u32, speculating: bool) {
+        if let Some(s) = self.route.as_mut() {
+            s.end_turn(turn, tokens, speculating);
+        }
+        if let Some(s) = self.io.as_mut() {
+            s.end_turn(turn, tokens, speculating);
+        }
+    }
     fn flush(&mut self) -> std::io::Result<()> {
         if let Some(s) = self.route.as_mut() {
             s.flush()?;
