@@ -161,6 +161,11 @@ struct MtpRun {
     /// (llama.cpp's `h_nextn`): the `h` a row at the position after it pairs with.
     last_first: u32,
     last_h: Vec<f32>,
+    /// The last row's position and hidden state of the last few steps before that, each still
+    /// of the context's history (a step drops those at or past its first position): a turn
+    /// that continues from a turn boundary (a regenerated or edited reply) finds the hidden
+    /// state of the position before it here.
+    ends: Vec<(u32, Vec<f32>)>,
     /// The last step's rows the head has not caught up with: tokens, positions, and each
     /// row's `h` (the hidden state of the position before it).
     pending: Option<(Vec<u32>, Vec<u32>, Vec<f32>)>,
@@ -181,9 +186,29 @@ impl MtpRun {
         if p >= 0 && (0..rows).contains(&r) {
             let r = r as usize;
             self.h.extend_from_slice(&self.last_h[r * d..(r + 1) * d]);
+        } else if let Some((_, h)) = self.ends.iter().find(|(q, _)| i64::from(*q) == p) {
+            self.h.extend_from_slice(h);
         } else {
             self.h.extend(std::iter::repeat_n(0.0, d));
         }
+    }
+
+    /// A step from position `first` computed `rows` (each row's hidden state): it becomes the
+    /// last step, and the one before it leaves its last row in `ends`.
+    fn step_done(&mut self, first: u32, rows: Vec<f32>, d: usize) {
+        const ENDS: usize = 8;
+        if self.last_h.len() >= d && d > 0 {
+            let n = (self.last_h.len() / d) as u32;
+            let last = self.last_h.split_off(self.last_h.len() - d);
+            self.ends.push((self.last_first + n - 1, last));
+        }
+        // What a step rewrites is no longer the context's.
+        self.ends.retain(|(q, _)| *q < first);
+        if self.ends.len() > ENDS {
+            self.ends.drain(..self.ends.len() - ENDS);
+        }
+        self.last_first = first;
+        self.last_h = rows;
     }
 }
 
@@ -294,6 +319,7 @@ impl<A: Arch + ?Sized> EngineBackend<A> {
             tokens: Vec::new(),
             last_first: 0,
             last_h: Vec::new(),
+            ends: Vec::new(),
             pending: None,
             h: Vec::new(),
             h_out: Vec::new(),
@@ -612,8 +638,7 @@ impl<A: Arch + ?Sized> Backend for EngineBackend<A> {
                 st.positions.clone(),
                 std::mem::take(&mut m.h),
             ));
-            m.last_first = first;
-            m.last_h = rows;
+            m.step_done(first, rows, d);
             if m.logits_out.is_some() {
                 self.mtp_catch_up()?;
             }
@@ -854,5 +879,66 @@ impl<A: Arch + ?Sized> EngineBackend<A> {
             &proj[..n_proj],
             &self.uses,
         )?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run() -> MtpRun {
+        MtpRun {
+            state: State::new(&[], 8),
+            tokens: Vec::new(),
+            last_first: 0,
+            last_h: Vec::new(),
+            ends: Vec::new(),
+            pending: None,
+            h: Vec::new(),
+            h_out: Vec::new(),
+            logits_out: None,
+        }
+    }
+
+    /// Rows of width 2 whose values are their positions.
+    fn rows(first: u32, n: u32) -> Vec<f32> {
+        (first..first + n)
+            .flat_map(|p| [p as f32, p as f32])
+            .collect()
+    }
+
+    fn h_at(m: &mut MtpRun, p: i64) -> Vec<f32> {
+        m.h_after(p, 2);
+        m.h.clone()
+    }
+
+    /// The head pairs a row with the trunk's hidden state of the position before it: from the
+    /// last step, from an earlier step's last row while the context still holds it, else zeros.
+    #[test]
+    fn the_hidden_state_before_a_position_comes_from_the_context_it_is_of() {
+        let mut m = run();
+        assert_eq!(h_at(&mut m, -1), [0.0, 0.0], "before position 0");
+        m.step_done(0, rows(0, 5), 2); // a prompt: 0..=4
+        assert_eq!(h_at(&mut m, 3), [3.0, 3.0]);
+        m.step_done(5, rows(5, 1), 2); // decode 5
+        m.step_done(6, rows(6, 3), 2); // a verify group 6..=8
+        assert_eq!(h_at(&mut m, 7), [7.0, 7.0], "the last step's rows");
+        assert_eq!(h_at(&mut m, 4), [4.0, 4.0], "the prompt's last row, kept");
+        assert_eq!(h_at(&mut m, 5), [5.0, 5.0]);
+        assert_eq!(
+            h_at(&mut m, 2),
+            [0.0, 0.0],
+            "not kept: only each step's last row"
+        );
+        // A step that goes back to 5 rewrites the context from there: what was at 5 and past
+        // it is another history now.
+        m.step_done(5, rows(105, 2), 2);
+        assert_eq!(h_at(&mut m, 5), [105.0, 105.0]);
+        assert_eq!(
+            h_at(&mut m, 8),
+            [0.0, 0.0],
+            "the old group's last row is gone"
+        );
+        assert_eq!(h_at(&mut m, 4), [4.0, 4.0]);
     }
 }
