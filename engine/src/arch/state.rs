@@ -556,7 +556,9 @@ impl Memory {
         match self {
             Memory::Kv(kv) => kv.bytes(),
             Memory::Recurrent(r) => {
-                4 * (r.conv.len() + r.state.len() + r.rows.conv.len() + r.rows.state.len())
+                // The row copies as allocated: a verify decode's stay for the next one.
+                4 * (r.conv.len() + r.state.len())
+                    + 4 * (r.rows.conv.capacity() + r.rows.state.capacity())
                     + r.mark
                         .as_ref()
                         .map_or(0, |m| 4 * (m.conv.len() + m.state.len()))
