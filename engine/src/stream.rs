@@ -176,6 +176,20 @@ struct MtpRun {
 }
 
 impl MtpRun {
+    fn new(state: State, logits_out: Option<std::io::BufWriter<std::fs::File>>) -> MtpRun {
+        MtpRun {
+            state,
+            tokens: Vec::new(),
+            last_first: 0,
+            last_h: Vec::new(),
+            ends: Vec::new(),
+            pending: None,
+            h: Vec::new(),
+            h_out: Vec::new(),
+            logits_out,
+        }
+    }
+
     /// The trunk's hidden state at position `p` into `h`, replacing it (zeros when the last
     /// step did not hold it: position −1, or a session that moved elsewhere; the draft is then
     /// only worse, never wrong: verification decides).
@@ -313,17 +327,7 @@ impl<A: Arch + ?Sized> EngineBackend<A> {
             None => None,
         };
         self.state.every_row_out = true;
-        self.mtp = Some(Box::new(MtpRun {
-            state,
-            logits_out,
-            tokens: Vec::new(),
-            last_first: 0,
-            last_h: Vec::new(),
-            ends: Vec::new(),
-            pending: None,
-            h: Vec::new(),
-            h_out: Vec::new(),
-        }));
+        self.mtp = Some(Box::new(MtpRun::new(state, logits_out)));
         Ok(())
     }
 
@@ -887,17 +891,7 @@ mod tests {
     use super::*;
 
     fn run() -> MtpRun {
-        MtpRun {
-            state: State::new(&[], 8),
-            tokens: Vec::new(),
-            last_first: 0,
-            last_h: Vec::new(),
-            ends: Vec::new(),
-            pending: None,
-            h: Vec::new(),
-            h_out: Vec::new(),
-            logits_out: None,
-        }
+        MtpRun::new(State::new(&[], 8), None)
     }
 
     /// Rows of width 2 whose values are their positions.
