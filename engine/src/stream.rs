@@ -302,7 +302,7 @@ impl<A: Arch + ?Sized> EngineBackend<A> {
         }
     }
 
-    /// `--mtp`: draft with the model's MTP head (`Backend::draft_with_head`). Every step then
+    /// `--mtp`: draft with the model's MTP head (`Backend::head_logits`). Every step then
     /// keeps each row's final hidden state (the last layer's FFN runs for every row) and the
     /// head catches up on the step's rows before it next drafts, as llama.cpp's draft context
     /// does. An error names a model without a head this build runs.
@@ -746,57 +746,36 @@ impl<A: Arch + ?Sized> Backend for EngineBackend<A> {
         self.mtp.is_some()
     }
 
-    /// Catch the head up on the last step, then draft greedily: the token at `position` with
-    /// the trunk's hidden state of the position before, then each draft with the head's own
-    /// hidden state, until `max` or a best probability below `p_min`.
-    fn draft_with_head(
+    /// The head on `token` at `position`: paired with the trunk's hidden state of the
+    /// position before (after catching up on the last step) or, `chained`, with the head's
+    /// own from its last call.
+    fn head_logits(
         &mut self,
         token: u32,
         position: u32,
-        max: usize,
-        p_min: f32,
-        out: &mut Vec<u32>,
-    ) -> Result<(), StreamError> {
-        out.clear();
-        self.mtp_catch_up()?;
-        let Some(m) = self.mtp.as_mut() else {
-            return Ok(());
-        };
-        let d = self.model.dims().d_model;
-        m.h_after(i64::from(position) - 1, d);
-        let mut tok = token;
-        for i in 0..max as u32 {
-            let MtpRun {
-                state, h, h_out, ..
-            } = &mut **m;
-            self.model
-                .mtp(state, &[tok], &[position + i], h, &[0], h_out)?;
-            let logits = &state.logits;
-            crate::finite::check_logits_of(logits, || {
-                format!("MTP draft at position {}", position + i)
-            })?;
-            let (best, top) =
-                logits
-                    .iter()
-                    .enumerate()
-                    .fold((0usize, f32::NEG_INFINITY), |(b, v), (j, &x)| {
-                        if x > v {
-                            (j, x)
-                        } else {
-                            (b, v)
-                        }
-                    });
-            if p_min > 0.0 {
-                let sum: f64 = logits.iter().map(|&x| f64::from(x - top).exp()).sum();
-                if ((1.0 / sum) as f32) < p_min {
-                    break;
-                }
-            }
-            out.push(best as u32);
-            tok = best as u32;
-            std::mem::swap(h, h_out);
+        chained: bool,
+    ) -> Result<Option<&[f32]>, StreamError> {
+        if !chained {
+            self.mtp_catch_up()?;
         }
-        Ok(())
+        let d = self.model.dims().d_model;
+        let Some(m) = self.mtp.as_mut() else {
+            return Ok(None);
+        };
+        if chained {
+            std::mem::swap(&mut m.h, &mut m.h_out);
+        } else {
+            m.h_after(i64::from(position) - 1, d);
+        }
+        let MtpRun {
+            state, h, h_out, ..
+        } = &mut **m;
+        self.model
+            .mtp(state, &[token], &[position], h, &[0], h_out)?;
+        crate::finite::check_logits_of(&state.logits, || {
+            format!("MTP draft at position {position}")
+        })?;
+        Ok(Some(&state.logits))
     }
 
     fn mark_boundary(&mut self, n: u32) -> Result<bool, StreamError> {

@@ -360,27 +360,26 @@ pub trait Backend {
         let _ = on;
     }
 
-    /// Whether this backend drafts with the model's own head ([`Backend::draft_with_head`],
+    /// Whether this backend has the model's own draft head ([`Backend::head_logits`],
     /// `--mtp`). Default: no.
     fn has_draft_head(&self) -> bool {
         false
     }
 
-    /// Up to `max` draft tokens to follow `token`, about to be fed at `position`, from the
-    /// model's own draft head (`--mtp`), into `out`; fewer where the head's best probability
-    /// falls below `p_min`. Where the head must catch up on the steps it has not seen, it does
-    /// so here (what a speculative run's drafting time includes). Default: none.
-    fn draft_with_head(
+    /// The model's draft head (`--mtp`) on `token` at `position`: its logits over the
+    /// vocabulary. Not `chained`: `token` is the one about to be fed at `position`, paired with
+    /// the trunk's hidden state of the position before (the head first catches up on the steps
+    /// it has not seen: what a speculative run's drafting time includes); `chained`: a draft,
+    /// paired with the head's own hidden state from its last call. What to draft from them is
+    /// the core's ([`crate::speculate::head_draft`]). Default: `None` (no head).
+    fn head_logits(
         &mut self,
         token: u32,
         position: u32,
-        max: usize,
-        p_min: f32,
-        out: &mut Vec<u32>,
-    ) -> Result<(), Self::Error> {
-        let _ = (token, position, max, p_min);
-        out.clear();
-        Ok(())
+        chained: bool,
+    ) -> Result<Option<&[f32]>, Self::Error> {
+        let _ = (token, position, chained);
+        Ok(None)
     }
 
     /// Whether this backend computes every row's logits on request

@@ -35,7 +35,7 @@ use crate::decide::{
 use crate::flash::Flash;
 use crate::ledger::{Ledger, MemPicture};
 use crate::records::{Phase, RecordSink};
-use crate::speculate::{ngram_draft, NgramParams, SpecCounters};
+use crate::speculate::{head_draft, ngram_draft, NgramParams, SpecCounters};
 use crate::step::{Engine, StepError, StepInput, StepStats};
 use crate::telemetry::report::{write_report, ReportContext};
 use crate::telemetry::run::RunTelemetry;
@@ -369,9 +369,9 @@ pub struct Session<C: Clock, F: Flash, B: Backend> {
     mark_during_prefill: Option<u32>,
     /// `--ngram`: the draft source's settings for the turns that follow (`None`: plain decode).
     speculation: Option<NgramParams>,
-    /// `--mtp`: draft with the backend's head ([`Backend::draft_with_head`]), at most this
-    /// many tokens per step, while its best probability is at least the floor.
-    head_drafts: Option<(u32, f32)>,
+    /// `--mtp`: draft with the backend's head ([`crate::speculate::head_draft`], `--draft`
+    /// and `--mtp-p-min` from the configuration).
+    head_drafts: bool,
     /// Test hook (`--draft-replay`): draft the tokens a recorded run generated next, at most
     /// this many, instead of by prompt lookup — every draft accepted when the run repeats the
     /// recorded one: the ceiling of speculation, and a verify decode of a fixed width. A
@@ -390,8 +390,7 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
         probe: Box<dyn MemProbe>,
     ) -> Self {
         let speculation = ngram_of(&cfg);
-        let head_drafts =
-            (cfg.spec == SpecMode::Mtp).then_some((cfg.spec_draft_max, cfg.mtp_p_min));
+        let head_drafts = cfg.spec == SpecMode::Mtp;
         Session {
             engine,
             cfg,
@@ -430,7 +429,7 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
         if self.cfg.spec != SpecMode::Mtp {
             return !on;
         }
-        self.head_drafts = on.then_some((self.cfg.spec_draft_max, self.cfg.mtp_p_min));
+        self.head_drafts = on;
         true
     }
 
@@ -855,9 +854,8 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
         // drafted group in one step (see `crate::speculate`); elsewhere every step is plain.
         let verifiable = source.verifies() && self.engine.backend().verifies_rows();
         let spec = self.speculation.filter(|_| verifiable);
-        let head = self
-            .head_drafts
-            .filter(|_| verifiable && self.engine.backend().has_draft_head());
+        let head = (self.head_drafts && verifiable && self.engine.backend().has_draft_head())
+            .then_some((self.cfg.spec_draft_max, self.cfg.mtp_p_min));
         // Taken for the turn (and put back after it): the loop feeds `self` as it drafts.
         let replay = self.replay_drafts.take().filter(|_| verifiable);
         // A replayed speculative run drafts what it recorded, and counts its decodes as the
@@ -917,11 +915,14 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
             } else if let Some((max, p_min)) = head {
                 let room = room.min(max) as usize;
                 if room > 0 {
-                    if let Err(e) = self
-                        .engine
-                        .backend_mut()
-                        .draft_with_head(token, position, room, p_min, &mut draft)
-                    {
+                    if let Err(e) = head_draft(
+                        self.engine.backend_mut(),
+                        token,
+                        position,
+                        room,
+                        p_min,
+                        &mut draft,
+                    ) {
                         ledger.io_error();
                         stop = StopReason::Failed;
                         error = Some(StepError::Backend {

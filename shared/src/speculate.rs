@@ -19,7 +19,50 @@
 //! sampler and row-invariant logits, the very same tokens).
 //!
 //! The n-gram source (prompt lookup) is here; it costs a scan of the token history and
-//! allocates nothing.
+//! allocates nothing. So is what the model's own draft head (`--mtp`) drafts from its logits
+//! ([`head_draft`]).
+
+use crate::backend::Backend;
+
+/// `--mtp`'s drafting: up to `max` tokens after `token` (about to be fed at `position`), each
+/// the head's most likely next token (the lowest id among equals) fed back to it, stopping
+/// before one whose probability under the head is below `p_min`. Into `out` (cleared first).
+pub fn head_draft<B: Backend + ?Sized>(
+    backend: &mut B,
+    token: u32,
+    position: u32,
+    max: usize,
+    p_min: f32,
+    out: &mut Vec<u32>,
+) -> Result<(), B::Error> {
+    out.clear();
+    let mut tok = token;
+    for i in 0..max as u32 {
+        let Some(logits) = backend.head_logits(tok, position + i, i > 0)? else {
+            break;
+        };
+        let (best, top) =
+            logits
+                .iter()
+                .enumerate()
+                .fold((0usize, f32::NEG_INFINITY), |(b, v), (j, &x)| {
+                    if x > v {
+                        (j, x)
+                    } else {
+                        (b, v)
+                    }
+                });
+        if p_min > 0.0 {
+            let sum: f64 = logits.iter().map(|&x| f64::from(x - top).exp()).sum();
+            if ((1.0 / sum) as f32) < p_min {
+                break;
+            }
+        }
+        tok = best as u32;
+        out.push(tok);
+    }
+    Ok(())
+}
 
 /// `--ngram` settings: draft up to `draft_max` tokens from the longest earlier match of at
 /// least `min_match` (at most `max_match`) trailing tokens.
