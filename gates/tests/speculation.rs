@@ -680,6 +680,51 @@ fn trailer<'a>(text: &'a str, key: &str) -> &'a str {
         .unwrap_or_else(|| panic!("no {key} in the trailer"))
 }
 
+/// Run `m` with `engine` (a CSV and a route trace added), replay its trace through `bmoe-sim
+/// replay` with `sim` (the same outputs added), and hold the replay to the run: the same route
+/// trace byte for byte, the same rows, every exact summary key (`tokens`, reads, evictions and
+/// speculation's `mtp_*` among them). Returns the run, both CSVs and the simulator's stdout.
+fn engine_and_replay(
+    m: &Path,
+    tag: &str,
+    engine: &[&str],
+    sim: &[&str],
+) -> (bmoe_gates::Run, String, String, String) {
+    let dir = scratch_dir("speculation-sim");
+    let [ecsv, eroute, scsv, sroute] =
+        ["e.csv", "e.route.csv", "s.csv", "s.route.csv"].map(|f| dir.join(format!("{tag}-{f}")));
+    let (ecsv_s, eroute_s) = (ecsv.to_str().unwrap(), eroute.to_str().unwrap());
+    let outputs = ["--csv", ecsv_s, "--route-trace", eroute_s];
+    let e = run(m, &[engine, &outputs[..]].concat());
+    assert_eq!(e.code, 0, "{tag}: {}", e.stderr);
+    let replay = [
+        "replay",
+        "--trace",
+        eroute_s,
+        "--profile",
+        "this-machine",
+        "--csv",
+        scsv.to_str().unwrap(),
+        "--route-trace",
+        sroute.to_str().unwrap(),
+    ];
+    let (code, out, err) = bmoe_gates::sim(&[&replay[..], sim].concat());
+    assert_eq!(code, 0, "{tag}: {err}");
+    assert!(
+        std::fs::read_to_string(&eroute).unwrap() == std::fs::read_to_string(&sroute).unwrap(),
+        "{tag}: the replayed route trace differs"
+    );
+    let (ec, sc) = (
+        std::fs::read_to_string(&ecsv).unwrap(),
+        std::fs::read_to_string(&scsv).unwrap(),
+    );
+    assert_eq!(csv_rows(&ec), csv_rows(&sc), "{tag}: rows");
+    for key in bmoe_sim::diff::EXACT_SUMMARY_KEYS {
+        assert_eq!(trailer(&ec, key), trailer(&sc, key), "{tag}: {key}");
+    }
+    (e, ec, sc, out)
+}
+
 #[test]
 fn the_simulator_replays_a_speculative_run_exactly() {
     // The route trace numbers its steps (group column), so each verify decode replays as the
@@ -691,15 +736,8 @@ fn the_simulator_replays_a_speculative_run_exactly() {
         ("serial", &["--cache-mb", "3"][..]),
         ("overlap", &["--cache-mb", "5", "--overlap"]),
     ] {
-        let (ecsv, eroute) = (
-            dir.join(format!("{tag}-e.csv")),
-            dir.join(format!("{tag}-e.route.csv")),
-        );
-        let (scsv, sroute) = (
-            dir.join(format!("{tag}-s.csv")),
-            dir.join(format!("{tag}-s.route.csv")),
-        );
-        let mut a = vec![
+        let common = [&["--force-cache", "--io-threads", "3"][..], extra].concat();
+        let engine = [
             "-p",
             PROMPT,
             "-n",
@@ -708,138 +746,41 @@ fn the_simulator_replays_a_speculative_run_exactly() {
             "-t",
             "2",
             "--moe-stream",
-            "--force-cache",
-            "--io-threads",
-            "3",
             "--ngram",
             "--ngram-min-match",
             "1",
             "--draft",
             "4",
-            "--csv",
-            ecsv.to_str().unwrap(),
-            "--route-trace",
-            eroute.to_str().unwrap(),
         ];
-        a.extend_from_slice(extra);
-        let e = run(&m, &a);
-        assert_eq!(e.code, 0, "{}", e.stderr);
-        let mut s = vec![
-            "replay",
-            "--trace",
-            eroute.to_str().unwrap(),
-            "--profile",
-            "this-machine",
-            "--force-cache",
-            "--io-threads",
-            "3",
-            "--csv",
-            scsv.to_str().unwrap(),
-            "--route-trace",
-            sroute.to_str().unwrap(),
-        ];
-        s.extend_from_slice(extra);
-        let (code, out, err) = bmoe_gates::sim(&s);
-        assert_eq!(code, 0, "{tag}: {err}");
+        let (_, ec, _, out) = engine_and_replay(&m, tag, &[&engine[..], &common].concat(), &common);
         assert!(out.contains("ngram: "), "{tag}: {out}");
-        let (et, st) = (
-            std::fs::read_to_string(&eroute).unwrap(),
-            std::fs::read_to_string(&sroute).unwrap(),
-        );
+        let et = std::fs::read_to_string(dir.join(format!("{tag}-e.route.csv"))).unwrap();
         assert!(et.lines().nth(3).unwrap_or("").ends_with(",group") || et.contains(",group\n"));
-        assert!(et == st, "{tag}: the replayed route trace differs");
-        let (ec, sc) = (
-            std::fs::read_to_string(&ecsv).unwrap(),
-            std::fs::read_to_string(&scsv).unwrap(),
-        );
-        assert_eq!(csv_rows(&ec), csv_rows(&sc), "{tag}: rows");
-        for key in [
-            "tokens",
-            "read_MiB",
-            "evictions",
-            "mtp_drafted",
-            "mtp_accepted",
-            "mtp_decodes",
-            "drafted_steps",
-        ] {
-            assert_eq!(trailer(&ec, key), trailer(&sc, key), "{tag}: {key}");
-        }
         assert!(
             trailer(&ec, "mtp_accepted") != "0",
             "{tag}: nothing accepted"
         );
-        for key in bmoe_sim::diff::EXACT_SUMMARY_KEYS {
-            assert_eq!(trailer(&ec, key), trailer(&sc, key), "{tag}: {key}");
-        }
     }
     // An --mtp run on a hybrid: every step's last layer routes every row (the head's input),
     // and the verify groups replay as they were.
-    let m = spec_model("qwen35moe");
-    let (ecsv, eroute, scsv, sroute) = (
-        dir.join("mtp-e.csv"),
-        dir.join("mtp-e.route.csv"),
-        dir.join("mtp-s.csv"),
-        dir.join("mtp-s.route.csv"),
+    let cache = ["--cache-mb", "3", "--force-cache", "--io-threads", "3"];
+    let engine = [
+        "-p",
+        PROMPT,
+        "-n",
+        "24",
+        "--ignore-eos",
+        "--moe-stream",
+        "--mtp",
+    ];
+    let (_, ec, _, out) = engine_and_replay(
+        &spec_model("qwen35moe"),
+        "mtp",
+        &[&engine[..], &cache].concat(),
+        &cache,
     );
-    let e = run(
-        &m,
-        &[
-            "-p",
-            PROMPT,
-            "-n",
-            "24",
-            "--ignore-eos",
-            "--moe-stream",
-            "--cache-mb",
-            "3",
-            "--force-cache",
-            "--io-threads",
-            "3",
-            "--mtp",
-            "--csv",
-            ecsv.to_str().unwrap(),
-            "--route-trace",
-            eroute.to_str().unwrap(),
-        ],
-    );
-    assert_eq!(e.code, 0, "{}", e.stderr);
-    let (code, out, err) = bmoe_gates::sim(&[
-        "replay",
-        "--trace",
-        eroute.to_str().unwrap(),
-        "--profile",
-        "this-machine",
-        "--cache-mb",
-        "3",
-        "--force-cache",
-        "--io-threads",
-        "3",
-        "--csv",
-        scsv.to_str().unwrap(),
-        "--route-trace",
-        sroute.to_str().unwrap(),
-    ]);
-    assert_eq!(code, 0, "mtp: {err}");
     assert!(out.contains("mtp: "), "{out}");
-    assert!(
-        std::fs::read_to_string(&eroute).unwrap() == std::fs::read_to_string(&sroute).unwrap(),
-        "mtp: the replayed route trace differs"
-    );
-    let (ec, sc) = (
-        std::fs::read_to_string(&ecsv).unwrap(),
-        std::fs::read_to_string(&scsv).unwrap(),
-    );
     assert!(ec.contains("spec=mtp"), "{ec}");
-    assert_eq!(csv_rows(&ec), csv_rows(&sc), "mtp: rows");
-    for key in [
-        "tokens",
-        "read_MiB",
-        "evictions",
-        "mtp_drafted",
-        "mtp_decodes",
-    ] {
-        assert_eq!(trailer(&ec, key), trailer(&sc, key), "mtp: {key}");
-    }
     assert_ne!(trailer(&ec, "mtp_drafted"), "0");
     // A turn that meets its end-of-generation token inside a verify decode: the drafts come
     // from a recording of the plain run (which stops at that token) with one token appended,
@@ -867,60 +808,26 @@ fn the_simulator_replays_a_speculative_run_exactly() {
         .push(serde_json::json!(5));
     let plus = dir.join("eog-plus.json");
     std::fs::write(&plus, v.to_string()).unwrap();
-    let (ecsv, eroute, scsv) = (
-        dir.join("eog-e.csv"),
-        dir.join("eog-e.route.csv"),
-        dir.join("eog-s.csv"),
-    );
-    let e = run(
-        &m,
-        &[
-            "-p",
-            "a b c d e f g",
-            "-n",
-            "200",
-            "--moe-stream",
-            "--cache-mb",
-            "3",
-            "--force-cache",
-            "--draft-replay",
-            plus.to_str().unwrap(),
-            "--draft",
-            "4",
-            "--csv",
-            ecsv.to_str().unwrap(),
-            "--route-trace",
-            eroute.to_str().unwrap(),
-        ],
-    );
-    assert_eq!(e.code, 0, "{}", e.stderr);
+    let cache = ["--cache-mb", "3", "--force-cache"];
+    let engine = [
+        "-p",
+        "a b c d e f g",
+        "-n",
+        "200",
+        "--moe-stream",
+        "--draft-replay",
+        plus.to_str().unwrap(),
+        "--draft",
+        "4",
+    ];
+    let (e, ec, _, _) = engine_and_replay(&m, "eog", &[&engine[..], &cache].concat(), &cache);
     assert_eq!(e.outcome.tokens, plain.outcome.tokens);
-    let (code, _, err) = bmoe_gates::sim(&[
-        "replay",
-        "--trace",
-        eroute.to_str().unwrap(),
-        "--profile",
-        "this-machine",
-        "--cache-mb",
-        "3",
-        "--force-cache",
-        "--csv",
-        scsv.to_str().unwrap(),
-    ]);
-    assert_eq!(code, 0, "eog: {err}");
-    let (ec, sc) = (
-        std::fs::read_to_string(&ecsv).unwrap(),
-        std::fs::read_to_string(&scsv).unwrap(),
-    );
     assert!(trailer(&ec, "tokens").parse::<usize>().unwrap() < 200);
     assert_ne!(
         trailer(&ec, "mtp_accepted"),
         trailer(&ec, "mtp_drafted"),
         "the row past the end was drafted and not confirmed"
     );
-    for key in bmoe_sim::diff::EXACT_SUMMARY_KEYS {
-        assert_eq!(trailer(&ec, key), trailer(&sc, key), "eog: {key}");
-    }
     // A speculative trace without the group column (an older writer's) is refused, by name.
     let text = std::fs::read_to_string(dir.join("serial-e.route.csv")).unwrap();
     let stripped: String = text
