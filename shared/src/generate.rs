@@ -40,7 +40,7 @@ use crate::step::{Engine, StepError, StepInput, StepStats};
 use crate::telemetry::report::{write_report, ReportContext};
 use crate::telemetry::run::RunTelemetry;
 use crate::telemetry::sinks::TraceTee;
-use crate::telemetry::summary::RunSummary;
+use crate::telemetry::summary::{RunSummary, SpecSources};
 use std::io::{self, Write};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -868,6 +868,14 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
                 && source
                     .recorded_speculating()
                     .unwrap_or(self.cfg.spec != SpecMode::Off));
+        // The source this turn drafts from, for the summary lines' name: a replay takes its
+        // recording's (`spec=`; a request's own choice is not recorded, so prompt lookup).
+        let sources = SpecSources {
+            mtp: head.is_some() || (replaying && speculating && self.cfg.spec == SpecMode::Mtp),
+            ngram: spec.is_some()
+                || replay.is_some()
+                || (replaying && speculating && self.cfg.spec != SpecMode::Mtp),
+        };
         let mut spec_counts = SpecCounters::default();
         // A token chosen from a verify decode's row that rejected its draft: the next one fed.
         let mut pending: Option<u32> = None;
@@ -1086,6 +1094,9 @@ impl<C: Clock, F: Flash, B: Backend> Session<C, F, B> {
         counters.mtp_accepted = spec_counts.accepted;
         counters.mtp_decodes = spec_counts.decodes;
         counters.drafted_steps = spec_counts.drafted_steps;
+        if spec_counts.decodes > 0 {
+            counters.spec_sources = sources;
+        }
         let summary = self
             .telemetry
             .finish(counters, reborrow_w(&mut out.csv))

@@ -73,10 +73,16 @@ pub fn compute_line(cfg: &RunConfig, s: &RunSummary) -> Option<String> {
 /// The `mtp:` / `ngram:` lines (acceptance, cost, and for n-gram coverage), or none.
 pub fn speculation_lines(cfg: &RunConfig, s: &RunSummary) -> Vec<String> {
     let c = &s.counters;
-    if cfg.spec == SpecMode::Off || c.mtp_decodes == 0 {
+    if c.mtp_decodes == 0 {
         return Vec::new();
     }
-    let src = cfg.spec.name();
+    // Named after the source that drafted (a session's request may choose another than the
+    // run's flag); a replayed run names the one its recording's header gave.
+    let src = match (c.spec_sources.name(), cfg.spec) {
+        (Some(name), _) => name,
+        (None, SpecMode::Off) => return Vec::new(),
+        (None, mode) => mode.name(),
+    };
     let mut out = vec![format!(
         "{src}: {}/{} drafts accepted ({}%), {} tokens per verify decode ({} decodes for {} tokens)",
         c.mtp_accepted,
@@ -98,7 +104,7 @@ pub fn speculation_lines(cfg: &RunConfig, s: &RunSummary) -> Vec<String> {
         fixed(effective, 2),
         fixed(s.tokens_per_s(), 2)
     ));
-    if cfg.spec == SpecMode::Ngram {
+    if src == "ngram" {
         out.push(format!(
             "ngram: drafted on {} of {} steps ({}%); the rest decoded plainly",
             c.drafted_steps,
@@ -422,6 +428,40 @@ pub fn write_report(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn speculation_lines_are_named_after_the_source_that_drafted() {
+        use super::super::summary::SpecSources;
+        let mut s = RunSummary::default();
+        s.totals.tokens = 40;
+        s.counters.mtp_decodes = 20;
+        s.counters.mtp_drafted = 30;
+        s.counters.mtp_accepted = 20;
+        s.counters.drafted_steps = 15;
+        let cfg = RunConfig::default();
+        // No source recorded and no flag: a run that never speculated.
+        assert!(speculation_lines(&cfg, &s).is_empty());
+        // A session opened without --ngram whose requests asked for it.
+        s.counters.spec_sources = SpecSources {
+            ngram: true,
+            mtp: false,
+        };
+        let l = speculation_lines(&cfg, &s);
+        assert!(l[0].starts_with("ngram: 20/30 drafts accepted"), "{l:?}");
+        assert!(l[2].starts_with("ngram: drafted on 15 of 20 steps"), "{l:?}");
+        // A --mtp session one of whose requests drafted by prompt lookup.
+        let cfg = RunConfig {
+            spec: SpecMode::Mtp,
+            ..RunConfig::default()
+        };
+        s.counters.spec_sources.mtp = true;
+        let l = speculation_lines(&cfg, &s);
+        assert!(l[0].starts_with("mtp+ngram: "), "{l:?}");
+        assert_eq!(l.len(), 2, "{l:?}");
+        // A replay whose counters name no source takes the configuration's.
+        s.counters.spec_sources = SpecSources::default();
+        assert!(speculation_lines(&cfg, &s)[0].starts_with("mtp: "));
+    }
 
     #[test]
     fn mode_line_variants() {

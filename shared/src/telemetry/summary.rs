@@ -90,6 +90,28 @@ pub struct PrefillCounters {
     pub mgmt_s: f64,
 }
 
+/// The draft sources a generation's speculative decodes used.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SpecSources {
+    /// Prompt lookup (`--ngram`, or a request's `"ngram": true`).
+    pub ngram: bool,
+    /// The model's MTP head (`--mtp`).
+    pub mtp: bool,
+}
+
+impl SpecSources {
+    /// The name the summary lines take: the one source used, `mtp+ngram` for a session whose
+    /// requests used both, `None` for none.
+    pub fn name(self) -> Option<&'static str> {
+        match (self.mtp, self.ngram) {
+            (true, true) => Some("mtp+ngram"),
+            (true, false) => Some("mtp"),
+            (false, true) => Some("ngram"),
+            (false, false) => None,
+        }
+    }
+}
+
 /// Cumulative counters of one generation, handed over by the decode step (cache, streamer,
 /// router hook, speculation) and the engine's probes when the generation ends. Fields a run did
 /// not exercise stay at their defaults.
@@ -144,6 +166,9 @@ pub struct RunCounters {
     pub mtp_accepted: u64,
     pub mtp_decodes: u64,
     pub drafted_steps: u64,
+    /// Which draft sources the turns' speculation used (a session's requests may each choose
+    /// one): what the `mtp:` / `ngram:` lines are named after.
+    pub spec_sources: SpecSources,
     pub prefill: PrefillCounters,
     /// Between-decode time after the last token, which no row can carry (ms).
     pub loop_overhead_tail_ms: f64,
@@ -189,6 +214,7 @@ impl Default for RunCounters {
             mtp_accepted: 0,
             mtp_decodes: 0,
             drafted_steps: 0,
+            spec_sources: SpecSources::default(),
             prefill: PrefillCounters::default(),
             loop_overhead_tail_ms: 0.0,
             io_errors: 0,
@@ -240,6 +266,8 @@ impl RunCounters {
         self.mtp_accepted += c.mtp_accepted;
         self.mtp_decodes += c.mtp_decodes;
         self.drafted_steps += c.drafted_steps;
+        self.spec_sources.ngram |= c.spec_sources.ngram;
+        self.spec_sources.mtp |= c.spec_sources.mtp;
         self.prefill.cpu_s += c.prefill.cpu_s;
         self.prefill.read_bytes += c.prefill.read_bytes;
         self.prefill.io_s += c.prefill.io_s;
