@@ -97,14 +97,14 @@ def models_for(a):
         # full shape (~9 GB) is the --full cell. 4 KV heads keep the KV cache of the trace's
         # 804 tokens small beside the cap.
         Model("ds-lite-reduced",
-              ["--preset", "deepseek-v2-lite-shape", "--d-model", "1024", "--expert-ffn", "512",
+              ["--preset", "deepseek-v2-lite-qwen2moe-stand-in", "--d-model", "1024", "--expert-ffn", "512",
                "--shared-ffn", "1024", "--heads", "16", "--kv-heads", "4", "--head-dim", "64", "--seed", "1"],
-              "deepseek-v2-lite-shape reduced: qwen2moe, 26 layers, 64 experts top-6 + "
+              "deepseek-v2-lite-qwen2moe-stand-in reduced: qwen2moe, 26 layers, 64 experts top-6 + "
               "shared, d_model 1024, expert FFN 512, Q4_K_M", in_ram=True, routing=True, est_gen_s=60),
     ]
     if a.full:
-        ms.append(Model("ds-lite-full", ["--preset", "deepseek-v2-lite-shape", "--seed", "1"],
-                        "deepseek-v2-lite-shape, full size (~9 GB)", in_ram=False, routing=True,
+        ms.append(Model("ds-lite-full", ["--preset", "deepseek-v2-lite-qwen2moe-stand-in", "--seed", "1"],
+                        "deepseek-v2-lite-qwen2moe-stand-in, full size (~9 GB)", in_ram=False, routing=True,
                         est_gen_s=500))
     return ms
 

@@ -27,7 +27,7 @@ the profile fitted across the 30B shape and a reduced DeepSeek-V2-Lite shape:
 
   bmoe-cli gen --preset qwen3-30b-a3b-shape --out q30b.gguf        # ~17 GB, ~3 minutes
   bmoe-cli gen --preset small --out small.gguf
-  bmoe-cli gen --preset deepseek-v2-lite-shape --d-model 1024 --expert-ffn 512 --shared-ffn 1024 \
+  bmoe-cli gen --preset deepseek-v2-lite-qwen2moe-stand-in --d-model 1024 --expert-ffn 512 --shared-ffn 1024 \
       --heads 16 --kv-heads 4 --head-dim 64 --out ds-lite-reduced.gguf
   python3 scripts/sim-whatif-check.py q30b.gguf small.gguf --calibrate-with ds-lite-reduced.gguf:400
   python3 scripts/sim-whatif-check.py ... --cache-mb 120,200,320,480     # by budget

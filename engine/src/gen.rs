@@ -24,6 +24,7 @@
 
 mod gemma4;
 mod gpt_oss;
+mod deepseek2;
 mod lfm2moe;
 mod llama;
 mod mix;
@@ -32,6 +33,7 @@ mod qwen35moe;
 mod qwen3moe;
 
 pub use gemma4::GemmaShape;
+pub use deepseek2::Deepseek2Shape;
 pub use lfm2moe::Lfm2Shape;
 pub use qwen35moe::Qwen35Shape;
 
@@ -64,6 +66,9 @@ pub enum GenArch {
     /// Qwen3.5/3.6 MoE: Gated DeltaNet layers with gated full attention every few, a
     /// sigmoid-gated shared expert, an MTP block.
     Qwen35Moe,
+    /// DeepSeek-V2 family: multi-head latent attention (split k_b/v_b), leading dense layers,
+    /// routed experts beside shared ones.
+    Deepseek2,
 }
 
 impl GenArch {
@@ -74,6 +79,7 @@ impl GenArch {
         "gemma4",
         "gpt-oss",
         "lfm2moe",
+        "deepseek2",
     ];
 
     pub fn from_name(s: &str) -> Option<GenArch> {
@@ -84,6 +90,7 @@ impl GenArch {
             "gpt-oss" => Some(GenArch::GptOss),
             "lfm2moe" => Some(GenArch::Lfm2Moe),
             "qwen35moe" => Some(GenArch::Qwen35Moe),
+            "deepseek2" => Some(GenArch::Deepseek2),
             _ => None,
         }
     }
@@ -96,6 +103,7 @@ impl GenArch {
             GenArch::GptOss => "gpt-oss",
             GenArch::Lfm2Moe => "lfm2moe",
             GenArch::Qwen35Moe => "qwen35moe",
+            GenArch::Deepseek2 => "deepseek2",
         }
     }
 
@@ -137,6 +145,7 @@ impl GenArch {
             GenArch::GptOss => &gpt_oss::GptOss,
             GenArch::Lfm2Moe => &lfm2moe::Lfm2Moe,
             GenArch::Qwen35Moe => &qwen35moe::Qwen35Moe,
+            GenArch::Deepseek2 => &deepseek2::Deepseek2,
         }
     }
 }
@@ -167,6 +176,8 @@ pub struct ModelShape {
     pub lfm2: Option<Lfm2Shape>,
     /// qwen35moe's layer pattern, DeltaNet and rope dimensions (`None` for other architectures).
     pub qwen35: Option<Qwen35Shape>,
+    /// deepseek2's latent attention, dense layers and gating (`None` for other architectures).
+    pub deepseek2: Option<Deepseek2Shape>,
     /// Sliding window of the sliding layers (gpt-oss; 0 = every layer attends fully).
     pub n_swa: u32,
     /// YaRN context extension factor (gpt-oss; 0 = no rope scaling) and its original
@@ -194,11 +205,18 @@ pub enum Preset {
     /// d_model 2048, expert FFN 1408, shared expert FFN 5632, 16 heads of 128; ~8 GB at
     /// Q4_K_M.
     Qwen15MoeA27bShape,
-    /// The routing shape of DeepSeek-V2-Lite, for `--routing-from` with the DeepSeek trace in
-    /// ../shared/traces (qwen2moe, whose shared expert stands in for its two): 26 MoE layers,
-    /// 64 experts, top-6, d_model 2048, expert FFN 1408, shared FFN 2816, 16 heads of 128
-    /// (standing in for its multi-head latent attention); ~9 GB at Q4_K_M.
+    /// The full shape of DeepSeek-V2-Lite (deepseek2; the routing shape of the DeepSeek trace
+    /// in ../shared/traces, for `--routing-from`): 27 layers (the first dense), 64 experts,
+    /// top-6, 2 shared, d_model 2048, expert FFN 1408, multi-head latent attention (16 heads,
+    /// latent 512), YaRN ×40; ~10 GB at Q4_K_M.
     DeepseekV2LiteShape,
+    /// The qwen2moe stand-in `deepseek-v2-lite-shape` was before deepseek2 ran (its shared
+    /// expert standing in for the two, GQA 16 heads of 128 for the latent attention): 26 MoE
+    /// layers, 64 experts, top-6; ~9 GB at Q4_K_M. Kept for the measurements recorded on it.
+    DeepseekV2LiteQwen2moeStandIn,
+    /// The full shape of Moonlight-16B-A3B (deepseek2): V2-Lite's with a query LoRA of 1536,
+    /// sigmoid routing with a selection bias, renormalised, × 2.446.
+    Moonlight16bA3bShape,
     /// The routing shape of Mixtral-8x7B, for `--routing-from` with the Mixtral trace: 32
     /// layers, 8 experts, top-2, d_model 4096, expert FFN 14336, GQA 32/8 heads of 128; ~26 GB
     /// at Q4_K_M.
@@ -239,6 +257,8 @@ impl Preset {
         "qwen3-30b-a3b-shape",
         "qwen1.5-moe-a2.7b-shape",
         "deepseek-v2-lite-shape",
+        "deepseek-v2-lite-qwen2moe-stand-in",
+        "moonlight-16b-a3b-shape",
         "mixtral-8x7b-shape",
         "gemma-4-26b-a4b-shape",
         "gpt-oss-20b-shape",
@@ -254,6 +274,8 @@ impl Preset {
         Preset::Qwen3_30bA3bShape,
         Preset::Qwen15MoeA27bShape,
         Preset::DeepseekV2LiteShape,
+        Preset::DeepseekV2LiteQwen2moeStandIn,
+        Preset::Moonlight16bA3bShape,
         Preset::Mixtral8x7bShape,
         Preset::Gemma4_26bA4bShape,
         Preset::GptOss20bShape,
@@ -269,7 +291,9 @@ impl Preset {
             "small" => Some(Preset::Small),
             "qwen3-30b-a3b-shape" | "qwen3-30b-a3b" => Some(Preset::Qwen3_30bA3bShape),
             "qwen1.5-moe-a2.7b-shape" | "qwen2moe-a2.7b-shape" => Some(Preset::Qwen15MoeA27bShape),
-            "deepseek-v2-lite-shape" => Some(Preset::DeepseekV2LiteShape),
+            "deepseek-v2-lite-shape" | "deepseek-v2-lite" => Some(Preset::DeepseekV2LiteShape),
+            "deepseek-v2-lite-qwen2moe-stand-in" => Some(Preset::DeepseekV2LiteQwen2moeStandIn),
+            "moonlight-16b-a3b-shape" | "moonlight-16b-a3b" => Some(Preset::Moonlight16bA3bShape),
             "mixtral-8x7b-shape" => Some(Preset::Mixtral8x7bShape),
             "gemma-4-26b-a4b-shape" => Some(Preset::Gemma4_26bA4bShape),
             "gpt-oss-20b-shape" => Some(Preset::GptOss20bShape),
@@ -288,6 +312,8 @@ impl Preset {
             Preset::Qwen3_30bA3bShape => "qwen3-30b-a3b-shape",
             Preset::Qwen15MoeA27bShape => "qwen1.5-moe-a2.7b-shape",
             Preset::DeepseekV2LiteShape => "deepseek-v2-lite-shape",
+            Preset::DeepseekV2LiteQwen2moeStandIn => "deepseek-v2-lite-qwen2moe-stand-in",
+            Preset::Moonlight16bA3bShape => "moonlight-16b-a3b-shape",
             Preset::Mixtral8x7bShape => "mixtral-8x7b-shape",
             Preset::Gemma4_26bA4bShape => "gemma-4-26b-a4b-shape",
             Preset::GptOss20bShape => "gpt-oss-20b-shape",
@@ -303,7 +329,10 @@ impl Preset {
         match self {
             Preset::Tiny | Preset::TinyOdd | Preset::Small => None,
             Preset::Qwen3_30bA3bShape | Preset::Mixtral8x7bShape => Some(GenArch::Qwen3Moe),
-            Preset::Qwen15MoeA27bShape | Preset::DeepseekV2LiteShape => Some(GenArch::Qwen2Moe),
+            Preset::Qwen15MoeA27bShape | Preset::DeepseekV2LiteQwen2moeStandIn => {
+                Some(GenArch::Qwen2Moe)
+            }
+            Preset::DeepseekV2LiteShape | Preset::Moonlight16bA3bShape => Some(GenArch::Deepseek2),
             Preset::Gemma4_26bA4bShape => Some(GenArch::Gemma4),
             Preset::GptOss20bShape | Preset::GptOss120bShape => Some(GenArch::GptOss),
             Preset::Lfm2_8bA1bShape => Some(GenArch::Lfm2Moe),
@@ -353,6 +382,7 @@ impl Preset {
             gemma: None,
             lfm2: None,
             qwen35: None,
+            deepseek2: None,
             n_swa: 0,
             yarn_factor: 0.0,
             yarn_orig_ctx: 0,
@@ -404,7 +434,9 @@ impl Preset {
                 n_ctx_train: 8192,
                 ..base
             },
-            Preset::DeepseekV2LiteShape => ModelShape {
+            Preset::DeepseekV2LiteShape => deepseek2::v2_lite_shape(),
+            Preset::Moonlight16bA3bShape => deepseek2::moonlight_shape(),
+            Preset::DeepseekV2LiteQwen2moeStandIn => ModelShape {
                 arch: GenArch::Qwen2Moe,
                 n_layer: 26,
                 n_expert: 64,
@@ -484,6 +516,8 @@ impl Preset {
             // Not calibrated for their own shapes: the value small and the 30B shape share.
             Preset::Qwen15MoeA27bShape
             | Preset::DeepseekV2LiteShape
+            | Preset::DeepseekV2LiteQwen2moeStandIn
+            | Preset::Moonlight16bA3bShape
             | Preset::Mixtral8x7bShape
             | Preset::Gemma4_26bA4bShape
             | Preset::GptOss20bShape
@@ -503,6 +537,8 @@ impl Preset {
             | Preset::Qwen3_30bA3bShape
             | Preset::Qwen15MoeA27bShape
             | Preset::DeepseekV2LiteShape
+            | Preset::DeepseekV2LiteQwen2moeStandIn
+            | Preset::Moonlight16bA3bShape
             | Preset::Mixtral8x7bShape
             | Preset::Gemma4_26bA4bShape
             | Preset::Lfm2_8bA1bShape
@@ -1308,7 +1344,7 @@ pub(crate) mod tests {
                 "tiny-odd",
                 "small",
                 "qwen1.5-moe-a2.7b-shape",
-                "deepseek-v2-lite-shape"
+                "deepseek-v2-lite-qwen2moe-stand-in"
             ]
         );
         assert_eq!(

@@ -192,13 +192,15 @@ fn deepseek_routing_drives_the_engine_as_the_simulator_replays_it() {
     engine_equals_replay(
         "traces/deepseek-v2-lite-puffin.route.csv",
         "deepseek-tiny",
+        // deepseek2 as V2-Lite is: a dense first layer and 26 MoE layers (tiny-odd: no query
+        // LoRA, which llama.cpp's reading of a 27-layer file as V2-Lite requires).
         &[
             "--arch",
-            "qwen2moe",
+            "deepseek2",
             "--preset",
-            "tiny",
+            "tiny-odd",
             "--layers",
-            "26",
+            "27",
             "--experts",
             "64",
             "--top-k",

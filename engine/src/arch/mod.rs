@@ -13,6 +13,7 @@
 
 pub mod blocks;
 pub mod common;
+pub mod deepseek2;
 pub mod gemma4;
 pub mod gpt_oss;
 pub mod layers;
@@ -310,7 +311,7 @@ pub const REGISTRY: &[ArchEntry] = &[
     },
     ArchEntry {
         name: qwen35moe::ARCH,
-        about: "Qwen3.5/3.6 MoE (Qwen3.6-35B-A3B): Gated DeltaNet layers (recurrent state) with gated full attention every 4th, softmax top-k routing (renormalised), SiLU-gated experts, a sigmoid-gated shared expert (resident), MTP block loaded not run",
+        about: "Qwen3.5/3.6 MoE (Qwen3.6-35B-A3B): Gated DeltaNet layers (recurrent state) with gated full attention every 4th, softmax top-k routing (renormalised), SiLU-gated experts, a sigmoid-gated shared expert (resident), an MTP block that drafts for --mtp",
         load: qwen35moe::load,
     },
     ArchEntry {
@@ -322,6 +323,11 @@ pub const REGISTRY: &[ArchEntry] = &[
         name: gpt_oss::ARCH,
         about: "gpt-oss (gpt-oss-20b, gpt-oss-120b): top-k on the raw router logits (biased), softmax over the k, clamped-SwiGLU experts with per-expert biases, attention sinks, sliding-window layers on a ring KV",
         load: gpt_oss::load,
+    },
+    ArchEntry {
+        name: deepseek2::ARCH,
+        about: "DeepSeek-V2/V2-Lite, Moonlight (deepseek2): multi-head latent attention (absorbed; a latent row per position kept, not K/V), YaRN, leading dense layers, softmax or sigmoid top-k routing with shared experts (resident)",
+        load: deepseek2::load,
     },
     ArchEntry {
         name: lfm2moe::ARCH,
@@ -1356,6 +1362,7 @@ mod tests {
             (gen::GenArch::Gemma4, "q4_k_m"),
             (gen::GenArch::Lfm2Moe, "q4_k_m"),
             (gen::GenArch::Qwen35Moe, "q4_k_m"),
+            (gen::GenArch::Deepseek2, "q4_k_m"),
         ] {
             let types = TypeScheme::from_name(scheme).unwrap();
             let model = tiny_model(arch, scheme, types);

@@ -32,6 +32,10 @@ pub enum LayerMemory {
         n_head_kv: usize,
         head_dim: usize,
     },
+    /// Multi-head latent attention's memory (deepseek2): one row of `width` floats per position
+    /// — the compressed latent and the roped shared key part — which is every head's key,
+    /// and whose leading part is every head's value. Held once, not as keys and values.
+    Latent { width: usize },
     /// A recurrent layer's state, which folds every position fed into a fixed size and so
     /// cannot be rolled back: a short causal convolution's last inputs and, for a gated
     /// delta-rule layer, one state matrix per head (see [`RecurrentShape`]).
@@ -71,9 +75,12 @@ pub struct KvLayer {
     /// Positions held: `n_ctx` (full), or the ring's slots.
     cap: usize,
     k: Vec<f32>,
+    /// Empty for a latent memory, whose value of a position is its key row.
     v: Vec<f32>,
     /// Ring only: the position each slot holds (`u32::MAX` = none yet).
     slot_pos: Vec<u32>,
+    /// A latent memory ([`LayerMemory::Latent`]): keys only, read back as values too.
+    latent: bool,
 }
 
 /// Where attention reads a position's key and value: the layer's memory, or — for the
@@ -169,6 +176,7 @@ impl LayerMemory {
                 let (cap, _) = capacity(kind, n_ctx, RING_SLACK);
                 8 * (cap * n_head_kv * head_dim) as u64
             }
+            LayerMemory::Latent { width } => 4 * (n_ctx * width) as u64,
             LayerMemory::Recurrent(r) => {
                 let (conv, state) = r.lens();
                 2 * 4 * (conv + state) as u64
@@ -210,6 +218,20 @@ impl KvLayer {
                 MemoryKind::Ring { .. } => vec![u32::MAX; cap],
                 MemoryKind::Full => Vec::new(),
             },
+            latent: false,
+        }
+    }
+
+    /// A latent memory of `width`-float rows at every position (full, never a ring).
+    fn latent(width: usize, n_ctx: usize) -> KvLayer {
+        KvLayer {
+            kind: MemoryKind::Full,
+            kv_dim: width,
+            cap: n_ctx,
+            k: vec![0.0; n_ctx * width],
+            v: Vec::new(),
+            slot_pos: Vec::new(),
+            latent: true,
         }
     }
 
@@ -233,14 +255,23 @@ impl KvLayer {
         let d = self.kv_dim;
         match self.kind {
             MemoryKind::Full => {
+                if positions.iter().any(|&p| p as usize >= self.cap) {
+                    return Err(ArchError::Key {
+                        file: String::new(),
+                        key: format!("blk.{layer} KV"),
+                        what: format!("holds {} positions: the context is full", self.cap),
+                    });
+                }
                 for (r, &p) in positions.iter().enumerate() {
                     let base = p as usize * d;
                     self.k[base..base + d].copy_from_slice(&batch_k[r * d..(r + 1) * d]);
-                    self.v[base..base + d].copy_from_slice(&batch_v[r * d..(r + 1) * d]);
+                    if !self.latent {
+                        self.v[base..base + d].copy_from_slice(&batch_v[r * d..(r + 1) * d]);
+                    }
                 }
                 Ok(KvSource::Full {
                     k: &self.k,
-                    v: &self.v,
+                    v: if self.latent { &self.k } else { &self.v },
                     kv_dim: d,
                 })
             }
@@ -522,6 +553,7 @@ impl Memory {
                 n_head_kv,
                 head_dim,
             } => Memory::Kv(KvLayer::new(kind, n_head_kv * head_dim, n_ctx)),
+            LayerMemory::Latent { width } => Memory::Kv(KvLayer::latent(width, n_ctx)),
             LayerMemory::Recurrent(r) => Memory::Recurrent(RecurrentLayer::new(r)),
             LayerMemory::None => Memory::None,
         }
@@ -632,7 +664,9 @@ impl KvLayer {
         match self.kind {
             MemoryKind::Full => {
                 into.k.extend_from_slice(&self.k[..n * d]);
-                into.v.extend_from_slice(&self.v[..n * d]);
+                if !self.latent {
+                    into.v.extend_from_slice(&self.v[..n * d]);
+                }
             }
             MemoryKind::Ring { .. } => {
                 into.k.extend_from_slice(&self.k);
@@ -655,11 +689,12 @@ impl KvLayer {
         let d = self.kv_dim;
         match self.kind {
             MemoryKind::Full => {
-                if snap.k.len() != n * d || snap.v.len() != n * d {
+                let nv = if self.latent { 0 } else { n * d };
+                if snap.k.len() != n * d || snap.v.len() != nv {
                     return false;
                 }
                 self.k[..n * d].copy_from_slice(&snap.k);
-                self.v[..n * d].copy_from_slice(&snap.v);
+                self.v[..nv].copy_from_slice(&snap.v);
             }
             MemoryKind::Ring { .. } => {
                 if snap.k.len() != self.k.len() || snap.slot_pos.len() != self.slot_pos.len() {

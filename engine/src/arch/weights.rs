@@ -197,8 +197,31 @@ impl Loader {
     /// A dense matrix `name` of shape `{cols, rows}` (GGUF order), mapped or copied per the
     /// dense mode.
     pub fn mat(&mut self, name: &str, cols: usize, rows: usize) -> Result<Mat, ArchError> {
+        self.mat_dims(name, &[cols, rows], cols, rows)
+    }
+
+    /// A 3-D dense tensor of `n` stacked `rows × cols` matrices (GGUF dims `[cols, rows, n]`:
+    /// deepseek2's per-head `attn_k_b` / `attn_v_b`), as one matrix of `n · rows` rows — matrix
+    /// `i` is rows `i · rows ..`.
+    pub fn mat_stacked(
+        &mut self,
+        name: &str,
+        cols: usize,
+        rows: usize,
+        n: usize,
+    ) -> Result<Mat, ArchError> {
+        self.mat_dims(name, &[cols, rows, n], cols, rows * n)
+    }
+
+    fn mat_dims(
+        &mut self,
+        name: &str,
+        dims: &[usize],
+        cols: usize,
+        rows: usize,
+    ) -> Result<Mat, ArchError> {
         let t = self.tensor(name)?;
-        self.check_dims(&t, &[cols, rows])?;
+        self.check_dims(&t, dims)?;
         self.check_type(&t, kernels::weight_types())?;
         let data = self.file.tensor_data(&t);
         let mut m = Mat {

@@ -84,6 +84,7 @@ pub(super) fn full_shape() -> ModelShape {
         gemma: None,
         lfm2: Some(Lfm2Shape::lfm2_8b_a1b()),
         qwen35: None,
+        deepseek2: None,
         n_swa: 0,
         yarn_factor: 0.0,
         yarn_orig_ctx: 0,

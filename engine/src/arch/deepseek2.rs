@@ -1,0 +1,679 @@
+//! `deepseek2` (DeepSeek-V2/V2.5/V2-Lite, Moonlight/Kimi-style files), after llama.cpp's
+//! `src/models/deepseek2.cpp`, in the **absorbed MLA** form it runs for files that split
+//! `attn_kv_b` into `attn_k_b` and `attn_v_b` (`attention.key_length_mla` and
+//! `value_length_mla` set).
+//!
+//! Layer: `attn_norm` (RMS) → multi-head latent attention → residual → `ffn_norm` (RMS) → a
+//! dense SiLU-GLU FFN (the first `leading_dense_block_count` layers) or routed SiLU-GLU experts
+//! plus `expert_shared_count` shared experts (one dense SiLU-GLU of their summed width, no
+//! gate), summed → residual. Then `output_norm` and the head.
+//!
+//! **Attention.** Per row: `q = wq · x`, or `wq_b · rms(wq_a · x, attn_q_a_norm)` where the
+//! file has a query LoRA (`attention.q_lora_rank` > 0); per head `q = [q_nope | q_pe]`
+//! (`key_length_mla − rope` and `rope.dimension_count` values). `wkv_a_mqa · x` gives the
+//! latent `c` (`kv_lora_rank` values, then `rms(c, attn_kv_a_norm)`) and one shared `k_pe`.
+//! `q_pe` and `k_pe` take the original (adjacent-pair) rotary embedding, YaRN where the file
+//! says. Absorbed: per head `q_abs = wk_b[h] · q_nope` (`kv_lora_rank` values); the query
+//! `[q_abs | q_pe]` attends to one key per position `[c | k_pe]` shared by every head (MQA),
+//! whose value is `c`; a head's output goes through `wv_b[h]` to `value_length_mla` values,
+//! then `attn_output`. Scores are scaled by `mscale² / √key_length_mla` with `mscale` YaRN's
+//! magnitude times `1 + 0.1 · yarn_log_multiplier · ln(factor)` (llama.cpp's
+//! "TAG_DEEPSEEK2_YARN_LOG_MUL_FIX").
+//!
+//! **Memory**: the row `[c | k_pe]` per position ([`LayerMemory::Latent`]), `kv_lora_rank +
+//! rope` floats — the attention reads a value as the row itself and keeps its first
+//! `kv_lora_rank` outputs.
+//!
+//! **Routing**: softmax (or sigmoid, `expert_gating_func` 2, selecting by score +
+//! `exp_probs_b`) over the experts, top-k, renormalised where `expert_weights_norm` says, ×
+//! `expert_weights_scale`. Grouped selection (`expert_group_count` > 1: DeepSeek-V2's full
+//! 236B) is refused by name; so are legacy files with one `attn_kv_b`, a query temperature
+//! (`attention.temperature_scale`) and an MTP block.
+
+use super::blocks::{self, AttnShape, Compute, Glu, Rope, RopeKind, Yarn};
+use super::layers::{add_rows, finish_with_shared, split_ffn};
+use super::meta::{moe_params, n_vocab, Meta};
+use super::state::{LayerMemory, State};
+use super::weights::{Loader, Mat};
+use super::{Arch, ArchError, Common, CommonLayer, Dims, Experts};
+use crate::dense::DenseMode;
+use crate::gguf::GgufFile;
+use crate::kernels;
+use bmoe_core::{Gating, GatingFunc};
+use std::sync::Arc;
+
+pub const ARCH: &str = "deepseek2";
+
+/// llama.cpp's `LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX` and `_SIGMOID`.
+const GATING_FUNC_SOFTMAX: usize = 1;
+const GATING_FUNC_SIGMOID: usize = 2;
+
+/// Hyper-parameters, read and checked once at load.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HParams {
+    pub n_layer: usize,
+    pub n_expert: usize,
+    pub n_expert_used: usize,
+    pub d_model: usize,
+    pub n_ff_exp: usize,
+    /// The leading dense layers' FFN width (`feed_forward_length`).
+    pub n_ff: usize,
+    /// Layers `0..n_dense_lead` run a dense FFN, the rest routed experts.
+    pub n_dense_lead: usize,
+    pub n_shared: usize,
+    pub n_head: usize,
+    /// The query LoRA's rank (0: one `attn_q` projection).
+    pub q_lora_rank: usize,
+    /// The latent's width (`attention.kv_lora_rank`).
+    pub kv_lora_rank: usize,
+    /// A head's q·k width (`key_length_mla`): `nope + rope`.
+    pub k_mla: usize,
+    /// A head's value width after `wv_b` (`value_length_mla`).
+    pub v_mla: usize,
+    /// The rotary part of a head's q·k (`rope.dimension_count`).
+    pub n_rot: usize,
+    pub gating: Gating,
+    pub n_ctx_train: usize,
+    pub rope_base: f32,
+    pub yarn: Option<Yarn>,
+    /// `rope.scaling.yarn_log_multiplier` as llama.cpp uses it (the file's value ÷ 0.1).
+    pub yarn_log_mul: f32,
+    pub rms_eps: f32,
+    pub n_vocab: usize,
+}
+
+impl HParams {
+    pub fn from_gguf(f: &GgufFile) -> Result<HParams, ArchError> {
+        let m = Meta::new(f, ARCH);
+        let block_count = m.req_u("block_count")?;
+        m.check_range("block_count", block_count, 1, 4096)?;
+        if m.opt_u("nextn_predict_layers")?.unwrap_or(0) > 0 {
+            return Err(m.err(
+                "nextn_predict_layers",
+                "is set: this build does not run deepseek2's MTP block (GLM-4.7 Lite's); a file without it loads",
+            ));
+        }
+        let n_layer = block_count;
+        let d_model = m.req_u("embedding_length")?;
+        if d_model == 0 {
+            return Err(m.err("embedding_length", "must be positive"));
+        }
+        let n_head = m.req_u("attention.head_count")?;
+        m.check_range("attention.head_count", n_head, 1, 1024)?;
+        let (n_expert, n_expert_used, n_ff_exp) = moe_params(&m)?;
+        let n_dense_lead = m.opt_u("leading_dense_block_count")?.unwrap_or(0);
+        if n_dense_lead >= n_layer {
+            return Err(m.err(
+                "leading_dense_block_count",
+                format!("is {n_dense_lead}: no MoE layer left of {n_layer}"),
+            ));
+        }
+        let n_ff = if n_dense_lead > 0 {
+            let n = m.req_u("feed_forward_length")?;
+            if n == 0 {
+                return Err(m.err("feed_forward_length", "is 0"));
+            }
+            n
+        } else {
+            m.opt_u("feed_forward_length")?.unwrap_or(0)
+        };
+        let n_shared = m.req_u("expert_shared_count")?;
+        m.check_range("expert_shared_count", n_shared, 0, 64)?;
+        let (Some(k_mla), Some(v_mla)) = (
+            m.opt_u("attention.key_length_mla")?,
+            m.opt_u("attention.value_length_mla")?,
+        ) else {
+            return Err(m.err(
+                "attention.key_length_mla",
+                "is missing: a legacy deepseek2 file with one attn_kv_b, which this build does not run; \
+                 llama.cpp's convert_hf_to_gguf.py of 2025-06 or later writes the split attn_k_b / attn_v_b it reads",
+            ));
+        };
+        let n_rot = m.req_u("rope.dimension_count")?;
+        if n_rot == 0 || n_rot % 2 != 0 || n_rot >= k_mla {
+            return Err(m.err(
+                "rope.dimension_count",
+                format!("is {n_rot}: expected an even count under key_length_mla {k_mla}"),
+            ));
+        }
+        if v_mla == 0 {
+            return Err(m.err("attention.value_length_mla", "is 0"));
+        }
+        let kv_lora_rank = m.req_u("attention.kv_lora_rank")?;
+        if kv_lora_rank == 0 {
+            return Err(m.err("attention.kv_lora_rank", "is 0"));
+        }
+        let q_lora_rank = m.opt_u("attention.q_lora_rank")?.unwrap_or(0);
+        if m.opt_f("attention.temperature_scale", 0.0)? != 0.0 {
+            return Err(m.err(
+                "attention.temperature_scale",
+                "is set (Mistral-Large's query temperature), which this build does not run",
+            ));
+        }
+        let groups = m.opt_u("expert_group_count")?.unwrap_or(0);
+        if groups > 1 {
+            return Err(m.err(
+                "expert_group_count",
+                format!("is {groups}: grouped top-k selection is not built yet (DeepSeek-V2-Lite and Moonlight have one group)"),
+            ));
+        }
+        let func = match m.opt_u("expert_gating_func")?.unwrap_or(GATING_FUNC_SOFTMAX) {
+            0 | GATING_FUNC_SOFTMAX => GatingFunc::Softmax,
+            GATING_FUNC_SIGMOID => GatingFunc::Sigmoid,
+            other => {
+                return Err(m.err(
+                    "expert_gating_func",
+                    format!("is {other}: expected 1 (softmax) or 2 (sigmoid)"),
+                ))
+            }
+        };
+        let renormalize = match f.get(&m.key("expert_weights_norm")) {
+            None => false,
+            Some(v) => v
+                .as_bool()
+                .ok_or_else(|| m.err("expert_weights_norm", format!("is {v}, expected a bool")))?,
+        };
+        let scale = m.opt_f("expert_weights_scale", 0.0)?;
+        let n_ctx_train = m.req_u("context_length")?;
+        let yarn = match m.opt_str("rope.scaling.type")? {
+            None | Some("none") => None,
+            Some("yarn") => {
+                let factor = m.opt_f("rope.scaling.factor", 1.0)?;
+                if factor <= 0.0 {
+                    return Err(m.err(
+                        "rope.scaling.factor",
+                        format!("is {factor}, expected a positive factor"),
+                    ));
+                }
+                Some(Yarn {
+                    factor,
+                    n_ctx_orig: m
+                        .opt_u("rope.scaling.original_context_length")?
+                        .unwrap_or(n_ctx_train),
+                    beta_fast: m.opt_f("rope.scaling.yarn_beta_fast", 32.0)?,
+                    beta_slow: m.opt_f("rope.scaling.yarn_beta_slow", 1.0)?,
+                    attn_factor: m.opt_f("rope.scaling.attn_factor", 1.0)?,
+                })
+            }
+            Some(other) => {
+                return Err(m.err(
+                    "rope.scaling.type",
+                    format!("is '{other}'; this build runs deepseek2 with 'yarn' or 'none'"),
+                ))
+            }
+        };
+        Ok(HParams {
+            n_layer,
+            n_expert,
+            n_expert_used,
+            d_model,
+            n_ff_exp,
+            n_ff,
+            n_dense_lead,
+            n_shared,
+            n_head,
+            q_lora_rank,
+            kv_lora_rank,
+            k_mla,
+            v_mla,
+            n_rot,
+            gating: Gating {
+                func,
+                renormalize,
+                scale,
+            },
+            n_ctx_train,
+            rope_base: m.opt_f("rope.freq_base", 10_000.0)?,
+            yarn,
+            // [TAG_DEEPSEEK2_YARN_LOG_MUL_FIX]: the converter stores it × 0.1.
+            yarn_log_mul: m.opt_f("rope.scaling.yarn_log_multiplier", 0.0)? / 0.1,
+            rms_eps: m.req_f("attention.layer_norm_rms_epsilon")?,
+            n_vocab: n_vocab(f)?,
+        })
+    }
+
+    /// A head's non-rotary q·k part.
+    pub fn nope(&self) -> usize {
+        self.k_mla - self.n_rot
+    }
+
+    /// The latent memory's row: the latent and the roped key part.
+    pub fn latent_width(&self) -> usize {
+        self.kv_lora_rank + self.n_rot
+    }
+}
+
+/// The query projection: one matrix, or a LoRA with a norm between its halves.
+enum QProj {
+    Full(Mat),
+    Lora { a: Mat, norm: Vec<f32>, b: Mat },
+}
+
+struct Mla {
+    q: QProj,
+    kv_a: Mat,
+    kv_a_norm: Vec<f32>,
+    /// `n_head` stacked `kv_lora_rank × nope` matrices.
+    k_b: Mat,
+    /// `n_head` stacked `v_mla × kv_lora_rank` matrices.
+    v_b: Mat,
+    o: Mat,
+}
+
+/// A SiLU-GLU FFN: a leading layer's, or the shared experts'.
+struct Ffn {
+    gate: Mat,
+    up: Mat,
+    down: Mat,
+}
+
+struct LayerWeights {
+    attn_norm: Vec<f32>,
+    attn: Mla,
+    ffn_norm: Vec<f32>,
+    /// A leading dense layer's FFN, or a MoE layer's shared experts.
+    ffn: Ffn,
+    probs_bias: Option<Vec<f32>>,
+}
+
+/// A loaded deepseek2 model.
+pub struct Deepseek2 {
+    pub hp: HParams,
+    common: Common,
+    layers: Vec<LayerWeights>,
+    rope: Rope,
+    shape: AttnShape,
+}
+
+/// Load `file` as deepseek2 (the registry's loader).
+pub fn load(file: Arc<GgufFile>, mode: DenseMode) -> Result<Box<dyn Arch>, ArchError> {
+    Ok(Box::new(Deepseek2::load(file, mode)?))
+}
+
+impl Deepseek2 {
+    /// Check every tensor's presence, shape and type, and map the dense ones.
+    pub fn load(file: Arc<GgufFile>, mode: DenseMode) -> Result<Deepseek2, ArchError> {
+        let hp = HParams::from_gguf(&file)?;
+        let mut ld = Loader::new(file, mode, hp.n_layer);
+        let d = hp.d_model;
+        let (nh, r, nope) = (hp.n_head, hp.kv_lora_rank, hp.nope());
+        let embd = ld.mat("token_embd.weight", d, hp.n_vocab)?;
+        let output = ld.mat_opt("output.weight", d, hp.n_vocab)?.unwrap_or(embd);
+        let output_norm = ld.vector("output_norm.weight", d)?;
+        let mut layers = Vec::with_capacity(hp.n_layer);
+        let mut common_layers = Vec::with_capacity(hp.n_layer);
+        for i in 0..hp.n_layer {
+            let n = |s: &str| format!("blk.{i}.{s}.weight");
+            if ld.has(&n("attn_kv_b")) && !ld.has(&n("attn_k_b")) {
+                return Err(ArchError::Tensor {
+                    file: ld.file().path().display().to_string(),
+                    tensor: n("attn_kv_b"),
+                    what: "is the legacy unsplit form, which this build does not run (re-convert with llama.cpp's convert_hf_to_gguf.py for attn_k_b / attn_v_b)".into(),
+                });
+            }
+            let q = if hp.q_lora_rank > 0 {
+                QProj::Lora {
+                    a: ld.mat(&n("attn_q_a"), d, hp.q_lora_rank)?,
+                    norm: ld.vector(&n("attn_q_a_norm"), hp.q_lora_rank)?,
+                    b: ld.mat(&n("attn_q_b"), hp.q_lora_rank, nh * hp.k_mla)?,
+                }
+            } else {
+                QProj::Full(ld.mat(&n("attn_q"), d, nh * hp.k_mla)?)
+            };
+            let attn = Mla {
+                q,
+                kv_a: ld.mat(&n("attn_kv_a_mqa"), d, hp.latent_width())?,
+                kv_a_norm: ld.vector(&n("attn_kv_a_norm"), r)?,
+                k_b: ld.mat_stacked(&n("attn_k_b"), nope, r, nh)?,
+                v_b: ld.mat_stacked(&n("attn_v_b"), r, hp.v_mla, nh)?,
+                o: ld.mat(&n("attn_output"), nh * hp.v_mla, d)?,
+            };
+            let attn_norm = ld.vector(&n("attn_norm"), d)?;
+            let ffn_norm = ld.vector(&n("ffn_norm"), d)?;
+            let (ffn, probs_bias, moe) = if i < hp.n_dense_lead {
+                let ff = hp.n_ff;
+                let ffn = Ffn {
+                    gate: ld.mat(&n("ffn_gate"), d, ff)?,
+                    up: ld.mat(&n("ffn_up"), d, ff)?,
+                    down: ld.mat(&n("ffn_down"), ff, d)?,
+                };
+                (ffn, None, None)
+            } else {
+                let bias_name = format!("blk.{i}.exp_probs_b.bias");
+                let probs_bias = if ld.has(&bias_name) {
+                    if hp.gating.func != GatingFunc::Sigmoid {
+                        return Err(ArchError::Tensor {
+                            file: ld.file().path().display().to_string(),
+                            tensor: bias_name,
+                            what: "is a selection bias on softmax gating, which this build does not run (only with expert_gating_func 2, sigmoid)".into(),
+                        });
+                    }
+                    Some(ld.vector(&bias_name, hp.n_expert)?)
+                } else {
+                    None
+                };
+                let fs = hp.n_ff_exp * hp.n_shared;
+                if fs == 0 {
+                    return Err(ArchError::Key {
+                        file: ld.file().path().display().to_string(),
+                        key: format!("{ARCH}.expert_shared_count"),
+                        what: "is 0, but deepseek2's MoE layers always have shared experts"
+                            .into(),
+                    });
+                }
+                let shared = Ffn {
+                    gate: ld.mat(&n("ffn_gate_shexp"), d, fs)?,
+                    up: ld.mat(&n("ffn_up_shexp"), d, fs)?,
+                    down: ld.mat(&n("ffn_down_shexp"), fs, d)?,
+                };
+                let ff = hp.n_ff_exp;
+                let exps = if ld.has(&n("ffn_gate_up_exps")) {
+                    vec![
+                        ld.experts(&n("ffn_gate_up_exps"), d, 2 * ff, hp.n_expert)?,
+                        ld.experts(&n("ffn_down_exps"), ff, d, hp.n_expert)?,
+                    ]
+                } else {
+                    vec![
+                        ld.experts(&n("ffn_gate_exps"), d, ff, hp.n_expert)?,
+                        ld.experts(&n("ffn_up_exps"), d, ff, hp.n_expert)?,
+                        ld.experts(&n("ffn_down_exps"), ff, d, hp.n_expert)?,
+                    ]
+                };
+                let moe = Experts {
+                    router: ld.mat(&n("ffn_gate_inp"), d, hp.n_expert)?,
+                    router_bias: None,
+                    exps,
+                };
+                (shared, probs_bias, Some(moe))
+            };
+            layers.push(LayerWeights {
+                attn_norm,
+                attn,
+                ffn_norm,
+                ffn,
+                probs_bias,
+            });
+            common_layers.push(CommonLayer {
+                memory: LayerMemory::Latent {
+                    width: hp.latent_width(),
+                },
+                moe,
+            });
+        }
+        let rope = match hp.yarn {
+            None => Rope::plain(RopeKind::Normal, hp.n_rot, hp.rope_base),
+            Some(y) => {
+                let mut rope = Rope::yarn(RopeKind::Normal, hp.n_rot, hp.rope_base, y);
+                if y.factor > 1.0 && hp.yarn_log_mul != 0.0 {
+                    // llama.cpp's context set-up for deepseek2 with a log multiplier: YaRN's
+                    // magnitude is cancelled in the rotation (attn_factor = 1 / (1 + 0.1 ln f)
+                    // against the kernel's own 1 + 0.1 ln f) and applied to the scores below.
+                    rope.attn_factor = y.attn_factor / (1.0 + 0.1 * y.factor.ln());
+                }
+                rope
+            }
+        };
+        // kq_scale = mscale² / √k_mla, mscale from the magnitude the rotation was given back
+        // (attn_factor_org) times the log multiplier's (deepseek2.cpp).
+        let ln_inv_fs = (1.0 / rope.freq_scale).ln();
+        let attn_factor_org = rope.attn_factor * (1.0 + 0.1 * ln_inv_fs);
+        let mscale = attn_factor_org * (1.0 + 0.1 * hp.yarn_log_mul * ln_inv_fs);
+        let shape = AttnShape {
+            n_head: nh,
+            n_head_kv: 1,
+            head_dim: hp.latent_width(),
+            scale: mscale * mscale / (hp.k_mla as f32).sqrt(),
+            window: None,
+            softcap: None,
+        };
+        Ok(Deepseek2 {
+            common: Common {
+                name: ARCH,
+                dims: Dims {
+                    n_layer: hp.n_layer,
+                    n_expert: hp.n_expert,
+                    n_expert_used: hp.n_expert_used,
+                    d_model: d,
+                    n_vocab: hp.n_vocab,
+                    n_ctx_train: hp.n_ctx_train,
+                },
+                gating: hp.gating,
+                embd,
+                output,
+                output_norm,
+                rms_eps: hp.rms_eps,
+                n_ff_exp: hp.n_ff_exp,
+                glu: Glu::Silu,
+                layers: common_layers,
+                weights: ld.finish(),
+            },
+            rope,
+            shape,
+            hp,
+            layers,
+        })
+    }
+
+    /// Multi-head latent attention of `st.cur` (every batch row, normed) into `st.out`
+    /// (`n × d_model`, after `attn_output`), the latent rows kept in layer `il`'s memory.
+    fn mla(&self, cx: &Compute, st: &mut State, il: usize) -> Result<(), ArchError> {
+        let hp = &self.hp;
+        let w = &self.layers[il].attn;
+        let n = st.n_rows;
+        let (nh, r, rot, nope) = (hp.n_head, hp.kv_lora_rank, hp.n_rot, hp.nope());
+        let (kq, lw) = (hp.k_mla, hp.latent_width());
+        // q (n × nh·k_mla) and the latent with its key part (n × lw).
+        let q = &mut st.scratch.down;
+        q.resize(n * nh * kq, 0.0);
+        st.attn.k.resize(n * lw, 0.0);
+        match &w.q {
+            QProj::Full(wq) => cx.mats_rows(
+                &mut [(wq, &mut q[..]), (&w.kv_a, &mut st.attn.k[..])],
+                &st.cur,
+                n,
+                &mut st.scratch.acts,
+            )?,
+            QProj::Lora { a, norm, b } => {
+                let qa = &mut st.scratch.tmp;
+                qa.resize(n * hp.q_lora_rank, 0.0);
+                cx.mats_rows(
+                    &mut [(a, &mut qa[..]), (&w.kv_a, &mut st.attn.k[..])],
+                    &st.cur,
+                    n,
+                    &mut st.scratch.acts,
+                )?;
+                blocks::rms_norm_heads(
+                    qa,
+                    hp.q_lora_rank,
+                    Some(norm),
+                    hp.rms_eps,
+                    &mut st.attn.v,
+                );
+                cx.mat_rows(b, qa, n, &mut st.scratch.acts, q)?;
+            }
+        }
+        // The key row [rms(c) | rope(k_pe)]; q_pe roped; q_nope gathered head-major.
+        let nope_in = &mut st.scratch.gate;
+        nope_in.resize(nh * n * nope, 0.0);
+        for t in 0..n {
+            self.rope.cache(st.positions[t], &mut st.scratch.rope);
+            let cache = &st.scratch.rope;
+            let krow = &mut st.attn.k[t * lw..(t + 1) * lw];
+            blocks::rms_norm_heads(
+                &mut krow[..r],
+                r,
+                Some(&w.kv_a_norm),
+                hp.rms_eps,
+                &mut st.attn.v,
+            );
+            self.rope.apply(cache, &mut krow[r..]);
+            for h in 0..nh {
+                let head = &mut q[(t * nh + h) * kq..(t * nh + h + 1) * kq];
+                self.rope.apply(cache, &mut head[nope..]);
+                nope_in[(h * n + t) * nope..(h * n + t + 1) * nope].copy_from_slice(&head[..nope]);
+            }
+        }
+        // q_abs = wk_b[h] · q_nope of every head, in one round of the pool.
+        let absorbed = &mut st.scratch.up;
+        absorbed.resize(nh * n * r, 0.0);
+        per_head(cx, &w.k_b, nh, r, nope, nope_in, n, &mut st.scratch.acts, absorbed)?;
+        // The query rows [q_abs | q_pe] per head.
+        st.attn.q.resize(n * nh * lw, 0.0);
+        for t in 0..n {
+            for h in 0..nh {
+                let dst = &mut st.attn.q[(t * nh + h) * lw..(t * nh + h + 1) * lw];
+                dst[..r].copy_from_slice(&absorbed[(h * n + t) * r..(h * n + t + 1) * r]);
+                dst[r..].copy_from_slice(&q[(t * nh + h) * kq + nope..(t * nh + h + 1) * kq]);
+            }
+        }
+        debug_assert_eq!(rot, lw - r);
+        // MQA over the latent rows (a value is the row; its first r outputs are the head's).
+        st.attn.att.resize(n * nh * lw, 0.0);
+        {
+            let State {
+                mem,
+                attn,
+                positions,
+                ..
+            } = &mut *st;
+            let memory = mem[il].kv(il)?;
+            let kv = memory.source(il, positions, &attn.k, &attn.k)?;
+            blocks::attend(
+                &cx.pool,
+                &self.shape,
+                &attn.q,
+                positions,
+                &kv,
+                None,
+                &mut attn.scores,
+                &mut attn.att,
+            );
+        }
+        // Each head's latent output through wv_b[h], then attn_output.
+        let lat = &mut st.scratch.gate;
+        lat.resize(nh * n * r, 0.0);
+        for t in 0..n {
+            for h in 0..nh {
+                let src = &st.attn.att[(t * nh + h) * lw..(t * nh + h) * lw + r];
+                lat[(h * n + t) * r..(h * n + t + 1) * r].copy_from_slice(src);
+            }
+        }
+        let vo = &mut st.scratch.up;
+        vo.resize(nh * n * hp.v_mla, 0.0);
+        per_head(cx, &w.v_b, nh, hp.v_mla, r, lat, n, &mut st.scratch.acts, vo)?;
+        let o_in = &mut st.scratch.tmp;
+        o_in.resize(n * nh * hp.v_mla, 0.0);
+        for t in 0..n {
+            for h in 0..nh {
+                let v = hp.v_mla;
+                o_in[(t * nh + h) * v..(t * nh + h + 1) * v]
+                    .copy_from_slice(&vo[(h * n + t) * v..(h * n + t + 1) * v]);
+            }
+        }
+        st.out.resize(n * hp.d_model, 0.0);
+        cx.mat_rows(&w.o, o_in, n, &mut st.scratch.acts, &mut st.out)
+    }
+}
+
+/// `out[h]` = matrix `h` of `m` (`nh` stacked `rows × cols` matrices) · each of the `n` rows of
+/// `input[h]` — both head-major (`input` is `nh × n × cols`, `out` `nh × n × rows`) — in one
+/// round of the pool; each row's bits are a one-row product's.
+#[allow(clippy::too_many_arguments)]
+fn per_head(
+    cx: &Compute,
+    m: &Mat,
+    nh: usize,
+    rows: usize,
+    cols: usize,
+    input: &[f32],
+    n: usize,
+    acts: &mut Vec<kernels::ActBuf>,
+    out: &mut [f32],
+) -> Result<(), ArchError> {
+    blocks::prepare_acts(&cx.pool, m.ty, input, nh * n, cols, acts)?;
+    let head_bytes = rows * m.row_bytes();
+    let bytes = m.bytes();
+    let mut products: Vec<kernels::Product<'_, kernels::ActBuf>> = out[..nh * n * rows]
+        .chunks_exact_mut(n * rows)
+        .enumerate()
+        .map(|(h, o)| kernels::Product {
+            ty: m.ty,
+            w: &bytes[h * head_bytes..(h + 1) * head_bytes],
+            n_rows: rows,
+            n_cols: cols,
+            acts: &acts[h * n..(h + 1) * n],
+            out: o,
+        })
+        .collect();
+    kernels::matmul_round(&cx.pool, &mut products).map_err(blocks::kerr)
+}
+
+impl Arch for Deepseek2 {
+    fn common(&self) -> &Common {
+        &self.common
+    }
+
+    /// Attention, then a leading layer's dense FFN into the residual, or a MoE layer's FFN
+    /// norm (the routed experts' input, `st.h`) and its shared experts (into `st.side`).
+    fn dense(&self, cx: &Compute, st: &mut State, il: usize) -> Result<(), ArchError> {
+        let (d, eps) = (self.hp.d_model, self.hp.rms_eps);
+        let l = &self.layers[il];
+        blocks::rms_norm_all(&st.x, d, Some(&l.attn_norm), eps, &mut st.cur);
+        st.mark(il, "RMS_NORM", "attn_norm");
+        self.mla(cx, st, il)?;
+        st.mark(il, "ATTN", "attn");
+        for (x, o) in st.x.iter_mut().zip(&st.out) {
+            *x += *o;
+        }
+        let m = st.ffn_rows.len();
+        let f = &l.ffn;
+        if il < self.hp.n_dense_lead {
+            blocks::rms_norm_rows(&st.x, d, &st.ffn_rows, Some(&l.ffn_norm), eps, &mut st.cur);
+            split_ffn(
+                cx,
+                &mut st.scratch,
+                Glu::Silu,
+                (f.gate.ty, f.gate.bytes()),
+                (f.up.ty, f.up.bytes()),
+                (f.down.ty, f.down.bytes()),
+                self.hp.n_ff,
+                d,
+                &st.cur,
+                m,
+                &[],
+                &mut st.side,
+            )?;
+            add_rows(&mut st.x, d, &st.ffn_rows, &st.side[..m * d]);
+            return Ok(());
+        }
+        blocks::rms_norm_rows(&st.x, d, &st.ffn_rows, Some(&l.ffn_norm), eps, &mut st.h);
+        st.mark(il, "RMS_NORM", "ffn_norm");
+        let State {
+            h, side, scratch, ..
+        } = st;
+        split_ffn(
+            cx,
+            scratch,
+            Glu::Silu,
+            (f.gate.ty, f.gate.bytes()),
+            (f.up.ty, f.up.bytes()),
+            (f.down.ty, f.down.bytes()),
+            self.hp.n_ff_exp * self.hp.n_shared,
+            d,
+            h,
+            m,
+            &[],
+            side,
+        )
+    }
+
+    fn selection_bias(&self, layer: usize) -> Option<&[f32]> {
+        self.layers.get(layer)?.probs_bias.as_deref()
+    }
+
+    /// The routed experts' sum plus the shared experts', then the residual (llama.cpp's order).
+    fn finish_layer(&self, _cx: &Compute, st: &mut State, _layer: usize) -> Result<(), ArchError> {
+        finish_with_shared(st, self.hp.d_model);
+        Ok(())
+    }
+}
