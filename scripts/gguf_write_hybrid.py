@@ -1,8 +1,9 @@
-"""Random-weight F32 models of the two hybrid families, qwen35moe and lfm2moe, written through
-the PyPI `gguf` package's `GGUFWriter`: another tool's files, in shapes unlike the presets of
-bmoe's own generator (`bmoe-cli gen`, engine/src/gen/qwen35moe.rs and lfm2moe.rs), for the
-parity gate (gates/tests/archs.rs). `llama_parity.py write` calls `write` with the tokenizer
-keys of one of our files, so llama.cpp and bmoe tokenize the prompt alike.
+"""Random-weight F32 models of the two hybrid families, qwen35moe and lfm2moe, and of deepseek2
+(MLA), written through the PyPI `gguf` package's `GGUFWriter`: another tool's files, in shapes
+unlike the presets of bmoe's own generator (`bmoe-cli gen`, engine/src/gen/qwen35moe.rs,
+lfm2moe.rs and deepseek2.rs), for the parity gate (gates/tests/archs.rs). `llama_parity.py
+write` calls `write` with the tokenizer keys of one of our files, so llama.cpp and bmoe
+tokenize the prompt alike.
 
 What differs from `gen --preset tiny` (SHAPES has every number):
   qwen35moe: d_model 512 (tiny 256); 8 query heads of 32 over one KV head (tiny 4 of 64 over
@@ -16,8 +17,19 @@ What differs from `gen --preset tiny` (SHAPES has every number):
     layers of 768 (tiny one of 512); 10 experts, top-3 (tiny 16, top-4); the head tied to the
     embedding (tiny has its own); the per-layer KV head counts as the writer's default INT32
     array (ours: UINT32).
-Both: expert FFN 256 (the gate's tiny files: 512), a multiple of 256, so llama-quantize's
-K-quants apply to every expert; rms eps 1e-5 (tiny 1e-6).
+  deepseek2: d_model 384 (tiny 256) as 6 heads (tiny 4) of nope 48 + rope 16 (tiny 64 + 32)
+    with values of 80 (tiny 64); a latent of 192 (tiny 256); a query LoRA of 256 (tiny 128,
+    d_model / 2); 3 layers (tiny 4), the first dense of 768 (tiny 512); 12 experts, top-3 (tiny
+    16, top-4); one shared expert (tiny 2); sigmoid gating with a selection bias, the weights
+    renormalised and scaled by 1.8 (tiny: softmax, not renormalised, x 1), the router at twice
+    the gain with a bias of std 0.01 as lfm2moe's; YaRN x 8 over 512 positions with a stored
+    log multiplier of 0.1 (tiny: no rope scaling). d_model 384 is not a multiple of 256:
+    llama-quantize's K-quant presets give the tensors that read the residual stream their
+    32-value stand-ins (Q4_K_M: Q5_0), the K-quants where a row is 256 or 768 long (attn_q_b,
+    the FFN down projections).
+All three: expert FFN 256 (the gate's tiny files: 512), a multiple of 256, so llama-quantize's
+K-quants apply to every expert (deepseek2: to the down projections, its gate and up rows being
+384 long); rms eps 1e-5 (tiny 1e-6).
 
 Weights follow the scheme of our generator (engine/src/gen.rs, module doc), so activations stay
 at unit scale through the layers and routing is not a coin toss at every position: uniform
@@ -25,9 +37,11 @@ noise of standard deviation 1/sqrt(fan-in); the residual stream in two halves, t
 and the experts writing the first ("token") half, the mixers (attention, DeltaNet, the short
 convolution) the second ("context") half; routers reading the token half at (1 - R) * gain and
 the context half at 4 * R * gain / (layer + 1)^0.75 (R 0.65, gain 6, as `gen --preset tiny`;
-lfm2moe's at twice that gain with a selection bias of std 0.01, as gen/lfm2moe.rs says why);
-q/k norms of 0.5, so attention is near-uniform. Each tensor's noise comes from its own numpy
-stream seeded by (seed, crc32 of its name): the file depends on the seed alone.
+lfm2moe's and deepseek2's at twice that gain with a selection bias of std 0.01, as
+gen/lfm2moe.rs says why); q/k norms of 0.5 (deepseek2: the latent norm and the key absorption
+matrix at sqrt(0.5) each, as gen/deepseek2.rs), so attention is near-uniform. Each tensor's
+noise comes from its own numpy stream seeded by (seed, crc32 of its name): the file depends on
+the seed alone.
 
 Only the standard library, numpy and the gguf package.
 """
@@ -47,6 +61,16 @@ SHAPES = {
         "d_conv": 3, "d_state": 64, "n_k_heads": 1, "n_v_heads": 4,
         "n_expert": 6, "n_expert_used": 2, "n_ff_exp": 256, "n_ff_shexp": 256,
         "fused_gate_up": False, "rope_base": 500000.0, "rms_eps": 1e-5, "n_ctx_train": 2048,
+    },
+    ("deepseek2", "wide"): {
+        "n_layer": 3, "d_model": 384, "n_head": 6,
+        "nope": 48, "rope": 16, "v_head": 80, "kv_lora_rank": 192, "q_lora_rank": 256,
+        "dense_layers": 1, "n_ff_dense": 768,
+        "n_expert": 12, "n_expert_used": 3, "n_ff_exp": 256, "n_shared": 1,
+        "sigmoid": True, "weights_norm": True, "weights_scale": 1.8,
+        "router_gain": 2.0, "probs_bias": 0.01,
+        "yarn_factor": 8.0, "yarn_orig_ctx": 512, "yarn_log_mul": 0.1,
+        "rope_base": 10000.0, "rms_eps": 1e-5, "n_ctx_train": 4096,
     },
     ("lfm2moe", "wide"): {
         "n_layer": 6, "attn_layers": [0, 3, 4], "d_model": 512,
@@ -233,7 +257,97 @@ def lfm2moe(s, w, n_vocab):
     return meta
 
 
-FAMILIES = {"qwen35moe": qwen35moe, "lfm2moe": lfm2moe}
+def deepseek2(s, w, n_vocab):
+    """The metadata of a deepseek2 file, its tensors into `w`: llama.cpp's deepseek2.cpp, in the
+    split MLA form (`attn_k_b`, `attn_v_b`), as gen/deepseek2.rs writes it. One KV head whose
+    key is the latent plus the rotary part and whose value is the latent (what llama.cpp sizes
+    its latent cache by); the per-head sizes as `key_length_mla` / `value_length_mla`."""
+    d, ff, fd, ne = s["d_model"], s["n_ff_exp"], s["n_ff_dense"], s["n_expert"]
+    nh, nope, rope, vh = s["n_head"], s["nope"], s["rope"], s["v_head"]
+    r, qa, fs = s["kv_lora_rank"], s["q_lora_rank"], s["n_ff_exp"] * s["n_shared"]
+    k_mla = nope + rope
+    # llama.cpp reads a 26- or 27-layer file as V2-Lite and then never reads q_lora_rank.
+    assert not (qa and s["n_layer"] in (26, 27)), "deepseek2: 26/27 layers mean V2-Lite"
+    a = "deepseek2."
+    meta = [
+        ("u32", a + "context_length", s["n_ctx_train"]),
+        ("u32", a + "embedding_length", d),
+        ("u32", a + "block_count", s["n_layer"]),
+        ("u32", a + "feed_forward_length", fd),
+        ("u32", a + "attention.head_count", nh),
+        ("u32", a + "attention.head_count_kv", 1),
+        ("u32", a + "attention.key_length", r + rope),
+        ("u32", a + "attention.value_length", r),
+        ("u32", a + "attention.key_length_mla", k_mla),
+        ("u32", a + "attention.value_length_mla", vh),
+        ("u32", a + "attention.q_lora_rank", qa),
+        ("u32", a + "attention.kv_lora_rank", r),
+        ("u32", a + "rope.dimension_count", rope),
+        ("f32", a + "rope.freq_base", s["rope_base"]),
+        ("f32", a + "attention.layer_norm_rms_epsilon", s["rms_eps"]),
+        ("u32", a + "expert_count", ne),
+        ("u32", a + "expert_used_count", s["n_expert_used"]),
+        ("u32", a + "expert_feed_forward_length", ff),
+        ("u32", a + "expert_shared_count", s["n_shared"]),
+        ("u32", a + "leading_dense_block_count", s["dense_layers"]),
+        ("f32", a + "expert_weights_scale", s["weights_scale"]),
+        ("bool", a + "expert_weights_norm", s["weights_norm"]),
+        # LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID (2) or _SOFTMAX (1).
+        ("u32", a + "expert_gating_func", 2 if s["sigmoid"] else 1),
+    ]
+    if s["yarn_factor"]:
+        meta += [
+            ("str", a + "rope.scaling.type", "yarn"),
+            ("f32", a + "rope.scaling.factor", s["yarn_factor"]),
+            ("u32", a + "rope.scaling.original_context_length", s["yarn_orig_ctx"]),
+            # As the converter stores it (0.1 × mscale_all_dim); llama.cpp divides by 0.1.
+            ("f32", a + "rope.scaling.yarn_log_multiplier", s["yarn_log_mul"]),
+        ]
+    w.embedding(d, n_vocab)
+    for i in range(s["n_layer"]):
+        def b(n, i=i):
+            return f"blk.{i}.{n}"
+
+        w.const(b("attn_norm.weight"), [d])
+        if qa:
+            w.const(b("attn_q_a_norm.weight"), [qa])
+        # The latent is normed: its gain is the attention's sharpness on the latent side, as
+        # the absorption matrix's is on the query side (gen/deepseek2.rs).
+        w.const(b("attn_kv_a_norm.weight"), [r], np.sqrt(ATTN_SHARPNESS))
+        if qa:
+            w.rand(b("attn_q_a.weight"), [d, qa], inv(d))
+            w.rand(b("attn_q_b.weight"), [qa, nh * k_mla], inv(qa))
+        else:
+            w.rand(b("attn_q.weight"), [d, nh * k_mla], inv(d))
+        w.rand(b("attn_kv_a_mqa.weight"), [d, r + rope], inv(d))
+        w.rand(b("attn_k_b.weight"), [nope, r, nh], inv(nope) * np.sqrt(ATTN_SHARPNESS))
+        w.rand(b("attn_v_b.weight"), [r, vh, nh], inv(r))
+        w.writes(b("attn_output.weight"), [nh * vh, d], inv(nh * vh), "context")
+        w.const(b("ffn_norm.weight"), [d])
+        if i < s["dense_layers"]:
+            w.rand(b("ffn_gate.weight"), [d, fd], inv(d))
+            w.writes(b("ffn_down.weight"), [fd, d], inv(fd), "token")
+            w.rand(b("ffn_up.weight"), [d, fd], inv(d))
+            continue
+        if s["sigmoid"]:
+            # Sigmoid gating with a selection bias: the router at twice the gain and a small
+            # bias, as lfm2moe's (gen/lfm2moe.rs says why: fewer near-ties at the top-k edge).
+            w.router(i, d, ne, s["router_gain"] * ROUTER_GAIN)
+            w.rand(b("exp_probs_b.bias"), [ne], s["probs_bias"])
+        else:
+            w.router(i, d, ne, ROUTER_GAIN)
+        w.rand(b("ffn_gate_exps.weight"), [d, ff, ne], inv(d))
+        w.rand(b("ffn_up_exps.weight"), [d, ff, ne], inv(d))
+        w.writes(b("ffn_down_exps.weight"), [ff, d, ne], inv(ff), "token")
+        w.rand(b("ffn_gate_shexp.weight"), [d, fs], inv(d))
+        w.rand(b("ffn_up_shexp.weight"), [d, fs], inv(d))
+        w.writes(b("ffn_down_shexp.weight"), [fs, d], inv(fs), "token")
+    w.const("output_norm.weight", [d])
+    w.rand("output.weight", [d, n_vocab], inv(d))
+    return meta
+
+
+FAMILIES = {"qwen35moe": qwen35moe, "lfm2moe": lfm2moe, "deepseek2": deepseek2}
 
 
 def write(arch, shape_name, tokenizer_kv, out, seed):
@@ -256,7 +370,8 @@ def write(arch, shape_name, tokenizer_kv, out, seed):
     w.add_name(f"bmoe gguf-py {arch} {shape_name} (seed {seed})")
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     for ty, name, value in meta:
-        {"u32": w.add_uint32, "f32": w.add_float32, "arr": w.add_array}[ty](name, value)
+        {"u32": w.add_uint32, "f32": w.add_float32, "arr": w.add_array, "bool": w.add_bool,
+         "str": w.add_string}[ty](name, value)
     for name, value, vtype, sub_type in tokenizer_kv:
         w.add_key_value(name, value, vtype, sub_type=sub_type)
     for name, data in weights.tensors:

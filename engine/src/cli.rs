@@ -2,7 +2,7 @@
 
 use crate::gen::{self, GenOptions, Preset, TypeScheme};
 use crate::gguf::{GgmlType, GgufFile};
-use anyhow::{anyhow, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use std::path::{Path, PathBuf};
 
@@ -382,6 +382,12 @@ pub struct GenArgs {
     /// (gemma4)
     #[arg(long = "shared-ffn")]
     pub shared_ffn: Option<u32>,
+    /// The FFN width of the leading dense layers (deepseek2, lfm2moe)
+    #[arg(long = "dense-ffn")]
+    pub dense_ffn: Option<u32>,
+    /// The query LoRA's rank (deepseek2; 0 = one attn_q projection)
+    #[arg(long = "q-lora-rank")]
+    pub q_lora_rank: Option<u32>,
     #[arg(long)]
     pub heads: Option<u32>,
     #[arg(long = "kv-heads")]
@@ -522,6 +528,22 @@ pub fn gen(a: GenArgs) -> Result<()> {
     ov!(n_head_kv, a.kv_heads);
     ov!(head_dim, a.head_dim);
     ov!(n_ctx_train, a.ctx);
+    if let Some(n) = a.dense_ffn {
+        match (&mut shape.deepseek2, &mut shape.lfm2) {
+            (Some(d), _) => d.n_ff_dense = n,
+            (_, Some(l)) => l.n_ff_dense = n,
+            _ => bail!(
+                "--dense-ffn: {} has no leading dense layers (deepseek2 and lfm2moe have)",
+                shape.arch.name()
+            ),
+        }
+    }
+    if let Some(n) = a.q_lora_rank {
+        let Some(d) = &mut shape.deepseek2 else {
+            bail!("--q-lora-rank: only deepseek2 has a query LoRA");
+        };
+        d.q_lora_rank = n;
+    }
     shape.tie_output |= a.tie_output;
     let gemma = shape.gemma.is_some();
     let mut types = match &a.ty {

@@ -342,43 +342,57 @@ fn a_hybrid_takes_back_a_rejected_drafts_recurrent_state() {
     // changed: groups confirmed in part, rejected at a changed token. Any wrong state
     // shows in the tokens.
     for arch in ["qwen35moe", "lfm2moe"] {
-        let m = spec_model(arch);
-        for (args, draft) in [
-            (&["--no-moe-stream"][..], "3"),
-            (&["--no-moe-stream"], "8"),
-            (
-                &[
-                    "--moe-stream",
-                    "--cache-mb",
-                    "2",
-                    "--force-cache",
-                    "--overlap",
-                ],
-                "4",
-            ),
-        ] {
-            let (plain, spoiled) = spoiled_recording(&m, arch, 40, args, 3);
-            let mut b = vec!["-p", PROMPT, "-n", "40", "--ignore-eos"];
-            b.extend_from_slice(args);
-            b.extend_from_slice(&[
-                "--draft-replay",
-                spoiled.to_str().unwrap(),
-                "--draft",
-                draft,
-            ]);
-            let spec = run(&m, &b);
-            assert_eq!(spec.code, 0, "{}", spec.stderr);
-            assert_eq!(
-                spec.outcome.tokens, plain,
-                "{arch} {args:?} --draft {draft}"
-            );
-            let c = &spec.outcome.summary.as_ref().unwrap().counters;
-            assert!(
-                c.mtp_accepted > 0 && c.mtp_drafted > c.mtp_accepted,
-                "{arch} {args:?}: nothing both accepted and rejected: {c:?}"
-            );
-            assert_eq!(40 - c.mtp_accepted, c.mtp_decodes, "{arch} {args:?}");
-        }
+        takes_back_rejected_drafts(arch);
+    }
+}
+
+#[test]
+fn latent_attention_verifies_drafts_as_plain_decoding() {
+    // deepseek2's latent memory: a verify decode's rows are each a one-token decode's (the
+    // per-head absorption products batched), and a rejected row's latent is written over.
+    takes_back_rejected_drafts("deepseek2");
+}
+
+/// Drafts of `arch`'s plain run with every 3rd token spoiled, resident (`--draft` 3 and 8) and
+/// streamed under overlap (`--draft` 4): the plain run's tokens, with groups both accepted
+/// and rejected.
+fn takes_back_rejected_drafts(arch: &str) {
+    let m = spec_model(arch);
+    for (args, draft) in [
+        (&["--no-moe-stream"][..], "3"),
+        (&["--no-moe-stream"], "8"),
+        (
+            &[
+                "--moe-stream",
+                "--cache-mb",
+                "2",
+                "--force-cache",
+                "--overlap",
+            ],
+            "4",
+        ),
+    ] {
+        let (plain, spoiled) = spoiled_recording(&m, arch, 40, args, 3);
+        let mut b = vec!["-p", PROMPT, "-n", "40", "--ignore-eos"];
+        b.extend_from_slice(args);
+        b.extend_from_slice(&[
+            "--draft-replay",
+            spoiled.to_str().unwrap(),
+            "--draft",
+            draft,
+        ]);
+        let spec = run(&m, &b);
+        assert_eq!(spec.code, 0, "{}", spec.stderr);
+        assert_eq!(
+            spec.outcome.tokens, plain,
+            "{arch} {args:?} --draft {draft}"
+        );
+        let c = &spec.outcome.summary.as_ref().unwrap().counters;
+        assert!(
+            c.mtp_accepted > 0 && c.mtp_drafted > c.mtp_accepted,
+            "{arch} {args:?}: nothing both accepted and rejected: {c:?}"
+        );
+        assert_eq!(40 - c.mtp_accepted, c.mtp_decodes, "{arch} {args:?}");
     }
 }
 
