@@ -6,12 +6,17 @@ every run, interleaved over --reps repetitions. Needs root.
 
   bench-capped.py MODEL --limit-gib 5 --llama-bench /work/llama-build/bin/llama-bench
                   [--bin target/release/bmoe-cli] [-n 32] [-t 2] [--reps 2] [--temp 0.7]
+                  [--routing-from TRACE]
 
 Prints tok/s per engine (median and range) and each ratio against llama.cpp's.
 
 `--temp T` (with `--seed 1`) samples bmoe's tokens: a random-weight model's greedy text soon
 repeats one token, and its routing repeats with it, which flatters every cache (docs/models.md);
 llama-bench's tg decodes random token ids, which its routing treats as varied text.
+
+`--routing-from TRACE` makes both bmoe runs route as a recorded capture does (docs/models.md,
+"Real routing"): the streamed figure on a real model's routing, while llama.cpp routes by the
+file's own random router (it has no such hook).
 """
 import argparse
 import statistics
@@ -53,13 +58,18 @@ def main():
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--temp", type=float, default=0.0,
                     help="sample bmoe's tokens at this temperature (seed 1); 0 = greedy")
+    ap.add_argument("--routing-from", metavar="TRACE",
+                    help="bmoe routes as this route trace does (both bmoe runs)")
     a = ap.parse_args()
     sample = ["--temp", str(a.temp), "--seed", "1"] if a.temp > 0 else []
+    if a.routing_from:
+        sample += ["--routing-from", a.routing_from]
     set_limit(a.limit_gib)
     res = {"bmoe (no flags)": [], "bmoe --no-moe-stream": [], "llama.cpp mmap": []}
     modes = {}
     print(f"{a.model}: cgroup limit {a.limit_gib} GiB, tg{a.n}, {a.t} threads, {a.reps} reps, "
-          f"page cache dropped before each run, bmoe {'--temp ' + str(a.temp) + ' --seed 1' if sample else 'greedy'}",
+          f"page cache dropped before each run, bmoe {'--temp ' + str(a.temp) + ' --seed 1' if a.temp > 0 else 'greedy'}"
+          + (f", bmoe routed by {a.routing_from}" if a.routing_from else ""),
           flush=True)
     for rep in range(a.reps):
         tps, modes["bmoe (no flags)"] = bmoe(a.bin, a.model, a.n, a.t, sample)

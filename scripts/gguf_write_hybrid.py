@@ -1,9 +1,9 @@
-"""Random-weight F32 models of the two hybrid families, qwen35moe and lfm2moe, and of deepseek2
-(MLA), written through the PyPI `gguf` package's `GGUFWriter`: another tool's files, in shapes
-unlike the presets of bmoe's own generator (`bmoe-cli gen`, engine/src/gen/qwen35moe.rs,
-lfm2moe.rs and deepseek2.rs), for the parity gate (gates/tests/archs.rs). `llama_parity.py
-write` calls `write` with the tokenizer keys of one of our files, so llama.cpp and bmoe
-tokenize the prompt alike.
+"""Random-weight F32 models of the two hybrid families, qwen35moe and lfm2moe, of deepseek2 (MLA)
+and of llama with routed experts (Mixtral), written through the PyPI `gguf` package's
+`GGUFWriter`: another tool's files, in shapes unlike the presets of bmoe's own generator
+(`bmoe-cli gen`, engine/src/gen/qwen35moe.rs, lfm2moe.rs, deepseek2.rs and llama_moe.rs), for the
+parity gate (gates/tests/archs.rs). `llama_parity.py write` calls `write` with the tokenizer keys
+of one of our files, so llama.cpp and bmoe tokenize the prompt alike.
 
 What differs from `gen --preset tiny` (SHAPES has every number):
   qwen35moe: d_model 512 (tiny 256); 8 query heads of 32 over one KV head (tiny 4 of 64 over
@@ -27,9 +27,17 @@ What differs from `gen --preset tiny` (SHAPES has every number):
     llama-quantize's K-quant presets give the tensors that read the residual stream their
     32-value stand-ins (Q4_K_M: Q5_0), the K-quants where a row is 256 or 768 long (attn_q_b,
     the FFN down projections).
-All three: expert FFN 256 (the gate's tiny files: 512), a multiple of 256, so llama-quantize's
-K-quants apply to every expert (deepseek2: to the down projections, its gate and up rows being
-384 long); rms eps 1e-5 (tiny 1e-6).
+  llama (Mixtral): d_model 384 (tiny 256) as 6 heads of 64 over 3 KV heads (tiny 4 over 2); 5
+    layers (tiny 4); 6 experts, top-2 (tiny 16, top-4) of 512; a `rope_freqs` table (tiny has
+    none) of Llama 3.1's long-context shape: 1 over the first quarter of the rotated pairs (the
+    fast ones), rising geometrically to 8 over the middle half, 8 over the last quarter; rope
+    base 1e6 (tiny 1e4); no biases, an untied head, as tiny. As with deepseek2, d_model 384 gives
+    the tensors that read the residual stream llama-quantize's 32-value stand-ins (Q4_K_M: Q5_0,
+    attn_v in some layers Q8_0); the experts' down projections (rows of 512) take the K-quants
+    (Q4_K_M: Q4_K, in some layers Q6_K).
+The first three: expert FFN 256 (the gate's tiny files: 512), a multiple of 256, so
+llama-quantize's K-quants apply to every expert (deepseek2: to the down projections, its gate and
+up rows being 384 long). All four: rms eps 1e-5 (tiny 1e-6).
 
 Weights follow the scheme of our generator (engine/src/gen.rs, module doc), so activations stay
 at unit scale through the layers and routing is not a coin toss at every position: uniform
@@ -39,7 +47,8 @@ convolution) the second ("context") half; routers reading the token half at (1 -
 the context half at 4 * R * gain / (layer + 1)^0.75 (R 0.65, gain 6, as `gen --preset tiny`;
 lfm2moe's and deepseek2's at twice that gain with a selection bias of std 0.01, as
 gen/lfm2moe.rs says why); q/k norms of 0.5 (deepseek2: the latent norm and the key absorption
-matrix at sqrt(0.5) each, as gen/deepseek2.rs), so attention is near-uniform. Each tensor's
+matrix at sqrt(0.5) each, as gen/deepseek2.rs; llama, which has no q/k norms: the q and k
+projections at 0.5 / sqrt(fan-in), as gen/llama.rs), so attention is near-uniform. Each tensor's
 noise comes from its own numpy stream seeded by (seed, crc32 of its name): the file depends on
 the seed alone.
 
@@ -71,6 +80,11 @@ SHAPES = {
         "router_gain": 2.0, "probs_bias": 0.01,
         "yarn_factor": 8.0, "yarn_orig_ctx": 512, "yarn_log_mul": 0.1,
         "rope_base": 10000.0, "rms_eps": 1e-5, "n_ctx_train": 4096,
+    },
+    ("llama", "wide"): {
+        "n_layer": 5, "d_model": 384, "n_head": 6, "n_head_kv": 3, "head_dim": 64,
+        "n_expert": 6, "n_expert_used": 2, "n_ff_exp": 512,
+        "rope_freqs": (1.0, 8.0), "rope_base": 1000000.0, "rms_eps": 1e-5, "n_ctx_train": 4096,
     },
     ("lfm2moe", "wide"): {
         "n_layer": 6, "attn_layers": [0, 3, 4], "d_model": 512,
@@ -347,7 +361,64 @@ def deepseek2(s, w, n_vocab):
     return meta
 
 
-FAMILIES = {"qwen35moe": qwen35moe, "lfm2moe": lfm2moe, "deepseek2": deepseek2}
+def rope_factors(n_pairs, lo, hi):
+    """A `rope_freqs` table of Llama 3.1's long-context shape (llama.cpp divides pair i's
+    frequency by entry i): `lo` over the first quarter of the pairs (the fast ones), `hi` over
+    the last quarter, geometric in between."""
+    q = n_pairs // 4
+    ramp = np.geomspace(lo, hi, n_pairs - 2 * q + 2)[1:-1]
+    return np.concatenate([np.full(q, lo), ramp, np.full(q, hi)]).astype(np.float32)
+
+
+def llama(s, w, n_vocab):
+    """The metadata of a llama file with routed experts (Mixtral), its tensors into `w`:
+    llama.cpp's llama.cpp (`load_arch_tensors`), keys as gen/llama_moe.rs writes them. llama.cpp
+    sizes Mixtral's experts by `feed_forward_length`, so that is the experts' width; softmax
+    gating, top-k renormalised, and the original (adjacent-pair) rope are fixed by the arch."""
+    d, ff, ne, hd = s["d_model"], s["n_ff_exp"], s["n_expert"], s["head_dim"]
+    qd, kvd = s["n_head"] * hd, s["n_head_kv"] * hd
+    a = "llama."
+    meta = [
+        ("u32", a + "context_length", s["n_ctx_train"]),
+        ("u32", a + "embedding_length", d),
+        ("u32", a + "block_count", s["n_layer"]),
+        ("u32", a + "feed_forward_length", ff),
+        ("u32", a + "attention.head_count", s["n_head"]),
+        ("u32", a + "attention.head_count_kv", s["n_head_kv"]),
+        ("u32", a + "attention.key_length", hd),
+        ("u32", a + "attention.value_length", hd),
+        ("f32", a + "rope.freq_base", s["rope_base"]),
+        ("f32", a + "attention.layer_norm_rms_epsilon", s["rms_eps"]),
+        ("u32", a + "expert_count", ne),
+        ("u32", a + "expert_used_count", s["n_expert_used"]),
+        ("u32", a + "expert_feed_forward_length", ff),
+        ("u32", a + "rope.dimension_count", hd),
+    ]
+    w.embedding(d, n_vocab)
+    if s["rope_freqs"]:
+        # One table, no layer in its name: llama.cpp gives every layer this one.
+        w.tensors.append(("rope_freqs.weight", rope_factors(hd // 2, *s["rope_freqs"])))
+    for i in range(s["n_layer"]):
+        def b(n, i=i):
+            return f"blk.{i}.{n}"
+
+        w.const(b("attn_norm.weight"), [d])
+        # No q/k norms: the sharpness scales the q and k projections (gen/llama.rs).
+        w.rand(b("attn_q.weight"), [d, qd], inv(d) * ATTN_SHARPNESS)
+        w.rand(b("attn_k.weight"), [d, kvd], inv(d) * ATTN_SHARPNESS)
+        w.rand(b("attn_v.weight"), [d, kvd], inv(d))
+        w.writes(b("attn_output.weight"), [qd, d], inv(qd), "context")
+        w.const(b("ffn_norm.weight"), [d])
+        w.router(i, d, ne, ROUTER_GAIN)
+        w.rand(b("ffn_gate_exps.weight"), [d, ff, ne], inv(d))
+        w.rand(b("ffn_up_exps.weight"), [d, ff, ne], inv(d))
+        w.writes(b("ffn_down_exps.weight"), [ff, d, ne], inv(ff), "token")
+    w.const("output_norm.weight", [d])
+    w.rand("output.weight", [d, n_vocab], inv(d))
+    return meta
+
+
+FAMILIES = {"qwen35moe": qwen35moe, "lfm2moe": lfm2moe, "deepseek2": deepseek2, "llama": llama}
 
 
 def write(arch, shape_name, tokenizer_kv, out, seed):

@@ -22,9 +22,9 @@
   llama_parity.py rewrite IN OUT                  copy a GGUF through the gguf package's writer
                                                   (another tool's file layout, same weights)
   llama_parity.py write ARCH SHAPE TOK.gguf OUT SEED
-                                                  a random-weight F32 qwen35moe, lfm2moe or
-                                                  deepseek2 file of a shape unlike our presets
-                                                  (SHAPE: wide), written by the
+                                                  a random-weight F32 qwen35moe, lfm2moe,
+                                                  deepseek2 or llama (Mixtral) file of a shape
+                                                  unlike our presets (SHAPE: wide), written by the
                                                   gguf package's writer, with TOK.gguf's
                                                   tokenizer (scripts/gguf_write_hybrid.py)
   llama_parity.py compare A.f32 B.f32 N_VOCAB     per-position cosine and top-1 agreement, as JSON

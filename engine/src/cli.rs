@@ -343,9 +343,10 @@ pub struct GenArgs {
     /// architecture: qwen3-30b-a3b-shape (qwen3moe), qwen1.5-moe-a2.7b-shape (qwen2moe),
     /// gemma-4-26b-a4b-shape (gemma4), gpt-oss-20b-shape and gpt-oss-120b-shape (gpt-oss),
     /// lfm2-8b-a1b-shape (lfm2moe), qwen3.6-35b-a3b-shape (qwen35moe), deepseek-v2-lite-shape
-    /// and moonlight-16b-a3b-shape (deepseek2); the first of those and mixtral-8x7b-shape
-    /// (qwen3moe, its routing shape) match real traces in ../shared/traces, for --routing-from;
-    /// deepseek-v2-lite-qwen2moe-stand-in is the qwen2moe file that stood in for V2-Lite before
+    /// and moonlight-16b-a3b-shape (deepseek2), mixtral-8x7b-shape (llama with experts); the
+    /// first of those and the Mixtral shape match real traces in ../shared/traces, for
+    /// --routing-from; deepseek-v2-lite-qwen2moe-stand-in and mixtral-8x7b-qwen3moe-stand-in are
+    /// the files that stood in for them before
     #[arg(long, default_value = "tiny", value_parser = clap::builder::PossibleValuesParser::new(Preset::NAMES))]
     pub preset: String,
     /// Seed of the weights

@@ -26,6 +26,7 @@ mod gemma4;
 mod gpt_oss;
 mod deepseek2;
 mod lfm2moe;
+mod llama_moe;
 mod llama;
 mod mix;
 mod qwen2moe;
@@ -69,6 +70,9 @@ pub enum GenArch {
     /// DeepSeek-V2 family: multi-head latent attention (split k_b/v_b), leading dense layers,
     /// routed experts beside shared ones.
     Deepseek2,
+    /// llama with routed experts (Mixtral): GQA with the original rotary embedding, softmax
+    /// top-k renormalised, no shared expert.
+    LlamaMoe,
 }
 
 impl GenArch {
@@ -80,6 +84,7 @@ impl GenArch {
         "gpt-oss",
         "lfm2moe",
         "deepseek2",
+        "llama",
     ];
 
     pub fn from_name(s: &str) -> Option<GenArch> {
@@ -91,6 +96,7 @@ impl GenArch {
             "lfm2moe" => Some(GenArch::Lfm2Moe),
             "qwen35moe" => Some(GenArch::Qwen35Moe),
             "deepseek2" => Some(GenArch::Deepseek2),
+            "llama" => Some(GenArch::LlamaMoe),
             _ => None,
         }
     }
@@ -104,6 +110,7 @@ impl GenArch {
             GenArch::Lfm2Moe => "lfm2moe",
             GenArch::Qwen35Moe => "qwen35moe",
             GenArch::Deepseek2 => "deepseek2",
+            GenArch::LlamaMoe => "llama",
         }
     }
 
@@ -146,6 +153,7 @@ impl GenArch {
             GenArch::Lfm2Moe => &lfm2moe::Lfm2Moe,
             GenArch::Qwen35Moe => &qwen35moe::Qwen35Moe,
             GenArch::Deepseek2 => &deepseek2::Deepseek2,
+            GenArch::LlamaMoe => &llama_moe::LlamaMoe,
         }
     }
 }
@@ -217,10 +225,13 @@ pub enum Preset {
     /// The full shape of Moonlight-16B-A3B (deepseek2): V2-Lite's with a query LoRA of 1536,
     /// sigmoid routing with a selection bias, renormalised, × 2.446.
     Moonlight16bA3bShape,
-    /// The routing shape of Mixtral-8x7B, for `--routing-from` with the Mixtral trace: 32
-    /// layers, 8 experts, top-2, d_model 4096, expert FFN 14336, GQA 32/8 heads of 128; ~26 GB
-    /// at Q4_K_M.
+    /// The full shape of Mixtral-8x7B (llama with experts; the routing shape of the Mixtral
+    /// trace, for `--routing-from`): 32 layers, 8 experts, top-2, d_model 4096, expert FFN
+    /// 14336, GQA 32/8 heads of 128, rope base 1e6; ~26 GB at Q4_K_M.
     Mixtral8x7bShape,
+    /// The qwen3moe file that stood in for Mixtral's routing shape before llama ran (q/k norms,
+    /// NeoX rope); kept for the measurements recorded on it.
+    Mixtral8x7bQwen3moeStandIn,
     /// The full shape of Gemma-4-26B-A4B (gemma4): 30 layers (five sliding-window of 1024 to
     /// one global), 128 experts, top-8, d_model 2816, expert FFN 704, dense MLP 2112, 16
     /// heads of 256 (8 KV) on window layers and of 512 (2 KV) on global ones.
@@ -260,6 +271,7 @@ impl Preset {
         "deepseek-v2-lite-qwen2moe-stand-in",
         "moonlight-16b-a3b-shape",
         "mixtral-8x7b-shape",
+        "mixtral-8x7b-qwen3moe-stand-in",
         "gemma-4-26b-a4b-shape",
         "gpt-oss-20b-shape",
         "gpt-oss-120b-shape",
@@ -277,6 +289,7 @@ impl Preset {
         Preset::DeepseekV2LiteQwen2moeStandIn,
         Preset::Moonlight16bA3bShape,
         Preset::Mixtral8x7bShape,
+        Preset::Mixtral8x7bQwen3moeStandIn,
         Preset::Gemma4_26bA4bShape,
         Preset::GptOss20bShape,
         Preset::GptOss120bShape,
@@ -294,7 +307,8 @@ impl Preset {
             "deepseek-v2-lite-shape" | "deepseek-v2-lite" => Some(Preset::DeepseekV2LiteShape),
             "deepseek-v2-lite-qwen2moe-stand-in" => Some(Preset::DeepseekV2LiteQwen2moeStandIn),
             "moonlight-16b-a3b-shape" | "moonlight-16b-a3b" => Some(Preset::Moonlight16bA3bShape),
-            "mixtral-8x7b-shape" => Some(Preset::Mixtral8x7bShape),
+            "mixtral-8x7b-shape" | "mixtral-8x7b" => Some(Preset::Mixtral8x7bShape),
+            "mixtral-8x7b-qwen3moe-stand-in" => Some(Preset::Mixtral8x7bQwen3moeStandIn),
             "gemma-4-26b-a4b-shape" => Some(Preset::Gemma4_26bA4bShape),
             "gpt-oss-20b-shape" => Some(Preset::GptOss20bShape),
             "gpt-oss-120b-shape" => Some(Preset::GptOss120bShape),
@@ -315,6 +329,7 @@ impl Preset {
             Preset::DeepseekV2LiteQwen2moeStandIn => "deepseek-v2-lite-qwen2moe-stand-in",
             Preset::Moonlight16bA3bShape => "moonlight-16b-a3b-shape",
             Preset::Mixtral8x7bShape => "mixtral-8x7b-shape",
+            Preset::Mixtral8x7bQwen3moeStandIn => "mixtral-8x7b-qwen3moe-stand-in",
             Preset::Gemma4_26bA4bShape => "gemma-4-26b-a4b-shape",
             Preset::GptOss20bShape => "gpt-oss-20b-shape",
             Preset::GptOss120bShape => "gpt-oss-120b-shape",
@@ -328,7 +343,10 @@ impl Preset {
     pub fn arch(self) -> Option<GenArch> {
         match self {
             Preset::Tiny | Preset::TinyOdd | Preset::Small => None,
-            Preset::Qwen3_30bA3bShape | Preset::Mixtral8x7bShape => Some(GenArch::Qwen3Moe),
+            Preset::Qwen3_30bA3bShape | Preset::Mixtral8x7bQwen3moeStandIn => {
+                Some(GenArch::Qwen3Moe)
+            }
+            Preset::Mixtral8x7bShape => Some(GenArch::LlamaMoe),
             Preset::Qwen15MoeA27bShape | Preset::DeepseekV2LiteQwen2moeStandIn => {
                 Some(GenArch::Qwen2Moe)
             }
@@ -451,6 +469,12 @@ impl Preset {
                 ..base
             },
             Preset::Mixtral8x7bShape => ModelShape {
+                arch: GenArch::LlamaMoe,
+                rope_base: 1_000_000.0,
+                rms_eps: 1e-5,
+                ..Preset::Mixtral8x7bQwen3moeStandIn.shape()
+            },
+            Preset::Mixtral8x7bQwen3moeStandIn => ModelShape {
                 n_layer: 32,
                 n_expert: 8,
                 n_expert_used: 2,
@@ -519,6 +543,7 @@ impl Preset {
             | Preset::DeepseekV2LiteQwen2moeStandIn
             | Preset::Moonlight16bA3bShape
             | Preset::Mixtral8x7bShape
+            | Preset::Mixtral8x7bQwen3moeStandIn
             | Preset::Gemma4_26bA4bShape
             | Preset::GptOss20bShape
             | Preset::GptOss120bShape
@@ -540,6 +565,7 @@ impl Preset {
             | Preset::DeepseekV2LiteQwen2moeStandIn
             | Preset::Moonlight16bA3bShape
             | Preset::Mixtral8x7bShape
+            | Preset::Mixtral8x7bQwen3moeStandIn
             | Preset::Gemma4_26bA4bShape
             | Preset::Lfm2_8bA1bShape
             | Preset::Qwen36_35bA3bShape => TypeScheme::q4_k_m(),

@@ -330,3 +330,64 @@ pub fn assert_turn_boundary_reuse(model: &Path, args: &[&str]) {
     assert_eq!(b.0, c.0, "continued {b:?}\nfresh {c:?}");
     assert_eq!(r.0, q.0, "re-fed {r:?}\nfresh {q:?}");
 }
+
+/// The step engine of `m` as `bmoe-cli -m m -t 2 <extra>` loads it, for tests that drive steps
+/// themselves.
+pub fn load_engine(m: &Path, extra: &[&str]) -> bmoe_engine::run::EngineStep {
+    let mut argv = vec!["bmoe-cli", "-m", m.to_str().unwrap(), "-t", "2"];
+    argv.extend_from_slice(extra);
+    let cli = Cli::try_parse_from(argv).expect("args");
+    bmoe_engine::run::load(&cli.run, m, &mut Vec::new())
+        .expect("load")
+        .engine
+}
+
+/// Feed `tokens` at positions `from..` as one prefill step; the last row's logits as bits.
+pub fn step_logit_bits(
+    e: &mut bmoe_engine::run::EngineStep,
+    tokens: &[u32],
+    from: u32,
+) -> Result<Vec<u32>, String> {
+    use bmoe_core::Backend;
+    let positions: Vec<u32> = (from..from + tokens.len() as u32).collect();
+    e.step(
+        &bmoe_core::StepInput {
+            turn: 0,
+            phase: bmoe_core::records::Phase::Prefill,
+            tokens,
+            positions: &positions,
+        },
+        &mut bmoe_core::records::NullSink,
+    )
+    .map_err(|e| format!("{e:#}"))?;
+    Ok(e.backend()
+        .last_logits()
+        .expect("logits")
+        .iter()
+        .map(|x| x.to_bits())
+        .collect())
+}
+
+/// A KV memory read back exactly: a prompt fed in pieces (two prefills, then token by token)
+/// and a turn fed over rows an earlier one wrote (keeping the first 10 positions) each give
+/// the logits of one fresh prefill, bit for bit.
+pub fn assert_pieces_and_rollback_exact(m: &Path) {
+    let prompt: Vec<u32> = (0..29).map(|i| (i * 131 + 17) % 4000).collect();
+    let want = step_logit_bits(&mut load_engine(m, &[]), &prompt, 0).unwrap();
+    let mut e = load_engine(m, &[]);
+    step_logit_bits(&mut e, &prompt[..11], 0).unwrap();
+    step_logit_bits(&mut e, &prompt[11..20], 11).unwrap();
+    let mut got = Vec::new();
+    for (i, &t) in prompt.iter().enumerate().skip(20) {
+        got = step_logit_bits(&mut e, &[t], i as u32).unwrap();
+    }
+    assert_eq!(got, want, "{}: pieces", m.display());
+    let first: Vec<u32> = (0..16).map(|i| (i * 97 + 3) % 4000).collect();
+    let other: Vec<u32> = (0..9).map(|i| (i * 61 + 11) % 4000).collect();
+    let mut e = load_engine(m, &[]);
+    step_logit_bits(&mut e, &first, 0).unwrap();
+    let got = step_logit_bits(&mut e, &other, 10).unwrap();
+    let whole: Vec<u32> = first[..10].iter().chain(&other).copied().collect();
+    let want = step_logit_bits(&mut load_engine(m, &[]), &whole, 0).unwrap();
+    assert_eq!(got, want, "{}: rolled back", m.display());
+}

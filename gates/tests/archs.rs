@@ -33,6 +33,7 @@ const ARCHS: &[(&str, &str)] = &[
     ("qwen35moe", "softmax_topk_norm"),
     ("lfm2moe", "sigmoid_topk_norm"),
     ("deepseek2", "softmax_topk"),
+    ("llama", "softmax_topk_norm"),
 ];
 
 /// [`ARCHS`], or those `BMOE_ARCHS` names (comma-separated: a developer's quicker run of one
@@ -256,6 +257,7 @@ const GGUF_PY_SHAPES: &[(&str, &str)] = &[
     ("qwen35moe", "wide"),
     ("lfm2moe", "wide"),
     ("deepseek2", "wide"),
+    ("llama", "wide"),
 ];
 
 /// llama.cpp's file types the gguf-py files are quantized to, besides the F32 original.
@@ -321,7 +323,7 @@ fn gguf_py_files(arch: &str, shape: &str, seed: u64, dir: &Path) -> Vec<(String,
     files
 }
 
-/// Issues 32's hybrids and 34's deepseek2 on files another tool wrote in shapes our generator
+/// Issues 32's hybrids and 34's deepseek2 and llama MoE on files another tool wrote in shapes our generator
 /// never makes: held to llama.cpp as the archs gate holds our files.
 #[test]
 fn files_written_by_gguf_py_match_llama_cpp() {

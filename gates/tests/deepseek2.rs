@@ -9,12 +9,8 @@
 //!   answer); a decide — its prefix's latent rows restored, or cold — scores as a fresh
 //!   session does, bit for bit.
 
-use bmoe_core::records::{NullSink, Phase};
-use bmoe_core::{Backend, StepInput};
-use bmoe_engine::cli::Cli;
 use bmoe_gates::llama::{ours, parity, py_batch, python_ready};
 use bmoe_gates::{model, scratch_dir, SessionDriver};
-use clap::Parser;
 use serde_json::{json, Value};
 use std::path::PathBuf;
 
@@ -131,51 +127,11 @@ fn the_published_shapes_match_llama_cpp() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-type Engine = bmoe_engine::run::EngineStep;
-
-fn load(m: &std::path::Path) -> Engine {
-    let argv = ["bmoe-cli", "-m", m.to_str().unwrap(), "-t", "2"];
-    let cli = Cli::try_parse_from(argv).expect("args");
-    bmoe_engine::run::load(&cli.run, m, &mut Vec::new())
-        .expect("load")
-        .engine
-}
-
-/// Feed `tokens` at positions `from..`; the last row's logits as bits.
-fn step(e: &mut Engine, tokens: &[u32], from: u32) -> Vec<u32> {
-    let positions: Vec<u32> = (from..from + tokens.len() as u32).collect();
-    e.step(
-        &StepInput {
-            turn: 0,
-            phase: Phase::Prefill,
-            tokens,
-            positions: &positions,
-        },
-        &mut NullSink,
-    )
-    .expect("step");
-    e.backend()
-        .last_logits()
-        .expect("logits")
-        .iter()
-        .map(|x| x.to_bits())
-        .collect()
-}
-
 #[test]
-fn a_prompt_fed_in_pieces_gives_the_logits_of_one_prefill() {
+fn a_prompt_fed_in_pieces_or_over_old_rows_gives_one_prefills_logits() {
     // Both query forms: the tiny file's LoRA, V2-Lite's one projection (with YaRN).
     for m in [tiny(), reduced("deepseek-v2-lite-shape", "q4_k_m", 1, 4)] {
-        let prompt: Vec<u32> = (0..29).map(|i| (i * 131 + 17) % 4000).collect();
-        let want = step(&mut load(&m), &prompt, 0);
-        let mut e = load(&m);
-        step(&mut e, &prompt[..11], 0);
-        step(&mut e, &prompt[11..20], 11);
-        let mut got = Vec::new();
-        for (i, &t) in prompt.iter().enumerate().skip(20) {
-            got = step(&mut e, &[t], i as u32);
-        }
-        assert_eq!(got, want, "{}", m.display());
+        bmoe_gates::assert_pieces_and_rollback_exact(&m);
     }
 }
 
@@ -195,20 +151,9 @@ fn logp_bits(d: &Value) -> Vec<Option<u64>> {
 }
 
 #[test]
-fn a_rolled_back_turn_and_decides_equal_fresh_runs() {
-    // A continued turn that keeps the first 10 positions and feeds others over rows a
-    // previous turn wrote (a re-rendered answer): the logits of one fresh prefill.
-    let m = tiny();
-    let first: Vec<u32> = (0..16).map(|i| (i * 97 + 3) % 4000).collect();
-    let other: Vec<u32> = (0..9).map(|i| (i * 61 + 11) % 4000).collect();
-    let mut e = load(&m);
-    step(&mut e, &first, 0);
-    let got = step(&mut e, &other, 10);
-    let whole: Vec<u32> = first[..10].iter().chain(&other).copied().collect();
-    assert_eq!(got, step(&mut load(&m), &whole, 0));
-
-    // Decides: warm (restored where possible) and cold in one session, and each in a fresh
-    // session, score the same bits.
+fn decides_restored_or_cold_equal_fresh_runs() {
+    // Warm (the prefix's latent rows restored where possible) and cold in one session, and
+    // each in a fresh session, score the same bits.
     let m = tiny();
     let prefix = "The fox lived by the river and ate berries every morning. ";
     let cases = [

@@ -220,6 +220,8 @@ fn mixtral_routing_drives_the_engine_as_the_simulator_replays_it() {
         "traces/mixtral-8x7b-humaneval.route.csv",
         "mixtral-tiny",
         &[
+            "--arch",
+            "llama",
             "--preset",
             "tiny",
             "--layers",

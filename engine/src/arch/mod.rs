@@ -18,6 +18,7 @@ pub mod gemma4;
 pub mod gpt_oss;
 pub mod layers;
 pub mod lfm2moe;
+pub mod llama;
 pub mod meta;
 pub mod qwen2moe;
 pub mod qwen35moe;
@@ -328,6 +329,11 @@ pub const REGISTRY: &[ArchEntry] = &[
         name: deepseek2::ARCH,
         about: "DeepSeek-V2/V2-Lite, Moonlight (deepseek2): multi-head latent attention (absorbed; a latent row per position kept, not K/V), YaRN, leading dense layers, softmax or sigmoid top-k routing with shared experts (resident)",
         load: deepseek2::load,
+    },
+    ArchEntry {
+        name: llama::ARCH,
+        about: "llama with routed experts (Mixtral-8x7B, 8x22B): GQA with the original rotary embedding, softmax top-k routing (renormalised), SiLU-gated experts; a dense llama file is refused",
+        load: llama::load,
     },
     ArchEntry {
         name: lfm2moe::ARCH,

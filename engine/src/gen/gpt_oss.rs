@@ -33,6 +33,7 @@ impl Family for GptOss {
     fn plan(&self, o: &GenOptions, fallbacks: &mut Fallbacks) -> Result<Vec<Planned>, GenError> {
         let style = Style {
             qk_norms: false,
+            qkv_biases: true,
             ffn_norm: "post_attention_norm",
         };
         let extras = |i: u32| {

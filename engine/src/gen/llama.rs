@@ -17,6 +17,8 @@ pub(super) struct Style {
     /// the attention sharpness scales the q/k projections instead, so attention is as
     /// near-uniform as with the norms.
     pub qk_norms: bool,
+    /// Without q/k norms: q/k/v biases (qwen2moe, gpt-oss) or none (llama's Mixtral).
+    pub qkv_biases: bool,
     /// The FFN norm's name (gpt-oss names it after the attention it follows).
     pub ffn_norm: &'static str,
 }
@@ -105,7 +107,7 @@ pub(super) fn plan(
                     Fill::Const(o.attn_sharpness),
                 );
             }
-        } else {
+        } else if style.qkv_biases {
             // Small q/k/v biases, as trained qwen2 models have.
             for (n, w) in [("attn_q", q_dim), ("attn_k", kv_dim), ("attn_v", kv_dim)] {
                 push(

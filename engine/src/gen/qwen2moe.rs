@@ -81,6 +81,7 @@ impl Family for Qwen2Moe {
         };
         let style = Style {
             qk_norms: false,
+            qkv_biases: true,
             ffn_norm: "ffn_norm",
         };
         llama::plan(o, fallbacks, &style, &shared)

@@ -24,6 +24,7 @@ impl Family for Qwen3Moe {
     fn plan(&self, o: &GenOptions, fallbacks: &mut Fallbacks) -> Result<Vec<Planned>, GenError> {
         let style = Style {
             qk_norms: true,
+            qkv_biases: false,
             ffn_norm: "ffn_norm",
         };
         llama::plan(o, fallbacks, &style, &|_| Vec::new())
