@@ -391,3 +391,93 @@ pub fn assert_pieces_and_rollback_exact(m: &Path) {
     let want = step_logit_bits(&mut load_engine(m, &[]), &whole, 0).unwrap();
     assert_eq!(got, want, "{}: rolled back", m.display());
 }
+
+/// A session `decide` request of three choices.
+pub fn decide_request(id: u32, prefix: &str, suffix: &str, reuse: bool) -> String {
+    serde_json::json!({"cmd": "decide", "id": id, "prefix": prefix, "suffix": suffix,
+           "choices": ["yes", "no", "maybe"], "reuse_prefix": reuse})
+    .to_string()
+}
+
+/// A `BMOE_DECIDE`'s choice log-probabilities as bits (`None` for a null).
+pub fn logp_bits(d: &serde_json::Value) -> Vec<Option<u64>> {
+    d["choice_logp"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no choice_logp: {d}"))
+        .iter()
+        .map(|v| v.as_f64().map(f64::to_bits))
+        .collect()
+}
+
+/// Decides on `m` (`--decide --chatml`) over a prefix, a second question on it and a longer
+/// prefix: warm (the prefix state restored where possible: a state of a few MiB is kept, the
+/// later decides reuse it), cold in the same session, and fresh in a new session all score
+/// the same bits.
+pub fn assert_decides_equal_fresh(m: &Path) {
+    let prefix = "The fox lived by the river and ate berries every morning. ";
+    let cases = [
+        (prefix.to_string(), "Did the fox eat berries?"),
+        (prefix.to_string(), "Was the river dry?"),
+        (
+            format!("{prefix}It slept under an old oak. "),
+            "Did it sleep?",
+        ),
+    ];
+    let args = ["-t", "2", "--decide", "--chatml"];
+    let mut s = SessionDriver::start(m, &args);
+    for (i, (p, q)) in cases.iter().enumerate() {
+        let (warm, _) = s.decide(&decide_request(10 + i as u32, p, q, true));
+        assert!(warm["prefix_state_mib"].as_f64().unwrap() > 0.0, "{warm}");
+        if i > 0 {
+            assert!(warm["n_reused"].as_u64().unwrap() > 0, "decide {i}: {warm}");
+        }
+        let (cold, _) = s.decide(&decide_request(20 + i as u32, p, q, false));
+        assert_eq!(
+            logp_bits(&warm),
+            logp_bits(&cold),
+            "decide {i}: warm == cold"
+        );
+        let mut f = SessionDriver::start(m, &args);
+        let (fresh, _) = f.decide(&decide_request(1, p, q, true));
+        assert_eq!(f.close().0, 0);
+        assert_eq!(logp_bits(&warm), logp_bits(&fresh), "decide {i}: == fresh");
+    }
+    assert_eq!(s.close().0, 0);
+}
+
+/// `m` (a file with a chat template) in a session: `BMOE_READY` names `arch` (and `think_ctl`
+/// where given), and a chat's second turn renders the history again and reuses the memory of
+/// the first.
+pub fn assert_template_chats(m: &Path, arch: &str, think_ctl: Option<&str>, extra: &[&str]) {
+    let mut args = vec!["-t", "2"];
+    args.extend_from_slice(extra);
+    let mut s = SessionDriver::start(m, &args);
+    let ready = s
+        .lines
+        .iter()
+        .find_map(|l| l.strip_prefix("BMOE_READY "))
+        .map(|j| serde_json::from_str::<serde_json::Value>(j).unwrap())
+        .expect("ready line");
+    assert_eq!(ready["arch"], arch, "{ready}");
+    if let Some(ctl) = think_ctl {
+        assert_eq!(ready["think_ctl"], ctl, "{}: {ready}", m.display());
+    }
+    for (i, p) in ["Tell me about the fox", "And where did it sleep"]
+        .iter()
+        .enumerate()
+    {
+        let req = serde_json::json!({"cmd": "generate", "id": i, "prompt": p, "n_predict": 12,
+            "clear_kv": i == 0});
+        let (done, _) = s.generate(&req.to_string());
+        assert_eq!(done["cancelled"], false, "{}: {done}", m.display());
+        if i > 0 {
+            assert!(
+                done["n_reused"].as_u64().unwrap() > 0,
+                "{}: {done}",
+                m.display()
+            );
+        }
+    }
+    let (code, err) = s.close();
+    assert_eq!(code, 0, "{}: {err}", m.display());
+}

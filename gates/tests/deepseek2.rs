@@ -10,7 +10,7 @@
 //!   session does, bit for bit.
 
 use bmoe_gates::llama::{ours, parity, py_batch, python_ready};
-use bmoe_gates::{model, scratch_dir, SessionDriver};
+use bmoe_gates::{model, scratch_dir};
 use serde_json::{json, Value};
 use std::path::PathBuf;
 
@@ -135,54 +135,11 @@ fn a_prompt_fed_in_pieces_or_over_old_rows_gives_one_prefills_logits() {
     }
 }
 
-fn decide(id: u32, prefix: &str, suffix: &str, reuse: bool) -> String {
-    json!({"cmd": "decide", "id": id, "prefix": prefix, "suffix": suffix,
-           "choices": ["yes", "no", "maybe"], "reuse_prefix": reuse})
-    .to_string()
-}
-
-fn logp_bits(d: &Value) -> Vec<Option<u64>> {
-    d["choice_logp"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no choice_logp: {d}"))
-        .iter()
-        .map(|v| v.as_f64().map(f64::to_bits))
-        .collect()
-}
-
 #[test]
 fn decides_restored_or_cold_equal_fresh_runs() {
     // Warm (the prefix's latent rows restored where possible) and cold in one session, and
     // each in a fresh session, score the same bits.
-    let m = tiny();
-    let prefix = "The fox lived by the river and ate berries every morning. ";
-    let cases = [
-        (prefix.to_string(), "Did the fox eat berries?"),
-        (prefix.to_string(), "Was the river dry?"),
-        (
-            format!("{prefix}It slept under an old oak. "),
-            "Did it sleep?",
-        ),
-    ];
-    let mut s = SessionDriver::start(&m, &["-t", "2", "--decide", "--chatml"]);
-    for (i, (p, q)) in cases.iter().enumerate() {
-        let (warm, _) = s.decide(&decide(10 + i as u32, p, q, true));
-        assert!(warm["prefix_state_mib"].as_f64().unwrap() > 0.0, "{warm}");
-        if i > 0 {
-            assert!(warm["n_reused"].as_u64().unwrap() > 0, "decide {i}: {warm}");
-        }
-        let (cold, _) = s.decide(&decide(20 + i as u32, p, q, false));
-        assert_eq!(
-            logp_bits(&warm),
-            logp_bits(&cold),
-            "decide {i}: warm == cold"
-        );
-        let mut f = SessionDriver::start(&m, &["-t", "2", "--decide", "--chatml"]);
-        let (fresh, _) = f.decide(&decide(1, p, q, true));
-        assert_eq!(f.close().0, 0);
-        assert_eq!(logp_bits(&warm), logp_bits(&fresh), "decide {i}: == fresh");
-    }
-    assert_eq!(s.close().0, 0);
+    bmoe_gates::assert_decides_equal_fresh(&tiny());
 }
 
 /// The tiny file with the chat template of `stem` (`../shared/data/templates`).
@@ -207,35 +164,10 @@ fn with_template(stem: &str) -> Option<PathBuf> {
 fn deepseek_and_kimi_templates_chat_in_a_session() {
     // DeepSeek's own template (V3.1: a thinking flag) and Kimi-K2's (Moonlight's family): a
     // chat's second turn renders the history again and reuses the latent rows of the first.
-    for (stem, ctl) in [
-        ("deepseek-ai-DeepSeek-V3.1", "template"),
-        ("Kimi-K2-Instruct", "template"),
-    ] {
+    for stem in ["deepseek-ai-DeepSeek-V3.1", "Kimi-K2-Instruct"] {
         let Some(m) = with_template(stem) else {
             return;
         };
-        let mut s = SessionDriver::start(&m, &["-t", "2"]);
-        let ready = s
-            .lines
-            .iter()
-            .find_map(|l| l.strip_prefix("BMOE_READY "))
-            .map(|j| serde_json::from_str::<Value>(j).unwrap())
-            .expect("ready line");
-        assert_eq!(ready["arch"], "deepseek2", "{ready}");
-        assert_eq!(ready["think_ctl"], ctl, "{stem}: {ready}");
-        for (i, p) in ["Tell me about the fox", "And where did it sleep"]
-            .iter()
-            .enumerate()
-        {
-            let req = json!({"cmd": "generate", "id": i, "prompt": p, "n_predict": 12,
-                "clear_kv": i == 0});
-            let (done, _) = s.generate(&req.to_string());
-            assert_eq!(done["cancelled"], false, "{stem}: {done}");
-            if i > 0 {
-                assert!(done["n_reused"].as_u64().unwrap() > 0, "{stem}: {done}");
-            }
-        }
-        let (code, err) = s.close();
-        assert_eq!(code, 0, "{stem}: {err}");
+        bmoe_gates::assert_template_chats(&m, "deepseek2", Some("template"), &[]);
     }
 }

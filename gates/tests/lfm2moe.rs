@@ -13,7 +13,7 @@ use bmoe_core::{Backend, StepInput};
 use bmoe_engine::cli::Cli;
 use bmoe_gates::{model, SessionDriver};
 use clap::Parser;
-use serde_json::{json, Value};
+use serde_json::json;
 use std::path::PathBuf;
 
 fn lfm2() -> PathBuf {
@@ -126,21 +126,6 @@ fn generate(id: u32, prompt: &str, n: u32, clear_kv: bool) -> String {
         .to_string()
 }
 
-fn decide(id: u32, prefix: &str, suffix: &str, reuse: bool) -> String {
-    json!({"cmd": "decide", "id": id, "prefix": prefix, "suffix": suffix,
-           "choices": ["yes", "no", "maybe"], "reuse_prefix": reuse})
-    .to_string()
-}
-
-fn logp_bits(d: &Value) -> Vec<Option<u64>> {
-    d["choice_logp"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no choice_logp: {d}"))
-        .iter()
-        .map(|v| v.as_f64().map(f64::to_bits))
-        .collect()
-}
-
 #[test]
 fn a_continued_chat_and_decides_equal_fresh_runs() {
     let first = "The fox lived by the river";
@@ -161,38 +146,10 @@ fn a_continued_chat_and_decides_equal_fresh_runs() {
         "the continued turn reused the state: {b}"
     );
 
-    // Decides: warm (restored where possible) and cold in one session, and each in a fresh
-    // session, score the same bits.
-    let prefix = "The fox lived by the river and ate berries every morning. ";
-    let cases = [
-        (prefix.to_string(), "Did the fox eat berries?"),
-        (prefix.to_string(), "Was the river dry?"),
-        (
-            format!("{prefix}It slept under an old oak. "),
-            "Did it sleep?",
-        ),
-    ];
-    let mut s = SessionDriver::start(&lfm2(), &["-t", "2", "--decide", "--chatml"]);
-    for (i, (p, q)) in cases.iter().enumerate() {
-        let (warm, _) = s.decide(&decide(10 + i as u32, p, q, true));
-        // The prefix state was kept between the prefill's steps, where the convolutions'
-        // state stood, and restored by the next decide of that prefix (or one extending it).
-        assert!(warm["prefix_state_mib"].as_f64().unwrap() > 0.0, "{warm}");
-        if i > 0 {
-            assert!(warm["n_reused"].as_u64().unwrap() > 0, "decide {i}: {warm}");
-        }
-        let (cold, _) = s.decide(&decide(20 + i as u32, p, q, false));
-        assert_eq!(
-            logp_bits(&warm),
-            logp_bits(&cold),
-            "decide {i}: warm == cold"
-        );
-        let mut f = SessionDriver::start(&lfm2(), &["-t", "2", "--decide", "--chatml"]);
-        let (fresh, _) = f.decide(&decide(1, p, q, true));
-        assert_eq!(f.close().0, 0);
-        assert_eq!(logp_bits(&warm), logp_bits(&fresh), "decide {i}: == fresh");
-    }
-    assert_eq!(s.close().0, 0);
+    // Decides: warm (the state kept between the prefill's steps, where the convolutions'
+    // state stood, restored by the next decide of that prefix or one extending it) and cold
+    // in one session, and each in a fresh session, score the same bits.
+    bmoe_gates::assert_decides_equal_fresh(&lfm2());
 }
 
 /// The tiny lfm2moe file with the chat template of `stem` (`../shared/data/templates`).
@@ -220,29 +177,7 @@ fn its_templates_chat_in_a_session_with_their_reasoning_control() {
         let Some(m) = with_template(stem) else {
             return;
         };
-        let mut s = SessionDriver::start(&m, &["-t", "2", "--chatml"]);
-        let ready = s
-            .lines
-            .iter()
-            .find_map(|l| l.strip_prefix("BMOE_READY "))
-            .map(|j| serde_json::from_str::<Value>(j).unwrap())
-            .expect("ready line");
-        assert_eq!(ready["arch"], "lfm2moe", "{ready}");
-        assert_eq!(ready["think_ctl"], ctl, "{stem}: {ready}");
-        for (i, p) in ["Tell me about the fox", "And where did it sleep"]
-            .iter()
-            .enumerate()
-        {
-            let req = json!({"cmd": "generate", "id": i, "prompt": p, "n_predict": 12,
-                "clear_kv": i == 0});
-            let (done, _) = s.generate(&req.to_string());
-            assert_eq!(done["cancelled"], false, "{stem}: {done}");
-            if i > 0 {
-                assert!(done["n_reused"].as_u64().unwrap() > 0, "{stem}: {done}");
-            }
-        }
-        let (code, err) = s.close();
-        assert_eq!(code, 0, "{stem}: {err}");
+        bmoe_gates::assert_template_chats(&m, "lfm2moe", Some(ctl), &["--chatml"]);
     }
 }
 

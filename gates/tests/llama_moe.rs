@@ -5,7 +5,7 @@
 //! matching llama.cpp and chatting in a session.
 
 use bmoe_gates::llama::{ours, parity, py_batch, python_ready};
-use bmoe_gates::{model, scratch_dir, SessionDriver};
+use bmoe_gates::{model, scratch_dir};
 use serde_json::{json, Value};
 use std::path::PathBuf;
 
@@ -73,26 +73,5 @@ fn the_sentencepiece_file_matches_llama_cpp_and_chats() {
             p.good
         );
     }
-    let mut s = SessionDriver::start(&m, &["-t", "2"]);
-    let ready = s
-        .lines
-        .iter()
-        .find_map(|l| l.strip_prefix("BMOE_READY "))
-        .map(|j| serde_json::from_str::<Value>(j).unwrap())
-        .expect("ready line");
-    assert_eq!(ready["arch"], "llama", "{ready}");
-    for (i, p) in ["Tell me about the fox", "And where did it sleep"]
-        .iter()
-        .enumerate()
-    {
-        let req = json!({"cmd": "generate", "id": i, "prompt": p, "n_predict": 12,
-            "clear_kv": i == 0});
-        let (done, _) = s.generate(&req.to_string());
-        assert_eq!(done["cancelled"], false, "{done}");
-        if i > 0 {
-            assert!(done["n_reused"].as_u64().unwrap() > 0, "{done}");
-        }
-    }
-    let (code, err) = s.close();
-    assert_eq!(code, 0, "{err}");
+    bmoe_gates::assert_template_chats(&m, "llama", None, &[]);
 }

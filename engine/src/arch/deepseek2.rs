@@ -32,7 +32,7 @@
 
 use super::blocks::{self, AttnShape, Compute, Glu, Rope, RopeKind, Yarn};
 use super::layers::{add_rows, finish_with_shared, split_ffn};
-use super::meta::{moe_params, n_vocab, Meta};
+use super::meta::{moe_params, n_vocab, yarn_params, Meta};
 use super::state::{LayerMemory, State};
 use super::weights::{Loader, Mat};
 use super::{Arch, ArchError, Common, CommonLayer, Dims, Experts};
@@ -175,33 +175,7 @@ impl HParams {
         };
         let scale = m.opt_f("expert_weights_scale", 0.0)?;
         let n_ctx_train = m.req_u("context_length")?;
-        let yarn = match m.opt_str("rope.scaling.type")? {
-            None | Some("none") => None,
-            Some("yarn") => {
-                let factor = m.opt_f("rope.scaling.factor", 1.0)?;
-                if factor <= 0.0 {
-                    return Err(m.err(
-                        "rope.scaling.factor",
-                        format!("is {factor}, expected a positive factor"),
-                    ));
-                }
-                Some(Yarn {
-                    factor,
-                    n_ctx_orig: m
-                        .opt_u("rope.scaling.original_context_length")?
-                        .unwrap_or(n_ctx_train),
-                    beta_fast: m.opt_f("rope.scaling.yarn_beta_fast", 32.0)?,
-                    beta_slow: m.opt_f("rope.scaling.yarn_beta_slow", 1.0)?,
-                    attn_factor: m.opt_f("rope.scaling.attn_factor", 1.0)?,
-                })
-            }
-            Some(other) => {
-                return Err(m.err(
-                    "rope.scaling.type",
-                    format!("is '{other}'; this build runs deepseek2 with 'yarn' or 'none'"),
-                ))
-            }
-        };
+        let yarn = yarn_params(&m, n_ctx_train)?;
         Ok(HParams {
             n_layer,
             n_expert,

@@ -1,6 +1,7 @@
 //! Reading an architecture's hyper-parameters from GGUF metadata: `<arch>.<key>` values, scalar
 //! or per layer, each checked once with the key and what was expected named in the error.
 
+use super::blocks::Yarn;
 use super::ArchError;
 use crate::gguf::{GgufFile, Value};
 
@@ -227,6 +228,37 @@ pub(crate) fn attn_params(m: &Meta, d_model: usize) -> Result<AttnParams, ArchEr
         rope_base: m.opt_f("rope.freq_base", 10_000.0)?,
         rms_eps: m.req_f("attention.layer_norm_rms_epsilon")?,
     })
+}
+
+/// YaRN as a file states it (`rope.scaling.type` `yarn`: factor, original context — the
+/// trained one when absent — betas and magnitude), `None` for no scaling; any other scaling
+/// type is refused by key, naming `arch`'s supported ones.
+pub(crate) fn yarn_params(m: &Meta, n_ctx_train: usize) -> Result<Option<Yarn>, ArchError> {
+    match m.opt_str("rope.scaling.type")? {
+        None | Some("none") => Ok(None),
+        Some("yarn") => {
+            let factor = m.opt_f("rope.scaling.factor", 1.0)?;
+            if factor <= 0.0 {
+                return Err(m.err(
+                    "rope.scaling.factor",
+                    format!("is {factor}, expected a positive factor"),
+                ));
+            }
+            Ok(Some(Yarn {
+                factor,
+                n_ctx_orig: m
+                    .opt_u("rope.scaling.original_context_length")?
+                    .unwrap_or(n_ctx_train),
+                beta_fast: m.opt_f("rope.scaling.yarn_beta_fast", 32.0)?,
+                beta_slow: m.opt_f("rope.scaling.yarn_beta_slow", 1.0)?,
+                attn_factor: m.opt_f("rope.scaling.attn_factor", 1.0)?,
+            }))
+        }
+        Some(other) => Err(m.err(
+            "rope.scaling.type",
+            format!("is '{other}'; this build runs {} with 'yarn' or 'none'", m.arch),
+        )),
+    }
 }
 
 /// The MoE counts: `expert_count` (a MoE model has at least one), `expert_used_count` in
