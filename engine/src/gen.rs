@@ -22,19 +22,19 @@
 //! `(i + 1)^routing_depth` — 0.75 by default, the exponent that keeps reuse flat over depth on
 //! both the `small` and the 30B-A3B shape (measured: docs/models.md).
 
+mod deepseek2;
 mod gemma4;
 mod gpt_oss;
-mod deepseek2;
 mod lfm2moe;
-mod llama_moe;
 mod llama;
+mod llama_moe;
 mod mix;
 mod qwen2moe;
 mod qwen35moe;
 mod qwen3moe;
 
-pub use gemma4::GemmaShape;
 pub use deepseek2::Deepseek2Shape;
+pub use gemma4::GemmaShape;
 pub use lfm2moe::Lfm2Shape;
 pub use qwen35moe::Qwen35Shape;
 

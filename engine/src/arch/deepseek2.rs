@@ -157,7 +157,10 @@ impl HParams {
                 format!("is {groups}: grouped top-k selection is not built yet (DeepSeek-V2-Lite and Moonlight have one group)"),
             ));
         }
-        let func = match m.opt_u("expert_gating_func")?.unwrap_or(GATING_FUNC_SOFTMAX) {
+        let func = match m
+            .opt_u("expert_gating_func")?
+            .unwrap_or(GATING_FUNC_SOFTMAX)
+        {
             0 | GATING_FUNC_SOFTMAX => GatingFunc::Softmax,
             GATING_FUNC_SIGMOID => GatingFunc::Sigmoid,
             other => {
@@ -331,8 +334,7 @@ impl Deepseek2 {
                     return Err(ArchError::Key {
                         file: ld.file().path().display().to_string(),
                         key: format!("{ARCH}.expert_shared_count"),
-                        what: "is 0, but deepseek2's MoE layers always have shared experts"
-                            .into(),
+                        what: "is 0, but deepseek2's MoE layers always have shared experts".into(),
                     });
                 }
                 let shared = Ffn {
@@ -456,13 +458,7 @@ impl Deepseek2 {
                     n,
                     &mut st.scratch.acts,
                 )?;
-                blocks::rms_norm_heads(
-                    qa,
-                    hp.q_lora_rank,
-                    Some(norm),
-                    hp.rms_eps,
-                    &mut st.attn.v,
-                );
+                blocks::rms_norm_heads(qa, hp.q_lora_rank, Some(norm), hp.rms_eps, &mut st.attn.v);
                 cx.mat_rows(b, qa, n, &mut st.scratch.acts, q)?;
             }
         }
@@ -490,7 +486,17 @@ impl Deepseek2 {
         // q_abs = wk_b[h] · q_nope of every head, in one round of the pool.
         let absorbed = &mut st.scratch.up;
         absorbed.resize(nh * n * r, 0.0);
-        per_head(cx, &w.k_b, nh, r, nope, nope_in, n, &mut st.scratch.acts, absorbed)?;
+        per_head(
+            cx,
+            &w.k_b,
+            nh,
+            r,
+            nope,
+            nope_in,
+            n,
+            &mut st.scratch.acts,
+            absorbed,
+        )?;
         // The query rows [q_abs | q_pe] per head.
         st.attn.q.resize(n * nh * lw, 0.0);
         for t in 0..n {
@@ -534,7 +540,17 @@ impl Deepseek2 {
         }
         let vo = &mut st.scratch.up;
         vo.resize(nh * n * hp.v_mla, 0.0);
-        per_head(cx, &w.v_b, nh, hp.v_mla, r, lat, n, &mut st.scratch.acts, vo)?;
+        per_head(
+            cx,
+            &w.v_b,
+            nh,
+            hp.v_mla,
+            r,
+            lat,
+            n,
+            &mut st.scratch.acts,
+            vo,
+        )?;
         let o_in = &mut st.scratch.tmp;
         o_in.resize(n * nh * hp.v_mla, 0.0);
         for t in 0..n {
@@ -649,5 +665,119 @@ impl Arch for Deepseek2 {
     fn finish_layer(&self, _cx: &Compute, st: &mut State, _layer: usize) -> Result<(), ArchError> {
         finish_with_shared(st, self.hp.d_model);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf::{GgufWriter, Value};
+
+    /// The `deepseek2.*` keys of a 4-layer MLA model (one dense layer), with `change` applied:
+    /// `(key, Some(value))` sets it, `(key, None)` removes it.
+    fn file_with(change: &[(&str, Option<Value>)]) -> GgufFile {
+        let mut meta: Vec<(String, Value)> = vec![
+            ("block_count", Value::U32(4)),
+            ("embedding_length", Value::U32(256)),
+            ("context_length", Value::U32(4096)),
+            ("feed_forward_length", Value::U32(512)),
+            ("attention.head_count", Value::U32(4)),
+            ("attention.head_count_kv", Value::U32(1)),
+            ("attention.key_length_mla", Value::U32(96)),
+            ("attention.value_length_mla", Value::U32(64)),
+            ("attention.kv_lora_rank", Value::U32(256)),
+            ("attention.q_lora_rank", Value::U32(128)),
+            ("rope.dimension_count", Value::U32(32)),
+            ("attention.layer_norm_rms_epsilon", Value::F32(1e-6)),
+            ("expert_count", Value::U32(16)),
+            ("expert_used_count", Value::U32(4)),
+            ("expert_feed_forward_length", Value::U32(384)),
+            ("expert_shared_count", Value::U32(2)),
+            ("leading_dense_block_count", Value::U32(1)),
+            ("expert_gating_func", Value::U32(1)),
+        ]
+        .into_iter()
+        .map(|(k, v)| (format!("{ARCH}.{k}"), v))
+        .collect();
+        for (k, v) in change {
+            let key = format!("{ARCH}.{k}");
+            meta.retain(|(m, _)| *m != key);
+            if let Some(v) = v {
+                meta.push((key, v.clone()));
+            }
+        }
+        meta.insert(
+            0,
+            ("general.architecture".into(), Value::String(ARCH.into())),
+        );
+        static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path = std::env::temp_dir().join(format!(
+            "bmoe-deepseek2-meta-{}-{call}.gguf",
+            std::process::id()
+        ));
+        GgufWriter::write_file(&path, &meta, &[]).unwrap();
+        let f = GgufFile::open(&path).unwrap();
+        let _ = std::fs::remove_file(&path);
+        f
+    }
+
+    fn error(f: &GgufFile) -> String {
+        HParams::from_gguf(f).expect_err("refused").to_string()
+    }
+
+    #[test]
+    fn what_it_does_not_run_is_refused_by_key() {
+        // Every key fine: the first thing missing is a tensor.
+        assert!(error(&file_with(&[])).contains("token_embd.weight"));
+        for (change, key) in [
+            (
+                ("expert_group_count", Some(Value::U32(8))),
+                "expert_group_count",
+            ),
+            (
+                ("attention.key_length_mla", None),
+                "attention.key_length_mla",
+            ),
+            (
+                ("nextn_predict_layers", Some(Value::U32(1))),
+                "nextn_predict_layers",
+            ),
+            (
+                ("attention.temperature_scale", Some(Value::F32(0.1))),
+                "attention.temperature_scale",
+            ),
+            (
+                ("expert_gating_func", Some(Value::U32(3))),
+                "expert_gating_func",
+            ),
+            (
+                ("rope.dimension_count", Some(Value::U32(96))),
+                "rope.dimension_count",
+            ),
+            (
+                ("rope.dimension_count", Some(Value::U32(31))),
+                "rope.dimension_count",
+            ),
+            (
+                ("attention.kv_lora_rank", Some(Value::U32(0))),
+                "attention.kv_lora_rank",
+            ),
+            (
+                ("leading_dense_block_count", Some(Value::U32(4))),
+                "leading_dense_block_count",
+            ),
+            (
+                ("rope.scaling.type", Some(Value::String("linear".into()))),
+                "rope.scaling.type",
+            ),
+            (
+                ("expert_weights_norm", Some(Value::U32(1))),
+                "expert_weights_norm",
+            ),
+        ] {
+            let e = error(&file_with(std::slice::from_ref(&change)));
+            assert!(e.contains(&format!("{ARCH}.{key}")), "{change:?}: {e}");
+        }
     }
 }

@@ -256,7 +256,10 @@ pub(crate) fn yarn_params(m: &Meta, n_ctx_train: usize) -> Result<Option<Yarn>, 
         }
         Some(other) => Err(m.err(
             "rope.scaling.type",
-            format!("is '{other}'; this build runs {} with 'yarn' or 'none'", m.arch),
+            format!(
+                "is '{other}'; this build runs {} with 'yarn' or 'none'",
+                m.arch
+            ),
         )),
     }
 }

@@ -201,7 +201,10 @@ impl Family for Deepseek2 {
             (k("feed_forward_length"), Value::U32(x.n_ff_dense)),
             (k("attention.head_count"), Value::U32(s.n_head)),
             (k("attention.head_count_kv"), Value::U32(1)),
-            (k("attention.key_length"), Value::U32(x.kv_lora_rank + x.rope)),
+            (
+                k("attention.key_length"),
+                Value::U32(x.kv_lora_rank + x.rope),
+            ),
             (k("attention.value_length"), Value::U32(x.kv_lora_rank)),
             (k("attention.key_length_mla"), Value::U32(x.nope + x.rope)),
             (k("attention.value_length_mla"), Value::U32(x.v_head)),
@@ -230,7 +233,10 @@ impl Family for Deepseek2 {
                     k("rope.scaling.original_context_length"),
                     Value::U32(s.yarn_orig_ctx),
                 ),
-                (k("rope.scaling.yarn_log_multiplier"), Value::F32(x.yarn_log_mul)),
+                (
+                    k("rope.scaling.yarn_log_multiplier"),
+                    Value::F32(x.yarn_log_mul),
+                ),
             ]);
         }
         Ok(m)
@@ -302,11 +308,21 @@ fn plan(o: &GenOptions, fallbacks: &mut Fallbacks) -> Result<Vec<Planned>, GenEr
         );
         if qa > 0 {
             push(b("attn_q_a"), &[d, qa], w, rand(inv(d), s.d_model));
-            push(b("attn_q_b"), &[qa, nh * k_mla], w, rand(inv(qa), x.q_lora_rank));
+            push(
+                b("attn_q_b"),
+                &[qa, nh * k_mla],
+                w,
+                rand(inv(qa), x.q_lora_rank),
+            );
         } else {
             push(b("attn_q"), &[d, nh * k_mla], w, rand(inv(d), s.d_model));
         }
-        push(b("attn_kv_a_mqa"), &[d, r + rope], w, rand(inv(d), s.d_model));
+        push(
+            b("attn_kv_a_mqa"),
+            &[d, r + rope],
+            w,
+            rand(inv(d), s.d_model),
+        );
         push(
             b("attn_k_b"),
             &[nope, r, nh],
@@ -350,7 +366,12 @@ fn plan(o: &GenOptions, fallbacks: &mut Fallbacks) -> Result<Vec<Planned>, GenEr
         );
         push(b("ffn_gate_shexp"), &[d, fs], w, rand(inv(d), s.d_model));
         push(b("ffn_up_shexp"), &[d, fs], w, rand(inv(d), s.d_model));
-        push(b("ffn_down_shexp"), &[fs, d], w, writes(inv(fs), Half::Token));
+        push(
+            b("ffn_down_shexp"),
+            &[fs, d],
+            w,
+            writes(inv(fs), Half::Token),
+        );
     }
     push("output_norm.weight".into(), &[d], f32v, one);
     if !s.tie_output {

@@ -20,10 +20,7 @@ impl Family for LlamaMoe {
     fn metadata(&self, o: &GenOptions) -> Result<Vec<(String, Value)>, GenError> {
         let s = &o.shape;
         let mut m = llama::metadata(o, s.n_ff_exp);
-        m.push((
-            "llama.rope.dimension_count".into(),
-            Value::U32(s.head_dim),
-        ));
+        m.push(("llama.rope.dimension_count".into(), Value::U32(s.head_dim)));
         Ok(m)
     }
 
