@@ -21,7 +21,7 @@ file's own random router (it has no such hook).
 import argparse
 import statistics
 
-from benchlib import generation_tps, in_cgroup, llama_bench_rates, set_limit
+from benchlib import generation_tps, in_cgroup, llama_bench_rates, set_limit_bytes
 
 PROMPT = "the"
 
@@ -50,7 +50,8 @@ def llama(lb, model, n, t):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
-    ap.add_argument("--limit-gib", type=int, required=True)
+    ap.add_argument("--limit-gib", type=float, required=True,
+                    help="the cgroup's memory limit in GiB (fractions allowed: half a 9.4 GiB file is 4.7)")
     ap.add_argument("--llama-bench", required=True)
     ap.add_argument("--bin", default="target/release/bmoe-cli")
     ap.add_argument("-n", type=int, default=32)
@@ -64,7 +65,7 @@ def main():
     sample = ["--temp", str(a.temp), "--seed", "1"] if a.temp > 0 else []
     if a.routing_from:
         sample += ["--routing-from", a.routing_from]
-    set_limit(a.limit_gib)
+    set_limit_bytes(int(a.limit_gib * (1 << 30)))
     res = {"bmoe (no flags)": [], "bmoe --no-moe-stream": [], "llama.cpp mmap": []}
     modes = {}
     print(f"{a.model}: cgroup limit {a.limit_gib} GiB, tg{a.n}, {a.t} threads, {a.reps} reps, "
