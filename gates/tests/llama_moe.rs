@@ -1,6 +1,7 @@
 //! llama with routed experts (Mixtral; issue 34 item 2) beyond what the archs gate holds every
 //! family to: its KV read back exactly (a prompt fed in pieces, a turn over rows an earlier one
-//! wrote: one fresh prefill's logits, bit for bit), and a file with Mixtral's SentencePiece
+//! wrote: one fresh prefill's logits, bit for bit; decides restored, cold and fresh score the
+//! same bits), and a file with Mixtral's SentencePiece
 //! vocabulary (`../shared/data/vocab/ggml-vocab-llama-spm.gguf`) and a Mistral chat template
 //! matching llama.cpp and chatting in a session.
 
@@ -16,6 +17,14 @@ fn a_prompt_fed_in_pieces_or_over_old_rows_gives_one_prefills_logits() {
         &["--arch", "llama", "--preset", "tiny", "--seed", "7"],
     );
     bmoe_gates::assert_pieces_and_rollback_exact(&m);
+}
+
+#[test]
+fn decides_restored_or_cold_equal_fresh_runs() {
+    bmoe_gates::assert_decides_equal_fresh(&model(
+        "llama-moe-tiny",
+        &["--arch", "llama", "--preset", "tiny", "--seed", "7"],
+    ));
 }
 
 /// The tiny llama file with Mixtral's SentencePiece vocabulary and Mistral's chat template
