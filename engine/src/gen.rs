@@ -218,6 +218,10 @@ pub enum Preset {
     /// top-6, 2 shared, d_model 2048, expert FFN 1408, multi-head latent attention (16 heads,
     /// latent 512), YaRN ×40; ~10 GB at Q4_K_M.
     DeepseekV2LiteShape,
+    /// The full shape of DeepSeek-V2 (deepseek2, 236B-A21B): 60 layers, 160 experts top-6 in 8
+    /// groups (3 selectable), 2 shared, d_model 5120, 128 latent-attention heads; ~130 GB at
+    /// Q4_K_M (estimated; never generated here).
+    DeepseekV2Shape,
     /// The qwen2moe stand-in `deepseek-v2-lite-shape` was before deepseek2 ran (its shared
     /// expert standing in for the two, GQA 16 heads of 128 for the latent attention): 26 MoE
     /// layers, 64 experts, top-6; ~9 GB at Q4_K_M. Kept for the measurements recorded on it.
@@ -270,6 +274,7 @@ impl Preset {
         "deepseek-v2-lite-shape",
         "deepseek-v2-lite-qwen2moe-stand-in",
         "moonlight-16b-a3b-shape",
+        "deepseek-v2-shape",
         "mixtral-8x7b-shape",
         "mixtral-8x7b-qwen3moe-stand-in",
         "gemma-4-26b-a4b-shape",
@@ -288,6 +293,7 @@ impl Preset {
         Preset::DeepseekV2LiteShape,
         Preset::DeepseekV2LiteQwen2moeStandIn,
         Preset::Moonlight16bA3bShape,
+        Preset::DeepseekV2Shape,
         Preset::Mixtral8x7bShape,
         Preset::Mixtral8x7bQwen3moeStandIn,
         Preset::Gemma4_26bA4bShape,
@@ -307,6 +313,7 @@ impl Preset {
             "deepseek-v2-lite-shape" | "deepseek-v2-lite" => Some(Preset::DeepseekV2LiteShape),
             "deepseek-v2-lite-qwen2moe-stand-in" => Some(Preset::DeepseekV2LiteQwen2moeStandIn),
             "moonlight-16b-a3b-shape" | "moonlight-16b-a3b" => Some(Preset::Moonlight16bA3bShape),
+            "deepseek-v2-shape" => Some(Preset::DeepseekV2Shape),
             "mixtral-8x7b-shape" | "mixtral-8x7b" => Some(Preset::Mixtral8x7bShape),
             "mixtral-8x7b-qwen3moe-stand-in" => Some(Preset::Mixtral8x7bQwen3moeStandIn),
             "gemma-4-26b-a4b-shape" => Some(Preset::Gemma4_26bA4bShape),
@@ -328,6 +335,7 @@ impl Preset {
             Preset::DeepseekV2LiteShape => "deepseek-v2-lite-shape",
             Preset::DeepseekV2LiteQwen2moeStandIn => "deepseek-v2-lite-qwen2moe-stand-in",
             Preset::Moonlight16bA3bShape => "moonlight-16b-a3b-shape",
+            Preset::DeepseekV2Shape => "deepseek-v2-shape",
             Preset::Mixtral8x7bShape => "mixtral-8x7b-shape",
             Preset::Mixtral8x7bQwen3moeStandIn => "mixtral-8x7b-qwen3moe-stand-in",
             Preset::Gemma4_26bA4bShape => "gemma-4-26b-a4b-shape",
@@ -350,7 +358,9 @@ impl Preset {
             Preset::Qwen15MoeA27bShape | Preset::DeepseekV2LiteQwen2moeStandIn => {
                 Some(GenArch::Qwen2Moe)
             }
-            Preset::DeepseekV2LiteShape | Preset::Moonlight16bA3bShape => Some(GenArch::Deepseek2),
+            Preset::DeepseekV2LiteShape
+            | Preset::Moonlight16bA3bShape
+            | Preset::DeepseekV2Shape => Some(GenArch::Deepseek2),
             Preset::Gemma4_26bA4bShape => Some(GenArch::Gemma4),
             Preset::GptOss20bShape | Preset::GptOss120bShape => Some(GenArch::GptOss),
             Preset::Lfm2_8bA1bShape => Some(GenArch::Lfm2Moe),
@@ -454,6 +464,7 @@ impl Preset {
             },
             Preset::DeepseekV2LiteShape => deepseek2::v2_lite_shape(),
             Preset::Moonlight16bA3bShape => deepseek2::moonlight_shape(),
+            Preset::DeepseekV2Shape => deepseek2::v2_shape(),
             Preset::DeepseekV2LiteQwen2moeStandIn => ModelShape {
                 arch: GenArch::Qwen2Moe,
                 n_layer: 26,
@@ -542,6 +553,7 @@ impl Preset {
             | Preset::DeepseekV2LiteShape
             | Preset::DeepseekV2LiteQwen2moeStandIn
             | Preset::Moonlight16bA3bShape
+            | Preset::DeepseekV2Shape
             | Preset::Mixtral8x7bShape
             | Preset::Mixtral8x7bQwen3moeStandIn
             | Preset::Gemma4_26bA4bShape
@@ -564,6 +576,7 @@ impl Preset {
             | Preset::DeepseekV2LiteShape
             | Preset::DeepseekV2LiteQwen2moeStandIn
             | Preset::Moonlight16bA3bShape
+            | Preset::DeepseekV2Shape
             | Preset::Mixtral8x7bShape
             | Preset::Mixtral8x7bQwen3moeStandIn
             | Preset::Gemma4_26bA4bShape

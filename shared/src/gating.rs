@@ -19,6 +19,9 @@
 
 use std::fmt;
 
+/// The most expert groups a grouped gating may have (DeepSeek-V3 and Kimi-K2 have 8, V2 8).
+pub const MAX_GROUPS: usize = 64;
+
 /// The floor on a renormalisation denominator: llama.cpp clamps the selected weights' sum to
 /// the smallest normal f16 before dividing (`ffn_moe_weights_sum_clamped`).
 pub const RENORM_MIN_SUM: f32 = 6.103_515_6e-5;
@@ -44,6 +47,12 @@ pub struct Gating {
     pub renormalize: bool,
     /// Multiply the final weights by this; 1 (or 0, as llama.cpp reads an absent key) = none.
     pub scale: f32,
+    /// Grouped selection (DeepSeek's `n_group` / `topk_group`, llama.cpp's
+    /// `expert_group_count` / `expert_group_used_count`): the experts in `groups` consecutive
+    /// groups, a group scored by the sum of its two best selection scores, only the best
+    /// `groups_used` groups' experts selectable. `groups` ≤ 1: no grouping.
+    pub groups: u16,
+    pub groups_used: u16,
 }
 
 impl PartialEq for Gating {
@@ -51,6 +60,7 @@ impl PartialEq for Gating {
         self.func == other.func
             && self.renormalize == other.renormalize
             && self.scale.to_bits() == other.scale.to_bits()
+            && self.grouped() == other.grouped()
     }
 }
 
@@ -65,7 +75,7 @@ impl Default for Gating {
 
 /// Why a `gating=` value was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("gating '{value}': expected softmax_topk, softmax_topk_norm, topk_softmax, sigmoid_topk or sigmoid_topk_norm, optionally followed by *SCALE (a positive number)")]
+#[error("gating '{value}': expected softmax_topk, softmax_topk_norm, topk_softmax, sigmoid_topk or sigmoid_topk_norm, optionally followed by _g<GROUPS>of<USED> (grouped selection) and *SCALE (a positive number)")]
 pub struct GatingParseError {
     pub value: String,
 }
@@ -76,19 +86,52 @@ impl Gating {
         func: GatingFunc::Softmax,
         renormalize: true,
         scale: 1.0,
+        groups: 0,
+        groups_used: 0,
     };
     /// qwen2moe: softmax, top-k, weights as the softmax gave them.
     pub const SOFTMAX: Gating = Gating {
         func: GatingFunc::Softmax,
         renormalize: false,
         scale: 1.0,
+        groups: 0,
+        groups_used: 0,
     };
     /// gpt-oss: top-k on the logits, softmax over the selected.
     pub const TOPK_SOFTMAX: Gating = Gating {
         func: GatingFunc::TopKSoftmax,
         renormalize: false,
         scale: 1.0,
+        groups: 0,
+        groups_used: 0,
     };
+
+    /// A sigmoid gating (selection may add a bias), renormalised or not.
+    pub const fn sigmoid(renormalize: bool) -> Gating {
+        Gating {
+            func: GatingFunc::Sigmoid,
+            renormalize,
+            scale: 1.0,
+            groups: 0,
+            groups_used: 0,
+        }
+    }
+
+    /// With grouped selection: `groups` groups of consecutive experts, the best `used` of them
+    /// selectable (`groups` ≤ 1: none).
+    pub fn with_groups(self, groups: u16, used: u16) -> Gating {
+        Gating {
+            groups,
+            groups_used: used,
+            ..self
+        }
+    }
+
+    /// `(groups, used)` when selection is grouped.
+    pub fn grouped(&self) -> Option<(u16, u16)> {
+        (self.groups > 1 && self.groups_used < self.groups)
+            .then_some((self.groups, self.groups_used))
+    }
 
     /// With `expert_weights_scale = scale` (0 and 1 mean none, as in llama.cpp).
     pub fn with_scale(self, scale: f32) -> Gating {
@@ -153,20 +196,56 @@ impl Gating {
         let k = ids.len().min(scores.len());
         order.clear();
         order.extend(0..scores.len() as u32);
-        match (self.func, bias) {
-            (GatingFunc::Sigmoid, Some(b)) if b.len() == scores.len() => {
-                let key = |e: u32| scores[e as usize] + b[e as usize];
-                order.sort_by(|&x, &y| key(y).total_cmp(&key(x)).then(x.cmp(&y)));
+        let bias = bias.filter(|b| self.func == GatingFunc::Sigmoid && b.len() == scores.len());
+        let key = |e: usize| match bias {
+            Some(b) => scores[e] + b[e],
+            None => scores[e],
+        };
+        // The groups whose experts may be selected (all without grouping).
+        let n = scores.len();
+        let mut kept = [true; MAX_GROUPS];
+        let per = match self.grouped() {
+            Some((g, used))
+                if (g as usize) <= MAX_GROUPS && n % g as usize == 0 && n >= 2 * g as usize =>
+            {
+                let (g, per) = (g as usize, n / g as usize);
+                // A group's score: the sum of its two best selection scores (llama.cpp's
+                // `build_moe_ffn`, DeepSeek-V3's `noaux_tc`).
+                let mut group_score = [f32::NEG_INFINITY; MAX_GROUPS];
+                for (gi, gs) in group_score.iter_mut().enumerate().take(g) {
+                    let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+                    for e in gi * per..(gi + 1) * per {
+                        let v = key(e);
+                        if v.total_cmp(&a).is_gt() {
+                            b = a;
+                            a = v;
+                        } else if v.total_cmp(&b).is_gt() {
+                            b = v;
+                        }
+                    }
+                    *gs = a + b;
+                }
+                let mut rank: Vec<usize> = (0..g).collect();
+                rank.sort_by(|&x, &y| group_score[y].total_cmp(&group_score[x]).then(x.cmp(&y)));
+                kept[..g].iter_mut().for_each(|k| *k = false);
+                for &gi in &rank[..used as usize] {
+                    kept[gi] = true;
+                }
+                per
             }
-            _ => {
-                // Descending by score; ties by the lower id, so the order is total.
-                order.sort_by(|&x, &y| {
-                    scores[y as usize]
-                        .total_cmp(&scores[x as usize])
-                        .then(x.cmp(&y))
-                });
+            _ => n.max(1),
+        };
+        // Descending by selection score (a masked group's experts last, as at −∞); ties by the
+        // lower id, so the order is total.
+        let masked = |e: u32| {
+            let e = e as usize;
+            if kept[e / per] {
+                key(e)
+            } else {
+                f32::NEG_INFINITY
             }
-        }
+        };
+        order.sort_by(|&x, &y| masked(y).total_cmp(&masked(x)).then(x.cmp(&y)));
         ids[..k].copy_from_slice(&order[..k]);
         self.weights_for(scores, &ids[..k], &mut weights[..k]);
     }
@@ -272,6 +351,9 @@ impl fmt::Display for Gating {
         if self.renormalize {
             f.write_str("_norm")?;
         }
+        if let Some((g, used)) = self.grouped() {
+            write!(f, "_g{g}of{used}")?;
+        }
         if self.scaled() {
             write!(f, "*{}", self.scale)?;
         }
@@ -296,6 +378,19 @@ impl std::str::FromStr for Gating {
             }
             None => (s, 1.0),
         };
+        // `_g<groups>of<used>`: grouped selection.
+        let (name, groups, groups_used) = match name.rsplit_once("_g") {
+            Some((n, g)) if g.contains("of") => {
+                let (a, b) = g.split_once("of").ok_or_else(bad)?;
+                let (a, b): (u16, u16) =
+                    (a.parse().map_err(|_| bad())?, b.parse().map_err(|_| bad())?);
+                if a < 2 || b == 0 || b >= a || a as usize > MAX_GROUPS {
+                    return Err(bad());
+                }
+                (n, a, b)
+            }
+            _ => (name, 0, 0),
+        };
         let (func, renormalize) = match name {
             "softmax_topk" => (GatingFunc::Softmax, false),
             "softmax_topk_norm" => (GatingFunc::Softmax, true),
@@ -309,6 +404,8 @@ impl std::str::FromStr for Gating {
             func,
             renormalize,
             scale,
+            groups,
+            groups_used,
         })
     }
 }
@@ -355,11 +452,7 @@ mod tests {
 
     #[test]
     fn sigmoid_selects_with_the_bias_and_weighs_without_it() {
-        let g = Gating {
-            func: GatingFunc::Sigmoid,
-            renormalize: true,
-            scale: 1.0,
-        };
+        let g = Gating::sigmoid(true);
         let mut s = vec![0.0f32, 1.0, 2.0];
         g.scores_in_place(&mut s);
         let bias = [5.0f32, 0.0, 0.0];
@@ -368,6 +461,34 @@ mod tests {
         assert_eq!(ids, [0, 2], "the bias lifts expert 0 into the selection");
         let sum = s[0] + s[2];
         assert_eq!(w, [s[0] / sum, s[2] / sum]);
+    }
+
+    #[test]
+    fn grouped_selection_keeps_the_groups_with_the_best_two_scores() {
+        // 8 experts in 4 groups of 2. Expert 0 is the single best, but its group's pair sums
+        // lowest but one; groups 1 and 2 (experts 2-5) have the best pairs.
+        let scores = [0.9f32, -0.2, 0.5, 0.45, 0.4, 0.4, 0.1, 0.2];
+        let g = Gating::SOFTMAX.with_groups(4, 2);
+        let (mut ids, mut w) = (vec![0u32; 3], vec![0f32; 3]);
+        g.select(&scores, None, &mut Vec::new(), &mut ids, &mut w);
+        assert_eq!(ids, [2, 3, 4], "expert 0's group is masked");
+        assert_eq!(w, [0.5, 0.45, 0.4], "weights are the unmasked scores");
+        // Three groups kept: group 0 (0.9) comes back and leads.
+        let (mut ids3, mut w3) = (vec![0u32; 3], vec![0f32; 3]);
+        g.with_groups(4, 3)
+            .select(&scores, None, &mut Vec::new(), &mut ids3, &mut w3);
+        assert_eq!(ids3, [0, 2, 3]);
+        // Sigmoid: the groups are scored on score + bias, the weights stay unbiased.
+        let sg = Gating::sigmoid(false).with_groups(4, 1);
+        let bias = [0.0f32, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0];
+        let (mut ids, mut w) = (vec![0u32; 2], vec![0f32; 2]);
+        sg.select(&scores, Some(&bias), &mut Vec::new(), &mut ids, &mut w);
+        assert_eq!(ids, [7, 6], "the biased group wins");
+        assert_eq!(w, [0.2, 0.1]);
+        // Without grouping the plain top-k.
+        let (mut ids, mut w) = (vec![0u32; 3], vec![0f32; 3]);
+        Gating::SOFTMAX.select(&scores, None, &mut Vec::new(), &mut ids, &mut w);
+        assert_eq!(ids, [0, 2, 3]);
     }
 
     #[test]
@@ -403,11 +524,9 @@ mod tests {
             Gating::SOFTMAX,
             Gating::TOPK_SOFTMAX,
             Gating::SOFTMAX.with_scale(2.5),
-            Gating {
-                func: GatingFunc::Sigmoid,
-                renormalize: true,
-                scale: 1.0,
-            },
+            Gating::sigmoid(true),
+            Gating::sigmoid(true).with_groups(8, 4).with_scale(2.5),
+            Gating::SOFTMAX.with_groups(8, 3),
         ] {
             assert_eq!(g.to_string().parse::<Gating>(), Ok(g), "{g}");
         }
@@ -419,6 +538,9 @@ mod tests {
             "topk_softmax*",
             "softmax_topk*-1",
             "sigmoid*2",
+            "softmax_topk_g8of8",
+            "softmax_topk_g1of1",
+            "softmax_topk_g8ofx",
         ] {
             assert!(bad.parse::<Gating>().is_err(), "{bad}");
         }

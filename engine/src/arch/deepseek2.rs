@@ -26,9 +26,10 @@
 //!
 //! **Routing**: softmax (or sigmoid, `expert_gating_func` 2, selecting by score +
 //! `exp_probs_b`) over the experts, top-k, renormalised where `expert_weights_norm` says, ×
-//! `expert_weights_scale`. Grouped selection (`expert_group_count` > 1: DeepSeek-V2's full
-//! 236B) is refused by name; so are legacy files with one `attn_kv_b`, a query temperature
-//! (`attention.temperature_scale`) and an MTP block.
+//! `expert_weights_scale`; with `expert_group_count` > 1 (DeepSeek-V2 236B, V3, Kimi-K2) only
+//! the experts of the `expert_group_used_count` groups whose two best selection scores sum
+//! highest are selectable (llama.cpp's grouped top-k). Legacy files with one `attn_kv_b`, a
+//! query temperature (`attention.temperature_scale`) and an MTP block are refused by name.
 
 use super::blocks::{self, AttnShape, Compute, Glu, Rope, RopeKind, Yarn};
 use super::layers::{add_rows, finish_with_shared, split_ffn};
@@ -150,12 +151,33 @@ impl HParams {
                 "is set (Mistral-Large's query temperature), which this build does not run",
             ));
         }
+        // Grouped selection (DeepSeek-V2/V3, Kimi-K2): whole groups of consecutive experts.
         let groups = m.opt_u("expert_group_count")?.unwrap_or(0);
+        let groups_used = m.opt_u("expert_group_used_count")?.unwrap_or(0);
         if groups > 1 {
-            return Err(m.err(
-                "expert_group_count",
-                format!("is {groups}: grouped top-k selection is not built yet (DeepSeek-V2-Lite and Moonlight have one group)"),
-            ));
+            if groups > bmoe_core::gating::MAX_GROUPS
+                || n_expert % groups != 0
+                || n_expert / groups < 2
+            {
+                return Err(m.err(
+                    "expert_group_count",
+                    format!(
+                        "is {groups}: expected at most {} groups of at least 2 of the {n_expert} experts each",
+                        bmoe_core::gating::MAX_GROUPS
+                    ),
+                ));
+            }
+            if groups_used == 0
+                || groups_used >= groups
+                || n_expert_used > groups_used * (n_expert / groups)
+            {
+                return Err(m.err(
+                    "expert_group_used_count",
+                    format!(
+                        "is {groups_used}: expected 1..{groups} groups holding at least expert_used_count {n_expert_used} experts"
+                    ),
+                ));
+            }
         }
         let func = match m
             .opt_u("expert_gating_func")?
@@ -198,7 +220,10 @@ impl HParams {
                 func,
                 renormalize,
                 scale,
-            },
+                groups: 0,
+                groups_used: 0,
+            }
+            .with_groups(groups as u16, groups_used as u16),
             n_ctx_train,
             rope_base: m.opt_f("rope.freq_base", 10_000.0)?,
             yarn,
@@ -732,8 +757,16 @@ mod tests {
         assert!(error(&file_with(&[])).contains("token_embd.weight"));
         for (change, key) in [
             (
-                ("expert_group_count", Some(Value::U32(8))),
+                ("expert_group_count", Some(Value::U32(5))),
                 "expert_group_count",
+            ),
+            (
+                ("expert_group_count", Some(Value::U32(16))),
+                "expert_group_count",
+            ),
+            (
+                ("expert_group_count", Some(Value::U32(8))),
+                "expert_group_used_count",
             ),
             (
                 ("attention.key_length_mla", None),

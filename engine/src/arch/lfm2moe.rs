@@ -26,7 +26,7 @@ use super::weights::{Loader, Mat};
 use super::{Arch, ArchError, Common, CommonLayer, Dims, Experts};
 use crate::dense::DenseMode;
 use crate::gguf::GgufFile;
-use bmoe_core::{Gating, GatingFunc};
+use bmoe_core::Gating;
 use std::sync::Arc;
 
 pub const ARCH: &str = "lfm2moe";
@@ -40,11 +40,7 @@ const MAX_L_CACHE: usize = 64;
 /// The gating: sigmoid scores, selection by score + `exp_probs_b`, the chosen scores
 /// renormalised (llama.cpp's `build_moe_ffn` with `norm_w`; this family's loader reads no
 /// `expert_weights_scale`).
-pub const GATING: Gating = Gating {
-    func: GatingFunc::Sigmoid,
-    renormalize: true,
-    scale: 1.0,
-};
+pub const GATING: Gating = Gating::sigmoid(true);
 
 /// Hyper-parameters, read and checked once at load.
 #[derive(Clone, Debug, PartialEq)]

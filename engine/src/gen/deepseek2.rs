@@ -44,6 +44,9 @@ pub struct Deepseek2Shape {
     /// `rope.scaling.yarn_log_multiplier` as the converter stores it (× 0.1 of the model's
     /// `mscale_all_dim`); used only with YaRN (the shape's `yarn_factor`).
     pub yarn_log_mul: f32,
+    /// Grouped selection: `expert_group_count` and `expert_group_used_count` (0: none).
+    pub groups: u32,
+    pub groups_used: u32,
 }
 
 impl Deepseek2Shape {
@@ -70,6 +73,8 @@ impl Deepseek2Shape {
             weights_norm: false,
             weights_scale: 1.0,
             yarn_log_mul: 0.0,
+            groups: 0,
+            groups_used: 0,
         }
     }
 }
@@ -110,6 +115,8 @@ pub(super) fn v2_lite_shape() -> ModelShape {
             weights_norm: false,
             weights_scale: 1.0,
             yarn_log_mul: 0.0707,
+            groups: 0,
+            groups_used: 0,
         }),
         n_swa: 0,
         yarn_factor: 40.0,
@@ -134,6 +141,27 @@ pub(super) fn moonlight_shape() -> ModelShape {
     d.weights_norm = true;
     d.weights_scale = 2.446;
     d.yarn_log_mul = 0.0;
+    s
+}
+
+/// DeepSeek-V2 (its config.json): 60 layers, the first dense (FFN 12288), 160 experts, top-6 in
+/// 8 groups of which 3 are selectable, 2 shared, d_model 5120, expert FFN 1536, 128 heads with a
+/// query LoRA of 1536 over V2-Lite's latent attention, softmax weights not renormalised, × 16;
+/// YaRN as V2-Lite. (Its own top-k takes a group's best score; llama.cpp, which this follows,
+/// the sum of its two best.)
+pub(super) fn v2_shape() -> ModelShape {
+    let mut s = v2_lite_shape();
+    s.n_layer = 60;
+    s.n_expert = 160;
+    s.d_model = 5120;
+    s.n_ff_exp = 1536;
+    s.n_head = 128;
+    let d = s.deepseek2.as_mut().expect("v2-lite shape");
+    d.q_lora_rank = 1536;
+    d.n_ff_dense = 12288;
+    d.weights_scale = 16.0;
+    d.groups = 8;
+    d.groups_used = 3;
     s
 }
 
@@ -169,6 +197,18 @@ impl Family for Deepseek2 {
             return Err(format!(
                 "deepseek2: the dense FFN width {} must be a positive multiple of 32",
                 x.n_ff_dense
+            ));
+        }
+        if x.groups > 1
+            && (!s.n_expert.is_multiple_of(x.groups)
+                || s.n_expert / x.groups < 2
+                || x.groups_used == 0
+                || x.groups_used >= x.groups
+                || s.n_expert_used > x.groups_used * (s.n_expert / x.groups))
+        {
+            return Err(format!(
+                "deepseek2: {} experts in {} groups of which {} selectable cannot give top-{}",
+                s.n_expert, x.groups, x.groups_used, s.n_expert_used
             ));
         }
         if x.n_shared == 0 {
@@ -225,6 +265,10 @@ impl Family for Deepseek2 {
                 Value::U32(if x.sigmoid { 2 } else { 1 }),
             ),
         ];
+        if x.groups > 1 {
+            m.push((k("expert_group_count"), Value::U32(x.groups)));
+            m.push((k("expert_group_used_count"), Value::U32(x.groups_used)));
+        }
         if s.yarn_factor > 0.0 {
             m.extend([
                 (k("rope.scaling.type"), Value::String("yarn".into())),

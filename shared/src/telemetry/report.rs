@@ -448,7 +448,10 @@ mod tests {
         };
         let l = speculation_lines(&cfg, &s);
         assert!(l[0].starts_with("ngram: 20/30 drafts accepted"), "{l:?}");
-        assert!(l[2].starts_with("ngram: drafted on 15 of 20 steps"), "{l:?}");
+        assert!(
+            l[2].starts_with("ngram: drafted on 15 of 20 steps"),
+            "{l:?}"
+        );
         // A --mtp session one of whose requests drafted by prompt lookup.
         let cfg = RunConfig {
             spec: SpecMode::Mtp,
