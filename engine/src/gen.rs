@@ -226,8 +226,8 @@ pub enum Preset {
     /// expert standing in for the two, GQA 16 heads of 128 for the latent attention): 26 MoE
     /// layers, 64 experts, top-6; ~9 GB at Q4_K_M. Kept for the measurements recorded on it.
     DeepseekV2LiteQwen2moeStandIn,
-    /// The full shape of Moonlight-16B-A3B (deepseek2): V2-Lite's with a query LoRA of 1536,
-    /// sigmoid routing with a selection bias, renormalised, × 2.446.
+    /// The full shape of Moonlight-16B-A3B (deepseek2): V2-Lite's with sigmoid routing and a
+    /// selection bias, renormalised, × 2.446.
     Moonlight16bA3bShape,
     /// The full shape of Mixtral-8x7B (llama with experts; the routing shape of the Mixtral
     /// trace, for `--routing-from`): 32 layers, 8 experts, top-2, d_model 4096, expert FFN
@@ -1234,6 +1234,29 @@ pub(crate) mod tests {
                 for (t, want, got) in &fallbacks {
                     assert_ne!(want, got, "{t}");
                 }
+            }
+        }
+    }
+
+    /// Every preset, as it stands (for its own architecture; the generic sizes for each), makes
+    /// options `validate` accepts and a plan: no preset is refused before its first tensor.
+    #[test]
+    fn every_preset_validates_and_plans() {
+        for &preset in Preset::ALL {
+            let archs: Vec<GenArch> = match preset.arch() {
+                Some(a) => vec![a],
+                None => GenArch::NAMES
+                    .iter()
+                    .map(|n| GenArch::from_name(n).unwrap())
+                    .collect(),
+            };
+            for arch in archs {
+                let mut opts = options(preset, TypeScheme::pure(GgmlType::F32));
+                opts.shape = preset.shape_for(arch).unwrap();
+                opts.validate()
+                    .unwrap_or_else(|e| panic!("{} {}: {e}", preset.name(), arch.name()));
+                opts.plan(&mut Vec::new())
+                    .unwrap_or_else(|e| panic!("{} {}: {e}", preset.name(), arch.name()));
             }
         }
     }

@@ -1,9 +1,10 @@
 //! deepseek2 (issue 34 item 1) beyond what the archs gate holds every family to:
-//! - its two published shapes' parts the tiny file does not have — V2-Lite's YaRN with its log
-//!   multiplier and one query projection, Moonlight's sigmoid routing with a selection bias,
-//!   renormalised and scaled, and its query LoRA — and DeepSeek-V2's grouped top-k (8 groups,
-//!   3 selectable) match llama.cpp on reduced files of those presets: F32 exactly (top-1 everywhere, cosine ≥ 0.9999), Q4_K_M on ≥ 98 % of the
-//!   positions pooled over three seeds (through one MoE layer: see the test);
+//! - the parts of the published shapes the tiny file does not have — V2-Lite's YaRN with its
+//!   log multiplier and one query projection, Moonlight's sigmoid routing with a selection
+//!   bias, renormalised and scaled (given a query LoRA here, so the LoRA meets that routing),
+//!   DeepSeek-V2's grouped top-k (8 groups, 3 selectable) — match llama.cpp on reduced files of
+//!   those presets: F32 exactly (top-1 everywhere, cosine ≥ 0.9999), Q4_K_M on ≥ 98 % of the
+//!   positions pooled over three seeds (95 % for V2; through one MoE layer: see the test);
 //! - the latent memory: a prompt fed in pieces gives one prefill's logits bit for bit, and so
 //!   does a turn fed over rows an earlier one wrote (a continued chat that re-renders its
 //!   answer); a decide — its prefix's latent rows restored, or cold — scores as a fresh

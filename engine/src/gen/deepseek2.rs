@@ -124,9 +124,10 @@ pub(super) fn v2_lite_shape() -> ModelShape {
     }
 }
 
-/// Moonlight-16B-A3B (moonshotai's config.json): as V2-Lite with a query LoRA of 1536, 64
-/// experts top-6, 2 shared, sigmoid gating with a selection bias, renormalised, × 2.446, no
-/// rope scaling, 8192 positions, a 163840-token vocabulary (ours: whatever `--vocab` gives).
+/// Moonlight-16B-A3B (moonshotai's config.json): as V2-Lite (27 layers, one `attn_q`: llama.cpp
+/// reads a 27-layer deepseek2 file as a Lite one, with no query LoRA), 64 experts top-6, 2
+/// shared, sigmoid gating with a selection bias, renormalised, × 2.446, no rope scaling, 8192
+/// positions, a 163840-token vocabulary (ours: whatever `--vocab` gives).
 pub(super) fn moonlight_shape() -> ModelShape {
     let mut s = v2_lite_shape();
     s.n_ctx_train = 8192;
@@ -135,7 +136,6 @@ pub(super) fn moonlight_shape() -> ModelShape {
     s.yarn_orig_ctx = 0;
     s.rms_eps = 1e-5;
     let d = s.deepseek2.as_mut().expect("v2-lite shape");
-    d.q_lora_rank = 1536;
     d.n_ff_dense = 11264;
     d.sigmoid = true;
     d.weights_norm = true;
