@@ -46,6 +46,20 @@ fn greedy_output_is_identical_across_runs_and_thread_counts() {
 
 #[test]
 fn a_non_moe_architecture_is_refused_by_name() {
+    // An architecture this build does not run: named, with the ones it does.
+    let p = scratch_dir("cli").join("falcon.gguf");
+    GgufWriter::write_file(
+        &p,
+        &[(
+            "general.architecture".to_string(),
+            Value::String("falcon".into()),
+        )],
+        &[],
+    )
+    .unwrap();
+    let e = try_run(&p, &["-p", "hi", "-n", "2"]).expect_err("falcon is not supported");
+    assert!(e.contains("'falcon'") && e.contains("qwen3moe"), "{e}");
+    // A llama file without experts (a dense Llama): not a MoE model, whatever else it lacks.
     let p = scratch_dir("cli").join("llama.gguf");
     GgufWriter::write_file(
         &p,
@@ -56,8 +70,11 @@ fn a_non_moe_architecture_is_refused_by_name() {
         &[],
     )
     .unwrap();
-    let e = try_run(&p, &["-p", "hi", "-n", "2"]).expect_err("llama is not supported");
-    assert!(e.contains("'llama'") && e.contains("qwen3moe"), "{e}");
+    let e = try_run(&p, &["-p", "hi", "-n", "2"]).expect_err("a dense llama is refused");
+    assert!(
+        e.contains("'llama'") && e.contains("not a mixture-of-experts model"),
+        "{e}"
+    );
 }
 
 #[test]

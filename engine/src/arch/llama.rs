@@ -45,10 +45,7 @@ pub struct HParams {
 impl HParams {
     pub fn from_gguf(f: &GgufFile) -> Result<HParams, ArchError> {
         let m = Meta::new(f, ARCH);
-        let n_layer = m.req_u("block_count")?;
-        m.check_range("block_count", n_layer, 1, 4096)?;
-        let d_model = m.req_u("embedding_length")?;
-        let a = attn_params(&m, d_model)?;
+        // Most llama files are dense models: say so before asking for anything else.
         let n_expert = m.opt_u("expert_count")?.unwrap_or(0);
         if n_expert == 0 {
             return Err(ArchError::NotMoe {
@@ -56,6 +53,10 @@ impl HParams {
                 arch: ARCH.into(),
             });
         }
+        let n_layer = m.req_u("block_count")?;
+        m.check_range("block_count", n_layer, 1, 4096)?;
+        let d_model = m.req_u("embedding_length")?;
+        let a = attn_params(&m, d_model)?;
         let n_expert_used = m.req_u("expert_used_count")?;
         m.check_range("expert_used_count", n_expert_used, 1, n_expert)?;
         // Mixtral's experts are `feed_forward_length` wide (llama.cpp's `n_ff`).
