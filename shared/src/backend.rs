@@ -371,7 +371,7 @@ pub trait Backend {
     /// the trunk's hidden state of the position before (the head first catches up on the steps
     /// it has not seen: what a speculative run's drafting time includes); `chained`: a draft,
     /// paired with the head's own hidden state from its last call. What to draft from them is
-    /// the core's ([`crate::speculate::head_draft`]). Default: `None` (no head).
+    /// the core's (`speculate::head_draft`, a layer above this one). Default: `None` (no head).
     fn head_logits(
         &mut self,
         token: u32,

@@ -32,7 +32,7 @@
 //! query temperature (`attention.temperature_scale`) and an MTP block are refused by name.
 
 use super::blocks::{self, AttnShape, Compute, Glu, Rope, RopeKind, Yarn};
-use super::layers::{add_rows, finish_with_shared, split_ffn};
+use super::layers::{finish_with_shared, GluFfn};
 use super::meta::{moe_params, n_vocab, yarn_params, Meta};
 use super::state::{LayerMemory, State};
 use super::weights::{Loader, Mat};
@@ -262,19 +262,12 @@ struct Mla {
     o: Mat,
 }
 
-/// A SiLU-GLU FFN: a leading layer's, or the shared experts'.
-struct Ffn {
-    gate: Mat,
-    up: Mat,
-    down: Mat,
-}
-
 struct LayerWeights {
     attn_norm: Vec<f32>,
     attn: Mla,
     ffn_norm: Vec<f32>,
     /// A leading dense layer's FFN, or a MoE layer's shared experts.
-    ffn: Ffn,
+    ffn: GluFfn,
     probs_bias: Option<Vec<f32>>,
 }
 
@@ -299,9 +292,7 @@ impl Deepseek2 {
         let mut ld = Loader::new(file, mode, hp.n_layer);
         let d = hp.d_model;
         let (nh, r, nope) = (hp.n_head, hp.kv_lora_rank, hp.nope());
-        let embd = ld.mat("token_embd.weight", d, hp.n_vocab)?;
-        let output = ld.mat_opt("output.weight", d, hp.n_vocab)?.unwrap_or(embd);
-        let output_norm = ld.vector("output_norm.weight", d)?;
+        let (embd, output, output_norm) = ld.embedding_and_head(d, hp.n_vocab, "output_norm.weight")?;
         let mut layers = Vec::with_capacity(hp.n_layer);
         let mut common_layers = Vec::with_capacity(hp.n_layer);
         for i in 0..hp.n_layer {
@@ -333,13 +324,7 @@ impl Deepseek2 {
             let attn_norm = ld.vector(&n("attn_norm"), d)?;
             let ffn_norm = ld.vector(&n("ffn_norm"), d)?;
             let (ffn, probs_bias, moe) = if i < hp.n_dense_lead {
-                let ff = hp.n_ff;
-                let ffn = Ffn {
-                    gate: ld.mat(&n("ffn_gate"), d, ff)?,
-                    up: ld.mat(&n("ffn_up"), d, ff)?,
-                    down: ld.mat(&n("ffn_down"), ff, d)?,
-                };
-                (ffn, None, None)
+                (GluFfn::load(&mut ld, i, "", d, hp.n_ff)?, None, None)
             } else {
                 let bias_name = format!("blk.{i}.exp_probs_b.bias");
                 let probs_bias = if ld.has(&bias_name) {
@@ -362,24 +347,8 @@ impl Deepseek2 {
                         what: "is 0, but deepseek2's MoE layers always have shared experts".into(),
                     });
                 }
-                let shared = Ffn {
-                    gate: ld.mat(&n("ffn_gate_shexp"), d, fs)?,
-                    up: ld.mat(&n("ffn_up_shexp"), d, fs)?,
-                    down: ld.mat(&n("ffn_down_shexp"), fs, d)?,
-                };
-                let ff = hp.n_ff_exp;
-                let exps = if ld.has(&n("ffn_gate_up_exps")) {
-                    vec![
-                        ld.experts(&n("ffn_gate_up_exps"), d, 2 * ff, hp.n_expert)?,
-                        ld.experts(&n("ffn_down_exps"), ff, d, hp.n_expert)?,
-                    ]
-                } else {
-                    vec![
-                        ld.experts(&n("ffn_gate_exps"), d, ff, hp.n_expert)?,
-                        ld.experts(&n("ffn_up_exps"), d, ff, hp.n_expert)?,
-                        ld.experts(&n("ffn_down_exps"), ff, d, hp.n_expert)?,
-                    ]
-                };
+                let shared = GluFfn::load(&mut ld, i, "_shexp", d, fs)?;
+                let exps = ld.glu_experts(i, d, hp.n_ff_exp, hp.n_expert)?;
                 let moe = Experts {
                     router: ld.mat(&n("ffn_gate_inp"), d, hp.n_expert)?,
                     router_bias: None,
@@ -640,46 +609,17 @@ impl Arch for Deepseek2 {
         for (x, o) in st.x.iter_mut().zip(&st.out) {
             *x += *o;
         }
-        let m = st.ffn_rows.len();
-        let f = &l.ffn;
         if il < self.hp.n_dense_lead {
-            blocks::rms_norm_rows(&st.x, d, &st.ffn_rows, Some(&l.ffn_norm), eps, &mut st.cur);
-            split_ffn(
-                cx,
-                &mut st.scratch,
-                Glu::Silu,
-                (f.gate.ty, f.gate.bytes()),
-                (f.up.ty, f.up.bytes()),
-                (f.down.ty, f.down.bytes()),
-                self.hp.n_ff,
-                d,
-                &st.cur,
-                m,
-                &[],
-                &mut st.side,
-            )?;
-            add_rows(&mut st.x, d, &st.ffn_rows, &st.side[..m * d]);
-            return Ok(());
+            return l.ffn.into_residual(cx, st, &l.ffn_norm, eps);
         }
         blocks::rms_norm_rows(&st.x, d, &st.ffn_rows, Some(&l.ffn_norm), eps, &mut st.h);
         st.mark(il, "RMS_NORM", "ffn_norm");
+        // The shared experts, beside the routed ones, into `st.side`.
+        let m = st.ffn_rows.len();
         let State {
             h, side, scratch, ..
         } = st;
-        split_ffn(
-            cx,
-            scratch,
-            Glu::Silu,
-            (f.gate.ty, f.gate.bytes()),
-            (f.up.ty, f.up.bytes()),
-            (f.down.ty, f.down.bytes()),
-            self.hp.n_ff_exp * self.hp.n_shared,
-            d,
-            h,
-            m,
-            &[],
-            side,
-        )
+        l.ffn.run(cx, scratch, h, m, side)
     }
 
     fn selection_bias(&self, layer: usize) -> Option<&[f32]> {

@@ -259,9 +259,7 @@ impl Gemma4 {
         let hp = HParams::from_gguf(&file)?;
         let mut ld = Loader::new(file, mode, hp.n_layer);
         let d = hp.d_model;
-        let embd = ld.mat("token_embd.weight", d, hp.n_vocab)?;
-        let output = ld.mat_opt("output.weight", d, hp.n_vocab)?.unwrap_or(embd);
-        let output_norm = ld.vector("output_norm.weight", d)?;
+        let (embd, output, output_norm) = ld.embedding_and_head(d, hp.n_vocab, "output_norm.weight")?;
         // Global layers share one table of rotary frequency factors ("proportional rope").
         let hd_full = hp.attn.iter().find(|a| !a.swa).map(|a| a.head_dim);
         let freq_factors = match hd_full {
@@ -277,17 +275,8 @@ impl Gemma4 {
             let ff = hp.n_ff[i];
             let (moe, experts) = if ld.has(&n("ffn_gate_inp")) {
                 n_moe += 1;
-                let fe = hp.n_ff_exp;
                 let ne = hp.n_expert;
-                let fused = n("ffn_gate_up_exps");
-                let mut exps = Vec::with_capacity(3);
-                if ld.has(&fused) {
-                    exps.push(ld.experts(&fused, d, 2 * fe, ne)?);
-                } else {
-                    exps.push(ld.experts(&n("ffn_gate_exps"), d, fe, ne)?);
-                    exps.push(ld.experts(&n("ffn_up_exps"), d, fe, ne)?);
-                }
-                exps.push(ld.experts(&n("ffn_down_exps"), fe, d, ne)?);
+                let exps = ld.glu_experts(i, d, hp.n_ff_exp, ne)?;
                 for unsupported in ["ffn_gate_up_exps", "ffn_gate_exps", "ffn_up_exps"] {
                     let s = format!("blk.{i}.{unsupported}.scale");
                     if ld.has(&s) {

@@ -310,13 +310,83 @@ pub(crate) fn norm_head(
     cx.mat_rows(output, &st.cur, m, &mut st.scratch.acts, &mut st.logits)
 }
 
+/// A SiLU-gated FFN of dense matrices: `down(silu(gate·x) ⊙ up·x)` — a leading dense layer's
+/// (lfm2moe, deepseek2) or a layer's shared expert(s).
+pub struct GluFfn {
+    pub gate: Mat,
+    pub up: Mat,
+    pub down: Mat,
+}
+
+impl GluFfn {
+    /// Layer `layer`'s `ffn_gate{suffix}`, `ffn_up{suffix}`, `ffn_down{suffix}` of width `ff`
+    /// over `d` (suffix "" for a dense layer's FFN, "_shexp" for a shared expert).
+    pub fn load(
+        ld: &mut super::weights::Loader,
+        layer: usize,
+        suffix: &str,
+        d: usize,
+        ff: usize,
+    ) -> Result<GluFfn, ArchError> {
+        let n = |s: &str| format!("blk.{layer}.{s}{suffix}.weight");
+        Ok(GluFfn {
+            gate: ld.mat(&n("ffn_gate"), d, ff)?,
+            up: ld.mat(&n("ffn_up"), d, ff)?,
+            down: ld.mat(&n("ffn_down"), ff, d)?,
+        })
+    }
+
+    /// The FFN of the first `m` rows of `input` into `out` (`m × d`).
+    pub fn run(
+        &self,
+        cx: &Compute,
+        s: &mut Scratch,
+        input: &[f32],
+        m: usize,
+        out: &mut Vec<f32>,
+    ) -> Result<(), ArchError> {
+        let (ff, d) = (self.gate.rows, self.gate.cols);
+        split_ffn(
+            cx,
+            s,
+            Glu::Silu,
+            (self.gate.ty, self.gate.bytes()),
+            (self.up.ty, self.up.bytes()),
+            (self.down.ty, self.down.bytes()),
+            ff,
+            d,
+            input,
+            m,
+            &[],
+            out,
+        )
+    }
+
+    /// A leading dense layer's FFN: `norm` (RMS) of the FFN rows of the residual, this FFN,
+    /// added back into those rows.
+    pub fn into_residual(
+        &self,
+        cx: &Compute,
+        st: &mut State,
+        norm: &[f32],
+        eps: f32,
+    ) -> Result<(), ArchError> {
+        let (d, m) = (self.gate.cols, st.ffn_rows.len());
+        blocks::rms_norm_rows(&st.x, d, &st.ffn_rows, Some(norm), eps, &mut st.cur);
+        let State {
+            cur, side, scratch, ..
+        } = st;
+        self.run(cx, scratch, cur, m, side)?;
+        add_rows(&mut st.x, d, &st.ffn_rows, &st.side[..m * d]);
+        Ok(())
+    }
+}
+
 /// A layer's shared expert and its gate (one weight per input dimension): qwen2moe's and
 /// qwen35moe's, run on every FFN row beside the routed experts.
 pub struct SharedExpert {
     pub gate_inp: Vec<f32>,
-    pub gate: Mat,
-    pub up: Mat,
-    pub down: Mat,
+    pub ffn: GluFfn,
 }
 
 impl SharedExpert {
@@ -326,7 +396,6 @@ impl SharedExpert {
         &self,
         cx: &Compute,
         st: &mut State,
-        n_ff: usize,
         d: usize,
         gate: fn(f32) -> f32,
     ) -> Result<(), ArchError> {
@@ -334,20 +403,7 @@ impl SharedExpert {
         let State {
             h, side, scratch, ..
         } = st;
-        split_ffn(
-            cx,
-            scratch,
-            Glu::Silu,
-            (self.gate.ty, self.gate.bytes()),
-            (self.up.ty, self.up.bytes()),
-            (self.down.ty, self.down.bytes()),
-            n_ff,
-            d,
-            h,
-            m,
-            &[],
-            side,
-        )?;
+        self.ffn.run(cx, scratch, h, m, side)?;
         for (row, out) in h.chunks_exact(d).zip(side.chunks_exact_mut(d)).take(m) {
             let logit: f32 = row.iter().zip(&self.gate_inp).map(|(a, b)| a * b).sum();
             let g = gate(logit);

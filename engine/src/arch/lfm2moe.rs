@@ -19,7 +19,7 @@
 //! (`output`, or the tied `token_embd`).
 
 use super::blocks::{self, AttnShape, Compute, Glu, Rope, RopeKind};
-use super::layers::{add_rows, attention, split_ffn, AttnWeights};
+use super::layers::{attention, AttnWeights, GluFfn};
 use super::meta::{n_vocab, Meta};
 use super::state::{LayerMemory, MemoryKind, RecurrentShape, State};
 use super::weights::{Loader, Mat};
@@ -200,18 +200,12 @@ enum Mixer {
     },
 }
 
-/// A leading dense layer's FFN.
-struct DenseFfn {
-    gate: Mat,
-    up: Mat,
-    down: Mat,
-}
-
 struct LayerWeights {
     attn_norm: Vec<f32>,
     mixer: Mixer,
     ffn_norm: Vec<f32>,
-    dense: Option<DenseFfn>,
+    /// A leading dense layer's FFN.
+    dense: Option<GluFfn>,
     /// `exp_probs_b.bias`: added to the sigmoid scores for selection only.
     probs_bias: Option<Vec<f32>>,
 }
@@ -236,9 +230,7 @@ impl Lfm2Moe {
         let mut ld = Loader::new(file, mode, hp.n_layer);
         let d = hp.d_model;
         let hd = hp.head_dim;
-        let embd = ld.mat("token_embd.weight", d, hp.n_vocab)?;
-        let output = ld.mat_opt("output.weight", d, hp.n_vocab)?.unwrap_or(embd);
-        let output_norm = ld.vector("token_embd_norm.weight", d)?;
+        let (embd, output, output_norm) = ld.embedding_and_head(d, hp.n_vocab, "token_embd_norm.weight")?;
         let mut layers = Vec::with_capacity(hp.n_layer);
         let mut common_layers = Vec::with_capacity(hp.n_layer);
         for i in 0..hp.n_layer {
@@ -291,23 +283,14 @@ impl Lfm2Moe {
             let attn_norm = ld.vector(&n("attn_norm"), d)?;
             let ffn_norm = ld.vector(&n("ffn_norm"), d)?;
             let (dense, probs_bias, moe) = if i < hp.n_dense_lead {
-                let ff = hp.n_ff[i];
-                let dense = DenseFfn {
-                    gate: ld.mat(&n("ffn_gate"), d, ff)?,
-                    up: ld.mat(&n("ffn_up"), d, ff)?,
-                    down: ld.mat(&n("ffn_down"), ff, d)?,
-                };
+                let dense = GluFfn::load(&mut ld, i, "", d, hp.n_ff[i])?;
                 (Some(dense), None, None)
             } else {
                 let bias = ld.vector(&format!("blk.{i}.exp_probs_b.bias"), hp.n_expert)?;
                 let moe = Experts {
                     router: ld.mat(&n("ffn_gate_inp"), d, hp.n_expert)?,
                     router_bias: None,
-                    exps: vec![
-                        ld.experts(&n("ffn_gate_exps"), d, hp.n_ff_exp, hp.n_expert)?,
-                        ld.experts(&n("ffn_up_exps"), d, hp.n_ff_exp, hp.n_expert)?,
-                        ld.experts(&n("ffn_down_exps"), hp.n_ff_exp, d, hp.n_expert)?,
-                    ],
+                    exps: ld.glu_experts(i, d, hp.n_ff_exp, hp.n_expert)?,
                 };
                 (None, Some(bias), Some(moe))
             };
@@ -439,24 +422,7 @@ impl Arch for Lfm2Moe {
             return Ok(());
         };
         // A leading dense layer: its SiLU-GLU FFN into the FFN rows of the residual.
-        let m = st.ffn_rows.len();
-        blocks::rms_norm_rows(&st.x, d, &st.ffn_rows, Some(&l.ffn_norm), eps, &mut st.cur);
-        split_ffn(
-            cx,
-            &mut st.scratch,
-            Glu::Silu,
-            (ffn.gate.ty, ffn.gate.bytes()),
-            (ffn.up.ty, ffn.up.bytes()),
-            (ffn.down.ty, ffn.down.bytes()),
-            self.hp.n_ff[il],
-            d,
-            &st.cur,
-            m,
-            &[],
-            &mut st.side,
-        )?;
-        add_rows(&mut st.x, d, &st.ffn_rows, &st.side[..m * d]);
-        Ok(())
+        ffn.into_residual(cx, st, &l.ffn_norm, eps)
     }
 
     fn selection_bias(&self, layer: usize) -> Option<&[f32]> {

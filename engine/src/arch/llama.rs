@@ -134,9 +134,7 @@ impl LlamaMoe {
             tensor,
             what: what.into(),
         };
-        let embd = ld.mat("token_embd.weight", d, hp.n_vocab)?;
-        let output = ld.mat_opt("output.weight", d, hp.n_vocab)?.unwrap_or(embd);
-        let output_norm = ld.vector("output_norm.weight", d)?;
+        let (embd, output, output_norm) = ld.embedding_and_head(d, hp.n_vocab, "output_norm.weight")?;
         // One table for every layer (llama.cpp duplicates layer 0's).
         let rope_freqs = ld.floats_opt("rope_freqs.weight", &[hp.head_dim / 2])?;
         let mut layers = Vec::with_capacity(hp.n_layer);
@@ -177,11 +175,7 @@ impl LlamaMoe {
                 moe: Some(Experts {
                     router: ld.mat(&n("ffn_gate_inp"), d, hp.n_expert)?,
                     router_bias: None,
-                    exps: vec![
-                        ld.experts(&n("ffn_gate_exps"), d, hp.n_ff_exp, hp.n_expert)?,
-                        ld.experts(&n("ffn_up_exps"), d, hp.n_ff_exp, hp.n_expert)?,
-                        ld.experts(&n("ffn_down_exps"), hp.n_ff_exp, d, hp.n_expert)?,
-                    ],
+                    exps: ld.glu_experts(i, d, hp.n_ff_exp, hp.n_expert)?,
                 }),
             });
         }

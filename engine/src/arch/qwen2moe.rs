@@ -14,7 +14,7 @@
 //! architecture, so the weights are never scaled; nor are they here.
 
 use super::blocks::{self, AttnShape, Compute, Glu, Rope, RopeKind};
-use super::layers::{attention_sublayer, finish_with_shared, AttnWeights, SharedExpert};
+use super::layers::{attention_sublayer, finish_with_shared, AttnWeights, GluFfn, SharedExpert};
 use super::meta::{attn_params, moe_params, n_vocab, Meta};
 use super::state::{LayerMemory, MemoryKind, State};
 use super::weights::Loader;
@@ -111,9 +111,7 @@ impl Qwen2Moe {
         let qd = hp.n_head * hp.head_dim;
         let kvd = hp.n_head_kv * hp.head_dim;
         let (ff, fs) = (hp.n_ff_exp, hp.n_ff_shexp);
-        let embd = ld.mat("token_embd.weight", d, hp.n_vocab)?;
-        let output = ld.mat_opt("output.weight", d, hp.n_vocab)?.unwrap_or(embd);
-        let output_norm = ld.vector("output_norm.weight", d)?;
+        let (embd, output, output_norm) = ld.embedding_and_head(d, hp.n_vocab, "output_norm.weight")?;
         let mut layers = Vec::with_capacity(hp.n_layer);
         let mut common_layers = Vec::with_capacity(hp.n_layer);
         for i in 0..hp.n_layer {
@@ -137,11 +135,7 @@ impl Qwen2Moe {
                 moe: Some(Experts {
                     router: ld.mat(&n("ffn_gate_inp"), d, hp.n_expert)?,
                     router_bias: None,
-                    exps: vec![
-                        ld.experts(&n("ffn_gate_exps"), d, ff, hp.n_expert)?,
-                        ld.experts(&n("ffn_up_exps"), d, ff, hp.n_expert)?,
-                        ld.experts(&n("ffn_down_exps"), ff, d, hp.n_expert)?,
-                    ],
+                    exps: ld.glu_experts(i, d, ff, hp.n_expert)?,
                 }),
             });
             layers.push(LayerWeights {
@@ -150,9 +144,7 @@ impl Qwen2Moe {
                 ffn_norm,
                 shexp: SharedExpert {
                     gate_inp: ld.vector(&n("ffn_gate_inp_shexp"), d)?,
-                    gate: ld.mat(&n("ffn_gate_shexp"), d, fs)?,
-                    up: ld.mat(&n("ffn_up_shexp"), d, fs)?,
-                    down: ld.mat(&n("ffn_down_shexp"), fs, d)?,
+                    ffn: GluFfn::load(&mut ld, i, "_shexp", d, fs)?,
                 },
             });
         }
@@ -224,7 +216,7 @@ impl Arch for Qwen2Moe {
             None,
         )?;
         // The shared expert on the FFN rows, scaled by its gate.
-        l.shexp.run(cx, st, self.hp.n_ff_shexp, d, shexp_gate)
+        l.shexp.run(cx, st, d, shexp_gate)
     }
 
     /// The experts' sum plus the shared expert, then the residual (llama.cpp's order).

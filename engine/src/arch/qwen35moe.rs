@@ -34,7 +34,7 @@
 //! file's map, not streamed.
 
 use super::blocks::{self, AttnShape, Compute, Glu, Rope, RopeKind};
-use super::layers::{attend_layer, finish_with_shared, SharedExpert};
+use super::layers::{attend_layer, finish_with_shared, GluFfn, SharedExpert};
 use super::meta::{moe_params, n_vocab, Meta};
 use super::state::{LayerMemory, MemoryKind, RecurrentShape, State};
 use super::weights::{ExpertTensor, Loader, Mat};
@@ -356,9 +356,7 @@ impl Qwen35Moe {
         let hp = HParams::from_gguf(&file)?;
         let mut ld = Loader::new(file, mode, hp.n_layer);
         let d = hp.d_model;
-        let embd = ld.mat("token_embd.weight", d, hp.n_vocab)?;
-        let output = ld.mat_opt("output.weight", d, hp.n_vocab)?.unwrap_or(embd);
-        let output_norm = ld.vector("output_norm.weight", d)?;
+        let (embd, output, output_norm) = ld.embedding_and_head(d, hp.n_vocab, "output_norm.weight")?;
         let mut layers = Vec::with_capacity(hp.n_layer);
         let mut common_layers = Vec::with_capacity(hp.n_layer);
         for il in 0..hp.n_layer {
@@ -377,7 +375,7 @@ impl Qwen35Moe {
                 moe: Some(Experts {
                     router: ld.mat(&wname(il, "ffn_gate_inp"), d, hp.n_expert)?,
                     router_bias: None,
-                    exps: experts(&ld, &hp, il)?,
+                    exps: ld.glu_experts(il, hp.d_model, hp.n_ff_exp, hp.n_expert)?,
                 }),
             });
         }
@@ -830,27 +828,8 @@ fn layer(
         mixer,
         shexp: SharedExpert {
             gate_inp: ld.vector(&wname(il, "ffn_gate_inp_shexp"), d)?,
-            gate: ld.mat(&wname(il, "ffn_gate_shexp"), d, fs)?,
-            up: ld.mat(&wname(il, "ffn_up_shexp"), d, fs)?,
-            down: ld.mat(&wname(il, "ffn_down_shexp"), fs, d)?,
+            ffn: GluFfn::load(ld, il, "_shexp", d, fs)?,
         },
-    })
-}
-
-/// A layer's routed experts: a fused gate_up (gate rows first) and down, or split gate, up
-/// and down, as llama.cpp takes either.
-fn experts(ld: &Loader, hp: &HParams, il: usize) -> Result<Vec<ExpertTensor>, ArchError> {
-    let (d, ff, ne) = (hp.d_model, hp.n_ff_exp, hp.n_expert);
-    let down = ld.experts(&wname(il, "ffn_down_exps"), ff, d, ne)?;
-    let fused = wname(il, "ffn_gate_up_exps");
-    Ok(if ld.has(&fused) {
-        vec![ld.experts(&fused, d, 2 * ff, ne)?, down]
-    } else {
-        vec![
-            ld.experts(&wname(il, "ffn_gate_exps"), d, ff, ne)?,
-            ld.experts(&wname(il, "ffn_up_exps"), d, ff, ne)?,
-            down,
-        ]
     })
 }
 
@@ -862,7 +841,7 @@ fn mtp_block(ld: &mut Loader, hp: &HParams) -> Result<MtpBlock, ArchError> {
     Ok(MtpBlock {
         layer,
         router: ld.mat(&wname(il, "ffn_gate_inp"), d, hp.n_expert)?,
-        experts: experts(ld, hp, il)?,
+        experts: ld.glu_experts(il, hp.d_model, hp.n_ff_exp, hp.n_expert)?,
         eh_proj: ld.mat(&n("eh_proj"), 2 * d, d)?,
         enorm: ld.vector(&n("enorm"), d)?,
         hnorm: ld.vector(&n("hnorm"), d)?,
@@ -941,7 +920,7 @@ impl Arch for Qwen35Moe {
         st.ffn_rows.clear();
         st.ffn_rows.extend(0..n as u32);
         blocks::rms_norm_rows(&st.x, d, &st.ffn_rows, Some(&l.post_norm), eps, &mut st.h);
-        l.shexp.run(cx, st, self.hp.n_ff_shexp, d, sigmoid)?;
+        l.shexp.run(cx, st, d, sigmoid)?;
         self.mtp_experts(cx, st, b)?;
         finish_with_shared(st, d);
         // The head, for the rows asked for.
@@ -990,7 +969,7 @@ impl Arch for Qwen35Moe {
         }
         blocks::rms_norm_rows(&st.x, d, &st.ffn_rows, Some(&l.post_norm), eps, &mut st.h);
         st.mark(il, "RMS_NORM", "ffn_norm");
-        l.shexp.run(cx, st, self.hp.n_ff_shexp, d, sigmoid)?;
+        l.shexp.run(cx, st, d, sigmoid)?;
         st.mark(il, "FFN", "ffn_shexp");
         Ok(())
     }

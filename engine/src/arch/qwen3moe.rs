@@ -92,9 +92,7 @@ impl Qwen3Moe {
         let d = hp.d_model;
         let qd = hp.n_head * hp.head_dim;
         let kvd = hp.n_head_kv * hp.head_dim;
-        let embd = ld.mat("token_embd.weight", d, hp.n_vocab)?;
-        let output = ld.mat_opt("output.weight", d, hp.n_vocab)?.unwrap_or(embd);
-        let output_norm = ld.vector("output_norm.weight", d)?;
+        let (embd, output, output_norm) = ld.embedding_and_head(d, hp.n_vocab, "output_norm.weight")?;
         let mut layers = Vec::with_capacity(hp.n_layer);
         let mut common_layers = Vec::with_capacity(hp.n_layer);
         for i in 0..hp.n_layer {
@@ -119,11 +117,7 @@ impl Qwen3Moe {
                 moe: Some(Experts {
                     router: ld.mat(&n("ffn_gate_inp"), d, hp.n_expert)?,
                     router_bias: None,
-                    exps: vec![
-                        ld.experts(&n("ffn_gate_exps"), d, hp.n_ff_exp, hp.n_expert)?,
-                        ld.experts(&n("ffn_up_exps"), d, hp.n_ff_exp, hp.n_expert)?,
-                        ld.experts(&n("ffn_down_exps"), hp.n_ff_exp, d, hp.n_expert)?,
-                    ],
+                    exps: ld.glu_experts(i, d, hp.n_ff_exp, hp.n_expert)?,
                 }),
             });
         }

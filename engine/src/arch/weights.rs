@@ -332,6 +332,43 @@ impl Loader {
         })
     }
 
+    /// Layer `layer`'s routed gated experts of width `ff` over `d`: a fused
+    /// `ffn_gate_up_exps` (the gate's rows first) and `ffn_down_exps`, or split
+    /// `ffn_gate_exps`, `ffn_up_exps` and `ffn_down_exps`, as llama.cpp takes either.
+    pub fn glu_experts(
+        &self,
+        layer: usize,
+        d: usize,
+        ff: usize,
+        n_expert: usize,
+    ) -> Result<Vec<ExpertTensor>, ArchError> {
+        let n = |s: &str| format!("blk.{layer}.{s}.weight");
+        let down = self.experts(&n("ffn_down_exps"), ff, d, n_expert)?;
+        Ok(if self.has(&n("ffn_gate_up_exps")) {
+            vec![self.experts(&n("ffn_gate_up_exps"), d, 2 * ff, n_expert)?, down]
+        } else {
+            vec![
+                self.experts(&n("ffn_gate_exps"), d, ff, n_expert)?,
+                self.experts(&n("ffn_up_exps"), d, ff, n_expert)?,
+                down,
+            ]
+        })
+    }
+
+    /// The embedding (`token_embd`, `d` × `n_vocab`), the head (`output`, or the embedding
+    /// where the file ties them) and the final norm `norm`.
+    pub fn embedding_and_head(
+        &mut self,
+        d: usize,
+        n_vocab: usize,
+        norm: &str,
+    ) -> Result<(Mat, Mat, Vec<f32>), ArchError> {
+        let embd = self.mat("token_embd.weight", d, n_vocab)?;
+        let output = self.mat_opt("output.weight", d, n_vocab)?.unwrap_or(embd);
+        let output_norm = self.vector(norm, d)?;
+        Ok((embd, output, output_norm))
+    }
+
     /// The dense side, with its books.
     pub fn finish(self) -> Weights {
         Weights {
