@@ -225,8 +225,13 @@ impl Gating {
                     }
                     *gs = a + b;
                 }
-                let mut rank: Vec<usize> = (0..g).collect();
-                rank.sort_by(|&x, &y| group_score[y].total_cmp(&group_score[x]).then(x.cmp(&y)));
+                // Ranked on the stack: this runs for every row of every MoE layer.
+                let mut rank = [0usize; MAX_GROUPS];
+                rank.iter_mut().enumerate().for_each(|(i, r)| *r = i);
+                let rank = &mut rank[..g];
+                rank.sort_unstable_by(|&x, &y| {
+                    group_score[y].total_cmp(&group_score[x]).then(x.cmp(&y))
+                });
                 kept[..g].iter_mut().for_each(|k| *k = false);
                 for &gi in &rank[..used as usize] {
                     kept[gi] = true;

@@ -292,7 +292,8 @@ impl Deepseek2 {
         let mut ld = Loader::new(file, mode, hp.n_layer);
         let d = hp.d_model;
         let (nh, r, nope) = (hp.n_head, hp.kv_lora_rank, hp.nope());
-        let (embd, output, output_norm) = ld.embedding_and_head(d, hp.n_vocab, "output_norm.weight")?;
+        let (embd, output, output_norm) =
+            ld.embedding_and_head(d, hp.n_vocab, "output_norm.weight")?;
         let mut layers = Vec::with_capacity(hp.n_layer);
         let mut common_layers = Vec::with_capacity(hp.n_layer);
         for i in 0..hp.n_layer {
@@ -636,55 +637,35 @@ impl Arch for Deepseek2 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::gguf::{GgufWriter, Value};
+    use crate::gguf::Value;
 
     /// The `deepseek2.*` keys of a 4-layer MLA model (one dense layer), with `change` applied:
     /// `(key, Some(value))` sets it, `(key, None)` removes it.
     fn file_with(change: &[(&str, Option<Value>)]) -> GgufFile {
-        let mut meta: Vec<(String, Value)> = vec![
-            ("block_count", Value::U32(4)),
-            ("embedding_length", Value::U32(256)),
-            ("context_length", Value::U32(4096)),
-            ("feed_forward_length", Value::U32(512)),
-            ("attention.head_count", Value::U32(4)),
-            ("attention.head_count_kv", Value::U32(1)),
-            ("attention.key_length_mla", Value::U32(96)),
-            ("attention.value_length_mla", Value::U32(64)),
-            ("attention.kv_lora_rank", Value::U32(256)),
-            ("attention.q_lora_rank", Value::U32(128)),
-            ("rope.dimension_count", Value::U32(32)),
-            ("attention.layer_norm_rms_epsilon", Value::F32(1e-6)),
-            ("expert_count", Value::U32(16)),
-            ("expert_used_count", Value::U32(4)),
-            ("expert_feed_forward_length", Value::U32(384)),
-            ("expert_shared_count", Value::U32(2)),
-            ("leading_dense_block_count", Value::U32(1)),
-            ("expert_gating_func", Value::U32(1)),
-        ]
-        .into_iter()
-        .map(|(k, v)| (format!("{ARCH}.{k}"), v))
-        .collect();
-        for (k, v) in change {
-            let key = format!("{ARCH}.{k}");
-            meta.retain(|(m, _)| *m != key);
-            if let Some(v) = v {
-                meta.push((key, v.clone()));
-            }
-        }
-        meta.insert(
-            0,
-            ("general.architecture".into(), Value::String(ARCH.into())),
-        );
-        static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-        let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let path = std::env::temp_dir().join(format!(
-            "bmoe-deepseek2-meta-{}-{call}.gguf",
-            std::process::id()
-        ));
-        GgufWriter::write_file(&path, &meta, &[]).unwrap();
-        let f = GgufFile::open(&path).unwrap();
-        let _ = std::fs::remove_file(&path);
-        f
+        crate::arch::meta::test_file(
+            ARCH,
+            &[
+                ("block_count", Value::U32(4)),
+                ("embedding_length", Value::U32(256)),
+                ("context_length", Value::U32(4096)),
+                ("feed_forward_length", Value::U32(512)),
+                ("attention.head_count", Value::U32(4)),
+                ("attention.head_count_kv", Value::U32(1)),
+                ("attention.key_length_mla", Value::U32(96)),
+                ("attention.value_length_mla", Value::U32(64)),
+                ("attention.kv_lora_rank", Value::U32(256)),
+                ("attention.q_lora_rank", Value::U32(128)),
+                ("rope.dimension_count", Value::U32(32)),
+                ("attention.layer_norm_rms_epsilon", Value::F32(1e-6)),
+                ("expert_count", Value::U32(16)),
+                ("expert_used_count", Value::U32(4)),
+                ("expert_feed_forward_length", Value::U32(384)),
+                ("expert_shared_count", Value::U32(2)),
+                ("leading_dense_block_count", Value::U32(1)),
+                ("expert_gating_func", Value::U32(1)),
+            ],
+            change,
+        )
     }
 
     fn error(f: &GgufFile) -> String {

@@ -259,7 +259,8 @@ impl Gemma4 {
         let hp = HParams::from_gguf(&file)?;
         let mut ld = Loader::new(file, mode, hp.n_layer);
         let d = hp.d_model;
-        let (embd, output, output_norm) = ld.embedding_and_head(d, hp.n_vocab, "output_norm.weight")?;
+        let (embd, output, output_norm) =
+            ld.embedding_and_head(d, hp.n_vocab, "output_norm.weight")?;
         // Global layers share one table of rotary frequency factors ("proportional rope").
         let hd_full = hp.attn.iter().find(|a| !a.swa).map(|a| a.head_dim);
         let freq_factors = match hd_full {

@@ -230,7 +230,8 @@ impl Lfm2Moe {
         let mut ld = Loader::new(file, mode, hp.n_layer);
         let d = hp.d_model;
         let hd = hp.head_dim;
-        let (embd, output, output_norm) = ld.embedding_and_head(d, hp.n_vocab, "token_embd_norm.weight")?;
+        let (embd, output, output_norm) =
+            ld.embedding_and_head(d, hp.n_vocab, "token_embd_norm.weight")?;
         let mut layers = Vec::with_capacity(hp.n_layer);
         let mut common_layers = Vec::with_capacity(hp.n_layer);
         for i in 0..hp.n_layer {
@@ -433,52 +434,32 @@ impl Arch for Lfm2Moe {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::gguf::{GgufWriter, Value, ValueType};
+    use crate::gguf::{Value, ValueType};
 
     /// The `lfm2moe.*` keys of a 4-layer model (attention at layer 2, one dense layer), with
     /// `change` applied: `(key, Some(value))` sets it, `(key, None)` removes it.
     fn file_with(change: &[(&str, Option<Value>)]) -> GgufFile {
         let kv =
             |v: &[u32]| Value::Array(ValueType::U32, v.iter().map(|&x| Value::U32(x)).collect());
-        let mut meta: Vec<(String, Value)> = vec![
-            ("block_count", Value::U32(4)),
-            ("embedding_length", Value::U32(256)),
-            ("context_length", Value::U32(4096)),
-            ("feed_forward_length", Value::U32(512)),
-            ("attention.head_count", Value::U32(4)),
-            ("attention.head_count_kv", kv(&[0, 0, 2, 0])),
-            ("attention.layer_norm_rms_epsilon", Value::F32(1e-5)),
-            ("expert_count", Value::U32(16)),
-            ("expert_used_count", Value::U32(4)),
-            ("expert_feed_forward_length", Value::U32(384)),
-            ("leading_dense_block_count", Value::U32(1)),
-            ("expert_gating_func", Value::U32(2)),
-            ("shortconv.l_cache", Value::U32(3)),
-        ]
-        .into_iter()
-        .map(|(k, v)| (format!("{ARCH}.{k}"), v))
-        .collect();
-        for (k, v) in change {
-            let key = format!("{ARCH}.{k}");
-            meta.retain(|(m, _)| *m != key);
-            if let Some(v) = v {
-                meta.push((key, v.clone()));
-            }
-        }
-        meta.insert(
-            0,
-            ("general.architecture".into(), Value::String(ARCH.into())),
-        );
-        static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-        let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let path = std::env::temp_dir().join(format!(
-            "bmoe-lfm2moe-meta-{}-{call}.gguf",
-            std::process::id()
-        ));
-        GgufWriter::write_file(&path, &meta, &[]).unwrap();
-        let f = GgufFile::open(&path).unwrap();
-        let _ = std::fs::remove_file(&path);
-        f
+        crate::arch::meta::test_file(
+            ARCH,
+            &[
+                ("block_count", Value::U32(4)),
+                ("embedding_length", Value::U32(256)),
+                ("context_length", Value::U32(4096)),
+                ("feed_forward_length", Value::U32(512)),
+                ("attention.head_count", Value::U32(4)),
+                ("attention.head_count_kv", kv(&[0, 0, 2, 0])),
+                ("attention.layer_norm_rms_epsilon", Value::F32(1e-5)),
+                ("expert_count", Value::U32(16)),
+                ("expert_used_count", Value::U32(4)),
+                ("expert_feed_forward_length", Value::U32(384)),
+                ("leading_dense_block_count", Value::U32(1)),
+                ("expert_gating_func", Value::U32(2)),
+                ("shortconv.l_cache", Value::U32(3)),
+            ],
+            change,
+        )
     }
 
     /// The error reading `f`'s hyper-parameters (every key check passes on the base file, whose

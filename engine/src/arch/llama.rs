@@ -134,7 +134,8 @@ impl LlamaMoe {
             tensor,
             what: what.into(),
         };
-        let (embd, output, output_norm) = ld.embedding_and_head(d, hp.n_vocab, "output_norm.weight")?;
+        let (embd, output, output_norm) =
+            ld.embedding_and_head(d, hp.n_vocab, "output_norm.weight")?;
         // One table for every layer (llama.cpp duplicates layer 0's).
         let rope_freqs = ld.floats_opt("rope_freqs.weight", &[hp.head_dim / 2])?;
         let mut layers = Vec::with_capacity(hp.n_layer);

@@ -303,3 +303,41 @@ pub(crate) fn n_vocab(f: &GgufFile) -> Result<usize, ArchError> {
         })?;
     Ok(embd.dims.get(1).copied().unwrap_or(0) as usize)
 }
+
+/// A tensorless GGUF of architecture `arch` whose `<arch>.*` keys are `keys` with `change`
+/// applied (`(key, Some(value))` sets it, `(key, None)` removes it): what a family's tests read
+/// hyper-parameters and refusals from.
+#[cfg(test)]
+pub(crate) fn test_file(
+    arch: &str,
+    keys: &[(&str, Value)],
+    change: &[(&str, Option<Value>)],
+) -> GgufFile {
+    use crate::gguf::GgufWriter;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let mut meta: Vec<(String, Value)> = keys
+        .iter()
+        .map(|(k, v)| (format!("{arch}.{k}"), v.clone()))
+        .collect();
+    for (k, v) in change {
+        let key = format!("{arch}.{k}");
+        meta.retain(|(m, _)| *m != key);
+        if let Some(v) = v {
+            meta.push((key, v.clone()));
+        }
+    }
+    meta.insert(
+        0,
+        ("general.architecture".into(), Value::String(arch.into())),
+    );
+    static CALLS: AtomicUsize = AtomicUsize::new(0);
+    let call = CALLS.fetch_add(1, Ordering::Relaxed);
+    let path = std::env::temp_dir().join(format!(
+        "bmoe-{arch}-meta-{}-{call}.gguf",
+        std::process::id()
+    ));
+    GgufWriter::write_file(&path, &meta, &[]).unwrap();
+    let f = GgufFile::open(&path).unwrap();
+    let _ = std::fs::remove_file(&path);
+    f
+}

@@ -111,7 +111,8 @@ impl Qwen2Moe {
         let qd = hp.n_head * hp.head_dim;
         let kvd = hp.n_head_kv * hp.head_dim;
         let (ff, fs) = (hp.n_ff_exp, hp.n_ff_shexp);
-        let (embd, output, output_norm) = ld.embedding_and_head(d, hp.n_vocab, "output_norm.weight")?;
+        let (embd, output, output_norm) =
+            ld.embedding_and_head(d, hp.n_vocab, "output_norm.weight")?;
         let mut layers = Vec::with_capacity(hp.n_layer);
         let mut common_layers = Vec::with_capacity(hp.n_layer);
         for i in 0..hp.n_layer {

@@ -356,7 +356,8 @@ impl Qwen35Moe {
         let hp = HParams::from_gguf(&file)?;
         let mut ld = Loader::new(file, mode, hp.n_layer);
         let d = hp.d_model;
-        let (embd, output, output_norm) = ld.embedding_and_head(d, hp.n_vocab, "output_norm.weight")?;
+        let (embd, output, output_norm) =
+            ld.embedding_and_head(d, hp.n_vocab, "output_norm.weight")?;
         let mut layers = Vec::with_capacity(hp.n_layer);
         let mut common_layers = Vec::with_capacity(hp.n_layer);
         for il in 0..hp.n_layer {

@@ -345,7 +345,10 @@ impl Loader {
         let n = |s: &str| format!("blk.{layer}.{s}.weight");
         let down = self.experts(&n("ffn_down_exps"), ff, d, n_expert)?;
         Ok(if self.has(&n("ffn_gate_up_exps")) {
-            vec![self.experts(&n("ffn_gate_up_exps"), d, 2 * ff, n_expert)?, down]
+            vec![
+                self.experts(&n("ffn_gate_up_exps"), d, 2 * ff, n_expert)?,
+                down,
+            ]
         } else {
             vec![
                 self.experts(&n("ffn_gate_exps"), d, ff, n_expert)?,
