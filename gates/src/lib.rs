@@ -481,3 +481,22 @@ pub fn assert_template_chats(m: &Path, arch: &str, think_ctl: Option<&str>, extr
     let (code, err) = s.close();
     assert_eq!(code, 0, "{}: {err}", m.display());
 }
+
+/// The tiny file of `arch` (seed 7) with the chat template `stem` of `../shared/data/templates`
+/// (`None` without ../shared), cached under `key`.
+pub fn tiny_with_template(key: &str, arch: &str, stem: &str) -> Option<PathBuf> {
+    let t = bmoe_engine::testdata::shared_path(&format!("data/templates/{stem}.jinja"))?;
+    Some(model(
+        key,
+        &[
+            "--arch",
+            arch,
+            "--preset",
+            "tiny",
+            "--seed",
+            "7",
+            "--template",
+            t.to_str().unwrap(),
+        ],
+    ))
+}

@@ -15,32 +15,18 @@
 use bmoe_core::records::{NullSink, Phase};
 use bmoe_core::{Backend, StepInput};
 use bmoe_engine::cli::Cli;
-use bmoe_gates::{assert_session_replays_exactly, scratch_dir, tiny, SessionDriver};
+use bmoe_gates::{
+    assert_session_replays_exactly, decide_request as decide, logp_bits, scratch_dir, tiny,
+    SessionDriver,
+};
 use clap::Parser;
 use serde_json::{json, Value};
 
 const PREFIX: &str = "The fox lived by the river and ate berries every morning. ";
-const CHOICES: [&str; 3] = ["yes", "no", "maybe"];
-
-fn decide(id: u32, prefix: &str, suffix: &str, reuse: bool) -> String {
-    json!({"cmd": "decide", "id": id, "prefix": prefix, "suffix": suffix,
-           "choices": CHOICES, "reuse_prefix": reuse})
-    .to_string()
-}
 
 fn generate(id: u32, prompt: &str, n: u32, clear_kv: bool) -> String {
     json!({"cmd": "generate", "id": id, "prompt": prompt, "n_predict": n, "clear_kv": clear_kv})
         .to_string()
-}
-
-/// `choice_logp` as bit patterns (`None` for null).
-fn logp_bits(d: &Value) -> Vec<Option<u64>> {
-    d["choice_logp"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no choice_logp: {d}"))
-        .iter()
-        .map(|v| v.as_f64().map(f64::to_bits))
-        .collect()
 }
 
 const STREAMED: [&str; 6] = [

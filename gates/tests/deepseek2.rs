@@ -165,20 +165,7 @@ fn decides_restored_or_cold_equal_fresh_runs() {
 
 /// The tiny file with the chat template of `stem` (`../shared/data/templates`).
 fn with_template(stem: &str) -> Option<PathBuf> {
-    let t = bmoe_engine::testdata::shared_path(&format!("data/templates/{stem}.jinja"))?;
-    Some(model(
-        &format!("deepseek2-{stem}"),
-        &[
-            "--arch",
-            "deepseek2",
-            "--preset",
-            "tiny",
-            "--seed",
-            "7",
-            "--template",
-            t.to_str().unwrap(),
-        ],
-    ))
+    bmoe_gates::tiny_with_template(&format!("deepseek2-{stem}"), "deepseek2", stem)
 }
 
 #[test]

@@ -8,11 +8,8 @@
 //!   the whole conversation; a decide — restored or cold — scores as a fresh session does;
 //! - its chat templates run in a session (LFM2.5's reasons always: `think_ctl` none).
 
-use bmoe_core::records::{NullSink, Phase};
-use bmoe_core::{Backend, StepInput};
-use bmoe_engine::cli::Cli;
+use bmoe_core::Backend;
 use bmoe_gates::{model, SessionDriver};
-use clap::Parser;
 use serde_json::json;
 use std::path::PathBuf;
 
@@ -26,34 +23,11 @@ fn lfm2() -> PathBuf {
 type Engine = bmoe_engine::run::EngineStep;
 
 fn load(extra: &[&str]) -> Engine {
-    let m = lfm2();
-    let mut argv = vec!["bmoe-cli", "-m", m.to_str().unwrap(), "-t", "2"];
-    argv.extend_from_slice(extra);
-    let cli = Cli::try_parse_from(argv).expect("args");
-    bmoe_engine::run::load(&cli.run, &m, &mut Vec::new())
-        .expect("load")
-        .engine
+    bmoe_gates::load_engine(&lfm2(), extra)
 }
 
-/// Feed `tokens` at positions `from..`; the last row's logits as bits.
 fn step(e: &mut Engine, tokens: &[u32], from: u32) -> Result<Vec<u32>, String> {
-    let positions: Vec<u32> = (from..from + tokens.len() as u32).collect();
-    e.step(
-        &StepInput {
-            turn: 0,
-            phase: Phase::Prefill,
-            tokens,
-            positions: &positions,
-        },
-        &mut NullSink,
-    )
-    .map_err(|e| format!("{e:#}"))?;
-    Ok(e.backend()
-        .last_logits()
-        .expect("logits")
-        .iter()
-        .map(|x| x.to_bits())
-        .collect())
+    bmoe_gates::step_logit_bits(e, tokens, from)
 }
 
 #[test]
@@ -154,20 +128,7 @@ fn a_continued_chat_and_decides_equal_fresh_runs() {
 
 /// The tiny lfm2moe file with the chat template of `stem` (`../shared/data/templates`).
 fn with_template(stem: &str) -> Option<PathBuf> {
-    let t = bmoe_engine::testdata::shared_path(&format!("data/templates/{stem}.jinja"))?;
-    Some(model(
-        &format!("lfm2moe-{stem}"),
-        &[
-            "--arch",
-            "lfm2moe",
-            "--preset",
-            "tiny",
-            "--seed",
-            "7",
-            "--template",
-            t.to_str().unwrap(),
-        ],
-    ))
+    bmoe_gates::tiny_with_template(&format!("lfm2moe-{stem}"), "lfm2moe", stem)
 }
 
 #[test]

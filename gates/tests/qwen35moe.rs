@@ -26,20 +26,7 @@ fn tiny35() -> PathBuf {
 
 /// The tiny file with Qwen3.5's chat template.
 fn chat35() -> Option<PathBuf> {
-    let t = bmoe_engine::testdata::shared_path("data/templates/Qwen3.5-4B.jinja")?;
-    Some(model(
-        "qwen35moe-chat",
-        &[
-            "--arch",
-            "qwen35moe",
-            "--preset",
-            "tiny",
-            "--seed",
-            "7",
-            "--template",
-            t.to_str().unwrap(),
-        ],
-    ))
+    bmoe_gates::tiny_with_template("qwen35moe-chat", "qwen35moe", "Qwen3.5-4B")
 }
 
 const STREAMED: [&str; 6] = [
