@@ -22,6 +22,7 @@
 //! `(i + 1)^routing_depth` — 0.75 by default, the exponent that keeps reuse flat over depth on
 //! both the `small` and the 30B-A3B shape (measured: docs/models.md).
 
+mod bailingmoe3;
 mod deepseek2;
 mod gemma4;
 mod gpt_oss;
@@ -33,6 +34,7 @@ mod qwen2moe;
 mod qwen35moe;
 mod qwen3moe;
 
+pub use bailingmoe3::BailingShape;
 pub use deepseek2::Deepseek2Shape;
 pub use gemma4::GemmaShape;
 pub use lfm2moe::Lfm2Shape;
@@ -73,6 +75,9 @@ pub enum GenArch {
     /// llama with routed experts (Mixtral): GQA with the original rotary embedding, softmax
     /// top-k renormalised, no shared expert.
     LlamaMoe,
+    /// Ling/Ring 3.0: Kimi Delta Attention layers with gated latent attention every few,
+    /// leading dense layers, sigmoid routing with a selection bias beside a shared expert.
+    BailingMoe3,
 }
 
 impl GenArch {
@@ -85,6 +90,7 @@ impl GenArch {
         "lfm2moe",
         "deepseek2",
         "llama",
+        "bailingmoe3",
     ];
 
     pub fn from_name(s: &str) -> Option<GenArch> {
@@ -97,6 +103,7 @@ impl GenArch {
             "qwen35moe" => Some(GenArch::Qwen35Moe),
             "deepseek2" => Some(GenArch::Deepseek2),
             "llama" => Some(GenArch::LlamaMoe),
+            "bailingmoe3" => Some(GenArch::BailingMoe3),
             _ => None,
         }
     }
@@ -111,6 +118,7 @@ impl GenArch {
             GenArch::Qwen35Moe => "qwen35moe",
             GenArch::Deepseek2 => "deepseek2",
             GenArch::LlamaMoe => "llama",
+            GenArch::BailingMoe3 => "bailingmoe3",
         }
     }
 
@@ -154,6 +162,7 @@ impl GenArch {
             GenArch::Qwen35Moe => &qwen35moe::Qwen35Moe,
             GenArch::Deepseek2 => &deepseek2::Deepseek2,
             GenArch::LlamaMoe => &llama_moe::LlamaMoe,
+            GenArch::BailingMoe3 => &bailingmoe3::BailingMoe3,
         }
     }
 }
@@ -186,6 +195,8 @@ pub struct ModelShape {
     pub qwen35: Option<Qwen35Shape>,
     /// deepseek2's latent attention, dense layers and gating (`None` for other architectures).
     pub deepseek2: Option<Deepseek2Shape>,
+    /// bailingmoe3's layer pattern, KDA and latent attention (`None` for other architectures).
+    pub bailing: Option<BailingShape>,
     /// Sliding window of the sliding layers (gpt-oss; 0 = every layer attends fully).
     pub n_swa: u32,
     /// YaRN context extension factor (gpt-oss; 0 = no rope scaling) and its original
@@ -411,6 +422,7 @@ impl Preset {
             lfm2: None,
             qwen35: None,
             deepseek2: None,
+            bailing: None,
             n_swa: 0,
             yarn_factor: 0.0,
             yarn_orig_ctx: 0,
@@ -954,8 +966,9 @@ impl GenOptions {
             n_expert: s.n_expert,
             // llama.cpp's `n_gqa()` is layer 0's: 0 where layer 0 has no KV heads (an lfm2moe
             // convolution).
-            n_gqa: match &s.lfm2 {
-                Some(l) if !l.attends(0) => 0,
+            n_gqa: match (&s.lfm2, &s.bailing) {
+                (Some(l), _) if !l.attends(0) => 0,
+                (_, Some(b)) if !b.attends(0) => 0,
                 _ => s.n_head / s.n_head_kv.max(1),
             },
             tied: s.tie_output,

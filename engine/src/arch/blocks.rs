@@ -463,6 +463,11 @@ pub fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
 }
 
+/// The logistic function, as ggml's `sigmoid`.
+pub fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
 /// GELU (tanh approximation) as ggml's CPU computes it: through an f16 table, so the input is
 /// rounded to f16 and so is the result (`|x| ≥ 10` short-cuts to 0 or `x`). The table holds
 /// [`gelu_of_f16`] for every f16 bit pattern, as f32 (256 KiB, filled on first use): a lookup

@@ -34,12 +34,12 @@
 use super::blocks::{self, AttnShape, Compute, Glu, Rope, RopeKind, Yarn};
 use super::layers::{finish_with_shared, GluFfn};
 use super::meta::{moe_params, n_vocab, yarn_params, Meta};
+use super::mla::{Mla, MlaDims};
 use super::state::{LayerMemory, State};
-use super::weights::{Loader, Mat};
+use super::weights::Loader;
 use super::{Arch, ArchError, Common, CommonLayer, Dims, Experts};
 use crate::dense::DenseMode;
 use crate::gguf::GgufFile;
-use crate::kernels;
 use bmoe_core::{Gating, GatingFunc};
 use std::sync::Arc;
 
@@ -243,23 +243,20 @@ impl HParams {
     pub fn latent_width(&self) -> usize {
         self.kv_lora_rank + self.n_rot
     }
-}
 
-/// The query projection: one matrix, or a LoRA with a norm between its halves.
-enum QProj {
-    Full(Mat),
-    Lora { a: Mat, norm: Vec<f32>, b: Mat },
-}
-
-struct Mla {
-    q: QProj,
-    kv_a: Mat,
-    kv_a_norm: Vec<f32>,
-    /// `n_head` stacked `kv_lora_rank × nope` matrices.
-    k_b: Mat,
-    /// `n_head` stacked `v_mla × kv_lora_rank` matrices.
-    v_b: Mat,
-    o: Mat,
+    /// The latent attention's widths.
+    pub fn mla(&self) -> MlaDims {
+        MlaDims {
+            d_model: self.d_model,
+            n_head: self.n_head,
+            q_lora_rank: self.q_lora_rank,
+            kv_lora_rank: self.kv_lora_rank,
+            k_mla: self.k_mla,
+            v_mla: self.v_mla,
+            n_rot: self.n_rot,
+            rms_eps: self.rms_eps,
+        }
+    }
 }
 
 struct LayerWeights {
@@ -291,7 +288,7 @@ impl Deepseek2 {
         let hp = HParams::from_gguf(&file)?;
         let mut ld = Loader::new(file, mode, hp.n_layer);
         let d = hp.d_model;
-        let (nh, r, nope) = (hp.n_head, hp.kv_lora_rank, hp.nope());
+        let dims = hp.mla();
         let (embd, output, output_norm) =
             ld.embedding_and_head(d, hp.n_vocab, "output_norm.weight")?;
         let mut layers = Vec::with_capacity(hp.n_layer);
@@ -305,23 +302,7 @@ impl Deepseek2 {
                     what: "is the legacy unsplit form, which this build does not run (re-convert with llama.cpp's convert_hf_to_gguf.py for attn_k_b / attn_v_b)".into(),
                 });
             }
-            let q = if hp.q_lora_rank > 0 {
-                QProj::Lora {
-                    a: ld.mat(&n("attn_q_a"), d, hp.q_lora_rank)?,
-                    norm: ld.vector(&n("attn_q_a_norm"), hp.q_lora_rank)?,
-                    b: ld.mat(&n("attn_q_b"), hp.q_lora_rank, nh * hp.k_mla)?,
-                }
-            } else {
-                QProj::Full(ld.mat(&n("attn_q"), d, nh * hp.k_mla)?)
-            };
-            let attn = Mla {
-                q,
-                kv_a: ld.mat(&n("attn_kv_a_mqa"), d, hp.latent_width())?,
-                kv_a_norm: ld.vector(&n("attn_kv_a_norm"), r)?,
-                k_b: ld.mat_stacked(&n("attn_k_b"), nope, r, nh)?,
-                v_b: ld.mat_stacked(&n("attn_v_b"), r, hp.v_mla, nh)?,
-                o: ld.mat(&n("attn_output"), nh * hp.v_mla, d)?,
-            };
+            let attn = Mla::load(&mut ld, i, &dims, false)?;
             let attn_norm = ld.vector(&n("attn_norm"), d)?;
             let ffn_norm = ld.vector(&n("ffn_norm"), d)?;
             let (ffn, probs_bias, moe) = if i < hp.n_dense_lead {
@@ -390,7 +371,7 @@ impl Deepseek2 {
         let attn_factor_org = rope.attn_factor * (1.0 + 0.1 * ln_inv_fs);
         let mscale = attn_factor_org * (1.0 + 0.1 * hp.yarn_log_mul * ln_inv_fs);
         let shape = AttnShape {
-            n_head: nh,
+            n_head: hp.n_head,
             n_head_kv: 1,
             head_dim: hp.latent_width(),
             scale: mscale * mscale / (hp.k_mla as f32).sqrt(),
@@ -424,173 +405,6 @@ impl Deepseek2 {
             layers,
         })
     }
-
-    /// Multi-head latent attention of `st.cur` (every batch row, normed) into `st.out`
-    /// (`n × d_model`, after `attn_output`), the latent rows kept in layer `il`'s memory.
-    fn mla(&self, cx: &Compute, st: &mut State, il: usize) -> Result<(), ArchError> {
-        let hp = &self.hp;
-        let w = &self.layers[il].attn;
-        let n = st.n_rows;
-        let (nh, r, rot, nope) = (hp.n_head, hp.kv_lora_rank, hp.n_rot, hp.nope());
-        let (kq, lw) = (hp.k_mla, hp.latent_width());
-        // q (n × nh·k_mla) and the latent with its key part (n × lw).
-        let q = &mut st.scratch.down;
-        q.resize(n * nh * kq, 0.0);
-        st.attn.k.resize(n * lw, 0.0);
-        match &w.q {
-            QProj::Full(wq) => cx.mats_rows(
-                &mut [(wq, &mut q[..]), (&w.kv_a, &mut st.attn.k[..])],
-                &st.cur,
-                n,
-                &mut st.scratch.acts,
-            )?,
-            QProj::Lora { a, norm, b } => {
-                let qa = &mut st.scratch.tmp;
-                qa.resize(n * hp.q_lora_rank, 0.0);
-                cx.mats_rows(
-                    &mut [(a, &mut qa[..]), (&w.kv_a, &mut st.attn.k[..])],
-                    &st.cur,
-                    n,
-                    &mut st.scratch.acts,
-                )?;
-                blocks::rms_norm_heads(qa, hp.q_lora_rank, Some(norm), hp.rms_eps, &mut st.attn.v);
-                cx.mat_rows(b, qa, n, &mut st.scratch.acts, q)?;
-            }
-        }
-        // The key row [rms(c) | rope(k_pe)]; q_pe roped; q_nope gathered head-major.
-        let nope_in = &mut st.scratch.gate;
-        nope_in.resize(nh * n * nope, 0.0);
-        for t in 0..n {
-            self.rope.cache(st.positions[t], &mut st.scratch.rope);
-            let cache = &st.scratch.rope;
-            let krow = &mut st.attn.k[t * lw..(t + 1) * lw];
-            blocks::rms_norm_heads(
-                &mut krow[..r],
-                r,
-                Some(&w.kv_a_norm),
-                hp.rms_eps,
-                &mut st.attn.v,
-            );
-            self.rope.apply(cache, &mut krow[r..]);
-            for h in 0..nh {
-                let head = &mut q[(t * nh + h) * kq..(t * nh + h + 1) * kq];
-                self.rope.apply(cache, &mut head[nope..]);
-                nope_in[(h * n + t) * nope..(h * n + t + 1) * nope].copy_from_slice(&head[..nope]);
-            }
-        }
-        // q_abs = wk_b[h] · q_nope of every head, in one round of the pool.
-        let absorbed = &mut st.scratch.up;
-        absorbed.resize(nh * n * r, 0.0);
-        per_head(
-            cx,
-            &w.k_b,
-            nh,
-            r,
-            nope,
-            nope_in,
-            n,
-            &mut st.scratch.acts,
-            absorbed,
-        )?;
-        // The query rows [q_abs | q_pe] per head.
-        st.attn.q.resize(n * nh * lw, 0.0);
-        for t in 0..n {
-            for h in 0..nh {
-                let dst = &mut st.attn.q[(t * nh + h) * lw..(t * nh + h + 1) * lw];
-                dst[..r].copy_from_slice(&absorbed[(h * n + t) * r..(h * n + t + 1) * r]);
-                dst[r..].copy_from_slice(&q[(t * nh + h) * kq + nope..(t * nh + h + 1) * kq]);
-            }
-        }
-        debug_assert_eq!(rot, lw - r);
-        // MQA over the latent rows (a value is the row; its first r outputs are the head's).
-        st.attn.att.resize(n * nh * lw, 0.0);
-        {
-            let State {
-                mem,
-                attn,
-                positions,
-                ..
-            } = &mut *st;
-            let memory = mem[il].kv(il)?;
-            let kv = memory.source(il, positions, &attn.k, &attn.k)?;
-            blocks::attend(
-                &cx.pool,
-                &self.shape,
-                &attn.q,
-                positions,
-                &kv,
-                None,
-                &mut attn.scores,
-                &mut attn.att,
-            );
-        }
-        // Each head's latent output through wv_b[h], then attn_output.
-        let lat = &mut st.scratch.gate;
-        lat.resize(nh * n * r, 0.0);
-        for t in 0..n {
-            for h in 0..nh {
-                let src = &st.attn.att[(t * nh + h) * lw..(t * nh + h) * lw + r];
-                lat[(h * n + t) * r..(h * n + t + 1) * r].copy_from_slice(src);
-            }
-        }
-        let vo = &mut st.scratch.up;
-        vo.resize(nh * n * hp.v_mla, 0.0);
-        per_head(
-            cx,
-            &w.v_b,
-            nh,
-            hp.v_mla,
-            r,
-            lat,
-            n,
-            &mut st.scratch.acts,
-            vo,
-        )?;
-        let o_in = &mut st.scratch.tmp;
-        o_in.resize(n * nh * hp.v_mla, 0.0);
-        for t in 0..n {
-            for h in 0..nh {
-                let v = hp.v_mla;
-                o_in[(t * nh + h) * v..(t * nh + h + 1) * v]
-                    .copy_from_slice(&vo[(h * n + t) * v..(h * n + t + 1) * v]);
-            }
-        }
-        st.out.resize(n * hp.d_model, 0.0);
-        cx.mat_rows(&w.o, o_in, n, &mut st.scratch.acts, &mut st.out)
-    }
-}
-
-/// `out[h]` = matrix `h` of `m` (`nh` stacked `rows × cols` matrices) · each of the `n` rows of
-/// `input[h]` — both head-major (`input` is `nh × n × cols`, `out` `nh × n × rows`) — in one
-/// round of the pool; each row's bits are a one-row product's.
-#[allow(clippy::too_many_arguments)]
-fn per_head(
-    cx: &Compute,
-    m: &Mat,
-    nh: usize,
-    rows: usize,
-    cols: usize,
-    input: &[f32],
-    n: usize,
-    acts: &mut Vec<kernels::ActBuf>,
-    out: &mut [f32],
-) -> Result<(), ArchError> {
-    blocks::prepare_acts(&cx.pool, m.ty, input, nh * n, cols, acts)?;
-    let head_bytes = rows * m.row_bytes();
-    let bytes = m.bytes();
-    let mut products: Vec<kernels::Product<'_, kernels::ActBuf>> = out[..nh * n * rows]
-        .chunks_exact_mut(n * rows)
-        .enumerate()
-        .map(|(h, o)| kernels::Product {
-            ty: m.ty,
-            w: &bytes[h * head_bytes..(h + 1) * head_bytes],
-            n_rows: rows,
-            n_cols: cols,
-            acts: &acts[h * n..(h + 1) * n],
-            out: o,
-        })
-        .collect();
-    kernels::matmul_round(&cx.pool, &mut products).map_err(blocks::kerr)
 }
 
 impl Arch for Deepseek2 {
@@ -605,7 +419,8 @@ impl Arch for Deepseek2 {
         let l = &self.layers[il];
         blocks::rms_norm_all(&st.x, d, Some(&l.attn_norm), eps, &mut st.cur);
         st.mark(il, "RMS_NORM", "attn_norm");
-        self.mla(cx, st, il)?;
+        let dims = self.hp.mla();
+        l.attn.run(cx, st, il, &dims, &self.rope, &self.shape)?;
         st.mark(il, "ATTN", "attn");
         for (x, o) in st.x.iter_mut().zip(&st.out) {
             *x += *o;

@@ -11,15 +11,18 @@
 //! weighted outputs in rank order, prediction. [`REGISTRY`] maps `general.architecture` to a
 //! loader; an unknown architecture is refused by name.
 
+pub mod bailingmoe3;
 pub mod blocks;
 pub mod common;
 pub mod deepseek2;
+pub mod delta;
 pub mod gemma4;
 pub mod gpt_oss;
 pub mod layers;
 pub mod lfm2moe;
 pub mod llama;
 pub mod meta;
+pub mod mla;
 pub mod qwen2moe;
 pub mod qwen35moe;
 pub mod qwen3moe;
@@ -339,6 +342,11 @@ pub const REGISTRY: &[ArchEntry] = &[
         name: lfm2moe::ARCH,
         about: "LFM2 MoE (LFM2-8B-A1B): short-convolution layers (a recurrent window) and GQA attention layers, leading dense FFN layers, sigmoid routing selected with a per-expert bias and renormalised without it, SiLU-gated split experts",
         load: lfm2moe::load,
+    },
+    ArchEntry {
+        name: bailingmoe3::ARCH,
+        about: "Ling/Ring 3.0 (bailingmoe3): recurrent Kimi Delta Attention layers (per-channel gated delta rule) and gated multi-head latent attention layers, leading dense layers, sigmoid top-k routing selected with a per-expert bias beside a shared expert (resident)",
+        load: bailingmoe3::load,
     },
 ];
 

@@ -33,7 +33,8 @@
 //! `--mtp` ([`Arch::mtp_forward`], llama.cpp's `graph_mtp`): its experts are computed from the
 //! file's map, not streamed.
 
-use super::blocks::{self, AttnShape, Compute, Glu, Rope, RopeKind};
+use super::blocks::{self, sigmoid, AttnShape, Compute, Glu, Rope, RopeKind};
+use super::delta::{self, Decay};
 use super::layers::{attend_layer, finish_with_shared, GluFfn, SharedExpert};
 use super::meta::{moe_params, n_vocab, Meta};
 use super::state::{LayerMemory, MemoryKind, RecurrentShape, State};
@@ -537,46 +538,17 @@ impl Qwen35Moe {
         let r = mem[il].recurrent(il)?;
         r.begin(il, positions)?;
         // The convolution, token by token over the window the state carries, into
-        // attn.scores; the window moves on by the token's raw input.
-        let k_taps = hp.d_conv;
+        // attn.scores; then q and k L2-normed per head.
         let conv_out = &mut attn.scores;
         conv_out.resize(n * channels, 0.0);
-        for t in 0..n {
-            let raw = &attn.q[t * channels..(t + 1) * channels];
-            let o = &mut conv_out[t * channels..(t + 1) * channels];
-            for c in 0..channels {
-                let taps = &w.conv[c * k_taps..(c + 1) * k_taps];
-                let mut acc = 0.0f32;
-                for (k, &tap) in taps[..k_taps - 1].iter().enumerate() {
-                    acc += r.conv[k * channels + c] * tap;
-                }
-                acc += raw[c] * taps[k_taps - 1];
-                o[c] = blocks::silu(acc);
-            }
-            if k_taps > 1 {
-                r.conv.copy_within(channels.., 0);
-                let last = (k_taps - 2) * channels;
-                r.conv[last..last + channels].copy_from_slice(raw);
-            }
-            r.row_conv_done(t);
-        }
-        // q and k L2-normed per head as ggml's graph does it: an RMS norm with eps/n, × 1/√n.
+        delta::causal_conv_silu(r, &w.conv, hp.d_conv, channels, &attn.q, n, conv_out);
         let ds = hp.d_state;
         let key_dim = hp.n_k_heads * ds;
-        let l2_eps = hp.rms_eps / ds as f32;
-        let inv_sqrt = 1.0 / (ds as f32).sqrt();
-        scratch.tmp.resize(ds, 0.0);
         for t in 0..n {
             let row = &mut conv_out[t * channels..t * channels + 2 * key_dim];
-            for head in row.chunks_exact_mut(ds) {
-                blocks::rms_norm(head, None, l2_eps, &mut scratch.tmp);
-                for (x, &y) in head.iter_mut().zip(scratch.tmp.iter()) {
-                    *x = y * inv_sqrt;
-                }
-            }
+            delta::l2_norm_heads(row, ds, hp.rms_eps, &mut scratch.tmp);
         }
-        // The delta rule, token by token, each value head on its own state matrix (rows: the
-        // value index, each row over the key index).
+        // The delta rule, token by token, each value head on its own state matrix.
         let att = &mut attn.att;
         att.resize(n * vd, 0.0);
         let scale = 1.0 / (ds as f32).sqrt();
@@ -589,17 +561,15 @@ impl Qwen35Moe {
                 let v = &row[2 * key_dim + h * ds..2 * key_dim + (h + 1) * ds];
                 let beta = sigmoid(scratch.up[t * nv + h]);
                 let g = softplus(scratch.gate[t * nv + h] + w.dt_bias[h]) * w.a[h];
-                let decay = g.exp();
-                let s = &mut r.state[h * ds * ds..(h + 1) * ds * ds];
-                let o = &mut att[t * vd + h * ds..t * vd + (h + 1) * ds];
-                for (j, m) in s.chunks_exact_mut(ds).enumerate() {
-                    m.iter_mut().for_each(|x| *x *= decay);
-                    let delta = (v[j] - blocks::dot_lanes(m, k)) * beta;
-                    for (x, &kk) in m.iter_mut().zip(k) {
-                        *x += kk * delta;
-                    }
-                    o[j] = blocks::dot_lanes(m, q) * scale;
-                }
+                delta::delta_step(
+                    &mut r.state[h * ds * ds..(h + 1) * ds * ds],
+                    ds,
+                    (q, k, v),
+                    beta,
+                    Decay::Head(g.exp()),
+                    scale,
+                    &mut att[t * vd + h * ds..t * vd + (h + 1) * ds],
+                );
             }
             r.row_state_done(t);
         }
@@ -762,9 +732,6 @@ impl Qwen35Moe {
 }
 
 /// σ(x) as ggml computes it.
-fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
-}
 
 /// ggml's softplus: `ln(1 + eˣ)`, `x` itself past 20.
 fn softplus(x: f32) -> f32 {

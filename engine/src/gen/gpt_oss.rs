@@ -83,6 +83,7 @@ pub(super) fn full_shape(n_layer: u32, n_expert: u32) -> ModelShape {
         lfm2: None,
         qwen35: None,
         deepseek2: None,
+        bailing: None,
     }
 }
 

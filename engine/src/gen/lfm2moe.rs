@@ -85,6 +85,7 @@ pub(super) fn full_shape() -> ModelShape {
         lfm2: Some(Lfm2Shape::lfm2_8b_a1b()),
         qwen35: None,
         deepseek2: None,
+        bailing: None,
         n_swa: 0,
         yarn_factor: 0.0,
         yarn_orig_ctx: 0,
