@@ -1,9 +1,10 @@
-"""Random-weight F32 models of the two hybrid families, qwen35moe and lfm2moe, of deepseek2 (MLA)
-and of llama with routed experts (Mixtral), written through the PyPI `gguf` package's
-`GGUFWriter`: another tool's files, in shapes unlike the presets of bmoe's own generator
-(`bmoe-cli gen`, engine/src/gen/qwen35moe.rs, lfm2moe.rs, deepseek2.rs and llama_moe.rs), for the
-parity gate (gates/tests/archs.rs). `llama_parity.py write` calls `write` with the tokenizer keys
-of one of our files, so llama.cpp and bmoe tokenize the prompt alike.
+"""Random-weight F32 models of the hybrid families qwen35moe, lfm2moe and bailingmoe3 (KDA and
+MLA), of deepseek2 (MLA) and of llama with routed experts (Mixtral), written through the PyPI
+`gguf` package's `GGUFWriter`: another tool's files, in shapes unlike the presets of bmoe's own
+generator (`bmoe-cli gen`, engine/src/gen/qwen35moe.rs, lfm2moe.rs, deepseek2.rs, llama_moe.rs
+and bailingmoe3.rs), for the parity gate (gates/tests/archs.rs). `llama_parity.py write` calls
+`write` with the tokenizer keys of one of our files, so llama.cpp and bmoe tokenize the prompt
+alike.
 
 What differs from `gen --preset tiny` (SHAPES has every number):
   qwen35moe: d_model 512 (tiny 256); 8 query heads of 32 over one KV head (tiny 4 of 64 over
@@ -35,20 +36,42 @@ What differs from `gen --preset tiny` (SHAPES has every number):
     the tensors that read the residual stream llama-quantize's 32-value stand-ins (Q4_K_M: Q5_0,
     attn_v in some layers Q8_0); the experts' down projections (rows of 512) take the K-quants
     (Q4_K_M: Q4_K, in some layers Q6_K).
-The first three: expert FFN 256 (the gate's tiny files: 512), a multiple of 256, so
-llama-quantize's K-quants apply to every expert (deepseek2: to the down projections, its gate and
-up rows being 384 long). All four: rms eps 1e-5 (tiny 1e-6).
+  bailingmoe3: d_model 384 (tiny 256) as 6 heads (tiny 4) for both kinds of layer; 5 layers
+    (tiny 4) with latent attention at layers 1 and 4 (tiny: every fourth, layer 3), the others
+    Kimi Delta Attention of heads of 64 (as tiny; d_inner 384), a convolution of 3 (tiny 4), a
+    gate lower bound of -3 (tiny -5); the per-layer KV head counts as the writer's default
+    INT32 array (ours: UINT32); the MLA without a query LoRA, one `attn_q` and no
+    `attention.q_lora_rank` key (tiny: a LoRA of 128), nope 48 + rope 16 (tiny 64 + 32) with
+    values of 48 (tiny 64), a latent of 192 (tiny 256); two dense layers of 768 (tiny one of
+    512); 24 experts, top-3, of 256 (tiny 16, top-4, of 384); two shared experts (tiny one),
+    their width 512 stated in `expert_shared_feed_forward_length` (llama.cpp's default, the
+    expert FFN times the count, gives the same); sigmoid routing (fixed by the arch) with a
+    selection bias, the weights not renormalised and scaled by 1.5 (tiny: renormalised, x 2.5),
+    the router at twice the gain with a bias of std 0.01 as deepseek2's; rope base 5e4 (tiny
+    1e6). `ssm_a` (which multiplies the gate's pre-activation per head) uniform of std 1 as
+    gen/bailingmoe3.rs, the dt bias and the convolutions of std 0.5. Under Q4_K_M the rows of
+    384 (all that read the residual stream but the head, which takes Q8_0; the KDA
+    attn_output), 288 (the MLA attn_output) and 192 (attn_v_b) take the 32-value stand-in Q5_0
+    (one KDA layer's attn_v Q8_0), the dense,
+    expert and shared down projections (rows of 768, 256, 512) Q4_K or Q6_K; attn_k_b (rows of
+    48) falls back to F16 in every quantization; the convolutions, ssm_a and the dt bias stay
+    F32.
+qwen35moe, lfm2moe, deepseek2 and bailingmoe3: expert FFN 256 (the gate's tiny files: 512;
+bailingmoe3's 384), a multiple of 256, so llama-quantize's K-quants apply to every expert
+(deepseek2 and bailingmoe3: to the down projections, their gate and up rows being 384 long). All
+five: rms eps 1e-5 (tiny 1e-6).
 
 Weights follow the scheme of our generator (engine/src/gen.rs, module doc), so activations stay
 at unit scale through the layers and routing is not a coin toss at every position: uniform
 noise of standard deviation 1/sqrt(fan-in); the residual stream in two halves, the embedding
-and the experts writing the first ("token") half, the mixers (attention, DeltaNet, the short
-convolution) the second ("context") half; routers reading the token half at (1 - R) * gain and
+and the experts writing the first ("token") half, the mixers (attention, DeltaNet, KDA, the
+short convolution) the second ("context") half; routers reading the token half at (1 - R) * gain and
 the context half at 4 * R * gain / (layer + 1)^0.75 (R 0.65, gain 6, as `gen --preset tiny`;
-lfm2moe's and deepseek2's at twice that gain with a selection bias of std 0.01, as
-gen/lfm2moe.rs says why); q/k norms of 0.5 (deepseek2: the latent norm and the key absorption
-matrix at sqrt(0.5) each, as gen/deepseek2.rs; llama, which has no q/k norms: the q and k
-projections at 0.5 / sqrt(fan-in), as gen/llama.rs), so attention is near-uniform. Each tensor's
+lfm2moe's, deepseek2's and bailingmoe3's at twice that gain with a selection bias of std 0.01,
+as gen/lfm2moe.rs says why); q/k norms of 0.5 (deepseek2's and bailingmoe3's latent attention:
+the latent norm and the key absorption matrix at sqrt(0.5) each, as gen/deepseek2.rs; llama,
+which has no q/k norms: the q and k projections at 0.5 / sqrt(fan-in), as gen/llama.rs), so
+attention is near-uniform. Each tensor's
 noise comes from its own numpy stream seeded by (seed, crc32 of its name): the file depends on
 the seed alone.
 
@@ -80,6 +103,16 @@ SHAPES = {
         "router_gain": 2.0, "probs_bias": 0.01,
         "yarn_factor": 8.0, "yarn_orig_ctx": 512, "yarn_log_mul": 0.1,
         "rope_base": 10000.0, "rms_eps": 1e-5, "n_ctx_train": 4096,
+    },
+    ("bailingmoe3", "wide"): {
+        "n_layer": 5, "mla_layers": [1, 4], "d_model": 384, "n_head": 6,
+        "kda_head_dim": 64, "d_conv": 3, "gate_lower_bound": -3.0,
+        "nope": 48, "rope": 16, "v_head": 48, "kv_lora_rank": 192, "q_lora_rank": 0,
+        "dense_layers": 2, "n_ff_dense": 768,
+        "n_expert": 24, "n_expert_used": 3, "n_ff_exp": 256, "n_shared": 2,
+        "weights_norm": False, "weights_scale": 1.5,
+        "router_gain": 2.0, "probs_bias": 0.01,
+        "rope_base": 50000.0, "rms_eps": 1e-5, "n_ctx_train": 4096,
     },
     ("llama", "wide"): {
         "n_layer": 5, "d_model": 384, "n_head": 6, "n_head_kv": 3, "head_dim": 64,
@@ -418,7 +451,108 @@ def llama(s, w, n_vocab):
     return meta
 
 
-FAMILIES = {"qwen35moe": qwen35moe, "lfm2moe": lfm2moe, "deepseek2": deepseek2, "llama": llama}
+def bailingmoe3(s, w, n_vocab):
+    """The metadata of a bailingmoe3 file, its tensors into `w`: llama.cpp's bailingmoe3.cpp
+    (`load_arch_hparams`, `load_arch_tensors`), keys and tensor order as gen/bailingmoe3.rs.
+    The per-layer KV head count picks the kind: 0 a Kimi Delta Attention layer, 1 a latent
+    attention layer (deepseek2's split MLA, one KV head of latent + rope, plus a per-head
+    sigmoid output gate `attn_gate`). Both kinds have `attention.head_count` heads."""
+    d, ff, fd, ne = s["d_model"], s["n_ff_exp"], s["n_ff_dense"], s["n_expert"]
+    nh, nope, rope, vh = s["n_head"], s["nope"], s["rope"], s["v_head"]
+    r, qa, fs = s["kv_lora_rank"], s["q_lora_rank"], s["n_ff_exp"] * s["n_shared"]
+    hd, taps = s["kda_head_dim"], s["d_conv"]
+    di, k_mla = nh * hd, nope + rope
+    assert s["gate_lower_bound"] < 0.0, "bailingmoe3: llama.cpp asserts a negative lower bound"
+    assert s["dense_layers"] < s["n_layer"] and s["n_shared"] > 0
+    a = "bailingmoe3."
+    kv_heads = [1 if i in s["mla_layers"] else 0 for i in range(s["n_layer"])]
+    meta = [
+        ("u32", a + "context_length", s["n_ctx_train"]),
+        ("u32", a + "embedding_length", d),
+        ("u32", a + "block_count", s["n_layer"]),
+        ("u32", a + "feed_forward_length", fd),
+        ("u32", a + "attention.head_count", nh),
+        ("arr", a + "attention.head_count_kv", kv_heads),
+        ("u32", a + "attention.key_length", r + rope),
+        ("u32", a + "attention.value_length", r),
+        ("u32", a + "attention.key_length_mla", k_mla),
+        ("u32", a + "attention.value_length_mla", vh),
+        ("u32", a + "attention.kv_lora_rank", r),
+        ("u32", a + "rope.dimension_count", rope),
+        ("f32", a + "rope.freq_base", s["rope_base"]),
+        ("f32", a + "attention.layer_norm_rms_epsilon", s["rms_eps"]),
+        ("u32", a + "expert_count", ne),
+        ("u32", a + "expert_used_count", s["n_expert_used"]),
+        ("u32", a + "expert_feed_forward_length", ff),
+        ("u32", a + "expert_shared_feed_forward_length", fs),
+        ("u32", a + "expert_shared_count", s["n_shared"]),
+        ("u32", a + "leading_dense_block_count", s["dense_layers"]),
+        ("f32", a + "expert_weights_scale", s["weights_scale"]),
+        ("bool", a + "expert_weights_norm", s["weights_norm"]),
+        ("u32", a + "expert_gating_func", 2),  # LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
+        ("u32", a + "ssm.conv_kernel", taps),
+        ("u32", a + "kda.head_dim", hd),
+        ("bool", a + "kda.safe_gate", True),
+        ("f32", a + "kda.gate_lower_bound", s["gate_lower_bound"]),
+    ]
+    if qa:
+        # Optional in llama.cpp (and ours): without it, one attn_q.
+        meta.append(("u32", a + "attention.q_lora_rank", qa))
+    w.embedding(d, n_vocab)
+    for i in range(s["n_layer"]):
+        def b(n, i=i):
+            return f"blk.{i}.{n}"
+
+        w.const(b("attn_norm.weight"), [d])
+        if not kv_heads[i]:
+            for p in "qkv":
+                w.rand(b(f"ssm_conv1d_{p}.weight"), [taps, 1, di], 0.5)
+            w.rand(b("attn_q.weight"), [d, di], inv(d))
+            w.rand(b("attn_k.weight"), [d, di], inv(d))
+            w.rand(b("attn_v.weight"), [d, di], inv(d))
+            w.rand(b("ssm_f_a.weight"), [d, di], inv(d))
+            w.rand(b("ssm_beta.weight"), [d, nh], inv(d))
+            # Scales the gate's pre-activation per head: lower_bound * sigmoid(a * (f_a x + dt)).
+            w.rand(b("ssm_a"), [1, nh], 1.0)
+            w.rand(b("ssm_dt.bias"), [di], 0.5)
+            w.rand(b("ssm_g_a.weight"), [d, di], inv(d))
+            w.const(b("ssm_norm.weight"), [hd])
+            w.writes(b("attn_output.weight"), [di, d], inv(di), "context")
+        else:
+            if qa:
+                w.rand(b("attn_q_a.weight"), [d, qa], inv(d))
+                w.const(b("attn_q_a_norm.weight"), [qa])
+                w.rand(b("attn_q_b.weight"), [qa, nh * k_mla], inv(qa))
+            else:
+                w.rand(b("attn_q.weight"), [d, nh * k_mla], inv(d))
+            w.rand(b("attn_kv_a_mqa.weight"), [d, r + rope], inv(d))
+            # The latent norm and the absorption matrix at sqrt(sharpness) each, as deepseek2's.
+            w.const(b("attn_kv_a_norm.weight"), [r], np.sqrt(ATTN_SHARPNESS))
+            w.rand(b("attn_k_b.weight"), [nope, r, nh], inv(nope) * np.sqrt(ATTN_SHARPNESS))
+            w.rand(b("attn_v_b.weight"), [r, vh, nh], inv(r))
+            w.rand(b("attn_gate.weight"), [d, nh], inv(d))
+            w.writes(b("attn_output.weight"), [nh * vh, d], inv(nh * vh), "context")
+        w.const(b("ffn_norm.weight"), [d])
+        if i < s["dense_layers"]:
+            w.rand(b("ffn_gate.weight"), [d, fd], inv(d))
+            w.rand(b("ffn_up.weight"), [d, fd], inv(d))
+            w.writes(b("ffn_down.weight"), [fd, d], inv(fd), "token")
+            continue
+        w.router(i, d, ne, s["router_gain"] * ROUTER_GAIN)
+        w.rand(b("exp_probs_b.bias"), [ne], s["probs_bias"])
+        w.rand(b("ffn_gate_exps.weight"), [d, ff, ne], inv(d))
+        w.rand(b("ffn_up_exps.weight"), [d, ff, ne], inv(d))
+        w.writes(b("ffn_down_exps.weight"), [ff, d, ne], inv(ff), "token")
+        w.rand(b("ffn_gate_shexp.weight"), [d, fs], inv(d))
+        w.rand(b("ffn_up_shexp.weight"), [d, fs], inv(d))
+        w.writes(b("ffn_down_shexp.weight"), [fs, d], inv(fs), "token")
+    w.const("output_norm.weight", [d])
+    w.rand("output.weight", [d, n_vocab], inv(d))
+    return meta
+
+
+FAMILIES = {"qwen35moe": qwen35moe, "lfm2moe": lfm2moe, "deepseek2": deepseek2, "llama": llama,
+            "bailingmoe3": bailingmoe3}
 
 
 def write(arch, shape_name, tokenizer_kv, out, seed):

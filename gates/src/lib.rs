@@ -392,6 +392,56 @@ pub fn assert_pieces_and_rollback_exact(m: &Path) {
     assert_eq!(got, want, "{}: rolled back", m.display());
 }
 
+/// A recurrent state carried across batches, through the engine's backend, resident and
+/// streamed through an evicting cache (with and without overlap): a prompt fed in pieces, one
+/// of them a single token, gives a fresh prefill's logits bit for bit; the whole prompt is
+/// reusable where the state stands and nothing before it; a prefix kept where the state stands
+/// is restored exactly after everything was overwritten, and one asked for where the state no
+/// longer stands is not kept (a recurrent state cannot roll back).
+pub fn assert_recurrent_state_continues_exactly(m: &Path) {
+    let streamed = [
+        "--moe-stream",
+        "--cache-mb",
+        "2",
+        "--force-cache",
+        "--io-threads",
+        "2",
+    ];
+    for extra in [
+        &[][..],
+        &streamed[..],
+        &[&streamed[..], &["--overlap"]].concat()[..],
+    ] {
+        let load = || load_engine(m, extra);
+        let step = |e: &mut bmoe_engine::run::EngineStep, tokens: &[u32], from: u32| {
+            step_logit_bits(e, tokens, from).expect("step")
+        };
+        let prompt: Vec<u32> = (300..330).collect();
+        let junk: Vec<u32> = (900..916).collect();
+        let want = step(&mut load(), &prompt, 0);
+
+        let mut e = load();
+        step(&mut e, &prompt[..11], 0);
+        step(&mut e, &prompt[11..12], 11);
+        assert_eq!(step(&mut e, &prompt[12..], 12), want, "{extra:?}: pieces");
+        use bmoe_core::Backend;
+        assert_eq!(e.backend().reusable_prefix(30), 30);
+        assert_eq!(e.backend().reusable_prefix(29), 0);
+
+        let mut e = load();
+        step(&mut e, &prompt[..9], 0);
+        assert!(e.backend_mut().keep_prefix(9).expect("keep").is_some());
+        step(&mut e, &prompt[9..14], 9);
+        assert_eq!(e.backend_mut().keep_prefix(9).expect("keep"), None);
+        assert_eq!(e.backend_mut().restore_prefix().expect("restore"), None);
+        step(&mut e, &prompt[..9], 0);
+        assert!(e.backend_mut().keep_prefix(9).expect("keep").is_some());
+        step(&mut e, &junk, 0);
+        assert_eq!(e.backend_mut().restore_prefix().expect("restore"), Some(9));
+        assert_eq!(step(&mut e, &prompt[9..], 9), want, "{extra:?}: restored");
+    }
+}
+
 /// A session `decide` request of three choices.
 pub fn decide_request(id: u32, prefix: &str, suffix: &str, reuse: bool) -> String {
     serde_json::json!({"cmd": "decide", "id": id, "prefix": prefix, "suffix": suffix,

@@ -69,11 +69,21 @@ pub fn py_batch_spawn(dir: &Path, name: &str, jobs: &[serde_json::Value]) -> Chi
 /// Waits for a batch started by [`py_batch_spawn`]; its failure fails the test.
 pub fn py_wait(child: Child, what: &str) {
     let o = child.wait_with_output().expect("wait for python3");
-    assert!(
-        o.status.success(),
-        "llama_parity.py batch ({what}) failed:\n{}",
-        String::from_utf8_lossy(&o.stderr)
-    );
+    if !o.status.success() {
+        // On stdout too: a runner that shows a failing test's stderr cut in the middle still
+        // shows why (the stderr of a long parity test is mostly its figures).
+        let err = String::from_utf8_lossy(&o.stderr);
+        let tail: Vec<&str> = err.lines().rev().take(20).collect();
+        println!(
+            "llama_parity.py batch ({what}) failed ({}):\n{}",
+            o.status,
+            tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+        );
+        panic!(
+            "llama_parity.py batch ({what}) failed ({}):\n{err}",
+            o.status
+        );
+    }
 }
 
 /// Our teacher-forced logits for `m` over [`PROMPT`] into `out`, the token ids beside them

@@ -34,6 +34,7 @@ const ARCHS: &[(&str, &str)] = &[
     ("lfm2moe", "sigmoid_topk_norm"),
     ("deepseek2", "softmax_topk"),
     ("llama", "softmax_topk_norm"),
+    ("bailingmoe3", "sigmoid_topk_norm*2.5"),
 ];
 
 /// [`ARCHS`], or those `BMOE_ARCHS` names (comma-separated: a developer's quicker run of one
@@ -53,10 +54,17 @@ fn archs() -> Vec<(&'static str, &'static str)> {
 /// sit closer together than a softmax family's, so 4-bit rounding swaps a chosen expert at a
 /// near-tie more often); its F32, F16, Q8_0 and our Q4_K_M hold 98 %. A wrong kernel or graph
 /// moves every position.
+///
+/// bailingmoe3's llama-quantize Q4_K_M likewise (measured 2026-12-07, seeds 11-13 pooled:
+/// 97.8 %; ours 99.6 %, Q8_0 99.1 %, F32/F16 100 %): each run of positions off starts at a
+/// router margin of 5e-5 to 5e-3 (sigmoid scores, renormalised and × 2.5) and lasts a few
+/// positions (52-56 on seed 13), the flipped expert's output carried on by the KDA layers'
+/// state, where attention would dilute it.
 const SIGMOID_NEAR_TIES: &[(&str, f64)] = &[
     ("lfm2moe llama-quantize q4_k_m", 0.97),
     ("lfm2moe ours q4_0", 0.97),
     ("lfm2moe llama-quantize q4_0", 0.97),
+    ("bailingmoe3 llama-quantize q4_k_m", 0.97),
 ];
 
 /// Further weight types an architecture's files come in, held to parity ours and
@@ -246,6 +254,8 @@ fn every_architecture_matches_llama_cpp() {
             |seed, failures| parity_files(arch, seed, &dir, failures),
         );
     }
+    // On stdout as well: it survives a runner's cut of a long stderr.
+    println!("{}", failures.join("\n"));
     assert!(failures.is_empty(), "{}", failures.join("\n"));
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -340,6 +350,8 @@ fn files_written_by_gguf_py_match_llama_cpp() {
             gguf_py_files(arch, shape, seed, &dir)
         });
     }
+    // On stdout as well: it survives a runner's cut of a long stderr.
+    println!("{}", failures.join("\n"));
     assert!(failures.is_empty(), "{}", failures.join("\n"));
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -40,67 +40,7 @@ const STREAMED: [&str; 6] = [
 
 #[test]
 fn a_continued_recurrent_state_gives_a_fresh_prefills_bits() {
-    let m = tiny35();
-    for extra in [
-        &[][..],
-        &STREAMED[..],
-        &[&STREAMED[..], &["--overlap"]].concat()[..],
-    ] {
-        let mut argv = vec!["bmoe-cli", "-m", m.to_str().unwrap(), "-t", "2"];
-        argv.extend_from_slice(extra);
-        let cli = Cli::try_parse_from(&argv).expect("args");
-        let load = || {
-            bmoe_engine::run::load(&cli.run, &m, &mut Vec::new())
-                .expect("load")
-                .engine
-        };
-        let step = |e: &mut bmoe_engine::run::EngineStep, tokens: &[u32], from: u32| {
-            let positions: Vec<u32> = (from..from + tokens.len() as u32).collect();
-            e.step(
-                &StepInput {
-                    turn: 0,
-                    phase: Phase::Prefill,
-                    tokens,
-                    positions: &positions,
-                },
-                &mut NullSink,
-            )
-            .expect("step");
-            e.backend()
-                .last_logits()
-                .expect("logits")
-                .iter()
-                .map(|x| x.to_bits())
-                .collect::<Vec<u32>>()
-        };
-        let prompt: Vec<u32> = (300..330).collect();
-        let junk: Vec<u32> = (900..916).collect();
-        let mut cold = load();
-        let want = step(&mut cold, &prompt, 0);
-
-        // Fed in pieces, one of them a single token: the state continues where it stands.
-        let mut e = load();
-        step(&mut e, &prompt[..11], 0);
-        step(&mut e, &prompt[11..12], 11);
-        assert_eq!(step(&mut e, &prompt[12..], 12), want, "{extra:?}: pieces");
-        // Where the state stands the whole prompt is reusable; before it, nothing.
-        assert_eq!(e.backend().reusable_prefix(30), 30);
-        assert_eq!(e.backend().reusable_prefix(29), 0);
-
-        // A prefix kept where the state stands is restored exactly, after everything was
-        // overwritten; one asked for where the state no longer stands is not kept.
-        let mut e = load();
-        step(&mut e, &prompt[..9], 0);
-        assert!(e.backend_mut().keep_prefix(9).expect("keep").is_some());
-        step(&mut e, &prompt[9..14], 9);
-        assert_eq!(e.backend_mut().keep_prefix(9).expect("keep"), None);
-        assert_eq!(e.backend_mut().restore_prefix().expect("restore"), None);
-        step(&mut e, &prompt[..9], 0);
-        assert!(e.backend_mut().keep_prefix(9).expect("keep").is_some());
-        step(&mut e, &junk, 0);
-        assert_eq!(e.backend_mut().restore_prefix().expect("restore"), Some(9));
-        assert_eq!(step(&mut e, &prompt[9..], 9), want, "{extra:?}: restored");
-    }
+    bmoe_gates::assert_recurrent_state_continues_exactly(&tiny35());
 }
 
 fn ready_json(d: &SessionDriver) -> serde_json::Value {

@@ -341,7 +341,7 @@ fn a_hybrid_takes_back_a_rejected_drafts_recurrent_state() {
     // themselves, so the drafts come from a recording of the plain run with every 3rd token
     // changed: groups confirmed in part, rejected at a changed token. Any wrong state
     // shows in the tokens.
-    for arch in ["qwen35moe", "lfm2moe"] {
+    for arch in ["qwen35moe", "lfm2moe", "bailingmoe3"] {
         takes_back_rejected_drafts(arch);
     }
 }

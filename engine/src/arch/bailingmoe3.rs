@@ -596,3 +596,135 @@ impl Arch for BailingMoe3 {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf::{Value, ValueType};
+
+    /// The `bailingmoe3.*` keys of a 4-layer model (KDA, KDA, KDA, MLA; one dense layer), with
+    /// `change` applied: `(key, Some(value))` sets it, `(key, None)` removes it.
+    fn file_with(change: &[(&str, Option<Value>)]) -> GgufFile {
+        let kv = [0u32, 0, 0, 1].iter().map(|&k| Value::U32(k)).collect();
+        crate::arch::meta::test_file(
+            ARCH,
+            &[
+                ("block_count", Value::U32(4)),
+                ("embedding_length", Value::U32(256)),
+                ("context_length", Value::U32(4096)),
+                ("feed_forward_length", Value::U32(512)),
+                ("attention.head_count", Value::U32(4)),
+                ("attention.head_count_kv", Value::Array(ValueType::U32, kv)),
+                ("attention.key_length_mla", Value::U32(96)),
+                ("attention.value_length_mla", Value::U32(64)),
+                ("attention.kv_lora_rank", Value::U32(256)),
+                ("rope.dimension_count", Value::U32(32)),
+                ("attention.layer_norm_rms_epsilon", Value::F32(1e-6)),
+                ("expert_count", Value::U32(16)),
+                ("expert_used_count", Value::U32(4)),
+                ("expert_feed_forward_length", Value::U32(384)),
+                ("expert_shared_count", Value::U32(1)),
+                ("leading_dense_block_count", Value::U32(1)),
+                ("expert_gating_func", Value::U32(2)),
+                ("ssm.conv_kernel", Value::U32(4)),
+                ("kda.head_dim", Value::U32(64)),
+                ("kda.gate_lower_bound", Value::F32(-5.0)),
+            ],
+            change,
+        )
+    }
+
+    fn error(f: &GgufFile) -> String {
+        HParams::from_gguf(f).expect_err("refused").to_string()
+    }
+
+    #[test]
+    fn its_layer_kinds_and_widths_come_from_the_keys() {
+        use crate::gen::{self, GenOptions, Preset, TypeScheme};
+        let preset = Preset::Tiny;
+        let opts = GenOptions {
+            seed: 5,
+            shape: preset.shape_for(gen::GenArch::BailingMoe3).unwrap(),
+            vocab: crate::vocab::builtin_vocab().unwrap(),
+            ..gen::tests::options(preset, TypeScheme::from_name("q8_0").unwrap())
+        };
+        let path =
+            std::env::temp_dir().join(format!("bmoe-bailingmoe3-{}-tiny.gguf", std::process::id()));
+        gen::generate(&opts, &path, |_, _| {}).unwrap();
+        let file = GgufFile::open(&path).unwrap();
+        let _ = std::fs::remove_file(&path);
+        let hp = HParams::from_gguf(&file).expect("keys");
+        assert_eq!(hp.recurrent, [true, true, true, false]);
+        assert_eq!(hp.d_inner(), 256);
+        assert_eq!(hp.n_ff_shexp, hp.n_ff_exp);
+        assert_eq!(hp.recurrent_shape().conv_channels, 3 * 256);
+        assert_eq!(hp.gating.to_string(), "sigmoid_topk_norm*2.5");
+        // An MTP block's layer is not among the layers run; its keys are accepted (the first
+        // thing missing is a tensor).
+        let e = error(&file_with(&[
+            ("nextn_predict_layers", Some(Value::U32(1))),
+            ("block_count", Some(Value::U32(5))),
+            (
+                "attention.head_count_kv",
+                Some(Value::Array(
+                    ValueType::U32,
+                    [0u32, 1, 0, 1, 1].iter().map(|&k| Value::U32(k)).collect(),
+                )),
+            ),
+        ]));
+        assert!(e.contains("token_embd.weight"), "{e}");
+    }
+
+    #[test]
+    fn what_it_does_not_run_is_refused_by_key() {
+        // Every key fine: the first thing missing is a tensor.
+        assert!(error(&file_with(&[])).contains("token_embd.weight"));
+        for (change, key) in [
+            (("attention.head_count_kv", None), "attention.head_count_kv"),
+            (
+                ("expert_gating_func", Some(Value::U32(1))),
+                "expert_gating_func",
+            ),
+            (
+                ("kda.gate_lower_bound", Some(Value::F32(0.5))),
+                "kda.gate_lower_bound",
+            ),
+            (("kda.safe_gate", Some(Value::Bool(false))), "kda.safe_gate"),
+            (("kda.head_dim", None), "kda.head_dim"),
+            (("ssm.conv_kernel", None), "ssm.conv_kernel"),
+            (
+                (
+                    "rope.dimension_sections",
+                    Some(Value::Array(
+                        ValueType::U32,
+                        [8u32, 4, 4, 0].iter().map(|&k| Value::U32(k)).collect(),
+                    )),
+                ),
+                "rope.dimension_sections",
+            ),
+            (
+                ("rope.scaling.type", Some(Value::String("yarn".into()))),
+                "rope.scaling.type",
+            ),
+            (
+                ("swiglu_clamp_exp", Some(Value::F32(7.0))),
+                "swiglu_clamp_exp",
+            ),
+            (
+                ("nextn_predict_layers", Some(Value::U32(2))),
+                "nextn_predict_layers",
+            ),
+            (
+                ("leading_dense_block_count", Some(Value::U32(4))),
+                "leading_dense_block_count",
+            ),
+            (
+                ("rope.dimension_count", Some(Value::U32(31))),
+                "rope.dimension_count",
+            ),
+        ] {
+            let e = error(&file_with(std::slice::from_ref(&change)));
+            assert!(e.contains(&format!("{ARCH}.{key}")), "{change:?}: {e}");
+        }
+    }
+}
