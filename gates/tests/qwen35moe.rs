@@ -9,11 +9,7 @@
 //!   fed; with Qwen3.5's chat template (`think_ctl` `template`) a chat and decides run, and a
 //!   decide scores alike whether it may reuse a kept prefix or not, resident and streamed.
 
-use bmoe_core::records::{NullSink, Phase};
-use bmoe_core::{Backend, StepInput};
-use bmoe_engine::cli::Cli;
 use bmoe_gates::{model, SessionDriver};
-use clap::Parser;
 use std::path::PathBuf;
 
 /// The tiny qwen35moe file (DeltaNet, attention, DeltaNet, attention; an MTP block).

@@ -35,8 +35,8 @@
 
 use super::blocks::{self, sigmoid, AttnShape, Compute, Glu, Rope, RopeKind};
 use super::delta::{self, Decay};
-use super::layers::{finish_with_shared, GluFfn};
-use super::meta::{moe_params, n_vocab, yarn_params, Meta};
+use super::layers::{finish_with_shared, residual_then_ffn, GluFfn};
+use super::meta::{leading_dense, moe_params, n_vocab, yarn_params, Meta};
 use super::mla::{Mla, MlaDims};
 use super::state::{LayerMemory, RecurrentShape, State};
 use super::weights::{Loader, Mat};
@@ -113,22 +113,7 @@ impl HParams {
             })?;
         let recurrent: Vec<bool> = kv[..n_layer].iter().map(|&k| k == 0).collect();
         let (n_expert, n_expert_used, n_ff_exp) = moe_params(&m)?;
-        let n_dense_lead = m.req_u("leading_dense_block_count")?;
-        if n_dense_lead >= n_layer {
-            return Err(m.err(
-                "leading_dense_block_count",
-                format!("is {n_dense_lead}: no MoE layer left of {n_layer}"),
-            ));
-        }
-        let n_ff = if n_dense_lead > 0 {
-            let n = m.req_u("feed_forward_length")?;
-            if n == 0 {
-                return Err(m.err("feed_forward_length", "is 0"));
-            }
-            n
-        } else {
-            m.opt_u("feed_forward_length")?.unwrap_or(0)
-        };
+        let (n_dense_lead, n_ff) = leading_dense(&m, n_layer, true)?;
         let n_shared = m.req_u("expert_shared_count")?;
         m.check_range("expert_shared_count", n_shared, 0, 64)?;
         let n_ff_shexp = match m.opt_u("expert_shared_feed_forward_length")? {
@@ -212,12 +197,7 @@ impl HParams {
                 ))
             }
         };
-        let renormalize = match f.get(&m.key("expert_weights_norm")) {
-            None => false,
-            Some(v) => v
-                .as_bool()
-                .ok_or_else(|| m.err("expert_weights_norm", format!("is {v}, expected a bool")))?,
-        };
+        let renormalize = m.opt_bool("expert_weights_norm")?.unwrap_or(false);
         Ok(HParams {
             n_layer,
             n_nextn,
@@ -571,19 +551,8 @@ impl Arch for BailingMoe3 {
                 st.mark(il, "ATTN", "attn");
             }
         }
-        for (x, o) in st.x.iter_mut().zip(&st.out) {
-            *x += *o;
-        }
-        if il < self.hp.n_dense_lead {
-            return l.ffn.into_residual(cx, st, &l.ffn_norm, eps);
-        }
-        blocks::rms_norm_rows(&st.x, d, &st.ffn_rows, Some(&l.ffn_norm), eps, &mut st.h);
-        st.mark(il, "RMS_NORM", "ffn_norm");
-        let m = st.ffn_rows.len();
-        let State {
-            h, side, scratch, ..
-        } = st;
-        l.ffn.run(cx, scratch, h, m, side)
+        let dense = il < self.hp.n_dense_lead;
+        residual_then_ffn(cx, st, il, dense, &l.ffn, &l.ffn_norm, d, eps)
     }
 
     fn selection_bias(&self, layer: usize) -> Option<&[f32]> {

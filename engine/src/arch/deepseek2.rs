@@ -32,8 +32,8 @@
 //! query temperature (`attention.temperature_scale`) and an MTP block are refused by name.
 
 use super::blocks::{self, AttnShape, Compute, Glu, Rope, RopeKind, Yarn};
-use super::layers::{finish_with_shared, GluFfn};
-use super::meta::{moe_params, n_vocab, yarn_params, Meta};
+use super::layers::{finish_with_shared, residual_then_ffn, GluFfn};
+use super::meta::{leading_dense, moe_params, n_vocab, yarn_params, Meta};
 use super::mla::{Mla, MlaDims};
 use super::state::{LayerMemory, State};
 use super::weights::Loader;
@@ -102,22 +102,7 @@ impl HParams {
         let n_head = m.req_u("attention.head_count")?;
         m.check_range("attention.head_count", n_head, 1, 1024)?;
         let (n_expert, n_expert_used, n_ff_exp) = moe_params(&m)?;
-        let n_dense_lead = m.opt_u("leading_dense_block_count")?.unwrap_or(0);
-        if n_dense_lead >= n_layer {
-            return Err(m.err(
-                "leading_dense_block_count",
-                format!("is {n_dense_lead}: no MoE layer left of {n_layer}"),
-            ));
-        }
-        let n_ff = if n_dense_lead > 0 {
-            let n = m.req_u("feed_forward_length")?;
-            if n == 0 {
-                return Err(m.err("feed_forward_length", "is 0"));
-            }
-            n
-        } else {
-            m.opt_u("feed_forward_length")?.unwrap_or(0)
-        };
+        let (n_dense_lead, n_ff) = leading_dense(&m, n_layer, false)?;
         let n_shared = m.req_u("expert_shared_count")?;
         m.check_range("expert_shared_count", n_shared, 0, 64)?;
         let (Some(k_mla), Some(v_mla)) = (
@@ -192,12 +177,7 @@ impl HParams {
                 ))
             }
         };
-        let renormalize = match f.get(&m.key("expert_weights_norm")) {
-            None => false,
-            Some(v) => v
-                .as_bool()
-                .ok_or_else(|| m.err("expert_weights_norm", format!("is {v}, expected a bool")))?,
-        };
+        let renormalize = m.opt_bool("expert_weights_norm")?.unwrap_or(false);
         let scale = m.opt_f("expert_weights_scale", 0.0)?;
         let n_ctx_train = m.req_u("context_length")?;
         let yarn = yarn_params(&m, n_ctx_train)?;
@@ -422,20 +402,8 @@ impl Arch for Deepseek2 {
         let dims = self.hp.mla();
         l.attn.run(cx, st, il, &dims, &self.rope, &self.shape)?;
         st.mark(il, "ATTN", "attn");
-        for (x, o) in st.x.iter_mut().zip(&st.out) {
-            *x += *o;
-        }
-        if il < self.hp.n_dense_lead {
-            return l.ffn.into_residual(cx, st, &l.ffn_norm, eps);
-        }
-        blocks::rms_norm_rows(&st.x, d, &st.ffn_rows, Some(&l.ffn_norm), eps, &mut st.h);
-        st.mark(il, "RMS_NORM", "ffn_norm");
-        // The shared experts, beside the routed ones, into `st.side`.
-        let m = st.ffn_rows.len();
-        let State {
-            h, side, scratch, ..
-        } = st;
-        l.ffn.run(cx, scratch, h, m, side)
+        let dense = il < self.hp.n_dense_lead;
+        residual_then_ffn(cx, st, il, dense, &l.ffn, &l.ffn_norm, d, eps)
     }
 
     fn selection_bias(&self, layer: usize) -> Option<&[f32]> {

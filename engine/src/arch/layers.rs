@@ -413,6 +413,36 @@ impl SharedExpert {
     }
 }
 
+/// After a layer's mixer wrote `st.out`: the residual; then a leading dense layer's FFN
+/// (`ffn` behind `ffn_norm`) into the residual, or a MoE layer's FFN norm of its FFN rows (the
+/// routed experts' input, `st.h`) and its shared experts `ffn` beside them into `st.side`,
+/// which [`finish_with_shared`] adds (deepseek2, bailingmoe3).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn residual_then_ffn(
+    cx: &Compute,
+    st: &mut State,
+    il: usize,
+    dense: bool,
+    ffn: &GluFfn,
+    ffn_norm: &[f32],
+    d: usize,
+    eps: f32,
+) -> Result<(), ArchError> {
+    for (x, o) in st.x.iter_mut().zip(&st.out) {
+        *x += *o;
+    }
+    if dense {
+        return ffn.into_residual(cx, st, ffn_norm, eps);
+    }
+    blocks::rms_norm_rows(&st.x, d, &st.ffn_rows, Some(ffn_norm), eps, &mut st.h);
+    st.mark(il, "RMS_NORM", "ffn_norm");
+    let m = st.ffn_rows.len();
+    let State {
+        h, side, scratch, ..
+    } = st;
+    ffn.run(cx, scratch, h, m, side)
+}
+
 /// The experts' sum plus the shared expert's output (`st.side`), then the residual
 /// (llama.cpp's order).
 pub fn finish_with_shared(st: &mut State, d: usize) {

@@ -150,6 +150,17 @@ impl<'a> Meta<'a> {
         Ok(x)
     }
 
+    /// An optional flag (`None` when absent).
+    pub fn opt_bool(&self, name: &str) -> Result<Option<bool>, ArchError> {
+        match self.get(name) {
+            None => Ok(None),
+            Some(v) => v
+                .as_bool()
+                .map(Some)
+                .ok_or_else(|| self.err(name, format!("is {v}, expected a bool"))),
+        }
+    }
+
     /// An optional string.
     pub fn opt_str(&self, name: &str) -> Result<Option<&'a str>, ArchError> {
         match self.get(name) {
@@ -290,6 +301,37 @@ pub(crate) fn moe_params(m: &Meta) -> Result<(usize, usize, usize), ArchError> {
         return Err(m.err("expert_feed_forward_length", "is 0"));
     }
     Ok((n_expert, n_expert_used, n_ff_exp))
+}
+
+/// `leading_dense_block_count` (required, or 0 when absent) and the dense layers' FFN width
+/// (`feed_forward_length`, required when there are any), with at least one MoE layer of
+/// `n_layer` left (deepseek2, bailingmoe3).
+pub(crate) fn leading_dense(
+    m: &Meta,
+    n_layer: usize,
+    required: bool,
+) -> Result<(usize, usize), ArchError> {
+    let n_dense_lead = if required {
+        m.req_u("leading_dense_block_count")?
+    } else {
+        m.opt_u("leading_dense_block_count")?.unwrap_or(0)
+    };
+    if n_dense_lead >= n_layer {
+        return Err(m.err(
+            "leading_dense_block_count",
+            format!("is {n_dense_lead}: no MoE layer left of {n_layer}"),
+        ));
+    }
+    let n_ff = if n_dense_lead > 0 {
+        let n = m.req_u("feed_forward_length")?;
+        if n == 0 {
+            return Err(m.err("feed_forward_length", "is 0"));
+        }
+        n
+    } else {
+        m.opt_u("feed_forward_length")?.unwrap_or(0)
+    };
+    Ok((n_dense_lead, n_ff))
 }
 
 /// The vocabulary size, from `token_embd.weight`'s second dimension.

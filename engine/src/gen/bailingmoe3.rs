@@ -10,6 +10,7 @@
 //! experts and the shared expert. The attention layers are every `mla_every`-th. Weights follow
 //! the generator's two halves: the mixers write the context half, the FFNs the token half.
 
+use super::deepseek2::{ffn_tensors, mla_tensors};
 use super::{
     Deepseek2Shape, Fallbacks, Family, Fill, GenError, GenOptions, Half, ModelShape, Planned,
     Preset, Want,
@@ -180,24 +181,10 @@ impl Family for BailingMoe3 {
 fn plan(o: &GenOptions, fallbacks: &mut Fallbacks) -> Result<Vec<Planned>, GenError> {
     let s = &o.shape;
     let x = bs(s).map_err(GenError::Invalid)?;
-    let m = &x.mla;
     let d = s.d_model as u64;
     let nv = o.n_vocab()?;
-    let split = s.d_model / 2;
     let nh = s.n_head as u64;
-    let (r, rope, nope, vh) = (
-        m.kv_lora_rank as u64,
-        m.rope as u64,
-        m.nope as u64,
-        m.v_head as u64,
-    );
-    let qa = m.q_lora_rank as u64;
-    let k_mla = nope + rope;
     let di = (x.kda_head_dim * s.n_head) as u64;
-    let ff = s.n_ff_exp as u64;
-    let fs = ff * m.n_shared as u64;
-    let fd = m.n_ff_dense as u64;
-    let ne = s.n_expert as u64;
     let inv = |n: u64| 1.0 / (n as f32).sqrt();
     let model = o.mix_model();
     // llama-quantize ranks the KDA layers' attn_v among themselves.
@@ -213,18 +200,19 @@ fn plan(o: &GenOptions, fallbacks: &mut Fallbacks) -> Result<Vec<Planned>, GenEr
         lo: 0,
         hi: width,
     };
-    let writes = |std: f32, half: Half| Fill::RandRows { std, half, split };
     push(
         "token_embd.weight".into(),
         &[d, nv],
         Want::Weight(None),
-        rand(1.0, split),
+        rand(1.0, s.d_model / 2),
     );
     for i in 0..s.n_layer {
         let b = |n: &str| format!("blk.{i}.{n}.weight");
         let w = Want::Weight(Some(i));
         push(b("attn_norm"), &[d], f32v, one);
-        if !x.attends(i) {
+        if x.attends(i) {
+            mla_tensors(&mut push, o, i, &x.mla, true);
+        } else {
             for p in ["q", "k", "v"] {
                 push(
                     b(&format!("ssm_conv1d_{p}")),
@@ -261,80 +249,14 @@ fn plan(o: &GenOptions, fallbacks: &mut Fallbacks) -> Result<Vec<Planned>, GenEr
                 b("attn_output"),
                 &[di, d],
                 w,
-                writes(inv(di), Half::Context),
-            );
-        } else {
-            if qa > 0 {
-                push(b("attn_q_a"), &[d, qa], w, rand(inv(d), s.d_model));
-                push(b("attn_q_a_norm"), &[qa], f32v, one);
-                push(
-                    b("attn_q_b"),
-                    &[qa, nh * k_mla],
-                    w,
-                    rand(inv(qa), m.q_lora_rank),
-                );
-            } else {
-                push(b("attn_q"), &[d, nh * k_mla], w, rand(inv(d), s.d_model));
-            }
-            push(
-                b("attn_kv_a_mqa"),
-                &[d, r + rope],
-                w,
-                rand(inv(d), s.d_model),
-            );
-            // The latent's gain is the attention's sharpness on the latent side, as the
-            // absorption matrix's is on the query side (deepseek2's generator).
-            push(
-                b("attn_kv_a_norm"),
-                &[r],
-                f32v,
-                Fill::Const(o.attn_sharpness.sqrt()),
-            );
-            push(
-                b("attn_k_b"),
-                &[nope, r, nh],
-                w,
-                rand(inv(nope) * o.attn_sharpness.sqrt(), m.nope),
-            );
-            push(b("attn_v_b"), &[r, vh, nh], w, rand(inv(r), m.kv_lora_rank));
-            push(b("attn_gate"), &[d, nh], w, rand(inv(d), s.d_model));
-            push(
-                b("attn_output"),
-                &[nh * vh, d],
-                w,
-                writes(inv(nh * vh), Half::Context),
+                Fill::RandRows {
+                    std: inv(di),
+                    half: Half::Context,
+                    split: s.d_model / 2,
+                },
             );
         }
-        push(b("ffn_norm"), &[d], f32v, one);
-        if i < m.dense_layers {
-            push(b("ffn_gate"), &[d, fd], w, rand(inv(d), s.d_model));
-            push(b("ffn_up"), &[d, fd], w, rand(inv(d), s.d_model));
-            push(b("ffn_down"), &[fd, d], w, writes(inv(fd), Half::Token));
-            continue;
-        }
-        push(b("ffn_gate_inp"), &[d, ne], f32v, o.router_fill(i));
-        push(
-            format!("blk.{i}.exp_probs_b.bias"),
-            &[ne],
-            f32v,
-            rand(0.01, s.n_expert),
-        );
-        push(b("ffn_gate_exps"), &[d, ff, ne], w, rand(inv(d), s.d_model));
-        push(b("ffn_up_exps"), &[d, ff, ne], w, rand(inv(d), s.d_model));
-        push(
-            b("ffn_down_exps"),
-            &[ff, d, ne],
-            w,
-            writes(inv(ff), Half::Token),
-        );
-        push(b("ffn_gate_shexp"), &[d, fs], w, rand(inv(d), s.d_model));
-        push(b("ffn_up_shexp"), &[d, fs], w, rand(inv(d), s.d_model));
-        push(
-            b("ffn_down_shexp"),
-            &[fs, d],
-            w,
-            writes(inv(fs), Half::Token),
-        );
+        ffn_tensors(&mut push, o, i, &x.mla, true);
     }
     push("output_norm.weight".into(), &[d], f32v, one);
     if !s.tie_output {

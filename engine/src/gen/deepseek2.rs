@@ -298,8 +298,56 @@ fn plan(o: &GenOptions, fallbacks: &mut Fallbacks) -> Result<Vec<Planned>, GenEr
     let x = ds(s).map_err(GenError::Invalid)?;
     let d = s.d_model as u64;
     let nv = o.n_vocab()?;
-    let split = s.d_model / 2;
-    let nh = s.n_head as u64;
+    let model = o.mix_model();
+    let mut out = Vec::new();
+    let mut push = |name: String, dims: &[u64], want: Want, fill: Fill| {
+        out.push(o.planned(&model, name, dims, want, fill, fallbacks));
+    };
+    let f32v = Want::Keep(GgmlType::F32);
+    let rand = |std: f32, lo: u32, hi: u32| Fill::Rand { std, lo, hi };
+    push(
+        "token_embd.weight".into(),
+        &[d, nv],
+        Want::Weight(None),
+        rand(1.0, 0, s.d_model / 2),
+    );
+    for i in 0..s.n_layer {
+        push(
+            format!("blk.{i}.attn_norm.weight"),
+            &[d],
+            f32v,
+            Fill::Const(1.0),
+        );
+        mla_tensors(&mut push, o, i, x, false);
+        ffn_tensors(&mut push, o, i, x, x.sigmoid);
+    }
+    push("output_norm.weight".into(), &[d], f32v, Fill::Const(1.0));
+    if !s.tie_output {
+        push(
+            "output.weight".into(),
+            &[d, nv],
+            Want::Weight(None),
+            rand(1.0 / (d as f32).sqrt(), 0, s.d_model),
+        );
+    }
+    Ok(out)
+}
+
+/// Where a plan sends a tensor: its name, dims, wanted type and fill.
+pub(super) type Push<'a> = dyn FnMut(String, &[u64], Want, Fill) + 'a;
+
+/// Layer `i`'s latent attention after its `attn_norm` (deepseek2's, and bailingmoe3's MLA
+/// layers with their per-head output gate `attn_gate` where `gated`), writing the context half.
+pub(super) fn mla_tensors(
+    push: &mut Push<'_>,
+    o: &GenOptions,
+    i: u32,
+    x: &Deepseek2Shape,
+    gated: bool,
+) {
+    let s = &o.shape;
+    let b = |n: &str| format!("blk.{i}.{n}.weight");
+    let (d, nh) = (s.d_model as u64, s.n_head as u64);
     let (r, rope, nope, vh) = (
         x.kv_lora_rank as u64,
         x.rope as u64,
@@ -308,124 +356,112 @@ fn plan(o: &GenOptions, fallbacks: &mut Fallbacks) -> Result<Vec<Planned>, GenEr
     );
     let qa = x.q_lora_rank as u64;
     let k_mla = nope + rope;
-    let ff = s.n_ff_exp as u64;
-    let fs = ff * x.n_shared as u64;
-    let fd = x.n_ff_dense as u64;
-    let ne = s.n_expert as u64;
     let inv = |n: u64| 1.0 / (n as f32).sqrt();
-    let model = o.mix_model();
-    let mut out = Vec::new();
-    let mut push = |name: String, dims: &[u64], want: Want, fill: Fill| {
-        out.push(o.planned(&model, name, dims, want, fill, fallbacks));
-    };
-    let f32v = Want::Keep(GgmlType::F32);
-    let one = Fill::Const(1.0);
     let rand = |std: f32, width: u32| Fill::Rand {
         std,
         lo: 0,
         hi: width,
     };
-    let writes = |std: f32, half: Half| Fill::RandRows { std, half, split };
+    let (w, f32v) = (Want::Weight(Some(i)), Want::Keep(GgmlType::F32));
+    if qa > 0 {
+        push(b("attn_q_a_norm"), &[qa], f32v, Fill::Const(1.0));
+    }
+    // The latent is normed: its gain is the attention's sharpness on the latent side, as
+    // the absorption matrix's is on the query side.
     push(
-        "token_embd.weight".into(),
-        &[d, nv],
-        Want::Weight(None),
-        Fill::Rand {
-            std: 1.0,
-            lo: 0,
-            hi: split,
+        b("attn_kv_a_norm"),
+        &[r],
+        f32v,
+        Fill::Const(o.attn_sharpness.sqrt()),
+    );
+    if qa > 0 {
+        push(b("attn_q_a"), &[d, qa], w, rand(inv(d), s.d_model));
+        push(
+            b("attn_q_b"),
+            &[qa, nh * k_mla],
+            w,
+            rand(inv(qa), x.q_lora_rank),
+        );
+    } else {
+        push(b("attn_q"), &[d, nh * k_mla], w, rand(inv(d), s.d_model));
+    }
+    push(
+        b("attn_kv_a_mqa"),
+        &[d, r + rope],
+        w,
+        rand(inv(d), s.d_model),
+    );
+    push(
+        b("attn_k_b"),
+        &[nope, r, nh],
+        w,
+        rand(inv(nope) * o.attn_sharpness.sqrt(), x.nope),
+    );
+    push(b("attn_v_b"), &[r, vh, nh], w, rand(inv(r), x.kv_lora_rank));
+    if gated {
+        push(b("attn_gate"), &[d, nh], w, rand(inv(d), s.d_model));
+    }
+    push(
+        b("attn_output"),
+        &[nh * vh, d],
+        w,
+        Fill::RandRows {
+            std: inv(nh * vh),
+            half: Half::Context,
+            split: s.d_model / 2,
         },
     );
-    for i in 0..s.n_layer {
-        let b = |n: &str| format!("blk.{i}.{n}.weight");
-        let w = Want::Weight(Some(i));
-        push(b("attn_norm"), &[d], f32v, one);
-        if qa > 0 {
-            push(b("attn_q_a_norm"), &[qa], f32v, one);
-        }
-        // The latent is normed: its gain is the attention's sharpness on the latent side, as
-        // the absorption matrix's is on the query side.
+}
+
+/// Layer `i`'s `ffn_norm` and FFN (deepseek2's, bailingmoe3's), writing the token half: a
+/// dense SiLU-GLU in the first `dense_layers`, else the router (its selection bias where
+/// `biased`), the stacked experts and the shared experts.
+pub(super) fn ffn_tensors(
+    push: &mut Push<'_>,
+    o: &GenOptions,
+    i: u32,
+    x: &Deepseek2Shape,
+    biased: bool,
+) {
+    let s = &o.shape;
+    let b = |n: &str| format!("blk.{i}.{n}.weight");
+    let d = s.d_model as u64;
+    let ff = s.n_ff_exp as u64;
+    let fs = ff * x.n_shared as u64;
+    let fd = x.n_ff_dense as u64;
+    let ne = s.n_expert as u64;
+    let inv = |n: u64| 1.0 / (n as f32).sqrt();
+    let rand = |std: f32, width: u32| Fill::Rand {
+        std,
+        lo: 0,
+        hi: width,
+    };
+    let writes = |std: f32| Fill::RandRows {
+        std,
+        half: Half::Token,
+        split: s.d_model / 2,
+    };
+    let (w, f32v) = (Want::Weight(Some(i)), Want::Keep(GgmlType::F32));
+    push(b("ffn_norm"), &[d], f32v, Fill::Const(1.0));
+    if i < x.dense_layers {
+        push(b("ffn_gate"), &[d, fd], w, rand(inv(d), s.d_model));
+        push(b("ffn_down"), &[fd, d], w, writes(inv(fd)));
+        push(b("ffn_up"), &[d, fd], w, rand(inv(d), s.d_model));
+        return;
+    }
+    push(b("ffn_gate_inp"), &[d, ne], f32v, o.router_fill(i));
+    if biased {
         push(
-            b("attn_kv_a_norm"),
-            &[r],
+            format!("blk.{i}.exp_probs_b.bias"),
+            &[ne],
             f32v,
-            Fill::Const(o.attn_sharpness.sqrt()),
-        );
-        if qa > 0 {
-            push(b("attn_q_a"), &[d, qa], w, rand(inv(d), s.d_model));
-            push(
-                b("attn_q_b"),
-                &[qa, nh * k_mla],
-                w,
-                rand(inv(qa), x.q_lora_rank),
-            );
-        } else {
-            push(b("attn_q"), &[d, nh * k_mla], w, rand(inv(d), s.d_model));
-        }
-        push(
-            b("attn_kv_a_mqa"),
-            &[d, r + rope],
-            w,
-            rand(inv(d), s.d_model),
-        );
-        push(
-            b("attn_k_b"),
-            &[nope, r, nh],
-            w,
-            rand(inv(nope) * o.attn_sharpness.sqrt(), x.nope),
-        );
-        push(b("attn_v_b"), &[r, vh, nh], w, rand(inv(r), x.kv_lora_rank));
-        push(
-            b("attn_output"),
-            &[nh * vh, d],
-            w,
-            writes(inv(nh * vh), Half::Context),
-        );
-        push(b("ffn_norm"), &[d], f32v, one);
-        if i < x.dense_layers {
-            push(b("ffn_gate"), &[d, fd], w, rand(inv(d), s.d_model));
-            push(b("ffn_down"), &[fd, d], w, writes(inv(fd), Half::Token));
-            push(b("ffn_up"), &[d, fd], w, rand(inv(d), s.d_model));
-            continue;
-        }
-        push(b("ffn_gate_inp"), &[d, ne], f32v, o.router_fill(i));
-        if x.sigmoid {
-            push(
-                format!("blk.{i}.exp_probs_b.bias"),
-                &[ne],
-                f32v,
-                Fill::Rand {
-                    std: 0.01,
-                    lo: 0,
-                    hi: s.n_expert,
-                },
-            );
-        }
-        push(b("ffn_gate_exps"), &[d, ff, ne], w, rand(inv(d), s.d_model));
-        push(b("ffn_up_exps"), &[d, ff, ne], w, rand(inv(d), s.d_model));
-        push(
-            b("ffn_down_exps"),
-            &[ff, d, ne],
-            w,
-            writes(inv(ff), Half::Token),
-        );
-        push(b("ffn_gate_shexp"), &[d, fs], w, rand(inv(d), s.d_model));
-        push(b("ffn_up_shexp"), &[d, fs], w, rand(inv(d), s.d_model));
-        push(
-            b("ffn_down_shexp"),
-            &[fs, d],
-            w,
-            writes(inv(fs), Half::Token),
+            rand(0.01, s.n_expert),
         );
     }
-    push("output_norm.weight".into(), &[d], f32v, one);
-    if !s.tie_output {
-        push(
-            "output.weight".into(),
-            &[d, nv],
-            Want::Weight(None),
-            rand(inv(d), s.d_model),
-        );
-    }
-    Ok(out)
+    push(b("ffn_gate_exps"), &[d, ff, ne], w, rand(inv(d), s.d_model));
+    push(b("ffn_up_exps"), &[d, ff, ne], w, rand(inv(d), s.d_model));
+    push(b("ffn_down_exps"), &[ff, d, ne], w, writes(inv(ff)));
+    push(b("ffn_gate_shexp"), &[d, fs], w, rand(inv(d), s.d_model));
+    push(b("ffn_up_shexp"), &[d, fs], w, rand(inv(d), s.d_model));
+    push(b("ffn_down_shexp"), &[fs, d], w, writes(inv(fs)));
 }
