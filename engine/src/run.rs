@@ -490,7 +490,7 @@ pub fn load(args: &RunArgs, model_path: &Path, err: &mut dyn Write) -> Result<Lo
         engine
             .backend_mut()
             .enable_mtp(args.mtp_logits_out.as_deref())
-            .with_context(|| format!("--mtp on {}", model_path.display()))?;
+            .context("--mtp")?;
     }
     if cfg.spec != bmoe_core::config::SpecMode::Off && !engine.backend().verifies_rows() {
         // A backend that cannot verify a drafted group: decode plainly, and say so (the

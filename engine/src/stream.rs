@@ -311,13 +311,18 @@ impl<A: Arch + ?Sized> EngineBackend<A> {
     pub fn enable_mtp(&mut self, logits_out: Option<&std::path::Path>) -> Result<(), StreamError> {
         let n_ctx = self.state.n_ctx;
         let state = self.model.new_mtp_state(n_ctx).ok_or_else(|| {
+            let arch = self.model.arch.name();
+            let file = self.model.arch.weights().file();
+            let key = format!("{arch}.nextn_predict_layers");
+            let blocks = file.get(&key).and_then(|v| v.as_u64()).unwrap_or(0);
             StreamError::Arch(crate::arch::ArchError::Key {
-                file: String::new(),
-                key: "nextn_predict_layers".into(),
-                what: format!(
-                    "is 0 or absent: this {} file has no MTP head to draft with (--mtp)",
-                    self.model.arch.name()
-                ),
+                file: file.path().display().to_string(),
+                key,
+                what: if blocks > 0 {
+                    format!("is {blocks}, but this build does not run {arch}'s MTP block: no head to draft with (--mtp)")
+                } else {
+                    format!("is 0 or absent: this {arch} file has no MTP head to draft with (--mtp)")
+                },
             })
         })?;
         let logits_out = match logits_out {
