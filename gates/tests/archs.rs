@@ -193,6 +193,14 @@ fn hold_to_llama_cpp(
             results.push((kind.clone(), result, *exact));
         }
         py_batch(dir, &format!("{arch}-s{seed}-logits"), &jobs);
+        // The seed's models and logits go once compared (their comparisons stay): a gate
+        // over every family would hold several GB at once, and a full disk fails it.
+        for (i, (_, file, _)) in files.iter().enumerate() {
+            let stem = format!("{arch}-s{seed}-{i}");
+            let _ = std::fs::remove_file(file);
+            let _ = std::fs::remove_file(dir.join(format!("{stem}.ours.f32")));
+            let _ = std::fs::remove_file(dir.join(format!("{stem}.ref.f32")));
+        }
         for (kind, result, exact) in &results {
             let tag = format!("{kind} (seed {seed})");
             let Parity {
