@@ -48,7 +48,9 @@ What differs from `gen --preset tiny` (SHAPES has every number):
     expert FFN times the count, gives the same); sigmoid routing (fixed by the arch) with a
     selection bias, the weights not renormalised and scaled by 1.5 (tiny: renormalised, x 2.5),
     the router at twice the gain with a bias of std 0.01 as deepseek2's; rope base 5e4 (tiny
-    1e6). `ssm_a` (which multiplies the gate's pre-activation per head) uniform of std 1 as
+    1e6); per-layer SwiGLU limits (`swiglu_clamp_exp` 1, 0, 1.5, 1, 2 and `_shexp` 0.8, 1.2, 0,
+    0.8, 1, the latter also the dense layers'; tiny none, tiny-odd 1 everywhere). `ssm_a`
+    (which multiplies the gate's pre-activation per head) uniform of std 1 as
     gen/bailingmoe3.rs, the dt bias and the convolutions of std 0.5. Under Q4_K_M the rows of
     384 (all that read the residual stream but the head, which takes Q8_0; the KDA
     attn_output), 288 (the MLA attn_output) and 192 (attn_v_b) take the 32-value stand-in Q5_0
@@ -113,6 +115,8 @@ SHAPES = {
         "weights_norm": False, "weights_scale": 1.5,
         "router_gain": 2.0, "probs_bias": 0.01,
         "rope_base": 50000.0, "rms_eps": 1e-5, "n_ctx_train": 4096,
+        # Ling 3.0's converter writes per-layer SwiGLU limit lists; 0 leaves a layer unlimited.
+        "swiglu_exp": [1.0, 0.0, 1.5, 1.0, 2.0], "swiglu_shexp": [0.8, 1.2, 0.0, 0.8, 1.0],
     },
     ("llama", "wide"): {
         "n_layer": 5, "d_model": 384, "n_head": 6, "n_head_kv": 3, "head_dim": 64,
@@ -498,6 +502,9 @@ def bailingmoe3(s, w, n_vocab):
     if qa:
         # Optional in llama.cpp (and ours): without it, one attn_q.
         meta.append(("u32", a + "attention.q_lora_rank", qa))
+    if "swiglu_exp" in s:
+        meta.append(("arr", a + "swiglu_clamp_exp", s["swiglu_exp"]))
+        meta.append(("arr", a + "swiglu_clamp_shexp", s["swiglu_shexp"]))
     w.embedding(d, n_vocab)
     for i in range(s["n_layer"]):
         def b(n, i=i):

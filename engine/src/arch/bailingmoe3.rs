@@ -28,10 +28,12 @@
 //! The recurrence runs token by token in a fixed order for a prefill too (llama.cpp's prefill
 //! uses a chunked form): a prompt gives the same bits however it is split into batches.
 //!
-//! Refused by name: M-RoPE sections (the VL files), rope scaling, softmax gating (the selection
-//! bias is sigmoid's), clamped SwiGLU limits (`swiglu_clamp_exp` / `_shexp` > 0) and
-//! `kda.safe_gate` false. An MTP block (`nextn_predict_layers` = 1) is not run: the trunk
-//! before it loads and decodes, and `--mtp` is refused for this family.
+//! Per-layer SwiGLU limits (`swiglu_clamp_exp` for the routed experts, `swiglu_clamp_shexp` for
+//! the shared expert and the dense layers) give `min(silu(g), L) · clamp(u, −L, L)`
+//! ([`Glu::SiluClamped`]). Refused by name: M-RoPE sections (the VL files), rope scaling,
+//! softmax gating (the selection bias is sigmoid's) and `kda.safe_gate` false. An MTP block
+//! (`nextn_predict_layers` = 1) is not run: the trunk before it loads and decodes, and `--mtp`
+//! is refused for this family.
 
 use super::blocks::{self, sigmoid, AttnShape, Compute, Glu, Rope, RopeKind};
 use super::delta::{self, Decay};
@@ -75,6 +77,10 @@ pub struct HParams {
     pub kda_head_dim: usize,
     pub d_conv: usize,
     pub gate_lower_bound: f32,
+    /// Per layer, the routed experts' and the shared expert's (and a dense layer's) SwiGLU
+    /// limit (`swiglu_clamp_exp`, `swiglu_clamp_shexp`; 0: none).
+    pub clamp_exp: Vec<f32>,
+    pub clamp_shexp: Vec<f32>,
     pub gating: Gating,
     pub rope_base: f32,
     pub rms_eps: f32,
@@ -173,20 +179,8 @@ impl HParams {
                 format!("is {gate_lower_bound}: expected a negative bound"),
             ));
         }
-        for key in ["swiglu_clamp_exp", "swiglu_clamp_shexp"] {
-            if let Some(v) = f.get(&m.key(key)) {
-                let limits: Vec<f64> = match v.as_array() {
-                    Some(a) => a.iter().filter_map(|x| x.as_f64()).collect(),
-                    None => v.as_f64().into_iter().collect(),
-                };
-                if limits.iter().any(|&l| l > 1e-6) {
-                    return Err(m.err(
-                        key,
-                        "sets a clamped SwiGLU limit, which this build does not run for bailingmoe3",
-                    ));
-                }
-            }
-        }
+        let clamp_exp = swiglu_limits(&m, "swiglu_clamp_exp", n_layer)?;
+        let clamp_shexp = swiglu_limits(&m, "swiglu_clamp_shexp", n_layer)?;
         // Routing: sigmoid scores, selected with the layer's bias.
         let func = match m.req_u("expert_gating_func")? {
             GATING_FUNC_SIGMOID => GatingFunc::Sigmoid,
@@ -222,6 +216,8 @@ impl HParams {
             kda_head_dim,
             d_conv,
             gate_lower_bound,
+            clamp_exp,
+            clamp_shexp,
             gating: Gating {
                 func,
                 renormalize,
@@ -251,6 +247,47 @@ impl HParams {
             key_dim: self.kda_head_dim,
             value_dim: self.kda_head_dim,
         }
+    }
+}
+
+/// A per-layer SwiGLU limit list (a number for every layer, or an array of at least
+/// `n_layer`: the converter writes one per block, the MTP block's included); absent, 0 for
+/// every layer.
+fn swiglu_limits(m: &Meta, key: &str, n_layer: usize) -> Result<Vec<f32>, ArchError> {
+    let Some(v) = m.get(key) else {
+        return Ok(vec![0.0; n_layer]);
+    };
+    let all: Vec<f32> = match v.as_array() {
+        Some(a) => a
+            .iter()
+            .map(|x| x.as_f64().map(|x| x as f32))
+            .collect::<Option<_>>()
+            .ok_or_else(|| m.err(key, "holds a value that is not a number"))?,
+        None => vec![
+            v.as_f64()
+                .ok_or_else(|| m.err(key, format!("is {v}, expected numbers")))?
+                as f32;
+            n_layer
+        ],
+    };
+    if all.len() < n_layer || all.iter().any(|x| !x.is_finite()) {
+        return Err(m.err(
+            key,
+            format!(
+                "has {} entries (finite numbers, at least one per layer: {n_layer})",
+                all.len()
+            ),
+        ));
+    }
+    Ok(all[..n_layer].to_vec())
+}
+
+/// The GLU a limit gives: llama.cpp limits only above 1e-6.
+fn glu_for(limit: f32) -> Glu {
+    if limit > 1e-6 {
+        Glu::SiluClamped { limit }
+    } else {
+        Glu::Silu
     }
 }
 
@@ -374,7 +411,7 @@ impl BailingMoe3 {
                 )
             };
             let ffn_norm = ld.vector(&n("ffn_norm"), d)?;
-            let (ffn, probs_bias, moe) = if i < hp.n_dense_lead {
+            let (mut ffn, probs_bias, moe) = if i < hp.n_dense_lead {
                 (GluFfn::load(&mut ld, i, "", d, hp.n_ff)?, None, None)
             } else {
                 let probs_bias = ld.vector(&format!("blk.{i}.exp_probs_b.bias"), hp.n_expert)?;
@@ -387,6 +424,8 @@ impl BailingMoe3 {
                 };
                 (shared, Some(probs_bias), Some(moe))
             };
+            // llama.cpp's build_ffn limits a dense layer's FFN as a shared expert's.
+            ffn.glu = glu_for(hp.clamp_shexp[i]);
             layers.push(LayerWeights {
                 attn_norm,
                 mixer,
@@ -559,6 +598,12 @@ impl Arch for BailingMoe3 {
         self.layers.get(layer)?.probs_bias.as_deref()
     }
 
+    /// SiLU, limited where the file says (`swiglu_clamp_exp`).
+    fn split_glu(&self, layer: usize) -> Option<Glu> {
+        self.common.layers.get(layer)?.moe.as_ref()?;
+        Some(glu_for(self.hp.clamp_exp[layer]))
+    }
+
     /// The routed experts' sum plus the shared expert's, then the residual (llama.cpp's order).
     fn finish_layer(&self, _cx: &Compute, st: &mut State, _layer: usize) -> Result<(), ArchError> {
         finish_with_shared(st, self.hp.d_model);
@@ -676,7 +721,10 @@ mod tests {
                 "rope.scaling.type",
             ),
             (
-                ("swiglu_clamp_exp", Some(Value::F32(7.0))),
+                (
+                    "swiglu_clamp_exp",
+                    Some(Value::Array(ValueType::F32, vec![Value::F32(7.0); 3])),
+                ),
                 "swiglu_clamp_exp",
             ),
             (

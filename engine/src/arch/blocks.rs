@@ -572,7 +572,16 @@ pub fn swiglu_oai(gate: f32, up: f32, alpha: f32, limit: f32) -> f32 {
 pub enum Glu {
     Silu,
     Gelu,
-    SwigluOai { alpha: f32, limit: f32 },
+    SwigluOai {
+        alpha: f32,
+        limit: f32,
+    },
+    /// SiLU-GLU with both halves limited, as llama.cpp's `build_ffn` / `build_moe_ffn` limit
+    /// them for bailingmoe3 (`swiglu_clamp_exp` / `_shexp`): `min(silu(g), limit) ·
+    /// clamp(u, −limit, limit)` (not gpt-oss's clamped SwiGLU, another formula).
+    SiluClamped {
+        limit: f32,
+    },
 }
 
 impl Glu {
@@ -590,6 +599,11 @@ impl Glu {
             Glu::SwigluOai { alpha, limit } => {
                 for (g, &u) in gate.iter_mut().zip(up) {
                     *g = swiglu_oai(*g, u, alpha, limit);
+                }
+            }
+            Glu::SiluClamped { limit } => {
+                for (g, &u) in gate.iter_mut().zip(up) {
+                    *g = silu(*g).min(limit) * u.clamp(-limit, limit);
                 }
             }
         }

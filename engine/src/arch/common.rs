@@ -134,7 +134,7 @@ pub fn expert<A: Arch + ?Sized>(
     split_ffn_biased(
         cx,
         s,
-        c.glu,
+        a.split_glu(layer).unwrap_or(c.glu),
         (ty[0], g),
         (ty[1], u),
         (ty[2], dn),

@@ -311,11 +311,13 @@ pub(crate) fn norm_head(
 }
 
 /// A SiLU-gated FFN of dense matrices: `down(silu(gate·x) ⊙ up·x)` — a leading dense layer's
-/// (lfm2moe, deepseek2) or a layer's shared expert(s).
+/// (lfm2moe, deepseek2) or a layer's shared expert(s); `glu` is SiLU but where a family limits
+/// it ([`Glu::SiluClamped`], bailingmoe3).
 pub struct GluFfn {
     pub gate: Mat,
     pub up: Mat,
     pub down: Mat,
+    pub glu: Glu,
 }
 
 impl GluFfn {
@@ -333,6 +335,7 @@ impl GluFfn {
             gate: ld.mat(&n("ffn_gate"), d, ff)?,
             up: ld.mat(&n("ffn_up"), d, ff)?,
             down: ld.mat(&n("ffn_down"), ff, d)?,
+            glu: Glu::Silu,
         })
     }
 
@@ -349,7 +352,7 @@ impl GluFfn {
         split_ffn(
             cx,
             s,
-            Glu::Silu,
+            self.glu,
             (self.gate.ty, self.gate.bytes()),
             (self.up.ty, self.up.bytes()),
             (self.down.ty, self.down.bytes()),

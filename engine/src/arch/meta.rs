@@ -30,7 +30,8 @@ impl<'a> Meta<'a> {
         }
     }
 
-    fn get(&self, name: &str) -> Option<&'a Value> {
+    /// The value of `<arch>.<name>`, if the file has it.
+    pub fn get(&self, name: &str) -> Option<&'a Value> {
         self.f.get(&self.key(name))
     }
 

@@ -32,12 +32,15 @@ pub struct BailingShape {
     pub gate_lower_bound: f32,
     /// Layer `i` attends when `(i + 1) % mla_every == 0`; the others are KDA.
     pub mla_every: u32,
+    /// `swiglu_clamp_exp` and `swiglu_clamp_shexp` on every layer (0: not written).
+    pub swiglu_limit: f32,
 }
 
 impl BailingShape {
     /// A generic size's: deepseek2's generic attention, one dense layer, one shared expert,
     /// sigmoid routing renormalised × 2.5; KDA heads as wide as the attention's count makes
-    /// `d_model`, a convolution of 4, Kimi's lower bound −5, one attention layer in four.
+    /// `d_model`, a convolution of 4, Kimi's lower bound −5, one attention layer in four; on
+    /// tiny-odd, SwiGLUs limited to ±1.
     pub fn generic(preset: Preset, s: &ModelShape) -> BailingShape {
         let mut mla = Deepseek2Shape::generic(preset, s.d_model);
         mla.n_shared = 1;
@@ -50,6 +53,9 @@ impl BailingShape {
             d_conv: 4,
             gate_lower_bound: -5.0,
             mla_every: 4,
+            // tiny-odd limits its SwiGLUs (the converter writes Ling 3.0's lists): 1.0 clamps
+            // about a third of the up values and a tenth of the gates.
+            swiglu_limit: if preset == Preset::TinyOdd { 1.0 } else { 0.0 },
         }
     }
 
@@ -126,16 +132,16 @@ impl Family for BailingMoe3 {
     fn metadata(&self, o: &GenOptions) -> Result<Vec<(String, Value)>, GenError> {
         let s = &o.shape;
         let x = bs(s).map_err(GenError::Invalid)?;
-        let m = &x.mla;
+        let a = &x.mla;
         let k = |n: &str| format!("bailingmoe3.{n}");
         let kv: Vec<Value> = (0..s.n_layer)
             .map(|i| Value::U32(u32::from(x.attends(i))))
             .collect();
-        Ok(vec![
+        let mut m = vec![
             (k("context_length"), Value::U32(s.n_ctx_train)),
             (k("embedding_length"), Value::U32(s.d_model)),
             (k("block_count"), Value::U32(s.n_layer)),
-            (k("feed_forward_length"), Value::U32(m.n_ff_dense)),
+            (k("feed_forward_length"), Value::U32(a.n_ff_dense)),
             (k("attention.head_count"), Value::U32(s.n_head)),
             (
                 k("attention.head_count_kv"),
@@ -143,14 +149,14 @@ impl Family for BailingMoe3 {
             ),
             (
                 k("attention.key_length"),
-                Value::U32(m.kv_lora_rank + m.rope),
+                Value::U32(a.kv_lora_rank + a.rope),
             ),
-            (k("attention.value_length"), Value::U32(m.kv_lora_rank)),
-            (k("attention.key_length_mla"), Value::U32(m.nope + m.rope)),
-            (k("attention.value_length_mla"), Value::U32(m.v_head)),
-            (k("attention.q_lora_rank"), Value::U32(m.q_lora_rank)),
-            (k("attention.kv_lora_rank"), Value::U32(m.kv_lora_rank)),
-            (k("rope.dimension_count"), Value::U32(m.rope)),
+            (k("attention.value_length"), Value::U32(a.kv_lora_rank)),
+            (k("attention.key_length_mla"), Value::U32(a.nope + a.rope)),
+            (k("attention.value_length_mla"), Value::U32(a.v_head)),
+            (k("attention.q_lora_rank"), Value::U32(a.q_lora_rank)),
+            (k("attention.kv_lora_rank"), Value::U32(a.kv_lora_rank)),
+            (k("rope.dimension_count"), Value::U32(a.rope)),
             (k("rope.freq_base"), Value::F32(s.rope_base)),
             (k("attention.layer_norm_rms_epsilon"), Value::F32(s.rms_eps)),
             (k("expert_count"), Value::U32(s.n_expert)),
@@ -158,18 +164,29 @@ impl Family for BailingMoe3 {
             (k("expert_feed_forward_length"), Value::U32(s.n_ff_exp)),
             (
                 k("expert_shared_feed_forward_length"),
-                Value::U32(s.n_ff_exp * m.n_shared),
+                Value::U32(s.n_ff_exp * a.n_shared),
             ),
-            (k("expert_shared_count"), Value::U32(m.n_shared)),
-            (k("leading_dense_block_count"), Value::U32(m.dense_layers)),
-            (k("expert_weights_scale"), Value::F32(m.weights_scale)),
-            (k("expert_weights_norm"), Value::Bool(m.weights_norm)),
+            (k("expert_shared_count"), Value::U32(a.n_shared)),
+            (k("leading_dense_block_count"), Value::U32(a.dense_layers)),
+            (k("expert_weights_scale"), Value::F32(a.weights_scale)),
+            (k("expert_weights_norm"), Value::Bool(a.weights_norm)),
             (k("expert_gating_func"), Value::U32(2)),
             (k("ssm.conv_kernel"), Value::U32(x.d_conv)),
             (k("kda.head_dim"), Value::U32(x.kda_head_dim)),
             (k("kda.safe_gate"), Value::Bool(true)),
             (k("kda.gate_lower_bound"), Value::F32(x.gate_lower_bound)),
-        ])
+        ];
+        if x.swiglu_limit > 0.0 {
+            let limits = || {
+                Value::Array(
+                    ValueType::F32,
+                    vec![Value::F32(x.swiglu_limit); s.n_layer as usize],
+                )
+            };
+            m.push((k("swiglu_clamp_exp"), limits()));
+            m.push((k("swiglu_clamp_shexp"), limits()));
+        }
+        Ok(m)
     }
 
     fn plan(&self, o: &GenOptions, fallbacks: &mut Fallbacks) -> Result<Vec<Planned>, GenError> {
