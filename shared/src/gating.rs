@@ -35,6 +35,8 @@ pub enum GatingFunc {
     TopKSoftmax,
     /// A sigmoid per expert; selection may add a per-expert bias the weights never see.
     Sigmoid,
+    /// `√softplus(logit)` per expert (DeepSeek V4); selection may add a bias, as sigmoid's.
+    SqrtSoftplus,
 }
 
 /// How a router selects and weights its experts. Carried by the expert layout's owner (the
@@ -138,6 +140,11 @@ impl Gating {
         Gating { scale, ..self }
     }
 
+    /// Whether selection adds a per-expert bias (sigmoid, sqrt-softplus).
+    pub fn takes_bias(&self) -> bool {
+        matches!(self.func, GatingFunc::Sigmoid | GatingFunc::SqrtSoftplus)
+    }
+
     fn scaled(&self) -> bool {
         self.scale != 0.0 && self.scale != 1.0
     }
@@ -168,6 +175,13 @@ impl Gating {
                     *v = 1.0 / (1.0 + (-*v).exp());
                 }
             }
+            GatingFunc::SqrtSoftplus => {
+                // ggml's softplus: the identity past 20, else ln(1 + eˣ) in f32.
+                for v in logits.iter_mut() {
+                    let sp = if *v > 20.0 { *v } else { (1.0 + v.exp()).ln() };
+                    *v = sp.sqrt();
+                }
+            }
         }
     }
 
@@ -178,7 +192,7 @@ impl Gating {
         match self.func {
             GatingFunc::Softmax => score.max(f32::MIN_POSITIVE).ln(),
             GatingFunc::TopKSoftmax => score,
-            GatingFunc::Sigmoid => score + bias,
+            GatingFunc::Sigmoid | GatingFunc::SqrtSoftplus => score + bias,
         }
     }
 
@@ -196,7 +210,7 @@ impl Gating {
         let k = ids.len().min(scores.len());
         order.clear();
         order.extend(0..scores.len() as u32);
-        let bias = bias.filter(|b| self.func == GatingFunc::Sigmoid && b.len() == scores.len());
+        let bias = bias.filter(|b| self.takes_bias() && b.len() == scores.len());
         let key = |e: usize| match bias {
             Some(b) => scores[e] + b[e],
             None => scores[e],
@@ -261,7 +275,7 @@ impl Gating {
     pub fn weights_for<I: Copy + Into<u32>>(&self, scores: &[f32], ids: &[I], out: &mut [f32]) {
         let at = |e: I| scores.get(e.into() as usize).copied().unwrap_or(0.0);
         match self.func {
-            GatingFunc::Softmax | GatingFunc::Sigmoid => {
+            GatingFunc::Softmax | GatingFunc::Sigmoid | GatingFunc::SqrtSoftplus => {
                 for (w, &e) in out.iter_mut().zip(ids) {
                     *w = at(e);
                 }
@@ -351,6 +365,7 @@ impl fmt::Display for Gating {
             GatingFunc::Softmax => "softmax_topk",
             GatingFunc::TopKSoftmax => "topk_softmax",
             GatingFunc::Sigmoid => "sigmoid_topk",
+            GatingFunc::SqrtSoftplus => "sqrtsoftplus_topk",
         };
         f.write_str(base)?;
         if self.renormalize {
@@ -403,6 +418,8 @@ impl std::str::FromStr for Gating {
             "topk_softmax_norm" => (GatingFunc::TopKSoftmax, true),
             "sigmoid_topk" => (GatingFunc::Sigmoid, false),
             "sigmoid_topk_norm" => (GatingFunc::Sigmoid, true),
+            "sqrtsoftplus_topk" => (GatingFunc::SqrtSoftplus, false),
+            "sqrtsoftplus_topk_norm" => (GatingFunc::SqrtSoftplus, true),
             _ => return Err(bad()),
         };
         Ok(Gating {
@@ -469,6 +486,28 @@ mod tests {
     }
 
     #[test]
+    fn sqrt_softplus_scores_select_with_the_bias_and_weigh_without_it() {
+        let g = Gating {
+            func: GatingFunc::SqrtSoftplus,
+            ..Gating::sigmoid(true)
+        }
+        .with_scale(1.5);
+        let mut s = vec![-1.0f32, 0.5, 3.0, 25.0];
+        g.scores_in_place(&mut s);
+        // √ln(1 + eˣ), and past 20 the identity under the root (ggml's softplus).
+        assert!((s[0] - (1.0f32 + (-1.0f32).exp()).ln().sqrt()).abs() < 1e-7);
+        assert!((s[2] - (1.0f32 + 3.0f32.exp()).ln().sqrt()).abs() < 1e-6);
+        assert_eq!(s[3], 25.0f32.sqrt());
+        let bias = [10.0f32, 0.0, 0.0, 0.0];
+        let (mut ids, mut w) = (vec![0u32; 2], vec![0f32; 2]);
+        g.select(&s, Some(&bias), &mut Vec::new(), &mut ids, &mut w);
+        assert_eq!(ids, [0, 3], "the bias lifts expert 0 into the selection");
+        let sum = s[0] + s[3];
+        assert_eq!(w, [s[0] / sum * 1.5, s[3] / sum * 1.5]);
+        assert_eq!(g.to_string(), "sqrtsoftplus_topk_norm*1.5");
+    }
+
+    #[test]
     fn grouped_selection_keeps_the_groups_with_the_best_two_scores() {
         // 8 experts in 4 groups of 2. Expert 0 is the single best, but its group's pair sums
         // lowest but one; groups 1 and 2 (experts 2-5) have the best pairs.
@@ -532,6 +571,10 @@ mod tests {
             Gating::sigmoid(true),
             Gating::sigmoid(true).with_groups(8, 4).with_scale(2.5),
             Gating::SOFTMAX.with_groups(8, 3),
+            Gating {
+                func: GatingFunc::SqrtSoftplus,
+                ..Gating::sigmoid(false)
+            },
         ] {
             assert_eq!(g.to_string().parse::<Gating>(), Ok(g), "{g}");
         }
