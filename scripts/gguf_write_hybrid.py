@@ -1,10 +1,10 @@
 """Random-weight F32 models of the hybrid families qwen35moe, lfm2moe and bailingmoe3 (KDA and
-MLA), of deepseek2 (MLA) and of llama with routed experts (Mixtral), written through the PyPI
-`gguf` package's `GGUFWriter`: another tool's files, in shapes unlike the presets of bmoe's own
-generator (`bmoe-cli gen`, engine/src/gen/qwen35moe.rs, lfm2moe.rs, deepseek2.rs, llama_moe.rs
-and bailingmoe3.rs), for the parity gate (gates/tests/archs.rs). `llama_parity.py write` calls
-`write` with the tokenizer keys of one of our files, so llama.cpp and bmoe tokenize the prompt
-alike.
+MLA), of deepseek2 (MLA), of llama with routed experts (Mixtral) and of deepseek4 (DeepSeek-V4),
+written through the PyPI `gguf` package's `GGUFWriter`: another tool's files, in shapes unlike the
+presets of bmoe's own generator (`bmoe-cli gen`, engine/src/gen/qwen35moe.rs, lfm2moe.rs,
+deepseek2.rs, llama_moe.rs, bailingmoe3.rs and deepseek4.rs), for the parity gate
+(gates/tests/archs.rs). `llama_parity.py write` calls `write` with the tokenizer keys of one of
+our files, so llama.cpp and bmoe tokenize the prompt alike.
 
 What differs from `gen --preset tiny` (SHAPES has every number):
   qwen35moe: d_model 512 (tiny 256); 8 query heads of 32 over one KV head (tiny 4 of 64 over
@@ -58,10 +58,33 @@ What differs from `gen --preset tiny` (SHAPES has every number):
     expert and shared down projections (rows of 768, 256, 512) Q4_K or Q6_K; attn_k_b (rows of
     48) falls back to F16 in every quantization; the convolutions, ssm_a and the dt bias stay
     F32.
+  deepseek4: d_model 384 (tiny 256); 5 layers (tiny 4) of compression ratios 4, 0, 128, 4, 0
+    (tiny 0, 4, 128, 4: here the first layer compressed, two window-only layers, the last one
+    of them); 6 heads (tiny 4) of 96 with 32 rotated (tiny 64 with 16); a query LoRA of 192
+    (tiny 128); 3 output groups of rank 48 (tiny 2 of 32), so the output LoRA is 144 wide, not
+    a multiple of 32 (llama-quantize's Q8_0 keeps attn_output_b in F16); a window of 24 (tiny
+    16); an indexer of 8 heads of 64 keeping 6 rows (tiny 2 of 128 keeping 4): many heads, as
+    with few the score sum over heads of w_h * ReLU(q_h . k_b) is exactly 0 for many blocks
+    and llama.cpp's top-k breaks those ties its own way, and 64 wide because llama.cpp rotates
+    the indexer by a Hadamard matrix of 64 or more (narrower heads fail its graph) and a width
+    unlike the attention's leaves the attention's keys unrotated; 2 hash layers (tiny 1: here
+    one compressed, one window-only); 12 experts, top-3 (tiny 16, top-4), of 256 (as tiny);
+    2 shared experts, 512 wide (tiny 1); sqrt-softplus weights not renormalised, x 2.0 (tiny
+    renormalised, x 1.5); per-layer SwiGLU limits `swiglu_clamp_exp` 1.5, 0, 1, 2, 0.8 and
+    `_shexp` 0, 1.2, 1, 0, 1 (tiny 1 on every layer and no `_shexp`); 10 Sinkhorn iterations
+    (tiny 20), a hyper-connection epsilon of 1e-5 (tiny 1e-6); no YaRN (tiny x 4 over 1024 on
+    the compressed layers); rope base 5e4 (tiny 1e4), the compressed layers' 8e4 (tiny 1.6e5);
+    `compress_ratios` as the writer's default INT32 array, as the converter's `add_array`
+    writes it (ours: UINT32); context 8192 (tiny 4096). Scales as gen/deepseek4.rs: the
+    hyper-connection `fn` at 0.5 / sqrt(4 * d_model), `base` of std 0.5, `scale` uniform on
+    [0.5, 1.5]; the sinks of std 1; the compressors' `ape` of std 0.5; the latent norm and the
+    attention compressor's norm at sqrt(0.5) (queries are normed with no weight), the
+    indexer compressor's at 1; the router at gain 6 (not doubled) with a selection bias of std
+    0.01 on the non-hash layers; `ffn_gate_tid2eid` (I32) K distinct expert ids per token.
 qwen35moe, lfm2moe, deepseek2 and bailingmoe3: expert FFN 256 (the gate's tiny files: 512;
 bailingmoe3's 384), a multiple of 256, so llama-quantize's K-quants apply to every expert
 (deepseek2 and bailingmoe3: to the down projections, their gate and up rows being 384 long). All
-five: rms eps 1e-5 (tiny 1e-6).
+six: rms eps 1e-5 (tiny 1e-6).
 
 Weights follow the scheme of our generator (engine/src/gen.rs, module doc), so activations stay
 at unit scale through the layers and routing is not a coin toss at every position: uniform
@@ -71,7 +94,8 @@ short convolution) the second ("context") half; routers reading the token half a
 the context half at 4 * R * gain / (layer + 1)^0.75 (R 0.65, gain 6, as `gen --preset tiny`;
 lfm2moe's, deepseek2's and bailingmoe3's at twice that gain with a selection bias of std 0.01,
 as gen/lfm2moe.rs says why); q/k norms of 0.5 (deepseek2's and bailingmoe3's latent attention:
-the latent norm and the key absorption matrix at sqrt(0.5) each, as gen/deepseek2.rs; llama,
+the latent norm and the key absorption matrix at sqrt(0.5) each, as gen/deepseek2.rs;
+deepseek4's key norm at sqrt(0.5), its queries normed with no weight; llama,
 which has no q/k norms: the q and k projections at 0.5 / sqrt(fan-in), as gen/llama.rs), so
 attention is near-uniform. Each tensor's
 noise comes from its own numpy stream seeded by (seed, crc32 of its name): the file depends on
@@ -123,6 +147,23 @@ SHAPES = {
         "n_expert": 6, "n_expert_used": 2, "n_ff_exp": 512,
         "rope_freqs": (1.0, 8.0), "rope_base": 1000000.0, "rms_eps": 1e-5, "n_ctx_train": 4096,
     },
+    ("deepseek4", "wide"): {
+        # Ratio per layer: 0 window only, 4 CSA (+ the indexer), 128 HCA.
+        "n_layer": 5, "ratios": [4, 0, 128, 4, 0], "d_model": 384,
+        "n_head": 6, "head_dim": 96, "rope": 32, "q_lora_rank": 192,
+        "o_groups": 3, "o_lora_rank": 48, "n_swa": 24,
+        # Many indexer heads: with few, Σ_h w_h·ReLU(q_h·k_b) is exactly 0 for many blocks and
+        # llama.cpp's top-k breaks ties at 0 its own way. 64 wide: llama.cpp rotates the
+        # indexer by a Hadamard matrix of 64 or more (a multiple of 64), and a width unlike
+        # the attention's 96 leaves the attention's keys unrotated.
+        "indexer_heads": 8, "indexer_dim": 64, "indexer_top_k": 6,
+        "hash_layers": 2, "hc": 4, "sinkhorn_iters": 10, "hc_eps": 1e-5,
+        "n_expert": 12, "n_expert_used": 3, "n_ff_exp": 256, "n_shared": 2,
+        "weights_norm": False, "weights_scale": 2.0,
+        "swiglu_exp": [1.5, 0.0, 1.0, 2.0, 0.8], "swiglu_shexp": [0.0, 1.2, 1.0, 0.0, 1.0],
+        "yarn_factor": 0.0, "rope_base": 50000.0, "compress_rope_base": 80000.0,
+        "rms_eps": 1e-5, "n_ctx_train": 8192,
+    },
     ("lfm2moe", "wide"): {
         "n_layer": 6, "attn_layers": [0, 3, 4], "d_model": 512,
         "n_head": 16, "n_head_kv": 4, "head_dim": 32, "l_cache": 4,
@@ -152,6 +193,17 @@ class Weights:
 
     def const(self, name, dims, value=1.0):
         self.tensors.append((name, np.full(dims[::-1], value, dtype=np.float32)))
+
+    def uniform(self, name, dims, lo, hi):
+        rng = np.random.default_rng([self.seed, zlib.crc32(name.encode())])
+        self.tensors.append((name, rng.uniform(lo, hi, dims[::-1]).astype(np.float32)))
+
+    def expert_ids(self, name, n_used, n_vocab, n_expert):
+        """An I32 hash-routing table {n_used, n_vocab}: per token `n_used` distinct expert ids
+        in 0..n_expert, at random."""
+        rng = np.random.default_rng([self.seed, zlib.crc32(name.encode())])
+        ids = np.argsort(rng.random((n_vocab, n_expert)), axis=1)[:, :n_used]
+        self.tensors.append((name, ids.astype(np.int32)))
 
     def writes(self, name, dims, std, half):
         """A matrix that writes only one half of the residual stream (its output dim is
@@ -558,8 +610,125 @@ def bailingmoe3(s, w, n_vocab):
     return meta
 
 
+def deepseek4(s, w, n_vocab):
+    """The metadata of a deepseek4 (DeepSeek-V4) file, its tensors into `w`: llama.cpp's
+    deepseek4.cpp (`load_arch_hparams`, `load_arch_tensors`), tensors in the loader's order as
+    gen/deepseek4.rs writes them; the map is docs/architectures.md, "deepseek4". One key-and-
+    value head of `head_dim`, its last `rope` dims rotated; four hyper-connection streams; every
+    layer routed experts plus the shared expert (no dense layers), the first `hash_layers`
+    routed by token id. No MTP block."""
+    d, ff, ne, k = s["d_model"], s["n_ff_exp"], s["n_expert"], s["n_expert_used"]
+    nh, hd, qr = s["n_head"], s["head_dim"], s["q_lora_rank"]
+    g, ro, hi, di = s["o_groups"], s["o_lora_rank"], s["indexer_heads"], s["indexer_dim"]
+    hc, fs, ratios = s["hc"], s["n_ff_exp"] * s["n_shared"], s["ratios"]
+    mix, group_in = (2 + hc) * hc, nh * hd // g
+    # What llama.cpp's loader and graph assert or refuse.
+    assert hc == 4 and nh % g == 0 and s["rope"] <= min(hd, di)
+    assert di % 64 == 0 and di != hd, "deepseek4: the indexer's Hadamard rotation"
+    assert len(ratios) == s["n_layer"] and set(ratios) <= {0, 4, 128}
+    assert s["hash_layers"] <= s["n_layer"]
+    a = "deepseek4."
+    meta = [
+        ("u32", a + "context_length", s["n_ctx_train"]),
+        ("u32", a + "embedding_length", d),
+        ("u32", a + "block_count", s["n_layer"]),
+        ("u32", a + "attention.head_count", nh),
+        ("u32", a + "attention.head_count_kv", 1),
+        ("f32", a + "rope.freq_base", s["rope_base"]),
+        ("f32", a + "attention.layer_norm_rms_epsilon", s["rms_eps"]),
+        ("u32", a + "expert_count", ne),
+        ("u32", a + "expert_used_count", k),
+        ("u32", a + "expert_gating_func", 4),  # LLAMA_EXPERT_GATING_FUNC_TYPE_SQRT_SOFTPLUS
+        ("u32", a + "attention.key_length", hd),
+        ("u32", a + "attention.value_length", hd),
+        ("u32", a + "rope.dimension_count", s["rope"]),
+        ("u32", a + "attention.q_lora_rank", qr),
+        ("u32", a + "attention.sliding_window", s["n_swa"]),
+        ("u32", a + "expert_feed_forward_length", ff),
+        ("u32", a + "expert_shared_count", s["n_shared"]),
+        ("f32", a + "expert_weights_scale", s["weights_scale"]),
+        ("bool", a + "expert_weights_norm", s["weights_norm"]),
+        ("arr", a + "swiglu_clamp_exp", s["swiglu_exp"]),
+        ("arr", a + "swiglu_clamp_shexp", s["swiglu_shexp"]),
+        ("u32", a + "attention.indexer.head_count", hi),
+        ("u32", a + "attention.indexer.key_length", di),
+        ("u32", a + "attention.indexer.top_k", s["indexer_top_k"]),
+        ("u32", a + "attention.output_group_count", g),
+        ("u32", a + "attention.output_lora_rank", ro),
+        # The writer's default INT32 array, as the converter's add_array writes it (ours: UINT32).
+        ("arr", a + "attention.compress_ratios", ratios),
+        ("f32", a + "attention.compress_rope_freq_base", s["compress_rope_base"]),
+        ("u32", a + "hyper_connection.count", hc),
+        ("u32", a + "hyper_connection.sinkhorn_iterations", s["sinkhorn_iters"]),
+        ("f32", a + "hyper_connection.epsilon", s["hc_eps"]),
+        ("u32", a + "hash_layer_count", s["hash_layers"]),
+        ("u32", a + "embedding_length_out", hc * d),
+    ]
+    if s["yarn_factor"]:
+        meta += [
+            ("str", a + "rope.scaling.type", "yarn"),
+            ("f32", a + "rope.scaling.factor", s["yarn_factor"]),
+            ("u32", a + "rope.scaling.original_context_length", s["yarn_orig_ctx"]),
+        ]
+    # The hyper-connection mixes as gen/deepseek4.rs: `fn` of std 0.5 / sqrt(fan-in) (mixes of
+    # std ~0.5 from the normed streams), `base` of std 0.5, `scale` uniform on [0.5, 1.5].
+    hc_std = 0.5 * inv(hc * d)
+
+    def hc_mix(prefix, n_out, n_scale):
+        w.rand(f"{prefix}_fn.weight", [hc * d, n_out], hc_std)
+        w.rand(f"{prefix}_base.weight", [n_out], 0.5)
+        w.uniform(f"{prefix}_scale.weight", [n_scale], 0.5, 1.5)
+
+    w.embedding(d, n_vocab)
+    w.const("output_norm.weight", [d])
+    w.rand("output.weight", [d, n_vocab], inv(d))
+    hc_mix("output_hc", hc, 1)
+    for i in range(s["n_layer"]):
+        def b(n, i=i):
+            return f"blk.{i}.{n}"
+
+        w.const(b("attn_norm.weight"), [d])
+        w.rand(b("attn_sinks.weight"), [nh], 1.0)
+        w.rand(b("attn_q_a.weight"), [d, qr], inv(d))
+        w.const(b("attn_q_a_norm.weight"), [qr])
+        w.rand(b("attn_q_b.weight"), [qr, nh * hd], inv(qr))
+        w.rand(b("attn_kv.weight"), [d, hd], inv(d))
+        # Queries are normed per head with no weight: the key's norm carries the sharpness.
+        w.const(b("attn_kv_a_norm.weight"), [hd], np.sqrt(ATTN_SHARPNESS))
+        w.rand(b("attn_output_a.weight"), [group_in, ro * g], inv(group_in))
+        w.writes(b("attn_output_b.weight"), [g * ro, d], inv(g * ro), "context")
+        hc_mix(b("hc_attn"), mix, 3)
+        hc_mix(b("hc_ffn"), mix, 3)
+        if ratios[i]:
+            coff = 2 if ratios[i] == 4 else 1
+            w.rand(b("attn_compressor_kv.weight"), [d, coff * hd], inv(d))
+            w.rand(b("attn_compressor_gate.weight"), [d, coff * hd], inv(d))
+            w.rand(b("attn_compressor_ape.weight"), [coff * hd, ratios[i]], 0.5)
+            w.const(b("attn_compressor_norm.weight"), [hd], np.sqrt(ATTN_SHARPNESS))
+            if ratios[i] == 4:
+                w.rand(b("indexer.proj.weight"), [d, hi], inv(d))
+                w.rand(b("indexer.attn_q_b.weight"), [qr, hi * di], inv(qr))
+                w.rand(b("indexer_compressor_kv.weight"), [d, 2 * di], inv(d))
+                w.rand(b("indexer_compressor_gate.weight"), [d, 2 * di], inv(d))
+                w.rand(b("indexer_compressor_ape.weight"), [2 * di, 4], 0.5)
+                w.const(b("indexer_compressor_norm.weight"), [di])
+        w.router(i, d, ne, ROUTER_GAIN)
+        if i < s["hash_layers"]:
+            w.expert_ids(b("ffn_gate_tid2eid.weight"), k, n_vocab, ne)
+        else:
+            w.rand(b("exp_probs_b.bias"), [ne], 0.01)
+        w.const(b("ffn_norm.weight"), [d])
+        w.rand(b("ffn_gate_exps.weight"), [d, ff, ne], inv(d))
+        w.writes(b("ffn_down_exps.weight"), [ff, d, ne], inv(ff), "token")
+        w.rand(b("ffn_up_exps.weight"), [d, ff, ne], inv(d))
+        w.rand(b("ffn_gate_shexp.weight"), [d, fs], inv(d))
+        w.writes(b("ffn_down_shexp.weight"), [fs, d], inv(fs), "token")
+        w.rand(b("ffn_up_shexp.weight"), [d, fs], inv(d))
+    return meta
+
+
 FAMILIES = {"qwen35moe": qwen35moe, "lfm2moe": lfm2moe, "deepseek2": deepseek2, "llama": llama,
-            "bailingmoe3": bailingmoe3}
+            "bailingmoe3": bailingmoe3, "deepseek4": deepseek4}
 
 
 def write(arch, shape_name, tokenizer_kv, out, seed):

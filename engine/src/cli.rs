@@ -28,7 +28,7 @@ pub struct Cli {
 
 #[derive(Subcommand, Debug)]
 pub enum Cmd {
-    /// Write a synthetic qwen3moe model with deterministic random weights
+    /// Write a synthetic MoE model (qwen3moe, or any --arch) with deterministic random weights
     Gen(GenArgs),
     /// Describe a GGUF file: hyper-parameters, tensors, per-expert bytes
     Inspect(InspectArgs),
@@ -343,7 +343,8 @@ pub struct GenArgs {
     /// architecture: qwen3-30b-a3b-shape (qwen3moe), qwen1.5-moe-a2.7b-shape (qwen2moe),
     /// gemma-4-26b-a4b-shape (gemma4), gpt-oss-20b-shape and gpt-oss-120b-shape (gpt-oss),
     /// lfm2-8b-a1b-shape (lfm2moe), qwen3.6-35b-a3b-shape (qwen35moe), deepseek-v2-lite-shape
-    /// and moonlight-16b-a3b-shape (deepseek2), mixtral-8x7b-shape (llama with experts); the
+    /// and moonlight-16b-a3b-shape (deepseek2), mixtral-8x7b-shape (llama with experts),
+    /// deepseek-v4-flash-shape (deepseek4); the
     /// first of those and the Mixtral shape match real traces in ../shared/traces, for
     /// --routing-from; deepseek-v2-lite-qwen2moe-stand-in and mixtral-8x7b-qwen3moe-stand-in are
     /// the files that stood in for them before
@@ -386,7 +387,7 @@ pub struct GenArgs {
     /// The FFN width of the leading dense layers (deepseek2, lfm2moe)
     #[arg(long = "dense-ffn")]
     pub dense_ffn: Option<u32>,
-    /// The query LoRA's rank (deepseek2; 0 = one attn_q projection)
+    /// The query LoRA's rank (deepseek2, 0 = one attn_q projection; deepseek4)
     #[arg(long = "q-lora-rank")]
     pub q_lora_rank: Option<u32>,
     #[arg(long)]
@@ -540,10 +541,11 @@ pub fn gen(a: GenArgs) -> Result<()> {
         }
     }
     if let Some(n) = a.q_lora_rank {
-        let Some(d) = &mut shape.deepseek2 else {
-            bail!("--q-lora-rank: only deepseek2 has a query LoRA");
-        };
-        d.q_lora_rank = n;
+        match (&mut shape.deepseek2, &mut shape.deepseek4) {
+            (Some(d), _) => d.q_lora_rank = n,
+            (_, Some(d)) => d.q_lora_rank = n,
+            _ => bail!("--q-lora-rank: only deepseek2 and deepseek4 have a query LoRA"),
+        }
     }
     shape.tie_output |= a.tie_output;
     let gemma = shape.gemma.is_some();

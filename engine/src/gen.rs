@@ -1,5 +1,6 @@
 //! The synthetic model generator behind `bmoe-cli gen`: complete, loadable GGUF files of every
-//! architecture the engine runs (`--arch`: qwen3moe, qwen2moe, qwen35moe, gemma4, gpt-oss, lfm2moe) with deterministic random
+//! architecture the engine runs (`--arch`: qwen3moe, qwen2moe, qwen35moe, gemma4, gpt-oss, lfm2moe,
+//! deepseek2, llama, bailingmoe3, deepseek4) with deterministic random
 //! weights, a real tokenizer and chat template, so tests and benchmarks make the models they
 //! need and no model file is ever committed. Each file follows llama.cpp's tensor names and
 //! metadata for its architecture, so llama.cpp loads it too (the parity gates).
@@ -24,6 +25,7 @@
 
 mod bailingmoe3;
 mod deepseek2;
+mod deepseek4;
 mod gemma4;
 mod gpt_oss;
 mod lfm2moe;
@@ -36,6 +38,7 @@ mod qwen3moe;
 
 pub use bailingmoe3::BailingShape;
 pub use deepseek2::Deepseek2Shape;
+pub use deepseek4::Deepseek4Shape;
 pub use gemma4::GemmaShape;
 pub use lfm2moe::Lfm2Shape;
 pub use qwen35moe::Qwen35Shape;
@@ -78,6 +81,10 @@ pub enum GenArch {
     /// Ling/Ring 3.0: Kimi Delta Attention layers with gated latent attention every few,
     /// leading dense layers, sigmoid routing with a selection bias beside a shared expert.
     BailingMoe3,
+    /// DeepSeek-V4: four hyper-connection streams, one key-and-value head with sinks in a
+    /// window beside compressed rows (ratio 4 with an indexer, or 128), a grouped low-rank
+    /// output, sqrt-softplus routing (by token id on the first layers) beside a shared expert.
+    Deepseek4,
 }
 
 impl GenArch {
@@ -91,6 +98,7 @@ impl GenArch {
         "deepseek2",
         "llama",
         "bailingmoe3",
+        "deepseek4",
     ];
 
     pub fn from_name(s: &str) -> Option<GenArch> {
@@ -104,6 +112,7 @@ impl GenArch {
             "deepseek2" => Some(GenArch::Deepseek2),
             "llama" => Some(GenArch::LlamaMoe),
             "bailingmoe3" => Some(GenArch::BailingMoe3),
+            "deepseek4" => Some(GenArch::Deepseek4),
             _ => None,
         }
     }
@@ -119,6 +128,7 @@ impl GenArch {
             GenArch::Deepseek2 => "deepseek2",
             GenArch::LlamaMoe => "llama",
             GenArch::BailingMoe3 => "bailingmoe3",
+            GenArch::Deepseek4 => "deepseek4",
         }
     }
 
@@ -163,6 +173,7 @@ impl GenArch {
             GenArch::Deepseek2 => &deepseek2::Deepseek2,
             GenArch::LlamaMoe => &llama_moe::LlamaMoe,
             GenArch::BailingMoe3 => &bailingmoe3::BailingMoe3,
+            GenArch::Deepseek4 => &deepseek4::Deepseek4,
         }
     }
 }
@@ -197,10 +208,14 @@ pub struct ModelShape {
     pub deepseek2: Option<Deepseek2Shape>,
     /// bailingmoe3's layer pattern, KDA and latent attention (`None` for other architectures).
     pub bailing: Option<BailingShape>,
-    /// Sliding window of the sliding layers (gpt-oss; 0 = every layer attends fully).
+    /// deepseek4's attention, compressors, hyper-connections and routing (`None` for other
+    /// architectures).
+    pub deepseek4: Option<Deepseek4Shape>,
+    /// Sliding window of the sliding layers (gpt-oss, deepseek4; 0 = every layer attends
+    /// fully).
     pub n_swa: u32,
-    /// YaRN context extension factor (gpt-oss; 0 = no rope scaling) and its original
-    /// context length.
+    /// YaRN context extension factor (gpt-oss, deepseek2, deepseek4's compressed layers; 0 = no
+    /// rope scaling) and its original context length.
     pub yarn_factor: f32,
     pub yarn_orig_ctx: u32,
 }
@@ -264,6 +279,12 @@ pub enum Preset {
     /// (three Gated DeltaNet to one gated attention) and an MTP block, 256 experts, top-8,
     /// d_model 2048, expert FFN 512, shared expert 512, 16 heads of 256 (2 KV).
     Qwen36_35bA3bShape,
+    /// The full shape of DeepSeek-V4-Flash (deepseek4, 284B-A13B): 43 layers (two window-only,
+    /// then compressed by 4 and 128 by turns), 256 experts top-6 (hash-routed on the first 3)
+    /// beside one shared, d_model 4096, expert FFN 2048, 64 heads of 512, four
+    /// hyper-connection streams; MXFP4 experts as published (~155 GB with its 129280-token
+    /// vocabulary; never generated here).
+    DeepseekV4FlashShape,
 }
 
 /// `--routing-depth`'s default: flat previous-token reuse over depth on the pre-norm
@@ -293,6 +314,7 @@ impl Preset {
         "gpt-oss-120b-shape",
         "lfm2-8b-a1b-shape",
         "qwen3.6-35b-a3b-shape",
+        "deepseek-v4-flash-shape",
     ];
 
     pub const ALL: &'static [Preset] = &[
@@ -312,6 +334,7 @@ impl Preset {
         Preset::GptOss120bShape,
         Preset::Lfm2_8bA1bShape,
         Preset::Qwen36_35bA3bShape,
+        Preset::DeepseekV4FlashShape,
     ];
 
     pub fn from_name(s: &str) -> Option<Preset> {
@@ -332,6 +355,7 @@ impl Preset {
             "gpt-oss-120b-shape" => Some(Preset::GptOss120bShape),
             "lfm2-8b-a1b-shape" => Some(Preset::Lfm2_8bA1bShape),
             "qwen3.6-35b-a3b-shape" | "qwen3.5-35b-a3b-shape" => Some(Preset::Qwen36_35bA3bShape),
+            "deepseek-v4-flash-shape" | "deepseek-v4-flash" => Some(Preset::DeepseekV4FlashShape),
             _ => None,
         }
     }
@@ -354,6 +378,7 @@ impl Preset {
             Preset::GptOss120bShape => "gpt-oss-120b-shape",
             Preset::Lfm2_8bA1bShape => "lfm2-8b-a1b-shape",
             Preset::Qwen36_35bA3bShape => "qwen3.6-35b-a3b-shape",
+            Preset::DeepseekV4FlashShape => "deepseek-v4-flash-shape",
         }
     }
 
@@ -376,6 +401,7 @@ impl Preset {
             Preset::GptOss20bShape | Preset::GptOss120bShape => Some(GenArch::GptOss),
             Preset::Lfm2_8bA1bShape => Some(GenArch::Lfm2Moe),
             Preset::Qwen36_35bA3bShape => Some(GenArch::Qwen35Moe),
+            Preset::DeepseekV4FlashShape => Some(GenArch::Deepseek4),
         }
     }
 
@@ -423,6 +449,7 @@ impl Preset {
             qwen35: None,
             deepseek2: None,
             bailing: None,
+            deepseek4: None,
             n_swa: 0,
             yarn_factor: 0.0,
             yarn_orig_ctx: 0,
@@ -550,6 +577,7 @@ impl Preset {
                 qwen35: Some(Qwen35Shape::qwen36_35b_a3b()),
                 ..base
             },
+            Preset::DeepseekV4FlashShape => deepseek4::v4_flash_shape(),
         }
     }
 
@@ -572,7 +600,8 @@ impl Preset {
             | Preset::GptOss20bShape
             | Preset::GptOss120bShape
             | Preset::Lfm2_8bA1bShape
-            | Preset::Qwen36_35bA3bShape => 0.7,
+            | Preset::Qwen36_35bA3bShape
+            | Preset::DeepseekV4FlashShape => 0.7,
         }
     }
 
@@ -594,8 +623,11 @@ impl Preset {
             | Preset::Gemma4_26bA4bShape
             | Preset::Lfm2_8bA1bShape
             | Preset::Qwen36_35bA3bShape => TypeScheme::q4_k_m(),
-            // As the published files: MXFP4 experts, Q8_0 elsewhere.
-            Preset::GptOss20bShape | Preset::GptOss120bShape => TypeScheme::ftype(Ftype::MXFP4_MOE),
+            // As the published files: MXFP4 experts, Q8_0 elsewhere (DeepSeek-V4-Flash's
+            // converter writes its dense weights Q8_0 or BF16 beside the MXFP4 experts).
+            Preset::GptOss20bShape | Preset::GptOss120bShape | Preset::DeepseekV4FlashShape => {
+                TypeScheme::ftype(Ftype::MXFP4_MOE)
+            }
         }
     }
 }
@@ -774,6 +806,16 @@ enum Fill {
     Ramp {
         lo: f32,
         hi: f32,
+    },
+    /// Uniform on [lo, hi) (deepseek4's hyper-connection scales, near 1).
+    Uniform {
+        lo: f32,
+        hi: f32,
+    },
+    /// An I32 table: each row (one token) `dims[0]` distinct expert ids in `0..n`, at random
+    /// (deepseek4's hash routing, `ffn_gate_tid2eid`).
+    ExpertIds {
+        n: u32,
     },
 }
 
@@ -1041,8 +1083,35 @@ fn fill_chunk(
     let mut row = vec![0f32; ne0];
     // Uniform on [-√3, √3] has unit variance and zero mean.
     let sqrt3 = 3f32.sqrt();
+    // The expert ids a row draws from (a Fisher-Yates prefix of them is the row).
+    let mut ids: Vec<i32> = match p.fill {
+        Fill::ExpertIds { n } => (0..n as i32).collect(),
+        _ => Vec::new(),
+    };
     for (i, r) in rows.enumerate() {
         match p.fill {
+            Fill::ExpertIds { .. } => {
+                let dst = &mut out[i * row_bytes..(i + 1) * row_bytes];
+                if p.spec.ty != GgmlType::I32 || ne0 > ids.len() {
+                    return Err(GenError::Invalid(format!(
+                        "{}: {ne0} distinct expert ids of {} in a {} tensor",
+                        p.spec.name,
+                        ids.len(),
+                        p.spec.ty
+                    )));
+                }
+                for j in 0..ne0 {
+                    let pick = rng.gen_range(j..ids.len());
+                    ids.swap(j, pick);
+                    dst[j * 4..(j + 1) * 4].copy_from_slice(&ids[j].to_le_bytes());
+                }
+                continue;
+            }
+            Fill::Uniform { lo, hi } => {
+                for x in row.iter_mut() {
+                    *x = rng.gen_range(lo..hi);
+                }
+            }
             Fill::Const(c) => row.iter_mut().for_each(|x| *x = c),
             Fill::Ramp { lo, hi } => {
                 let steps = (ne0.max(2) - 1) as f32;

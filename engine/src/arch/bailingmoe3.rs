@@ -38,7 +38,7 @@
 use super::blocks::{self, sigmoid, AttnShape, Compute, Glu, Rope, RopeKind};
 use super::delta::{self, Decay};
 use super::layers::{finish_with_shared, residual_then_ffn, GluFfn};
-use super::meta::{leading_dense, moe_params, n_vocab, yarn_params, Meta};
+use super::meta::{self, leading_dense, moe_params, n_vocab, yarn_params, Meta};
 use super::mla::{Mla, MlaDims};
 use super::state::{LayerMemory, RecurrentShape, State};
 use super::weights::{Loader, Mat};
@@ -179,8 +179,8 @@ impl HParams {
                 format!("is {gate_lower_bound}: expected a negative bound"),
             ));
         }
-        let clamp_exp = swiglu_limits(&m, "swiglu_clamp_exp", n_layer)?;
-        let clamp_shexp = swiglu_limits(&m, "swiglu_clamp_shexp", n_layer)?;
+        let clamp_exp = meta::swiglu_limits(&m, "swiglu_clamp_exp", n_layer)?;
+        let clamp_shexp = meta::swiglu_limits(&m, "swiglu_clamp_shexp", n_layer)?;
         // Routing: sigmoid scores, selected with the layer's bias.
         let func = match m.req_u("expert_gating_func")? {
             GATING_FUNC_SIGMOID => GatingFunc::Sigmoid,
@@ -248,38 +248,6 @@ impl HParams {
             value_dim: self.kda_head_dim,
         }
     }
-}
-
-/// A per-layer SwiGLU limit list (a number for every layer, or an array of at least
-/// `n_layer`: the converter writes one per block, the MTP block's included); absent, 0 for
-/// every layer.
-fn swiglu_limits(m: &Meta, key: &str, n_layer: usize) -> Result<Vec<f32>, ArchError> {
-    let Some(v) = m.get(key) else {
-        return Ok(vec![0.0; n_layer]);
-    };
-    let all: Vec<f32> = match v.as_array() {
-        Some(a) => a
-            .iter()
-            .map(|x| x.as_f64().map(|x| x as f32))
-            .collect::<Option<_>>()
-            .ok_or_else(|| m.err(key, "holds a value that is not a number"))?,
-        None => vec![
-            v.as_f64()
-                .ok_or_else(|| m.err(key, format!("is {v}, expected numbers")))?
-                as f32;
-            n_layer
-        ],
-    };
-    if all.len() < n_layer || all.iter().any(|x| !x.is_finite()) {
-        return Err(m.err(
-            key,
-            format!(
-                "has {} entries (finite numbers, at least one per layer: {n_layer})",
-                all.len()
-            ),
-        ));
-    }
-    Ok(all[..n_layer].to_vec())
 }
 
 /// The GLU a limit gives: llama.cpp limits only above 1e-6.

@@ -582,6 +582,11 @@ pub enum Glu {
     SiluClamped {
         limit: f32,
     },
+    /// SiLU-GLU of limited inputs, ggml's `swiglu_clamp` (deepseek4's
+    /// `swiglu_clamp_exp` / `_shexp`): `silu(min(g, limit)) · clamp(u, −limit, limit)`.
+    SiluOfClamped {
+        limit: f32,
+    },
 }
 
 impl Glu {
@@ -604,6 +609,12 @@ impl Glu {
             Glu::SiluClamped { limit } => {
                 for (g, &u) in gate.iter_mut().zip(up) {
                     *g = silu(*g).min(limit) * u.clamp(-limit, limit);
+                }
+            }
+            Glu::SiluOfClamped { limit } => {
+                for (g, &u) in gate.iter_mut().zip(up) {
+                    let x = g.min(limit);
+                    *g = x / (1.0 + (-x).exp()) * u.clamp(-limit, limit);
                 }
             }
         }

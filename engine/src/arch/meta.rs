@@ -335,6 +335,38 @@ pub(crate) fn leading_dense(
     Ok((n_dense_lead, n_ff))
 }
 
+/// A per-layer SwiGLU limit list (bailingmoe3, deepseek4) (a number for every layer, or an array of at least
+/// `n_layer`: the converter writes one per block, the MTP block's included); absent, 0 for
+/// every layer.
+pub(crate) fn swiglu_limits(m: &Meta, key: &str, n_layer: usize) -> Result<Vec<f32>, ArchError> {
+    let Some(v) = m.get(key) else {
+        return Ok(vec![0.0; n_layer]);
+    };
+    let all: Vec<f32> = match v.as_array() {
+        Some(a) => a
+            .iter()
+            .map(|x| x.as_f64().map(|x| x as f32))
+            .collect::<Option<_>>()
+            .ok_or_else(|| m.err(key, "holds a value that is not a number"))?,
+        None => vec![
+            v.as_f64()
+                .ok_or_else(|| m.err(key, format!("is {v}, expected numbers")))?
+                as f32;
+            n_layer
+        ],
+    };
+    if all.len() < n_layer || all.iter().any(|x| !x.is_finite()) {
+        return Err(m.err(
+            key,
+            format!(
+                "has {} entries (finite numbers, at least one per layer: {n_layer})",
+                all.len()
+            ),
+        ));
+    }
+    Ok(all[..n_layer].to_vec())
+}
+
 /// The vocabulary size, from `token_embd.weight`'s second dimension.
 pub(crate) fn n_vocab(f: &GgufFile) -> Result<usize, ArchError> {
     let embd = f

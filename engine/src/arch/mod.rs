@@ -15,6 +15,7 @@ pub mod bailingmoe3;
 pub mod blocks;
 pub mod common;
 pub mod deepseek2;
+pub mod deepseek4;
 pub mod delta;
 pub mod gemma4;
 pub mod gpt_oss;
@@ -173,6 +174,12 @@ pub trait Arch: Send + Sync {
     }
     /// A per-expert bias added for selection only (sigmoid gating); none by default.
     fn selection_bias(&self, _layer: usize) -> Option<&[f32]> {
+        None
+    }
+    /// The experts layer `layer` routes token `token` to whatever its router scores
+    /// (deepseek4's hash layers: a table by token id), in rank order; the router's scores
+    /// still weigh them. `None` (the default): the router selects.
+    fn fixed_experts(&self, _layer: usize, _token: u32) -> Option<&[u32]> {
         None
     }
     /// Expert `expert` of layer `layer` on the input rows of `input`, its projections' bytes
@@ -347,6 +354,11 @@ pub const REGISTRY: &[ArchEntry] = &[
         name: bailingmoe3::ARCH,
         about: "Ling/Ring 3.0 (bailingmoe3): recurrent Kimi Delta Attention layers (per-channel gated delta rule) and gated multi-head latent attention layers, leading dense layers, sigmoid top-k routing selected with a per-expert bias beside a shared expert (resident)",
         load: bailingmoe3::load,
+    },
+    ArchEntry {
+        name: deepseek4::ARCH,
+        about: "DeepSeek V4 (deepseek4): four hyper-connection residual streams mixed by Sinkhorn, single-key-head attention over a sliding window plus compressed KV rows (every 128 positions, or every 4 chosen by a lightning indexer), sqrt-softplus top-k routing with a selection bias and hash-routed first layers, a shared expert (resident), clamped SwiGLU",
+        load: deepseek4::load,
     },
 ];
 
@@ -562,6 +574,8 @@ impl<A: Arch + ?Sized> Model<A> {
         st.n_rows = n;
         st.positions.clear();
         st.positions.extend_from_slice(positions);
+        st.tokens.clear();
+        st.tokens.extend_from_slice(tokens);
         st.out_rows.clear();
         st.out_rows.extend_from_slice(out_rows);
         self.arch.mtp_forward(&self.cx, st, tokens, h, h_out)
@@ -600,6 +614,8 @@ impl<A: Arch + ?Sized> Model<A> {
         st.router_margin.resize(n, f32::INFINITY);
         st.positions.clear();
         st.positions.extend_from_slice(positions);
+        st.tokens.clear();
+        st.tokens.extend_from_slice(tokens);
         st.out_rows.clear();
         st.out_rows.extend_from_slice(out_rows);
         st.x.resize(n * d, 0.0);
@@ -697,6 +713,18 @@ impl<A: Arch + ?Sized> Model<A> {
         for r in 0..m {
             let scores = &mut out.probs[r * ne..(r + 1) * ne];
             self.gating.scores_in_place(scores);
+            let row = st.ffn_rows.get(r).map_or(r, |&x| x as usize);
+            let token = st.tokens.get(row).copied().unwrap_or(0);
+            if let Some(fixed) = self.arch.fixed_experts(layer, token) {
+                // A hash layer: no choice, so no margin.
+                let (ids, w) = (
+                    &mut out.ids[r * k..(r + 1) * k],
+                    &mut out.weights[r * k..(r + 1) * k],
+                );
+                ids.copy_from_slice(&fixed[..k]);
+                self.gating.weights_for(scores, ids, w);
+                continue;
+            }
             self.gating.select(
                 scores,
                 bias,
@@ -712,7 +740,6 @@ impl<A: Arch + ?Sized> Model<A> {
                     self.gating.rank_score(scores[e as usize], b)
                 };
                 let margin = rank(order[k - 1]) - rank(order[k]);
-                let row = st.ffn_rows.get(r).map_or(r, |&x| x as usize);
                 if let Some(slot) = st.router_margin.get_mut(row) {
                     *slot = slot.min(margin);
                 }
@@ -754,6 +781,18 @@ impl<A: Arch + ?Sized> Model<A> {
         ids.resize(k, 0);
         weights.resize(k, 0.0);
         self.gating.scores_in_place(&mut st.pred.scores);
+        // A hash layer's experts follow from the token (the batch's last, whose router input
+        // `predict` reads).
+        let token = st.tokens.last().copied().unwrap_or(0);
+        if let Some(fixed) = self
+            .arch
+            .fixed_experts(target, token)
+            .filter(|f| f.len() >= k)
+        {
+            ids.copy_from_slice(&fixed[..k]);
+            self.gating.weights_for(&st.pred.scores, ids, weights);
+            return Ok(true);
+        }
         self.gating.select(
             &st.pred.scores,
             self.arch.selection_bias(target),

@@ -240,6 +240,17 @@ impl KvLayer {
         4 * (self.k.len() + self.v.len())
     }
 
+    /// A full memory's key row at `pos` (a latent memory's whole row), to read.
+    pub fn row(&self, pos: usize) -> &[f32] {
+        &self.k[pos * self.kv_dim..(pos + 1) * self.kv_dim]
+    }
+
+    /// A full memory's key row at `pos`, to complete after [`KvLayer::source`] stored it
+    /// (deepseek4 writes a block's compressed row into the row of its last position).
+    pub fn row_mut(&mut self, pos: usize) -> &mut [f32] {
+        &mut self.k[pos * self.kv_dim..(pos + 1) * self.kv_dim]
+    }
+
     /// Take the batch's keys and values (`positions.len()` rows of `kv_dim`) and give the
     /// source attention reads them through. A full layer stores them first; a ring layer
     /// checks it still holds the window before the batch (the batch's positions must be
@@ -827,11 +838,17 @@ pub struct Prediction {
 pub struct State {
     pub n_ctx: usize,
     pub mem: Vec<Memory>,
-    /// Batch rows in flight and their positions.
+    /// Batch rows in flight, their tokens and positions.
     pub n_rows: usize,
+    pub tokens: Vec<u32>,
     pub positions: Vec<u32>,
     /// The residual stream, `n_rows × d_model`.
     pub x: Vec<f32>,
+    /// A family's residual when it is wider than one stream (deepseek4's hyper-connections:
+    /// `n_rows × hc·d_model`), and what its layer carries from `dense` to `finish_layer`
+    /// per FFN row (the streams' mix); empty for every other family.
+    pub streams: Vec<f32>,
+    pub stream_mix: Vec<f32>,
     /// A layer's normed input (attention's, a dense FFN's).
     pub cur: Vec<f32>,
     pub attn: AttnBufs,
@@ -876,8 +893,11 @@ impl State {
             n_ctx,
             mem: memory.iter().map(|&m| Memory::new(m, n_ctx)).collect(),
             n_rows: 0,
+            tokens: Vec::new(),
             positions: Vec::new(),
             x: Vec::new(),
+            streams: Vec::new(),
+            stream_mix: Vec::new(),
             cur: Vec::new(),
             attn: AttnBufs::default(),
             out: Vec::new(),

@@ -295,6 +295,21 @@ impl Loader {
         Ok(out)
     }
 
+    /// A small I32 tensor of `dims` (GGUF order), read whole: a table of ids (deepseek4's
+    /// `ffn_gate_tid2eid`).
+    pub fn ids(&mut self, name: &str, dims: &[usize]) -> Result<Vec<i32>, ArchError> {
+        let t = self.tensor(name)?;
+        self.check_dims(&t, dims)?;
+        self.check_type(&t, &[GgmlType::I32])?;
+        let data = self.file.tensor_data(&t);
+        let out: Vec<i32> = data
+            .chunks_exact(4)
+            .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        self.count(name, data.len() as u64);
+        Ok(out)
+    }
+
     /// A vector of `n` values.
     pub fn vector(&mut self, name: &str, n: usize) -> Result<Vec<f32>, ArchError> {
         self.floats(name, &[n])

@@ -119,6 +119,7 @@ pub(super) fn v2_lite_shape() -> ModelShape {
             groups_used: 0,
         }),
         bailing: None,
+        deepseek4: None,
         n_swa: 0,
         yarn_factor: 40.0,
         yarn_orig_ctx: 4096,

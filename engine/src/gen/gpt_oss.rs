@@ -84,6 +84,7 @@ pub(super) fn full_shape(n_layer: u32, n_expert: u32) -> ModelShape {
         qwen35: None,
         deepseek2: None,
         bailing: None,
+        deepseek4: None,
     }
 }
 

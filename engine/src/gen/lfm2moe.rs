@@ -86,6 +86,7 @@ pub(super) fn full_shape() -> ModelShape {
         qwen35: None,
         deepseek2: None,
         bailing: None,
+        deepseek4: None,
         n_swa: 0,
         yarn_factor: 0.0,
         yarn_orig_ctx: 0,
