@@ -429,6 +429,83 @@ fn glu_for(limit: f32) -> Glu {
     }
 }
 
+/// What one row's attention reads (see [`RowAttn::row`]).
+struct RowAttn<'a> {
+    hp: &'a HParams,
+    lay: RowLayout,
+    ratio: usize,
+    mem: &'a super::state::KvLayer,
+    q: &'a [f32],
+    qi: &'a [f32],
+    iwt: &'a [f32],
+    sinks: &'a [f32],
+}
+
+impl RowAttn<'_> {
+    /// Batch row `t` at position `p`: every head over the window's raw keys, then the
+    /// compressed rows the layer's ratio shows it (all finished blocks at 128; at 4 the
+    /// indexer's top-k of them, ties to the lower block), one softmax with the head's sink;
+    /// the heads' outputs (`n_head × head_dim`, still roped) into `out`.
+    fn row(&self, t: usize, p: usize, out: &mut [f32]) {
+        let (hp, lay, mem) = (self.hp, self.lay, self.mem);
+        let (hd, nh, ratio) = (hp.head_dim, hp.n_head, self.ratio);
+        let mut keys: Vec<(usize, usize)> = ((p + 1).saturating_sub(hp.n_swa)..=p)
+            .map(|k| (k, lay.kv))
+            .collect();
+        if let Some(blocks_seen) = (p + 1).checked_div(ratio) {
+            if ratio == 128 {
+                keys.extend((0..blocks_seen).map(|b| (b * ratio + ratio - 1, lay.comp_row)));
+            } else if blocks_seen > 0 {
+                // The indexer: Σ_h w_h · ReLU(q_h · k_b) per finished block, its top-k.
+                let (idim, ih) = (hp.idx_dim, hp.idx_heads);
+                let wscale = 1.0 / ((idim * ih) as f32).sqrt();
+                let mut picked: Vec<(f32, usize)> = (0..blocks_seen)
+                    .map(|b| {
+                        let kb = &mem.row(b * 4 + 3)[lay.idx_row..lay.idx_row + idim];
+                        let mut s = 0f32;
+                        for h in 0..ih {
+                            let qh = &self.qi[(t * ih + h) * idim..(t * ih + h + 1) * idim];
+                            let dot: f32 = qh.iter().zip(kb).map(|(a, b)| a * b).sum();
+                            s += dot.max(0.0) * (self.iwt[t * ih + h] * wscale);
+                        }
+                        (s, b)
+                    })
+                    .collect();
+                picked.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+                picked.truncate(hp.idx_top_k);
+                keys.extend(picked.iter().map(|&(_, b)| (b * 4 + 3, lay.comp_row)));
+            }
+        }
+        let scale = 1.0 / (hd as f32).sqrt();
+        let mut scores = Vec::with_capacity(keys.len());
+        out.fill(0.0);
+        for h in 0..nh {
+            let qh = &self.q[(t * nh + h) * hd..(t * nh + h + 1) * hd];
+            scores.clear();
+            for &(k, off) in &keys {
+                let kr = &mem.row(k)[off..off + hd];
+                let dot: f32 = qh.iter().zip(kr).map(|(a, b)| a * b).sum();
+                scores.push(dot * scale);
+            }
+            let sink = self.sinks[h];
+            let mx = scores.iter().copied().fold(sink, f32::max);
+            let mut sum = (sink - mx).exp() as f64;
+            for s in scores.iter_mut() {
+                *s = (*s - mx).exp();
+                sum += *s as f64;
+            }
+            let inv = (1.0 / sum) as f32;
+            let o = &mut out[h * hd..(h + 1) * hd];
+            for (&(k, off), &s) in keys.iter().zip(scores.iter()) {
+                let kr = &mem.row(k)[off..off + hd];
+                for (a, &v) in o.iter_mut().zip(kr) {
+                    *a += s * inv * v;
+                }
+            }
+        }
+    }
+}
+
 impl Deepseek4 {
     /// Check every tensor's presence, shape and type, and map the dense ones.
     pub fn load(file: Arc<GgufFile>, mode: DenseMode) -> Result<Deepseek4, ArchError> {
@@ -871,66 +948,28 @@ impl Deepseek4 {
                 }
             }
         }
-        // Attention, row by row: the window, then the compressed rows it sees.
-        let scale = 1.0 / (hd as f32).sqrt();
+        // Attention, one row per task (a row's bits do not depend on the others): the window,
+        // then the compressed rows it sees.
         let mut att = vec![0f32; n * nh * hd];
-        let mut keys: Vec<(usize, usize)> = Vec::new();
-        let mut scores = Vec::new();
-        let mut picked: Vec<(f32, usize)> = Vec::new();
-        for t in 0..n {
-            let p = positions[t] as usize;
-            keys.clear();
-            for k in (p + 1).saturating_sub(hp.n_swa)..=p {
-                keys.push((k, lay.kv));
-            }
-            if let Some(blocks_seen) = (p + 1).checked_div(ratio) {
-                if ratio == 128 {
-                    keys.extend((0..blocks_seen).map(|b| (b * ratio + ratio - 1, lay.comp_row)));
-                } else if blocks_seen > 0 {
-                    // The indexer: Σ_h w_h · ReLU(q_h · k_b) per finished block, its top-k.
-                    let idim = hp.idx_dim;
-                    let ih = hp.idx_heads;
-                    let wscale = 1.0 / ((idim * ih) as f32).sqrt();
-                    picked.clear();
-                    for b in 0..blocks_seen {
-                        let kb = &mem.row(b * 4 + 3)[lay.idx_row..lay.idx_row + idim];
-                        let mut s = 0f32;
-                        for h in 0..ih {
-                            let qh = &qi[(t * ih + h) * idim..(t * ih + h + 1) * idim];
-                            let dot: f32 = qh.iter().zip(kb).map(|(a, b)| a * b).sum();
-                            s += dot.max(0.0) * (iwt[t * ih + h] * wscale);
-                        }
-                        picked.push((s, b));
-                    }
-                    picked.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-                    picked.truncate(hp.idx_top_k);
-                    keys.extend(picked.iter().map(|&(_, b)| (b * 4 + 3, lay.comp_row)));
-                }
-            }
-            for h in 0..nh {
-                let qh = &q[(t * nh + h) * hd..(t * nh + h + 1) * hd];
-                scores.clear();
-                for &(k, off) in &keys {
-                    let kr = &mem.row(k)[off..off + hd];
-                    let dot: f32 = qh.iter().zip(kr).map(|(a, b)| a * b).sum();
-                    scores.push(dot * scale);
-                }
-                let sink = l.sinks[h];
-                let mx = scores.iter().copied().fold(sink, f32::max);
-                let mut sum = (sink - mx).exp() as f64;
-                for s in scores.iter_mut() {
-                    *s = (*s - mx).exp();
-                    sum += *s as f64;
-                }
-                let inv = (1.0 / sum) as f32;
-                let o = &mut att[(t * nh + h) * hd..(t * nh + h + 1) * hd];
-                for (&(k, off), &s) in keys.iter().zip(scores.iter()) {
-                    let kr = &mem.row(k)[off..off + hd];
-                    for (a, &v) in o.iter_mut().zip(kr) {
-                        *a += s * inv * v;
-                    }
-                }
-            }
+        {
+            let mem: &super::state::KvLayer = mem;
+            let rows: Vec<std::sync::Mutex<&mut [f32]>> =
+                att.chunks_mut(nh * hd).map(std::sync::Mutex::new).collect();
+            let ctx = RowAttn {
+                hp,
+                lay,
+                ratio,
+                mem,
+                q: &q,
+                qi: &qi,
+                iwt: &iwt,
+                sinks: &l.sinks,
+            };
+            cx.pool.run(n, &|t| {
+                // Each task locks its own row only: never contended.
+                let mut out = rows[t].lock().unwrap_or_else(|e| e.into_inner());
+                ctx.row(t, positions[t] as usize, &mut out);
+            });
         }
         // Undo the rope on each head's output (the inverse rotation at the query's position).
         for t in 0..n {
