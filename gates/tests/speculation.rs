@@ -353,6 +353,14 @@ fn latent_attention_verifies_drafts_as_plain_decoding() {
     takes_back_rejected_drafts("deepseek2");
 }
 
+#[test]
+fn compressed_attention_verifies_drafts_as_plain_decoding() {
+    // deepseek4's memory: a verify decode's rows may finish a block (its compressed rows are
+    // written from the group's rows) that a rejected draft then leaves behind; the rows the
+    // next step writes over them, and its blocks, must be a plain run's.
+    takes_back_rejected_drafts("deepseek4");
+}
+
 /// Drafts of `arch`'s plain run with every 3rd token spoiled, resident (`--draft` 3 and 8) and
 /// streamed under overlap (`--draft` 4): the plain run's tokens, with groups both accepted
 /// and rejected.
