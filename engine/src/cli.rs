@@ -318,7 +318,11 @@ impl Cli {
     pub fn parse_argv<I: IntoIterator<Item = S>, S: Into<std::ffi::OsString>>(
         argv: I,
     ) -> Result<Cli, clap::Error> {
-        let argv = crate::prompt::rewrite_llama_flags(argv.into_iter().map(Into::into).collect());
+        let (argv, notes) =
+            crate::prompt::rewrite_llama_flags_noting(argv.into_iter().map(Into::into).collect());
+        for n in notes {
+            eprintln!("bmoe: note: {n}");
+        }
         <Cli as Parser>::try_parse_from(argv)
     }
 

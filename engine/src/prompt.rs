@@ -145,30 +145,98 @@ fn read_text(r: impl Read, what: &str) -> Result<String> {
     })
 }
 
-/// llama.cpp spells the system prompt flag `-sys`, a short flag of three letters that clap
-/// cannot declare: rewrite it (and `-sys=TEXT`) to `--system-prompt` before parsing, except
-/// where it is the value of the flag before it (`-p -sys`).
+/// llama.cpp's flags a user types out of habit, rewritten before clap parses (clap would read
+/// `-ngl 99` as `-n gl`): `-sys` (and `-sys=TEXT`) becomes `--system-prompt`; `-cnv` /
+/// `--conversation` runs `chat` (as the subcommand, when none is given); `-no-cnv` /
+/// `--no-conversation` is bmoe's default (one-shot) and is dropped; `-ngl` / `--gpu-layers` /
+/// `--n-gpu-layers` with its count and `-fa` / `--flash-attn` with an optional `on`/`off`/
+/// `auto` are dropped with a note (this engine runs on the CPU, its attention has one path).
+/// A flag in the value position of the flag before it (`-p -sys`) is left alone.
 pub fn rewrite_llama_flags(argv: Vec<OsString>) -> Vec<OsString> {
+    rewrite_llama_flags_noting(argv).0
+}
+
+/// [`rewrite_llama_flags`] and one note per flag it dropped, for the user.
+pub fn rewrite_llama_flags_noting(argv: Vec<OsString>) -> (Vec<OsString>, Vec<String>) {
     const TAKES_VALUE: &[&str] = &["-p", "--prompt", "--system-prompt", "-f", "--file"];
+    const SUBCOMMANDS: &[&str] = &[
+        "gen", "inspect", "bench", "checksum", "serve", "chat", "help",
+    ];
     let mut out: Vec<OsString> = Vec::with_capacity(argv.len());
-    for a in argv {
+    let mut notes = Vec::new();
+    let mut chat = false;
+    let mut it = argv.into_iter().peekable();
+    if let Some(a) = it.next() {
+        out.push(a);
+    }
+    while let Some(a) = it.next() {
         let after_value_flag = out
             .last()
             .and_then(|p| p.to_str())
             .is_some_and(|p| TAKES_VALUE.contains(&p));
+        let text = a.to_str().unwrap_or("");
         if !after_value_flag {
-            if a == "-sys" {
+            if text == "-sys" {
                 out.push("--system-prompt".into());
                 continue;
             }
-            if let Some(v) = a.to_str().and_then(|a| a.strip_prefix("-sys=")) {
+            if let Some(v) = text.strip_prefix("-sys=") {
                 out.push(format!("--system-prompt={v}").into());
+                continue;
+            }
+            match text {
+                "-cnv" | "--conversation" => {
+                    chat = true;
+                    continue;
+                }
+                "-no-cnv" | "--no-conversation" => continue,
+                "-ngl" | "--gpu-layers" | "--n-gpu-layers" => {
+                    let n = it.next_if(|v| {
+                        v.to_str()
+                            .is_some_and(|v| v.parse::<i64>().is_ok() || v == "auto" || v == "all")
+                    });
+                    notes.push(format!(
+                        "{text}{} ignored: bmoe runs on the CPU (no layers to offload)",
+                        n.map(|n| format!(" {}", n.to_string_lossy()))
+                            .unwrap_or_default()
+                    ));
+                    continue;
+                }
+                "-fa" | "--flash-attn" => {
+                    let v = it
+                        .next_if(|v| matches!(v.to_str(), Some("on" | "off" | "auto" | "1" | "0")));
+                    notes.push(format!(
+                        "{text}{} ignored: bmoe's attention has one CPU path",
+                        v.map(|v| format!(" {}", v.to_string_lossy()))
+                            .unwrap_or_default()
+                    ));
+                    continue;
+                }
+                _ => {}
+            }
+            if let Some(n) = text
+                .strip_prefix("-ngl=")
+                .or_else(|| text.strip_prefix("--n-gpu-layers="))
+                .or_else(|| text.strip_prefix("--gpu-layers="))
+            {
+                notes.push(format!(
+                    "-ngl {n} ignored: bmoe runs on the CPU (no layers to offload)"
+                ));
                 continue;
             }
         }
         out.push(a);
     }
-    out
+    if chat {
+        let has_sub = out
+            .get(1)
+            .and_then(|a| a.to_str())
+            .is_some_and(|a| SUBCOMMANDS.contains(&a));
+        if !has_sub {
+            out.insert(1.min(out.len()), "chat".into());
+        }
+    }
+    (out, notes)
 }
 
 /// The chat template a run renders with: `--chat-template-file`, else the model's
@@ -293,6 +361,54 @@ mod tests {
         );
         assert_eq!(v(&["x", "-sys=terse"]), ["x", "--system-prompt=terse"]);
         assert_eq!(v(&["x", "-p", "-sys"]), ["x", "-p", "-sys"]);
+    }
+
+    #[test]
+    fn llama_cpp_habits_are_rewritten_with_a_note() {
+        let v = |a: &[&str]| -> (Vec<String>, usize) {
+            let (argv, notes) = rewrite_llama_flags_noting(a.iter().map(OsString::from).collect());
+            (
+                argv.into_iter().map(|s| s.into_string().unwrap()).collect(),
+                notes.len(),
+            )
+        };
+        assert_eq!(
+            v(&["x", "-m", "m.gguf", "-ngl", "99", "-fa", "on", "-p", "hi"]),
+            (
+                vec![
+                    "x".to_string(),
+                    "-m".into(),
+                    "m.gguf".into(),
+                    "-p".into(),
+                    "hi".into()
+                ],
+                2
+            )
+        );
+        assert_eq!(v(&["x", "-ngl=20", "-fa", "-n", "4"]).0, ["x", "-n", "4"]);
+        assert_eq!(
+            v(&["x", "-m", "m.gguf", "-cnv"]).0,
+            ["x", "chat", "-m", "m.gguf"]
+        );
+        assert_eq!(
+            v(&["x", "chat", "-m", "m.gguf", "-cnv"]).0,
+            ["x", "chat", "-m", "m.gguf"]
+        );
+        assert_eq!(
+            v(&["x", "-m", "m.gguf", "-no-cnv"]),
+            (vec!["x".to_string(), "-m".into(), "m.gguf".into()], 0)
+        );
+        // A value is a value.
+        assert_eq!(v(&["x", "-p", "-ngl"]).0, ["x", "-p", "-ngl"]);
+        // Parsed as clap would see them: -ngl no longer reads as -n gl.
+        let run = crate::cli::Cli::parse_run(&["x", "-ngl", "99", "-n", "7"]).unwrap();
+        assert_eq!(run.n_predict, 7);
+        assert!(matches!(
+            crate::cli::Cli::parse_argv(["x", "-m", "m.gguf", "-cnv"])
+                .unwrap()
+                .cmd,
+            Some(crate::cli::Cmd::Chat(_))
+        ));
     }
 
     #[test]
