@@ -20,18 +20,18 @@
 //!   `hash_layer_count` layers route each token to the experts `ffn_gate_tid2eid` lists for
 //!   it ([`Arch::fixed_experts`]). Experts and the shared expert use ggml's `swiglu_clamp`.
 //!
-//! **Memory**: one row per position ([`LayerMemory::Latent`]) holding its raw key and, on a
-//! compressed layer, its compressor inputs (kv and scores) and — at a block's last position —
-//! the block's compressed row (and the indexer's). Everything is addressed by position, so a
-//! rollback or a kept prefix is a truncation as for any KV: llama.cpp keeps rings of the
-//! pending block instead (less memory; the same values).
+//! **Memory** ([`LayerMemory::Compressed`]): a ring of one row per position — its raw key
+//! and, on a compressed layer, its compressor inputs (kv and scores) — holding the window and
+//! the block being filled (plus a ring's slack for rollback), and one row per finished block:
+//! its compressed row (and the indexer's), computed once when the batch holding the block's
+//! last position runs.
 //!
 //! Not run: the MTP block (`nextn_predict_layers`; its layers are not loaded), image inputs.
 
 use super::blocks::{self, sigmoid, Compute, Glu, Rope, RopeKind};
 use super::layers::{norm_head, GluFfn};
 use super::meta::{self, moe_params, n_vocab, yarn_params, Meta};
-use super::state::{LayerMemory, State};
+use super::state::{KvSource, LayerMemory, State};
 use super::weights::{Loader, Mat};
 use super::{Arch, ArchError, Common, CommonLayer, Dims, Experts};
 use crate::dense::DenseMode;
@@ -250,22 +250,41 @@ impl HParams {
         }
     }
 
-    /// Where a memory row keeps what: see [`RowLayout`].
+    /// Where a memory row and a block row keep what: see [`RowLayout`].
     fn layout(&self, ratio: usize) -> RowLayout {
         let d = self.head_dim;
         let cw = self.comp_width(ratio);
-        let comp = if ratio == 0 { 0 } else { 2 * cw + d };
         let iw = if ratio == 4 { 2 * self.idx_dim } else { 0 };
-        let idx = if ratio == 4 { 2 * iw + self.idx_dim } else { 0 };
         RowLayout {
             kv: 0,
             comp_kv: d,
             comp_score: d + cw,
-            comp_row: d + 2 * cw,
-            idx_kv: d + comp,
-            idx_score: d + comp + iw,
-            idx_row: d + comp + 2 * iw,
-            width: d + comp + idx,
+            idx_kv: d + 2 * cw,
+            idx_score: d + 2 * cw + iw,
+            width: d + 2 * cw + 2 * iw,
+            comp_row: 0,
+            idx_row: d,
+            block_width: match ratio {
+                0 => 0,
+                4 => d + self.idx_dim,
+                _ => d,
+            },
+        }
+    }
+
+    /// The layer's memory: the ring holds the window and, on a compressed layer, the block
+    /// being filled (and for ratio 4 the one before it, which the overlap reads).
+    fn memory(&self, ratio: usize) -> LayerMemory {
+        let lay = self.layout(ratio);
+        let need = match ratio {
+            4 => 8,
+            r => r,
+        };
+        LayerMemory::Compressed {
+            width: lay.width,
+            window: self.n_swa.max(need),
+            ratio,
+            block_width: lay.block_width,
         }
     }
 }
@@ -299,19 +318,21 @@ fn compress_ratios(m: &Meta, blocks: usize) -> Result<Vec<usize>, ArchError> {
     Ok(r)
 }
 
-/// Offsets in a layer's memory row: the raw key (`kv`, `head_dim`); on a compressed layer the
-/// compressor's kv and scores of the position and, at a block's last position, the block's
-/// compressed row (`head_dim`); on a ratio-4 layer the same three for the indexer.
+/// Offsets in a layer's ring row (one per position): the raw key (`kv`, `head_dim`); on a
+/// compressed layer the compressor's kv and scores of the position; on a ratio-4 layer the
+/// indexer's compressor's too. And in a block row (one per finished block): the block's
+/// compressed row (`comp_row`, `head_dim`), and on ratio 4 the indexer's (`idx_row`).
 #[derive(Copy, Clone, Debug)]
 struct RowLayout {
     kv: usize,
     comp_kv: usize,
     comp_score: usize,
-    comp_row: usize,
     idx_kv: usize,
     idx_score: usize,
-    idx_row: usize,
     width: usize,
+    comp_row: usize,
+    idx_row: usize,
+    block_width: usize,
 }
 
 /// One sub-layer's hyper-connection weights (`hc_attn_*`, `hc_ffn_*`, or the head's).
@@ -434,7 +455,9 @@ struct RowAttn<'a> {
     hp: &'a HParams,
     lay: RowLayout,
     ratio: usize,
-    mem: &'a super::state::KvLayer,
+    /// The ring (and the batch's own rows) by position, and the finished blocks' rows.
+    src: &'a KvSource<'a>,
+    blocks: &'a [f32],
     q: &'a [f32],
     qi: &'a [f32],
     iwt: &'a [f32],
@@ -447,21 +470,23 @@ impl RowAttn<'_> {
     /// indexer's top-k of them, ties to the lower block), one softmax with the head's sink;
     /// the heads' outputs (`n_head × head_dim`, still roped) into `out`.
     fn row(&self, t: usize, p: usize, out: &mut [f32]) {
-        let (hp, lay, mem) = (self.hp, self.lay, self.mem);
+        let (hp, lay) = (self.hp, self.lay);
         let (hd, nh, ratio) = (hp.head_dim, hp.n_head, self.ratio);
-        let mut keys: Vec<(usize, usize)> = ((p + 1).saturating_sub(hp.n_swa)..=p)
-            .map(|k| (k, lay.kv))
-            .collect();
+        let bw = lay.block_width;
+        // A key: the raw row of a position, or a block's compressed row.
+        let raw = |k: usize| &self.src.key(k)[lay.kv..lay.kv + hd];
+        let block = |b: usize| &self.blocks[b * bw + lay.comp_row..b * bw + lay.comp_row + hd];
+        let mut keys: Vec<&[f32]> = ((p + 1).saturating_sub(hp.n_swa)..=p).map(raw).collect();
         if let Some(blocks_seen) = (p + 1).checked_div(ratio) {
             if ratio == 128 {
-                keys.extend((0..blocks_seen).map(|b| (b * ratio + ratio - 1, lay.comp_row)));
+                keys.extend((0..blocks_seen).map(block));
             } else if blocks_seen > 0 {
                 // The indexer: Σ_h w_h · ReLU(q_h · k_b) per finished block, its top-k.
                 let (idim, ih) = (hp.idx_dim, hp.idx_heads);
                 let wscale = 1.0 / ((idim * ih) as f32).sqrt();
                 let mut picked: Vec<(f32, usize)> = (0..blocks_seen)
                     .map(|b| {
-                        let kb = &mem.row(b * 4 + 3)[lay.idx_row..lay.idx_row + idim];
+                        let kb = &self.blocks[b * bw + lay.idx_row..b * bw + lay.idx_row + idim];
                         let mut s = 0f32;
                         for h in 0..ih {
                             let qh = &self.qi[(t * ih + h) * idim..(t * ih + h + 1) * idim];
@@ -473,7 +498,7 @@ impl RowAttn<'_> {
                     .collect();
                 picked.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
                 picked.truncate(hp.idx_top_k);
-                keys.extend(picked.iter().map(|&(_, b)| (b * 4 + 3, lay.comp_row)));
+                keys.extend(picked.iter().map(|&(_, b)| block(b)));
             }
         }
         let scale = 1.0 / (hd as f32).sqrt();
@@ -482,8 +507,7 @@ impl RowAttn<'_> {
         for h in 0..nh {
             let qh = &self.q[(t * nh + h) * hd..(t * nh + h + 1) * hd];
             scores.clear();
-            for &(k, off) in &keys {
-                let kr = &mem.row(k)[off..off + hd];
+            for &kr in &keys {
                 let dot: f32 = qh.iter().zip(kr).map(|(a, b)| a * b).sum();
                 scores.push(dot * scale);
             }
@@ -496,9 +520,8 @@ impl RowAttn<'_> {
             }
             let inv = (1.0 / sum) as f32;
             let o = &mut out[h * hd..(h + 1) * hd];
-            for (&(k, off), &s) in keys.iter().zip(scores.iter()) {
-                let kr = &mem.row(k)[off..off + hd];
-                for (a, &v) in o.iter_mut().zip(kr) {
+            for (kr, &s) in keys.iter().zip(scores.iter()) {
+                for (a, &v) in o.iter_mut().zip(kr.iter()) {
                     *a += s * inv * v;
                 }
             }
@@ -607,9 +630,7 @@ impl Deepseek4 {
                 hash,
             });
             common_layers.push(CommonLayer {
-                memory: LayerMemory::Latent {
-                    width: hp.layout(ratio).width,
-                },
+                memory: hp.memory(ratio),
                 moe: Some(moe),
             });
         }
@@ -752,15 +773,15 @@ impl Deepseek4 {
         }
     }
 
-    /// The compressed row of the block ending at batch position `p` (layer memory `mem`,
-    /// layout offsets `kv`/`score` of `width` channels, `half` = the row's width): a softmax
+    /// The compressed row of the block ending at batch position `p` (the rows of positions
+    /// read through `src`, layout offsets `kv`/`score`, `half` = the row's width): a softmax
     /// per channel over the block's positions (ratio 4: and the previous block's, read from
     /// the first half of the channels, the block's own from the second), RMS-normed and roped
     /// at the block's first position.
     #[allow(clippy::too_many_arguments)]
     fn compress(
         &self,
-        mem: &super::state::KvLayer,
+        src: &KvSource<'_>,
         p: usize,
         ratio: usize,
         (kv, score): (usize, usize),
@@ -779,14 +800,14 @@ impl Deepseek4 {
             vals.clear();
             if overlap && start >= ratio {
                 for q in start - ratio..start {
-                    let row = mem.row(q);
+                    let row = src.key(q);
                     w.push(row[score + c]);
                     vals.push(row[kv + c]);
                 }
             }
             let off = if overlap { half } else { 0 };
             for q in start..=p {
-                let row = mem.row(q);
+                let row = src.key(q);
                 w.push(row[score + off + c]);
                 vals.push(row[kv + off + c]);
             }
@@ -914,8 +935,9 @@ impl Deepseek4 {
         }
         let positions = st.positions.clone();
         let mem = st.mem[il].kv(il)?;
-        mem.source(il, &positions, &rows, &rows)?;
+        let (src, blocks) = mem.source_and_blocks(il, &positions, &rows)?;
         // Blocks the batch finishes: their compressed rows.
+        let bw = lay.block_width;
         if let Some(c) = &l.comp {
             let mut row = Vec::new();
             for &p in &positions {
@@ -923,8 +945,10 @@ impl Deepseek4 {
                 if !(p + 1).is_multiple_of(ratio) {
                     continue;
                 }
+                let b = p / ratio;
+                let dst = &mut blocks[b * bw..(b + 1) * bw];
                 self.compress(
-                    mem,
+                    &src,
                     p,
                     ratio,
                     (lay.comp_kv, lay.comp_score),
@@ -932,19 +956,12 @@ impl Deepseek4 {
                     &c.norm,
                     &mut row,
                 );
-                mem.row_mut(p)[lay.comp_row..lay.comp_row + hd].copy_from_slice(&row);
+                dst[lay.comp_row..lay.comp_row + hd].copy_from_slice(&row);
                 if let Some(ix) = &l.indexer {
                     let idim = hp.idx_dim;
-                    self.compress(
-                        mem,
-                        p,
-                        4,
-                        (lay.idx_kv, lay.idx_score),
-                        idim,
-                        &ix.comp.norm,
-                        &mut row,
-                    );
-                    mem.row_mut(p)[lay.idx_row..lay.idx_row + idim].copy_from_slice(&row);
+                    let k = (lay.idx_kv, lay.idx_score);
+                    self.compress(&src, p, 4, k, idim, &ix.comp.norm, &mut row);
+                    dst[lay.idx_row..lay.idx_row + idim].copy_from_slice(&row);
                 }
             }
         }
@@ -952,14 +969,14 @@ impl Deepseek4 {
         // then the compressed rows it sees.
         let mut att = vec![0f32; n * nh * hd];
         {
-            let mem: &super::state::KvLayer = mem;
-            let rows: Vec<std::sync::Mutex<&mut [f32]>> =
+            let out_rows: Vec<std::sync::Mutex<&mut [f32]>> =
                 att.chunks_mut(nh * hd).map(std::sync::Mutex::new).collect();
             let ctx = RowAttn {
                 hp,
                 lay,
                 ratio,
-                mem,
+                src: &src,
+                blocks,
                 q: &q,
                 qi: &qi,
                 iwt: &iwt,
@@ -967,10 +984,12 @@ impl Deepseek4 {
             };
             cx.pool.run(n, &|t| {
                 // Each task locks its own row only: never contended.
-                let mut out = rows[t].lock().unwrap_or_else(|e| e.into_inner());
+                let mut out = out_rows[t].lock().unwrap_or_else(|e| e.into_inner());
                 ctx.row(t, positions[t] as usize, &mut out);
             });
         }
+        // The ring keeps the batch's rows (the source's borrow ends here).
+        st.mem[il].kv(il)?.commit(&positions, &rows, &rows);
         // Undo the rope on each head's output (the inverse rotation at the query's position).
         for t in 0..n {
             rope.cache(positions[t], &mut cache);
@@ -1312,7 +1331,7 @@ mod tests {
     }
 
     #[test]
-    fn a_memory_row_holds_each_kind_of_layer_once() {
+    fn a_ring_row_and_a_block_row_hold_each_part_once() {
         let f = file_with(&[]);
         let m = Meta::new(&f, ARCH);
         assert_eq!(compress_ratios(&m, 4).unwrap(), [0, 4, 128, 4]);
@@ -1352,17 +1371,16 @@ mod tests {
             };
             h.layout(ratio)
         };
-        assert_eq!(hp(0).width, 64);
+        assert_eq!((hp(0).width, hp(0).block_width), (64, 0));
         let l = hp(128);
-        assert_eq!(
-            (l.comp_kv, l.comp_score, l.comp_row, l.width),
-            (64, 128, 192, 256)
-        );
+        assert_eq!((l.comp_kv, l.comp_score, l.width), (64, 128, 192));
+        assert_eq!((l.comp_row, l.block_width), (0, 64));
         let l = hp(4);
-        assert_eq!((l.comp_kv, l.comp_score, l.comp_row), (64, 192, 320));
         assert_eq!(
-            (l.idx_kv, l.idx_score, l.idx_row, l.width),
-            (384, 448, 512, 544)
+            (l.comp_kv, l.comp_score, l.idx_kv, l.idx_score),
+            (64, 192, 320, 384)
         );
+        assert_eq!(l.width, 448);
+        assert_eq!((l.comp_row, l.idx_row, l.block_width), (0, 64, 96));
     }
 }

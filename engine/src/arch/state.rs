@@ -36,6 +36,16 @@ pub enum LayerMemory {
     /// — the compressed latent and the roped shared key part — which is every head's key,
     /// and whose leading part is every head's value. Held once, not as keys and values.
     Latent { width: usize },
+    /// deepseek4's compressed attention: a ring of `width`-float rows (each position's raw key
+    /// — its value too — and its compressor inputs) holding `window` positions plus the slack a
+    /// turn may roll back, beside one `block_width`-float row per finished block of `ratio`
+    /// positions (the block's compressed rows), addressed by block. `ratio` 0: no blocks.
+    Compressed {
+        width: usize,
+        window: usize,
+        ratio: usize,
+        block_width: usize,
+    },
     /// A recurrent layer's state, which folds every position fed into a fixed size and so
     /// cannot be rolled back: a short causal convolution's last inputs and, for a gated
     /// delta-rule layer, one state matrix per head (see [`RecurrentShape`]).
@@ -81,6 +91,11 @@ pub struct KvLayer {
     slot_pos: Vec<u32>,
     /// A latent memory ([`LayerMemory::Latent`]): keys only, read back as values too.
     latent: bool,
+    /// A compressed memory's blocks ([`LayerMemory::Compressed`]): `block_width` floats per
+    /// block of `ratio` positions (empty otherwise).
+    blocks: Vec<f32>,
+    block_width: usize,
+    ratio: usize,
 }
 
 /// Where attention reads a position's key and value: the layer's memory, or — for the
@@ -177,6 +192,16 @@ impl LayerMemory {
                 8 * (cap * n_head_kv * head_dim) as u64
             }
             LayerMemory::Latent { width } => 4 * (n_ctx * width) as u64,
+            LayerMemory::Compressed {
+                width,
+                window,
+                ratio,
+                block_width,
+            } => {
+                let (cap, _) = capacity(MemoryKind::Ring { window }, n_ctx, RING_SLACK);
+                let blocks = n_ctx.checked_div(ratio).unwrap_or(0);
+                4 * (cap * width + blocks * block_width) as u64
+            }
             LayerMemory::Recurrent(r) => {
                 let (conv, state) = r.lens();
                 2 * 4 * (conv + state) as u64
@@ -219,6 +244,9 @@ impl KvLayer {
                 MemoryKind::Full => Vec::new(),
             },
             latent: false,
+            blocks: Vec::new(),
+            block_width: 0,
+            ratio: 0,
         }
     }
 
@@ -232,23 +260,101 @@ impl KvLayer {
             v: Vec::new(),
             slot_pos: Vec::new(),
             latent: true,
+            blocks: Vec::new(),
+            block_width: 0,
+            ratio: 0,
+        }
+    }
+
+    /// A compressed memory ([`LayerMemory::Compressed`]): a latent ring and its blocks.
+    fn compressed(
+        width: usize,
+        window: usize,
+        ratio: usize,
+        block_width: usize,
+        n_ctx: usize,
+    ) -> KvLayer {
+        let (cap, kind) = capacity(MemoryKind::Ring { window }, n_ctx, RING_SLACK);
+        let n_blocks = n_ctx.checked_div(ratio).unwrap_or(0);
+        KvLayer {
+            kind,
+            kv_dim: width,
+            cap,
+            k: vec![0.0; cap * width],
+            v: Vec::new(),
+            slot_pos: vec![u32::MAX; cap],
+            latent: true,
+            blocks: vec![0.0; n_blocks * block_width],
+            block_width,
+            ratio,
         }
     }
 
     /// Bytes this layer holds.
     pub fn bytes(&self) -> usize {
-        4 * (self.k.len() + self.v.len())
+        4 * (self.k.len() + self.v.len() + self.blocks.len())
     }
 
-    /// A full memory's key row at `pos` (a latent memory's whole row), to read.
-    pub fn row(&self, pos: usize) -> &[f32] {
-        &self.k[pos * self.kv_dim..(pos + 1) * self.kv_dim]
+    /// A compressed memory's source for the batch, as [`KvLayer::source`] gives a ring's (the
+    /// batch's rows read from `batch` until [`KvLayer::commit`] stores them), and beside it
+    /// the block rows, to write the blocks the batch finishes (`block_width` floats each).
+    pub fn source_and_blocks<'a>(
+        &'a mut self,
+        layer: usize,
+        positions: &[u32],
+        batch: &'a [f32],
+    ) -> Result<(KvSource<'a>, &'a mut [f32]), ArchError> {
+        let first = self.ring_first(layer, positions)?;
+        let KvLayer {
+            k,
+            kv_dim,
+            cap,
+            blocks,
+            ..
+        } = self;
+        Ok((
+            KvSource::Ring {
+                k,
+                v: k,
+                kv_dim: *kv_dim,
+                cap: *cap,
+                batch_k: batch,
+                batch_v: batch,
+                first,
+            },
+            blocks,
+        ))
     }
 
-    /// A full memory's key row at `pos`, to complete after [`KvLayer::source`] stored it
-    /// (deepseek4 writes a block's compressed row into the row of its last position).
-    pub fn row_mut(&mut self, pos: usize) -> &mut [f32] {
-        &mut self.k[pos * self.kv_dim..(pos + 1) * self.kv_dim]
+    /// A ring layer's checks before a batch: consecutive positions, and the window before the
+    /// first still held. The first position.
+    fn ring_first(&self, layer: usize, positions: &[u32]) -> Result<usize, ArchError> {
+        let MemoryKind::Ring { window } = self.kind else {
+            return Err(ring_err(layer, "is not a ring".into()));
+        };
+        let first = positions.first().copied().unwrap_or(0) as usize;
+        if positions
+            .iter()
+            .enumerate()
+            .any(|(r, &p)| p as usize != first + r)
+        {
+            return Err(ring_err(
+                layer,
+                "a sliding-window layer needs the batch's positions consecutive".into(),
+            ));
+        }
+        if !self.holds_window_before(first) {
+            let q = (first.saturating_sub(window - 1)..first)
+                .find(|&q| self.slot_pos[q % self.cap] != q as u32)
+                .unwrap_or(first);
+            return Err(ring_err(
+                layer,
+                format!(
+                    "its ring no longer holds position {q} (the window before position {first}); re-run the prompt"
+                ),
+            ));
+        }
+        Ok(first)
     }
 
     /// Take the batch's keys and values (`positions.len()` rows of `kv_dim`) and give the
@@ -286,33 +392,12 @@ impl KvLayer {
                     kv_dim: d,
                 })
             }
-            MemoryKind::Ring { window } => {
-                let first = positions.first().copied().unwrap_or(0) as usize;
-                if positions
-                    .iter()
-                    .enumerate()
-                    .any(|(r, &p)| p as usize != first + r)
-                {
-                    return Err(ring_err(
-                        layer,
-                        "a sliding-window layer needs the batch's positions consecutive".into(),
-                    ));
-                }
+            MemoryKind::Ring { .. } => {
                 // The first row looks back furthest: window − 1 positions before it.
-                if !self.holds_window_before(first) {
-                    let q = (first.saturating_sub(window - 1)..first)
-                        .find(|&q| self.slot_pos[q % self.cap] != q as u32)
-                        .unwrap_or(first);
-                    return Err(ring_err(
-                        layer,
-                        format!(
-                            "its ring no longer holds position {q} (the window before position {first}); re-run the prompt"
-                        ),
-                    ));
-                }
+                let first = self.ring_first(layer, positions)?;
                 Ok(KvSource::Ring {
                     k: &self.k,
-                    v: &self.v,
+                    v: if self.latent { &self.k } else { &self.v },
                     kv_dim: d,
                     cap: self.cap,
                     batch_k,
@@ -342,7 +427,9 @@ impl KvLayer {
         for (r, &p) in positions.iter().enumerate().skip(skip) {
             let s = p as usize % self.cap;
             self.k[s * d..(s + 1) * d].copy_from_slice(&batch_k[r * d..(r + 1) * d]);
-            self.v[s * d..(s + 1) * d].copy_from_slice(&batch_v[r * d..(r + 1) * d]);
+            if !self.latent {
+                self.v[s * d..(s + 1) * d].copy_from_slice(&batch_v[r * d..(r + 1) * d]);
+            }
             self.slot_pos[s] = p;
         }
     }
@@ -565,6 +652,18 @@ impl Memory {
                 head_dim,
             } => Memory::Kv(KvLayer::new(kind, n_head_kv * head_dim, n_ctx)),
             LayerMemory::Latent { width } => Memory::Kv(KvLayer::latent(width, n_ctx)),
+            LayerMemory::Compressed {
+                width,
+                window,
+                ratio,
+                block_width,
+            } => Memory::Kv(KvLayer::compressed(
+                width,
+                window,
+                ratio,
+                block_width,
+                n_ctx,
+            )),
             LayerMemory::Recurrent(r) => Memory::Recurrent(RecurrentLayer::new(r)),
             LayerMemory::None => Memory::None,
         }
@@ -640,6 +739,8 @@ struct LayerSnap {
     v: Vec<f32>,
     /// Ring layers: the position of each kept slot (`u32::MAX` = not kept).
     slot_pos: Vec<u32>,
+    /// Compressed layers: the rows of the blocks finished below the snapshot's length.
+    blocks: Vec<f32>,
     /// Recurrent layers: the state after the snapshot's last position.
     conv: Vec<f32>,
     state: Vec<f32>,
@@ -658,7 +759,11 @@ impl KvSnapshot {
         self.layers
             .iter()
             .map(|l| {
-                (l.k.capacity() + l.v.capacity() + l.conv.capacity() + l.state.capacity())
+                (l.k.capacity()
+                    + l.v.capacity()
+                    + l.blocks.capacity()
+                    + l.conv.capacity()
+                    + l.state.capacity())
                     * std::mem::size_of::<f32>()
                     + l.slot_pos.capacity() * std::mem::size_of::<u32>()
             })
@@ -691,9 +796,15 @@ impl KvLayer {
                 }));
             }
         }
+        into.blocks.clear();
+        if let Some(done) = n.checked_div(self.ratio) {
+            into.blocks
+                .extend_from_slice(&self.blocks[..done * self.block_width]);
+        }
         // Hold what this snapshot needs, not what a longer earlier one did.
         into.k.shrink_to_fit();
         into.v.shrink_to_fit();
+        into.blocks.shrink_to_fit();
     }
 
     fn restore(&mut self, n: usize, snap: &LayerSnap) -> bool {
@@ -716,6 +827,11 @@ impl KvLayer {
                 self.slot_pos.copy_from_slice(&snap.slot_pos);
             }
         }
+        let done = n.checked_div(self.ratio).unwrap_or(0);
+        if snap.blocks.len() != done * self.block_width {
+            return false;
+        }
+        self.blocks[..snap.blocks.len()].copy_from_slice(&snap.blocks);
         true
     }
 }
@@ -726,6 +842,7 @@ impl Memory {
     fn snapshot(&self, layer: usize, n: usize, into: &mut LayerSnap) -> Result<(), ArchError> {
         into.conv.clear();
         into.state.clear();
+        into.blocks.clear();
         match self {
             Memory::Kv(kv) => kv.snapshot(n, into),
             Memory::Recurrent(r) => {
