@@ -335,9 +335,9 @@ pub(crate) fn leading_dense(
     Ok((n_dense_lead, n_ff))
 }
 
-/// A per-layer SwiGLU limit list (bailingmoe3, deepseek4) (a number for every layer, or an array of at least
-/// `n_layer`: the converter writes one per block, the MTP block's included); absent, 0 for
-/// every layer.
+/// A per-layer SwiGLU limit list of bailingmoe3 or deepseek4: a number for every layer, or an
+/// array of at least `n_layer` (the converter writes one per block, the MTP block's included);
+/// absent, 0 for every layer.
 pub(crate) fn swiglu_limits(m: &Meta, key: &str, n_layer: usize) -> Result<Vec<f32>, ArchError> {
     let Some(v) = m.get(key) else {
         return Ok(vec![0.0; n_layer]);
