@@ -760,17 +760,26 @@ impl Deepseek4 {
     /// The streams after a sub-layer of output `f`: `X'_dst = post_dst·f + Σ_src comb·X_src`.
     fn expand(&self, streams: &mut [f32], f: &[f32], post: &[f32], comb: &[f32]) {
         let d = self.hp.d_model;
-        let old = streams.to_vec();
-        for dst in 0..HC {
-            let out = &mut streams[dst * d..(dst + 1) * d];
-            for (e, o) in out.iter_mut().enumerate() {
-                let mut v = f[e] * post[dst];
-                for src in 0..HC {
-                    v += old[src * d + e] * comb[dst + HC * src];
+        for (e, &fe) in f.iter().enumerate().take(d) {
+            // The element's old value in every stream, then its new one in each.
+            let old: [f32; HC] = std::array::from_fn(|s| streams[s * d + e]);
+            for dst in 0..HC {
+                let mut v = fe * post[dst];
+                for (src, &x) in old.iter().enumerate() {
+                    v += x * comb[dst + HC * src];
                 }
-                *o = v;
+                streams[dst * d + e] = v;
             }
         }
+    }
+
+    /// The streams of `rows` (batch row indices), one `hc·d` row each.
+    fn gather(&self, streams: &[f32], rows: &[u32]) -> Vec<f32> {
+        let wide = HC * self.hp.d_model;
+        rows.iter()
+            .flat_map(|&r| &streams[r as usize * wide..(r as usize + 1) * wide])
+            .copied()
+            .collect()
     }
 
     /// The compressed row of the block ending at batch position `p` (the rows of positions
@@ -1046,11 +1055,7 @@ impl Deepseek4 {
     ) -> Result<(), ArchError> {
         let (d, m) = (self.hp.d_model, rows.len());
         let wide = HC * d;
-        let mut flat = vec![0f32; m * wide];
-        for (i, &r) in rows.iter().enumerate() {
-            let r = r as usize;
-            flat[i * wide..(i + 1) * wide].copy_from_slice(&st.streams[r * wide..(r + 1) * wide]);
-        }
+        let flat = self.gather(&st.streams, rows);
         let mut mixes = Vec::new();
         self.mixes(cx, st, w, &flat, m, &mut mixes)?;
         out.resize(m * d, 0.0);
@@ -1070,21 +1075,19 @@ impl Deepseek4 {
     }
 
     /// The streams of `rows` after a sub-layer whose output rows are `f`, mixed by `keep`.
-    fn post(&self, st: &mut State, rows: &[u32], f: &[f32], keep: &[f32]) {
+    fn post(&self, streams: &mut [f32], rows: &[u32], f: &[f32], keep: &[f32]) {
         let d = self.hp.d_model;
         let wide = HC * d;
         let kw = HC + HC * HC;
         for (i, &r) in rows.iter().enumerate() {
             let r = r as usize;
             let k = &keep[i * kw..(i + 1) * kw];
-            let mut s = std::mem::take(&mut st.streams);
             self.expand(
-                &mut s[r * wide..(r + 1) * wide],
+                &mut streams[r * wide..(r + 1) * wide],
                 &f[i * d..(i + 1) * d],
                 &k[..HC],
                 &k[HC..],
             );
-            st.streams = s;
         }
     }
 }
@@ -1119,9 +1122,7 @@ impl Arch for Deepseek4 {
         st.mark(il, "RMS_NORM", "attn_norm");
         self.attention(cx, st, il)?;
         st.mark(il, "ATTN", "attn");
-        let out = std::mem::take(&mut st.out);
-        self.post(st, &all, &out, &keep);
-        st.out = out;
+        self.post(&mut st.streams, &all, &st.out, &keep);
         // The FFN's input: the pre-mix of the FFN rows, normed.
         let rows = st.ffn_rows.clone();
         let mut mix = std::mem::take(&mut st.stream_mix);
@@ -1161,14 +1162,10 @@ impl Arch for Deepseek4 {
         let d = self.hp.d_model;
         let rows = st.ffn_rows.clone();
         let m = rows.len() * d;
-        let mut f = std::mem::take(&mut st.moe_out);
-        for (a, &b) in f[..m].iter_mut().zip(&st.side[..m]) {
+        for (a, &b) in st.moe_out[..m].iter_mut().zip(&st.side[..m]) {
             *a += b;
         }
-        let mix = std::mem::take(&mut st.stream_mix);
-        self.post(st, &rows, &f, &mix);
-        st.stream_mix = mix;
-        st.moe_out = f;
+        self.post(&mut st.streams, &rows, &st.moe_out, &st.stream_mix);
         Ok(())
     }
 
@@ -1178,11 +1175,7 @@ impl Arch for Deepseek4 {
         let wide = HC * d;
         let rows = st.out_rows.clone();
         let m = rows.len();
-        let mut flat = vec![0f32; m * wide];
-        for (i, &r) in rows.iter().enumerate() {
-            let r = r as usize;
-            flat[i * wide..(i + 1) * wide].copy_from_slice(&st.streams[r * wide..(r + 1) * wide]);
-        }
+        let flat = self.gather(&st.streams, &rows);
         let mut mixes = Vec::new();
         self.mixes(cx, st, &self.head_hc, &flat, m, &mut mixes)?;
         let w = &self.head_hc;
