@@ -687,7 +687,8 @@ impl Deepseek4 {
         mixes: &mut Vec<f32>,
     ) -> Result<(), ArchError> {
         let wide = HC * self.hp.d_model;
-        let normed = &mut st.scratch.tmp;
+        let State { scratch, .. } = st;
+        let normed = &mut scratch.tmp;
         normed.resize(rows * wide, 0.0);
         for (src, dst) in flat
             .chunks_exact(wide)
@@ -697,10 +698,7 @@ impl Deepseek4 {
             blocks::rms_norm(src, None, self.hp.rms_eps, dst);
         }
         mixes.resize(rows * w.base.len(), 0.0);
-        let normed = std::mem::take(&mut st.scratch.tmp);
-        let r = cx.mat_rows(&w.mix, &normed, rows, &mut st.scratch.acts, mixes);
-        st.scratch.tmp = normed;
-        r
+        cx.mat_rows(&w.mix, &scratch.tmp, rows, &mut scratch.acts, mixes)
     }
 
     /// One row's `pre` weights, `post` weights and Sinkhorn-normalised `comb[dst + hc·src]`
