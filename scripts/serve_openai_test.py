@@ -373,6 +373,8 @@ def run(a, srv):
         r = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=8, temperature=0, stop=[stop])
         check(r.choices[0].text == text[: text.index(stop)] and r.choices[0].finish_reason == "stop", f"stop {stop!r} cuts the text before it")
 
+    surface(client, srv)
+
     # Still serving; /metrics parsed.
     r = client.chat.completions.create(model="tiny", messages=user, max_tokens=3)
     check(r.choices[0].message.content is not None, "the server still serves after every bad input")
@@ -385,6 +387,158 @@ def run(a, srv):
     check(metric(m, "bmoe_decode_tokens_per_second") > 0, "/metrics has the decode rate")
     check(metric(m, "bmoe_requests_rejected_busy_total") >= 2, "/metrics counts the 503s")
     check(metric(m, "bmoe_requests_in_flight") == 0, "nothing is left in flight")
+
+
+def repeats(ids):
+    return len(ids) - len(set(ids))
+
+
+def surface(client, srv):
+    """The request surface past the basics (issue 35, item 3): log-probabilities, n choices,
+    the penalties, logit_bias, min_p; and a 400 naming each field this server does not honour."""
+    user = [{"role": "user", "content": "Tell me about the river."}]
+    plain = client.chat.completions.create(model="tiny", messages=user, max_tokens=24, temperature=0)
+    r = client.chat.completions.create(
+        model="tiny", messages=user, max_tokens=24, temperature=0, logprobs=True, top_logprobs=3
+    )
+    check(r.choices[0].message.content == plain.choices[0].message.content, "asking for logprobs leaves the answer as it was")
+    lps = r.choices[0].logprobs.content
+    check(len(lps) == r.usage.completion_tokens, f"one logprob per answer token ({len(lps)})")
+    check(all(len(e.top_logprobs) == 3 for e in lps), "top_logprobs: 3 alternatives each")
+    check(all(e.logprob <= 0 for e in lps), "log-probabilities are <= 0")
+    check(all(e.top_logprobs[i].logprob >= e.top_logprobs[i + 1].logprob for e in lps for i in range(2)), "alternatives come most likely first")
+    # Greedy: the chosen token is the most likely one.
+    check(all(abs(e.logprob - e.top_logprobs[0].logprob) < 1e-6 and e.token == e.top_logprobs[0].token for e in lps), "greedy picks the top alternative")
+    check(all(bytes(e.bytes) == e.token.encode() for e in lps if "\ufffd" not in e.token), "bytes are the token's text")
+    ids = [e.model_extra["id"] for e in lps]
+    stream = client.chat.completions.create(
+        model="tiny", messages=user, max_tokens=24, temperature=0, logprobs=True, top_logprobs=3, stream=True
+    )
+    streamed = [e for c in stream for ch in c.choices if ch.logprobs and ch.logprobs.content for e in ch.logprobs.content]
+    check([(e.token, round(e.logprob, 5)) for e in streamed] == [(e.token, round(e.logprob, 5)) for e in lps], "streamed logprobs equal the plain response's")
+
+    # Legacy completions: logprobs as parallel lists.
+    c = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=8, temperature=0, logprobs=2)
+    lp = c.choices[0].logprobs
+    check(len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == c.usage.completion_tokens, "legacy logprobs: one entry per token")
+    check(all(len(t) == 2 for t in lp.top_logprobs), "legacy top_logprobs: 2 alternatives each")
+    check(lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0, "legacy text_offset counts up from 0")
+    sc = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=8, temperature=0, logprobs=2, stream=True)
+    check([t for ch in sc if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.tokens] == lp.tokens, "streamed legacy logprobs list the same tokens")
+
+    # n choices: each seeded from the request's seed plus its index, reproducible.
+    def sampled(n, seed):
+        r = client.chat.completions.create(model="tiny", messages=user, max_tokens=12, temperature=1.0, seed=seed, n=n)
+        return r, [ch.message.content for ch in sorted(r.choices, key=lambda ch: ch.index)]
+    r3, three = sampled(3, 7)
+    check([ch.index for ch in r3.choices] == [0, 1, 2], "n=3 answers three choices")
+    per_choice = [t["tokens"] for t in r3.model_extra["bmoe"]]
+    check(len(per_choice) == 3 and r3.usage.completion_tokens == sum(per_choice), f"usage sums the choices' tokens {per_choice}")
+    check(sampled(3, 7)[1] == three, "the same seed gives the same three choices")
+    check(sampled(1, 7)[1] == three[:1], "choice 0 of n=3 is the n=1 answer of the same seed")
+    check(len(set(three)) > 1, "sampled choices differ")
+    g = client.chat.completions.create(model="tiny", messages=user, max_tokens=24, temperature=0, n=2)
+    check([ch.message.content for ch in g.choices] == [plain.choices[0].message.content] * 2, "greedy n=2 repeats the greedy answer")
+    check(isinstance(g.model_extra["bmoe"], list) and len(g.model_extra["bmoe"]) == 2, "n=2: the telemetry is a list of two")
+    parts = {}
+    for chunk in client.chat.completions.create(model="tiny", messages=user, max_tokens=24, temperature=0, n=2, stream=True):
+        for ch in chunk.choices:
+            parts[ch.index] = parts.get(ch.index, "") + (ch.delta.content or "")
+    check(parts == {0: plain.choices[0].message.content, 1: plain.choices[0].message.content}, "streamed n=2: each index carries its whole answer")
+
+    # Penalties and biases.
+    neutral = client.chat.completions.create(
+        model="tiny", messages=user, max_tokens=24, temperature=0,
+        presence_penalty=0, frequency_penalty=0, extra_body={"repeat_penalty": 1.0, "min_p": 0.05},
+    )
+    check(neutral.choices[0].message.content == plain.choices[0].message.content, "neutral penalties (and min_p, greedy) change nothing")
+    # The additive penalties, checked token by token: each choice is the argmax of the raw
+    # log-probabilities (top 20) minus count*frequency + presence over the last repeat_last_n
+    # tokens of the prompt (from /tokenize) and the answer so far.
+    text = ("The river runs past the old mill, under the stone bridge, through the town where the "
+            "baker and the smith trade stories about the flood of the last spring and the one before it.")
+    st, body, _ = srv.request("POST", "/tokenize", {"content": text, "add_special": True})
+    check(st == 200, "/tokenize answers")
+    prompt_ids = json.loads(body)["tokens"]
+    last_n = 64
+    for presence, frequency in [(0.3, 0.0), (0.0, 0.3)]:
+        window = list(prompt_ids)
+        pc = client.completions.create(
+            model="tiny", prompt=text, max_tokens=64, temperature=0, logprobs=20,
+            presence_penalty=presence, frequency_penalty=frequency, extra_body={"repeat_last_n": last_n},
+        )
+        steps = pc.choices[0].logprobs.model_extra["content"]
+        flips, decided = 0, 0
+        for e in steps:
+            recent = window[-last_n:]
+            scored = sorted(
+                ((t["logprob"] - (recent.count(t["id"]) * frequency + presence if t["id"] in recent else 0.0), -t["id"], t["id"])
+                 for t in e["top_logprobs"]),
+                reverse=True,
+            )
+            # Decided within the top 20 when the winner still beats the 20th raw log-probability.
+            if scored[0][0] >= e["top_logprobs"][-1]["logprob"]:
+                decided += 1
+                if scored[0][2] != e["id"]:
+                    fail(f"penalised greedy chose {e['id']}, the formula says {scored[0][2]}")
+            flips += e["id"] != e["top_logprobs"][0]["id"]
+            window.append(e["id"])
+        print(f"   presence {presence}, frequency {frequency}: {decided} of {len(steps)} steps decided within the top 20, {flips} chose other than the raw top token")
+        check(decided >= len(steps) // 2 and flips > 0, f"presence_penalty {presence} frequency_penalty {frequency} follow OpenAI's formula over the window")
+    raw = client.completions.create(model="tiny", prompt=text, max_tokens=32, temperature=0)
+    pen = client.completions.create(model="tiny", prompt=text, max_tokens=32, temperature=0, extra_body={"repeat_penalty": 3.0})
+    check(pen.choices[0].text != raw.choices[0].text, "repeat_penalty changes the greedy answer")
+    banned = max(set(ids), key=ids.count)
+    b = client.chat.completions.create(
+        model="tiny", messages=user, max_tokens=24, temperature=0, logprobs=True, logit_bias={str(banned): -100}
+    )
+    b_ids = [e.model_extra["id"] for e in b.choices[0].logprobs.content]
+    check(banned not in b_ids, f"logit_bias -100 bans token {banned} (it appeared {ids.count(banned)}x before)")
+    st, body, _ = srv.request("POST", "/v1/chat/completions", {"messages": user, "logit_bias": {"999999999": 1}})
+    check(error_of(st, body, 400, "outside the vocabulary", "logit_bias"), "a logit_bias id past the vocabulary is 400")
+
+    # /tokenize, /detokenize, /props, /v1/models/{id}.
+    st, body, _ = srv.request("POST", "/tokenize", {"content": "Once upon a time", "with_pieces": True})
+    pieces = json.loads(body)["tokens"]
+    check(st == 200 and "".join(p["piece"] for p in pieces) == "Once upon a time", "/tokenize with_pieces: the pieces spell the text")
+    st, body, _ = srv.request("POST", "/detokenize", {"tokens": [p["id"] for p in pieces]})
+    check(st == 200 and json.loads(body)["content"] == "Once upon a time", "/detokenize inverts /tokenize")
+    st, body, _ = srv.request("POST", "/detokenize", {"tokens": [1, 99999999]})
+    check(error_of(st, body, 400, "outside the vocabulary", "tokens"), "/detokenize of an id past the vocabulary is 400")
+    st, body, _ = srv.request("POST", "/tokenize", {"text": "x"})
+    check(error_of(st, body, 400, "missing", "content"), "/tokenize without content is 400")
+    st, body, _ = srv.request("GET", "/props")
+    props = json.loads(body)
+    check(st == 200 and props["n_ctx"] == CTX and props["total_slots"] == 1 and "default_generation_settings" in props, "/props describes the model and defaults")
+    mid = client.models.list().data[0].id
+    check(client.models.retrieve(mid).id == mid, "/v1/models/{id} answers the served model")
+    try:
+        client.models.retrieve("no-such-model")
+        fail("/v1/models/no-such-model answered")
+    except openai.NotFoundError:
+        check(True, "/v1/models/{other} is 404")
+
+    # What is not honoured is a 400 naming the field, never a silent 200.
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}
+    for what, extra, param in [
+        ("tools", {"tools": [tool]}, "tools"),
+        ("tool_choice", {"tool_choice": "required"}, "tool_choice"),
+        ("response_format json_object", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("grammar", {"grammar": "root ::= \"a\""}, "grammar"),
+        ("mirostat", {"mirostat": 2}, "mirostat"),
+        ("top_logprobs without logprobs", {"top_logprobs": 2}, "top_logprobs"),
+    ]:
+        try:
+            client.chat.completions.create(model="tiny", messages=user, max_tokens=2, extra_body=extra)
+            fail(f"{what}: answered 200")
+        except openai.BadRequestError as e:
+            check(e.status_code == 400 and (e.body or {}).get("param") == param, f"{what}: 400 naming {param}")
+    for what, extra, param in [("best_of", {"best_of": 3}, "best_of"), ("suffix", {"suffix": "end"}, "suffix")]:
+        try:
+            client.completions.create(model="tiny", prompt="a", max_tokens=2, extra_body=extra)
+            fail(f"{what}: answered 200")
+        except openai.BadRequestError as e:
+            check((e.body or {}).get("param") == param, f"legacy {what}: 400 naming {param}")
 
 
 if __name__ == "__main__":

@@ -493,6 +493,11 @@ pub struct ChatFormat {
 }
 
 impl ChatFormat {
+    /// The template's Jinja source.
+    pub fn source(&self) -> &str {
+        self.template.source()
+    }
+
     /// `template` for a model whose vocabulary does (or does not) declare a `<think>` pair.
     pub fn new(template: ChatTemplate, vocab_declares_think: bool) -> ChatFormat {
         let think_ctl = template.think_control_for_vocab(vocab_declares_think);

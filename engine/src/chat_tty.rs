@@ -252,15 +252,11 @@ pub fn chat(mut a: ChatArgs) -> Result<i32> {
             }
         };
         let opts = TurnOptions {
-            sampler: crate::sample::SamplerConfig {
-                temp: args.temp,
-                top_k: args.top_k,
-                top_p: args.top_p,
-                seed: args.seed.wrapping_add(u64::from(turns)),
-            },
+            sampler: args.sampler_config(args.seed.wrapping_add(u64::from(turns))),
             stop: Vec::new(),
             speculation: args.ngram.then(|| conv.ngram_params()),
             head_drafts: args.mtp,
+            logprobs: None,
         };
         let mut printer = Printer {
             out: std::io::stdout(),

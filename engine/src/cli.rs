@@ -125,6 +125,24 @@ pub struct RunArgs {
     /// Top-p cutoff when sampling
     #[arg(long = "top-p", default_value_t = 0.95)]
     pub top_p: f32,
+    /// Min-p cutoff when sampling: keep tokens at least this times as likely as the most
+    /// likely one (at temperature 1); 0 = off
+    #[arg(long = "min-p", default_value_t = 0.0, value_parser = crate::prompt::parse_unit)]
+    pub min_p: f32,
+    /// Divide the logit of a token seen in the last --repeat-last-n tokens by this (multiply
+    /// a negative one); 1 = off. As llama.cpp's; also applies to greedy decoding
+    #[arg(long = "repeat-penalty", default_value_t = 1.0, value_parser = crate::prompt::parse_penalty_factor)]
+    pub repeat_penalty: f32,
+    /// How many recent tokens (the prompt's tail, then the answer) the penalties look at
+    #[arg(long = "repeat-last-n", default_value_t = 64)]
+    pub repeat_last_n: usize,
+    /// Subtract this from the logit of every token seen in the last --repeat-last-n tokens;
+    /// 0 = off
+    #[arg(long = "presence-penalty", default_value_t = 0.0, allow_negative_numbers = true, value_parser = crate::prompt::parse_additive_penalty)]
+    pub presence_penalty: f32,
+    /// Subtract this times its count there from a token's logit; 0 = off
+    #[arg(long = "frequency-penalty", default_value_t = 0.0, allow_negative_numbers = true, value_parser = crate::prompt::parse_additive_penalty)]
+    pub frequency_penalty: f32,
     /// Sampling seed (reproducible per seed); -1 = a random seed, drawn once and reported on
     /// stderr and in the --csv preamble
     #[arg(long, default_value = "-1", value_parser = crate::prompt::parse_seed, allow_negative_numbers = true)]
@@ -263,6 +281,24 @@ pub enum PrefixCacheMode {
 }
 
 impl RunArgs {
+    /// The sampling flags, seeded with `seed`.
+    pub fn sampler_config(&self, seed: u64) -> crate::sample::SamplerConfig {
+        crate::sample::SamplerConfig {
+            temp: self.temp,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            seed,
+            penalties: crate::sample::Penalties {
+                repeat: self.repeat_penalty,
+                frequency: self.frequency_penalty,
+                presence: self.presence_penalty,
+                last_n: self.repeat_last_n,
+            },
+            logit_bias: Vec::new(),
+        }
+    }
+
     /// `--compute-trace` or `--compute-trace-layers`: the granularity and the path.
     pub fn compute_trace(&self) -> Option<(crate::optrace::Granularity, &Path)> {
         use crate::optrace::Granularity;

@@ -93,6 +93,44 @@ pub struct TurnOptions {
     pub speculation: Option<bmoe_core::speculate::NgramParams>,
     /// `--mtp` for this turn (a conversation opened with `--mtp` only).
     pub head_drafts: bool,
+    /// Report each answer token's log-probability with this many alternatives.
+    pub logprobs: Option<usize>,
+}
+
+/// One answer token's log-probability, and its most likely alternatives', as OpenAI reports
+/// them: the token's text (lossy where it ends inside a character) and its exact bytes.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Logprob {
+    pub id: u32,
+    pub token: String,
+    pub bytes: Vec<u8>,
+    pub logprob: f32,
+    /// (id, text, bytes, log-probability), most likely first.
+    pub top: Vec<(u32, String, Vec<u8>, f32)>,
+}
+
+impl Logprob {
+    fn new(tok: &Tokenizer, lp: &crate::sample::TokenLogprob) -> Logprob {
+        let text = |id: u32| {
+            let b = tok.token_bytes(id);
+            (String::from_utf8_lossy(&b).into_owned(), b)
+        };
+        let (token, bytes) = text(lp.id);
+        Logprob {
+            id: lp.id,
+            token,
+            bytes,
+            logprob: lp.logprob,
+            top: lp
+                .top
+                .iter()
+                .map(|&(id, l)| {
+                    let (t, b) = text(id);
+                    (id, t, b, l)
+                })
+                .collect(),
+        }
+    }
 }
 
 /// Where a turn's text goes as it grows.
@@ -106,6 +144,9 @@ pub trait Listener {
     }
     /// A token was generated (`n` so far this turn).
     fn token(&mut self, _n: u32) {}
+    /// The token just generated, with the turn's `logprobs`: its log-probability (before
+    /// the `delta` that carries its text, which a stop string may hold back).
+    fn logprob(&mut self, _lp: &Logprob) {}
 }
 
 /// What a turn did.
@@ -123,6 +164,8 @@ pub struct Finished {
     pub summary: RunSummary,
     /// A failed step's error (`stop == Failed`).
     pub error: Option<String>,
+    /// Each answer token's, with the turn's `logprobs` (empty otherwise).
+    pub logprobs: Vec<Logprob>,
 }
 
 impl Finished {
@@ -153,7 +196,7 @@ impl Finished {
 /// The loaded model and its warm session.
 pub struct Conversation {
     session: Session<crate::flash::MonotonicClock, crate::stream::Device, EngineBackend>,
-    tok: Tokenizer,
+    tok: std::sync::Arc<Tokenizer>,
     n_vocab: usize,
     format: Option<ChatFormat>,
     sinks: Sinks,
@@ -191,7 +234,7 @@ impl Conversation {
         let session = Session::new(engine, cfg, load_s, Box::new(probe));
         Ok(Conversation {
             session,
-            tok,
+            tok: std::sync::Arc::new(tok),
             n_vocab,
             format,
             sinks,
@@ -216,6 +259,10 @@ impl Conversation {
     }
     pub fn n_ctx(&self) -> usize {
         self.n_ctx
+    }
+    /// Logits per row (token ids are below it).
+    pub fn n_vocab(&self) -> usize {
+        self.n_vocab
     }
     pub fn arch(&self) -> &str {
         &self.arch
@@ -246,6 +293,14 @@ impl Conversation {
     /// The tokenizer.
     pub fn tokenizer(&self) -> &Tokenizer {
         &self.tok
+    }
+    /// The tokenizer, to share with other threads (the server's `/tokenize`).
+    pub fn shared_tokenizer(&self) -> std::sync::Arc<Tokenizer> {
+        self.tok.clone()
+    }
+    /// The chat template's source (the model's or `--chat-template-file`'s).
+    pub fn template_source(&self) -> Option<&str> {
+        self.format.as_ref().map(ChatFormat::source)
     }
 
     /// Where the next turn may want to continue from, for a model whose recurrent state
@@ -347,9 +402,14 @@ impl Conversation {
         self.session.truncate_context(reuse as u32);
         let positions: Vec<u32> = (reuse as u32..p.tokens.len() as u32).collect();
         let mut sampler = Sampler::new(opts.sampler.clone());
+        sampler.prime(&p.tokens);
         let cancel = self.session.cancel_flag().clone();
+        let mut inner = Sampling::new(&self.tok, &mut sampler, self.n_vocab, p.chat, &p.text);
+        inner.logprobs = opts.logprobs;
         let mut relay = Relay {
-            inner: Sampling::new(&self.tok, &mut sampler, self.n_vocab, p.chat, &p.text),
+            inner,
+            tok: &self.tok,
+            logprobs: Vec::new(),
             listener,
             cancel,
             stop: &opts.stop,
@@ -370,6 +430,7 @@ impl Conversation {
         )?;
         let stopped_at = relay.stopped_at;
         relay.send(true);
+        let logprobs = std::mem::take(&mut relay.logprobs);
         let (reasoning, mut content) = relay.into_text();
         if let Some(at) = stopped_at {
             content.truncate(at);
@@ -401,6 +462,7 @@ impl Conversation {
             completion_tokens: outcome.tokens.len() as u32,
             summary: outcome.summary,
             error,
+            logprobs,
         })
     }
 
@@ -415,6 +477,9 @@ impl Conversation {
 /// goes away.
 struct Relay<'a, 'l> {
     inner: Sampling<'a>,
+    tok: &'a Tokenizer,
+    /// The answer tokens' log-probabilities (with `logprobs`).
+    logprobs: Vec<Logprob>,
     listener: &'l mut dyn Listener,
     cancel: CancelFlag,
     stop: &'a [String],
@@ -559,6 +624,11 @@ impl Relay<'_, '_> {
         }
         self.tokens += 1;
         self.listener.token(self.tokens);
+        if let Some(lp) = self.inner.last_logprob.take() {
+            let lp = Logprob::new(self.tok, &lp);
+            self.listener.logprob(&lp);
+            self.logprobs.push(lp);
+        }
         self.send(false);
         Some(t)
     }

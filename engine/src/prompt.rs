@@ -49,6 +49,32 @@ pub fn parse_seed(s: &str) -> Result<u64, String> {
     }
 }
 
+/// A number from 0 to 1 (`--min-p`).
+pub fn parse_unit(s: &str) -> Result<f32, String> {
+    match s.trim().parse::<f32>() {
+        Ok(x) if (0.0..=1.0).contains(&x) => Ok(x),
+        _ => Err(format!("expected a number from 0 to 1; got {s:?}")),
+    }
+}
+
+/// A positive factor (`--repeat-penalty`; 1 = off).
+pub fn parse_penalty_factor(s: &str) -> Result<f32, String> {
+    match s.trim().parse::<f32>() {
+        Ok(x) if x > 0.0 && x.is_finite() => Ok(x),
+        _ => Err(format!("expected a positive number (1 = off); got {s:?}")),
+    }
+}
+
+/// An additive penalty from -2 to 2, as OpenAI's (`--presence-penalty`, `--frequency-penalty`).
+pub fn parse_additive_penalty(s: &str) -> Result<f32, String> {
+    match s.trim().parse::<f32>() {
+        Ok(x) if (-2.0..=2.0).contains(&x) => Ok(x),
+        _ => Err(format!(
+            "expected a number from -2 to 2 (0 = off); got {s:?}"
+        )),
+    }
+}
+
 /// How many tokens a turn generates: `n`, or with `-n -1` as many as the context has room
 /// for after the prompt. Refuses a prompt that leaves no room.
 pub fn n_predict_for(n: u32, prompt_len: usize, n_ctx: usize) -> Result<u32> {

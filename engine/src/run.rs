@@ -559,6 +559,10 @@ pub(crate) struct Sampling<'a> {
     /// Generate through end-of-generation tokens (`--routing-from`: the trace, not the
     /// model's text, sets the run's length).
     pub(crate) ignore_eog: bool,
+    /// Record each chosen token's log-probability with this many alternatives.
+    pub(crate) logprobs: Option<usize>,
+    /// The last chosen token's, with `logprobs`.
+    pub(crate) last_logprob: Option<crate::sample::TokenLogprob>,
 }
 
 impl<'a> Sampling<'a> {
@@ -585,6 +589,8 @@ impl<'a> Sampling<'a> {
             router_margins: Vec::new(),
             eog: None,
             ignore_eog: false,
+            logprobs: None,
+            last_logprob: None,
         }
     }
 
@@ -706,7 +712,11 @@ impl Sampling<'_> {
                 n_vocab: self.n_vocab,
             });
         }
-        let next = self.sampler.sample(&logits[at..at + self.n_vocab]);
+        let row = &logits[at..at + self.n_vocab];
+        let next = self.sampler.sample(row);
+        self.last_logprob = self
+            .logprobs
+            .map(|top| crate::sample::logprobs(row, next, top));
         if self.tok.is_eog(next) && !self.ignore_eog {
             self.eog = Some(next);
             return Ok(None);
@@ -878,12 +888,7 @@ pub(crate) fn host_probe(engine: &EngineStep) -> impl MemProbe {
 
 /// The run's sampler: greedy at `--temp 0`, else seeded by `--seed`.
 pub(crate) fn sampler(args: &RunArgs) -> crate::sample::Sampler {
-    crate::sample::Sampler::new(crate::sample::SamplerConfig {
-        temp: args.temp,
-        top_k: args.top_k,
-        top_p: args.top_p,
-        seed: args.seed,
-    })
+    crate::sample::Sampler::new(args.sampler_config(args.seed))
 }
 
 /// Run a generation printing to the process's stdout/stderr; returns the exit code. `cancel`
@@ -977,6 +982,7 @@ pub fn generate_with_cancel(
         session.set_replay_drafts(recorded_tokens(path)?, args.draft);
     }
     let mut sampler = sampler(args);
+    sampler.prime(&prompt_tokens);
     let mut source = Sampling::new(&tok, &mut sampler, n_vocab, args.chatml, &prompt);
     source.logits_out = logits_out.as_mut();
     source.ignore_eog = args.ignore_eos || session.engine().backend().follow().is_some();

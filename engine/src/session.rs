@@ -883,6 +883,7 @@ pub fn serve(
         }
         let positions: Vec<u32> = (reuse as u32..wanted.len() as u32).collect();
         replies.line(|w| write_begin(w, id))?;
+        sampler.prime(&wanted);
         let mut source = Sampling::new(&tok, &mut sampler, n_vocab, chat.is_some(), &text);
         let mut progress = LineOut {
             replies: replies.clone(),

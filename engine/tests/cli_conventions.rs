@@ -372,3 +372,53 @@ fn gen_routing_defaults_follow_the_architecture_and_yield_to_flags() {
     );
     assert!(close(given, (0.4, 0.5)), "flags win: {given:?}");
 }
+
+#[test]
+fn the_penalty_flags_are_checked_and_change_greedy_decoding() {
+    let args = |extra: &[&str]| {
+        let mut v = vec![
+            "bmoe-cli",
+            "-p",
+            "The river runs past the old mill and the mill runs past the river",
+            "-n",
+            "48",
+        ];
+        v.extend_from_slice(extra);
+        bmoe_engine::cli::Cli::parse_run(&v).unwrap()
+    };
+    let tokens = |a| {
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        bmoe_engine::run::generate_with(&a, model(), &mut out, &mut err)
+            .unwrap()
+            .tokens
+    };
+    let plain = tokens(args(&[]));
+    // Every penalty at its neutral value (and min-p, which greedy ignores) leaves the bits alone.
+    assert_eq!(
+        tokens(args(&[
+            "--repeat-penalty",
+            "1",
+            "--presence-penalty",
+            "0",
+            "--min-p",
+            "0.3"
+        ])),
+        plain
+    );
+    let penalised = tokens(args(&["--repeat-penalty", "3", "--repeat-last-n", "256"]));
+    assert_ne!(
+        penalised, plain,
+        "a repeat penalty of 3 changes greedy decoding"
+    );
+    for (flag, value, needle) in [
+        ("--repeat-penalty", "0", "positive"),
+        ("--presence-penalty", "2.5", "-2 to 2"),
+        ("--frequency-penalty", "x", "-2 to 2"),
+        ("--min-p", "1.5", "0 to 1"),
+    ] {
+        let o = run(&["-p", "hi", flag, value], None);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{flag} {value}: {err}");
+        assert!(err.contains(needle), "{flag} {value}: {err}");
+    }
+}

@@ -1,6 +1,9 @@
 //! The OpenAI request bodies `bmoe-cli serve` takes, checked field by field, and the error
 //! shape it answers with. Every way a body can be wrong is a 400 whose message names the
-//! field and what was expected; fields we do not know are ignored (clients send many).
+//! field and what was expected. A field this server knows but does not honour (tools, a
+//! response format, llama-server's other samplers) is a 400 naming it whenever it asks for
+//! something other than the default, never a silent 200; fields nobody here knows are
+//! ignored (clients send many).
 
 use crate::chat::Message;
 use crate::session::type_name;
@@ -77,6 +80,19 @@ pub struct Common {
     pub top_p: Option<f32>,
     pub top_k: Option<usize>,
     pub seed: Option<u64>,
+    pub min_p: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    /// llama-server's.
+    pub repeat_penalty: Option<f32>,
+    pub repeat_last_n: Option<usize>,
+    /// Token id → bias (`-inf`: banned).
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Report log-probabilities with this many alternatives (chat: `logprobs: true` with
+    /// `top_logprobs`; legacy: `logprobs: N`).
+    pub logprobs: Option<usize>,
+    /// Choices to generate (`n`), one after another from the same prompt.
+    pub n: u32,
     pub stop: Vec<String>,
     pub stream: bool,
     pub include_usage: bool,
@@ -178,14 +194,16 @@ fn common(m: &Map<String, Value>) -> Result<Common, ApiError> {
         (Some(a), _) | (None, Some(a)) => Some(a.min(u64::from(u32::MAX - 1)) as u32),
         (None, None) => None,
     };
-    if let Some(n) = f.count("n", 1)? {
-        if n != 1 {
+    let n = match f.count("n", 1)? {
+        None => 1,
+        Some(n) if n <= MAX_CHOICES => n as u32,
+        Some(n) => {
             return Err(ApiError::invalid(
                 "n",
-                format!("n: only 1 choice per request is served, got {n}"),
-            ));
+                format!("n: at most {MAX_CHOICES} choices per request, got {n}"),
+            ))
         }
-    }
+    };
     let stop = match f.get("stop") {
         None => Vec::new(),
         Some(Value::String(s)) => vec![s.clone()],
@@ -248,12 +266,32 @@ fn common(m: &Map<String, Value>) -> Result<Common, ApiError> {
             ))
         }
     };
+    let repeat_penalty = f.number("repeat_penalty", 0.0, 10.0)?;
+    if repeat_penalty == Some(0.0) {
+        return Err(ApiError::invalid(
+            "repeat_penalty",
+            "repeat_penalty: expected a number above 0 (1 = off), got 0",
+        ));
+    }
+    let repeat_last_n = match f.get("repeat_last_n") {
+        // llama-server's -1: the whole context.
+        Some(Value::Number(n)) if n.as_i64() == Some(-1) => Some(usize::MAX),
+        _ => f.count("repeat_last_n", 0)?.map(|n| n as usize),
+    };
     Ok(Common {
         max_tokens,
         temperature: f.number("temperature", 0.0, 2.0)?,
         top_p: f.number("top_p", 0.0, 1.0)?,
         top_k: f.count("top_k", 0)?.map(|k| k.min(1 << 20) as usize),
         seed,
+        min_p: f.number("min_p", 0.0, 1.0)?,
+        presence_penalty: f.number("presence_penalty", -2.0, 2.0)?,
+        frequency_penalty: f.number("frequency_penalty", -2.0, 2.0)?,
+        repeat_penalty,
+        repeat_last_n,
+        logit_bias: logit_bias(f.get("logit_bias"))?,
+        logprobs: None,
+        n,
         stop,
         stream: f.bool("stream")?.unwrap_or(false),
         include_usage,
@@ -261,6 +299,136 @@ fn common(m: &Map<String, Value>) -> Result<Common, ApiError> {
         mtp: f.bool("mtp")?,
     })
 }
+
+/// The most choices one request may ask for (`n`): they run one after another.
+pub const MAX_CHOICES: u64 = 16;
+
+/// The most alternatives `top_logprobs` (chat) or `logprobs` (legacy) may ask for.
+pub const MAX_TOP_LOGPROBS: u64 = 20;
+
+/// `logit_bias`: OpenAI's object of token id → bias from -100 to 100, or llama-server's array
+/// of `[id, bias]` pairs, where a bias of `false` bans the token.
+fn logit_bias(v: Option<&Value>) -> Result<Vec<(u32, f32)>, ApiError> {
+    let bad = |m: String| ApiError::invalid("logit_bias", format!("logit_bias: {m}"));
+    let id = |k: &str| {
+        k.trim().parse::<u32>().map_err(|_| {
+            bad(format!(
+                "{}: expected a token id (a non-negative integer)",
+                serde_json::to_string(k).unwrap_or_default()
+            ))
+        })
+    };
+    let bias = |at: &str, v: &Value| match v {
+        Value::Bool(false) => Ok(f32::NEG_INFINITY),
+        Value::Number(n) => match n.as_f64() {
+            Some(b) if (-100.0..=100.0).contains(&b) => Ok(b as f32),
+            _ => Err(bad(format!(
+                "{at}: expected a bias from -100 to 100, got {n}"
+            ))),
+        },
+        o => Err(bad(format!(
+            "{at}: expected a bias from -100 to 100 (or false to ban the token), got {}",
+            type_name(o)
+        ))),
+    };
+    match v {
+        None => Ok(Vec::new()),
+        Some(Value::Object(m)) => m.iter().map(|(k, b)| Ok((id(k)?, bias(k, b)?))).collect(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .enumerate()
+            .map(|(i, pair)| match pair.as_array().map(Vec::as_slice) {
+                Some([Value::Number(n), b]) => match n.as_u64() {
+                    Some(t) if t <= u64::from(u32::MAX) => {
+                        Ok((t as u32, bias(&format!("[{i}]"), b)?))
+                    }
+                    _ => Err(bad(format!("[{i}]: expected a token id, got {n}"))),
+                },
+                _ => Err(bad(format!("[{i}]: expected a pair [token_id, bias]"))),
+            })
+            .collect(),
+        Some(o) => Err(bad(format!(
+            "expected an object of token id to bias, got {}",
+            type_name(o)
+        ))),
+    }
+}
+
+/// A field this server knows and does not honour, asked for: a 400 naming it. `neutral`
+/// says which values ask for nothing (an empty tool list, a plain text response format).
+fn refuse_unsupported(m: &Map<String, Value>, fields: &[(&str, &str)]) -> Result<(), ApiError> {
+    for &(k, why) in fields {
+        let Some(v) = m.get(k).filter(|v| !v.is_null()) else {
+            continue;
+        };
+        let neutral = match k {
+            "tools" | "functions" => v.as_array().is_some_and(Vec::is_empty),
+            "tool_choice" | "function_call" => v.as_str() == Some("none"),
+            "response_format" => v.get("type").and_then(Value::as_str) == Some("text"),
+            "modalities" => v
+                .as_array()
+                .is_some_and(|a| a.iter().all(|x| x.as_str() == Some("text"))),
+            "typical_p" => v.as_f64() == Some(1.0),
+            "mirostat" | "dry_multiplier" | "xtc_probability" | "n_probs" => {
+                v.as_f64() == Some(0.0)
+            }
+            "top_n_sigma" => v.as_f64().is_some_and(|x| x <= 0.0),
+            "best_of" => v.as_u64() == Some(1),
+            "suffix" => v.as_str() == Some(""),
+            _ => false,
+        };
+        if !neutral {
+            return Err(ApiError::invalid(k, format!("{k}: {why}")));
+        }
+    }
+    Ok(())
+}
+
+/// What both endpoints refuse.
+const UNSUPPORTED: &[(&str, &str)] = &[
+    (
+        "response_format",
+        "only {\"type\":\"text\"} is served (no constrained decoding)",
+    ),
+    ("grammar", "grammar-constrained decoding is not supported"),
+    (
+        "json_schema",
+        "schema-constrained decoding is not supported",
+    ),
+    (
+        "mirostat",
+        "mirostat sampling is not supported (use temperature, top_k, top_p, min_p)",
+    ),
+    (
+        "typical_p",
+        "typical sampling is not supported (use temperature, top_k, top_p, min_p)",
+    ),
+    (
+        "dry_multiplier",
+        "DRY sampling is not supported (use repeat_penalty, presence_penalty, frequency_penalty)",
+    ),
+    ("xtc_probability", "XTC sampling is not supported"),
+    ("top_n_sigma", "top-n-sigma sampling is not supported"),
+    ("n_probs", "use logprobs and top_logprobs"),
+];
+
+/// What chat requests refuse on top.
+const CHAT_UNSUPPORTED: &[(&str, &str)] = &[
+    ("tools", "tool calling is not supported by this server yet"),
+    ("tool_choice", "tool calling is not supported by this server yet"),
+    ("functions", "function calling is not supported by this server"),
+    ("function_call", "function calling is not supported by this server"),
+    ("audio", "audio output is not supported"),
+    ("modalities", "only the text modality is served"),
+    ("prediction", "predicted outputs are not supported"),
+    ("reasoning_effort", "reasoning_effort is not supported (use \"think\": false or chat_template_kwargs.enable_thinking)"),
+];
+
+/// What legacy completions refuse on top.
+const COMPLETION_UNSUPPORTED: &[(&str, &str)] = &[
+    ("best_of", "only best_of 1 is served"),
+    ("suffix", "suffix (fill-in-the-middle) is not supported"),
+];
 
 /// A message's content: a string, or an array of text parts.
 fn content(i: usize, v: Option<&Value>, role: &str) -> Result<String, ApiError> {
@@ -401,10 +569,30 @@ pub fn chat_request(body: &[u8]) -> Result<ChatRequest, ApiError> {
             None => None,
         },
     };
+    refuse_unsupported(&m, UNSUPPORTED)?;
+    refuse_unsupported(&m, CHAT_UNSUPPORTED)?;
+    let mut common = common(&m)?;
+    let top = f.count("top_logprobs", 0)?;
+    if let Some(t) = top.filter(|&t| t > MAX_TOP_LOGPROBS) {
+        return Err(ApiError::invalid(
+            "top_logprobs",
+            format!("top_logprobs: at most {MAX_TOP_LOGPROBS}, got {t}"),
+        ));
+    }
+    common.logprobs = match (f.bool("logprobs")?, top) {
+        (Some(true), t) => Some(t.unwrap_or(0) as usize),
+        (_, Some(t)) if t > 0 => {
+            return Err(ApiError::invalid(
+                "top_logprobs",
+                "top_logprobs: needs \"logprobs\": true",
+            ))
+        }
+        _ => None,
+    };
     Ok(ChatRequest {
         messages,
         think,
-        common: common(&m)?,
+        common,
     })
 }
 
@@ -436,10 +624,81 @@ pub fn completion_request(body: &[u8]) -> Result<CompletionRequest, ApiError> {
     if Fields(&m).bool("echo")? == Some(true) {
         return Err(ApiError::invalid("echo", "echo: not supported"));
     }
-    Ok(CompletionRequest {
-        prompt,
-        common: common(&m)?,
+    refuse_unsupported(&m, UNSUPPORTED)?;
+    refuse_unsupported(&m, COMPLETION_UNSUPPORTED)?;
+    let mut common = common(&m)?;
+    common.logprobs = match Fields(&m).count("logprobs", 0)? {
+        Some(t) if t > MAX_TOP_LOGPROBS => {
+            return Err(ApiError::invalid(
+                "logprobs",
+                format!("logprobs: at most {MAX_TOP_LOGPROBS}, got {t}"),
+            ))
+        }
+        t => t.map(|t| t as usize),
+    };
+    Ok(CompletionRequest { prompt, common })
+}
+
+/// A `/tokenize` body.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenizeRequest {
+    pub content: String,
+    /// Prepend BOS where the vocabulary asks for it (default false, as llama-server).
+    pub add_special: bool,
+    /// Control-token texts become their ids (default true).
+    pub parse_special: bool,
+    pub with_pieces: bool,
+}
+
+/// Parse a `/tokenize` body.
+pub fn tokenize_request(body: &[u8]) -> Result<TokenizeRequest, ApiError> {
+    let m = object(body)?;
+    let f = Fields(&m);
+    let content = match f.get("content") {
+        Some(Value::String(s)) => s.clone(),
+        Some(o) => {
+            return Err(ApiError::invalid(
+                "content",
+                format!("content: expected a string, got {}", type_name(o)),
+            ))
+        }
+        None => return Err(ApiError::invalid("content", "content: missing (a string)")),
+    };
+    Ok(TokenizeRequest {
+        content,
+        add_special: f.bool("add_special")?.unwrap_or(false),
+        parse_special: f.bool("parse_special")?.unwrap_or(true),
+        with_pieces: f.bool("with_pieces")?.unwrap_or(false),
     })
+}
+
+/// Parse a `/detokenize` body: the token ids.
+pub fn detokenize_request(body: &[u8]) -> Result<Vec<u32>, ApiError> {
+    let m = object(body)?;
+    match Fields(&m).get("tokens") {
+        Some(Value::Array(a)) => a
+            .iter()
+            .enumerate()
+            .map(|(i, v)| match v.as_u64() {
+                Some(t) if t <= u64::from(u32::MAX) => Ok(t as u32),
+                _ => Err(ApiError::invalid(
+                    "tokens",
+                    format!("tokens[{i}]: expected a token id, got {v}"),
+                )),
+            })
+            .collect(),
+        Some(o) => Err(ApiError::invalid(
+            "tokens",
+            format!(
+                "tokens: expected an array of token ids, got {}",
+                type_name(o)
+            ),
+        )),
+        None => Err(ApiError::invalid(
+            "tokens",
+            "tokens: missing (an array of token ids)",
+        )),
+    }
 }
 
 #[cfg(test)]
@@ -533,9 +792,74 @@ mod tests {
                 "stop[0]",
             ),
             (
-                r#"{"messages":[{"role":"user","content":"x"}],"n":2}"#,
+                r#"{"messages":[{"role":"user","content":"x"}],"n":17}"#,
                 Some("n"),
-                "only 1",
+                "at most 16",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f"}}]}"#,
+                Some("tools"),
+                "tool calling",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"tool_choice":"auto"}"#,
+                Some("tool_choice"),
+                "tool calling",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_object"}}"#,
+                Some("response_format"),
+                "constrained",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"grammar":"root ::= \"a\""}"#,
+                Some("grammar"),
+                "not supported",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"mirostat":2}"#,
+                Some("mirostat"),
+                "not supported",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"top_logprobs":3}"#,
+                Some("top_logprobs"),
+                "needs",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"logprobs":true,"top_logprobs":21}"#,
+                Some("top_logprobs"),
+                "at most 20",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"logit_bias":{"abc":1}}"#,
+                Some("logit_bias"),
+                "token id",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"logit_bias":{"5":101}}"#,
+                Some("logit_bias"),
+                "-100 to 100",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"presence_penalty":3}"#,
+                Some("presence_penalty"),
+                "from -2 to 2",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"min_p":1.5}"#,
+                Some("min_p"),
+                "from 0 to 1",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"repeat_penalty":0}"#,
+                Some("repeat_penalty"),
+                "above 0",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"reasoning_effort":"low"}"#,
+                Some("reasoning_effort"),
+                "not supported",
             ),
         ] {
             let e = chat_err(body);
@@ -543,6 +867,49 @@ mod tests {
             assert_eq!(e.param.as_deref(), param, "{body}: {}", e.message);
             assert!(e.message.contains(needle), "{body}: {}", e.message);
             assert_eq!(e.body()["error"]["type"], "invalid_request_error");
+        }
+    }
+
+    #[test]
+    fn the_sampling_surface_parses_and_neutral_values_of_unsupported_fields_pass() {
+        let r = chat_request(
+            br#"{"messages":[{"role":"user","content":"x"}],"n":3,"min_p":0.1,
+            "presence_penalty":-0.5,"frequency_penalty":0.5,"repeat_penalty":1.1,"repeat_last_n":-1,
+            "logit_bias":{"7":-100,"9":2.5},"logprobs":true,"top_logprobs":2,
+            "tools":[],"tool_choice":"none","response_format":{"type":"text"},"typical_p":1.0,
+            "mirostat":0,"modalities":["text"],"user":"u","store":false}"#,
+        )
+        .unwrap();
+        let c = &r.common;
+        assert_eq!(c.n, 3);
+        assert_eq!(c.min_p, Some(0.1));
+        assert_eq!(
+            (c.presence_penalty, c.frequency_penalty),
+            (Some(-0.5), Some(0.5))
+        );
+        assert_eq!(
+            (c.repeat_penalty, c.repeat_last_n),
+            (Some(1.1), Some(usize::MAX))
+        );
+        assert_eq!(c.logit_bias, vec![(7, -100.0), (9, 2.5)]);
+        assert_eq!(c.logprobs, Some(2));
+        let r = chat_request(
+            br#"{"messages":[{"role":"user","content":"x"}],"logprobs":true,"logit_bias":[[3,false]]}"#,
+        )
+        .unwrap();
+        assert_eq!(r.common.logprobs, Some(0));
+        assert_eq!(r.common.logit_bias, vec![(3, f32::NEG_INFINITY)]);
+        assert_eq!(r.common.n, 1);
+        let c = completion_request(br#"{"prompt":"a","logprobs":3,"best_of":1}"#).unwrap();
+        assert_eq!(c.common.logprobs, Some(3));
+        for (body, param) in [
+            (r#"{"prompt":"a","logprobs":21}"#, "logprobs"),
+            (r#"{"prompt":"a","best_of":2}"#, "best_of"),
+            (r#"{"prompt":"a","suffix":"b"}"#, "suffix"),
+            (r#"{"prompt":"a","grammar":"root ::= x"}"#, "grammar"),
+        ] {
+            let e = completion_request(body.as_bytes()).expect_err(body);
+            assert_eq!(e.param.as_deref(), Some(param), "{body}: {}", e.message);
         }
     }
 

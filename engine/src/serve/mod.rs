@@ -19,7 +19,7 @@ pub mod api;
 pub mod metrics;
 
 use crate::cli::RunArgs;
-use crate::converse::{Conversation, Finished, Listener, Prompt, Refused, TurnOptions};
+use crate::converse::{Conversation, Finished, Listener, Logprob, Prompt, Refused, TurnOptions};
 use anyhow::{anyhow, bail, Context, Result};
 use api::{ApiError, Common};
 use axum::extract::{Request, State};
@@ -95,11 +95,18 @@ enum Endpoint {
 enum Event {
     /// The turn was accepted and starts: its prompt's tokens and how many the KV reused.
     Started,
+    /// Text of choice `index`, and the log-probabilities of the tokens generated since the
+    /// last delta (with `logprobs`).
     Delta {
+        index: u32,
         reasoning: String,
         content: String,
+        logprobs: Vec<Logprob>,
     },
-    Done(Box<Finished>),
+    /// Choice `index` finished.
+    Choice(u32, Box<Finished>),
+    /// Every choice finished.
+    End,
     Error(ApiError),
 }
 
@@ -165,6 +172,15 @@ struct AppState {
     read_timeout: Duration,
     think_default: bool,
     next_id: AtomicU64,
+    /// What the engine thread shares once the model is loaded.
+    loaded: Arc<std::sync::OnceLock<Served>>,
+}
+
+/// What the HTTP side needs of the loaded model: its tokenizer (`/tokenize`, `/detokenize`)
+/// and the `/props` body.
+struct Served {
+    tok: Arc<crate::tokenizer::Tokenizer>,
+    props: Value,
 }
 
 fn unix_now() -> u64 {
@@ -208,6 +224,10 @@ fn endpoint_label(path: &str) -> &'static str {
         "/v1/models" => "/v1/models",
         "/health" => "/health",
         "/metrics" => "/metrics",
+        "/tokenize" => "/tokenize",
+        "/detokenize" => "/detokenize",
+        "/props" => "/props",
+        p if p.starts_with("/v1/models/") => "/v1/models/{id}",
         _ => "other",
     }
 }
@@ -375,13 +395,71 @@ async fn completions(State(st): State<Arc<AppState>>, req: Request) -> Response 
     }
 }
 
-/// The `usage` object.
-fn usage(f: &Finished) -> Value {
+/// The `usage` object of a request's choices: the prompt counted once (as the first choice
+/// prefilled it), the completions summed.
+fn usage(choices: &[Finished]) -> Value {
+    let first = choices.first();
+    let prompt = first.map_or(0, |f| f.prompt_tokens);
+    let completion: usize = choices.iter().map(|f| f.completion_tokens as usize).sum();
     json!({
-        "prompt_tokens": f.prompt_tokens,
-        "completion_tokens": f.completion_tokens,
-        "total_tokens": f.prompt_tokens + f.completion_tokens as usize,
-        "prompt_tokens_details": {"cached_tokens": f.cached_tokens},
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": first.map_or(0, |f| f.cached_tokens)},
+    })
+}
+
+/// The `bmoe` telemetry of a request: one choice's object, or with `n` > 1 the list of each
+/// choice's.
+fn telemetry(choices: &[Finished]) -> Value {
+    match choices {
+        [one] => one.telemetry(),
+        many => Value::Array(many.iter().map(Finished::telemetry).collect()),
+    }
+}
+
+/// A token's log-probability in the chat shape: `{token, logprob, bytes, top_logprobs}`,
+/// plus llama-server's `id` (what `logit_bias` takes).
+fn chat_logprob(lp: &Logprob) -> Value {
+    json!({
+        "id": lp.id,
+        "token": lp.token,
+        "logprob": lp.logprob,
+        "bytes": lp.bytes,
+        "top_logprobs": lp.top.iter().map(|(id, t, b, l)| json!({"id": id, "token": t, "logprob": l, "bytes": b})).collect::<Vec<_>>(),
+    })
+}
+
+/// Log-probabilities as a chat choice carries them (`null` without `logprobs`).
+fn chat_logprobs(want: bool, lps: &[Logprob]) -> Value {
+    if !want {
+        return Value::Null;
+    }
+    json!({"content": lps.iter().map(chat_logprob).collect::<Vec<_>>(), "refusal": null})
+}
+
+/// Log-probabilities in the legacy completions shape: parallel lists of the tokens, their
+/// log-probabilities, the top alternatives as `{token: logprob}` objects, and each token's
+/// offset in the text (counted from `offset`); plus `content`, the same in the chat shape
+/// (with token ids, and alternatives in order: a `{token: logprob}` object loses both).
+fn legacy_logprobs(want: bool, lps: &[Logprob], offset: usize) -> Value {
+    if !want {
+        return Value::Null;
+    }
+    let mut at = offset;
+    let mut offsets = Vec::with_capacity(lps.len());
+    for lp in lps {
+        offsets.push(at);
+        at += lp.token.len();
+    }
+    json!({
+        "tokens": lps.iter().map(|l| l.token.clone()).collect::<Vec<_>>(),
+        "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),
+        "top_logprobs": lps.iter().map(|l| {
+            l.top.iter().map(|(_, t, _, p)| (t.clone(), json!(p))).collect::<serde_json::Map<_, _>>()
+        }).collect::<Vec<_>>(),
+        "text_offset": offsets,
+        "content": lps.iter().map(chat_logprob).collect::<Vec<_>>(),
     })
 }
 
@@ -420,6 +498,8 @@ async fn submit(st: Arc<AppState>, endpoint: Endpoint, prompt: Prompt, common: C
     let id = st.next_id.fetch_add(1, Ordering::SeqCst);
     let stream = common.stream;
     let include_usage = common.include_usage;
+    let want_logprobs = common.logprobs.is_some();
+    let n_choices = common.n;
     let job = Job {
         id,
         endpoint,
@@ -457,7 +537,7 @@ async fn submit(st: Arc<AppState>, endpoint: Endpoint, prompt: Prompt, common: C
             guard.armed = false;
             return e.into_response();
         }
-        Some(Event::Delta { .. } | Event::Done(_)) | None => {
+        Some(Event::Delta { .. } | Event::Choice(..) | Event::End) | None => {
             guard.armed = false;
             return engine_gone().into_response();
         }
@@ -470,6 +550,7 @@ async fn submit(st: Arc<AppState>, endpoint: Endpoint, prompt: Prompt, common: C
     let model = st.model_id.clone();
     let created = unix_now();
     if !stream {
+        let mut done: Vec<(u32, Finished)> = Vec::new();
         loop {
             match rx.recv().await {
                 Some(Event::Delta { .. } | Event::Started) => {}
@@ -481,23 +562,30 @@ async fn submit(st: Arc<AppState>, endpoint: Endpoint, prompt: Prompt, common: C
                     guard.armed = false;
                     return engine_gone().into_response();
                 }
-                Some(Event::Done(f)) => {
+                Some(Event::Choice(i, f)) => done.push((i, *f)),
+                Some(Event::End) => {
                     guard.armed = false;
-                    let choice = match endpoint {
-                        Endpoint::Chat => {
-                            let mut msg = json!({"role": "assistant", "content": f.content});
-                            if !f.reasoning.is_empty() {
-                                msg["reasoning_content"] = json!(f.reasoning);
+                    let choices: Vec<Value> = done
+                        .iter()
+                        .map(|(i, f)| match endpoint {
+                            Endpoint::Chat => {
+                                let mut msg = json!({"role": "assistant", "content": f.content});
+                                if !f.reasoning.is_empty() {
+                                    msg["reasoning_content"] = json!(f.reasoning);
+                                }
+                                json!({"index": i, "message": msg, "finish_reason": f.finish_reason,
+                                       "logprobs": chat_logprobs(want_logprobs, &f.logprobs)})
                             }
-                            json!({"index": 0, "message": msg, "finish_reason": f.finish_reason, "logprobs": null})
-                        }
-                        Endpoint::Completion => {
-                            json!({"index": 0, "text": f.content, "finish_reason": f.finish_reason, "logprobs": null})
-                        }
-                    };
+                            Endpoint::Completion => {
+                                json!({"index": i, "text": f.content, "finish_reason": f.finish_reason,
+                                       "logprobs": legacy_logprobs(want_logprobs, &f.logprobs, 0)})
+                            }
+                        })
+                        .collect();
+                    let finished: Vec<Finished> = done.into_iter().map(|(_, f)| f).collect();
                     return Json(json!({
                         "id": rid, "object": object, "created": created, "model": model,
-                        "choices": [choice], "usage": usage(&f), "bmoe": f.telemetry(),
+                        "choices": choices, "usage": usage(&finished), "bmoe": telemetry(&finished),
                     }))
                     .into_response();
                 }
@@ -521,19 +609,28 @@ async fn submit(st: Arc<AppState>, endpoint: Endpoint, prompt: Prompt, common: C
         guard: GoneOnDrop,
         pending: std::collections::VecDeque<String>,
         done: bool,
+        /// Per choice: log-probabilities sent so far, and bytes of text (legacy offsets).
+        sent_logprobs: Vec<usize>,
+        sent_text: Vec<usize>,
+        finished: Vec<Finished>,
     }
     let mut first = std::collections::VecDeque::new();
     if endpoint == Endpoint::Chat {
-        first.push_back(
-            with(json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}]))
-                .to_string(),
-        );
+        for i in 0..n_choices {
+            first.push_back(
+                with(json!([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}]))
+                    .to_string(),
+            );
+        }
     }
     let state = S {
         rx,
         guard,
         pending: first,
         done: false,
+        sent_logprobs: vec![0; n_choices as usize],
+        sent_text: vec![0; n_choices as usize],
+        finished: Vec::new(),
     };
     let events = futures_util::stream::unfold((state, with), move |(mut s, with)| async move {
         loop {
@@ -546,7 +643,20 @@ async fn submit(st: Arc<AppState>, endpoint: Endpoint, prompt: Prompt, common: C
             }
             match s.rx.recv().await {
                 Some(Event::Started) => {}
-                Some(Event::Delta { reasoning, content }) => {
+                Some(Event::Delta {
+                    index,
+                    reasoning,
+                    content,
+                    logprobs,
+                }) => {
+                    let i = index as usize;
+                    let offset = s.sent_text.get(i).copied().unwrap_or(0);
+                    if let Some(n) = s.sent_logprobs.get_mut(i) {
+                        *n += logprobs.len();
+                    }
+                    if let Some(n) = s.sent_text.get_mut(i) {
+                        *n += content.len();
+                    }
                     let choice = match endpoint {
                         Endpoint::Chat => {
                             let mut d = serde_json::Map::new();
@@ -556,32 +666,60 @@ async fn submit(st: Arc<AppState>, endpoint: Endpoint, prompt: Prompt, common: C
                             if !content.is_empty() {
                                 d.insert("content".into(), json!(content));
                             }
-                            json!({"index": 0, "delta": d, "finish_reason": null})
-                        }
-                        Endpoint::Completion => {
-                            if content.is_empty() {
+                            if d.is_empty() && logprobs.is_empty() {
                                 continue;
                             }
-                            json!({"index": 0, "text": content, "finish_reason": null, "logprobs": null})
+                            json!({"index": index, "delta": d, "finish_reason": null,
+                                   "logprobs": chat_logprobs(want_logprobs, &logprobs)})
+                        }
+                        Endpoint::Completion => {
+                            if content.is_empty() && logprobs.is_empty() {
+                                continue;
+                            }
+                            json!({"index": index, "text": content, "finish_reason": null,
+                                   "logprobs": legacy_logprobs(want_logprobs, &logprobs, offset)})
                         }
                     };
                     s.pending.push_back(with(json!([choice])).to_string());
                 }
-                Some(Event::Done(f)) => {
+                Some(Event::Choice(index, f)) => {
+                    let i = index as usize;
+                    // Log-probabilities of tokens whose text a stop string held back, or that
+                    // came after the last delta, go with the finishing chunk.
+                    let from = s
+                        .sent_logprobs
+                        .get(i)
+                        .copied()
+                        .unwrap_or(0)
+                        .min(f.logprobs.len());
+                    let rest = &f.logprobs[from..];
+                    let offset = s.sent_text.get(i).copied().unwrap_or(0);
                     let choice = match endpoint {
                         Endpoint::Chat => {
-                            json!({"index": 0, "delta": {}, "finish_reason": f.finish_reason})
+                            json!({"index": index, "delta": {}, "finish_reason": f.finish_reason,
+                                   "logprobs": chat_logprobs(want_logprobs && !rest.is_empty(), rest)})
                         }
                         Endpoint::Completion => {
-                            json!({"index": 0, "text": "", "finish_reason": f.finish_reason, "logprobs": null})
+                            json!({"index": index, "text": "", "finish_reason": f.finish_reason,
+                                   "logprobs": legacy_logprobs(want_logprobs && !rest.is_empty(), rest, offset)})
                         }
                     };
                     let mut last = with(json!([choice]));
-                    last["bmoe"] = f.telemetry();
+                    if n_choices == 1 {
+                        last["bmoe"] = f.telemetry();
+                    }
                     s.pending.push_back(last.to_string());
+                    s.finished.push(*f);
+                }
+                Some(Event::End) => {
+                    if n_choices > 1 {
+                        let mut t = with(json!([]));
+                        t["bmoe"] = telemetry(&s.finished);
+                        s.pending.push_back(t.to_string());
+                    }
                     if include_usage {
                         let mut u = with(json!([]));
-                        u["usage"] = usage(&f);
+                        u["usage"] = usage(&s.finished);
                         s.pending.push_back(u.to_string());
                     }
                     s.pending.push_back("[DONE]".to_string());
@@ -609,6 +747,105 @@ async fn models(State(st): State<Arc<AppState>>) -> Response {
         "id": st.model_id, "object": "model", "created": st.created, "owned_by": "bmoe",
     }]}))
     .into_response()
+}
+
+/// `GET /v1/models/{id}`: the model, when `id` names it.
+async fn model_by_id(
+    State(st): State<Arc<AppState>>,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Response {
+    if id != st.model_id {
+        return ApiError::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            format!(
+                "the model {:?} does not exist: this server serves {:?}",
+                id, st.model_id
+            ),
+        )
+        .with_code("model_not_found")
+        .into_response();
+    }
+    Json(json!({"id": st.model_id, "object": "model", "created": st.created, "owned_by": "bmoe"}))
+        .into_response()
+}
+
+/// The loaded model's shared parts, or the 503 a request before the load gets.
+fn served(st: &AppState) -> Result<&Served, ApiError> {
+    st.loaded.get().ok_or_else(|| {
+        let mut e = ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            "the model is still loading: retry shortly (GET /health says when it is ready)",
+        );
+        e.retry_after = Some(1);
+        e
+    })
+}
+
+/// `GET /props`: the model and the server's defaults, as llama-server's.
+async fn props(State(st): State<Arc<AppState>>) -> Response {
+    match served(&st) {
+        Ok(s) => Json(s.props.clone()).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// `POST /tokenize` `{"content", "add_special"?, "parse_special"?, "with_pieces"?}`, as
+/// llama-server's: `{"tokens": [ids]}`, or with `with_pieces` `[{"id", "piece"}]`.
+async fn tokenize(State(st): State<Arc<AppState>>, req: Request) -> Response {
+    let r = async {
+        let body = read_body(&st, req).await?;
+        let t = api::tokenize_request(&body)?;
+        let s = served(&st)?;
+        let ids = s
+            .tok
+            .encode_with(
+                &t.content,
+                t.add_special && s.tok.add_bos(),
+                t.parse_special,
+            )
+            .map_err(|e| ApiError::invalid("content", format!("content: {e}")))?;
+        Ok::<_, ApiError>(if t.with_pieces {
+            json!({"tokens": ids.iter().map(|&id| {
+                let b = s.tok.token_bytes(id);
+                match String::from_utf8(b) {
+                    Ok(piece) => json!({"id": id, "piece": piece}),
+                    // A piece that is not whole UTF-8 goes as its bytes, as llama-server's.
+                    Err(e) => json!({"id": id, "piece": e.into_bytes()}),
+                }
+            }).collect::<Vec<_>>()})
+        } else {
+            json!({ "tokens": ids })
+        })
+    }
+    .await;
+    match r {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// `POST /detokenize` `{"tokens": [ids]}` → `{"content"}`.
+async fn detokenize(State(st): State<Arc<AppState>>, req: Request) -> Response {
+    let r = async {
+        let body = read_body(&st, req).await?;
+        let ids = api::detokenize_request(&body)?;
+        let s = served(&st)?;
+        let n = s.tok.n_vocab();
+        if let Some((i, id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= n) {
+            return Err(ApiError::invalid(
+                "tokens",
+                format!("tokens[{i}]: {id} is outside the vocabulary of {n} tokens"),
+            ));
+        }
+        Ok(json!({"content": s.tok.decode(&ids)}))
+    }
+    .await;
+    match r {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
 }
 
 async fn health(State(st): State<Arc<AppState>>) -> Response {
@@ -646,7 +883,7 @@ async fn not_found(req: Request) -> Response {
         StatusCode::NOT_FOUND,
         "invalid_request_error",
         format!(
-            "unknown path {}: this server answers POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health and GET /metrics",
+            "unknown path {}: this server answers POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/ID], POST /tokenize, POST /detokenize, GET /props, GET /health and GET /metrics",
             req.uri().path()
         ),
     )
@@ -668,6 +905,10 @@ fn router(st: Arc<AppState>) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model_by_id))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
+        .route("/props", get(props))
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
         .fallback(not_found)
@@ -680,9 +921,13 @@ fn router(st: Arc<AppState>) -> Router {
 /// and a deadline for a client that stops reading.
 struct JobListener<'a> {
     job: &'a Job,
+    /// Which choice this turn is.
+    index: u32,
     stream: bool,
     client_timeout: Duration,
     signal: &'a CancelFlag,
+    /// Log-probabilities for the next delta.
+    logprobs: Vec<Logprob>,
 }
 
 impl Listener for JobListener<'_> {
@@ -691,8 +936,10 @@ impl Listener for JobListener<'_> {
             return !self.gone();
         }
         let ev = Event::Delta {
+            index: self.index,
             reasoning: reasoning.to_string(),
             content: content.to_string(),
+            logprobs: std::mem::take(&mut self.logprobs),
         };
         match send_within(&self.job.events, ev, self.client_timeout, || self.gone()) {
             Sent::Yes => true,
@@ -717,6 +964,11 @@ impl Listener for JobListener<'_> {
     }
     fn token(&mut self, n: u32) {
         self.job.watch.produced.store(n, Ordering::SeqCst);
+    }
+    fn logprob(&mut self, lp: &Logprob) {
+        if self.stream {
+            self.logprobs.push(lp.clone());
+        }
     }
 }
 
@@ -777,6 +1029,8 @@ fn refused(r: &Refused) -> ApiError {
 struct Engine {
     args: RunArgs,
     model: PathBuf,
+    model_id: String,
+    loaded: Arc<std::sync::OnceLock<Served>>,
     jobs: std_mpsc::Receiver<Job>,
     in_flight: Arc<AtomicUsize>,
     ready: Arc<AtomicBool>,
@@ -789,6 +1043,31 @@ impl Engine {
     fn run(self) -> Result<()> {
         let mut err = std::io::stderr();
         let mut conv = Conversation::open(&self.args, &self.model, &mut err)?;
+        let a = &self.args;
+        let _ = self.loaded.set(Served {
+            tok: conv.shared_tokenizer(),
+            props: json!({
+                "model_alias": self.model_id,
+                "model_path": self.model.display().to_string(),
+                "architecture": conv.arch(),
+                "n_ctx": conv.n_ctx(),
+                "n_vocab": conv.n_vocab(),
+                "total_slots": 1,
+                "chat_template": conv.template_source(),
+                "modalities": {"vision": false, "audio": false},
+                "default_generation_settings": {
+                    "n_ctx": conv.n_ctx(),
+                    "params": {
+                        "n_predict": if a.n_predict == crate::prompt::N_PREDICT_FILL { -1 } else { i64::from(a.n_predict) },
+                        "temperature": a.temp, "top_k": a.top_k, "top_p": a.top_p, "min_p": a.min_p,
+                        "repeat_penalty": a.repeat_penalty, "repeat_last_n": a.repeat_last_n,
+                        "presence_penalty": a.presence_penalty, "frequency_penalty": a.frequency_penalty,
+                        "seed": a.seed, "speculative.ngram": a.ngram, "speculative.mtp": a.mtp,
+                    },
+                },
+                "build_info": format!("bmoe {}", env!("CARGO_PKG_VERSION")),
+            }),
+        });
         self.ready.store(true, Ordering::SeqCst);
         eprintln!(
             "bmoe: serve: model loaded in {:.2} s ({}, n_ctx {}, chat template: {})",
@@ -812,7 +1091,8 @@ impl Engine {
         conv.finish()
     }
 
-    /// Run one job; returns its last event (sent once the job no longer counts as in flight).
+    /// Run one job, its `n` choices one after another; returns its last event (sent once the
+    /// job no longer counts as in flight).
     fn serve_job(
         &self,
         conv: &mut Conversation,
@@ -821,20 +1101,6 @@ impl Engine {
     ) -> Option<Event> {
         let seed = seeds.next_u64();
         if job.watch.gone.load(Ordering::SeqCst) {
-            self.metrics.skipped();
-            return None;
-        }
-        let prepared = match conv.prepare(&job.prompt, job.common.max_tokens) {
-            Ok(p) => p,
-            Err(r) => {
-                let mut e = refused(&r);
-                if job.endpoint == Endpoint::Completion && e.param.as_deref() == Some("messages") {
-                    e.param = Some("prompt".into());
-                }
-                return Some(Event::Error(e));
-            }
-        };
-        if send_within(&job.events, Event::Started, self.client_timeout, || false) != Sent::Yes {
             self.metrics.skipped();
             return None;
         }
@@ -851,28 +1117,95 @@ impl Engine {
         if let Some(why) = refusal {
             return Some(Event::Error(ApiError::invalid("mtp", why)));
         }
-        let opts = TurnOptions {
-            sampler: crate::sample::SamplerConfig {
-                temp: c.temperature.unwrap_or(a.temp),
-                top_k: c.top_k.unwrap_or(a.top_k),
-                top_p: c.top_p.unwrap_or(a.top_p),
-                seed: c.seed.unwrap_or(seed),
-            },
+        if let Some(&(id, _)) = c
+            .logit_bias
+            .iter()
+            .find(|(id, _)| *id as usize >= conv.n_vocab())
+        {
+            return Some(Event::Error(ApiError::invalid(
+                "logit_bias",
+                format!(
+                    "logit_bias: token id {id} is outside the vocabulary of {} tokens",
+                    conv.n_vocab()
+                ),
+            )));
+        }
+        let base = c.seed.unwrap_or(seed);
+        let mut sampler = a.sampler_config(base);
+        sampler.temp = c.temperature.unwrap_or(a.temp);
+        sampler.top_k = c.top_k.unwrap_or(a.top_k);
+        sampler.top_p = c.top_p.unwrap_or(a.top_p);
+        sampler.min_p = c.min_p.unwrap_or(a.min_p);
+        let p = &mut sampler.penalties;
+        p.repeat = c.repeat_penalty.unwrap_or(p.repeat);
+        p.presence = c.presence_penalty.unwrap_or(p.presence);
+        p.frequency = c.frequency_penalty.unwrap_or(p.frequency);
+        p.last_n = c.repeat_last_n.unwrap_or(p.last_n);
+        sampler.logit_bias = c.logit_bias.clone();
+        let mut opts = TurnOptions {
+            sampler,
             stop: c.stop.clone(),
             speculation: ngram.then(|| conv.ngram_params()),
             head_drafts: mtp,
+            logprobs: c.logprobs,
         };
+        for index in 0..c.n.max(1) {
+            // Each choice draws from its own seed: the request's (or the drawn one) plus its index.
+            opts.sampler.seed = base.wrapping_add(u64::from(index));
+            let prepared = match conv.prepare(&job.prompt, c.max_tokens) {
+                Ok(p) => p,
+                Err(r) => {
+                    let mut e = refused(&r);
+                    if job.endpoint == Endpoint::Completion
+                        && e.param.as_deref() == Some("messages")
+                    {
+                        e.param = Some("prompt".into());
+                    }
+                    return Some(Event::Error(e));
+                }
+            };
+            if index == 0
+                && send_within(&job.events, Event::Started, self.client_timeout, || false)
+                    != Sent::Yes
+            {
+                self.metrics.skipped();
+                return None;
+            }
+            let fin = match self.serve_choice(conv, job, index, &prepared, &opts) {
+                Ok(f) => f,
+                Err(e) => return Some(e),
+            };
+            let ev = Event::Choice(index, Box::new(fin));
+            if send_within(&job.events, ev, self.client_timeout, || false) != Sent::Yes {
+                return None;
+            }
+        }
+        Some(Event::End)
+    }
+
+    /// Run one choice of a job: the finished turn, or the event that ends the job (a cancel,
+    /// a failure).
+    fn serve_choice(
+        &self,
+        conv: &mut Conversation,
+        job: &Job,
+        index: u32,
+        prepared: &crate::converse::Prepared,
+        opts: &TurnOptions,
+    ) -> Result<Finished, Event> {
         conv.cancel_flag().clear();
         let mut listener = JobListener {
             job,
-            stream: c.stream,
+            index,
+            stream: job.common.stream,
             client_timeout: self.client_timeout,
             signal: &self.signal,
+            logprobs: Vec::new(),
         };
-        let fin = match conv.run(&prepared, &opts, &mut listener) {
+        let fin = match conv.run(prepared, opts, &mut listener) {
             Ok(f) => f,
             Err(e) => {
-                return Some(Event::Error(ApiError::new(
+                return Err(Event::Error(ApiError::new(
                     StatusCode::INTERNAL_SERVER_ERROR,
                     "server_error",
                     format!("the generation failed: {}", crate::run::error_text(&e)),
@@ -898,7 +1231,7 @@ impl Engine {
                     fin.completion_tokens,
                     overrun.map_or_else(|| "?".into(), |o| o.to_string()),
                 );
-                Some(if self.signal.is_set() {
+                Err(Event::Error(if self.signal.is_set() {
                     ApiError::new(
                         StatusCode::SERVICE_UNAVAILABLE,
                         "server_error",
@@ -910,19 +1243,18 @@ impl Engine {
                         "server_error",
                         "the generation was cancelled",
                     )
-                })
-                .map(Event::Error)
+                }))
             }
             StopReason::Failed => {
                 let msg = fin.error.clone().unwrap_or_default();
                 eprintln!("bmoe: serve: FAILED: {msg}; the engine refuses further requests");
-                Some(Event::Error(ApiError::new(
+                Err(Event::Error(ApiError::new(
                     StatusCode::INTERNAL_SERVER_ERROR,
                     "server_error",
                     format!("a step failed: {msg}; this server's output is no longer trustworthy"),
                 )))
             }
-            StopReason::Count | StopReason::EndOfGeneration => Some(Event::Done(Box::new(fin))),
+            StopReason::Count | StopReason::EndOfGeneration => Ok(fin),
         }
     }
 }
@@ -980,7 +1312,9 @@ pub fn serve(mut a: ServeArgs, signal: &CancelFlag) -> Result<i32> {
     let in_flight = Arc::new(AtomicUsize::new(0));
     let ready = Arc::new(AtomicBool::new(false));
     let metrics = Arc::new(Metrics::default());
+    let loaded = Arc::new(std::sync::OnceLock::new());
     let st = Arc::new(AppState {
+        loaded: loaded.clone(),
         jobs: Mutex::new(Some(job_tx)),
         in_flight: in_flight.clone(),
         capacity: a.queue + 1,
@@ -998,6 +1332,8 @@ pub fn serve(mut a: ServeArgs, signal: &CancelFlag) -> Result<i32> {
     let engine = Engine {
         args: a.run.clone(),
         model,
+        model_id: st.model_id.clone(),
+        loaded,
         jobs: job_rx,
         in_flight,
         ready,
