@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 
+import jsonschema
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -374,6 +375,7 @@ def run(a, srv):
         check(r.choices[0].text == text[: text.index(stop)] and r.choices[0].finish_reason == "stop", f"stop {stop!r} cuts the text before it")
 
     surface(client, srv)
+    structured(client, srv)
 
     # Still serving; /metrics parsed.
     r = client.chat.completions.create(model="tiny", messages=user, max_tokens=3)
@@ -523,8 +525,6 @@ def surface(client, srv):
     for what, extra, param in [
         ("tools", {"tools": [tool]}, "tools"),
         ("tool_choice", {"tool_choice": "required"}, "tool_choice"),
-        ("response_format json_object", {"response_format": {"type": "json_object"}}, "response_format"),
-        ("grammar", {"grammar": "root ::= \"a\""}, "grammar"),
         ("mirostat", {"mirostat": 2}, "mirostat"),
         ("top_logprobs without logprobs", {"top_logprobs": 2}, "top_logprobs"),
     ]:
@@ -539,6 +539,100 @@ def surface(client, srv):
             fail(f"{what}: answered 200")
         except openai.BadRequestError as e:
             check((e.body or {}).get("param") == param, f"legacy {what}: 400 naming {param}")
+
+
+# Twenty schemas of the shapes clients send, each bounded (lengths, ranges, item counts, enums)
+# so that even a random-weight model's answer ends within the token budget.
+S = {"type": "string", "maxLength": 10}
+SCHEMAS = [
+    {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}}, "required": ["answer"]},
+    {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 100}}, "required": ["n"]},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]},
+    {"type": "object", "properties": {"name": S, "age": {"type": "integer", "minimum": 0, "maximum": 120}}, "required": ["name", "age"]},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": S, "minItems": 1, "maxItems": 3}}, "required": ["tags"]},
+    {"type": "object", "properties": {"point": {"type": "object", "properties": {"x": {"type": "integer", "minimum": -9, "maximum": 9}, "y": {"type": "integer", "minimum": -9, "maximum": 9}}, "required": ["x", "y"]}}, "required": ["point"]},
+    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "shade": {"type": "integer", "minimum": 1, "maximum": 5}}, "required": ["color", "shade"]},
+    {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"}}, "required": ["code"]},
+    {"type": "object", "properties": {"v": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9}, {"type": "string", "maxLength": 4}]}}, "required": ["v"]},
+    {"type": "object", "properties": {"maybe": {"type": ["string", "null"], "maxLength": 6}}, "required": ["maybe"]},
+    {"type": "object", "properties": {"kind": {"const": "river"}, "len": {"type": "integer", "minimum": 1, "maximum": 9999}}, "required": ["kind", "len"]},
+    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 2, "maxItems": 4},
+    {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "object", "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 99}, "label": S}, "required": ["id", "label"]}, "maxItems": 2}}, "required": ["items"]},
+    {"type": "object", "properties": {"a": {"type": "boolean"}, "b": {"type": "boolean"}, "c": {"type": "boolean"}}, "required": ["a", "b", "c"]},
+    {"type": "object", "properties": {"matrix": {"type": "array", "items": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 1}, "minItems": 2, "maxItems": 2}, "minItems": 2, "maxItems": 2}}, "required": ["matrix"]},
+    {"type": "object", "properties": {"status": {"enum": ["ok", "error"]}, "detail": {"type": "string", "maxLength": 12}}, "required": ["status"]},
+    {"type": "object", "properties": {"date": {"type": "string", "pattern": "^20[0-9]{2}-(0[1-9]|1[0-2])-[0-2][0-9]$"}}, "required": ["date"]},
+    {"type": "object", "properties": {"user": {"type": "object", "properties": {"name": S, "roles": {"type": "array", "items": {"enum": ["admin", "dev", "ops"]}, "maxItems": 3}}, "required": ["name", "roles"]}}, "required": ["user"]},
+    {"type": "object", "properties": {"score": {"type": "integer", "minimum": -50, "maximum": 50}, "passed": {"type": "boolean"}}, "required": ["score", "passed"]},
+    {"type": "object", "properties": {"steps": {"type": "array", "items": {"type": "string", "maxLength": 8}, "minItems": 1, "maxItems": 2}, "done": {"type": "boolean"}}, "required": ["steps", "done"]},
+]
+
+
+def strict(schema):
+    """The schema as OpenAI's strict mode has it: no properties beyond those listed, at any depth."""
+    if isinstance(schema, list):
+        return [strict(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: strict(v) for k, v in schema.items()}
+    if out.get("type") == "object":
+        out["additionalProperties"] = False
+    return out
+
+
+def structured(client, srv):
+    """Constrained decoding (issue 35, item 2): every answer parses and fits its schema."""
+    user = [{"role": "user", "content": "Answer in JSON."}]
+    for i, schema in enumerate(SCHEMAS):
+        for temp in (0.0, 0.9):
+            schema_all = strict(schema)
+            r = client.chat.completions.create(
+                model="tiny", messages=user, max_tokens=300, temperature=temp, seed=i,
+                response_format={"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema_all, "strict": True}},
+            )
+            text = r.choices[0].message.content
+            if r.choices[0].finish_reason != "stop":
+                fail(f"schema {i}, temperature {temp}: the answer did not end within 300 tokens: {text!r}")
+            try:
+                jsonschema.validate(json.loads(text), schema_all)
+            except Exception as e:
+                fail(f"schema {i}, temperature {temp}: {text!r} does not fit: {e}")
+    check(True, f"{len(SCHEMAS)} schemas x 2 temperatures: every answer parses and validates")
+    # Streamed: the pieces make the same JSON.
+    rf = {"type": "json_schema", "json_schema": {"name": "s", "schema": strict(SCHEMAS[3])}}
+    whole = client.chat.completions.create(model="tiny", messages=user, max_tokens=300, temperature=0, response_format=rf).choices[0].message.content
+    parts = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="tiny", messages=user, max_tokens=300, temperature=0, response_format=rf, stream=True) if c.choices)
+    check(parts == whole and json.loads(parts) is not None, "a streamed constrained answer equals the plain one")
+    drafted = client.chat.completions.create(model="tiny", messages=user, max_tokens=300, temperature=0, response_format=rf, extra_body={"ngram": True})
+    check(drafted.choices[0].message.content == whole, "with prompt-lookup speculation the constrained answer is the same")
+    # json_object: an object from the first byte (a random model's strings may outrun the budget).
+    r = client.chat.completions.create(model="tiny", messages=user, max_tokens=40, temperature=0, response_format={"type": "json_object"})
+    text = r.choices[0].message.content
+    check(text.startswith("{") and (r.choices[0].finish_reason == "length" or isinstance(json.loads(text), dict)), f"json_object starts an object ({text[:30]!r}...)")
+    # Lark and GBNF grammars (llama-server's `grammar` field), and llama-server's `json_schema`.
+    r = client.chat.completions.create(model="tiny", messages=user, max_tokens=20, temperature=0.9, seed=3, extra_body={"grammar": 'start: ("yes" | "no") "." '})
+    check(r.choices[0].message.content in ("yes.", "no."), f"a Lark grammar holds ({r.choices[0].message.content!r})")
+    for seed in range(4):
+        r = client.completions.create(model="tiny", prompt="Pick:", max_tokens=20, temperature=1.0, seed=seed,
+                                      extra_body={"grammar": 'root ::= ("red" | "blue") "-" [0-9]{2,3} ws\nws ::= [ ]?'})
+        text = r.choices[0].text
+        if not re.fullmatch(r"(red|blue)-[0-9]{2,3} ?", text):
+            fail(f"a GBNF grammar did not hold: {text!r}")
+    check(True, "a GBNF grammar holds on /v1/completions (4 seeds)")
+    r = client.chat.completions.create(model="tiny", messages=user, max_tokens=300, temperature=0, extra_body={"json_schema": strict(SCHEMAS[1])})
+    check("n" in json.loads(r.choices[0].message.content), "llama-server's json_schema field holds")
+    for what, extra, param in [
+        ("a grammar that does not compile", {"grammar": "start: undefined_rule"}, "grammar"),
+        ("a GBNF grammar that does not parse", {"grammar": 'root ::= "a'}, "grammar"),
+        ("a schema that does not compile", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}, "response_format"),
+        ("two constraints", {"grammar": 'start: "a"', "json_schema": {}}, "grammar"),
+    ]:
+        try:
+            client.chat.completions.create(model="tiny", messages=user, max_tokens=2, extra_body=extra)
+            fail(f"{what}: answered 200")
+        except openai.BadRequestError as e:
+            check((e.body or {}).get("param") == param, f"{what}: 400 naming {param}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
 # the wheel.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if ! python3 -c "import gguf, jinja2, numpy, llama_cpp, openai, prometheus_client" 2>/dev/null; then
+if ! python3 -c "import gguf, jinja2, jsonschema, numpy, llama_cpp, openai, prometheus_client" 2>/dev/null; then
   echo "test.sh: installing Python test references (first run compiles llama-cpp-python, ~5 min)" >&2
   python3 -m pip install -q --disable-pip-version-check -r scripts/requirements-test.txt
 fi

@@ -257,6 +257,7 @@ pub fn chat(mut a: ChatArgs) -> Result<i32> {
             speculation: args.ngram.then(|| conv.ngram_params()),
             head_drafts: args.mtp,
             logprobs: None,
+            constraint: None,
         };
         let mut printer = Printer {
             out: std::io::stdout(),

@@ -95,6 +95,8 @@ pub struct TurnOptions {
     pub head_drafts: bool,
     /// Report each answer token's log-probability with this many alternatives.
     pub logprobs: Option<usize>,
+    /// The grammar the answer must follow (checked first with [`Conversation::grammar`]).
+    pub constraint: Option<crate::constrain::Spec>,
 }
 
 /// One answer token's log-probability, and its most likely alternatives', as OpenAI reports
@@ -166,6 +168,8 @@ pub struct Finished {
     pub error: Option<String>,
     /// Each answer token's, with the turn's `logprobs` (empty otherwise).
     pub logprobs: Vec<Logprob>,
+    /// With a constraint: the token masks computed and the seconds they took.
+    pub grammar: Option<(u64, f64)>,
 }
 
 impl Finished {
@@ -206,6 +210,8 @@ pub struct Conversation {
     broken: Option<String>,
     arch: String,
     load_s: f64,
+    /// The grammar engine's token trie, built on the first constrained turn.
+    grammars: Option<crate::constrain::Grammars>,
 }
 
 impl Conversation {
@@ -244,7 +250,38 @@ impl Conversation {
             broken: None,
             arch,
             load_s,
+            grammars: None,
         })
+    }
+
+    /// A fresh constraint for `spec`, building the token trie on first use; the error says
+    /// what is wrong with the grammar or schema.
+    pub fn grammar(
+        &mut self,
+        spec: &crate::constrain::Spec,
+    ) -> Result<crate::constrain::Constraint> {
+        if self.grammars.is_none() {
+            let eot = self
+                .tok
+                .eot()
+                .or_else(|| self.tok.eos())
+                .ok_or_else(|| anyhow::anyhow!("the vocabulary has no end-of-turn or end-of-sequence token to end a grammar with"))?;
+            let t = std::time::Instant::now();
+            self.grammars = Some(crate::constrain::Grammars::new(
+                self.tok.clone(),
+                self.n_vocab,
+                eot,
+            )?);
+            eprintln!(
+                "bmoe: grammar engine: the token trie of {} tokens built in {:.2} s (once per model)",
+                self.n_vocab,
+                t.elapsed().as_secs_f64()
+            );
+        }
+        match &self.grammars {
+            Some(g) => g.constraint(spec),
+            None => bail!("the grammar engine is not built"),
+        }
     }
 
     /// Whether chat prompts can be rendered (the model or `--chat-template-file` has a template).
@@ -404,8 +441,13 @@ impl Conversation {
         let mut sampler = Sampler::new(opts.sampler.clone());
         sampler.prime(&p.tokens);
         let cancel = self.session.cancel_flag().clone();
+        let constraint = match &opts.constraint {
+            Some(spec) => Some(self.grammar(spec)?),
+            None => None,
+        };
         let mut inner = Sampling::new(&self.tok, &mut sampler, self.n_vocab, p.chat, &p.text);
         inner.logprobs = opts.logprobs;
+        inner.constraint = constraint;
         let mut relay = Relay {
             inner,
             tok: &self.tok,
@@ -431,6 +473,7 @@ impl Conversation {
         let stopped_at = relay.stopped_at;
         relay.send(true);
         let logprobs = std::mem::take(&mut relay.logprobs);
+        let grammar = relay.inner.constraint.as_ref().map(|c| (c.masks, c.mask_s));
         let (reasoning, mut content) = relay.into_text();
         if let Some(at) = stopped_at {
             content.truncate(at);
@@ -463,6 +506,7 @@ impl Conversation {
             summary: outcome.summary,
             error,
             logprobs,
+            grammar,
         })
     }
 

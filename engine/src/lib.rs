@@ -7,6 +7,7 @@ pub mod chat;
 pub mod chat_tty;
 pub mod checksum;
 pub mod cli;
+pub mod constrain;
 pub mod converse;
 pub mod cpus;
 pub mod dense;

@@ -533,6 +533,8 @@ pub(crate) enum SamplingError {
     },
     #[error("the model produced {got} logits, fewer than one row of {n_vocab}")]
     NoLogits { got: usize, n_vocab: usize },
+    #[error("constrained decoding: {0}")]
+    Grammar(String),
 }
 
 /// The engine's token source: greedy or seeded sampling over the last row's logits, the
@@ -563,6 +565,10 @@ pub(crate) struct Sampling<'a> {
     pub(crate) logprobs: Option<usize>,
     /// The last chosen token's, with `logprobs`.
     pub(crate) last_logprob: Option<crate::sample::TokenLogprob>,
+    /// The grammar the answer must follow (structured output, required tool calls).
+    pub(crate) constraint: Option<crate::constrain::Constraint>,
+    /// The masked row (with a constraint).
+    masked: Vec<f32>,
 }
 
 impl<'a> Sampling<'a> {
@@ -591,6 +597,8 @@ impl<'a> Sampling<'a> {
             ignore_eog: false,
             logprobs: None,
             last_logprob: None,
+            constraint: None,
+            masked: Vec::new(),
         }
     }
 
@@ -713,7 +721,18 @@ impl Sampling<'_> {
             });
         }
         let row = &logits[at..at + self.n_vocab];
-        let next = self.sampler.sample(row);
+        let next = match self.constraint.as_mut() {
+            None => self.sampler.sample(row),
+            Some(c) => {
+                let grammar = |e: anyhow::Error| SamplingError::Grammar(format!("{e:#}"));
+                self.masked.clear();
+                self.masked.extend_from_slice(row);
+                c.mask(&mut self.masked).map_err(grammar)?;
+                let id = self.sampler.sample(&self.masked);
+                c.commit(id).map_err(grammar)?;
+                id
+            }
+        };
         self.last_logprob = self
             .logprobs
             .map(|top| crate::sample::logprobs(row, next, top));

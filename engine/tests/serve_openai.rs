@@ -11,7 +11,7 @@ const BIN: &str = env!("CARGO_BIN_EXE_bmoe-cli");
 #[test]
 fn the_openai_client_is_served() {
     let probe = Command::new("python3")
-        .args(["-c", "import openai, prometheus_client"])
+        .args(["-c", "import openai, prometheus_client, jsonschema"])
         .status();
     if !probe.is_ok_and(|s| s.success()) {
         let msg = "python3 with `openai` and `prometheus_client` is needed \

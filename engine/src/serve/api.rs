@@ -93,6 +93,8 @@ pub struct Common {
     pub logprobs: Option<usize>,
     /// Choices to generate (`n`), one after another from the same prompt.
     pub n: u32,
+    /// The grammar the answer must follow, and the field that asked for it.
+    pub constraint: Option<(crate::constrain::Spec, &'static str)>,
     pub stop: Vec<String>,
     pub stream: bool,
     pub include_usage: bool,
@@ -292,6 +294,7 @@ fn common(m: &Map<String, Value>) -> Result<Common, ApiError> {
         logit_bias: logit_bias(f.get("logit_bias"))?,
         logprobs: None,
         n,
+        constraint: constraint(m)?,
         stop,
         stream: f.bool("stream")?.unwrap_or(false),
         include_usage,
@@ -354,6 +357,106 @@ fn logit_bias(v: Option<&Value>) -> Result<Vec<(u32, f32)>, ApiError> {
     }
 }
 
+/// The grammar a request asks for: `response_format` (`json_object`, or `json_schema` with
+/// its `schema`), llama-server's `json_schema` (a schema) or `grammar` (Lark, llguidance's
+/// dialect, or GBNF). At most one of them.
+fn constraint(
+    m: &Map<String, Value>,
+) -> Result<Option<(crate::constrain::Spec, &'static str)>, ApiError> {
+    use crate::constrain::Spec;
+    let f = Fields(m);
+    let mut found = Vec::new();
+    match f.get("response_format") {
+        None => {}
+        Some(Value::Object(o)) => match o.get("type").and_then(Value::as_str) {
+            Some("text") => {}
+            Some("json_object") => found.push((Spec::JsonObject, "response_format")),
+            Some("json_schema") => {
+                let schema = match o.get("json_schema") {
+                    Some(Value::Object(js)) => match js.get("schema") {
+                        Some(s @ Value::Object(_)) => s.clone(),
+                        Some(Value::Bool(true)) | None => serde_json::json!({}),
+                        Some(other) => {
+                            return Err(ApiError::invalid(
+                                "response_format",
+                                format!(
+                                    "response_format.json_schema.schema: expected a JSON Schema object, got {}",
+                                    type_name(other)
+                                ),
+                            ))
+                        }
+                    },
+                    _ => {
+                        return Err(ApiError::invalid(
+                            "response_format",
+                            "response_format.json_schema: missing (an object with name and schema)",
+                        ))
+                    }
+                };
+                found.push((Spec::JsonSchema(schema), "response_format"));
+            }
+            other => {
+                return Err(ApiError::invalid(
+                    "response_format",
+                    format!(
+                        "response_format.type: expected text, json_object or json_schema, got {}",
+                        other.map_or_else(|| "nothing".to_string(), |t| format!("{t:?}"))
+                    ),
+                ))
+            }
+        },
+        Some(o) => {
+            return Err(ApiError::invalid(
+                "response_format",
+                format!("response_format: expected an object, got {}", type_name(o)),
+            ))
+        }
+    }
+    match f.get("json_schema") {
+        None => {}
+        Some(s @ Value::Object(_)) => found.push((Spec::JsonSchema(s.clone()), "json_schema")),
+        Some(o) => {
+            return Err(ApiError::invalid(
+                "json_schema",
+                format!(
+                    "json_schema: expected a JSON Schema object, got {}",
+                    type_name(o)
+                ),
+            ))
+        }
+    }
+    match f.get("grammar") {
+        None => {}
+        Some(Value::String(g)) if g.trim().is_empty() => {}
+        Some(Value::String(g)) => {
+            let lark = crate::constrain::lark_of(g)
+                .map_err(|e| ApiError::invalid("grammar", format!("grammar: {e}")))?;
+            found.push((Spec::Lark(lark), "grammar"))
+        }
+        Some(o) => {
+            return Err(ApiError::invalid(
+                "grammar",
+                format!(
+                    "grammar: expected a string (a Lark or GBNF grammar), got {}",
+                    type_name(o)
+                ),
+            ))
+        }
+    }
+    if found.len() > 1 {
+        let names: Vec<&str> = found.iter().map(|f| f.1).collect();
+        return Err(ApiError::invalid(
+            found[1].1,
+            format!(
+                "{}: one constraint per request (given: {})",
+                found[1].1,
+                names.join(", ")
+            ),
+        ));
+    }
+    Ok(found.pop())
+}
+
 /// A field this server knows and does not honour, asked for: a 400 naming it. `neutral`
 /// says which values ask for nothing (an empty tool list, a plain text response format).
 fn refuse_unsupported(m: &Map<String, Value>, fields: &[(&str, &str)]) -> Result<(), ApiError> {
@@ -364,7 +467,6 @@ fn refuse_unsupported(m: &Map<String, Value>, fields: &[(&str, &str)]) -> Result
         let neutral = match k {
             "tools" | "functions" => v.as_array().is_some_and(Vec::is_empty),
             "tool_choice" | "function_call" => v.as_str() == Some("none"),
-            "response_format" => v.get("type").and_then(Value::as_str) == Some("text"),
             "modalities" => v
                 .as_array()
                 .is_some_and(|a| a.iter().all(|x| x.as_str() == Some("text"))),
@@ -386,15 +488,6 @@ fn refuse_unsupported(m: &Map<String, Value>, fields: &[(&str, &str)]) -> Result
 
 /// What both endpoints refuse.
 const UNSUPPORTED: &[(&str, &str)] = &[
-    (
-        "response_format",
-        "only {\"type\":\"text\"} is served (no constrained decoding)",
-    ),
-    ("grammar", "grammar-constrained decoding is not supported"),
-    (
-        "json_schema",
-        "schema-constrained decoding is not supported",
-    ),
     (
         "mirostat",
         "mirostat sampling is not supported (use temperature, top_k, top_p, min_p)",
@@ -807,14 +900,24 @@ mod tests {
                 "tool calling",
             ),
             (
-                r#"{"messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_object"}}"#,
+                r#"{"messages":[{"role":"user","content":"x"}],"response_format":{"type":"yaml"}}"#,
                 Some("response_format"),
-                "constrained",
+                "json_object or json_schema",
             ),
             (
-                r#"{"messages":[{"role":"user","content":"x"}],"grammar":"root ::= \"a\""}"#,
+                r#"{"messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_schema"}}"#,
+                Some("response_format"),
+                "missing",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"grammar":7}"#,
                 Some("grammar"),
-                "not supported",
+                "expected a string",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"grammar":"start: \"a\"","json_schema":{}}"#,
+                Some("grammar"),
+                "one constraint",
             ),
             (
                 r#"{"messages":[{"role":"user","content":"x"}],"mirostat":2}"#,
@@ -906,7 +1009,11 @@ mod tests {
             (r#"{"prompt":"a","logprobs":21}"#, "logprobs"),
             (r#"{"prompt":"a","best_of":2}"#, "best_of"),
             (r#"{"prompt":"a","suffix":"b"}"#, "suffix"),
-            (r#"{"prompt":"a","grammar":"root ::= x"}"#, "grammar"),
+            (r#"{"prompt":"a","grammar":"root ::= \"x"}"#, "grammar"),
+            (
+                r#"{"prompt":"a","response_format":{"type":"json_schema","json_schema":{"schema":3}}}"#,
+                "response_format",
+            ),
         ] {
             let e = completion_request(body.as_bytes()).expect_err(body);
             assert_eq!(e.param.as_deref(), Some(param), "{body}: {}", e.message);

@@ -366,7 +366,8 @@ async fn chat_completions(State(st): State<Arc<AppState>>, req: Request) -> Resp
     let r = async {
         let body = read_body(&st, req).await?;
         let r = api::chat_request(&body)?;
-        let think = r.think.unwrap_or(st.think_default);
+        // A grammar constrains the answer from its first token: no reasoning span before it.
+        let think = r.common.constraint.is_none() && r.think.unwrap_or(st.think_default);
         Ok::<_, ApiError>((
             Prompt::Chat {
                 messages: r.messages,
@@ -1148,7 +1149,17 @@ impl Engine {
             speculation: ngram.then(|| conv.ngram_params()),
             head_drafts: mtp,
             logprobs: c.logprobs,
+            constraint: c.constraint.as_ref().map(|(spec, _)| spec.clone()),
         };
+        if let Some((spec, param)) = &c.constraint {
+            // Compiled once here so that a bad grammar is the client's 400, not a failed turn.
+            if let Err(e) = conv.grammar(spec) {
+                return Some(Event::Error(ApiError::invalid(
+                    param,
+                    format!("{param}: the grammar does not compile: {e:#}"),
+                )));
+            }
+        }
         for index in 0..c.n.max(1) {
             // Each choice draws from its own seed: the request's (or the drawn one) plus its index.
             opts.sampler.seed = base.wrapping_add(u64::from(index));
@@ -1175,6 +1186,14 @@ impl Engine {
                 Ok(f) => f,
                 Err(e) => return Some(e),
             };
+            if let Some((masks, secs)) = fin.grammar {
+                eprintln!(
+                    "bmoe: serve: request {}: grammar: {masks} token masks in {:.1} ms ({:.3} ms each)",
+                    job.id,
+                    secs * 1e3,
+                    secs * 1e3 / masks.max(1) as f64
+                );
+            }
             let ev = Event::Choice(index, Box::new(fin));
             if send_within(&job.events, ev, self.client_timeout, || false) != Sent::Yes {
                 return None;
