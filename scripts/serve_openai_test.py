@@ -159,6 +159,7 @@ def main():
     ap.add_argument("--bin", required=True)
     ap.add_argument("--model", required=True)
     ap.add_argument("--workdir", required=True)
+    ap.add_argument("--templates", help="../shared/data/templates: the tool-call round trips run on models with these templates")
     a = ap.parse_args()
     a.bin, a.model, a.workdir = (os.path.abspath(p) for p in (a.bin, a.model, a.workdir))
     os.makedirs(a.workdir, exist_ok=True)
@@ -176,6 +177,10 @@ def main():
     check(code == 0, f"the server stopped cleanly on SIGTERM (exit {code})")
     left = os.listdir(a.workdir)
     check(left == [], f"the server wrote nothing in its working directory ({left})")
+    if a.templates:
+        tool_round_trips(a)
+    else:
+        print("skipped: the tool-call round trips (no --templates)")
     print("all checks passed")
 
 
@@ -523,8 +528,8 @@ def surface(client, srv):
     # What is not honoured is a 400 naming the field, never a silent 200.
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}
     for what, extra, param in [
-        ("tools", {"tools": [tool]}, "tools"),
-        ("tool_choice", {"tool_choice": "required"}, "tool_choice"),
+        ("tools on a template with no tool-call syntax", {"tools": [tool]}, "tools"),
+        ("tool_choice required without tools", {"tool_choice": "required"}, "tool_choice"),
         ("mirostat", {"mirostat": 2}, "mirostat"),
         ("top_logprobs without logprobs", {"top_logprobs": 2}, "top_logprobs"),
     ]:
@@ -539,6 +544,97 @@ def surface(client, srv):
             fail(f"{what}: answered 200")
         except openai.BadRequestError as e:
             check((e.body or {}).get("param") == param, f"legacy {what}: 400 naming {param}")
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city over the next days",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"], "additionalProperties": False},
+    },
+}
+
+
+def tool_round_trips(a):
+    """Tool calling (issue 35, item 1) on the three template families we read, each on a
+    random-weight model with its real template: a required call is made, parses and fits its
+    schema; a named one calls that tool; streamed deltas assemble to the same call; the call
+    and the tool's answer go back into the conversation and are answered; "none" reads nothing."""
+    base_dir = os.path.dirname(a.workdir)
+    for arch, template in [
+        ("qwen3moe", "Qwen-Qwen3-0.6B.jinja"),
+        ("gpt-oss", "openai-gpt-oss-120b.jinja"),
+        ("gemma4", "google-gemma-4-31B-it.jinja"),
+    ]:
+        model = os.path.join(base_dir, f"tools-{arch}.gguf")
+        subprocess.run(
+            [a.bin, "gen", "--arch", arch, "--preset", "tiny", "--quiet", "--template", os.path.join(a.templates, template), "-o", model],
+            check=True,
+        )
+        cwd = os.path.join(base_dir, f"cwd-{arch}")
+        os.makedirs(cwd, exist_ok=True)
+        srv = Server(a.bin, model, cwd, ["--api-key", KEY])
+        try:
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{srv.port}/v1", api_key=KEY, max_retries=0, timeout=120)
+            user = [{"role": "user", "content": "What is the weather in Paris this week?"}]
+            r = client.chat.completions.create(model="t", messages=user, tools=[WEATHER, TIME], tool_choice="required", max_tokens=200, temperature=0)
+            ch = r.choices[0]
+            calls = ch.message.tool_calls or []
+            check(ch.finish_reason == "tool_calls" and len(calls) == 1, f"{arch}: tool_choice required makes one call ({ch.finish_reason})")
+            call = calls[0]
+            args = json.loads(call.function.arguments)
+            schema = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]["function"]["parameters"]
+            jsonschema.validate(args, schema)
+            check(call.id and call.type == "function", f"{arch}: the call {call.function.name}({call.function.arguments}) fits its schema and has an id")
+            r = client.chat.completions.create(model="t", messages=user, tools=[WEATHER, TIME], max_tokens=200, temperature=0.7, seed=1,
+                                               tool_choice={"type": "function", "function": {"name": "get_time"}})
+            named = r.choices[0].message.tool_calls or []
+            check(len(named) == 1 and named[0].function.name == "get_time" and json.loads(named[0].function.arguments)["zone"] in ("UTC", "CET"), f"{arch}: a named tool_choice calls that tool")
+            for seed in range(3):
+                r = client.chat.completions.create(model="t", messages=user, tools=[WEATHER, TIME], max_tokens=200, temperature=1.0, seed=seed,
+                                                   tool_choice={"type": "function", "function": {"name": "get_weather"}})
+                w = r.choices[0].message.tool_calls or []
+                if len(w) != 1 or w[0].function.name != "get_weather":
+                    fail(f"{arch}: seed {seed}: no get_weather call: {r.choices[0].message}")
+                jsonschema.validate(json.loads(w[0].function.arguments), WEATHER["function"]["parameters"])
+            check(True, f"{arch}: sampled get_weather calls (3 seeds) fit the schema's lengths and ranges")
+            stream = client.chat.completions.create(model="t", messages=user, tools=[WEATHER, TIME], tool_choice="required", max_tokens=200, temperature=0, stream=True)
+            parts, finish = {}, None
+            for chunk in stream:
+                for c in chunk.choices:
+                    finish = c.finish_reason or finish
+                    for tc in c.delta.tool_calls or []:
+                        d = parts.setdefault(tc.index, {"id": "", "name": "", "arguments": ""})
+                        d["id"] += tc.id or ""
+                        d["name"] += (tc.function.name or "") if tc.function else ""
+                        d["arguments"] += (tc.function.arguments or "") if tc.function else ""
+            check(finish == "tool_calls" and parts == {0: {"id": parts[0]["id"], "name": call.function.name, "arguments": call.function.arguments}}, f"{arch}: streamed tool-call deltas assemble to the same call")
+            follow = user + [
+                {"role": "assistant", "content": None, "tool_calls": [{"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+                {"role": "tool", "tool_call_id": call.id, "name": call.function.name, "content": "18 C and sunny"},
+            ]
+            r2 = client.chat.completions.create(model="t", messages=follow, tools=[WEATHER, TIME], tool_choice="none", max_tokens=12, temperature=0)
+            check(r2.choices[0].message.content is not None and r2.choices[0].finish_reason in ("stop", "length") and not r2.choices[0].message.tool_calls,
+                  f"{arch}: the call and the tool's answer go back and are answered (tool_choice none reads no calls)")
+            check(r2.usage.prompt_tokens > r.usage.prompt_tokens, f"{arch}: the rendered history carries the call and its result ({r2.usage.prompt_tokens} > {r.usage.prompt_tokens} prompt tokens)")
+            r3 = client.chat.completions.create(model="t", messages=user, tools=[WEATHER], max_tokens=12, temperature=0)
+            check(r3.choices[0].finish_reason in ("stop", "length", "tool_calls"), f"{arch}: tool_choice auto answers")
+        finally:
+            code = srv.stop()
+        check(code == 0, f"{arch}: the server stopped cleanly")
 
 
 # Twenty schemas of the shapes clients send, each bounded (lengths, ranges, item counts, enums)

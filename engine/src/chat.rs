@@ -32,6 +32,47 @@ pub struct Message {
     pub role: String,
     pub content: String,
     pub reasoning_content: Option<String>,
+    /// An assistant message's tool calls.
+    pub tool_calls: Vec<ToolCall>,
+    /// A `tool` message: the call it answers, and the tool's name.
+    pub tool_call_id: Option<String>,
+    pub name: Option<String>,
+}
+
+/// A tool call as the OpenAI API carries it: `arguments` is a JSON text.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ToolCall {
+    pub id: String,
+    pub name: String,
+    pub arguments: String,
+}
+
+impl ToolCall {
+    /// As templates read it: `{"id", "type": "function", "function": {"name", "arguments"}}`,
+    /// the arguments parsed to an object where they parse (templates print them with `tojson`
+    /// or walk them as a mapping), else the text as given.
+    fn to_value(&self) -> Value {
+        let args = serde_json::from_str::<serde_json::Value>(&self.arguments)
+            .ok()
+            .filter(serde_json::Value::is_object)
+            .map_or_else(
+                || Value::from(self.arguments.as_str()),
+                |v| Value::from_serialize(&v),
+            );
+        let function: Value = [
+            ("name", Value::from(self.name.as_str())),
+            ("arguments", args),
+        ]
+        .into_iter()
+        .collect();
+        [
+            ("id", Value::from(self.id.as_str())),
+            ("type", Value::from("function")),
+            ("function", function),
+        ]
+        .into_iter()
+        .collect()
+    }
 }
 
 impl Message {
@@ -40,6 +81,9 @@ impl Message {
             role: role.into(),
             content: content.into(),
             reasoning_content: None,
+            tool_calls: Vec::new(),
+            tool_call_id: None,
+            name: None,
         }
     }
 
@@ -55,6 +99,16 @@ impl Message {
         ];
         if let Some(r) = &self.reasoning_content {
             fields.push(("reasoning_content", Value::from(r.as_str())));
+        }
+        if !self.tool_calls.is_empty() {
+            let calls: Vec<Value> = self.tool_calls.iter().map(ToolCall::to_value).collect();
+            fields.push(("tool_calls", Value::from(calls)));
+        }
+        if let Some(id) = &self.tool_call_id {
+            fields.push(("tool_call_id", Value::from(id.as_str())));
+        }
+        if let Some(n) = &self.name {
+            fields.push(("name", Value::from(n.as_str())));
         }
         fields.into_iter().collect()
     }
@@ -348,9 +402,27 @@ impl ChatTemplate {
         add_generation_prompt: bool,
         enable_thinking: Option<bool>,
     ) -> Result<String, ChatError> {
+        self.render_tools(messages, &[], add_generation_prompt, enable_thinking)
+    }
+
+    /// [`ChatTemplate::render`] with `tools` (the request's tool definitions, as OpenAI sends
+    /// them: `{"type": "function", "function": {...}}`); none leaves `tools` undefined.
+    pub fn render_tools(
+        &self,
+        messages: &[Message],
+        tools: &[serde_json::Value],
+        add_generation_prompt: bool,
+        enable_thinking: Option<bool>,
+    ) -> Result<String, ChatError> {
         let messages: Vec<Value> = messages.iter().map(Message::to_value).collect();
-        self.render_values(
+        let tools = if tools.is_empty() {
+            Value::from(())
+        } else {
+            Value::from_serialize(tools)
+        };
+        self.render_context(
             Value::from(messages),
+            tools,
             add_generation_prompt,
             enable_thinking,
         )
@@ -362,10 +434,25 @@ impl ChatTemplate {
         add_generation_prompt: bool,
         enable_thinking: Option<bool>,
     ) -> Result<String, ChatError> {
+        self.render_context(
+            messages,
+            Value::from(()),
+            add_generation_prompt,
+            enable_thinking,
+        )
+    }
+
+    fn render_context(
+        &self,
+        messages: Value,
+        tools: Value,
+        add_generation_prompt: bool,
+        enable_thinking: Option<bool>,
+    ) -> Result<String, ChatError> {
         let n_messages = messages.len().unwrap_or(0) as u64;
         let mut ctx: Vec<(&str, Value)> = vec![
             ("messages", messages),
-            ("tools", Value::from(())),
+            ("tools", tools),
             ("documents", Value::from(())),
             ("add_generation_prompt", Value::from(add_generation_prompt)),
             ("bos_token", Value::from(self.bos.as_str())),
@@ -521,6 +608,35 @@ impl ChatFormat {
     /// template that re-renders the answer next turn still renders these the same way).
     pub fn history(&self, messages: &[Message], think: bool) -> Result<String, ChatError> {
         self.template.render(messages, false, Some(think))
+    }
+
+    /// [`ChatFormat::history`] with the request's tool definitions.
+    pub fn history_tools(
+        &self,
+        messages: &[Message],
+        tools: &[serde_json::Value],
+        think: bool,
+    ) -> Result<String, ChatError> {
+        self.template
+            .render_tools(messages, tools, false, Some(think))
+    }
+
+    /// [`ChatFormat::prompt`] with the request's tool definitions.
+    pub fn prompt_tools(
+        &self,
+        messages: &[Message],
+        tools: &[serde_json::Value],
+        think: bool,
+    ) -> Result<String, ChatError> {
+        let mut text = self
+            .template
+            .render_tools(messages, tools, true, Some(think))?;
+        if !think {
+            if let Some(p) = &self.answer_prefill {
+                text.push_str(p);
+            }
+        }
+        Ok(text)
     }
 
     /// The prompt of a turn answering `messages`: the template with its generation prompt and

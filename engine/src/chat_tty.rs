@@ -243,6 +243,7 @@ pub fn chat(mut a: ChatArgs) -> Result<i32> {
         let prompt = Prompt::Chat {
             messages: msgs.clone(),
             think: !args.no_think,
+            tools: Vec::new(),
         };
         let prepared = match conv.prepare(&prompt, Some(n_predict)) {
             Ok(p) => p,
@@ -258,6 +259,7 @@ pub fn chat(mut a: ChatArgs) -> Result<i32> {
             head_drafts: args.mtp,
             logprobs: None,
             constraint: None,
+            hold_from: None,
         };
         let mut printer = Printer {
             out: std::io::stdout(),

@@ -497,12 +497,19 @@ pub fn gbnf_to_lark(text: &str) -> Result<String> {
     Ok(out)
 }
 
+/// Whether `spec` compiles (over llguidance's single-byte test vocabulary), for other
+/// modules' tests.
+#[cfg(test)]
+pub(crate) fn tests_compile(spec: &Spec) -> Result<()> {
+    tests::bytes_matcher(spec).map(|_| ())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     /// A constraint over single-byte tokens (llguidance's test vocabulary).
-    fn bytes_matcher(spec: &Spec) -> Result<Matcher> {
+    pub(super) fn bytes_matcher(spec: &Spec) -> Result<Matcher> {
         let env = toktrie::ApproximateTokEnv::single_byte_env();
         let mut f = ParserFactory::new_simple(&env)?;
         f.quiet();

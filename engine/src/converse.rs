@@ -31,10 +31,11 @@ pub fn chat_boundary(
     format: &ChatFormat,
     tok: &Tokenizer,
     messages: &[Message],
+    tools: &[serde_json::Value],
     think: bool,
     prompt: &[u32],
 ) -> Option<u32> {
-    let text = format.history(messages, think).ok()?;
+    let text = format.history_tools(messages, tools, think).ok()?;
     let history = tok.encode(&text, true).ok()?;
     Some(common_prefix(&history, prompt) as u32)
 }
@@ -42,8 +43,13 @@ pub fn chat_boundary(
 /// What a turn answers.
 #[derive(Clone, Debug)]
 pub enum Prompt {
-    /// Messages rendered with the chat template; `think` as `think:false` is honoured.
-    Chat { messages: Vec<Message>, think: bool },
+    /// Messages rendered with the chat template (with `tools`, the request's tool
+    /// definitions, when there are any); `think` as `think:false` is honoured.
+    Chat {
+        messages: Vec<Message>,
+        think: bool,
+        tools: Vec<serde_json::Value>,
+    },
     /// Raw text, tokenized as given (special tokens parsed unless `--no-parse-special`).
     Raw(String),
 }
@@ -97,6 +103,9 @@ pub struct TurnOptions {
     pub logprobs: Option<usize>,
     /// The grammar the answer must follow (checked first with [`Conversation::grammar`]).
     pub constraint: Option<crate::constrain::Spec>,
+    /// Answer text from the first occurrence of this marker on (a tool call's opening) is
+    /// not handed to the listener as it grows: the caller reads it from the finished turn.
+    pub hold_from: Option<&'static str>,
 }
 
 /// One answer token's log-probability, and its most likely alternatives', as OpenAI reports
@@ -170,6 +179,8 @@ pub struct Finished {
     pub logprobs: Vec<Logprob>,
     /// With a constraint: the token masks computed and the seconds they took.
     pub grammar: Option<(u64, f64)>,
+    /// The tool calls read out of the answer (set by the caller that offered tools).
+    pub tool_calls: Vec<crate::chat::ToolCall>,
 }
 
 impl Finished {
@@ -339,6 +350,18 @@ impl Conversation {
     pub fn template_source(&self) -> Option<&str> {
         self.format.as_ref().map(ChatFormat::source)
     }
+    /// The syntax the chat template gives tool calls, if it is one this engine reads.
+    pub fn tool_format(&self) -> Option<crate::tools::ToolFormat> {
+        self.template_source()
+            .and_then(crate::tools::ToolFormat::of_template)
+    }
+    /// Whether `text` is a control token of the vocabulary (a grammar names those as tokens).
+    pub fn is_control_token(&self, text: &str) -> bool {
+        self.tok
+            .token_id(text)
+            .and_then(|id| self.tok.kind(id))
+            .is_some_and(|k| k == crate::tokenizer::TokenKind::Control)
+    }
 
     /// Where the next turn may want to continue from, for a model whose recurrent state
     /// cannot roll back (`None` for the others, which keep every position): a chat's
@@ -356,9 +379,18 @@ impl Conversation {
             return None;
         }
         match prompt {
-            Prompt::Chat { messages, think } => {
-                chat_boundary(self.format.as_ref()?, &self.tok, messages, *think, tokens)
-            }
+            Prompt::Chat {
+                messages,
+                think,
+                tools,
+            } => chat_boundary(
+                self.format.as_ref()?,
+                &self.tok,
+                messages,
+                tools,
+                *think,
+                tokens,
+            ),
             Prompt::Raw(_) => Some(tokens.len().saturating_sub(1) as u32),
         }
     }
@@ -371,10 +403,14 @@ impl Conversation {
             return Err(Refused::Broken(b.clone()));
         }
         let (text, tokens, chat) = match prompt {
-            Prompt::Chat { messages, think } => {
+            Prompt::Chat {
+                messages,
+                think,
+                tools,
+            } => {
                 let f = self.format.as_ref().ok_or(Refused::NoTemplate)?;
                 let text = f
-                    .prompt(messages, *think)
+                    .prompt_tools(messages, tools, *think)
                     .map_err(|e| Refused::Template(e.to_string()))?;
                 let t = self
                     .tok
@@ -455,6 +491,7 @@ impl Conversation {
             listener,
             cancel,
             stop: &opts.stop,
+            hold_from: opts.hold_from,
             sent_reasoning: 0,
             sent_content: 0,
             stopped_at: None,
@@ -507,6 +544,7 @@ impl Conversation {
             error,
             logprobs,
             grammar,
+            tool_calls: Vec::new(),
         })
     }
 
@@ -527,6 +565,8 @@ struct Relay<'a, 'l> {
     listener: &'l mut dyn Listener,
     cancel: CancelFlag,
     stop: &'a [String],
+    /// `TurnOptions::hold_from`.
+    hold_from: Option<&'static str>,
     /// Bytes of the reasoning and the answer already handed on.
     sent_reasoning: usize,
     sent_content: usize,
@@ -554,11 +594,19 @@ impl Relay<'_, '_> {
     /// Hand on what is new. `last`: nothing is held back for a stop string any more.
     fn send(&mut self, last: bool) {
         let (reasoning, content) = self.inner.text();
-        let content_end = match self.stopped_at {
+        let mut content_end = match self.stopped_at {
             Some(at) => at,
             None if last => content.len(),
             None => content.len() - stop_holdback(content, self.stop),
         };
+        if let Some(m) = self.hold_from {
+            let held = match content.find(m) {
+                Some(at) => at,
+                None if last => content.len(),
+                None => content.len() - stop_holdback(content, &[m.to_string()]),
+            };
+            content_end = content_end.min(held);
+        }
         // A reasoning span reclassified after the fact (`reset`) cannot be taken back from a
         // listener: only text that extends what was sent goes out.
         let r = if reasoning.len() > self.sent_reasoning

@@ -30,4 +30,5 @@ pub mod spm;
 pub mod stream;
 pub mod testdata;
 pub mod tokenizer;
+pub mod tools;
 pub mod vocab;

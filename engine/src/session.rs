@@ -839,7 +839,7 @@ pub fn serve(
         // turns here only append).
         let boundary = match chat {
             Some(f) if session.engine().backend().keeps_prefix_where_it_stands() => {
-                crate::converse::chat_boundary(f, &tok, &msgs, think, &wanted)
+                crate::converse::chat_boundary(f, &tok, &msgs, &[], think, &wanted)
             }
             _ => None,
         };

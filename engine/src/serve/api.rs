@@ -112,6 +112,10 @@ pub struct ChatRequest {
     pub messages: Vec<Message>,
     pub think: Option<bool>,
     pub common: Common,
+    /// The tool definitions as sent (what the template renders), and read.
+    pub tool_defs: Vec<Value>,
+    pub tools: Vec<crate::tools::Tool>,
+    pub tool_choice: crate::tools::ToolChoice,
 }
 
 /// A (raw) completion request.
@@ -465,8 +469,8 @@ fn refuse_unsupported(m: &Map<String, Value>, fields: &[(&str, &str)]) -> Result
             continue;
         };
         let neutral = match k {
-            "tools" | "functions" => v.as_array().is_some_and(Vec::is_empty),
-            "tool_choice" | "function_call" => v.as_str() == Some("none"),
+            "functions" => v.as_array().is_some_and(Vec::is_empty),
+            "function_call" => v.as_str() == Some("none"),
             "modalities" => v
                 .as_array()
                 .is_some_and(|a| a.iter().all(|x| x.as_str() == Some("text"))),
@@ -507,8 +511,6 @@ const UNSUPPORTED: &[(&str, &str)] = &[
 
 /// What chat requests refuse on top.
 const CHAT_UNSUPPORTED: &[(&str, &str)] = &[
-    ("tools", "tool calling is not supported by this server yet"),
-    ("tool_choice", "tool calling is not supported by this server yet"),
     ("functions", "function calling is not supported by this server"),
     ("function_call", "function calling is not supported by this server"),
     ("audio", "audio output is not supported"),
@@ -522,6 +524,174 @@ const COMPLETION_UNSUPPORTED: &[(&str, &str)] = &[
     ("best_of", "only best_of 1 is served"),
     ("suffix", "suffix (fill-in-the-middle) is not supported"),
 ];
+
+/// `tools`: function definitions `{"type": "function", "function": {"name", "description"?,
+/// "parameters"?}}`, kept as sent for the template, and read.
+fn tools(v: Option<&Value>) -> Result<(Vec<Value>, Vec<crate::tools::Tool>), ApiError> {
+    let arr = match v {
+        None => return Ok((Vec::new(), Vec::new())),
+        Some(Value::Array(a)) => a,
+        Some(o) => {
+            return Err(ApiError::invalid(
+                "tools",
+                format!(
+                    "tools: expected an array of tool definitions, got {}",
+                    type_name(o)
+                ),
+            ))
+        }
+    };
+    let mut out = Vec::with_capacity(arr.len());
+    for (i, t) in arr.iter().enumerate() {
+        let bad = |m: &str| ApiError::invalid("tools", format!("tools[{i}]: {m}"));
+        if t.get("type").and_then(Value::as_str) != Some("function") {
+            return Err(bad(
+                "expected {\"type\": \"function\", \"function\": {...}}",
+            ));
+        }
+        let f = t
+            .get("function")
+            .filter(|f| f.is_object())
+            .ok_or_else(|| bad("function: missing (an object with a name)"))?;
+        let name = f
+            .get("name")
+            .and_then(Value::as_str)
+            .filter(|n| {
+                !n.is_empty()
+                    && n.chars()
+                        .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-' || c == '.')
+            })
+            .ok_or_else(|| bad("function.name: expected a name of letters, digits, _ - ."))?;
+        if out.iter().any(|t: &crate::tools::Tool| t.name == name) {
+            return Err(bad(&format!("function.name: {name:?} is defined twice")));
+        }
+        let parameters = match f.get("parameters") {
+            None | Some(Value::Null) => serde_json::json!({"type": "object", "properties": {}}),
+            Some(p @ Value::Object(_)) => p.clone(),
+            Some(o) => {
+                return Err(bad(&format!(
+                    "function.parameters: expected a JSON Schema object, got {}",
+                    type_name(o)
+                )))
+            }
+        };
+        out.push(crate::tools::Tool {
+            name: name.to_string(),
+            parameters,
+        });
+    }
+    // Templates print `description` without a default (gpt-oss's does `"// " +
+    // tool.description`): a tool sent without one gets an empty one, as llama-server's does.
+    let defs = arr
+        .iter()
+        .cloned()
+        .map(|mut t| {
+            if let Some(f) = t.get_mut("function").and_then(Value::as_object_mut) {
+                f.entry("description")
+                    .or_insert_with(|| Value::String(String::new()));
+            }
+            t
+        })
+        .collect();
+    Ok((defs, out))
+}
+
+/// `tool_choice`: `"none"`, `"auto"`, `"required"` or `{"type": "function", "function": {"name"}}`.
+fn tool_choice(
+    v: Option<&Value>,
+    tools: &[crate::tools::Tool],
+) -> Result<crate::tools::ToolChoice, ApiError> {
+    use crate::tools::ToolChoice;
+    let bad = |m: String| ApiError::invalid("tool_choice", format!("tool_choice: {m}"));
+    let choice = match v {
+        None => ToolChoice::Auto,
+        Some(Value::String(s)) => match s.as_str() {
+            "none" => ToolChoice::None,
+            "auto" => ToolChoice::Auto,
+            "required" => ToolChoice::Required,
+            other => {
+                return Err(bad(format!(
+                    "expected none, auto, required or a function, got {other:?}"
+                )))
+            }
+        },
+        Some(Value::Object(o)) => match o
+            .get("function")
+            .and_then(|f| f.get("name"))
+            .and_then(Value::as_str)
+        {
+            Some(n) => ToolChoice::Named(n.to_string()),
+            None => {
+                return Err(bad(
+                    "expected {\"type\": \"function\", \"function\": {\"name\": ...}}".into(),
+                ))
+            }
+        },
+        Some(o) => {
+            return Err(bad(format!(
+                "expected a string or an object, got {}",
+                type_name(o)
+            )))
+        }
+    };
+    match &choice {
+        ToolChoice::Required if tools.is_empty() => Err(bad("\"required\" needs tools".into())),
+        ToolChoice::Named(n) if !tools.iter().any(|t| &t.name == n) => {
+            Err(bad(format!("names {n:?}, which is not among the tools")))
+        }
+        _ => Ok(choice),
+    }
+}
+
+/// An assistant message's `tool_calls`: `[{"id", "type": "function", "function": {"name",
+/// "arguments"}}]`, the arguments a JSON text (an object is taken too).
+fn assistant_tool_calls(
+    i: usize,
+    v: Option<&Value>,
+) -> Result<Vec<crate::chat::ToolCall>, ApiError> {
+    let param = format!("messages[{i}].tool_calls");
+    let arr = match v {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Array(a)) => a,
+        Some(o) => {
+            return Err(ApiError::invalid(
+                &param,
+                format!("{param}: expected an array, got {}", type_name(o)),
+            ))
+        }
+    };
+    arr.iter()
+        .enumerate()
+        .map(|(j, c)| {
+            let bad = |m: &str| ApiError::invalid(&param, format!("{param}[{j}]: {m}"));
+            let f = c.get("function").ok_or_else(|| bad("function: missing"))?;
+            let name = f
+                .get("name")
+                .and_then(Value::as_str)
+                .ok_or_else(|| bad("function.name: missing"))?;
+            let arguments = match f.get("arguments") {
+                Some(Value::String(s)) => s.clone(),
+                Some(o @ Value::Object(_)) => o.to_string(),
+                None | Some(Value::Null) => "{}".to_string(),
+                Some(o) => {
+                    return Err(bad(&format!(
+                        "function.arguments: expected a JSON string, got {}",
+                        type_name(o)
+                    )))
+                }
+            };
+            Ok(crate::chat::ToolCall {
+                id: c
+                    .get("id")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default()
+                    .to_string(),
+                name: name.to_string(),
+                arguments,
+            })
+        })
+        .collect()
+}
 
 /// A message's content: a string, or an array of text parts.
 fn content(i: usize, v: Option<&Value>, role: &str) -> Result<String, ApiError> {
@@ -626,22 +796,49 @@ pub fn chat_request(body: &[u8]) -> Result<ChatRequest, ApiError> {
             "system" | "developer" => "system",
             "user" => "user",
             "assistant" => "assistant",
+            "tool" => "tool",
             other => {
                 return Err(ApiError::invalid(
                     &format!("messages[{i}].role"),
                     format!(
-                        "messages[{i}].role: unknown role {}: expected system, developer, user or assistant",
+                        "messages[{i}].role: unknown role {}: expected system, developer, user, assistant or tool",
                         serde_json::to_string(other).unwrap_or_default()
                     ),
                 ))
             }
         };
-        let text = content(i, o.get("content"), role)?;
+        let calls = if role == "assistant" {
+            assistant_tool_calls(i, o.get("tool_calls"))?
+        } else {
+            Vec::new()
+        };
+        let text = if calls.is_empty() {
+            content(i, o.get("content"), role)?
+        } else {
+            // An assistant message that calls tools may have no text.
+            content(i, o.get("content").filter(|c| !c.is_null()), "assistant")?
+        };
         let mut msg = Message::new(role, text);
+        msg.tool_calls = calls;
         if role == "assistant" {
             if let Some(Value::String(r)) = o.get("reasoning_content") {
                 msg = msg.with_reasoning(r.clone());
             }
+        }
+        if role == "tool" {
+            let opt_str = |k: &str| match o.get(k) {
+                None | Some(Value::Null) => Ok(None),
+                Some(Value::String(s)) => Ok(Some(s.clone())),
+                Some(other) => Err(ApiError::invalid(
+                    &format!("messages[{i}].{k}"),
+                    format!(
+                        "messages[{i}].{k}: expected a string, got {}",
+                        type_name(other)
+                    ),
+                )),
+            };
+            msg.tool_call_id = opt_str("tool_call_id")?;
+            msg.name = opt_str("name")?;
         }
         messages.push(msg);
     }
@@ -664,7 +861,20 @@ pub fn chat_request(body: &[u8]) -> Result<ChatRequest, ApiError> {
     };
     refuse_unsupported(&m, UNSUPPORTED)?;
     refuse_unsupported(&m, CHAT_UNSUPPORTED)?;
+    let (tool_defs, tools) = tools(f.get("tools"))?;
+    let tool_choice = tool_choice(f.get("tool_choice"), &tools)?;
     let mut common = common(&m)?;
+    if common.constraint.is_some()
+        && matches!(
+            tool_choice,
+            crate::tools::ToolChoice::Required | crate::tools::ToolChoice::Named(_)
+        )
+    {
+        return Err(ApiError::invalid(
+            "tool_choice",
+            "tool_choice: a required tool call is a constraint of its own; it cannot be combined with response_format, json_schema or grammar",
+        ));
+    }
     let top = f.count("top_logprobs", 0)?;
     if let Some(t) = top.filter(|&t| t > MAX_TOP_LOGPROBS) {
         return Err(ApiError::invalid(
@@ -686,6 +896,9 @@ pub fn chat_request(body: &[u8]) -> Result<ChatRequest, ApiError> {
         messages,
         think,
         common,
+        tool_defs,
+        tools,
+        tool_choice,
     })
 }
 
@@ -890,14 +1103,34 @@ mod tests {
                 "at most 16",
             ),
             (
-                r#"{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f"}}]}"#,
+                r#"{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f x"}}]}"#,
                 Some("tools"),
-                "tool calling",
+                "tools[0]: function.name",
             ),
             (
-                r#"{"messages":[{"role":"user","content":"x"}],"tool_choice":"auto"}"#,
+                r#"{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"code"}]}"#,
+                Some("tools"),
+                "tools[0]",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"tool_choice":"required"}"#,
                 Some("tool_choice"),
-                "tool calling",
+                "needs tools",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f"}}],"tool_choice":{"type":"function","function":{"name":"g"}}}"#,
+                Some("tool_choice"),
+                "not among",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f"}}],"tool_choice":"required","response_format":{"type":"json_object"}}"#,
+                Some("tool_choice"),
+                "cannot be combined",
+            ),
+            (
+                r#"{"messages":[{"role":"assistant","content":null,"tool_calls":[{"id":"a","type":"function","function":{"name":"f","arguments":5}}]}]}"#,
+                Some("messages[0].tool_calls"),
+                "arguments",
             ),
             (
                 r#"{"messages":[{"role":"user","content":"x"}],"response_format":{"type":"yaml"}}"#,
@@ -971,6 +1204,30 @@ mod tests {
             assert!(e.message.contains(needle), "{body}: {}", e.message);
             assert_eq!(e.body()["error"]["type"], "invalid_request_error");
         }
+    }
+
+    #[test]
+    fn tools_and_the_tool_role_parse() {
+        let r = chat_request(
+            br#"{"messages":[{"role":"user","content":"weather?"},
+            {"role":"assistant","content":null,"tool_calls":[{"id":"call_1","type":"function","function":{"name":"get_weather","arguments":"{\"city\":\"Oslo\"}"}}]},
+            {"role":"tool","tool_call_id":"call_1","content":"12 C"}],
+            "tools":[{"type":"function","function":{"name":"get_weather","parameters":{"type":"object","properties":{"city":{"type":"string"}}}}}],
+            "tool_choice":{"type":"function","function":{"name":"get_weather"}}}"#,
+        )
+        .unwrap();
+        assert_eq!(r.messages[1].tool_calls[0].name, "get_weather");
+        assert_eq!(r.messages[1].content, "");
+        assert_eq!(r.messages[2].role, "tool");
+        assert_eq!(r.messages[2].tool_call_id.as_deref(), Some("call_1"));
+        assert_eq!(r.tools.len(), 1);
+        assert_eq!(r.tool_defs.len(), 1);
+        assert_eq!(
+            r.tool_choice,
+            crate::tools::ToolChoice::Named("get_weather".into())
+        );
+        let r = chat_request(br#"{"messages":[{"role":"user","content":"x"}]}"#).unwrap();
+        assert_eq!(r.tool_choice, crate::tools::ToolChoice::Auto);
     }
 
     #[test]

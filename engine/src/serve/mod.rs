@@ -149,11 +149,18 @@ impl Drop for GoneOnDrop {
     }
 }
 
+/// A chat request's tools: what it offers and what it allows.
+struct ToolRequest {
+    tools: Vec<crate::tools::Tool>,
+    choice: crate::tools::ToolChoice,
+}
+
 struct Job {
     id: u64,
     endpoint: Endpoint,
     prompt: Prompt,
     common: Common,
+    tools: Option<ToolRequest>,
     events: mpsc::Sender<Event>,
     watch: Arc<Watch>,
 }
@@ -368,17 +375,23 @@ async fn chat_completions(State(st): State<Arc<AppState>>, req: Request) -> Resp
         let r = api::chat_request(&body)?;
         // A grammar constrains the answer from its first token: no reasoning span before it.
         let think = r.common.constraint.is_none() && r.think.unwrap_or(st.think_default);
+        let tools = (!r.tools.is_empty()).then(|| ToolRequest {
+            tools: r.tools,
+            choice: r.tool_choice,
+        });
         Ok::<_, ApiError>((
             Prompt::Chat {
                 messages: r.messages,
                 think,
+                tools: r.tool_defs,
             },
             r.common,
+            tools,
         ))
     }
     .await;
     match r {
-        Ok((p, c)) => submit(st, Endpoint::Chat, p, c).await,
+        Ok((p, c, t)) => submit(st, Endpoint::Chat, p, c, t).await,
         Err(e) => e.into_response(),
     }
 }
@@ -391,7 +404,7 @@ async fn completions(State(st): State<Arc<AppState>>, req: Request) -> Response 
     }
     .await;
     match r {
-        Ok((p, c)) => submit(st, Endpoint::Completion, p, c).await,
+        Ok((p, c)) => submit(st, Endpoint::Completion, p, c, None).await,
         Err(e) => e.into_response(),
     }
 }
@@ -417,6 +430,24 @@ fn telemetry(choices: &[Finished]) -> Value {
         [one] => one.telemetry(),
         many => Value::Array(many.iter().map(Finished::telemetry).collect()),
     }
+}
+
+/// Tool calls as a message carries them (`streamed`: with each call's `index`, as deltas do).
+fn tool_calls_json(calls: &[crate::chat::ToolCall], streamed: bool) -> Value {
+    Value::Array(
+        calls
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let mut v = json!({"id": c.id, "type": "function",
+                                   "function": {"name": c.name, "arguments": c.arguments}});
+                if streamed {
+                    v["index"] = json!(i);
+                }
+                v
+            })
+            .collect(),
+    )
 }
 
 /// A token's log-probability in the chat shape: `{token, logprob, bytes, top_logprobs}`,
@@ -465,7 +496,13 @@ fn legacy_logprobs(want: bool, lps: &[Logprob], offset: usize) -> Value {
 }
 
 /// Queue a job and answer it: JSON, or an SSE stream.
-async fn submit(st: Arc<AppState>, endpoint: Endpoint, prompt: Prompt, common: Common) -> Response {
+async fn submit(
+    st: Arc<AppState>,
+    endpoint: Endpoint,
+    prompt: Prompt,
+    common: Common,
+    tools: Option<ToolRequest>,
+) -> Response {
     if !st.ready.load(Ordering::SeqCst) {
         let mut e = ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -506,6 +543,7 @@ async fn submit(st: Arc<AppState>, endpoint: Endpoint, prompt: Prompt, common: C
         endpoint,
         prompt,
         common,
+        tools,
         events: tx,
         watch,
     };
@@ -574,6 +612,12 @@ async fn submit(st: Arc<AppState>, endpoint: Endpoint, prompt: Prompt, common: C
                                 if !f.reasoning.is_empty() {
                                     msg["reasoning_content"] = json!(f.reasoning);
                                 }
+                                if !f.tool_calls.is_empty() {
+                                    if f.content.is_empty() {
+                                        msg["content"] = Value::Null;
+                                    }
+                                    msg["tool_calls"] = tool_calls_json(&f.tool_calls, false);
+                                }
                                 json!({"index": i, "message": msg, "finish_reason": f.finish_reason,
                                        "logprobs": chat_logprobs(want_logprobs, &f.logprobs)})
                             }
@@ -613,6 +657,8 @@ async fn submit(st: Arc<AppState>, endpoint: Endpoint, prompt: Prompt, common: C
         /// Per choice: log-probabilities sent so far, and bytes of text (legacy offsets).
         sent_logprobs: Vec<usize>,
         sent_text: Vec<usize>,
+        /// Per choice: the answer text sent so far (what a held-back tool call leaves).
+        sent_content: Vec<String>,
         finished: Vec<Finished>,
     }
     let mut first = std::collections::VecDeque::new();
@@ -631,6 +677,7 @@ async fn submit(st: Arc<AppState>, endpoint: Endpoint, prompt: Prompt, common: C
         done: false,
         sent_logprobs: vec![0; n_choices as usize],
         sent_text: vec![0; n_choices as usize],
+        sent_content: vec![String::new(); n_choices as usize],
         finished: Vec::new(),
     };
     let events = futures_util::stream::unfold((state, with), move |(mut s, with)| async move {
@@ -657,6 +704,9 @@ async fn submit(st: Arc<AppState>, endpoint: Endpoint, prompt: Prompt, common: C
                     }
                     if let Some(n) = s.sent_text.get_mut(i) {
                         *n += content.len();
+                    }
+                    if let Some(t) = s.sent_content.get_mut(i) {
+                        t.push_str(&content);
                     }
                     let choice = match endpoint {
                         Endpoint::Chat => {
@@ -685,6 +735,24 @@ async fn submit(st: Arc<AppState>, endpoint: Endpoint, prompt: Prompt, common: C
                 }
                 Some(Event::Choice(index, f)) => {
                     let i = index as usize;
+                    if endpoint == Endpoint::Chat {
+                        // What a tool-call marker held back: the rest of the answer's text
+                        // (when the marker opened no call), then the calls.
+                        let sent = s.sent_content.get(i).map_or("", String::as_str);
+                        let rest = f.content.strip_prefix(sent).unwrap_or("");
+                        if !rest.is_empty() {
+                            s.pending.push_back(
+                                with(json!([{"index": index, "delta": {"content": rest}, "finish_reason": null}]))
+                                    .to_string(),
+                            );
+                        }
+                        if !f.tool_calls.is_empty() {
+                            s.pending.push_back(
+                                with(json!([{"index": index, "delta": {"tool_calls": tool_calls_json(&f.tool_calls, true)}, "finish_reason": null}]))
+                                    .to_string(),
+                            );
+                        }
+                    }
                     // Log-probabilities of tokens whose text a stop string held back, or that
                     // came after the last delta, go with the finishing chunk.
                     let from = s
@@ -1150,7 +1218,50 @@ impl Engine {
             head_drafts: mtp,
             logprobs: c.logprobs,
             constraint: c.constraint.as_ref().map(|(spec, _)| spec.clone()),
+            hold_from: None,
         };
+        let mut prompt = job.prompt.clone();
+        let mut tool_format = None;
+        if let Some(t) = &job.tools {
+            use crate::tools::ToolChoice;
+            let Some(fmt) = conv.tool_format() else {
+                return Some(Event::Error(ApiError::invalid(
+                    "tools",
+                    "tools: this model's chat template writes no tool-call syntax this server reads (Hermes <tool_call>, gpt-oss harmony, Gemma 4); start the server with --chat-template-file for one that does",
+                )));
+            };
+            if t.choice != ToolChoice::None {
+                tool_format = Some(fmt);
+                opts.hold_from = Some(fmt.marker());
+            }
+            if matches!(t.choice, ToolChoice::Required | ToolChoice::Named(_)) {
+                let grammar = fmt.grammar(&t.tools, &t.choice, &|s| conv.is_control_token(s));
+                let spec = match grammar {
+                    Ok(g) => crate::constrain::Spec::Lark(g),
+                    Err(e) => {
+                        return Some(Event::Error(ApiError::invalid(
+                            "tool_choice",
+                            format!("tool_choice: {e:#}"),
+                        )))
+                    }
+                };
+                if let Err(e) = conv.grammar(&spec) {
+                    return Some(Event::Error(ApiError::invalid(
+                        "tools",
+                        format!("tools: the grammar of a required call does not compile: {e:#}"),
+                    )));
+                }
+                opts.constraint = Some(spec);
+                // The call is the answer's first token on: no reasoning before it, except in
+                // harmony, where not reasoning means starting in the final channel, past
+                // where a call is written.
+                if fmt != crate::tools::ToolFormat::Harmony {
+                    if let Prompt::Chat { think, .. } = &mut prompt {
+                        *think = false;
+                    }
+                }
+            }
+        }
         if let Some((spec, param)) = &c.constraint {
             // Compiled once here so that a bad grammar is the client's 400, not a failed turn.
             if let Err(e) = conv.grammar(spec) {
@@ -1163,7 +1274,7 @@ impl Engine {
         for index in 0..c.n.max(1) {
             // Each choice draws from its own seed: the request's (or the drawn one) plus its index.
             opts.sampler.seed = base.wrapping_add(u64::from(index));
-            let prepared = match conv.prepare(&job.prompt, c.max_tokens) {
+            let prepared = match conv.prepare(&prompt, c.max_tokens) {
                 Ok(p) => p,
                 Err(r) => {
                     let mut e = refused(&r);
@@ -1182,10 +1293,19 @@ impl Engine {
                 self.metrics.skipped();
                 return None;
             }
-            let fin = match self.serve_choice(conv, job, index, &prepared, &opts) {
+            let mut fin = match self.serve_choice(conv, job, index, &prepared, &opts) {
                 Ok(f) => f,
                 Err(e) => return Some(e),
             };
+            if let Some(fmt) = tool_format {
+                let parsed = fmt.parse(&fin.content);
+                if !parsed.calls.is_empty() {
+                    fin.content = parsed.content;
+                    fin.tool_calls =
+                        crate::tools::with_ids(&parsed.calls, &format!("{}_{index}", job.id));
+                    fin.finish_reason = "tool_calls";
+                }
+            }
             if let Some((masks, secs)) = fin.grammar {
                 eprintln!(
                     "bmoe: serve: request {}: grammar: {masks} token masks in {:.1} ms ({:.3} ms each)",
