@@ -70,6 +70,13 @@ fn run(cli: Cli) -> Result<i32> {
         let stdin = std::io::stdin();
         let tty = stdin.is_terminal();
         run.resolve_prompt(&mut stdin.lock(), tty)?;
+        if tty && run.prompt.is_empty() && !run.session && !run.decide {
+            // A bare `bmoe-cli -m M` typed at a terminal: what the user most likely wants.
+            bail!(
+                "no prompt: pass -p TEXT or -f FILE, or pipe one on stdin; to talk with the model, run:\n  bmoe-cli chat -m {}",
+                model.display()
+            );
+        }
     }
     let cancel = bmoe_core::CancelFlag::new();
     watch_signals(&cancel)?;

@@ -118,10 +118,12 @@ impl RunArgs {
     }
 
     /// The prompt of a one-shot run from `-f FILE`, `-p -` or a piped `stdin` (read when
-    /// neither `-p` nor `-f` is given and stdin is not a terminal). `-sys` turns the chat
-    /// template on. Called once by the binary before the run.
+    /// neither `-p` nor `-f` is given and stdin is not a terminal). `-sys` and
+    /// `--chat-template-file` turn the chat template on (giving a template says the prompt is
+    /// a chat, as llama.cpp's `--chat-template-file` does). Called once by the binary before
+    /// the run.
     pub fn resolve_prompt(&mut self, stdin: &mut dyn Read, stdin_is_tty: bool) -> Result<()> {
-        if self.system_prompt.is_some() {
+        if self.system_prompt.is_some() || self.chat_template_file.is_some() {
             self.chatml = true;
         }
         let from_p = !self.prompt.is_empty();

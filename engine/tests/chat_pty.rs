@@ -161,3 +161,41 @@ fn a_chat_in_a_terminal_survives_ctrl_c_and_exits_on_command() {
     };
     assert_eq!(status.code(), Some(0), "{}", pty.text());
 }
+
+#[test]
+fn a_bare_run_at_a_terminal_suggests_chat_instead_of_failing_on_an_empty_prompt() {
+    let dir = bmoe_engine::testdata::scratch_dir("bare-pty");
+    let model = dir.join("tiny.gguf");
+    assert!(Command::new(BIN)
+        .args(["gen", "--preset", "tiny", "--quiet", "-o"])
+        .arg(&model)
+        .status()
+        .unwrap()
+        .success());
+    let (mut master, mut slave) = (0, 0);
+    // SAFETY: as above: openpty fills two new descriptors.
+    let r = unsafe {
+        libc::openpty(
+            &mut master,
+            &mut slave,
+            std::ptr::null_mut(),
+            std::ptr::null(),
+            std::ptr::null(),
+        )
+    };
+    assert_eq!(r, 0, "openpty: {}", std::io::Error::last_os_error());
+    // SAFETY: both descriptors were just created and are owned by these Files alone.
+    let (_master, slave) = unsafe { (File::from_raw_fd(master), File::from_raw_fd(slave)) };
+    let out = Command::new(BIN)
+        .arg("-m")
+        .arg(&model)
+        .stdin(Stdio::from(slave))
+        .output()
+        .expect("run");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("no prompt") && err.contains(&format!("bmoe-cli chat -m {}", model.display())),
+        "{err}"
+    );
+}

@@ -422,3 +422,47 @@ fn the_penalty_flags_are_checked_and_change_greedy_decoding() {
         assert!(err.contains(needle), "{flag} {value}: {err}");
     }
 }
+
+#[test]
+fn a_plain_run_reports_its_load_and_prompt_and_a_template_file_alone_makes_a_chat() {
+    let (_, err) = ok(&run(&["-p", "Tell me about the river", "-n", "4"], None));
+    let line = |p: &str| {
+        err.lines()
+            .find(|l| l.starts_with(p))
+            .unwrap_or_else(|| panic!("no {p} line in\n{err}"))
+            .to_string()
+    };
+    let prompt = line("prompt: ");
+    let n: usize = prompt_ids("report", &["-p", "Tell me about the river"], None).len();
+    assert!(
+        prompt.starts_with(&format!("prompt: {n} tokens in ")),
+        "{prompt}"
+    );
+    assert!(prompt.ends_with(" tok/s)"), "{prompt}");
+    assert!(line("load: ").ends_with(" s"));
+    // --chat-template-file alone renders the prompt as a chat with that template, the same
+    // as with --chatml; without either, the prompt is raw text.
+    let template = dir().join("alone.jinja");
+    std::fs::write(
+        &template,
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n",
+    )
+    .unwrap();
+    let t = template.to_str().unwrap();
+    let alone = prompt_ids("tpl-alone", &["-p", "hi", "--chat-template-file", t], None);
+    let with = prompt_ids(
+        "tpl-chatml",
+        &["-p", "hi", "--chatml", "--chat-template-file", t],
+        None,
+    );
+    let raw = prompt_ids("tpl-raw", &["-p", "hi"], None);
+    assert_eq!(alone, with);
+    assert_ne!(alone, raw);
+    let tok = tokenizer();
+    assert!(
+        tok.decode(&alone)
+            .contains("<|im_start|>user\nhi<|im_end|>"),
+        "{}",
+        tok.decode(&alone)
+    );
+}

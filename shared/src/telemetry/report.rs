@@ -47,6 +47,31 @@ pub fn interrupted_line(s: &RunSummary) -> Option<String> {
     })
 }
 
+/// `prompt: <n> tokens in <s> s (<t> tok/s)[, <r> reused from the KV]`: the prefill this run
+/// or turn did (llama.cpp's "prompt eval" line); `None` when nothing was prefilled.
+pub fn prompt_line(s: &RunSummary) -> Option<String> {
+    let c = &s.counters;
+    (c.n_prompt > 0 && c.prefill_s > 0.0).then(|| {
+        let reused = if c.n_reused > 0 {
+            format!(", {} reused from the KV", c.n_reused)
+        } else {
+            String::new()
+        };
+        format!(
+            "prompt: {} tokens in {} s ({} tok/s){reused}",
+            c.n_prompt,
+            fixed(c.prefill_s, 3),
+            fixed(c.n_prompt as f64 / c.prefill_s, 1)
+        )
+    })
+}
+
+/// `load: <s> s`: opening the model until the first step could run; `None` when not measured
+/// (the simulator loads nothing).
+pub fn load_line(s: &RunSummary) -> Option<String> {
+    (s.counters.load_s > 0.0).then(|| format!("load: {} s", fixed(s.counters.load_s, 2)))
+}
+
 /// `compute: <pct>% CPU occupancy (...)`, or `None` when the platform measured neither CPU
 /// time nor faults.
 pub fn compute_line(cfg: &RunConfig, s: &RunSummary) -> Option<String> {
@@ -409,6 +434,8 @@ pub fn write_report(
     }
     let mut lines = vec![generation_line(s)];
     lines.extend(interrupted_line(s));
+    lines.extend(prompt_line(s));
+    lines.extend(load_line(s));
     lines.extend(compute_line(cfg, s));
     lines.extend(speculation_lines(cfg, s));
     lines.push(mode_line(cfg, ctx.arch_streamable));
@@ -428,6 +455,25 @@ pub fn write_report(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn prompt_and_load_lines_say_what_the_prefill_and_the_load_took() {
+        let mut s = RunSummary::default();
+        assert_eq!((prompt_line(&s), load_line(&s)), (None, None));
+        s.counters.n_prompt = 30;
+        s.counters.prefill_s = 0.25;
+        s.counters.load_s = 1.234;
+        assert_eq!(
+            prompt_line(&s).as_deref(),
+            Some("prompt: 30 tokens in 0.250 s (120.0 tok/s)")
+        );
+        s.counters.n_reused = 12;
+        assert_eq!(
+            prompt_line(&s).as_deref(),
+            Some("prompt: 30 tokens in 0.250 s (120.0 tok/s), 12 reused from the KV")
+        );
+        assert_eq!(load_line(&s).as_deref(), Some("load: 1.23 s"));
+    }
 
     #[test]
     fn speculation_lines_are_named_after_the_source_that_drafted() {
