@@ -168,13 +168,17 @@ def main():
         a.bin,
         a.model,
         a.workdir,
-        ["--api-key", KEY, "--queue", "1", "--body-limit-kib", "64", "--read-timeout", "1"],
+        ["--api-key", KEY, "--queue", "1", "--body-limit-kib", "64", "--read-timeout", "1", "--cors-origin", "http://app.example"],
     )
     try:
         run(a, srv)
     finally:
         code = srv.stop()
     check(code == 0, f"the server stopped cleanly on SIGTERM (exit {code})")
+    log = open(srv.err_path).read()
+    check(re.search(r"^bmoe: serve: mode: ", log, re.M) is not None, "the server prints its mode: line")
+    check(re.search(r'^bmoe: serve: 127\.0\.0\.1 "POST /v1/chat/completions" 200 [0-9.]+ s$', log, re.M) is not None
+          and re.search(r'"GET /v1/nothing" 404', log) is not None, "one access-log line per request (peer, method, path, status, time)")
     left = os.listdir(a.workdir)
     check(left == [], f"the server wrote nothing in its working directory ({left})")
     if a.templates:
@@ -335,6 +339,15 @@ def run(a, srv):
     check(error_of(st, data, 403, "Origin"), "a foreign Origin is 403")
     st, data, _ = srv.request("POST", chat, {"messages": user, "max_tokens": 2}, headers={"Origin": "http://localhost:3000"})
     check(st == 200, "a loopback Origin is served")
+    # CORS: the --cors-origin page gets its preflight answered and may read answers.
+    st, data, hdr = srv.request("OPTIONS", chat, None, headers={"Origin": "http://app.example", "Access-Control-Request-Method": "POST"}, auth=False)
+    h = {k.lower(): v for k, v in hdr.items()}
+    check(st == 204 and h.get("access-control-allow-origin") == "http://app.example" and "POST" in h.get("access-control-allow-methods", ""),
+          "a CORS preflight from --cors-origin is answered 204 with its allowances")
+    st, data, hdr = srv.request("POST", chat, {"messages": user, "max_tokens": 2}, headers={"Origin": "http://app.example"})
+    check(st == 200 and {k.lower(): v for k, v in hdr.items()}.get("access-control-allow-origin") == "http://app.example", "the --cors-origin page's request is served with Access-Control-Allow-Origin")
+    st, data, hdr = srv.request("OPTIONS", chat, None, headers={"Origin": "http://evil.example"}, auth=False)
+    check(st != 204 and "access-control-allow-origin" not in {k.lower() for k in hdr}, "a preflight from another origin gets no CORS allowance")
     st, data, _ = srv.request("GET", "/v1/models", auth=False)
     check(error_of(st, data, 401, "missing API key"), "no API key is 401")
     bad = openai.OpenAI(base_url=base, api_key="sk-wrong", max_retries=0)

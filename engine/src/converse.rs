@@ -318,6 +318,11 @@ impl Conversation {
     pub fn load_s(&self) -> f64 {
         self.load_s
     }
+    /// The report's `mode:` line for this conversation's configuration (streaming or not,
+    /// and why), as a one-shot run prints it.
+    pub fn mode_line(&self) -> String {
+        bmoe_core::telemetry::report::mode_line(self.session.config(), true)
+    }
     /// The flag that stops the running turn at its next token boundary.
     pub fn cancel_flag(&self) -> &CancelFlag {
         self.session.cancel_flag()

@@ -80,6 +80,15 @@ pub struct ServeArgs {
     /// The model name /v1/models lists and responses carry [default: the model file's stem]
     #[arg(long, value_name = "NAME")]
     pub alias: Option<String>,
+    /// Let web pages from this origin call the server (CORS: preflights answered,
+    /// Access-Control-Allow-Origin sent); repeat for several, `*` for any. Off by default:
+    /// a browser page from elsewhere cannot read the answers
+    #[arg(long = "cors-origin", value_name = "ORIGIN")]
+    pub cors_origin: Vec<String>,
+    /// Do not print one line per request (peer, method, path, status, time to the response's
+    /// head) on stderr
+    #[arg(long = "no-access-log")]
+    pub no_access_log: bool,
     #[command(flatten)]
     pub run: RunArgs,
 }
@@ -179,6 +188,10 @@ struct AppState {
     read_timeout: Duration,
     think_default: bool,
     next_id: AtomicU64,
+    /// `--cors-origin`: pages (origins) that may call the server from a browser; `*` any.
+    cors: Vec<String>,
+    /// One line per request on stderr (off with `--no-access-log`).
+    access_log: bool,
     /// What the engine thread shares once the model is loaded.
     loaded: Arc<std::sync::OnceLock<Served>>,
 }
@@ -247,14 +260,67 @@ fn same_key(a: &[u8], b: &[u8]) -> bool {
     a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// Every request passes here: the loopback `Host`/`Origin` check, the API key, and the count.
+/// Whether `--cors-origin` lets a page from `origin` call this server.
+fn cors_allows(st: &AppState, origin: &str) -> bool {
+    st.cors
+        .iter()
+        .any(|o| o == "*" || o.eq_ignore_ascii_case(origin))
+}
+
+/// Every request passes here: CORS (a preflight is answered here), the loopback
+/// `Host`/`Origin` check, the API key, the count, and one access-log line.
 async fn gatekeeper(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    let t0 = Instant::now();
     let label = endpoint_label(req.uri().path());
-    let resp = match admit(&st, &req) {
-        Err(e) => e.into_response(),
-        Ok(()) => next.run(req).await,
+    let (method, path) = (req.method().clone(), req.uri().path().to_string());
+    let peer = req
+        .extensions()
+        .get::<axum::extract::ConnectInfo<SocketAddr>>()
+        .map_or_else(|| "-".to_string(), |c| c.0.ip().to_string());
+    let origin = req
+        .headers()
+        .get(header::ORIGIN)
+        .and_then(|o| o.to_str().ok())
+        .filter(|o| cors_allows(&st, o))
+        .map(str::to_string);
+    let mut resp = if method == axum::http::Method::OPTIONS && origin.is_some() {
+        // A CORS preflight from an allowed origin: what it may send.
+        let mut r = StatusCode::NO_CONTENT.into_response();
+        let h = r.headers_mut();
+        h.insert(
+            header::ACCESS_CONTROL_ALLOW_METHODS,
+            header::HeaderValue::from_static("GET, POST, OPTIONS"),
+        );
+        h.insert(
+            header::ACCESS_CONTROL_ALLOW_HEADERS,
+            header::HeaderValue::from_static("authorization, content-type"),
+        );
+        h.insert(
+            header::ACCESS_CONTROL_MAX_AGE,
+            header::HeaderValue::from_static("600"),
+        );
+        r
+    } else {
+        match admit(&st, &req) {
+            Err(e) => e.into_response(),
+            Ok(()) => next.run(req).await,
+        }
     };
+    if let Some(o) = origin.and_then(|o| header::HeaderValue::from_str(&o).ok()) {
+        resp.headers_mut()
+            .insert(header::ACCESS_CONTROL_ALLOW_ORIGIN, o);
+        resp.headers_mut()
+            .insert(header::VARY, header::HeaderValue::from_static("Origin"));
+    }
     st.metrics.request(label, resp.status().as_u16());
+    if st.access_log {
+        // Time to the response's head: a stream's body follows it.
+        eprintln!(
+            "bmoe: serve: {peer} \"{method} {path}\" {} {:.3} s",
+            resp.status().as_u16(),
+            t0.elapsed().as_secs_f64()
+        );
+    }
     resp
 }
 
@@ -275,12 +341,15 @@ fn admit(st: &AppState, req: &Request) -> Result<(), ApiError> {
             }
         }
         if let Some(origin) = h.get(header::ORIGIN) {
-            if !origin.to_str().is_ok_and(loopback_origin) {
+            let allowed = origin
+                .to_str()
+                .is_ok_and(|o| loopback_origin(o) || cors_allows(st, o));
+            if !allowed {
                 return Err(ApiError::new(
                     StatusCode::FORBIDDEN,
                     "permission_error",
                     format!(
-                        "Origin {:?} is not a loopback page: requests from other sites are refused",
+                        "Origin {:?} is not a loopback page: requests from other sites are refused (--cors-origin allows one)",
                         origin.to_str().unwrap_or("?")
                     ),
                 ));
@@ -1139,12 +1208,15 @@ impl Engine {
         });
         self.ready.store(true, Ordering::SeqCst);
         eprintln!(
-            "bmoe: serve: model loaded in {:.2} s ({}, n_ctx {}, chat template: {})",
+            "bmoe: serve: model loaded in {:.2} s ({}, n_ctx {}, chat template: {}{})",
             conv.load_s(),
             conv.arch(),
             conv.n_ctx(),
-            if conv.has_template() { "yes" } else { "none" }
+            if conv.has_template() { "yes" } else { "none" },
+            conv.tool_format()
+                .map_or_else(String::new, |f| format!(", tool calls: {}", f.name()))
         );
+        eprintln!("bmoe: serve: {}", conv.mode_line());
         // Requests without a seed draw one from a stream seeded by --seed: a server started
         // with the same --seed answers the same sequence of requests the same way.
         let mut seeds = rand_chacha::ChaCha20Rng::seed_from_u64(self.args.seed);
@@ -1467,6 +1539,8 @@ pub fn serve(mut a: ServeArgs, signal: &CancelFlag) -> Result<i32> {
         read_timeout: Duration::from_secs_f64(a.read_timeout),
         think_default: !a.run.no_think,
         next_id: AtomicU64::new(1),
+        cors: a.cors_origin.clone(),
+        access_log: !a.no_access_log,
     });
     let engine = Engine {
         args: a.run.clone(),
@@ -1508,10 +1582,13 @@ pub fn serve(mut a: ServeArgs, signal: &CancelFlag) -> Result<i32> {
     };
     let served: Result<()> = rt.block_on(async move {
         let listener = tokio::net::TcpListener::from_std(listener)?;
-        axum::serve(listener, app)
-            .with_graceful_shutdown(stop)
-            .await
-            .map_err(|e| anyhow!("serving HTTP: {e}"))
+        axum::serve(
+            listener,
+            app.into_make_service_with_connect_info::<SocketAddr>(),
+        )
+        .with_graceful_shutdown(stop)
+        .await
+        .map_err(|e| anyhow!("serving HTTP: {e}"))
     });
     // No more jobs: the engine finishes the one it runs (a signal has cancelled it) and ends.
     st.jobs.lock().unwrap_or_else(|e| e.into_inner()).take();
