@@ -33,7 +33,85 @@ const RESET: &str = "\x1b[0m";
 
 const HELP: &str =
     "commands: /exit (or Ctrl-D) leave · /clear start a new chat · /stats the session so far · \
-/n N tokens per answer (-1: until the end of generation) · /help this. Ctrl-C stops an answer.";
+/n N tokens per answer (-1: until the end of generation) · /help this. Ctrl-C stops an answer; \
+a line ending in \\ continues on the next; a paste is one message.";
+
+/// The terminal's bracketed-paste markers: a paste arrives between them.
+const PASTE_START: &str = "\x1b[200~";
+const PASTE_END: &str = "\x1b[201~";
+
+/// Read one message: a line; or lines joined while each ends in `\` (the backslash dropped,
+/// `more` called before each continuation); or a bracketed paste, whatever lines it spans.
+/// `None` at the end of input (what was read of an unfinished message is sent).
+fn read_message(
+    input: &mut dyn BufRead,
+    more: &mut dyn FnMut(),
+) -> std::io::Result<Option<String>> {
+    let mut msg = String::new();
+    let mut line = String::new();
+    let mut in_paste = false;
+    let mut read_any = false;
+    loop {
+        line.clear();
+        if input.read_line(&mut line)? == 0 {
+            return Ok(read_any.then_some(msg));
+        }
+        read_any = true;
+        let mut text = line.as_str();
+        if !in_paste {
+            if let Some(at) = text.find(PASTE_START) {
+                msg.push_str(&text[..at]);
+                text = &text[at + PASTE_START.len()..];
+                in_paste = true;
+            }
+        }
+        if in_paste {
+            match text.find(PASTE_END) {
+                Some(at) => {
+                    msg.push_str(&text[..at]);
+                    in_paste = false;
+                    let rest = text[at + PASTE_END.len()..].trim_end_matches(['\n', '\r']);
+                    msg.push_str(rest);
+                    if !rest.ends_with('\\') {
+                        // The paste ended its line: the message is what was pasted (plus
+                        // anything typed around it), unless Enter is still to come.
+                        if line.ends_with('\n') {
+                            return Ok(Some(msg));
+                        }
+                    }
+                }
+                None => {
+                    msg.push_str(text);
+                    continue;
+                }
+            }
+            if !line.ends_with('\n') {
+                continue;
+            }
+        } else {
+            let t = text.trim_end_matches(['\n', '\r']);
+            match t.strip_suffix('\\') {
+                Some(head) => {
+                    msg.push_str(head);
+                    msg.push('\n');
+                    more();
+                    continue;
+                }
+                None => {
+                    msg.push_str(t);
+                    return Ok(Some(msg));
+                }
+            }
+        }
+        if let Some(head) = msg.strip_suffix('\\') {
+            msg.truncate(head.len());
+            msg.push('\n');
+            more();
+            continue;
+        }
+        return Ok(Some(msg));
+    }
+}
 
 /// Prints the answer as it grows: reasoning dimmed and apart, then the answer.
 struct Printer {
@@ -177,18 +255,26 @@ pub fn chat(mut a: ChatArgs) -> Result<i32> {
         conv.n_ctx()
     );
     let stdin = std::io::stdin();
+    let tty = stdin.is_terminal();
     let mut input = stdin.lock();
-    let mut line = String::new();
+    // Bracketed paste on: a pasted block arrives marked, and is sent as one message.
+    let _paste = tty.then(|| {
+        print!("\x1b[?2004h");
+        PasteMode
+    });
     let mut turns = 0u32;
     loop {
         print!("> ");
         std::io::stdout().flush()?;
-        line.clear();
-        if input.read_line(&mut line)? == 0 {
+        let mut more = || {
+            print!("… ");
+            let _ = std::io::stdout().flush();
+        };
+        let Some(message) = read_message(&mut input, &mut more)? else {
             println!();
             break;
-        }
-        let text = line.trim_end_matches(['\n', '\r']);
+        };
+        let text = message.as_str();
         if text.trim().is_empty() {
             continue;
         }
@@ -238,19 +324,51 @@ pub fn chat(mut a: ChatArgs) -> Result<i32> {
             }
             _ => {}
         }
-        let mut msgs = history.clone();
-        msgs.push(Message::new("user", text.to_string()));
-        let prompt = Prompt::Chat {
-            messages: msgs.clone(),
-            think: !args.no_think,
-            tools: Vec::new(),
-        };
-        let prepared = match conv.prepare(&prompt, Some(n_predict)) {
-            Ok(p) => p,
-            Err(e) => {
-                println!("(not sent: {e})");
-                continue;
+        // Context shift: when the history leaves too little room (less than the answer's
+        // tokens, or a quarter of the context), the oldest messages after the system prompt
+        // are dropped, a turn at a time, and the user is told.
+        let mut dropped = 0usize;
+        let (msgs, prepared) = loop {
+            let mut msgs = history.clone();
+            msgs.push(Message::new("user", text.to_string()));
+            let prompt = Prompt::Chat {
+                messages: msgs.clone(),
+                think: !args.no_think,
+                tools: Vec::new(),
+            };
+            let can_drop = history.len() > system_len;
+            let want = n_predict.min((conv.n_ctx() / 4).max(1) as u32);
+            match conv.prepare(&prompt, Some(n_predict)) {
+                Ok(p) if p.n_predict >= want || !can_drop => break (msgs, Some(p)),
+                Err(crate::converse::Refused::TooLong { .. }) if can_drop => {}
+                Ok(_) => {}
+                Err(e) => {
+                    let hint = if matches!(e, crate::converse::Refused::TooLong { .. }) {
+                        " — the message alone is longer than the context (-c); /clear starts over"
+                    } else {
+                        ""
+                    };
+                    println!("(not sent: {e}{hint})");
+                    break (msgs, None);
+                }
             }
+            // Drop the oldest turn: its user message and everything up to the next one.
+            let mut end = system_len + 1;
+            while end < history.len() && history[end].role != "user" {
+                end += 1;
+            }
+            dropped += end - system_len;
+            history.drain(system_len..end);
+        };
+        if dropped > 0 {
+            println!(
+                "(the context of {} tokens is full: the oldest {dropped} message{} dropped; /clear starts over)",
+                conv.n_ctx(),
+                if dropped == 1 { " was" } else { "s were" }
+            );
+        }
+        let Some(prepared) = prepared else {
+            continue;
         };
         let opts = TurnOptions {
             sampler: args.sampler_config(args.seed.wrapping_add(u64::from(turns))),
@@ -303,4 +421,50 @@ pub fn chat(mut a: ChatArgs) -> Result<i32> {
     }
     conv.finish()?;
     Ok(0)
+}
+
+/// Bracketed paste, turned off again when the chat ends.
+struct PasteMode;
+
+impl Drop for PasteMode {
+    fn drop(&mut self) {
+        print!("\x1b[?2004l");
+        let _ = std::io::stdout().flush();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn messages(input: &str) -> Vec<String> {
+        let mut r = std::io::Cursor::new(input.as_bytes().to_vec());
+        let mut out = Vec::new();
+        let mut n_more = 0;
+        while let Some(m) = read_message(&mut r, &mut || n_more += 1).unwrap() {
+            out.push(m);
+        }
+        out
+    }
+
+    #[test]
+    fn a_paste_or_a_trailing_backslash_makes_one_message_of_several_lines() {
+        assert_eq!(messages("one\ntwo\n"), vec!["one", "two"]);
+        assert_eq!(
+            messages("first \\\nsecond\nthird\n"),
+            vec!["first \nsecond", "third"]
+        );
+        assert_eq!(
+            messages("\x1b[200~line a\nline b\n\nline d\x1b[201~\nnext\n"),
+            vec!["line a\nline b\n\nline d", "next"]
+        );
+        // Typed text around a paste joins it; a backslash after it continues.
+        assert_eq!(
+            messages("look: \x1b[200~x\ny\x1b[201~ \\\nok?\n"),
+            vec!["look: x\ny \nok?"]
+        );
+        // A paste still open at the end of input is sent as far as it got.
+        assert_eq!(messages("\x1b[200~half\n"), vec!["half\n"]);
+        assert_eq!(messages(""), Vec::<String>::new());
+    }
 }

@@ -199,3 +199,66 @@ fn a_bare_run_at_a_terminal_suggests_chat_instead_of_failing_on_an_empty_prompt(
         "{err}"
     );
 }
+
+/// `bmoe-cli chat` fed on a pipe (no terminal): what it prints.
+fn chat_piped(model: &std::path::Path, args: &[&str], input: &str) -> String {
+    let mut child = Command::new(BIN)
+        .arg("chat")
+        .arg("-m")
+        .arg(model)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn chat");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(input.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text
+}
+
+#[test]
+fn a_full_context_drops_the_oldest_turns_and_several_lines_make_one_message() {
+    let dir = bmoe_engine::testdata::scratch_dir("chat-shift");
+    let model = dir.join("tiny.gguf");
+    assert!(Command::new(BIN)
+        .args(["gen", "--preset", "tiny", "--quiet", "-o"])
+        .arg(&model)
+        .status()
+        .unwrap()
+        .success());
+    // -c 96 with 16-token answers: the third turn or so no longer fits beside the history.
+    let turns = (0..6)
+        .map(|i| format!("Tell me about river number {i} please.\n"))
+        .collect::<String>();
+    let out = chat_piped(
+        &model,
+        &["-c", "96", "-n", "16", "-sys", "Be brief."],
+        &turns,
+    );
+    let answered = out.matches(" tok/s, ").count();
+    assert_eq!(answered, 6, "every message answered:\n{out}");
+    assert!(!out.contains("not sent"), "{out}");
+    assert!(
+        out.contains("is full: the oldest") && out.contains("/clear starts over"),
+        "{out}"
+    );
+    // Lines ending in a backslash, and a bracketed paste, are one message each.
+    let out = chat_piped(
+        &model,
+        &["-n", "4"],
+        "first line \\\nsecond line\n\x1b[200~pasted a\npasted b\x1b[201~\n",
+    );
+    assert_eq!(out.matches(" tok/s, ").count(), 2, "{out}");
+}
