@@ -6,8 +6,10 @@
 //! on. Stdout carries nothing else.
 //!
 //! Requests are read on their own thread while a generation runs, so `cancel` stops it at the
-//! next token boundary (the core loop's `CancelFlag`) and a second `generate` is answered at
-//! once. Each turn is one `bmoe_core::Session::generate`, so `--csv`, `--route-trace` and
+//! next token boundary (the core loop's `CancelFlag`), and requests that arrive meanwhile wait
+//! in order (at most `MAX_QUEUED`; one more is answered with `BMOE_ERROR`); `cancel` with an
+//! `id` stops that request, running or still queued (a queued one is answered `cancelled:true`
+//! with nothing generated). Each turn is one `bmoe_core::Session::generate`, so `--csv`, `--route-trace` and
 //! `--io-trace` span the session (the preamble once, `turn` counting turns). The engine owns
 //! the conversation: `clear_kv:true` starts a new chat, `clear_kv:false` continues it — the
 //! whole history is rendered again with the model's template and only the tokens past what the
@@ -19,8 +21,8 @@
 //! suffix rendered as one user message with reasoning off, one prefill and no decode
 //! (`bmoe_core::Session::decide`); the state after the prefix is kept and restored for the next
 //! decide whose prefix renders equal to it or extends it (`--decide-prefix-cache`), and a
-//! `generate` drops it. `close` and EOF end the session: a running request is stopped at its
-//! next token boundary and answered (`cancelled:true`) first.
+//! `generate` drops it. `close` and EOF end the session once every request queued before them
+//! has been served: `bmoe-cli --session < requests.jsonl` runs the file.
 
 use crate::chat::{ChatFormat, Message, ThinkCtl};
 use crate::cli::RunArgs;
@@ -74,7 +76,8 @@ pub struct DecideRequest {
 pub enum Request {
     Generate(GenerateRequest),
     Decide(DecideRequest),
-    Cancel,
+    /// Stop the running request, or with an id the request of that id, running or queued.
+    Cancel(Option<i64>),
     Close,
 }
 
@@ -253,7 +256,7 @@ pub fn parse_request(line: &[u8]) -> Result<Request, RequestError> {
                 reuse_prefix: boolean(cmd, "reuse_prefix")?,
             }))
         }
-        "cancel" => Ok(Request::Cancel),
+        "cancel" => Ok(Request::Cancel(id)),
         "close" => Ok(Request::Close),
         other => Err(err(
             at,
@@ -370,25 +373,34 @@ enum Work {
     Failed(String),
 }
 
-/// Which request the generation side is serving (`None`: idle), shared with the reader so a
-/// `cancel` or a second request is judged against it.
-type Busy = Arc<Mutex<Option<i64>>>;
+/// Requests that may wait while one runs; one more is answered with `BMOE_ERROR`.
+pub const MAX_QUEUED: usize = 16;
 
-/// `close` or EOF: the session ends. A request running (or queued) is stopped at its next
-/// token boundary as `cancel` stops it — it is still answered, `cancelled:true` — and then the
-/// process exits. (`cancel` interrupts a generation and keeps the session; `close` ends it.)
-fn end_session(busy: &Busy, cancel: &CancelFlag, tx: &mpsc::Sender<Work>) {
-    let b = busy.lock().unwrap_or_else(|e| e.into_inner());
-    if b.is_some() {
-        cancel.set();
-    }
-    drop(b);
+/// What the request reader and the generation side share: the request running, the ones
+/// waiting (in order), and the waiting ones a `cancel` named.
+#[derive(Debug, Default)]
+struct Queue {
+    running: Option<i64>,
+    waiting: std::collections::VecDeque<i64>,
+    cancelled: std::collections::HashSet<i64>,
+}
+
+type Busy = Arc<Mutex<Queue>>;
+
+fn lock(busy: &Busy) -> std::sync::MutexGuard<'_, Queue> {
+    busy.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// `close` or EOF: the session ends once every request already queued has been served (the
+/// running one is not stopped: `cancel` does that).
+fn end_session(tx: &mpsc::Sender<Work>) {
     let _ = tx.send(Work::Close);
 }
 
-/// The request reader: parses each line, answers what it can at once (bad requests, `cancel`
-/// with nothing running, a request while another runs), sets the cancel flag, and queues the
-/// rest. EOF and `close` end the session.
+/// The request reader: parses each line, answers what it can at once (bad requests, a
+/// `cancel` with nothing to stop, a request past a full queue), sets the cancel flag or marks
+/// a queued request cancelled, and queues the rest in order. EOF and `close` end the session
+/// after what is queued.
 fn read_requests(
     mut input: Box<dyn BufRead + Send>,
     replies: Replies,
@@ -399,7 +411,7 @@ fn read_requests(
     let outcome: io::Result<()> = (|| loop {
         let line = match read_line(&mut *input, MAX_REQUEST_BYTES)? {
             LineRead::Eof => {
-                end_session(&busy, &cancel, &tx);
+                end_session(&tx);
                 return Ok(());
             }
             LineRead::TooLong(n) => {
@@ -419,17 +431,30 @@ fn read_requests(
         }
         match parse_request(&line) {
             Err(e) => replies.error(e.id, false, &e.msg)?,
-            Ok(Request::Cancel) => {
-                let b = busy.lock().unwrap_or_else(|e| e.into_inner());
-                if b.is_some() {
-                    cancel.set();
-                } else {
-                    drop(b);
-                    replies.error(0, false, "cancel: no generation is running")?;
+            Ok(Request::Cancel(target)) => {
+                let mut q = lock(&busy);
+                match target {
+                    Some(t) if q.running == Some(t) => cancel.set(),
+                    None if q.running.is_some() => cancel.set(),
+                    Some(t) if q.waiting.contains(&t) => {
+                        q.cancelled.insert(t);
+                    }
+                    Some(t) => {
+                        drop(q);
+                        replies.error(
+                            t,
+                            false,
+                            &format!("cancel: request {t} is neither running nor queued"),
+                        )?;
+                    }
+                    None => {
+                        drop(q);
+                        replies.error(0, false, "cancel: no request is running")?;
+                    }
                 }
             }
             Ok(Request::Close) => {
-                end_session(&busy, &cancel, &tx);
+                end_session(&tx);
                 return Ok(());
             }
             Ok(r @ (Request::Generate(_) | Request::Decide(_))) => {
@@ -438,19 +463,20 @@ fn read_requests(
                     Request::Decide(d) => (d.id, Work::Decide(d)),
                     _ => unreachable!("matched above"),
                 };
-                let mut b = busy.lock().unwrap_or_else(|e| e.into_inner());
-                if let Some(running) = *b {
-                    drop(b);
+                let mut q = lock(&busy);
+                if q.waiting.len() >= MAX_QUEUED {
+                    let running = q.running.map_or_else(|| "?".to_string(), |r| r.to_string());
+                    drop(q);
                     replies.error(
                         id,
                         false,
                         &format!(
-                            "request {id} arrived while request {running} is running: send cancel, or wait for its BMOE_DONE or BMOE_DECIDE"
+                            "request {id}: the queue is full ({MAX_QUEUED} requests wait behind request {running}): wait for a BMOE_DONE, or send cancel"
                         ),
                     )?;
                 } else {
-                    *b = Some(id);
-                    drop(b);
+                    q.waiting.push_back(id);
+                    drop(q);
                     if tx.send(work).is_err() {
                         return Ok(());
                     }
@@ -675,7 +701,7 @@ pub fn serve(
     let mut sampler = sampler(args);
     let mut history: Vec<Message> = Vec::new();
 
-    let busy: Busy = Arc::new(Mutex::new(None));
+    let busy: Busy = Arc::new(Mutex::new(Queue::default()));
     let (tx, rx) = mpsc::channel();
     {
         let (replies, busy, cancel) = (replies.clone(), busy.clone(), cancel.clone());
@@ -688,11 +714,24 @@ pub fn serve(
     // sends its next request on seeing that reply finds the session free; a cancel that comes
     // later has nothing to stop.
     let idle = |busy: &Busy, cancel: &CancelFlag| {
-        let mut b = busy.lock().unwrap_or_else(|e| e.into_inner());
+        let mut q = lock(busy);
         cancel.clear();
-        *b = None;
-        drop(b);
+        q.running = None;
+        drop(q);
         give_back_freed_memory();
+    };
+    // A request taken from the queue: it runs now, unless a cancel named it while it waited
+    // (then it is answered as cancelled, with nothing generated).
+    let start = |busy: &Busy, id: i64| -> bool {
+        let mut q = lock(busy);
+        if let Some(at) = q.waiting.iter().position(|&w| w == id) {
+            q.waiting.remove(at);
+        }
+        if q.cancelled.remove(&id) {
+            return false;
+        }
+        q.running = Some(id);
+        true
     };
     // A request refused before it started: idle again, and say why.
     let refuse_request = |id: i64, msg: &str| -> io::Result<()> {
@@ -732,6 +771,19 @@ pub fn serve(
             }
             Work::Decide(d) => {
                 let id = d.id;
+                if !start(&busy, id) {
+                    replies.line(|w| {
+                        write_done(
+                            w,
+                            id,
+                            true,
+                            &bmoe_core::telemetry::RunSummary::default(),
+                            "",
+                            "",
+                        )
+                    })?;
+                    continue;
+                }
                 if !args.decide {
                     refuse_request(
                         id,
@@ -784,6 +836,19 @@ pub fn serve(
             Work::Generate(g) => g,
         };
         let id = g.id;
+        if !start(&busy, id) {
+            replies.line(|w| {
+                write_done(
+                    w,
+                    id,
+                    true,
+                    &bmoe_core::telemetry::RunSummary::default(),
+                    "",
+                    "",
+                )
+            })?;
+            continue;
+        }
         let special = !args.no_parse_special;
         let think = g.think.unwrap_or(!args.no_think);
         let clear_kv = g.clear_kv.unwrap_or(true);
@@ -989,7 +1054,7 @@ mod tests {
         );
         assert_eq!(
             parse_request(br#"{"cmd":"cancel"}"#).unwrap(),
-            Request::Cancel
+            Request::Cancel(None)
         );
         assert_eq!(
             parse_request(br#" {"cmd":"close"} "#).unwrap(),

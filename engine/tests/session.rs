@@ -260,17 +260,26 @@ fn fifty_turns_over_a_pipe_with_bad_requests_between_them() {
                 ("BMOE_BEGIN", &serde_json::json!(id))
             );
             c.until("BMOE_PROGRESS");
+            // Two requests queue behind the running one; each is cancelled by its id while it
+            // waits, then the running one by a plain cancel.
             c.send(generate(id + 500, "again", 4, true));
             c.send(decide(id + 600, "Busy?", &["yes", "no", "maybe"], true));
+            c.send(serde_json::json!({"cmd":"cancel","id":id + 500}));
+            c.send(serde_json::json!({"cmd":"cancel","id":id + 600}));
             c.send(serde_json::json!({"cmd":"cancel"}));
             let rest = c.until("BMOE_DONE");
             for other in [id + 500, id + 600] {
-                let err = rest
-                    .iter()
-                    .find(|(t, v)| t == "BMOE_ERROR" && v["id"] == other)
-                    .unwrap_or_else(|| panic!("request {other} was not answered: {rest:?}"));
-                assert_eq!(err.1["fatal"], false);
-                assert!(err.1["msg"].as_str().unwrap().contains("is running"));
+                let (t, v) = c.next();
+                assert_eq!(
+                    (t.as_str(), &v["id"]),
+                    ("BMOE_DONE", &serde_json::json!(other)),
+                    "{v}"
+                );
+                assert_eq!(
+                    (&v["cancelled"], &v["tokens"]),
+                    (&serde_json::json!(true), &serde_json::json!(0)),
+                    "{v}"
+                );
             }
             let done = &rest.last().unwrap().1;
             assert_eq!(done["id"], id);
@@ -355,7 +364,9 @@ fn fifty_turns_over_a_pipe_with_bad_requests_between_them() {
             }
             4 => {
                 c.send(serde_json::json!({"cmd":"cancel"}));
-                c.expect_error(0, "no generation is running");
+                c.expect_error(0, "no request is running");
+                c.send(serde_json::json!({"cmd":"cancel","id":id}));
+                c.expect_error(id, "neither running nor queued");
                 c.send(generate(id, "", 4, true));
                 c.expect_error(id, "prompt is empty");
             }
@@ -456,12 +467,14 @@ fn a_signal_ends_the_session_after_answering_the_running_turn() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// `close` ends the session: a generation still running is stopped at its next token
-/// boundary and answered (`cancelled:true`) before the process exits 0 — and EOF does the
-/// same. A session opened without `--decide` refuses a decide and goes on; `--decide` needs
-/// `--session`.
+/// `close` and EOF end the session once what was queued before them has been served: the
+/// running request finishes, the queued ones run in order (one cancelled by its id while it
+/// waited is answered `cancelled:true` with nothing generated), then the process exits 0 —
+/// so `bmoe-cli --session < requests.jsonl` runs the file. Past `MAX_QUEUED` waiting, a
+/// request is refused by its id. A session opened without `--decide` refuses a decide and goes
+/// on; `--decide` needs `--session`.
 #[test]
-fn close_and_eof_stop_a_running_turn_and_decide_needs_its_flag() {
+fn close_and_eof_finish_the_queue_and_a_cancel_names_its_request() {
     let dir = scratch();
     let model = tiny_model(&dir);
     for how in ["close", "eof"] {
@@ -469,20 +482,51 @@ fn close_and_eof_stop_a_running_turn_and_decide_needs_its_flag() {
         assert_eq!(c.next().0, "BMOE_READY");
         c.send(decide(1, "Is it?", &["yes", "no"], true));
         c.expect_error(1, "without --decide");
-        c.send(generate(2, "Once upon a time", 4000, true));
+        c.send(generate(2, "Once upon a time", 40, true));
         c.until("BMOE_PROGRESS");
+        let queued: Vec<i64> = (10..10 + bmoe_engine::session::MAX_QUEUED as i64).collect();
+        for &q in &queued {
+            c.send(generate(q, "Hi", 3, true));
+        }
+        c.send(generate(99, "Hi", 3, true));
+        let lines = c.until("BMOE_ERROR");
+        let (_, err) = lines.last().unwrap();
+        assert_eq!(err["id"], 99, "{err}");
+        assert!(
+            err["msg"].as_str().unwrap().contains("queue is full"),
+            "{err}"
+        );
+        c.send(serde_json::json!({"cmd":"cancel","id":12}));
         if how == "close" {
             c.send(serde_json::json!({"cmd":"close"}));
         } else {
             drop(c.stdin.take());
         }
-        let done = c.until("BMOE_DONE").pop().unwrap().1;
-        assert_eq!(
-            (done["id"].as_i64(), &done["cancelled"]),
-            (Some(2), &serde_json::json!(true)),
-            "{how}: {done}"
-        );
-        assert!(done["tokens"].as_u64().unwrap() < 4000);
+        let mut done = Vec::new();
+        while done.len() < 1 + queued.len() {
+            let (t, v) = c.next();
+            if t == "BMOE_DONE" {
+                done.push(v);
+            }
+        }
+        let ids: Vec<i64> = done.iter().map(|d| d["id"].as_i64().unwrap()).collect();
+        let mut want = vec![2];
+        want.extend(&queued);
+        assert_eq!(ids, want, "{how}: answered in order");
+        for d in &done {
+            let cancelled = d["id"] == 12;
+            assert_eq!(d["cancelled"], cancelled, "{how}: {d}");
+            let tokens = d["tokens"].as_u64().unwrap();
+            let expect = match d["id"].as_i64() {
+                Some(2) => 40,
+                Some(12) => 0,
+                _ => 3,
+            };
+            assert!(
+                tokens == expect || (!cancelled && tokens < expect),
+                "{how}: {d}"
+            );
+        }
         drop(c.stdin.take());
         assert_eq!(c.child.wait().expect("wait").code(), Some(0), "{how}");
         let mut rest = String::new();
