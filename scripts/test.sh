@@ -10,6 +10,11 @@ if ! python3 -c "import gguf, jinja2, jsonschema, numpy, llama_cpp, openai, prom
   python3 -m pip install -q --disable-pip-version-check -r scripts/requirements-test.txt
 fi
 status=0
+# The web chat's browser test (engine/tests/webchat.rs) needs Chromium, its driver and
+# selenium: CI installs them; elsewhere the test says how when they are missing.
+if [ "${CI:-}" = true ]; then
+  bash scripts/browser.sh || status=$?
+fi
 # Issue 33: the core's modules form a stack with no import cycle (stdlib-only, instant).
 python3 scripts/check-layers.py || status=$?
 # ARM (issue 31): the phone binary the cross-architecture gate runs under qemu

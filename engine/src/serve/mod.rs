@@ -89,6 +89,9 @@ pub struct ServeArgs {
     /// head) on stderr
     #[arg(long = "no-access-log")]
     pub no_access_log: bool,
+    /// Do not serve the web chat page at `/`
+    #[arg(long = "no-webui")]
+    pub no_webui: bool,
     #[command(flatten)]
     pub run: RunArgs,
 }
@@ -192,6 +195,8 @@ struct AppState {
     cors: Vec<String>,
     /// One line per request on stderr (off with `--no-access-log`).
     access_log: bool,
+    /// Serve the web chat at `/` (off with `--no-webui`).
+    web_ui: bool,
     /// What the engine thread shares once the model is loaded.
     loaded: Arc<std::sync::OnceLock<Served>>,
 }
@@ -244,6 +249,7 @@ fn endpoint_label(path: &str) -> &'static str {
         "/v1/models" => "/v1/models",
         "/health" => "/health",
         "/metrics" => "/metrics",
+        "/" => "/",
         "/tokenize" => "/tokenize",
         "/detokenize" => "/detokenize",
         "/props" => "/props",
@@ -357,7 +363,7 @@ fn admit(st: &AppState, req: &Request) -> Result<(), ApiError> {
         }
     }
     if let Some(key) = &st.api_key {
-        if req.uri().path() != "/health" {
+        if req.uri().path() != "/health" && req.uri().path() != "/" {
             let given = h
                 .get(header::AUTHORIZATION)
                 .and_then(|v| v.to_str().ok())
@@ -986,6 +992,34 @@ async fn detokenize(State(st): State<Arc<AppState>>, req: Request) -> Response {
     }
 }
 
+/// The web chat: one static page, served at `/` (no key needed to load it: it holds nothing;
+/// its requests carry the key the user gives it).
+const WEB_CHAT: &str = include_str!("../../assets/webchat.html");
+
+async fn web_chat(State(st): State<Arc<AppState>>) -> Response {
+    if !st.web_ui {
+        return ApiError::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            "the web chat is off (--no-webui)",
+        )
+        .with_code("not_found")
+        .into_response();
+    }
+    (
+        [
+            (header::CONTENT_TYPE, "text/html; charset=utf-8"),
+            (
+                header::CONTENT_SECURITY_POLICY,
+                "default-src 'self'; script-src 'unsafe-inline'; style-src 'unsafe-inline'",
+            ),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        WEB_CHAT,
+    )
+        .into_response()
+}
+
 async fn health(State(st): State<Arc<AppState>>) -> Response {
     if st.ready.load(Ordering::SeqCst) {
         Json(json!({"status": "ready"})).into_response()
@@ -1021,7 +1055,7 @@ async fn not_found(req: Request) -> Response {
         StatusCode::NOT_FOUND,
         "invalid_request_error",
         format!(
-            "unknown path {}: this server answers POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/ID], POST /tokenize, POST /detokenize, GET /props, GET /health and GET /metrics",
+            "unknown path {}: this server answers GET / (the web chat), POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/ID], POST /tokenize, POST /detokenize, GET /props, GET /health and GET /metrics",
             req.uri().path()
         ),
     )
@@ -1042,6 +1076,7 @@ fn router(st: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route("/", get(web_chat))
         .route("/v1/models", get(models))
         .route("/v1/models/{id}", get(model_by_id))
         .route("/tokenize", post(tokenize))
@@ -1541,6 +1576,7 @@ pub fn serve(mut a: ServeArgs, signal: &CancelFlag) -> Result<i32> {
         next_id: AtomicU64::new(1),
         cors: a.cors_origin.clone(),
         access_log: !a.no_access_log,
+        web_ui: !a.no_webui,
     });
     let engine = Engine {
         args: a.run.clone(),
@@ -1565,7 +1601,8 @@ pub fn serve(mut a: ServeArgs, signal: &CancelFlag) -> Result<i32> {
                 r
             })?
     };
-    eprintln!("bmoe: serve: listening on http://{addr} (loading the model; GET /health says when it is ready)");
+    eprintln!("bmoe: serve: listening on http://{addr} (loading the model; GET /health says when it is ready){}",
+        if a.no_webui { "" } else { "; a web chat at /" });
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
