@@ -17,6 +17,8 @@ if [ "${CI:-}" = true ]; then
 fi
 # Issue 33: the core's modules form a stack with no import cycle (stdlib-only, instant).
 python3 scripts/check-layers.py || status=$?
+# Issue 35: the engine's modules too (the front ends over converse over run, cli at the bottom).
+python3 scripts/check-layers.py engine/src || status=$?
 # ARM (issue 31): the phone binary the cross-architecture gate runs under qemu
 # (gates/tests/arm_identity.rs), built before the suite, and the aarch64 kernel tests under qemu
 # after it. CI installs the tools (scripts/arm.sh: rustup targets, cross gcc, qemu-user); on

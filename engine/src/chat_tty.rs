@@ -8,25 +8,14 @@
 //! `/help`.
 
 use crate::chat::Message;
-use crate::cli::RunArgs;
+use crate::cli::{ChatArgs, RunArgs};
 use crate::converse::{Conversation, Finished, Listener, Prompt, TurnOptions};
 use anyhow::{bail, Result};
 use bmoe_core::{CancelFlag, StopReason};
-use clap::Args;
 use std::io::{BufRead, IsTerminal, Write};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// `bmoe-cli chat` flags: the engine's run flags plus the chat's own.
-#[derive(Args, Debug, Clone)]
-pub struct ChatArgs {
-    /// No colours or dimming, even on a terminal (also: the NO_COLOR environment variable)
-    #[arg(long)]
-    pub plain: bool,
-    #[command(flatten)]
-    pub run: RunArgs,
-}
 
 const DIM: &str = "\x1b[2m";
 const RESET: &str = "\x1b[0m";

@@ -38,9 +38,9 @@ pub enum Cmd {
     Checksum(ChecksumArgs),
     /// Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions,
     /// /v1/completions, /v1/models, /health, /metrics; see docs/serving.md)
-    Serve(crate::serve::ServeArgs),
+    Serve(ServeArgs),
     /// Chat with the model in the terminal (history kept, Ctrl-C stops an answer, /exit)
-    Chat(crate::chat_tty::ChatArgs),
+    Chat(ChatArgs),
 }
 
 #[derive(Args, Debug)]
@@ -92,7 +92,7 @@ pub struct RunArgs {
     pub no_parse_special: bool,
     /// Tokens to generate; -1 = until an end-of-generation token or the context is full.
     /// Generation stops at the model's end-of-generation tokens unless --ignore-eos
-    #[arg(short = 'n', long = "n-predict", default_value = "128", value_parser = crate::prompt::parse_n_predict, allow_negative_numbers = true)]
+    #[arg(short = 'n', long = "n-predict", default_value = "128", value_parser = crate::conventions::parse_n_predict, allow_negative_numbers = true)]
     pub n_predict: u32,
     /// Keep generating past end-of-generation tokens (sampled and printed like any other) until
     /// -n tokens or the context is full: fixed-length runs for benchmarks and gates, as
@@ -127,25 +127,25 @@ pub struct RunArgs {
     pub top_p: f32,
     /// Min-p cutoff when sampling: keep tokens at least this times as likely as the most
     /// likely one (at temperature 1); 0 = off
-    #[arg(long = "min-p", default_value_t = 0.0, value_parser = crate::prompt::parse_unit)]
+    #[arg(long = "min-p", default_value_t = 0.0, value_parser = crate::conventions::parse_unit)]
     pub min_p: f32,
     /// Divide the logit of a token seen in the last --repeat-last-n tokens by this (multiply
     /// a negative one); 1 = off. As llama.cpp's; also applies to greedy decoding
-    #[arg(long = "repeat-penalty", default_value_t = 1.0, value_parser = crate::prompt::parse_penalty_factor)]
+    #[arg(long = "repeat-penalty", default_value_t = 1.0, value_parser = crate::conventions::parse_penalty_factor)]
     pub repeat_penalty: f32,
     /// How many recent tokens (the prompt's tail, then the answer) the penalties look at
     #[arg(long = "repeat-last-n", default_value_t = 64)]
     pub repeat_last_n: usize,
     /// Subtract this from the logit of every token seen in the last --repeat-last-n tokens;
     /// 0 = off
-    #[arg(long = "presence-penalty", default_value_t = 0.0, allow_negative_numbers = true, value_parser = crate::prompt::parse_additive_penalty)]
+    #[arg(long = "presence-penalty", default_value_t = 0.0, allow_negative_numbers = true, value_parser = crate::conventions::parse_additive_penalty)]
     pub presence_penalty: f32,
     /// Subtract this times its count there from a token's logit; 0 = off
-    #[arg(long = "frequency-penalty", default_value_t = 0.0, allow_negative_numbers = true, value_parser = crate::prompt::parse_additive_penalty)]
+    #[arg(long = "frequency-penalty", default_value_t = 0.0, allow_negative_numbers = true, value_parser = crate::conventions::parse_additive_penalty)]
     pub frequency_penalty: f32,
     /// Sampling seed (reproducible per seed); -1 = a random seed, drawn once and reported on
     /// stderr and in the --csv preamble
-    #[arg(long, default_value = "-1", value_parser = crate::prompt::parse_seed, allow_negative_numbers = true)]
+    #[arg(long, default_value = "-1", value_parser = crate::conventions::parse_seed, allow_negative_numbers = true)]
     pub seed: u64,
     /// Write the logits of every prompt position and generated step (raw little-endian f32,
     /// one row of n_vocab per position) plus PATH.json naming the token ids and each
@@ -280,6 +280,71 @@ pub enum PrefixCacheMode {
     Off,
 }
 
+/// `bmoe-cli serve` flags: the engine's run flags plus the server's own.
+#[derive(Args, Debug, Clone)]
+pub struct ServeArgs {
+    /// Address to bind. Anything but a loopback address exposes the model to the network
+    /// (a warning is printed; use --api-key)
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on (0: any free port; the chosen one is printed)
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// Require `Authorization: Bearer KEY` on every endpoint but /health
+    #[arg(
+        long = "api-key",
+        env = "BMOE_API_KEY",
+        value_name = "KEY",
+        hide_env_values = true
+    )]
+    pub api_key: Option<String>,
+    /// Requests that may wait for the engine while one generates; more are answered 503
+    /// with Retry-After
+    #[arg(long, default_value_t = 8)]
+    pub queue: usize,
+    /// Largest request body accepted, KiB (413 past it)
+    #[arg(long = "body-limit-kib", default_value_t = 4096)]
+    pub body_limit_kib: usize,
+    /// Seconds a request body may take to arrive (408 past it)
+    #[arg(long = "read-timeout", default_value_t = 10.0, value_name = "SECONDS")]
+    pub read_timeout: f64,
+    /// Seconds a streaming client may leave the next chunk unread before its generation is
+    /// cancelled (the engine serves one request at a time)
+    #[arg(
+        long = "client-timeout",
+        default_value_t = 30.0,
+        value_name = "SECONDS"
+    )]
+    pub client_timeout: f64,
+    /// The model name /v1/models lists and responses carry [default: the model file's stem]
+    #[arg(long, value_name = "NAME")]
+    pub alias: Option<String>,
+    /// Let web pages from this origin call the server (CORS: preflights answered,
+    /// Access-Control-Allow-Origin sent); repeat for several, `*` for any. Off by default:
+    /// a browser page from elsewhere cannot read the answers
+    #[arg(long = "cors-origin", value_name = "ORIGIN")]
+    pub cors_origin: Vec<String>,
+    /// Do not print one line per request (peer, method, path, status, time to the response's
+    /// head) on stderr
+    #[arg(long = "no-access-log")]
+    pub no_access_log: bool,
+    /// Do not serve the web chat page at `/`
+    #[arg(long = "no-webui")]
+    pub no_webui: bool,
+    #[command(flatten)]
+    pub run: RunArgs,
+}
+
+/// `bmoe-cli chat` flags: the engine's run flags plus the chat's own.
+#[derive(Args, Debug, Clone)]
+pub struct ChatArgs {
+    /// No colours or dimming, even on a terminal (also: the NO_COLOR environment variable)
+    #[arg(long)]
+    pub plain: bool,
+    #[command(flatten)]
+    pub run: RunArgs,
+}
+
 impl RunArgs {
     /// The sampling flags, seeded with `seed`.
     pub fn sampler_config(&self, seed: u64) -> crate::sample::SamplerConfig {
@@ -354,8 +419,9 @@ impl Cli {
     pub fn parse_argv<I: IntoIterator<Item = S>, S: Into<std::ffi::OsString>>(
         argv: I,
     ) -> Result<Cli, clap::Error> {
-        let (argv, notes) =
-            crate::prompt::rewrite_llama_flags_noting(argv.into_iter().map(Into::into).collect());
+        let (argv, notes) = crate::conventions::rewrite_llama_flags_noting(
+            argv.into_iter().map(Into::into).collect(),
+        );
         for n in notes {
             eprintln!("bmoe: note: {n}");
         }
@@ -611,12 +677,11 @@ pub fn gen(a: GenArgs) -> Result<()> {
         types.experts = Some(e);
     }
     // `-o` over the vocabulary or template it reads would destroy that input.
-    let inputs: Vec<crate::outputs::Named<'_>> =
-        [("--vocab", &a.vocab), ("--template", &a.template)]
-            .into_iter()
-            .filter_map(|(flag, p)| p.as_deref().map(|p| crate::outputs::Named::new(flag, p)))
-            .collect();
-    crate::outputs::check_distinct(&inputs, &[crate::outputs::Named::new("--out", &a.out)])?;
+    let inputs: Vec<crate::files::Named<'_>> = [("--vocab", &a.vocab), ("--template", &a.template)]
+        .into_iter()
+        .filter_map(|(flag, p)| p.as_deref().map(|p| crate::files::Named::new(flag, p)))
+        .collect();
+    crate::files::check_distinct(&inputs, &[crate::files::Named::new("--out", &a.out)])?;
     let mut vocab = match &a.vocab {
         None => crate::vocab::builtin_vocab().context("building the built-in vocabulary")?,
         Some(p) => crate::vocab::vocab_from_file(p)
@@ -720,11 +785,11 @@ pub fn checksum(a: ChecksumArgs) -> Result<()> {
         .unwrap_or_else(|| crate::checksum::sidecar_path(&a.model));
     let file = std::sync::Arc::new(GgufFile::open(&a.model)?);
     let inputs: Vec<PathBuf> = file.shard_paths().iter().map(|p| p.to_path_buf()).collect();
-    let named: Vec<crate::outputs::Named<'_>> = inputs
+    let named: Vec<crate::files::Named<'_>> = inputs
         .iter()
-        .map(|p| crate::outputs::Named::new("MODEL", p))
+        .map(|p| crate::files::Named::new("MODEL", p))
         .collect();
-    crate::outputs::check_distinct(&named, &[crate::outputs::Named::new("--out", &out)])?;
+    crate::files::check_distinct(&named, &[crate::files::Named::new("--out", &out)])?;
     // Mapped, not copied: only the expert tensors' places are needed.
     let model = crate::arch::load_model(file.clone(), crate::dense::DenseMode::Mmap, 1)?;
     let layout = crate::stream::layout_of(&model)?;
@@ -804,11 +869,11 @@ fn write_layout(model_path: &std::path::Path, out: &std::path::Path) -> Result<(
     use bmoe_core::telemetry::route_trace::{RoutePreamble, RouteTraceWriter, TraceLayer};
     let file = std::sync::Arc::new(GgufFile::open(model_path)?);
     let inputs: Vec<PathBuf> = file.shard_paths().iter().map(|p| p.to_path_buf()).collect();
-    let named: Vec<crate::outputs::Named<'_>> = inputs
+    let named: Vec<crate::files::Named<'_>> = inputs
         .iter()
-        .map(|p| crate::outputs::Named::new("MODEL", p))
+        .map(|p| crate::files::Named::new("MODEL", p))
         .collect();
-    crate::outputs::check_distinct(&named, &[crate::outputs::Named::new("--layout-out", out)])?;
+    crate::files::check_distinct(&named, &[crate::files::Named::new("--layout-out", out)])?;
     // Mapped, not copied: only the tensors' places and sizes are needed.
     let model = crate::arch::load_model(file.clone(), crate::dense::DenseMode::Mmap, 1)?;
     let layout = crate::stream::layout_of(&model)?;

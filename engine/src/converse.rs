@@ -13,7 +13,6 @@ use crate::chat::{ChatFormat, Message, ThinkCtl};
 use crate::cli::RunArgs;
 use crate::run::{host_probe, load, Sampling, Sinks};
 use crate::sample::{Sampler, SamplerConfig};
-use crate::session::common_prefix;
 use crate::stream::EngineBackend;
 use crate::tokenizer::Tokenizer;
 use anyhow::{bail, Result};
@@ -38,6 +37,24 @@ pub fn chat_boundary(
     let text = format.history_tools(messages, tools, think).ok()?;
     let history = tok.encode(&text, true).ok()?;
     Some(common_prefix(&history, prompt) as u32)
+}
+
+/// The longest common prefix of two token sequences.
+pub(crate) fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+/// How a JSON value is named in an error message ("a string", "an array", ...).
+pub(crate) fn type_name(v: &serde_json::Value) -> &'static str {
+    use serde_json::Value;
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
 }
 
 /// What a turn answers.

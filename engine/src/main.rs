@@ -107,7 +107,7 @@ fn env_fallbacks(run: &mut bmoe_engine::cli::RunArgs) -> Result<()> {
 
 /// `bmoe-cli serve`: SIGINT/SIGTERM stop the server (the running generation at its next
 /// token); a second signal ends the process at once.
-fn serve(mut a: bmoe_engine::serve::ServeArgs) -> Result<i32> {
+fn serve(mut a: bmoe_engine::cli::ServeArgs) -> Result<i32> {
     env_fallbacks(&mut a.run)?;
     let cancel = bmoe_core::CancelFlag::new();
     watch_signals(&cancel)?;

@@ -26,6 +26,7 @@
 
 use crate::chat::{ChatFormat, Message, ThinkCtl};
 use crate::cli::RunArgs;
+use crate::converse::{common_prefix, type_name};
 use crate::run::{host_probe, load, sampler, Sampling, Sinks};
 use crate::tokenizer::Tokenizer;
 use anyhow::{bail, Result};
@@ -88,17 +89,6 @@ pub enum Request {
 pub struct RequestError {
     pub id: i64,
     pub msg: String,
-}
-
-pub(crate) fn type_name(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
-    }
 }
 
 /// Parse one request line (without its newline). Never panics: every way a line can be wrong
@@ -487,11 +477,6 @@ fn read_requests(
     if let Err(e) = outcome {
         let _ = tx.send(Work::Failed(format!("reading requests: {e}")));
     }
-}
-
-/// The longest common prefix of two token sequences.
-pub(crate) fn common_prefix(a: &[u32], b: &[u32]) -> usize {
-    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
 fn think_control(c: ThinkCtl) -> ThinkControl {

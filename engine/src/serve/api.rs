@@ -6,7 +6,7 @@
 //! ignored (clients send many).
 
 use crate::chat::Message;
-use crate::session::type_name;
+use crate::converse::type_name;
 use axum::http::StatusCode;
 use serde_json::{json, Map, Value};
 

@@ -18,7 +18,7 @@
 pub mod api;
 pub mod metrics;
 
-use crate::cli::RunArgs;
+use crate::cli::{RunArgs, ServeArgs};
 use crate::converse::{Conversation, Finished, Listener, Logprob, Prompt, Refused, TurnOptions};
 use anyhow::{anyhow, bail, Context, Result};
 use api::{ApiError, Common};
@@ -30,7 +30,6 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use bmoe_core::{CancelFlag, StopReason};
-use clap::Args;
 use metrics::Metrics;
 use rand::{RngCore, SeedableRng};
 use serde_json::{json, Value};
@@ -40,61 +39,6 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering}
 use std::sync::{mpsc as std_mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
-
-/// `bmoe-cli serve` flags: the engine's run flags plus the server's own.
-#[derive(Args, Debug, Clone)]
-pub struct ServeArgs {
-    /// Address to bind. Anything but a loopback address exposes the model to the network
-    /// (a warning is printed; use --api-key)
-    #[arg(long, default_value = "127.0.0.1")]
-    pub host: String,
-    /// Port to listen on (0: any free port; the chosen one is printed)
-    #[arg(long, default_value_t = 8080)]
-    pub port: u16,
-    /// Require `Authorization: Bearer KEY` on every endpoint but /health
-    #[arg(
-        long = "api-key",
-        env = "BMOE_API_KEY",
-        value_name = "KEY",
-        hide_env_values = true
-    )]
-    pub api_key: Option<String>,
-    /// Requests that may wait for the engine while one generates; more are answered 503
-    /// with Retry-After
-    #[arg(long, default_value_t = 8)]
-    pub queue: usize,
-    /// Largest request body accepted, KiB (413 past it)
-    #[arg(long = "body-limit-kib", default_value_t = 4096)]
-    pub body_limit_kib: usize,
-    /// Seconds a request body may take to arrive (408 past it)
-    #[arg(long = "read-timeout", default_value_t = 10.0, value_name = "SECONDS")]
-    pub read_timeout: f64,
-    /// Seconds a streaming client may leave the next chunk unread before its generation is
-    /// cancelled (the engine serves one request at a time)
-    #[arg(
-        long = "client-timeout",
-        default_value_t = 30.0,
-        value_name = "SECONDS"
-    )]
-    pub client_timeout: f64,
-    /// The model name /v1/models lists and responses carry [default: the model file's stem]
-    #[arg(long, value_name = "NAME")]
-    pub alias: Option<String>,
-    /// Let web pages from this origin call the server (CORS: preflights answered,
-    /// Access-Control-Allow-Origin sent); repeat for several, `*` for any. Off by default:
-    /// a browser page from elsewhere cannot read the answers
-    #[arg(long = "cors-origin", value_name = "ORIGIN")]
-    pub cors_origin: Vec<String>,
-    /// Do not print one line per request (peer, method, path, status, time to the response's
-    /// head) on stderr
-    #[arg(long = "no-access-log")]
-    pub no_access_log: bool,
-    /// Do not serve the web chat page at `/`
-    #[arg(long = "no-webui")]
-    pub no_webui: bool,
-    #[command(flatten)]
-    pub run: RunArgs,
-}
 
 /// Where a request came in, for the metrics' `endpoint` label.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
