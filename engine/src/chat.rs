@@ -607,7 +607,7 @@ impl ChatFormat {
     /// The messages alone, without the generation prompt: where a turn boundary stands (a
     /// template that re-renders the answer next turn still renders these the same way).
     pub fn history(&self, messages: &[Message], think: bool) -> Result<String, ChatError> {
-        self.template.render(messages, false, Some(think))
+        self.history_tools(messages, &[], think)
     }
 
     /// [`ChatFormat::history`] with the request's tool definitions.
@@ -644,13 +644,7 @@ impl ChatFormat {
     /// marker that starts the answer past the reasoning section. (`template` templates read the
     /// flag themselves; a `none` model cannot be asked.)
     pub fn prompt(&self, messages: &[Message], think: bool) -> Result<String, ChatError> {
-        let mut text = self.template.render(messages, true, Some(think))?;
-        if !think {
-            if let Some(p) = &self.answer_prefill {
-                text.push_str(p);
-            }
-        }
-        Ok(text)
+        self.prompt_tools(messages, &[], think)
     }
 }
 

@@ -705,18 +705,21 @@ pub fn serve(
         drop(q);
         give_back_freed_memory();
     };
-    // A request taken from the queue: it runs now, unless a cancel named it while it waited
-    // (then it is answered as cancelled, with nothing generated).
-    let start = |busy: &Busy, id: i64| -> bool {
+    // A request taken from the queue: it runs now (true), unless a cancel named it while it
+    // waited — then it is answered here as cancelled, with nothing generated (false).
+    let start = |busy: &Busy, id: i64| -> io::Result<bool> {
         let mut q = lock(busy);
         if let Some(at) = q.waiting.iter().position(|&w| w == id) {
             q.waiting.remove(at);
         }
         if q.cancelled.remove(&id) {
-            return false;
+            drop(q);
+            let none = bmoe_core::telemetry::RunSummary::default();
+            replies.line(|w| write_done(w, id, true, &none, "", ""))?;
+            return Ok(false);
         }
         q.running = Some(id);
-        true
+        Ok(true)
     };
     // A request refused before it started: idle again, and say why.
     let refuse_request = |id: i64, msg: &str| -> io::Result<()> {
@@ -756,17 +759,7 @@ pub fn serve(
             }
             Work::Decide(d) => {
                 let id = d.id;
-                if !start(&busy, id) {
-                    replies.line(|w| {
-                        write_done(
-                            w,
-                            id,
-                            true,
-                            &bmoe_core::telemetry::RunSummary::default(),
-                            "",
-                            "",
-                        )
-                    })?;
+                if !start(&busy, id)? {
                     continue;
                 }
                 if !args.decide {
@@ -821,17 +814,7 @@ pub fn serve(
             Work::Generate(g) => g,
         };
         let id = g.id;
-        if !start(&busy, id) {
-            replies.line(|w| {
-                write_done(
-                    w,
-                    id,
-                    true,
-                    &bmoe_core::telemetry::RunSummary::default(),
-                    "",
-                    "",
-                )
-            })?;
+        if !start(&busy, id)? {
             continue;
         }
         let special = !args.no_parse_special;

@@ -308,14 +308,7 @@ fn parse_hermes(text: &str) -> Parsed {
         rest = &rest[next..];
     }
     content.push_str(rest);
-    Parsed {
-        content: if calls.is_empty() {
-            content
-        } else {
-            content.trim().to_string()
-        },
-        calls,
-    }
+    parsed(content, calls)
 }
 
 fn parse_harmony(text: &str) -> Parsed {
@@ -360,14 +353,7 @@ fn parse_harmony(text: &str) -> Parsed {
         rest = &rest[next..];
     }
     content.push_str(rest);
-    Parsed {
-        content: if calls.is_empty() {
-            content
-        } else {
-            content.trim().to_string()
-        },
-        calls,
-    }
+    parsed(content, calls)
 }
 
 /// A Gemma 4 argument list `key:value,...` (the braces' inside) as a JSON object.
@@ -522,6 +508,11 @@ fn parse_gemma(text: &str) -> Parsed {
         rest = &rest[next..];
     }
     content.push_str(rest);
+    parsed(content, calls)
+}
+
+/// An answer split: its text (trimmed when calls were taken out of it) and its calls.
+fn parsed(content: String, calls: Vec<(String, String)>) -> Parsed {
     Parsed {
         content: if calls.is_empty() {
             content

@@ -42,17 +42,8 @@ impl Pty {
     }
 }
 
-#[test]
-fn a_chat_in_a_terminal_survives_ctrl_c_and_exits_on_command() {
-    let dir = bmoe_engine::testdata::scratch_dir("chat-pty");
-    let model = dir.join("tiny.gguf");
-    assert!(Command::new(BIN)
-        .args(["gen", "--preset", "tiny", "--quiet", "-o"])
-        .arg(&model)
-        .status()
-        .unwrap()
-        .success());
-
+/// A new pseudo-terminal: (master, slave).
+fn openpty() -> (File, File) {
     let (mut master, mut slave) = (0, 0);
     // SAFETY: openpty writes two new descriptors into the ints we pass; the null name, termios
     // and winsize pointers are allowed.
@@ -67,7 +58,21 @@ fn a_chat_in_a_terminal_survives_ctrl_c_and_exits_on_command() {
     };
     assert_eq!(r, 0, "openpty: {}", std::io::Error::last_os_error());
     // SAFETY: both descriptors were just created and are owned by these Files alone.
-    let (master, slave) = unsafe { (File::from_raw_fd(master), File::from_raw_fd(slave)) };
+    unsafe { (File::from_raw_fd(master), File::from_raw_fd(slave)) }
+}
+
+#[test]
+fn a_chat_in_a_terminal_survives_ctrl_c_and_exits_on_command() {
+    let dir = bmoe_engine::testdata::scratch_dir("chat-pty");
+    let model = dir.join("tiny.gguf");
+    assert!(Command::new(BIN)
+        .args(["gen", "--preset", "tiny", "--quiet", "-o"])
+        .arg(&model)
+        .status()
+        .unwrap()
+        .success());
+
+    let (master, slave) = openpty();
     let mut cmd = Command::new(BIN);
     cmd.args(["chat", "-n", "6", "-c", "4096", "-m"])
         .arg(&model)
@@ -172,20 +177,7 @@ fn a_bare_run_at_a_terminal_suggests_chat_instead_of_failing_on_an_empty_prompt(
         .status()
         .unwrap()
         .success());
-    let (mut master, mut slave) = (0, 0);
-    // SAFETY: as above: openpty fills two new descriptors.
-    let r = unsafe {
-        libc::openpty(
-            &mut master,
-            &mut slave,
-            std::ptr::null_mut(),
-            std::ptr::null(),
-            std::ptr::null(),
-        )
-    };
-    assert_eq!(r, 0, "openpty: {}", std::io::Error::last_os_error());
-    // SAFETY: both descriptors were just created and are owned by these Files alone.
-    let (_master, slave) = unsafe { (File::from_raw_fd(master), File::from_raw_fd(slave)) };
+    let (_master, slave) = openpty();
     let out = Command::new(BIN)
         .arg("-m")
         .arg(&model)
