@@ -48,11 +48,11 @@ def check(cond, msg):
 
 
 class Server:
-    def __init__(self, binary, model, workdir, extra):
-        self.err_path = os.path.join(os.path.dirname(workdir), "serve.stderr")
+    def __init__(self, binary, model, workdir, extra, name="serve", ctx=CTX):
+        self.err_path = os.path.join(os.path.dirname(workdir), f"{name}.stderr")
         self.err = open(self.err_path, "w")
         self.proc = subprocess.Popen(
-            [binary, "serve", "-m", model, "--port", "0", "-c", str(CTX), "-n", "16"] + extra,
+            [binary, "serve", "-m", model, "--port", "0", "-c", str(ctx), "-n", "16"] + extra,
             cwd=workdir,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
@@ -181,11 +181,83 @@ def main():
           and re.search(r'"GET /v1/nothing" 404', log) is not None, "one access-log line per request (peer, method, path, status, time)")
     left = os.listdir(a.workdir)
     check(left == [], f"the server wrote nothing in its working directory ({left})")
+    parallel(a)
     if a.templates:
         tool_round_trips(a)
     else:
         print("skipped: the tool-call round trips (no --templates)")
     print("all checks passed")
+
+
+def parallel(a):
+    """`--parallel 3`: concurrent requests (chat plain and streamed, legacy with n=2, a stop
+    string, logprobs, a client that leaves mid-stream) decode together and each greedy answer
+    equals the one-at-a-time server's."""
+    import threading
+    one = Server(a.bin, a.model, a.workdir, ["--api-key", KEY], name="serve-one")
+    many = Server(a.bin, a.model, a.workdir, ["--api-key", KEY, "--parallel", "3"], name="serve-many", ctx=3 * CTX)
+    jobs = [
+        ("chat", {"messages": [{"role": "user", "content": "Tell me about the fox"}], "max_tokens": 24}),
+        ("chat-stream", {"messages": [{"role": "user", "content": "And the river?"}], "max_tokens": 20}),
+        ("legacy", {"prompt": "Once upon a time", "max_tokens": 12, "n": 2, "logprobs": 2}),
+        ("chat", {"messages": [{"role": "user", "content": "Count to ten"}], "max_tokens": 16, "stop": ["e"]}),
+        ("legacy", {"prompt": "The quick brown fox", "max_tokens": 30}),
+        ("chat-stream", {"messages": [{"role": "user", "content": "Say something long"}], "max_tokens": 24}),
+    ]
+
+    def answer(srv, kind, body):
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{srv.port}/v1", api_key=KEY, max_retries=0, timeout=120)
+        body = dict(body, temperature=0)
+        if kind == "legacy":
+            r = client.completions.create(model="m", **body)
+            return [(c.index, c.text, c.finish_reason, c.logprobs.tokens if c.logprobs else None) for c in r.choices]
+        if kind == "chat":
+            r = client.chat.completions.create(model="m", **body)
+            return [(c.index, c.message.content, c.finish_reason) for c in r.choices]
+        text, finish = "", None
+        for ch in client.chat.completions.create(model="m", stream=True, **body):
+            if ch.choices:
+                text += ch.choices[0].delta.content or ""
+                finish = ch.choices[0].finish_reason or finish
+        return [(0, text, finish)]
+
+    def leaver(srv):
+        # Reads three chunks, then goes away: its lane is cancelled, the others go on.
+        c = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
+        body = json.dumps({"messages": [{"role": "user", "content": "Never mind"}], "max_tokens": 200, "stream": True})
+        c.request("POST", "/v1/chat/completions", body=body,
+                  headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+        r = c.getresponse()
+        for _ in range(3):
+            r.readline()
+        c.close()
+
+    try:
+        want = [answer(one, k, b) for k, b in jobs]
+        got = [None] * len(jobs)
+
+        def run_job(i):
+            got[i] = answer(many, *jobs[i])
+        threads = [threading.Thread(target=run_job, args=(i,)) for i in range(len(jobs))]
+        threads.append(threading.Thread(target=leaver, args=(many,)))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for i, (g, w) in enumerate(zip(got, want)):
+            check(g == w, f"--parallel: request {i} ({jobs[i][0]}) answers as it does alone")
+        m = many.metrics()
+        steps, rows = metric(m, "bmoe_batch_steps_total"), metric(m, "bmoe_batch_rows_total")
+        check(rows > steps > 0, f"--parallel: requests shared decode steps ({rows:.0f} rows in {steps:.0f} steps)")
+        st, body, _ = many.request("GET", "/props")
+        check(st == 200 and json.loads(body)["total_slots"] == 3, "/props counts the slots")
+        st, body, _ = many.request("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "ngram": True})
+        check(st == 400 and json.loads(body)["error"]["param"] == "ngram", "--parallel: a drafting request is a 400 naming ngram")
+    finally:
+        codes = (one.stop(), many.stop())
+    check(codes == (0, 0), f"both servers stopped cleanly on SIGTERM ({codes})")
+    log = open(many.err_path).read()
+    check("3 slots of" in log, "the parallel server says how many slots it decodes together")
 
 
 def run(a, srv):

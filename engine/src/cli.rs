@@ -105,6 +105,10 @@ pub struct RunArgs {
     /// Context size in tokens (prompt + generation)
     #[arg(short = 'c', long = "ctx-size", default_value_t = 2048, value_parser = clap::value_parser!(u32).range(1..))]
     pub ctx: u32,
+    /// Sequences of `ctx` tokens the run will hold (`serve --parallel`; 0 or 1: one): what
+    /// the zero-config fit check counts of the KV.
+    #[arg(skip)]
+    pub sequences: u32,
     /// Prompt tokens per prefill step (llama.cpp's `-ub`); 0 = the whole prompt in one step.
     /// A step reads each routed expert once per MoE layer, so smaller steps read more; they
     /// bound the batch's activation memory. Must be <= --ctx-size
@@ -331,6 +335,13 @@ pub struct ServeArgs {
     /// Do not serve the web chat page at `/`
     #[arg(long = "no-webui")]
     pub no_webui: bool,
+    /// Requests decoded together (slots, `-np` as llama-server): each running request feeds
+    /// one row of a shared decode step, so the dense weights and each layer's union of
+    /// experts are read once per step for all of them. The context (-c) is split between the
+    /// slots, as llama-server does. 1: one request at a time (with --ngram/--mtp drafting,
+    /// and the per-token telemetry files, which a shared step does not write)
+    #[arg(long, default_value_t = 1, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub parallel: u32,
     #[command(flatten)]
     pub run: RunArgs,
 }

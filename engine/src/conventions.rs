@@ -100,6 +100,10 @@ pub fn rewrite_llama_flags_noting(argv: Vec<OsString>) -> (Vec<OsString>, Vec<St
                 out.push("--system-prompt".into());
                 continue;
             }
+            if text == "-np" {
+                out.push("--parallel".into());
+                continue;
+            }
             if let Some(v) = text.strip_prefix("-sys=") {
                 out.push(format!("--system-prompt={v}").into());
                 continue;

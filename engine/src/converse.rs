@@ -106,6 +106,13 @@ pub struct Prepared {
     boundary: Option<u32>,
 }
 
+impl Prepared {
+    /// The whole prompt's tokens.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+}
+
 /// The per-turn choices a client makes.
 #[derive(Clone, Debug, Default)]
 pub struct TurnOptions {
@@ -175,6 +182,31 @@ pub trait Listener {
     /// The token just generated, with the turn's `logprobs`: its log-probability (before
     /// the `delta` that carries its text, which a stop string may hold back).
     fn logprob(&mut self, _lp: &Logprob) {}
+}
+
+impl<L: Listener + ?Sized> Listener for &mut L {
+    fn delta(&mut self, reasoning: &str, content: &str) -> bool {
+        (**self).delta(reasoning, content)
+    }
+    fn gone(&self) -> bool {
+        (**self).gone()
+    }
+    fn token(&mut self, n: u32) {
+        (**self).token(n)
+    }
+    fn logprob(&mut self, lp: &Logprob) {
+        (**self).logprob(lp)
+    }
+}
+
+/// How a turn's generation ended, as the loop that ran it (a session's, a lane's) tells it.
+pub(crate) struct Ended {
+    pub stop: StopReason,
+    pub prompt_tokens: usize,
+    pub cached_tokens: usize,
+    pub completion_tokens: u32,
+    pub summary: RunSummary,
+    pub error: Option<String>,
 }
 
 /// What a turn did.
@@ -474,6 +506,28 @@ impl Conversation {
         })
     }
 
+    /// Hold `n` sequences (`serve --parallel`): see [`crate::stream::EngineBackend::set_sequences`].
+    pub fn set_sequences(&mut self, n: u32) -> Result<()> {
+        self.session
+            .engine_mut()
+            .backend_mut()
+            .set_sequences(n)
+            .map_err(|e| anyhow::anyhow!("--parallel {n}: {e}"))
+    }
+
+    /// The decode step, for lanes that run on it ([`bmoe_core::lanes::Lanes`]).
+    pub fn engine_mut(
+        &mut self,
+    ) -> &mut bmoe_core::Engine<crate::flash::MonotonicClock, crate::stream::Device, EngineBackend>
+    {
+        self.session.engine_mut()
+    }
+
+    /// `--ubatch`: the prompt step size (0: one step).
+    pub fn ubatch(&self) -> usize {
+        self.session.config().n_ubatch as usize
+    }
+
     /// The `--ngram` settings of the flags the conversation was opened with (what a turn that
     /// asks for speculation drafts with).
     pub fn ngram_params(&self) -> bmoe_core::speculate::NgramParams {
@@ -496,29 +550,20 @@ impl Conversation {
         }
         self.session.truncate_context(reuse as u32);
         let positions: Vec<u32> = (reuse as u32..p.tokens.len() as u32).collect();
-        let mut sampler = Sampler::new(opts.sampler.clone());
-        sampler.prime(&p.tokens);
         let cancel = self.session.cancel_flag().clone();
         let constraint = match &opts.constraint {
             Some(spec) => Some(self.grammar(spec)?),
             None => None,
         };
-        let mut inner = Sampling::new(&self.tok, &mut sampler, self.n_vocab, p.chat, &p.text);
-        inner.logprobs = opts.logprobs;
-        inner.constraint = constraint;
-        let mut relay = Relay {
-            inner,
-            tok: &self.tok,
-            logprobs: Vec::new(),
-            listener,
+        let mut relay = relay(
+            &self.tok,
+            self.n_vocab,
+            p,
+            opts,
+            constraint,
+            Box::new(listener),
             cancel,
-            stop: &opts.stop,
-            hold_from: opts.hold_from,
-            sent_reasoning: 0,
-            sent_content: 0,
-            stopped_at: None,
-            tokens: 0,
-        };
+        );
         let outcome = self.session.generate_marked(
             &TurnRequest {
                 prompt: &p.tokens[reuse..],
@@ -529,14 +574,6 @@ impl Conversation {
             &mut relay,
             &mut self.sinks.outputs(None),
         )?;
-        let stopped_at = relay.stopped_at;
-        relay.send(true);
-        let logprobs = std::mem::take(&mut relay.logprobs);
-        let grammar = relay.inner.constraint.as_ref().map(|c| (c.masks, c.mask_s));
-        let (reasoning, mut content) = relay.into_text();
-        if let Some(at) = stopped_at {
-            content.truncate(at);
-        }
         let mut error = None;
         match outcome.stop {
             StopReason::Cancelled => self.session.truncate_context(reuse as u32),
@@ -549,25 +586,14 @@ impl Conversation {
             }
             StopReason::Count | StopReason::EndOfGeneration => {}
         }
-        let finish_reason = if outcome.stop == StopReason::Count && stopped_at.is_none() {
-            "length"
-        } else {
-            "stop"
-        };
-        Ok(Finished {
+        Ok(relay.finished(Ended {
             stop: outcome.stop,
-            finish_reason,
-            reasoning,
-            content,
             prompt_tokens: p.prompt_tokens,
             cached_tokens: outcome.summary.counters.n_reused as usize,
             completion_tokens: outcome.tokens.len() as u32,
             summary: outcome.summary,
             error,
-            logprobs,
-            grammar,
-            tool_calls: Vec::new(),
-        })
+        }))
     }
 
     /// Flush and close the output files.
@@ -579,14 +605,14 @@ impl Conversation {
 /// The turn's token source: the engine's sampler and detokenizer (`Sampling`), relaying the
 /// text to a listener, ending the turn at a stop string, and cancelling it when the listener
 /// goes away.
-struct Relay<'a, 'l> {
+pub(crate) struct Relay<'a, 'l> {
     inner: Sampling<'a>,
     tok: &'a Tokenizer,
     /// The answer tokens' log-probabilities (with `logprobs`).
     logprobs: Vec<Logprob>,
-    listener: &'l mut dyn Listener,
+    listener: Box<dyn Listener + 'l>,
     cancel: CancelFlag,
-    stop: &'a [String],
+    stop: Vec<String>,
     /// `TurnOptions::hold_from`.
     hold_from: Option<&'static str>,
     /// Bytes of the reasoning and the answer already handed on.
@@ -595,6 +621,38 @@ struct Relay<'a, 'l> {
     /// Where the first stop string begins in the answer, once one appeared.
     stopped_at: Option<usize>,
     tokens: u32,
+}
+
+/// A turn's token source for prepared `p`: a sampler of `opts` primed with the prompt, the
+/// constraint (compiled by [`Conversation::grammar`]), and the listener the text goes to;
+/// `cancel` is set when the listener goes away.
+pub(crate) fn relay<'a, 'l>(
+    tok: &'a Tokenizer,
+    n_vocab: usize,
+    p: &Prepared,
+    opts: &TurnOptions,
+    constraint: Option<crate::constrain::Constraint>,
+    listener: Box<dyn Listener + 'l>,
+    cancel: CancelFlag,
+) -> Relay<'a, 'l> {
+    let mut sampler = Sampler::new(opts.sampler.clone());
+    sampler.prime(&p.tokens);
+    let mut inner = Sampling::new(tok, sampler, n_vocab, p.chat, &p.text);
+    inner.logprobs = opts.logprobs;
+    inner.constraint = constraint;
+    Relay {
+        inner,
+        tok,
+        logprobs: Vec::new(),
+        listener,
+        cancel,
+        stop: opts.stop.clone(),
+        hold_from: opts.hold_from,
+        sent_reasoning: 0,
+        sent_content: 0,
+        stopped_at: None,
+        tokens: 0,
+    }
 }
 
 /// The length of the longest suffix of `text` that is a proper prefix of some stop string:
@@ -613,13 +671,45 @@ fn stop_holdback(text: &str, stop: &[String]) -> usize {
 }
 
 impl Relay<'_, '_> {
+    /// The finished turn: the text not handed on yet goes out, the answer ends at its stop
+    /// string.
+    pub(crate) fn finished(mut self, e: Ended) -> Finished {
+        let stopped_at = self.stopped_at;
+        self.send(true);
+        let logprobs = std::mem::take(&mut self.logprobs);
+        let grammar = self.inner.constraint.as_ref().map(|c| (c.masks, c.mask_s));
+        let (reasoning, mut content) = self.into_text();
+        if let Some(at) = stopped_at {
+            content.truncate(at);
+        }
+        let finish_reason = if e.stop == StopReason::Count && stopped_at.is_none() {
+            "length"
+        } else {
+            "stop"
+        };
+        Finished {
+            stop: e.stop,
+            finish_reason,
+            reasoning,
+            content,
+            prompt_tokens: e.prompt_tokens,
+            cached_tokens: e.cached_tokens,
+            completion_tokens: e.completion_tokens,
+            summary: e.summary,
+            error: e.error,
+            logprobs,
+            grammar,
+            tool_calls: Vec::new(),
+        }
+    }
+
     /// Hand on what is new. `last`: nothing is held back for a stop string any more.
     fn send(&mut self, last: bool) {
         let (reasoning, content) = self.inner.text();
         let mut content_end = match self.stopped_at {
             Some(at) => at,
             None if last => content.len(),
-            None => content.len() - stop_holdback(content, self.stop),
+            None => content.len() - stop_holdback(content, &self.stop),
         };
         if let Some(m) = self.hold_from {
             let held = match content.find(m) {

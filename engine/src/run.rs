@@ -117,13 +117,18 @@ fn mem_available_bytes() -> Option<u64> {
 /// cgroup limit and `MemAvailable`. (Not the rlimits: streaming answers a lack of RAM, and
 /// a streamed run needs no less address space or data than a resident one; they cap the auto
 /// cache instead.)
-fn fit_check(file: &GgufFile, arch: &dyn crate::arch::Arch, cfg: &RunConfig) -> StreamChoice {
+fn fit_check(
+    file: &GgufFile,
+    arch: &dyn crate::arch::Arch,
+    cfg: &RunConfig,
+    sequences: u32,
+) -> StreamChoice {
     let model_bytes: u64 = file
         .shard_paths()
         .iter()
         .map(|p| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0))
         .sum();
-    let kv_bytes = crate::arch::kv_bytes(arch, cfg.n_ctx as usize);
+    let kv_bytes = crate::arch::kv_bytes(arch, cfg.n_ctx as usize) * u64::from(sequences.max(1));
     let cg = crate::probe::cgroup_memory();
     decide_streaming(
         model_bytes,
@@ -295,7 +300,7 @@ pub fn load(args: &RunArgs, model_path: &Path, err: &mut dyn Write) -> Result<Lo
     }
     let mut arch = crate::arch::load(file.clone(), cfg.dense_weights.into())?;
     if cfg.stream_choice == StreamChoice::Auto {
-        let choice = fit_check(&file, arch.as_ref(), &cfg);
+        let choice = fit_check(&file, arch.as_ref(), &cfg, args.sequences);
         cfg.resolve_streaming(choice, args.stream.cache_mb.is_some())
             .map_err(|e| match choice.reason() {
                 Some(why) => anyhow!("{e} (no streaming flag was given: {why})"),
@@ -541,9 +546,47 @@ pub(crate) enum SamplingError {
 /// detokenizer, the chat template's reasoning split, and — without `--progress` — the answer
 /// printed as it grows. It also writes the `--logits-out` rows after every step. One per
 /// turn; the sampler (and its seeded stream) outlives it, across a session's turns.
+/// A value a turn's source borrows from its caller (a session's sampler, kept across turns)
+/// or owns (a server lane's, made for the request).
+pub(crate) enum Held<'a, T> {
+    Borrowed(&'a mut T),
+    Owned(Box<T>),
+}
+
+impl<'a, T> From<&'a mut T> for Held<'a, T> {
+    fn from(v: &'a mut T) -> Self {
+        Held::Borrowed(v)
+    }
+}
+
+impl<T> From<T> for Held<'_, T> {
+    fn from(v: T) -> Self {
+        Held::Owned(Box::new(v))
+    }
+}
+
+impl<T> std::ops::Deref for Held<'_, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        match self {
+            Held::Borrowed(v) => v,
+            Held::Owned(v) => v,
+        }
+    }
+}
+
+impl<T> std::ops::DerefMut for Held<'_, T> {
+    fn deref_mut(&mut self) -> &mut T {
+        match self {
+            Held::Borrowed(v) => v,
+            Held::Owned(v) => v,
+        }
+    }
+}
+
 pub(crate) struct Sampling<'a> {
     tok: &'a Tokenizer,
-    sampler: &'a mut crate::sample::Sampler,
+    sampler: Held<'a, crate::sample::Sampler>,
     n_vocab: usize,
     chatml: bool,
     dec: StreamDecoder,
@@ -576,14 +619,14 @@ impl<'a> Sampling<'a> {
     /// whose end may open a reasoning span; empty without a chat template).
     pub(crate) fn new(
         tok: &'a Tokenizer,
-        sampler: &'a mut crate::sample::Sampler,
+        sampler: impl Into<Held<'a, crate::sample::Sampler>>,
         n_vocab: usize,
         chatml: bool,
         prompt: &str,
     ) -> Self {
         Sampling {
             tok,
-            sampler,
+            sampler: sampler.into(),
             n_vocab,
             chatml,
             dec: StreamDecoder::new(),

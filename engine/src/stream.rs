@@ -16,8 +16,8 @@ use bmoe_core::faults::FaultyFlash;
 use bmoe_core::faults::RetryFlash;
 use bmoe_core::{
     Backend, ExpertLayout, ExpertUse, Flash, FlashError, LayerId, LayoutError, MoeLayerLayout,
-    Prediction, ProjExtent, ReadDone, ReadId, ReadRequest, ResidentFlash, Routing, SlotId,
-    StepInput,
+    Prediction, ProjExtent, ReadDone, ReadId, ReadRequest, ResidentFlash, Routing, SeqRun,
+    Sequences, SlotId, StepInput,
 };
 use std::sync::Arc;
 
@@ -492,6 +492,14 @@ impl<A: Arch + ?Sized> Backend for EngineBackend<A> {
 
     fn begin(&mut self, tokens: &[u32], positions: &[u32]) -> Result<(), StreamError> {
         let n = tokens.len() as u32;
+        let grouped: usize = self.state.groups.iter().map(|g| g.2).sum();
+        if !self.state.groups.is_empty() && grouped != n as usize {
+            return Err(StreamError::Arch(ArchError::Key {
+                file: String::new(),
+                key: "sequence".into(),
+                what: format!("the step has {n} rows but its sequences' runs name {grouped}"),
+            }));
+        }
         if let (Some(arena), true) = (&self.arena, n == 1 && self.last_batch > 1) {
             // Decoding starts: its steps read at most top-k experts per layer into staging
             // (cache off); what the wider prefill union committed past that goes back. No
@@ -797,6 +805,79 @@ impl<A: Arch + ?Sized> Backend for EngineBackend<A> {
 
     fn drop_prefix(&mut self) {
         self.kept = None;
+    }
+}
+
+/// `serve --parallel`: sequence 0's memory is the state's own, the others sit beside it
+/// (`State::seqs`), and a batch's runs of rows name theirs (`State::groups`).
+impl<A: Arch + ?Sized> Sequences for EngineBackend<A> {
+    fn n_sequences(&self) -> u32 {
+        self.state.seqs.len() as u32 + 1
+    }
+
+    fn assign_rows(&mut self, runs: &[SeqRun]) -> Result<(), StreamError> {
+        let n = self.n_sequences();
+        let bad = |what: String| {
+            StreamError::Arch(ArchError::Key {
+                file: String::new(),
+                key: "sequence".into(),
+                what,
+            })
+        };
+        let mut next = 0u32;
+        for r in runs {
+            if r.seq >= n {
+                return Err(bad(format!("{} is not held: {n} are", r.seq)));
+            }
+            if r.first != next || r.rows == 0 {
+                return Err(bad(format!(
+                    "runs must cover the batch's rows in order: one starts at row {} where {next} was next",
+                    r.first
+                )));
+            }
+            next += r.rows;
+        }
+        if runs.iter().any(|r| r.seq != 0) && !self.model.arch.batches_sequences() {
+            return Err(bad(format!(
+                "{} holds one sequence at a time (its memory is not reached through the shared attention)",
+                self.model.arch.name()
+            )));
+        }
+        self.state.groups.clear();
+        // One run of sequence 0 is the plain one-sequence batch.
+        if !(runs.len() == 1 && runs[0].seq == 0) {
+            self.state.groups.extend(
+                runs.iter()
+                    .map(|r| (r.seq as usize, r.first as usize, r.rows as usize)),
+            );
+        }
+        Ok(())
+    }
+
+    fn seq_reusable_prefix(&self, seq: u32, n: u32) -> u32 {
+        self.state.seq_reusable_prefix(seq as usize, n as usize) as u32
+    }
+}
+
+impl<A: Arch + ?Sized> EngineBackend<A> {
+    /// Hold `n` sequences (`serve --parallel`), each with a memory of the state's context
+    /// size. Refused for a family whose memory the batch cannot split by sequence, and beside
+    /// an MTP head (which follows one sequence).
+    pub fn set_sequences(&mut self, n: u32) -> Result<(), String> {
+        if n > 1 && !self.model.arch.batches_sequences() {
+            return Err(format!(
+                "{} cannot decode several sequences in one batch yet (a recurrent, latent or compressed memory)",
+                self.model.arch.name()
+            ));
+        }
+        if n > 1 && self.mtp.is_some() {
+            return Err("--mtp follows one sequence: it cannot run beside --parallel".into());
+        }
+        let memory: Vec<crate::arch::LayerMemory> = (0..self.model.dims().n_layer)
+            .map(|l| self.model.arch.memory(l))
+            .collect();
+        self.state.set_sequences(&memory, n.max(1) as usize);
+        Ok(())
     }
 }
 

@@ -447,6 +447,30 @@ pub trait Backend {
     fn drop_prefix(&mut self) {}
 }
 
+/// One run of a batch's rows that belong to one sequence: rows `first..first + rows`.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct SeqRun {
+    pub seq: u32,
+    pub first: u32,
+    pub rows: u32,
+}
+
+/// A backend that holds the memories (KV) of several sequences at once and runs a batch whose
+/// rows belong to different ones: what [`crate::lanes::Lanes`] decodes together
+/// (`serve --parallel`). Every other call is the plain [`Backend`]'s.
+pub trait Sequences: Backend {
+    /// How many sequences it holds (sequence ids `0..n`).
+    fn n_sequences(&self) -> u32;
+
+    /// Which sequence each row of the next step belongs to: runs in row order that cover
+    /// every row once. Stays in force until the next call.
+    fn assign_rows(&mut self, runs: &[SeqRun]) -> Result<(), Self::Error>;
+
+    /// [`Backend::reusable_prefix`] of sequence `seq`: how much of a context of `n` tokens
+    /// that sequence's memory still holds for a batch to start after.
+    fn seq_reusable_prefix(&self, seq: u32, n: u32) -> u32;
+}
+
 /// A predicted routing of one layer for one batch row: expert ids in rank order and their
 /// weights. Reused across calls (no allocation once grown).
 #[derive(Clone, Debug, Default, PartialEq)]

@@ -17,6 +17,7 @@ pub mod gating;
 pub mod generate;
 pub mod handoff;
 pub mod hooks;
+pub mod lanes;
 pub mod layout;
 pub mod ledger;
 pub mod policy;
@@ -31,7 +32,8 @@ pub mod testing;
 pub mod vocab;
 
 pub use backend::{
-    Backend, BackendStage, ExpertUse, LayerId, Prediction, Routing, RoutingError, SlotId,
+    Backend, BackendStage, ExpertUse, LayerId, Prediction, Routing, RoutingError, SeqRun,
+    Sequences, SlotId,
 };
 pub use cache::{Admission, CacheCounters, CacheError, ExpertCache, Lookup};
 pub use clock::{Clock, Nanos};

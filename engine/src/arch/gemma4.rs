@@ -467,6 +467,9 @@ impl Gemma4 {
 }
 
 impl Arch for Gemma4 {
+    fn batches_sequences(&self) -> bool {
+        true
+    }
     fn common(&self) -> &Common {
         &self.common
     }

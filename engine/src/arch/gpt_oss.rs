@@ -259,6 +259,9 @@ impl GptOss {
 }
 
 impl Arch for GptOss {
+    fn batches_sequences(&self) -> bool {
+        true
+    }
     fn common(&self) -> &Common {
         &self.common
     }

@@ -146,12 +146,52 @@ pub(crate) fn attend_layer(
                 scores,
             },
         positions,
+        seqs,
+        groups,
         ..
     } = st;
-    let memory = mem[layer].kv(layer)?;
-    let kv = memory.source(layer, positions, k, v)?;
-    blocks::attend(&cx.pool, shape, q, positions, &kv, sinks, scores, att);
-    memory.commit(positions, k, v);
+    if groups.is_empty() {
+        let memory = mem[layer].kv(layer)?;
+        let kv = memory.source(layer, positions, k, v)?;
+        blocks::attend(&cx.pool, shape, q, positions, &kv, sinks, scores, att);
+        memory.commit(positions, k, v);
+        return Ok(());
+    }
+    // Rows of several sequences (`serve --parallel`): each run of rows attends over its own
+    // sequence's memory. A row's bits do not depend on the rows beside it.
+    let (qd, kvd) = (
+        shape.n_head * shape.head_dim,
+        shape.n_head_kv * shape.head_dim,
+    );
+    for &(seq, first, rows) in groups.iter() {
+        let memory = match seq {
+            0 => &mut mem[layer],
+            s => seqs
+                .get_mut(s - 1)
+                .and_then(|m| m.get_mut(layer))
+                .ok_or_else(|| ArchError::Key {
+                    file: String::new(),
+                    key: "sequence".into(),
+                    what: format!("{seq} is not held"),
+                })?,
+        }
+        .kv(layer)?;
+        let (r, end) = (first, first + rows);
+        let pos = &positions[r..end];
+        let (gk, gv) = (&k[r * kvd..end * kvd], &v[r * kvd..end * kvd]);
+        let src = memory.source(layer, pos, gk, gv)?;
+        blocks::attend(
+            &cx.pool,
+            shape,
+            &q[r * qd..end * qd],
+            pos,
+            &src,
+            sinks,
+            scores,
+            &mut att[r * qd..end * qd],
+        );
+        memory.commit(pos, gk, gv);
+    }
     Ok(())
 }
 

@@ -218,6 +218,9 @@ impl LlamaMoe {
 }
 
 impl Arch for LlamaMoe {
+    fn batches_sequences(&self) -> bool {
+        true
+    }
     fn common(&self) -> &Common {
         &self.common
     }

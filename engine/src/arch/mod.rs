@@ -229,6 +229,13 @@ pub trait Arch: Send + Sync {
         common::finish_layer(self.common(), st);
         Ok(())
     }
+    /// Whether a batch may hold rows of several sequences (`State::groups`): true where every
+    /// layer's memory is reached through `layers::attend_layer` alone, which attends each run
+    /// of rows over its own sequence's memory. False (the default) for families with a
+    /// recurrent state, a latent or compressed memory, or their own attention loop.
+    fn batches_sequences(&self) -> bool {
+        false
+    }
     /// Final norm and output head for `st.out_rows` into `st.logits`.
     fn head(&self, cx: &Compute, st: &mut State) -> Result<(), ArchError> {
         common::head(self.common(), cx, st)

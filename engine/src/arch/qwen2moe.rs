@@ -196,6 +196,9 @@ fn shexp_gate(x: f32) -> f32 {
 }
 
 impl Arch for Qwen2Moe {
+    fn batches_sequences(&self) -> bool {
+        true
+    }
     fn common(&self) -> &Common {
         &self.common
     }

@@ -159,6 +159,9 @@ impl Qwen3Moe {
 }
 
 impl Arch for Qwen3Moe {
+    fn batches_sequences(&self) -> bool {
+        true
+    }
     fn common(&self) -> &Common {
         &self.common
     }

@@ -1000,6 +1000,12 @@ pub struct State {
     pub logits: Vec<f32>,
     /// `--compute-trace` / `--compute-trace-layers`: the op clock, when tracing.
     pub trace: Option<Box<crate::optrace::OpTrace>>,
+    /// Sequences beside `mem` (`serve --parallel`): sequence `s ≥ 1`'s memory is
+    /// `seqs[s - 1]`, sequence 0's is `mem`.
+    pub seqs: Vec<Vec<Memory>>,
+    /// The batch in flight as runs of rows of one sequence each: (sequence, first row, rows),
+    /// in row order. Empty: every row is sequence 0's (a one-sequence run).
+    pub groups: Vec<(usize, usize, usize)>,
 }
 
 impl State {
@@ -1032,6 +1038,52 @@ impl State {
             every_row_out: false,
             logits: Vec::new(),
             trace: None,
+            seqs: Vec::new(),
+            groups: Vec::new(),
+        }
+    }
+
+    /// Sequence `seq`'s memory (0: `mem`), or an error naming a sequence this state does not
+    /// hold.
+    pub fn seq_mem(&mut self, seq: usize) -> Result<&mut Vec<Memory>, ArchError> {
+        let n = self.seqs.len() + 1;
+        match seq {
+            0 => Ok(&mut self.mem),
+            s => self.seqs.get_mut(s - 1).ok_or_else(|| ArchError::Key {
+                file: String::new(),
+                key: "sequence".into(),
+                what: format!("{seq} is not held: this state holds {n}"),
+            }),
+        }
+    }
+
+    /// Hold `n` sequences in all (`mem` and `n − 1` more of its shape and context size).
+    pub fn set_sequences(&mut self, memory: &[LayerMemory], n: usize) {
+        let n_ctx = self.n_ctx;
+        self.seqs.truncate(n.saturating_sub(1));
+        while self.seqs.len() + 1 < n {
+            self.seqs
+                .push(memory.iter().map(|&m| Memory::new(m, n_ctx)).collect());
+        }
+    }
+
+    /// [`State::reusable_prefix`] of sequence `seq` (a KV-only model's: where every layer
+    /// still holds what a batch starting there looks back at).
+    pub fn seq_reusable_prefix(&self, seq: usize, n: usize) -> usize {
+        let mem = match seq {
+            0 => &self.mem,
+            s => match self.seqs.get(s - 1) {
+                Some(m) => m,
+                None => return 0,
+            },
+        };
+        if seq == 0 {
+            return self.reusable_prefix(n);
+        }
+        if mem.iter().all(|l| l.holds_before(n)) {
+            n
+        } else {
+            0
         }
     }
 
@@ -1156,7 +1208,11 @@ impl State {
 
     /// Bytes the layers' memories hold.
     pub fn memory_bytes(&self) -> usize {
-        self.mem.iter().map(Memory::bytes).sum()
+        self.mem
+            .iter()
+            .chain(self.seqs.iter().flatten())
+            .map(Memory::bytes)
+            .sum()
     }
 }
 

@@ -21,6 +21,8 @@ struct Counters {
     overrun_last: u64,
     overrun_max: u64,
     rejected_busy: u64,
+    batch_steps: u64,
+    batch_rows: u64,
     engine: Option<RunSummary>,
 }
 
@@ -48,13 +50,23 @@ impl Metrics {
         self.with(|c| c.skipped += 1);
     }
     /// A turn ran: its tokens, and the session's summary after it.
-    pub fn turn(&self, prompt: usize, cached: usize, completion: u32, session: RunSummary) {
+    /// (`None` where lanes decoded it together: there is no one session's summary.)
+    pub fn turn(&self, prompt: usize, cached: usize, completion: u32, session: Option<RunSummary>) {
         self.with(|c| {
             c.turns += 1;
             c.prompt_tokens += prompt as u64;
             c.cached_tokens += cached as u64;
             c.completion_tokens += u64::from(completion);
-            c.engine = Some(session);
+            if session.is_some() {
+                c.engine = session;
+            }
+        });
+    }
+    /// `--parallel`: shared decode steps run, and the rows (running requests) they held.
+    pub fn batch(&self, steps: u64, rows: u64) {
+        self.with(|c| {
+            c.batch_steps += steps;
+            c.batch_rows += rows;
         });
     }
     /// A turn cancelled because its client left; `overrun`: tokens generated after the server
@@ -109,6 +121,18 @@ impl Metrics {
                 "counter",
                 "Requests answered 503 because the queue was full",
                 &one(c.rejected_busy as f64),
+            );
+            metric(
+                "bmoe_batch_steps_total",
+                "counter",
+                "--parallel: decode steps shared by the running requests",
+                &one(c.batch_steps as f64),
+            );
+            metric(
+                "bmoe_batch_rows_total",
+                "counter",
+                "--parallel: rows of those steps (one per running request); rows/steps is the mean batch",
+                &one(c.batch_rows as f64),
             );
             metric(
                 "bmoe_turns_total",
@@ -233,7 +257,8 @@ mod tests {
         m.request("/v1/chat/completions", 200);
         m.request("/v1/chat/completions", 200);
         m.request("other", 404);
-        m.turn(10, 4, 3, RunSummary::default());
+        m.turn(10, 4, 3, Some(RunSummary::default()));
+        m.batch(5, 12);
         m.cancelled(Some(1));
         let t = m.render(2, true);
         assert!(t.contains("# TYPE bmoe_requests_total counter"));
@@ -243,6 +268,7 @@ mod tests {
         assert!(t.contains("bmoe_prefilled_tokens_total 6"));
         assert!(t.contains("bmoe_cancel_overrun_tokens_max 1"));
         assert!(t.contains("bmoe_requests_in_flight 2"));
+        assert!(t.contains("bmoe_batch_rows_total 12"));
         for line in t.lines().filter(|l| !l.starts_with('#')) {
             let v = line.rsplit(' ').next().unwrap();
             assert!(v.parse::<f64>().is_ok() || v == "NaN", "{line}");

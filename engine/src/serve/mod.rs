@@ -16,6 +16,7 @@
 //! do not arrive within `--read-timeout` time out (408). See docs/serving.md.
 
 pub mod api;
+mod lanes;
 pub mod metrics;
 
 use crate::cli::{RunArgs, ServeArgs};
@@ -623,6 +624,8 @@ async fn submit(
                 Some(Event::Choice(i, f)) => done.push((i, *f)),
                 Some(Event::End) => {
                     guard.armed = false;
+                    // Choices decoded together (--parallel) may finish in any order.
+                    done.sort_by_key(|(i, _)| *i);
                     let choices: Vec<Value> = done
                         .iter()
                         .map(|(i, f)| match endpoint {
@@ -1037,7 +1040,7 @@ fn router(st: Arc<AppState>) -> Router {
 /// The engine's listener for one job: deltas to the HTTP side (streaming), with back-pressure
 /// and a deadline for a client that stops reading.
 struct JobListener<'a> {
-    job: &'a Job,
+    job: Arc<Job>,
     /// Which choice this turn is.
     index: u32,
     stream: bool,
@@ -1142,6 +1145,25 @@ fn refused(r: &Refused) -> ApiError {
     }
 }
 
+/// What a job runs with, once checked ([`Engine::plan`]).
+struct Plan {
+    opts: TurnOptions,
+    prompt: Prompt,
+    tool_format: Option<crate::tools::ToolFormat>,
+    /// The seed of choice 0 (choice i draws from `base + i`).
+    base: u64,
+}
+
+/// A prompt the conversation refused, as the request's error (naming `prompt` on the legacy
+/// endpoint, where there are no messages).
+fn refused_for(job: &Job, r: &Refused) -> ApiError {
+    let mut e = refused(r);
+    if job.endpoint == Endpoint::Completion && e.param.as_deref() == Some("messages") {
+        e.param = Some("prompt".into());
+    }
+    e
+}
+
 /// The engine thread: load, then one job at a time until the job channel closes.
 struct Engine {
     args: RunArgs,
@@ -1154,12 +1176,17 @@ struct Engine {
     metrics: Arc<Metrics>,
     client_timeout: Duration,
     signal: CancelFlag,
+    /// `--parallel`: lanes decoded together (1: one request at a time).
+    parallel: u32,
 }
 
 impl Engine {
     fn run(self) -> Result<()> {
         let mut err = std::io::stderr();
         let mut conv = Conversation::open(&self.args, &self.model, &mut err)?;
+        if self.parallel > 1 {
+            conv.set_sequences(self.parallel)?;
+        }
         let a = &self.args;
         let _ = self.loaded.set(Served {
             tok: conv.shared_tokenizer(),
@@ -1169,7 +1196,7 @@ impl Engine {
                 "architecture": conv.arch(),
                 "n_ctx": conv.n_ctx(),
                 "n_vocab": conv.n_vocab(),
-                "total_slots": 1,
+                "total_slots": self.parallel,
                 "chat_template": conv.template_source(),
                 "modalities": {"vision": false, "audio": false},
                 "default_generation_settings": {
@@ -1196,10 +1223,23 @@ impl Engine {
                 .map_or_else(String::new, |f| format!(", tool calls: {}", f.name()))
         );
         eprintln!("bmoe: serve: {}", conv.mode_line());
+        if self.parallel > 1 {
+            eprintln!(
+                "bmoe: serve: {} slots of {} tokens each (-c is split between them): up to {} requests decode together",
+                self.parallel,
+                conv.n_ctx(),
+                self.parallel
+            );
+        }
         // Requests without a seed draw one from a stream seeded by --seed: a server started
         // with the same --seed answers the same sequence of requests the same way.
         let mut seeds = rand_chacha::ChaCha20Rng::seed_from_u64(self.args.seed);
+        if self.parallel > 1 {
+            self.run_lanes(&mut conv, self.parallel, &mut seeds)?;
+            return conv.finish();
+        }
         for job in self.jobs.iter() {
+            let job = Arc::new(job);
             let last = self.serve_job(&mut conv, &job, &mut seeds);
             // Free before the answer goes out: a client that sends its next request on seeing
             // it finds the queue as it left it.
@@ -1216,13 +1256,86 @@ impl Engine {
     fn serve_job(
         &self,
         conv: &mut Conversation,
-        job: &Job,
+        job: &Arc<Job>,
         seeds: &mut impl RngCore,
     ) -> Option<Event> {
+        let Plan {
+            mut opts,
+            prompt,
+            tool_format,
+            base,
+        } = match self.plan(conv, job, seeds) {
+            Ok(p) => p,
+            Err(ev) => return ev,
+        };
+        for index in 0..job.common.n.max(1) {
+            // Each choice draws from its own seed: the request's (or the drawn one) plus its index.
+            opts.sampler.seed = base.wrapping_add(u64::from(index));
+            let prepared = match conv.prepare(&prompt, job.common.max_tokens) {
+                Ok(p) => p,
+                Err(r) => return Some(Event::Error(refused_for(job, &r))),
+            };
+            if index == 0
+                && send_within(&job.events, Event::Started, self.client_timeout, || false)
+                    != Sent::Yes
+            {
+                self.metrics.skipped();
+                return None;
+            }
+            let fin = match self.serve_choice(conv, job, index, &prepared, &opts) {
+                Ok(f) => f,
+                Err(e) => return Some(e),
+            };
+            let ev = self.choice_done(job, index, fin, tool_format);
+            if send_within(&job.events, ev, self.client_timeout, || false) != Sent::Yes {
+                return None;
+            }
+        }
+        Some(Event::End)
+    }
+
+    /// A finished choice's event: its tool calls parsed out of the answer (a request with
+    /// tools), the grammar's cost logged.
+    fn choice_done(
+        &self,
+        job: &Job,
+        index: u32,
+        mut fin: Finished,
+        tool_format: Option<crate::tools::ToolFormat>,
+    ) -> Event {
+        if let Some(fmt) = tool_format {
+            let parsed = fmt.parse(&fin.content);
+            if !parsed.calls.is_empty() {
+                fin.content = parsed.content;
+                fin.tool_calls =
+                    crate::tools::with_ids(&parsed.calls, &format!("{}_{index}", job.id));
+                fin.finish_reason = "tool_calls";
+            }
+        }
+        if let Some((masks, secs)) = fin.grammar {
+            eprintln!(
+                "bmoe: serve: request {}: grammar: {masks} token masks in {:.1} ms ({:.3} ms each)",
+                job.id,
+                secs * 1e3,
+                secs * 1e3 / masks.max(1) as f64
+            );
+        }
+        Event::Choice(index, Box::new(fin))
+    }
+
+    /// What a job runs with: its sampling, stop strings, grammar and prompt, checked against
+    /// the model; `Err` carries the event that ends it (`None`: its client left while it
+    /// waited).
+    fn plan(
+        &self,
+        conv: &mut Conversation,
+        job: &Job,
+        seeds: &mut impl RngCore,
+    ) -> Result<Plan, Option<Event>> {
         let seed = seeds.next_u64();
         if job.watch.gone.load(Ordering::SeqCst) {
             self.metrics.skipped();
-            return None;
+            return Err(None);
         }
         let a = &self.args;
         let c = &job.common;
@@ -1235,20 +1348,20 @@ impl Engine {
             None
         };
         if let Some(why) = refusal {
-            return Some(Event::Error(ApiError::invalid("mtp", why)));
+            return Err(Some(Event::Error(ApiError::invalid("mtp", why))));
         }
         if let Some(&(id, _)) = c
             .logit_bias
             .iter()
             .find(|(id, _)| *id as usize >= conv.n_vocab())
         {
-            return Some(Event::Error(ApiError::invalid(
+            return Err(Some(Event::Error(ApiError::invalid(
                 "logit_bias",
                 format!(
                     "logit_bias: token id {id} is outside the vocabulary of {} tokens",
                     conv.n_vocab()
                 ),
-            )));
+            ))));
         }
         let base = c.seed.unwrap_or(seed);
         let mut sampler = a.sampler_config(base);
@@ -1276,10 +1389,10 @@ impl Engine {
         if let Some(t) = &job.tools {
             use crate::tools::ToolChoice;
             let Some(fmt) = conv.tool_format() else {
-                return Some(Event::Error(ApiError::invalid(
+                return Err(Some(Event::Error(ApiError::invalid(
                     "tools",
                     "tools: this model's chat template writes no tool-call syntax this server reads (Hermes <tool_call>, gpt-oss harmony, Gemma 4); start the server with --chat-template-file for one that does",
-                )));
+                ))));
             };
             if t.choice != ToolChoice::None {
                 tool_format = Some(fmt);
@@ -1290,17 +1403,17 @@ impl Engine {
                 let spec = match grammar {
                     Ok(g) => crate::constrain::Spec::Lark(g),
                     Err(e) => {
-                        return Some(Event::Error(ApiError::invalid(
+                        return Err(Some(Event::Error(ApiError::invalid(
                             "tool_choice",
                             format!("tool_choice: {e:#}"),
-                        )))
+                        ))))
                     }
                 };
                 if let Err(e) = conv.grammar(&spec) {
-                    return Some(Event::Error(ApiError::invalid(
+                    return Err(Some(Event::Error(ApiError::invalid(
                         "tools",
                         format!("tools: the grammar of a required call does not compile: {e:#}"),
-                    )));
+                    ))));
                 }
                 opts.constraint = Some(spec);
                 // The call is the answer's first token on: no reasoning before it, except in
@@ -1316,61 +1429,18 @@ impl Engine {
         if let Some((spec, param)) = &c.constraint {
             // Compiled once here so that a bad grammar is the client's 400, not a failed turn.
             if let Err(e) = conv.grammar(spec) {
-                return Some(Event::Error(ApiError::invalid(
+                return Err(Some(Event::Error(ApiError::invalid(
                     param,
                     format!("{param}: the grammar does not compile: {e:#}"),
-                )));
+                ))));
             }
         }
-        for index in 0..c.n.max(1) {
-            // Each choice draws from its own seed: the request's (or the drawn one) plus its index.
-            opts.sampler.seed = base.wrapping_add(u64::from(index));
-            let prepared = match conv.prepare(&prompt, c.max_tokens) {
-                Ok(p) => p,
-                Err(r) => {
-                    let mut e = refused(&r);
-                    if job.endpoint == Endpoint::Completion
-                        && e.param.as_deref() == Some("messages")
-                    {
-                        e.param = Some("prompt".into());
-                    }
-                    return Some(Event::Error(e));
-                }
-            };
-            if index == 0
-                && send_within(&job.events, Event::Started, self.client_timeout, || false)
-                    != Sent::Yes
-            {
-                self.metrics.skipped();
-                return None;
-            }
-            let mut fin = match self.serve_choice(conv, job, index, &prepared, &opts) {
-                Ok(f) => f,
-                Err(e) => return Some(e),
-            };
-            if let Some(fmt) = tool_format {
-                let parsed = fmt.parse(&fin.content);
-                if !parsed.calls.is_empty() {
-                    fin.content = parsed.content;
-                    fin.tool_calls =
-                        crate::tools::with_ids(&parsed.calls, &format!("{}_{index}", job.id));
-                    fin.finish_reason = "tool_calls";
-                }
-            }
-            if let Some((masks, secs)) = fin.grammar {
-                eprintln!(
-                    "bmoe: serve: request {}: grammar: {masks} token masks in {:.1} ms ({:.3} ms each)",
-                    job.id,
-                    secs * 1e3,
-                    secs * 1e3 / masks.max(1) as f64
-                );
-            }
-            let ev = Event::Choice(index, Box::new(fin));
-            if send_within(&job.events, ev, self.client_timeout, || false) != Sent::Yes {
-                return None;
-            }
-        }
-        Some(Event::End)
+        Ok(Plan {
+            opts,
+            prompt,
+            tool_format,
+            base,
+        })
     }
 
     /// Run one choice of a job: the finished turn, or the event that ends the job (a cancel,
@@ -1378,14 +1448,14 @@ impl Engine {
     fn serve_choice(
         &self,
         conv: &mut Conversation,
-        job: &Job,
+        job: &Arc<Job>,
         index: u32,
         prepared: &crate::converse::Prepared,
         opts: &TurnOptions,
     ) -> Result<Finished, Event> {
         conv.cancel_flag().clear();
         let mut listener = JobListener {
-            job,
+            job: job.clone(),
             index,
             stream: job.common.stream,
             client_timeout: self.client_timeout,
@@ -1402,11 +1472,22 @@ impl Engine {
                 )));
             }
         };
+        self.turn_result(job, fin, Some(conv.summary()))
+    }
+
+    /// A finished turn, counted: the turn, or the event that ends its job (a cancel, a
+    /// failure). `summary`: the session's, where one session ran it.
+    fn turn_result(
+        &self,
+        job: &Job,
+        fin: Finished,
+        summary: Option<bmoe_core::telemetry::summary::RunSummary>,
+    ) -> Result<Finished, Event> {
         self.metrics.turn(
             fin.prompt_tokens,
             fin.cached_tokens,
             fin.completion_tokens,
-            conv.summary(),
+            summary,
         );
         match fin.stop {
             StopReason::Cancelled => {
@@ -1470,6 +1551,31 @@ pub fn serve(mut a: ServeArgs, signal: &CancelFlag) -> Result<i32> {
     }
     a.run.check_modes()?;
     a.run.resolve_seed_reported(&mut std::io::stderr())?;
+    if a.parallel > 1 {
+        if a.run.mtp || a.run.ngram {
+            bail!("--parallel {}: --mtp and --ngram draft for one request at a time; use --parallel 1 to draft", a.parallel);
+        }
+        let t = &a.run.telemetry;
+        if t.csv.is_some()
+            || t.route_trace.is_some()
+            || t.io_trace.is_some()
+            || a.run.compute_trace.is_some()
+            || a.run.compute_trace_layers.is_some()
+        {
+            bail!("--parallel {}: the per-token telemetry files follow one request at a time; use --parallel 1 to write them", a.parallel);
+        }
+        // As llama-server: the context is split between the slots.
+        let per = a.run.ctx / a.parallel;
+        if per < 16 {
+            bail!(
+                "--parallel {} with -c {} leaves {per} tokens per slot: raise -c (the context is split between the slots)",
+                a.parallel,
+                a.run.ctx
+            );
+        }
+        a.run.ctx = per;
+        a.run.sequences = a.parallel;
+    }
     // The engine's ordinary environment fallbacks apply, as for a run.
     let ip: IpAddr = match a.host.as_str() {
         "localhost" => IpAddr::from([127, 0, 0, 1]),
@@ -1507,7 +1613,7 @@ pub fn serve(mut a: ServeArgs, signal: &CancelFlag) -> Result<i32> {
         loaded: loaded.clone(),
         jobs: Mutex::new(Some(job_tx)),
         in_flight: in_flight.clone(),
-        capacity: a.queue + 1,
+        capacity: a.queue + a.parallel as usize,
         ready: ready.clone(),
         metrics: metrics.clone(),
         model_id,
@@ -1533,6 +1639,7 @@ pub fn serve(mut a: ServeArgs, signal: &CancelFlag) -> Result<i32> {
         metrics,
         client_timeout: Duration::from_secs_f64(a.client_timeout),
         signal: signal.clone(),
+        parallel: a.parallel,
     };
     let engine_done = Arc::new(AtomicBool::new(false));
     let engine_thread = {
