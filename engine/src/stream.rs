@@ -267,6 +267,9 @@ pub struct EngineBackend<A: Arch + ?Sized = dyn Arch> {
     follow: Option<bmoe_core::hooks::follow::FollowTrace>,
     first_token: u64,
     tokens_begun: u64,
+    /// `Sequences::logits_at_rows`: the rows whose logits the head computes (empty: the
+    /// last, or every row).
+    out_rows: Vec<u32>,
 }
 
 impl<A: Arch + ?Sized> EngineBackend<A> {
@@ -299,6 +302,7 @@ impl<A: Arch + ?Sized> EngineBackend<A> {
             follow: None,
             first_token: 0,
             tokens_begun: 0,
+            out_rows: Vec::new(),
         }
     }
 
@@ -518,7 +522,21 @@ impl<A: Arch + ?Sized> Backend for EngineBackend<A> {
         self.deferred_uses.clear();
         self.first_token = self.tokens_begun;
         self.tokens_begun += u64::from(n);
-        let rows: Vec<u32> = if self.all_logits || self.verify_rows {
+        let rows: Vec<u32> = if !self.out_rows.is_empty() {
+            if self.out_rows.windows(2).any(|w| w[0] >= w[1])
+                || self.out_rows[self.out_rows.len() - 1] >= n
+            {
+                return Err(StreamError::Arch(ArchError::Key {
+                    file: String::new(),
+                    key: "logits rows".into(),
+                    what: format!(
+                        "{:?} are not ascending rows of a {n}-row step",
+                        self.out_rows
+                    ),
+                }));
+            }
+            self.out_rows.clone()
+        } else if self.all_logits || self.verify_rows {
             (0..n).collect()
         } else {
             vec![n - 1]
@@ -856,6 +874,11 @@ impl<A: Arch + ?Sized> Sequences for EngineBackend<A> {
 
     fn seq_reusable_prefix(&self, seq: u32, n: u32) -> u32 {
         self.state.seq_reusable_prefix(seq as usize, n as usize) as u32
+    }
+
+    fn logits_at_rows(&mut self, rows: &[u32]) {
+        self.out_rows.clear();
+        self.out_rows.extend_from_slice(rows);
     }
 }
 

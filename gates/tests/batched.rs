@@ -4,8 +4,9 @@
 //! Every family that batches sequences (qwen3moe, qwen2moe, gpt-oss with its sliding-window
 //! ring, gemma4, llama with experts), resident and streamed through an evicting cache: seven
 //! greedy requests on three slots, started as slots free up (so a prompt is fed while others
-//! are mid-answer, a slot's memory is written over by the next request, and one request
-//! reuses the prefix its slot already holds). Each request's tokens equal a plain
+//! are mid-answer, in the same steps as their tokens and, with a chunk, over several steps; a
+//! slot's memory is written over by the next request; and one request reuses the prefix its
+//! slot already holds). Each request's tokens equal a plain
 //! one-sequence greedy loop's on a fresh engine (no lanes, no sequences), which feeds each
 //! token in its own step.
 
@@ -107,7 +108,7 @@ fn prompts() -> Vec<Vec<u32>> {
     ]
 }
 
-fn batched_equals_alone(m: &Path, extra: &[&str]) {
+fn batched_equals_alone(m: &Path, extra: &[&str], chunk: usize) {
     const N: u32 = 40; // past gpt-oss's tiny window of 32
     let prompts = prompts();
     let want: Vec<Vec<u32>> = prompts
@@ -116,7 +117,7 @@ fn batched_equals_alone(m: &Path, extra: &[&str]) {
         .collect();
     let mut e = load_engine(m, extra);
     e.backend_mut().set_sequences(3).expect("sequences");
-    let mut lanes: Lanes<Greedy> = Lanes::new(3, 0);
+    let mut lanes: Lanes<Greedy> = Lanes::new(3, chunk);
     let mut got: Vec<Option<(Vec<u32>, u32)>> = vec![None; prompts.len()];
     let mut next = 0usize;
     let mut steps = 0u32;
@@ -132,9 +133,9 @@ fn batched_equals_alone(m: &Path, extra: &[&str]) {
                 cancel: CancelFlag::new(),
             };
             let ended = lanes
-                .start(&mut e, next as u64, start, Greedy, &mut NullSink)
+                .start(&mut e, next as u64, start, Greedy)
                 .expect("start");
-            assert!(ended.is_none(), "a lane of {N} tokens ended at its start");
+            assert!(ended.is_none(), "a lane ended at its start");
             next += 1;
         }
         for end in lanes.step(&mut e, &mut NullSink) {
@@ -163,7 +164,7 @@ fn batched_equals_alone(m: &Path, extra: &[&str]) {
         cancel: CancelFlag::new(),
     };
     assert!(lanes
-        .start(&mut e, 99, start, Greedy, &mut NullSink)
+        .start(&mut e, 99, start, Greedy)
         .expect("start")
         .is_none());
     let mut ended = Vec::new();
@@ -201,7 +202,9 @@ const ARCHS: [&str; 5] = ["qwen3moe", "qwen2moe", "gpt-oss", "gemma4", "llama"];
 #[test]
 fn batched_requests_choose_what_each_chooses_alone_resident() {
     for arch in ARCHS {
-        batched_equals_alone(&arch_model(arch), &[]);
+        batched_equals_alone(&arch_model(arch), &[], 0);
+        // Prompts fed 7 rows a step, beside the others' tokens (`--ubatch 7`).
+        batched_equals_alone(&arch_model(arch), &[], 7);
     }
 }
 
@@ -211,6 +214,7 @@ fn batched_requests_choose_what_each_chooses_alone_streamed() {
         batched_equals_alone(
             &arch_model(arch),
             &["--moe-stream", "--cache-mb", "4", "--force-cache"],
+            0,
         );
     }
 }

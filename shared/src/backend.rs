@@ -469,6 +469,11 @@ pub trait Sequences: Backend {
     /// [`Backend::reusable_prefix`] of sequence `seq`: how much of a context of `n` tokens
     /// that sequence's memory still holds for a batch to start after.
     fn seq_reusable_prefix(&self, seq: u32, n: u32) -> u32;
+
+    /// The rows of the next steps whose logits the head computes, ascending (row `i` of the
+    /// logits is the `i`-th of them); empty: the backend's own choice (the last row, or
+    /// every row under [`Backend::logits_at_every_row`]). Stays in force until the next call.
+    fn logits_at_rows(&mut self, rows: &[u32]);
 }
 
 /// A predicted routing of one layer for one batch row: expert ids in rank order and their

@@ -1,12 +1,14 @@
 //! Several sequences decoded together (`serve --parallel N`): continuous batching over one
 //! [`Engine`] whose backend holds each sequence's memory ([`Sequences`]).
 //!
-//! A lane is one generation on one sequence. [`Lanes::start`] feeds its prompt (the part its
-//! sequence's memory does not already hold) in steps of that sequence alone and chooses its
-//! first token; [`Lanes::step`] then feeds every running lane's chosen token in **one** decode
-//! step — one row per lane — and chooses each lane's next token from its own row. In that step
-//! the dense weights are read once for all lanes and each MoE layer reads the union of the
-//! lanes' experts once (the streamer's per-step union), which is the batch's gain.
+//! A lane is one generation on one sequence. [`Lanes::start`] places it on the free sequence
+//! whose memory holds the longest prefix of its prompt; [`Lanes::step`] then runs **one**
+//! step for every lane: a decoding lane feeds the token it chose (one row), a new lane the
+//! part of its prompt its sequence lacks (at most `chunk` rows a step), and each lane whose
+//! rows end there chooses its next token from its own logits row. In that step the dense
+//! weights are read once for all rows and each MoE layer reads the union of the rows'
+//! experts once (the streamer's per-step union): the batch's gain. A new request's prompt
+//! rides in the running ones' step, so its first token waits for one step, not for theirs.
 //!
 //! **Token count** as in [`crate::generate`]: a lane of `n_predict` N yields up to N tokens;
 //! an end-of-generation token ends it without being fed. One difference: the N-th token is
@@ -14,8 +16,8 @@
 //! later request that continues the text feeds it then.
 //!
 //! **Bits**: a row's logits do not depend on the rows beside it (the backend's contract for
-//! [`Backend::verifies_rows`]), so each lane chooses exactly what it would alone; the engine's
-//! gate `serve_parallel` holds the engine to it.
+//! [`crate::Backend::verifies_rows`]), so each lane chooses exactly what it would alone; the
+//! gate `gates/tests/batched.rs` holds the engine to it.
 //!
 //! **Failures**: a failed step poisons the engine (STYLE 12) and ends every lane `Failed`; a
 //! source's error ends its own lane `Failed`; a set cancel flag ends its lane at the next
@@ -58,7 +60,9 @@ struct Lane<S> {
     seq: u32,
     source: S,
     cancel: CancelFlag,
-    /// The token chosen and not fed yet.
+    /// The prompt, while part of it is still to be fed (empty once it all is).
+    prompt: Vec<u32>,
+    /// Decoding: the token chosen and not fed yet.
     next: u32,
     n_predict: u32,
     tokens: Vec<u32>,
@@ -78,6 +82,12 @@ pub struct Lanes<S> {
     /// Decode steps run, and the lanes they held in all (the mean batch is their ratio).
     pub steps: u64,
     pub rows: u64,
+    /// Over those steps: bytes read from flash, the routed experts' bytes counting each
+    /// distinct expert of a layer once (`StepStats::routed_bytes`: the union the batch
+    /// shares), and the routings (row × rank) behind them.
+    pub read_bytes: u64,
+    pub routed_bytes: u64,
+    pub routings: u64,
 }
 
 /// The longest common prefix of two token lists.
@@ -96,6 +106,9 @@ impl<S> Lanes<S> {
             turn: 0,
             steps: 0,
             rows: 0,
+            read_bytes: 0,
+            routed_bytes: 0,
+            routings: 0,
         }
     }
 
@@ -132,23 +145,20 @@ impl<S> Lanes<S> {
         best
     }
 
-    /// Start a lane keyed `key` on the free sequence [`Lanes::place`] picks: feed what its
-    /// memory lacks of the prompt and choose the first token. `Some` when the lane ended
-    /// already (cancelled, an end-of-generation first token, `n_predict` 0, a failure);
-    /// `None` when it runs. An empty prompt, or no free sequence, is refused.
+    /// Start a lane keyed `key` on the free sequence [`Lanes::place`] picks; its prompt is fed
+    /// by the next steps. `Some` when it ended already (its cancel flag was set). An empty
+    /// prompt, or no free sequence, is refused.
     pub fn start<C, F, B>(
         &mut self,
         engine: &mut Engine<C, F, B>,
         key: u64,
         start: Start<'_>,
-        mut source: S,
-        sink: &mut dyn RecordSink,
+        source: S,
     ) -> Result<Option<Ended<S>>, LaneError>
     where
         C: Clock,
         F: Flash,
         B: Sequences,
-        S: TokenSource<B>,
     {
         if start.prompt.is_empty() {
             return Err(LaneError::EmptyPrompt);
@@ -165,101 +175,28 @@ impl<S> Lanes<S> {
         };
         let s = seq as usize;
         self.contexts[s].truncate(reuse as usize);
-        let turn = self.turn;
-        self.turn = self.turn.wrapping_add(1);
-        let end = |source, stop, error: Option<String>| Ended {
+        self.busy[s] = true;
+        let lane = Lane {
             key,
             seq,
             source,
-            stop,
+            cancel: start.cancel,
+            prompt: start.prompt.to_vec(),
+            next: 0,
+            n_predict: start.n_predict,
             tokens: Vec::new(),
             prompt_tokens: start.prompt.len() as u32,
             reused: reuse,
-            error,
         };
-        if start.cancel.is_set() {
-            return Ok(Some(end(source, StopReason::Cancelled, None)));
+        if lane.cancel.is_set() {
+            return Ok(Some(self.end(lane, StopReason::Cancelled, None)));
         }
-        let rest = &start.prompt[reuse as usize..];
-        let chunk = if self.chunk == 0 {
-            rest.len()
-        } else {
-            self.chunk
-        };
-        let mut pos = reuse;
-        for (i, tokens) in rest.chunks(chunk).enumerate() {
-            if i > 0 && start.cancel.is_set() {
-                return Ok(Some(end(source, StopReason::Cancelled, None)));
-            }
-            let positions: Vec<u32> = (pos..pos + tokens.len() as u32).collect();
-            let input = StepInput {
-                turn,
-                phase: Phase::Prefill,
-                tokens,
-                positions: &positions,
-            };
-            let run = [SeqRun {
-                seq,
-                first: 0,
-                rows: tokens.len() as u32,
-            }];
-            let stepped = engine
-                .backend_mut()
-                .assign_rows(&run)
-                .map_err(|e| e.to_string())
-                .and_then(|()| {
-                    source
-                        .before_step(engine.backend_mut(), &input)
-                        .map_err(|e| e.to_string())
-                })
-                .and_then(|()| engine.step(&input, sink).map_err(|e| e.to_string()));
-            let mut stats = match stepped {
-                Ok(st) => st,
-                Err(e) => {
-                    self.contexts[s].clear();
-                    return Ok(Some(end(source, StopReason::Failed, Some(e))));
-                }
-            };
-            self.contexts[s].extend_from_slice(tokens);
-            pos += tokens.len() as u32;
-            if let Err(e) = source.after_step(engine.backend(), &input, &mut stats) {
-                return Ok(Some(end(source, StopReason::Failed, Some(e.to_string()))));
-            }
-        }
-        if start.n_predict == 0 {
-            return Ok(Some(end(source, StopReason::Count, None)));
-        }
-        if start.cancel.is_set() {
-            return Ok(Some(end(source, StopReason::Cancelled, None)));
-        }
-        match source.next_token(engine.backend_mut(), start.n_predict == 1) {
-            Err(e) => Ok(Some(end(source, StopReason::Failed, Some(e.to_string())))),
-            Ok(None) => Ok(Some(end(source, StopReason::EndOfGeneration, None))),
-            Ok(Some(t)) if start.n_predict == 1 => {
-                let mut e = end(source, StopReason::Count, None);
-                e.tokens.push(t);
-                Ok(Some(e))
-            }
-            Ok(Some(t)) => {
-                self.busy[s] = true;
-                self.running.push(Lane {
-                    key,
-                    seq,
-                    source,
-                    cancel: start.cancel,
-                    next: t,
-                    n_predict: start.n_predict,
-                    tokens: vec![t],
-                    prompt_tokens: start.prompt.len() as u32,
-                    reused: reuse,
-                });
-                Ok(None)
-            }
-        }
+        self.running.push(lane);
+        Ok(None)
     }
 
-    /// One decode step of every running lane (cancelled ones end first, unfed): the lanes
-    /// that ended with it. Nothing runs when no lane does.
+    /// One step of every lane (cancelled ones end first, unfed): the lanes that ended with
+    /// it. Nothing runs when no lane does.
     pub fn step<C, F, B>(
         &mut self,
         engine: &mut Engine<C, F, B>,
@@ -284,27 +221,50 @@ impl<S> Lanes<S> {
         if self.running.is_empty() {
             return ended;
         }
-        let tokens: Vec<u32> = self.running.iter().map(|l| l.next).collect();
-        let positions: Vec<u32> = self
-            .running
-            .iter()
-            .map(|l| self.contexts[l.seq as usize].len() as u32)
-            .collect();
-        let runs: Vec<SeqRun> = self
-            .running
-            .iter()
-            .enumerate()
-            .map(|(r, l)| SeqRun {
-                seq: l.seq,
-                first: r as u32,
-                rows: 1,
-            })
-            .collect();
+        // Each lane's rows: its chosen token, or the next piece of its prompt. `fed[i]`: the
+        // lane's row count; `out[i]`: its logits row, when its rows end its prompt or it
+        // decodes.
+        let (mut tokens, mut positions, mut runs) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut fed, mut out, mut out_rows) = (Vec::new(), Vec::new(), Vec::new());
+        let mut prefill = false;
+        for lane in &self.running {
+            let ctx = &self.contexts[lane.seq as usize];
+            let first = tokens.len() as u32;
+            let piece: &[u32] = if lane.prompt.is_empty() {
+                std::slice::from_ref(&lane.next)
+            } else {
+                prefill = true;
+                let rest = &lane.prompt[ctx.len()..];
+                let n = if self.chunk == 0 {
+                    rest.len()
+                } else {
+                    rest.len().min(self.chunk)
+                };
+                &rest[..n]
+            };
+            tokens.extend_from_slice(piece);
+            positions.extend((0..piece.len() as u32).map(|j| ctx.len() as u32 + j));
+            runs.push(SeqRun {
+                seq: lane.seq,
+                first,
+                rows: piece.len() as u32,
+            });
+            fed.push(piece.len());
+            let done = lane.prompt.is_empty() || ctx.len() + piece.len() == lane.prompt.len();
+            out.push(done.then_some(out_rows.len() as u32));
+            if done {
+                out_rows.push(first + piece.len() as u32 - 1);
+            }
+        }
         let turn = self.turn;
         self.turn = self.turn.wrapping_add(1);
         let input = StepInput {
             turn,
-            phase: Phase::Decode,
+            phase: if prefill {
+                Phase::Prefill
+            } else {
+                Phase::Decode
+            },
             tokens: &tokens,
             positions: &positions,
         };
@@ -324,9 +284,11 @@ impl<S> Lanes<S> {
         let stepped = match failed {
             Some(e) => Err(e),
             None => {
-                engine.backend_mut().logits_at_every_row(true);
+                // Only the rows that choose a token need logits (a prompt's last row).
+                let b = engine.backend_mut();
+                b.logits_at_rows(&out_rows);
                 let r = engine.step(&input, sink).map_err(|e| e.to_string());
-                engine.backend_mut().logits_at_every_row(false);
+                engine.backend_mut().logits_at_rows(&[]);
                 r
             }
         };
@@ -340,26 +302,43 @@ impl<S> Lanes<S> {
                 return ended;
             }
         };
-        self.steps += 1;
-        self.rows += tokens.len() as u64;
+        if !prefill {
+            self.steps += 1;
+            self.rows += tokens.len() as u64;
+            self.read_bytes += stats.read_bytes;
+            self.routed_bytes += stats.routed_bytes;
+            self.routings += stats.experts_routed;
+        }
         let running = std::mem::take(&mut self.running);
-        for (row, mut lane) in running.into_iter().enumerate() {
-            self.contexts[lane.seq as usize].push(lane.next);
+        for ((mut lane, n), out) in running.into_iter().zip(fed).zip(out) {
+            let ctx = &mut self.contexts[lane.seq as usize];
+            if lane.prompt.is_empty() {
+                ctx.push(lane.next);
+            } else {
+                let at = ctx.len();
+                ctx.extend_from_slice(&lane.prompt[at..at + n]);
+            }
             let mut st = stats.clone();
             if let Err(e) = lane.source.after_step(engine.backend(), &input, &mut st) {
                 ended.push(self.end(lane, StopReason::Failed, Some(e.to_string())));
                 continue;
             }
-            let produced = lane.tokens.len() as u32;
             if lane.cancel.is_set() {
                 ended.push(self.end(lane, StopReason::Cancelled, None));
                 continue;
             }
-            let last = produced + 1 == lane.n_predict;
-            match lane
-                .source
-                .next_token_at(engine.backend_mut(), row as u32, last)
-            {
+            let Some(row) = out else {
+                // More of its prompt next step.
+                self.running.push(lane);
+                continue;
+            };
+            lane.prompt = Vec::new();
+            if lane.n_predict == 0 {
+                ended.push(self.end(lane, StopReason::Count, None));
+                continue;
+            }
+            let last = lane.tokens.len() as u32 + 1 == lane.n_predict;
+            match lane.source.next_token_at(engine.backend_mut(), row, last) {
                 Err(e) => ended.push(self.end(lane, StopReason::Failed, Some(e.to_string()))),
                 Ok(None) => ended.push(self.end(lane, StopReason::EndOfGeneration, None)),
                 Ok(Some(t)) => {

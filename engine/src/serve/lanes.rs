@@ -42,7 +42,7 @@ impl Engine {
         let mut waiting: VecDeque<u64> = VecDeque::new();
         let mut next_job = 0u64;
         let mut open = true;
-        let mut reported = (0u64, 0u64);
+        let mut reported = [0u64; 5];
         loop {
             // Take what has arrived; wait only when nothing runs or waits.
             loop {
@@ -165,13 +165,7 @@ impl Engine {
                     n_predict: prepared.n_predict,
                     cancel,
                 };
-                match lanes.start(
-                    conv.engine_mut(),
-                    key(id, index),
-                    start,
-                    source,
-                    &mut NullSink,
-                ) {
+                match lanes.start(conv.engine_mut(), key(id, index), start, source) {
                     Ok(None) => {}
                     Ok(Some(ended)) => self.lane_ended(&mut jobs, &mut waiting, &lanes, ended),
                     Err(e) => {
@@ -187,11 +181,18 @@ impl Engine {
             for ended in lanes.step(conv.engine_mut(), &mut NullSink) {
                 self.lane_ended(&mut jobs, &mut waiting, &lanes, ended);
             }
-            if lanes.steps > reported.0 {
-                // How full the shared steps ran.
-                let (steps, rows) = (lanes.steps - reported.0, lanes.rows - reported.1);
-                self.metrics.batch(steps, rows);
-                reported = (lanes.steps, lanes.rows);
+            let now = [
+                lanes.steps,
+                lanes.rows,
+                lanes.read_bytes,
+                lanes.routed_bytes,
+                lanes.routings,
+            ];
+            if now[0] > reported[0] {
+                // How full the shared steps ran, and what they read.
+                let d: Vec<u64> = now.iter().zip(&reported).map(|(a, b)| a - b).collect();
+                self.metrics.batch(d[0], d[1], d[2], d[3], d[4]);
+                reported = now;
             }
         }
         Ok(())

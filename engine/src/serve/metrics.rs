@@ -23,6 +23,9 @@ struct Counters {
     rejected_busy: u64,
     batch_steps: u64,
     batch_rows: u64,
+    batch_read_bytes: u64,
+    batch_routed_bytes: u64,
+    batch_routings: u64,
     engine: Option<RunSummary>,
 }
 
@@ -62,11 +65,16 @@ impl Metrics {
             }
         });
     }
-    /// `--parallel`: shared decode steps run, and the rows (running requests) they held.
-    pub fn batch(&self, steps: u64, rows: u64) {
+    /// `--parallel`: shared decode steps run, the rows (running requests) they held, the
+    /// bytes they read from flash, their routed experts' bytes (each distinct expert of a
+    /// layer once) and their routings (row × rank).
+    pub fn batch(&self, steps: u64, rows: u64, read: u64, routed: u64, routings: u64) {
         self.with(|c| {
             c.batch_steps += steps;
             c.batch_rows += rows;
+            c.batch_read_bytes += read;
+            c.batch_routed_bytes += routed;
+            c.batch_routings += routings;
         });
     }
     /// A turn cancelled because its client left; `overrun`: tokens generated after the server
@@ -133,6 +141,24 @@ impl Metrics {
                 "counter",
                 "--parallel: rows of those steps (one per running request); rows/steps is the mean batch",
                 &one(c.batch_rows as f64),
+            );
+            metric(
+                "bmoe_batch_read_bytes_total",
+                "counter",
+                "--parallel: bytes those steps read from flash",
+                &one(c.batch_read_bytes as f64),
+            );
+            metric(
+                "bmoe_batch_routed_bytes_total",
+                "counter",
+                "--parallel: those steps' routed experts' bytes, each distinct expert of a layer once (the union the rows share)",
+                &one(c.batch_routed_bytes as f64),
+            );
+            metric(
+                "bmoe_batch_routings_total",
+                "counter",
+                "--parallel: those steps' routings (row x rank, over every MoE layer)",
+                &one(c.batch_routings as f64),
             );
             metric(
                 "bmoe_turns_total",
@@ -258,7 +284,7 @@ mod tests {
         m.request("/v1/chat/completions", 200);
         m.request("other", 404);
         m.turn(10, 4, 3, Some(RunSummary::default()));
-        m.batch(5, 12);
+        m.batch(5, 12, 0, 0, 0);
         m.cancelled(Some(1));
         let t = m.render(2, true);
         assert!(t.contains("# TYPE bmoe_requests_total counter"));
