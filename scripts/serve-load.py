@@ -14,14 +14,24 @@ Prints the figures docs/serving.md records; exits 1 when a check fails.
 
     python3 scripts/serve-load.py --scaling --model M.gguf [--clients-list 1,2,4,8]
         [--per-client 3] [--max-tokens 64] [--server-args "--moe-stream --cache-mb 0"]
+        [--cap-mib 512]
 
 `--scaling` (`serve --parallel`, issue 35): one server with `--parallel` the largest client
 count; for each count C, C threads each send `--per-client` streamed greedy chat completions
-one after another, all starting together. Prints per C the aggregate generated tok/s (all
+one after another, all starting together, each request with a prompt of its own (so each
+prefills it; the references alone are asked first). Prints per C the aggregate generated tok/s (all
 tokens over the wall time), the first-token latency p50/p99 (request sent to first content
 chunk), the mean batch and the bytes read and routed per generated token of the shared steps
 (`/metrics`), with each figure's ratio to C = 1 -- measured side by side in one run. Every
 answer must equal its prompt's answer alone.
+
+    python3 scripts/serve-load.py --soak 1800 [--model M.gguf] [--clients 4]
+
+`--soak SECONDS` (issue 35): the server with `--parallel` the client count; each client, for
+that long, sends a random mix (seeded) of plain and streamed chat completions, legacy
+completions, and streamed requests it abandons after a few chunks. Checked: no 5xx but 503s by
+design, every answer equal to its request's answer alone, RSS and open file descriptors flat
+(sampled every 2 s).
 """
 
 import argparse
@@ -66,11 +76,21 @@ def post(port, body, timeout=300):
     return r.status, data, retry
 
 
-def start_server(binary, model, args, tmp):
+def start_server(binary, model, args, tmp, cap_mib=None):
     err_path = os.path.join(tmp, "serve.stderr")
     err = open(err_path, "w")
-    srv = subprocess.Popen([binary, "serve", "-m", model, "--port", "0"] + args,
-                           stdout=subprocess.DEVNULL, stderr=err, cwd=tmp)
+    cmd = [binary, "serve", "-m", model, "--port", "0"] + args
+    if cap_mib:
+        # Past RAM: the server in a cgroup v1 memory cap, the page cache dropped first.
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import benchlib
+        why = benchlib.cgroup_problem()
+        if why:
+            sys.exit(f"--cap-mib: {why}")
+        benchlib.set_limit_bytes(cap_mib << 20)
+        benchlib.drop_caches()
+        cmd = benchlib.cgroup_argv(cmd)
+    srv = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, cwd=tmp)
     for _ in range(1200):
         if srv.poll() is not None:
             sys.exit(f"serve exited {srv.returncode}: {open(err_path).read()}")
@@ -132,12 +152,16 @@ def scaling(a):
     tmp = tempfile.mkdtemp(prefix="bmoe-serve-scaling-")
     par = max(counts)
     args = ["--parallel", str(par), "-c", str(1024 * par)] + a.server_args.split()
-    srv, port, err, err_path = start_server(a.bin, a.model, args, tmp)
+    srv, port, err, err_path = start_server(a.bin, a.model, args, tmp, a.cap_mib)
     failures = []
     try:
         body = lambda p: {"messages": [{"role": "user", "content": p}], "max_tokens": a.max_tokens, "temperature": 0}
+        # Every request its own prompt, differing from the first word on, so that each
+        # prefills its prompt (no slot holds it): the first-token figures include that.
+        ask = lambda n, i, k: f"Request {n}.{i}.{k}: {PROMPTS[i]}"
         # References alone (and a warm-up: the first requests fault the weights in).
-        refs = {p: streamed(port, body(p))[0] for p in PROMPTS[:par]}
+        refs = {ask(n, i, k): streamed(port, body(ask(n, i, k)))[0]
+                for n in counts for i in range(n) for k in range(a.per_client)}
         rows = []
         for n in counts:
             before = metrics(port)
@@ -145,10 +169,16 @@ def scaling(a):
             results = []
 
             def client(i):
-                for _ in range(a.per_client):
-                    r = streamed(port, body(PROMPTS[i]))
+                # Arrivals spread evenly over one lone request's time (clients that start
+                # together and ask for equal lengths would otherwise stay in step, every
+                # prompt arriving with all the others); --together keeps them together.
+                if not a.together and rows:
+                    time.sleep(i * rows[0]["each"] / n)
+                for k in range(a.per_client):
+                    p = ask(n, i, k)
+                    r = streamed(port, body(p))
                     with lock:
-                        results.append((PROMPTS[i],) + r)
+                        results.append((p,) + r)
             threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
             t0 = time.time()
             for t in threads:
@@ -163,6 +193,7 @@ def scaling(a):
             q = lambda f: firsts[min(len(firsts) - 1, int(round(f * (len(firsts) - 1))))]
             gen = max(d("bmoe_batch_rows_total"), 1)
             row = dict(clients=n, requests=len(results), tokens=tokens, wall=wall, tps=tokens / wall,
+                       each=statistics.mean(r[4] for r in results),
                        p50=q(0.5), p99=q(0.99), batch=d("bmoe_batch_rows_total") / max(d("bmoe_batch_steps_total"), 1),
                        read=d("bmoe_batch_read_bytes_total") / gen, routed=d("bmoe_batch_routed_bytes_total") / gen,
                        routings=d("bmoe_batch_routings_total") / gen)
@@ -171,8 +202,10 @@ def scaling(a):
             if bad:
                 failures.append(f"{bad} answers of {n} clients differ from their prompt's answer alone")
         one = rows[0]
-        print(f"model {os.path.basename(a.model)}, server {' '.join(args)}, max_tokens {a.max_tokens}, "
-              f"{a.per_client} requests per client")
+        print(f"model {os.path.basename(a.model)}, server {' '.join(args)}"
+              + (f" in a {a.cap_mib} MiB memory cap" if a.cap_mib else "") + f", max_tokens {a.max_tokens}, "
+              f"{a.per_client} requests per client, "
+              + ("all starting together" if a.together else "client i starting i/C of a lone request's time in"))
         print("| clients | requests | generated tok/s | x 1 client | first token p50 | p99 | p99 / 1 client's | mean batch | read MiB/token | routed MiB/token |")
         print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for r in rows:
@@ -189,6 +222,145 @@ def scaling(a):
     sys.exit(1 if failures else 0)
 
 
+def fds(pid):
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def soak(a):
+    import random
+    tmp = tempfile.mkdtemp(prefix="bmoe-serve-soak-")
+    model = a.model
+    if not model:
+        model = os.path.join(tmp, "tiny.gguf")
+        subprocess.run([a.bin, "gen", "--preset", "tiny", "--quiet", "-o", model], check=True)
+    args = ["--parallel", str(a.clients), "-c", str(1024 * a.clients)] + a.server_args.split()
+    srv, port, err, err_path = start_server(a.bin, model, args, tmp)
+    kinds = ["plain", "stream", "legacy", "leave"]
+
+    def ask(kind, p, seed):
+        """One request: (status, answer or None)."""
+        mt = 8 + seed % 41
+        if kind == "legacy":
+            body = {"prompt": p, "max_tokens": mt, "temperature": 0}
+            path = "/v1/completions"
+        else:
+            body = {"messages": [{"role": "user", "content": p}], "max_tokens": mt, "temperature": 0}
+            path = "/v1/chat/completions"
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+        if kind in ("stream", "leave"):
+            body["stream"] = True
+        c.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+        r = c.getresponse()
+        if r.status != 200:
+            data = r.read()
+            c.close()
+            return r.status, data.decode(errors="replace")[:200]
+        if kind == "leave":
+            for _ in range(1 + seed % 4):
+                r.readline()
+            c.close()  # gone mid-answer
+            return 200, None
+        if kind == "stream":
+            text = ""
+            for line in r:
+                line = line.strip()
+                if line.startswith(b"data: ") and line != b"data: [DONE]":
+                    for ch in json.loads(line[6:]).get("choices", []):
+                        text += ch.get("delta", {}).get("content") or ""
+            c.close()
+            return 200, text
+        d = json.loads(r.read())
+        c.close()
+        ch = d["choices"][0]
+        return 200, ch["text"] if kind == "legacy" else ch["message"]["content"]
+
+    refs = {}
+
+    def reference(kind, p, seed):
+        k = ("legacy" if kind == "legacy" else "chat", p, 8 + seed % 41)
+        if k not in refs:
+            st, ans = ask("plain" if kind != "legacy" else "legacy", p, seed)
+            if st != 200:
+                sys.exit(f"reference request failed: {st} {ans}")
+            refs[k] = ans
+        return refs[k]
+
+    failures, counts, statuses = [], {}, {}
+    lock = threading.Lock()
+    samples = []
+    try:
+        # The references, alone, before the clients start (and a warm-up).
+        for p in PROMPTS[: a.clients]:
+            for seed in range(41):
+                reference("plain", p, seed)
+                reference("legacy", p, seed)
+        base = (rss_mib(srv.pid), fds(srv.pid))
+        deadline = time.time() + a.soak
+
+        def client(i):
+            rng = random.Random(i)
+            p = PROMPTS[i]
+            while time.time() < deadline:
+                kind, seed = rng.choice(kinds), rng.randrange(1 << 30)
+                try:
+                    st, ans = ask(kind, p, seed)
+                except Exception as e:
+                    st, ans = -1, str(e)
+                with lock:
+                    counts[kind] = counts.get(kind, 0) + 1
+                    statuses[st] = statuses.get(st, 0) + 1
+                    if st != 200 and st != 503:
+                        failures.append(f"{kind}: {st} {ans}")
+                    elif st == 200 and ans is not None and ans != reference(kind, p, seed):
+                        failures.append(f"{kind} {p!r} max_tokens {8 + seed % 41}: {ans!r} alone was {reference(kind, p, seed)!r}")
+
+        def sampler(stop):
+            while not stop.is_set():
+                samples.append((time.time(), rss_mib(srv.pid), fds(srv.pid)))
+                stop.wait(2.0)
+
+        stop = threading.Event()
+        s = threading.Thread(target=sampler, args=(stop,))
+        s.start()
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(a.clients)]
+        t0 = time.time()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.time() - t0
+        stop.set()
+        s.join()
+        time.sleep(1.0)
+        end = (rss_mib(srv.pid), fds(srv.pid))
+        m = metrics(port)
+        total = sum(counts.values())
+        print(f"soak: {wall / 60:.1f} min, {a.clients} clients, server {' '.join(args)}")
+        print(f"requests {total}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+        print("statuses: " + ", ".join(f"{k} x {v}" for k, v in sorted(statuses.items())))
+        print(f"server RSS MiB: {base[0]:.1f} after the references, max {max(x[1] for x in samples):.1f}, {end[0]:.1f} at the end")
+        print(f"open fds: {base[1]} after the references, max {max(x[2] for x in samples)}, {end[1]} at the end "
+              f"({len(samples)} samples)")
+        print(f"shared steps {m.get('bmoe_batch_steps_total', 0):.0f}, mean batch "
+              f"{m.get('bmoe_batch_rows_total', 0) / max(m.get('bmoe_batch_steps_total', 1), 1):.2f}, "
+              f"cancelled {m.get('bmoe_requests_cancelled_total', 0):.0f}")
+        print(f"answers checked against their answer alone: {total - counts.get('leave', 0)}, differing: "
+              f"{sum(1 for f in failures if 'alone was' in f)}")
+        if end[0] > base[0] * 1.10 + 8:
+            failures.append(f"RSS grew from {base[0]:.1f} to {end[0]:.1f} MiB")
+        if end[1] > base[1]:
+            failures.append(f"open fds grew from {base[1]} to {end[1]}")
+    finally:
+        srv.terminate()
+        code = srv.wait(timeout=60)
+        err.close()
+    if code != 0:
+        failures.append(f"the server exited {code} on SIGTERM")
+    for f in failures[:20]:
+        print(f"FAIL: {f}")
+    sys.exit(1 if failures else 0)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bin", default="target/release/bmoe-cli")
@@ -200,11 +372,16 @@ def main():
     ap.add_argument("--scaling", action="store_true", help="--parallel: throughput and first-token latency by client count")
     ap.add_argument("--clients-list", default="1,2,4,8")
     ap.add_argument("--per-client", type=int, default=3)
-    ap.add_argument("--server-args", default="", help="more serve flags (--scaling)")
+    ap.add_argument("--server-args", default="", help="more serve flags (--scaling, --soak)")
+    ap.add_argument("--cap-mib", type=int, help="--scaling: run the server in a cgroup v1 memory cap of this many MiB (root)")
+    ap.add_argument("--together", action="store_true", help="--scaling: every client starts at once (default: spread over one lone request)")
+    ap.add_argument("--soak", type=float, help="seconds of mixed requests against --parallel (--clients of them)")
     a = ap.parse_args()
     a.bin = os.path.abspath(a.bin)
     if a.model:
         a.model = os.path.abspath(a.model)
+    if a.soak:
+        return soak(a)
     if a.scaling:
         if not a.model:
             sys.exit("--scaling needs --model")

@@ -75,6 +75,9 @@ pub struct Lanes<S> {
     /// Per sequence, the tokens its memory holds (positions `0..len`).
     contexts: Vec<Vec<u32>>,
     busy: Vec<bool>,
+    /// Per sequence, when a lane last started on it (`starts` then).
+    used: Vec<u64>,
+    starts: u64,
     running: Vec<Lane<S>>,
     /// Prefill step size (`--ubatch`; 0 = the whole prompt in one step).
     chunk: usize,
@@ -101,6 +104,8 @@ impl<S> Lanes<S> {
         Lanes {
             contexts: vec![Vec::new(); n as usize],
             busy: vec![false; n as usize],
+            used: vec![0; n as usize],
+            starts: 0,
             running: Vec::new(),
             chunk,
             turn: 0,
@@ -127,22 +132,27 @@ impl<S> Lanes<S> {
         self.running.iter().map(|l| (l.key, &l.cancel))
     }
 
-    /// The free sequence for `prompt`: the one whose memory holds the longest prefix of it
-    /// (lowest id on a tie), and that prefix's length (short of the whole prompt: its last
-    /// token is fed for the logits the first choice reads).
+    /// The free sequence for `prompt`, and the prefix of it its memory holds (short of the
+    /// whole prompt: its last token is fed for the logits the first choice reads). The one
+    /// holding the longest prefix when that is at least half the prompt (a conversation
+    /// continued, a shared system prompt); otherwise the one used longest ago, so that the
+    /// others keep what they hold for the requests that continue them (llama-server's
+    /// slot similarity, 0.5).
     pub fn place<B: Sequences>(&self, backend: &B, prompt: &[u32]) -> Option<(u32, u32)> {
-        let mut best: Option<(u32, u32)> = None;
-        for (s, ctx) in self.contexts.iter().enumerate() {
-            if self.busy[s] {
-                continue;
-            }
-            let c = common(ctx, prompt).min(prompt.len().saturating_sub(1)) as u32;
-            let c = backend.seq_reusable_prefix(s as u32, c);
-            if best.is_none_or(|(_, b)| c > b) {
-                best = Some((s as u32, c));
-            }
+        let reuse = |s: usize| {
+            let c = common(&self.contexts[s], prompt).min(prompt.len().saturating_sub(1)) as u32;
+            backend.seq_reusable_prefix(s as u32, c)
+        };
+        let free = (0..self.contexts.len()).filter(|&s| !self.busy[s]);
+        let best = free
+            .clone()
+            .map(|s| (reuse(s), s))
+            .max_by_key(|&(c, s)| (c, std::cmp::Reverse(s)))?;
+        if 2 * best.0 as usize >= prompt.len() {
+            return Some((best.1 as u32, best.0));
         }
-        best
+        let lru = free.min_by_key(|&s| (self.used[s], s))?;
+        Some((lru as u32, reuse(lru)))
     }
 
     /// Start a lane keyed `key` on the free sequence [`Lanes::place`] picks; its prompt is fed
@@ -176,6 +186,8 @@ impl<S> Lanes<S> {
         let s = seq as usize;
         self.contexts[s].truncate(reuse as usize);
         self.busy[s] = true;
+        self.starts += 1;
+        self.used[s] = self.starts;
         let lane = Lane {
             key,
             seq,
