@@ -107,6 +107,28 @@ pub struct Prepared {
 }
 
 impl Prepared {
+    /// A turn its caller rendered and checked itself (`--session`): `tokens` the whole
+    /// context wanted in the KV, `text` what the generation follows (a rendered chat), `reuse`
+    /// the tokens of it the KV holds, `boundary` as [`Conversation::prepare`] sets it.
+    pub fn new(
+        tokens: Vec<u32>,
+        text: String,
+        chat: bool,
+        reuse: usize,
+        n_predict: u32,
+        boundary: Option<u32>,
+    ) -> Prepared {
+        Prepared {
+            prompt_tokens: tokens.len(),
+            tokens,
+            text,
+            chat,
+            reuse,
+            n_predict,
+            boundary,
+        }
+    }
+
     /// The whole prompt's tokens.
     pub fn tokens(&self) -> &[u32] {
         &self.tokens
@@ -257,6 +279,26 @@ impl Finished {
     }
 }
 
+/// How [`Conversation::open_with`] sets up its session.
+#[derive(Default)]
+pub struct SessionOptions {
+    /// The flag that stops a turn (default: the session's own).
+    pub cancel: Option<CancelFlag>,
+    /// Another flag that stops a turn too (a signal's).
+    pub also_stop_on: Option<CancelFlag>,
+    /// Keep the state after a decide's prefix (`--decide-prefix-cache`).
+    pub prefix_cache: bool,
+}
+
+/// What a turn writes beyond its listener (`--session`): the per-token `BMOE_PROGRESS` lines,
+/// and a sampler kept across turns (one random stream for the session) instead of a fresh
+/// one of the turn's options.
+#[derive(Default)]
+pub struct TurnIo<'a> {
+    pub progress: Option<&'a mut dyn Write>,
+    pub sampler: Option<&'a mut Sampler>,
+}
+
 /// The loaded model and its warm session.
 pub struct Conversation {
     session: Session<crate::flash::MonotonicClock, crate::stream::Device, EngineBackend>,
@@ -278,6 +320,17 @@ impl Conversation {
     /// Check and create the outputs (`--csv`, traces), load the model, compile the chat
     /// template (`--chat-template-file` or the model's). Load warnings go to `err`.
     pub fn open(args: &RunArgs, model_path: &Path, err: &mut dyn Write) -> Result<Conversation> {
+        Self::open_with(args, model_path, err, SessionOptions::default())
+    }
+
+    /// [`Conversation::open`] with the session's cancel flags and decide prefix cache
+    /// (`--session`).
+    pub fn open_with(
+        args: &RunArgs,
+        model_path: &Path,
+        err: &mut dyn Write,
+        o: SessionOptions,
+    ) -> Result<Conversation> {
         if args.logits_out.is_some() {
             bail!("--logits-out is a one-shot diagnostic and cannot be combined with a server or a chat");
         }
@@ -297,7 +350,14 @@ impl Conversation {
         let probe = host_probe(&engine);
         let n_ctx = cfg.n_ctx as usize;
         let arch = cfg.arch.clone();
-        let session = Session::new(engine, cfg, load_s, Box::new(probe));
+        let mut session =
+            Session::new(engine, cfg, load_s, Box::new(probe)).with_prefix_cache(o.prefix_cache);
+        if let Some(c) = o.cancel {
+            session = session.with_cancel(c);
+        }
+        if let Some(c) = o.also_stop_on {
+            session = session.also_stop_on(c);
+        }
         Ok(Conversation {
             session,
             tok: std::sync::Arc::new(tok),
@@ -506,6 +566,57 @@ impl Conversation {
         })
     }
 
+    /// The chat format (the model's template or `--chat-template-file`), if there is one.
+    pub fn format(&self) -> Option<&ChatFormat> {
+        self.format.as_ref()
+    }
+
+    /// The run's configuration as loaded.
+    pub fn config(&self) -> &bmoe_core::config::RunConfig {
+        self.session.config()
+    }
+
+    /// The tokens the KV holds.
+    pub fn context(&self) -> &[u32] {
+        self.session.context()
+    }
+
+    /// How much of a context of `n` tokens the KV can continue from.
+    pub fn reusable_prefix(&self, n: u32) -> u32 {
+        self.session.reusable_prefix(n)
+    }
+
+    /// Whether the model's state stands only where its last step ended (a recurrent layer).
+    pub fn keeps_prefix_where_it_stands(&self) -> bool {
+        self.session
+            .engine()
+            .backend()
+            .keeps_prefix_where_it_stands()
+    }
+
+    /// Whether a turn may draft with the MTP head (`mtp`), and set it so; false when asked
+    /// of a conversation not opened with `--mtp`.
+    pub fn set_head_drafts(&mut self, mtp: bool) -> bool {
+        self.session.set_head_drafts(mtp)
+    }
+
+    /// A decide (`--session --decide`): one prefill, the choices scored.
+    pub fn decide(
+        &mut self,
+        req: &bmoe_core::DecideRequest<'_>,
+    ) -> Result<Result<bmoe_core::DecideOutcome, bmoe_core::DecideRejected>, bmoe_core::GenerateError>
+    {
+        self.session.decide(req, &mut self.sinks.outputs(None))
+    }
+
+    /// The decode step (its device, for the end-of-run notes).
+    pub fn engine(
+        &self,
+    ) -> &bmoe_core::Engine<crate::flash::MonotonicClock, crate::stream::Device, EngineBackend>
+    {
+        self.session.engine()
+    }
+
     /// Hold `n` sequences (`serve --parallel`): see [`crate::stream::EngineBackend::set_sequences`].
     pub fn set_sequences(&mut self, n: u32) -> Result<()> {
         self.session
@@ -543,7 +654,19 @@ impl Conversation {
         opts: &TurnOptions,
         listener: &mut dyn Listener,
     ) -> Result<Finished> {
+        self.run_with(p, opts, listener, TurnIo::default())
+    }
+
+    /// [`Conversation::run`], writing `io.progress` and drawing from `io.sampler`.
+    pub fn run_with(
+        &mut self,
+        p: &Prepared,
+        opts: &TurnOptions,
+        listener: &mut dyn Listener,
+        io: TurnIo<'_>,
+    ) -> Result<Finished> {
         let reuse = p.reuse;
+        let mut progress = io.progress;
         self.session.set_speculation(opts.speculation);
         if !self.session.set_head_drafts(opts.head_drafts) {
             bail!("mtp: this conversation was not started with --mtp (the MTP head follows every step from the first)");
@@ -555,15 +678,30 @@ impl Conversation {
             Some(spec) => Some(self.grammar(spec)?),
             None => None,
         };
-        let mut relay = relay(
-            &self.tok,
-            self.n_vocab,
-            p,
-            opts,
-            constraint,
-            Box::new(listener),
-            cancel,
-        );
+        let mut relay = match io.sampler {
+            Some(sampler) => {
+                sampler.prime(&p.tokens);
+                relay_of(
+                    &self.tok,
+                    self.n_vocab,
+                    p,
+                    opts,
+                    sampler,
+                    constraint,
+                    Box::new(listener),
+                    cancel,
+                )
+            }
+            None => relay(
+                &self.tok,
+                self.n_vocab,
+                p,
+                opts,
+                constraint,
+                Box::new(listener),
+                cancel,
+            ),
+        };
         let outcome = self.session.generate_marked(
             &TurnRequest {
                 prompt: &p.tokens[reuse..],
@@ -572,7 +710,9 @@ impl Conversation {
             },
             p.boundary,
             &mut relay,
-            &mut self.sinks.outputs(None),
+            &mut self
+                .sinks
+                .outputs(progress.as_mut().map(|w| &mut **w as &mut dyn Write)),
         )?;
         let mut error = None;
         match outcome.stop {
@@ -637,6 +777,21 @@ pub(crate) fn relay<'a, 'l>(
 ) -> Relay<'a, 'l> {
     let mut sampler = Sampler::new(opts.sampler.clone());
     sampler.prime(&p.tokens);
+    relay_of(tok, n_vocab, p, opts, sampler, constraint, listener, cancel)
+}
+
+/// [`relay`] drawing from `sampler` (primed by the caller).
+#[allow(clippy::too_many_arguments)]
+fn relay_of<'a, 'l>(
+    tok: &'a Tokenizer,
+    n_vocab: usize,
+    p: &Prepared,
+    opts: &TurnOptions,
+    sampler: impl Into<crate::run::Held<'a, Sampler>>,
+    constraint: Option<crate::constrain::Constraint>,
+    listener: Box<dyn Listener + 'l>,
+    cancel: CancelFlag,
+) -> Relay<'a, 'l> {
     let mut inner = Sampling::new(tok, sampler, n_vocab, p.chat, &p.text);
     inner.logprobs = opts.logprobs;
     inner.constraint = constraint;

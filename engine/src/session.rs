@@ -9,8 +9,9 @@
 //! next token boundary (the core loop's `CancelFlag`), and requests that arrive meanwhile wait
 //! in order (at most `MAX_QUEUED`; one more is answered with `BMOE_ERROR`); `cancel` with an
 //! `id` stops that request, running or still queued (a queued one is answered `cancelled:true`
-//! with nothing generated). Each turn is one `bmoe_core::Session::generate`, so `--csv`, `--route-trace` and
-//! `--io-trace` span the session (the preamble once, `turn` counting turns). The engine owns
+//! with nothing generated). Each turn is one `Conversation::run_with` (the same conversation
+//! `serve` and `chat` run on: one `bmoe_core::Session::generate`), so `--csv`, `--route-trace`
+//! and `--io-trace` span the session (the preamble once, `turn` counting turns). The engine owns
 //! the conversation: `clear_kv:true` starts a new chat, `clear_kv:false` continues it — the
 //! whole history is rendered again with the model's template and only the tokens past what the
 //! KV already holds are prefilled (without `--chatml`, the new prompt's tokens are appended). A
@@ -26,21 +27,32 @@
 
 use crate::chat::{ChatFormat, Message, ThinkCtl};
 use crate::cli::RunArgs;
-use crate::converse::{common_prefix, type_name};
-use crate::run::{host_probe, load, sampler, Sampling, Sinks};
+use crate::converse::{
+    common_prefix, type_name, Conversation, Prepared, SessionOptions, TurnIo, TurnOptions,
+};
+use crate::run::sampler;
 use crate::tokenizer::Tokenizer;
 use anyhow::{bail, Result};
 use bmoe_core::telemetry::progress::ThinkControl;
 use bmoe_core::telemetry::progress::{
     write_begin, write_decide, write_done, write_error, write_ready, Ready,
 };
-use bmoe_core::{Backend, CancelFlag, DecideRejected, Session, StopReason, TurnRequest};
+use bmoe_core::{CancelFlag, DecideRejected, StopReason};
 use serde_json::Value;
 use std::io::{self, BufRead, Write};
 use std::path::Path;
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+/// The listener of a session's turn: nobody (the `BMOE_*` lines carry the text).
+struct Silent;
+
+impl crate::converse::Listener for Silent {
+    fn delta(&mut self, _reasoning: &str, _content: &str) -> bool {
+        true
+    }
+}
 
 /// The longest request line read; a longer one is answered with `BMOE_ERROR` and skipped.
 /// Far above any prompt a context holds (a token is several bytes).
@@ -620,69 +632,58 @@ pub fn serve(
             "--logits-out is a one-shot diagnostic and cannot be combined with --session".into(),
         );
     }
-    // Every output checked against the model's files and each other, and created, before the
-    // model loads.
-    let mut files = match crate::outputs::RunOutputs::open(model_path, args) {
-        Ok(f) => f,
+    // The conversation the server and the chat run on: every output checked against the
+    // model's files and each other and created before the model loads, the model, its chat
+    // format, the session with this front end's cancel flags.
+    let cancel = CancelFlag::new();
+    let opened = Conversation::open_with(
+        args,
+        model_path,
+        err,
+        SessionOptions {
+            cancel: Some(cancel.clone()),
+            also_stop_on: Some(signal.clone()),
+            prefix_cache: args.decide_keeps_prefix(),
+        },
+    );
+    let mut conv = match opened {
+        Ok(c) => c,
         Err(e) => {
             replies.error(0, true, &crate::run::error_text(&e))?;
             return Err(e);
         }
     };
-    let loaded = match load(args, model_path, err) {
-        Ok(l) => l,
-        Err(e) => {
-            replies.error(0, true, &crate::run::error_text(&e))?;
-            return Err(e);
-        }
-    };
-    // How think:false is honoured is decided from the model's own template, never its name;
-    // with no template there is no way to ask for reasoning, so nothing to suppress.
-    let format = match crate::prompt::chat_format(args, &loaded.file, &loaded.tok) {
-        Ok(f) => f,
-        Err(e) => return refuse(crate::run::error_text(&e)),
-    };
-    if format.is_none() && args.chatml {
+    if conv.format().is_none() && args.chatml {
         return refuse(format!(
             "--chatml: {} has no tokenizer.chat_template (pass --chat-template-file FILE)",
             model_path.display()
         ));
     }
-    let think_ctl = format
-        .as_ref()
+    // How think:false is honoured is decided from the model's own template, never its name;
+    // with no template there is no way to ask for reasoning, so nothing to suppress.
+    let think_ctl = conv
+        .format()
         .map_or(ThinkCtl::Template, ChatFormat::think_ctl);
     // Generations use the template with --chatml; decides always do.
-    let chat = format.as_ref().filter(|_| args.chatml);
-
-    let crate::run::Loaded {
-        cfg,
-        mut engine,
-        tok,
-        n_vocab,
-        load_s,
-        ..
-    } = loaded;
-    let mut sinks = Sinks::open(&mut files, &cfg, &engine, true)?;
-    Sinks::install_compute_trace(&mut files, &cfg, &mut engine)?;
-    let n_ctx = cfg.n_ctx as usize;
-    replies.line(|w| {
-        write_ready(
-            w,
-            &Ready {
-                load_s,
-                arch: &cfg.arch,
-                n_ctx: cfg.n_ctx,
-                think_ctl: think_control(think_ctl),
-                n_expert_used: cfg.n_expert_used,
-            },
-        )
-    })?;
-    let probe = host_probe(&engine);
-    let cancel = CancelFlag::new();
-    let mut session = Session::new(engine, cfg, load_s, Box::new(probe))
-        .with_cancel(cancel.clone())
-        .also_stop_on(signal.clone())
-        .with_prefix_cache(args.decide_keeps_prefix());
+    let chat = args.chatml && conv.format().is_some();
+    let tok = conv.shared_tokenizer();
+    let n_ctx = conv.n_ctx();
+    {
+        let cfg = conv.config();
+        replies.line(|w| {
+            write_ready(
+                w,
+                &Ready {
+                    load_s: conv.load_s(),
+                    arch: &cfg.arch,
+                    n_ctx: cfg.n_ctx,
+                    think_ctl: think_control(think_ctl),
+                    n_expert_used: cfg.n_expert_used,
+                },
+            )
+        })?;
+    }
+    // One random stream for the session's turns, seeded once by --seed.
     let mut sampler = sampler(args);
     let mut history: Vec<Message> = Vec::new();
 
@@ -769,7 +770,7 @@ pub fn serve(
                     )?;
                     continue;
                 }
-                let dt = match decide_tokens(&d, format.as_ref(), &tok) {
+                let dt = match decide_tokens(&d, conv.format(), &tok) {
                     Ok(t) => t,
                     Err(e) => {
                         refuse_request(id, &format!("{e:#}"))?;
@@ -795,7 +796,7 @@ pub fn serve(
                     continue;
                 }
                 replies.line(|w| write_begin(w, id))?;
-                let outcome = match session.decide(&req, &mut sinks.outputs(None)) {
+                let outcome = match conv.decide(&req) {
                     Ok(Ok(o)) => o,
                     Ok(Err(r)) => {
                         // Checked above; a refusal here would be a bug, and nothing ran.
@@ -828,21 +829,20 @@ pub fn serve(
             )?;
             continue;
         }
-        if !session.set_head_drafts(mtp) {
+        if !conv.set_head_drafts(mtp) {
             refuse_request(
                 id,
                 "generate: \"mtp\": true needs a session started with --mtp (the MTP head follows every step from the first)",
             )?;
             continue;
         }
-        let speculation = ngram.then(|| bmoe_core::generate::ngram_params(session.config()));
-        session.set_speculation(speculation);
+        let speculation = ngram.then(|| conv.ngram_params());
         // The whole context the turn wants in the KV, and the text its generation follows.
         let wanted: Result<(Vec<u32>, String, Vec<Message>)> = (|| {
             if g.prompt.is_empty() {
                 bail!("generate: the prompt is empty");
             }
-            Ok(match chat {
+            Ok(match conv.format().filter(|_| chat) {
                 Some(f) => {
                     let mut msgs = if clear_kv {
                         Vec::new()
@@ -855,7 +855,7 @@ pub fn serve(
                 }
                 None if clear_kv => (tok.encode(&g.prompt, special)?, String::new(), Vec::new()),
                 None => {
-                    let mut all = session.context().to_vec();
+                    let mut all = conv.context().to_vec();
                     all.extend(tok.encode_with(&g.prompt, false, special)?);
                     (all, String::new(), Vec::new())
                 }
@@ -870,8 +870,8 @@ pub fn serve(
         };
         // A chat turn's boundary, for a recurrent state that cannot roll back to it (raw
         // turns here only append).
-        let boundary = match chat {
-            Some(f) if session.engine().backend().keeps_prefix_where_it_stands() => {
+        let boundary = match conv.format().filter(|_| chat) {
+            Some(f) if conv.keeps_prefix_where_it_stands() => {
                 crate::converse::chat_boundary(f, &tok, &msgs, &[], think, &wanted)
             }
             _ => None,
@@ -906,51 +906,46 @@ pub fn serve(
         let reuse = if clear_kv {
             0
         } else {
-            let common = common_prefix(session.context(), &wanted).min(wanted.len() - 1);
-            session.reusable_prefix(common as u32) as usize
+            let common = common_prefix(conv.context(), &wanted).min(wanted.len() - 1);
+            conv.reusable_prefix(common as u32) as usize
         };
-        session.truncate_context(reuse as u32);
         if clear_kv {
             // A new chat starts here, whatever becomes of this turn.
             history.clear();
         }
-        let positions: Vec<u32> = (reuse as u32..wanted.len() as u32).collect();
         replies.line(|w| write_begin(w, id))?;
-        sampler.prime(&wanted);
-        let mut source = Sampling::new(&tok, &mut sampler, n_vocab, chat.is_some(), &text);
+        let prepared = Prepared::new(wanted, text, chat, reuse, n_predict, boundary);
+        let opts = TurnOptions {
+            speculation,
+            head_drafts: mtp,
+            ..TurnOptions::default()
+        };
         let mut progress = LineOut {
             replies: replies.clone(),
             buf: Vec::new(),
         };
-        let outcome = match session.generate_marked(
-            &TurnRequest {
-                prompt: &wanted[reuse..],
-                positions: &positions,
-                n_predict,
-            },
-            boundary,
-            &mut source,
-            &mut sinks.outputs(Some(&mut progress)),
-        ) {
-            Ok(o) => o,
+        let io = TurnIo {
+            progress: Some(&mut progress),
+            sampler: Some(&mut sampler),
+        };
+        // The session's own lines carry the text (`BMOE_PROGRESS`, `BMOE_DONE`): nobody
+        // listens to the deltas, and a cancel comes through the session's flag.
+        let fin = match conv.run_with(&prepared, &opts, &mut Silent, io) {
+            Ok(f) => f,
             Err(e) => break broken(id, &e)?,
         };
-        let (reasoning, answer) = source.into_text();
-        match outcome.stop {
+        let (reasoning, answer) = (fin.reasoning, fin.content);
+        match fin.stop {
             StopReason::Failed => {
-                let e = outcome
-                    .error
-                    .map_or_else(|| "a step failed".to_string(), |e| e.to_string());
+                let e = fin.error.unwrap_or_else(|| "a step failed".to_string());
                 break untrustworthy(id, &e)?;
             }
-            StopReason::Cancelled => {
-                // Rolled back: the KV to where this turn's prefill began, and the user
-                // message is not kept (`history` is as it was before the turn, or empty after
-                // a new chat).
-                session.truncate_context(reuse as u32);
-            }
+            // Rolled back by the conversation: the KV to where this turn's prefill began; the
+            // user message is not kept (`history` is as it was before the turn, or empty
+            // after a new chat).
+            StopReason::Cancelled => {}
             StopReason::Count | StopReason::EndOfGeneration => {
-                if chat.is_some() {
+                if chat {
                     history = msgs;
                     history.push(
                         Message::new("assistant", answer.clone()).with_reasoning(reasoning.clone()),
@@ -958,14 +953,16 @@ pub fn serve(
                 }
             }
         }
-        let cancelled = outcome.stop == StopReason::Cancelled;
+        let outcome = fin.summary;
+        let cancelled = fin.stop == StopReason::Cancelled;
         idle(&busy, &cancel);
-        replies.line(|w| write_done(w, id, cancelled, &outcome.summary, &reasoning, &answer))?;
+        replies.line(|w| write_done(w, id, cancelled, &outcome, &reasoning, &answer))?;
     };
-    sinks.finish()?;
     // What the device went through over the whole session (retried reads, injected faults),
     // as a one-shot run reports it.
-    for n in crate::run::device_notes(session.engine()) {
+    let notes = crate::run::device_notes(conv.engine());
+    conv.finish()?;
+    for n in notes {
         writeln!(err, "{n}")?;
     }
     Ok(code)
