@@ -195,6 +195,7 @@ def parallel(a):
     equals the one-at-a-time server's."""
     import threading
     one = Server(a.bin, a.model, a.workdir, ["--api-key", KEY], name="serve-one")
+    threads = []
     many = Server(a.bin, a.model, a.workdir, ["--api-key", KEY, "--parallel", "3"], name="serve-many", ctx=3 * CTX)
     jobs = [
         ("chat", {"messages": [{"role": "user", "content": "Tell me about the fox"}], "max_tokens": 24}),
@@ -253,9 +254,24 @@ def parallel(a):
         check(st == 200 and json.loads(body)["total_slots"] == 3, "/props counts the slots")
         st, body, _ = many.request("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "ngram": True})
         check(st == 400 and json.loads(body)["error"]["param"] == "ngram", "--parallel: a drafting request is a 400 naming ngram")
+        # SIGTERM while two requests run and three wait: every one is answered (503: the
+        # server is stopping), and the server exits 0.
+        late = []
+
+        def long_one(i):
+            st, body, _ = many.request("POST", "/v1/completions", {"prompt": f"long {i}", "max_tokens": 900, "n": 1 + i % 2})
+            late.append(st)
+        threads = [threading.Thread(target=long_one, args=(i,)) for i in range(5)]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
     finally:
         codes = (one.stop(), many.stop())
+    for t in threads:
+        t.join()
     check(codes == (0, 0), f"both servers stopped cleanly on SIGTERM ({codes})")
+    check(len(late) == 5 and all(st in (200, 503) for st in late),
+          f"--parallel: SIGTERM answers every running and waiting request ({sorted(late)})")
     log = open(many.err_path).read()
     check("3 slots of" in log, "the parallel server says how many slots it decodes together")
 

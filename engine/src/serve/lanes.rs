@@ -87,6 +87,19 @@ impl Engine {
                     Err(ev) => self.job_over(&job, ev),
                 }
             }
+            if self.signal.is_set() {
+                // Stopping: a job with choices still to start is answered now (its running
+                // ones are cancelled); the running lanes end at their next step, their
+                // listeners gone.
+                for id in std::mem::take(&mut waiting) {
+                    let ev = Event::Error(ApiError::new(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "server_error",
+                        "the server is stopping: the request did not finish",
+                    ));
+                    self.abandon(&mut jobs, &mut waiting, &lanes, id, Some(ev));
+                }
+            }
             if !open && lanes.running() == 0 && waiting.is_empty() {
                 break;
             }
