@@ -82,7 +82,8 @@ pub struct Lanes<S> {
     /// Prefill step size (`--ubatch`; 0 = the whole prompt in one step).
     chunk: usize,
     turn: u32,
-    /// Decode steps run, and the lanes they held in all (the mean batch is their ratio).
+    /// Decode steps run (steps that carried no prompt), and the lanes they held in all (the
+    /// mean batch is their ratio).
     pub steps: u64,
     pub rows: u64,
     /// Over those steps: bytes read from flash, the routed experts' bytes counting each

@@ -13,7 +13,7 @@
 //! measurement (`null`) leaves a gap instead of shifting the others. Each bar carries its value.
 
 use crate::error::SimError;
-use crate::sweep::plot::{register_font, FONT, PALETTE};
+use crate::sweep::plot::{register_font, series_colour, FONT};
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
@@ -212,7 +212,7 @@ fn draw<DB: DrawingBackend>(
             let si = series.iter().position(|s| *s == b.series).unwrap_or(0);
             let x0 = gi as f64 + 0.1 + slot * si as f64;
             let top = c.to_axis(v).max(y0);
-            let colour = PALETTE[si % PALETTE.len()];
+            let colour = series_colour(si);
             chart
                 .draw_series(std::iter::once(Rectangle::new(
                     [(x0 + slot * 0.06, y0), (x0 + slot * 0.94, top)],
@@ -255,7 +255,7 @@ fn draw<DB: DrawingBackend>(
         legend
             .draw(&Rectangle::new(
                 [(x, y - 6), (x + 24, y + 6)],
-                PALETTE[i % PALETTE.len()].filled(),
+                series_colour(i).filled(),
             ))
             .map_err(err)?;
         legend

@@ -272,8 +272,9 @@ pub struct SweepArgs {
     /// Budgets in MiB (instead of --experts-per-layer)
     #[arg(long, value_name = "MIB,...", value_delimiter = ',', value_parser = parse_u64_strict, conflicts_with = "experts_per_layer")]
     pub budgets_mb: Vec<u64>,
-    /// Eviction policies: the core's (lru) and belady, the clairvoyant bound [default: all]
-    #[arg(long, value_name = "NAME,...", value_delimiter = ',')]
+    /// Eviction policies: every one the core registers (as `--eviction` takes them) and
+    /// belady, the clairvoyant bound [default: all]
+    #[arg(long, value_name = "NAME,...", value_delimiter = ',', value_parser = policies_parser())]
     pub policies: Vec<String>,
     /// I/O lane counts
     #[arg(long, value_name = "N,...", value_delimiter = ',', value_parser = parse_u32_strict, default_value = "1,4")]
@@ -315,6 +316,23 @@ pub struct SweepArgs {
     /// placement.csv and placement.md (docs/simulator.md, "Reordering study")
     #[arg(long, value_name = "NAME,...", value_delimiter = ',')]
     pub placements: Vec<String>,
+}
+
+/// `sweep --policies`: the core's registry (`bmoe_core::policy::POLICIES`, the list
+/// `--eviction` offers), each with its help, then Belady; so `--help` names every policy and an
+/// unknown name is a usage error that lists them.
+fn policies_parser() -> clap::builder::PossibleValuesParser {
+    use clap::builder::{PossibleValue, PossibleValuesParser};
+    PossibleValuesParser::new(
+        bmoe_core::policy::POLICIES
+            .iter()
+            .map(|p| PossibleValue::new(p.name).help(p.help))
+            .chain(std::iter::once(
+                PossibleValue::new(crate::sweep::BELADY).help(
+                    "the resident used next furthest in the future: the clairvoyant bound (analysis only)",
+                ),
+            )),
+    )
 }
 
 /// Flags of `bmoe-sim bench`.
@@ -422,7 +440,7 @@ where
     let result = match cli.cmd {
         Cmd::Replay(a) => cmd_replay(a, env, out, err),
         Cmd::Whatif(a) => cmd_whatif(a, env, out, err),
-        Cmd::Sweep(a) => cmd_sweep(a, env, out),
+        Cmd::Sweep(a) => cmd_sweep(a, env, out, err),
         Cmd::Bench(a) => cmd_bench(a, out),
         Cmd::Diff(a) => cmd_diff(a, out, err),
         Cmd::Calibrate(a) => cmd_calibrate(a, out),
@@ -896,6 +914,10 @@ fn run_replay(
         // The core's warnings carry their own "bmoe: WARNING" prefix, ours "bmoe-sim: WARNING".
         writeln!(err, "{w}").map_err(|e| SimError::io("stderr", e))?;
     }
+    let budget_bytes = p.cfg.cache_budget_mb.saturating_mul(MIB);
+    if let Some(note) = bank_note(&[budget_bytes], p.layout.total_expert_bytes()) {
+        writeln!(err, "{note}").map_err(|e| SimError::io("stderr", e))?;
+    }
     if inputs {
         write_inputs(out, &p, &a.trace).map_err(|e| SimError::io("stdout", e))?;
     }
@@ -936,7 +958,7 @@ fn run_replay(
             plan: p.plan.clone(),
             layout: &p.layout,
             cfg: &p.cfg,
-            budget_bytes: p.cfg.cache_budget_mb.saturating_mul(MIB),
+            budget_bytes,
             policy,
             profile: &p.profile,
             seed: a.seed,
@@ -1013,11 +1035,60 @@ pub fn default_flags() -> Result<(StreamArgs, TelemetryArgs), SimError> {
     Ok((d.stream, d.telemetry))
 }
 
+/// The files `names` in `dir` as one line, `DIR/a, DIR/b`: each a path to paste. The directory
+/// loses the separators the user may have doubled or left trailing (`--out out/`), which a
+/// `DIR/{a,b}` shorthand once printed as `out//{...}`.
+fn written_paths(dir: &Path, names: &[String]) -> String {
+    if names.is_empty() {
+        return "nothing".to_string();
+    }
+    let dir: PathBuf = dir.components().collect();
+    names
+        .iter()
+        .map(|n| dir.join(n).display().to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 fn write_file(path: &Path, text: &str) -> Result<(), SimError> {
     std::fs::write(path, text).map_err(|e| SimError::io(path, e))
 }
 
-fn cmd_sweep(a: SweepArgs, env: &[(String, String)], out: &mut dyn Write) -> Result<i32, SimError> {
+/// The one-line note for cache budgets past the whole expert bank (every expert of every MoE
+/// layer), or `None` when there is none. Not an error: such a budget is legal, it just holds
+/// every expert, so any larger one gives the same result.
+fn bank_note(budgets_bytes: &[u64], bank_bytes: u64) -> Option<String> {
+    let mib = |b: u64| {
+        if b.is_multiple_of(MIB) {
+            format!("{} MiB", b / MIB)
+        } else {
+            format!("{:.1} MiB", b as f64 / MIB as f64)
+        }
+    };
+    let over: Vec<String> = budgets_bytes
+        .iter()
+        .filter(|&&b| b > bank_bytes)
+        .map(|&b| mib(b))
+        .collect();
+    let (what, holds) = match over.len() {
+        0 => return None,
+        1 => ("cache budget", "exceeds the whole expert bank"),
+        _ => ("cache budgets", "exceed the whole expert bank"),
+    };
+    Some(format!(
+        "bmoe-sim: note: {what} {} {holds} ({:.1} MiB, every expert of every MoE layer): the \
+         cache holds every expert, so a larger budget cannot change the result",
+        over.join(", "),
+        bank_bytes as f64 / MIB as f64
+    ))
+}
+
+fn cmd_sweep(
+    a: SweepArgs,
+    env: &[(String, String)],
+    out: &mut dyn Write,
+    err: &mut dyn Write,
+) -> Result<i32, SimError> {
     use crate::sweep;
     let (stream, telemetry) = default_flags()?;
     let p = prepare(
@@ -1045,6 +1116,9 @@ fn cmd_sweep(a: SweepArgs, env: &[(String, String)], out: &mut dyn Write) -> Res
             .map(|&n| u64::from(n).saturating_mul(per_expert_layer))
             .collect()
     };
+    if let Some(note) = bank_note(&budgets, p.layout.total_expert_bytes()) {
+        writeln!(err, "{note}").map_err(|e| SimError::io("stderr", e))?;
+    }
     let policies = if a.policies.is_empty() {
         sweep::default_policies()
     } else {
@@ -1197,11 +1271,10 @@ fn cmd_sweep(a: SweepArgs, env: &[(String, String)], out: &mut dyn Write) -> Res
     }
     writeln!(
         out,
-        "sweep: {} cells, profile {}, wrote {}/{{{}}}",
+        "sweep: {} cells, profile {}, wrote {}",
         rows.len(),
         p.profile.name,
-        a.out.display(),
-        written.join(",")
+        written_paths(&a.out, &written)
     )
     .map_err(w)?;
     Ok(0)
@@ -1429,13 +1502,7 @@ fn cmd_stats(a: StatsArgs, out: &mut dyn Write) -> Result<i32, SimError> {
     let w = |e| SimError::io("stdout", e);
     out.write_all(crate::stats::summary_md(&s, &name).as_bytes())
         .map_err(w)?;
-    writeln!(
-        out,
-        "\nstats: wrote {}/{{{}}}",
-        a.out.display(),
-        written.join(",")
-    )
-    .map_err(w)?;
+    writeln!(out, "\nstats: wrote {}", written_paths(&a.out, &written)).map_err(w)?;
     Ok(0)
 }
 

@@ -2,8 +2,9 @@
 //!
 //! Over the trace's decode tokens (all its steps when it has no decode phase), per MoE layer:
 //!
-//! - **popularity**: routings per expert; the share the top 10 % of experts take and the
-//!   normalised entropy (1 = uniform);
+//! - **popularity**: routings per expert; the share the top 10 % of experts take (a tenth of
+//!   the layer's experts rounded up, at least one: 1 of 8, 7 of 64; the column says how many)
+//!   and the normalised entropy (1 = uniform);
 //! - **reuse (stack) distance**: for each routing, how many distinct other experts of the same
 //!   layer were routed since that expert's previous routing (experts of earlier tokens only).
 //!   Its cumulative distribution at `C` is, to within the order of ties inside a token, the
@@ -209,12 +210,18 @@ pub fn compute(trace: &RouteTrace) -> TraceStats {
     }
 }
 
+/// How many experts "the top 10 %" of `n_expert` is: a tenth rounded up, at least one (1 of 8,
+/// 7 of 64), in integers so 30 gives 3 and not 4.
+fn top_count(n_expert: usize) -> usize {
+    n_expert.div_ceil(10).max(1).min(n_expert)
+}
+
+/// The share of the routings the `top_count` most routed experts take.
 fn top_share(counts: &[u64]) -> f64 {
     let mut v = counts.to_vec();
     v.sort_unstable_by(|a, b| b.cmp(a));
-    let top = (v.len() as f64 * 0.1).ceil() as usize;
     let total: u64 = v.iter().sum();
-    v.iter().take(top.max(1)).sum::<u64>() as f64 / total.max(1) as f64
+    v.iter().take(top_count(v.len())).sum::<u64>() as f64 / total.max(1) as f64
 }
 
 fn entropy(counts: &[u64]) -> f64 {
@@ -286,9 +293,11 @@ pub fn summary_md(s: &TraceStats, name: &str) -> String {
             fixed(100.0 * v / f64::from(s.n_expert.max(1)), 1)
         );
     }
+    let n_expert = s.n_expert as usize;
     let _ = writeln!(
         o,
-        "\n## Expert popularity per layer\n\n| layer | routings | experts used | top 10 % of experts take | normalised entropy |\n| --- | --- | --- | --- | --- |"
+        "\n## Expert popularity per layer\n\n| layer | routings | experts used | top 10 % ({} of {n_expert}) of experts take | normalised entropy |\n| --- | --- | --- | --- | --- |",
+        top_count(n_expert)
     );
     for (l, counts) in s.popularity.iter().enumerate() {
         let _ = writeln!(
@@ -475,5 +484,20 @@ mod tests {
         assert_eq!((w2.1, w2.2), (3.5, 2));
         let md = summary_md(&s, "t");
         assert!(md.contains("| 1 | 25.0 % | 2 |"), "{md}");
+    }
+
+    #[test]
+    fn the_top_ten_percent_column_says_how_many_experts_it_counts() {
+        assert_eq!(top_count(8), 1);
+        assert_eq!(top_count(64), 7);
+        assert_eq!(top_count(160), 16);
+        // 30 × 0.1 is 3.0000000000000004 in floating point: still 3.
+        assert_eq!(top_count(30), 3);
+        assert_eq!(top_count(0), 0);
+        // 8 experts: the "top 10 %" is the single most routed one, 2 of the 6 routings.
+        let t = trace(&[(0, 0, 0, &[0, 1]), (0, 1, 0, &[0, 2]), (0, 2, 0, &[3, 1])]);
+        let md = summary_md(&compute(&t), "t");
+        assert!(md.contains("top 10 % (1 of 8)"), "{md}");
+        assert!(md.contains("| 0 | 6 | 4 | 33.3 % |"), "{md}");
     }
 }

@@ -235,3 +235,140 @@ fn hit_rate_panels_follow_the_settings_they_differ_by() {
     assert_eq!(bmoe_sim::cli::run(argv, &[], &mut o, &mut e), 2);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `bmoe-sim ARGS` in-process: (exit code, stdout, stderr).
+fn sim(args: &[&str]) -> (i32, String, String) {
+    let mut argv = vec!["bmoe-sim".to_string()];
+    argv.extend(args.iter().map(|s| s.to_string()));
+    let (mut o, mut e) = (Vec::new(), Vec::new());
+    let code = bmoe_sim::cli::run(argv, &[], &mut o, &mut e);
+    (
+        code,
+        String::from_utf8_lossy(&o).into_owned(),
+        String::from_utf8_lossy(&e).into_owned(),
+    )
+}
+
+#[test]
+fn the_wrote_line_names_every_output_by_its_real_path() {
+    // `--out DIR/` (a trailing slash, as shell completion gives it) once printed `DIR//{...}`.
+    let dir = scratch("wrote");
+    let trace = dir.join("t.route.csv");
+    std::fs::write(&trace, synthetic_trace(3, 4)).expect("trace");
+    let out = format!("{}/", dir.join("out").display());
+    let (code, stdout, stderr) = sim(&[
+        "sweep",
+        "--trace",
+        &trace.display().to_string(),
+        "--experts-per-layer",
+        "2",
+        "--policies",
+        "lru",
+        "--lanes",
+        "1",
+        "--overlap",
+        "off",
+        "--bootstrap",
+        "0",
+        "--out",
+        &out,
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("sweep: "))
+        .expect("the sweep: line");
+    assert!(!line.contains("//"), "{line}");
+    let (_, paths) = line.split_once(" wrote ").expect("wrote");
+    let paths: Vec<&str> = paths.split(", ").collect();
+    assert_eq!(paths.len(), 10, "{line}");
+    for p in &paths {
+        assert!(std::path::Path::new(p).is_file(), "{p} in {line}");
+    }
+    assert!(paths.contains(&dir.join("out/sweep.csv").display().to_string().as_str()));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn sweep_help_lists_every_policy_the_core_registers() {
+    let (code, help, _) = sim(&["sweep", "--help"]);
+    assert_eq!(code, 0);
+    // The --policies entry runs up to the next flag.
+    let start = help.find("--policies").expect("--policies in help");
+    let section = &help[start..];
+    let end = section[2..]
+        .find("\n      --")
+        .map_or(section.len(), |i| i + 2);
+    // clap aligns and wraps the values' help: compare with the whitespace runs collapsed.
+    let section = section[..end]
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ");
+    for info in bmoe_core::policy::POLICIES {
+        assert!(
+            section.contains(&format!("- {}: {}", info.name, info.help)),
+            "{} missing from:\n{section}",
+            info.name
+        );
+    }
+    assert!(section.contains("- belady: "), "{section}");
+    // The short help names them too.
+    let (_, short, _) = sim(&["sweep", "-h"]);
+    for name in bmoe_core::policy::POLICY_NAMES {
+        assert!(short.contains(name), "{name} missing from -h");
+    }
+    // An unknown name is a usage error that lists the known ones.
+    let (code, _, err) = sim(&["sweep", "--trace", "t.csv", "--policies", "lru,mru"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("mru") && err.contains("belady"), "{err}");
+}
+
+#[test]
+fn a_budget_past_the_expert_bank_gets_a_note_not_an_error() {
+    // The synthetic bank: 3 MoE layers x 16 experts x 1 MiB = 48 MiB.
+    let dir = scratch("bank");
+    let trace = dir.join("t.route.csv");
+    std::fs::write(&trace, synthetic_trace(3, 4)).expect("trace");
+    let t = trace.display().to_string();
+    let out = dir.join("out").display().to_string();
+    let sweep = |budgets: &str| {
+        sim(&[
+            "sweep",
+            "--trace",
+            &t,
+            "--budgets-mb",
+            budgets,
+            "--policies",
+            "lru",
+            "--lanes",
+            "1",
+            "--overlap",
+            "off",
+            "--bootstrap",
+            "0",
+            "--out",
+            &out,
+        ])
+    };
+    let (code, _, err) = sweep("8,48");
+    assert_eq!(code, 0, "{err}");
+    assert!(!err.contains("every expert"), "{err}");
+    let (code, _, err) = sweep("8,64,100");
+    assert_eq!(code, 0, "{err}");
+    let notes: Vec<&str> = err.lines().filter(|l| l.contains("every expert")).collect();
+    assert_eq!(notes.len(), 1, "{err}");
+    assert!(
+        notes[0].contains("64 MiB, 100 MiB") && notes[0].contains("48.0 MiB"),
+        "{err}"
+    );
+    let replay = |mib: &str| sim(&["replay", "--trace", &t, "--cache-mb", mib, "--force-cache"]);
+    let (code, _, err) = replay("48");
+    assert_eq!(code, 0, "{err}");
+    assert!(!err.contains("every expert"), "{err}");
+    let (code, _, err) = replay("49");
+    assert_eq!(code, 0, "{err}");
+    let notes: Vec<&str> = err.lines().filter(|l| l.contains("every expert")).collect();
+    assert_eq!(notes.len(), 1, "{err}");
+    assert!(notes[0].contains("49 MiB"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

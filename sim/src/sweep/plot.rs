@@ -8,7 +8,7 @@
 //! - `per_layer`: a heat map of decode hit rate per MoE layer (rows) and budget (columns), one
 //!   panel per policy (× predictor), at the first lanes/overlap setting.
 //!
-//! Every series has its own colour and marker (10 colours × 7 markers; Belady is black, the
+//! Every series has its own colour and marker (20 colours × 7 markers; Belady is black, the
 //! bound), and the legend is drawn below the panels in columns, never over the data. Text is
 //! set in DejaVu Sans, embedded (the `dejavu` crate), so a PNG looks the same on any machine.
 
@@ -19,7 +19,10 @@ use plotters::coord::Shift;
 use plotters::prelude::*;
 use std::path::Path;
 
-pub(crate) const PALETTE: [RGBColor; 10] = [
+/// Series colours: Tableau's ten, then their lighter pairs (Tableau 20), so up to 20 series
+/// get 20 distinct colours (a sweep of every core policy × two predictors has 15); past 20 the
+/// markers (7) still tell them apart. Use `series_colour`.
+const PALETTE: [RGBColor; 20] = [
     RGBColor(0x1f, 0x77, 0xb4),
     RGBColor(0xff, 0x7f, 0x0e),
     RGBColor(0x2c, 0xa0, 0x2c),
@@ -30,7 +33,22 @@ pub(crate) const PALETTE: [RGBColor; 10] = [
     RGBColor(0x7f, 0x7f, 0x7f),
     RGBColor(0xbc, 0xbd, 0x22),
     RGBColor(0x17, 0xbe, 0xcf),
+    RGBColor(0xae, 0xc7, 0xe8),
+    RGBColor(0xff, 0xbb, 0x78),
+    RGBColor(0x98, 0xdf, 0x8a),
+    RGBColor(0xff, 0x98, 0x96),
+    RGBColor(0xc5, 0xb0, 0xd5),
+    RGBColor(0xc4, 0x9c, 0x94),
+    RGBColor(0xf7, 0xb6, 0xd2),
+    RGBColor(0xc7, 0xc7, 0xc7),
+    RGBColor(0xdb, 0xdb, 0x8d),
+    RGBColor(0x9e, 0xda, 0xe5),
 ];
+
+/// The colour of series `i` (it repeats only past `PALETTE.len()`).
+pub(crate) fn series_colour(i: usize) -> RGBColor {
+    PALETTE[i % PALETTE.len()]
+}
 
 pub(crate) const FONT: &str = "sans-serif";
 
@@ -116,7 +134,7 @@ fn colour(l: &Line) -> RGBColor {
     if l.black {
         BLACK
     } else {
-        PALETTE[l.style % PALETTE.len()]
+        series_colour(l.style)
     }
 }
 
@@ -693,5 +711,21 @@ mod tests {
         }
         assert_eq!(viridis(0.0), RGBColor(68, 1, 84));
         assert_eq!(viridis(1.0), RGBColor(253, 231, 37));
+    }
+
+    #[test]
+    fn the_first_twenty_series_colours_are_pairwise_distinct() {
+        let colours: Vec<(u8, u8, u8)> = (0..20)
+            .map(|i| {
+                let c = series_colour(i);
+                (c.0, c.1, c.2)
+            })
+            .collect();
+        for (i, a) in colours.iter().enumerate() {
+            assert_ne!(*a, (0, 0, 0), "series {i} is Belady's black");
+            for (j, b) in colours.iter().enumerate().skip(i + 1) {
+                assert_ne!(a, b, "series {i} and {j} share a colour");
+            }
+        }
     }
 }
