@@ -1,9 +1,10 @@
 //! `serve --parallel N`: the engine thread decodes up to N choices together
 //! ([`bmoe_core::lanes::Lanes`]). Jobs are taken as they come; each choice of a job waits for
-//! a free slot (a sequence of the model's memory: the one whose memory holds most of its
-//! prompt), has its prompt fed alone, then steps with every other running choice in one
-//! decode step per token. A job's events are the one-at-a-time server's: `Started` once,
-//! deltas per choice, `Choice` as each finishes (in any order), `End` after the last.
+//! a free slot (a sequence of the model's memory: the one holding at least half its prompt,
+//! else the one used longest ago), and from then on every step carries it — its prompt first
+//! (beside the other choices' tokens), then one token a step. A job's events are the
+//! one-at-a-time server's: `Started` once, deltas per choice, `Choice` as each finishes (in any
+//! order), `End` after the last.
 
 use super::*;
 use crate::converse::{relay, Relay};
@@ -21,7 +22,7 @@ struct Running {
     announced: bool,
 }
 
-/// Lane keys name (job slot in `jobs`, choice index): the index fits in the low 8 bits
+/// Lane keys name (job number, choice index): the index fits in the low 8 bits
 /// (`n` ≤ 16).
 fn key(job: u64, index: u32) -> u64 {
     (job << 8) | u64::from(index)

@@ -1,7 +1,8 @@
 //! `bmoe-cli serve`: an OpenAI-compatible HTTP server over the one generation loop.
 //!
 //! One engine thread owns the model (`converse::Conversation`: the session, its KV and its
-//! expert cache, warm across requests) and runs one generation at a time, taking jobs from a
+//! expert cache, warm across requests) and runs one generation at a time — or, with
+//! `--parallel N`, up to N decoded together in shared steps (`lanes`) — taking jobs from a
 //! channel. The HTTP side is axum on a single-threaded tokio runtime: it checks and parses each
 //! request, admits it to a bounded queue (full: 503 with `Retry-After`), and relays the engine's
 //! events back — a JSON response, or server-sent events ending in `data: [DONE]`. A client that
