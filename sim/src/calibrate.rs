@@ -24,7 +24,13 @@
 //!
 //! Without a route trace the compute is one fixed time per token (`head_ms`) and the flash a
 //! pure rate from `Σ read_bytes / Σ io_ms`. Then the fitted profile is replayed against the
-//! run and the in-sample errors are reported, so a profile never claims more than it showed.
+//! run and the in-sample errors are reported, so a profile never claims more than it showed;
+//! the same replay is the **self-check** ([`SelfCheck`]): a profile whose prediction of the
+//! very run it was fitted on misses its decode tok/s by more than [`SELF_CHECK_TOL_TOK_S`] or
+//! its per-token wall time's 90th percentile by more than [`SELF_CHECK_TOL_WALL_P90`] is a
+//! misfit, which the binary warns about (exit 0: the check only reports, since a run measured
+//! on a loaded machine can miss its own fit by noise alone — the CI timing gate's calibration
+//! runs do, by 10–17 % on tok/s; `--fail-on-misfit` makes it exit `cli::EXIT_MISFIT`, 3).
 
 use crate::cli::Prepared;
 use crate::compute::ComputeParams;
@@ -46,6 +52,108 @@ const MIB_F: f64 = MIB as f64;
 pub struct Calibration {
     pub profile: DeviceProfile,
     pub notes: Vec<String>,
+    /// The profile's replay of each run it was fitted on, against the run; empty when there
+    /// was no route trace to replay.
+    pub self_check: Vec<SelfCheck>,
+}
+
+/// The self-check's tolerance on decode tok/s: |predicted ÷ measured − 1|. Tighter than
+/// `diff`'s 15 %: a profile replaying the run it was fitted on has no excuse of another
+/// configuration.
+pub const SELF_CHECK_TOL_TOK_S: f64 = 0.10;
+/// The self-check's tolerance on the per-token wall time's 90th percentile (relative), as
+/// `diff`'s: a tail is noisier than a mean.
+pub const SELF_CHECK_TOL_WALL_P90: f64 = 0.25;
+
+/// A fitted profile's prediction of a run it was fitted on (its replay of the run's route
+/// trace), beside the run's measurement.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SelfCheck {
+    /// The run's `--csv`, as given.
+    pub run: String,
+    pub tok_s_predicted: f64,
+    pub tok_s_measured: f64,
+    pub wall_p90_ms_predicted: f64,
+    pub wall_p90_ms_measured: f64,
+}
+
+/// `predicted ÷ measured − 1`, `None` when it means nothing (a measured 0, a non-finite value).
+fn relative_error(predicted: f64, measured: f64) -> Option<f64> {
+    (measured > 0.0 && predicted.is_finite() && measured.is_finite())
+        .then(|| predicted / measured - 1.0)
+}
+
+impl SelfCheck {
+    /// `sim` (the profile's replay of `run`) against `measured` (the run).
+    pub fn new(run: &str, sim: &MetricsCsv, measured: &MetricsCsv) -> SelfCheck {
+        let p90 = |m: &MetricsCsv| {
+            let wall: Vec<f64> = m.rows.iter().map(|r| r.wall_ms).collect();
+            diff::percentile(&wall, 90.0).unwrap_or(f64::NAN)
+        };
+        SelfCheck {
+            run: run.to_string(),
+            tok_s_predicted: decode_tok_s(sim),
+            tok_s_measured: decode_tok_s(measured),
+            wall_p90_ms_predicted: p90(sim),
+            wall_p90_ms_measured: p90(measured),
+        }
+    }
+
+    /// Relative error of the predicted decode tok/s.
+    pub fn tok_s_error(&self) -> Option<f64> {
+        relative_error(self.tok_s_predicted, self.tok_s_measured)
+    }
+
+    /// Relative error of the predicted per-token wall time's 90th percentile.
+    pub fn wall_p90_error(&self) -> Option<f64> {
+        relative_error(self.wall_p90_ms_predicted, self.wall_p90_ms_measured)
+    }
+
+    /// The metrics outside their tolerance, each with its error and tolerance; empty when the
+    /// fit holds. An error that cannot be computed (no decode time measured) is a miss too:
+    /// the profile then showed nothing.
+    pub fn misses(&self) -> Vec<String> {
+        [
+            ("tok/s", self.tok_s_error(), SELF_CHECK_TOL_TOK_S),
+            (
+                "wall_ms p90",
+                self.wall_p90_error(),
+                SELF_CHECK_TOL_WALL_P90,
+            ),
+        ]
+        .into_iter()
+        .filter(|(_, e, tol)| e.is_none_or(|e| e.abs() > *tol))
+        .map(|(metric, e, tol)| {
+            format!(
+                "{metric} {} (tolerance {:.0}%)",
+                e.map_or("n/a".into(), |e| format!("{:+.1}%", 100.0 * e)),
+                100.0 * tol
+            )
+        })
+        .collect()
+    }
+
+    /// One line: predicted against measured, with the errors and their tolerances.
+    pub fn line(&self) -> String {
+        let pct = |e: Option<f64>| e.map_or("n/a".into(), |e| format!("{:+.1}%", 100.0 * e));
+        format!(
+            "self-check {}: predicted {:.2} tok/s vs measured {:.2} ({}, tolerance {:.0}%), wall_ms p90 predicted {:.3} vs measured {:.3} ({}, tolerance {:.0}%): {}",
+            self.run,
+            self.tok_s_predicted,
+            self.tok_s_measured,
+            pct(self.tok_s_error()),
+            100.0 * SELF_CHECK_TOL_TOK_S,
+            self.wall_p90_ms_predicted,
+            self.wall_p90_ms_measured,
+            pct(self.wall_p90_error()),
+            100.0 * SELF_CHECK_TOL_WALL_P90,
+            if self.misses().is_empty() {
+                "ok"
+            } else {
+                "MISFIT"
+            }
+        )
+    }
 }
 
 /// The run configuration a metrics file's preamble describes, for replaying its trace.
@@ -1514,6 +1622,7 @@ pub fn calibrate_run(
     let cfg = s.cfg.clone();
     let mut notes = Vec::new();
     let mut profile = fit_profile(&[*run], &[s], base, name, opts, &mut notes)?;
+    let mut self_check = Vec::new();
     // In-sample accuracy: replay with the fitted profile and compare.
     if run.prepared.is_some() {
         let sim = replay_run(run, &cfg, &profile)?;
@@ -1522,8 +1631,13 @@ pub fn calibrate_run(
             notes.push(format!("in-sample {}: {}", l.metric, l.detail));
         }
         profile.sources = notes.clone();
+        self_check.push(SelfCheck::new(run.name, &sim, run.csv));
     }
-    Ok(Calibration { profile, notes })
+    Ok(Calibration {
+        profile,
+        notes,
+        self_check,
+    })
 }
 
 /// `bmoe-sim calibrate --sweep`: one profile fit over every run's decode tokens, then its
@@ -1550,10 +1664,12 @@ pub fn calibrate_sweep(
     let mut profile = fit_profile(runs, &all, base, name, opts, &mut notes)?;
     let mut errors_in = Vec::new();
     let mut errors_out = Vec::new();
+    let mut self_check = Vec::new();
     for (i, run) in runs.iter().enumerate() {
         let s = &all[i];
         let sim = replay_run(run, &s.cfg, &profile)?;
         let e_in = decode_tok_s(&sim) / s.tok_s - 1.0;
+        self_check.push(SelfCheck::new(run.name, &sim, run.csv));
         // Leave run i out: fit on the others, predict it.
         let rest_runs: Vec<RunInput> = runs
             .iter()
@@ -1604,7 +1720,11 @@ pub fn calibrate_sweep(
         runs.len()
     ));
     profile.sources = notes.clone();
-    Ok(Calibration { profile, notes })
+    Ok(Calibration {
+        profile,
+        notes,
+        self_check,
+    })
 }
 
 /// `batch_row_factor` from the first generation's prefill, when the run had one.
@@ -1959,6 +2079,144 @@ mod tests {
         close(k.batch_row_factor, 0.3, 0.05, "batch factor");
         close(k.loop_overhead_ms, 0.5, 0.01, "loop overhead");
         assert!(c.notes.iter().any(|n| n.starts_with("in-sample tok/s")));
+    }
+
+    /// `bmoe-sim ARGS` in-process: (exit code, stdout, stderr).
+    fn sim_cli(args: &[&str]) -> (i32, String, String) {
+        let argv: Vec<String> = std::iter::once("bmoe-sim")
+            .chain(args.iter().copied())
+            .map(String::from)
+            .collect();
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        let code = crate::cli::run(argv, &[], &mut out, &mut err);
+        (
+            code,
+            String::from_utf8_lossy(&out).into_owned(),
+            String::from_utf8_lossy(&err).into_owned(),
+        )
+    }
+
+    /// `csv`'s text with every `every`-th decode row's `wall_ms` multiplied by `factor`: time
+    /// no component column explains (a descheduled token), which no fit can reproduce.
+    fn inflate_wall(csv: &str, every: usize, factor: f64) -> String {
+        let mut col = None;
+        let mut row = 0usize;
+        let mut text = String::new();
+        for line in csv.lines() {
+            let mut line = line.to_string();
+            if !line.starts_with('#') {
+                match col {
+                    None => {
+                        col = line.split(',').position(|c| c == "wall_ms");
+                        assert!(col.is_some(), "no wall_ms column in {line}");
+                    }
+                    Some(c) => {
+                        if row.is_multiple_of(every) {
+                            let mut cells: Vec<String> =
+                                line.split(',').map(String::from).collect();
+                            let wall: f64 = cells[c].parse().expect("wall_ms");
+                            cells[c] = format!("{:.4}", wall * factor);
+                            line = cells.join(",");
+                        }
+                        row += 1;
+                    }
+                }
+            }
+            text.push_str(&line);
+            text.push('\n');
+        }
+        text
+    }
+
+    /// The case: a fitted profile that misses the very run it was fitted on by a wide
+    /// margin (+15 % tok/s, −58 % p90 measured) exited 0 silently. A run whose every fourth
+    /// token took 4× its components' time misses both (its p90 sits in the slow quarter); the
+    /// self-check prints predicted against measured and a WARNING on stderr, and exits 0 (the
+    /// check reports only) with the profile written; `--fail-on-misfit` exits `EXIT_MISFIT`.
+    /// The run as produced passes, with or without the flag.
+    #[test]
+    fn calibrate_warns_when_the_profile_misses_its_own_run() {
+        let dir = Scratch::new("misfit");
+        let trace_path = dir.trace("t.csv", synthetic_trace(120));
+        let mut truth = DeviceProfile::load("this-machine").expect("base");
+        truth.flash.jitter = 0.0;
+        truth.compute.jitter = 0.0;
+        let csv_path = dir.join("run.csv");
+        measure_with(
+            &dir.0,
+            &trace_path,
+            &truth,
+            &["--io-threads", "1"],
+            &csv_path,
+            None,
+        );
+        let bad_path = dir.join("bad.csv");
+        let good = std::fs::read_to_string(&csv_path).expect("csv");
+        std::fs::write(&bad_path, inflate_wall(&good, 4, 4.0)).expect("bad csv");
+        let (t, prof) = (
+            trace_path.display().to_string(),
+            dir.join("p.json").display().to_string(),
+        );
+        let calibrate = |csv: &std::path::Path, extra: &[&str]| {
+            let csv = csv.display().to_string();
+            let mut args = vec!["calibrate", "--csv", &csv, "--trace", &t, "--out", &prof];
+            args.extend_from_slice(extra);
+            sim_cli(&args)
+        };
+
+        let self_check = |out: &str| {
+            out.lines()
+                .find(|l| l.starts_with("calibrate: self-check "))
+                .unwrap_or_else(|| panic!("no self-check line in\n{out}"))
+                .to_string()
+        };
+        for extra in [&[][..], &["--fail-on-misfit"]] {
+            let (code, out, err) = calibrate(&csv_path, extra);
+            assert_eq!(code, 0, "{extra:?}\nstdout:\n{out}\nstderr:\n{err}");
+            let line = self_check(&out);
+            assert!(line.ends_with(": ok"), "{line}");
+            assert!(!err.contains("WARNING"), "{err}");
+        }
+
+        let _ = std::fs::remove_file(&prof);
+        let (code, out, err) = calibrate(&bad_path, &[]);
+        assert_eq!(code, 0, "stdout:\n{out}\nstderr:\n{err}");
+        let line = self_check(&out);
+        assert!(
+            line.contains("predicted") && line.contains("vs measured"),
+            "{line}"
+        );
+        assert!(line.ends_with(": MISFIT"), "{line}");
+        let warning = err
+            .lines()
+            .find(|l| l.starts_with("bmoe-sim: WARNING: calibrate:"))
+            .unwrap_or_else(|| panic!("no WARNING in\n{err}"));
+        assert!(
+            warning.contains("misses its own calibration run"),
+            "{warning}"
+        );
+        assert!(
+            warning.contains("tok/s +") && warning.contains("(tolerance 10%)"),
+            "{warning}"
+        );
+        assert!(
+            warning.contains("wall_ms p90 -") && warning.contains("(tolerance 25%)"),
+            "{warning}"
+        );
+        assert!(warning.contains("--fail-on-misfit"), "{warning}");
+        assert!(
+            std::path::Path::new(&prof).exists(),
+            "the profile is written all the same"
+        );
+
+        let (code, out, err) = calibrate(&bad_path, &["--fail-on-misfit"]);
+        assert_eq!(
+            code,
+            crate::cli::EXIT_MISFIT,
+            "stdout:\n{out}\nstderr:\n{err}"
+        );
+        assert!(self_check(&out).ends_with(": MISFIT"), "{out}");
+        assert!(err.contains("bmoe-sim: WARNING: calibrate:"), "{err}");
     }
 
     /// An overlapped run on four lanes: the fit over summed lane busy time is one lane's rate,

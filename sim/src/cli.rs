@@ -71,7 +71,8 @@ pub enum Cmd {
     Bench(BenchArgs),
     /// Compare a simulated CSV with a measured one: counts exactly, times within tolerances
     Diff(DiffArgs),
-    /// Fit a device profile to a measured bmoe-cli run
+    /// Fit a device profile to a measured bmoe-cli run, and check that it replays that run
+    /// (a WARNING when it misses; exit 3 then with --fail-on-misfit)
     Calibrate(CalibrateArgs),
     /// Trace statistics: per-layer expert popularity, reuse (stack) distance = the per-layer
     /// LRU miss-ratio curve, previous-token overlap by lag, working set vs window; with plots
@@ -208,7 +209,19 @@ pub struct CalibrateArgs {
     /// Profile whose unfitted fields (alignment) the result keeps
     #[arg(long, value_name = "NAME|PATH", default_value = "this-machine")]
     pub base: String,
+    /// Exit 3 when the fitted profile misses its own calibration run beyond the self-check's
+    /// tolerances (10 % on tok/s, 25 % on the wall time's p90); without it the WARNING is
+    /// printed and calibrate exits 0
+    #[arg(long)]
+    pub fail_on_misfit: bool,
 }
+
+/// `calibrate --fail-on-misfit`'s exit code when the fitted profile misses the run it was
+/// fitted on beyond the self-check's tolerances (`calibrate::SelfCheck`). The profile is
+/// written all the same, for inspection. Distinct from 1 (an error) and 2 (usage). Without the
+/// flag the check only reports (a WARNING, exit 0): a run measured on a loaded machine can
+/// miss its own fit by noise alone.
+pub const EXIT_MISFIT: i32 = 3;
 
 /// Flags of `bmoe-sim diff`.
 #[derive(Args, Debug, Clone)]
@@ -443,7 +456,7 @@ where
         Cmd::Sweep(a) => cmd_sweep(a, env, out, err),
         Cmd::Bench(a) => cmd_bench(a, out),
         Cmd::Diff(a) => cmd_diff(a, out, err),
-        Cmd::Calibrate(a) => cmd_calibrate(a, out),
+        Cmd::Calibrate(a) => cmd_calibrate(a, out, err),
         Cmd::Fuzz(a) => cmd_fuzz(a, out, err),
         Cmd::Stats(a) => cmd_stats(a, out),
         Cmd::Convert(a) => cmd_convert(a, out),
@@ -510,21 +523,47 @@ pub enum Reprice<'a> {
     Model(&'a Path, bool),
 }
 
-/// Re-price `trace` as `how` says; returns how a routing was mapped, and the locality it
-/// carries (`whatif::locality_note`), when it was.
-fn reprice(trace: &mut RouteTrace, how: Reprice<'_>) -> Result<Option<(String, String)>, SimError> {
+/// Where the experts' bytes of a re-priced trace came from: the layout file, and the model
+/// and architecture its preamble names (not the trace's, which a same-shape re-pricing keeps
+/// for the report).
+#[derive(Clone, Debug)]
+pub struct LayoutSource {
+    pub path: PathBuf,
+    pub model: String,
+    pub arch: String,
+}
+
+/// What `reprice` did: how a routing was mapped and the locality it carries
+/// (`whatif::locality_note`), when it was; and the layout the bytes came from, when not the
+/// trace's own.
+#[derive(Default)]
+struct Repriced {
+    mapping: Option<(String, String)>,
+    layout_source: Option<LayoutSource>,
+}
+
+/// Re-price `trace` as `how` says.
+fn reprice(trace: &mut RouteTrace, how: Reprice<'_>) -> Result<Repriced, SimError> {
     let (other, map, split) = match how {
-        Reprice::Own => return Ok(None),
+        Reprice::Own => return Ok(Repriced::default()),
         Reprice::Layout(p) => (p, false, false),
         Reprice::Model(p, split) => (p, true, split),
     };
     let model = load_layout(other)?;
+    let layout_source = Some(LayoutSource {
+        path: other.to_path_buf(),
+        model: model.model.clone(),
+        arch: model.arch.clone(),
+    });
     if map && !crate::whatif::same_shape(&trace.preamble, &model) {
         let (mapped, how) =
             crate::whatif::map_routing(trace, &model, &other.display().to_string(), split)?;
         let locality = crate::whatif::locality_note(trace, &mapped);
         *trace = mapped;
-        return Ok(Some((how, locality)));
+        return Ok(Repriced {
+            mapping: Some((how, locality)),
+            layout_source,
+        });
     }
     let (have, want) = (&model, &trace.preamble);
     if have.layers.len() != want.layers.len() || have.n_expert != want.n_expert {
@@ -550,7 +589,10 @@ fn reprice(trace: &mut RouteTrace, how: Reprice<'_>) -> Result<Option<(String, S
             "--layout-from"
         }
     ));
-    Ok(None)
+    Ok(Repriced {
+        mapping: None,
+        layout_source,
+    })
 }
 
 /// A trace ready to replay: parsed, planned, its layout built, and the run configured.
@@ -567,6 +609,9 @@ pub struct Prepared {
     /// How the routing was mapped onto another model's shape (`whatif`), and the locality the
     /// mapped routing carries, when it was.
     pub mapping: Option<(String, String)>,
+    /// The layout file the experts' bytes were read from (`--layout-from`, `whatif --model`),
+    /// `None` when they are the trace's own.
+    pub layout_source: Option<LayoutSource>,
 }
 
 impl Prepared {
@@ -651,7 +696,10 @@ pub fn prepare(
         warnings,
     } = predictions::resolve(&cfg, load_trace(trace_path)?)?;
     let mut trace = trace;
-    let mapping = reprice(&mut trace, how)?;
+    let Repriced {
+        mapping,
+        layout_source,
+    } = reprice(&mut trace, how)?;
     let layout = layout_from_preamble(&trace.preamble)?;
     let plan = ReplayPlan::new(&trace)?;
     let p = &trace.preamble;
@@ -703,6 +751,7 @@ pub fn prepare(
         pred_columns,
         warnings,
         mapping,
+        layout_source,
     })
 }
 
@@ -845,11 +894,23 @@ fn write_inputs(out: &mut dyn Write, p: &Prepared, trace: &Path) -> std::io::Res
             "whatif: mapping   none: the trace has the model's routing shape, replayed as recorded"
         )?,
     }
+    // The layout's own model and file: in a same-shape re-pricing the trace keeps its own
+    // preamble's name (the report equals `replay --layout-from`'s), which is not where the
+    // bytes came from.
+    let (model, arch, file) = match &p.layout_source {
+        Some(s) => (
+            s.model.as_str(),
+            s.arch.as_str(),
+            format!(" in {}", s.path.display()),
+        ),
+        None => (t.model.as_str(), t.arch.as_str(), String::new()),
+    };
     writeln!(
         out,
-        "whatif: bytes     from the layout of {} ({}, {} MoE layers x {} experts, top-{}): {:.3} MiB per expert, {:.1} MiB dense per MoE layer (means), {:.1} MiB of experts",
-        t.model,
-        t.arch,
+        "whatif: bytes     from the layout of {}{} ({}, {} MoE layers x {} experts, top-{}): {:.3} MiB per expert, {:.1} MiB dense per MoE layer (means), {:.1} MiB of experts",
+        model,
+        file,
+        arch,
         t.layers.len(),
         t.n_expert,
         t.n_expert_used,
@@ -1604,7 +1665,11 @@ fn cmd_fuzz(a: FuzzArgs, out: &mut dyn Write, err: &mut dyn Write) -> Result<i32
     Ok(0)
 }
 
-fn cmd_calibrate(a: CalibrateArgs, out: &mut dyn Write) -> Result<i32, SimError> {
+fn cmd_calibrate(
+    a: CalibrateArgs,
+    out: &mut dyn Write,
+    err: &mut dyn Write,
+) -> Result<i32, SimError> {
     let runs = a.csv.len();
     if !a.sweep && runs != 1 {
         return Err(SimError::invalid(
@@ -1680,5 +1745,39 @@ fn cmd_calibrate(a: CalibrateArgs, out: &mut dyn Write) -> Result<i32, SimError>
         writeln!(out, "calibrate: {n}").map_err(w)?;
     }
     writeln!(out, "calibrate: wrote {}", a.out.display()).map_err(w)?;
-    Ok(0)
+    if c.self_check.is_empty() {
+        writeln!(
+            out,
+            "calibrate: self-check skipped: without --trace there is no replay of the run to compare"
+        )
+        .map_err(w)?;
+        return Ok(0);
+    }
+    let mut misfit = false;
+    for check in &c.self_check {
+        writeln!(out, "calibrate: {}", check.line()).map_err(w)?;
+        let misses = check.misses();
+        if misses.is_empty() {
+            continue;
+        }
+        misfit = true;
+        writeln!(
+            err,
+            "bmoe-sim: WARNING: calibrate: the fitted profile {} misses its own calibration run {}: {}; its predictions are not to be trusted{}",
+            a.out.display(),
+            check.run,
+            misses.join(", "),
+            if a.fail_on_misfit {
+                format!(" (--fail-on-misfit: exit {EXIT_MISFIT})")
+            } else {
+                format!(" (reported only; --fail-on-misfit makes it exit {EXIT_MISFIT})")
+            }
+        )
+        .map_err(|e| SimError::io("stderr", e))?;
+    }
+    Ok(if misfit && a.fail_on_misfit {
+        EXIT_MISFIT
+    } else {
+        0
+    })
 }

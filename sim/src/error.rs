@@ -1,6 +1,8 @@
 //! The simulator's error type: every way a replay, sweep, diff or calibration can refuse its
 //! input, with the file and the field at fault named. The binary prints these and exits 1
-//! (2 for `diff` inputs that cannot be compared at all).
+//! (2 for `diff` inputs that cannot be compared at all). A profile `calibrate` fitted but that
+//! misses its own run is no error: it is written with a WARNING, and the binary exits 0, or
+//! `cli::EXIT_MISFIT` (3) under `--fail-on-misfit`.
 
 use std::path::PathBuf;
 use thiserror::Error;

@@ -372,3 +372,66 @@ fn a_budget_past_the_expert_bank_gets_a_note_not_an_error() {
     assert!(notes[0].contains("49 MiB"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn pivot_writes_a_hit_rate_table_once_for_the_settings_it_holds_for() {
+    // Without a predictor the hits cannot depend on lanes or overlap, even when a prefetch
+    // predictor's hits in the same sweep do: `none`'s table is written once, said to hold for
+    // every setting; no two hit-rate tables of a predictor are byte-identical.
+    let dir = scratch("pivot-once");
+    let trace = dir.join("t.route.csv");
+    std::fs::write(&trace, synthetic_trace(12, 10)).expect("trace");
+    let out = dir.join("out");
+    sweep(&trace, &out, "2", &["--policies", "lru,lfu"]);
+    let pivot = std::fs::read_to_string(out.join("pivot.md")).expect("pivot");
+    // (heading, body without the heading's note) of every hit-rate section.
+    let mut sections: Vec<(String, String)> = Vec::new();
+    let mut current: Option<(String, String)> = None;
+    for line in pivot.lines() {
+        if line.starts_with("## ") {
+            sections.extend(current.take());
+            if line.starts_with("## Hit rate") {
+                current = Some((line.to_string(), String::new()));
+            }
+        } else if let Some((_, body)) = current.as_mut() {
+            if !line.starts_with("This table holds") {
+                body.push_str(line);
+                body.push('\n');
+            }
+        }
+    }
+    sections.extend(current);
+    let of = |p: &str| {
+        sections
+            .iter()
+            .filter(|(h, _)| h.starts_with(&format!("## Hit rate, predictor `{p}`")))
+            .collect::<Vec<_>>()
+    };
+    let none = of("none");
+    assert_eq!(none.len(), 1, "{pivot}");
+    assert!(
+        pivot.contains(
+            "This table holds for every lanes/overlap setting of the sweep (1 lane, overlap off; \
+             1 lane, overlap on; 2 lanes, overlap off; 2 lanes, overlap on)"
+        ),
+        "{pivot}"
+    );
+    for p in ["none", "prefetch:1"] {
+        let tables = of(p);
+        assert!(!tables.is_empty(), "no hit-rate table for {p}:\n{pivot}");
+        for (i, a) in tables.iter().enumerate() {
+            for b in &tables[i + 1..] {
+                assert_ne!(a.1, b.1, "{} and {} repeat one table:\n{pivot}", a.0, b.0);
+            }
+        }
+    }
+    // Every setting still has its own tok/s table.
+    assert_eq!(
+        pivot
+            .matches("## Predicted tok/s, predictor `none`")
+            .count(),
+        4,
+        "{pivot}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

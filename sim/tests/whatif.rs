@@ -53,6 +53,41 @@ fn layout(path: &Path, layers: u32, n_expert: u32, k: u32, proj_bytes: u64) {
         .expect("write layout");
 }
 
+/// A small route trace of a model named `model` with `layout`'s routing shape (read from that
+/// layout file): `tokens` decode tokens, each routing experts `t..t+k` (mod the bank) at every
+/// MoE layer.
+fn synthetic_trace(path: &Path, layout_path: &Path, model: &str, tokens: i64) {
+    use bmoe_core::records::{Phase, RouteRecord, PRED_HORIZON_MAX};
+    let mut pre = bmoe_sim::cli::load_layout(layout_path).expect("layout");
+    pre.model = model.into();
+    pre.arch = "deepseek2".into();
+    pre.notes = vec!["synthetic".into()];
+    let f = std::fs::File::create(path).expect("trace file");
+    let mut w = RouteTraceWriter::new(f, &pre).expect("writer");
+    for step in 0..tokens {
+        for layer in 0..pre.layers.len() as u32 {
+            for slot in 0..pre.n_expert_used {
+                w.write(&RouteRecord {
+                    turn: 0,
+                    phase: Phase::Decode,
+                    step,
+                    layer,
+                    slot,
+                    expert: (step as u32 + slot) % pre.n_expert,
+                    weight: f32::NAN,
+                    residency: 0,
+                    expert_bytes: 0,
+                    dropped: false,
+                    preds: [None; PRED_HORIZON_MAX],
+                    router_expert: None,
+                })
+                .expect("row");
+            }
+        }
+    }
+    w.finish().expect("finish");
+}
+
 /// `key=value` of the `sim:` line.
 fn sim_value(out: &str, key: &str) -> u64 {
     let line = out
@@ -145,10 +180,14 @@ fn whatif_maps_a_real_routing_onto_a_smaller_model_and_states_its_inputs() {
     ];
     let (code, out, err) = sim(&args);
     assert_eq!(code, 0, "stdout:\n{out}\nstderr:\n{err}");
+    let bytes_line = format!(
+        "whatif: bytes     from the layout of other-model in {} (qwen3moe, 8 MoE layers x 16 experts, top-4): 0.855 MiB per expert",
+        model.display()
+    );
     for want in [
         "whatif: routing   from",
         "whatif: mapping   the trace's 26 MoE layers x 64 experts (top-6) mapped onto the model's 8 x 16 (top-4)",
-        "whatif: bytes     from the layout of other-model (qwen3moe, 8 MoE layers x 16 experts, top-4): 0.855 MiB per expert",
+        bytes_line.as_str(),
         "whatif: time      from device profile ufs40-phone",
         "whatif: budget    8 MiB expert cache (--cache-mb), policy lru",
     ] {
@@ -289,5 +328,42 @@ fn whatif_on_the_traces_own_shape_is_a_replay_re_priced_with_the_models_layout()
         .collect();
     assert_eq!(report, replay);
     assert!(sim_value(&replay, "misses") > 0);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn whatif_on_the_traces_own_shape_names_the_layouts_model_and_file_as_the_bytes_source() {
+    // A same-shape whatif keeps the trace's preamble (its report equals `replay --layout-from`),
+    // but the bytes come from the layout file: the `whatif: bytes` line must name that file and
+    // the model it describes, never the trace's model.
+    let dir = scratch("same-source");
+    let model = dir.join("other.layout.csv");
+    layout(&model, 4, 16, 4, 200_000);
+    let trace_path = dir.join("t.route.csv");
+    synthetic_trace(&trace_path, &model, "the-traced-model", 12);
+    let (code, out, err) = sim(&[
+        "whatif",
+        "--trace",
+        trace_path.to_str().unwrap(),
+        "--model",
+        model.to_str().unwrap(),
+        "--device",
+        "laptop-nvme",
+        "--cache-mb",
+        "8",
+        "--force-cache",
+    ]);
+    assert_eq!(code, 0, "stdout:\n{out}\nstderr:\n{err}");
+    assert!(out.contains("whatif: mapping   none"), "{out}");
+    let bytes = out
+        .lines()
+        .find(|l| l.starts_with("whatif: bytes"))
+        .unwrap_or_else(|| panic!("no whatif: bytes line in\n{out}"));
+    let want = format!(
+        "whatif: bytes     from the layout of other-model in {} (qwen3moe, 4 MoE layers x 16 experts, top-4)",
+        model.display()
+    );
+    assert!(bytes.starts_with(&want), "{bytes}\nwanted {want}");
+    assert!(!bytes.contains("the-traced-model"), "{bytes}");
     let _ = std::fs::remove_dir_all(&dir);
 }

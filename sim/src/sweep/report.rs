@@ -466,7 +466,6 @@ pub fn pivot_md(rows: &[Row], stats: &[CellStats], x: XAxis, title: &str) -> Str
         o.push('\n');
     };
     let settings = distinct(rows, |r| (r.lanes, r.overlap));
-    let one_hit_table = hits_independent_of_setting(rows);
     for predictor in distinct(rows, |r| r.predictor.clone()) {
         let of_p: Vec<usize> = (0..rows.len())
             .filter(|&i| rows[i].predictor == predictor)
@@ -475,27 +474,15 @@ pub fn pivot_md(rows: &[Row], stats: &[CellStats], x: XAxis, title: &str) -> Str
             .into_iter()
             .filter(|p| of_p.iter().any(|&i| &rows[i].policy == p))
             .collect::<Vec<_>>();
-        let hit_settings: Vec<(u32, bool)> = if one_hit_table {
-            settings.iter().take(1).copied().collect()
-        } else {
-            settings.clone()
-        };
         let cell = |p: &str, b: u64, (l, ov): (u32, bool)| {
             of_p.iter().copied().find(|&i| {
                 let r = &rows[i];
                 r.policy == p && r.budget_bytes == b && r.lanes == l && r.overlap == ov
             })
         };
-        for &(l, ov) in &hit_settings {
-            let _ = writeln!(
-                o,
-                "## Hit rate, predictor `{predictor}`{}\n",
-                if one_hit_table {
-                    " (the same under every lanes/overlap setting)".to_string()
-                } else {
-                    format!(", {}", setting_name(l, ov))
-                }
-            );
+        // The hit-rate table (and its Belady-share table) of one lanes/overlap setting.
+        let hit_tables = |(l, ov): (u32, bool)| {
+            let mut o = String::new();
             header(&mut o, "policy");
             for p in &policies {
                 let _ = write!(o, "| {p} |");
@@ -554,6 +541,50 @@ pub fn pivot_md(rows: &[Row], stats: &[CellStats], x: XAxis, title: &str) -> Str
                 }
                 o.push('\n');
             }
+            o
+        };
+        // Hit rates depend on lanes and overlap only through a predictor's timing: settings
+        // whose tables are identical share one, said so, rather than repeating it byte for
+        // byte (in the order the settings first appear).
+        let mut groups: Vec<(String, Vec<(u32, bool)>)> = Vec::new();
+        for &setting in &settings {
+            let body = hit_tables(setting);
+            match groups.iter_mut().find(|(b, _)| *b == body) {
+                Some((_, of)) => of.push(setting),
+                None => groups.push((body, vec![setting])),
+            }
+        }
+        let names = |of: &[(u32, bool)]| {
+            of.iter()
+                .map(|&(l, ov)| setting_name(l, ov))
+                .collect::<Vec<_>>()
+                .join("; ")
+        };
+        for (body, of) in &groups {
+            if groups.len() == 1 {
+                let _ = writeln!(
+                    o,
+                    "## Hit rate, predictor `{predictor}` (the same under every lanes/overlap setting)\n"
+                );
+                if of.len() > 1 {
+                    let _ = writeln!(
+                        o,
+                        "This table holds for every lanes/overlap setting of the sweep ({}): \
+                         the hit rates do not depend on them here.\n",
+                        names(of)
+                    );
+                }
+            } else {
+                let _ = writeln!(o, "## Hit rate, predictor `{predictor}`, {}\n", names(of));
+                if of.len() > 1 {
+                    let _ = writeln!(
+                        o,
+                        "This table holds for each of these lanes/overlap settings: their hit \
+                         rates are identical.\n"
+                    );
+                }
+            }
+            o.push_str(body);
         }
         for &(l, ov) in &settings {
             let _ = writeln!(
