@@ -691,6 +691,17 @@ def tool_round_trips(a):
         try:
             client = openai.OpenAI(base_url=f"http://127.0.0.1:{srv.port}/v1", api_key=KEY, max_retries=0, timeout=120)
             user = [{"role": "user", "content": "What is the weather in Paris this week?"}]
+            if arch == "gpt-oss":
+                # Its template writes reasoning_effort into the system message.
+                said = []
+                for effort in ("low", "high"):
+                    r = client.chat.completions.create(model="t", messages=user, max_tokens=12, temperature=0, reasoning_effort=effort)
+                    said.append((r.usage.prompt_tokens, r.choices[0].message.content, r.choices[0].message.model_extra.get("reasoning_content")))
+                check(said[0] != said[1], f"{arch}: reasoning_effort reaches the template (low and high answer differently)")
+            else:
+                st, body, _ = srv.request("POST", "/v1/chat/completions", {"messages": user, "reasoning_effort": "low"})
+                check(error_of(st, body, 400, "reads no reasoning_effort", "reasoning_effort"),
+                      f"{arch}: reasoning_effort on a template that reads none is a 400 naming it")
             r = client.chat.completions.create(model="t", messages=user, tools=[WEATHER, TIME], tool_choice="required", max_tokens=200, temperature=0)
             ch = r.choices[0]
             calls = ch.message.tool_calls or []

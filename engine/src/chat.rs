@@ -414,6 +414,26 @@ impl ChatTemplate {
         add_generation_prompt: bool,
         enable_thinking: Option<bool>,
     ) -> Result<String, ChatError> {
+        self.render_with(
+            messages,
+            tools,
+            add_generation_prompt,
+            enable_thinking,
+            None,
+        )
+    }
+
+    /// [`ChatTemplate::render_tools`] with `reasoning_effort` defined (`low`, `medium`,
+    /// `high`: what gpt-oss's template writes into its system message); `None` leaves it
+    /// undefined.
+    pub fn render_with(
+        &self,
+        messages: &[Message],
+        tools: &[serde_json::Value],
+        add_generation_prompt: bool,
+        enable_thinking: Option<bool>,
+        reasoning_effort: Option<&str>,
+    ) -> Result<String, ChatError> {
         let messages: Vec<Value> = messages.iter().map(Message::to_value).collect();
         let tools = if tools.is_empty() {
             Value::from(())
@@ -425,6 +445,7 @@ impl ChatTemplate {
             tools,
             add_generation_prompt,
             enable_thinking,
+            reasoning_effort,
         )
     }
 
@@ -439,6 +460,7 @@ impl ChatTemplate {
             Value::from(()),
             add_generation_prompt,
             enable_thinking,
+            None,
         )
     }
 
@@ -448,6 +470,7 @@ impl ChatTemplate {
         tools: Value,
         add_generation_prompt: bool,
         enable_thinking: Option<bool>,
+        reasoning_effort: Option<&str>,
     ) -> Result<String, ChatError> {
         let n_messages = messages.len().unwrap_or(0) as u64;
         let mut ctx: Vec<(&str, Value)> = vec![
@@ -460,6 +483,9 @@ impl ChatTemplate {
         ];
         if let Some(t) = enable_thinking {
             ctx.push(("enable_thinking", Value::from(t)));
+        }
+        if let Some(e) = reasoning_effort {
+            ctx.push(("reasoning_effort", Value::from(e)));
         }
         let ctx: Value = ctx.into_iter().collect();
         // A template is a program the model file supplies: its loops are bounded by fuel
@@ -617,8 +643,19 @@ impl ChatFormat {
         tools: &[serde_json::Value],
         think: bool,
     ) -> Result<String, ChatError> {
+        self.history_with(messages, tools, think, None)
+    }
+
+    /// [`ChatFormat::history_tools`] with `reasoning_effort` (see [`ChatTemplate::render_with`]).
+    pub fn history_with(
+        &self,
+        messages: &[Message],
+        tools: &[serde_json::Value],
+        think: bool,
+        effort: Option<&str>,
+    ) -> Result<String, ChatError> {
         self.template
-            .render_tools(messages, tools, false, Some(think))
+            .render_with(messages, tools, false, Some(think), effort)
     }
 
     /// [`ChatFormat::prompt`] with the request's tool definitions.
@@ -628,15 +665,31 @@ impl ChatFormat {
         tools: &[serde_json::Value],
         think: bool,
     ) -> Result<String, ChatError> {
+        self.prompt_with(messages, tools, think, None)
+    }
+
+    /// [`ChatFormat::prompt_tools`] with `reasoning_effort` (see [`ChatTemplate::render_with`]).
+    pub fn prompt_with(
+        &self,
+        messages: &[Message],
+        tools: &[serde_json::Value],
+        think: bool,
+        effort: Option<&str>,
+    ) -> Result<String, ChatError> {
         let mut text = self
             .template
-            .render_tools(messages, tools, true, Some(think))?;
+            .render_with(messages, tools, true, Some(think), effort)?;
         if !think {
             if let Some(p) = &self.answer_prefill {
                 text.push_str(p);
             }
         }
         Ok(text)
+    }
+
+    /// Whether the template reads `reasoning_effort` (gpt-oss's does; most do not).
+    pub fn reads_reasoning_effort(&self) -> bool {
+        self.template.source().contains("reasoning_effort")
     }
 
     /// The prompt of a turn answering `messages`: the template with its generation prompt and
@@ -1498,5 +1551,27 @@ mod tests {
             ChatTemplate::new(plain, "", "").unwrap().think_control(),
             ThinkCtl::Template
         );
+    }
+
+    #[test]
+    fn reasoning_effort_reaches_a_template_that_reads_it_and_only_when_given() {
+        let src = "{{ messages[0].content }}|{% if reasoning_effort is defined %}{{ reasoning_effort }}{% else %}unset{% endif %}";
+        let f = ChatFormat::new(ChatTemplate::new(src, "", "").unwrap(), false);
+        let m = [Message::new("user", "hi")];
+        assert!(f.reads_reasoning_effort());
+        assert_eq!(
+            f.prompt_with(&m, &[], true, Some("high")).unwrap(),
+            "hi|high"
+        );
+        assert_eq!(f.prompt_tools(&m, &[], true).unwrap(), "hi|unset");
+        assert_eq!(
+            f.history_with(&m, &[], true, Some("low")).unwrap(),
+            "hi|low"
+        );
+        let plain = ChatFormat::new(
+            ChatTemplate::new("{{ messages[0].content }}", "", "").unwrap(),
+            false,
+        );
+        assert!(!plain.reads_reasoning_effort());
     }
 }

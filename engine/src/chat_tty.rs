@@ -324,6 +324,7 @@ pub fn chat(mut a: ChatArgs) -> Result<i32> {
                 messages: msgs.clone(),
                 think: !args.no_think,
                 tools: Vec::new(),
+                effort: None,
             };
             let can_drop = history.len() > system_len;
             let want = n_predict.min((conv.n_ctx() / 4).max(1) as u32);

@@ -34,7 +34,20 @@ pub fn chat_boundary(
     think: bool,
     prompt: &[u32],
 ) -> Option<u32> {
-    let text = format.history_tools(messages, tools, think).ok()?;
+    chat_boundary_with(format, tok, messages, tools, think, None, prompt)
+}
+
+/// [`chat_boundary`] with the turn's `reasoning_effort`.
+pub fn chat_boundary_with(
+    format: &ChatFormat,
+    tok: &Tokenizer,
+    messages: &[Message],
+    tools: &[serde_json::Value],
+    think: bool,
+    effort: Option<&str>,
+    prompt: &[u32],
+) -> Option<u32> {
+    let text = format.history_with(messages, tools, think, effort).ok()?;
     let history = tok.encode(&text, true).ok()?;
     Some(common_prefix(&history, prompt) as u32)
 }
@@ -66,6 +79,8 @@ pub enum Prompt {
         messages: Vec<Message>,
         think: bool,
         tools: Vec<serde_json::Value>,
+        /// `reasoning_effort` for a template that reads it (gpt-oss's).
+        effort: Option<String>,
     },
     /// Raw text, tokenized as given (special tokens parsed unless `--no-parse-special`).
     Raw(String),
@@ -497,12 +512,14 @@ impl Conversation {
                 messages,
                 think,
                 tools,
-            } => chat_boundary(
+                effort,
+            } => chat_boundary_with(
                 self.format.as_ref()?,
                 &self.tok,
                 messages,
                 tools,
                 *think,
+                effort.as_deref(),
                 tokens,
             ),
             Prompt::Raw(_) => Some(tokens.len().saturating_sub(1) as u32),
@@ -521,10 +538,11 @@ impl Conversation {
                 messages,
                 think,
                 tools,
+                effort,
             } => {
                 let f = self.format.as_ref().ok_or(Refused::NoTemplate)?;
                 let text = f
-                    .prompt_tools(messages, tools, *think)
+                    .prompt_with(messages, tools, *think, effort.as_deref())
                     .map_err(|e| Refused::Template(e.to_string()))?;
                 let t = self
                     .tok

@@ -111,6 +111,8 @@ pub struct Common {
 pub struct ChatRequest {
     pub messages: Vec<Message>,
     pub think: Option<bool>,
+    /// `reasoning_effort` (`low`, `medium`, `high`): for a template that reads it.
+    pub effort: Option<String>,
     pub common: Common,
     /// The tool definitions as sent (what the template renders), and read.
     pub tool_defs: Vec<Value>,
@@ -511,12 +513,17 @@ const UNSUPPORTED: &[(&str, &str)] = &[
 
 /// What chat requests refuse on top.
 const CHAT_UNSUPPORTED: &[(&str, &str)] = &[
-    ("functions", "function calling is not supported by this server"),
-    ("function_call", "function calling is not supported by this server"),
+    (
+        "functions",
+        "function calling is not supported by this server",
+    ),
+    (
+        "function_call",
+        "function calling is not supported by this server",
+    ),
     ("audio", "audio output is not supported"),
     ("modalities", "only the text modality is served"),
     ("prediction", "predicted outputs are not supported"),
-    ("reasoning_effort", "reasoning_effort is not supported (use \"think\": false or chat_template_kwargs.enable_thinking)"),
 ];
 
 /// What legacy completions refuse on top.
@@ -859,6 +866,18 @@ pub fn chat_request(body: &[u8]) -> Result<ChatRequest, ApiError> {
             None => None,
         },
     };
+    let effort = match f.get("reasoning_effort") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(e)) if ["low", "medium", "high"].contains(&e.as_str()) => {
+            Some(e.clone())
+        }
+        Some(other) => {
+            return Err(ApiError::invalid(
+                "reasoning_effort",
+                format!("reasoning_effort: expected \"low\", \"medium\" or \"high\", got {other}"),
+            ))
+        }
+    };
     refuse_unsupported(&m, UNSUPPORTED)?;
     refuse_unsupported(&m, CHAT_UNSUPPORTED)?;
     let (tool_defs, tools) = tools(f.get("tools"))?;
@@ -895,6 +914,7 @@ pub fn chat_request(body: &[u8]) -> Result<ChatRequest, ApiError> {
     Ok(ChatRequest {
         messages,
         think,
+        effort,
         common,
         tool_defs,
         tools,
@@ -1193,9 +1213,9 @@ mod tests {
                 "above 0",
             ),
             (
-                r#"{"messages":[{"role":"user","content":"x"}],"reasoning_effort":"low"}"#,
+                r#"{"messages":[{"role":"user","content":"x"}],"reasoning_effort":"extreme"}"#,
                 Some("reasoning_effort"),
-                "not supported",
+                "expected \"low\", \"medium\" or \"high\"",
             ),
         ] {
             let e = chat_err(body);

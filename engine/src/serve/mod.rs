@@ -405,6 +405,7 @@ async fn chat_completions(State(st): State<Arc<AppState>>, req: Request) -> Resp
                 messages: r.messages,
                 think,
                 tools: r.tool_defs,
+                effort: r.effort,
             },
             r.common,
             tools,
@@ -1386,6 +1387,17 @@ impl Engine {
             hold_from: None,
         };
         let mut prompt = job.prompt.clone();
+        if let Prompt::Chat {
+            effort: Some(e), ..
+        } = &prompt
+        {
+            if !conv.format().is_some_and(|f| f.reads_reasoning_effort()) {
+                return Err(Some(Event::Error(ApiError::invalid(
+                    "reasoning_effort",
+                    format!("reasoning_effort \"{e}\": this model's chat template reads no reasoning_effort (gpt-oss's does); use \"think\": false or chat_template_kwargs.enable_thinking to turn reasoning off"),
+                ))));
+            }
+        }
         let mut tool_format = None;
         if let Some(t) = &job.tools {
             use crate::tools::ToolChoice;
