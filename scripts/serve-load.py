@@ -76,6 +76,15 @@ def post(port, body, timeout=300):
     return r.status, data, retry
 
 
+def model_or_tiny(a, tmp):
+    """`--model`, or a fresh tiny model in `tmp`."""
+    if a.model:
+        return a.model
+    model = os.path.join(tmp, "tiny.gguf")
+    subprocess.run([a.bin, "gen", "--preset", "tiny", "--quiet", "-o", model], check=True)
+    return model
+
+
 def start_server(binary, model, args, tmp, cap_mib=None):
     err_path = os.path.join(tmp, "serve.stderr")
     err = open(err_path, "w")
@@ -229,10 +238,7 @@ def fds(pid):
 def soak(a):
     import random
     tmp = tempfile.mkdtemp(prefix="bmoe-serve-soak-")
-    model = a.model
-    if not model:
-        model = os.path.join(tmp, "tiny.gguf")
-        subprocess.run([a.bin, "gen", "--preset", "tiny", "--quiet", "-o", model], check=True)
+    model = model_or_tiny(a, tmp)
     args = ["--parallel", str(a.clients), "-c", str(1024 * a.clients)] + a.server_args.split()
     srv, port, err, err_path = start_server(a.bin, model, args, tmp)
     kinds = ["plain", "stream", "legacy", "leave"]
@@ -391,28 +397,10 @@ def main():
     if a.clients > len(PROMPTS):
         sys.exit(f"--clients: at most {len(PROMPTS)}")
     tmp = tempfile.mkdtemp(prefix="bmoe-serve-load-")
-    model = a.model
-    if not model:
-        model = os.path.join(tmp, "tiny.gguf")
-        subprocess.run([a.bin, "gen", "--preset", "tiny", "--quiet", "-o", model], check=True)
-    err_path = os.path.join(tmp, "serve.stderr")
-    err = open(err_path, "w")
-    srv = subprocess.Popen(
-        [a.bin, "serve", "-m", model, "--port", "0", "-c", "2048", "--queue", str(a.queue)],
-        stdout=subprocess.DEVNULL, stderr=err, cwd=tmp,
-    )
+    model = model_or_tiny(a, tmp)
+    srv, port, err, _ = start_server(a.bin, model, ["-c", "2048", "--queue", str(a.queue)], tmp)
     failures = []
     try:
-        port = None
-        for _ in range(600):
-            m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", open(err_path).read())
-            if m:
-                port = int(m.group(1))
-                c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-                c.request("GET", "/health")
-                if c.getresponse().status == 200:
-                    break
-            time.sleep(0.1)
         body = lambda p: {"messages": [{"role": "user", "content": p}], "max_tokens": a.max_tokens, "temperature": 0}
         refs = {}
         for p in PROMPTS[: a.clients]:

@@ -456,7 +456,7 @@ pub struct SeqRun {
 }
 
 /// A backend that holds the memories (KV) of several sequences at once and runs a batch whose
-/// rows belong to different ones: what [`crate::lanes::Lanes`] decodes together
+/// rows belong to different ones: what the lanes module decodes together
 /// (`serve --parallel`). Every other call is the plain [`Backend`]'s.
 pub trait Sequences: Backend {
     /// How many sequences it holds (sequence ids `0..n`).

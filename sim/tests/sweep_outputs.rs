@@ -2,8 +2,11 @@
 //! file, the PNGs included), and the tidy table, pivot and per-layer table agree with each
 //! other. A synthetic 12-turn trace (written here), so the test needs nothing outside.
 
+mod common;
+
+use common::{scratch, sim};
 use std::fmt::Write as _;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// A route trace of `turns` turns × `tokens` decode tokens over 3 MoE layers of 16 experts,
 /// top-2, skewed popularity that drifts from turn to turn.
@@ -45,13 +48,6 @@ fn synthetic_trace(turns: u32, tokens: u32) -> String {
         }
     }
     t
-}
-
-fn scratch(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("bmoe-sweep-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).expect("scratch dir");
-    d
 }
 
 fn sweep(trace: &Path, out: &Path, jobs: &str, extra: &[&str]) -> String {
@@ -234,19 +230,6 @@ fn hit_rate_panels_follow_the_settings_they_differ_by() {
     argv.extend(["--x".to_string(), "bytes".to_string()]);
     assert_eq!(bmoe_sim::cli::run(argv, &[], &mut o, &mut e), 2);
     let _ = std::fs::remove_dir_all(&dir);
-}
-
-/// `bmoe-sim ARGS` in-process: (exit code, stdout, stderr).
-fn sim(args: &[&str]) -> (i32, String, String) {
-    let mut argv = vec!["bmoe-sim".to_string()];
-    argv.extend(args.iter().map(|s| s.to_string()));
-    let (mut o, mut e) = (Vec::new(), Vec::new());
-    let code = bmoe_sim::cli::run(argv, &[], &mut o, &mut e);
-    (
-        code,
-        String::from_utf8_lossy(&o).into_owned(),
-        String::from_utf8_lossy(&e).into_owned(),
-    )
 }
 
 #[test]

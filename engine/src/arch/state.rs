@@ -1043,20 +1043,6 @@ impl State {
         }
     }
 
-    /// Sequence `seq`'s memory (0: `mem`), or an error naming a sequence this state does not
-    /// hold.
-    pub fn seq_mem(&mut self, seq: usize) -> Result<&mut Vec<Memory>, ArchError> {
-        let n = self.seqs.len() + 1;
-        match seq {
-            0 => Ok(&mut self.mem),
-            s => self.seqs.get_mut(s - 1).ok_or_else(|| ArchError::Key {
-                file: String::new(),
-                key: "sequence".into(),
-                what: format!("{seq} is not held: this state holds {n}"),
-            }),
-        }
-    }
-
     /// Hold `n` sequences in all (`mem` and `n − 1` more of its shape and context size).
     pub fn set_sequences(&mut self, memory: &[LayerMemory], n: usize) {
         let n_ctx = self.n_ctx;
@@ -1070,20 +1056,12 @@ impl State {
     /// [`State::reusable_prefix`] of sequence `seq` (a KV-only model's: where every layer
     /// still holds what a batch starting there looks back at).
     pub fn seq_reusable_prefix(&self, seq: usize, n: usize) -> usize {
-        let mem = match seq {
-            0 => &self.mem,
-            s => match self.seqs.get(s - 1) {
-                Some(m) => m,
-                None => return 0,
-            },
-        };
         if seq == 0 {
             return self.reusable_prefix(n);
         }
-        if mem.iter().all(|l| l.holds_before(n)) {
-            n
-        } else {
-            0
+        match self.seqs.get(seq - 1) {
+            Some(mem) if mem.iter().all(|l| l.holds_before(n)) => n,
+            _ => 0,
         }
     }
 
