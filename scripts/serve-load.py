@@ -23,7 +23,10 @@ prefills it; the references alone are asked first). Prints per C the aggregate g
 tokens over the wall time), the first-token latency p50/p99 (request sent to first content
 chunk), the mean batch and the bytes read and routed per generated token of the shared steps
 (`/metrics`), with each figure's ratio to C = 1 -- measured side by side in one run. Every
-answer must equal its prompt's answer alone.
+answer must equal its prompt's answer alone. With `--sim target/release/bmoe-sim` the server
+records its route trace (`--route-trace`, the `seq` column) and the script replays it in the
+simulator with the server's streaming flags: the replay's counts of the shared decode steps
+must equal the server's `bmoe_batch_*_total` (steps, rows, bytes read and routed, routings).
 
     python3 scripts/serve-load.py --soak 1800 [--model M.gguf] [--clients 4]
 
@@ -161,8 +164,12 @@ def scaling(a):
     tmp = tempfile.mkdtemp(prefix="bmoe-serve-scaling-")
     par = max(counts)
     args = ["--parallel", str(par), "-c", str(1024 * par)] + a.server_args.split()
+    trace = os.path.join(tmp, "route.csv")
+    if a.sim:
+        args += ["--route-trace", trace]
     srv, port, err, err_path = start_server(a.bin, a.model, args, tmp, a.cap_mib)
     failures = []
+    final = {}
     try:
         body = lambda p: {"messages": [{"role": "user", "content": p}], "max_tokens": a.max_tokens, "temperature": 0}
         # Every request its own prompt, differing from the first word on, so that each
@@ -222,13 +229,61 @@ def scaling(a):
                   f"{r['p50'] * 1000:.0f} ms | {r['p99'] * 1000:.0f} ms | {r['p99'] / one['p99']:.2f} | "
                   f"{r['batch']:.2f} | {r['read'] / 2**20:.2f} | {r['routed'] / 2**20:.2f} |")
         print(f"answers equal to the prompt's answer alone: {'all' if not failures else 'NOT all'}")
+        final = metrics(port)
     finally:
         srv.terminate()
         srv.wait(timeout=60)
         err.close()
+    if a.sim and final:
+        failures += replay_check(a, trace, final, err_path)
     for f in failures:
         print(f"FAIL: {f}")
     sys.exit(1 if failures else 0)
+
+
+# The streaming flags serve and bmoe-sim share (a replay must run what the server ran).
+SIM_FLAGS = {"--moe-stream": 0, "--cache-mb": 1, "--force-cache": 0, "--eviction": 1, "--overlap": 0,
+             "--io-threads": 1, "--no-odirect": 0}
+
+
+def replay_check(a, trace, server, err_path):
+    """Replay the server's route trace (`seq` column) in bmoe-sim and hold its counts of the
+    shared decode steps to the server's `bmoe_batch_*_total`: the simulator predicts what the
+    batch reads."""
+    words, flags = a.server_args.split(), []
+    i = 0
+    while i < len(words):
+        n = SIM_FLAGS.get(words[i].split("=")[0])
+        if n is not None:
+            flags += words[i:i + 1 + (0 if "=" in words[i] else n)]
+            i += 1 + (0 if "=" in words[i] else n)
+        else:
+            i += 1
+    if "O_DIRECT" in open(err_path).read() and "--no-odirect" not in flags:
+        flags.append("--no-odirect")  # the server fell back to buffered reads
+    cmd = [a.sim, "replay", "--trace", trace] + flags
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        return [f"bmoe-sim replay failed: {r.stderr.strip()}"]
+    got = {}
+    for line in r.stdout.splitlines():
+        if line.startswith(("batched: decode_", "sim: ")):
+            got.update(kv.split("=", 1) for kv in line.split() if "=" in kv)
+    pairs = [("decode_steps", "bmoe_batch_steps_total"), ("decode_rows", "bmoe_batch_rows_total"),
+             ("decode_read_bytes", "bmoe_batch_read_bytes_total"),
+             ("decode_routed_bytes", "bmoe_batch_routed_bytes_total"),
+             ("decode_routings", "bmoe_batch_routings_total")]
+    print(f"simulator replay of the server's trace ({' '.join(cmd[1:])}):")
+    bad = []
+    for ours, theirs in pairs:
+        want, have = int(server.get(theirs, 0)), int(got.get(ours, -1))
+        print(f"  {ours} = {have}, server's {theirs} = {want}: {'equal' if want == have else 'DIFFERENT'}")
+        if want != have:
+            bad.append(f"the replay's {ours} {have} differs from the server's {theirs} {want}")
+    rows = max(int(got.get("decode_rows", 0)), 1)
+    print(f"  the replay reads {int(got.get('decode_read_bytes', 0)) / rows / 2**20:.2f} MiB per generated token "
+          f"(whole run: {got.get('hits')} hits, {got.get('misses')} misses, {got.get('evictions')} evictions)")
+    return bad
 
 
 def fds(pid):
@@ -380,6 +435,7 @@ def main():
     ap.add_argument("--per-client", type=int, default=3)
     ap.add_argument("--server-args", default="", help="more serve flags (--scaling, --soak)")
     ap.add_argument("--cap-mib", type=int, help="--scaling: run the server in a cgroup v1 memory cap of this many MiB (root)")
+    ap.add_argument("--sim", help="--scaling: bmoe-sim binary; record the server's route trace and hold its replay's counts to the server's metrics")
     ap.add_argument("--together", action="store_true", help="--scaling: every client starts at once (default: spread over one lone request)")
     ap.add_argument("--soak", type=float, help="seconds of mixed requests against --parallel (--clients of them)")
     a = ap.parse_args()

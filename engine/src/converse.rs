@@ -360,7 +360,7 @@ impl Conversation {
             load_s,
             ..
         } = loaded;
-        let sinks = Sinks::open(&mut files, &cfg, &engine, true)?;
+        let sinks = Sinks::open(&mut files, &cfg, &engine, true, args.sequences > 1)?;
         Sinks::install_compute_trace(&mut files, &cfg, &mut engine)?;
         let probe = host_probe(&engine);
         let n_ctx = cfg.n_ctx as usize;
@@ -752,6 +752,24 @@ impl Conversation {
             summary: outcome.summary,
             error,
         }))
+    }
+
+    /// One step of every lane of `lanes` on this model (`serve --parallel`), its routings and
+    /// reads written to the route and io traces (flushed after the step, as the generation
+    /// loop flushes after each token).
+    pub fn lanes_step<S>(
+        &mut self,
+        lanes: &mut bmoe_core::lanes::Lanes<S>,
+    ) -> Vec<bmoe_core::lanes::Ended<S>>
+    where
+        S: bmoe_core::TokenSource<EngineBackend>,
+    {
+        let mut traces = self.sinks.traces();
+        let ended = lanes.step(self.session.engine_mut(), &mut traces);
+        // A write that failed fails again at `finish`, which reports it (as the generation
+        // loop's files do): the step's lanes are not stopped for a trace.
+        let _ = bmoe_core::records::RecordSink::flush(&mut traces);
+        ended
     }
 
     /// Flush and close the output files.

@@ -801,6 +801,40 @@ pub(crate) struct Sinks {
     io: Option<IoTraceWriter<BufWriter<NamedFile>>>,
 }
 
+/// The route trace preamble of a run of `cfg` on `engine`: the model, its routing shape and
+/// gating, each MoE layer's bytes and extents (so the simulator prices reads exactly), and
+/// what marks the run (`--routing-from`'s note, a speculative run's `spec=`).
+pub fn route_preamble(cfg: &RunConfig, engine: &EngineStep) -> RoutePreamble {
+    RoutePreamble {
+        model: cfg.model.clone(),
+        arch: cfg.arch.clone(),
+        n_layer: cfg.n_layer,
+        n_expert: cfg.n_expert,
+        n_expert_used: cfg.n_expert_used,
+        gating: cfg.gating,
+        layers: TraceLayer::of_layout(engine.layout()),
+        notes: cfg
+            .routing_from
+            .iter()
+            .map(|t| {
+                format!(
+                    "routing followed the recorded trace {t} (--routing-from): an instrumented run"
+                )
+            })
+            .collect(),
+        // A speculative run's decode steps verify groups: marked, so the
+        // simulator refuses to replay it as plain decoding.
+        extra: if cfg.spec == bmoe_core::config::SpecMode::Off {
+            Vec::new()
+        } else {
+            vec![(
+                bmoe_core::telemetry::route_trace::SPEC_KEY.to_string(),
+                cfg.spec.name().to_string(),
+            )]
+        },
+    }
+}
+
 impl Sinks {
     /// `--compute-trace` / `--compute-trace-layers`: hand the opened file to `engine`'s
     /// backend, which writes its rows at the end of every step.
@@ -833,45 +867,27 @@ impl Sinks {
     /// route trace's preamble describes `engine`'s layout. `per_request` says requests may
     /// turn speculation on (a session, a server): the route trace then numbers its steps
     /// (the `group` column) whatever the flags say, so a verify decode replays as one step.
+    /// `batched`: several sequences share each step (`serve --parallel`), and the route trace
+    /// says whose each token is (the `seq` column).
     pub(crate) fn open(
         outputs: &mut RunOutputs,
         cfg: &RunConfig,
         engine: &EngineStep,
         per_request: bool,
+        batched: bool,
     ) -> Result<Sinks> {
         let csv = outputs.csv.take();
         let route = match outputs.route_trace.take() {
             Some(w) if cfg.moe_stream => {
-                let layers = TraceLayer::of_layout(engine.layout());
-                let pre = RoutePreamble {
-                    model: cfg.model.clone(),
-                    arch: cfg.arch.clone(),
-                    n_layer: cfg.n_layer,
-                    n_expert: cfg.n_expert,
-                    n_expert_used: cfg.n_expert_used,
-                    gating: cfg.gating,
-                    layers,
-                    notes: cfg
-                        .routing_from
-                        .iter()
-                        .map(|t| format!("routing followed the recorded trace {t} (--routing-from): an instrumented run"))
-                        .collect(),
-                    // A speculative run's decode steps verify groups: marked, so the
-                    // simulator refuses to replay it as plain decoding.
-                    extra: if cfg.spec == bmoe_core::config::SpecMode::Off {
-                        Vec::new()
-                    } else {
-                        vec![(
-                            bmoe_core::telemetry::route_trace::SPEC_KEY.to_string(),
-                            cfg.spec.name().to_string(),
-                        )]
-                    },
-                };
+                let pre = route_preamble(cfg, engine);
                 Some(RouteTraceWriter::with_columns(
                     w,
                     &pre,
                     bmoe_core::telemetry::route_trace::PredColumns::for_config(cfg),
-                    per_request || cfg.spec != bmoe_core::config::SpecMode::Off,
+                    bmoe_core::telemetry::route_trace::StepColumns {
+                        group: per_request || cfg.spec != bmoe_core::config::SpecMode::Off,
+                        seq: batched,
+                    },
                 )?)
             }
             _ => None,
@@ -894,6 +910,14 @@ impl Sinks {
     }
 
     /// Flush and close every file, reporting the first write error.
+    /// The route and io trace writers as one sink (a batched step's: `serve --parallel`).
+    pub(crate) fn traces(&mut self) -> bmoe_core::telemetry::TraceTee<'_> {
+        bmoe_core::telemetry::TraceTee {
+            route: self.route.as_mut().map(|w| w as &mut dyn RecordSink),
+            io: self.io.as_mut().map(|w| w as &mut dyn RecordSink),
+        }
+    }
+
     pub(crate) fn finish(self) -> Result<()> {
         if let Some(mut w) = self.csv {
             w.flush().context("writing --csv")?;
@@ -1030,7 +1054,7 @@ pub fn generate_with_cancel(
     } = loaded;
 
     cfg.n_predict = n_predict;
-    let mut sinks = Sinks::open(&mut files, &cfg, &engine, false)?;
+    let mut sinks = Sinks::open(&mut files, &cfg, &engine, false, false)?;
     Sinks::install_compute_trace(&mut files, &cfg, &mut engine)?;
     let mut logits_out = files.logits.take();
     engine.backend_mut().all_logits = logits_out.is_some();

@@ -235,3 +235,159 @@ fn a_family_that_cannot_batch_sequences_refuses_them() {
         assert!(r.is_err(), "{arch}");
     }
 }
+
+/// The `sim:` and `batched:` lines of a `bmoe-sim` run, as key=value pairs.
+fn sim_keys(args: &[String]) -> std::collections::BTreeMap<String, String> {
+    let mut argv = vec!["bmoe-sim".to_string()];
+    argv.extend(args.iter().cloned());
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    let code = bmoe_sim::cli::run(argv, &[], &mut out, &mut err);
+    let (out, err) = (String::from_utf8_lossy(&out), String::from_utf8_lossy(&err));
+    assert_eq!(code, 0, "bmoe-sim {args:?}: {err}");
+    out.lines()
+        .filter(|l| l.starts_with("sim: ") || l.starts_with("batched: "))
+        .flat_map(|l| l.split_whitespace())
+        .filter_map(|kv| kv.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+/// A batched run recorded with the `seq` column replays in the simulator exactly: every
+/// shared step as the one step it was, through the same cache, so the reads, hits, misses and
+/// evictions, the decode steps' `bmoe_batch_*` counts and the route trace itself (residency
+/// and bytes per routing) equal the engine's.
+fn batched_trace_replays_exactly(m: &Path, budget: &str, chunk: usize, tag: &str) {
+    use bmoe_core::telemetry::route_trace::{PredColumns, RouteTraceWriter, StepColumns};
+    let dir = bmoe_gates::scratch_dir("batched-replay");
+    let mut flags: Vec<String> = ["--cache-mb", budget, "--force-cache", "--io-threads", "3"]
+        .map(String::from)
+        .to_vec();
+    let mut argv = vec![
+        "bmoe-cli",
+        "-m",
+        m.to_str().unwrap(),
+        "-t",
+        "2",
+        "--moe-stream",
+    ];
+    argv.extend(flags.iter().map(String::as_str));
+    let cli = <bmoe_engine::cli::Cli as clap::Parser>::try_parse_from(argv).expect("args");
+    let loaded = bmoe_engine::run::load(&cli.run, m, &mut Vec::new()).expect("load");
+    let (cfg, mut e) = (loaded.cfg, loaded.engine);
+    if !cfg.o_direct {
+        // Replay what the engine achieved: buffered reads where O_DIRECT was refused.
+        flags.push("--no-odirect".into());
+    }
+    e.backend_mut().set_sequences(3).expect("sequences");
+    let recorded = dir.join(format!("{tag}-engine.route.csv"));
+    let file = std::io::BufWriter::new(std::fs::File::create(&recorded).expect("trace file"));
+    let mut w = RouteTraceWriter::with_columns(
+        file,
+        &bmoe_engine::run::route_preamble(&cfg, &e),
+        PredColumns::NONE,
+        StepColumns {
+            group: true,
+            seq: true,
+        },
+    )
+    .expect("trace header");
+    let prompts = prompts();
+    let mut lanes: Lanes<Greedy> = Lanes::new(3, chunk);
+    let (mut next, mut done, mut steps) = (0usize, 0usize, 0u32);
+    while done < prompts.len() {
+        if next < prompts.len() && lanes.has_free() && (steps % 3 == 0 || lanes.running() == 0) {
+            let start = Start {
+                prompt: &prompts[next],
+                n_predict: 24,
+                cancel: CancelFlag::new(),
+            };
+            assert!(lanes
+                .start(&mut e, next as u64, start, Greedy)
+                .expect("start")
+                .is_none());
+            next += 1;
+        }
+        for end in lanes.step(&mut e, &mut w) {
+            assert_eq!(end.stop, StopReason::Count, "{:?}", end.error);
+            done += 1;
+        }
+        steps += 1;
+        assert!(steps < 1000, "the lanes do not finish");
+    }
+    let counters = e.cache().counters();
+    use std::io::Write;
+    w.finish().expect("trace written").flush().expect("flushed");
+
+    let replayed = dir.join(format!("{tag}-sim.route.csv"));
+    let mut args: Vec<String> = vec![
+        "replay".into(),
+        "--trace".into(),
+        recorded.display().to_string(),
+        "--profile".into(),
+        "this-machine".into(),
+        "--route-trace".into(),
+        replayed.display().to_string(),
+    ];
+    args.extend(flags);
+    let sim = sim_keys(&args);
+    let get = |k: &str| -> u64 {
+        sim.get(k)
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("{tag}: no {k} in {sim:?}"))
+    };
+    assert_eq!(
+        (get("hits"), get("misses"), get("evictions"), get("rereads")),
+        (
+            counters.hits,
+            counters.misses,
+            counters.evictions,
+            counters.rereads
+        ),
+        "{tag}: the replay's cache counts"
+    );
+    assert_eq!(
+        (
+            get("decode_steps"),
+            get("decode_rows"),
+            get("decode_read_bytes"),
+            get("decode_routed_bytes"),
+            get("decode_routings"),
+        ),
+        (
+            lanes.steps,
+            lanes.rows,
+            lanes.read_bytes,
+            lanes.routed_bytes,
+            lanes.routings
+        ),
+        "{tag}: the replay's decode steps"
+    );
+    assert!(
+        lanes.rows > lanes.steps,
+        "{tag}: the lanes shared steps: {} rows in {} steps",
+        lanes.rows,
+        lanes.steps
+    );
+    assert!(
+        counters.hits > 0 && counters.evictions > 0,
+        "{tag}: the budget must both hit and evict, or the gate proves little: {counters:?}"
+    );
+    let read = |p: &Path| std::fs::read_to_string(p).expect("trace");
+    assert!(
+        read(&recorded) == read(&replayed),
+        "{tag}: the replayed route trace differs from the engine's ({} and {})",
+        recorded.display(),
+        replayed.display()
+    );
+}
+
+#[test]
+fn a_batched_run_replays_exactly_in_the_simulator() {
+    for arch in ["qwen3moe", "gpt-oss"] {
+        let m = arch_model(arch);
+        batched_trace_replays_exactly(&m, "6", 0, &format!("{arch}-whole"));
+        // Prompts fed 7 rows a step: steps where every sequence is mid-prompt route no row
+        // at the last layer.
+        batched_trace_replays_exactly(&m, "6", 7, &format!("{arch}-ubatch7"));
+    }
+}

@@ -84,6 +84,7 @@ fn write_trace(path: &Path) {
                     expert_bytes: 64_000,
                     dropped: false,
                     preds: Default::default(),
+                    row: 0,
                     router_expert: None,
                 })
                 .expect("row");

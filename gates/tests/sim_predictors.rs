@@ -134,6 +134,7 @@ fn write_trace(path: &Path, columns: PredColumns) {
                     expert_bytes: 0,
                     dropped: false,
                     preds,
+                    row: 0,
                     router_expert: committed.then_some(u32::from(own[slot])),
                 })
                 .expect("row");

@@ -19,6 +19,10 @@
 //! [`crate::Backend::verifies_rows`]), so each lane chooses exactly what it would alone; the
 //! gate `gates/tests/batched.rs` holds the engine to it.
 //!
+//! **Trace**: the rows of a step are in sequence order, and the sink hears each row's
+//! sequence ([`RecordSink::step_rows`]) before the step: a route trace with the `seq` column
+//! records a batched run the simulator replays step by step (`bmoe-sim replay`).
+//!
 //! **Failures**: a failed step poisons the engine (STYLE 12) and ends every lane `Failed`; a
 //! source's error ends its own lane `Failed`; a set cancel flag ends its lane at the next
 //! token boundary.
@@ -234,6 +238,10 @@ impl<S> Lanes<S> {
         if self.running.is_empty() {
             return ended;
         }
+        // Rows in sequence order: a route trace keys a batched step's tokens by sequence and
+        // position, and its replay feeds them in that order, so the cache sees the experts
+        // in the order the engine looked them up.
+        self.running.sort_by_key(|l| l.seq);
         // Each lane's rows: its chosen token, or the next piece of its prompt. `fed[i]`: the
         // lane's row count; `out[i]`: its logits row, when its rows end its prompt or it
         // decodes.
@@ -300,6 +308,11 @@ impl<S> Lanes<S> {
                 // Only the rows that choose a token need logits (a prompt's last row).
                 let b = engine.backend_mut();
                 b.logits_at_rows(&out_rows);
+                let seqs: Vec<u32> = runs
+                    .iter()
+                    .flat_map(|r| std::iter::repeat_n(r.seq, r.rows as usize))
+                    .collect();
+                sink.step_rows(&seqs);
                 let r = engine.step(&input, sink).map_err(|e| e.to_string());
                 engine.backend_mut().logits_at_rows(&[]);
                 r

@@ -17,6 +17,9 @@ pub struct RouteRecord {
     pub phase: Phase,
     /// Absolute context position of the routed token.
     pub step: i64,
+    /// The token's row in its step's batch (which sequence it belongs to, under
+    /// `serve --parallel`, is the step's [`RecordSink::step_rows`]).
+    pub row: u32,
     /// MoE layer index.
     pub layer: u32,
     /// Rank in the router's order, 0 = top choice.
@@ -75,6 +78,10 @@ pub trait RecordSink {
     /// A step starts (before any of its records): a speculative run's route trace numbers
     /// its steps, so a verify decode's positions replay as the one step they were.
     fn begin_step(&mut self, _turn: u32, _phase: Phase) {}
+    /// The sequence each batch row of the next step belongs to (`seqs[row]`), before it runs:
+    /// sent by steps that decode several sequences together (`crate::lanes`), so a route trace
+    /// can say which sequence a routed token belongs to. Not sent otherwise.
+    fn step_rows(&mut self, _seqs: &[u32]) {}
     fn route(&mut self, _r: &RouteRecord) {}
     fn io(&mut self, _r: &IoRecord) {}
     /// A turn ended, having generated `tokens` tokens, with speculation on or not: what a

@@ -689,6 +689,7 @@ impl Streamer {
                     } else {
                         Default::default()
                     },
+                    row: routing.batch_row(r),
                     router_expert: if predicted {
                         io.router_ids.get(rank).map(|&e| u32::from(e))
                     } else {

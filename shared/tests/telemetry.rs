@@ -1046,6 +1046,7 @@ fn route_records() -> Vec<RouteRecord> {
                 },
                 dropped: dropped[slot],
                 preds: Default::default(),
+                row: 0,
                 router_expert: None,
             });
         }

@@ -18,7 +18,7 @@ use bmoe_core::config::{auto_cache_budget, RunConfig, SpecMode, MIB};
 use bmoe_core::telemetry::io_trace::IoTraceWriter;
 use bmoe_core::telemetry::report::{write_report, ReportContext};
 use bmoe_core::telemetry::route_trace::{
-    PredColumns, RoutePreamble, RouteTrace, RouteTraceWriter, SPEC_KEY,
+    PredColumns, RoutePreamble, RouteTrace, RouteTraceWriter, StepColumns, SPEC_KEY,
 };
 use bmoe_core::{records::RecordSink, ExpertLayout};
 use bmoe_flags::{
@@ -988,6 +988,19 @@ fn run_replay(
             format!("no policy named {}", p.cfg.eviction.name()),
         )
     })?;
+    let batched = p.trace.has_seq_column();
+    if batched && (a.telemetry.csv.is_some() || a.telemetry.progress) {
+        return Err(SimError::invalid(
+            if a.telemetry.csv.is_some() {
+                "--csv"
+            } else {
+                "--progress"
+            },
+            "the trace is a batched run's (its seq column: serve --parallel), replayed step by \
+             step with no generation loop to report per token; drop the flag (--route-trace and \
+             --io-trace work)",
+        ));
+    }
     let mut csv = a.telemetry.csv.as_deref().map(create).transpose()?;
     let mut route = match &a.telemetry.route_trace {
         Some(path) => {
@@ -998,7 +1011,10 @@ fn run_replay(
                     create(path)?,
                     &pre,
                     p.pred_columns,
-                    p.trace.has_group_column(),
+                    StepColumns {
+                        group: p.trace.has_group_column(),
+                        seq: p.trace.has_seq_column(),
+                    },
                 )
                 .map_err(|e| SimError::io(path, e))?,
             )
@@ -1013,6 +1029,30 @@ fn run_replay(
     let mut stamped = route
         .as_mut()
         .map(|w| RecordedPredictions::new(&p.trace, w as &mut dyn RecordSink));
+    if batched {
+        let setup = ReplaySetup {
+            trace: p.trace.clone(),
+            plan: p.plan.clone(),
+            layout: &p.layout,
+            cfg: &p.cfg,
+            budget_bytes,
+            policy,
+            profile: &p.profile,
+            seed: a.seed,
+        };
+        let result = replay::run_batched(
+            setup,
+            ReplayOutputs {
+                route: stamped.as_mut().map(|w| w as &mut dyn RecordSink),
+                io: io.as_mut().map(|w| w as &mut dyn RecordSink),
+                ..Default::default()
+            },
+        )?;
+        finish_traces(route, io, &a.telemetry)?;
+        return write_batched_report(out, &p, a.seed, &result)
+            .map(|()| 0)
+            .map_err(|e| SimError::io("stdout", e));
+    }
     let result = replay::run(
         ReplaySetup {
             trace: p.trace.clone(),
@@ -1036,16 +1076,7 @@ fn run_replay(
     if let (Some(mut w), Some(path)) = (csv, &a.telemetry.csv) {
         w.flush().map_err(|e| SimError::io(path, e))?;
     }
-    if let (Some(w), Some(path)) = (route, &a.telemetry.route_trace) {
-        w.finish()
-            .and_then(|mut f| f.flush())
-            .map_err(|e| SimError::io(path, e))?;
-    }
-    if let (Some(w), Some(path)) = (io, &a.telemetry.io_trace) {
-        w.finish()
-            .and_then(|mut f| f.flush())
-            .map_err(|e| SimError::io(path, e))?;
-    }
+    finish_traces(route, io, &a.telemetry)?;
     let ctx = ReportContext {
         progress,
         answer: "",
@@ -1080,6 +1111,86 @@ fn run_replay(
     }
     out.flush().map_err(w)?;
     Ok(0)
+}
+
+/// Flush the replay's route and io traces to their files.
+fn finish_traces(
+    route: Option<RouteTraceWriter<std::io::BufWriter<std::fs::File>>>,
+    io: Option<IoTraceWriter<std::io::BufWriter<std::fs::File>>>,
+    t: &TelemetryArgs,
+) -> Result<(), SimError> {
+    if let (Some(w), Some(path)) = (route, &t.route_trace) {
+        w.finish()
+            .and_then(|mut f| f.flush())
+            .map_err(|e| SimError::io(path, e))?;
+    }
+    if let (Some(w), Some(path)) = (io, &t.io_trace) {
+        w.finish()
+            .and_then(|mut f| f.flush())
+            .map_err(|e| SimError::io(path, e))?;
+    }
+    Ok(())
+}
+
+/// The report of a batched run's replay: the `batched:` line (what `serve --parallel`'s
+/// `bmoe_batch_*_total` metrics count) and the `sim:` line every replay prints.
+fn write_batched_report(
+    out: &mut dyn Write,
+    p: &Prepared,
+    seed: u64,
+    r: &replay::BatchedResult,
+) -> std::io::Result<()> {
+    let per = |x: u64| {
+        if r.decode_rows == 0 {
+            0.0
+        } else {
+            x as f64 / r.decode_rows as f64 / MIB as f64
+        }
+    };
+    writeln!(
+        out,
+        "batched: {} steps, {} of them decoding {} tokens (mean batch {:.2}): {:.2} MiB read and {:.2} MiB routed per token, {} routings",
+        r.steps,
+        r.decode_steps,
+        r.decode_rows,
+        if r.decode_steps == 0 {
+            0.0
+        } else {
+            r.decode_rows as f64 / r.decode_steps as f64
+        },
+        per(r.decode_read_bytes),
+        per(r.decode_routed_bytes),
+        r.decode_routings
+    )?;
+    writeln!(
+        out,
+        "batched: decode_steps={} decode_rows={} decode_read_bytes={} decode_routed_bytes={} decode_routings={}",
+        r.decode_steps, r.decode_rows, r.decode_read_bytes, r.decode_routed_bytes, r.decode_routings
+    )?;
+    let c = r.cache;
+    writeln!(
+        out,
+        "sim: profile={} seed={} steps={} lookups={} hits={} misses={} evictions={} rereads={} read_bytes={} virtual_s={}",
+        p.profile.name,
+        seed,
+        r.steps,
+        c.hits + c.misses,
+        c.hits,
+        c.misses,
+        c.evictions,
+        c.rereads,
+        r.read_bytes,
+        bmoe_core::telemetry::fmt::fixed(r.end.as_secs_f64(), 6)
+    )?;
+    if p.cfg.inject_faults.is_some() || r.read_retries > 0 {
+        let f = r.faults;
+        writeln!(
+            out,
+            "sim: injected faults eio={} short={} spike={} stuck={} retried_reads={}",
+            f.eio, f.short, f.spike, f.stuck, r.read_retries
+        )?;
+    }
+    out.flush()
 }
 
 /// The shared flags at their defaults (what a sweep starts every cell from).

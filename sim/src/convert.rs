@@ -512,6 +512,7 @@ pub fn convert(text: &str, format: Format, opt: &ConvertOptions) -> Result<Conve
                 expert_bytes: opt.expert_bytes,
                 dropped: false,
                 preds: Default::default(),
+                row: 0,
                 router_expert: None,
             })
             .map_err(|e| SimError::io("route trace", e))?;

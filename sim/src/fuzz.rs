@@ -122,6 +122,7 @@ fn synthetic_trace(rng: &mut ChaCha8Rng) -> Result<RouteTrace, String> {
                     expert_bytes: l.expert_bytes,
                     dropped: false,
                     preds: Default::default(),
+                    row: 0,
                     router_expert: None,
                 })
                 .map_err(|e| e.to_string())?;

@@ -8,6 +8,11 @@
 //! whole prompt, as the engine runs it: each layer routes every prompt token it has rows for —
 //! all of them, except the last MoE layer, which routes only the final position.
 //!
+//! **Batched runs** (`serve --parallel`, a trace with the `seq` column): each shared step is a
+//! turn of its own; its rows are every sequence's tokens, in (sequence, position) order — the
+//! engine's batch order. A step that feeds any prompt is a prefill, whose last layer routes
+//! only the rows that choose a token (none, when every sequence is mid-prompt).
+//!
 //! **Access order.** The core's streamer looks a layer's experts up in first-use order: rows in
 //! batch order, ranks in router order within a row, each expert once. `AccessSeq` is exactly
 //! that order, one group per (step, MoE layer), in step order and, within a step, MoE-layer
@@ -101,6 +106,8 @@ pub struct PlanStep {
     pub phase: Phase,
     /// Context position of each batch row.
     pub positions: Vec<u32>,
+    /// The sequence of each batch row (a batched run's `seq` column; 0 without it).
+    pub seqs: Vec<u32>,
     /// Rows sorted by (MoE layer, batch row); layer `m`'s are `rows[layer_start[m] ..
     /// layer_start[m + 1]]`.
     pub rows: Vec<RowRef>,
@@ -174,8 +181,11 @@ impl ReplayPlan {
                 return Ok(());
             };
             let mut layer_start = order_rows(trace, n_moe, &mut p.rows);
+            // A batched step whose sequences are all mid-prompt routes none of its rows at
+            // the last layer (none of them chooses a token).
+            let batched_last = |m: usize| trace.has_seq_column() && m + 1 == n_moe && n_moe > 1;
             for m in 0..n_moe {
-                if layer_start[m + 1] == 0 {
+                if layer_start[m + 1] == 0 && !batched_last(m) {
                     return Err(SimError::Trace {
                         reason: format!(
                             "turn {}: the prefill routes no token at layer {}",
@@ -208,6 +218,7 @@ impl ReplayPlan {
                         c.turn == head.turn
                             && c.phase == head.phase
                             && c.group == head.group
+                            && c.seq == head.seq
                             && c.step == head.step
                     })
                     .count();
@@ -223,11 +234,13 @@ impl ReplayPlan {
                         turn: ts.turn,
                         phase: Phase::Prefill,
                         positions: Vec::new(),
+                        seqs: Vec::new(),
                         rows: Vec::new(),
                         layer_start: Vec::new(),
                     });
                     let batch_row = p.positions.len() as u32;
                     p.positions.push(position(ts.step, ts.turn)?);
+                    p.seqs.push(ts.seq);
                     for i in token {
                         p.rows.push(RowRef {
                             batch_row,
@@ -258,15 +271,17 @@ impl ReplayPlan {
                             decode: steps.len()..steps.len(),
                         });
                     }
-                    // A speculative run's verify decode: the positions of one group are the
-                    // batch rows of one step (sorted by layer below).
-                    if trace.has_group_column()
+                    // A speculative run's verify decode, or a batched run's step: the
+                    // positions of one group are the batch rows of one step (sorted by layer
+                    // below).
+                    if (trace.has_group_column() || trace.has_seq_column())
                         && turns.last().is_some_and(|t| !t.decode.is_empty())
                         && open_group == Some((ts.turn, ts.group))
                     {
                         let s = steps.last_mut().expect("the group's step");
                         let batch_row = s.positions.len() as u32;
                         s.positions.push(position(ts.step, ts.turn)?);
+                        s.seqs.push(ts.seq);
                         s.rows.extend(token.map(|i| RowRef {
                             batch_row,
                             cell: i as u32,
@@ -284,6 +299,7 @@ impl ReplayPlan {
                         turn: ts.turn,
                         phase: Phase::Decode,
                         positions: vec![position(ts.step, ts.turn)?],
+                        seqs: vec![ts.seq],
                         rows,
                         layer_start: (0..=n_moe as u32).collect(),
                     });

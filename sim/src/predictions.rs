@@ -283,6 +283,9 @@ impl RecordSink for RecordedPredictions<'_> {
     fn begin_step(&mut self, turn: u32, phase: bmoe_core::records::Phase) {
         self.inner.begin_step(turn, phase);
     }
+    fn step_rows(&mut self, seqs: &[u32]) {
+        self.inner.step_rows(seqs);
+    }
     fn route(&mut self, r: &RouteRecord) {
         let stamped = self.stamp(r);
         self.inner.route(&stamped);
@@ -380,6 +383,7 @@ pub(crate) mod tests {
                         expert_bytes: 0,
                         dropped: false,
                         preds,
+                        row: 0,
                         router_expert: committed.then_some(router[slot]),
                     })
                     .expect("row");
@@ -582,6 +586,7 @@ pub(crate) mod tests {
                 // What the core hands the sink: no predictions, no router choice.
                 sink.route(&RouteRecord {
                     preds: [None; PRED_HORIZON_MAX],
+                    row: 0,
                     router_expert: None,
                     ..r
                 });

@@ -306,27 +306,23 @@ fn sim_error(e: GenerateError) -> SimError {
     }
 }
 
-/// Run the replay through the core's generation loop (`bmoe_core::Session`), one turn per
-/// recorded turn. The CSV preamble is written from `setup.cfg`, one `# summary` per turn.
-pub fn run(setup: ReplaySetup<'_>, out: ReplayOutputs<'_>) -> Result<ReplayResult, SimError> {
-    let ReplaySetup {
-        trace,
-        plan,
-        layout,
-        cfg,
-        budget_bytes,
-        policy,
-        profile,
-        seed,
-    } = setup;
-    let ReplayOutputs {
-        csv,
-        progress,
-        route,
-        io,
-        decode_stats,
-        on_step,
-    } = out;
+/// The engine a replay runs.
+type SimEngine = Engine<VirtualClock, RetryFlash<crate::flash::SharedFlash>, TraceBackend>;
+
+/// The replay's engine: the core's `Engine` over the flash model (retried as the engine
+/// retries), the trace backend and a cache of `budget_bytes` under `policy`, with the router
+/// hooks and predictors `cfg` asks for — what `bmoe-cli` builds over real flash and kernels.
+#[allow(clippy::too_many_arguments)]
+fn build_engine(
+    trace: &Arc<RouteTrace>,
+    plan: &Arc<ReplayPlan>,
+    layout: &ExpertLayout,
+    cfg: &RunConfig,
+    budget_bytes: u64,
+    policy: Box<dyn EvictionPolicy>,
+    profile: &DeviceProfile,
+    seed: u64,
+) -> Result<(VirtualClock, SimEngine), SimError> {
     let k = cfg.n_expert_used as u16;
     let clock = VirtualClock::new();
     let mut flash = FlashModel::new(
@@ -377,6 +373,49 @@ pub fn run(setup: ReplaySetup<'_>, out: ReplayOutputs<'_>) -> Result<ReplayResul
         engine.add_hook(hook);
     }
     engine.set_predictors(bmoe_core::PredictConfig::from_run_config(cfg));
+    Ok((clock, engine))
+}
+
+/// Run the replay through the core's generation loop (`bmoe_core::Session`), one turn per
+/// recorded turn. The CSV preamble is written from `setup.cfg`, one `# summary` per turn.
+pub fn run(setup: ReplaySetup<'_>, out: ReplayOutputs<'_>) -> Result<ReplayResult, SimError> {
+    let ReplaySetup {
+        trace,
+        plan,
+        layout,
+        cfg,
+        budget_bytes,
+        policy,
+        profile,
+        seed,
+    } = setup;
+    let ReplayOutputs {
+        csv,
+        progress,
+        route,
+        io,
+        decode_stats,
+        on_step,
+    } = out;
+    if trace.has_seq_column() {
+        return Err(SimError::invalid(
+            "replay",
+            "the trace is a batched run's (its seq column: serve --parallel), whose steps hold \
+             several requests' tokens: `bmoe-sim replay` replays it step by step; sweeps, \
+             calibration and the fuzzer follow one generation at a time",
+        ));
+    }
+    let k = cfg.n_expert_used as u16;
+    let (clock, engine) = build_engine(
+        &trace,
+        &plan,
+        layout,
+        cfg,
+        budget_bytes,
+        policy,
+        profile,
+        seed,
+    )?;
     let mut session = Session::new(engine, cfg.clone(), 0.0, Box::new(NoProbe));
     let mut source = Replayer {
         plan: &plan,
@@ -439,4 +478,111 @@ pub fn run(setup: ReplaySetup<'_>, out: ReplayOutputs<'_>) -> Result<ReplayResul
         read_retries: session.engine().flash().retried(),
         faults: session.engine().flash().inner().fault_counts(),
     })
+}
+
+/// What the replay of a batched run's trace (`serve --parallel`, the `seq` column) counted:
+/// the cache's counters and, over the steps that fed no prompt, what `serve`'s
+/// `bmoe_batch_*_total` metrics count (`bmoe_core::lanes::Lanes`).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct BatchedResult {
+    /// The cache's counters over every step.
+    pub cache: CacheCounters,
+    /// Σ read bytes (aligned windows) over every step.
+    pub read_bytes: u64,
+    /// Shared steps replayed.
+    pub steps: u64,
+    /// Of them, steps that fed no prompt (every row a sequence's chosen token), and their
+    /// rows, read bytes, routed bytes (each distinct expert of a layer once) and routings.
+    pub decode_steps: u64,
+    pub decode_rows: u64,
+    pub decode_read_bytes: u64,
+    pub decode_routed_bytes: u64,
+    pub decode_routings: u64,
+    /// Virtual time at the end.
+    pub end: Nanos,
+    /// Reads retried after an (injected) EIO or short read.
+    pub read_retries: u64,
+    /// Faults `--inject-faults` dealt.
+    pub faults: FaultCounts,
+}
+
+/// Replay a batched run's trace (`RouteTrace::has_seq_column`): every recorded step, in
+/// order, is one `Engine::step` over its rows — each sequence's tokens at their own
+/// positions, in the engine's batch order — through the same cache, policy, hooks and
+/// streamer as the engine, so the reads, hits and evictions are the engine's. There is no
+/// generation loop to replay (the server's lanes choose the tokens), so no CSV and no
+/// per-token report: only the route and io traces of `out` are written.
+pub fn run_batched(
+    setup: ReplaySetup<'_>,
+    out: ReplayOutputs<'_>,
+) -> Result<BatchedResult, SimError> {
+    let ReplaySetup {
+        trace,
+        plan,
+        layout,
+        cfg,
+        budget_bytes,
+        policy,
+        profile,
+        seed,
+    } = setup;
+    if !trace.has_seq_column() {
+        return Err(SimError::invalid(
+            "replay",
+            "the trace has no seq column: it is not a batched run's (replay it turn by turn)",
+        ));
+    }
+    let (clock, mut engine) = build_engine(
+        &trace,
+        &plan,
+        layout,
+        cfg,
+        budget_bytes,
+        policy,
+        profile,
+        seed,
+    )?;
+    let mut sink = bmoe_core::telemetry::TraceTee {
+        route: out.route,
+        io: out.io,
+    };
+    let mut on_step = out.on_step;
+    let mut r = BatchedResult::default();
+    let mut tokens: Vec<u32> = Vec::new();
+    for (index, step) in plan.steps.iter().enumerate() {
+        engine
+            .backend_mut()
+            .set_step(index)
+            .map_err(|e| SimError::invalid("replay plan", e.to_string()))?;
+        tokens.clear();
+        tokens.resize(step.positions.len(), 0);
+        sink.step_rows(&step.seqs);
+        let st = engine.step(
+            &StepInput {
+                turn: step.turn,
+                phase: step.phase,
+                tokens: &tokens,
+                positions: &step.positions,
+            },
+            &mut sink,
+        )?;
+        r.steps += 1;
+        r.read_bytes += st.read_bytes;
+        if step.phase == Phase::Decode {
+            r.decode_steps += 1;
+            r.decode_rows += tokens.len() as u64;
+            r.decode_read_bytes += st.read_bytes;
+            r.decode_routed_bytes += st.routed_bytes;
+            r.decode_routings += st.experts_routed;
+        }
+        if let Some(f) = on_step.as_deref_mut() {
+            f(&st, engine.cache()).map_err(|e| SimError::invalid("invariant", e))?;
+        }
+    }
+    sink.flush().map_err(|e| SimError::io("trace", e))?;
+    r.cache = engine.cache().counters();
+    r.end = clock.now();
+    r.read_retries = engine.flash().retried();
+    r.faults = engine.flash().inner().fault_counts();
+    Ok(r)
 }

@@ -176,6 +176,7 @@ pub fn map_routing(
                     expert_bytes: 0,
                     dropped: false,
                     preds: [None; PRED_HORIZON_MAX],
+                    row: 0,
                     router_expert: None,
                 })
                 .map_err(|e| SimError::io("whatif", e))?;

@@ -79,6 +79,7 @@ fn synthetic_trace(path: &Path, layout_path: &Path, model: &str, tokens: i64) {
                     expert_bytes: 0,
                     dropped: false,
                     preds: [None; PRED_HORIZON_MAX],
+                    row: 0,
                     router_expert: None,
                 })
                 .expect("row");

@@ -9,7 +9,6 @@
 use super::*;
 use crate::converse::{relay, Relay};
 use bmoe_core::lanes::{Ended, Lanes, Start};
-use bmoe_core::records::NullSink;
 use std::collections::VecDeque;
 
 /// A job being served: how many of its choices started and are still to finish.
@@ -192,7 +191,7 @@ impl Engine {
                     }
                 }
             }
-            for ended in lanes.step(conv.engine_mut(), &mut NullSink) {
+            for ended in conv.lanes_step(&mut lanes) {
                 self.lane_ended(&mut jobs, &mut waiting, &lanes, ended);
             }
             let now = [

@@ -1568,14 +1568,12 @@ pub fn serve(mut a: ServeArgs, signal: &CancelFlag) -> Result<i32> {
         if a.run.mtp || a.run.ngram {
             bail!("--parallel {}: --mtp and --ngram draft for one request at a time; use --parallel 1 to draft", a.parallel);
         }
+        // The route and io traces record shared steps (the route trace's `seq` column says
+        // whose each token is); the per-token files follow one generation.
         let t = &a.run.telemetry;
-        if t.csv.is_some()
-            || t.route_trace.is_some()
-            || t.io_trace.is_some()
-            || a.run.compute_trace.is_some()
-            || a.run.compute_trace_layers.is_some()
+        if t.csv.is_some() || a.run.compute_trace.is_some() || a.run.compute_trace_layers.is_some()
         {
-            bail!("--parallel {}: the per-token telemetry files follow one request at a time; use --parallel 1 to write them", a.parallel);
+            bail!("--parallel {}: --csv and the compute traces follow one request at a time; use --parallel 1 to write them (--route-trace and --io-trace record the shared steps)", a.parallel);
         }
         // As llama-server: the context is split between the slots.
         let per = a.run.ctx / a.parallel;

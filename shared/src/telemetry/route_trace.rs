@@ -49,6 +49,11 @@ pub const ROUTER_EXPERT_COLUMN: &str = "router_expert";
 /// its turn), so the positions of one verify decode replay as one step, and a position fed again
 /// after a rejected draft as another.
 pub const GROUP_COLUMN: &str = "group";
+/// The optional column of a batched run's trace (`serve --parallel`): the sequence (the
+/// server's slot) a routed token belongs to. Several sequences share each step, each at its
+/// own positions, so with the column a cell's key is `(turn, phase, group, seq, step, layer)`;
+/// the steps are numbered by `turn` (one per shared step) and `group` is always 0.
+pub const SEQ_COLUMN: &str = "seq";
 /// The model-line key a speculative run's trace carries: its draft source (`spec=ngram`).
 pub const SPEC_KEY: &str = "spec";
 /// The model-line key naming the `--route-ahead` depth a trace was recorded with.
@@ -223,7 +228,18 @@ pub struct RouteTraceWriter<W: Write> {
     columns: PredColumns,
     /// With the `group` column: the turn and the index within it of the step being written.
     group: Option<(Option<u32>, u32)>,
+    /// With the `seq` column: the sequence of each batch row of the step being written
+    /// ([`RecordSink::step_rows`]).
+    seqs: Option<Vec<u32>>,
     error: Option<io::Error>,
+}
+
+/// The optional columns that place a row within its run's steps: `group` (a speculative or
+/// session run: [`GROUP_COLUMN`]) and `seq` (a batched run: [`SEQ_COLUMN`]).
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct StepColumns {
+    pub group: bool,
+    pub seq: bool,
 }
 
 fn invalid_input(reason: String) -> io::Error {
@@ -251,16 +267,17 @@ impl<W: Write> RouteTraceWriter<W> {
     /// `InvalidInput` when a horizon or the route-ahead depth exceeds `PRED_HORIZON_MAX`.
     /// A `route_ahead` key in `p.extra` is not copied: `columns` is authoritative.
     pub fn with_predictions(w: W, p: &RoutePreamble, columns: PredColumns) -> io::Result<Self> {
-        Self::with_columns(w, p, columns, false)
+        Self::with_columns(w, p, columns, StepColumns::default())
     }
 
-    /// [`RouteTraceWriter::with_predictions`], and with `groups` the `group` column (a
-    /// speculative run: see [`GROUP_COLUMN`]), numbered from the steps' `begin_step`.
+    /// [`RouteTraceWriter::with_predictions`], and the step columns `steps` asks for: `group`
+    /// (a speculative run: see [`GROUP_COLUMN`]), numbered from the steps' `begin_step`, and
+    /// `seq` ([`SEQ_COLUMN`]), from the steps' `step_rows`.
     pub fn with_columns(
         mut w: W,
         p: &RoutePreamble,
         columns: PredColumns,
-        groups: bool,
+        steps: StepColumns,
     ) -> io::Result<Self> {
         if usize::from(columns.horizons) > PRED_HORIZON_MAX
             || usize::from(columns.route_ahead) > PRED_HORIZON_MAX
@@ -315,9 +332,13 @@ impl<W: Write> RouteTraceWriter<W> {
             header.push(',');
             header.push_str(&name);
         }
-        if groups {
+        if steps.group {
             header.push(',');
             header.push_str(GROUP_COLUMN);
+        }
+        if steps.seq {
+            header.push(',');
+            header.push_str(SEQ_COLUMN);
         }
         writeln!(w, "{header}")?;
         Ok(RouteTraceWriter {
@@ -325,7 +346,8 @@ impl<W: Write> RouteTraceWriter<W> {
             layer_ids: p.layers.iter().map(|l| l.layer).collect(),
             n_expert: p.n_expert,
             columns,
-            group: groups.then_some((None, 0)),
+            group: steps.group.then_some((None, 0)),
+            seqs: steps.seq.then(Vec::new),
             error: None,
         })
     }
@@ -406,6 +428,19 @@ impl<W: Write> RouteTraceWriter<W> {
         if let Some((_, g)) = self.group {
             tail.push_str(&format!(",{g}"));
         }
+        if let Some(seqs) = &self.seqs {
+            let seq = seqs.get(r.row as usize).ok_or_else(|| {
+                invalid_input(format!(
+                    "route record (step {}, MoE layer {}, slot {}) of batch row {} but the step named the sequences of {} rows",
+                    r.step,
+                    r.layer,
+                    r.slot,
+                    r.row,
+                    seqs.len()
+                ))
+            })?;
+            tail.push_str(&format!(",{seq}"));
+        }
         writeln!(
             self.w,
             "{},{},{},{},{},{},{},{},{},{}{}",
@@ -445,6 +480,12 @@ impl<W: Write> RecordSink for RouteTraceWriter<W> {
                 *t = Some(turn);
                 *g = 0;
             }
+        }
+    }
+    fn step_rows(&mut self, seqs: &[u32]) {
+        if let Some(v) = self.seqs.as_mut() {
+            v.clear();
+            v.extend_from_slice(seqs);
         }
     }
     fn route(&mut self, r: &RouteRecord) {
@@ -495,6 +536,9 @@ pub struct RouteCell {
     /// The step's index within its turn (the `group` column of a speculative run's trace; 0
     /// in a trace without it, where a decode step is one position).
     pub group: u32,
+    /// The sequence the token belongs to (the `seq` column of a batched run's trace; 0 in a
+    /// trace without it).
+    pub seq: u32,
     pub step: i64,
     /// Position of the layer in `RoutePreamble::layers`.
     pub moe_layer: u16,
@@ -528,6 +572,8 @@ pub struct RouteTrace {
     has_router_expert_column: bool,
     /// Whether the file had the `group` column (a speculative run's).
     has_group_column: bool,
+    /// Whether the file had the `seq` column (a batched run's).
+    has_seq_column: bool,
     /// Each turn's [`TURN_END_PREFIX`] line, by turn (a trace whose writer had none: empty).
     turn_ends: std::collections::BTreeMap<u32, TurnEnd>,
     /// Per slot (parallel to `slots`), `pred_columns.horizons` entries: horizon `h` at
@@ -541,6 +587,7 @@ struct Entry {
     turn: u32,
     phase: u8,
     group: u32,
+    seq: u32,
     step: i64,
     moe_layer: u16,
     slot: u16,
@@ -551,8 +598,15 @@ struct Entry {
 }
 
 impl Entry {
-    fn cell_key(&self) -> (u32, u8, u32, i64, u16) {
-        (self.turn, self.phase, self.group, self.step, self.moe_layer)
+    fn cell_key(&self) -> (u32, u8, u32, u32, i64, u16) {
+        (
+            self.turn,
+            self.phase,
+            self.group,
+            self.seq,
+            self.step,
+            self.moe_layer,
+        )
     }
 }
 
@@ -571,6 +625,7 @@ struct Columns {
     preds: Vec<(usize, usize)>,
     router_expert: Option<usize>,
     group: Option<usize>,
+    seq: Option<usize>,
     count: usize,
 }
 
@@ -927,10 +982,15 @@ impl RouteTrace {
                 None => 0,
                 Some(i) => parse_int(fields[i], GROUP_COLUMN, n)?,
             };
+            let seq: u32 = match columns.seq {
+                None => 0,
+                Some(i) => parse_int(fields[i], SEQ_COLUMN, n)?,
+            };
             entries.push(Entry {
                 turn,
                 phase: phase_raw,
                 group,
+                seq,
                 step,
                 moe_layer,
                 slot: slot as u16, // slot < n_expert_used <= u16::MAX
@@ -970,6 +1030,7 @@ impl RouteTrace {
                 preds: pred_columns,
                 router_expert: columns.router_expert.is_some(),
                 group: columns.group.is_some(),
+                seq: columns.seq.is_some(),
             },
             entries,
         )?;
@@ -996,6 +1057,7 @@ impl RouteTrace {
                     c.turn == first.turn
                         && c.phase == first.phase
                         && c.group == first.group
+                        && c.seq == first.seq
                         && c.step == first.step
                 })
                 .count();
@@ -1029,6 +1091,7 @@ impl RouteTrace {
                     expert_bytes: s.expert_bytes,
                     dropped: s.dropped,
                     preds: self.slot_preds(c, slot),
+                    row: 0,
                     router_expert: self.slot_router_expert(c, slot),
                 })
         })
@@ -1049,6 +1112,12 @@ impl RouteTrace {
     /// hold several positions and feed a position again ([`GROUP_COLUMN`]).
     pub fn has_group_column(&self) -> bool {
         self.has_group_column
+    }
+
+    /// Whether the file had the `seq` column: a batched run's, whose steps hold tokens of
+    /// several sequences, each at its own positions ([`SEQ_COLUMN`]).
+    pub fn has_seq_column(&self) -> bool {
+        self.has_seq_column
     }
 
     /// What turn `turn`'s end line says, if the trace has one.
@@ -1205,9 +1274,25 @@ impl RouteTrace {
                 counts[l] += 1;
             }
             let reference = counts[0];
+            // A batched step's last layer routes the rows that choose a token: at most one
+            // per sequence, none when every sequence is still mid-prompt.
+            let seqs = if self.has_seq_column {
+                let mut v: Vec<u32> = self.cells[start..end].iter().map(|c| c.seq).collect();
+                v.sort_unstable();
+                v.dedup();
+                v.len() as u64
+            } else {
+                1
+            };
             for (l, &count) in counts.iter().enumerate() {
-                let prefill_last =
-                    head.phase == Phase::Prefill && l == last && count == 1 && n_layers > 1;
+                let prefill_last = head.phase == Phase::Prefill
+                    && l == last
+                    && n_layers > 1
+                    && if self.has_seq_column {
+                        count <= seqs
+                    } else {
+                        count == 1
+                    };
                 if count == reference || prefill_last {
                     continue;
                 }
@@ -1335,6 +1420,7 @@ fn parse_header(header: &str, line: usize) -> Result<Columns, ParseError> {
         preds,
         router_expert: names.iter().position(|n| *n == ROUTER_EXPERT_COLUMN),
         group: names.iter().position(|n| *n == GROUP_COLUMN),
+        seq: names.iter().position(|n| *n == SEQ_COLUMN),
         count: names.len(),
     })
 }
@@ -1430,6 +1516,7 @@ struct FileColumns {
     preds: PredColumns,
     router_expert: bool,
     group: bool,
+    seq: bool,
 }
 
 fn build_cells(
@@ -1443,6 +1530,7 @@ fn build_cells(
             e.turn,
             e.phase,
             e.group,
+            e.seq,
             e.step,
             e.moe_layer,
             e.slot,
@@ -1470,11 +1558,16 @@ fn build_cells(
                 return Err(at(
                     pair[1].line as usize,
                     format!(
-                        "duplicate (turn {}, phase {}, {}step {}, layer {}, slot {}): first on line {}{}",
+                        "duplicate (turn {}, phase {}, {}{}step {}, layer {}, slot {}): first on line {}{}",
                         pair[1].turn,
                         pair[1].phase,
                         if file.group {
                             format!("group {}, ", pair[1].group)
+                        } else {
+                            String::new()
+                        },
+                        if file.seq {
+                            format!("seq {}, ", pair[1].seq)
                         } else {
                             String::new()
                         },
@@ -1494,8 +1587,16 @@ fn build_cells(
         }
         let describe = || {
             format!(
-                "routing (turn {}, phase {}, step {}, layer {})",
-                key.0, key.1, key.3, preamble.layers[key.4 as usize].layer
+                "routing (turn {}, phase {}, {}step {}, layer {})",
+                key.0,
+                key.1,
+                if file.seq {
+                    format!("seq {}, ", key.3)
+                } else {
+                    String::new()
+                },
+                key.4,
+                preamble.layers[key.5 as usize].layer
             )
         };
         if group.len() != k {
@@ -1539,8 +1640,9 @@ fn build_cells(
             turn: key.0,
             phase,
             group: key.2,
-            step: key.3,
-            moe_layer: key.4,
+            seq: key.3,
+            step: key.4,
+            moe_layer: key.5,
             first_slot,
             n_slots: k as u16, // k <= n_expert <= u16::MAX; checked at the model line
         });
@@ -1563,6 +1665,7 @@ fn build_cells(
         pred_columns: file.preds,
         has_router_expert_column: file.router_expert,
         has_group_column: file.group,
+        has_seq_column: file.seq,
         turn_ends: Default::default(),
         preds,
         router_experts,
@@ -1748,6 +1851,102 @@ mod tests {
     }
 
     #[test]
+    fn a_batched_trace_keys_its_tokens_by_sequence() {
+        let p = RoutePreamble {
+            model: "m".into(),
+            arch: "a".into(),
+            n_layer: 2,
+            n_expert: 4,
+            n_expert_used: 1,
+            gating: crate::gating::Gating::default(),
+            layers: (0..2)
+                .map(|layer| TraceLayer {
+                    layer,
+                    expert_bytes: 8,
+                    dense_bytes: 4,
+                    proj: vec![],
+                })
+                .collect(),
+            notes: vec![],
+            extra: vec![],
+        };
+        let steps = StepColumns {
+            group: true,
+            seq: true,
+        };
+        let mut w =
+            RouteTraceWriter::with_columns(Vec::new(), &p, PredColumns::NONE, steps).expect("vec");
+        let rec =
+            |turn: u32, phase: Phase, row: u32, step: i64, layer: u32, expert: u32| RouteRecord {
+                turn,
+                phase,
+                step,
+                row,
+                layer,
+                slot: 0,
+                expert,
+                weight: 1.0,
+                residency: 0,
+                expert_bytes: 8,
+                dropped: false,
+                preds: Default::default(),
+                router_expert: None,
+            };
+        // Step 0: sequence 2 feeds a prompt of two tokens at 0..2 mid-way (no row chooses, so
+        // the last layer routes none); step 1: sequences 0 and 2 each decode one token at
+        // position 2 — the same position, told apart by the column.
+        w.begin_step(0, Phase::Prefill);
+        w.step_rows(&[2, 2]);
+        w.route(&rec(0, Phase::Prefill, 0, 0, 0, 1));
+        w.route(&rec(0, Phase::Prefill, 1, 1, 0, 2));
+        w.begin_step(1, Phase::Decode);
+        w.step_rows(&[0, 2]);
+        for layer in 0..2 {
+            w.route(&rec(1, Phase::Decode, 0, 2, layer, 3));
+            w.route(&rec(1, Phase::Decode, 1, 2, layer, 0));
+        }
+        let text = String::from_utf8(w.finish().expect("written")).expect("utf8");
+        assert!(text.contains("dropped,group,seq\n"), "{text}");
+        let t = RouteTrace::parse(&text).expect("parses");
+        assert!(t.has_seq_column() && t.has_group_column());
+        let keys: Vec<(u32, u32, i64, u16)> = t
+            .cells
+            .iter()
+            .map(|c| (c.turn, c.seq, c.step, c.moe_layer))
+            .collect();
+        assert_eq!(
+            keys,
+            [
+                (0, 2, 0, 0),
+                (0, 2, 1, 0),
+                (1, 0, 2, 0),
+                (1, 0, 2, 1),
+                (1, 2, 2, 0),
+                (1, 2, 2, 1)
+            ]
+        );
+        // Without the column the two tokens at position 2 are one routing twice.
+        let plain = text
+            .replace(",group,seq\n", ",group\n")
+            .lines()
+            .map(|l| match l.rsplit_once(',') {
+                Some((head, _)) if !l.starts_with('#') && !l.starts_with("turn") => {
+                    head.to_string()
+                }
+                _ => l.to_string(),
+            })
+            .map(|l| l + "\n")
+            .collect::<String>();
+        let e = RouteTrace::parse(&plain).expect_err("duplicate");
+        assert!(e.to_string().contains("duplicate"), "{e}");
+        // A record of a row the step did not name is refused, not written under a guess.
+        let mut w =
+            RouteTraceWriter::with_columns(Vec::new(), &p, PredColumns::NONE, steps).expect("vec");
+        w.step_rows(&[0]);
+        assert!(w.write(&rec(0, Phase::Decode, 1, 0, 0, 1)).is_err());
+    }
+
+    #[test]
     fn writer_refuses_undeclared_layers() {
         let p = RoutePreamble {
             model: "m".into(),
@@ -1778,6 +1977,7 @@ mod tests {
             expert_bytes: 8,
             dropped: false,
             preds: Default::default(),
+            row: 0,
             router_expert: None,
         };
         assert!(w.write(&r).is_err(), "MoE layer 1 is not declared");
@@ -1845,6 +2045,7 @@ mod tests {
                         expert_bytes: 0,
                         dropped: false,
                         preds,
+                        row: 0,
                         router_expert: committed.then_some((experts[slot as usize] + 4) % 8),
                     });
                 }
@@ -2331,6 +2532,7 @@ mod tests {
                                 expert_bytes: 0,
                                 dropped: false,
                                 preds,
+                                row: 0,
                                 router_expert: committed.then_some(router[slot]),
                             });
                         }

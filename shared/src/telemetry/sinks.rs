@@ -25,6 +25,11 @@ impl RecordSink for TraceTee<'_> {
             s.begin_step(turn, phase);
         }
     }
+    fn step_rows(&mut self, seqs: &[u32]) {
+        if let Some(s) = self.route.as_mut() {
+            s.step_rows(seqs);
+        }
+    }
     fn route(&mut self, r: &RouteRecord) {
         if let Some(s) = self.route.as_mut() {
             s.route(r);
