@@ -19,13 +19,13 @@ The model it implements (docs/simulator.md, "Admission rule"):
     pinned entries first (a new admission wave);
   - the cache persists across turns (a session keeps it warm).
 
-The newer policies (layer-lru, 2q, lecar; docs/policies.md) are re-implemented here from their
+The newer policies (layer-lru, 2q, lecar, sieve; docs/policies.md) are re-implemented here from their
 written rules as small classes with the same four events the core's EvictionPolicy has
 (insert, hit, remove, victim among the evictable), driven by the same admission loop.
 
 Usage:
   sim-check.py TRACE [--experts-per-layer 2,4,6 | --budget-bytes N,...]
-               [--policy lru,belady,layer-lru,2q,lecar] [--turns N]
+               [--policy lru,belady,layer-lru,2q,lecar,sieve] [--turns N]
 Prints one JSON object per (policy, budget).
 """
 
@@ -275,7 +275,55 @@ class LeCaR:
         return self.pending[0]
 
 
-POLICY_CLASSES = {"layer-lru": LayerLRU, "2q": TwoQ, "lecar": LeCaR}
+class Sieve:
+    """SIEVE: one FIFO queue with a visited bit; the hand walks from old to new, clearing set
+    bits, and evicts the first unvisited entry; pinned entries are passed over untouched."""
+
+    def __init__(self, n_expert):
+        self.newer, self.older = {}, {}  # neighbours towards the head / the tail, or None
+        self.head = self.tail = None  # newest, oldest
+        self.visited = {}
+        self.hand = None  # the next entry to examine; None = the tail
+
+    def insert(self, k):
+        self.newer[k], self.older[k] = None, self.head
+        if self.head is None:
+            self.tail = k
+        else:
+            self.newer[self.head] = k
+        self.head = k
+        self.visited[k] = False
+
+    def hit(self, k):
+        self.visited[k] = True
+
+    def remove(self, k):
+        if self.hand == k:
+            self.hand = self.newer[k]
+        n, o = self.newer.pop(k), self.older.pop(k)
+        if n is None:
+            self.head = o
+        else:
+            self.older[n] = o
+        if o is None:
+            self.tail = n
+        else:
+            self.newer[o] = n
+        del self.visited[k]
+
+    def victim(self, ok):
+        k = self.tail if self.hand is None else self.hand
+        for _ in range(2 * len(self.visited)):
+            if ok(k):
+                if not self.visited[k]:
+                    self.hand = k  # removing it moves the hand to its newer neighbour
+                    return k
+                self.visited[k] = False
+            k = self.tail if self.newer[k] is None else self.newer[k]
+        return None
+
+
+POLICY_CLASSES = {"layer-lru": LayerLRU, "2q": TwoQ, "lecar": LeCaR, "sieve": Sieve}
 
 
 def simulate_policy(groups, expert_bytes, n_expert, budget, policy):

@@ -17,6 +17,7 @@ pub mod lfu;
 pub mod lists;
 pub mod lrfu;
 pub mod lru;
+pub mod sieve;
 pub mod two_q;
 
 pub use layer_lfu::LayerLfu;
@@ -25,6 +26,7 @@ pub use lecar::LeCar;
 pub use lfu::Lfu;
 pub use lrfu::Lrfu;
 pub use lru::Lru;
+pub use sieve::Sieve;
 pub use two_q::TwoQ;
 
 use crate::layout::ExpertLayout;
@@ -77,6 +79,7 @@ pub const POLICIES: &[PolicyInfo] = &[
     layer_lru::INFO,
     two_q::INFO,
     lecar::INFO,
+    sieve::INFO,
 ];
 
 /// The policy called `name`, or `None` for an unknown name.
