@@ -19,13 +19,13 @@ The model it implements (docs/simulator.md, "Admission rule"):
     pinned entries first (a new admission wave);
   - the cache persists across turns (a session keeps it warm).
 
-The newer policies (layer-lru, 2q, lecar, sieve; docs/policies.md) are re-implemented here from their
+The newer policies (layer-lru, 2q, lecar, s3fifo, sieve; docs/policies.md) are re-implemented here from their
 written rules as small classes with the same four events the core's EvictionPolicy has
 (insert, hit, remove, victim among the evictable), driven by the same admission loop.
 
 Usage:
   sim-check.py TRACE [--experts-per-layer 2,4,6 | --budget-bytes N,...]
-               [--policy lru,belady,layer-lru,2q,lecar,sieve] [--turns N]
+               [--policy lru,belady,layer-lru,2q,lecar,s3fifo,sieve] [--turns N]
 Prints one JSON object per (policy, budget).
 """
 
@@ -275,6 +275,62 @@ class LeCaR:
         return self.pending[0]
 
 
+class S3FIFO:
+    """S3-FIFO: small FIFO S (10 %), main FIFO M with a 2-bit count and reinsertion, ghost G
+    (as many keys as M's 90 %); c = the most keys held at once. Pinned entries are passed over
+    where they stand."""
+
+    def __init__(self, n_expert):
+        self.s, self.m, self.g = OrderedDict(), OrderedDict(), OrderedDict()  # oldest first
+        self.count = {}
+        self.c = 0
+
+    def insert(self, k):
+        self.c = max(self.c, len(self.s) + len(self.m) + 1)
+        self.count[k] = 0
+        if k in self.g:
+            del self.g[k]
+            self.m[k] = None
+        else:
+            self.s[k] = None
+
+    def hit(self, k):
+        self.count[k] = min(self.count[k] + 1, 3)
+
+    def remove(self, k):
+        del self.count[k]
+        if k in self.s:
+            del self.s[k]
+            self.g[k] = None
+            while 10 * len(self.g) > 9 * self.c:
+                self.g.popitem(last=False)
+        else:
+            del self.m[k]
+
+    def _evict_main(self, ok):
+        while True:
+            k = next((k for k in self.m if ok(k)), None)
+            if k is None or self.count[k] == 0:
+                return k
+            self.count[k] -= 1
+            self.m.move_to_end(k)
+
+    def victim(self, ok):
+        if 10 * len(self.s) >= self.c:
+            while True:
+                t = next((k for k in self.s if ok(k)), None)
+                if t is None:
+                    break
+                if self.count[t] <= 1:
+                    return t
+                del self.s[t]
+                self.m[t] = None
+                self.count[t] = 0
+                if 10 * len(self.m) > 9 * self.c:
+                    break
+        return self._evict_main(ok)
+
+
 class Sieve:
     """SIEVE: one FIFO queue with a visited bit; the hand walks from old to new, clearing set
     bits, and evicts the first unvisited entry; pinned entries are passed over untouched."""
@@ -323,7 +379,8 @@ class Sieve:
         return None
 
 
-POLICY_CLASSES = {"layer-lru": LayerLRU, "2q": TwoQ, "lecar": LeCaR, "sieve": Sieve}
+POLICY_CLASSES = {"layer-lru": LayerLRU, "2q": TwoQ, "lecar": LeCaR, "s3fifo": S3FIFO,
+                  "sieve": Sieve}
 
 
 def simulate_policy(groups, expert_bytes, n_expert, budget, policy):

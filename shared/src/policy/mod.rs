@@ -17,6 +17,7 @@ pub mod lfu;
 pub mod lists;
 pub mod lrfu;
 pub mod lru;
+pub mod s3fifo;
 pub mod sieve;
 pub mod two_q;
 
@@ -26,6 +27,7 @@ pub use lecar::LeCar;
 pub use lfu::Lfu;
 pub use lrfu::Lrfu;
 pub use lru::Lru;
+pub use s3fifo::S3Fifo;
 pub use sieve::Sieve;
 pub use two_q::TwoQ;
 
@@ -79,6 +81,7 @@ pub const POLICIES: &[PolicyInfo] = &[
     layer_lru::INFO,
     two_q::INFO,
     lecar::INFO,
+    s3fifo::INFO,
     sieve::INFO,
 ];
 
