@@ -568,7 +568,7 @@ fn deepseek_placement_counts_agree_with_the_independent_python_count() {
 
 /// The policies `sim-check.py` re-implements on its own, from the rules written in
 /// docs/policies.md, that this gate holds to its counts on both real traces.
-const RECOUNTED_POLICIES: &str = "s3fifo,sieve";
+const RECOUNTED_POLICIES: &str = "arc,s3fifo,sieve";
 
 /// ARC, S3-FIFO and SIEVE (`shared/src/policy/`), run by the core's cache on the cache-only
 /// path, hit exactly what `sim-check.py`'s own implementations of their written rules hit: on

@@ -10,6 +10,7 @@
 //! and `my_policy::INFO` to `POLICIES` below. That is all: `--eviction`, the CSV preamble,
 //! `bmoe-sim replay`/`sweep`, the fuzzer and the policy gates all read `POLICIES`.
 
+pub mod arc;
 pub mod layer_lfu;
 pub mod layer_lru;
 pub mod lecar;
@@ -21,6 +22,7 @@ pub mod s3fifo;
 pub mod sieve;
 pub mod two_q;
 
+pub use arc::AdaptiveReplacement;
 pub use layer_lfu::LayerLfu;
 pub use layer_lru::LayerLru;
 pub use lecar::LeCar;
@@ -81,6 +83,7 @@ pub const POLICIES: &[PolicyInfo] = &[
     layer_lru::INFO,
     two_q::INFO,
     lecar::INFO,
+    arc::INFO,
     s3fifo::INFO,
     sieve::INFO,
 ];
