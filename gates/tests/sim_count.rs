@@ -385,18 +385,8 @@ fn new_policies_counts_agree_with_the_independent_python_count() {
         cases.push((t, "2,4,6"));
     }
     if let Some(t) = shared_path("traces/deepseek-v2-lite-puffin.route.csv") {
-        let text = std::fs::read_to_string(&t).expect("deepseek trace");
-        let slice: String = text
-            .lines()
-            .filter(|l| {
-                l.starts_with('#')
-                    || l.starts_with("turn,")
-                    || l.split(',').next().and_then(|t| t.parse::<u32>().ok()) < Some(4)
-            })
-            .map(|l| format!("{l}\n"))
-            .collect();
         let p = dir.join("deepseek-4-turns.route.csv");
-        std::fs::write(&p, slice).expect("slice");
+        std::fs::write(&p, first_turns(&t, 4)).expect("slice");
         cases.push((p, "6,12,24"));
     }
     for (trace, per_layer) in &cases {
@@ -472,18 +462,8 @@ fn deepseek_placement_counts_agree_with_the_independent_python_count() {
     let dir = std::env::temp_dir().join(format!("bmoe-reorder-gate-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("scratch");
-    let text = std::fs::read_to_string(&trace_path).expect("trace");
-    let ten: String = text
-        .lines()
-        .filter(|l| {
-            l.starts_with('#')
-                || l.starts_with("turn,")
-                || l.split(',').next().and_then(|t| t.parse::<u32>().ok()) < Some(10)
-        })
-        .map(|l| format!("{l}\n"))
-        .collect();
     let trace = dir.join("ds10.csv");
-    std::fs::write(&trace, ten).expect("slice");
+    std::fs::write(&trace, first_turns(&trace_path, 10)).expect("slice");
     let out = Command::new(py)
         .arg(project_root().join("scripts/reorder-check.py"))
         .arg(&trace)
