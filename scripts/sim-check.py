@@ -19,13 +19,15 @@ The model it implements (docs/simulator.md, "Admission rule"):
     pinned entries first (a new admission wave);
   - the cache persists across turns (a session keeps it warm).
 
-The newer policies (layer-lru, 2q, lecar; docs/policies.md) are re-implemented here from their
-written rules as small classes with the same four events the core's EvictionPolicy has
-(insert, hit, remove, victim among the evictable), driven by the same admission loop.
+The newer policies (layer-lru, 2q, lecar, arc, s3fifo, sieve; docs/policies.md) are
+re-implemented here from their written rules as small classes with the same four events the
+core's EvictionPolicy has (insert, hit, remove, victim among the evictable), driven by the same
+admission loop. The queue-walking ones (s3fifo, sieve) make their moves inside victim(), as the
+papers' loops do; the loop always removes the victim straight after.
 
 Usage:
   sim-check.py TRACE [--experts-per-layer 2,4,6 | --budget-bytes N,...]
-               [--policy lru,belady,layer-lru,2q,lecar] [--turns N]
+               [--policy lru,belady,layer-lru,2q,lecar,arc,s3fifo,sieve] [--turns N]
 Prints one JSON object per (policy, budget).
 """
 
@@ -275,7 +277,166 @@ class LeCaR:
         return self.pending[0]
 
 
-POLICY_CLASSES = {"layer-lru": LayerLRU, "2q": TwoQ, "lecar": LeCaR}
+class ARC:
+    """ARC: LRU lists T1 (seen once) and T2 (hit again), ghosts B1 and B2, target p for T1;
+    c = the most keys held at once; p adapts on the admission of a remembered key, after the
+    evictions that made room for it; REPLACE takes from T1 when |T1| > p."""
+
+    def __init__(self, n_expert):
+        self.t1, self.t2, self.b1, self.b2 = (OrderedDict() for _ in range(4))  # LRU first
+        self.p = 0.0
+        self.c = 0
+
+    def insert(self, k):
+        self.c = max(self.c, len(self.t1) + len(self.t2) + 1)
+        c = self.c
+        if k in self.b1:
+            d = 1.0 if len(self.b1) >= len(self.b2) else len(self.b2) / len(self.b1)
+            self.p = min(self.p + d, float(c))
+            del self.b1[k]
+            self.t2[k] = None
+        elif k in self.b2:
+            d = 1.0 if len(self.b2) >= len(self.b1) else len(self.b1) / len(self.b2)
+            self.p = max(self.p - d, 0.0)
+            del self.b2[k]
+            self.t2[k] = None
+        else:
+            if len(self.t1) + len(self.b1) >= c and self.b1:
+                self.b1.popitem(last=False)
+            elif len(self.t1) + len(self.t2) + len(self.b1) + len(self.b2) >= 2 * c and self.b2:
+                self.b2.popitem(last=False)
+            self.t1[k] = None
+
+    def hit(self, k):
+        if k in self.t1:
+            del self.t1[k]
+        else:
+            del self.t2[k]
+        self.t2[k] = None
+
+    def remove(self, k):
+        if k in self.t1:
+            del self.t1[k]
+            self.b1[k] = None
+        else:
+            del self.t2[k]
+            self.b2[k] = None
+
+    def victim(self, ok):
+        lists = [self.t1, self.t2] if self.t1 and len(self.t1) > self.p else [self.t2, self.t1]
+        for q in lists:
+            for k in q:
+                if ok(k):
+                    return k
+        return None
+
+
+class S3FIFO:
+    """S3-FIFO: small FIFO S (10 %), main FIFO M with a 2-bit count and reinsertion, ghost G
+    (as many keys as M's 90 %); c = the most keys held at once. Pinned entries are passed over
+    where they stand."""
+
+    def __init__(self, n_expert):
+        self.s, self.m, self.g = OrderedDict(), OrderedDict(), OrderedDict()  # oldest first
+        self.count = {}
+        self.c = 0
+
+    def insert(self, k):
+        self.c = max(self.c, len(self.s) + len(self.m) + 1)
+        self.count[k] = 0
+        if k in self.g:
+            del self.g[k]
+            self.m[k] = None
+        else:
+            self.s[k] = None
+
+    def hit(self, k):
+        self.count[k] = min(self.count[k] + 1, 3)
+
+    def remove(self, k):
+        del self.count[k]
+        if k in self.s:
+            del self.s[k]
+            self.g[k] = None
+            while 10 * len(self.g) > 9 * self.c:
+                self.g.popitem(last=False)
+        else:
+            del self.m[k]
+
+    def _evict_main(self, ok):
+        while True:
+            k = next((k for k in self.m if ok(k)), None)
+            if k is None or self.count[k] == 0:
+                return k
+            self.count[k] -= 1
+            self.m.move_to_end(k)
+
+    def victim(self, ok):
+        if 10 * len(self.s) >= self.c:
+            while True:
+                t = next((k for k in self.s if ok(k)), None)
+                if t is None:
+                    break
+                if self.count[t] <= 1:
+                    return t
+                del self.s[t]
+                self.m[t] = None
+                self.count[t] = 0
+                if 10 * len(self.m) > 9 * self.c:
+                    break
+        return self._evict_main(ok)
+
+
+class Sieve:
+    """SIEVE: one FIFO queue with a visited bit; the hand walks from old to new, clearing set
+    bits, and evicts the first unvisited entry; pinned entries are passed over untouched."""
+
+    def __init__(self, n_expert):
+        self.newer, self.older = {}, {}  # neighbours towards the head / the tail, or None
+        self.head = self.tail = None  # newest, oldest
+        self.visited = {}
+        self.hand = None  # the next entry to examine; None = the tail
+
+    def insert(self, k):
+        self.newer[k], self.older[k] = None, self.head
+        if self.head is None:
+            self.tail = k
+        else:
+            self.newer[self.head] = k
+        self.head = k
+        self.visited[k] = False
+
+    def hit(self, k):
+        self.visited[k] = True
+
+    def remove(self, k):
+        if self.hand == k:
+            self.hand = self.newer[k]
+        n, o = self.newer.pop(k), self.older.pop(k)
+        if n is None:
+            self.head = o
+        else:
+            self.older[n] = o
+        if o is None:
+            self.tail = n
+        else:
+            self.newer[o] = n
+        del self.visited[k]
+
+    def victim(self, ok):
+        k = self.tail if self.hand is None else self.hand
+        for _ in range(2 * len(self.visited)):
+            if ok(k):
+                if not self.visited[k]:
+                    self.hand = k  # removing it moves the hand to its newer neighbour
+                    return k
+                self.visited[k] = False
+            k = self.tail if self.newer[k] is None else self.newer[k]
+        return None
+
+
+POLICY_CLASSES = {"layer-lru": LayerLRU, "2q": TwoQ, "lecar": LeCaR, "arc": ARC,
+                  "s3fifo": S3FIFO, "sieve": Sieve}
 
 
 def simulate_policy(groups, expert_bytes, n_expert, budget, policy):

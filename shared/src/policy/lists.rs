@@ -1,6 +1,7 @@
 //! Intrusive doubly linked lists over the layout's dense key indices, several lists sharing one
 //! pair of link arrays (each key is in at most one list): O(1) push, unlink and move with no
-//! allocation after `init`. `layer-lru` keeps one list per MoE layer, `2q` its two queues.
+//! allocation after `init`. `layer-lru` keeps one list per MoE layer, `2q` its two queues, `arc`
+//! its two resident and two ghost lists, `s3fifo` its three queues, `sieve` its one queue.
 
 const NIL: u32 = u32::MAX;
 
@@ -89,6 +90,18 @@ impl Lists {
         self.len[l] += 1;
     }
 
+    /// The oldest key of list `l` (its tail), or `None` when it is empty.
+    pub fn oldest(&self, l: usize) -> Option<u32> {
+        self.tail.get(l).copied().filter(|&k| k != NIL)
+    }
+
+    /// The key pushed just after `key` into its list (one step towards the head), or `None`
+    /// when `key` is the newest or in no list. SIEVE's hand walks this way.
+    pub fn newer(&self, key: u32) -> Option<u32> {
+        self.list_of(key)?;
+        Some(self.prev[key as usize]).filter(|&k| k != NIL)
+    }
+
     /// List `l`'s keys from the tail (oldest) towards the head.
     pub fn oldest_first(&self, l: usize) -> impl Iterator<Item = u32> + '_ {
         let mut i = self.tail.get(l).copied().unwrap_or(NIL);
@@ -131,6 +144,14 @@ mod tests {
         assert_eq!(
             (l.len(0), l.len(1), l.list_of(2), l.list_of(7)),
             (2, 2, Some(1), None)
+        );
+        assert_eq!(
+            (l.oldest(0), l.oldest(1), l.oldest(7)),
+            (Some(1), Some(5), None)
+        );
+        assert_eq!(
+            (l.newer(1), l.newer(3), l.newer(5), l.newer(7)),
+            (Some(3), None, Some(2), None)
         );
         l.unlink(5);
         l.unlink(5);

@@ -10,6 +10,7 @@
 //! and `my_policy::INFO` to `POLICIES` below. That is all: `--eviction`, the CSV preamble,
 //! `bmoe-sim replay`/`sweep`, the fuzzer and the policy gates all read `POLICIES`.
 
+pub mod arc;
 pub mod layer_lfu;
 pub mod layer_lru;
 pub mod lecar;
@@ -17,14 +18,19 @@ pub mod lfu;
 pub mod lists;
 pub mod lrfu;
 pub mod lru;
+pub mod s3fifo;
+pub mod sieve;
 pub mod two_q;
 
+pub use arc::AdaptiveReplacement;
 pub use layer_lfu::LayerLfu;
 pub use layer_lru::LayerLru;
 pub use lecar::LeCar;
 pub use lfu::Lfu;
 pub use lrfu::Lrfu;
 pub use lru::Lru;
+pub use s3fifo::S3Fifo;
+pub use sieve::Sieve;
 pub use two_q::TwoQ;
 
 use crate::layout::ExpertLayout;
@@ -77,6 +83,9 @@ pub const POLICIES: &[PolicyInfo] = &[
     layer_lru::INFO,
     two_q::INFO,
     lecar::INFO,
+    arc::INFO,
+    s3fifo::INFO,
+    sieve::INFO,
 ];
 
 /// The policy called `name`, or `None` for an unknown name.
