@@ -2,8 +2,8 @@
 //! `qemu-aarch64-static` (bit-exact emulation), writes byte for byte the logits, token ids,
 //! router margins and text this x86-64 build writes, for every architecture (the hybrids
 //! qwen35moe and lfm2moe with their recurrent states too) in F16, Q8_0,
-//! Q4_K_M and its preset's types, resident and streamed (an evicting cache, serial and
-//! overlapped), and resident in every other weight type the kernels take.
+//! Q4_K_M and its preset's types resident, Q4_K_M also streamed (an evicting cache, serial
+//! and overlapped), and resident in every other weight type the kernels take.
 //!
 //! Why it can hold: every SIMD level of both architectures gives the scalar kernels' bits
 //! (the per-level tests in `engine/src/kernels`, run under qemu in CI too), and the forward
@@ -215,13 +215,25 @@ const STREAMED: &[(&str, &[&str])] = &[
     ),
 ];
 
-/// Every (type, run) of `arch` on both builds; panics with every difference found.
+/// The type whose file also runs streamed and overlapped: the streamer, its lanes and their
+/// O_DIRECT reads do not depend on the weight type (the x86 gates hold streamed == resident
+/// for every type), while each type's kernels run in the resident runs. One streamed type
+/// keeps the gate's qemu time within CI's budget.
+const STREAMED_TYPE: Option<&str> = Some("q4_k_m");
+
+/// Every type of `arch` resident, and [`STREAMED_TYPE`] in every run, on both builds; panics
+/// with every difference found.
 fn check_arch(arch: &str, types: &[Option<&str>]) {
     let Some(bin) = arm_cli() else { return };
     let mut failures = Vec::new();
     for &ty in types {
         let file = tiny(arch, ty);
-        for (run_name, extra) in STREAMED {
+        let runs = if ty == STREAMED_TYPE {
+            STREAMED
+        } else {
+            &STREAMED[..1]
+        };
+        for (run_name, extra) in runs {
             let what = format!("{arch} {} {run_name}", ty.unwrap_or("preset types"));
             let (x86, arm) = both(&bin, &file, &what, extra);
             assert!(!x86.logits.is_empty(), "{what}: no logits written");
