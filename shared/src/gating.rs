@@ -220,7 +220,9 @@ impl Gating {
         let mut kept = [true; MAX_GROUPS];
         let per = match self.grouped() {
             Some((g, used))
-                if (g as usize) <= MAX_GROUPS && n % g as usize == 0 && n >= 2 * g as usize =>
+                if (g as usize) <= MAX_GROUPS
+                    && n.is_multiple_of(g as usize)
+                    && n >= 2 * g as usize =>
             {
                 let (g, per) = (g as usize, n / g as usize);
                 // A group's score: the sum of its two best selection scores (llama.cpp's

@@ -99,6 +99,9 @@ fn marker_points(kind: usize, r: i32) -> Vec<(i32, i32)> {
     }
 }
 
+/// A point of a line: (x, y, optional interval).
+pub type LinePoint = (f64, f64, Option<(f64, f64)>);
+
 /// One line of a chart.
 #[derive(Clone, Debug)]
 pub struct Line {
@@ -107,7 +110,7 @@ pub struct Line {
     pub style: usize,
     pub black: bool,
     /// (x, y, optional interval).
-    pub points: Vec<(f64, f64, Option<(f64, f64)>)>,
+    pub points: Vec<LinePoint>,
 }
 
 /// One panel.
@@ -365,7 +368,7 @@ fn panel_lines(
     series_styles(rows)
         .into_iter()
         .filter_map(|(policy, predictor, style)| {
-            let mut points: Vec<(f64, f64, Option<(f64, f64)>)> = rows
+            let mut points: Vec<LinePoint> = rows
                 .iter()
                 .zip(stats)
                 .filter(|(r, _)| r.policy == policy && r.predictor == predictor && pick(r))
@@ -534,7 +537,7 @@ fn draw_heat<DB: DrawingBackend>(
         let label = |labels: &[String], every: usize, v: f64| {
             let i = v - 0.5;
             let k = i.round() as usize;
-            if (i - i.round()).abs() < 1e-6 && i >= 0.0 && k % every == 0 {
+            if (i - i.round()).abs() < 1e-6 && i >= 0.0 && k.is_multiple_of(every) {
                 labels.get(k).cloned().unwrap_or_default()
             } else {
                 String::new()

@@ -376,7 +376,9 @@ pub fn setting_name(lanes: u32, overlap: bool) -> String {
 /// (lanes, overlap) setting (always so without a predictor: residency does not depend on
 /// timing; with prefetch it may).
 pub fn hits_independent_of_setting(rows: &[Row]) -> bool {
-    let mut seen: BTreeMap<(String, String, u64), (u64, u64, Vec<(u64, u64)>)> = BTreeMap::new();
+    // (predictor, policy, budget) -> (hits, decode hits, per layer).
+    type Counts = (u64, u64, Vec<(u64, u64)>);
+    let mut seen: BTreeMap<(String, String, u64), Counts> = BTreeMap::new();
     rows.iter().all(|r| {
         let v = (r.hits, r.decode_counts().1, r.per_layer.clone());
         let k = (r.predictor.clone(), r.policy.clone(), r.budget_bytes);
