@@ -67,6 +67,9 @@ pub enum Cmd {
     Whatif(WhatifArgs),
     /// Replay a trace over a grid of budgets x policies (with the Belady bound) x lanes x overlap
     Sweep(SweepArgs),
+    /// Global LRU's miss-ratio curve: hits, misses and hit rate at every cache budget from one
+    /// pass of the trace, exact (each budget counts what a cache-only replay at it counts)
+    Mrc(MrcArgs),
     /// Measure replay speed: routings per second per core, cache-only and full timing
     Bench(BenchArgs),
     /// Compare a simulated CSV with a measured one: counts exactly, times within tolerances
@@ -348,6 +351,44 @@ fn policies_parser() -> clap::builder::PossibleValuesParser {
     )
 }
 
+/// Flags of `bmoe-sim mrc`.
+#[derive(Args, Debug, Clone)]
+#[command(
+    long_about = "Global LRU's miss-ratio curve over every cache budget, from one pass of \
+the trace: stack distances (Mattson et al. 1970) under the core's admission rule, where a \
+(step, MoE layer) looks every routed expert up before it admits any miss. The order that rule \
+leaves a layer's experts in depends on which of them hit, so one stack cannot serve every budget \
+and a larger budget can miss what a smaller one hits; each lookup therefore carries the budgets \
+at which it hits. The result is exact: at every budget it counts what a cache-only replay of the \
+core's cache with the lru policy counts (hits, misses, evictions, re-reads, inserts; prefill \
+waves included). Budgets are listed in experts per MoE layer (N x MoE layers x the largest \
+expert's bytes) and in bytes; between 0 (the cache off) and the layer demand (top-k experts of \
+the widest layer) the cache takes no budget.\n\n\
+  bmoe-sim mrc --trace T.csv\n\
+  bmoe-sim mrc --trace T.csv --points all --csv mrc.csv --plot mrc"
+)]
+pub struct MrcArgs {
+    /// The route trace
+    #[arg(long, value_name = "PATH")]
+    pub trace: PathBuf,
+    /// Only the first N turns of the trace (in the order they replay); the rest are left out
+    #[arg(long, value_name = "N", value_parser = parse_u32_strict)]
+    pub turns: Option<u32>,
+    /// The budgets listed (stdout and --csv): layer = the cache off, then every whole number of
+    /// experts per MoE layer from the layer demand to the whole layer; all = the cache off, then
+    /// every budget at which a count changes (a step function: each row holds up to the next)
+    #[arg(long, value_name = "layer|all", default_value = "layer", value_parser = ["layer", "all"])]
+    pub points: String,
+    /// Write the listed budgets as CSV: budget (bytes, MiB, experts per layer, % of the expert
+    /// bank), lookups, hits, misses, evictions, rereads, inserts, hit_rate, miss_ratio,
+    /// miss_bytes, resident_bytes
+    #[arg(long, value_name = "PATH")]
+    pub csv: Option<PathBuf>,
+    /// Draw the whole curve (miss ratio against experts per layer) as STEM.svg and STEM.png
+    #[arg(long, value_name = "STEM")]
+    pub plot: Option<PathBuf>,
+}
+
 /// Flags of `bmoe-sim bench`.
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
@@ -454,6 +495,7 @@ where
         Cmd::Replay(a) => cmd_replay(a, env, out, err),
         Cmd::Whatif(a) => cmd_whatif(a, env, out, err),
         Cmd::Sweep(a) => cmd_sweep(a, env, out, err),
+        Cmd::Mrc(a) => cmd_mrc(a, out),
         Cmd::Bench(a) => cmd_bench(a, out),
         Cmd::Diff(a) => cmd_diff(a, out, err),
         Cmd::Calibrate(a) => cmd_calibrate(a, out, err),
@@ -1395,6 +1437,134 @@ fn placement_study(
     ];
     writeln!(out, "sweep: placements {rule}").map_err(|e| SimError::io("stdout", e))?;
     Ok(names)
+}
+
+/// The first `turns` turns of `plan` (all of them when it has no more).
+fn first_turns(plan: &ReplayPlan, turns: u32) -> Result<ReplayPlan, SimError> {
+    if turns == 0 {
+        return Err(SimError::invalid(
+            "--turns",
+            "0 turns leave nothing to count: give at least 1",
+        ));
+    }
+    let Some(next) = plan.turns.get(turns as usize) else {
+        return Ok(plan.clone());
+    };
+    let cut = next.prefill.unwrap_or(next.decode.start);
+    Ok(ReplayPlan {
+        steps: plan.steps[..cut].to_vec(),
+        turns: plan.turns[..turns as usize].to_vec(),
+        n_moe_layers: plan.n_moe_layers,
+    })
+}
+
+fn cmd_mrc(a: MrcArgs, out: &mut dyn Write) -> Result<i32, SimError> {
+    let t0 = std::time::Instant::now();
+    let trace = load_trace(&a.trace)?;
+    let layout = layout_from_preamble(&trace.preamble)?;
+    let full = ReplayPlan::new(&trace)?;
+    let plan = match a.turns {
+        Some(n) => first_turns(&full, n)?,
+        None => full.clone(),
+    };
+    let k = u16::try_from(trace.preamble.n_expert_used).map_err(|_| SimError::Trace {
+        reason: format!(
+            "n_expert_used={} is above 65535",
+            trace.preamble.n_expert_used
+        ),
+    })?;
+    let seq = AccessSeq::new(&trace, &plan, 0);
+    let built = t0.elapsed();
+    let t1 = std::time::Instant::now();
+    let curve = crate::mrc::compute(&layout, &seq, k)?;
+    let pass = t1.elapsed();
+    let points = crate::mrc::Points::parse(&a.points).unwrap_or(crate::mrc::Points::Layer);
+    let budgets = curve.budgets(&layout, points);
+    let name = a.trace.file_name().map_or_else(
+        || a.trace.display().to_string(),
+        |n| n.to_string_lossy().into_owned(),
+    );
+    let unit = crate::sweep::bytes_per_layer_expert(&layout).max(1);
+    let w = |e| SimError::io("stdout", e);
+    writeln!(
+        out,
+        "mrc: {name}: {} of {} turns, {} groups, {} lookups ({} routings), {} MoE layers x {} \
+         experts, top-{k}; trace read and planned in {:.0} ms, the curve in one pass in {:.0} ms",
+        plan.turns.len(),
+        full.turns.len(),
+        curve.groups,
+        curve.lookups,
+        curve.routings,
+        layout.n_moe_layers(),
+        layout.max_n_expert(),
+        built.as_secs_f64() * 1e3,
+        pass.as_secs_f64() * 1e3
+    )
+    .map_err(w)?;
+    writeln!(
+        out,
+        "mrc: global LRU under the core's admission rule, exact at every budget; 1 expert per \
+         layer = {} bytes ({:.1} MiB); the cache takes 0 (off) or at least {} experts/layer \
+         ({} bytes, the layer demand at top-{k}); {} lookups hit at some budget and miss at a \
+         larger one",
+        unit,
+        unit as f64 / MIB as f64,
+        crate::sweep::report::trim(curve.floor_bytes as f64 / unit as f64, 2),
+        curve.floor_bytes,
+        curve.non_inclusive
+    )
+    .map_err(w)?;
+    writeln!(
+        out,
+        "{:>9} {:>11} {:>15} {:>10} {:>10} {:>8}",
+        "per_layer", "budget_MiB", "budget_bytes", "hits", "misses", "hit"
+    )
+    .map_err(w)?;
+    for &b in &budgets {
+        let c = curve.at(b)?.counters;
+        writeln!(
+            out,
+            "{:>9.2} {:>11.1} {:>15} {:>10} {:>10} {:>7.2}%",
+            b as f64 / unit as f64,
+            b as f64 / MIB as f64,
+            b,
+            c.hits,
+            c.misses,
+            100.0 * crate::sweep::ratio(c.hits, curve.lookups)
+        )
+        .map_err(w)?;
+    }
+    let mut written = Vec::new();
+    if let Some(path) = &a.csv {
+        write_file(path, &curve.csv(&layout, &budgets)?)?;
+        written.push(path.display().to_string());
+    }
+    if let Some(stem) = &a.plot {
+        let (dir, file) = match (stem.parent(), stem.file_name()) {
+            (Some(d), Some(f)) => (
+                if d.as_os_str().is_empty() {
+                    Path::new(".")
+                } else {
+                    d
+                },
+                f.to_string_lossy().into_owned(),
+            ),
+            _ => {
+                return Err(SimError::invalid(
+                    format!("--plot {}", stem.display()),
+                    "not a file path stem (e.g. out/mrc writes out/mrc.svg and out/mrc.png)",
+                ))
+            }
+        };
+        crate::sweep::plot::write_line_figure(dir, &file, &curve.figure(&layout, &name))?;
+        for ext in ["svg", "png"] {
+            written.push(dir.join(format!("{file}.{ext}")).display().to_string());
+        }
+    }
+    if !written.is_empty() {
+        writeln!(out, "mrc: wrote {}", written.join(", ")).map_err(w)?;
+    }
+    Ok(0)
 }
 
 fn cmd_bench(a: BenchArgs, out: &mut dyn Write) -> Result<i32, SimError> {

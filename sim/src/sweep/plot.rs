@@ -109,6 +109,9 @@ pub struct Line {
     /// Index into the palette / marker list (stable across panels and charts).
     pub style: usize,
     pub black: bool,
+    /// A marker at every point (off for a curve of many points, such as `mrc`'s staircase,
+    /// whose touching markers would only thicken the line; the legend shows it either way).
+    pub markers: bool,
     /// (x, y, optional interval).
     pub points: Vec<LinePoint>,
 }
@@ -292,6 +295,9 @@ fn draw_lines<DB: DrawingBackend>(
                     ci.map(|(lo, hi)| PathElement::new(vec![(x, lo), (x, hi)], c.stroke_width(1)))
                 }))
                 .map_err(err)?;
+            if !l.markers {
+                continue;
+            }
             let shape = marker_points(l.style, 5);
             chart
                 .draw_series(l.points.iter().map(|&(x, y, _)| {
@@ -385,6 +391,7 @@ fn panel_lines(
                 name: series_name(first, several),
                 style,
                 black: policy == BELADY,
+                markers: true,
                 points,
             })
         })
@@ -707,6 +714,7 @@ mod tests {
                 name: String::new(),
                 style: i,
                 black: false,
+                markers: true,
                 points: vec![],
             };
             let c = colour(&l);
