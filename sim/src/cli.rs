@@ -292,12 +292,23 @@ pub struct SweepArgs {
     /// belady, the clairvoyant bound [default: all]
     #[arg(long, value_name = "NAME,...", value_delimiter = ',', value_parser = policies_parser())]
     pub policies: Vec<String>,
-    /// I/O lane counts
-    #[arg(long, value_name = "N,...", value_delimiter = ',', value_parser = parse_u32_strict, default_value = "1,4")]
+    /// I/O lane counts [default: 1,4]
+    #[arg(long, value_name = "N,...", value_delimiter = ',', value_parser = parse_u32_strict)]
     pub lanes: Vec<u32>,
-    /// Overlap settings to sweep: off, on or both
-    #[arg(long, value_name = "off|on|both", default_value = "both", value_parser = ["off", "on", "both"])]
-    pub overlap: String,
+    /// Overlap settings to sweep: off, on or both [default: both]
+    #[arg(long, value_name = "off|on|both", value_parser = ["off", "on", "both"])]
+    pub overlap: Option<String>,
+    /// Hit rates only: each cell is a cache-only replay (the core's cache, policy and admission
+    /// rule over the trace's access sequence; no flash, compute or clock), over budgets x
+    /// policies: faster per cell (the policy's own work remains), one cell per point instead
+    /// of one per lanes/overlap setting. Its counts are the full replay's exactly (without a
+    /// predictor, residency does not depend on timing). Nothing timed is made up: sweep.csv and
+    /// per_layer.csv say mode cache-only and leave lanes, overlap, read and time columns empty,
+    /// pivot.md says so and has no tok/s table, and no tok_s chart is written. Refuses
+    /// --lanes, --overlap, --jitter, a predictor other than none, and --profile without
+    /// --placements (none of them can change a count)
+    #[arg(long)]
+    pub cache_only: bool,
     /// Expert predictors to compare: none, prefetch:<K> (previous token), predict-prefetch
     /// (stale gate; the trace must record pred1), route-ahead:<N> (the trace must be recorded
     /// with --route-ahead N or record pred<N>). Belady runs only with none
@@ -1239,9 +1250,50 @@ fn cmd_sweep(
             ));
         }
     }
-    let overlap = match a.overlap.as_str() {
-        "off" => vec![false],
-        "on" => vec![true],
+    let mode = if a.cache_only {
+        // Refused rather than ignored: a cache-only cell models no I/O and no clock.
+        let refuse = |flag: &str, why: &str| {
+            Err(SimError::invalid(
+                format!("--cache-only with {flag}"),
+                format!("{why}; drop {flag}, or sweep with full timing (without --cache-only)"),
+            ))
+        };
+        if !a.lanes.is_empty() {
+            return refuse("--lanes", "a cache-only cell models no I/O lanes");
+        }
+        if a.overlap.is_some() {
+            return refuse(
+                "--overlap",
+                "a cache-only cell models no compute to overlap",
+            );
+        }
+        if a.jitter.is_some() {
+            return refuse("--jitter", "a cache-only cell models no time to jitter");
+        }
+        if a.profile.is_some() && a.placements.is_empty() {
+            return refuse(
+                "--profile",
+                "a device profile prices reads and times, which a cache-only cell has none of (only --placements reads it)",
+            );
+        }
+        if let Some(p) = a.predictors.iter().find(|p| p.as_str() != "none") {
+            return refuse(
+                &format!("--predictors {p}"),
+                "a predictor's admissions ride the modelled clock, which a cache-only cell has not",
+            );
+        }
+        sweep::Mode::CacheOnly
+    } else {
+        sweep::Mode::FullTiming
+    };
+    let lanes = if a.lanes.is_empty() {
+        vec![1, 4]
+    } else {
+        a.lanes.clone()
+    };
+    let overlap = match a.overlap.as_deref() {
+        Some("off") => vec![false],
+        Some("on") => vec![true],
         _ => vec![false, true],
     };
     let predictors = a
@@ -1286,11 +1338,17 @@ fn cmd_sweep(
         .map(|(_, _, _, _, policies)| sweep::Grid {
             budgets: budgets.clone(),
             policies: policies.clone(),
-            lanes: a.lanes.clone(),
+            lanes: lanes.clone(),
             overlap: overlap.clone(),
         })
         .collect();
-    let n_cells: u64 = grids.iter().map(|g| g.cells().len() as u64).sum();
+    let n_cells: u64 = grids
+        .iter()
+        .map(|g| match mode {
+            sweep::Mode::FullTiming => g.cells().len() as u64,
+            sweep::Mode::CacheOnly => (g.budgets.len() * g.policies.len()) as u64,
+        })
+        .sum();
     let bar = indicatif::ProgressBar::new(n_cells);
     bar.set_style(
         indicatif::ProgressStyle::with_template(
@@ -1311,6 +1369,7 @@ fn cmd_sweep(
                 predictor: *predictor,
             },
             grid,
+            mode,
             a.jobs as usize,
             &|| bar.inc(1),
         )?);
@@ -1357,26 +1416,39 @@ fn cmd_sweep(
     )
     .map_err(w)?;
     for r in &rows {
+        // A cache-only cell has no lanes, overlap, tok/s or reads: a dash, never a number.
+        let (lanes, overlap, tok_s, read) = match &r.timing {
+            Some(t) => (
+                r.lanes.to_string(),
+                if r.overlap { "on" } else { "off" }.to_string(),
+                format!("{:.3}", t.tok_s),
+                format!("{:.0}", t.read_bytes as f64 / MIB as f64),
+            ),
+            None => ("-".into(), "-".into(), "-".into(), "-".into()),
+        };
         writeln!(
             out,
-            "{:>10.0} {:>6.2} {:>10} {:>16} {:>5} {:>7} {:>7.2}% {:>8.3} {:>10.0}",
+            "{:>10.0} {:>6.2} {:>10} {:>16} {:>5} {:>7} {:>7.2}% {:>8} {:>10}",
             r.budget_bytes as f64 / MIB as f64,
             r.experts_per_layer,
             r.policy,
             r.predictor,
-            r.lanes,
-            if r.overlap { "on" } else { "off" },
+            lanes,
+            overlap,
             100.0 * r.hit_rate(),
-            r.tok_s,
-            r.read_bytes as f64 / MIB as f64
+            tok_s,
+            read
         )
         .map_err(w)?;
     }
+    let how = match mode {
+        sweep::Mode::FullTiming => format!("full-timing, profile {}", p.profile.name),
+        sweep::Mode::CacheOnly => "cache-only: counts only, no reads or times".to_string(),
+    };
     writeln!(
         out,
-        "sweep: {} cells, profile {}, wrote {}",
+        "sweep: {} cells, {how}, wrote {}",
         rows.len(),
-        p.profile.name,
         written_paths(&a.out, &written)
     )
     .map_err(w)?;

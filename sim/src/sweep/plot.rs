@@ -446,7 +446,7 @@ pub fn sweep_figures(
                 stats,
                 x,
                 |r| r.lanes == l && r.overlap == o,
-                |r, s| (r.tok_s, s.tok_s_ci),
+                |r, s| (r.tok_s().unwrap_or(0.0), s.tok_s_ci),
             ),
         })
         .collect();
