@@ -300,8 +300,8 @@ pub struct SweepArgs {
     pub overlap: Option<String>,
     /// Hit rates only: each cell is a cache-only replay (the core's cache, policy and admission
     /// rule over the trace's access sequence; no flash, compute or clock), over budgets x
-    /// policies: faster per cell (the policy's own work remains), one cell per point instead
-    /// of one per lanes/overlap setting. Its counts are the full replay's exactly (without a
+    /// policies: 2-20x faster per cell (the policy's own work remains; `bench --cells`
+    /// measures it), one cell per point instead of one per lanes/overlap setting. Its counts are the full replay's exactly (without a
     /// predictor, residency does not depend on timing). Nothing timed is made up: sweep.csv and
     /// per_layer.csv say mode cache-only and leave lanes, overlap, read and time columns empty,
     /// pivot.md says so and has no tok/s table, and no tok_s chart is written. Refuses
@@ -415,6 +415,19 @@ pub struct BenchArgs {
     /// Device profile for the full-timing path
     #[arg(long, value_name = "NAME|PATH")]
     pub profile: Option<String>,
+    /// Time sweep cells instead: per policy, the sweep's own cells over its default budgets,
+    /// full-timing (x its default lanes 1,4 x overlap off,on) and cache-only, the modes
+    /// alternating, one thread, best of --reps each; prints each mode's time per cell and their
+    /// ratios per cell and per (budget, policy) point, checks that the two modes count the
+    /// same (exit 1 if not), and times the one-pass curve (`mrc`) against a cache-only lru cell
+    #[arg(long)]
+    pub cells: bool,
+    /// With --cells: runs of each mode (the best is reported)
+    #[arg(long, value_name = "N", default_value_t = 3, value_parser = parse_u32_strict)]
+    pub reps: u32,
+    /// With --cells: the cells' policies [default: the sweep's, every core policy and belady]
+    #[arg(long, value_name = "NAME,...", value_delimiter = ',', value_parser = policies_parser())]
+    pub policies: Vec<String>,
 }
 
 /// Flags of `bmoe-sim replay`.
@@ -1652,6 +1665,9 @@ fn cmd_bench(a: BenchArgs, out: &mut dyn Write) -> Result<i32, SimError> {
         0,
         &[],
     )?;
+    if a.cells {
+        return bench_cells(&p, &a, out);
+    }
     let k = p.cfg.n_expert_used as u16;
     let budget = u64::from(a.experts_per_layer)
         * u64::from(p.layout.n_moe_layers())
@@ -1731,6 +1747,177 @@ fn cmd_bench(a: BenchArgs, out: &mut dyn Write) -> Result<i32, SimError> {
         .map_err(w)?;
     }
     Ok(0)
+}
+
+/// `bench --cells`: sweep cells, full-timing against cache-only, measured side by side in one
+/// run (per policy, the two modes alternating, so a load that comes and goes hits both), and
+/// the one-pass curve against a cache-only cell.
+fn bench_cells(p: &Prepared, a: &BenchArgs, out: &mut dyn Write) -> Result<i32, SimError> {
+    use crate::sweep::{self, Mode};
+    use std::time::Instant;
+    let w = |e| SimError::io("stdout", e);
+    let unit = sweep::bytes_per_layer_expert(&p.layout);
+    let per_layer = sweep::default_experts_per_layer(p.cfg.n_expert_used, p.cfg.n_expert);
+    let policies = if a.policies.is_empty() {
+        sweep::default_policies()
+    } else {
+        a.policies.clone()
+    };
+    let input = sweep::SweepInput {
+        trace: p.trace.clone(),
+        plan: p.plan.clone(),
+        layout: &p.layout,
+        cfg: &p.cfg,
+        profile: &p.profile,
+        seed: 0,
+        predictor: sweep::Predictor::None,
+    };
+    let reps = a.reps.max(1);
+    let seq = AccessSeq::new(&p.trace, &p.plan, 0);
+    writeln!(
+        out,
+        "bench: sweep cells of {} ({} routings), budgets {:?} experts/layer, profile {}; per \
+         policy, full timing at each of the sweep's default lanes 1,4 x overlap off,on ({} cells) \
+         and cache-only ({} cells), the runs alternating, one thread, best of {reps}; x per cell = \
+         mean full-timing cell / cache-only cell, x per point = a point's 4 full-timing cells / \
+         its 1 cache-only cell",
+        a.trace.display(),
+        seq.routings,
+        per_layer,
+        p.profile.name,
+        4 * per_layer.len(),
+        per_layer.len()
+    )
+    .map_err(w)?;
+    const SETTINGS: [(u32, bool); 4] = [(1, false), (1, true), (4, false), (4, true)];
+    writeln!(
+        out,
+        "{:>10} {:>31} {:>8} {:>8} {:>10} {:>10} {:>8}",
+        "", "full ms/cell: lanes/overlap", "", "cache", "x per", "x per", ""
+    )
+    .map_err(w)?;
+    writeln!(
+        out,
+        "{:>10} {:>7} {:>7} {:>7} {:>7} {:>8} {:>8} {:>10} {:>10} {:>8}",
+        "policy", "1/off", "1/on", "4/off", "4/on", "mean", "ms/cell", "cell", "point", "counts"
+    )
+    .map_err(w)?;
+    let counts = |r: &sweep::Row| {
+        (
+            [
+                r.lookups,
+                r.hits,
+                r.misses,
+                r.evictions,
+                r.rereads,
+                r.inserts,
+            ],
+            r.per_layer.clone(),
+            r.per_turn
+                .iter()
+                .map(|t| (t.routings, t.hits))
+                .collect::<Vec<_>>(),
+        )
+    };
+    let (mut all_full, mut all_cache, mut all_same) = (0f64, 0f64, true);
+    let (mut n_full, mut n_cache) = (0usize, 0usize);
+    let mut lru_cell = None;
+    for policy in &policies {
+        let grid = |lanes: u32, overlap: bool| sweep::Grid {
+            budgets: per_layer.iter().map(|&n| u64::from(n) * unit).collect(),
+            policies: vec![policy.clone()],
+            lanes: vec![lanes],
+            overlap: vec![overlap],
+        };
+        let points = per_layer.len();
+        let full_cells = SETTINGS.len() * points;
+        let mut setting_best = [f64::INFINITY; SETTINGS.len()];
+        let mut cache_best = f64::INFINITY;
+        let mut full_rows = Vec::new();
+        let mut cache_rows = Vec::new();
+        for _ in 0..reps {
+            full_rows.clear();
+            for (i, &(lanes, overlap)) in SETTINGS.iter().enumerate() {
+                let t = Instant::now();
+                let rows = sweep::run(&input, &grid(lanes, overlap), Mode::FullTiming, 1, &|| {})?;
+                setting_best[i] = setting_best[i].min(t.elapsed().as_secs_f64());
+                full_rows.extend(rows);
+            }
+            let t = Instant::now();
+            cache_rows = sweep::run(&input, &grid(1, false), Mode::CacheOnly, 1, &|| {})?;
+            cache_best = cache_best.min(t.elapsed().as_secs_f64());
+        }
+        let full_best: f64 = setting_best.iter().sum();
+        // Every full-timing cell counts what its point's cache-only cell counts.
+        let same = cache_rows.len() == points
+            && full_rows.len() == full_cells
+            && full_rows.iter().all(|f| {
+                cache_rows
+                    .iter()
+                    .find(|c| c.budget_bytes == f.budget_bytes)
+                    .is_some_and(|c| counts(f) == counts(c))
+            });
+        let (full_cell, cache_cell) = (full_best / full_cells as f64, cache_best / points as f64);
+        if policy == "lru" {
+            lru_cell = Some(cache_cell);
+        }
+        let ms = |s: f64| format!("{:.2}", 1e3 * s / points as f64);
+        writeln!(
+            out,
+            "{:>10} {:>7} {:>7} {:>7} {:>7} {:>8.2} {:>8.3} {:>9.1}x {:>9.1}x {:>8}",
+            policy,
+            ms(setting_best[0]),
+            ms(setting_best[1]),
+            ms(setting_best[2]),
+            ms(setting_best[3]),
+            1e3 * full_cell,
+            1e3 * cache_cell,
+            full_cell / cache_cell.max(1e-12),
+            full_best / cache_best.max(1e-12),
+            if same { "equal" } else { "DIFFER" }
+        )
+        .map_err(w)?;
+        all_full += full_best;
+        all_cache += cache_best;
+        n_full += full_cells;
+        n_cache += points;
+        all_same &= same;
+    }
+    let (full_cell, cache_cell) = (all_full / n_full as f64, all_cache / n_cache.max(1) as f64);
+    writeln!(
+        out,
+        "{:>10} {:>7} {:>7} {:>7} {:>7} {:>8.2} {:>8.3} {:>9.1}x {:>9.1}x {:>8}",
+        "all",
+        "",
+        "",
+        "",
+        "",
+        1e3 * full_cell,
+        1e3 * cache_cell,
+        full_cell / cache_cell.max(1e-12),
+        all_full / all_cache.max(1e-12),
+        if all_same { "equal" } else { "DIFFER" }
+    )
+    .map_err(w)?;
+    let mut mrc_best = f64::INFINITY;
+    let mut steps = 0;
+    for _ in 0..reps {
+        let t = Instant::now();
+        let curve = crate::mrc::compute(&p.layout, &seq, p.cfg.n_expert_used as u16)?;
+        mrc_best = mrc_best.min(t.elapsed().as_secs_f64());
+        steps = curve.steps.len();
+    }
+    writeln!(
+        out,
+        "mrc: the lru curve at every budget ({steps} steps) in one pass: {:.3} ms{}",
+        1e3 * mrc_best,
+        lru_cell.map_or(String::new(), |c| format!(
+            ", the time of {:.1} cache-only lru cells",
+            mrc_best / c.max(1e-12)
+        ))
+    )
+    .map_err(w)?;
+    Ok(if all_same { 0 } else { 1 })
 }
 
 fn load_metrics(path: &Path) -> Result<bmoe_core::telemetry::MetricsCsv, SimError> {

@@ -605,3 +605,31 @@ fn a_cache_only_sweep_refuses_what_it_cannot_model() {
         assert!(err.contains(says), "{extra:?}: {err}");
     }
 }
+
+/// `bench --cells` (a benchmark: its times are not judged here) checks that both modes count
+/// the same in every cell it times, and says so.
+#[test]
+fn bench_cells_reports_both_modes_counting_alike() {
+    let dir = scratch("bench-cells");
+    let trace = dir.join("t.route.csv");
+    std::fs::write(&trace, synthetic_trace(3, 8)).expect("trace");
+    let (code, out, err) = sim(&[
+        "bench",
+        "--trace",
+        trace.to_str().expect("path"),
+        "--cells",
+        "--reps",
+        "1",
+        "--policies",
+        "lru,belady",
+    ]);
+    assert_eq!(code, 0, "{err}\n{out}");
+    for policy in ["lru", "belady", "all"] {
+        let line = out
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(policy))
+            .unwrap_or_else(|| panic!("no {policy} row in\n{out}"));
+        assert!(line.ends_with("equal"), "{line}");
+    }
+    assert!(out.contains("mrc: the lru curve at every budget"), "{out}");
+}
