@@ -69,6 +69,20 @@ pub enum Cmd {
     Sweep(SweepArgs),
     /// Global LRU's miss-ratio curve: hits, misses and hit rate at every cache budget from one
     /// pass of the trace, exact (each budget counts what a cache-only replay at it counts)
+    #[command(
+        long_about = "Global LRU's miss-ratio curve over every cache budget, from one pass of \
+the trace: stack distances (Mattson et al. 1970) under the core's admission rule, where a \
+(step, MoE layer) looks every routed expert up before it admits any miss. The order that rule \
+leaves a layer's experts in depends on which of them hit, so one stack cannot serve every budget \
+and a larger budget can miss what a smaller one hits; each lookup therefore carries the budgets \
+at which it hits. The result is exact: at every budget it counts what a cache-only replay of the \
+core's cache with the lru policy counts (hits, misses, evictions, re-reads, inserts; prefill \
+waves included). Budgets are listed in experts per MoE layer (N x MoE layers x the largest \
+expert's bytes) and in bytes; between 0 (the cache off) and the layer demand (top-k experts of \
+the widest layer) the cache takes no budget.\n\n\
+  bmoe-sim mrc --trace T.csv\n\
+  bmoe-sim mrc --trace T.csv --points all --csv mrc.csv --plot mrc"
+    )]
     Mrc(MrcArgs),
     /// Measure replay speed: routings per second per core, cache-only and full timing
     Bench(BenchArgs),
@@ -364,20 +378,6 @@ fn policies_parser() -> clap::builder::PossibleValuesParser {
 
 /// Flags of `bmoe-sim mrc`.
 #[derive(Args, Debug, Clone)]
-#[command(
-    long_about = "Global LRU's miss-ratio curve over every cache budget, from one pass of \
-the trace: stack distances (Mattson et al. 1970) under the core's admission rule, where a \
-(step, MoE layer) looks every routed expert up before it admits any miss. The order that rule \
-leaves a layer's experts in depends on which of them hit, so one stack cannot serve every budget \
-and a larger budget can miss what a smaller one hits; each lookup therefore carries the budgets \
-at which it hits. The result is exact: at every budget it counts what a cache-only replay of the \
-core's cache with the lru policy counts (hits, misses, evictions, re-reads, inserts; prefill \
-waves included). Budgets are listed in experts per MoE layer (N x MoE layers x the largest \
-expert's bytes) and in bytes; between 0 (the cache off) and the layer demand (top-k experts of \
-the widest layer) the cache takes no budget.\n\n\
-  bmoe-sim mrc --trace T.csv\n\
-  bmoe-sim mrc --trace T.csv --points all --csv mrc.csv --plot mrc"
-)]
 pub struct MrcArgs {
     /// The route trace
     #[arg(long, value_name = "PATH")]
