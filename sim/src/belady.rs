@@ -177,9 +177,11 @@ impl EvictionPolicy for Clairvoyant {
         if i >= self.resident.len() {
             return;
         }
+        // Its next use first (`touch` finds it not yet resident, so the ordered set is left
+        // alone), then one insertion rather than an insertion, a removal and a re-insertion.
+        self.touch(index);
         self.resident[i] = true;
         self.order.insert((self.next_use[i], Self::rev(index)));
-        self.touch(index);
     }
 
     fn on_hit(&mut self, index: u32) {

@@ -67,6 +67,23 @@ pub enum Cmd {
     Whatif(WhatifArgs),
     /// Replay a trace over a grid of budgets x policies (with the Belady bound) x lanes x overlap
     Sweep(SweepArgs),
+    /// Global LRU's miss-ratio curve: hits, misses and hit rate at every cache budget from one
+    /// pass of the trace, exact (each budget counts what a cache-only replay at it counts)
+    #[command(
+        long_about = "Global LRU's miss-ratio curve over every cache budget, from one pass of \
+the trace: stack distances (Mattson et al. 1970) under the core's admission rule, where a \
+(step, MoE layer) looks every routed expert up before it admits any miss. The order that rule \
+leaves a layer's experts in depends on which of them hit, so one stack cannot serve every budget \
+and a larger budget can miss what a smaller one hits; each lookup therefore carries the budgets \
+at which it hits. The result is exact: at every budget it counts what a cache-only replay of the \
+core's cache with the lru policy counts (hits, misses, evictions, re-reads, inserts; prefill \
+waves included). Budgets are listed in experts per MoE layer (N x MoE layers x the largest \
+expert's bytes) and in bytes; between 0 (the cache off) and the layer demand (top-k experts of \
+the widest layer) the cache takes no budget.\n\n\
+  bmoe-sim mrc --trace T.csv\n\
+  bmoe-sim mrc --trace T.csv --points all --csv mrc.csv --plot mrc"
+    )]
+    Mrc(MrcArgs),
     /// Measure replay speed: routings per second per core, cache-only and full timing
     Bench(BenchArgs),
     /// Compare a simulated CSV with a measured one: counts exactly, times within tolerances
@@ -289,12 +306,23 @@ pub struct SweepArgs {
     /// belady, the clairvoyant bound [default: all]
     #[arg(long, value_name = "NAME,...", value_delimiter = ',', value_parser = policies_parser())]
     pub policies: Vec<String>,
-    /// I/O lane counts
-    #[arg(long, value_name = "N,...", value_delimiter = ',', value_parser = parse_u32_strict, default_value = "1,4")]
+    /// I/O lane counts [default: 1,4]
+    #[arg(long, value_name = "N,...", value_delimiter = ',', value_parser = parse_u32_strict)]
     pub lanes: Vec<u32>,
-    /// Overlap settings to sweep: off, on or both
-    #[arg(long, value_name = "off|on|both", default_value = "both", value_parser = ["off", "on", "both"])]
-    pub overlap: String,
+    /// Overlap settings to sweep: off, on or both [default: both]
+    #[arg(long, value_name = "off|on|both", value_parser = ["off", "on", "both"])]
+    pub overlap: Option<String>,
+    /// Hit rates only: each cell is a cache-only replay (the core's cache, policy and admission
+    /// rule over the trace's access sequence; no flash, compute or clock), over budgets x
+    /// policies: 2-20x faster per cell (the policy's own work remains; `bench --cells`
+    /// measures it), one cell per point instead of one per lanes/overlap setting. Its counts are the full replay's exactly (without a
+    /// predictor, residency does not depend on timing). Nothing timed is made up: sweep.csv and
+    /// per_layer.csv say mode cache-only and leave lanes, overlap, read and time columns empty,
+    /// pivot.md says so and has no tok/s table, and no tok_s chart is written. Refuses
+    /// --lanes, --overlap, --jitter, a predictor other than none, and --profile without
+    /// --placements (none of them can change a count)
+    #[arg(long)]
+    pub cache_only: bool,
     /// Expert predictors to compare: none, prefetch:<K> (previous token), predict-prefetch
     /// (stale gate; the trace must record pred1), route-ahead:<N> (the trace must be recorded
     /// with --route-ahead N or record pred<N>). Belady runs only with none
@@ -348,6 +376,30 @@ fn policies_parser() -> clap::builder::PossibleValuesParser {
     )
 }
 
+/// Flags of `bmoe-sim mrc`.
+#[derive(Args, Debug, Clone)]
+pub struct MrcArgs {
+    /// The route trace
+    #[arg(long, value_name = "PATH")]
+    pub trace: PathBuf,
+    /// Only the first N turns of the trace (in the order they replay); the rest are left out
+    #[arg(long, value_name = "N", value_parser = parse_u32_strict)]
+    pub turns: Option<u32>,
+    /// The budgets listed (stdout and --csv): layer = the cache off, then every whole number of
+    /// experts per MoE layer from the layer demand to the whole layer; all = the cache off, then
+    /// every budget at which a count changes (a step function: each row holds up to the next)
+    #[arg(long, value_name = "layer|all", default_value = "layer", value_parser = ["layer", "all"])]
+    pub points: String,
+    /// Write the listed budgets as CSV: budget (bytes, MiB, experts per layer, % of the expert
+    /// bank), lookups, hits, misses, evictions, rereads, inserts, hit_rate, miss_ratio,
+    /// miss_bytes, resident_bytes
+    #[arg(long, value_name = "PATH")]
+    pub csv: Option<PathBuf>,
+    /// Draw the whole curve (miss ratio against experts per layer) as STEM.svg and STEM.png
+    #[arg(long, value_name = "STEM")]
+    pub plot: Option<PathBuf>,
+}
+
 /// Flags of `bmoe-sim bench`.
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
@@ -363,6 +415,19 @@ pub struct BenchArgs {
     /// Device profile for the full-timing path
     #[arg(long, value_name = "NAME|PATH")]
     pub profile: Option<String>,
+    /// Time sweep cells instead: per policy, the sweep's own cells over its default budgets,
+    /// full-timing (x its default lanes 1,4 x overlap off,on) and cache-only, the modes
+    /// alternating, one thread, best of --reps each; prints each mode's time per cell and their
+    /// ratios per cell and per (budget, policy) point, checks that the two modes count the
+    /// same (exit 1 if not), and times the one-pass curve (`mrc`) against a cache-only lru cell
+    #[arg(long)]
+    pub cells: bool,
+    /// With --cells: runs of each mode (the best is reported)
+    #[arg(long, value_name = "N", default_value_t = 3, value_parser = parse_u32_strict)]
+    pub reps: u32,
+    /// With --cells: the cells' policies [default: the sweep's, every core policy and belady]
+    #[arg(long, value_name = "NAME,...", value_delimiter = ',', value_parser = policies_parser())]
+    pub policies: Vec<String>,
 }
 
 /// Flags of `bmoe-sim replay`.
@@ -454,6 +519,7 @@ where
         Cmd::Replay(a) => cmd_replay(a, env, out, err),
         Cmd::Whatif(a) => cmd_whatif(a, env, out, err),
         Cmd::Sweep(a) => cmd_sweep(a, env, out, err),
+        Cmd::Mrc(a) => cmd_mrc(a, out),
         Cmd::Bench(a) => cmd_bench(a, out),
         Cmd::Diff(a) => cmd_diff(a, out, err),
         Cmd::Calibrate(a) => cmd_calibrate(a, out, err),
@@ -1308,9 +1374,50 @@ fn cmd_sweep(
             ));
         }
     }
-    let overlap = match a.overlap.as_str() {
-        "off" => vec![false],
-        "on" => vec![true],
+    let mode = if a.cache_only {
+        // Refused rather than ignored: a cache-only cell models no I/O and no clock.
+        let refuse = |flag: &str, why: &str| {
+            Err(SimError::invalid(
+                format!("--cache-only with {flag}"),
+                format!("{why}; drop {flag}, or sweep with full timing (without --cache-only)"),
+            ))
+        };
+        if !a.lanes.is_empty() {
+            return refuse("--lanes", "a cache-only cell models no I/O lanes");
+        }
+        if a.overlap.is_some() {
+            return refuse(
+                "--overlap",
+                "a cache-only cell models no compute to overlap",
+            );
+        }
+        if a.jitter.is_some() {
+            return refuse("--jitter", "a cache-only cell models no time to jitter");
+        }
+        if a.profile.is_some() && a.placements.is_empty() {
+            return refuse(
+                "--profile",
+                "a device profile prices reads and times, which a cache-only cell has none of (only --placements reads it)",
+            );
+        }
+        if let Some(p) = a.predictors.iter().find(|p| p.as_str() != "none") {
+            return refuse(
+                &format!("--predictors {p}"),
+                "a predictor's admissions ride the modelled clock, which a cache-only cell has not",
+            );
+        }
+        sweep::Mode::CacheOnly
+    } else {
+        sweep::Mode::FullTiming
+    };
+    let lanes = if a.lanes.is_empty() {
+        vec![1, 4]
+    } else {
+        a.lanes.clone()
+    };
+    let overlap = match a.overlap.as_deref() {
+        Some("off") => vec![false],
+        Some("on") => vec![true],
         _ => vec![false, true],
     };
     let predictors = a
@@ -1355,11 +1462,17 @@ fn cmd_sweep(
         .map(|(_, _, _, _, policies)| sweep::Grid {
             budgets: budgets.clone(),
             policies: policies.clone(),
-            lanes: a.lanes.clone(),
+            lanes: lanes.clone(),
             overlap: overlap.clone(),
         })
         .collect();
-    let n_cells: u64 = grids.iter().map(|g| g.cells().len() as u64).sum();
+    let n_cells: u64 = grids
+        .iter()
+        .map(|g| match mode {
+            sweep::Mode::FullTiming => g.cells().len() as u64,
+            sweep::Mode::CacheOnly => (g.budgets.len() * g.policies.len()) as u64,
+        })
+        .sum();
     let bar = indicatif::ProgressBar::new(n_cells);
     bar.set_style(
         indicatif::ProgressStyle::with_template(
@@ -1380,6 +1493,7 @@ fn cmd_sweep(
                 predictor: *predictor,
             },
             grid,
+            mode,
             a.jobs as usize,
             &|| bar.inc(1),
         )?);
@@ -1426,26 +1540,39 @@ fn cmd_sweep(
     )
     .map_err(w)?;
     for r in &rows {
+        // A cache-only cell has no lanes, overlap, tok/s or reads: a dash, never a number.
+        let (lanes, overlap, tok_s, read) = match &r.timing {
+            Some(t) => (
+                r.lanes.to_string(),
+                if r.overlap { "on" } else { "off" }.to_string(),
+                format!("{:.3}", t.tok_s),
+                format!("{:.0}", t.read_bytes as f64 / MIB as f64),
+            ),
+            None => ("-".into(), "-".into(), "-".into(), "-".into()),
+        };
         writeln!(
             out,
-            "{:>10.0} {:>6.2} {:>10} {:>16} {:>5} {:>7} {:>7.2}% {:>8.3} {:>10.0}",
+            "{:>10.0} {:>6.2} {:>10} {:>16} {:>5} {:>7} {:>7.2}% {:>8} {:>10}",
             r.budget_bytes as f64 / MIB as f64,
             r.experts_per_layer,
             r.policy,
             r.predictor,
-            r.lanes,
-            if r.overlap { "on" } else { "off" },
+            lanes,
+            overlap,
             100.0 * r.hit_rate(),
-            r.tok_s,
-            r.read_bytes as f64 / MIB as f64
+            tok_s,
+            read
         )
         .map_err(w)?;
     }
+    let how = match mode {
+        sweep::Mode::FullTiming => format!("full-timing, profile {}", p.profile.name),
+        sweep::Mode::CacheOnly => "cache-only: counts only, no reads or times".to_string(),
+    };
     writeln!(
         out,
-        "sweep: {} cells, profile {}, wrote {}",
+        "sweep: {} cells, {how}, wrote {}",
         rows.len(),
-        p.profile.name,
         written_paths(&a.out, &written)
     )
     .map_err(w)?;
@@ -1508,6 +1635,134 @@ fn placement_study(
     Ok(names)
 }
 
+/// The first `turns` turns of `plan` (all of them when it has no more).
+fn first_turns(plan: &ReplayPlan, turns: u32) -> Result<ReplayPlan, SimError> {
+    if turns == 0 {
+        return Err(SimError::invalid(
+            "--turns",
+            "0 turns leave nothing to count: give at least 1",
+        ));
+    }
+    let Some(next) = plan.turns.get(turns as usize) else {
+        return Ok(plan.clone());
+    };
+    let cut = next.prefill.unwrap_or(next.decode.start);
+    Ok(ReplayPlan {
+        steps: plan.steps[..cut].to_vec(),
+        turns: plan.turns[..turns as usize].to_vec(),
+        n_moe_layers: plan.n_moe_layers,
+    })
+}
+
+fn cmd_mrc(a: MrcArgs, out: &mut dyn Write) -> Result<i32, SimError> {
+    let t0 = std::time::Instant::now();
+    let trace = load_trace(&a.trace)?;
+    let layout = layout_from_preamble(&trace.preamble)?;
+    let full = ReplayPlan::new(&trace)?;
+    let plan = match a.turns {
+        Some(n) => first_turns(&full, n)?,
+        None => full.clone(),
+    };
+    let k = u16::try_from(trace.preamble.n_expert_used).map_err(|_| SimError::Trace {
+        reason: format!(
+            "n_expert_used={} is above 65535",
+            trace.preamble.n_expert_used
+        ),
+    })?;
+    let seq = AccessSeq::new(&trace, &plan, 0);
+    let built = t0.elapsed();
+    let t1 = std::time::Instant::now();
+    let curve = crate::mrc::compute(&layout, &seq, k)?;
+    let pass = t1.elapsed();
+    let points = crate::mrc::Points::parse(&a.points).unwrap_or(crate::mrc::Points::Layer);
+    let budgets = curve.budgets(&layout, points);
+    let name = a.trace.file_name().map_or_else(
+        || a.trace.display().to_string(),
+        |n| n.to_string_lossy().into_owned(),
+    );
+    let unit = crate::sweep::bytes_per_layer_expert(&layout).max(1);
+    let w = |e| SimError::io("stdout", e);
+    writeln!(
+        out,
+        "mrc: {name}: {} of {} turns, {} groups, {} lookups ({} routings), {} MoE layers x {} \
+         experts, top-{k}; trace read and planned in {:.0} ms, the curve in one pass in {:.0} ms",
+        plan.turns.len(),
+        full.turns.len(),
+        curve.groups,
+        curve.lookups,
+        curve.routings,
+        layout.n_moe_layers(),
+        layout.max_n_expert(),
+        built.as_secs_f64() * 1e3,
+        pass.as_secs_f64() * 1e3
+    )
+    .map_err(w)?;
+    writeln!(
+        out,
+        "mrc: global LRU under the core's admission rule, exact at every budget; 1 expert per \
+         layer = {} bytes ({:.1} MiB); the cache takes 0 (off) or at least {} experts/layer \
+         ({} bytes, the layer demand at top-{k}); {} lookups hit at some budget and miss at a \
+         larger one",
+        unit,
+        unit as f64 / MIB as f64,
+        crate::sweep::report::trim(curve.floor_bytes as f64 / unit as f64, 2),
+        curve.floor_bytes,
+        curve.non_inclusive
+    )
+    .map_err(w)?;
+    writeln!(
+        out,
+        "{:>9} {:>11} {:>15} {:>10} {:>10} {:>8}",
+        "per_layer", "budget_MiB", "budget_bytes", "hits", "misses", "hit"
+    )
+    .map_err(w)?;
+    for &b in &budgets {
+        let c = curve.at(b)?.counters;
+        writeln!(
+            out,
+            "{:>9.2} {:>11.1} {:>15} {:>10} {:>10} {:>7.2}%",
+            b as f64 / unit as f64,
+            b as f64 / MIB as f64,
+            b,
+            c.hits,
+            c.misses,
+            100.0 * crate::sweep::ratio(c.hits, curve.lookups)
+        )
+        .map_err(w)?;
+    }
+    let mut written = Vec::new();
+    if let Some(path) = &a.csv {
+        write_file(path, &curve.csv(&layout, &budgets)?)?;
+        written.push(path.display().to_string());
+    }
+    if let Some(stem) = &a.plot {
+        let (dir, file) = match (stem.parent(), stem.file_name()) {
+            (Some(d), Some(f)) => (
+                if d.as_os_str().is_empty() {
+                    Path::new(".")
+                } else {
+                    d
+                },
+                f.to_string_lossy().into_owned(),
+            ),
+            _ => {
+                return Err(SimError::invalid(
+                    format!("--plot {}", stem.display()),
+                    "not a file path stem (e.g. out/mrc writes out/mrc.svg and out/mrc.png)",
+                ))
+            }
+        };
+        crate::sweep::plot::write_line_figure(dir, &file, &curve.figure(&layout, &name))?;
+        for ext in ["svg", "png"] {
+            written.push(dir.join(format!("{file}.{ext}")).display().to_string());
+        }
+    }
+    if !written.is_empty() {
+        writeln!(out, "mrc: wrote {}", written.join(", ")).map_err(w)?;
+    }
+    Ok(0)
+}
+
 fn cmd_bench(a: BenchArgs, out: &mut dyn Write) -> Result<i32, SimError> {
     use std::time::Instant;
     let (stream, telemetry) = default_flags()?;
@@ -1521,6 +1776,9 @@ fn cmd_bench(a: BenchArgs, out: &mut dyn Write) -> Result<i32, SimError> {
         0,
         &[],
     )?;
+    if a.cells {
+        return bench_cells(&p, &a, out);
+    }
     let k = p.cfg.n_expert_used as u16;
     let budget = u64::from(a.experts_per_layer)
         * u64::from(p.layout.n_moe_layers())
@@ -1600,6 +1858,177 @@ fn cmd_bench(a: BenchArgs, out: &mut dyn Write) -> Result<i32, SimError> {
         .map_err(w)?;
     }
     Ok(0)
+}
+
+/// `bench --cells`: sweep cells, full-timing against cache-only, measured side by side in one
+/// run (per policy, the two modes alternating, so a load that comes and goes hits both), and
+/// the one-pass curve against a cache-only cell.
+fn bench_cells(p: &Prepared, a: &BenchArgs, out: &mut dyn Write) -> Result<i32, SimError> {
+    use crate::sweep::{self, Mode};
+    use std::time::Instant;
+    let w = |e| SimError::io("stdout", e);
+    let unit = sweep::bytes_per_layer_expert(&p.layout);
+    let per_layer = sweep::default_experts_per_layer(p.cfg.n_expert_used, p.cfg.n_expert);
+    let policies = if a.policies.is_empty() {
+        sweep::default_policies()
+    } else {
+        a.policies.clone()
+    };
+    let input = sweep::SweepInput {
+        trace: p.trace.clone(),
+        plan: p.plan.clone(),
+        layout: &p.layout,
+        cfg: &p.cfg,
+        profile: &p.profile,
+        seed: 0,
+        predictor: sweep::Predictor::None,
+    };
+    let reps = a.reps.max(1);
+    let seq = AccessSeq::new(&p.trace, &p.plan, 0);
+    writeln!(
+        out,
+        "bench: sweep cells of {} ({} routings), budgets {:?} experts/layer, profile {}; per \
+         policy, full timing at each of the sweep's default lanes 1,4 x overlap off,on ({} cells) \
+         and cache-only ({} cells), the runs alternating, one thread, best of {reps}; x per cell = \
+         mean full-timing cell / cache-only cell, x per point = a point's 4 full-timing cells / \
+         its 1 cache-only cell",
+        a.trace.display(),
+        seq.routings,
+        per_layer,
+        p.profile.name,
+        4 * per_layer.len(),
+        per_layer.len()
+    )
+    .map_err(w)?;
+    const SETTINGS: [(u32, bool); 4] = [(1, false), (1, true), (4, false), (4, true)];
+    writeln!(
+        out,
+        "{:>10} {:>31} {:>8} {:>8} {:>10} {:>10} {:>8}",
+        "", "full ms/cell: lanes/overlap", "", "cache", "x per", "x per", ""
+    )
+    .map_err(w)?;
+    writeln!(
+        out,
+        "{:>10} {:>7} {:>7} {:>7} {:>7} {:>8} {:>8} {:>10} {:>10} {:>8}",
+        "policy", "1/off", "1/on", "4/off", "4/on", "mean", "ms/cell", "cell", "point", "counts"
+    )
+    .map_err(w)?;
+    let counts = |r: &sweep::Row| {
+        (
+            [
+                r.lookups,
+                r.hits,
+                r.misses,
+                r.evictions,
+                r.rereads,
+                r.inserts,
+            ],
+            r.per_layer.clone(),
+            r.per_turn
+                .iter()
+                .map(|t| (t.routings, t.hits))
+                .collect::<Vec<_>>(),
+        )
+    };
+    let (mut all_full, mut all_cache, mut all_same) = (0f64, 0f64, true);
+    let (mut n_full, mut n_cache) = (0usize, 0usize);
+    let mut lru_cell = None;
+    for policy in &policies {
+        let grid = |lanes: u32, overlap: bool| sweep::Grid {
+            budgets: per_layer.iter().map(|&n| u64::from(n) * unit).collect(),
+            policies: vec![policy.clone()],
+            lanes: vec![lanes],
+            overlap: vec![overlap],
+        };
+        let points = per_layer.len();
+        let full_cells = SETTINGS.len() * points;
+        let mut setting_best = [f64::INFINITY; SETTINGS.len()];
+        let mut cache_best = f64::INFINITY;
+        let mut full_rows = Vec::new();
+        let mut cache_rows = Vec::new();
+        for _ in 0..reps {
+            full_rows.clear();
+            for (i, &(lanes, overlap)) in SETTINGS.iter().enumerate() {
+                let t = Instant::now();
+                let rows = sweep::run(&input, &grid(lanes, overlap), Mode::FullTiming, 1, &|| {})?;
+                setting_best[i] = setting_best[i].min(t.elapsed().as_secs_f64());
+                full_rows.extend(rows);
+            }
+            let t = Instant::now();
+            cache_rows = sweep::run(&input, &grid(1, false), Mode::CacheOnly, 1, &|| {})?;
+            cache_best = cache_best.min(t.elapsed().as_secs_f64());
+        }
+        let full_best: f64 = setting_best.iter().sum();
+        // Every full-timing cell counts what its point's cache-only cell counts.
+        let same = cache_rows.len() == points
+            && full_rows.len() == full_cells
+            && full_rows.iter().all(|f| {
+                cache_rows
+                    .iter()
+                    .find(|c| c.budget_bytes == f.budget_bytes)
+                    .is_some_and(|c| counts(f) == counts(c))
+            });
+        let (full_cell, cache_cell) = (full_best / full_cells as f64, cache_best / points as f64);
+        if policy == "lru" {
+            lru_cell = Some(cache_cell);
+        }
+        let ms = |s: f64| format!("{:.2}", 1e3 * s / points as f64);
+        writeln!(
+            out,
+            "{:>10} {:>7} {:>7} {:>7} {:>7} {:>8.2} {:>8.3} {:>9.1}x {:>9.1}x {:>8}",
+            policy,
+            ms(setting_best[0]),
+            ms(setting_best[1]),
+            ms(setting_best[2]),
+            ms(setting_best[3]),
+            1e3 * full_cell,
+            1e3 * cache_cell,
+            full_cell / cache_cell.max(1e-12),
+            full_best / cache_best.max(1e-12),
+            if same { "equal" } else { "DIFFER" }
+        )
+        .map_err(w)?;
+        all_full += full_best;
+        all_cache += cache_best;
+        n_full += full_cells;
+        n_cache += points;
+        all_same &= same;
+    }
+    let (full_cell, cache_cell) = (all_full / n_full as f64, all_cache / n_cache.max(1) as f64);
+    writeln!(
+        out,
+        "{:>10} {:>7} {:>7} {:>7} {:>7} {:>8.2} {:>8.3} {:>9.1}x {:>9.1}x {:>8}",
+        "all",
+        "",
+        "",
+        "",
+        "",
+        1e3 * full_cell,
+        1e3 * cache_cell,
+        full_cell / cache_cell.max(1e-12),
+        all_full / all_cache.max(1e-12),
+        if all_same { "equal" } else { "DIFFER" }
+    )
+    .map_err(w)?;
+    let mut mrc_best = f64::INFINITY;
+    let mut steps = 0;
+    for _ in 0..reps {
+        let t = Instant::now();
+        let curve = crate::mrc::compute(&p.layout, &seq, p.cfg.n_expert_used as u16)?;
+        mrc_best = mrc_best.min(t.elapsed().as_secs_f64());
+        steps = curve.steps.len();
+    }
+    writeln!(
+        out,
+        "mrc: the lru curve at every budget ({steps} steps) in one pass: {:.3} ms{}",
+        1e3 * mrc_best,
+        lru_cell.map_or(String::new(), |c| format!(
+            ", the time of {:.1} cache-only lru cells",
+            mrc_best / c.max(1e-12)
+        ))
+    )
+    .map_err(w)?;
+    Ok(if all_same { 0 } else { 1 })
 }
 
 fn load_metrics(path: &Path) -> Result<bmoe_core::telemetry::MetricsCsv, SimError> {

@@ -207,7 +207,7 @@ fn split_ids(s: &str) -> Vec<&str> {
     s.trim()
         .trim_start_matches('[')
         .trim_end_matches(']')
-        .split(|c: char| c == ' ' || c == ';' || c == '|' || c == ',')
+        .split([' ', ';', '|', ','])
         .map(str::trim)
         .filter(|t| !t.is_empty())
         .collect()

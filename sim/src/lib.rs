@@ -20,6 +20,7 @@ pub mod diff;
 pub mod error;
 pub mod flash;
 pub mod fuzz;
+pub mod mrc;
 pub mod plan;
 pub mod predictions;
 pub mod profile;

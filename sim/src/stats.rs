@@ -364,6 +364,7 @@ pub fn write_outputs(dir: &Path, s: &TraceStats, name: &str) -> Result<Vec<Strin
                     name: name.to_string(),
                     style: 0,
                     black: false,
+                    markers: true,
                     points: pts.into_iter().map(|(a, b)| (a, b, None)).collect(),
                 }],
             }],

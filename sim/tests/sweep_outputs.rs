@@ -133,6 +133,7 @@ fn a_parallel_sweep_writes_the_bytes_a_serial_one_does() {
     for r in &rows {
         assert_eq!(r[col("turns")], "12");
         let key = [
+            r[col("mode")],
             r[col("predictor")],
             r[col("policy")],
             r[col("lanes")],
@@ -146,8 +147,8 @@ fn a_parallel_sweep_writes_the_bytes_a_serial_one_does() {
             .filter(|l| l.starts_with(&format!("{key},")))
         {
             let f: Vec<&str> = l.split(',').collect();
-            n += f[7].parse::<u64>().expect("routings");
-            h += f[8].parse::<u64>().expect("hits");
+            n += f[8].parse::<u64>().expect("routings");
+            h += f[9].parse::<u64>().expect("hits");
         }
         assert_eq!(n.to_string(), r[col("decode_routings")], "{key}");
         assert_eq!(h.to_string(), r[col("decode_hits")], "{key}");
@@ -417,4 +418,218 @@ fn pivot_writes_a_hit_rate_table_once_for_the_settings_it_holds_for() {
         "{pivot}"
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `sweep.csv` as (policy, budget) -> its named columns.
+fn table(dir: &Path) -> (Vec<String>, Vec<Vec<String>>) {
+    let text = std::fs::read_to_string(dir.join("sweep.csv")).expect("sweep.csv");
+    let mut lines = text.lines();
+    let header: Vec<String> = lines
+        .next()
+        .expect("header")
+        .split(',')
+        .map(str::to_string)
+        .collect();
+    let rows = lines
+        .map(|l| l.split(',').map(str::to_string).collect())
+        .collect();
+    (header, rows)
+}
+
+/// The columns that depend on the cache alone, and those only a full-timing cell has.
+const COUNT_COLUMNS: &[&str] = &[
+    "predictor",
+    "policy",
+    "budget_bytes",
+    "experts_per_layer",
+    "lookups",
+    "hits",
+    "misses",
+    "evictions",
+    "rereads",
+    "inserts",
+    "hit_rate",
+    "decode_routings",
+    "decode_hits",
+    "decode_hit_rate",
+    "decode_hit_rate_lo",
+    "decode_hit_rate_hi",
+    "d_hit_vs_lru",
+    "d_hit_vs_lru_lo",
+    "d_hit_vs_lru_hi",
+    "belady_share",
+    "turns",
+];
+const TIMED_COLUMNS: &[&str] = &[
+    "lanes",
+    "overlap",
+    "read_bytes",
+    "read_mib",
+    "read_mib_per_tok",
+    "spec_experts",
+    "spec_useful",
+    "spec_useful_frac",
+    "spec_read_bytes",
+    "tokens",
+    "tok_s",
+    "tok_s_lo",
+    "tok_s_hi",
+    "d_tok_s_vs_lru",
+    "d_tok_s_vs_lru_lo",
+    "d_tok_s_vs_lru_hi",
+    "s_per_tok",
+    "compute_s_per_tok",
+    "io_s_per_tok",
+    "stall_s_per_tok",
+    "mgmt_s_per_tok",
+];
+
+/// A cache-only sweep (every policy, Belady too) against a full-timing one at one lanes/
+/// overlap setting: every count, rate, interval and delta equal; the per-layer table equal but
+/// for its mode, lanes and overlap; and nothing timed written.
+fn cache_only_matches_full_timing(trace: &Path, budgets: &str, name: &str) {
+    let dir = scratch(&format!("cache-only-{name}"));
+    let run = |out: &str, extra: &[&str]| {
+        let mut args = vec![
+            "sweep",
+            "--trace",
+            trace.to_str().expect("path"),
+            "--experts-per-layer",
+            budgets,
+            "--jobs",
+            "2",
+            "--bootstrap",
+            "200",
+            "--out",
+        ];
+        let out = dir.join(out).display().to_string();
+        args.push(&out);
+        args.extend_from_slice(extra);
+        let (code, stdout, err) = sim(&args);
+        assert_eq!(code, 0, "{name}: {err}");
+        stdout
+    };
+    let t0 = std::time::Instant::now();
+    run("full", &["--lanes", "1", "--overlap", "off"]);
+    let t_full = t0.elapsed();
+    let t0 = std::time::Instant::now();
+    let stdout = run("cache", &["--cache-only"]);
+    let t_cache = t0.elapsed();
+    assert!(
+        stdout.contains("cache-only: counts only, no reads or times"),
+        "{stdout}"
+    );
+    let (header, full) = table(&dir.join("full"));
+    let (cache_header, cache) = table(&dir.join("cache"));
+    assert_eq!(header, cache_header);
+    assert_eq!(
+        full.len(),
+        cache.len(),
+        "{name}: one cell per (budget, policy)"
+    );
+    let col = |n: &str| header.iter().position(|h| h == n).expect(n);
+    for (f, c) in full.iter().zip(&cache) {
+        assert_eq!(f[col("mode")], "full-timing");
+        assert_eq!(c[col("mode")], "cache-only");
+        for n in COUNT_COLUMNS {
+            assert_eq!(f[col(n)], c[col(n)], "{name}: {n} of {f:?}");
+        }
+        for n in TIMED_COLUMNS {
+            assert_eq!(c[col(n)], "", "{name}: {n} of a cache-only cell");
+        }
+    }
+    let per_layer = |d: &str| -> Vec<String> {
+        std::fs::read_to_string(dir.join(d).join("per_layer.csv"))
+            .expect("per_layer.csv")
+            .lines()
+            .skip(1)
+            .map(|l| {
+                let f: Vec<&str> = l.split(',').collect();
+                [&f[1..3], &f[5..]].concat().join(",")
+            })
+            .collect()
+    };
+    assert_eq!(per_layer("full"), per_layer("cache"), "{name}");
+    for chart in ["tok_s.svg", "tok_s.png"] {
+        assert!(!dir.join("cache").join(chart).exists(), "{chart}");
+    }
+    let pivot = std::fs::read_to_string(dir.join("cache/pivot.md")).expect("pivot");
+    assert!(pivot.contains("Mode: cache-only"), "{pivot}");
+    assert!(!pivot.contains("tok/s,"), "{pivot}");
+    eprintln!(
+        "{name}: {} cells; full timing {:.2} s, cache-only {:.2} s",
+        cache.len(),
+        t_full.as_secs_f64(),
+        t_cache.as_secs_f64()
+    );
+}
+
+#[test]
+fn a_cache_only_sweep_counts_what_a_full_timing_one_does_and_times_nothing() {
+    let dir = scratch("cache-only-trace");
+    let trace = dir.join("t.route.csv");
+    std::fs::write(&trace, synthetic_trace(12, 20)).expect("trace");
+    cache_only_matches_full_timing(&trace, "2,4,8", "synthetic");
+    if let Some(t) = common::shared_trace("mixtral-8x7b-humaneval.route.csv") {
+        cache_only_matches_full_timing(&t, "2,4,6", "mixtral");
+    }
+    if let Some(t) = common::shared_trace("deepseek-v2-lite-puffin.route.csv") {
+        cache_only_matches_full_timing(&t, "6,12,24", "deepseek");
+    }
+}
+
+#[test]
+fn a_cache_only_sweep_refuses_what_it_cannot_model() {
+    let dir = scratch("cache-only-refusals");
+    let trace = dir.join("t.route.csv");
+    std::fs::write(&trace, synthetic_trace(2, 4)).expect("trace");
+    let t = trace.display().to_string();
+    let out = dir.join("out").display().to_string();
+    for (extra, says) in [
+        (&["--lanes", "1"][..], "--cache-only with --lanes"),
+        (&["--overlap", "on"][..], "--cache-only with --overlap"),
+        (&["--jitter", "0.1"][..], "--cache-only with --jitter"),
+        (
+            &["--profile", "laptop-nvme"][..],
+            "--cache-only with --profile",
+        ),
+        (
+            &["--predictors", "none,prefetch:1"][..],
+            "--cache-only with --predictors prefetch:1",
+        ),
+    ] {
+        let mut args = vec!["sweep", "--trace", &t, "--cache-only", "--out", &out];
+        args.extend_from_slice(extra);
+        let (code, _, err) = sim(&args);
+        assert_eq!(code, 1, "{extra:?}: {err}");
+        assert!(err.contains(says), "{extra:?}: {err}");
+    }
+}
+
+/// `bench --cells` (a benchmark: its times are not judged here) checks that both modes count
+/// the same in every cell it times, and says so.
+#[test]
+fn bench_cells_reports_both_modes_counting_alike() {
+    let dir = scratch("bench-cells");
+    let trace = dir.join("t.route.csv");
+    std::fs::write(&trace, synthetic_trace(3, 8)).expect("trace");
+    let (code, out, err) = sim(&[
+        "bench",
+        "--trace",
+        trace.to_str().expect("path"),
+        "--cells",
+        "--reps",
+        "1",
+        "--policies",
+        "lru,belady",
+    ]);
+    assert_eq!(code, 0, "{err}\n{out}");
+    for policy in ["lru", "belady", "all"] {
+        let line = out
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(policy))
+            .unwrap_or_else(|| panic!("no {policy} row in\n{out}"));
+        assert!(line.ends_with("equal"), "{line}");
+    }
+    assert!(out.contains("mrc: the lru curve at every budget"), "{out}");
 }

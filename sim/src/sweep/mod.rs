@@ -1,6 +1,10 @@
 //! Sweeps: one trace replayed over a grid of cache budgets × eviction policies × I/O lanes ×
 //! overlap, each cell a full-timing replay through the core, run in parallel on a `rayon`
-//! pool. Cells are independent and deterministic (seeded), and come back in grid order, so a
+//! pool. When only hit rates are wanted (`Mode::CacheOnly`, `sweep --cache-only`), each cell is
+//! a cache-only replay instead (`cache_only.rs`: the core's cache and policy over the access
+//! sequence, no flash, compute or clock) over budgets × policies alone: the same hits, misses,
+//! evictions, re-reads and per-layer and per-turn decode counts, and no time at all
+//! (`Row::timing` is `None`, and every output says which mode wrote it). Cells are independent and deterministic (seeded), and come back in grid order, so a
 //! parallel sweep writes exactly the bytes a serial one does (`--jobs 1`; a test checks it).
 //! Every budget also gets the Belady (clairvoyant) bound (`belady.rs`) as a policy, so each
 //! table row and plot shows how far a policy is from the best any policy could do.
@@ -144,6 +148,34 @@ impl Grid {
     }
 }
 
+/// What a sweep's cells run.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// Each cell a full-timing replay (`replay::run`): counts, bytes read and modelled times.
+    FullTiming,
+    /// Each cell a cache-only replay (`cache_only::run_observed`): counts only.
+    CacheOnly,
+}
+
+impl Mode {
+    /// The name the outputs carry (`sweep.csv`'s `mode` column).
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::FullTiming => "full-timing",
+            Mode::CacheOnly => "cache-only",
+        }
+    }
+}
+
+/// A turn's decode tokens and modelled decode time (full-timing cells only).
+#[derive(Copy, Clone, Debug, Default, PartialEq)]
+pub struct TurnTime {
+    /// Decode tokens.
+    pub tokens: u64,
+    /// Modelled decode seconds (Σ wall).
+    pub decode_s: f64,
+}
+
 /// Decode routings and hits of one turn, and its modelled decode time.
 #[derive(Copy, Clone, Debug, Default, PartialEq)]
 pub struct TurnStat {
@@ -151,32 +183,14 @@ pub struct TurnStat {
     pub routings: u64,
     /// Of those, found resident (a speculative prefetch's first touch included).
     pub hits: u64,
-    /// Decode tokens.
-    pub tokens: u64,
-    /// Modelled decode seconds (Σ wall).
-    pub decode_s: f64,
+    /// `None` in a cache-only cell, which models no time.
+    pub time: Option<TurnTime>,
 }
 
-/// One cell's result.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Row {
-    /// The predictor (`Predictor::name`).
-    pub predictor: String,
-    pub budget_bytes: u64,
-    /// The budget in experts per MoE layer (budget / (layers × largest expert)).
-    pub experts_per_layer: f64,
-    /// The budget as a share of every expert's bytes (the whole expert bank), in [0, 1+].
-    pub bank_frac: f64,
-    pub policy: String,
-    pub lanes: u32,
-    pub overlap: bool,
-    /// Cache lookups over the whole replay (prefill included).
-    pub lookups: u64,
-    pub hits: u64,
-    pub misses: u64,
-    pub evictions: u64,
-    pub rereads: u64,
-    pub inserts: u64,
+/// What only a full-timing cell measures: the reads the streamer issued and the modelled
+/// times.
+#[derive(Copy, Clone, Debug, Default, PartialEq)]
+pub struct Timing {
     /// Flash bytes read (aligned windows; demand and speculative).
     pub read_bytes: u64,
     /// Speculative (prefetch / route-ahead) reads: experts, of which later routed, and bytes.
@@ -190,6 +204,32 @@ pub struct Row {
     pub io_s_per_tok: f64,
     pub stall_s_per_tok: f64,
     pub mgmt_s_per_tok: f64,
+}
+
+/// One cell's result.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Row {
+    /// The predictor (`Predictor::name`).
+    pub predictor: String,
+    pub budget_bytes: u64,
+    /// The budget in experts per MoE layer (budget / (layers × largest expert)).
+    pub experts_per_layer: f64,
+    /// The budget as a share of every expert's bytes (the whole expert bank), in [0, 1+].
+    pub bank_frac: f64,
+    pub policy: String,
+    /// I/O lanes and overlap; 0 and false in a cache-only cell, which models no I/O (its
+    /// outputs leave them empty).
+    pub lanes: u32,
+    pub overlap: bool,
+    /// Cache lookups over the whole replay (prefill included).
+    pub lookups: u64,
+    pub hits: u64,
+    pub misses: u64,
+    pub evictions: u64,
+    pub rereads: u64,
+    pub inserts: u64,
+    /// Reads and times: `None` in a cache-only cell.
+    pub timing: Option<Timing>,
     /// Per MoE layer (trace order): (decode routings, hits).
     pub per_layer: Vec<(u64, u64)>,
     /// Per turn, in replay order.
@@ -197,6 +237,20 @@ pub struct Row {
 }
 
 impl Row {
+    /// The mode that produced the cell.
+    pub fn mode(&self) -> Mode {
+        if self.timing.is_some() {
+            Mode::FullTiming
+        } else {
+            Mode::CacheOnly
+        }
+    }
+
+    /// Predicted tok/s (full-timing cells).
+    pub fn tok_s(&self) -> Option<f64> {
+        self.timing.map(|t| t.tok_s)
+    }
+
     /// Hits over lookups (prefill included).
     pub fn hit_rate(&self) -> f64 {
         ratio(self.hits, self.lookups)
@@ -345,8 +399,10 @@ fn run_cell(
             .map(|(t, &(_, routings, hits))| TurnStat {
                 routings,
                 hits,
-                tokens: t.tokens(),
-                decode_s: t.gen_s(),
+                time: Some(TurnTime {
+                    tokens: t.tokens(),
+                    decode_s: t.gen_s(),
+                }),
             })
             .collect()
     } else {
@@ -373,37 +429,216 @@ fn run_cell(
         evictions: r.cache.evictions,
         rereads: r.cache.rereads,
         inserts: r.cache.inserts,
-        read_bytes: r.read_bytes,
-        spec_experts: s.counters.spec_experts,
-        spec_useful: s.counters.spec_useful,
-        spec_read_bytes: s.counters.spec_read_bytes,
-        tokens: s.tokens(),
-        tok_s: s.tokens_per_s(),
-        s_per_tok: s.s_per_token(),
-        compute_s_per_tok: s.compute_s_per_token(),
-        io_s_per_tok: s.io_s_per_token(),
-        stall_s_per_tok: s.stall_s_per_token(),
-        mgmt_s_per_tok: s.mgmt_s_per_token(),
+        timing: Some(Timing {
+            read_bytes: r.read_bytes,
+            spec_experts: s.counters.spec_experts,
+            spec_useful: s.counters.spec_useful,
+            spec_read_bytes: s.counters.spec_read_bytes,
+            tokens: s.tokens(),
+            tok_s: s.tokens_per_s(),
+            s_per_tok: s.s_per_token(),
+            compute_s_per_tok: s.compute_s_per_token(),
+            io_s_per_tok: s.io_s_per_token(),
+            stall_s_per_tok: s.stall_s_per_token(),
+            mgmt_s_per_tok: s.mgmt_s_per_token(),
+        }),
         per_layer,
         per_turn,
     })
 }
 
+/// Per group of the access sequence (step-major, MoE-layer order within a step:
+/// `AccessSeq::new`), what a cache-only cell needs to count decode routings as the full
+/// replay's route records do. Built once per sweep, shared by its cells.
+#[derive(Copy, Clone, Debug)]
+struct GroupRoutings {
+    /// Plan step and MoE layer; `None` for a prefill group (not counted).
+    decode: Option<(usize, u16)>,
+    turn: u32,
+    /// Routed slots (the first k ranks of each row).
+    routings: u64,
+    /// Every expert of the group routed by exactly one slot (a one-row decode step): then
+    /// its hits are `routings - misses`, with no walk over the slots.
+    one_slot_each: bool,
+}
+
+fn group_routings(
+    trace: &RouteTrace,
+    plan: &ReplayPlan,
+    seq: &AccessSeq,
+    k: usize,
+) -> Vec<GroupRoutings> {
+    let n_moe = usize::from(plan.n_moe_layers);
+    let mut out = Vec::with_capacity(seq.group_end.len());
+    let mut start = 0usize;
+    for (g, &end) in seq.group_end.iter().enumerate() {
+        let keys = end as usize - start;
+        start = end as usize;
+        let Some(step) = plan.steps.get(g / n_moe.max(1)) else {
+            break;
+        };
+        let m = (g % n_moe.max(1)) as u16;
+        let routings: u64 = step
+            .layer_rows(m)
+            .iter()
+            .map(|r| {
+                let n = trace.cell_slots(&trace.cells[r.cell as usize]).len();
+                n.min(k) as u64
+            })
+            .sum();
+        out.push(GroupRoutings {
+            decode: (step.phase == Phase::Decode).then_some((g / n_moe.max(1), m)),
+            turn: step.turn,
+            routings,
+            one_slot_each: routings == keys as u64,
+        });
+    }
+    out
+}
+
+/// One cell as a cache-only replay: the same cache, policy and admission rule as the full
+/// replay's, and the same decode counts per layer and per turn (a routing hits when its
+/// expert's lookup in that step and layer hit, as the streamer marks it), but no reads, no
+/// clock and no time. Speculative predictors need timing and are refused by the caller.
+fn run_cache_only_cell(
+    input: &SweepInput<'_>,
+    seq: &AccessSeq,
+    groups: &[GroupRoutings],
+    k: u16,
+    (budget, policy_name): (u64, &str),
+) -> Result<Row, SimError> {
+    let (policy, desync) = make_policy(policy_name, seq, input.layout)?;
+    let trace = &input.trace;
+    let plan = &input.plan;
+    // The ranks a routing keeps, as `group_routings` counted them.
+    let take_k = if k == 0 { usize::MAX } else { usize::from(k) };
+    let mut missed = vec![u32::MAX; trace.preamble.n_expert as usize];
+    let mut per_layer = vec![(0u64, 0u64); usize::from(input.layout.n_moe_layers())];
+    let mut per_turn: Vec<(u32, u64, u64)> = Vec::new();
+    let r =
+        crate::cache_only::run_observed(input.layout, seq, budget, k, policy, &mut |g, misses| {
+            let Some(&GroupRoutings {
+                decode: Some((step, m)),
+                turn,
+                routings,
+                one_slot_each,
+            }) = groups.get(g)
+            else {
+                return;
+            };
+            let hits = if one_slot_each {
+                routings - misses.len() as u64
+            } else {
+                // Several rows (a verify decode) may route one expert: walk the slots.
+                for key in misses {
+                    if let Some(slot) = missed.get_mut(usize::from(key.expert)) {
+                        *slot = g as u32;
+                    }
+                }
+                let mut hits = 0u64;
+                for row in plan.steps[step].layer_rows(m) {
+                    let slots = trace.cell_slots(&trace.cells[row.cell as usize]);
+                    for s in &slots[..slots.len().min(take_k)] {
+                        hits += u64::from(missed.get(s.expert as usize) != Some(&(g as u32)));
+                    }
+                }
+                hits
+            };
+            if let Some(l) = per_layer.get_mut(usize::from(m)) {
+                l.0 += routings;
+                l.1 += hits;
+            }
+            match per_turn.last_mut() {
+                Some(t) if t.0 == turn => {
+                    t.1 += routings;
+                    t.2 += hits;
+                }
+                _ => per_turn.push((turn, routings, hits)),
+            }
+        })?;
+    if let Some(d) = desync {
+        d.check()?;
+    }
+    let c = r.counters;
+    Ok(Row {
+        predictor: input.predictor.name(),
+        budget_bytes: budget,
+        experts_per_layer: budget as f64 / bytes_per_layer_expert(input.layout).max(1) as f64,
+        bank_frac: budget as f64 / bank_bytes(input.layout).max(1) as f64,
+        policy: policy_name.to_string(),
+        lanes: 0,
+        overlap: false,
+        lookups: c.hits + c.misses,
+        hits: c.hits,
+        misses: c.misses,
+        evictions: c.evictions,
+        rereads: c.rereads,
+        inserts: c.inserts,
+        timing: None,
+        per_layer,
+        per_turn: per_turn
+            .into_iter()
+            .map(|(_, routings, hits)| TurnStat {
+                routings,
+                hits,
+                time: None,
+            })
+            .collect(),
+    })
+}
+
 /// Run every cell of `grid` on a pool of `jobs` threads (`jobs` = 1 runs them in order on
-/// this thread). `on_done` is called (from the workers) after each cell, for a progress bar.
-/// Results come back in grid order; the first error in grid order is returned.
+/// this thread), as `mode` says: full-timing cells over budgets × policies × lanes × overlap,
+/// or cache-only cells over budgets × policies (a cache-only cell models no I/O, so the grid's
+/// lanes and overlap do not enter it; nor may a predictor, whose admissions depend on timing).
+/// `on_done` is called (from the workers) after each cell, for a progress bar. Results come
+/// back in grid order; the first error in grid order is returned.
 pub fn run(
     input: &SweepInput<'_>,
     grid: &Grid,
+    mode: Mode,
     jobs: usize,
     on_done: &(dyn Fn() + Sync),
 ) -> Result<Vec<Row>, SimError> {
     let k = u16::try_from(input.cfg.n_expert_used).unwrap_or(0);
     let trace_k = u16::try_from(input.trace.preamble.n_expert_used).unwrap_or(0);
     let seq = AccessSeq::new(&input.trace, &input.plan, if k < trace_k { k } else { 0 });
-    let cells = grid.cells();
+    let cells = match mode {
+        Mode::FullTiming => grid.cells(),
+        Mode::CacheOnly => {
+            if input.predictor != Predictor::None {
+                return Err(SimError::invalid(
+                    "--cache-only",
+                    format!(
+                        "predictor {} admits experts on the modelled clock, which a cache-only \
+                         cell has not: sweep it with full timing",
+                        input.predictor.name()
+                    ),
+                ));
+            }
+            let mut v = Vec::with_capacity(grid.budgets.len() * grid.policies.len());
+            for &b in &grid.budgets {
+                for p in &grid.policies {
+                    v.push((b, p.clone(), 0, false));
+                }
+            }
+            v
+        }
+    };
+    let groups = match mode {
+        Mode::FullTiming => Vec::new(),
+        Mode::CacheOnly => group_routings(
+            &input.trace,
+            &input.plan,
+            &seq,
+            if k == 0 { usize::MAX } else { usize::from(k) },
+        ),
+    };
     let one = |cell: &(u64, String, u32, bool)| {
-        let r = run_cell(input, &seq, cell);
+        let r = match mode {
+            Mode::FullTiming => run_cell(input, &seq, cell),
+            Mode::CacheOnly => run_cache_only_cell(input, &seq, &groups, k, (cell.0, &cell.1)),
+        };
         on_done();
         r
     };
@@ -444,9 +679,18 @@ pub fn write_outputs(
     ];
     let (hit, tps) = plot::sweep_figures(rows, &stats, x, trace_name);
     plot::write_line_figure(dir, "hit_rate", &hit)?;
-    plot::write_line_figure(dir, "tok_s", &tps)?;
+    // A cache-only sweep has no times: no tok/s chart rather than an empty or a made-up one.
+    let timed = rows.iter().all(|r| r.timing.is_some());
+    if timed {
+        plot::write_line_figure(dir, "tok_s", &tps)?;
+    }
     plot::write_heat_map(dir, rows, layer_ids, x, trace_name)?;
-    for stem in ["hit_rate", "tok_s", "per_layer"] {
+    let charts: &[&str] = if timed {
+        &["hit_rate", "tok_s", "per_layer"]
+    } else {
+        &["hit_rate", "per_layer"]
+    };
+    for stem in charts {
         written.push(format!("{stem}.svg"));
         written.push(format!("{stem}.png"));
     }

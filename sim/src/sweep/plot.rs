@@ -99,6 +99,9 @@ fn marker_points(kind: usize, r: i32) -> Vec<(i32, i32)> {
     }
 }
 
+/// A point of a line: (x, y, optional interval).
+pub type LinePoint = (f64, f64, Option<(f64, f64)>);
+
 /// One line of a chart.
 #[derive(Clone, Debug)]
 pub struct Line {
@@ -106,8 +109,11 @@ pub struct Line {
     /// Index into the palette / marker list (stable across panels and charts).
     pub style: usize,
     pub black: bool,
+    /// A marker at every point (off for a curve of many points, such as `mrc`'s staircase,
+    /// whose touching markers would only thicken the line; the legend shows it either way).
+    pub markers: bool,
     /// (x, y, optional interval).
-    pub points: Vec<(f64, f64, Option<(f64, f64)>)>,
+    pub points: Vec<LinePoint>,
 }
 
 /// One panel.
@@ -289,6 +295,9 @@ fn draw_lines<DB: DrawingBackend>(
                     ci.map(|(lo, hi)| PathElement::new(vec![(x, lo), (x, hi)], c.stroke_width(1)))
                 }))
                 .map_err(err)?;
+            if !l.markers {
+                continue;
+            }
             let shape = marker_points(l.style, 5);
             chart
                 .draw_series(l.points.iter().map(|&(x, y, _)| {
@@ -365,7 +374,7 @@ fn panel_lines(
     series_styles(rows)
         .into_iter()
         .filter_map(|(policy, predictor, style)| {
-            let mut points: Vec<(f64, f64, Option<(f64, f64)>)> = rows
+            let mut points: Vec<LinePoint> = rows
                 .iter()
                 .zip(stats)
                 .filter(|(r, _)| r.policy == policy && r.predictor == predictor && pick(r))
@@ -382,6 +391,7 @@ fn panel_lines(
                 name: series_name(first, several),
                 style,
                 black: policy == BELADY,
+                markers: true,
                 points,
             })
         })
@@ -436,7 +446,7 @@ pub fn sweep_figures(
                 stats,
                 x,
                 |r| r.lanes == l && r.overlap == o,
-                |r, s| (r.tok_s, s.tok_s_ci),
+                |r, s| (r.tok_s().unwrap_or(0.0), s.tok_s_ci),
             ),
         })
         .collect();
@@ -534,7 +544,7 @@ fn draw_heat<DB: DrawingBackend>(
         let label = |labels: &[String], every: usize, v: f64| {
             let i = v - 0.5;
             let k = i.round() as usize;
-            if (i - i.round()).abs() < 1e-6 && i >= 0.0 && k % every == 0 {
+            if (i - i.round()).abs() < 1e-6 && i >= 0.0 && k.is_multiple_of(every) {
                 labels.get(k).cloned().unwrap_or_default()
             } else {
                 String::new()
@@ -704,6 +714,7 @@ mod tests {
                 name: String::new(),
                 style: i,
                 black: false,
+                markers: true,
                 points: vec![],
             };
             let c = colour(&l);

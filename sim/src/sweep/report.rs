@@ -146,12 +146,17 @@ impl Resamples {
         })
     }
 
+    /// Resampled tok/s; empty for a cell without times (cache-only).
     fn tok_s(&self, r: &Row) -> Vec<f64> {
+        if r.per_turn.iter().any(|t| t.time.is_none()) {
+            return Vec::new();
+        }
         self.map(|w| {
             let (mut n, mut s) = (0u64, 0f64);
             for (t, &k) in r.per_turn.iter().zip(w) {
-                n += t.tokens * u64::from(k);
-                s += t.decode_s * f64::from(k);
+                let time = t.time.unwrap_or_default();
+                n += time.tokens * u64::from(k);
+                s += time.decode_s * f64::from(k);
             }
             if s > 0.0 {
                 n as f64 / s
@@ -206,8 +211,10 @@ pub fn analyse(rows: &[Row], b: usize, seed: u64) -> Vec<CellStats> {
             if let Some(l) = find(&key(r), "lru") {
                 let lru = &rows[l];
                 s.d_hit = Some(hit - lru.decode_hit_rate());
-                if lru.tok_s > 0.0 {
-                    s.d_tok_s = Some(r.tok_s / lru.tok_s - 1.0);
+                if let (Some(t), Some(lt)) = (r.tok_s(), lru.tok_s()) {
+                    if lt > 0.0 {
+                        s.d_tok_s = Some(t / lt - 1.0);
+                    }
                 }
                 if let (Some((h, t)), Some((lh, lt))) = (&boot[i], &boot[l]) {
                     s.d_hit_ci = interval(h.iter().zip(lh).map(|(a, b)| a - b).collect());
@@ -233,8 +240,11 @@ pub fn analyse(rows: &[Row], b: usize, seed: u64) -> Vec<CellStats> {
         .collect()
 }
 
-/// Column names of `sweep.csv`, in order.
+/// Column names of `sweep.csv`, in order. `mode` says what produced the row (`full-timing`
+/// or `cache-only`); a cache-only row leaves `lanes`, `overlap` and every read and time column
+/// empty (it models no I/O and no clock).
 pub const COLUMNS: &[&str] = &[
+    "mode",
     "predictor",
     "policy",
     "lanes",
@@ -286,7 +296,7 @@ fn opt(v: Option<f64>, places: usize) -> String {
 }
 
 /// The tidy table: one row per cell, `COLUMNS` in order; empty fields where a value does not
-/// apply (no interval, no LRU or Belady cell to compare with).
+/// apply (no interval, no LRU or Belady cell to compare with, no timing in a cache-only cell).
 pub fn tidy_csv(rows: &[Row], stats: &[CellStats]) -> String {
     let mut out = COLUMNS.join(",");
     out.push('\n');
@@ -294,11 +304,15 @@ pub fn tidy_csv(rows: &[Row], stats: &[CellStats]) -> String {
         let (dr, dh) = r.decode_counts();
         let lo = |c: Option<Interval>| c.map(|c| c.0);
         let hi = |c: Option<Interval>| c.map(|c| c.1);
-        let fields: Vec<String> = vec![
+        let timed = r.timing;
+        // A value only a full-timing cell has: empty in a cache-only one.
+        let t = |f: &dyn Fn(&super::Timing) -> String| timed.as_ref().map_or(String::new(), f);
+        let mut fields: Vec<String> = vec![
+            r.mode().name().to_string(),
             r.predictor.clone(),
             r.policy.clone(),
-            r.lanes.to_string(),
-            u8::from(r.overlap).to_string(),
+            t(&|_| r.lanes.to_string()),
+            t(&|_| u8::from(r.overlap).to_string()),
             r.budget_bytes.to_string(),
             fixed(r.budget_bytes as f64 / MIB as f64, 1),
             fixed(r.experts_per_layer, 2),
@@ -319,31 +333,35 @@ pub fn tidy_csv(rows: &[Row], stats: &[CellStats]) -> String {
             opt(lo(s.d_hit_ci), 4),
             opt(hi(s.d_hit_ci), 4),
             opt(s.belady_share, 3),
-            r.read_bytes.to_string(),
-            fixed(r.read_bytes as f64 / MIB as f64, 1),
-            fixed(ratio(r.read_bytes, r.tokens.max(1)) / MIB as f64, 3),
-            r.spec_experts.to_string(),
-            r.spec_useful.to_string(),
-            if r.spec_experts > 0 {
-                fixed(ratio(r.spec_useful, r.spec_experts), 4)
-            } else {
-                String::new()
-            },
-            r.spec_read_bytes.to_string(),
-            r.tokens.to_string(),
+        ];
+        fields.extend([
+            t(&|m| m.read_bytes.to_string()),
+            t(&|m| fixed(m.read_bytes as f64 / MIB as f64, 1)),
+            t(&|m| fixed(ratio(m.read_bytes, m.tokens.max(1)) / MIB as f64, 3)),
+            t(&|m| m.spec_experts.to_string()),
+            t(&|m| m.spec_useful.to_string()),
+            t(&|m| {
+                if m.spec_experts > 0 {
+                    fixed(ratio(m.spec_useful, m.spec_experts), 4)
+                } else {
+                    String::new()
+                }
+            }),
+            t(&|m| m.spec_read_bytes.to_string()),
+            t(&|m| m.tokens.to_string()),
             r.per_turn.len().to_string(),
-            fixed(r.tok_s, 4),
+            t(&|m| fixed(m.tok_s, 4)),
             opt(lo(s.tok_s_ci), 4),
             opt(hi(s.tok_s_ci), 4),
             opt(s.d_tok_s, 4),
             opt(lo(s.d_tok_s_ci), 4),
             opt(hi(s.d_tok_s_ci), 4),
-            fixed(r.s_per_tok, 5),
-            fixed(r.compute_s_per_tok, 5),
-            fixed(r.io_s_per_tok, 5),
-            fixed(r.stall_s_per_tok, 5),
-            fixed(r.mgmt_s_per_tok, 5),
-        ];
+            t(&|m| fixed(m.s_per_tok, 5)),
+            t(&|m| fixed(m.compute_s_per_tok, 5)),
+            t(&|m| fixed(m.io_s_per_tok, 5)),
+            t(&|m| fixed(m.stall_s_per_tok, 5)),
+            t(&|m| fixed(m.mgmt_s_per_tok, 5)),
+        ]);
         debug_assert_eq!(fields.len(), COLUMNS.len());
         out.push_str(&fields.join(","));
         out.push('\n');
@@ -363,8 +381,11 @@ pub fn distinct<T: PartialEq + Clone>(rows: &[Row], f: impl Fn(&Row) -> T) -> Ve
     v
 }
 
-/// The (lanes, overlap) setting as a caption.
+/// The (lanes, overlap) setting as a caption; lanes 0 is a cache-only cell's (no I/O).
 pub fn setting_name(lanes: u32, overlap: bool) -> String {
+    if lanes == 0 {
+        return "cache-only: no I/O or time modelled".to_string();
+    }
     format!(
         "{lanes} lane{}, overlap {}",
         if lanes == 1 { "" } else { "s" },
@@ -376,7 +397,9 @@ pub fn setting_name(lanes: u32, overlap: bool) -> String {
 /// (lanes, overlap) setting (always so without a predictor: residency does not depend on
 /// timing; with prefetch it may).
 pub fn hits_independent_of_setting(rows: &[Row]) -> bool {
-    let mut seen: BTreeMap<(String, String, u64), (u64, u64, Vec<(u64, u64)>)> = BTreeMap::new();
+    // (predictor, policy, budget) -> (hits, decode hits, per layer).
+    type Counts = (u64, u64, Vec<(u64, u64)>);
+    let mut seen: BTreeMap<(String, String, u64), Counts> = BTreeMap::new();
     rows.iter().all(|r| {
         let v = (r.hits, r.decode_counts().1, r.per_layer.clone());
         let k = (r.predictor.clone(), r.policy.clone(), r.budget_bytes);
@@ -432,6 +455,18 @@ pub fn pivot_md(rows: &[Row], stats: &[CellStats], x: XAxis, title: &str) -> Str
     let n_turns = rows.first().map_or(0, |r| r.per_turn.len());
     let boot = stats.iter().any(|s| s.hit_ci.is_some());
     let _ = writeln!(o, "# Sweep: {title}\n");
+    let timed = rows.iter().all(|r| r.timing.is_some());
+    let _ = writeln!(
+        o,
+        "Mode: {}.\n",
+        if timed {
+            "full-timing (each cell a replay of the core on the modelled device: counts, reads and \
+             times)"
+        } else {
+            "cache-only (each cell the core's cache and policy over the access sequence: counts \
+             only; no reads, times or tok/s were modelled, so no tok/s table)"
+        }
+    );
     let _ = writeln!(
         o,
         "{} cells; hit rate = decode routings found resident (a prefetched expert's first use \
@@ -561,7 +596,12 @@ pub fn pivot_md(rows: &[Row], stats: &[CellStats], x: XAxis, title: &str) -> Str
                 .join("; ")
         };
         for (body, of) in &groups {
-            if groups.len() == 1 {
+            if !timed {
+                let _ = writeln!(
+                    o,
+                    "## Hit rate, predictor `{predictor}` (cache-only: the same under every lanes/overlap setting)\n"
+                );
+            } else if groups.len() == 1 {
                 let _ = writeln!(
                     o,
                     "## Hit rate, predictor `{predictor}` (the same under every lanes/overlap setting)\n"
@@ -586,7 +626,7 @@ pub fn pivot_md(rows: &[Row], stats: &[CellStats], x: XAxis, title: &str) -> Str
             }
             o.push_str(body);
         }
-        for &(l, ov) in &settings {
+        for &(l, ov) in settings.iter().filter(|_| timed) {
             let _ = writeln!(
                 o,
                 "## Predicted tok/s, predictor `{predictor}`, {}\n",
@@ -598,12 +638,12 @@ pub fn pivot_md(rows: &[Row], stats: &[CellStats], x: XAxis, title: &str) -> Str
                 for &b in &budgets {
                     match cell(p, b, (l, ov)) {
                         Some(i) => {
-                            let (r, s) = (&rows[i], &stats[i]);
-                            let places = tok_places(r.tok_s);
+                            let (tok_s, s) = (rows[i].tok_s().unwrap_or(0.0), &stats[i]);
+                            let places = tok_places(tok_s);
                             let _ = write!(
                                 o,
                                 " {}{}",
-                                fixed(r.tok_s, places),
+                                fixed(tok_s, places),
                                 ci_num(s.tok_s_ci, places)
                             );
                             if p != "lru" {
@@ -624,20 +664,26 @@ pub fn pivot_md(rows: &[Row], stats: &[CellStats], x: XAxis, title: &str) -> Str
     o
 }
 
-/// `per_layer.csv`: one row per (cell, MoE layer).
+/// `per_layer.csv`: one row per (cell, MoE layer); `mode`, `lanes` and `overlap` as in
+/// `sweep.csv`.
 pub fn per_layer_csv(rows: &[Row], layer_ids: &[u32]) -> String {
     let mut o = String::from(
-        "predictor,policy,lanes,overlap,budget_bytes,experts_per_layer,layer,routings,hits,hit_rate\n",
+        "mode,predictor,policy,lanes,overlap,budget_bytes,experts_per_layer,layer,routings,hits,hit_rate\n",
     );
     for r in rows {
         for (m, &(n, h)) in r.per_layer.iter().enumerate() {
+            let (lanes, overlap) = match r.timing {
+                Some(_) => (r.lanes.to_string(), u8::from(r.overlap).to_string()),
+                None => (String::new(), String::new()),
+            };
             let _ = writeln!(
                 o,
-                "{},{},{},{},{},{},{},{n},{h},{}",
+                "{},{},{},{},{},{},{},{},{n},{h},{}",
+                r.mode().name(),
                 r.predictor,
                 r.policy,
-                r.lanes,
-                u8::from(r.overlap),
+                lanes,
+                overlap,
                 r.budget_bytes,
                 fixed(r.experts_per_layer, 2),
                 layer_ids.get(m).copied().unwrap_or(m as u32),
@@ -719,25 +765,22 @@ mod tests {
             evictions: 0,
             rereads: 0,
             inserts: 0,
-            read_bytes: 0,
-            spec_experts: 0,
-            spec_useful: 0,
-            spec_read_bytes: 0,
-            tokens: turns.len() as u64,
-            tok_s: 1.0,
-            s_per_tok: 1.0,
-            compute_s_per_tok: 0.0,
-            io_s_per_tok: 0.0,
-            stall_s_per_tok: 0.0,
-            mgmt_s_per_tok: 0.0,
+            timing: Some(super::super::Timing {
+                tokens: turns.len() as u64,
+                tok_s: 1.0,
+                s_per_tok: 1.0,
+                ..Default::default()
+            }),
             per_layer: vec![(1, 1)],
             per_turn: turns
                 .iter()
                 .map(|&(routings, hits, decode_s)| TurnStat {
                     routings,
                     hits,
-                    tokens: 1,
-                    decode_s,
+                    time: Some(super::super::TurnTime {
+                        tokens: 1,
+                        decode_s,
+                    }),
                 })
                 .collect(),
         }
