@@ -57,7 +57,8 @@ pub struct Cli {
 #[derive(Subcommand, Debug)]
 pub enum Cmd {
     /// Replay a route trace and write the same CSV, traces and report lines as bmoe-cli
-    /// (the simulator always streams: --moe-stream is implied)
+    /// (the simulator always streams: --moe-stream is implied). A batched server run's trace
+    /// (serve --parallel, its seq column) replays step by step: a `batched:` report, no CSV
     Replay(ReplayArgs),
     /// Predict a model and device that were never run together: a recorded routing priced with
     /// another model's expert and dense bytes (its layout) and another device's profile; a
