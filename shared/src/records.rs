@@ -79,7 +79,7 @@ pub trait RecordSink {
     /// its steps, so a verify decode's positions replay as the one step they were.
     fn begin_step(&mut self, _turn: u32, _phase: Phase) {}
     /// The sequence each batch row of the next step belongs to (`seqs[row]`), before it runs:
-    /// sent by steps that decode several sequences together (`crate::lanes`), so a route trace
+    /// sent by steps that decode several sequences together (the lanes of `serve --parallel`), so a route trace
     /// can say which sequence a routed token belongs to. Not sent otherwise.
     fn step_rows(&mut self, _seqs: &[u32]) {}
     fn route(&mut self, _r: &RouteRecord) {}

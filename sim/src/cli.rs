@@ -1096,17 +1096,17 @@ fn run_replay(
     let mut stamped = route
         .as_mut()
         .map(|w| RecordedPredictions::new(&p.trace, w as &mut dyn RecordSink));
+    let setup = ReplaySetup {
+        trace: p.trace.clone(),
+        plan: p.plan.clone(),
+        layout: &p.layout,
+        cfg: &p.cfg,
+        budget_bytes,
+        policy,
+        profile: &p.profile,
+        seed: a.seed,
+    };
     if batched {
-        let setup = ReplaySetup {
-            trace: p.trace.clone(),
-            plan: p.plan.clone(),
-            layout: &p.layout,
-            cfg: &p.cfg,
-            budget_bytes,
-            policy,
-            profile: &p.profile,
-            seed: a.seed,
-        };
         let result = replay::run_batched(
             setup,
             ReplayOutputs {
@@ -1121,16 +1121,7 @@ fn run_replay(
             .map_err(|e| SimError::io("stdout", e));
     }
     let result = replay::run(
-        ReplaySetup {
-            trace: p.trace.clone(),
-            plan: p.plan.clone(),
-            layout: &p.layout,
-            cfg: &p.cfg,
-            budget_bytes,
-            policy,
-            profile: &p.profile,
-            seed: a.seed,
-        },
+        setup,
         ReplayOutputs {
             csv: csv.as_mut().map(|w| w as &mut dyn Write),
             progress: if progress { Some(&mut *out) } else { None },
@@ -1151,32 +1142,20 @@ fn run_replay(
     };
     let w = |e| SimError::io("stdout", e);
     write_report(out, &p.cfg, &result.summary, &ctx).map_err(w)?;
-    let c = result.cache;
-    writeln!(
+    write_sim_lines(
         out,
-        "sim: profile={} seed={} steps={} lookups={} hits={} misses={} evictions={} rereads={} read_bytes={} virtual_s={}",
-        p.profile.name,
+        &p,
         a.seed,
-        p.plan.steps.len(),
-        c.hits + c.misses,
-        c.hits,
-        c.misses,
-        c.evictions,
-        c.rereads,
-        result.read_bytes,
-        bmoe_core::telemetry::fmt::fixed(result.end.as_secs_f64(), 6)
+        SimLine {
+            steps: p.plan.steps.len() as u64,
+            cache: result.cache,
+            read_bytes: result.read_bytes,
+            end: result.end,
+            read_retries: result.read_retries,
+            faults: result.faults,
+        },
     )
     .map_err(w)?;
-    if p.cfg.inject_faults.is_some() || result.read_retries > 0 {
-        let f = result.faults;
-        writeln!(
-            out,
-            "sim: injected faults eio={} short={} spike={} stuck={} retried_reads={}",
-            f.eio, f.short, f.spike, f.stuck, result.read_retries
-        )
-        .map_err(w)?;
-    }
-    out.flush().map_err(w)?;
     Ok(0)
 }
 
@@ -1234,6 +1213,38 @@ fn write_batched_report(
         "batched: decode_steps={} decode_rows={} decode_read_bytes={} decode_routed_bytes={} decode_routings={}",
         r.decode_steps, r.decode_rows, r.decode_read_bytes, r.decode_routed_bytes, r.decode_routings
     )?;
+    write_sim_lines(
+        out,
+        p,
+        seed,
+        SimLine {
+            steps: r.steps,
+            cache: r.cache,
+            read_bytes: r.read_bytes,
+            end: r.end,
+            read_retries: r.read_retries,
+            faults: r.faults,
+        },
+    )
+}
+
+/// What every replay's `sim:` line reports.
+struct SimLine {
+    steps: u64,
+    cache: bmoe_core::CacheCounters,
+    read_bytes: u64,
+    end: bmoe_core::Nanos,
+    read_retries: u64,
+    faults: bmoe_core::faults::FaultCounts,
+}
+
+/// The `sim:` line (and, with injected faults or retries, the faults line) of a replay.
+fn write_sim_lines(
+    out: &mut dyn Write,
+    p: &Prepared,
+    seed: u64,
+    r: SimLine,
+) -> std::io::Result<()> {
     let c = r.cache;
     writeln!(
         out,
