@@ -665,3 +665,171 @@ fn first_turns(path: &Path, turns: u32) -> String {
         .map(|l| format!("{l}\n"))
         .collect()
 }
+
+/// A policy that records every event the cache sends it (context included) over LRU's
+/// decisions, so two paths through the core can be held to the same conversation.
+struct Recorder {
+    inner: bmoe_core::policy::Lru,
+    log: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl Recorder {
+    fn note(&self, event: String) {
+        self.log.lock().expect("log").push(event);
+    }
+}
+
+impl bmoe_core::policy::EvictionPolicy for Recorder {
+    fn name(&self) -> &'static str {
+        "recorder"
+    }
+    fn init(&mut self, layout: &bmoe_core::ExpertLayout) {
+        self.inner.init(layout);
+    }
+    fn on_insert(&mut self, index: u32) {
+        self.note(format!("insert {index}"));
+        self.inner.on_insert(index);
+    }
+    fn on_hit(&mut self, index: u32) {
+        self.note(format!("hit {index}"));
+        self.inner.on_hit(index);
+    }
+    fn on_remove(&mut self, index: u32) {
+        self.note(format!("remove {index}"));
+        self.inner.on_remove(index);
+    }
+    fn victim(&self, is_evictable: &dyn Fn(u32) -> bool) -> Option<u32> {
+        self.inner.victim(is_evictable)
+    }
+    fn on_capacity(&mut self, c: &bmoe_core::policy::CacheCapacity) {
+        self.note(format!("capacity {c:?}"));
+    }
+    fn on_step_begin(&mut self, step: &bmoe_core::policy::StepContext) {
+        self.note(format!("step {step:?}"));
+    }
+    fn on_layer_begin(&mut self, moe_layer: u16) {
+        self.note(format!("layer {moe_layer}"));
+    }
+    fn on_access(&mut self, index: u32, resident: bool, a: &bmoe_core::policy::AccessContext) {
+        self.note(format!(
+            "access {index} {resident} uses={} rank={} sum={:x} max={:x}",
+            a.uses,
+            a.top_rank,
+            a.weight_sum.to_bits(),
+            a.weight_max.to_bits()
+        ));
+    }
+    fn filters_admission(&self) -> bool {
+        true
+    }
+    fn admit(
+        &mut self,
+        index: u32,
+        victim: Option<u32>,
+        a: &bmoe_core::policy::AccessContext,
+    ) -> bool {
+        self.note(format!(
+            "admit {index} {victim:?} uses={} sum={:x}",
+            a.uses,
+            a.weight_sum.to_bits()
+        ));
+        // Bypass every third admission that would evict: the bypass path on both sides.
+        !(victim.is_some() && index.is_multiple_of(3))
+    }
+}
+
+/// The policy hears the same conversation — capacity, step and layer boundaries, every
+/// lookup's routing (rows, rank, router weights bit for bit), every admission question with
+/// its would-be victim, every insert, hit and removal — on the cache-only path as in the
+/// full-timing replay (serial and overlap), on both real traces (Mixtral carries router
+/// weights, DeepSeek `nan`) and with a top-k override (which renormalises the weights), so a
+/// policy tried on the fast path is the policy the engine runs.
+#[test]
+fn the_policy_hears_the_same_context_on_the_cache_only_path_and_the_full_replay() {
+    for (name, per_layer, turns, k_override) in [
+        ("traces/mixtral-8x7b-humaneval.route.csv", 3u64, None, 0u16),
+        ("traces/mixtral-8x7b-humaneval.route.csv", 3, None, 1),
+        (
+            "traces/deepseek-v2-lite-puffin.route.csv",
+            12,
+            Some(3u32),
+            0,
+        ),
+    ] {
+        let Some(path) = shared_path(name) else {
+            return;
+        };
+        let text;
+        let trace = match turns {
+            None => bmoe_sim::cli::load_trace(&path).expect("trace"),
+            Some(t) => {
+                text = first_turns(&path, t);
+                bmoe_core::telemetry::route_trace::RouteTrace::parse(&text).expect("trace")
+            }
+        };
+        let trace = std::sync::Arc::new(trace);
+        let layout = layout_from_preamble(&trace.preamble).expect("layout");
+        let plan = ReplayPlan::new(&trace).expect("plan");
+        let k = if k_override > 0 {
+            k_override
+        } else {
+            trace.preamble.n_expert_used as u16
+        };
+        let seq = AccessSeq::new(&trace, &plan, k_override);
+        let budget = per_layer * u64::from(layout.n_moe_layers()) * layout.max_expert_bytes();
+        let recorder = || {
+            let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+            let policy = Box::new(Recorder {
+                inner: bmoe_core::policy::Lru::new(),
+                log: log.clone(),
+            });
+            (policy, log)
+        };
+        let (policy, fast_log) = recorder();
+        let fast = bmoe_sim::cache_only::run(&layout, &seq, budget, k, policy).expect("cache-only");
+        let fast_log = std::mem::take(&mut *fast_log.lock().expect("log"));
+        assert!(fast.counters.bypasses > 0, "{name}: the bypass path ran");
+        assert!(fast_log.iter().any(|e| e.starts_with("step ")));
+        for overlap in [false, true] {
+            let (policy, full_log) = recorder();
+            let layout_full = layout_from_preamble(&trace.preamble).expect("layout");
+            let plan_full = std::sync::Arc::new(ReplayPlan::new(&trace).expect("plan"));
+            let cfg = bmoe_core::config::RunConfig {
+                moe_stream: true,
+                overlap,
+                n_expert_used: u32::from(k),
+                n_expert_used_override: u32::from(k_override),
+                ..Default::default()
+            };
+            let profile = bmoe_sim::DeviceProfile::load("ufs40-phone").expect("profile");
+            let r = bmoe_sim::replay::run(
+                bmoe_sim::replay::ReplaySetup {
+                    trace: trace.clone(),
+                    plan: plan_full,
+                    layout: &layout_full,
+                    cfg: &cfg,
+                    budget_bytes: budget,
+                    policy,
+                    profile: &profile,
+                    seed: 0,
+                },
+                bmoe_sim::replay::ReplayOutputs::default(),
+            )
+            .expect("replay");
+            let full_log = std::mem::take(&mut *full_log.lock().expect("log"));
+            assert_eq!(r.cache, fast.counters, "{name} k {k}: counters");
+            assert_eq!(full_log.len(), fast_log.len(), "{name} k {k}: event count");
+            if let Some(i) = (0..full_log.len()).find(|&i| full_log[i] != fast_log[i]) {
+                panic!(
+                    "{name} k {k} overlap {overlap}: event {i} differs: full replay {:?}, cache-only {:?}",
+                    full_log[i], fast_log[i]
+                );
+            }
+        }
+        eprintln!(
+            "{name} k {k}: {} events agree, {} bypasses",
+            fast_log.len(),
+            fast.counters.bypasses
+        );
+    }
+}

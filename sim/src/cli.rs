@@ -1087,7 +1087,7 @@ fn run_replay(
     let c = result.cache;
     writeln!(
         out,
-        "sim: profile={} seed={} steps={} lookups={} hits={} misses={} evictions={} rereads={} read_bytes={} virtual_s={}",
+        "sim: profile={} seed={} steps={} lookups={} hits={} misses={} evictions={} rereads={} read_bytes={} virtual_s={}{}",
         p.profile.name,
         a.seed,
         p.plan.steps.len(),
@@ -1097,7 +1097,8 @@ fn run_replay(
         c.evictions,
         c.rereads,
         result.read_bytes,
-        bmoe_core::telemetry::fmt::fixed(result.end.as_secs_f64(), 6)
+        bmoe_core::telemetry::fmt::fixed(result.end.as_secs_f64(), 6),
+        bypasses_key(&p.cfg, &c)
     )
     .map_err(w)?;
     if p.cfg.inject_faults.is_some() || result.read_retries > 0 {
@@ -1170,7 +1171,7 @@ fn write_batched_report(
     let c = r.cache;
     writeln!(
         out,
-        "sim: profile={} seed={} steps={} lookups={} hits={} misses={} evictions={} rereads={} read_bytes={} virtual_s={}",
+        "sim: profile={} seed={} steps={} lookups={} hits={} misses={} evictions={} rereads={} read_bytes={} virtual_s={}{}",
         p.profile.name,
         seed,
         r.steps,
@@ -1180,7 +1181,8 @@ fn write_batched_report(
         c.evictions,
         c.rereads,
         r.read_bytes,
-        bmoe_core::telemetry::fmt::fixed(r.end.as_secs_f64(), 6)
+        bmoe_core::telemetry::fmt::fixed(r.end.as_secs_f64(), 6),
+        bypasses_key(&p.cfg, &c)
     )?;
     if p.cfg.inject_faults.is_some() || r.read_retries > 0 {
         let f = r.faults;
@@ -1191,6 +1193,19 @@ fn write_batched_report(
         )?;
     }
     out.flush()
+}
+
+/// ` bypasses=<n>`, appended to the `sim:` line under a policy that filters admission
+/// (`EvictionPolicy::filters_admission`); empty otherwise, so every other line reads as before
+/// the key existed.
+fn bypasses_key(cfg: &RunConfig, c: &bmoe_core::CacheCounters) -> String {
+    let filters = bmoe_core::policy::by_name(cfg.eviction.name())
+        .is_some_and(|policy| policy.filters_admission());
+    if filters {
+        format!(" bypasses={}", c.bypasses)
+    } else {
+        String::new()
+    }
 }
 
 /// The shared flags at their defaults (what a sweep starts every cell from).
@@ -1530,9 +1545,14 @@ fn cmd_bench(a: BenchArgs, out: &mut dyn Write) -> Result<i32, SimError> {
     let mut long = AccessSeq::default();
     for _ in 0..repeat {
         let base = long.keys.len() as u32;
+        let group_base = long.group_end.len() as u32;
         long.keys.extend_from_slice(&one.keys);
+        long.access.extend_from_slice(&one.access);
         long.group_end
             .extend(one.group_end.iter().map(|e| e + base));
+        long.group_layer.extend_from_slice(&one.group_layer);
+        long.steps
+            .extend(one.steps.iter().map(|&(g, s)| (g + group_base, s)));
         long.routings += one.routings;
     }
     let w = |e| SimError::io("stdout", e);

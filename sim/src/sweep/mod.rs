@@ -177,6 +177,8 @@ pub struct Row {
     pub evictions: u64,
     pub rereads: u64,
     pub inserts: u64,
+    /// Misses an admission-filtering policy bypassed (0 for every other policy).
+    pub bypasses: u64,
     /// Flash bytes read (aligned windows; demand and speculative).
     pub read_bytes: u64,
     /// Speculative (prefetch / route-ahead) reads: experts, of which later routed, and bytes.
@@ -373,6 +375,7 @@ fn run_cell(
         evictions: r.cache.evictions,
         rereads: r.cache.rereads,
         inserts: r.cache.inserts,
+        bypasses: r.cache.bypasses,
         read_bytes: r.read_bytes,
         spec_experts: s.counters.spec_experts,
         spec_useful: s.counters.spec_useful,

@@ -279,6 +279,8 @@ pub const COLUMNS: &[&str] = &[
     "io_s_per_tok",
     "stall_s_per_tok",
     "mgmt_s_per_tok",
+    // Appended (issue 36): misses an admission-filtering policy bypassed.
+    "bypasses",
 ];
 
 fn opt(v: Option<f64>, places: usize) -> String {
@@ -343,6 +345,7 @@ pub fn tidy_csv(rows: &[Row], stats: &[CellStats]) -> String {
             fixed(r.io_s_per_tok, 5),
             fixed(r.stall_s_per_tok, 5),
             fixed(r.mgmt_s_per_tok, 5),
+            r.bypasses.to_string(),
         ];
         debug_assert_eq!(fields.len(), COLUMNS.len());
         out.push_str(&fields.join(","));
@@ -719,6 +722,7 @@ mod tests {
             evictions: 0,
             rereads: 0,
             inserts: 0,
+            bypasses: 0,
             read_bytes: 0,
             spec_experts: 0,
             spec_useful: 0,
