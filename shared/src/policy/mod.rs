@@ -29,6 +29,7 @@ pub mod lrfu;
 pub mod lru;
 pub mod s3fifo;
 pub mod sieve;
+pub mod tinylfu;
 pub mod two_q;
 
 pub use arc::AdaptiveReplacement;
@@ -40,6 +41,7 @@ pub use lrfu::Lrfu;
 pub use lru::Lru;
 pub use s3fifo::S3Fifo;
 pub use sieve::Sieve;
+pub use tinylfu::TinyLfu;
 pub use two_q::TwoQ;
 
 use crate::layout::ExpertLayout;
@@ -198,6 +200,8 @@ pub const POLICIES: &[PolicyInfo] = &[
     arc::INFO,
     s3fifo::INFO,
     sieve::INFO,
+    tinylfu::INFO,
+    tinylfu::INFO_S3FIFO,
 ];
 
 /// The policy called `name`, or `None` for an unknown name.
