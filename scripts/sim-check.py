@@ -31,13 +31,14 @@ resident) on every lookup before hit(), and admit(key, victim) for each miss tha
 pinned entries, before anything is evicted for it (victim = the key victim() would name, None
 when the miss fits without evicting). A refused miss is bypassed: counted, read, never inserted.
 tinylfu and tinylfu-s3fifo wrap LRU and S3-FIFO in a TinyLFU admission filter (count-min sketch,
-doorkeeper, aging; the hash is SplitMix64's finaliser, as docs/policies.md defines it). A
-victim() that moves things (S3-FIFO) is asked for admit() on a copy.
+doorkeeper, aging; the hash is SplitMix64's finaliser, as docs/policies.md defines it); next-use
+evicts the largest expected distance to the next use over the layer cycle, in integer
+arithmetic. A victim() that moves things (S3-FIFO) is asked for admit() on a copy.
 
 Usage:
   sim-check.py TRACE [--experts-per-layer 2,4,6 | --budget-bytes N,...]
-               [--policy lru,belady,layer-lru,2q,lecar,arc,s3fifo,sieve,tinylfu,tinylfu-s3fifo]
-               [--turns N]
+               [--policy lru,belady,layer-lru,2q,lecar,arc,s3fifo,sieve,tinylfu,tinylfu-s3fifo,
+                next-use] [--turns N]
 Prints one JSON object per (policy, budget).
 """
 
@@ -556,12 +557,77 @@ class TinyLFU:
         return victim is None or self.estimate(k) > self.estimate(victim)
 
 
+class NextUse:
+    """next-use (docs/policies.md): p[k] in 1/65536, decayed by p >> 2 at each visit of k's layer
+    and raised by 65536 >> 2 (at most to 65536) at each lookup; the victim has the largest
+    tau*Q + n*((Q - p)*Q // p) (p = 0: infinite), tau = ((layer - current - 1) mod n) + 1, ties
+    to the least recent lookup, then the lower key index."""
+
+    Q = 1 << 16
+    SHIFT = 2
+
+    def __init__(self, n_expert, n_layers):
+        self.n_expert = n_expert
+        self.n = n_layers
+        self.p = {}
+        self.last = {}
+        self.tick = 0
+        self.current = 0
+        self.resident = [set() for _ in range(n_layers)]  # per layer
+
+    def layer_begin(self, layer):
+        self.current = layer
+        for e in range(self.n_expert):
+            k = (layer, e)
+            p = self.p.get(k, 0)
+            if p:
+                self.p[k] = p - (p >> self.SHIFT)
+
+    def access(self, k, resident):
+        self.p[k] = min(self.Q, self.p.get(k, 0) + (self.Q >> self.SHIFT))
+        self.tick += 1
+        self.last[k] = self.tick
+
+    def insert(self, k):
+        self.resident[k[0]].add(k)
+
+    def hit(self, k):
+        pass
+
+    def remove(self, k):
+        self.resident[k[0]].discard(k)
+
+    def distance(self, k):
+        p = self.p.get(k, 0)
+        if p == 0:
+            return M64
+        tau = (k[0] - self.current - 1) % self.n + 1
+        return tau * self.Q + self.n * ((self.Q - p) * self.Q // p)
+
+    def victim(self, ok):
+        # The rule over all resident keys, in two steps for speed: within one layer tau is
+        # shared and the distance falls strictly as p grows, so a layer's farthest is its
+        # lowest (p, last lookup, expert); then the layers' farthest are compared in full.
+        best, best_key = None, None
+        p, last = self.p, self.last
+        for keys in self.resident:
+            cands = [(p.get(k, 0), last.get(k, 0), k[1], k) for k in keys if ok(k)]
+            if not cands:
+                continue
+            k = min(cands)[3]
+            rank = (self.distance(k), -last.get(k, 0), -(k[0] * self.n_expert + k[1]))
+            if best is None or rank > best:
+                best, best_key = rank, k
+        return best_key
+
+
 POLICY_CLASSES = {"layer-lru": LayerLRU, "2q": TwoQ, "lecar": LeCaR, "arc": ARC,
                   "s3fifo": S3FIFO, "sieve": Sieve}
 # Issue 36's: built from (n_expert, n_layers, capacity in experts).
 CONTEXT_POLICIES = {
     "tinylfu": lambda ne, nl, cap: TinyLFU(LRU(ne), ne, cap),
     "tinylfu-s3fifo": lambda ne, nl, cap: TinyLFU(S3FIFO(ne), ne, cap),
+    "next-use": lambda ne, nl, cap: NextUse(ne, nl),
 }
 
 

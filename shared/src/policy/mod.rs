@@ -27,6 +27,7 @@ pub mod lfu;
 pub mod lists;
 pub mod lrfu;
 pub mod lru;
+pub mod next_use;
 pub mod s3fifo;
 pub mod sieve;
 pub mod tinylfu;
@@ -39,6 +40,7 @@ pub use lecar::LeCar;
 pub use lfu::Lfu;
 pub use lrfu::Lrfu;
 pub use lru::Lru;
+pub use next_use::NextUse;
 pub use s3fifo::S3Fifo;
 pub use sieve::Sieve;
 pub use tinylfu::TinyLfu;
@@ -202,6 +204,7 @@ pub const POLICIES: &[PolicyInfo] = &[
     sieve::INFO,
     tinylfu::INFO,
     tinylfu::INFO_S3FIFO,
+    next_use::INFO,
 ];
 
 /// The policy called `name`, or `None` for an unknown name.
