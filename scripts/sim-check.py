@@ -25,13 +25,25 @@ core's EvictionPolicy has (insert, hit, remove, victim among the evictable), dri
 admission loop. The queue-walking ones (s3fifo, sieve) make their moves inside victim(), as the
 papers' loops do; the loop always removes the victim straight after.
 
+Issue 36's policies use three more events, which the loop sends to a class that has them:
+layer_begin(layer) at the start of each group (one per engine step and MoE layer), access(key,
+resident) on every lookup before hit(), and admit(key, victim) for each miss that fits beside the
+pinned entries, before anything is evicted for it (victim = the key victim() would name, None
+when the miss fits without evicting). A refused miss is bypassed: counted, read, never inserted.
+tinylfu and tinylfu-s3fifo wrap LRU and S3-FIFO in a TinyLFU admission filter (count-min sketch,
+doorkeeper, aging; the hash is SplitMix64's finaliser, as docs/policies.md defines it); next-use
+evicts the largest expected distance to the next use over the layer cycle, in integer
+arithmetic. A victim() that moves things (S3-FIFO) is asked for admit() on a copy.
+
 Usage:
   sim-check.py TRACE [--experts-per-layer 2,4,6 | --budget-bytes N,...]
-               [--policy lru,belady,layer-lru,2q,lecar,arc,s3fifo,sieve] [--turns N]
+               [--policy lru,belady,layer-lru,2q,lecar,arc,s3fifo,sieve,tinylfu,tinylfu-s3fifo,
+                next-use] [--turns N]
 Prints one JSON object per (policy, budget).
 """
 
 import argparse
+import copy
 import csv
 import json
 import math
@@ -435,23 +447,216 @@ class Sieve:
         return None
 
 
+class LRU:
+    """Global LRU as a policy class (what tinylfu wraps)."""
+
+    def __init__(self, n_expert):
+        self.q = OrderedDict()  # least recent first
+
+    def insert(self, k):
+        self.q[k] = None
+
+    def hit(self, k):
+        self.q.move_to_end(k)
+
+    def remove(self, k):
+        del self.q[k]
+
+    def victim(self, ok):
+        return next((k for k in self.q if ok(k)), None)
+
+
+M64 = (1 << 64) - 1
+PHI = 0x9E3779B97F4A7C15
+PSI = 0xD6E8FEB86659FD93
+
+
+def mix64(x):
+    """SplitMix64's finaliser on a 64-bit word."""
+    x &= M64
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & M64
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & M64
+    return x ^ (x >> 31)
+
+
+class TinyLFU:
+    """TinyLFU admission in front of `inner` (docs/policies.md, "tinylfu"): a count-min sketch
+    of 4 rows x width 4-bit counters (width = the smallest power of two >= max(16, capacity)),
+    a doorkeeper bit per counter, conservative increments, and aging every 10 x capacity
+    recorded accesses (counters and additions halved, doorkeeper cleared). A miss that must
+    evict is admitted only when its estimate beats the victim's."""
+
+    DEPTH = 4
+
+    def __init__(self, inner, n_expert, capacity):
+        self.inner = inner
+        self.n_expert = n_expert
+        capacity = max(1, capacity)
+        self.width = 1
+        while self.width < max(16, capacity):
+            self.width *= 2
+        self.counters = [0] * (self.DEPTH * self.width)
+        self.door = [False] * (self.DEPTH * self.width)
+        self.additions = 0
+        self.sample = 10 * capacity
+
+    def slots(self, k):
+        i = k[0] * self.n_expert + k[1]
+        return [r * self.width + (mix64((i + 1) * PHI + r * PSI) & (self.width - 1))
+                for r in range(self.DEPTH)]
+
+    def estimate(self, k):
+        s = self.slots(k)
+        return min(self.counters[j] for j in s) + (1 if all(self.door[j] for j in s) else 0)
+
+    def record(self, k):
+        s = self.slots(k)
+        if all(self.door[j] for j in s):
+            m = min(self.counters[j] for j in s)
+            if m < 15:
+                for j in s:
+                    if self.counters[j] == m:
+                        self.counters[j] += 1
+        else:
+            for j in s:
+                self.door[j] = True
+        self.additions += 1
+        if self.additions >= self.sample:
+            self.counters = [c >> 1 for c in self.counters]
+            self.door = [False] * len(self.door)
+            self.additions //= 2
+
+    def insert(self, k):
+        self.inner.insert(k)
+
+    def hit(self, k):
+        self.inner.hit(k)
+
+    def remove(self, k):
+        self.inner.remove(k)
+
+    def victim(self, ok):
+        return self.inner.victim(ok)
+
+    def peek_victim(self, ok):
+        # S3-FIFO's victim() makes its moves: ask a copy of what it moves (the queues and the
+        # counts), as the core's victim() is a query.
+        if isinstance(self.inner, S3FIFO):
+            probe = copy.copy(self.inner)
+            probe.s, probe.m, probe.count = OrderedDict(probe.s), OrderedDict(probe.m), \
+                dict(probe.count)
+            return probe.victim(ok)
+        return self.inner.victim(ok)
+
+    def access(self, k, resident):
+        self.record(k)
+
+    def admit(self, k, victim):
+        return victim is None or self.estimate(k) > self.estimate(victim)
+
+
+class NextUse:
+    """next-use (docs/policies.md): p[k] in 1/65536, decayed by p >> 2 at each visit of k's layer
+    and raised by 65536 >> 2 (at most to 65536) at each lookup; the victim has the largest
+    tau*Q + n*((Q - p)*Q // p) (p = 0: infinite), tau = ((layer - current - 1) mod n) + 1, ties
+    to the least recent lookup, then the lower key index."""
+
+    Q = 1 << 16
+    SHIFT = 2
+
+    def __init__(self, n_expert, n_layers):
+        self.n_expert = n_expert
+        self.n = n_layers
+        self.p = {}
+        self.last = {}
+        self.tick = 0
+        self.current = 0
+        self.resident = [set() for _ in range(n_layers)]  # per layer
+
+    def layer_begin(self, layer):
+        self.current = layer
+        for e in range(self.n_expert):
+            k = (layer, e)
+            p = self.p.get(k, 0)
+            if p:
+                self.p[k] = p - (p >> self.SHIFT)
+
+    def access(self, k, resident):
+        self.p[k] = min(self.Q, self.p.get(k, 0) + (self.Q >> self.SHIFT))
+        self.tick += 1
+        self.last[k] = self.tick
+
+    def insert(self, k):
+        self.resident[k[0]].add(k)
+
+    def hit(self, k):
+        pass
+
+    def remove(self, k):
+        self.resident[k[0]].discard(k)
+
+    def distance(self, k):
+        p = self.p.get(k, 0)
+        if p == 0:
+            return M64
+        tau = (k[0] - self.current - 1) % self.n + 1
+        return tau * self.Q + self.n * ((self.Q - p) * self.Q // p)
+
+    def victim(self, ok):
+        # The rule over all resident keys, in two steps for speed: within one layer tau is
+        # shared and the distance falls strictly as p grows, so a layer's farthest is its
+        # lowest (p, last lookup, expert); then the layers' farthest are compared in full.
+        best, best_key = None, None
+        p, last = self.p, self.last
+        for keys in self.resident:
+            cands = [(p.get(k, 0), last.get(k, 0), k[1], k) for k in keys if ok(k)]
+            if not cands:
+                continue
+            k = min(cands)[3]
+            rank = (self.distance(k), -last.get(k, 0), -(k[0] * self.n_expert + k[1]))
+            if best is None or rank > best:
+                best, best_key = rank, k
+        return best_key
+
+
 POLICY_CLASSES = {"layer-lru": LayerLRU, "2q": TwoQ, "lecar": LeCaR, "arc": ARC,
                   "s3fifo": S3FIFO, "sieve": Sieve}
+# Issue 36's: built from (n_expert, n_layers, capacity in experts).
+CONTEXT_POLICIES = {
+    "tinylfu": lambda ne, nl, cap: TinyLFU(LRU(ne), ne, cap),
+    "tinylfu-s3fifo": lambda ne, nl, cap: TinyLFU(S3FIFO(ne), ne, cap),
+    "next-use": lambda ne, nl, cap: NextUse(ne, nl),
+}
 
 
 def simulate_policy(groups, expert_bytes, n_expert, budget, policy):
     """The same admission loop as `simulate`, with eviction decided by a policy class."""
     size = lambda k: expert_bytes[k[0]]
-    pol = POLICY_CLASSES[policy](n_expert)
+    if policy in CONTEXT_POLICIES:
+        uniform = len(set(expert_bytes)) == 1
+        capacity = budget // (expert_bytes[0] if uniform else max(expert_bytes))
+        pol = CONTEXT_POLICIES[policy](n_expert, len(expert_bytes), capacity)
+    else:
+        pol = POLICY_CLASSES[policy](n_expert)
+    layer_begin = getattr(pol, "layer_begin", None)
+    access = getattr(pol, "access", None)
+    admit = getattr(pol, "admit", None)
     resident = set()
     used = 0
     held = set()
-    c = {"lookups": 0, "hits": 0, "misses": 0, "evictions": 0, "rereads": 0, "inserts": 0}
+    c = {"lookups": 0, "hits": 0, "misses": 0, "evictions": 0, "rereads": 0, "inserts": 0,
+         "bypasses": 0}
     for group in groups:
+        if layer_begin and group:
+            layer_begin(group[0][0])
         pinned = set()
         misses = []
         for k in group:
             c["lookups"] += 1
+            if access:
+                access(k, k in resident)
             if k in resident:
                 c["hits"] += 1
                 pinned.add(k)
@@ -466,6 +671,13 @@ def simulate_policy(groups, expert_bytes, n_expert, budget, policy):
                 if not pinned:
                     sys.exit(f"expert {k} does not fit in an empty cache of {budget} bytes")
                 pinned.clear()
+            if admit:
+                victim = None
+                if used + size(k) > budget:
+                    victim = pol.peek_victim(lambda r: r in resident and r not in pinned)
+                if not admit(k, victim):
+                    c["bypasses"] += 1
+                    continue
             while used + size(k) > budget:
                 victim = pol.victim(lambda r: r in resident and r not in pinned)
                 if victim is None or victim not in resident or victim in pinned:
@@ -503,10 +715,11 @@ def main():
         per = max(expert_bytes)
         budgets = [int(n) * len(expert_bytes) * per for n in a.experts_per_layer.split(",")]
     for policy in a.policy.split(","):
-        if policy not in ("lru", "belady") and policy not in POLICY_CLASSES:
+        if policy not in ("lru", "belady") and policy not in POLICY_CLASSES \
+                and policy not in CONTEXT_POLICIES:
             sys.exit(f"unknown policy {policy}")
         for b in budgets:
-            if policy in POLICY_CLASSES:
+            if policy in POLICY_CLASSES or policy in CONTEXT_POLICIES:
                 c = simulate_policy(groups, expert_bytes, n_expert, b, policy)
             else:
                 c = simulate(groups, expert_bytes, n_expert, b, policy)

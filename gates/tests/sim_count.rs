@@ -259,6 +259,15 @@ fn the_cache_only_path_counts_what_the_full_replay_counts_on_both_real_traces() 
                 "{name} {n}"
             );
         }
+        // Every other registered policy at the middle budget: `sweep --cache-only` offers
+        // them all, admission filters (bypasses) included.
+        let budget = per_layer[1] * u64::from(layout.n_moe_layers()) * layout.max_expert_bytes();
+        for info in bmoe_core::policy::POLICIES.iter().filter(|p| p.name != "lru") {
+            let fast = bmoe_sim::cache_only::run(&layout, &seq, budget, k, (info.make)())
+                .expect("cache-only");
+            let full = full_replay_with(&trace, budget, false, (info.make)());
+            assert_eq!(full, fast.counters, "{name} {} at {}/layer", info.name, per_layer[1]);
+        }
     }
 }
 
@@ -664,4 +673,379 @@ fn first_turns(path: &Path, turns: u32) -> String {
         })
         .map(|l| format!("{l}\n"))
         .collect()
+}
+
+/// Issue 36's policies, which `sim-check.py` re-implements from docs/policies.md: TinyLFU
+/// admission over LRU and over S3-FIFO (the sketch's hash defined there), and next-use.
+const ADMISSION_POLICIES: &str = "tinylfu,tinylfu-s3fifo,next-use";
+
+/// One line of `sim-check.py`: its counts and the misses it bypassed.
+fn python_counts_with_bypasses(
+    py: &str,
+    trace: &Path,
+    policies: &str,
+    per_layer: &str,
+) -> Vec<(Count, u64)> {
+    let out = Command::new(py)
+        .arg(project_root().join("scripts/sim-check.py"))
+        .arg(trace)
+        .args(["--experts-per-layer", per_layer, "--policy", policies])
+        .output()
+        .expect("run scripts/sim-check.py");
+    assert!(
+        out.status.success(),
+        "sim-check.py failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).expect("json line");
+            let n = |k: &str| v[k].as_u64().unwrap_or_else(|| panic!("{k} in {l}"));
+            (
+                Count {
+                    policy: v["policy"].as_str().expect("policy").to_string(),
+                    budget_bytes: n("budget_bytes"),
+                    lookups: n("lookups"),
+                    hits: n("hits"),
+                    misses: n("misses"),
+                    evictions: n("evictions"),
+                    rereads: n("rereads"),
+                },
+                n("bypasses"),
+            )
+        })
+        .collect()
+}
+
+/// `tinylfu`, `tinylfu-s3fifo` and `next-use` (`shared/src/policy/`), run by the core's cache on
+/// the cache-only path, count exactly what `sim-check.py`'s own implementations of their
+/// written rules count — hits, misses, evictions, re-reads and bypassed misses — on both real
+/// traces at five budgets each (Mixtral whole, the first 8 DeepSeek prompts: the script is the
+/// slow side), and so does the full-timing replay at one budget per trace and policy (through
+/// `bmoe-sim replay`'s own `sim:` line on Mixtral, whose budgets are whole MiB).
+#[test]
+fn tinylfu_and_next_use_counts_and_bypasses_agree_with_the_independent_python_count() {
+    let Some(py) = python3() else {
+        return;
+    };
+    let dir = bmoe_gates::scratch_dir("recount-admission");
+    let mut traces: Vec<(PathBuf, &str, bool)> = Vec::new();
+    for (name, per_layer, turns) in [
+        ("traces/mixtral-8x7b-humaneval.route.csv", "2,3,4,5,6", None),
+        (
+            "traces/deepseek-v2-lite-puffin.route.csv",
+            "6,12,16,24,32",
+            Some(8),
+        ),
+    ] {
+        let Some(path) = shared_path(name) else {
+            return;
+        };
+        let path = match turns {
+            None => path,
+            Some(t) => {
+                let sliced = dir.join(format!("first-{t}-turns.route.csv"));
+                std::fs::write(&sliced, first_turns(&path, t)).expect("slice");
+                sliced
+            }
+        };
+        traces.push((path, per_layer, turns.is_none()));
+    }
+    // The script is the slow side: one process per trace and policy, all at once.
+    let started = std::time::Instant::now();
+    let expected: Vec<Vec<(Count, u64)>> = std::thread::scope(|s| {
+        let runs: Vec<Vec<_>> = traces
+            .iter()
+            .map(|(path, per_layer, _)| {
+                ADMISSION_POLICIES
+                    .split(',')
+                    .map(|policy| {
+                        s.spawn(move || python_counts_with_bypasses(py, path, policy, per_layer))
+                    })
+                    .collect()
+            })
+            .collect();
+        runs.into_iter()
+            .map(|per_policy| {
+                per_policy
+                    .into_iter()
+                    .flat_map(|r| r.join().expect("sim-check.py thread"))
+                    .collect()
+            })
+            .collect()
+    });
+    eprintln!("sim-check.py: {:.1} s", started.elapsed().as_secs_f64());
+    for ((path, _, whole_mib), expected) in traces.iter().zip(&expected) {
+        let n_policies = ADMISSION_POLICIES.split(',').count();
+        assert_eq!(expected.len(), 5 * n_policies, "{}", path.display());
+        let trace = std::sync::Arc::new(bmoe_sim::cli::load_trace(path).expect("trace"));
+        let layout = layout_from_preamble(&trace.preamble).expect("layout");
+        let plan = ReplayPlan::new(&trace).expect("plan");
+        let seq = AccessSeq::new(&trace, &plan, 0);
+        let k = trace.preamble.n_expert_used as u16;
+        let counts =
+            |c: &bmoe_core::CacheCounters| (c.hits, c.misses, c.evictions, c.rereads, c.bypasses);
+        for (want, bypasses) in expected {
+            let policy = bmoe_core::policy::by_name(&want.policy).expect("registered policy");
+            let fast = bmoe_sim::cache_only::run(&layout, &seq, want.budget_bytes, k, policy)
+                .expect("cache-only");
+            assert_eq!(
+                counts(&fast.counters),
+                (
+                    want.hits,
+                    want.misses,
+                    want.evictions,
+                    want.rereads,
+                    *bypasses
+                ),
+                "{} {} at {} bytes: bmoe-sim vs sim-check.py",
+                path.display(),
+                want.policy,
+                want.budget_bytes
+            );
+            assert_eq!(fast.counters.hits + fast.counters.misses, want.lookups);
+            if want.policy.starts_with("tinylfu") {
+                assert!(*bypasses > 0, "{} bypasses nothing", want.policy);
+            } else {
+                assert_eq!(*bypasses, 0, "{} cannot bypass", want.policy);
+            }
+            let lru = bmoe_sim::cache_only::run(
+                &layout,
+                &seq,
+                want.budget_bytes,
+                k,
+                bmoe_core::policy::by_name("lru").expect("lru"),
+            )
+            .expect("lru cache-only");
+            eprintln!(
+                "{}: {} at {} bytes: {} of {} hit, {} bypassed (lru: {} hit)",
+                path.display(),
+                want.policy,
+                want.budget_bytes,
+                want.hits,
+                want.lookups,
+                bypasses,
+                lru.counters.hits
+            );
+        }
+        // The full-timing replay at the middle budget, for every policy.
+        for policy in ADMISSION_POLICIES.split(',') {
+            let (want, bypasses) = expected
+                .iter()
+                .filter(|(c, _)| c.policy == policy)
+                .nth(2)
+                .expect("a middle budget");
+            let box_policy = bmoe_core::policy::by_name(policy).expect("registered policy");
+            let full = full_replay_with(&trace, want.budget_bytes, true, box_policy);
+            assert_eq!(
+                counts(&full),
+                (
+                    want.hits,
+                    want.misses,
+                    want.evictions,
+                    want.rereads,
+                    *bypasses
+                ),
+                "{} {policy}: full-timing replay vs sim-check.py",
+                path.display()
+            );
+            if *whole_mib && want.budget_bytes % MIB == 0 {
+                let kv = replay_sim_line(&[
+                    "--trace".into(),
+                    path.display().to_string(),
+                    "--cache-mb".into(),
+                    (want.budget_bytes / MIB).to_string(),
+                    "--eviction".into(),
+                    policy.into(),
+                ]);
+                let filters = policy.starts_with("tinylfu");
+                assert_eq!(
+                    kv.iter().any(|(k, _)| k == "bypasses"),
+                    filters,
+                    "the sim: line carries bypasses= exactly for a filtering policy: {kv:?}"
+                );
+                let line_bypasses = if filters { get(&kv, "bypasses") } else { 0 };
+                assert_eq!(
+                    (
+                        get(&kv, "hits"),
+                        get(&kv, "misses"),
+                        get(&kv, "evictions"),
+                        line_bypasses
+                    ),
+                    (want.hits, want.misses, want.evictions, *bypasses),
+                    "bmoe-sim replay --eviction {policy}"
+                );
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A policy that records every event the cache sends it (context included) over LRU's
+/// decisions, so two paths through the core can be held to the same conversation.
+struct Recorder {
+    inner: bmoe_core::policy::Lru,
+    log: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl Recorder {
+    fn note(&self, event: String) {
+        self.log.lock().expect("log").push(event);
+    }
+}
+
+impl bmoe_core::policy::EvictionPolicy for Recorder {
+    fn name(&self) -> &'static str {
+        "recorder"
+    }
+    fn init(&mut self, layout: &bmoe_core::ExpertLayout) {
+        self.inner.init(layout);
+    }
+    fn on_insert(&mut self, index: u32) {
+        self.note(format!("insert {index}"));
+        self.inner.on_insert(index);
+    }
+    fn on_hit(&mut self, index: u32) {
+        self.note(format!("hit {index}"));
+        self.inner.on_hit(index);
+    }
+    fn on_remove(&mut self, index: u32) {
+        self.note(format!("remove {index}"));
+        self.inner.on_remove(index);
+    }
+    fn victim(&self, is_evictable: &dyn Fn(u32) -> bool) -> Option<u32> {
+        self.inner.victim(is_evictable)
+    }
+    fn on_capacity(&mut self, c: &bmoe_core::policy::CacheCapacity) {
+        self.note(format!("capacity {c:?}"));
+    }
+    fn on_step_begin(&mut self, step: &bmoe_core::policy::StepContext) {
+        self.note(format!("step {step:?}"));
+    }
+    fn on_layer_begin(&mut self, moe_layer: u16) {
+        self.note(format!("layer {moe_layer}"));
+    }
+    fn on_access(&mut self, index: u32, resident: bool, a: &bmoe_core::policy::AccessContext) {
+        self.note(format!(
+            "access {index} {resident} uses={} rank={} sum={:x} max={:x}",
+            a.uses,
+            a.top_rank,
+            a.weight_sum.to_bits(),
+            a.weight_max.to_bits()
+        ));
+    }
+    fn filters_admission(&self) -> bool {
+        true
+    }
+    fn admit(
+        &mut self,
+        index: u32,
+        victim: Option<u32>,
+        a: &bmoe_core::policy::AccessContext,
+    ) -> bool {
+        self.note(format!(
+            "admit {index} {victim:?} uses={} sum={:x}",
+            a.uses,
+            a.weight_sum.to_bits()
+        ));
+        // Bypass every third admission that would evict: the bypass path on both sides.
+        !(victim.is_some() && index.is_multiple_of(3))
+    }
+}
+
+/// The policy hears the same conversation — capacity, step and layer boundaries, every
+/// lookup's routing (rows, rank, router weights bit for bit), every admission question with
+/// its would-be victim, every insert, hit and removal — on the cache-only path as in the
+/// full-timing replay (serial and overlap), on both real traces (Mixtral carries router
+/// weights, DeepSeek `nan`) and with a top-k override (which renormalises the weights), so a
+/// policy tried on the fast path is the policy the engine runs.
+#[test]
+fn the_policy_hears_the_same_context_on_the_cache_only_path_and_the_full_replay() {
+    for (name, per_layer, turns, k_override) in [
+        ("traces/mixtral-8x7b-humaneval.route.csv", 3u64, None, 0u16),
+        ("traces/mixtral-8x7b-humaneval.route.csv", 3, None, 1),
+        (
+            "traces/deepseek-v2-lite-puffin.route.csv",
+            12,
+            Some(3u32),
+            0,
+        ),
+    ] {
+        let Some(path) = shared_path(name) else {
+            return;
+        };
+        let text;
+        let trace = match turns {
+            None => bmoe_sim::cli::load_trace(&path).expect("trace"),
+            Some(t) => {
+                text = first_turns(&path, t);
+                bmoe_core::telemetry::route_trace::RouteTrace::parse(&text).expect("trace")
+            }
+        };
+        let trace = std::sync::Arc::new(trace);
+        let layout = layout_from_preamble(&trace.preamble).expect("layout");
+        let plan = ReplayPlan::new(&trace).expect("plan");
+        let k = if k_override > 0 {
+            k_override
+        } else {
+            trace.preamble.n_expert_used as u16
+        };
+        let seq = AccessSeq::new(&trace, &plan, k_override);
+        let budget = per_layer * u64::from(layout.n_moe_layers()) * layout.max_expert_bytes();
+        let recorder = || {
+            let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+            let policy = Box::new(Recorder {
+                inner: bmoe_core::policy::Lru::new(),
+                log: log.clone(),
+            });
+            (policy, log)
+        };
+        let (policy, fast_log) = recorder();
+        let fast = bmoe_sim::cache_only::run(&layout, &seq, budget, k, policy).expect("cache-only");
+        let fast_log = std::mem::take(&mut *fast_log.lock().expect("log"));
+        assert!(fast.counters.bypasses > 0, "{name}: the bypass path ran");
+        assert!(fast_log.iter().any(|e| e.starts_with("step ")));
+        for overlap in [false, true] {
+            let (policy, full_log) = recorder();
+            let layout_full = layout_from_preamble(&trace.preamble).expect("layout");
+            let plan_full = std::sync::Arc::new(ReplayPlan::new(&trace).expect("plan"));
+            let cfg = bmoe_core::config::RunConfig {
+                moe_stream: true,
+                overlap,
+                n_expert_used: u32::from(k),
+                n_expert_used_override: u32::from(k_override),
+                ..Default::default()
+            };
+            let profile = bmoe_sim::DeviceProfile::load("ufs40-phone").expect("profile");
+            let r = bmoe_sim::replay::run(
+                bmoe_sim::replay::ReplaySetup {
+                    trace: trace.clone(),
+                    plan: plan_full,
+                    layout: &layout_full,
+                    cfg: &cfg,
+                    budget_bytes: budget,
+                    policy,
+                    profile: &profile,
+                    seed: 0,
+                },
+                bmoe_sim::replay::ReplayOutputs::default(),
+            )
+            .expect("replay");
+            let full_log = std::mem::take(&mut *full_log.lock().expect("log"));
+            assert_eq!(r.cache, fast.counters, "{name} k {k}: counters");
+            assert_eq!(full_log.len(), fast_log.len(), "{name} k {k}: event count");
+            if let Some(i) = (0..full_log.len()).find(|&i| full_log[i] != fast_log[i]) {
+                panic!(
+                    "{name} k {k} overlap {overlap}: event {i} differs: full replay {:?}, cache-only {:?}",
+                    full_log[i], fast_log[i]
+                );
+            }
+        }
+        eprintln!(
+            "{name} k {k}: {} events agree, {} bypasses",
+            fast_log.len(),
+            fast.counters.bypasses
+        );
+    }
 }

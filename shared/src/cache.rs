@@ -6,7 +6,7 @@
 //! intrusive list: no hashing, no allocation after construction.
 
 use crate::layout::{ExpertKey, ExpertLayout};
-use crate::policy::EvictionPolicy;
+use crate::policy::{AccessContext, CacheCapacity, EvictionPolicy, StepContext};
 pub use crate::vocab::CacheError;
 
 /// Cumulative cache counters. `hits + misses` = lookups.
@@ -22,6 +22,9 @@ pub struct CacheCounters {
     pub rereads: u64,
     /// Experts admitted.
     pub inserts: u64,
+    /// Misses the policy refused to admit (`EvictionPolicy::admit`): read and computed from a
+    /// transient buffer, never inserted. Always 0 for a policy that does not filter admission.
+    pub bypasses: u64,
 }
 
 impl CacheCounters {
@@ -33,6 +36,7 @@ impl CacheCounters {
             evictions: self.evictions.saturating_sub(earlier.evictions),
             rereads: self.rereads.saturating_sub(earlier.rereads),
             inserts: self.inserts.saturating_sub(earlier.inserts),
+            bypasses: self.bypasses.saturating_sub(earlier.bypasses),
         }
     }
 }
@@ -46,11 +50,15 @@ pub enum Lookup {
     Miss { reread: bool },
 }
 
-/// Outcome of `ExpertCache::admit`.
+/// Outcome of `ExpertCache::admit` and `ExpertCache::admit_with`.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum Admission {
     /// Resident and pinned; the caller must fill it with a read before anyone computes on it.
     Admitted,
+    /// The policy refused it (`admit_with` only): not resident, not pinned, nothing evicted.
+    /// The caller reads it into a transient buffer of its own, computes from there, and
+    /// forgets it.
+    Bypassed,
     /// Even after evicting every unpinned entry it would not fit: the pinned entries fill the
     /// budget. Nothing was evicted. The caller finishes and unpins its current work first.
     NoRoom,
@@ -65,7 +73,8 @@ const EVER_HELD: u8 = 2;
 /// - **never over budget**: `resident_bytes() <= budget_bytes()` after every call;
 /// - **a pinned entry is never evicted** (nor discarded by a resize);
 /// - counters: `hits + misses` equals the number of `lookup` calls; `inserts` the number of
-///   successful `admit` calls; `evictions` the number of entries removed to make room.
+///   successful `admit` calls; `bypasses` the number of misses the policy refused
+///   (`admit_with`); `evictions` the number of entries removed to make room.
 ///
 /// **Admission rule.** For one layer's set of routed experts, the streamer calls `lookup` on
 /// every one of them *before* it `admit`s any miss: each hit is found and pinned first, so a
@@ -74,6 +83,9 @@ const EVER_HELD: u8 = 2;
 /// `NoRoom` without evicting anything; the streamer then computes and unpins what it holds and
 /// admits the rest in a further wave (only a prefill batch whose union of experts exceeds the
 /// budget can need this; a budget at or above `layer_demand` never needs it in decode).
+/// A policy that filters admission is asked for each miss that fits beside the pinned entries,
+/// before anything is evicted for it, and may bypass it (`Admission::Bypassed`): the miss is
+/// still read and computed, from a transient buffer, and leaves the cache as it was.
 ///
 /// **Floor.** A budget greater than 0 but below `ExpertLayout::layer_demand_bytes(k)` is
 /// refused: the cache could not stage one token's routed experts of the widest layer. Budget 0
@@ -98,7 +110,24 @@ pub struct ExpertCache {
     // Invariant: pins[i] > 0 only if RESIDENT.
     pins: Vec<u32>,
     policy: Box<dyn EvictionPolicy>,
+    /// `policy.filters_admission()`, asked once: the hot path of a policy that does not filter
+    /// never asks for a victim it will not evict.
+    filters: bool,
     counters: CacheCounters,
+}
+
+/// The capacity `budget_bytes` gives over experts of `entry_bytes` (one per MoE layer;
+/// `EvictionPolicy::on_capacity`).
+fn capacity(entry_bytes: &[u64], budget_bytes: u64) -> CacheCapacity {
+    let (lo, hi) = entry_bytes
+        .iter()
+        .fold((u64::MAX, 0u64), |(lo, hi), &b| (lo.min(b), hi.max(b)));
+    let count = |bytes: u64| u32::try_from(budget_bytes / bytes.max(1)).unwrap_or(u32::MAX);
+    CacheCapacity {
+        budget_bytes,
+        experts: (lo == hi).then(|| count(hi)),
+        min_experts: count(hi),
+    }
 }
 
 impl std::fmt::Debug for ExpertCache {
@@ -138,6 +167,12 @@ impl ExpertCache {
             key_layer.extend(std::iter::repeat_n(m as u16, l.n_expert as usize));
         }
         policy.init(layout);
+        let entry_bytes: Vec<u64> = (0..layout.n_moe_layers())
+            .map(|m| layout.expert_bytes(m))
+            .collect();
+        if budget_bytes > 0 {
+            policy.on_capacity(&capacity(&entry_bytes, budget_bytes));
+        }
         Ok(ExpertCache {
             budget_bytes,
             k,
@@ -147,9 +182,8 @@ impl ExpertCache {
             resident_count: 0,
             key_base,
             n_expert: layout.layers().iter().map(|l| l.n_expert).collect(),
-            entry_bytes: (0..layout.n_moe_layers())
-                .map(|m| layout.expert_bytes(m))
-                .collect(),
+            entry_bytes,
+            filters: policy.filters_admission(),
             key_layer,
             flags: vec![0; n_keys],
             pins: vec![0; n_keys],
@@ -208,6 +242,27 @@ impl ExpertCache {
         self.policy.name()
     }
 
+    /// Whether the policy may bypass a miss (`EvictionPolicy::filters_admission`): what makes
+    /// the reports carry `bypasses`.
+    pub fn filters_admission(&self) -> bool {
+        self.filters
+    }
+
+    /// A decode step begins (`EvictionPolicy::on_step_begin`); nothing when the cache is off.
+    pub fn begin_step(&mut self, step: &StepContext) {
+        if !self.is_off() {
+            self.policy.on_step_begin(step);
+        }
+    }
+
+    /// MoE layer `moe_layer` of the step begins, before any lookup of it
+    /// (`EvictionPolicy::on_layer_begin`); nothing when the cache is off.
+    pub fn begin_layer(&mut self, moe_layer: u16) {
+        if !self.is_off() {
+            self.policy.on_layer_begin(moe_layer);
+        }
+    }
+
     #[inline]
     fn index(&self, key: ExpertKey) -> Result<usize, CacheError> {
         match self.n_expert.get(key.layer as usize) {
@@ -244,8 +299,23 @@ impl ExpertCache {
     /// re-read when the cache had held `key` before). See the admission rule above.
     #[inline]
     pub fn lookup(&mut self, key: ExpertKey) -> Result<Lookup, CacheError> {
+        self.lookup_with(key, &AccessContext::NONE)
+    }
+
+    /// `lookup`, telling the policy what the current routing says of `key`
+    /// (`EvictionPolicy::on_access`, before `on_hit`). The streamer's lookup.
+    #[inline]
+    pub fn lookup_with(
+        &mut self,
+        key: ExpertKey,
+        access: &AccessContext,
+    ) -> Result<Lookup, CacheError> {
         let i = self.index(key)?;
-        if self.flags[i] & RESIDENT != 0 {
+        let resident = self.flags[i] & RESIDENT != 0;
+        if !self.is_off() {
+            self.policy.on_access(i as u32, resident, access);
+        }
+        if resident {
             self.pin_index(i);
             self.policy.on_hit(i as u32);
             self.counters.hits += 1;
@@ -284,9 +354,33 @@ impl ExpertCache {
     /// Make `key` resident and pinned, evicting unpinned entries by policy until it fits.
     /// Evicted keys are appended to `evicted`; the caller must `Backend::release` each.
     /// Returns `NoRoom` (evicting nothing) when the pinned entries leave no room for it.
+    /// The policy is not asked whether to admit (speculative reads; see `admit_with`), so
+    /// this never returns `Bypassed`.
     pub fn admit(
         &mut self,
         key: ExpertKey,
+        evicted: &mut Vec<ExpertKey>,
+    ) -> Result<Admission, CacheError> {
+        self.admit_inner(key, None, evicted)
+    }
+
+    /// `admit` a demand miss: a policy that filters admission is first asked
+    /// (`EvictionPolicy::admit`, with the would-be victim and `access`), and may bypass it —
+    /// `Bypassed`, counted in `bypasses`, nothing evicted, `key` not resident. Asked only once
+    /// the miss fits beside the pinned entries (`NoRoom` first otherwise, as for `admit`).
+    pub fn admit_with(
+        &mut self,
+        key: ExpertKey,
+        access: &AccessContext,
+        evicted: &mut Vec<ExpertKey>,
+    ) -> Result<Admission, CacheError> {
+        self.admit_inner(key, Some(access), evicted)
+    }
+
+    fn admit_inner(
+        &mut self,
+        key: ExpertKey,
+        access: Option<&AccessContext>,
         evicted: &mut Vec<ExpertKey>,
     ) -> Result<Admission, CacheError> {
         if self.is_off() {
@@ -304,6 +398,19 @@ impl ExpertCache {
         // entry does not fit beside those, refuse before evicting anything.
         if self.pinned_bytes.saturating_add(bytes) > self.budget_bytes {
             return Ok(Admission::NoRoom);
+        }
+        if let (true, Some(access)) = (self.filters, access) {
+            let victim = if self.resident_bytes + bytes > self.budget_bytes {
+                let pins = &self.pins;
+                self.policy
+                    .victim(&|v| pins.get(v as usize).is_some_and(|&p| p == 0))
+            } else {
+                None
+            };
+            if !self.policy.admit(i as u32, victim, access) {
+                self.counters.bypasses += 1;
+                return Ok(Admission::Bypassed);
+            }
         }
         while self.resident_bytes + bytes > self.budget_bytes {
             let pins = &self.pins;
@@ -342,24 +449,26 @@ impl ExpertCache {
         Ok(Admission::Admitted)
     }
 
-    /// Admit `keys` in order while each fits beside what is pinned: the one admission rule of
-    /// a layer's wave, which the streamer and the simulator's cache-only replay both run. Each
-    /// admitted key (now resident and pinned) is handed to `admitted` with the keys its
-    /// admission evicted (`evicted`, which `admitted` drains: the caller releases them); the
-    /// first key that does not fit stops the wave, evicting nothing. Returns how many were
-    /// admitted.
+    /// Admit `keys` (each with its routing, `admit_with`) in order while each fits beside
+    /// what is pinned: the one admission rule of a layer's wave, which the streamer and the
+    /// simulator's cache-only replay both run. Each placed key is handed to `placed` with its
+    /// outcome — `Admitted` (now resident and pinned) with the keys its admission evicted
+    /// (`evicted`, which `placed` drains: the caller releases them), or `Bypassed` (the policy
+    /// refused it: the caller reads it into a transient buffer) with none; the first key that
+    /// does not fit stops the wave, evicting nothing. Returns how many were placed.
     pub fn admit_wave<E: From<CacheError>>(
         &mut self,
-        keys: impl IntoIterator<Item = ExpertKey>,
+        keys: impl IntoIterator<Item = (ExpertKey, AccessContext)>,
         evicted: &mut Vec<ExpertKey>,
-        mut admitted: impl FnMut(ExpertKey, &mut Vec<ExpertKey>) -> Result<(), E>,
+        mut placed: impl FnMut(ExpertKey, Admission, &mut Vec<ExpertKey>) -> Result<(), E>,
     ) -> Result<usize, E> {
         let mut n = 0;
-        for key in keys {
-            if self.admit(key, evicted)? == Admission::NoRoom {
+        for (key, access) in keys {
+            let admission = self.admit_with(key, &access, evicted)?;
+            if admission == Admission::NoRoom {
                 break;
             }
-            admitted(key, evicted)?;
+            placed(key, admission, evicted)?;
             evicted.clear();
             n += 1;
         }
@@ -471,6 +580,8 @@ impl ExpertCache {
             evicted.push(self.key_at(v));
         }
         self.budget_bytes = budget_bytes;
+        self.policy
+            .on_capacity(&capacity(&self.entry_bytes, budget_bytes));
         self.debug_check();
         Ok(())
     }
@@ -633,9 +744,10 @@ mod tests {
         let mut ev = Vec::new();
         c.admit(key(0, 0), &mut ev).unwrap();
         let mut got = Vec::new();
-        let keys = [key(0, 1), key(0, 2), key(0, 3), key(1, 0)];
+        let keys = [key(0, 1), key(0, 2), key(0, 3), key(1, 0)].map(|k| (k, AccessContext::NONE));
         let n = c
-            .admit_wave(keys, &mut ev, |k, evicted| {
+            .admit_wave(keys, &mut ev, |k, admission, evicted| {
+                assert_eq!(admission, Admission::Admitted);
                 got.push((k, evicted.len()));
                 evicted.clear();
                 Ok::<(), CacheError>(())
@@ -652,7 +764,7 @@ mod tests {
         c.unpin(key(0, 0)).unwrap();
         let mut again = Vec::new();
         let n = c
-            .admit_wave(keys[2..].iter().copied(), &mut ev, |k, evicted| {
+            .admit_wave(keys[2..].iter().copied(), &mut ev, |k, _, evicted| {
                 again.push((k, evicted.clone()));
                 evicted.clear();
                 Ok::<(), CacheError>(())
@@ -749,6 +861,116 @@ mod tests {
         ));
         assert!(c.discard(key(1, 0)).unwrap());
         assert_eq!(c.pinned_bytes(), 0);
+        c.audit().unwrap();
+    }
+
+    /// What `RefuseEvicting` was asked: (key, would-be victim, the miss's routing rows).
+    type Asked = std::sync::Arc<std::sync::Mutex<Vec<(u32, Option<u32>, u32)>>>;
+
+    /// LRU that refuses every miss that would evict, and records what it was asked.
+    struct RefuseEvicting {
+        lru: Lru,
+        asked: Asked,
+    }
+
+    impl EvictionPolicy for RefuseEvicting {
+        fn name(&self) -> &'static str {
+            "refuse-evicting"
+        }
+        fn init(&mut self, layout: &ExpertLayout) {
+            self.lru.init(layout);
+        }
+        fn on_insert(&mut self, index: u32) {
+            self.lru.on_insert(index);
+        }
+        fn on_hit(&mut self, index: u32) {
+            self.lru.on_hit(index);
+        }
+        fn on_remove(&mut self, index: u32) {
+            self.lru.on_remove(index);
+        }
+        fn victim(&self, is_evictable: &dyn Fn(u32) -> bool) -> Option<u32> {
+            self.lru.victim(is_evictable)
+        }
+        fn filters_admission(&self) -> bool {
+            true
+        }
+        fn admit(&mut self, index: u32, victim: Option<u32>, access: &AccessContext) -> bool {
+            self.asked
+                .lock()
+                .unwrap()
+                .push((index, victim, access.uses));
+            victim.is_none()
+        }
+    }
+
+    #[test]
+    fn a_filtering_policy_bypasses_a_miss_without_evicting_and_only_when_asked() {
+        let asked = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let policy = RefuseEvicting {
+            lru: Lru::new(),
+            asked: asked.clone(),
+        };
+        let mut c = ExpertCache::new(&layout(), 30, 2, Box::new(policy)).unwrap();
+        assert!(c.filters_admission());
+        let mut ev = Vec::new();
+        let mut access = AccessContext::NONE;
+        access.add_use(0, 0.75);
+        // Three fit without evicting: asked with no victim, admitted.
+        for e in 0..3 {
+            assert_eq!(
+                c.admit_with(key(0, e), &access, &mut ev).unwrap(),
+                Admission::Admitted
+            );
+            c.unpin(key(0, e)).unwrap();
+        }
+        // The fourth would evict (0, 0): asked with that victim, refused.
+        assert_eq!(
+            c.admit_with(key(0, 3), &access, &mut ev).unwrap(),
+            Admission::Bypassed
+        );
+        assert!(ev.is_empty() && !c.contains(key(0, 3)) && c.contains(key(0, 0)));
+        assert_eq!(asked.lock().unwrap().last(), Some(&(3, Some(0), 1)));
+        // A plain admission (speculation) is not asked.
+        let n_asked = asked.lock().unwrap().len();
+        assert_eq!(c.admit(key(0, 3), &mut ev).unwrap(), Admission::Admitted);
+        assert_eq!(asked.lock().unwrap().len(), n_asked);
+        assert_eq!(ev, vec![key(0, 0)]);
+        // With every entry pinned the miss finds no room before the policy is asked.
+        for e in 1..3 {
+            assert_eq!(c.lookup(key(0, e)).unwrap(), Lookup::Hit);
+        }
+        assert_eq!(
+            c.admit_with(key(1, 0), &access, &mut Vec::new()).unwrap(),
+            Admission::NoRoom
+        );
+        assert_eq!(asked.lock().unwrap().len(), n_asked);
+        // A wave hands a bypass on and goes on with the next key.
+        for e in [1, 2, 3] {
+            c.unpin(key(0, e)).unwrap();
+        }
+        ev.clear();
+        let mut got = Vec::new();
+        let n = c
+            .admit_wave(
+                [(key(1, 0), access), (key(1, 1), access)],
+                &mut ev,
+                |k, admission, evicted| {
+                    got.push((k, admission, evicted.len()));
+                    Ok::<(), CacheError>(())
+                },
+            )
+            .unwrap();
+        assert_eq!(n, 2);
+        assert_eq!(
+            got,
+            [
+                (key(1, 0), Admission::Bypassed, 0),
+                (key(1, 1), Admission::Bypassed, 0)
+            ]
+        );
+        let n = c.counters();
+        assert_eq!((n.bypasses, n.inserts, n.evictions), (3, 4, 1));
         c.audit().unwrap();
     }
 

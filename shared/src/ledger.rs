@@ -65,6 +65,7 @@ pub struct Ledger {
     misses: u64,
     evictions: u64,
     rereads: u64,
+    bypasses: u64,
     experts_routed: u64,
     experts_dropped: u64,
     experts_reranked: u64,
@@ -101,6 +102,7 @@ impl Ledger {
             misses: 0,
             evictions: 0,
             rereads: 0,
+            bypasses: 0,
             experts_routed: 0,
             experts_dropped: 0,
             experts_reranked: 0,
@@ -128,6 +130,7 @@ impl Ledger {
         self.misses += s.misses;
         self.evictions += s.evictions;
         self.rereads += s.rereads;
+        self.bypasses += s.bypasses;
         self.spec_read_bytes += s.spec_read_bytes;
         self.spec_experts += s.spec_experts;
         self.spec_useful += s.spec_useful;
@@ -251,8 +254,12 @@ impl Ledger {
             cache_hit_pct: self.cache_hit_pct(),
             cache_resident_bytes: cache.resident_bytes(),
             cache_budget_bytes: cache.budget_bytes(),
+            hits: self.hits,
+            misses: self.misses,
             evictions: self.evictions,
             rereads: self.rereads,
+            bypasses: self.bypasses,
+            admission_filter: cache.filters_admission(),
             token_demand_bytes: if self.decode_tokens > 0 {
                 self.decode_routed_bytes as f64 / self.decode_tokens as f64
             } else {

@@ -13,6 +13,7 @@ use crate::clock::Clock;
 use crate::flash::Flash;
 pub use crate::hooks::{HookContext, HookCounts, RouterHook, TopKOverride};
 use crate::layout::{ExpertKey, ExpertLayout};
+use crate::policy::StepContext;
 use crate::predict::{PredictConfig, Predictors};
 use crate::prefetch::LayerIo;
 use crate::records::RecordSink;
@@ -139,6 +140,7 @@ impl<C: Clock, F: Flash, B: Backend> Engine<C, F, B> {
         stats.evictions = delta.evictions;
         stats.rereads = delta.rereads;
         stats.inserts = delta.inserts;
+        stats.bypasses = delta.bypasses;
         Ok(stats)
     }
 
@@ -162,6 +164,11 @@ impl<C: Clock, F: Flash, B: Backend> Engine<C, F, B> {
             ..
         } = self;
         let n_tokens = input.tokens.len() as u32;
+        cache.begin_step(&StepContext {
+            turn: input.turn,
+            phase: input.phase,
+            n_rows: n_tokens,
+        });
         predictors.begin_step(input.phase, input.tokens.len());
         let wants_routes = sink.wants_routes();
         backend

@@ -8,6 +8,12 @@
 //! its own reads complete (`--overlap`). It owns the time split the telemetry reports: `io`,
 //! `stall` and `mgmt`, all measured with the injected `Clock`.
 //!
+//! Each lookup and admission carries the expert's routing (`AccessContext`: its rows, best
+//! rank and router weights). A miss the policy bypasses (`Admission::Bypassed`) is read into
+//! the staging slot of its place in the union, as with the cache off — a transient buffer
+//! valid until the layer finishes — computed from there like any other, and never pinned or
+//! unpinned.
+//!
 //! Speculative prefetch (`--prefetch K`, `prefetch.rs`) plugs in at three points of a layer:
 //! before the lookups (settle this layer's speculative entries, adopt the reads of needed ones,
 //! pull back queued reads for later layers), in admission (a miss with no room beside
@@ -17,10 +23,11 @@
 //! `StepError::UnexpectedCompletion`.
 
 use crate::backend::{Backend, BackendStage, ExpertUse, LayerId, Routing, SlotId};
-use crate::cache::Lookup;
+use crate::cache::{Admission, Lookup};
 use crate::clock::Clock;
 use crate::flash::{Flash, FlashError, ReadDone, ReadId, ReadRequest};
 use crate::layout::{ExpertKey, ExpertLayout};
+use crate::policy::AccessContext;
 use crate::prefetch::{account_read, checked, expert_reads, Adopted, LayerIo, Prefetcher};
 use crate::records::{Phase, RouteRecord};
 use crate::vocab::{be, StepError};
@@ -56,6 +63,11 @@ struct Entry {
     spec_touch: bool,
     /// Its reads were speculative ones this layer adopted.
     adopted: bool,
+    /// A miss the policy bypassed: read into `Staging` and computed from there, not in the
+    /// cache (never pinned, so never unpinned).
+    bypassed: bool,
+    /// Its routing in this layer, for the policy.
+    access: AccessContext,
 }
 
 /// A submitted read of this layer: its own demand read, or a speculative one it adopted
@@ -89,7 +101,7 @@ pub(crate) struct Streamer {
     outstanding: usize,
     evicted: Vec<ExpertKey>,
     /// The keys of the misses a wave tries to admit (reused: no allocation per layer).
-    admit_keys: Vec<ExpertKey>,
+    admit_keys: Vec<(ExpertKey, AccessContext)>,
     lane_cursor: u32,
     /// `--prefetch`: made on the first layer that runs with a horizon and the cache on.
     prefetch: Option<Prefetcher>,
@@ -170,6 +182,8 @@ impl Streamer {
             bytes_traced: false,
             spec_touch: false,
             adopted: false,
+            bypassed: false,
+            access: AccessContext::NONE,
         });
         p
     }
@@ -240,6 +254,7 @@ impl Streamer {
                     weight: weights[rank],
                 };
                 en.fill += 1;
+                en.access.add_use(rank as u16, weights[rank]);
             }
         }
 
@@ -248,6 +263,8 @@ impl Streamer {
         }
 
         let cache_off = io.cache.is_off();
+        // Before anything of this layer touches the cache (speculation settles below).
+        io.cache.begin_layer(moe);
         if self.prefetch.is_none()
             && (io.config.prefetch > 0 || io.predict.speculates())
             && !cache_off
@@ -275,7 +292,7 @@ impl Streamer {
                 layer: moe,
                 expert: en.expert,
             };
-            let lookup = io.cache.lookup(key)?;
+            let lookup = io.cache.lookup_with(key, &en.access)?;
             if cache_off {
                 // The entry's place in the union, not its expert id: a decode step then uses
                 // only the first k staging slots, so the rest are never committed.
@@ -354,16 +371,23 @@ impl Streamer {
             let entries = &mut self.entries;
             let mut keys = std::mem::take(&mut self.admit_keys);
             keys.clear();
-            keys.extend(self.misses[*next_miss..].iter().map(|&i| ExpertKey {
-                layer: moe,
-                expert: entries[i as usize].expert,
+            keys.extend(self.misses[*next_miss..].iter().map(|&i| {
+                let en = &entries[i as usize];
+                (
+                    ExpertKey {
+                        layer: moe,
+                        expert: en.expert,
+                    },
+                    en.access,
+                )
             }));
             let (misses, wave, prefetch) = (&self.misses, &mut self.wave, &mut self.prefetch);
             let (backend, layout, from) = (&mut *io.backend, io.layout, *next_miss);
             let mut at = from;
-            let n = io
-                .cache
-                .admit_wave(keys.iter().copied(), &mut self.evicted, |key, evicted| {
+            let n = io.cache.admit_wave(
+                keys.iter().copied(),
+                &mut self.evicted,
+                |key, admission, evicted| {
                     if let (Some(pf), Some(index)) = (prefetch.as_mut(), layout.key_index(key)) {
                         pf.forget(index);
                     }
@@ -373,11 +397,19 @@ impl Streamer {
                             .map_err(be(BackendStage::Release, layer.model))?;
                     }
                     let i = misses[at];
-                    entries[i as usize].state = EntryState::Reading;
+                    let en = &mut entries[i as usize];
+                    if admission == Admission::Bypassed {
+                        // Not in the cache: the staging slot of its place in the union, which
+                        // no other expert of this layer uses and nothing else reads into.
+                        en.slot = SlotId::Staging(i as u16);
+                        en.bypassed = true;
+                    }
+                    en.state = EntryState::Reading;
                     wave.push(i);
                     at += 1;
                     Ok::<(), StepError>(())
-                });
+                },
+            );
             self.admit_keys = keys;
             *next_miss = from + n?;
             if *next_miss == self.misses.len() {
@@ -528,11 +560,11 @@ impl Streamer {
                     && self.entries[self.wave[self.unpinned] as usize].state == EntryState::Done
                 {
                     let t = io.clock.now();
-                    let e = self.entries[self.wave[self.unpinned] as usize].expert;
-                    if !io.cache.is_off() {
+                    let head = &self.entries[self.wave[self.unpinned] as usize];
+                    if !io.cache.is_off() && !head.bypassed {
                         io.cache.unpin(ExpertKey {
                             layer: moe,
-                            expert: e,
+                            expert: head.expert,
                         })?;
                     }
                     self.unpinned += 1;
@@ -620,9 +652,13 @@ impl Streamer {
             return Ok(());
         }
         for &i in &self.wave[self.unpinned..] {
+            let en = &self.entries[i as usize];
+            if en.bypassed {
+                continue;
+            }
             io.cache.unpin(ExpertKey {
                 layer: moe,
-                expert: self.entries[i as usize].expert,
+                expert: en.expert,
             })?;
         }
         self.unpinned = self.wave.len();

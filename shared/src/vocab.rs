@@ -411,6 +411,8 @@ pub struct StepStats {
     pub evictions: u64,
     pub rereads: u64,
     pub inserts: u64,
+    /// Misses the policy bypassed (read and computed from staging, never inserted).
+    pub bypasses: u64,
     /// Routings (row × rank) over all MoE layers, dropped ones included.
     pub experts_routed: u64,
     /// Routings discarded by a dropping hook.

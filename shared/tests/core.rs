@@ -1022,6 +1022,7 @@ mod cache_properties {
                                 prop_assert!(!pinned.is_empty(), "NoRoom with nothing pinned");
                                 for key in pinned.drain(..) { cache.unpin(key).unwrap(); }
                             }
+                            Admission::Bypassed => prop_assert!(false, "admit never bypasses"),
                         }
                         for v in &evicted {
                             prop_assert!(!pinned.contains(v), "evicted pinned {:?}", v);

@@ -11,7 +11,8 @@
 use bmoe_core::cache::{Admission, ExpertCache, Lookup};
 use bmoe_core::hooks::{DropCold, Substitute};
 use bmoe_core::layout::{ExpertKey, ExpertLayout, MoeLayerLayout, ProjExtent};
-use bmoe_core::policy::{by_name, POLICY_NAMES};
+use bmoe_core::policy::{by_name, AccessContext, StepContext, POLICY_NAMES};
+use bmoe_core::records::Phase;
 use bmoe_core::Routing;
 use proptest::prelude::*;
 
@@ -149,8 +150,10 @@ proptest! {
         }
     }
 
-    /// Every policy through the real cache in the streamer's protocol: never over budget, a
-    /// pinned key is never evicted, hits + misses = lookups, and the cache's audit holds.
+    /// Every policy through the real cache in the streamer's protocol (context and admission
+    /// included): never over budget, a pinned key is never evicted, hits + misses = lookups,
+    /// every miss is admitted or bypassed (only by a policy that filters admission, evicting
+    /// nothing and leaving it out of the cache), and the cache's audit holds.
     #[test]
     fn every_policy_keeps_the_cache_invariants(
         policy_i in 0usize..POLICY_NAMES.len(),
@@ -164,10 +167,13 @@ proptest! {
         let budget = layout.layer_demand_bytes(k) + extra;
         let policy = by_name(POLICY_NAMES[policy_i]).expect("known policy");
         let mut cache = ExpertCache::new(&layout, budget, k, policy).expect("cache");
+        let filters = cache.filters_admission();
         let mut lookups = 0u64;
         let mut evicted = Vec::new();
-        for draws in &steps {
+        for (turn, draws) in steps.iter().enumerate() {
+            cache.begin_step(&StepContext { turn: turn as u32 / 8, phase: Phase::Decode, n_rows: 1 });
             for m in 0..layout.n_moe_layers() {
+                cache.begin_layer(m);
                 let mut union: Vec<u16> = Vec::new();
                 for &d in draws.iter().take(usize::from(k)) {
                     let e = d % n_expert as u16;
@@ -175,22 +181,32 @@ proptest! {
                 }
                 let mut pinned = Vec::new();
                 let mut misses = Vec::new();
-                for &e in &union {
+                for (rank, &e) in union.iter().enumerate() {
                     let key = ExpertKey { layer: m, expert: e };
+                    let mut access = AccessContext::NONE;
+                    access.add_use(rank as u16, 1.0 / (rank as f32 + 1.0));
                     lookups += 1;
-                    match cache.lookup(key).expect("lookup") {
+                    match cache.lookup_with(key, &access).expect("lookup") {
                         Lookup::Hit => pinned.push(key),
-                        Lookup::Miss { .. } => misses.push(key),
+                        Lookup::Miss { .. } => misses.push((key, access)),
                     }
                 }
-                for key in misses {
+                for (key, access) in misses {
                     evicted.clear();
-                    let a = cache.admit(key, &mut evicted).expect("policy named a valid victim");
-                    prop_assert_eq!(a, Admission::Admitted, "a layer's union fits its demand");
+                    let a = cache
+                        .admit_with(key, &access, &mut evicted)
+                        .expect("policy named a valid victim");
+                    prop_assert!(a != Admission::NoRoom, "a layer's union fits its demand");
                     for v in &evicted {
                         prop_assert!(!pinned.contains(v), "evicted pinned {:?}", v);
                     }
-                    pinned.push(key);
+                    if a == Admission::Bypassed {
+                        prop_assert!(filters, "only a filtering policy bypasses");
+                        prop_assert!(evicted.is_empty(), "a bypass evicted {:?}", evicted);
+                        prop_assert!(!cache.contains(key), "a bypassed key is resident");
+                    } else {
+                        pinned.push(key);
+                    }
                     prop_assert!(cache.resident_bytes() <= budget);
                 }
                 for key in pinned.drain(..) { cache.unpin(key).expect("unpin"); }
@@ -199,6 +215,6 @@ proptest! {
         }
         let c = cache.counters();
         prop_assert_eq!(c.hits + c.misses, lookups);
-        prop_assert_eq!(c.inserts, c.misses);
+        prop_assert_eq!(c.inserts + c.bypasses, c.misses);
     }
 }

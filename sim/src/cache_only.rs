@@ -8,11 +8,14 @@
 //! (`ExpertCache::admit_wave`, which the streamer runs too): a miss that finds no room beside
 //! the pinned entries ends the wave, the wave is unpinned, and admission resumes — so its
 //! counters equal a full replay's; a test checks that on both real traces. Nothing here decides
-//! residency: the core's cache and policy do.
+//! residency: the core's cache and policy do. The policy hears what it hears in the streamer:
+//! each step's and each layer's beginning, and each lookup's and admission's routing (the
+//! sequence's `AccessContext`s); a miss it bypasses is counted and simply not admitted.
 
 use crate::error::SimError;
 use crate::plan::AccessSeq;
-use bmoe_core::policy::EvictionPolicy;
+use bmoe_core::cache::Admission;
+use bmoe_core::policy::{AccessContext, EvictionPolicy};
 use bmoe_core::{CacheCounters, CacheError, ExpertCache, ExpertKey, ExpertLayout, Lookup};
 
 /// What a cache-only replay counted.
@@ -49,46 +52,69 @@ pub fn run_observed(
     on_misses: &mut dyn FnMut(usize, &[ExpertKey]),
 ) -> Result<CacheOnlyResult, SimError> {
     let mut cache = ExpertCache::new(layout, budget_bytes, k, policy)?;
-    let mut misses: Vec<ExpertKey> = Vec::new();
+    let mut misses: Vec<(ExpertKey, AccessContext)> = Vec::new();
+    let mut missed: Vec<ExpertKey> = Vec::new();
     let mut wave: Vec<ExpertKey> = Vec::new();
     let mut evicted: Vec<ExpertKey> = Vec::new();
     let mut miss_bytes = 0u64;
     let off = cache.is_off();
     let mut start = 0usize;
+    let mut steps = seq.steps.iter().peekable();
     for (g, &end) in seq.group_end.iter().enumerate() {
         let group = &seq.keys[start..end as usize];
+        let group_start = start;
         start = end as usize;
+        if let Some((_, step)) = steps.next_if(|(first, _)| *first as usize == g) {
+            cache.begin_step(step);
+        }
+        if let Some(&m) = seq.group_layer.get(g).or(group.first().map(|k| &k.layer)) {
+            cache.begin_layer(m);
+        }
         misses.clear();
+        missed.clear();
         wave.clear();
-        for &key in group {
-            match cache.lookup(key)? {
+        for (i, &key) in group.iter().enumerate() {
+            let access = seq
+                .access
+                .get(group_start + i)
+                .copied()
+                .unwrap_or(AccessContext::NONE);
+            match cache.lookup_with(key, &access)? {
                 Lookup::Hit => wave.push(key),
                 Lookup::Miss { .. } => {
-                    misses.push(key);
+                    misses.push((key, access));
+                    missed.push(key);
                     miss_bytes += layout.expert_bytes(key.layer);
                 }
             }
         }
-        on_misses(g, &misses);
+        on_misses(g, &missed);
         if off {
             continue;
         }
         // The core's admission rule (`ExpertCache::admit_wave`, the streamer's): admit in
         // order while room; a miss that finds none ends the wave, whose experts are then
-        // computed and unpinned, and admission resumes with it.
+        // computed and unpinned, and admission resumes with it. A bypassed miss is read and
+        // computed outside the cache: nothing to pin.
         let mut next = 0;
         while next < misses.len() {
-            let n = cache.admit_wave(misses[next..].iter().copied(), &mut evicted, |key, ev| {
-                ev.clear();
-                wave.push(key);
-                Ok::<(), SimError>(())
-            })?;
+            let n = cache.admit_wave(
+                misses[next..].iter().copied(),
+                &mut evicted,
+                |key, admission, ev| {
+                    ev.clear();
+                    if admission == Admission::Admitted {
+                        wave.push(key);
+                    }
+                    Ok::<(), SimError>(())
+                },
+            )?;
             next += n;
             if next == misses.len() {
                 break;
             }
             if n == 0 && wave.is_empty() {
-                let key = misses[next];
+                let (key, _) = misses[next];
                 return Err(SimError::Cache(CacheError::Corrupt {
                     what: format!(
                         "expert {} of MoE layer {} fits nowhere even with nothing pinned",

@@ -1248,7 +1248,7 @@ fn write_sim_lines(
     let c = r.cache;
     writeln!(
         out,
-        "sim: profile={} seed={} steps={} lookups={} hits={} misses={} evictions={} rereads={} read_bytes={} virtual_s={}",
+        "sim: profile={} seed={} steps={} lookups={} hits={} misses={} evictions={} rereads={} read_bytes={} virtual_s={}{}",
         p.profile.name,
         seed,
         r.steps,
@@ -1258,7 +1258,8 @@ fn write_sim_lines(
         c.evictions,
         c.rereads,
         r.read_bytes,
-        bmoe_core::telemetry::fmt::fixed(r.end.as_secs_f64(), 6)
+        bmoe_core::telemetry::fmt::fixed(r.end.as_secs_f64(), 6),
+        bypasses_key(&p.cfg, &c)
     )?;
     if p.cfg.inject_faults.is_some() || r.read_retries > 0 {
         let f = r.faults;
@@ -1269,6 +1270,19 @@ fn write_sim_lines(
         )?;
     }
     out.flush()
+}
+
+/// ` bypasses=<n>`, appended to the `sim:` line under a policy that filters admission
+/// (`EvictionPolicy::filters_admission`); empty otherwise, so every other line reads as before
+/// the key existed.
+fn bypasses_key(cfg: &RunConfig, c: &bmoe_core::CacheCounters) -> String {
+    let filters = bmoe_core::policy::by_name(cfg.eviction.name())
+        .is_some_and(|policy| policy.filters_admission());
+    if filters {
+        format!(" bypasses={}", c.bypasses)
+    } else {
+        String::new()
+    }
 }
 
 /// The shared flags at their defaults (what a sweep starts every cell from).
@@ -1800,9 +1814,14 @@ fn cmd_bench(a: BenchArgs, out: &mut dyn Write) -> Result<i32, SimError> {
     let mut long = AccessSeq::default();
     for _ in 0..repeat {
         let base = long.keys.len() as u32;
+        let group_base = long.group_end.len() as u32;
         long.keys.extend_from_slice(&one.keys);
+        long.access.extend_from_slice(&one.access);
         long.group_end
             .extend(one.group_end.iter().map(|e| e + base));
+        long.group_layer.extend_from_slice(&one.group_layer);
+        long.steps
+            .extend(one.steps.iter().map(|&(g, s)| (g + group_base, s)));
         long.routings += one.routings;
     }
     let w = |e| SimError::io("stdout", e);

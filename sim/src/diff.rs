@@ -17,12 +17,14 @@ use bmoe_core::telemetry::fmt::fixed;
 use bmoe_core::telemetry::MetricsCsv;
 
 /// Summary keys that count or size what the core decided: equal in a faithful replay.
-pub const EXACT_SUMMARY_KEYS: [&str; 20] = [
+pub const EXACT_SUMMARY_KEYS: [&str; 21] = [
     "tokens",
     "read_MiB",
     "cache_hit_pct",
     "evictions",
     "rereads",
+    // Only under an admission-filtering policy (absent keys are not compared).
+    "bypasses",
     "experts_routed",
     "experts_dropped",
     "token_demand_MiB",

@@ -193,6 +193,7 @@ impl Mrc {
                 evictions: misses - s.resident_count,
                 rereads: misses - self.cold,
                 inserts: misses,
+                bypasses: 0,
             },
             miss_bytes: self.lookup_bytes - s.hit_bytes,
             resident_bytes: s.resident_bytes,

@@ -19,6 +19,7 @@
 //! order — the order the engine visits them.
 
 use crate::error::SimError;
+use bmoe_core::policy::{AccessContext, StepContext};
 use bmoe_core::records::Phase;
 use bmoe_core::telemetry::route_trace::{RoutePreamble, RouteTrace};
 use bmoe_core::{ExpertKey, ExpertLayout, MoeLayerLayout, ProjExtent};
@@ -336,7 +337,7 @@ impl ReplayPlan {
 
 /// The cache's access sequence: for every (step, MoE layer), the distinct experts the layer
 /// routes in the streamer's first-use order.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct AccessSeq {
     pub keys: Vec<ExpertKey>,
     /// Group `g` is `keys[group_end[g-1] .. group_end[g]]`.
@@ -344,6 +345,15 @@ pub struct AccessSeq {
     /// Routed (row, rank) slots the groups came from, before de-duplication: what a replay
     /// "routes".
     pub routings: u64,
+    /// Beside `keys`: each key's routing in its group, as the streamer hands it to the policy
+    /// (rows, best rank, router weights — narrowed as the top-k override narrows them). A
+    /// sequence built by hand may leave it empty: then every key gets `AccessContext::NONE`.
+    pub access: Vec<AccessContext>,
+    /// Each group's MoE layer (empty for a sequence built by hand: the group's first key's).
+    pub group_layer: Vec<u16>,
+    /// The engine steps: the group each begins at, and what the policy is told of it (empty
+    /// for a sequence built by hand: no step boundaries are told).
+    pub steps: Vec<(u32, StepContext)>,
 }
 
 impl AccessSeq {
@@ -352,9 +362,20 @@ impl AccessSeq {
     pub fn new(trace: &RouteTrace, plan: &ReplayPlan, k: u16) -> AccessSeq {
         let n_expert = trace.preamble.n_expert as usize;
         let mut stamp = vec![u32::MAX; n_expert];
+        // Per expert id: its position in `keys` (valid when stamped this epoch).
+        let mut pos = vec![0u32; n_expert];
+        let mut weights: Vec<f32> = Vec::new();
         let mut out = AccessSeq::default();
         let mut epoch = 0u32;
         for step in &plan.steps {
+            out.steps.push((
+                out.group_end.len() as u32,
+                StepContext {
+                    turn: step.turn,
+                    phase: step.phase,
+                    n_rows: step.positions.len() as u32,
+                },
+            ));
             for m in 0..plan.n_moe_layers {
                 epoch = epoch.wrapping_add(1);
                 if epoch == u32::MAX {
@@ -370,18 +391,29 @@ impl AccessSeq {
                         slots.len().min(k as usize)
                     };
                     out.routings += take as u64;
-                    for s in &slots[..take] {
+                    // The weights the replayed routing carries: the top-k override narrows
+                    // them as the recorded gating would (hooks::TopKOverride, no probabilities).
+                    weights.clear();
+                    weights.extend(slots.iter().map(|s| s.weight));
+                    if take < slots.len() {
+                        trace.preamble.gating.narrow(&mut weights, take);
+                    }
+                    for (rank, s) in slots[..take].iter().enumerate() {
                         let e = s.expert as usize;
                         if stamp[e] != epoch {
                             stamp[e] = epoch;
+                            pos[e] = out.keys.len() as u32;
                             out.keys.push(ExpertKey {
                                 layer: m,
                                 expert: s.expert as u16,
                             });
+                            out.access.push(AccessContext::NONE);
                         }
+                        out.access[pos[e] as usize].add_use(rank as u16, weights[rank]);
                     }
                 }
                 out.group_end.push(out.keys.len() as u32);
+                out.group_layer.push(m);
             }
         }
         out

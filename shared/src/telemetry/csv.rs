@@ -391,6 +391,11 @@ pub fn summary_pairs(s: &RunSummary) -> Vec<(&'static str, String)> {
         ("prefill_mgmt_s", fixed(c.prefill.mgmt_s, 3)),
         ("io_errors", c.io_errors.to_string()),
     ];
+    // Present only under a policy that filters admission: every other run's trailer
+    // reads exactly as before the key existed.
+    if c.admission_filter {
+        pairs.push(("bypasses", c.bypasses.to_string()));
+    }
     // Present only when set, like `BMOE_PROGRESS`'s `"reset":1`: every file written before
     // the key existed, and every run that was not interrupted, reads the same.
     if c.interrupted {

@@ -260,6 +260,18 @@ pub fn cache_lines(cfg: &RunConfig, s: &RunSummary) -> Vec<String> {
             fixed(per_token, 1)
         ));
     }
+    if c.admission_filter {
+        let per_token = if s.tokens() > 0 {
+            c.bypasses as f64 / s.tokens() as f64
+        } else {
+            0.0
+        };
+        out.push(format!(
+            "moe-cache: {} misses bypassed ({}/token) — read and computed from a transient buffer, never cached",
+            c.bypasses,
+            fixed(per_token, 1)
+        ));
+    }
     out
 }
 

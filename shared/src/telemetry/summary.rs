@@ -133,9 +133,18 @@ pub struct RunCounters {
     pub cache_budget_bytes: u64,
     /// Budget changes between generations (`set_cache_budget`).
     pub cache_resizes: u64,
+    /// Cache lookups that hit and missed (prefill included). Not printed: `cache_hit_pct` is
+    /// their ratio; here for a gate that holds two runs to the same counts exactly.
+    pub hits: u64,
+    pub misses: u64,
     pub evictions: u64,
     /// Reads of an entry the cache had already held once.
     pub rereads: u64,
+    /// Misses the policy's admission filter bypassed (read, computed, never cached).
+    pub bypasses: u64,
+    /// The policy filters admission (`EvictionPolicy::filters_admission`): the reports carry
+    /// `bypasses` only then, so every other run's output reads as before the key existed.
+    pub admission_filter: bool,
     /// Flash bytes read speculatively (a subset of the total).
     pub spec_read_bytes: u64,
     /// Experts fully read ahead.
@@ -193,8 +202,12 @@ impl Default for RunCounters {
             cache_resident_bytes: 0,
             cache_budget_bytes: 0,
             cache_resizes: 0,
+            hits: 0,
+            misses: 0,
             evictions: 0,
             rereads: 0,
+            bypasses: 0,
+            admission_filter: false,
             spec_read_bytes: 0,
             spec_experts: 0,
             spec_useful: 0,
@@ -246,8 +259,12 @@ impl RunCounters {
         self.cache_resident_bytes = c.cache_resident_bytes;
         self.cache_budget_bytes = c.cache_budget_bytes;
         self.cache_resizes += c.cache_resizes;
+        self.hits += c.hits;
+        self.misses += c.misses;
         self.evictions += c.evictions;
         self.rereads += c.rereads;
+        self.bypasses += c.bypasses;
+        self.admission_filter |= c.admission_filter;
         self.spec_read_bytes += c.spec_read_bytes;
         self.spec_experts += c.spec_experts;
         self.spec_useful += c.spec_useful;

@@ -228,6 +228,8 @@ pub struct Row {
     pub evictions: u64,
     pub rereads: u64,
     pub inserts: u64,
+    /// Misses an admission-filtering policy bypassed (0 for every other policy).
+    pub bypasses: u64,
     /// Reads and times: `None` in a cache-only cell.
     pub timing: Option<Timing>,
     /// Per MoE layer (trace order): (decode routings, hits).
@@ -429,6 +431,7 @@ fn run_cell(
         evictions: r.cache.evictions,
         rereads: r.cache.rereads,
         inserts: r.cache.inserts,
+        bypasses: r.cache.bypasses,
         timing: Some(Timing {
             read_bytes: r.read_bytes,
             spec_experts: s.counters.spec_experts,
@@ -574,6 +577,7 @@ fn run_cache_only_cell(
         evictions: c.evictions,
         rereads: c.rereads,
         inserts: c.inserts,
+        bypasses: c.bypasses,
         timing: None,
         per_layer,
         per_turn: per_turn

@@ -289,6 +289,8 @@ pub const COLUMNS: &[&str] = &[
     "io_s_per_tok",
     "stall_s_per_tok",
     "mgmt_s_per_tok",
+    // Appended (issue 36): misses an admission-filtering policy bypassed.
+    "bypasses",
 ];
 
 fn opt(v: Option<f64>, places: usize) -> String {
@@ -361,6 +363,7 @@ pub fn tidy_csv(rows: &[Row], stats: &[CellStats]) -> String {
             t(&|m| fixed(m.io_s_per_tok, 5)),
             t(&|m| fixed(m.stall_s_per_tok, 5)),
             t(&|m| fixed(m.mgmt_s_per_tok, 5)),
+            r.bypasses.to_string(),
         ]);
         debug_assert_eq!(fields.len(), COLUMNS.len());
         out.push_str(&fields.join(","));
@@ -765,6 +768,7 @@ mod tests {
             evictions: 0,
             rereads: 0,
             inserts: 0,
+            bypasses: 0,
             timing: Some(super::super::Timing {
                 tokens: turns.len() as u64,
                 tok_s: 1.0,
