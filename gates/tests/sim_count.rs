@@ -262,11 +262,18 @@ fn the_cache_only_path_counts_what_the_full_replay_counts_on_both_real_traces() 
         // Every other registered policy at the middle budget: `sweep --cache-only` offers
         // them all, admission filters (bypasses) included.
         let budget = per_layer[1] * u64::from(layout.n_moe_layers()) * layout.max_expert_bytes();
-        for info in bmoe_core::policy::POLICIES.iter().filter(|p| p.name != "lru") {
+        for info in bmoe_core::policy::POLICIES
+            .iter()
+            .filter(|p| p.name != "lru")
+        {
             let fast = bmoe_sim::cache_only::run(&layout, &seq, budget, k, (info.make)())
                 .expect("cache-only");
             let full = full_replay_with(&trace, budget, false, (info.make)());
-            assert_eq!(full, fast.counters, "{name} {} at {}/layer", info.name, per_layer[1]);
+            assert_eq!(
+                full, fast.counters,
+                "{name} {} at {}/layer",
+                info.name, per_layer[1]
+            );
         }
     }
 }
