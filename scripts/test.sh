@@ -5,15 +5,20 @@
 # the wheel.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Each phase's wall time on stderr, so CI's 30-minute budget can be spent knowingly.
+t=$SECONDS
+took() { echo "test.sh: $1 took $((SECONDS - t)) s" >&2; t=$SECONDS; }
 if ! python3 -c "import gguf, jinja2, jsonschema, numpy, llama_cpp, openai, prometheus_client" 2>/dev/null; then
   echo "test.sh: installing Python test references (first run compiles llama-cpp-python, ~5 min)" >&2
   python3 -m pip install -q --disable-pip-version-check -r scripts/requirements-test.txt
+  took "installing the Python references"
 fi
 status=0
 # The web chat's browser test (engine/tests/webchat.rs) needs Chromium, its driver and
 # selenium: CI installs them; elsewhere the test says how when they are missing.
 if [ "${CI:-}" = true ]; then
   bash scripts/browser.sh || status=$?
+  took "installing the browser test's tools"
 fi
 # Issue 33: the core's modules form a stack with no import cycle (stdlib-only, instant).
 python3 scripts/check-layers.py || status=$?
@@ -36,20 +41,24 @@ fi
 if [ "$arm" = 1 ]; then
   echo "test.sh: building the aarch64 phone binary (scripts/build-phone.sh)" >&2
   bash scripts/build-phone.sh >&2 || status=$?
+  took "building the phone binary (and installing the ARM tools)"
 fi
 if cargo nextest --version >/dev/null 2>&1; then
   cargo nextest run --workspace --no-fail-fast "$@" || status=$?
 else
   cargo test --workspace --no-fail-fast "$@" || status=$?
 fi
+took "building and running the workspace's tests"
 if [ "$arm" = 1 ]; then
   # Every kernel at every ARM level (qemu's default CPU has dotprod and i8mm, so the per-level
   # checks cover scalar, neon, dotprod and i8mm), plus the other aarch64-only code.
   echo "test.sh: aarch64 engine unit tests under qemu-aarch64-static" >&2
   cargo test -q --release --target aarch64-unknown-linux-musl -p bmoe-engine --lib -- \
     kernels:: cpus:: probe:: arch:: || status=$?
+  took "the aarch64 unit tests under qemu"
 fi
 # The lane -> compute handoff, model-checked with loom (its own cfg, so its own target dir).
 echo "test.sh: loom model check of the I/O lane handoff" >&2
 RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test -q -p bmoe-core --release --test loom_handoff || status=$?
+took "the loom model check"
 exit $status
