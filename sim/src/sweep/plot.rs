@@ -1,9 +1,10 @@
 //! The sweep's charts, drawn with `plotters` as SVG and PNG (same drawing, two backends):
 //!
 //! - `hit_rate`: decode hit rate vs budget, one line per policy (× predictor), with the
-//!   bootstrap interval as whiskers. One panel when the hits are the same under every lanes/
-//!   overlap setting (always so without a predictor), else one panel per setting — so no
-//!   setting is silently left out.
+//!   bootstrap interval as whiskers. One panel per group of lanes/overlap settings whose hit
+//!   rates are identical (so one panel without a predictor, whose hits never depend on them),
+//!   titled with the settings it stands for — as `pivot.md` groups its hit tables, so no
+//!   setting is silently left out and none repeated.
 //! - `tok_s`: predicted tok/s vs budget, one panel per lanes/overlap setting.
 //! - `per_layer`: a heat map of decode hit rate per MoE layer (rows) and budget (columns), one
 //!   panel per policy (× predictor), at the first lanes/overlap setting.
@@ -12,7 +13,7 @@
 //! bound), and the legend is drawn below the panels in columns, never over the data. Text is
 //! set in DejaVu Sans, embedded (the `dejavu` crate), so a PNG looks the same on any machine.
 
-use super::report::{distinct, hits_independent_of_setting, setting_name, CellStats, XAxis};
+use super::report::{distinct, setting_name, CellStats, XAxis};
 use super::{Row, BELADY};
 use crate::error::SimError;
 use plotters::coord::Shift;
@@ -398,6 +399,26 @@ fn panel_lines(
         .collect()
 }
 
+/// What a hit-rate panel draws from the cells of one lanes/overlap setting, in row order:
+/// per cell its predictor, policy, budget, hits, and per-turn decode routings and hits (what
+/// the line and its bootstrap whiskers are computed from).
+type HitKey = Vec<(String, String, u64, u64, Vec<(u64, u64)>)>;
+
+fn hit_key(rows: &[Row], (lanes, overlap): (u32, bool)) -> HitKey {
+    rows.iter()
+        .filter(|r| r.lanes == lanes && r.overlap == overlap)
+        .map(|r| {
+            (
+                r.predictor.clone(),
+                r.policy.clone(),
+                r.budget_bytes,
+                r.hits,
+                r.per_turn.iter().map(|t| (t.routings, t.hits)).collect(),
+            )
+        })
+        .collect()
+}
+
 /// The hit-rate and tok/s figures of a sweep.
 pub fn sweep_figures(
     rows: &[Row],
@@ -406,37 +427,40 @@ pub fn sweep_figures(
     trace_name: &str,
 ) -> (LineFigure, LineFigure) {
     let settings = distinct(rows, |r| (r.lanes, r.overlap));
-    let hit_panels: Vec<Panel> = if hits_independent_of_setting(rows) {
-        let (l0, o0) = settings.first().copied().unwrap_or((1, false));
-        vec![Panel {
-            title: if settings.len() > 1 {
-                "identical under every lanes/overlap setting".into()
-            } else {
-                setting_name(l0, o0)
-            },
-            lines: panel_lines(
-                rows,
-                stats,
-                x,
-                |r| r.lanes == l0 && r.overlap == o0,
-                |_, s| (s.hit, s.hit_ci),
-            ),
-        }]
-    } else {
-        settings
-            .iter()
-            .map(|&(l, o)| Panel {
-                title: setting_name(l, o),
+    // Settings whose hit-rate lines are identical share a panel, as they share a table in
+    // `pivot.md` (hits depend on lanes and overlap only through a predictor's timing): one
+    // panel when every setting agrees, else one per group of agreeing settings.
+    let mut groups: Vec<(HitKey, Vec<(u32, bool)>)> = Vec::new();
+    for &setting in &settings {
+        let key = hit_key(rows, setting);
+        match groups.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, of)) => of.push(setting),
+            None => groups.push((key, vec![setting])),
+        }
+    }
+    let hit_panels: Vec<Panel> = groups
+        .iter()
+        .map(|(_, of)| {
+            let (l0, o0) = of[0];
+            Panel {
+                title: if groups.len() == 1 && settings.len() > 1 {
+                    "identical under every lanes/overlap setting".into()
+                } else {
+                    of.iter()
+                        .map(|&(l, o)| setting_name(l, o))
+                        .collect::<Vec<_>>()
+                        .join("; ")
+                },
                 lines: panel_lines(
                     rows,
                     stats,
                     x,
-                    |r| r.lanes == l && r.overlap == o,
+                    |r| r.lanes == l0 && r.overlap == o0,
                     |_, s| (s.hit, s.hit_ci),
                 ),
-            })
-            .collect()
-    };
+            }
+        })
+        .collect();
     let tps_panels = settings
         .iter()
         .map(|&(l, o)| Panel {
@@ -705,6 +729,87 @@ pub fn write_heat_map(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A cell of `policy` at `budget` under (`lanes`, `overlap`) with `hits` of 10 decode
+    /// routings in one turn.
+    fn cell(policy: &str, budget: u64, lanes: u32, overlap: bool, hits: u64) -> Row {
+        Row {
+            predictor: "pred1".into(),
+            budget_bytes: budget,
+            experts_per_layer: budget as f64,
+            bank_frac: 0.5,
+            policy: policy.into(),
+            lanes,
+            overlap,
+            lookups: 10,
+            hits,
+            misses: 10 - hits,
+            evictions: 0,
+            rereads: 0,
+            inserts: 10 - hits,
+            bypasses: 0,
+            timing: Some(super::super::Timing {
+                tokens: 1,
+                tok_s: 1.0,
+                s_per_tok: 1.0,
+                ..Default::default()
+            }),
+            per_layer: vec![(10, hits)],
+            per_turn: vec![super::super::TurnStat {
+                routings: 10,
+                hits,
+                time: Some(super::super::TurnTime {
+                    tokens: 1,
+                    decode_s: 1.0,
+                }),
+            }],
+        }
+    }
+
+    fn titles(rows: &[Row]) -> Vec<String> {
+        let stats = super::super::report::analyse(rows, 0, 0);
+        let (hit, _) = sweep_figures(rows, &stats, XAxis::Experts, "t");
+        hit.panels.into_iter().map(|p| p.title).collect()
+    }
+
+    #[test]
+    fn hit_rate_panels_group_the_settings_whose_hits_agree() {
+        // A predictor's timing makes overlap matter but not lanes: two panels, each naming the
+        // two settings it stands for (the pivot's grouping). The old rule drew four.
+        let mut rows = Vec::new();
+        for budget in [2, 4] {
+            for (lanes, overlap) in [(1, false), (1, true), (4, false), (4, true)] {
+                for policy in ["lru", "lfu"] {
+                    rows.push(cell(policy, budget, lanes, overlap, budget + u64::from(overlap)));
+                }
+            }
+        }
+        assert_eq!(
+            titles(&rows),
+            [
+                "1 lane, overlap off; 4 lanes, overlap off",
+                "1 lane, overlap on; 4 lanes, overlap on"
+            ]
+        );
+        // Every setting agrees: one panel, said so.
+        for r in &mut rows {
+            r.overlap = false;
+        }
+        rows.retain(|r| r.lanes == 1);
+        for r in rows.clone() {
+            rows.push(Row { lanes: 4, ..r });
+        }
+        assert_eq!(titles(&rows), ["identical under every lanes/overlap setting"]);
+        // One setting only: its name.
+        rows.retain(|r| r.lanes == 1);
+        assert_eq!(titles(&rows), ["1 lane, overlap off"]);
+        // Every setting differs: one panel each.
+        let rows: Vec<Row> = [(1, false, 1), (4, false, 2), (4, true, 3)]
+            .into_iter()
+            .map(|(l, o, h)| cell("lru", 2, l, o, h))
+            .collect();
+        assert_eq!(titles(&rows).len(), 3);
+    }
 
     #[test]
     fn markers_and_colours_are_distinct_for_seventy_series() {

@@ -396,26 +396,6 @@ pub fn setting_name(lanes: u32, overlap: bool) -> String {
     )
 }
 
-/// True when every (predictor, policy, budget) has the same hit counts under every
-/// (lanes, overlap) setting (always so without a predictor: residency does not depend on
-/// timing; with prefetch it may).
-pub fn hits_independent_of_setting(rows: &[Row]) -> bool {
-    // (predictor, policy, budget) -> (hits, decode hits, per layer).
-    type Counts = (u64, u64, Vec<(u64, u64)>);
-    let mut seen: BTreeMap<(String, String, u64), Counts> = BTreeMap::new();
-    rows.iter().all(|r| {
-        let v = (r.hits, r.decode_counts().1, r.per_layer.clone());
-        let k = (r.predictor.clone(), r.policy.clone(), r.budget_bytes);
-        match seen.get(&k) {
-            Some(prev) => *prev == v,
-            None => {
-                seen.insert(k, v);
-                true
-            }
-        }
-    })
-}
-
 fn pct(v: f64) -> String {
     format!("{} %", fixed(100.0 * v, 1))
 }
