@@ -780,7 +780,13 @@ mod tests {
         for budget in [2, 4] {
             for (lanes, overlap) in [(1, false), (1, true), (4, false), (4, true)] {
                 for policy in ["lru", "lfu"] {
-                    rows.push(cell(policy, budget, lanes, overlap, budget + u64::from(overlap)));
+                    rows.push(cell(
+                        policy,
+                        budget,
+                        lanes,
+                        overlap,
+                        budget + u64::from(overlap),
+                    ));
                 }
             }
         }
@@ -799,7 +805,10 @@ mod tests {
         for r in rows.clone() {
             rows.push(Row { lanes: 4, ..r });
         }
-        assert_eq!(titles(&rows), ["identical under every lanes/overlap setting"]);
+        assert_eq!(
+            titles(&rows),
+            ["identical under every lanes/overlap setting"]
+        );
         // One setting only: its name.
         rows.retain(|r| r.lanes == 1);
         assert_eq!(titles(&rows), ["1 lane, overlap off"]);

@@ -16,7 +16,6 @@ use super::{ratio, Row, BELADY};
 use bmoe_core::config::MIB;
 use bmoe_core::telemetry::fmt::fixed;
 use rand::{Rng, SeedableRng};
-use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 /// Fewest turns a bootstrap interval is computed from.
