@@ -34,11 +34,15 @@ tinylfu and tinylfu-s3fifo wrap LRU and S3-FIFO in a TinyLFU admission filter (c
 doorkeeper, aging; the hash is SplitMix64's finaliser, as docs/policies.md defines it); next-use
 evicts the largest expected distance to the next use over the layer cycle, in integer
 arithmetic. A victim() that moves things (S3-FIFO) is asked for admit() on a copy.
+next-use-hazard is next-use with the next chance's probability read off a hazard table learned
+from each expert's last router weight and missed visits; it also hears step_begin(phase) at each
+engine step, and access(key, resident, weight_max) with the largest router weight of the key's
+rows in the group (nan when the trace has none), from the trace's own weight column.
 
 Usage:
   sim-check.py TRACE [--experts-per-layer 2,4,6 | --budget-bytes N,...]
                [--policy lru,belady,layer-lru,2q,lecar,arc,s3fifo,sieve,tinylfu,tinylfu-s3fifo,
-                next-use] [--turns N]
+                next-use,next-use-hazard] [--turns N]
 Prints one JSON object per (policy, budget).
 """
 
@@ -112,6 +116,62 @@ def access_groups(n_layers, cells, tags=None):
                 if tags is not None:
                     tags.append((turn, 1, step))
     return groups
+
+
+def read_weights(path):
+    """{(turn, phase, step, layer position): {expert: largest weight of its rows}} from the
+    trace's weight column (nan when any of the rows' weights is nan)."""
+    with open(path, newline="") as f:
+        lines = [l for l in f.read().splitlines() if l.strip()]
+    layers = []
+    body = []
+    for line in lines[1:]:
+        if line.startswith("#"):
+            pairs = dict(tok.split("=", 1) for tok in line[1:].split() if "=" in tok)
+            if "layer" in pairs and "model" not in pairs:
+                layers.append(int(pairs["layer"]))
+            continue
+        body.append(line)
+    pos_of = {lid: i for i, lid in enumerate(layers)}
+    out = {}
+    for row in csv.DictReader(body):
+        key = (int(row["turn"]), int(row["phase"]), int(row["step"]), pos_of[int(row["layer"])])
+        w = float(row["weight"])
+        cell = out.setdefault(key, {})
+        e = int(row["expert"])
+        old = cell.get(e)
+        cell[e] = w if old is None else (math.nan if math.isnan(old) or math.isnan(w)
+                                         else max(old, w))
+    return out
+
+
+def group_weights(n_layers, weights):
+    """Per group, in `access_groups`' order: {(layer, expert): the largest weight of its rows}
+    (over every prompt row in a prefill group; nan when any of them is nan)."""
+    def merge(into, cell, layer):
+        for e, w in cell.items():
+            old = into.get((layer, e))
+            into[(layer, e)] = w if old is None else (
+                math.nan if math.isnan(old) or math.isnan(w) else max(old, w))
+
+    by_turn = {}
+    for (turn, phase, step, layer), cell in weights.items():
+        by_turn.setdefault(turn, {}).setdefault(phase, {}).setdefault(step, {})[layer] = cell
+    out = []
+    for turn in sorted(by_turn):
+        phases = by_turn[turn]
+        if 0 in phases:
+            for layer in range(n_layers):
+                union = {}
+                for step in sorted(phases[0]):
+                    merge(union, phases[0][step].get(layer, {}), layer)
+                out.append(union)
+        for step in sorted(phases.get(1, {})):
+            for layer in range(n_layers):
+                one = {}
+                merge(one, phases[1][step][layer], layer)
+                out.append(one)
+    return out
 
 
 def simulate(groups, expert_bytes, n_expert, budget, policy, on_misses=None):
@@ -621,6 +681,107 @@ class NextUse:
         return best_key
 
 
+class NextUseHazard(NextUse):
+    """next-use-hazard (docs/policies.md): next-use's p, tau and ties, with the next chance's
+    probability h read off a table learned from decode visits: per (bucket of the key's last
+    routing: min(3, floor(4 w)) by its largest router weight w, 4 when w is nan; visits of its
+    layer missed since, up to 8), the visits seen and the visits at which it was routed; h =
+    (4 routed + 1) Q // (4 (seen + 1)). Distance: tau Q + n ((Q - h) Q // p) (p = 0: infinite).
+    A visit is counted when the next step or layer begins; prefill visits teach nothing."""
+
+    MAX_GAP = 8
+    NEVER = None
+
+    def __init__(self, n_expert, n_layers):
+        super().__init__(n_expert, n_layers)
+        self.gap = {}  # key -> missed visits (absent: never routed)
+        self.bucket = {}
+        self.seen = [[0] * (self.MAX_GAP + 1) for _ in range(5)]
+        self.routed = [[0] * (self.MAX_GAP + 1) for _ in range(5)]
+        self.decode = True
+        self.open = None  # (layer, {expert: (bucket, gap)}, routed experts)
+
+    def close_visit(self):
+        if self.open is None:
+            return
+        layer, states, routed = self.open
+        for e, (b, g) in states.items():
+            self.seen[b][g] += 1
+            if e in routed:
+                self.routed[b][g] += 1
+        self.open = None
+
+    def step_begin(self, phase):
+        self.invalidate()
+        self.close_visit()
+        self.decode = phase == 1
+
+    def layer_begin(self, layer):
+        self.invalidate()
+        self.close_visit()
+        super().layer_begin(layer)
+        states = {}
+        for e in range(self.n_expert):
+            k = (layer, e)
+            g = self.gap.get(k)
+            if g is not None:
+                states[e] = (self.bucket[k], g)
+                self.gap[k] = min(g + 1, self.MAX_GAP)
+        if self.decode:
+            self.open = (layer, states, set())
+
+    def access(self, k, resident, weight_max=math.nan):
+        self.invalidate()
+        super().access(k, resident)
+        self.gap[k] = 0
+        self.bucket[k] = 4 if math.isnan(weight_max) else \
+            0 if weight_max <= 0 else min(3, int(weight_max * 4))
+        if self.open is not None and self.open[0] == k[0]:
+            self.open[2].add(k[1])
+
+    def hazard(self, b, g):
+        return (4 * self.routed[b][g] + 1) * self.Q // (4 * (self.seen[b][g] + 1))
+
+    def distance(self, k):
+        p = self.p.get(k, 0)
+        if p == 0 or k not in self.gap:
+            return M64
+        tau = (k[0] - self.current - 1) % self.n + 1
+        h = min(self.hazard(self.bucket[k], self.gap[k]), self.Q)
+        return tau * self.Q + self.n * ((self.Q - h) * self.Q // p)
+
+    # Every rank is fixed between two lookups or layer beginnings (the admission of a group's
+    # misses), so the resident keys are ranked once per such stretch (`order`, farthest first)
+    # and keys inserted during it are ranked on their own (`extra`).
+    def invalidate(self):
+        self.order = None
+        self.extra = []
+
+    def rank(self, k):
+        return (self.distance(k), -self.last.get(k, 0), -(k[0] * self.n_expert + k[1]))
+
+    def insert(self, k):
+        super().insert(k)
+        if getattr(self, "order", None) is not None:
+            self.extra.append(k)
+
+    def victim(self, ok):
+        if getattr(self, "order", None) is None:
+            self.order = sorted((k for keys in self.resident for k in keys), key=self.rank,
+                                reverse=True)
+            self.extra = []
+        best = None
+        for k in self.order:
+            if k in self.resident[k[0]] and ok(k):
+                best = k
+                break
+        for k in self.extra:
+            if k in self.resident[k[0]] and ok(k) and (best is None
+                                                       or self.rank(k) > self.rank(best)):
+                best = k
+        return best
+
+
 POLICY_CLASSES = {"layer-lru": LayerLRU, "2q": TwoQ, "lecar": LeCaR, "arc": ARC,
                   "s3fifo": S3FIFO, "sieve": Sieve}
 # Issue 36's: built from (n_expert, n_layers, capacity in experts).
@@ -628,11 +789,16 @@ CONTEXT_POLICIES = {
     "tinylfu": lambda ne, nl, cap: TinyLFU(LRU(ne), ne, cap),
     "tinylfu-s3fifo": lambda ne, nl, cap: TinyLFU(S3FIFO(ne), ne, cap),
     "next-use": lambda ne, nl, cap: NextUse(ne, nl),
+    "next-use-hazard": lambda ne, nl, cap: NextUseHazard(ne, nl),
 }
+# Those that hear each step's phase and each lookup's largest router weight.
+ROUTING_POLICIES = {"next-use-hazard"}
 
 
-def simulate_policy(groups, expert_bytes, n_expert, budget, policy):
-    """The same admission loop as `simulate`, with eviction decided by a policy class."""
+def simulate_policy(groups, expert_bytes, n_expert, budget, policy, tags=None, weights=None):
+    """The same admission loop as `simulate`, with eviction decided by a policy class; a
+    ROUTING_POLICIES class also hears each step's phase (`tags`, from `access_groups`) and
+    each lookup's largest weight (`weights`, from `group_weights`)."""
     size = lambda k: expert_bytes[k[0]]
     if policy in CONTEXT_POLICIES:
         uniform = len(set(expert_bytes)) == 1
@@ -648,14 +814,19 @@ def simulate_policy(groups, expert_bytes, n_expert, budget, policy):
     held = set()
     c = {"lookups": 0, "hits": 0, "misses": 0, "evictions": 0, "rereads": 0, "inserts": 0,
          "bypasses": 0}
-    for group in groups:
+    step_begin = getattr(pol, "step_begin", None) if tags is not None else None
+    for g, group in enumerate(groups):
+        if step_begin and (g == 0 or tags[g] != tags[g - 1]):
+            step_begin(tags[g][1])
         if layer_begin and group:
             layer_begin(group[0][0])
         pinned = set()
         misses = []
         for k in group:
             c["lookups"] += 1
-            if access:
+            if access and weights is not None:
+                access(k, k in resident, weights[g][k])
+            elif access:
                 access(k, k in resident)
             if k in resident:
                 c["hits"] += 1
@@ -708,7 +879,14 @@ def main():
     if a.turns is not None:
         keep = sorted({key[0] for key in cells})[: a.turns]
         cells = {key: v for key, v in cells.items() if key[0] in keep}
-    groups = access_groups(len(expert_bytes), cells)
+    tags = []
+    groups = access_groups(len(expert_bytes), cells, tags)
+    weights = None
+    if any(p in ROUTING_POLICIES for p in a.policy.split(",")):
+        by_cell = {key: v for key, v in read_weights(a.trace).items() if key in cells}
+        weights = group_weights(len(expert_bytes), by_cell)
+        if len(weights) != len(groups):
+            sys.exit(f"{a.trace}: {len(weights)} weighted groups for {len(groups)} groups")
     if a.budget_bytes:
         budgets = [int(b) for b in a.budget_bytes.split(",")]
     else:
@@ -719,7 +897,9 @@ def main():
                 and policy not in CONTEXT_POLICIES:
             sys.exit(f"unknown policy {policy}")
         for b in budgets:
-            if policy in POLICY_CLASSES or policy in CONTEXT_POLICIES:
+            if policy in ROUTING_POLICIES:
+                c = simulate_policy(groups, expert_bytes, n_expert, b, policy, tags, weights)
+            elif policy in POLICY_CLASSES or policy in CONTEXT_POLICIES:
                 c = simulate_policy(groups, expert_bytes, n_expert, b, policy)
             else:
                 c = simulate(groups, expert_bytes, n_expert, b, policy)

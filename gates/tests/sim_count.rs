@@ -889,6 +889,108 @@ fn tinylfu_and_next_use_counts_and_bypasses_agree_with_the_independent_python_co
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `next-use-hazard` (`shared/src/policy/next_use_hazard.rs`), run by the core's cache on the
+/// cache-only path, counts exactly what `sim-check.py`'s own implementation of its written rule
+/// counts — the hazard table learned from the trace's router weights (Mixtral) or from missed
+/// visits alone (DeepSeek, `nan` weights) — on both real traces at five budgets each (Mixtral
+/// whole, the first 8 DeepSeek prompts), and so does the full-timing replay at the middle
+/// budget. One script process per trace, both at once: about 10 s on two cores.
+#[test]
+fn next_use_hazard_counts_agree_with_the_independent_python_count() {
+    const POLICY: &str = "next-use-hazard";
+    let Some(py) = python3() else {
+        return;
+    };
+    let dir = bmoe_gates::scratch_dir("recount-hazard");
+    let mut traces: Vec<(PathBuf, &str)> = Vec::new();
+    for (name, per_layer, turns) in [
+        ("traces/mixtral-8x7b-humaneval.route.csv", "2,3,4,5,6", None),
+        (
+            "traces/deepseek-v2-lite-puffin.route.csv",
+            "6,12,16,24,32",
+            Some(8),
+        ),
+    ] {
+        let Some(path) = shared_path(name) else {
+            return;
+        };
+        let path = match turns {
+            None => path,
+            Some(t) => {
+                let sliced = dir.join(format!("first-{t}-turns.route.csv"));
+                std::fs::write(&sliced, first_turns(&path, t)).expect("slice");
+                sliced
+            }
+        };
+        traces.push((path, per_layer));
+    }
+    let started = std::time::Instant::now();
+    let expected: Vec<Vec<(Count, u64)>> = std::thread::scope(|s| {
+        let runs: Vec<_> = traces
+            .iter()
+            .map(|(path, per_layer)| {
+                s.spawn(move || python_counts_with_bypasses(py, path, POLICY, per_layer))
+            })
+            .collect();
+        runs.into_iter()
+            .map(|r| r.join().expect("sim-check.py thread"))
+            .collect()
+    });
+    eprintln!("sim-check.py: {:.1} s", started.elapsed().as_secs_f64());
+    for ((path, _), expected) in traces.iter().zip(&expected) {
+        assert_eq!(expected.len(), 5, "{}", path.display());
+        let trace = std::sync::Arc::new(bmoe_sim::cli::load_trace(path).expect("trace"));
+        let layout = layout_from_preamble(&trace.preamble).expect("layout");
+        let plan = ReplayPlan::new(&trace).expect("plan");
+        let seq = AccessSeq::new(&trace, &plan, 0);
+        let k = trace.preamble.n_expert_used as u16;
+        let counts =
+            |c: &bmoe_core::CacheCounters| (c.hits, c.misses, c.evictions, c.rereads, c.bypasses);
+        for (want, bypasses) in expected {
+            assert_eq!(want.policy, POLICY);
+            assert_eq!(*bypasses, 0, "{POLICY} cannot bypass");
+            let run = |name: &str| {
+                let policy = bmoe_core::policy::by_name(name).expect("registered policy");
+                bmoe_sim::cache_only::run(&layout, &seq, want.budget_bytes, k, policy)
+                    .expect("cache-only")
+                    .counters
+            };
+            let fast = run(POLICY);
+            assert_eq!(
+                counts(&fast),
+                (want.hits, want.misses, want.evictions, want.rereads, 0),
+                "{} {POLICY} at {} bytes: bmoe-sim vs sim-check.py",
+                path.display(),
+                want.budget_bytes
+            );
+            assert_eq!(fast.hits + fast.misses, want.lookups);
+            eprintln!(
+                "{}: {POLICY} at {} bytes: {} of {} hit (next-use: {}, lru: {})",
+                path.display(),
+                want.budget_bytes,
+                want.hits,
+                want.lookups,
+                run("next-use").hits,
+                run("lru").hits
+            );
+        }
+        let (want, _) = &expected[2];
+        let full = full_replay_with(
+            &trace,
+            want.budget_bytes,
+            true,
+            bmoe_core::policy::by_name(POLICY).expect("registered policy"),
+        );
+        assert_eq!(
+            counts(&full),
+            (want.hits, want.misses, want.evictions, want.rereads, 0),
+            "{} {POLICY}: full-timing replay vs sim-check.py",
+            path.display()
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A policy that records every event the cache sends it (context included) over LRU's
 /// decisions, so two paths through the core can be held to the same conversation.
 struct Recorder {

@@ -28,6 +28,7 @@ pub mod lists;
 pub mod lrfu;
 pub mod lru;
 pub mod next_use;
+pub mod next_use_hazard;
 pub mod s3fifo;
 pub mod sieve;
 pub mod tinylfu;
@@ -41,6 +42,7 @@ pub use lfu::Lfu;
 pub use lrfu::Lrfu;
 pub use lru::Lru;
 pub use next_use::NextUse;
+pub use next_use_hazard::NextUseHazard;
 pub use s3fifo::S3Fifo;
 pub use sieve::Sieve;
 pub use tinylfu::TinyLfu;
@@ -205,6 +207,7 @@ pub const POLICIES: &[PolicyInfo] = &[
     tinylfu::INFO,
     tinylfu::INFO_S3FIFO,
     next_use::INFO,
+    next_use_hazard::INFO,
 ];
 
 /// The policy called `name`, or `None` for an unknown name.
