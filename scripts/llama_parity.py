@@ -84,7 +84,13 @@ def reference_llama(llama_cpp, model, n_tokens):
         n_ctx=max(64, n_tokens + 8),
         n_batch=max(64, n_tokens + 8),
         n_ubatch=1,
-        n_threads=2,
+        # One thread: on these tiny models a token's graph is too small to split, and two
+        # threads spin at every op's barrier — 1.3-2.9 s against 0.47 s for a 268-token
+        # qwen3moe reference with another process on the second core (AMD EPYC, 2026-12-08),
+        # and the logits are bit-identical (ggml splits a product by rows, each row on one
+        # thread: checked on an F32 and a qwen35moe Q4_K_M file).
+        n_threads=1,
+        n_threads_batch=1,
         logits_all=True,
         verbose=False,
         type_k=0,  # GGML_TYPE_F32
