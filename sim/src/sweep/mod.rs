@@ -417,6 +417,26 @@ pub fn run(
     pool.install(|| cells.par_iter().map(one).collect())
 }
 
+/// A sweep's text outputs, each with the file name `write_outputs` gives it: `sweep.csv`,
+/// `pivot.md`, `per_layer.csv`, `per_layer.md` (what `bmoe_sim.sweep` returns without writing).
+pub fn text_outputs(
+    rows: &[Row],
+    stats: &[report::CellStats],
+    layer_ids: &[u32],
+    x: report::XAxis,
+    trace_name: &str,
+) -> Vec<(&'static str, String)> {
+    vec![
+        ("sweep.csv", report::tidy_csv(rows, stats)),
+        ("pivot.md", report::pivot_md(rows, stats, x, trace_name)),
+        ("per_layer.csv", report::per_layer_csv(rows, layer_ids)),
+        (
+            "per_layer.md",
+            report::per_layer_md(rows, layer_ids, x, trace_name),
+        ),
+    ]
+}
+
 /// Write every output of a sweep into `dir`; returns the file names written.
 pub fn write_outputs(
     dir: &std::path::Path,
@@ -428,20 +448,12 @@ pub fn write_outputs(
     trace_name: &str,
 ) -> Result<Vec<String>, SimError> {
     let stats = report::analyse(rows, bootstrap, seed);
-    let write = |name: &str, text: &str| -> Result<String, SimError> {
+    let mut written = Vec::new();
+    for (name, text) in text_outputs(rows, &stats, layer_ids, x, trace_name) {
         let path = dir.join(name);
         std::fs::write(&path, text).map_err(|e| SimError::io(&path, e))?;
-        Ok(name.to_string())
-    };
-    let mut written = vec![
-        write("sweep.csv", &report::tidy_csv(rows, &stats))?,
-        write("pivot.md", &report::pivot_md(rows, &stats, x, trace_name))?,
-        write("per_layer.csv", &report::per_layer_csv(rows, layer_ids))?,
-        write(
-            "per_layer.md",
-            &report::per_layer_md(rows, layer_ids, x, trace_name),
-        )?,
-    ];
+        written.push(name.to_string());
+    }
     let (hit, tps) = plot::sweep_figures(rows, &stats, x, trace_name);
     plot::write_line_figure(dir, "hit_rate", &hit)?;
     plot::write_line_figure(dir, "tok_s", &tps)?;
