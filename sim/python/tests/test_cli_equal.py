@@ -185,6 +185,12 @@ def test_stats_writes_the_binarys_files(sim_bin, tmp_path, monkeypatch):
     quiet = bmoe_sim.stats(TINY)
     assert p.stdout.decode().startswith(quiet.summary)
     assert np.array_equal(quiet.popularity, s.popularity)
+    need("pandas")
+    frames = s.to_pandas()
+    header = (a / "stats" / "reuse.csv").read_text().splitlines()[0].split(",")
+    assert list(frames["reuse"].columns) == header
+    assert frames["reuse"]["routings"].tolist() == s.stack_distance.tolist()
+    assert int(frames["popularity"]["routings"].sum()) == s.routings
 
 
 def test_calibrate_writes_the_binarys_profile(sim_bin, tmp_path, monkeypatch):

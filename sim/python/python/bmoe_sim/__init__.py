@@ -435,8 +435,9 @@ class Stats:
     summary: str
 
     def to_pandas(self) -> Dict[str, Any]:
-        """DataFrames: ``popularity`` (layer, expert, routings), ``reuse`` (experts per layer,
-        routings at that distance, LRU hit rate), ``overlap``, ``working_set``."""
+        """DataFrames with the columns of the binary's CSVs: ``popularity`` (layer, expert,
+        routings), ``reuse`` (stack_distance, routings, lru_hit_rate_at_distance_plus_1),
+        ``overlap`` (lag, share, tokens), ``working_set`` (window, experts, windows)."""
         pd = _pandas()
         layers, experts = _np.meshgrid(_np.asarray(self.layer_ids), _np.arange(self.n_expert), indexing="ij")
         return {
@@ -445,9 +446,9 @@ class Stats:
             ),
             "reuse": pd.DataFrame(
                 {
-                    "experts_per_layer": _np.arange(1, len(self.stack_distance) + 1),
+                    "stack_distance": _np.arange(len(self.stack_distance)),
                     "routings": self.stack_distance,
-                    "lru_hit": self.lru_hit_curve,
+                    "lru_hit_rate_at_distance_plus_1": self.lru_hit_curve,
                 }
             ),
             "overlap": pd.DataFrame(self.overlap),
