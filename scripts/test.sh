@@ -59,23 +59,16 @@ if [ "$arm" = 1 ]; then
   took "the aarch64 unit tests under qemu"
 fi
 # Issue 36: the Python module bmoe_sim (sim/python): built by maturin into a wheel, installed,
-# and its pytest suite run (byte-equality with the bmoe-sim binary the suite just built, the
-# Python policy against the core's lru, a sweep on a Dask cluster). The dev profile builds into
-# target/debug beside the suite's crates and reuses the third-party ones; the module's own
-# dependency chain (core, sim, serde, clap and the derive macros) is compiled again, as cargo
-# resolves one package apart from the workspace. The macro crates, which only run at compile
-# time, are built unoptimised: half the CPU (docs/simulator.md, "Python"). Outside CI,
-# skipped with a message without maturin or pytest.
+# and its pytest suite run (byte-equality with the bmoe-sim binary the suite just built, Python
+# policies against the core's, a sweep on a Dask cluster). Built with the suite's own `test`
+# profile into target/debug, and declaring the features the suite resolves in the crates they
+# share (sim/python/Cargo.toml), so it reuses the suite's compiled core, simulator and
+# third-party crates and compiles only itself and pyo3. Outside CI, skipped with a message
+# without maturin or pytest.
 if python3 -c "import maturin, pytest" 2>/dev/null; then
   echo "test.sh: the Python module: maturin build, pip install, pytest (sim/python)" >&2
   rm -rf target/wheels/test
-  macros_unoptimised=()
-  for p in proc-macro2 quote unicode-ident syn heck serde_derive thiserror-impl clap_derive \
-      pyo3-macros pyo3-macros-backend pyo3-build-config target-lexicon; do
-    macros_unoptimised+=(--config "profile.dev.package.$p.opt-level=0")
-  done
-  if maturin build --quiet -m sim/python/Cargo.toml --profile dev "${macros_unoptimised[@]}" \
-        -i python3 -o target/wheels/test >&2 \
+  if maturin build --quiet -m sim/python/Cargo.toml --profile test -i python3 -o target/wheels/test >&2 \
       && python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore \
         --force-reinstall --no-deps target/wheels/test/bmoe_sim-*.whl; then
     BMOE_SIM_BIN="$PWD/target/debug/bmoe-sim" python3 -m pytest -q -p no:cacheprovider sim/python/tests \
@@ -84,6 +77,7 @@ if python3 -c "import maturin, pytest" 2>/dev/null; then
     echo "test.sh: the Python module did not build or install" >&2
     status=1
   fi
+  took "the Python module (build, install, pytest)"
 elif [ "${CI:-}" = true ]; then
   echo "test.sh: CI=true but maturin or pytest is missing (scripts/requirements-test.txt)" >&2
   status=1
