@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Run every test of the workspace, installing the Python references the tests compare
 # against (the PyPI gguf reader, jinja2 for chat-template goldens, llama-cpp-python for
-# logit parity, openai and prometheus_client for the HTTP server). pip compiles llama-cpp-python once (~5 minutes on 2 cores) and caches
-# the wheel.
+# logit parity, openai and prometheus_client for the HTTP server) and what the Python module's
+# tests need (maturin, pytest, pandas, dask's distributed). pip compiles llama-cpp-python once
+# (~5 minutes on 2 cores) and caches the wheel.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # Each phase's wall time on stderr, so CI's 30-minute budget can be spent knowingly.
 t=$SECONDS
 took() { echo "test.sh: $1 took $((SECONDS - t)) s" >&2; t=$SECONDS; }
-if ! python3 -c "import gguf, jinja2, jsonschema, numpy, llama_cpp, openai, prometheus_client" 2>/dev/null; then
+if ! python3 -c "import gguf, jinja2, jsonschema, numpy, llama_cpp, openai, prometheus_client, maturin, pytest, pandas, distributed" 2>/dev/null; then
   echo "test.sh: installing Python test references (first run compiles llama-cpp-python, ~5 min)" >&2
   python3 -m pip install -q --disable-pip-version-check -r scripts/requirements-test.txt
   took "installing the Python references"
@@ -56,6 +57,32 @@ if [ "$arm" = 1 ]; then
   cargo test -q --release --target aarch64-unknown-linux-musl -p bmoe-engine --lib -- \
     kernels:: cpus:: probe:: arch:: || status=$?
   took "the aarch64 unit tests under qemu"
+fi
+# Issue 36: the Python module bmoe_sim (sim/python): built by maturin into a wheel, installed,
+# and its pytest suite run (byte-equality with the bmoe-sim binary the suite just built, Python
+# policies against the core's, a sweep on a Dask cluster). Built with the suite's own `test`
+# profile into target/debug, and declaring the features the suite resolves in the crates they
+# share (sim/python/Cargo.toml), so it reuses the suite's compiled core, simulator and
+# third-party crates and compiles only itself and pyo3. Outside CI, skipped with a message
+# without maturin or pytest.
+if python3 -c "import maturin, pytest" 2>/dev/null; then
+  echo "test.sh: the Python module: maturin build, pip install, pytest (sim/python)" >&2
+  rm -rf target/wheels/test
+  if maturin build --quiet -m sim/python/Cargo.toml --profile test -i python3 -o target/wheels/test >&2 \
+      && python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore \
+        --force-reinstall --no-deps target/wheels/test/bmoe_sim-*.whl; then
+    BMOE_SIM_BIN="$PWD/target/debug/bmoe-sim" python3 -m pytest -q -p no:cacheprovider sim/python/tests \
+      || status=$?
+  else
+    echo "test.sh: the Python module did not build or install" >&2
+    status=1
+  fi
+  took "the Python module (build, install, pytest)"
+elif [ "${CI:-}" = true ]; then
+  echo "test.sh: CI=true but maturin or pytest is missing (scripts/requirements-test.txt)" >&2
+  status=1
+else
+  echo "test.sh: skipping the Python module's tests: maturin and pytest are not installed (pip install -r scripts/requirements-test.txt)" >&2
 fi
 # The lane -> compute handoff, model-checked with loom (its own cfg, so its own target dir).
 echo "test.sh: loom model check of the I/O lane handoff" >&2

@@ -106,6 +106,14 @@ impl EvictionPolicy {
         self.0
     }
 
+    /// The name of a policy handed to the cache as an object rather than built from the
+    /// registry (a Python class through `bmoe_sim`'s Python module), so the preamble's
+    /// `eviction=` and the reports name the policy that ran. `policy::by_name` cannot build
+    /// it: only the caller holding the object can run it.
+    pub const fn unregistered(name: &'static str) -> EvictionPolicy {
+        EvictionPolicy(name)
+    }
+
     /// Every registered policy, in registry order.
     pub fn all() -> Vec<EvictionPolicy> {
         crate::policy::POLICIES

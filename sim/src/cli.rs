@@ -517,8 +517,8 @@ where
         }
     };
     let result = match cli.cmd {
-        Cmd::Replay(a) => cmd_replay(a, env, out, err),
-        Cmd::Whatif(a) => cmd_whatif(a, env, out, err),
+        Cmd::Replay(a) => replay(a, env, out, err, None).map(|_| 0),
+        Cmd::Whatif(a) => whatif(a, env, out, err, None).map(|_| 0),
         Cmd::Sweep(a) => cmd_sweep(a, env, out, err),
         Cmd::Mrc(a) => cmd_mrc(a, out),
         Cmd::Bench(a) => cmd_bench(a, out),
@@ -887,12 +887,31 @@ fn check_replay_outputs(trace: &Path, telemetry: &TelemetryArgs) -> Result<(), S
     Ok(())
 }
 
-fn cmd_replay(
+/// What `replay` or `whatif` ran: its inputs, prepared, and the replay's result; the report
+/// went to `out` as the binary prints it. `bmoe_sim`'s Python module returns these numbers
+/// beside the report's bytes.
+pub struct ReplayRun {
+    pub prepared: Prepared,
+    pub seed: u64,
+    pub outcome: ReplayOutcome,
+}
+
+/// A replay's result: a generation replayed token by token, or a batched run's steps.
+pub enum ReplayOutcome {
+    Tokens(Box<replay::ReplayResult>),
+    Batched(Box<replay::BatchedResult>),
+}
+
+/// `bmoe-sim replay`. `policy`, when given, replaces the `--eviction` policy with an object
+/// the caller built (`bmoe_sim.replay(policy=...)` hands a Python class over this way, no
+/// registry involved); the preamble and the report name it by its own `name()`.
+pub fn replay(
     a: ReplayArgs,
     env: &[(String, String)],
     out: &mut dyn Write,
     err: &mut dyn Write,
-) -> Result<i32, SimError> {
+    policy: Option<Box<dyn bmoe_core::policy::EvictionPolicy>>,
+) -> Result<ReplayRun, SimError> {
     let how = a.layout_from.clone();
     run_replay(
         a,
@@ -901,15 +920,18 @@ fn cmd_replay(
         env,
         out,
         err,
+        policy,
     )
 }
 
-fn cmd_whatif(
+/// `bmoe-sim whatif`; `policy` as in [`replay`].
+pub fn whatif(
     a: WhatifArgs,
     env: &[(String, String)],
     out: &mut dyn Write,
     err: &mut dyn Write,
-) -> Result<i32, SimError> {
+    policy: Option<Box<dyn bmoe_core::policy::EvictionPolicy>>,
+) -> Result<ReplayRun, SimError> {
     check_replay_outputs(&a.model, &a.telemetry)?;
     let replay = ReplayArgs {
         trace: a.trace,
@@ -927,6 +949,7 @@ fn cmd_whatif(
         env,
         out,
         err,
+        policy,
     )
 }
 
@@ -1026,9 +1049,10 @@ fn run_replay(
     env: &[(String, String)],
     out: &mut dyn Write,
     err: &mut dyn Write,
-) -> Result<i32, SimError> {
+    given: Option<Box<dyn bmoe_core::policy::EvictionPolicy>>,
+) -> Result<ReplayRun, SimError> {
     check_replay_outputs(&a.trace, &a.telemetry)?;
-    let p = prepare(
+    let mut p = prepare(
         &a.trace,
         how,
         a.profile.as_deref(),
@@ -1046,15 +1070,21 @@ fn run_replay(
     if let Some(note) = bank_note(&[budget_bytes], p.layout.total_expert_bytes()) {
         writeln!(err, "{note}").map_err(|e| SimError::io("stderr", e))?;
     }
+    if let Some(policy) = &given {
+        p.cfg.eviction = bmoe_core::config::EvictionPolicy::unregistered(policy.name());
+    }
     if inputs {
         write_inputs(out, &p, &a.trace).map_err(|e| SimError::io("stdout", e))?;
     }
-    let policy = bmoe_core::policy::by_name(p.cfg.eviction.name()).ok_or_else(|| {
-        SimError::invalid(
-            "--eviction",
-            format!("no policy named {}", p.cfg.eviction.name()),
-        )
-    })?;
+    let policy = match given {
+        Some(policy) => policy,
+        None => bmoe_core::policy::by_name(p.cfg.eviction.name()).ok_or_else(|| {
+            SimError::invalid(
+                "--eviction",
+                format!("no policy named {}", p.cfg.eviction.name()),
+            )
+        })?,
+    };
     let batched = p.trace.has_seq_column();
     if batched && (a.telemetry.csv.is_some() || a.telemetry.progress) {
         return Err(SimError::invalid(
@@ -1116,9 +1146,12 @@ fn run_replay(
             },
         )?;
         finish_traces(route, io, &a.telemetry)?;
-        return write_batched_report(out, &p, a.seed, &result)
-            .map(|()| 0)
-            .map_err(|e| SimError::io("stdout", e));
+        write_batched_report(out, &p, a.seed, &result).map_err(|e| SimError::io("stdout", e))?;
+        return Ok(ReplayRun {
+            prepared: p,
+            seed: a.seed,
+            outcome: ReplayOutcome::Batched(Box::new(result)),
+        });
     }
     let result = replay::run(
         setup,
@@ -1156,7 +1189,11 @@ fn run_replay(
         },
     )
     .map_err(w)?;
-    Ok(0)
+    Ok(ReplayRun {
+        prepared: p,
+        seed: a.seed,
+        outcome: ReplayOutcome::Tokens(Box::new(result)),
+    })
 }
 
 /// Flush the replay's route and io traces to their files.
@@ -1347,12 +1384,149 @@ fn bank_note(budgets_bytes: &[u64], bank_bytes: u64) -> Option<String> {
     ))
 }
 
+/// A sweep's cells, run: what `sweep` writes its outputs from (and what `bmoe_sim.sweep`
+/// returns, or writes with the same functions when given a directory).
+pub struct SweepRun {
+    pub prepared: Prepared,
+    /// Every cell's result, in grid order (per predictor, then budget, policy, lanes, overlap).
+    pub rows: Vec<crate::sweep::Row>,
+    /// The budgets swept, in bytes.
+    pub budgets: Vec<u64>,
+    /// The policies swept (Belady included when asked for).
+    pub policies: Vec<String>,
+    pub placements: Vec<crate::reorder::Placement>,
+    /// The trace's file name, the outputs' title.
+    pub trace_name: String,
+    /// The charts' and the pivot's budget axis (`--x`).
+    pub x: crate::sweep::report::XAxis,
+    /// Full-timing cells, or cache-only ones.
+    pub mode: crate::sweep::Mode,
+}
+
 fn cmd_sweep(
     a: SweepArgs,
     env: &[(String, String)],
     out: &mut dyn Write,
     err: &mut dyn Write,
 ) -> Result<i32, SimError> {
+    let run = sweep_cells(&a, env, out, err)?;
+    sweep_write(&a, &run, out)?;
+    Ok(0)
+}
+
+/// The first half of `bmoe-sim sweep`: resolve the grid from the flags and run every cell
+/// (the predictors' warnings to `out`, the budget note to `err`, a progress bar on a
+/// terminal). `sweep_write` is the second half.
+pub fn sweep_cells(
+    a: &SweepArgs,
+    env: &[(String, String)],
+    out: &mut dyn Write,
+    err: &mut dyn Write,
+) -> Result<SweepRun, SimError> {
+    sweep_plan(a, env, out, err)?.run(a)
+}
+
+/// A sweep's grid, resolved from its flags before any cell runs.
+pub struct SweepPlan {
+    pub prepared: Prepared,
+    /// The budgets, in bytes.
+    pub budgets: Vec<u64>,
+    /// The same budgets as experts per MoE layer when they were given that way (the default),
+    /// `None` for `--budgets-mb`.
+    pub experts_per_layer: Option<Vec<u32>>,
+    pub policies: Vec<String>,
+    pub placements: Vec<crate::reorder::Placement>,
+    /// Full-timing cells, or cache-only ones (`--cache-only`).
+    pub mode: crate::sweep::Mode,
+    cases: Vec<SweepCase>,
+}
+
+/// One predictor's part of a sweep: its configuration, the routing it replays, its grid.
+struct SweepCase {
+    predictor: crate::sweep::Predictor,
+    cfg: RunConfig,
+    trace: Arc<RouteTrace>,
+    plan: Arc<ReplayPlan>,
+    grid: crate::sweep::Grid,
+}
+
+impl SweepPlan {
+    /// Every cell in the order the sweep runs and reports them: by predictor, then in grid
+    /// order (budget, policy, lanes, overlap).
+    pub fn cells(&self) -> Vec<(crate::sweep::Predictor, (u64, String, u32, bool))> {
+        self.cases
+            .iter()
+            .flat_map(|c| {
+                c.grid
+                    .cells_in(self.mode)
+                    .into_iter()
+                    .map(|cell| (c.predictor, cell))
+            })
+            .collect()
+    }
+
+    /// Run every cell on `a.jobs` threads, with a progress bar on a terminal.
+    pub fn run(self, a: &SweepArgs) -> Result<SweepRun, SimError> {
+        use crate::sweep;
+        let p = self.prepared;
+        let mode = self.mode;
+        let n_cells: u64 = self
+            .cases
+            .iter()
+            .map(|c| c.grid.cells_in(mode).len() as u64)
+            .sum();
+        let bar = indicatif::ProgressBar::new(n_cells);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template(
+                "sweep {bar:40.cyan/blue} {pos}/{len} cells [{elapsed_precise} < {eta_precise}]",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        let mut rows = Vec::new();
+        for case in &self.cases {
+            rows.extend(sweep::run(
+                &sweep::SweepInput {
+                    trace: case.trace.clone(),
+                    plan: case.plan.clone(),
+                    layout: &p.layout,
+                    cfg: &case.cfg,
+                    profile: &p.profile,
+                    seed: a.seed,
+                    predictor: case.predictor,
+                },
+                &case.grid,
+                mode,
+                a.jobs as usize,
+                &|| bar.inc(1),
+            )?);
+        }
+        bar.finish_and_clear();
+        let trace_name = a.trace.file_name().map_or_else(
+            || a.trace.display().to_string(),
+            |n| n.to_string_lossy().into_owned(),
+        );
+        Ok(SweepRun {
+            prepared: p,
+            rows,
+            budgets: self.budgets,
+            policies: self.policies,
+            placements: self.placements,
+            trace_name,
+            x: sweep::report::XAxis::parse(&a.x).unwrap_or(sweep::report::XAxis::Mib),
+            mode,
+        })
+    }
+}
+
+/// Resolve a sweep's grid from its flags: the trace prepared, the budgets, the policies
+/// checked, each predictor's routing resolved (its warnings to `out`, the budget note to
+/// `err`); no cell runs.
+pub fn sweep_plan(
+    a: &SweepArgs,
+    env: &[(String, String)],
+    out: &mut dyn Write,
+    err: &mut dyn Write,
+) -> Result<SweepPlan, SimError> {
     use crate::sweep;
     let (stream, telemetry) = default_flags()?;
     let p = prepare(
@@ -1368,17 +1542,20 @@ fn cmd_sweep(
         env,
     )?;
     let per_expert_layer = u64::from(p.layout.n_moe_layers()) * p.layout.max_expert_bytes();
-    let budgets: Vec<u64> = if !a.budgets_mb.is_empty() {
-        a.budgets_mb.iter().map(|m| m.saturating_mul(MIB)).collect()
+    let (budgets, experts_per_layer): (Vec<u64>, _) = if !a.budgets_mb.is_empty() {
+        let b = a.budgets_mb.iter().map(|m| m.saturating_mul(MIB)).collect();
+        (b, None)
     } else {
         let n = if a.experts_per_layer.is_empty() {
             sweep::default_experts_per_layer(p.cfg.n_expert_used, p.cfg.n_expert)
         } else {
             a.experts_per_layer.clone()
         };
-        n.iter()
+        let b = n
+            .iter()
             .map(|&n| u64::from(n).saturating_mul(per_expert_layer))
-            .collect()
+            .collect();
+        (b, Some(n))
     };
     if let Some(note) = bank_note(&budgets, p.layout.total_expert_bytes()) {
         writeln!(err, "{note}").map_err(|e| SimError::io("stderr", e))?;
@@ -1481,73 +1658,55 @@ fn cmd_sweep(
                 .cloned()
                 .collect()
         };
-        cases.push((*predictor, cfg, Arc::new(replay.trace), plan, policies));
-    }
-    let grids: Vec<sweep::Grid> = cases
-        .iter()
-        .map(|(_, _, _, _, policies)| sweep::Grid {
+        let grid = sweep::Grid {
             budgets: budgets.clone(),
-            policies: policies.clone(),
+            policies,
             lanes: lanes.clone(),
             overlap: overlap.clone(),
-        })
-        .collect();
-    let n_cells: u64 = grids
-        .iter()
-        .map(|g| match mode {
-            sweep::Mode::FullTiming => g.cells().len() as u64,
-            sweep::Mode::CacheOnly => (g.budgets.len() * g.policies.len()) as u64,
-        })
-        .sum();
-    let bar = indicatif::ProgressBar::new(n_cells);
-    bar.set_style(
-        indicatif::ProgressStyle::with_template(
-            "sweep {bar:40.cyan/blue} {pos}/{len} cells [{elapsed_precise} < {eta_precise}]",
-        )
-        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
-    let mut rows = Vec::new();
-    for ((predictor, cfg, trace, plan, _), grid) in cases.iter().zip(&grids) {
-        rows.extend(sweep::run(
-            &sweep::SweepInput {
-                trace: trace.clone(),
-                plan: plan.clone(),
-                layout: &p.layout,
-                cfg,
-                profile: &p.profile,
-                seed: a.seed,
-                predictor: *predictor,
-            },
+        };
+        cases.push(SweepCase {
+            predictor: *predictor,
+            cfg,
+            trace: Arc::new(replay.trace),
+            plan,
             grid,
-            mode,
-            a.jobs as usize,
-            &|| bar.inc(1),
-        )?);
+        });
     }
-    bar.finish_and_clear();
+    Ok(SweepPlan {
+        prepared: p,
+        budgets,
+        experts_per_layer,
+        policies,
+        placements,
+        mode,
+        cases,
+    })
+}
+
+/// The second half of `bmoe-sim sweep`: every output into `--out`, the placement study when
+/// asked for, and the table and the `wrote` line to `out`.
+pub fn sweep_write(a: &SweepArgs, run: &SweepRun, out: &mut dyn Write) -> Result<(), SimError> {
+    use crate::sweep;
+    let w = |e| SimError::io("stdout", e);
+    let (p, rows) = (&run.prepared, &run.rows);
     std::fs::create_dir_all(&a.out).map_err(|e| SimError::io(&a.out, e))?;
-    let name = a.trace.file_name().map_or_else(
-        || a.trace.display().to_string(),
-        |n| n.to_string_lossy().into_owned(),
-    );
-    let x = sweep::report::XAxis::parse(&a.x).unwrap_or(sweep::report::XAxis::Mib);
     let mut written = sweep::write_outputs(
         &a.out,
-        &rows,
+        rows,
         &p.layout_layer_ids(),
-        x,
+        run.x,
         a.bootstrap as usize,
         a.seed,
-        &name,
+        &run.trace_name,
     )?;
-    if !placements.is_empty() {
+    if !run.placements.is_empty() {
         written.extend(placement_study(
-            &p,
-            &a,
-            &budgets,
-            &policies,
-            &placements,
-            &name,
+            p,
+            a,
+            &run.budgets,
+            &run.policies,
+            &run.placements,
+            &run.trace_name,
             out,
         )?);
     }
@@ -1565,7 +1724,7 @@ fn cmd_sweep(
         "read_MiB"
     )
     .map_err(w)?;
-    for r in &rows {
+    for r in rows {
         // A cache-only cell has no lanes, overlap, tok/s or reads: a dash, never a number.
         let (lanes, overlap, tok_s, read) = match &r.timing {
             Some(t) => (
@@ -1591,7 +1750,7 @@ fn cmd_sweep(
         )
         .map_err(w)?;
     }
-    let how = match mode {
+    let how = match run.mode {
         sweep::Mode::FullTiming => format!("full-timing, profile {}", p.profile.name),
         sweep::Mode::CacheOnly => "cache-only: counts only, no reads or times".to_string(),
     };
@@ -1602,7 +1761,7 @@ fn cmd_sweep(
         written_paths(&a.out, &written)
     )
     .map_err(w)?;
-    Ok(0)
+    Ok(())
 }
 
 /// `sweep --placements`: the reordering study over the sweep's budgets and core policies
@@ -2123,19 +2282,36 @@ fn cmd_diff(a: DiffArgs, out: &mut dyn Write, err: &mut dyn Write) -> Result<i32
 }
 
 fn cmd_stats(a: StatsArgs, out: &mut dyn Write) -> Result<i32, SimError> {
+    stats(&a, true, out).map(|_| 0)
+}
+
+/// `bmoe-sim stats`: the trace's statistics, their summary to `out`, and, when `write`, every
+/// file into `--out` and the `wrote` line (`bmoe_sim.stats` without a directory does not
+/// write).
+pub fn stats(
+    a: &StatsArgs,
+    write: bool,
+    out: &mut dyn Write,
+) -> Result<crate::stats::TraceStats, SimError> {
     let trace = load_trace(&a.trace)?;
     let s = crate::stats::compute(&trace);
-    std::fs::create_dir_all(&a.out).map_err(|e| SimError::io(&a.out, e))?;
     let name = a.trace.file_name().map_or_else(
         || a.trace.display().to_string(),
         |n| n.to_string_lossy().into_owned(),
     );
-    let written = crate::stats::write_outputs(&a.out, &s, &name)?;
+    let written = if write {
+        std::fs::create_dir_all(&a.out).map_err(|e| SimError::io(&a.out, e))?;
+        Some(crate::stats::write_outputs(&a.out, &s, &name)?)
+    } else {
+        None
+    };
     let w = |e| SimError::io("stdout", e);
     out.write_all(crate::stats::summary_md(&s, &name).as_bytes())
         .map_err(w)?;
-    writeln!(out, "\nstats: wrote {}", written_paths(&a.out, &written)).map_err(w)?;
-    Ok(0)
+    if let Some(written) = written {
+        writeln!(out, "\nstats: wrote {}", written_paths(&a.out, &written)).map_err(w)?;
+    }
+    Ok(s)
 }
 
 fn cmd_bars(a: BarsArgs, out: &mut dyn Write) -> Result<i32, SimError> {
@@ -2148,6 +2324,14 @@ fn cmd_bars(a: BarsArgs, out: &mut dyn Write) -> Result<i32, SimError> {
 }
 
 fn cmd_convert(a: ConvertArgs, out: &mut dyn Write) -> Result<i32, SimError> {
+    convert(&a, out).map(|_| 0)
+}
+
+/// `bmoe-sim convert`: the capture converted and written to `--out`, one line to `out`.
+pub fn convert(
+    a: &ConvertArgs,
+    out: &mut dyn Write,
+) -> Result<crate::convert::Converted, SimError> {
     use crate::convert;
     let format = convert::Format::resolve(&a.format, &a.input)?;
     let text = std::fs::read_to_string(&a.input).map_err(|e| SimError::io(&a.input, e))?;
@@ -2202,7 +2386,7 @@ fn cmd_convert(a: ConvertArgs, out: &mut dyn Write) -> Result<i32, SimError> {
         a.out.display()
     )
     .map_err(|e| SimError::io("stdout", e))?;
-    Ok(0)
+    Ok(c)
 }
 
 fn cmd_fuzz(a: FuzzArgs, out: &mut dyn Write, err: &mut dyn Write) -> Result<i32, SimError> {
@@ -2241,6 +2425,16 @@ fn cmd_calibrate(
     out: &mut dyn Write,
     err: &mut dyn Write,
 ) -> Result<i32, SimError> {
+    calibrate(&a, out, err).map(|(_, code)| code)
+}
+
+/// `bmoe-sim calibrate`: the fitted profile, written to `--out`, and the exit code the binary
+/// returns (0, or `EXIT_MISFIT` under `--fail-on-misfit` when the profile misses its own run).
+pub fn calibrate(
+    a: &CalibrateArgs,
+    out: &mut dyn Write,
+    err: &mut dyn Write,
+) -> Result<(crate::calibrate::Calibration, i32), SimError> {
     let runs = a.csv.len();
     if !a.sweep && runs != 1 {
         return Err(SimError::invalid(
@@ -2322,7 +2516,7 @@ fn cmd_calibrate(
             "calibrate: self-check skipped: without --trace there is no replay of the run to compare"
         )
         .map_err(w)?;
-        return Ok(0);
+        return Ok((c, 0));
     }
     let mut misfit = false;
     for check in &c.self_check {
@@ -2346,9 +2540,10 @@ fn cmd_calibrate(
         )
         .map_err(|e| SimError::io("stderr", e))?;
     }
-    Ok(if misfit && a.fail_on_misfit {
+    let code = if misfit && a.fail_on_misfit {
         EXIT_MISFIT
     } else {
         0
-    })
+    };
+    Ok((c, code))
 }

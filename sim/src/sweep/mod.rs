@@ -146,6 +146,24 @@ impl Grid {
         }
         out
     }
+
+    /// The cells `mode` runs, in grid order: every cell with full timing; with cache-only
+    /// timing, one per budget and policy (lanes 0, overlap off: a cache-only cell models
+    /// neither).
+    pub fn cells_in(&self, mode: Mode) -> Vec<(u64, String, u32, bool)> {
+        match mode {
+            Mode::FullTiming => self.cells(),
+            Mode::CacheOnly => {
+                let mut v = Vec::with_capacity(self.budgets.len() * self.policies.len());
+                for &b in &self.budgets {
+                    for p in &self.policies {
+                        v.push((b, p.clone(), 0, false));
+                    }
+                }
+                v
+            }
+        }
+    }
 }
 
 /// What a sweep's cells run.
@@ -607,28 +625,17 @@ pub fn run(
     let k = u16::try_from(input.cfg.n_expert_used).unwrap_or(0);
     let trace_k = u16::try_from(input.trace.preamble.n_expert_used).unwrap_or(0);
     let seq = AccessSeq::new(&input.trace, &input.plan, if k < trace_k { k } else { 0 });
-    let cells = match mode {
-        Mode::FullTiming => grid.cells(),
-        Mode::CacheOnly => {
-            if input.predictor != Predictor::None {
-                return Err(SimError::invalid(
-                    "--cache-only",
-                    format!(
-                        "predictor {} admits experts on the modelled clock, which a cache-only \
-                         cell has not: sweep it with full timing",
-                        input.predictor.name()
-                    ),
-                ));
-            }
-            let mut v = Vec::with_capacity(grid.budgets.len() * grid.policies.len());
-            for &b in &grid.budgets {
-                for p in &grid.policies {
-                    v.push((b, p.clone(), 0, false));
-                }
-            }
-            v
-        }
-    };
+    if mode == Mode::CacheOnly && input.predictor != Predictor::None {
+        return Err(SimError::invalid(
+            "--cache-only",
+            format!(
+                "predictor {} admits experts on the modelled clock, which a cache-only \
+                 cell has not: sweep it with full timing",
+                input.predictor.name()
+            ),
+        ));
+    }
+    let cells = grid.cells_in(mode);
     let groups = match mode {
         Mode::FullTiming => Vec::new(),
         Mode::CacheOnly => group_routings(
@@ -656,6 +663,26 @@ pub fn run(
     pool.install(|| cells.par_iter().map(one).collect())
 }
 
+/// A sweep's text outputs, each with the file name `write_outputs` gives it: `sweep.csv`,
+/// `pivot.md`, `per_layer.csv`, `per_layer.md` (what `bmoe_sim.sweep` returns without writing).
+pub fn text_outputs(
+    rows: &[Row],
+    stats: &[report::CellStats],
+    layer_ids: &[u32],
+    x: report::XAxis,
+    trace_name: &str,
+) -> Vec<(&'static str, String)> {
+    vec![
+        ("sweep.csv", report::tidy_csv(rows, stats)),
+        ("pivot.md", report::pivot_md(rows, stats, x, trace_name)),
+        ("per_layer.csv", report::per_layer_csv(rows, layer_ids)),
+        (
+            "per_layer.md",
+            report::per_layer_md(rows, layer_ids, x, trace_name),
+        ),
+    ]
+}
+
 /// Write every output of a sweep into `dir`; returns the file names written.
 pub fn write_outputs(
     dir: &std::path::Path,
@@ -667,20 +694,12 @@ pub fn write_outputs(
     trace_name: &str,
 ) -> Result<Vec<String>, SimError> {
     let stats = report::analyse(rows, bootstrap, seed);
-    let write = |name: &str, text: &str| -> Result<String, SimError> {
+    let mut written = Vec::new();
+    for (name, text) in text_outputs(rows, &stats, layer_ids, x, trace_name) {
         let path = dir.join(name);
         std::fs::write(&path, text).map_err(|e| SimError::io(&path, e))?;
-        Ok(name.to_string())
-    };
-    let mut written = vec![
-        write("sweep.csv", &report::tidy_csv(rows, &stats))?,
-        write("pivot.md", &report::pivot_md(rows, &stats, x, trace_name))?,
-        write("per_layer.csv", &report::per_layer_csv(rows, layer_ids))?,
-        write(
-            "per_layer.md",
-            &report::per_layer_md(rows, layer_ids, x, trace_name),
-        )?,
-    ];
+        written.push(name.to_string());
+    }
     let (hit, tps) = plot::sweep_figures(rows, &stats, x, trace_name);
     plot::write_line_figure(dir, "hit_rate", &hit)?;
     // A cache-only sweep has no times: no tok/s chart rather than an empty or a made-up one.
