@@ -693,13 +693,17 @@ fn csv_rows(text: &str) -> Vec<(String, String, String)> {
 
 /// The `# summary` trailer's value of `key`.
 fn trailer<'a>(text: &'a str, key: &str) -> &'a str {
+    trailer_opt(text, key).unwrap_or_else(|| panic!("no {key} in the trailer"))
+}
+
+/// The `# summary` trailer's value of `key`, `None` when the trailer has no such key.
+fn trailer_opt<'a>(text: &'a str, key: &str) -> Option<&'a str> {
     text.lines()
         .find(|l| l.starts_with("# summary"))
         .and_then(|l| {
             l.split(' ')
                 .find_map(|kv| kv.strip_prefix(key).and_then(|v| v.strip_prefix('=')))
         })
-        .unwrap_or_else(|| panic!("no {key} in the trailer"))
 }
 
 /// Run `m` with `engine` (a CSV and a route trace added), replay its trace through `bmoe-sim
@@ -741,9 +745,15 @@ fn engine_and_replay(
         std::fs::read_to_string(&scsv).unwrap(),
     );
     assert_eq!(csv_rows(&ec), csv_rows(&sc), "{tag}: rows");
+    // Every exact key, present in both or in neither (`bypasses` is written only under a
+    // policy that filters admission).
     for key in bmoe_sim::diff::EXACT_SUMMARY_KEYS {
-        assert_eq!(trailer(&ec, key), trailer(&sc, key), "{tag}: {key}");
+        assert_eq!(trailer_opt(&ec, key), trailer_opt(&sc, key), "{tag}: {key}");
     }
+    assert!(
+        trailer_opt(&ec, "tokens").is_some(),
+        "{tag}: no tokens in the trailer"
+    );
     (e, ec, sc, out)
 }
 
