@@ -24,7 +24,9 @@ done
 
 scripts/arm.sh
 target=aarch64-unknown-linux-musl
-cargo build --release --target "$target" -p bmoe-engine --bin bmoe-cli
+# No debug info (the release profile's line tables): the binary is stripped below anyway, and
+# the build is shorter; scripts/test.sh builds the aarch64 unit tests alike, sharing its crates.
+CARGO_PROFILE_RELEASE_DEBUG=0 cargo build --release --target "$target" -p bmoe-engine --bin bmoe-cli
 built=target/$target/release/bmoe-cli
 out=target/phone/bmoe-cli
 mkdir -p target/phone

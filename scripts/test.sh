@@ -29,6 +29,39 @@ python3 scripts/check-layers.py engine/src || status=$?
 # (gates/tests/arm_identity.rs), built before the suite, and the aarch64 kernel tests under qemu
 # after it. CI installs the tools (scripts/arm.sh: rustup targets, cross gcc, qemu-user); on
 # another machine this part runs when they are present and says how to get them when not.
+# The Python module's wheel (issue 36, sim/python): maturin builds it in the background while
+# the phone binary builds (target/debug and the aarch64 target lock apart, and each build
+# leaves a core idle while rustc works through one large crate), done before the suite builds
+# into target/debug. The dev profile, with the derive macros (run only at compile time)
+# unoptimised: maturin resolves the module's dependencies apart from the workspace, so its
+# chain (core, simulator, serde, clap) compiles again; docs/simulator.md, "Python". Outside
+# CI, skipped with a message without maturin or pytest.
+py=0
+if python3 -c "import maturin, pytest" 2>/dev/null; then
+  py=1
+elif [ "${CI:-}" = true ]; then
+  echo "test.sh: CI=true but maturin or pytest is missing (scripts/requirements-test.txt)" >&2
+  status=1
+else
+  echo "test.sh: skipping the Python module's tests: maturin and pytest are not installed (pip install -r scripts/requirements-test.txt)" >&2
+fi
+wheel=
+if [ "$py" = 1 ]; then
+  rm -rf target/wheels/test
+  mkdir -p target/wheels/test
+  macros_unoptimised=()
+  for p in proc-macro2 quote unicode-ident syn heck serde_derive thiserror-impl clap_derive \
+      pyo3-macros pyo3-macros-backend pyo3-build-config target-lexicon; do
+    macros_unoptimised+=(--config "profile.dev.package.$p.opt-level=0")
+  done
+  ( if maturin build --quiet -m sim/python/Cargo.toml --profile dev "${macros_unoptimised[@]}" \
+        -i python3 -o target/wheels/test > target/wheels/test/build.log 2>&1; then
+      echo 0 > target/wheels/test/build.rc
+    else
+      echo 1 > target/wheels/test/build.rc
+    fi ) &
+  wheel=$!
+fi
 arm=0
 if [ "${CI:-}" = true ]; then
   bash scripts/arm.sh
@@ -44,6 +77,10 @@ if [ "$arm" = 1 ]; then
   bash scripts/build-phone.sh >&2 || status=$?
   took "building the phone binary (and installing the ARM tools)"
 fi
+if [ -n "$wheel" ]; then
+  wait "$wheel" || true
+  took "the Python module's wheel (the rest of its build)"
+fi
 if cargo nextest --version >/dev/null 2>&1; then
   cargo nextest run --workspace --no-fail-fast "$@" || status=$?
 else
@@ -54,35 +91,27 @@ if [ "$arm" = 1 ]; then
   # Every kernel at every ARM level (qemu's default CPU has dotprod and i8mm, so the per-level
   # checks cover scalar, neon, dotprod and i8mm), plus the other aarch64-only code.
   echo "test.sh: aarch64 engine unit tests under qemu-aarch64-static" >&2
-  cargo test -q --release --target aarch64-unknown-linux-musl -p bmoe-engine --lib -- \
+  CARGO_PROFILE_RELEASE_DEBUG=0 cargo test -q --release --target aarch64-unknown-linux-musl -p bmoe-engine --lib -- \
     kernels:: cpus:: probe:: arch:: || status=$?
   took "the aarch64 unit tests under qemu"
 fi
-# Issue 36: the Python module bmoe_sim (sim/python): built by maturin into a wheel, installed,
-# and its pytest suite run (byte-equality with the bmoe-sim binary the suite just built, Python
-# policies against the core's, a sweep on a Dask cluster). Built with the suite's own `test`
-# profile into target/debug, and declaring the features the suite resolves in the crates they
-# share (sim/python/Cargo.toml), so it reuses the suite's compiled core, simulator and
-# third-party crates and compiles only itself and pyo3. Outside CI, skipped with a message
-# without maturin or pytest.
-if python3 -c "import maturin, pytest" 2>/dev/null; then
-  echo "test.sh: the Python module: maturin build, pip install, pytest (sim/python)" >&2
-  rm -rf target/wheels/test
-  if maturin build --quiet -m sim/python/Cargo.toml --profile test -i python3 -o target/wheels/test >&2 \
+# Issue 36: the Python module bmoe_sim (sim/python): its wheel was built by maturin beside the
+# phone binary (above); installed here, and its pytest suite run (byte-equality with the
+# bmoe-sim binary the suite just built, Python policies against the core's, a sweep on a Dask
+# cluster).
+if [ "$py" = 1 ]; then
+  echo "test.sh: the Python module: pip install, pytest (sim/python)" >&2
+  if [ "$(cat target/wheels/test/build.rc 2>/dev/null)" = 0 ] \
       && python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore \
         --force-reinstall --no-deps target/wheels/test/bmoe_sim-*.whl; then
     BMOE_SIM_BIN="$PWD/target/debug/bmoe-sim" python3 -m pytest -q -p no:cacheprovider sim/python/tests \
       || status=$?
   else
-    echo "test.sh: the Python module did not build or install" >&2
+    echo "test.sh: the Python module did not build or install; maturin said:" >&2
+    tail -n 40 target/wheels/test/build.log >&2 || true
     status=1
   fi
-  took "the Python module (build, install, pytest)"
-elif [ "${CI:-}" = true ]; then
-  echo "test.sh: CI=true but maturin or pytest is missing (scripts/requirements-test.txt)" >&2
-  status=1
-else
-  echo "test.sh: skipping the Python module's tests: maturin and pytest are not installed (pip install -r scripts/requirements-test.txt)" >&2
+  took "the Python module (install, pytest)"
 fi
 # The lane -> compute handoff, model-checked with loom (its own cfg, so its own target dir).
 echo "test.sh: loom model check of the I/O lane handoff" >&2

@@ -87,7 +87,26 @@ impl EvictionPolicy for LayerLfu {
     }
 
     fn victim(&self, is_evictable: &dyn Fn(u32) -> bool) -> Option<u32> {
-        // Layers by resident count, largest first; ties to the lower layer.
+        // Layers by resident count, largest first; ties to the lower layer. The fullest
+        // nearly always has an unpinned entry: tried first, before ranking them all.
+        let coldest_of = |l: usize| {
+            let base = self.layer_base[l];
+            self.layers[l]
+                .coldest_first()
+                .map(move |e| base + e)
+                .find(|&i| is_evictable(i))
+        };
+        let fullest = (0..self.layers.len())
+            .filter(|&l| self.layers[l].len() > 0)
+            .min_by(|&a, &b| {
+                self.layers[b]
+                    .len()
+                    .cmp(&self.layers[a].len())
+                    .then(a.cmp(&b))
+            });
+        if let Some(i) = fullest.and_then(coldest_of) {
+            return Some(i);
+        }
         let mut by_size: Vec<usize> = (0..self.layers.len()).collect();
         by_size.sort_by(|&a, &b| {
             self.layers[b]
@@ -95,13 +114,7 @@ impl EvictionPolicy for LayerLfu {
                 .cmp(&self.layers[a].len())
                 .then(a.cmp(&b))
         });
-        by_size.into_iter().find_map(|l| {
-            let base = self.layer_base[l];
-            self.layers[l]
-                .coldest_first()
-                .map(|e| base + e)
-                .find(|&i| is_evictable(i))
-        })
+        by_size.into_iter().find_map(coldest_of)
     }
 }
 

@@ -81,6 +81,15 @@ impl EvictionPolicy for LayerLru {
     }
 
     fn victim(&self, is_evictable: &dyn Fn(u32) -> bool) -> Option<u32> {
+        // The fullest layer (the lowest among equals) nearly always has an unpinned entry:
+        // tried before ranking every layer (no allocation, no sort on the common path).
+        let fullest = (0..self.lists.n_lists())
+            .filter(|&l| self.lists.len(l) > 0)
+            .min_by(|&a, &b| self.lists.len(b).cmp(&self.lists.len(a)).then(a.cmp(&b)));
+        if let Some(i) = fullest.and_then(|l| self.lists.oldest_first(l).find(|&i| is_evictable(i)))
+        {
+            return Some(i);
+        }
         // Layers by resident count, largest first; ties to the lower layer.
         let mut by_size: Vec<usize> = (0..self.lists.n_lists())
             .filter(|&l| self.lists.len(l) > 0)
