@@ -25,10 +25,6 @@ fi
 python3 scripts/check-layers.py || status=$?
 # Issue 35: the engine's modules too (the front ends over converse over run, cli at the bottom).
 python3 scripts/check-layers.py engine/src || status=$?
-# ARM (issue 31): the phone binary the cross-architecture gate runs under qemu
-# (gates/tests/arm_identity.rs), built before the suite, and the aarch64 kernel tests under qemu
-# after it. CI installs the tools (scripts/arm.sh: rustup targets, cross gcc, qemu-user); on
-# another machine this part runs when they are present and says how to get them when not.
 # The Python module's wheel (issue 36, sim/python): maturin builds it in the background while
 # the phone binary builds (target/debug and the aarch64 target lock apart, and each build
 # leaves a core idle while rustc works through one large crate), done before the suite builds
@@ -62,6 +58,10 @@ if [ "$py" = 1 ]; then
     fi ) &
   wheel=$!
 fi
+# ARM (issue 31): the phone binary the cross-architecture gate runs under qemu
+# (gates/tests/arm_identity.rs), built before the suite, and the aarch64 kernel tests under qemu
+# after it. CI installs the tools (scripts/arm.sh: rustup targets, cross gcc, qemu-user); on
+# another machine this part runs when they are present and says how to get them when not.
 arm=0
 if [ "${CI:-}" = true ]; then
   bash scripts/arm.sh
