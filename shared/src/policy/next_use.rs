@@ -55,9 +55,54 @@ pub struct NextUse {
     tick: u64,
     /// The current MoE layer (0 before the first `on_layer_begin`).
     current: u32,
-    /// Resident keys (unordered; the victim rule breaks every tie), and each one's position.
-    resident: Vec<u32>,
+    resident: ResidentSet,
+}
+
+/// The resident keys, unordered (a scanning victim rule breaks every tie itself), with O(1)
+/// insert and remove: what `next-use` and `next-use-hazard` scan at each eviction.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct ResidentSet {
+    keys: Vec<u32>,
+    /// Per key: its place in `keys`, or `NIL`.
     pos: Vec<u32>,
+}
+
+impl ResidentSet {
+    /// Empty, for `n_keys` keys.
+    pub(crate) fn init(&mut self, n_keys: usize) {
+        self.keys.clear();
+        self.pos = vec![NIL; n_keys];
+    }
+
+    /// Add `index` (nothing for a resident or out-of-range key).
+    pub(crate) fn insert(&mut self, index: u32) {
+        if let Some(p) = self.pos.get_mut(index as usize) {
+            if *p == NIL {
+                *p = self.keys.len() as u32;
+                self.keys.push(index);
+            }
+        }
+    }
+
+    /// Remove `index` (nothing for an absent or out-of-range key).
+    pub(crate) fn remove(&mut self, index: u32) {
+        let Some(&at) = self.pos.get(index as usize) else {
+            return;
+        };
+        if at == NIL {
+            return;
+        }
+        self.keys.swap_remove(at as usize);
+        if let Some(&moved) = self.keys.get(at as usize) {
+            self.pos[moved as usize] = at;
+        }
+        self.pos[index as usize] = NIL;
+    }
+
+    /// The resident keys, in no particular order.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = u32> + '_ {
+        self.keys.iter().copied()
+    }
 }
 
 /// The registry entry (`policy::POLICIES`).
@@ -116,33 +161,17 @@ impl EvictionPolicy for NextUse {
         self.last = vec![0; n];
         self.tick = 0;
         self.current = 0;
-        self.resident.clear();
-        self.pos = vec![NIL; n];
+        self.resident.init(n);
     }
 
     fn on_insert(&mut self, index: u32) {
-        if let Some(p) = self.pos.get_mut(index as usize) {
-            if *p == NIL {
-                *p = self.resident.len() as u32;
-                self.resident.push(index);
-            }
-        }
+        self.resident.insert(index);
     }
 
     fn on_hit(&mut self, _index: u32) {}
 
     fn on_remove(&mut self, index: u32) {
-        let Some(&at) = self.pos.get(index as usize) else {
-            return;
-        };
-        if at == NIL {
-            return;
-        }
-        self.resident.swap_remove(at as usize);
-        if let Some(&moved) = self.resident.get(at as usize) {
-            self.pos[moved as usize] = at;
-        }
-        self.pos[index as usize] = NIL;
+        self.resident.remove(index);
     }
 
     fn victim(&self, is_evictable: &dyn Fn(u32) -> bool) -> Option<u32> {
@@ -156,7 +185,6 @@ impl EvictionPolicy for NextUse {
         };
         self.resident
             .iter()
-            .copied()
             .filter(|&i| is_evictable(i))
             .max_by_key(|&i| rank(i))
     }

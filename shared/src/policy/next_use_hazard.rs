@@ -91,9 +91,7 @@ pub struct NextUseHazard {
     decode: bool,
     /// The current MoE layer (0 before the first `on_layer_begin`).
     current: u32,
-    /// Resident keys (unordered; the victim rule breaks every tie), and each one's position.
-    resident: Vec<u32>,
-    pos: Vec<u32>,
+    resident: super::next_use::ResidentSet,
 }
 
 /// The registry entry (`policy::POLICIES`).
@@ -192,33 +190,17 @@ impl EvictionPolicy for NextUseHazard {
         self.open_routed.clear();
         self.decode = true;
         self.current = 0;
-        self.resident.clear();
-        self.pos = vec![NIL; n];
+        self.resident.init(n);
     }
 
     fn on_insert(&mut self, index: u32) {
-        if let Some(p) = self.pos.get_mut(index as usize) {
-            if *p == NIL {
-                *p = self.resident.len() as u32;
-                self.resident.push(index);
-            }
-        }
+        self.resident.insert(index);
     }
 
     fn on_hit(&mut self, _index: u32) {}
 
     fn on_remove(&mut self, index: u32) {
-        let Some(&at) = self.pos.get(index as usize) else {
-            return;
-        };
-        if at == NIL {
-            return;
-        }
-        self.resident.swap_remove(at as usize);
-        if let Some(&moved) = self.resident.get(at as usize) {
-            self.pos[moved as usize] = at;
-        }
-        self.pos[index as usize] = NIL;
+        self.resident.remove(index);
     }
 
     fn victim(&self, is_evictable: &dyn Fn(u32) -> bool) -> Option<u32> {
@@ -232,7 +214,6 @@ impl EvictionPolicy for NextUseHazard {
         };
         self.resident
             .iter()
-            .copied()
             .filter(|&i| is_evictable(i))
             .max_by_key(|&i| rank(i))
     }
